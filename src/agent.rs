@@ -1,0 +1,383 @@
+//! The agent: ties sources, the spool, delivery and the MQTT connection
+//! together, and stops cleanly.
+//!
+//! Threads:
+//! - **sampler**: runs each source on its interval and sends readings over a
+//!   channel (an `exec` source that hangs delays only other sources, never a
+//!   commit);
+//! - **ingest** (the calling thread): group-commits readings into the spool
+//!   every `spool.commit_window_ms`, runs maintenance (checkpoints, retention)
+//!   and the summary line;
+//! - **delivery** ([`crate::publisher`]): spool → in-flight window, PUBACK → retire;
+//! - **mqtt** ([`crate::mqtt`]): the rumqttc event loop, no SQLite.
+//!
+//! Its one rule: **on SIGTERM/SIGINT every reading already taken is committed
+//! before exit** (field case F12); nothing is reported as stored before its
+//! commit.
+
+use crate::config::Config;
+use crate::envelope::{wall_clock_ms, EventIdGen};
+use crate::fsguard::SpoolLock;
+use crate::mqtt::{self, DeliveryMsg};
+use crate::publisher::{self, DeliveryConfig, DeliveryStats};
+use crate::source::{self, SourceState};
+use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Readings held in memory while the spool refuses writes (busy, full); past
+/// this the newest are dropped and counted (`readings_dropped_buffer_full`).
+const MAX_BUFFERED: usize = 10_000;
+
+/// Errors that stop the agent (exit non-zero; the supervisor restarts it).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The spool could not be opened (see the cause); fix it and restart.
+    #[error(transparent)]
+    Spool(#[from] SpoolError),
+    /// The spool directory, lock file or OS facility failed.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Open the spool, moving a damaged file aside (never a silent wipe; F04):
+/// `spool.db` → `spool.db.corrupt-<unix ms>` (with its `-wal` and `-shm`),
+/// then a fresh spool is created.
+pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
+    let path = &cfg.spool.path;
+    match Spool::open(path, &cfg.spool.options) {
+        Err(SpoolError::Corrupt { source, .. }) => {
+            let stamp = wall_clock_ms().0;
+            let aside = format!("{}.corrupt-{stamp}", path.display());
+            log::error!(
+                "spool {} is damaged ({source}); moving it to {aside} and starting a fresh spool",
+                path.display()
+            );
+            for suffix in ["", "-wal", "-shm"] {
+                let from = format!("{}{suffix}", path.display());
+                if Path::new(&from).exists() {
+                    std::fs::rename(&from, format!("{aside}{suffix}"))
+                        .map_err(|e| AgentError::Setup(format!("cannot move damaged spool {from} aside: {e}")))?;
+                }
+            }
+            let mut s = Spool::open(path, &cfg.spool.options)?;
+            s.count("spool_moved_aside_corrupt", 1)?;
+            Ok(s)
+        }
+        other => Ok(other?),
+    }
+}
+
+/// Run until SIGTERM/SIGINT. Returns Ok after a clean stop.
+pub fn run(cfg: Config) -> Result<(), AgentError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
+    }
+    if let Some(dir) = cfg.spool.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| AgentError::Setup(format!("cannot create spool directory {}: {e}", dir.display())))?;
+    }
+    let _lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
+    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs).map_err(AgentError::Setup)?;
+
+    let mut ingest = open_spool(&cfg)?;
+    let p = ingest.pragmas().clone();
+    log::info!(
+        "spool {}: journal_mode={} synchronous={} busy_timeout={}ms journal_size_limit={} wal_autocheckpoint={}",
+        cfg.spool.path.display(),
+        p.journal_mode,
+        p.synchronous,
+        p.busy_timeout_ms,
+        p.journal_size_limit,
+        p.wal_autocheckpoint
+    );
+    let run_id = ingest.begin_run(wall_clock_ms().0, std::process::id(), env!("CARGO_PKG_VERSION"))?;
+    match ingest.quick_check() {
+        Ok(s) if s == "ok" => {}
+        Ok(s) => log::error!("spool quick_check: {s}"),
+        Err(e) => log::error!("spool quick_check failed: {e}"),
+    }
+    let delivery_spool = Spool::open(&cfg.spool.path, &cfg.spool.options)?;
+    let ids = EventIdGen::new().map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
+
+    let (to_delivery, delivery_rx) = mpsc::channel::<DeliveryMsg>();
+    let net_stop = Arc::new(AtomicBool::new(false));
+    let (link, mqtt_thread) = mqtt::new(cfg.mqtt.clone(), to_delivery.clone(), net_stop.clone());
+    let stats = Arc::new(DeliveryStats::default());
+    let dcfg = DeliveryConfig {
+        topic_prefix: cfg.mqtt.topic_prefix.clone(),
+        window: cfg.mqtt.inflight_window,
+        max_payload_bytes: cfg.mqtt.max_payload_bytes,
+        ack_timeout: cfg.mqtt.ack_timeout,
+    };
+    let spawn = |name: &str| std::thread::Builder::new().name(name.to_owned());
+    let mqtt_handle = spawn("mqtt")
+        .spawn(move || mqtt_thread.run())
+        .map_err(|e| AgentError::Setup(format!("cannot start mqtt thread: {e}")))?;
+    let delivery_handle = {
+        let (stop, stats) = (net_stop.clone(), stats.clone());
+        spawn("delivery")
+            .spawn(move || publisher::run(delivery_spool, dcfg, link, delivery_rx, stop, stats))
+            .map_err(|e| AgentError::Setup(format!("cannot start delivery thread: {e}")))?
+    };
+    let (readings_tx, readings_rx) = mpsc::channel::<NewEvent>();
+    let sampler_handle = {
+        let (stop, sources, dir) = (stop.clone(), cfg.sources.clone(), spool_dir(&cfg));
+        spawn("sampler")
+            .spawn(move || sample_loop(sources, dir, readings_tx, stop))
+            .map_err(|e| AgentError::Setup(format!("cannot start sampler thread: {e}")))?
+    };
+
+    let mut ing = Ingest {
+        cfg: &cfg,
+        spool: ingest,
+        ids,
+        buffer: Vec::new(),
+        to_delivery,
+        appended: 0,
+        dropped: 0,
+        last_error_log: None,
+        retry_at: None,
+    };
+    ing.run_until_stopped(&readings_rx, &stop, &stats);
+
+    // Stop: the sampler first, then commit everything it produced.
+    let _ = sampler_handle.join();
+    while let Ok(r) = readings_rx.try_recv() {
+        ing.push(r);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ing.buffer.is_empty() && Instant::now() < deadline {
+        ing.retry_at = None;
+        ing.commit();
+        if !ing.buffer.is_empty() {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let lost = ing.buffer.len();
+    net_stop.store(true, Ordering::Relaxed);
+    let _ = delivery_handle.join();
+    let _ = mqtt_handle.join();
+    let (status, err) = if lost == 0 {
+        ("ok", None)
+    } else {
+        log::error!("{lost} readings could not be committed at shutdown and are lost");
+        let _ = ing.spool.count("readings_lost_at_shutdown", lost as i64);
+        ("error", Some(format!("{lost} readings lost at shutdown")))
+    };
+    ing.spool.end_run(run_id, wall_clock_ms().0, status, err.as_deref())?;
+    log::info!("stopped cleanly; {} readings appended this run", ing.appended);
+    Ok(())
+}
+
+fn spool_dir(cfg: &Config) -> std::path::PathBuf {
+    cfg.spool
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| ".".into())
+}
+
+/// Run every source on its own interval until `stop`; a failed sample is
+/// logged (rate-limited per source) and counted, never fatal.
+fn sample_loop(sources: Vec<source::SourceSpec>, dir: std::path::PathBuf, tx: Sender<NewEvent>, stop: Arc<AtomicBool>) {
+    let start = Instant::now();
+    let mut next: Vec<Instant> = sources.iter().map(|_| start).collect();
+    let mut states: Vec<SourceState> = sources.iter().map(|_| SourceState::default()).collect();
+    let mut errors: HashMap<usize, (u64, Option<Instant>)> = HashMap::new();
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        for (i, spec) in sources.iter().enumerate() {
+            if now < next[i] {
+                continue;
+            }
+            // Fixed cadence; if we fell behind, skip missed slots rather than burst.
+            next[i] += spec.interval;
+            if next[i] < now {
+                next[i] = now + spec.interval;
+            }
+            let (ts_ms, trusted) = wall_clock_ms();
+            match source::sample(spec, &mut states[i], &dir) {
+                Ok(fields) if !fields.is_empty() => {
+                    let ev = NewEvent {
+                        stream: spec.name.clone(),
+                        ts_ms,
+                        clock_trusted: trusted,
+                        fields,
+                    };
+                    if tx.send(ev).is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let entry = errors.entry(i).or_insert((0, None));
+                    entry.0 += 1;
+                    if entry.1.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                        log::warn!("source {}: {e} ({} failures so far)", spec.name, entry.0);
+                        entry.1 = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        let wake = next.iter().min().copied().unwrap_or(now + Duration::from_millis(200));
+        let sleep = wake.saturating_duration_since(Instant::now()).min(Duration::from_millis(200));
+        std::thread::sleep(sleep);
+    }
+}
+
+struct Ingest<'a> {
+    cfg: &'a Config,
+    spool: Spool,
+    ids: EventIdGen,
+    buffer: Vec<NewEvent>,
+    to_delivery: Sender<DeliveryMsg>,
+    appended: u64,
+    dropped: u64,
+    last_error_log: Option<Instant>,
+    retry_at: Option<Instant>,
+}
+
+impl Ingest<'_> {
+    fn push(&mut self, ev: NewEvent) {
+        if self.buffer.len() >= MAX_BUFFERED {
+            self.dropped += 1;
+            return;
+        }
+        self.buffer.push(ev);
+    }
+
+    /// Commit the buffer in one transaction; on a transient error keep it and
+    /// retry after a second.
+    fn commit(&mut self) {
+        if self.buffer.is_empty() || self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        match self.spool.append(
+            &self.buffer,
+            &mut self.ids,
+            &self.cfg.device_id,
+            self.cfg.mqtt.payload_format,
+            wall_clock_ms().0,
+        ) {
+            Ok(n) => {
+                self.appended += n as u64;
+                self.buffer.clear();
+                self.retry_at = None;
+                let _ = self.to_delivery.send(DeliveryMsg::NewRows);
+            }
+            Err(e) => {
+                self.retry_at = Some(Instant::now() + Duration::from_secs(1));
+                if self.last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+                    log::error!(
+                        "ingest: commit of {} readings failed: {e}; kept in memory and retried (repeats logged every 30 s)",
+                        self.buffer.len()
+                    );
+                    self.last_error_log = Some(Instant::now());
+                }
+            }
+        }
+        if self.dropped > 0 {
+            if self.spool.count("readings_dropped_buffer_full", self.dropped as i64).is_ok() {
+                log::error!("ingest: {} readings dropped: in-memory buffer full while the spool refused writes", self.dropped);
+                self.dropped = 0;
+            }
+        }
+    }
+
+    fn run_until_stopped(&mut self, rx: &Receiver<NewEvent>, stop: &AtomicBool, stats: &DeliveryStats) {
+        let window = self.cfg.spool.commit_window;
+        let mut commit_at = Instant::now() + window;
+        let mut maint_at = Instant::now() + self.cfg.spool.checkpoint_interval;
+        let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
+        while !stop.load(Ordering::Relaxed) {
+            let wait = commit_at
+                .min(maint_at)
+                .min(summary_at)
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(200));
+            match rx.recv_timeout(wait) {
+                Ok(ev) => self.push(ev),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            let now = Instant::now();
+            if now >= commit_at {
+                self.commit();
+                commit_at = now + window;
+            }
+            if now >= maint_at {
+                self.maintain();
+                maint_at = now + self.cfg.spool.checkpoint_interval;
+            }
+            if now >= summary_at {
+                self.summary(stats);
+                summary_at = now + self.cfg.agent.summary_interval;
+            }
+        }
+    }
+
+    /// Retention in bounded batches with a checkpoint between them (F02), then
+    /// a PASSIVE checkpoint, or TRUNCATE when the WAL is over its limit.
+    fn maintain(&mut self) {
+        let retention_ms = self.cfg.spool.acked_retention.as_millis() as i64;
+        let cutoff = wall_clock_ms().0 - retention_ms;
+        let mut purged = 0;
+        for _ in 0..20 {
+            match self.spool.purge_acked(cutoff, self.cfg.spool.purge_batch_rows) {
+                Ok(0) => break,
+                Ok(n) => {
+                    purged += n;
+                    let _ = self.spool.checkpoint(CheckpointMode::Passive);
+                }
+                Err(e) => {
+                    log::warn!("retention skipped: {e}");
+                    break;
+                }
+            }
+        }
+        if purged > 0 {
+            log::debug!("retention: deleted {purged} acknowledged rows");
+        }
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        let mode = if wal as i64 > self.cfg.spool.options.journal_size_limit_bytes {
+            CheckpointMode::Truncate
+        } else {
+            CheckpointMode::Passive
+        };
+        match self.spool.checkpoint(mode) {
+            Ok(r) if r.busy != 0 || r.checkpointed_frames < r.log_frames => log::warn!(
+                "checkpoint {mode:?} blocked: busy={} log={} checkpointed={} wal_bytes={wal} (a reader may be pinning the WAL)",
+                r.busy,
+                r.log_frames,
+                r.checkpointed_frames
+            ),
+            Ok(r) => log::debug!("checkpoint {mode:?}: log={} checkpointed={}", r.log_frames, r.checkpointed_frames),
+            Err(e) => log::warn!("checkpoint {mode:?} failed: {e}"),
+        }
+    }
+
+    fn summary(&mut self, stats: &DeliveryStats) {
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        log::info!(
+            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal}",
+            self.appended,
+            stats.submitted.load(Ordering::Relaxed),
+            stats.retired.load(Ordering::Relaxed),
+            stats.requeued.load(Ordering::Relaxed),
+            stats.failed.load(Ordering::Relaxed),
+            self.buffer.len()
+        );
+    }
+}

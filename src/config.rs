@@ -1,0 +1,876 @@
+//! Board config: TOML text → raw structs (unknown keys denied) → validated [`Config`].
+//!
+//! Owns every key, its default and its unit. Its one rule: **a bad config never
+//! becomes a default config**. Every problem is reported as
+//! `key.path: problem (got value)`, with the line when the file has one and a
+//! did-you-mean for a misspelt key (field case F16); the caller keeps whatever
+//! config it was running.
+//!
+//! `board-configs/example.toml` mirrors the defaults here, key by key.
+
+use crate::ack::MAX_WINDOW;
+use crate::envelope::Format;
+use crate::source::{SourceKind, SourceSpec};
+use crate::spool::{SpoolOptions, Synchronous};
+use serde::Deserialize;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// One problem in a config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Full key path, e.g. `mqtt.keep_alive_secs` or `sources[1].path`.
+    pub key: String,
+    /// 1-based line in the file, when known.
+    pub line: Option<usize>,
+    /// What is wrong, with the value and a did-you-mean where one fits.
+    pub message: String,
+}
+
+/// A config that cannot be used. The caller keeps its current config (or, at
+/// start with none, exits non-zero); it never falls back to defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where the text came from (file path, or `--set`).
+    pub origin: String,
+    /// Every problem found (validation reports all it can, parsing the first).
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            match p.line {
+                Some(l) => write!(f, "{}:{}: {}: {}", self.origin, l, p.key, p.message)?,
+                None => write!(f, "{}: {}: {}", self.origin, p.key, p.message)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The validated config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// `device_id`: the board's identity in topics and envelopes.
+    pub device_id: String,
+    /// `[spool]`.
+    pub spool: SpoolConfig,
+    /// `[mqtt]`.
+    pub mqtt: MqttConfig,
+    /// `[agent]`.
+    pub agent: AgentConfig,
+    /// `[[sources]]`.
+    pub sources: Vec<SourceSpec>,
+}
+
+/// `[spool]`: where events wait for their acknowledgement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpoolConfig {
+    /// `path`: the SQLite file (its directory is created if missing).
+    pub path: PathBuf,
+    /// Pragmas.
+    pub options: SpoolOptions,
+    /// `commit_window_ms`: readings are grouped into one transaction per window.
+    pub commit_window: Duration,
+    /// `acked_retention_secs`: how long ACKED rows are kept before deletion.
+    pub acked_retention: Duration,
+    /// `purge_batch_rows`: rows deleted per retention transaction.
+    pub purge_batch_rows: usize,
+    /// `checkpoint_interval_secs`: PASSIVE checkpoint cadence.
+    pub checkpoint_interval: Duration,
+    /// `allow_network_fs`: accept a spool on NFS/CIFS/9p/FUSE (unsafe for WAL).
+    pub allow_network_fs: bool,
+}
+
+/// `[mqtt]`: the broker and delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MqttConfig {
+    /// Host from `url`.
+    pub host: String,
+    /// Port from `url`.
+    pub port: u16,
+    /// `client_id`.
+    pub client_id: String,
+    /// `topic_prefix`: events go to `<topic_prefix>/events/<stream>`.
+    pub topic_prefix: String,
+    /// `keep_alive_secs`.
+    pub keep_alive: Duration,
+    /// `clean_session`.
+    pub clean_session: bool,
+    /// `inflight_window`: publishes awaiting PUBACK at once.
+    pub inflight_window: usize,
+    /// `max_payload_bytes`: larger events are marked FAILED, never sent.
+    pub max_payload_bytes: usize,
+    /// `payload_format`.
+    pub payload_format: Format,
+    /// `connect_timeout_secs`.
+    pub connect_timeout: Duration,
+    /// `reconnect_min_ms`: first reconnect backoff.
+    pub reconnect_min: Duration,
+    /// `reconnect_max_ms`: backoff cap.
+    pub reconnect_max: Duration,
+    /// `ack_timeout_secs`: connected with rows in flight and no PUBACK for this
+    /// long → the client is rebuilt and rows replayed (watchdog).
+    pub ack_timeout: Duration,
+}
+
+/// `[agent]`: process-wide settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// `summary_interval_secs`: one summary log line per interval.
+    pub summary_interval: Duration,
+}
+
+// ---- raw layer: what serde reads ----
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    device_id: String,
+    spool: RawSpool,
+    #[serde(default)]
+    mqtt: RawMqtt,
+    #[serde(default)]
+    agent: RawAgent,
+    #[serde(default)]
+    sources: Vec<RawSource>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSpool {
+    path: PathBuf,
+    #[serde(default = "d_sync")]
+    synchronous: String,
+    #[serde(default = "d_busy")]
+    busy_timeout_ms: u64,
+    #[serde(default = "d_jsl")]
+    journal_size_limit_bytes: i64,
+    #[serde(default = "d_autockpt")]
+    wal_autocheckpoint_pages: i64,
+    #[serde(default = "d_commit")]
+    commit_window_ms: u64,
+    #[serde(default = "d_retention")]
+    acked_retention_secs: u64,
+    #[serde(default = "d_purge")]
+    purge_batch_rows: usize,
+    #[serde(default = "d_ckpt")]
+    checkpoint_interval_secs: u64,
+    #[serde(default)]
+    allow_network_fs: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMqtt {
+    #[serde(default = "d_url")]
+    url: String,
+    client_id: Option<String>,
+    topic_prefix: Option<String>,
+    #[serde(default = "d_keepalive")]
+    keep_alive_secs: u64,
+    #[serde(default)]
+    clean_session: bool,
+    #[serde(default = "d_window")]
+    inflight_window: usize,
+    #[serde(default = "d_maxpayload")]
+    max_payload_bytes: usize,
+    #[serde(default = "d_format")]
+    payload_format: String,
+    #[serde(default = "d_connect")]
+    connect_timeout_secs: u64,
+    #[serde(default = "d_rmin")]
+    reconnect_min_ms: u64,
+    #[serde(default = "d_rmax")]
+    reconnect_max_ms: u64,
+    #[serde(default = "d_acktimeout")]
+    ack_timeout_secs: u64,
+}
+
+impl Default for RawMqtt {
+    fn default() -> Self {
+        RawMqtt {
+            url: d_url(),
+            client_id: None,
+            topic_prefix: None,
+            keep_alive_secs: d_keepalive(),
+            clean_session: false,
+            inflight_window: d_window(),
+            max_payload_bytes: d_maxpayload(),
+            payload_format: d_format(),
+            connect_timeout_secs: d_connect(),
+            reconnect_min_ms: d_rmin(),
+            reconnect_max_ms: d_rmax(),
+            ack_timeout_secs: d_acktimeout(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAgent {
+    #[serde(default = "d_summary")]
+    summary_interval_secs: u64,
+}
+
+impl Default for RawAgent {
+    fn default() -> Self {
+        RawAgent {
+            summary_interval_secs: d_summary(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    name: String,
+    kind: String,
+    #[serde(default = "d_interval")]
+    interval_ms: u64,
+    path: Option<PathBuf>,
+    scale: Option<f64>,
+    offset: Option<f64>,
+    field: Option<String>,
+    program: Option<PathBuf>,
+    args: Option<Vec<String>>,
+    timeout_ms: Option<u64>,
+    max_output_bytes: Option<usize>,
+}
+
+fn d_sync() -> String {
+    "normal".into()
+}
+fn d_busy() -> u64 {
+    5000
+}
+fn d_jsl() -> i64 {
+    4 * 1024 * 1024
+}
+fn d_autockpt() -> i64 {
+    1000
+}
+fn d_commit() -> u64 {
+    200
+}
+fn d_retention() -> u64 {
+    86_400
+}
+fn d_purge() -> usize {
+    5000
+}
+fn d_ckpt() -> u64 {
+    30
+}
+fn d_url() -> String {
+    "mqtt://127.0.0.1:1883".into()
+}
+fn d_keepalive() -> u64 {
+    30
+}
+fn d_window() -> usize {
+    32
+}
+fn d_maxpayload() -> usize {
+    64 * 1024
+}
+fn d_format() -> String {
+    "json".into()
+}
+fn d_connect() -> u64 {
+    10
+}
+fn d_rmin() -> u64 {
+    500
+}
+fn d_rmax() -> u64 {
+    30_000
+}
+fn d_acktimeout() -> u64 {
+    30
+}
+fn d_summary() -> u64 {
+    60
+}
+fn d_interval() -> u64 {
+    10_000
+}
+
+/// Read and validate the config file at `path`, applying `overrides`
+/// (`key.path=value`, value parsed as TOML, else taken as a string).
+///
+/// Errors: the file cannot be read, is empty, is not TOML, has an unknown or
+/// mistyped key, or a value out of range; every message names the key path.
+pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
+    let origin = path.display().to_string();
+    let text = std::fs::read(path).map_err(|e| single(&origin, "(file)", None, &format!("cannot read: {e}")))?;
+    let text = String::from_utf8(text)
+        .map_err(|e| single(&origin, "(file)", None, &format!("not UTF-8 text: {e}")))?;
+    parse(&text, &origin, overrides)
+}
+
+/// Validate config `text` (from `origin`, used in messages) with `overrides`.
+pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+    if text.trim().is_empty() {
+        return Err(single(origin, "(file)", None, "config is empty"));
+    }
+    if text.contains('\0') {
+        return Err(single(origin, "(file)", line_of(text, text.find('\0')), "contains NUL bytes (a damaged or partly written file?)"));
+    }
+    // The file alone first, so problems carry the file's line numbers.
+    let raw: RawConfig = deserialize(text, origin, true)?;
+    if overrides.is_empty() {
+        return validate(raw, origin);
+    }
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| single(origin, "(file)", None, e.message()))?;
+    for o in overrides {
+        apply_override(&mut table, o).map_err(|m| single("--set", o, None, &m))?;
+    }
+    let merged = toml::to_string(&table)
+        .map_err(|e| single("--set", "(all)", None, &e.to_string()))?;
+    let raw: RawConfig = deserialize(&merged, "--set", false)?;
+    validate(raw, &format!("{origin} with --set"))
+}
+
+fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) -> ConfigError {
+    ConfigError {
+        origin: origin.to_owned(),
+        problems: vec![Problem {
+            key: key.to_owned(),
+            line,
+            message: msg.to_owned(),
+        }],
+    }
+}
+
+fn line_of(text: &str, offset: Option<usize>) -> Option<usize> {
+    offset.map(|o| text[..o.min(text.len())].matches('\n').count() + 1)
+}
+
+fn deserialize(text: &str, origin: &str, with_lines: bool) -> Result<RawConfig, ConfigError> {
+    let de = toml::Deserializer::parse(text).map_err(|e| {
+        let line = if with_lines { line_of(text, e.span().map(|s| s.start)) } else { None };
+        single(origin, "(syntax)", line, e.message().trim())
+    })?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let inner = e.inner();
+        let line = if with_lines { line_of(text, inner.span().map(|s| s.start)) } else { None };
+        let msg = inner.message().trim().to_owned();
+        let mut key = path_string(e.path());
+        // serde_path_to_error already ends the path with the unknown key;
+        // make sure it is there even if a future version stops at the table.
+        let msg = match unknown_field(&msg) {
+            Some((field, expected)) => {
+                if key.is_empty() {
+                    key = field.clone();
+                } else if !key.ends_with(&field) {
+                    key = format!("{key}.{field}");
+                }
+                match did_you_mean(&field, &expected) {
+                    Some(s) => format!("unknown key; did you mean `{s}`? (known keys: {})", expected.join(", ")),
+                    None => format!("unknown key (known keys: {})", expected.join(", ")),
+                }
+            }
+            None => msg,
+        };
+        single(origin, &key, line, &msg)
+    })
+}
+
+fn path_string(p: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut s = String::new();
+    for seg in p.iter() {
+        match seg {
+            Segment::Seq { index } => s.push_str(&format!("[{index}]")),
+            Segment::Map { key } | Segment::Enum { variant: key } => {
+                if !s.is_empty() {
+                    s.push('.');
+                }
+                s.push_str(key);
+            }
+            Segment::Unknown => {}
+        }
+    }
+    s
+}
+
+/// Split serde's standard "unknown field `x`, expected one of `a`, `b`" message.
+fn unknown_field(msg: &str) -> Option<(String, Vec<String>)> {
+    let rest = msg.strip_prefix("unknown field `")?;
+    let (field, rest) = rest.split_once('`')?;
+    let expected = rest
+        .split('`')
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+        .map(|(_, s)| s.to_owned())
+        .collect();
+    Some((field.to_owned(), expected))
+}
+
+/// The closest known key within a small edit distance, if any.
+fn did_you_mean(got: &str, known: &[String]) -> Option<String> {
+    known
+        .iter()
+        .map(|k| (edit_distance(got, k), k))
+        .filter(|(d, k)| *d <= 2.max(k.len() / 4))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.clone())
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// Set `key.path=value` in `table`. Path segments are table keys or array
+/// indexes (`sources.0.interval_ms`).
+fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), String> {
+    let (path, value) = spec
+        .split_once('=')
+        .ok_or_else(|| "expected key.path=value".to_owned())?;
+    let path = path.trim();
+    let value = value.trim();
+    let parsed: toml::Value = format!("v = {value}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_owned()));
+    let segs: Vec<&str> = path.split('.').collect();
+    if segs.iter().any(|s| s.is_empty()) {
+        return Err(format!("bad key path {path:?}"));
+    }
+    let mut root = toml::Value::Table(std::mem::take(table));
+    let res = set_path(&mut root, &segs, parsed, path);
+    if let toml::Value::Table(t) = root {
+        *table = t;
+    }
+    res
+}
+
+fn set_path(cur: &mut toml::Value, segs: &[&str], value: toml::Value, path: &str) -> Result<(), String> {
+    let Some((seg, rest)) = segs.split_first() else {
+        *cur = value;
+        return Ok(());
+    };
+    let next = match cur {
+        toml::Value::Table(t) => t
+            .entry((*seg).to_owned())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new())),
+        toml::Value::Array(a) => {
+            let idx: usize = seg
+                .parse()
+                .map_err(|_| format!("{path}: `{seg}` is not an array index"))?;
+            let len = a.len();
+            a.get_mut(idx)
+                .ok_or_else(|| format!("{path}: index {idx} out of range (array has {len})"))?
+        }
+        _ => return Err(format!("{path}: `{seg}` is not inside a table or array")),
+    };
+    set_path(next, rest, value, path)
+}
+
+fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
+    let mut probs: Vec<Problem> = Vec::new();
+    let mut bad = |key: &str, msg: String| {
+        probs.push(Problem {
+            key: key.to_owned(),
+            line: None,
+            message: msg,
+        })
+    };
+
+    let device_id = raw.device_id.trim().to_owned();
+    if device_id.is_empty() || !device_id.chars().all(topic_safe) {
+        bad("device_id", format!("must be non-empty letters, digits, '-', '_' or '.' (got {:?})", raw.device_id));
+    }
+
+    let s = &raw.spool;
+    if s.path.as_os_str().is_empty() {
+        bad("spool.path", "must not be empty".into());
+    }
+    let synchronous = match s.synchronous.to_ascii_lowercase().as_str() {
+        "normal" => Synchronous::Normal,
+        "full" => Synchronous::Full,
+        other => {
+            bad("spool.synchronous", format!("must be \"normal\" or \"full\" (got {other:?}); OFF is never allowed"));
+            Synchronous::Normal
+        }
+    };
+    if s.busy_timeout_ms < 5000 {
+        bad("spool.busy_timeout_ms", format!("must be at least 5000 (got {})", s.busy_timeout_ms));
+    }
+    if s.journal_size_limit_bytes < 0 {
+        bad("spool.journal_size_limit_bytes", format!("must be >= 0 (got {})", s.journal_size_limit_bytes));
+    }
+    if s.wal_autocheckpoint_pages < 0 {
+        bad("spool.wal_autocheckpoint_pages", format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages));
+    }
+    if !(1..=60_000).contains(&s.commit_window_ms) {
+        bad("spool.commit_window_ms", format!("must be 1..=60000 (got {})", s.commit_window_ms));
+    }
+    if !(1..=100_000).contains(&s.purge_batch_rows) {
+        bad("spool.purge_batch_rows", format!("must be 1..=100000 (got {})", s.purge_batch_rows));
+    }
+    if s.checkpoint_interval_secs == 0 {
+        bad("spool.checkpoint_interval_secs", "must be at least 1 (got 0)".into());
+    }
+
+    let m = &raw.mqtt;
+    let (host, port) = match parse_url(&m.url) {
+        Ok(hp) => hp,
+        Err(e) => {
+            bad("mqtt.url", format!("{e} (got {:?})", m.url));
+            (String::new(), 0)
+        }
+    };
+    let client_id = m.client_id.clone().unwrap_or_else(|| format!("edgespool-{device_id}"));
+    if client_id.is_empty() || client_id.len() > 128 {
+        bad("mqtt.client_id", format!("must be 1..=128 bytes (got {client_id:?})"));
+    }
+    let topic_prefix = m.topic_prefix.clone().unwrap_or_else(|| format!("edgespool/{device_id}"));
+    if topic_prefix.is_empty()
+        || topic_prefix.contains(['#', '+', '\0'])
+        || topic_prefix.starts_with('/')
+        || topic_prefix.ends_with('/')
+    {
+        bad("mqtt.topic_prefix", format!("must be a non-empty topic without wildcards or leading/trailing '/' (got {topic_prefix:?})"));
+    }
+    if !(5..=3600).contains(&m.keep_alive_secs) {
+        bad("mqtt.keep_alive_secs", format!("must be 5..=3600 (got {})", m.keep_alive_secs));
+    }
+    if !(1..MAX_WINDOW).contains(&m.inflight_window) {
+        bad("mqtt.inflight_window", format!("must be 1..={} (got {})", MAX_WINDOW - 1, m.inflight_window));
+    }
+    if !(1024..=256 * 1024 * 1024).contains(&m.max_payload_bytes) {
+        bad("mqtt.max_payload_bytes", format!("must be 1024..=268435456 (got {})", m.max_payload_bytes));
+    }
+    let payload_format = match m.payload_format.as_str() {
+        "json" => Format::Json,
+        "postcard" => Format::Postcard,
+        other => {
+            bad("mqtt.payload_format", format!("must be \"json\" or \"postcard\" (got {other:?})"));
+            Format::Json
+        }
+    };
+    if !(1..=300).contains(&m.connect_timeout_secs) {
+        bad("mqtt.connect_timeout_secs", format!("must be 1..=300 (got {})", m.connect_timeout_secs));
+    }
+    if m.reconnect_min_ms == 0 || m.reconnect_min_ms > m.reconnect_max_ms {
+        bad("mqtt.reconnect_min_ms", format!("must be >= 1 and <= mqtt.reconnect_max_ms (got {} and {})", m.reconnect_min_ms, m.reconnect_max_ms));
+    }
+    if m.reconnect_max_ms > 3_600_000 {
+        bad("mqtt.reconnect_max_ms", format!("must be <= 3600000 (got {})", m.reconnect_max_ms));
+    }
+    if !(1..=3600).contains(&m.ack_timeout_secs) {
+        bad("mqtt.ack_timeout_secs", format!("must be 1..=3600 (got {})", m.ack_timeout_secs));
+    }
+    if raw.agent.summary_interval_secs == 0 {
+        bad("agent.summary_interval_secs", "must be at least 1 (got 0)".into());
+    }
+
+    let mut sources = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    for (i, rs) in raw.sources.iter().enumerate() {
+        let k = |f: &str| format!("sources[{i}].{f}");
+        if rs.name.is_empty() || rs.name.starts_with('_') || !rs.name.chars().all(topic_safe) {
+            bad(&k("name"), format!("must be letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
+        } else if !names.insert(rs.name.clone()) {
+            bad(&k("name"), format!("duplicate source name {:?}", rs.name));
+        }
+        if rs.interval_ms < 10 {
+            bad(&k("interval_ms"), format!("must be at least 10 (got {})", rs.interval_ms));
+        }
+        let unexpected = |bad: &mut dyn FnMut(&str, String), set: &[(&str, bool)]| {
+            for (f, present) in set {
+                if *present {
+                    bad(&k(f), format!("not used by kind {:?}", rs.kind));
+                }
+            }
+        };
+        let kind = match rs.kind.as_str() {
+            "system" => {
+                unexpected(&mut bad, &[
+                    ("path", rs.path.is_some()), ("scale", rs.scale.is_some()), ("offset", rs.offset.is_some()),
+                    ("field", rs.field.is_some()), ("program", rs.program.is_some()), ("args", rs.args.is_some()),
+                    ("timeout_ms", rs.timeout_ms.is_some()), ("max_output_bytes", rs.max_output_bytes.is_some()),
+                ]);
+                Some(SourceKind::System)
+            }
+            "file" => {
+                unexpected(&mut bad, &[
+                    ("program", rs.program.is_some()), ("args", rs.args.is_some()),
+                    ("timeout_ms", rs.timeout_ms.is_some()), ("max_output_bytes", rs.max_output_bytes.is_some()),
+                ]);
+                let scale = rs.scale.unwrap_or(1.0);
+                let offset = rs.offset.unwrap_or(0.0);
+                if !scale.is_finite() || !offset.is_finite() {
+                    bad(&k("scale"), format!("scale and offset must be finite (got {scale}, {offset})"));
+                }
+                match &rs.path {
+                    Some(p) => Some(SourceKind::File {
+                        path: p.clone(),
+                        scale,
+                        offset,
+                        field: rs.field.clone().unwrap_or_else(|| "value".into()),
+                    }),
+                    None => {
+                        bad(&k("path"), "required for kind \"file\"".into());
+                        None
+                    }
+                }
+            }
+            "exec" => {
+                unexpected(&mut bad, &[
+                    ("path", rs.path.is_some()), ("scale", rs.scale.is_some()), ("offset", rs.offset.is_some()),
+                ]);
+                let timeout = rs.timeout_ms.unwrap_or(5000);
+                if !(10..=600_000).contains(&timeout) {
+                    bad(&k("timeout_ms"), format!("must be 10..=600000 (got {timeout})"));
+                }
+                let max_out = rs.max_output_bytes.unwrap_or(64 * 1024);
+                if !(16..=16 * 1024 * 1024).contains(&max_out) {
+                    bad(&k("max_output_bytes"), format!("must be 16..=16777216 (got {max_out})"));
+                }
+                match &rs.program {
+                    Some(p) if p.is_absolute() => Some(SourceKind::Exec {
+                        program: p.clone(),
+                        args: rs.args.clone().unwrap_or_default(),
+                        timeout: Duration::from_millis(timeout),
+                        field: rs.field.clone().unwrap_or_else(|| "value".into()),
+                        max_output_bytes: max_out,
+                    }),
+                    Some(p) => {
+                        bad(&k("program"), format!("must be an absolute path; no shell or PATH lookup is used (got {p:?})"));
+                        None
+                    }
+                    None => {
+                        bad(&k("program"), "required for kind \"exec\"".into());
+                        None
+                    }
+                }
+            }
+            other => {
+                let known = ["system".to_owned(), "file".to_owned(), "exec".to_owned()];
+                let hint = did_you_mean(other, &known).map(|s| format!("; did you mean {s:?}?")).unwrap_or_default();
+                bad(&k("kind"), format!("must be \"system\", \"file\" or \"exec\" (got {other:?}){hint}"));
+                None
+            }
+        };
+        if let Some(kind) = kind {
+            sources.push(SourceSpec {
+                name: rs.name.clone(),
+                interval: Duration::from_millis(rs.interval_ms),
+                kind,
+            });
+        }
+    }
+
+    if !probs.is_empty() {
+        return Err(ConfigError {
+            origin: origin.to_owned(),
+            problems: probs,
+        });
+    }
+    Ok(Config {
+        device_id,
+        spool: SpoolConfig {
+            path: s.path.clone(),
+            options: SpoolOptions {
+                synchronous,
+                busy_timeout: Duration::from_millis(s.busy_timeout_ms),
+                journal_size_limit_bytes: s.journal_size_limit_bytes,
+                wal_autocheckpoint_pages: s.wal_autocheckpoint_pages,
+            },
+            commit_window: Duration::from_millis(s.commit_window_ms),
+            acked_retention: Duration::from_secs(s.acked_retention_secs),
+            purge_batch_rows: s.purge_batch_rows,
+            checkpoint_interval: Duration::from_secs(s.checkpoint_interval_secs),
+            allow_network_fs: s.allow_network_fs,
+        },
+        mqtt: MqttConfig {
+            host,
+            port,
+            client_id,
+            topic_prefix,
+            keep_alive: Duration::from_secs(m.keep_alive_secs),
+            clean_session: m.clean_session,
+            inflight_window: m.inflight_window,
+            max_payload_bytes: m.max_payload_bytes,
+            payload_format,
+            connect_timeout: Duration::from_secs(m.connect_timeout_secs),
+            reconnect_min: Duration::from_millis(m.reconnect_min_ms),
+            reconnect_max: Duration::from_millis(m.reconnect_max_ms),
+            ack_timeout: Duration::from_secs(m.ack_timeout_secs),
+        },
+        agent: AgentConfig {
+            summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),
+        },
+        sources,
+    })
+}
+
+fn topic_safe(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
+}
+
+/// Parse `mqtt://host:port` (port defaults to 1883).
+fn parse_url(url: &str) -> Result<(String, u16), String> {
+    let rest = if let Some(r) = url.strip_prefix("mqtt://") {
+        r
+    } else if url.starts_with("mqtts://") {
+        return Err("mqtts:// (TLS) is not supported by this build yet; use mqtt://".into());
+    } else {
+        return Err("must start with mqtt://".into());
+    };
+    let rest = rest.trim_end_matches('/');
+    if rest.is_empty() || rest.contains('/') || rest.contains('@') {
+        return Err("must be mqtt://host[:port]".into());
+    }
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((h, p)) => {
+            let port: u16 = p.parse().map_err(|_| format!("port {p:?} is not a number 1..=65535"))?;
+            if port == 0 {
+                return Err("port must be 1..=65535".into());
+            }
+            (h, port)
+        }
+        None => (rest, 1883),
+    };
+    if host.is_empty() {
+        return Err("host is empty".into());
+    }
+    Ok((host.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+device_id = "pi4-lab"
+[spool]
+path = "/tmp/x/spool.db"
+[mqtt]
+url = "mqtt://broker.local:1884"
+[[sources]]
+name = "system"
+kind = "system"
+interval_ms = 1000
+"#;
+
+    fn err(text: &str) -> ConfigError {
+        parse(text, "t.toml", &[]).unwrap_err()
+    }
+
+    #[test]
+    fn a_minimal_config_gets_documented_defaults() {
+        let c = parse(GOOD, "t.toml", &[]).unwrap();
+        assert_eq!(c.mqtt.host, "broker.local");
+        assert_eq!(c.mqtt.port, 1884);
+        assert_eq!(c.mqtt.client_id, "edgespool-pi4-lab");
+        assert_eq!(c.mqtt.topic_prefix, "edgespool/pi4-lab");
+        assert_eq!(c.mqtt.inflight_window, 32);
+        assert_eq!(c.spool.options.busy_timeout, Duration::from_secs(5));
+        assert_eq!(c.sources.len(), 1);
+    }
+
+    #[test]
+    fn misspelt_key_names_the_path_the_line_and_a_suggestion() {
+        // field case F16 (a)
+        let e = err(&GOOD.replace("interval_ms = 1000", "intervall_ms = 1000"));
+        let p = &e.problems[0];
+        assert_eq!(p.key, "sources[0].intervall_ms");
+        assert_eq!(p.line, Some(10));
+        assert!(p.message.contains("did you mean `interval_ms`"), "{}", p.message);
+    }
+
+    #[test]
+    fn host_and_port_where_url_is_expected_are_rejected() {
+        // field case F16 (b)
+        let e = err(&GOOD.replace("url = \"mqtt://broker.local:1884\"", "host = \"y\"\nport = 8883"));
+        assert_eq!(e.problems[0].key, "mqtt.host");
+        assert_eq!(e.problems[0].line, Some(6));
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        // field case F16 (c)
+        let e = err(&GOOD.replace("interval_ms = 1000", "interval_ms = \"10k\""));
+        assert_eq!(e.problems[0].key, "sources[0].interval_ms");
+        assert_eq!(e.problems[0].line, Some(10));
+    }
+
+    #[test]
+    fn dangerous_values_are_rejected_by_range() {
+        // field case F16 (e)
+        let e = err(&GOOD.replace("[mqtt]", "[mqtt]\ninflight_window = 0\nkeep_alive_secs = 0"));
+        let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, vec!["mqtt.keep_alive_secs", "mqtt.inflight_window"]);
+    }
+
+    #[test]
+    fn empty_and_nul_filled_files_are_rejected_not_defaulted() {
+        // field case F15 (b)
+        assert_eq!(err("").problems[0].message, "config is empty");
+        assert!(err("\0\0\0\0").problems[0].message.contains("NUL"));
+        assert_eq!(err("device_id = \"x\"\n[spool\n").problems[0].key, "(syntax)");
+    }
+
+    #[test]
+    fn overrides_set_nested_keys_and_array_items() {
+        let c = parse(
+            GOOD,
+            "t.toml",
+            &["mqtt.url=mqtt://127.0.0.1:9999".into(), "sources.0.interval_ms=50".into(), "spool.path=/tmp/other.db".into()],
+        )
+        .unwrap();
+        assert_eq!(c.mqtt.port, 9999);
+        assert_eq!(c.sources[0].interval, Duration::from_millis(50));
+        assert_eq!(c.spool.path, PathBuf::from("/tmp/other.db"));
+    }
+
+    #[test]
+    fn a_bad_override_is_rejected_with_its_key() {
+        let e = parse(GOOD, "t.toml", &["mqtt.inflight_windw=5".into()]).unwrap_err();
+        assert_eq!(e.problems[0].key, "mqtt.inflight_windw");
+        assert!(e.problems[0].message.contains("inflight_window"));
+    }
+
+    #[test]
+    fn tls_urls_are_refused_with_a_reason() {
+        let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtts://b:8883"));
+        assert_eq!(e.problems[0].key, "mqtt.url");
+        assert!(e.problems[0].message.contains("TLS"));
+    }
+
+    #[test]
+    fn source_kind_typo_gets_a_suggestion() {
+        let e = err(&GOOD.replace("kind = \"system\"", "kind = \"sytem\""));
+        assert!(e.problems[0].message.contains("did you mean \"system\""));
+    }
+
+    #[test]
+    fn exec_program_must_be_absolute() {
+        let e = err(&GOOD.replace("kind = \"system\"", "kind = \"exec\"\nprogram = \"sh\""));
+        assert_eq!(e.problems[0].key, "sources[0].program");
+    }
+}

@@ -1,0 +1,264 @@
+//! Wire format of an event and the event id.
+//!
+//! Owns the bytes that go to the broker. Its one rule: an event's payload is
+//! encoded **once**, at append time, and stored; every retry sends those stored
+//! bytes (I3), so nothing here runs on the publish path.
+//!
+//! Two formats, chosen by `mqtt.payload_format`:
+//! - `json` (default): one UTF-8 JSON object,
+//!   `{"event_id","device_id","stream","seq","ts_ms","clock_trusted","fields":{..}}`.
+//! - `postcard`: the same envelope as [`CompactEnvelope`] in postcard
+//!   (<https://postcard.jamesmunns.com/wire-format>), for metered links.
+
+use crate::source::{FieldValue, Fields};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A 128-bit event id, unique forever (I3).
+///
+/// The first 8 bytes are random per agent process ([`EventIdGen::new`]), the
+/// last 8 a counter within that process. Nothing of it is stored in or derived
+/// from the spool, so a power-loss rollback or a lost `-wal` file that undoes
+/// the newest commits cannot make a later process issue the same id again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EventId(pub [u8; 16]);
+
+impl fmt::Display for EventId {
+    /// 8-4-4-4-12 lowercase hex, like a UUID.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, b) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                f.write_str("-")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Issues [`EventId`]s for one agent process.
+#[derive(Debug)]
+pub struct EventIdGen {
+    prefix: [u8; 8],
+    counter: u64,
+}
+
+impl EventIdGen {
+    /// A generator with a fresh random prefix from the OS (`getrandom(2)`).
+    ///
+    /// Errors: the OS random source failed; the agent cannot promise unique ids
+    /// without it and must not start.
+    pub fn new() -> Result<Self, getrandom::Error> {
+        let mut prefix = [0u8; 8];
+        getrandom::fill(&mut prefix)?;
+        Ok(EventIdGen { prefix, counter: 0 })
+    }
+
+    /// The next id.
+    pub fn next_id(&mut self) -> EventId {
+        self.counter += 1;
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.prefix);
+        b[8..].copy_from_slice(&self.counter.to_be_bytes());
+        EventId(b)
+    }
+}
+
+/// Payload encoding, from `mqtt.payload_format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// A JSON object (default).
+    Json,
+    /// postcard bytes of [`CompactEnvelope`].
+    Postcard,
+}
+
+/// Everything that goes into one event's payload.
+#[derive(Debug, Clone)]
+pub struct Envelope<'a> {
+    /// The event id (also the consumer's deduplication key).
+    pub event_id: EventId,
+    /// `device_id` from the board config.
+    pub device_id: &'a str,
+    /// Stream name: the source name, or `_commands` for command results.
+    pub stream: &'a str,
+    /// Per-stream sequence number, from 1.
+    pub seq: u64,
+    /// Wall-clock time of the reading, Unix milliseconds.
+    pub ts_ms: i64,
+    /// False when the board's clock was not trusted when the reading was taken.
+    pub clock_trusted: bool,
+    /// The reading's fields.
+    pub fields: &'a Fields,
+}
+
+/// The postcard form of an envelope. Field order is the wire order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompactEnvelope {
+    /// Format version, 1.
+    pub v: u8,
+    /// Event id bytes.
+    pub event_id: [u8; 16],
+    /// Device id.
+    pub device_id: String,
+    /// Stream.
+    pub stream: String,
+    /// Per-stream sequence.
+    pub seq: u64,
+    /// Unix milliseconds.
+    pub ts_ms: i64,
+    /// Whether the clock was trusted.
+    pub clock_trusted: bool,
+    /// Fields in order.
+    pub fields: Vec<(String, FieldValue)>,
+}
+
+/// Encode `env` in `format`.
+///
+/// Errors: a serializer failure (for JSON only a non-finite number, which the
+/// sources never produce; it is reported rather than sent as `null`).
+pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
+    match format {
+        Format::Json => {
+            let mut fields = serde_json::Map::new();
+            for (k, v) in env.fields {
+                let jv = match v {
+                    FieldValue::Num(n) => serde_json::Number::from_f64(*n)
+                        .map(serde_json::Value::Number)
+                        .ok_or_else(|| format!("field {k}: non-finite number {n}"))?,
+                    FieldValue::Text(s) => serde_json::Value::String(s.clone()),
+                    FieldValue::Bool(b) => serde_json::Value::Bool(*b),
+                };
+                fields.insert(k.clone(), jv);
+            }
+            let obj = serde_json::json!({
+                "event_id": env.event_id.to_string(),
+                "device_id": env.device_id,
+                "stream": env.stream,
+                "seq": env.seq,
+                "ts_ms": env.ts_ms,
+                "clock_trusted": env.clock_trusted,
+                "fields": fields,
+            });
+            serde_json::to_vec(&obj).map_err(|e| e.to_string())
+        }
+        Format::Postcard => {
+            let c = CompactEnvelope {
+                v: 1,
+                event_id: env.event_id.0,
+                device_id: env.device_id.to_owned(),
+                stream: env.stream.to_owned(),
+                seq: env.seq,
+                ts_ms: env.ts_ms,
+                clock_trusted: env.clock_trusted,
+                fields: env.fields.clone(),
+            };
+            postcard::to_stdvec(&c).map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// Wall-clock instants before this (2026-01-01T00:00:00Z, Unix ms) mean the
+/// board has not set its clock yet: boards without an RTC boot in 1970 and
+/// step the clock once time sync runs. Readings taken earlier are flagged
+/// `clock_trusted: false`.
+pub const CLOCK_FLOOR_MS: i64 = 1_767_225_600_000;
+
+/// Current wall-clock time (Unix ms) and whether it is trusted (not before
+/// [`CLOCK_FLOOR_MS`]).
+pub fn wall_clock_ms() -> (i64, bool) {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    (ms, ms >= CLOCK_FLOOR_MS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_fields() -> Fields {
+        vec![
+            ("load1".into(), FieldValue::Num(0.25)),
+            ("iface".into(), FieldValue::Text("eth0".into())),
+            ("ok".into(), FieldValue::Bool(true)),
+        ]
+    }
+
+    #[test]
+    fn event_ids_from_one_generator_are_distinct_and_share_the_prefix() {
+        let mut g = EventIdGen::new().unwrap();
+        let a = g.next_id();
+        let b = g.next_id();
+        assert_ne!(a, b);
+        assert_eq!(a.0[..8], b.0[..8]);
+        assert_eq!(a.to_string().len(), 36);
+    }
+
+    #[test]
+    fn two_generators_do_not_share_a_prefix() {
+        // A restarted process gets a new prefix, so a rolled-back counter
+        // cannot reissue an id.
+        let a = EventIdGen::new().unwrap().next_id();
+        let b = EventIdGen::new().unwrap().next_id();
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn json_envelope_carries_identity_and_fields() {
+        let f = sample_fields();
+        let id = EventId([1; 16]);
+        let env = Envelope {
+            event_id: id,
+            device_id: "dev",
+            stream: "system",
+            seq: 7,
+            ts_ms: 1_800_000_000_000,
+            clock_trusted: true,
+            fields: &f,
+        };
+        let bytes = encode(Format::Json, &env).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["event_id"], id.to_string());
+        assert_eq!(v["seq"], 7);
+        assert_eq!(v["fields"]["load1"], 0.25);
+        assert_eq!(v["fields"]["iface"], "eth0");
+        assert_eq!(v["clock_trusted"], true);
+    }
+
+    #[test]
+    fn postcard_envelope_round_trips_and_is_smaller() {
+        let f = sample_fields();
+        let env = Envelope {
+            event_id: EventId([9; 16]),
+            device_id: "dev",
+            stream: "system",
+            seq: 1,
+            ts_ms: 5,
+            clock_trusted: false,
+            fields: &f,
+        };
+        let pc = encode(Format::Postcard, &env).unwrap();
+        let js = encode(Format::Json, &env).unwrap();
+        let back: CompactEnvelope = postcard::from_bytes(&pc).unwrap();
+        assert_eq!(back.event_id, [9; 16]);
+        assert_eq!(back.fields, f);
+        assert!(pc.len() < js.len());
+    }
+
+    #[test]
+    fn non_finite_number_is_an_error_not_null() {
+        let f = vec![("x".into(), FieldValue::Num(f64::NAN))];
+        let env = Envelope {
+            event_id: EventId([0; 16]),
+            device_id: "d",
+            stream: "s",
+            seq: 1,
+            ts_ms: 0,
+            clock_trusted: true,
+            fields: &f,
+        };
+        assert!(encode(Format::Json, &env).is_err());
+    }
+}

@@ -1,0 +1,142 @@
+//! Filesystem guards for the spool: one agent per spool, and only on a local
+//! filesystem.
+//!
+//! Its one rule: **refuse rather than risk**. WAL needs shared memory and
+//! working POSIX locks on one host (<https://www.sqlite.org/wal.html>,
+//! "Disadvantages"); NFS, SMB/CIFS, 9p and FUSE do not reliably give them
+//! (field case F05), and two agents on one spool would both publish and retire.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// An exclusive `flock(2)` on `<spool>.lock`, held for the life of the agent.
+/// The file holds the holder's pid, so a second agent can name it.
+#[derive(Debug)]
+pub struct SpoolLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl SpoolLock {
+    /// Take the lock next to `spool`, or fail at once naming the pid that holds it.
+    pub fn acquire(spool: &Path) -> Result<SpoolLock, String> {
+        let mut p = spool.as_os_str().to_owned();
+        p.push(".lock");
+        let path = PathBuf::from(p);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| format!("cannot open lock file {}: {e}", path.display()))?;
+        // SAFETY: flock on a file descriptor we own; no memory is shared.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            return Err(match err.raw_os_error() {
+                Some(libc::EWOULDBLOCK) => format!(
+                    "spool {} is in use by another edgespool (pid {}, lock file {})",
+                    spool.display(),
+                    holder.trim(),
+                    path.display()
+                ),
+                _ => format!("cannot lock {}: {err}", path.display()),
+            });
+        }
+        let _ = file.set_len(0);
+        let _ = file.rewind();
+        let _ = writeln!(file, "{}", std::process::id());
+        Ok(SpoolLock { _file: file, path })
+    }
+
+    /// The lock file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// `statfs(2)` magic numbers of filesystems the spool refuses (linux/magic.h).
+const REFUSED: &[(i64, &str)] = &[
+    (0x6969, "nfs"),
+    (0x517B, "smb"),
+    (0xFF53_4D42, "cifs"),
+    (0xFE53_4D42, "smb2"),
+    (0x0102_1997, "9p"),
+    (0x6573_5546, "fuse"),
+    (0x00C3_6400, "ceph"),
+];
+
+/// The filesystem type name if `magic` is one the spool refuses.
+pub fn refused_fs(magic: i64) -> Option<&'static str> {
+    REFUSED.iter().find(|(m, _)| *m == magic).map(|(_, n)| *n)
+}
+
+/// Refuse a spool whose directory is on a network or FUSE filesystem, unless
+/// `allow` (`spool.allow_network_fs`) is set.
+pub fn check_local_fs(spool: &Path, allow: bool) -> Result<(), String> {
+    let dir = spool
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("spool directory {} contains a NUL byte", dir.display()))?;
+    // SAFETY: statfs writes into the zeroed struct we pass; c is a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(format!("statfs {}: {}", dir.display(), std::io::Error::last_os_error()));
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
+    let magic = st.f_type as i64;
+    match refused_fs(magic) {
+        Some(name) if allow => {
+            log::warn!("spool directory {} is on {name}; allowed by spool.allow_network_fs, WAL safety is not guaranteed", dir.display());
+            Ok(())
+        }
+        Some(name) => Err(format!(
+            "spool directory {} is on a {name} filesystem; WAL needs a local filesystem (set spool.allow_network_fs = true to override)",
+            dir.display()
+        )),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_on_the_same_spool_names_the_holder() {
+        let d = tempfile::tempdir().unwrap();
+        let spool = d.path().join("spool.db");
+        let _first = SpoolLock::acquire(&spool).unwrap();
+        let err = SpoolLock::acquire(&spool).unwrap_err();
+        assert!(err.contains(&format!("pid {}", std::process::id())), "{err}");
+    }
+
+    #[test]
+    fn the_lock_is_free_again_once_dropped() {
+        let d = tempfile::tempdir().unwrap();
+        let spool = d.path().join("spool.db");
+        drop(SpoolLock::acquire(&spool).unwrap());
+        assert!(SpoolLock::acquire(&spool).is_ok());
+    }
+
+    #[test]
+    fn network_filesystems_are_recognised() {
+        assert_eq!(refused_fs(0x6969), Some("nfs"));
+        assert_eq!(refused_fs(0x6573_5546), Some("fuse"));
+        assert_eq!(refused_fs(0xEF53), None); // ext4
+    }
+
+    #[test]
+    fn a_local_directory_passes() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(check_local_fs(&d.path().join("spool.db"), false).is_ok());
+    }
+}

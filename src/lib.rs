@@ -1,0 +1,36 @@
+//! edgespool: a store-and-forward agent for ARM Linux gateways.
+//!
+//! ```text
+//!  sources ──append (1 txn)──▶ spool (SQLite, WAL) ──fill window──▶ delivery ──▶ mqtt thread ──▶ broker
+//!  (/proc, /sys, files,            ▲        │                                        │
+//!   programs)                      │        └── retire (ACKED) ◀── ack map ◀── PUBACK ┘
+//!                                  └── retention (ACKED only, bounded batches), checkpoints
+//! ```
+//!
+//! A reading becomes a row in the spool in one local transaction, is
+//! published over MQTT QoS 1 with an event id that every retry reuses, and is
+//! retired only when the PUBACK of the publish that carried it arrives.
+//! Delivery is at least once; consumers deduplicate on the event id.
+//!
+//! Modules, in the order a reading travels:
+//! - [`config`]: board config, raw TOML → validated [`config::Config`];
+//! - [`source`]: one file per kind of reading source;
+//! - [`envelope`]: event ids and the wire format, encoded once at append;
+//! - [`spool`]: the SQLite spool, its pragmas, schema and every statement;
+//! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
+//! - [`ack`]: packet id ↔ row bookkeeping, pure;
+//! - [`mqtt`]: the rumqttc connection thread, backoff and watchdog;
+//! - [`fsguard`]: lock file and local-filesystem check;
+//! - [`agent`]: the threads, the run loop, maintenance and clean stop;
+//! - [`status`]: the `status` report.
+
+pub mod ack;
+pub mod agent;
+pub mod config;
+pub mod envelope;
+pub mod fsguard;
+pub mod mqtt;
+pub mod publisher;
+pub mod source;
+pub mod spool;
+pub mod status;

@@ -1,0 +1,132 @@
+//! The `edgespool` command: parses arguments, runs, maps results to exit codes.
+//!
+//! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS); 2 bad usage or bad config.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+const USAGE: &str = "usage:
+  edgespool run --config FILE [--set key.path=value]...
+  edgespool check-config FILE [--set key.path=value]...
+  edgespool status (--config FILE | --spool PATH) [--json]
+  edgespool --version";
+
+enum Cmd {
+    Run { config: PathBuf, sets: Vec<String> },
+    Check { config: PathBuf, sets: Vec<String> },
+    Status { config: Option<PathBuf>, spool: Option<PathBuf>, json: bool },
+    Version,
+}
+
+fn parse_args() -> Result<Cmd, lexopt::Error> {
+    use lexopt::prelude::*;
+    let mut p = lexopt::Parser::from_env();
+    let sub = match p.next()? {
+        Some(Value(v)) => v.string()?,
+        Some(Long("version")) => return Ok(Cmd::Version),
+        Some(a) => return Err(a.unexpected()),
+        None => return Err("missing command".into()),
+    };
+    let (mut config, mut spool, mut sets, mut json) = (None, None, Vec::new(), false);
+    while let Some(arg) = p.next()? {
+        match arg {
+            Long("config") | Short('c') => config = Some(PathBuf::from(p.value()?)),
+            Long("spool") => spool = Some(PathBuf::from(p.value()?)),
+            Long("set") => sets.push(p.value()?.string()?),
+            Long("json") => json = true,
+            Value(v) if sub == "check-config" && config.is_none() => config = Some(PathBuf::from(v)),
+            a => return Err(a.unexpected()),
+        }
+    }
+    match sub.as_str() {
+        "run" => Ok(Cmd::Run { config: config.ok_or("run needs --config FILE")?, sets }),
+        "check-config" => Ok(Cmd::Check { config: config.ok_or("check-config needs FILE")?, sets }),
+        "status" if config.is_some() || spool.is_some() => Ok(Cmd::Status { config, spool, json }),
+        "status" => Err("status needs --config FILE or --spool PATH".into()),
+        other => Err(format!("unknown command {other:?}").into()),
+    }
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let cmd = match parse_args() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("edgespool: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match cmd {
+        Cmd::Version => {
+            println!("edgespool {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Cmd::Check { config, sets } => match edgespool::config::load(&config, &sets) {
+            Ok(c) => {
+                println!(
+                    "{}: ok (device {}, {} sources, broker {}:{})",
+                    config.display(),
+                    c.device_id,
+                    c.sources.len(),
+                    c.mqtt.host,
+                    c.mqtt.port
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("config invalid: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Cmd::Status { config, spool, json } => {
+            let path = match (spool, config) {
+                (Some(s), _) => s,
+                (None, Some(c)) => match edgespool::config::load(&c, &[]) {
+                    Ok(cfg) => cfg.spool.path,
+                    Err(e) => {
+                        eprintln!("config invalid: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                (None, None) => return ExitCode::from(2),
+            };
+            let now = edgespool::envelope::wall_clock_ms().0;
+            match edgespool::status::report(&path, now) {
+                Ok(r) if json => match serde_json::to_string_pretty(&r) {
+                    Ok(s) => {
+                        println!("{s}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("edgespool: {e}");
+                        ExitCode::FAILURE
+                    }
+                },
+                Ok(r) => {
+                    print!("{}", edgespool::status::render(&r, now));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("edgespool: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Cmd::Run { config, sets } => {
+            let cfg = match edgespool::config::load(&config, &sets) {
+                Ok(c) => c,
+                Err(e) => {
+                    log::error!("config invalid: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match edgespool::agent::run(cfg) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    log::error!("{e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! The MQTT connection thread: owns the rumqttc event loop, turns PUBACKs into
+//! retirements through [`AckMap`], and rebuilds the client after every
+//! disconnect.
+//!
+//! Its one rule: **this thread never touches SQLite and never waits on it**;
+//! it reports to the delivery thread over a channel, so a slow SD-card fsync
+//! cannot starve keepalives.
+//!
+//! Why the client is rebuilt after every disconnect: rumqttc 0.25.1 keeps
+//! unacknowledged publishes in memory and, on a CONNACK without
+//! `session_present`, drops them silently (field case F08); on a resumed
+//! session it re-sends them with their old packet ids. Neither is a proof of
+//! anything we could map back to rows safely, so the spool owns redelivery: on
+//! any disconnect, inconsistency or watchdog expiry, every row in flight is
+//! handed back as replay-eligible ([`DeliveryMsg::Lost`]) and a fresh client is
+//! built after a capped, jittered backoff.
+
+use crate::ack::AckMap;
+use crate::config::MqttConfig;
+use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, Outgoing, QoS, RecvTimeoutError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Messages to the delivery thread.
+#[derive(Debug)]
+pub enum DeliveryMsg {
+    /// The PUBACK for the publish carrying this row arrived: retire it.
+    Acked(i64),
+    /// The connection was dropped or rebuilt: these rows are no longer in
+    /// flight and none was retired. From now on, submissions must carry `epoch`.
+    Lost {
+        /// The new epoch.
+        epoch: u64,
+        /// Rows that were in flight.
+        rows: Vec<i64>,
+        /// Why (for the log).
+        reason: String,
+    },
+    /// CONNACK accepted.
+    Connected {
+        /// The broker's `session_present` flag (MQTT 3.1.1 §3.2.2.2).
+        session_present: bool,
+    },
+    /// New rows were committed to the spool.
+    NewRows,
+}
+
+/// State shared by the MQTT thread and the delivery thread; locked only for
+/// non-blocking operations.
+pub struct Shared {
+    ack: AckMap<i64>,
+    client: Option<Client>,
+    connected: bool,
+    epoch: u64,
+    /// When the oldest unanswered publish was submitted, or the last PUBACK arrived.
+    progress_at: Option<Instant>,
+}
+
+/// Why a submission did not happen now. The row stays where it is in the
+/// spool and is offered again later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotNow {
+    /// No connection (or not yet CONNACKed).
+    Disconnected,
+    /// The caller's epoch is stale: process the pending [`DeliveryMsg::Lost`] first.
+    StaleEpoch,
+    /// rumqttc's request channel is full.
+    ChannelFull,
+    /// The in-flight window is full.
+    WindowFull,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("in_flight", &self.ack.len())
+            .field("connected", &self.connected)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+/// Handle used by the delivery thread.
+#[derive(Debug, Clone)]
+pub struct Link {
+    shared: Arc<Mutex<Shared>>,
+}
+
+fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    // A panic elsewhere aborts the process (panic = "abort"), so a poisoned
+    // lock only occurs in tests; the data is still consistent there.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Link {
+    /// Rows in flight (submitted, not yet acknowledged).
+    pub fn in_flight(&self) -> usize {
+        lock(&self.shared).ack.len()
+    }
+
+    /// True while connected.
+    pub fn connected(&self) -> bool {
+        lock(&self.shared).connected
+    }
+
+    /// Submit one QoS 1 publish carrying `row`, if connected, in `epoch`, and
+    /// fewer than `window` rows are in flight. Never blocks.
+    pub fn submit(
+        &self,
+        epoch: u64,
+        window: usize,
+        row: i64,
+        topic: &str,
+        payload: &[u8],
+    ) -> Result<(), NotNow> {
+        let mut s = lock(&self.shared);
+        if s.epoch != epoch {
+            return Err(NotNow::StaleEpoch);
+        }
+        if !s.connected {
+            return Err(NotNow::Disconnected);
+        }
+        if s.ack.len() >= window {
+            return Err(NotNow::WindowFull);
+        }
+        let Some(client) = s.client.clone() else {
+            return Err(NotNow::Disconnected);
+        };
+        if s.ack.submitted(row).is_err() {
+            return Err(NotNow::WindowFull);
+        }
+        // The row is in the FIFO before the request can reach the event loop,
+        // and the lock keeps submissions in FIFO order.
+        match client.try_publish(topic, QoS::AtLeastOnce, false, payload.to_vec()) {
+            Ok(()) => {
+                if s.ack.len() == 1 {
+                    s.progress_at = Some(Instant::now());
+                }
+                Ok(())
+            }
+            Err(_) => {
+                s.ack.submit_failed();
+                Err(NotNow::ChannelFull)
+            }
+        }
+    }
+}
+
+/// Capped exponential backoff with ±25 % jitter.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    current: Duration,
+    rng: u64,
+}
+
+impl Backoff {
+    /// Start at `min`, double up to `max`.
+    pub fn new(min: Duration, max: Duration) -> Backoff {
+        let mut seed = [0u8; 8];
+        // A fixed seed only makes jitter predictable; it is never a correctness issue.
+        let _ = getrandom::fill(&mut seed);
+        Backoff {
+            min,
+            max,
+            current: min,
+            rng: u64::from_le_bytes(seed) | 1,
+        }
+    }
+
+    /// The next delay; doubles the base for the following call.
+    pub fn next_delay(&mut self) -> Duration {
+        // xorshift64: cheap jitter, no dependency.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let base = self.current;
+        self.current = (self.current * 2).min(self.max);
+        let frac = (self.rng % 501) as f64 / 1000.0 + 0.75; // 0.75..=1.25
+        base.mul_f64(frac).min(self.max)
+    }
+
+    /// Back to `min` (after a successful connection).
+    pub fn reset(&mut self) {
+        self.current = self.min;
+    }
+}
+
+/// The connection thread's body.
+pub struct MqttThread {
+    cfg: MqttConfig,
+    shared: Arc<Mutex<Shared>>,
+    to_delivery: Sender<DeliveryMsg>,
+    stop: Arc<AtomicBool>,
+}
+
+/// Create the shared state and the thread body. Run [`MqttThread::run`] on
+/// its own thread; give the [`Link`] to the delivery thread.
+pub fn new(cfg: MqttConfig, to_delivery: Sender<DeliveryMsg>, stop: Arc<AtomicBool>) -> (Link, MqttThread) {
+    let shared = Arc::new(Mutex::new(Shared {
+        ack: AckMap::new(),
+        client: None,
+        connected: false,
+        epoch: 0,
+        progress_at: None,
+    }));
+    (
+        Link {
+            shared: shared.clone(),
+        },
+        MqttThread {
+            cfg,
+            shared,
+            to_delivery,
+            stop,
+        },
+    )
+}
+
+fn options(cfg: &MqttConfig) -> MqttOptions {
+    let mut o = MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
+    o.set_keep_alive(cfg.keep_alive);
+    o.set_clean_session(cfg.clean_session);
+    // Above our window, so rumqttc's own flow control never holds a publish
+    // we counted as in flight for long (packet ids cycle 1..=inflight).
+    o.set_inflight((cfg.inflight_window as u16).saturating_mul(2).max(8));
+    let topic_room = cfg.topic_prefix.len() + 256;
+    o.set_max_packet_size(1024 * 1024, cfg.max_payload_bytes + topic_room);
+    o.set_request_channel_capacity(cfg.inflight_window + 8);
+    o
+}
+
+impl MqttThread {
+    /// Drive connections until the stop flag is set.
+    pub fn run(self) {
+        let mut backoff = Backoff::new(self.cfg.reconnect_min, self.cfg.reconnect_max);
+        let mut first = true;
+        while !self.stop.load(Ordering::Relaxed) {
+            if !first {
+                let delay = backoff.next_delay();
+                log::debug!("mqtt: reconnecting in {} ms", delay.as_millis());
+                self.sleep(delay);
+                if self.stop.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+            first = false;
+            let (client, mut connection) = Client::new(options(&self.cfg), self.cfg.inflight_window + 8);
+            let mut net = connection.eventloop.network_options();
+            net.set_connection_timeout(self.cfg.connect_timeout.as_secs().max(1));
+            connection.eventloop.set_network_options(net);
+            lock(&self.shared).client = Some(client.clone());
+            let reason = self.drive(&mut connection, &mut backoff);
+            let _ = client.try_disconnect();
+            self.lose(&reason);
+        }
+        let _ = lock(&self.shared).client.take();
+    }
+
+    fn sleep(&self, d: Duration) {
+        let until = Instant::now() + d;
+        while !self.stop.load(Ordering::Relaxed) {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            std::thread::sleep((until - now).min(Duration::from_millis(100)));
+        }
+    }
+
+    /// Drop the connection's bookkeeping; every row in flight becomes replay-eligible.
+    fn lose(&self, reason: &str) {
+        let (epoch, rows) = {
+            let mut s = lock(&self.shared);
+            s.connected = false;
+            s.client = None;
+            s.epoch += 1;
+            s.progress_at = None;
+            (s.epoch, s.ack.reset())
+        };
+        if rows.is_empty() {
+            log::info!("mqtt: disconnected: {reason}");
+        } else {
+            log::warn!("mqtt: disconnected: {reason}; requeued {} unacknowledged rows for replay from the spool", rows.len());
+        }
+        let _ = self.to_delivery.send(DeliveryMsg::Lost {
+            epoch,
+            rows,
+            reason: reason.to_owned(),
+        });
+    }
+
+    /// Poll one connection until it fails; returns why.
+    fn drive(&self, connection: &mut Connection, backoff: &mut Backoff) -> String {
+        // Long enough to never cancel a connect attempt (rumqttc's poll is
+        // cancelled by the timeout), short enough to see the stop flag.
+        let connect_wait = self.cfg.connect_timeout + Duration::from_secs(2);
+        let idle_wait = Duration::from_millis(500);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return "agent stopping".into();
+            }
+            let connected = lock(&self.shared).connected;
+            let wait = if connected { idle_wait } else { connect_wait };
+            match connection.recv_timeout(wait) {
+                Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
+                    lock(&self.shared).connected = true;
+                    backoff.reset();
+                    log::info!(
+                        "mqtt: connected to {}:{} (session_present={})",
+                        self.cfg.host,
+                        self.cfg.port,
+                        ack.session_present
+                    );
+                    let _ = self.to_delivery.send(DeliveryMsg::Connected {
+                        session_present: ack.session_present,
+                    });
+                }
+                Ok(Ok(Event::Outgoing(Outgoing::Publish(pkid)))) => {
+                    if let Err(e) = lock(&self.shared).ack.on_outgoing_publish(pkid) {
+                        return format!("ack correlation: {e}");
+                    }
+                }
+                Ok(Ok(Event::Incoming(Incoming::PubAck(ack)))) => {
+                    let res = {
+                        let mut s = lock(&self.shared);
+                        let r = s.ack.on_puback(ack.pkid);
+                        if r.is_ok() {
+                            s.progress_at = if s.ack.is_empty() { None } else { Some(Instant::now()) };
+                        }
+                        r
+                    };
+                    match res {
+                        Ok(row) => {
+                            let _ = self.to_delivery.send(DeliveryMsg::Acked(row));
+                        }
+                        Err(e) => return format!("ack correlation: {e}"),
+                    }
+                }
+                Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
+                Ok(Err(e)) => return format!("connection error: {e}"),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
+            }
+            // Watchdog: connected, rows waiting, no acknowledgement for too
+            // long (rumqtt issues 1014/1056: a stall that looks healthy).
+            let stalled = {
+                let s = lock(&self.shared);
+                s.connected
+                    && !s.ack.is_empty()
+                    && s.progress_at.is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
+            };
+            if stalled {
+                return format!(
+                    "watchdog: no PUBACK for {} s with rows in flight; rebuilding the client",
+                    self.cfg.ack_timeout.as_secs()
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_with_bounded_jitter() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(1000));
+        let d: Vec<u128> = (0..8).map(|_| b.next_delay().as_millis()).collect();
+        assert!((75..=125).contains(&d[0]), "{d:?}");
+        assert!((150..=250).contains(&d[1]), "{d:?}");
+        assert!(d[5..].iter().all(|&x| (750..=1000).contains(&x)), "{d:?}");
+        b.reset();
+        assert!(b.next_delay().as_millis() <= 125);
+    }
+
+    #[test]
+    fn submit_refuses_when_disconnected_or_stale() {
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let cfg = crate::config::parse(
+            "device_id='d'\n[spool]\npath='/tmp/x'\n",
+            "t",
+            &[],
+        )
+        .unwrap()
+        .mqtt;
+        let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)));
+        assert_eq!(link.submit(0, 8, 1, "t", b"x"), Err(NotNow::Disconnected));
+        assert_eq!(link.submit(1, 8, 1, "t", b"x"), Err(NotNow::StaleEpoch));
+        assert_eq!(link.in_flight(), 0);
+    }
+}

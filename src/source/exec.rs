@@ -1,0 +1,616 @@
+//! A program run with fixed arguments, its stdout parsed as a number or a
+//! flat JSON object.
+//!
+//! The program never goes through a shell, so configured arguments can't
+//! inject commands. It gets its own process group so that on timeout every
+//! helper it started dies with it; otherwise a helper still holding our pipe
+//! would keep the reader waiting.
+
+use std::io::{self, Read};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::{excerpt, parse_finite, FieldValue, Fields, SourceError};
+
+/// How often the child is polled; short enough that a timeout overshoots
+/// by little, long enough to cost nothing on a small CPU.
+const POLL: Duration = Duration::from_millis(10);
+/// Caps the deadline so `Instant + timeout` cannot overflow however large the
+/// configured timeout.
+const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+/// After SIGKILL a process normally goes at once; one stuck in uninterruptible
+/// sleep (a hung bus) may not, and must not stall the agent.
+const REAP_GRACE: Duration = Duration::from_secs(2);
+/// Raw stderr kept; more than shown so trimming leaves enough.
+const STDERR_KEEP: usize = 512;
+/// Stderr shown in an `Exit` error.
+const STDERR_SHOWN: usize = 200;
+/// Bad stdout shown in a `Parse` error.
+const STDOUT_SHOWN: usize = 80;
+
+/// What a reader thread got from one pipe.
+struct Captured {
+    bytes: Vec<u8>,
+    /// More came than was kept.
+    truncated: bool,
+}
+
+/// Where a reader thread delivers its result.
+type CaptureRx = Receiver<io::Result<Captured>>;
+
+pub(super) fn run(
+    program: &Path,
+    args: &[String],
+    timeout: Duration,
+    field: &str,
+    max_output_bytes: usize,
+) -> Result<Fields, SourceError> {
+    let deadline = Instant::now() + timeout.min(MAX_TIMEOUT);
+    let spawn_err = |source| SourceError::Spawn {
+        program: program.to_path_buf(),
+        source,
+    };
+    let timed_out = || SourceError::Timeout {
+        program: program.to_path_buf(),
+        after: timeout,
+    };
+
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .map_err(spawn_err)?;
+
+    // Both pipes are drained in threads: a child writing more than a pipe
+    // buffer to either would otherwise block and look like a hang.
+    let (out_rx, err_rx) = match start_readers(&mut child, max_output_bytes) {
+        Ok(rx) => rx,
+        Err(source) => {
+            kill_and_reap(child);
+            return Err(spawn_err(source));
+        }
+    };
+
+    let status = match wait_until(&mut child, deadline) {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            kill_and_reap(child);
+            return Err(timed_out());
+        }
+        Err(source) => {
+            kill_and_reap(child);
+            return Err(spawn_err(source));
+        }
+    };
+
+    if !status.success() {
+        let stderr = match recv_until(&err_rx, deadline) {
+            Some(Ok(c)) => one_line(&c.bytes, STDERR_SHOWN),
+            Some(Err(_)) => String::new(),
+            None => {
+                kill_group(child.id());
+                String::new()
+            }
+        };
+        return Err(SourceError::Exit {
+            program: program.to_path_buf(),
+            status: status.to_string(),
+            stderr,
+        });
+    }
+
+    // The output is complete only once every writer has closed stdout, which
+    // a helper the program left behind may never do.
+    let captured = match recv_until(&out_rx, deadline) {
+        Some(Ok(c)) => c,
+        Some(Err(source)) => {
+            return Err(SourceError::Io {
+                path: program.to_path_buf(),
+                source,
+            })
+        }
+        None => {
+            kill_group(child.id());
+            return Err(timed_out());
+        }
+    };
+
+    let text = String::from_utf8_lossy(&captured.bytes);
+    match parse_stdout(&text, field) {
+        Ok((fields, skipped)) => {
+            if skipped > 0 {
+                log::debug!(
+                    "{}: skipped {skipped} JSON field(s) that are not a number, string or bool",
+                    program.display()
+                );
+            }
+            Ok(fields)
+        }
+        Err(detail) => {
+            let detail = if captured.truncated {
+                format!("{detail} (output cut at {max_output_bytes} bytes)")
+            } else {
+                detail
+            };
+            Err(SourceError::Parse {
+                what: format!("output of {}", program.display()),
+                detail,
+            })
+        }
+    }
+}
+
+/// Parses trimmed stdout: a bare number becomes `field`, a JSON object
+/// becomes one field per usable key. Returns the fields and how many keys
+/// were skipped, or a one-line error detail.
+fn parse_stdout(text: &str, field: &str) -> Result<(Fields, usize), String> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err("no output, expected a number or a flat JSON object".to_owned());
+    }
+    if let Some(v) = parse_finite(t) {
+        return Ok((vec![(field.to_owned(), FieldValue::Num(v))], 0));
+    }
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(t) else {
+        return Err(format!(
+            "expected a number or a flat JSON object, got {:?}",
+            excerpt(t, STDOUT_SHOWN)
+        ));
+    };
+    let mut fields = Fields::new();
+    let mut skipped = 0;
+    for (key, value) in map {
+        let value = match value {
+            serde_json::Value::Number(n) => {
+                n.as_f64().filter(|v| v.is_finite()).map(FieldValue::Num)
+            }
+            serde_json::Value::String(s) => Some(FieldValue::Text(s)),
+            serde_json::Value::Bool(b) => Some(FieldValue::Bool(b)),
+            serde_json::Value::Null
+            | serde_json::Value::Array(_)
+            | serde_json::Value::Object(_) => None,
+        };
+        // A nameless field could not be told apart from another downstream.
+        match value {
+            Some(v) if !key.is_empty() => fields.push((key, v)),
+            _ => skipped += 1,
+        }
+    }
+    if fields.is_empty() {
+        return Err(format!(
+            "JSON object has no number, string or bool field ({skipped} skipped)"
+        ));
+    }
+    Ok((fields, skipped))
+}
+
+fn start_readers(child: &mut Child, max_output_bytes: usize) -> io::Result<(CaptureRx, CaptureRx)> {
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| io::Error::other("stdout was not captured"))?;
+    let stderr = child
+        .stderr
+        .take()
+        .ok_or_else(|| io::Error::other("stderr was not captured"))?;
+    let out_rx = spawn_reader("exec-stdout", stdout, max_output_bytes)?;
+    let err_rx = spawn_reader("exec-stderr", stderr, STDERR_KEEP)?;
+    Ok((out_rx, err_rx))
+}
+
+/// The thread ends on EOF, which comes at the latest when the process group
+/// is killed, so it is never joined: the result arrives over the channel,
+/// with a deadline.
+fn spawn_reader<R: Read + Send + 'static>(
+    name: &str,
+    stream: R,
+    keep: usize,
+) -> io::Result<CaptureRx> {
+    let (tx, rx) = mpsc::channel();
+    thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || {
+            // The receiver may have given up already; nothing to do then.
+            let _ = tx.send(capture(stream, keep));
+        })?;
+    Ok(rx)
+}
+
+/// Keeps the first `keep` bytes and reads on to EOF, discarding the rest so
+/// the writer is never blocked on a full pipe.
+fn capture<R: Read>(mut stream: R, keep: usize) -> io::Result<Captured> {
+    let mut bytes = Vec::new();
+    let mut truncated = false;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let take = n.min(keep.saturating_sub(bytes.len()));
+        bytes.extend_from_slice(&buf[..take]);
+        if take < n {
+            truncated = true;
+        }
+    }
+    Ok(Captured { bytes, truncated })
+}
+
+/// `None` if the deadline passed first. Polling `try_wait` needs no SIGCHLD
+/// handler, which would be process-wide and clash with the agent's own.
+fn wait_until(child: &mut Child, deadline: Instant) -> io::Result<Option<ExitStatus>> {
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(None);
+        }
+        thread::sleep(POLL.min(deadline - now));
+    }
+}
+
+/// `None` if the deadline passed first.
+fn recv_until(rx: &CaptureRx, deadline: Instant) -> Option<io::Result<Captured>> {
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(r) => Some(r),
+        Err(RecvTimeoutError::Timeout) => None,
+        Err(RecvTimeoutError::Disconnected) => Some(Err(io::Error::other(
+            "output reader ended without a result",
+        ))),
+    }
+}
+
+/// SIGKILL to the child's process group (the child leads it, see
+/// `process_group(0)`), reaching helpers it started.
+fn kill_group(pid: u32) {
+    let Ok(pgid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    // kill(0) or kill(-1) would hit our own group or every process.
+    if pgid <= 1 {
+        return;
+    }
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    unsafe {
+        libc::kill(-pgid, libc::SIGKILL);
+    }
+}
+
+/// Kills the child and its group and reaps it so no zombie is left. A child
+/// that does not die within `REAP_GRACE` is handed to a thread that waits
+/// for it, so the agent goes on.
+fn kill_and_reap(mut child: Child) {
+    kill_group(child.id());
+    // In case the group signal could not be sent; an error only means the
+    // child has already exited.
+    let _ = child.kill();
+    let give_up = Instant::now() + REAP_GRACE;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => return,
+            Ok(None) if Instant::now() < give_up => thread::sleep(POLL),
+            Ok(None) => break,
+            Err(e) => {
+                log::warn!("cannot reap killed child {}: {e}", child.id());
+                return;
+            }
+        }
+    }
+    let pid = child.id();
+    log::warn!("killed child {pid} has not exited; reaping it in the background");
+    let spawned = thread::Builder::new()
+        .name("exec-reaper".to_owned())
+        .spawn(move || {
+            let _ = child.wait();
+        });
+    if let Err(e) = spawned {
+        log::warn!("cannot start reaper thread for child {pid}: {e}; it may stay a zombie");
+    }
+}
+
+/// Stderr as one short line for a log message.
+fn one_line(bytes: &[u8], max_bytes: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let flat: String = text
+        .trim()
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    excerpt(&flat, max_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn sh(script: &str, timeout: Duration, max: usize) -> Result<Fields, SourceError> {
+        run(
+            Path::new("/bin/sh"),
+            &["-c".to_owned(), script.to_owned()],
+            timeout,
+            "value",
+            max,
+        )
+    }
+
+    fn sorted(mut f: Fields) -> Fields {
+        f.sort_by(|a, b| a.0.cmp(&b.0));
+        f
+    }
+
+    #[test]
+    fn echo_number() {
+        let f = run(
+            Path::new("/bin/echo"),
+            &["  -12.5 ".to_owned()],
+            Duration::from_secs(5),
+            "temp_c",
+            64,
+        )
+        .unwrap();
+        assert_eq!(f, vec![("temp_c".to_owned(), FieldValue::Num(-12.5))]);
+    }
+
+    #[test]
+    fn args_are_not_shell_expanded() {
+        let err = run(
+            Path::new("/bin/echo"),
+            &["$(echo 1)".to_owned()],
+            Duration::from_secs(5),
+            "v",
+            64,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("$(echo 1)"), "{err}");
+    }
+
+    #[test]
+    fn flat_json_object() {
+        let f = sh(
+            r#"printf '{"b": 1.5, "a": "ok", "c": true, "d": null, "e": [1], "f": {"g": 1}, "h": -2}\n'"#,
+            Duration::from_secs(5),
+            4096,
+        )
+        .unwrap();
+        assert_eq!(
+            sorted(f),
+            vec![
+                ("a".to_owned(), FieldValue::Text("ok".into())),
+                ("b".to_owned(), FieldValue::Num(1.5)),
+                ("c".to_owned(), FieldValue::Bool(true)),
+                ("h".to_owned(), FieldValue::Num(-2.0)),
+            ]
+        );
+    }
+
+    #[test]
+    fn parse_stdout_cases() {
+        assert_eq!(
+            parse_stdout("42\n", "x"),
+            Ok((vec![("x".to_owned(), FieldValue::Num(42.0))], 0))
+        );
+        let (f, skipped) = parse_stdout(r#"{"a":1,"b":null,"":2}"#, "x").unwrap();
+        assert_eq!(f, vec![("a".to_owned(), FieldValue::Num(1.0))]);
+        assert_eq!(skipped, 2);
+        for bad in [
+            "",
+            "  \n",
+            "nan",
+            "inf",
+            "true",
+            "\"str\"",
+            "[1,2]",
+            "{",
+            "{}",
+            r#"{"a":null,"b":[1],"c":{}}"#,
+            "12 13",
+            "\u{0}\u{ff}",
+        ] {
+            assert!(parse_stdout(bad, "x").is_err(), "{bad:?}");
+        }
+        let long = "z".repeat(10_000);
+        let detail = parse_stdout(&long, "x").unwrap_err();
+        assert!(detail.len() < 200, "{detail}");
+    }
+
+    #[test]
+    fn nested_only_json_is_parse_error() {
+        let err = sh(
+            r#"printf '{"a": {"b": 1}, "c": null}'"#,
+            Duration::from_secs(5),
+            4096,
+        )
+        .unwrap_err();
+        assert!(matches!(err, SourceError::Parse { .. }), "{err}");
+        assert!(err.to_string().contains("2 skipped"), "{err}");
+    }
+
+    #[test]
+    fn garbage_output_is_parse_error() {
+        let err = sh("echo hello", Duration::from_secs(5), 4096).unwrap_err();
+        assert!(matches!(err, SourceError::Parse { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("/bin/sh") && msg.contains("\"hello\""),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn output_over_limit_parsed_from_prefix() {
+        // The first 4 bytes happen to be a number: accepted as documented.
+        let f = sh("echo 12345678", Duration::from_secs(5), 4).unwrap();
+        assert_eq!(f, vec![("value".to_owned(), FieldValue::Num(1234.0))]);
+        // A cut JSON object does not parse, and the message says why.
+        let err = sh(r#"printf '{"a": 1, "b": 2}'"#, Duration::from_secs(5), 8).unwrap_err();
+        assert!(matches!(err, SourceError::Parse { .. }), "{err}");
+        assert!(err.to_string().contains("cut at 8 bytes"), "{err}");
+    }
+
+    #[test]
+    fn huge_output_is_drained_not_deadlocked() {
+        // Far more than a pipe buffer on both streams; a reader that stopped
+        // at the limit would leave the child blocked until the timeout.
+        let err = sh(
+            "head -c 1000000 /dev/zero | tr '\\0' x; head -c 1000000 /dev/zero >&2",
+            Duration::from_secs(20),
+            16,
+        )
+        .unwrap_err();
+        assert!(matches!(err, SourceError::Parse { .. }), "{err}");
+    }
+
+    #[test]
+    fn false_is_exit_error() {
+        let err = run(
+            Path::new("/bin/false"),
+            &[],
+            Duration::from_secs(5),
+            "v",
+            64,
+        )
+        .unwrap_err();
+        match &err {
+            SourceError::Exit {
+                program, status, ..
+            } => {
+                assert_eq!(program, Path::new("/bin/false"));
+                assert!(status.contains('1'), "{status}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn exit_error_carries_short_stderr() {
+        let err = sh(
+            "echo 5; echo 'sensor\nmissing' >&2; head -c 5000 /dev/zero | tr '\\0' e >&2; exit 3",
+            Duration::from_secs(5),
+            64,
+        )
+        .unwrap_err();
+        match &err {
+            SourceError::Exit { status, stderr, .. } => {
+                assert!(status.contains('3'), "{status}");
+                assert!(stderr.starts_with("sensor missing eee"), "{stderr}");
+                assert!(stderr.len() <= STDERR_SHOWN + '…'.len_utf8(), "{stderr}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(!err.to_string().contains('\n'));
+    }
+
+    #[test]
+    fn killed_by_signal_is_exit_error() {
+        let err = sh("kill -9 $$", Duration::from_secs(5), 64).unwrap_err();
+        match &err {
+            SourceError::Exit { status, .. } => assert!(status.contains('9'), "{status}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn missing_program_is_spawn_error() {
+        let err = run(
+            Path::new("/nonexistent/probe"),
+            &[],
+            Duration::from_secs(5),
+            "v",
+            64,
+        )
+        .unwrap_err();
+        match &err {
+            SourceError::Spawn { program, .. } => {
+                assert_eq!(program, &PathBuf::from("/nonexistent/probe"))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(err.to_string().contains("/nonexistent/probe"));
+    }
+
+    #[test]
+    fn timeout_kills_and_reaps() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("pid");
+        let script = format!("echo $$ > '{}'; exec sleep 5", pid_file.display());
+        let started = Instant::now();
+        let err = sh(&script, Duration::from_millis(200), 64).unwrap_err();
+        let took = started.elapsed();
+        match &err {
+            SourceError::Timeout { after, .. } => assert_eq!(*after, Duration::from_millis(200)),
+            other => panic!("{other:?}"),
+        }
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        // A zombie would still have its /proc entry; a reaped child has none.
+        assert!(
+            !Path::new(&format!("/proc/{}", pid.trim())).exists(),
+            "child {pid} not reaped"
+        );
+    }
+
+    #[test]
+    fn helper_holding_stdout_times_out_and_dies() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("pid");
+        // The shell exits at once but its background sleep keeps stdout open.
+        let script = format!("sleep 5 & echo $! > '{}'; echo 1", pid_file.display());
+        let started = Instant::now();
+        let err = sh(&script, Duration::from_millis(300), 64).unwrap_err();
+        assert!(matches!(err, SourceError::Timeout { .. }), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(3));
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let proc_dir = format!("/proc/{}", pid.trim());
+        // The helper was not our child, so init reaps it; give it a moment.
+        let give_up = Instant::now() + Duration::from_secs(2);
+        while Path::new(&proc_dir).exists() && Instant::now() < give_up {
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!Path::new(&proc_dir).exists(), "helper {pid} still running");
+    }
+
+    #[test]
+    fn huge_timeout_does_not_overflow() {
+        let f = run(
+            Path::new("/bin/echo"),
+            &["1".to_owned()],
+            Duration::MAX,
+            "v",
+            64,
+        )
+        .unwrap();
+        assert_eq!(f, vec![("v".to_owned(), FieldValue::Num(1.0))]);
+    }
+
+    #[test]
+    fn zero_max_output_is_parse_error() {
+        let err = run(
+            Path::new("/bin/echo"),
+            &["1".to_owned()],
+            Duration::from_secs(5),
+            "v",
+            0,
+        )
+        .unwrap_err();
+        assert!(matches!(err, SourceError::Parse { .. }), "{err}");
+    }
+
+    #[test]
+    fn one_line_flattens() {
+        assert_eq!(one_line(b"  a\nb\tc\r\n", 100), "a b c");
+        assert_eq!(one_line(b"abcdef", 3), "abc…");
+        assert_eq!(one_line(b"\xff", 10), "\u{fffd}");
+    }
+}

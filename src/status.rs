@@ -1,0 +1,99 @@
+//! `edgespool status`: what the spool holds, read from the spool file itself.
+//!
+//! Its one rule: **status never writes and never holds a read transaction
+//! longer than one query**, so it is safe beside a running agent (F01).
+
+use crate::spool::{RunRecord, Spool, SpoolOptions, Stats};
+use serde::Serialize;
+use std::path::Path;
+
+/// Everything `status` reports.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// Spool file.
+    pub spool: String,
+    /// Counts, WAL size, counters.
+    pub stats: Stats,
+    /// Rows by state over all streams.
+    pub totals: Vec<(String, i64)>,
+    /// Newest runs first.
+    pub runs: Vec<RunRecord>,
+}
+
+/// Build the report for the spool at `path`.
+///
+/// Errors: the spool cannot be opened or read (message names the path).
+pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
+    if !path.exists() {
+        return Err(format!("spool {} does not exist (has the agent run yet?)", path.display()));
+    }
+    let spool = Spool::open(path, &SpoolOptions::default()).map_err(|e| e.to_string())?;
+    let stats = spool.stats(now_ms).map_err(|e| e.to_string())?;
+    let runs = spool.runs(10).map_err(|e| e.to_string())?;
+    let mut totals: Vec<(String, i64)> = Vec::new();
+    for state in ["PENDING", "SENT", "ACKED", "FAILED"] {
+        let n = stats
+            .by_stream_state
+            .iter()
+            .filter(|(_, s, _)| s == state)
+            .map(|(_, _, n)| n)
+            .sum();
+        totals.push((state.to_owned(), n));
+    }
+    Ok(Report {
+        spool: path.display().to_string(),
+        stats,
+        totals,
+        runs,
+    })
+}
+
+fn fmt_ms(ms: i64) -> String {
+    let secs = ms / 1000;
+    format!("{}d{:02}h{:02}m{:02}s", secs / 86400, secs / 3600 % 24, secs / 60 % 60, secs % 60)
+}
+
+/// Human-readable form of `r`.
+pub fn render(r: &Report, now_ms: i64) -> String {
+    let mut o = String::new();
+    o.push_str(&format!("spool: {}\n", r.spool));
+    o.push_str(&format!(
+        "size: db {} bytes, wal {} bytes\n",
+        r.stats.db_bytes, r.stats.wal_bytes
+    ));
+    let t: Vec<String> = r.totals.iter().map(|(s, n)| format!("{s}={n}")).collect();
+    o.push_str(&format!("rows: {}\n", t.join(" ")));
+    match r.stats.oldest_unacked_age_ms {
+        Some(a) => o.push_str(&format!("oldest unacknowledged: {} old\n", fmt_ms(a))),
+        None => o.push_str("oldest unacknowledged: none\n"),
+    }
+    o.push_str("by stream:\n");
+    for (stream, state, n) in &r.stats.by_stream_state {
+        o.push_str(&format!("  {stream:<24} {state:<8} {n}\n"));
+    }
+    if !r.stats.counters.is_empty() {
+        o.push_str("counters:\n");
+        for (k, v) in &r.stats.counters {
+            o.push_str(&format!("  {k:<32} {v}\n"));
+        }
+    }
+    o.push_str("runs (newest first):\n");
+    for run in &r.runs {
+        let end = match run.ended_ms {
+            Some(e) => format!("ran {}", fmt_ms(e - run.started_ms)),
+            None if run.exit_status.is_none() => format!("running for {}", fmt_ms(now_ms - run.started_ms)),
+            None => "end unknown".into(),
+        };
+        o.push_str(&format!(
+            "  #{} pid {} v{} started {} ago, {}, status {}{}\n",
+            run.id,
+            run.pid,
+            run.version,
+            fmt_ms(now_ms - run.started_ms),
+            end,
+            run.exit_status.as_deref().unwrap_or("-"),
+            run.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
+        ));
+    }
+    o
+}

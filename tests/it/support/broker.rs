@@ -1,0 +1,201 @@
+//! A real mosquitto broker on a free loopback port, in its own temp dir.
+
+use std::fs::{File, OpenOptions};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{free_port, tail};
+
+const MOSQUITTO: &str = "/usr/sbin/mosquitto";
+/// How long `start` waits for the listener to accept TCP.
+const START_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `restart` keeps retrying (e.g. while the port is still taken).
+const RESTART_TIMEOUT: Duration = Duration::from_secs(8);
+
+pub struct Broker {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+    conf_path: PathBuf,
+    log_path: PathBuf,
+}
+
+impl Broker {
+    /// Start mosquitto on 127.0.0.1:<free port> with persistence off and
+    /// anonymous access, logging everything (debug included) to a file in its
+    /// own temp dir. Panics, with the log tail, if the port does not accept
+    /// TCP within about 5 s.
+    pub fn start() -> Broker {
+        let dir = tempfile::Builder::new()
+            .prefix("edgespool-broker-")
+            .tempdir()
+            .expect("create temp dir for mosquitto");
+        let port = free_port();
+        let conf_path = dir.path().join("mosquitto.conf");
+        let log_path = dir.path().join("mosquitto.log");
+        write_config(&conf_path, port);
+        let mut broker = Broker {
+            child: None,
+            port,
+            dir,
+            conf_path,
+            log_path,
+        };
+        if let Err(why) = broker.spawn_and_wait(START_TIMEOUT) {
+            panic!(
+                "mosquitto did not come up on 127.0.0.1:{port}: {why}\n--- mosquitto log tail ---\n{}",
+                tail(&broker.log_text(), 40)
+            );
+        }
+        broker
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("mqtt://127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn conf_path(&self) -> &Path {
+        &self.conf_path
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// True while the broker process is alive.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            None => false,
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+        }
+    }
+
+    /// SIGKILL the broker (no clean shutdown, no goodbye to clients) and
+    /// reap it. A no-op if it is not running.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Child::kill sends SIGKILL on Unix; an error only means it has
+            // already exited, and wait() reaps it either way.
+            let _ = child.kill();
+            child
+                .wait()
+                .unwrap_or_else(|e| panic!("reap mosquitto (pid {}): {e}", child.id()));
+        }
+    }
+
+    /// Start the broker again on the same port, with a blank state
+    /// (persistence is off, so every session and subscription is gone).
+    /// Kills the current process first if it is still running. Retries for a
+    /// few seconds if the port cannot be bound yet.
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + RESTART_TIMEOUT;
+        let mut last_err;
+        loop {
+            match self.spawn_and_wait(deadline.saturating_duration_since(Instant::now())) {
+                Ok(()) => return,
+                Err(why) => last_err = why,
+            }
+            self.kill();
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!(
+            "mosquitto did not come back on 127.0.0.1:{}: {last_err}\n--- mosquitto log tail ---\n{}",
+            self.port,
+            tail(&self.log_text(), 40)
+        );
+    }
+
+    /// Everything mosquitto has logged so far, across restarts.
+    pub fn log_text(&self) -> String {
+        match std::fs::read(&self.log_path) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) => format!("<cannot read {}: {e}>", self.log_path.display()),
+        }
+    }
+
+    /// Spawn mosquitto and wait until its port accepts a TCP connection, the
+    /// process dies, or `timeout` passes.
+    fn spawn_and_wait(&mut self, timeout: Duration) -> Result<(), String> {
+        assert!(self.child.is_none(), "spawn_and_wait with a live broker");
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .unwrap_or_else(|e| panic!("open mosquitto log {}: {e}", self.log_path.display()));
+        let log_err = log.try_clone().expect("clone mosquitto log file handle");
+        let child = Command::new(MOSQUITTO)
+            .arg("-c")
+            .arg(&self.conf_path)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {MOSQUITTO}: {e}"));
+        self.child = Some(child);
+
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.child.as_mut().expect("child just spawned");
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Err(format!("mosquitto exited early with {status}"));
+            }
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("port not accepting after {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn write_config(path: &Path, port: u16) {
+    use std::io::Write;
+    let mut conf = String::new();
+    conf.push_str(&format!("listener {port} 127.0.0.1\n"));
+    conf.push_str("allow_anonymous true\n");
+    conf.push_str("persistence false\n");
+    // Logs go to stderr, which is redirected (append) to mosquitto.log so a
+    // bind failure and every restart land in the same file.
+    conf.push_str("log_dest stderr\n");
+    conf.push_str("log_type all\n");
+    conf.push_str("log_timestamp true\n");
+    conf.push_str("log_timestamp_format %H:%M:%S\n");
+    conf.push_str("connection_messages true\n");
+    // Running as root, mosquitto would otherwise switch to the `mosquitto`
+    // user, which cannot write into our temp dir.
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        conf.push_str("user root\n");
+    }
+    let mut file =
+        File::create(path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+    file.write_all(conf.as_bytes())
+        .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+}
