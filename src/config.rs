@@ -327,7 +327,12 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, C
     // The file alone first, so problems carry the file's line numbers.
     let raw: RawConfig = deserialize(text, origin, true)?;
     if overrides.is_empty() {
-        return validate(raw, origin);
+        return validate(raw, origin).map_err(|mut e| {
+            for p in &mut e.problems {
+                p.line = p.line.or_else(|| locate(text, &p.key));
+            }
+            e
+        });
     }
     let mut table: toml::Table = text
         .parse()
@@ -380,10 +385,61 @@ fn deserialize(text: &str, origin: &str, with_lines: bool) -> Result<RawConfig, 
                     None => format!("unknown key (known keys: {})", expected.join(", ")),
                 }
             }
-            None => msg,
+            None => {
+                if let Some(field) = msg
+                    .strip_prefix("missing field `")
+                    .and_then(|r| r.split_once('`'))
+                    .map(|(f, _)| f.to_owned())
+                {
+                    key = if key.is_empty() { field } else { format!("{key}.{field}") };
+                    "required key is missing".to_owned()
+                } else {
+                    msg
+                }
+            }
         };
         single(origin, &key, line, &msg)
     })
+}
+
+/// The line (1-based) where `key` (`a.b`, `sources[2].c`, `device_id`) is
+/// written in `text`, found by following table headers. `None` when the key
+/// is not written (a missing key or a default).
+fn locate(text: &str, key: &str) -> Option<usize> {
+    let (table, index, leaf) = match key.rsplit_once('.') {
+        Some((t, leaf)) => match t.split_once('[') {
+            Some((name, rest)) => (name, rest.trim_end_matches(']').parse::<usize>().ok(), leaf),
+            None => (t, None, leaf),
+        },
+        None => ("", None, key),
+    };
+    let mut current = String::new();
+    let mut counts: std::collections::HashMap<String, usize> = Default::default();
+    let mut current_index: Option<usize> = None;
+    for (n, raw_line) in text.lines().enumerate() {
+        let line = raw_line.trim();
+        if let Some(h) = line.strip_prefix("[[").and_then(|l| l.split_once("]]")).map(|(h, _)| h.trim()) {
+            let c = counts.entry(h.to_owned()).or_insert(0);
+            current = h.to_owned();
+            current_index = Some(*c);
+            *c += 1;
+            continue;
+        }
+        if let Some(h) = line.strip_prefix('[').and_then(|l| l.split_once(']')).map(|(h, _)| h.trim()) {
+            current = h.to_owned();
+            current_index = None;
+            continue;
+        }
+        let in_table = current == table && (index.is_none() || index == current_index);
+        if in_table {
+            if let Some(rest) = line.strip_prefix(leaf) {
+                if rest.trim_start().starts_with('=') {
+                    return Some(n + 1);
+                }
+            }
+        }
+    }
+    None
 }
 
 fn path_string(p: &serde_path_to_error::Path) -> String {
@@ -833,6 +889,22 @@ interval_ms = 1000
         assert_eq!(err("").problems[0].message, "config is empty");
         assert!(err("\0\0\0\0").problems[0].message.contains("NUL"));
         assert_eq!(err("device_id = \"x\"\n[spool\n").problems[0].key, "(syntax)");
+    }
+
+    #[test]
+    fn range_problems_carry_the_line_of_the_key() {
+        let e = err(&GOOD.replace("interval_ms = 1000", "interval_ms = 1"));
+        assert_eq!(e.problems[0].key, "sources[0].interval_ms");
+        assert_eq!(e.problems[0].line, Some(10));
+        let e = err(&GOOD.replace("[mqtt]", "[mqtt]\nkeep_alive_secs = 1"));
+        assert_eq!(e.problems[0].line, Some(6));
+    }
+
+    #[test]
+    fn a_missing_required_key_is_named() {
+        let e = err("[spool]\npath = \"/x\"\n");
+        assert_eq!(e.problems[0].key, "device_id");
+        assert_eq!(e.problems[0].message, "required key is missing");
     }
 
     #[test]

@@ -123,6 +123,10 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
             let mut fields = serde_json::Map::new();
             for (k, v) in env.fields {
                 let jv = match v {
+                    // Counters and byte sizes read as integers on the wire.
+                    FieldValue::Num(n) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
+                        serde_json::Value::from(*n as i64)
+                    }
                     FieldValue::Num(n) => serde_json::Number::from_f64(*n)
                         .map(serde_json::Value::Number)
                         .ok_or_else(|| format!("field {k}: non-finite number {n}"))?,
@@ -225,6 +229,24 @@ mod tests {
         assert_eq!(v["fields"]["load1"], 0.25);
         assert_eq!(v["fields"]["iface"], "eth0");
         assert_eq!(v["clock_trusted"], true);
+        let text = String::from_utf8(bytes).unwrap();
+        assert!(text.contains("\"seq\":7"), "{text}");
+    }
+
+    #[test]
+    fn integral_numbers_are_written_without_a_fraction() {
+        let f = vec![("mem_total_bytes".into(), FieldValue::Num(25_276_502_016.0))];
+        let env = Envelope {
+            event_id: EventId([0; 16]),
+            device_id: "d",
+            stream: "s",
+            seq: 1,
+            ts_ms: 0,
+            clock_trusted: true,
+            fields: &f,
+        };
+        let text = String::from_utf8(encode(Format::Json, &env).unwrap()).unwrap();
+        assert!(text.contains("\"mem_total_bytes\":25276502016}"), "{text}");
     }
 
     #[test]

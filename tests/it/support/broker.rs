@@ -28,28 +28,46 @@ impl Broker {
     /// own temp dir. Panics, with the log tail, if the port does not accept
     /// TCP within about 5 s.
     pub fn start() -> Broker {
+        Broker::start_with_config("")
+    }
+
+    /// Like [`Broker::start`], with `extra` appended to mosquitto.conf
+    /// (e.g. "max_inflight_messages 5\n"). It is kept across restarts.
+    pub fn start_with_config(extra: &str) -> Broker {
         let dir = tempfile::Builder::new()
             .prefix("edgespool-broker-")
             .tempdir()
             .expect("create temp dir for mosquitto");
-        let port = free_port();
         let conf_path = dir.path().join("mosquitto.conf");
         let log_path = dir.path().join("mosquitto.log");
-        write_config(&conf_path, port);
         let mut broker = Broker {
             child: None,
-            port,
+            port: 0,
             dir,
             conf_path,
             log_path,
         };
-        if let Err(why) = broker.spawn_and_wait(START_TIMEOUT) {
-            panic!(
-                "mosquitto did not come up on 127.0.0.1:{port}: {why}\n--- mosquitto log tail ---\n{}",
-                tail(&broker.log_text(), 40)
-            );
+        // The probed port may be taken by someone else before mosquitto binds
+        // it; if mosquitto exits early, try another port.
+        let mut last_err = String::new();
+        for _ in 0..3 {
+            broker.port = free_port();
+            write_config(&broker.conf_path, broker.port, extra);
+            match broker.spawn_and_wait(START_TIMEOUT) {
+                Ok(()) => return broker,
+                Err(why) => last_err = why,
+            }
+            let exited_early = broker.child.is_none();
+            broker.kill();
+            if !exited_early {
+                break;
+            }
         }
-        broker
+        panic!(
+            "mosquitto did not come up on 127.0.0.1:{}: {last_err}\n--- mosquitto log tail ---\n{}",
+            broker.port,
+            tail(&broker.log_text(), 40)
+        );
     }
 
     pub fn port(&self) -> u16 {
@@ -127,8 +145,8 @@ impl Broker {
         }
     }
 
-    /// Spawn mosquitto and wait until its port accepts a TCP connection, the
-    /// process dies, or `timeout` passes.
+    /// Spawn mosquitto and wait until it answers an MQTT CONNECT on its port,
+    /// the process dies, or `timeout` passes.
     fn spawn_and_wait(&mut self, timeout: Duration) -> Result<(), String> {
         assert!(self.child.is_none(), "spawn_and_wait with a live broker");
         let log = OpenOptions::new()
@@ -155,7 +173,7 @@ impl Broker {
                 self.child = None;
                 return Err(format!("mosquitto exited early with {status}"));
             }
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            if mqtt_probe(&addr) {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -175,7 +193,36 @@ impl Drop for Broker {
     }
 }
 
-fn write_config(path: &Path, port: u16) {
+/// True if an MQTT 3.1.1 CONNECT to `addr` is answered with an accepting
+/// CONNACK (so it is mosquitto listening there, and it is ready).
+fn mqtt_probe(addr: &SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    const CLIENT_ID: &[u8] = b"edgespool-broker-probe";
+    let Ok(mut stream) = TcpStream::connect_timeout(addr, Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(500)));
+    // Variable header: protocol name "MQTT", level 4, flags clean-session,
+    // keep-alive 5 s; payload: the client id.
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0x02, 0, 5];
+    body.extend_from_slice(&(CLIENT_ID.len() as u16).to_be_bytes());
+    body.extend_from_slice(CLIENT_ID);
+    let mut connect = vec![0x10, body.len() as u8];
+    connect.extend_from_slice(&body);
+    if stream.write_all(&connect).is_err() {
+        return false;
+    }
+    let mut connack = [0u8; 4];
+    if stream.read_exact(&mut connack).is_err() {
+        return false;
+    }
+    let ok = connack[0] == 0x20 && connack[1] == 2 && connack[3] == 0;
+    let _ = stream.write_all(&[0xe0, 0x00]); // DISCONNECT
+    ok
+}
+
+fn write_config(path: &Path, port: u16, extra: &str) {
     use std::io::Write;
     let mut conf = String::new();
     conf.push_str(&format!("listener {port} 127.0.0.1\n"));
@@ -194,8 +241,11 @@ fn write_config(path: &Path, port: u16) {
     if unsafe { libc::geteuid() } == 0 {
         conf.push_str("user root\n");
     }
-    let mut file =
-        File::create(path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+    conf.push_str(extra);
+    if !extra.is_empty() && !extra.ends_with('\n') {
+        conf.push('\n');
+    }
+    let mut file = File::create(path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
     file.write_all(conf.as_bytes())
         .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
 }

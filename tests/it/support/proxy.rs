@@ -108,7 +108,10 @@ pub fn split_packets(buf: &mut Vec<u8>) -> Vec<Vec<u8>> {
 
 /// Encode an MQTT "remaining length" (for building packets in tests).
 pub fn encode_remaining_length(mut len: usize) -> Vec<u8> {
-    assert!(len < 268_435_456, "remaining length {len} too large for MQTT");
+    assert!(
+        len < 268_435_456,
+        "remaining length {len} too large for MQTT"
+    );
     let mut out = Vec::with_capacity(4);
     loop {
         let mut byte = (len % 128) as u8;
@@ -166,7 +169,12 @@ impl Shared {
     }
 
     fn close_all(&self) {
-        let conns: Vec<Arc<Conn>> = self.conns.lock().expect("proxy conns lock").drain(..).collect();
+        let conns: Vec<Arc<Conn>> = self
+            .conns
+            .lock()
+            .expect("proxy conns lock")
+            .drain(..)
+            .collect();
         for conn in conns {
             conn.close();
         }

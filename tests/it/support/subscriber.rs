@@ -122,7 +122,11 @@ impl Subscriber {
 
     /// The last connection error seen, if any.
     pub fn last_error(&self) -> Option<String> {
-        self.state.last_error.lock().expect("subscriber error lock").clone()
+        self.state
+            .last_error
+            .lock()
+            .expect("subscriber error lock")
+            .clone()
     }
 
     /// A snapshot of every delivery so far, in arrival order.
@@ -190,7 +194,8 @@ fn event_loop(mut connection: Connection, client: Client, filter: String, state:
     loop {
         if state.stop.load(Ordering::SeqCst) {
             // Give the DISCONNECT queued by Drop a moment to go out.
-            let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + Duration::from_secs(1));
+            let deadline =
+                *stop_deadline.get_or_insert_with(|| Instant::now() + Duration::from_secs(1));
             if Instant::now() >= deadline {
                 break;
             }

@@ -1,0 +1,81 @@
+//! Board configs: every shipped config validates; every bad fixture fails
+//! with the exact key path it expects, through the real `check-config`.
+
+use crate::support::agent::run_cli;
+use std::path::Path;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn every_shipped_board_config_passes_check_config() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(root().join("board-configs")).expect("board-configs/") {
+        let path = entry.expect("dir entry").path();
+        if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+            continue;
+        }
+        let (status, out, err) = run_cli(&["check-config", path.to_str().expect("utf-8 path")]);
+        assert!(status.success(), "{}: {out}{err}", path.display());
+        n += 1;
+    }
+    assert!(n >= 4, "expected at least 4 board configs, found {n}");
+}
+
+/// field case F16: each fixture's first line says `# expect: <key path>`.
+#[test]
+fn each_bad_config_fixture_fails_with_its_key_path() {
+    let dir = root().join("tests/fixtures/bad-configs");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("fixtures") {
+        let path = entry.expect("dir entry").path();
+        let text = std::fs::read_to_string(&path).expect("fixture text");
+        let want = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{} lacks '# expect: key'", path.display()))
+            .trim()
+            .to_owned();
+        let (status, out, err) = run_cli(&["check-config", path.to_str().expect("utf-8 path")]);
+        assert_eq!(status.code(), Some(2), "{}: {out}{err}", path.display());
+        let first = err.lines().next().unwrap_or_default();
+        assert!(
+            first.contains(&format!(": {want}: ")),
+            "{}: expected key {want:?} in {first:?}",
+            path.display()
+        );
+        n += 1;
+    }
+    assert!(n >= 10, "only {n} fixtures");
+}
+
+#[test]
+fn a_bad_set_override_is_rejected_and_names_the_key() {
+    let cfg = root().join("board-configs/local-demo.toml");
+    let (status, _, err) = run_cli(&[
+        "check-config",
+        cfg.to_str().expect("utf-8"),
+        "--set",
+        "mqtt.keep_alive_sec=10",
+    ]);
+    assert_eq!(status.code(), Some(2));
+    assert!(err.contains("mqtt.keep_alive_sec:"), "{err}");
+    assert!(err.contains("did you mean `keep_alive_secs`"), "{err}");
+}
+
+#[test]
+fn run_with_an_invalid_config_exits_2_without_creating_a_spool() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let cfg = d.path().join("board.toml");
+    std::fs::write(
+        &cfg,
+        format!("device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\nretenton_days = 3\n", d.path().display()),
+    )
+    .expect("write");
+    let (status, _, err) = run_cli(&["run", "--config", cfg.to_str().expect("utf-8")]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("spool.retenton_days"), "{err}");
+    assert!(!d.path().join("spool.db").exists());
+}

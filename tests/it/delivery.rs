@@ -1,0 +1,160 @@
+//! Delivery end to end: real readings → spool → mosquitto → subscriber, and
+//! retirement only on PUBACK.
+
+use crate::support::agent::AgentProc;
+use crate::support::broker::Broker;
+use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::{count_by_state, count_in_state, rows, total};
+use crate::support::subscriber::Subscriber;
+use crate::support::wait_for;
+use crate::{assert_first_seen_in_order, assert_invariants, prefix, received, write_config};
+use std::time::Duration;
+
+fn unacked(db: &std::path::Path) -> i64 {
+    count_in_state(db, "PENDING") + count_in_state(db, "SENT")
+}
+
+#[test]
+fn readings_from_the_system_source_reach_a_subscriber_and_every_row_ends_acked() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("e2e");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = write_config(dir.path(), &broker.url(), &prefix, 100);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        sub.wait_count(Duration::from_secs(20), 10),
+        "no deliveries; agent log:\n{}",
+        agent.log_tail(40)
+    );
+    let status = agent.terminate(Duration::from_secs(15));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", agent.log_tail(40));
+    // Stopped: what is SENT stays SENT (no PUBACK seen), nothing retired by the stop.
+    let after_stop = count_by_state(&db);
+    // Drain the rest with a run that takes no readings.
+    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(20), || unacked(&db) == 0),
+        "spool did not drain: {:?}\n{}",
+        count_by_state(&db),
+        drain.log_tail(40)
+    );
+    drain.terminate(Duration::from_secs(15));
+    let deliveries = sub.deliveries();
+    assert_invariants(&db, &deliveries);
+    let all = rows(&db);
+    assert!(all.iter().all(|r| r.state == "ACKED"), "{:?}", count_by_state(&db));
+    assert!(all.len() as i64 >= after_stop.values().sum::<i64>());
+    // The envelope carries what the wire format promises.
+    let v = deliveries[0].json();
+    for key in ["event_id", "device_id", "stream", "seq", "ts_ms", "clock_trusted", "fields"] {
+        assert!(!v[key].is_null(), "envelope lacks {key}: {v}");
+    }
+    assert_eq!(v["device_id"], "it-board");
+    assert!(v["fields"]["uptime_secs"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
+    assert!(deliveries[0].topic.ends_with("/events/system"));
+}
+
+#[test]
+fn backlog_built_while_the_broker_is_unreachable_drains_in_sequence_order() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::Refuse);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("backlog");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = write_config(dir.path(), &proxy.url(), &prefix, 20);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(20), || db.exists() && total(&db) >= 100),
+        "backlog did not grow\n{}",
+        agent.log_tail(30)
+    );
+    assert_eq!(count_in_state(&db, "ACKED"), 0, "rows retired while the broker was unreachable");
+    assert_eq!(sub.count(), 0);
+    proxy.set_mode(Mode::Forward);
+    assert!(
+        sub.wait_count(Duration::from_secs(30), 100),
+        "backlog not delivered\n{}",
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(wait_for(Duration::from_secs(20), || unacked(&db) == 0), "{:?}", count_by_state(&db));
+    drain.terminate(Duration::from_secs(15));
+    let deliveries = sub.deliveries();
+    assert_invariants(&db, &deliveries);
+    assert_first_seen_in_order(&received(&deliveries));
+}
+
+#[test]
+fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::DropPubacks);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("noacks");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = write_config(dir.path(), &proxy.url(), &prefix, 200);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &["mqtt.ack_timeout_secs=2".into()], dir.path());
+    // The watchdog (2 s without a PUBACK) rebuilds the client and replays:
+    // wait for an event id delivered at least twice.
+    let resent = wait_for(Duration::from_secs(30), || {
+        received(&sub.deliveries()).times.values().any(|&n| n >= 2)
+    });
+    assert!(resent, "nothing was re-sent\n{}", agent.log_tail(40));
+    assert!(proxy.pubacks_dropped() > 0);
+    assert_eq!(
+        count_in_state(&db, "ACKED"),
+        0,
+        "a row was retired without its PUBACK: {:?}",
+        count_by_state(&db)
+    );
+    assert!(agent.log_text().contains("watchdog: no PUBACK"), "{}", agent.log_tail(40));
+    // Let the acknowledgements through: everything retires.
+    proxy.set_mode(Mode::Forward);
+    agent.terminate(Duration::from_secs(15));
+    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(wait_for(Duration::from_secs(20), || unacked(&db) == 0), "{:?}", count_by_state(&db));
+    drain.terminate(Duration::from_secs(15));
+    assert_invariants(&db, &sub.deliveries());
+}
+
+#[test]
+fn oversized_payload_is_marked_failed_and_never_published() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("oversize");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = write_config(dir.path(), &broker.url(), &prefix, 200);
+    let db = dir.path().join("spool.db");
+    // 1024 bytes is the smallest limit the config allows: a small exec
+    // source stays under it, one printing a 2 KB JSON object does not.
+    let big = format!("{{\"blob\":\"{}\"}}", "x".repeat(2000));
+    let text = std::fs::read_to_string(&cfg)
+        .expect("read cfg")
+        .replace(
+            "name = \"system\"\nkind = \"system\"",
+            "name = \"small\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"42\"]",
+        )
+        + &format!(
+            "[[sources]]\nname = \"big\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [{big:?}]\ninterval_ms = 200\n"
+        );
+    std::fs::write(&cfg, text).expect("write cfg");
+    let mut agent = AgentProc::spawn(&cfg, &["mqtt.max_payload_bytes=1024".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(20), || db.exists() && count_in_state(&db, "FAILED") >= 2),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    // Small readings keep flowing past the failed ones.
+    assert!(sub.wait_count(Duration::from_secs(10), 3));
+    agent.terminate(Duration::from_secs(15));
+    assert!(sub.deliveries().iter().all(|d| !d.topic.ends_with("/big")));
+    assert!(sub.deliveries().iter().any(|d| d.topic.ends_with("/small")));
+    assert!(agent.log_text().contains("exceeds mqtt.max_payload_bytes"));
+}

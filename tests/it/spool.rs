@@ -1,0 +1,146 @@
+//! The spool on disk: WAL in effect, clean stop commits what was read,
+//! one agent per spool, damaged files moved aside, an external writer.
+
+use crate::support::agent::{run_cli, AgentProc};
+use crate::support::broker::Broker;
+use crate::support::spool::{count_by_state, open, total};
+use crate::support::wait_for;
+use crate::{prefix, write_config};
+use std::time::Duration;
+
+#[test]
+fn wal_is_in_effect_and_no_rollback_journal_ever_appears() {
+    // field case F07
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), &broker.url(), &prefix("wal"), 20);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let mut saw_wal = false;
+    let journal = dir.path().join("spool.db-journal");
+    for _ in 0..40 {
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!journal.exists(), "a rollback journal appeared");
+        saw_wal |= dir.path().join("spool.db-wal").exists();
+    }
+    assert!(saw_wal, "no -wal file during ingest");
+    agent.terminate(Duration::from_secs(15));
+    let conn = open(&db);
+    let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).expect("pragma");
+    assert_eq!(mode, "wal");
+    let log = agent.log_text();
+    assert!(log.contains("journal_mode=wal synchronous=1 busy_timeout=5000ms"), "{log}");
+}
+
+#[test]
+fn sigterm_commits_readings_still_in_the_commit_window() {
+    // field case F12: a 60 s commit window, so only the stop path can commit.
+    let dir = tempfile::tempdir().expect("tempdir");
+    // No broker at all: delivery is irrelevant here.
+    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("term"), 20);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &["spool.commit_window_ms=60000".into()], dir.path());
+    assert!(wait_for(Duration::from_secs(10), || db.exists()));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(total(&db), 0, "committed before the window closed");
+    let status = agent.terminate(Duration::from_secs(15));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", agent.log_tail(20));
+    let n = total(&db);
+    assert!(n >= 10, "only {n} rows committed at stop");
+    let log = agent.log_text();
+    assert!(log.contains(&format!("stopped cleanly; {n} readings appended")), "{}", agent.log_tail(10));
+    let (_, out, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
+    assert!(out.contains("status ok"), "{out}");
+}
+
+#[test]
+fn a_second_agent_on_the_same_spool_fails_fast_naming_the_holder() {
+    // field case F05
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("lock"), 100);
+    let db = dir.path().join("spool.db");
+    let mut first = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
+    let mut second = AgentProc::spawn(&cfg, &[], dir.path());
+    let status = second.wait(Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(1));
+    let log = second.log_text();
+    assert!(log.contains(&format!("in use by another edgespool (pid {}", first.pid())), "{log}");
+    assert!(first.is_running());
+    let before = total(&db);
+    assert!(wait_for(Duration::from_secs(10), || total(&db) > before), "first agent stopped ingesting");
+    first.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
+    // field case F04 (step 3)
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("corrupt"), 50);
+    let db = dir.path().join("spool.db");
+    {
+        let mut a = AgentProc::spawn(&cfg, &[], dir.path());
+        assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 20));
+        a.terminate(Duration::from_secs(15));
+    }
+    // Overwrite 4 KiB in the middle with garbage, and the header too, so the
+    // damage is seen at open.
+    let mut bytes = std::fs::read(&db).expect("read spool");
+    let mid = bytes.len() / 2;
+    let end = (mid + 4096).min(bytes.len());
+    for (i, b) in bytes[mid..end].iter_mut().enumerate() {
+        *b = (i * 7 + 13) as u8;
+    }
+    for b in bytes[..100].iter_mut() {
+        *b = 0x5a;
+    }
+    std::fs::write(&db, &bytes).expect("write damaged spool");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(10), || agent.log_text().contains("is damaged")),
+        "{}",
+        agent.log_tail(20)
+    );
+    assert!(wait_for(Duration::from_secs(10), || total(&db) > 0), "fresh spool not filling");
+    assert!(agent.is_running());
+    let aside: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("read dir")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("spool.db.corrupt-"))
+        .collect();
+    assert!(!aside.is_empty(), "damaged file was not kept");
+    agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
+    // field case F03: a writer holds BEGIN IMMEDIATE for 2 s at a time.
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("busy");
+    let sub = crate::support::subscriber::Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = write_config(dir.path(), &broker.url(), &prefix, 20);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
+    let writer = rusqlite::Connection::open(&db).expect("open writer");
+    for _ in 0..3 {
+        writer
+            .execute_batch("BEGIN IMMEDIATE; UPDATE counters SET value = value;")
+            .expect("take the write lock");
+        std::thread::sleep(Duration::from_secs(2));
+        writer.execute_batch("COMMIT").expect("commit");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    agent.terminate(Duration::from_secs(15));
+    let log = agent.log_text();
+    assert!(!log.contains("database is locked"), "{}", agent.log_tail(30));
+    assert!(!log.contains("busy past busy_timeout"), "{}", agent.log_tail(30));
+    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(wait_for(Duration::from_secs(20), || {
+        let c = count_by_state(&db);
+        c.get("PENDING").is_none() && c.get("SENT").is_none()
+    }));
+    drain.terminate(Duration::from_secs(15));
+    crate::assert_invariants(&db, &sub.deliveries());
+}
