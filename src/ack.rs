@@ -310,6 +310,7 @@ mod tests {
                     }
                     Op::Out(p) => {
                         let res = m.on_outgoing_publish(p);
+                        #[allow(clippy::map_entry)] // the branches do more than insert
                         if wire.contains_key(&p) {
                             assert_eq!(res, Err(Inconsistency::PacketIdInUse { pkid: p }));
                             m.reset();

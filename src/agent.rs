@@ -60,8 +60,9 @@ pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
             for suffix in ["", "-wal", "-shm"] {
                 let from = format!("{}{suffix}", path.display());
                 if Path::new(&from).exists() {
-                    std::fs::rename(&from, format!("{aside}{suffix}"))
-                        .map_err(|e| AgentError::Setup(format!("cannot move damaged spool {from} aside: {e}")))?;
+                    std::fs::rename(&from, format!("{aside}{suffix}")).map_err(|e| {
+                        AgentError::Setup(format!("cannot move damaged spool {from} aside: {e}"))
+                    })?;
                 }
             }
             let mut s = Spool::open(path, &cfg.spool.options)?;
@@ -79,12 +80,22 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
         signal_hook::flag::register(sig, stop.clone())
             .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
     }
-    if let Some(dir) = cfg.spool.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| AgentError::Setup(format!("cannot create spool directory {}: {e}", dir.display())))?;
+    if let Some(dir) = cfg
+        .spool
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            AgentError::Setup(format!(
+                "cannot create spool directory {}: {e}",
+                dir.display()
+            ))
+        })?;
     }
     let _lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
-    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs).map_err(AgentError::Setup)?;
+    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
+        .map_err(AgentError::Setup)?;
 
     let mut ingest = open_spool(&cfg)?;
     let p = ingest.pragmas().clone();
@@ -97,14 +108,19 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
         p.journal_size_limit,
         p.wal_autocheckpoint
     );
-    let run_id = ingest.begin_run(wall_clock_ms().0, std::process::id(), env!("CARGO_PKG_VERSION"))?;
+    let run_id = ingest.begin_run(
+        wall_clock_ms().0,
+        std::process::id(),
+        env!("CARGO_PKG_VERSION"),
+    )?;
     match ingest.quick_check() {
         Ok(s) if s == "ok" => {}
         Ok(s) => log::error!("spool quick_check: {s}"),
         Err(e) => log::error!("spool quick_check failed: {e}"),
     }
     let delivery_spool = Spool::open(&cfg.spool.path, &cfg.spool.options)?;
-    let ids = EventIdGen::new().map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
+    let ids = EventIdGen::new()
+        .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
 
     let (to_delivery, delivery_rx) = mpsc::channel::<DeliveryMsg>();
     let net_stop = Arc::new(AtomicBool::new(false));
@@ -171,8 +187,12 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
         let _ = ing.spool.count("readings_lost_at_shutdown", lost as i64);
         ("error", Some(format!("{lost} readings lost at shutdown")))
     };
-    ing.spool.end_run(run_id, wall_clock_ms().0, status, err.as_deref())?;
-    log::info!("stopped cleanly; {} readings appended this run", ing.appended);
+    ing.spool
+        .end_run(run_id, wall_clock_ms().0, status, err.as_deref())?;
+    log::info!(
+        "stopped cleanly; {} readings appended this run",
+        ing.appended
+    );
     Ok(())
 }
 
@@ -187,7 +207,12 @@ fn spool_dir(cfg: &Config) -> std::path::PathBuf {
 
 /// Run every source on its own interval until `stop`; a failed sample is
 /// logged (rate-limited per source) and counted, never fatal.
-fn sample_loop(sources: Vec<source::SourceSpec>, dir: std::path::PathBuf, tx: Sender<NewEvent>, stop: Arc<AtomicBool>) {
+fn sample_loop(
+    sources: Vec<source::SourceSpec>,
+    dir: std::path::PathBuf,
+    tx: Sender<NewEvent>,
+    stop: Arc<AtomicBool>,
+) {
     let start = Instant::now();
     let mut next: Vec<Instant> = sources.iter().map(|_| start).collect();
     let mut states: Vec<SourceState> = sources.iter().map(|_| SourceState::default()).collect();
@@ -220,15 +245,24 @@ fn sample_loop(sources: Vec<source::SourceSpec>, dir: std::path::PathBuf, tx: Se
                 Err(e) => {
                     let entry = errors.entry(i).or_insert((0, None));
                     entry.0 += 1;
-                    if entry.1.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                    if entry
+                        .1
+                        .is_none_or(|t| t.elapsed() > Duration::from_secs(60))
+                    {
                         log::warn!("source {}: {e} ({} failures so far)", spec.name, entry.0);
                         entry.1 = Some(Instant::now());
                     }
                 }
             }
         }
-        let wake = next.iter().min().copied().unwrap_or(now + Duration::from_millis(200));
-        let sleep = wake.saturating_duration_since(Instant::now()).min(Duration::from_millis(200));
+        let wake = next
+            .iter()
+            .min()
+            .copied()
+            .unwrap_or(now + Duration::from_millis(200));
+        let sleep = wake
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(200));
         std::thread::sleep(sleep);
     }
 }
@@ -275,7 +309,10 @@ impl Ingest<'_> {
             }
             Err(e) => {
                 self.retry_at = Some(Instant::now() + Duration::from_secs(1));
-                if self.last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+                if self
+                    .last_error_log
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
                     log::error!(
                         "ingest: commit of {} readings failed: {e}; kept in memory and retried (repeats logged every 30 s)",
                         self.buffer.len()
@@ -284,15 +321,26 @@ impl Ingest<'_> {
                 }
             }
         }
-        if self.dropped > 0 {
-            if self.spool.count("readings_dropped_buffer_full", self.dropped as i64).is_ok() {
-                log::error!("ingest: {} readings dropped: in-memory buffer full while the spool refused writes", self.dropped);
-                self.dropped = 0;
-            }
+        if self.dropped > 0
+            && self
+                .spool
+                .count("readings_dropped_buffer_full", self.dropped as i64)
+                .is_ok()
+        {
+            log::error!(
+                "ingest: {} readings dropped: in-memory buffer full while the spool refused writes",
+                self.dropped
+            );
+            self.dropped = 0;
         }
     }
 
-    fn run_until_stopped(&mut self, rx: &Receiver<NewEvent>, stop: &AtomicBool, stats: &DeliveryStats) {
+    fn run_until_stopped(
+        &mut self,
+        rx: &Receiver<NewEvent>,
+        stop: &AtomicBool,
+        stats: &DeliveryStats,
+    ) {
         let window = self.cfg.spool.commit_window;
         let mut commit_at = Instant::now() + window;
         let mut maint_at = Instant::now() + self.cfg.spool.checkpoint_interval;
@@ -331,7 +379,10 @@ impl Ingest<'_> {
         let cutoff = wall_clock_ms().0 - retention_ms;
         let mut purged = 0;
         for _ in 0..20 {
-            match self.spool.purge_acked(cutoff, self.cfg.spool.purge_batch_rows) {
+            match self
+                .spool
+                .purge_acked(cutoff, self.cfg.spool.purge_batch_rows)
+            {
                 Ok(0) => break,
                 Ok(n) => {
                     purged += n;

@@ -310,7 +310,8 @@ fn d_interval() -> u64 {
 /// mistyped key, or a value out of range; every message names the key path.
 pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
     let origin = path.display().to_string();
-    let text = std::fs::read(path).map_err(|e| single(&origin, "(file)", None, &format!("cannot read: {e}")))?;
+    let text = std::fs::read(path)
+        .map_err(|e| single(&origin, "(file)", None, &format!("cannot read: {e}")))?;
     let text = String::from_utf8(text)
         .map_err(|e| single(&origin, "(file)", None, &format!("not UTF-8 text: {e}")))?;
     parse(&text, &origin, overrides)
@@ -322,7 +323,12 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, C
         return Err(single(origin, "(file)", None, "config is empty"));
     }
     if text.contains('\0') {
-        return Err(single(origin, "(file)", line_of(text, text.find('\0')), "contains NUL bytes (a damaged or partly written file?)"));
+        return Err(single(
+            origin,
+            "(file)",
+            line_of(text, text.find('\0')),
+            "contains NUL bytes (a damaged or partly written file?)",
+        ));
     }
     // The file alone first, so problems carry the file's line numbers.
     let raw: RawConfig = deserialize(text, origin, true)?;
@@ -340,8 +346,8 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, C
     for o in overrides {
         apply_override(&mut table, o).map_err(|m| single("--set", o, None, &m))?;
     }
-    let merged = toml::to_string(&table)
-        .map_err(|e| single("--set", "(all)", None, &e.to_string()))?;
+    let merged =
+        toml::to_string(&table).map_err(|e| single("--set", "(all)", None, &e.to_string()))?;
     let raw: RawConfig = deserialize(&merged, "--set", false)?;
     validate(raw, &format!("{origin} with --set"))
 }
@@ -363,12 +369,20 @@ fn line_of(text: &str, offset: Option<usize>) -> Option<usize> {
 
 fn deserialize(text: &str, origin: &str, with_lines: bool) -> Result<RawConfig, ConfigError> {
     let de = toml::Deserializer::parse(text).map_err(|e| {
-        let line = if with_lines { line_of(text, e.span().map(|s| s.start)) } else { None };
+        let line = if with_lines {
+            line_of(text, e.span().map(|s| s.start))
+        } else {
+            None
+        };
         single(origin, "(syntax)", line, e.message().trim())
     })?;
     serde_path_to_error::deserialize(de).map_err(|e| {
         let inner = e.inner();
-        let line = if with_lines { line_of(text, inner.span().map(|s| s.start)) } else { None };
+        let line = if with_lines {
+            line_of(text, inner.span().map(|s| s.start))
+        } else {
+            None
+        };
         let msg = inner.message().trim().to_owned();
         let mut key = path_string(e.path());
         // serde_path_to_error already ends the path with the unknown key;
@@ -381,7 +395,10 @@ fn deserialize(text: &str, origin: &str, with_lines: bool) -> Result<RawConfig, 
                     key = format!("{key}.{field}");
                 }
                 match did_you_mean(&field, &expected) {
-                    Some(s) => format!("unknown key; did you mean `{s}`? (known keys: {})", expected.join(", ")),
+                    Some(s) => format!(
+                        "unknown key; did you mean `{s}`? (known keys: {})",
+                        expected.join(", ")
+                    ),
                     None => format!("unknown key (known keys: {})", expected.join(", ")),
                 }
             }
@@ -391,7 +408,11 @@ fn deserialize(text: &str, origin: &str, with_lines: bool) -> Result<RawConfig, 
                     .and_then(|r| r.split_once('`'))
                     .map(|(f, _)| f.to_owned())
                 {
-                    key = if key.is_empty() { field } else { format!("{key}.{field}") };
+                    key = if key.is_empty() {
+                        field
+                    } else {
+                        format!("{key}.{field}")
+                    };
                     "required key is missing".to_owned()
                 } else {
                     msg
@@ -418,14 +439,22 @@ fn locate(text: &str, key: &str) -> Option<usize> {
     let mut current_index: Option<usize> = None;
     for (n, raw_line) in text.lines().enumerate() {
         let line = raw_line.trim();
-        if let Some(h) = line.strip_prefix("[[").and_then(|l| l.split_once("]]")).map(|(h, _)| h.trim()) {
+        if let Some(h) = line
+            .strip_prefix("[[")
+            .and_then(|l| l.split_once("]]"))
+            .map(|(h, _)| h.trim())
+        {
             let c = counts.entry(h.to_owned()).or_insert(0);
             current = h.to_owned();
             current_index = Some(*c);
             *c += 1;
             continue;
         }
-        if let Some(h) = line.strip_prefix('[').and_then(|l| l.split_once(']')).map(|(h, _)| h.trim()) {
+        if let Some(h) = line
+            .strip_prefix('[')
+            .and_then(|l| l.split_once(']'))
+            .map(|(h, _)| h.trim())
+        {
             current = h.to_owned();
             current_index = None;
             continue;
@@ -522,7 +551,12 @@ fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), String> {
     res
 }
 
-fn set_path(cur: &mut toml::Value, segs: &[&str], value: toml::Value, path: &str) -> Result<(), String> {
+fn set_path(
+    cur: &mut toml::Value,
+    segs: &[&str],
+    value: toml::Value,
+    path: &str,
+) -> Result<(), String> {
     let Some((seg, rest)) = segs.split_first() else {
         *cur = value;
         return Ok(());
@@ -556,7 +590,13 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
 
     let device_id = raw.device_id.trim().to_owned();
     if device_id.is_empty() || !device_id.chars().all(topic_safe) {
-        bad("device_id", format!("must be non-empty letters, digits, '-', '_' or '.' (got {:?})", raw.device_id));
+        bad(
+            "device_id",
+            format!(
+                "must be non-empty letters, digits, '-', '_' or '.' (got {:?})",
+                raw.device_id
+            ),
+        );
     }
 
     let s = &raw.spool;
@@ -567,27 +607,48 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         "normal" => Synchronous::Normal,
         "full" => Synchronous::Full,
         other => {
-            bad("spool.synchronous", format!("must be \"normal\" or \"full\" (got {other:?}); OFF is never allowed"));
+            bad(
+                "spool.synchronous",
+                format!("must be \"normal\" or \"full\" (got {other:?}); OFF is never allowed"),
+            );
             Synchronous::Normal
         }
     };
     if s.busy_timeout_ms < 5000 {
-        bad("spool.busy_timeout_ms", format!("must be at least 5000 (got {})", s.busy_timeout_ms));
+        bad(
+            "spool.busy_timeout_ms",
+            format!("must be at least 5000 (got {})", s.busy_timeout_ms),
+        );
     }
     if s.journal_size_limit_bytes < 0 {
-        bad("spool.journal_size_limit_bytes", format!("must be >= 0 (got {})", s.journal_size_limit_bytes));
+        bad(
+            "spool.journal_size_limit_bytes",
+            format!("must be >= 0 (got {})", s.journal_size_limit_bytes),
+        );
     }
     if s.wal_autocheckpoint_pages < 0 {
-        bad("spool.wal_autocheckpoint_pages", format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages));
+        bad(
+            "spool.wal_autocheckpoint_pages",
+            format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages),
+        );
     }
     if !(1..=60_000).contains(&s.commit_window_ms) {
-        bad("spool.commit_window_ms", format!("must be 1..=60000 (got {})", s.commit_window_ms));
+        bad(
+            "spool.commit_window_ms",
+            format!("must be 1..=60000 (got {})", s.commit_window_ms),
+        );
     }
     if !(1..=100_000).contains(&s.purge_batch_rows) {
-        bad("spool.purge_batch_rows", format!("must be 1..=100000 (got {})", s.purge_batch_rows));
+        bad(
+            "spool.purge_batch_rows",
+            format!("must be 1..=100000 (got {})", s.purge_batch_rows),
+        );
     }
     if s.checkpoint_interval_secs == 0 {
-        bad("spool.checkpoint_interval_secs", "must be at least 1 (got 0)".into());
+        bad(
+            "spool.checkpoint_interval_secs",
+            "must be at least 1 (got 0)".into(),
+        );
     }
 
     let m = &raw.mqtt;
@@ -598,11 +659,20 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             (String::new(), 0)
         }
     };
-    let client_id = m.client_id.clone().unwrap_or_else(|| format!("edgespool-{device_id}"));
+    let client_id = m
+        .client_id
+        .clone()
+        .unwrap_or_else(|| format!("edgespool-{device_id}"));
     if client_id.is_empty() || client_id.len() > 128 {
-        bad("mqtt.client_id", format!("must be 1..=128 bytes (got {client_id:?})"));
+        bad(
+            "mqtt.client_id",
+            format!("must be 1..=128 bytes (got {client_id:?})"),
+        );
     }
-    let topic_prefix = m.topic_prefix.clone().unwrap_or_else(|| format!("edgespool/{device_id}"));
+    let topic_prefix = m
+        .topic_prefix
+        .clone()
+        .unwrap_or_else(|| format!("edgespool/{device_id}"));
     if topic_prefix.is_empty()
         || topic_prefix.contains(['#', '+', '\0'])
         || topic_prefix.starts_with('/')
@@ -611,36 +681,66 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         bad("mqtt.topic_prefix", format!("must be a non-empty topic without wildcards or leading/trailing '/' (got {topic_prefix:?})"));
     }
     if !(5..=3600).contains(&m.keep_alive_secs) {
-        bad("mqtt.keep_alive_secs", format!("must be 5..=3600 (got {})", m.keep_alive_secs));
+        bad(
+            "mqtt.keep_alive_secs",
+            format!("must be 5..=3600 (got {})", m.keep_alive_secs),
+        );
     }
     if !(1..MAX_WINDOW).contains(&m.inflight_window) {
-        bad("mqtt.inflight_window", format!("must be 1..={} (got {})", MAX_WINDOW - 1, m.inflight_window));
+        bad(
+            "mqtt.inflight_window",
+            format!("must be 1..={} (got {})", MAX_WINDOW - 1, m.inflight_window),
+        );
     }
     if !(1024..=256 * 1024 * 1024).contains(&m.max_payload_bytes) {
-        bad("mqtt.max_payload_bytes", format!("must be 1024..=268435456 (got {})", m.max_payload_bytes));
+        bad(
+            "mqtt.max_payload_bytes",
+            format!("must be 1024..=268435456 (got {})", m.max_payload_bytes),
+        );
     }
     let payload_format = match m.payload_format.as_str() {
         "json" => Format::Json,
         "postcard" => Format::Postcard,
         other => {
-            bad("mqtt.payload_format", format!("must be \"json\" or \"postcard\" (got {other:?})"));
+            bad(
+                "mqtt.payload_format",
+                format!("must be \"json\" or \"postcard\" (got {other:?})"),
+            );
             Format::Json
         }
     };
     if !(1..=300).contains(&m.connect_timeout_secs) {
-        bad("mqtt.connect_timeout_secs", format!("must be 1..=300 (got {})", m.connect_timeout_secs));
+        bad(
+            "mqtt.connect_timeout_secs",
+            format!("must be 1..=300 (got {})", m.connect_timeout_secs),
+        );
     }
     if m.reconnect_min_ms == 0 || m.reconnect_min_ms > m.reconnect_max_ms {
-        bad("mqtt.reconnect_min_ms", format!("must be >= 1 and <= mqtt.reconnect_max_ms (got {} and {})", m.reconnect_min_ms, m.reconnect_max_ms));
+        bad(
+            "mqtt.reconnect_min_ms",
+            format!(
+                "must be >= 1 and <= mqtt.reconnect_max_ms (got {} and {})",
+                m.reconnect_min_ms, m.reconnect_max_ms
+            ),
+        );
     }
     if m.reconnect_max_ms > 3_600_000 {
-        bad("mqtt.reconnect_max_ms", format!("must be <= 3600000 (got {})", m.reconnect_max_ms));
+        bad(
+            "mqtt.reconnect_max_ms",
+            format!("must be <= 3600000 (got {})", m.reconnect_max_ms),
+        );
     }
     if !(1..=3600).contains(&m.ack_timeout_secs) {
-        bad("mqtt.ack_timeout_secs", format!("must be 1..=3600 (got {})", m.ack_timeout_secs));
+        bad(
+            "mqtt.ack_timeout_secs",
+            format!("must be 1..=3600 (got {})", m.ack_timeout_secs),
+        );
     }
     if raw.agent.summary_interval_secs == 0 {
-        bad("agent.summary_interval_secs", "must be at least 1 (got 0)".into());
+        bad(
+            "agent.summary_interval_secs",
+            "must be at least 1 (got 0)".into(),
+        );
     }
 
     let mut sources = Vec::new();
@@ -648,12 +748,21 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     for (i, rs) in raw.sources.iter().enumerate() {
         let k = |f: &str| format!("sources[{i}].{f}");
         if rs.name.is_empty() || rs.name.starts_with('_') || !rs.name.chars().all(topic_safe) {
-            bad(&k("name"), format!("must be letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
+            bad(
+                &k("name"),
+                format!(
+                    "must be letters, digits, '-', '_' or '.', not starting with '_' (got {:?})",
+                    rs.name
+                ),
+            );
         } else if !names.insert(rs.name.clone()) {
             bad(&k("name"), format!("duplicate source name {:?}", rs.name));
         }
         if rs.interval_ms < 10 {
-            bad(&k("interval_ms"), format!("must be at least 10 (got {})", rs.interval_ms));
+            bad(
+                &k("interval_ms"),
+                format!("must be at least 10 (got {})", rs.interval_ms),
+            );
         }
         let unexpected = |bad: &mut dyn FnMut(&str, String), set: &[(&str, bool)]| {
             for (f, present) in set {
@@ -664,22 +773,38 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         };
         let kind = match rs.kind.as_str() {
             "system" => {
-                unexpected(&mut bad, &[
-                    ("path", rs.path.is_some()), ("scale", rs.scale.is_some()), ("offset", rs.offset.is_some()),
-                    ("field", rs.field.is_some()), ("program", rs.program.is_some()), ("args", rs.args.is_some()),
-                    ("timeout_ms", rs.timeout_ms.is_some()), ("max_output_bytes", rs.max_output_bytes.is_some()),
-                ]);
+                unexpected(
+                    &mut bad,
+                    &[
+                        ("path", rs.path.is_some()),
+                        ("scale", rs.scale.is_some()),
+                        ("offset", rs.offset.is_some()),
+                        ("field", rs.field.is_some()),
+                        ("program", rs.program.is_some()),
+                        ("args", rs.args.is_some()),
+                        ("timeout_ms", rs.timeout_ms.is_some()),
+                        ("max_output_bytes", rs.max_output_bytes.is_some()),
+                    ],
+                );
                 Some(SourceKind::System)
             }
             "file" => {
-                unexpected(&mut bad, &[
-                    ("program", rs.program.is_some()), ("args", rs.args.is_some()),
-                    ("timeout_ms", rs.timeout_ms.is_some()), ("max_output_bytes", rs.max_output_bytes.is_some()),
-                ]);
+                unexpected(
+                    &mut bad,
+                    &[
+                        ("program", rs.program.is_some()),
+                        ("args", rs.args.is_some()),
+                        ("timeout_ms", rs.timeout_ms.is_some()),
+                        ("max_output_bytes", rs.max_output_bytes.is_some()),
+                    ],
+                );
                 let scale = rs.scale.unwrap_or(1.0);
                 let offset = rs.offset.unwrap_or(0.0);
                 if !scale.is_finite() || !offset.is_finite() {
-                    bad(&k("scale"), format!("scale and offset must be finite (got {scale}, {offset})"));
+                    bad(
+                        &k("scale"),
+                        format!("scale and offset must be finite (got {scale}, {offset})"),
+                    );
                 }
                 match &rs.path {
                     Some(p) => Some(SourceKind::File {
@@ -695,16 +820,27 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 }
             }
             "exec" => {
-                unexpected(&mut bad, &[
-                    ("path", rs.path.is_some()), ("scale", rs.scale.is_some()), ("offset", rs.offset.is_some()),
-                ]);
+                unexpected(
+                    &mut bad,
+                    &[
+                        ("path", rs.path.is_some()),
+                        ("scale", rs.scale.is_some()),
+                        ("offset", rs.offset.is_some()),
+                    ],
+                );
                 let timeout = rs.timeout_ms.unwrap_or(5000);
                 if !(10..=600_000).contains(&timeout) {
-                    bad(&k("timeout_ms"), format!("must be 10..=600000 (got {timeout})"));
+                    bad(
+                        &k("timeout_ms"),
+                        format!("must be 10..=600000 (got {timeout})"),
+                    );
                 }
                 let max_out = rs.max_output_bytes.unwrap_or(64 * 1024);
                 if !(16..=16 * 1024 * 1024).contains(&max_out) {
-                    bad(&k("max_output_bytes"), format!("must be 16..=16777216 (got {max_out})"));
+                    bad(
+                        &k("max_output_bytes"),
+                        format!("must be 16..=16777216 (got {max_out})"),
+                    );
                 }
                 match &rs.program {
                     Some(p) if p.is_absolute() => Some(SourceKind::Exec {
@@ -726,8 +862,13 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             }
             other => {
                 let known = ["system".to_owned(), "file".to_owned(), "exec".to_owned()];
-                let hint = did_you_mean(other, &known).map(|s| format!("; did you mean {s:?}?")).unwrap_or_default();
-                bad(&k("kind"), format!("must be \"system\", \"file\" or \"exec\" (got {other:?}){hint}"));
+                let hint = did_you_mean(other, &known)
+                    .map(|s| format!("; did you mean {s:?}?"))
+                    .unwrap_or_default();
+                bad(
+                    &k("kind"),
+                    format!("must be \"system\", \"file\" or \"exec\" (got {other:?}){hint}"),
+                );
                 None
             }
         };
@@ -803,7 +944,9 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
     }
     let (host, port) = match rest.rsplit_once(':') {
         Some((h, p)) => {
-            let port: u16 = p.parse().map_err(|_| format!("port {p:?} is not a number 1..=65535"))?;
+            let port: u16 = p
+                .parse()
+                .map_err(|_| format!("port {p:?} is not a number 1..=65535"))?;
             if port == 0 {
                 return Err("port must be 1..=65535".into());
             }
@@ -856,13 +999,20 @@ interval_ms = 1000
         let p = &e.problems[0];
         assert_eq!(p.key, "sources[0].intervall_ms");
         assert_eq!(p.line, Some(10));
-        assert!(p.message.contains("did you mean `interval_ms`"), "{}", p.message);
+        assert!(
+            p.message.contains("did you mean `interval_ms`"),
+            "{}",
+            p.message
+        );
     }
 
     #[test]
     fn host_and_port_where_url_is_expected_are_rejected() {
         // field case F16 (b)
-        let e = err(&GOOD.replace("url = \"mqtt://broker.local:1884\"", "host = \"y\"\nport = 8883"));
+        let e = err(&GOOD.replace(
+            "url = \"mqtt://broker.local:1884\"",
+            "host = \"y\"\nport = 8883",
+        ));
         assert_eq!(e.problems[0].key, "mqtt.host");
         assert_eq!(e.problems[0].line, Some(6));
     }
@@ -888,7 +1038,10 @@ interval_ms = 1000
         // field case F15 (b)
         assert_eq!(err("").problems[0].message, "config is empty");
         assert!(err("\0\0\0\0").problems[0].message.contains("NUL"));
-        assert_eq!(err("device_id = \"x\"\n[spool\n").problems[0].key, "(syntax)");
+        assert_eq!(
+            err("device_id = \"x\"\n[spool\n").problems[0].key,
+            "(syntax)"
+        );
     }
 
     #[test]
@@ -912,7 +1065,11 @@ interval_ms = 1000
         let c = parse(
             GOOD,
             "t.toml",
-            &["mqtt.url=mqtt://127.0.0.1:9999".into(), "sources.0.interval_ms=50".into(), "spool.path=/tmp/other.db".into()],
+            &[
+                "mqtt.url=mqtt://127.0.0.1:9999".into(),
+                "sources.0.interval_ms=50".into(),
+                "spool.path=/tmp/other.db".into(),
+            ],
         )
         .unwrap();
         assert_eq!(c.mqtt.port, 9999);

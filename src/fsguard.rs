@@ -89,7 +89,11 @@ pub fn check_local_fs(spool: &Path, allow: bool) -> Result<(), String> {
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
     if rc != 0 {
-        return Err(format!("statfs {}: {}", dir.display(), std::io::Error::last_os_error()));
+        return Err(format!(
+            "statfs {}: {}",
+            dir.display(),
+            std::io::Error::last_os_error()
+        ));
     }
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
     let magic = st.f_type as i64;
@@ -116,7 +120,10 @@ mod tests {
         let spool = d.path().join("spool.db");
         let _first = SpoolLock::acquire(&spool).unwrap();
         let err = SpoolLock::acquire(&spool).unwrap_err();
-        assert!(err.contains(&format!("pid {}", std::process::id())), "{err}");
+        assert!(
+            err.contains(&format!("pid {}", std::process::id())),
+            "{err}"
+        );
     }
 
     #[test]

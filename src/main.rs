@@ -12,9 +12,19 @@ const USAGE: &str = "usage:
   edgespool --version";
 
 enum Cmd {
-    Run { config: PathBuf, sets: Vec<String> },
-    Check { config: PathBuf, sets: Vec<String> },
-    Status { config: Option<PathBuf>, spool: Option<PathBuf>, json: bool },
+    Run {
+        config: PathBuf,
+        sets: Vec<String>,
+    },
+    Check {
+        config: PathBuf,
+        sets: Vec<String>,
+    },
+    Status {
+        config: Option<PathBuf>,
+        spool: Option<PathBuf>,
+        json: bool,
+    },
     Version,
 }
 
@@ -34,14 +44,26 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("spool") => spool = Some(PathBuf::from(p.value()?)),
             Long("set") => sets.push(p.value()?.string()?),
             Long("json") => json = true,
-            Value(v) if sub == "check-config" && config.is_none() => config = Some(PathBuf::from(v)),
+            Value(v) if sub == "check-config" && config.is_none() => {
+                config = Some(PathBuf::from(v))
+            }
             a => return Err(a.unexpected()),
         }
     }
     match sub.as_str() {
-        "run" => Ok(Cmd::Run { config: config.ok_or("run needs --config FILE")?, sets }),
-        "check-config" => Ok(Cmd::Check { config: config.ok_or("check-config needs FILE")?, sets }),
-        "status" if config.is_some() || spool.is_some() => Ok(Cmd::Status { config, spool, json }),
+        "run" => Ok(Cmd::Run {
+            config: config.ok_or("run needs --config FILE")?,
+            sets,
+        }),
+        "check-config" => Ok(Cmd::Check {
+            config: config.ok_or("check-config needs FILE")?,
+            sets,
+        }),
+        "status" if config.is_some() || spool.is_some() => Ok(Cmd::Status {
+            config,
+            spool,
+            json,
+        }),
         "status" => Err("status needs --config FILE or --spool PATH".into()),
         other => Err(format!("unknown command {other:?}").into()),
     }
@@ -78,7 +100,11 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Cmd::Status { config, spool, json } => {
+        Cmd::Status {
+            config,
+            spool,
+            json,
+        } => {
             let path = match (spool, config) {
                 (Some(s), _) => s,
                 (None, Some(c)) => match edgespool::config::load(&c, &[]) {

@@ -199,7 +199,11 @@ pub struct MqttThread {
 
 /// Create the shared state and the thread body. Run [`MqttThread::run`] on
 /// its own thread; give the [`Link`] to the delivery thread.
-pub fn new(cfg: MqttConfig, to_delivery: Sender<DeliveryMsg>, stop: Arc<AtomicBool>) -> (Link, MqttThread) {
+pub fn new(
+    cfg: MqttConfig,
+    to_delivery: Sender<DeliveryMsg>,
+    stop: Arc<AtomicBool>,
+) -> (Link, MqttThread) {
     let shared = Arc::new(Mutex::new(Shared {
         ack: AckMap::new(),
         client: None,
@@ -248,7 +252,8 @@ impl MqttThread {
                 }
             }
             first = false;
-            let (client, mut connection) = Client::new(options(&self.cfg), self.cfg.inflight_window + 8);
+            let (client, mut connection) =
+                Client::new(options(&self.cfg), self.cfg.inflight_window + 8);
             let mut net = connection.eventloop.network_options();
             net.set_connection_timeout(self.cfg.connect_timeout.as_secs().max(1));
             connection.eventloop.set_network_options(net);
@@ -329,7 +334,11 @@ impl MqttThread {
                         let mut s = lock(&self.shared);
                         let r = s.ack.on_puback(ack.pkid);
                         if r.is_ok() {
-                            s.progress_at = if s.ack.is_empty() { None } else { Some(Instant::now()) };
+                            s.progress_at = if s.ack.is_empty() {
+                                None
+                            } else {
+                                Some(Instant::now())
+                            };
                         }
                         r
                     };
@@ -351,7 +360,8 @@ impl MqttThread {
                 let s = lock(&self.shared);
                 s.connected
                     && !s.ack.is_empty()
-                    && s.progress_at.is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
+                    && s.progress_at
+                        .is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
             };
             if stalled {
                 return format!(
@@ -381,13 +391,9 @@ mod tests {
     #[test]
     fn submit_refuses_when_disconnected_or_stale() {
         let (tx, _rx) = std::sync::mpsc::channel();
-        let cfg = crate::config::parse(
-            "device_id='d'\n[spool]\npath='/tmp/x'\n",
-            "t",
-            &[],
-        )
-        .unwrap()
-        .mqtt;
+        let cfg = crate::config::parse("device_id='d'\n[spool]\npath='/tmp/x'\n", "t", &[])
+            .unwrap()
+            .mqtt;
         let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)));
         assert_eq!(link.submit(0, 8, 1, "t", b"x"), Err(NotNow::Disconnected));
         assert_eq!(link.submit(1, 8, 1, "t", b"x"), Err(NotNow::StaleEpoch));

@@ -109,13 +109,20 @@ impl Delivery {
     fn handle(&mut self, msg: DeliveryMsg, spool: &mut Spool) {
         match msg {
             DeliveryMsg::Acked(row) => self.to_retire.push(row),
-            DeliveryMsg::Lost { epoch, rows, reason } => {
+            DeliveryMsg::Lost {
+                epoch,
+                rows,
+                reason,
+            } => {
                 // Acks received before the loss are real: commit them first.
                 self.flush(spool);
                 self.stats
                     .requeued
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
-                log::debug!("delivery: epoch {epoch}: {} rows back to replay ({reason})", rows.len());
+                log::debug!(
+                    "delivery: epoch {epoch}: {} rows back to replay ({reason})",
+                    rows.len()
+                );
                 self.epoch = epoch;
                 self.cursor = 0;
             }
@@ -181,7 +188,13 @@ impl Delivery {
                     continue;
                 }
                 if !row.digest_ok() {
-                    self.fail(spool, row.id, &row.event_id, "payload does not match its stored digest", "digest_mismatch");
+                    self.fail(
+                        spool,
+                        row.id,
+                        &row.event_id,
+                        "payload does not match its stored digest",
+                        "digest_mismatch",
+                    );
                     self.cursor = row.id;
                     continue;
                 }

@@ -370,7 +370,10 @@ impl Spool {
             .map_err(err)?;
         let _: i64 = conn
             .query_row(
-                &format!("PRAGMA wal_autocheckpoint={}", opts.wal_autocheckpoint_pages),
+                &format!(
+                    "PRAGMA wal_autocheckpoint={}",
+                    opts.wal_autocheckpoint_pages
+                ),
                 [],
                 |r| r.get(0),
             )
@@ -519,8 +522,11 @@ impl Spool {
                 upsert.execute(params![stream, seq]).map_err(err)?;
             }
             if unencodable > 0 {
-                tx.execute(SQL_COUNTER_ADD, params!["readings_unencodable", unencodable])
-                    .map_err(err)?;
+                tx.execute(
+                    SQL_COUNTER_ADD,
+                    params!["readings_unencodable", unencodable],
+                )
+                .map_err(err)?;
             }
         }
         tx.commit().map_err(err)?;
@@ -558,7 +564,12 @@ impl Spool {
     /// Record a publish attempt for `ids`: state `SENT`, attempts + 1, last
     /// attempt `now_ms`, next retry `now_ms + retry_after_ms`. One IMMEDIATE
     /// transaction. Acknowledged rows are left alone.
-    pub fn mark_sent(&mut self, ids: &[i64], now_ms: i64, retry_after_ms: i64) -> Result<(), SpoolError> {
+    pub fn mark_sent(
+        &mut self,
+        ids: &[i64],
+        now_ms: i64,
+        retry_after_ms: i64,
+    ) -> Result<(), SpoolError> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -612,8 +623,11 @@ impl Spool {
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(err)?;
         tx.execute(SQL_FAIL, params![id, reason]).map_err(err)?;
-        tx.execute(SQL_COUNTER_ADD, params![format!("events_failed_{counter}"), 1])
-            .map_err(err)?;
+        tx.execute(
+            SQL_COUNTER_ADD,
+            params![format!("events_failed_{counter}"), 1],
+        )
+        .map_err(err)?;
         tx.commit().map_err(err)
     }
 
@@ -731,7 +745,13 @@ impl Spool {
     }
 
     /// Record the end of run `id` with `exit_status` (`ok` or `error`) and optional error text.
-    pub fn end_run(&mut self, id: i64, now_ms: i64, exit_status: &str, error: Option<&str>) -> Result<(), SpoolError> {
+    pub fn end_run(
+        &mut self,
+        id: i64,
+        now_ms: i64,
+        exit_status: &str,
+        error: Option<&str>,
+    ) -> Result<(), SpoolError> {
         self.conn
             .execute(
                 "UPDATE runs SET ended_ms = ?2, exit_status = ?3, error = ?4 WHERE id = ?1",
@@ -850,11 +870,18 @@ mod tests {
         let mut ids = EventIdGen::new().unwrap();
         {
             let mut s = open(d.path());
-            s.append(&[ev("a", 1.0), ev("b", 2.0), ev("a", 3.0)], &mut ids, "d", Format::Json, 0)
-                .unwrap();
+            s.append(
+                &[ev("a", 1.0), ev("b", 2.0), ev("a", 3.0)],
+                &mut ids,
+                "d",
+                Format::Json,
+                0,
+            )
+            .unwrap();
         }
         let mut s = open(d.path());
-        s.append(&[ev("a", 4.0)], &mut ids, "d", Format::Json, 0).unwrap();
+        s.append(&[ev("a", 4.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
         let rows = s.sendable(0, 10).unwrap();
         let seqs: Vec<(String, i64)> = rows
             .iter()
@@ -865,7 +892,12 @@ mod tests {
             .collect();
         assert_eq!(
             seqs,
-            vec![("a".into(), 1), ("b".into(), 1), ("a".into(), 2), ("a".into(), 3)]
+            vec![
+                ("a".into(), 1),
+                ("b".into(), 1),
+                ("a".into(), 2),
+                ("a".into(), 3)
+            ]
         );
         assert!(rows.iter().all(|r| r.digest_ok()));
     }
@@ -875,8 +907,14 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mut ids = EventIdGen::new().unwrap();
         let mut s = open(d.path());
-        s.append(&[ev("a", 1.0), ev("a", 2.0), ev("a", 3.0)], &mut ids, "d", Format::Json, 0)
-            .unwrap();
+        s.append(
+            &[ev("a", 1.0), ev("a", 2.0), ev("a", 3.0)],
+            &mut ids,
+            "d",
+            Format::Json,
+            0,
+        )
+        .unwrap();
         let rows = s.sendable(0, 10).unwrap();
         s.mark_sent(&[rows[0].id, rows[1].id], 10, 1000).unwrap();
         assert_eq!(s.retire(&[rows[0].id], 20).unwrap(), 1);
@@ -915,10 +953,12 @@ mod tests {
         let mut ids = EventIdGen::new().unwrap();
         let mut a = open(d.path());
         let mut b = open(d.path());
-        a.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0).unwrap();
+        a.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
         let rows = b.sendable(0, 10).unwrap();
         b.retire(&[rows[0].id], 1).unwrap();
-        a.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0).unwrap();
+        a.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
         assert_eq!(b.sendable(0, 10).unwrap().len(), 1);
         // No agent statement pins the WAL: a TRUNCATE checkpoint completes.
         let c = a.checkpoint(CheckpointMode::Truncate).unwrap();
@@ -932,7 +972,8 @@ mod tests {
         let path = d.path().join("spool.db");
         let mut ids = EventIdGen::new().unwrap();
         let mut s = Spool::open(&path, &SpoolOptions::default()).unwrap();
-        s.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0).unwrap();
+        s.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
         let holder = std::thread::spawn({
             let path = path.clone();
             move || {
@@ -946,7 +987,8 @@ mod tests {
         std::thread::sleep(Duration::from_millis(100));
         // A read snapshot first (as a deferred transaction would take), then the write.
         let _ = s.sendable(0, 10).unwrap();
-        s.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0).unwrap();
+        s.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
         holder.join().unwrap();
         assert_eq!(s.sendable(0, 10).unwrap().len(), 2);
     }

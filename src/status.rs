@@ -25,7 +25,10 @@ pub struct Report {
 /// Errors: the spool cannot be opened or read (message names the path).
 pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
     if !path.exists() {
-        return Err(format!("spool {} does not exist (has the agent run yet?)", path.display()));
+        return Err(format!(
+            "spool {} does not exist (has the agent run yet?)",
+            path.display()
+        ));
     }
     let spool = Spool::open(path, &SpoolOptions::default()).map_err(|e| e.to_string())?;
     let stats = spool.stats(now_ms).map_err(|e| e.to_string())?;
@@ -50,7 +53,13 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
 
 fn fmt_ms(ms: i64) -> String {
     let secs = ms / 1000;
-    format!("{}d{:02}h{:02}m{:02}s", secs / 86400, secs / 3600 % 24, secs / 60 % 60, secs % 60)
+    format!(
+        "{}d{:02}h{:02}m{:02}s",
+        secs / 86400,
+        secs / 3600 % 24,
+        secs / 60 % 60,
+        secs % 60
+    )
 }
 
 /// Human-readable form of `r`.
@@ -81,7 +90,9 @@ pub fn render(r: &Report, now_ms: i64) -> String {
     for run in &r.runs {
         let end = match run.ended_ms {
             Some(e) => format!("ran {}", fmt_ms(e - run.started_ms)),
-            None if run.exit_status.is_none() => format!("running for {}", fmt_ms(now_ms - run.started_ms)),
+            None if run.exit_status.is_none() => {
+                format!("running for {}", fmt_ms(now_ms - run.started_ms))
+            }
             None => "end unknown".into(),
         };
         o.push_str(&format!(
@@ -92,7 +103,10 @@ pub fn render(r: &Report, now_ms: i64) -> String {
             fmt_ms(now_ms - run.started_ms),
             end,
             run.exit_status.as_deref().unwrap_or("-"),
-            run.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
+            run.error
+                .as_deref()
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default()
         ));
     }
     o

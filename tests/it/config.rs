@@ -71,7 +71,10 @@ fn run_with_an_invalid_config_exits_2_without_creating_a_spool() {
     let cfg = d.path().join("board.toml");
     std::fs::write(
         &cfg,
-        format!("device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\nretenton_days = 3\n", d.path().display()),
+        format!(
+            "device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\nretenton_days = 3\n",
+            d.path().display()
+        ),
     )
     .expect("write");
     let (status, _, err) = run_cli(&["run", "--config", cfg.to_str().expect("utf-8")]);

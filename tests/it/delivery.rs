@@ -29,7 +29,12 @@ fn readings_from_the_system_source_reach_a_subscriber_and_every_row_ends_acked()
         agent.log_tail(40)
     );
     let status = agent.terminate(Duration::from_secs(15));
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", agent.log_tail(40));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        agent.log_tail(40)
+    );
     // Stopped: what is SENT stays SENT (no PUBACK seen), nothing retired by the stop.
     let after_stop = count_by_state(&db);
     // Drain the rest with a run that takes no readings.
@@ -44,15 +49,30 @@ fn readings_from_the_system_source_reach_a_subscriber_and_every_row_ends_acked()
     let deliveries = sub.deliveries();
     assert_invariants(&db, &deliveries);
     let all = rows(&db);
-    assert!(all.iter().all(|r| r.state == "ACKED"), "{:?}", count_by_state(&db));
+    assert!(
+        all.iter().all(|r| r.state == "ACKED"),
+        "{:?}",
+        count_by_state(&db)
+    );
     assert!(all.len() as i64 >= after_stop.values().sum::<i64>());
     // The envelope carries what the wire format promises.
     let v = deliveries[0].json();
-    for key in ["event_id", "device_id", "stream", "seq", "ts_ms", "clock_trusted", "fields"] {
+    for key in [
+        "event_id",
+        "device_id",
+        "stream",
+        "seq",
+        "ts_ms",
+        "clock_trusted",
+        "fields",
+    ] {
         assert!(!v[key].is_null(), "envelope lacks {key}: {v}");
     }
     assert_eq!(v["device_id"], "it-board");
-    assert!(v["fields"]["uptime_secs"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
+    assert!(
+        v["fields"]["uptime_secs"].as_f64().unwrap_or(0.0) > 0.0,
+        "{v}"
+    );
     assert!(deliveries[0].topic.ends_with("/events/system"));
 }
 
@@ -72,7 +92,11 @@ fn backlog_built_while_the_broker_is_unreachable_drains_in_sequence_order() {
         "backlog did not grow\n{}",
         agent.log_tail(30)
     );
-    assert_eq!(count_in_state(&db, "ACKED"), 0, "rows retired while the broker was unreachable");
+    assert_eq!(
+        count_in_state(&db, "ACKED"),
+        0,
+        "rows retired while the broker was unreachable"
+    );
     assert_eq!(sub.count(), 0);
     proxy.set_mode(Mode::Forward);
     assert!(
@@ -82,7 +106,11 @@ fn backlog_built_while_the_broker_is_unreachable_drains_in_sequence_order() {
     );
     agent.terminate(Duration::from_secs(15));
     let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(wait_for(Duration::from_secs(20), || unacked(&db) == 0), "{:?}", count_by_state(&db));
+    assert!(
+        wait_for(Duration::from_secs(20), || unacked(&db) == 0),
+        "{:?}",
+        count_by_state(&db)
+    );
     drain.terminate(Duration::from_secs(15));
     let deliveries = sub.deliveries();
     assert_invariants(&db, &deliveries);
@@ -113,12 +141,20 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
         "a row was retired without its PUBACK: {:?}",
         count_by_state(&db)
     );
-    assert!(agent.log_text().contains("watchdog: no PUBACK"), "{}", agent.log_tail(40));
+    assert!(
+        agent.log_text().contains("watchdog: no PUBACK"),
+        "{}",
+        agent.log_tail(40)
+    );
     // Let the acknowledgements through: everything retires.
     proxy.set_mode(Mode::Forward);
     agent.terminate(Duration::from_secs(15));
     let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(wait_for(Duration::from_secs(20), || unacked(&db) == 0), "{:?}", count_by_state(&db));
+    assert!(
+        wait_for(Duration::from_secs(20), || unacked(&db) == 0),
+        "{:?}",
+        count_by_state(&db)
+    );
     drain.terminate(Duration::from_secs(15));
     assert_invariants(&db, &sub.deliveries());
 }
@@ -146,7 +182,8 @@ fn oversized_payload_is_marked_failed_and_never_published() {
     std::fs::write(&cfg, text).expect("write cfg");
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.max_payload_bytes=1024".into()], dir.path());
     assert!(
-        wait_for(Duration::from_secs(20), || db.exists() && count_in_state(&db, "FAILED") >= 2),
+        wait_for(Duration::from_secs(20), || db.exists()
+            && count_in_state(&db, "FAILED") >= 2),
         "{:?}\n{}",
         count_by_state(&db),
         agent.log_tail(30)

@@ -39,7 +39,8 @@ fn sigkill_while_publishing_loses_nothing_and_never_changes_a_payload() {
         let mut agent = AgentProc::spawn(&cfg, &["mqtt.ack_timeout_secs=60".into()], dir.path());
         let before = if db.exists() { total(&db) } else { 0 };
         assert!(
-            wait_for(Duration::from_secs(20), || db.exists() && total(&db) > before),
+            wait_for(Duration::from_secs(20), || db.exists()
+                && total(&db) > before),
             "agent appended nothing\n{}",
             agent.log_tail(30)
         );
@@ -71,8 +72,12 @@ fn sigkill_while_publishing_loses_nothing_and_never_changes_a_payload() {
     // Rows in flight at a kill were delivered again by a later run.
     assert!(received(&deliveries).times.values().any(|&n| n >= 2));
     // Killed runs are recorded as such.
-    let (_, status, _) = crate::support::agent::run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
-    assert!(status.contains("killed (no clean stop recorded)"), "{status}");
+    let (_, status, _) =
+        crate::support::agent::run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
+    assert!(
+        status.contains("killed (no clean stop recorded)"),
+        "{status}"
+    );
 }
 
 /// The broker dies with publishes in flight and comes back with no session
@@ -90,26 +95,46 @@ fn broker_restart_without_persistence_loses_nothing(clean_session: bool) {
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(
         &cfg,
-        &[format!("mqtt.clean_session={clean_session}"), "mqtt.ack_timeout_secs=60".into()],
+        &[
+            format!("mqtt.clean_session={clean_session}"),
+            "mqtt.ack_timeout_secs=60".into(),
+        ],
         dir.path(),
     );
-    assert!(sub.wait_count(Duration::from_secs(20), 20), "{}", agent.log_tail(30));
+    assert!(
+        sub.wait_count(Duration::from_secs(20), 20),
+        "{}",
+        agent.log_tail(30)
+    );
     proxy.set_mode(Mode::DropPubacks);
-    assert!(wait_for(Duration::from_secs(10), || proxy.pubacks_dropped() >= 5));
+    assert!(wait_for(Duration::from_secs(10), || proxy
+        .pubacks_dropped()
+        >= 5));
     let in_flight_before = count_in_state(&db, "SENT");
     assert!(in_flight_before > 0, "{:?}", count_by_state(&db));
     broker.kill();
     proxy.set_mode(Mode::Refuse);
     broker.restart();
-    assert!(sub.wait_subscribed(Duration::from_secs(15)), "subscriber did not re-subscribe");
+    assert!(
+        sub.wait_subscribed(Duration::from_secs(15)),
+        "subscriber did not re-subscribe"
+    );
     proxy.set_mode(Mode::Forward);
     assert!(
-        wait_for(Duration::from_secs(20), || agent.log_text().matches("mqtt: connected").count() >= 2),
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .matches("mqtt: connected")
+            .count()
+            >= 2),
         "{}",
         agent.log_tail(30)
     );
     assert!(agent.log_text().contains("session_present=false"));
-    assert!(agent.log_text().contains("unacknowledged rows for replay"), "{}", agent.log_tail(30));
+    assert!(
+        agent.log_text().contains("unacknowledged rows for replay"),
+        "{}",
+        agent.log_tail(30)
+    );
     agent.terminate(Duration::from_secs(15));
     let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
     assert!(

@@ -97,7 +97,12 @@ pub fn received(deliveries: &[Delivery]) -> Received {
 pub fn assert_invariants(db: &Path, deliveries: &[Delivery]) {
     let r = received(deliveries);
     for (id, p) in &r.payloads {
-        assert_eq!(p.len(), 1, "I3: event {id} arrived with {} different payloads", p.len());
+        assert_eq!(
+            p.len(),
+            1,
+            "I3: event {id} arrived with {} different payloads",
+            p.len()
+        );
     }
     let rows = support::spool::rows(db);
     assert!(!rows.is_empty(), "the scenario produced no rows");
@@ -131,6 +136,9 @@ pub fn assert_first_seen_in_order(r: &Received) {
     let mut last: BTreeMap<&str, i64> = BTreeMap::new();
     for (stream, seq) in &r.first_seen {
         let prev = last.insert(stream, *seq).unwrap_or(0);
-        assert!(*seq > prev, "I7: stream {stream}: seq {seq} first delivered after seq {prev}");
+        assert!(
+            *seq > prev,
+            "I7: stream {stream}: seq {seq} first delivered after seq {prev}"
+        );
     }
 }

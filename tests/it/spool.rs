@@ -26,10 +26,15 @@ fn wal_is_in_effect_and_no_rollback_journal_ever_appears() {
     assert!(saw_wal, "no -wal file during ingest");
     agent.terminate(Duration::from_secs(15));
     let conn = open(&db);
-    let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).expect("pragma");
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .expect("pragma");
     assert_eq!(mode, "wal");
     let log = agent.log_text();
-    assert!(log.contains("journal_mode=wal synchronous=1 busy_timeout=5000ms"), "{log}");
+    assert!(
+        log.contains("journal_mode=wal synchronous=1 busy_timeout=5000ms"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -44,11 +49,20 @@ fn sigterm_commits_readings_still_in_the_commit_window() {
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(total(&db), 0, "committed before the window closed");
     let status = agent.terminate(Duration::from_secs(15));
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", agent.log_tail(20));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        agent.log_tail(20)
+    );
     let n = total(&db);
     assert!(n >= 10, "only {n} rows committed at stop");
     let log = agent.log_text();
-    assert!(log.contains(&format!("stopped cleanly; {n} readings appended")), "{}", agent.log_tail(10));
+    assert!(
+        log.contains(&format!("stopped cleanly; {n} readings appended")),
+        "{}",
+        agent.log_tail(10)
+    );
     let (_, out, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
     assert!(out.contains("status ok"), "{out}");
 }
@@ -65,10 +79,16 @@ fn a_second_agent_on_the_same_spool_fails_fast_naming_the_holder() {
     let status = second.wait(Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(1));
     let log = second.log_text();
-    assert!(log.contains(&format!("in use by another edgespool (pid {}", first.pid())), "{log}");
+    assert!(
+        log.contains(&format!("in use by another edgespool (pid {}", first.pid())),
+        "{log}"
+    );
     assert!(first.is_running());
     let before = total(&db);
-    assert!(wait_for(Duration::from_secs(10), || total(&db) > before), "first agent stopped ingesting");
+    assert!(
+        wait_for(Duration::from_secs(10), || total(&db) > before),
+        "first agent stopped ingesting"
+    );
     first.terminate(Duration::from_secs(15));
 }
 
@@ -97,16 +117,25 @@ fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
     std::fs::write(&db, &bytes).expect("write damaged spool");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(10), || agent.log_text().contains("is damaged")),
+        wait_for(Duration::from_secs(10), || agent
+            .log_text()
+            .contains("is damaged")),
         "{}",
         agent.log_tail(20)
     );
-    assert!(wait_for(Duration::from_secs(10), || total(&db) > 0), "fresh spool not filling");
+    assert!(
+        wait_for(Duration::from_secs(10), || total(&db) > 0),
+        "fresh spool not filling"
+    );
     assert!(agent.is_running());
     let aside: Vec<_> = std::fs::read_dir(dir.path())
         .expect("read dir")
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with("spool.db.corrupt-"))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("spool.db.corrupt-")
+        })
         .collect();
     assert!(!aside.is_empty(), "damaged file was not kept");
     agent.terminate(Duration::from_secs(15));
@@ -118,7 +147,8 @@ fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("busy");
-    let sub = crate::support::subscriber::Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub =
+        crate::support::subscriber::Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
     let cfg = write_config(dir.path(), &broker.url(), &prefix, 20);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
@@ -134,12 +164,20 @@ fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
     }
     agent.terminate(Duration::from_secs(15));
     let log = agent.log_text();
-    assert!(!log.contains("database is locked"), "{}", agent.log_tail(30));
-    assert!(!log.contains("busy past busy_timeout"), "{}", agent.log_tail(30));
+    assert!(
+        !log.contains("database is locked"),
+        "{}",
+        agent.log_tail(30)
+    );
+    assert!(
+        !log.contains("busy past busy_timeout"),
+        "{}",
+        agent.log_tail(30)
+    );
     let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
     assert!(wait_for(Duration::from_secs(20), || {
         let c = count_by_state(&db);
-        c.get("PENDING").is_none() && c.get("SENT").is_none()
+        !c.contains_key("PENDING") && !c.contains_key("SENT")
     }));
     drain.terminate(Duration::from_secs(15));
     crate::assert_invariants(&db, &sub.deliveries());
