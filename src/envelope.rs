@@ -23,16 +23,26 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EventId(pub [u8; 16]);
 
-impl fmt::Display for EventId {
-    /// 8-4-4-4-12 lowercase hex, like a UUID.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl EventId {
+    /// 8-4-4-4-12 lowercase hex, like a UUID (36 ASCII bytes).
+    pub fn hyphenated(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = String::with_capacity(36);
         for (i, b) in self.0.iter().enumerate() {
             if matches!(i, 4 | 6 | 8 | 10) {
-                f.write_str("-")?;
+                out.push('-');
             }
-            write!(f, "{b:02x}")?;
+            out.push(HEX[(b >> 4) as usize] as char);
+            out.push(HEX[(b & 0xf) as usize] as char);
         }
-        Ok(())
+        out
+    }
+}
+
+impl fmt::Display for EventId {
+    /// Same as [`EventId::hyphenated`].
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hyphenated())
     }
 }
 
@@ -113,6 +123,43 @@ pub struct CompactEnvelope {
     pub fields: Vec<(String, FieldValue)>,
 }
 
+/// The JSON form, serialized straight from borrowed data (no intermediate map).
+#[derive(Serialize)]
+struct JsonEnvelope<'a> {
+    event_id: &'a str,
+    device_id: &'a str,
+    stream: &'a str,
+    seq: u64,
+    ts_ms: i64,
+    clock_trusted: bool,
+    fields: JsonFields<'a>,
+}
+
+/// Fields as a JSON object in reading order.
+struct JsonFields<'a>(&'a Fields);
+
+impl Serialize for JsonFields<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error, SerializeMap};
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in self.0 {
+            match v {
+                // Counters and byte sizes read as integers on the wire.
+                FieldValue::Num(n) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
+                    m.serialize_entry(k, &(*n as i64))?
+                }
+                FieldValue::Num(n) if !n.is_finite() => {
+                    return Err(S::Error::custom(format!("field {k}: non-finite number {n}")))
+                }
+                FieldValue::Num(n) => m.serialize_entry(k, n)?,
+                FieldValue::Text(t) => m.serialize_entry(k, t)?,
+                FieldValue::Bool(b) => m.serialize_entry(k, b)?,
+            }
+        }
+        m.end()
+    }
+}
+
 /// Encode `env` in `format`.
 ///
 /// Errors: a serializer failure (for JSON only a non-finite number, which the
@@ -120,31 +167,19 @@ pub struct CompactEnvelope {
 pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
     match format {
         Format::Json => {
-            let mut fields = serde_json::Map::new();
-            for (k, v) in env.fields {
-                let jv = match v {
-                    // Counters and byte sizes read as integers on the wire.
-                    FieldValue::Num(n) if n.fract() == 0.0 && n.abs() < 9.0e15 => {
-                        serde_json::Value::from(*n as i64)
-                    }
-                    FieldValue::Num(n) => serde_json::Number::from_f64(*n)
-                        .map(serde_json::Value::Number)
-                        .ok_or_else(|| format!("field {k}: non-finite number {n}"))?,
-                    FieldValue::Text(s) => serde_json::Value::String(s.clone()),
-                    FieldValue::Bool(b) => serde_json::Value::Bool(*b),
-                };
-                fields.insert(k.clone(), jv);
-            }
-            let obj = serde_json::json!({
-                "event_id": env.event_id.to_string(),
-                "device_id": env.device_id,
-                "stream": env.stream,
-                "seq": env.seq,
-                "ts_ms": env.ts_ms,
-                "clock_trusted": env.clock_trusted,
-                "fields": fields,
-            });
-            serde_json::to_vec(&obj).map_err(|e| e.to_string())
+            let id = env.event_id.hyphenated();
+            let doc = JsonEnvelope {
+                event_id: &id,
+                device_id: env.device_id,
+                stream: env.stream,
+                seq: env.seq,
+                ts_ms: env.ts_ms,
+                clock_trusted: env.clock_trusted,
+                fields: JsonFields(env.fields),
+            };
+            let mut out = Vec::with_capacity(128 + 32 * env.fields.len());
+            serde_json::to_writer(&mut out, &doc).map_err(|e| e.to_string())?;
+            Ok(out)
         }
         Format::Postcard => {
             let c = CompactEnvelope {

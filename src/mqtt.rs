@@ -20,16 +20,18 @@ use crate::config::MqttConfig;
 use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, Outgoing, QoS, RecvTimeoutError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Messages to the delivery thread.
 #[derive(Debug)]
 pub enum DeliveryMsg {
-    /// The PUBACK for the publish carrying this row arrived: retire it.
-    Acked(i64),
+    /// Acknowledgements or submissions are waiting in [`Link::take_progress`],
+    /// or the ready queue is running low.
+    Progress,
     /// The connection was dropped or rebuilt: these rows are no longer in
-    /// flight and none was retired. From now on, submissions must carry `epoch`.
+    /// flight and none was retired. From now on, offers must carry `epoch`.
     Lost {
         /// The new epoch.
         epoch: u64,
@@ -47,39 +49,89 @@ pub enum DeliveryMsg {
     NewRows,
 }
 
+/// A row read from the spool, ready to publish.
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// Spool row id.
+    pub row: i64,
+    /// `<topic_prefix>/events/<stream>`.
+    pub topic: Arc<str>,
+    /// The stored payload bytes.
+    pub payload: Vec<u8>,
+}
+
 /// State shared by the MQTT thread and the delivery thread; locked only for
-/// non-blocking operations.
+/// non-blocking operations (no I/O, no SQLite under this lock).
 pub struct Shared {
     ack: AckMap<i64>,
     client: Option<Client>,
     connected: bool,
     epoch: u64,
+    window: usize,
+    /// Rows offered by the delivery thread, oldest first, not yet submitted.
+    ready: VecDeque<Ready>,
+    /// Rows submitted since the delivery thread last looked (to mark SENT).
+    submitted: Vec<i64>,
+    /// Rows whose PUBACK arrived since the delivery thread last looked.
+    acked: Vec<i64>,
+    /// A [`DeliveryMsg::Progress`] is already on its way.
+    notified: bool,
     /// When the oldest unanswered publish was submitted, or the last PUBACK arrived.
     progress_at: Option<Instant>,
-}
-
-/// Why a submission did not happen now. The row stays where it is in the
-/// spool and is offered again later.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NotNow {
-    /// No connection (or not yet CONNACKed).
-    Disconnected,
-    /// The caller's epoch is stale: process the pending [`DeliveryMsg::Lost`] first.
-    StaleEpoch,
-    /// rumqttc's request channel is full.
-    ChannelFull,
-    /// The in-flight window is full.
-    WindowFull,
 }
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")
             .field("in_flight", &self.ack.len())
+            .field("ready", &self.ready.len())
             .field("connected", &self.connected)
             .field("epoch", &self.epoch)
             .finish()
     }
+}
+
+impl Shared {
+    /// Submit ready rows while connected and the window has room, in order.
+    /// Each row enters the ack FIFO before its request can reach the event
+    /// loop; the lock held by the caller keeps FIFO and channel order equal.
+    fn pump(&mut self) {
+        if !self.connected {
+            return;
+        }
+        let Some(client) = self.client.clone() else {
+            return;
+        };
+        while self.ack.len() < self.window {
+            let Some(r) = self.ready.front() else {
+                return;
+            };
+            if self.ack.submitted(r.row).is_err() {
+                return;
+            }
+            match client.try_publish(&*r.topic, QoS::AtLeastOnce, false, r.payload.clone()) {
+                Ok(()) => {
+                    if self.ack.len() == 1 {
+                        self.progress_at = Some(Instant::now());
+                    }
+                    self.submitted.push(r.row);
+                    self.ready.pop_front();
+                }
+                Err(_) => {
+                    // Channel full: it never entered rumqttc; try again later.
+                    self.ack.submit_failed();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Why an offer was refused. The rows stay in the spool and are read again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotNow {
+    /// The caller's epoch is stale: process the pending [`DeliveryMsg::Lost`] first.
+    StaleEpoch,
 }
 
 /// Handle used by the delivery thread.
@@ -100,51 +152,41 @@ impl Link {
         lock(&self.shared).ack.len()
     }
 
+    /// Rows offered and not yet submitted.
+    pub fn ready_len(&self) -> usize {
+        lock(&self.shared).ready.len()
+    }
+
     /// True while connected.
     pub fn connected(&self) -> bool {
         lock(&self.shared).connected
     }
 
-    /// Submit one QoS 1 publish carrying `row`, if connected, in `epoch`, and
-    /// fewer than `window` rows are in flight. Never blocks.
-    pub fn submit(
-        &self,
-        epoch: u64,
-        window: usize,
-        row: i64,
-        topic: &str,
-        payload: &[u8],
-    ) -> Result<(), NotNow> {
+    /// Append `rows` (in row order, after everything offered before) to the
+    /// ready queue of `epoch` and submit what the window allows. Never blocks.
+    ///
+    /// Errors: [`NotNow::StaleEpoch`] when the connection was lost since the
+    /// caller's last [`DeliveryMsg::Lost`]; the rows are dropped here and read
+    /// again from the spool.
+    pub fn offer(&self, epoch: u64, rows: Vec<Ready>) -> Result<(), NotNow> {
         let mut s = lock(&self.shared);
         if s.epoch != epoch {
             return Err(NotNow::StaleEpoch);
         }
-        if !s.connected {
-            return Err(NotNow::Disconnected);
-        }
-        if s.ack.len() >= window {
-            return Err(NotNow::WindowFull);
-        }
-        let Some(client) = s.client.clone() else {
-            return Err(NotNow::Disconnected);
-        };
-        if s.ack.submitted(row).is_err() {
-            return Err(NotNow::WindowFull);
-        }
-        // The row is in the FIFO before the request can reach the event loop,
-        // and the lock keeps submissions in FIFO order.
-        match client.try_publish(topic, QoS::AtLeastOnce, false, payload.to_vec()) {
-            Ok(()) => {
-                if s.ack.len() == 1 {
-                    s.progress_at = Some(Instant::now());
-                }
-                Ok(())
-            }
-            Err(_) => {
-                s.ack.submit_failed();
-                Err(NotNow::ChannelFull)
-            }
-        }
+        s.ready.extend(rows);
+        s.pump();
+        Ok(())
+    }
+
+    /// Take the rows submitted and the rows acknowledged since the last call:
+    /// `(submitted, acked)`.
+    pub fn take_progress(&self) -> (Vec<i64>, Vec<i64>) {
+        let mut s = lock(&self.shared);
+        s.notified = false;
+        (
+            std::mem::take(&mut s.submitted),
+            std::mem::take(&mut s.acked),
+        )
     }
 }
 
@@ -209,6 +251,11 @@ pub fn new(
         client: None,
         connected: false,
         epoch: 0,
+        window: cfg.inflight_window,
+        ready: VecDeque::new(),
+        submitted: Vec::new(),
+        acked: Vec::new(),
+        notified: false,
         progress_at: None,
     }));
     (
@@ -256,6 +303,9 @@ impl MqttThread {
                 Client::new(options(&self.cfg), self.cfg.inflight_window + 8);
             let mut net = connection.eventloop.network_options();
             net.set_connection_timeout(self.cfg.connect_timeout.as_secs().max(1));
+            // Publishes leave in small bursts as the window frees up; with
+            // Nagle on, a burst's tail waits for the peer's delayed ACK (~40 ms).
+            net.set_tcp_nodelay(true);
             connection.eventloop.set_network_options(net);
             lock(&self.shared).client = Some(client.clone());
             let reason = self.drive(&mut connection, &mut backoff);
@@ -284,6 +334,7 @@ impl MqttThread {
             s.client = None;
             s.epoch += 1;
             s.progress_at = None;
+            s.ready.clear();
             (s.epoch, s.ack.reset())
         };
         if rows.is_empty() {
@@ -312,7 +363,11 @@ impl MqttThread {
             let wait = if connected { idle_wait } else { connect_wait };
             match connection.recv_timeout(wait) {
                 Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
-                    lock(&self.shared).connected = true;
+                    {
+                        let mut s = lock(&self.shared);
+                        s.connected = true;
+                        s.pump();
+                    }
                     backoff.reset();
                     log::info!(
                         "mqtt: connected to {}:{} (session_present={})",
@@ -330,23 +385,26 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Event::Incoming(Incoming::PubAck(ack)))) => {
-                    let res = {
+                    let notify = {
                         let mut s = lock(&self.shared);
-                        let r = s.ack.on_puback(ack.pkid);
-                        if r.is_ok() {
-                            s.progress_at = if s.ack.is_empty() {
-                                None
-                            } else {
-                                Some(Instant::now())
-                            };
+                        match s.ack.on_puback(ack.pkid) {
+                            Ok(row) => {
+                                s.acked.push(row);
+                                s.progress_at = if s.ack.is_empty() { None } else { Some(Instant::now()) };
+                                // Refill the window from here: no thread hop per PUBACK.
+                                s.pump();
+                                let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;
+                                let first = !s.notified;
+                                if wanted && first {
+                                    s.notified = true;
+                                }
+                                wanted && first
+                            }
+                            Err(e) => return format!("ack correlation: {e}"),
                         }
-                        r
                     };
-                    match res {
-                        Ok(row) => {
-                            let _ = self.to_delivery.send(DeliveryMsg::Acked(row));
-                        }
-                        Err(e) => return format!("ack correlation: {e}"),
+                    if notify {
+                        let _ = self.to_delivery.send(DeliveryMsg::Progress);
                     }
                 }
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
@@ -389,14 +447,22 @@ mod tests {
     }
 
     #[test]
-    fn submit_refuses_when_disconnected_or_stale() {
+    fn offers_wait_while_disconnected_and_stale_epochs_are_refused() {
         let (tx, _rx) = std::sync::mpsc::channel();
         let cfg = crate::config::parse("device_id='d'\n[spool]\npath='/tmp/x'\n", "t", &[])
             .unwrap()
             .mqtt;
         let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)));
-        assert_eq!(link.submit(0, 8, 1, "t", b"x"), Err(NotNow::Disconnected));
-        assert_eq!(link.submit(1, 8, 1, "t", b"x"), Err(NotNow::StaleEpoch));
+        let ready = |row| Ready {
+            row,
+            topic: Arc::from("t"),
+            payload: b"x".to_vec(),
+        };
+        // Disconnected: held in the ready queue, nothing in flight.
+        assert_eq!(link.offer(0, vec![ready(1)]), Ok(()));
         assert_eq!(link.in_flight(), 0);
+        assert_eq!(link.ready_len(), 1);
+        assert_eq!(link.offer(1, vec![ready(2)]), Err(NotNow::StaleEpoch));
+        assert_eq!(link.ready_len(), 1);
     }
 }

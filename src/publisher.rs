@@ -2,15 +2,20 @@
 //! rows whose PUBACK arrived.
 //!
 //! Owns the delivery connection to the spool. Its one rule: **a row is retired
-//! only on a [`DeliveryMsg::Acked`] for it (I2), and after a
-//! [`DeliveryMsg::Lost`] the window is refilled from the oldest unacknowledged
-//! row, in row-id order (I7)**. It never blocks the MQTT thread (submission is
-//! a non-blocking `try_publish` under a short lock) and is never waited on by
-//! ingest.
+//! only when the MQTT thread reports its PUBACK ([`Link::take_progress`], I2),
+//! and after a [`DeliveryMsg::Lost`] rows are offered again from the oldest
+//! unacknowledged one, in row-id order (I7)**.
+//!
+//! The delivery thread reads rows ahead and offers them to a bounded ready
+//! queue; the MQTT thread submits from that queue as PUBACKs free the window,
+//! so the window refills without a thread hop per acknowledgement. Attempts
+//! and retirements are group-committed every 20 ms or 256 rows. It never
+//! blocks the MQTT thread and is never waited on by ingest.
 
 use crate::envelope::wall_clock_ms;
-use crate::mqtt::{DeliveryMsg, Link, NotNow};
-use crate::spool::{Spool, SpoolError};
+use crate::mqtt::{DeliveryMsg, Link, Ready};
+use crate::spool::{OutRow, Spool, SpoolError};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -42,6 +47,16 @@ pub struct DeliveryConfig {
     pub ack_timeout: Duration,
 }
 
+/// Rows read ahead from the spool per query. Bounds delivery memory:
+/// at most this many payloads are held, whatever the backlog.
+const PREFETCH: usize = 256;
+
+/// Group commit for delivery records: commit when this many ids are waiting...
+const RECORD_BATCH: usize = 256;
+/// ...or when the oldest has waited this long. A crash loses at most this
+/// window of acknowledgements, whose rows are then re-sent (duplicates, never loss).
+const RECORD_WINDOW: Duration = Duration::from_millis(20);
+
 /// The delivery loop. Returns when `stop` is set, after committing the
 /// retirements it has received.
 pub fn run(
@@ -57,39 +72,34 @@ pub fn run(
         link,
         epoch: 0,
         cursor: 0,
+        ahead: VecDeque::new(),
+        topics: HashMap::new(),
         to_retire: Vec::new(),
         to_mark: Vec::new(),
+        waiting_since: None,
         stats,
         last_error_log: None,
     };
     while !stop.load(Ordering::Relaxed) {
-        let wait = if d.to_retire.is_empty() {
-            Duration::from_millis(100)
+        let wait = if d.waiting_since.is_some() {
+            RECORD_WINDOW
         } else {
-            Duration::from_millis(10)
+            Duration::from_millis(100)
         };
         match rx.recv_timeout(wait) {
             Ok(msg) => d.handle(msg, &mut spool),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
         }
-        // Take whatever else is queued without waiting.
         while let Ok(msg) = rx.try_recv() {
             d.handle(msg, &mut spool);
-            if d.to_retire.len() >= 256 {
-                break;
-            }
         }
-        d.flush(&mut spool);
+        d.collect();
         d.fill(&mut spool);
-        d.flush(&mut spool);
+        d.maybe_flush(&mut spool);
     }
     // Acks already received are committed before exit; nothing else is.
-    while let Ok(msg) = rx.try_recv() {
-        if let DeliveryMsg::Acked(r) = msg {
-            d.to_retire.push(r);
-        }
-    }
+    d.collect();
     d.flush(&mut spool);
 }
 
@@ -97,10 +107,16 @@ struct Delivery {
     cfg: DeliveryConfig,
     link: Link,
     epoch: u64,
-    /// Highest row id submitted in this epoch.
+    /// Highest row id read from the spool in this epoch.
     cursor: i64,
+    /// Rows read from the spool, not yet offered, in row-id order.
+    ahead: VecDeque<OutRow>,
+    /// Topic per stream, built once.
+    topics: HashMap<String, Arc<str>>,
     to_retire: Vec<i64>,
     to_mark: Vec<i64>,
+    /// When the oldest uncommitted delivery record was queued.
+    waiting_since: Option<Instant>,
     stats: Arc<DeliveryStats>,
     last_error_log: Option<Instant>,
 }
@@ -108,26 +124,36 @@ struct Delivery {
 impl Delivery {
     fn handle(&mut self, msg: DeliveryMsg, spool: &mut Spool) {
         match msg {
-            DeliveryMsg::Acked(row) => self.to_retire.push(row),
-            DeliveryMsg::Lost {
-                epoch,
-                rows,
-                reason,
-            } => {
+            DeliveryMsg::Lost { epoch, rows, reason } => {
                 // Acks received before the loss are real: commit them first.
+                self.collect();
                 self.flush(spool);
                 self.stats
                     .requeued
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
-                log::debug!(
-                    "delivery: epoch {epoch}: {} rows back to replay ({reason})",
-                    rows.len()
-                );
+                log::debug!("delivery: epoch {epoch}: {} rows back to replay ({reason})", rows.len());
                 self.epoch = epoch;
+                // Replay from the oldest unacknowledged row, in order (I7).
                 self.cursor = 0;
+                self.ahead.clear();
             }
-            DeliveryMsg::Connected { .. } | DeliveryMsg::NewRows => {}
+            DeliveryMsg::Progress | DeliveryMsg::Connected { .. } | DeliveryMsg::NewRows => {}
         }
+    }
+
+    /// Move what the MQTT thread submitted and saw acknowledged into the
+    /// pending delivery records.
+    fn collect(&mut self) {
+        let (sent, acked) = self.link.take_progress();
+        if sent.is_empty() && acked.is_empty() {
+            return;
+        }
+        self.stats
+            .submitted
+            .fetch_add(sent.len() as u64, Ordering::Relaxed);
+        self.to_mark.extend(sent);
+        self.to_retire.extend(acked);
+        self.waiting_since.get_or_insert_with(Instant::now);
     }
 
     fn log_error(&mut self, what: &str, e: &SpoolError) {
@@ -140,88 +166,98 @@ impl Delivery {
         }
     }
 
-    /// Commit pending retirements and attempt marks. On a transient error the
-    /// ids stay queued and are retried; nothing is dropped.
-    fn flush(&mut self, spool: &mut Spool) {
-        let now = wall_clock_ms().0;
-        if !self.to_retire.is_empty() {
-            match spool.retire(&self.to_retire, now) {
-                Ok(n) => {
-                    self.stats.retired.fetch_add(n as u64, Ordering::Relaxed);
-                    self.to_retire.clear();
-                }
-                Err(e) => self.log_error("retire", &e),
-            }
-        }
-        if !self.to_mark.is_empty() {
-            match spool.mark_sent(&self.to_mark, now, self.cfg.ack_timeout.as_millis() as i64) {
-                Ok(()) => self.to_mark.clear(),
-                Err(e) => self.log_error("mark sent", &e),
-            }
+    fn maybe_flush(&mut self, spool: &mut Spool) {
+        let due = self.to_retire.len() + self.to_mark.len() >= RECORD_BATCH
+            || self
+                .waiting_since
+                .is_some_and(|t| t.elapsed() >= RECORD_WINDOW);
+        if due {
+            self.flush(spool);
         }
     }
 
-    /// Submit rows while the window has room.
+    /// Commit pending attempt marks and retirements in one transaction. On an
+    /// error the ids stay queued and are retried; nothing is dropped.
+    fn flush(&mut self, spool: &mut Spool) {
+        if self.to_retire.is_empty() && self.to_mark.is_empty() {
+            self.waiting_since = None;
+            return;
+        }
+        let now = wall_clock_ms().0;
+        let retry_after = self.cfg.ack_timeout.as_millis() as i64;
+        match spool.record_delivery(&self.to_mark, &self.to_retire, now, retry_after) {
+            Ok(n) => {
+                self.stats.retired.fetch_add(n as u64, Ordering::Relaxed);
+                self.to_retire.clear();
+                self.to_mark.clear();
+                self.waiting_since = None;
+            }
+            Err(e) => self.log_error("recording deliveries", &e),
+        }
+    }
+
+    /// Keep the ready queue at two windows' worth, reading ahead from the spool.
     fn fill(&mut self, spool: &mut Spool) {
-        loop {
-            if !self.link.connected() {
-                return;
-            }
-            let room = self.cfg.window.saturating_sub(self.link.in_flight());
-            if room == 0 {
-                return;
-            }
-            let rows = match spool.sendable(self.cursor, room) {
-                Ok(r) => r,
-                Err(e) => {
-                    self.log_error("read sendable rows", &e);
-                    return;
-                }
-            };
-            if rows.is_empty() {
-                return;
-            }
-            for row in rows {
-                if self.to_retire.contains(&row.id) {
-                    // Acked, retirement not yet committed.
-                    self.cursor = row.id;
-                    continue;
-                }
-                if !row.digest_ok() {
-                    self.fail(
-                        spool,
-                        row.id,
-                        &row.event_id,
-                        "payload does not match its stored digest",
-                        "digest_mismatch",
-                    );
-                    self.cursor = row.id;
-                    continue;
-                }
-                if row.payload.len() > self.cfg.max_payload_bytes {
-                    let why = format!(
-                        "payload of {} bytes exceeds mqtt.max_payload_bytes {}",
-                        row.payload.len(),
-                        self.cfg.max_payload_bytes
-                    );
-                    self.fail(spool, row.id, &row.event_id, &why, "oversized");
-                    self.cursor = row.id;
-                    continue;
-                }
-                let topic = format!("{}/events/{}", self.cfg.topic_prefix, row.stream);
-                match self
-                    .link
-                    .submit(self.epoch, self.cfg.window, row.id, &topic, &row.payload)
-                {
-                    Ok(()) => {
-                        self.cursor = row.id;
-                        self.to_mark.push(row.id);
-                        self.stats.submitted.fetch_add(1, Ordering::Relaxed);
+        if !self.link.connected() {
+            return;
+        }
+        let target = 2 * self.cfg.window;
+        let mut room = target.saturating_sub(self.link.ready_len());
+        let mut batch = Vec::new();
+        while room > 0 {
+            if self.ahead.is_empty() {
+                match spool.sendable(self.cursor, PREFETCH) {
+                    Ok(rows) if rows.is_empty() => break,
+                    Ok(rows) => {
+                        if let Some(last) = rows.last() {
+                            self.cursor = last.id;
+                        }
+                        self.ahead.extend(rows);
                     }
-                    Err(NotNow::ChannelFull | NotNow::WindowFull) => return,
-                    Err(NotNow::Disconnected | NotNow::StaleEpoch) => return,
+                    Err(e) => {
+                        self.log_error("read sendable rows", &e);
+                        break;
+                    }
                 }
             }
+            let Some(row) = self.ahead.pop_front() else {
+                break;
+            };
+            if self.to_retire.contains(&row.id) {
+                continue; // acknowledged; retirement not yet committed
+            }
+            if !row.digest_ok() {
+                self.fail(spool, row.id, &row.event_id, "payload does not match its stored digest", "digest_mismatch");
+                continue;
+            }
+            if row.payload.len() > self.cfg.max_payload_bytes {
+                let why = format!(
+                    "payload of {} bytes exceeds mqtt.max_payload_bytes {}",
+                    row.payload.len(),
+                    self.cfg.max_payload_bytes
+                );
+                self.fail(spool, row.id, &row.event_id, &why, "oversized");
+                continue;
+            }
+            let prefix = &self.cfg.topic_prefix;
+            let topic = self
+                .topics
+                .entry(row.stream.clone())
+                .or_insert_with(|| Arc::from(format!("{prefix}/events/{}", row.stream)))
+                .clone();
+            batch.push(Ready {
+                row: row.id,
+                topic,
+                payload: row.payload,
+            });
+            room -= 1;
+        }
+        if batch.is_empty() {
+            return;
+        }
+        if self.link.offer(self.epoch, batch).is_err() {
+            // Stale epoch: a Lost message is on its way and resets the read-ahead.
+            self.ahead.clear();
         }
     }
 

@@ -88,6 +88,9 @@ const SQL_MARK_SENT: &str = "UPDATE events SET state = 'SENT', attempts = attemp
     last_attempt_ms = ?2, next_retry_ms = ?3 WHERE id = ?1 AND state IN ('PENDING','SENT')";
 const SQL_RETIRE: &str = "UPDATE events SET state = 'ACKED', acked_ms = ?2
     WHERE id = ?1 AND state IN ('PENDING','SENT')";
+const SQL_RETIRE_ATTEMPT: &str = "UPDATE events SET state = 'ACKED', acked_ms = ?2,
+    attempts = attempts + ?3, last_attempt_ms = CASE WHEN ?3 > 0 THEN ?2 ELSE last_attempt_ms END
+    WHERE id = ?1 AND state IN ('PENDING','SENT')";
 const SQL_FAIL: &str = "UPDATE events SET state = 'FAILED', fail_reason = ?2
     WHERE id = ?1 AND state IN ('PENDING','SENT')";
 const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
@@ -506,7 +509,7 @@ impl Spool {
                 let digest = Sha256::digest(&payload);
                 insert
                     .execute(params![
-                        event_id.to_string(),
+                        event_id.hyphenated(),
                         ev.stream,
                         seq,
                         payload,
@@ -611,6 +614,47 @@ impl Spool {
         }
         tx.commit().map_err(err)?;
         Ok(changed)
+    }
+
+    /// [`Spool::mark_sent`] and [`Spool::retire`] in one IMMEDIATE
+    /// transaction (the delivery thread's group commit). Attempts are recorded
+    /// first, so a row acknowledged in the same batch still ends `ACKED`.
+    /// Returns the number of rows retired.
+    pub fn record_delivery(
+        &mut self,
+        sent: &[i64],
+        acked: &[i64],
+        now_ms: i64,
+        retry_after_ms: i64,
+    ) -> Result<usize, SpoolError> {
+        if sent.is_empty() && acked.is_empty() {
+            return Ok(0);
+        }
+        let path = self.path.clone();
+        let err = |e| SpoolError::classify(&path, e);
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        let mut retired = 0;
+        {
+            // A row sent and acknowledged within one batch takes one UPDATE
+            // (its attempt counted there), not two.
+            let acked_set: std::collections::HashSet<i64> = acked.iter().copied().collect();
+            let sent_set: std::collections::HashSet<i64> = sent.iter().copied().collect();
+            let mut mark = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
+            for id in sent.iter().filter(|id| !acked_set.contains(id)) {
+                mark.execute(params![id, now_ms, now_ms + retry_after_ms])
+                    .map_err(err)?;
+            }
+            let mut retire = tx.prepare_cached(SQL_RETIRE_ATTEMPT).map_err(err)?;
+            for id in acked {
+                let attempt = i64::from(sent_set.contains(id));
+                retired += retire.execute(params![id, now_ms, attempt]).map_err(err)?;
+            }
+        }
+        tx.commit().map_err(err)?;
+        Ok(retired)
     }
 
     /// Mark row `id` `FAILED` with `reason` and count it under
@@ -929,6 +973,34 @@ mod tests {
         s.mark_sent(&[rows[1].id], 40, 1000).unwrap();
         let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
         assert_eq!(left, vec![rows[2].id]);
+    }
+
+    #[test]
+    fn record_delivery_marks_attempts_then_retires_in_one_transaction() {
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let mut s = open(d.path());
+        s.append(&[ev("a", 1.0), ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
+        let rows = s.sendable(0, 10).unwrap();
+        let (a, b) = (rows[0].id, rows[1].id);
+        assert_eq!(s.record_delivery(&[a, b], &[a], 5, 100).unwrap(), 1);
+        let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
+        assert_eq!(left, vec![b]);
+        let (state, attempts): (String, i64) = s
+            .conn
+            .query_row("SELECT state, attempts FROM events WHERE id = ?1", [b], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        assert_eq!((state.as_str(), attempts), ("SENT", 1));
+        let (state, attempts): (String, i64) = s
+            .conn
+            .query_row("SELECT state, attempts FROM events WHERE id = ?1", [a], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .unwrap();
+        assert_eq!((state.as_str(), attempts), ("ACKED", 1));
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub fn rows_in_state(db: &Path, state: &str) -> Vec<Row> {
 /// Number of rows per state (states with no rows are absent).
 pub fn count_by_state(db: &Path) -> BTreeMap<String, i64> {
     let conn = open(db);
+    if !has_events(&conn) {
+        return BTreeMap::new();
+    }
     let mut stmt = conn
         .prepare("SELECT state, COUNT(*) FROM events GROUP BY state")
         .unwrap_or_else(|e| panic!("prepare count-by-state on {}: {e}", db.display()));
@@ -60,9 +63,24 @@ pub fn count_in_state(db: &Path, state: &str) -> i64 {
     count_by_state(db).get(state).copied().unwrap_or(0)
 }
 
-/// Total number of rows in `events`.
+/// True once the agent has created the `events` table (a spool file can
+/// exist a moment before its schema does).
+fn has_events(conn: &Connection) -> bool {
+    conn.query_row(
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'events'",
+        [],
+        |r| r.get::<_, i64>(0),
+    )
+    .map(|n| n > 0)
+    .unwrap_or(false)
+}
+
+/// Total number of rows in `events` (0 before the schema exists).
 pub fn total(db: &Path) -> i64 {
     let conn = open(db);
+    if !has_events(&conn) {
+        return 0;
+    }
     conn.query_row("SELECT COUNT(*) FROM events", [], |r| r.get(0))
         .unwrap_or_else(|e| panic!("count events in {}: {e}", db.display()))
 }

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Install what edgespool's build, demo and tests need on a fresh Debian machine.
+#   cross/setup-debian.sh          host build + tests: mosquitto, sqlite3, rustfmt, clippy
+#   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
+# Safe to run again: it installs only what is missing.
+set -euo pipefail
+
+want_arm=0
+for a in "$@"; do
+  case "$a" in
+    --arm) want_arm=1 ;;
+    *) echo "usage: $0 [--arm]" >&2; exit 2 ;;
+  esac
+done
+
+sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+pkgs=(mosquitto mosquitto-clients sqlite3 gcc)
+if [ "$want_arm" = 1 ]; then
+  pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)
+fi
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null; then
+  echo "setup: cargo not found; install Rust with rustup first" >&2
+  exit 1
+fi
+if command -v rustup >/dev/null; then
+  rustup component add rustfmt clippy >/dev/null 2>&1 || true
+  if [ "$want_arm" = 1 ]; then
+    rustup target add aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf >/dev/null
+  fi
+fi
+echo "setup: ok"

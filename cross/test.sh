@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh Debian machine: installs what is missing
+# (mosquitto and friends), then runs the unit and integration tests. The
+# integration tests start their own mosquitto brokers on free ports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cross/setup-debian.sh
+cargo test --all-targets -- --test-threads=2
