@@ -206,15 +206,22 @@ fn raw_insert_rate(path: &std::path::Path, rows: usize) -> (f64, (u64, u64)) {
                 .expect("prepare");
             for _ in 0..BATCH {
                 n += 1;
-                st.execute(rusqlite::params![format!("{n:036}"), n, payload, digest.as_slice()])
-                    .expect("insert");
+                st.execute(rusqlite::params![
+                    format!("{n:036}"),
+                    n,
+                    payload,
+                    digest.as_slice()
+                ])
+                .expect("insert");
             }
         }
         tx.commit().expect("commit");
     }
     let rate = rows as f64 / t.elapsed().as_secs_f64();
     let _: (i64, i64, i64) = conn
-        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
         .expect("checkpoint");
     sync_fs();
     let io1 = proc_io();
@@ -328,7 +335,8 @@ fn agent_peak_rss(dir: &std::path::Path, port: u16) -> (u64, f64) {
         .spawn()
         .expect("spawn agent");
     std::thread::sleep(Duration::from_secs(10));
-    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
+    let status =
+        std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap_or_default();
     let hwm = status
         .lines()
         .find_map(|l| l.strip_prefix("VmHWM:"))

@@ -149,7 +149,9 @@ impl Serialize for JsonFields<'_> {
                     m.serialize_entry(k, &(*n as i64))?
                 }
                 FieldValue::Num(n) if !n.is_finite() => {
-                    return Err(S::Error::custom(format!("field {k}: non-finite number {n}")))
+                    return Err(S::Error::custom(format!(
+                        "field {k}: non-finite number {n}"
+                    )))
                 }
                 FieldValue::Num(n) => m.serialize_entry(k, n)?,
                 FieldValue::Text(t) => m.serialize_entry(k, t)?,

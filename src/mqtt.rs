@@ -18,9 +18,9 @@
 use crate::ack::AckMap;
 use crate::config::MqttConfig;
 use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, Outgoing, QoS, RecvTimeoutError};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -390,7 +390,11 @@ impl MqttThread {
                         match s.ack.on_puback(ack.pkid) {
                             Ok(row) => {
                                 s.acked.push(row);
-                                s.progress_at = if s.ack.is_empty() { None } else { Some(Instant::now()) };
+                                s.progress_at = if s.ack.is_empty() {
+                                    None
+                                } else {
+                                    Some(Instant::now())
+                                };
                                 // Refill the window from here: no thread hop per PUBACK.
                                 s.pump();
                                 let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;

@@ -124,14 +124,21 @@ struct Delivery {
 impl Delivery {
     fn handle(&mut self, msg: DeliveryMsg, spool: &mut Spool) {
         match msg {
-            DeliveryMsg::Lost { epoch, rows, reason } => {
+            DeliveryMsg::Lost {
+                epoch,
+                rows,
+                reason,
+            } => {
                 // Acks received before the loss are real: commit them first.
                 self.collect();
                 self.flush(spool);
                 self.stats
                     .requeued
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
-                log::debug!("delivery: epoch {epoch}: {} rows back to replay ({reason})", rows.len());
+                log::debug!(
+                    "delivery: epoch {epoch}: {} rows back to replay ({reason})",
+                    rows.len()
+                );
                 self.epoch = epoch;
                 // Replay from the oldest unacknowledged row, in order (I7).
                 self.cursor = 0;
@@ -227,7 +234,13 @@ impl Delivery {
                 continue; // acknowledged; retirement not yet committed
             }
             if !row.digest_ok() {
-                self.fail(spool, row.id, &row.event_id, "payload does not match its stored digest", "digest_mismatch");
+                self.fail(
+                    spool,
+                    row.id,
+                    &row.event_id,
+                    "payload does not match its stored digest",
+                    "digest_mismatch",
+                );
                 continue;
             }
             if row.payload.len() > self.cfg.max_payload_bytes {

@@ -980,8 +980,14 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mut ids = EventIdGen::new().unwrap();
         let mut s = open(d.path());
-        s.append(&[ev("a", 1.0), ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
-            .unwrap();
+        s.append(
+            &[ev("a", 1.0), ev("a", 2.0)],
+            &mut ids,
+            "d",
+            Format::Json,
+            0,
+        )
+        .unwrap();
         let rows = s.sendable(0, 10).unwrap();
         let (a, b) = (rows[0].id, rows[1].id);
         assert_eq!(s.record_delivery(&[a, b], &[a], 5, 100).unwrap(), 1);
@@ -989,16 +995,20 @@ mod tests {
         assert_eq!(left, vec![b]);
         let (state, attempts): (String, i64) = s
             .conn
-            .query_row("SELECT state, attempts FROM events WHERE id = ?1", [b], |r| {
-                Ok((r.get(0)?, r.get(1)?))
-            })
+            .query_row(
+                "SELECT state, attempts FROM events WHERE id = ?1",
+                [b],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
             .unwrap();
         assert_eq!((state.as_str(), attempts), ("SENT", 1));
         let (state, attempts): (String, i64) = s
             .conn
-            .query_row("SELECT state, attempts FROM events WHERE id = ?1", [a], |r| {
-                Ok((r.get(0)?, r.get(1)?))
-            })
+            .query_row(
+                "SELECT state, attempts FROM events WHERE id = ?1",
+                [a],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
             .unwrap();
         assert_eq!((state.as_str(), attempts), ("ACKED", 1));
     }

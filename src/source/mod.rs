@@ -66,7 +66,8 @@ pub enum SourceKind {
     /// stdout parsed as a number (stored under `field`) or as a flat JSON
     /// object (each key a field; numbers, strings, bools; nested
     /// objects/arrays/null are skipped and counted as an error only if NO
-    /// field is usable). At most `max_output_bytes` of stdout are read.
+    /// field is usable). Output longer than `max_output_bytes` is rejected as a
+    /// whole (a parse error), never parsed from its first bytes.
     Exec {
         /// Program to run; a bare name is looked up in `PATH`.
         program: PathBuf,
