@@ -69,7 +69,7 @@ pub enum SourceKind {
     /// field is usable). Output longer than `max_output_bytes` is rejected as a
     /// whole (a parse error), never parsed from its first bytes.
     Exec {
-        /// Program to run; a bare name is looked up in `PATH`.
+        /// Program to run: an absolute path (the config refuses anything else).
         program: PathBuf,
         /// Arguments, passed as they are (no shell, no expansion).
         args: Vec<String>,
