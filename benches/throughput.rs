@@ -253,7 +253,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
     let spool = Spool::open(db, &cfg.spool.options).expect("open");
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
-    let (link, mqtt) = edgespool::mqtt::new(cfg.mqtt.clone(), tx, stop.clone());
+    let (link, mqtt) = edgespool::mqtt::new(cfg.mqtt.clone(), tx, stop.clone(), None);
     let stats = Arc::new(edgespool::publisher::DeliveryStats::default());
     let dcfg = edgespool::publisher::DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),

@@ -142,6 +142,14 @@ impl<R: Copy> AckMap<R> {
         Ok(self.mapped.swap_remove(pos).1)
     }
 
+    /// Every row in flight, in no particular order.
+    pub fn rows(&self) -> impl Iterator<Item = R> + '_ {
+        self.mapped
+            .iter()
+            .map(|(_, r)| *r)
+            .chain(self.queued.iter().copied())
+    }
+
     /// Drop all bookkeeping and return every row that was in flight (mapped
     /// first, then queued). None of them is retired: they are replay-eligible.
     pub fn reset(&mut self) -> std::vec::Vec<R> {

@@ -15,6 +15,8 @@
 //! before exit** (field case F12); nothing is reported as stored before its
 //! commit.
 
+use crate::commands::builtin::Control;
+use crate::commands::worker::{CmdMsg, WorkerConfig};
 use crate::config::Config;
 use crate::envelope::{wall_clock_ms, EventIdGen};
 use crate::fsguard::SpoolLock;
@@ -23,7 +25,7 @@ use crate::publisher::{self, DeliveryConfig, DeliveryStats};
 use crate::source::{self, SourceState};
 use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -73,13 +75,28 @@ pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
     }
 }
 
+/// Where the running config came from, for `apply-config`, `reload-config`
+/// and SIGHUP.
+#[derive(Debug, Clone)]
+pub struct ConfigSource {
+    /// The `--config` file.
+    pub path: PathBuf,
+    /// `--set` overrides, applied on top of every reload.
+    pub sets: Vec<String>,
+    /// Set when the file was invalid at start and the last-known-good copy runs.
+    pub fallback: Option<String>,
+}
+
 /// Run until SIGTERM/SIGINT. Returns Ok after a clean stop.
-pub fn run(cfg: Config) -> Result<(), AgentError> {
+pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, stop.clone())
             .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
     }
+    let hup = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone())
+        .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
     if let Some(dir) = cfg
         .spool
         .path
@@ -122,9 +139,27 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
     let ids = EventIdGen::new()
         .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
 
+    // Commands and their results: fsync at every commit (synchronous FULL).
+    let mut cmd_opts = cfg.spool.options.clone();
+    cmd_opts.synchronous = crate::spool::Synchronous::Full;
+    let command_spool = Spool::open(&cfg.spool.path, &cmd_opts)?;
+
     let (to_delivery, delivery_rx) = mpsc::channel::<DeliveryMsg>();
     let net_stop = Arc::new(AtomicBool::new(false));
-    let (link, mqtt_thread) = mqtt::new(cfg.mqtt.clone(), to_delivery.clone(), net_stop.clone());
+    let (cmd_tx, cmd_rx) = mpsc::channel::<CmdMsg>();
+    let sink: Option<(String, mqtt::CommandSink)> = cfg.commands.enabled.then(|| {
+        let tx = cmd_tx.clone();
+        let sink: mqtt::CommandSink = Box::new(move |epoch, publish| {
+            let _ = tx.send(CmdMsg::Incoming { epoch, publish });
+        });
+        (format!("{}/commands", cfg.mqtt.topic_prefix), sink)
+    });
+    let (link, mqtt_thread) = mqtt::new(
+        cfg.mqtt.clone(),
+        to_delivery.clone(),
+        net_stop.clone(),
+        sink,
+    );
     let stats = Arc::new(DeliveryStats::default());
     let dcfg = DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
@@ -137,21 +172,48 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
         .spawn(move || mqtt_thread.run())
         .map_err(|e| AgentError::Setup(format!("cannot start mqtt thread: {e}")))?;
     let delivery_handle = {
-        let (stop, stats) = (net_stop.clone(), stats.clone());
+        let (stop, stats, link) = (net_stop.clone(), stats.clone(), link.clone());
         spawn("delivery")
             .spawn(move || publisher::run(delivery_spool, dcfg, link, delivery_rx, stop, stats))
             .map_err(|e| AgentError::Setup(format!("cannot start delivery thread: {e}")))?
     };
+    let (ctl_tx, ctl_rx) = mpsc::channel::<Control>();
+    let command_handle = {
+        let wcfg = WorkerConfig {
+            device_id: cfg.device_id.clone(),
+            format: cfg.mqtt.payload_format,
+            commands: cfg.commands.clone(),
+        };
+        let (stop, link, to_delivery) = (net_stop.clone(), link.clone(), to_delivery.clone());
+        spawn("commands")
+            .spawn(move || {
+                crate::commands::worker::run(
+                    command_spool,
+                    wcfg,
+                    link,
+                    cmd_rx,
+                    cmd_tx,
+                    ctl_tx,
+                    to_delivery,
+                    stop,
+                )
+            })
+            .map_err(|e| AgentError::Setup(format!("cannot start command thread: {e}")))?
+    };
     let (readings_tx, readings_rx) = mpsc::channel::<NewEvent>();
+    let (sampler_tx, sampler_rx) = mpsc::channel::<SamplerUpdate>();
     let sampler_handle = {
         let (stop, sources, dir) = (stop.clone(), cfg.sources.clone(), spool_dir(&cfg));
         spawn("sampler")
-            .spawn(move || sample_loop(sources, dir, readings_tx, stop))
+            .spawn(move || sample_loop(sources, dir, readings_tx, sampler_rx, stop))
             .map_err(|e| AgentError::Setup(format!("cannot start sampler thread: {e}")))?
     };
 
     let mut ing = Ingest {
-        cfg: &cfg,
+        cfg: cfg.clone(),
+        source,
+        link,
+        sampler: sampler_tx,
         spool: ingest,
         ids,
         buffer: Vec::new(),
@@ -161,7 +223,11 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
         last_error_log: None,
         retry_at: None,
     };
-    ing.run_until_stopped(&readings_rx, &stop, &stats);
+    if let Some(msg) = ing.source.fallback.clone() {
+        log::error!("{msg}");
+        ing.agent_event("config_invalid", &msg);
+    }
+    ing.run_until_stopped(&readings_rx, &ctl_rx, &stop, &hup, &stats);
 
     // Stop: the sampler first, then commit everything it produced.
     let _ = sampler_handle.join();
@@ -178,6 +244,8 @@ pub fn run(cfg: Config) -> Result<(), AgentError> {
     }
     let lost = ing.buffer.len();
     net_stop.store(true, Ordering::Relaxed);
+    drop(ctl_rx);
+    let _ = command_handle.join();
     let _ = delivery_handle.join();
     let _ = mqtt_handle.join();
     let (status, err) = if lost == 0 {
@@ -205,12 +273,22 @@ fn spool_dir(cfg: &Config) -> std::path::PathBuf {
         .unwrap_or_else(|| ".".into())
 }
 
+/// A change to the sampler's sources, applied live.
+#[derive(Debug)]
+enum SamplerUpdate {
+    /// Replace every source.
+    Sources(Vec<source::SourceSpec>),
+    /// Change one source's interval.
+    Interval(String, Duration),
+}
+
 /// Run every source on its own interval until `stop`; a failed sample is
 /// logged (rate-limited per source) and counted, never fatal.
 fn sample_loop(
-    sources: Vec<source::SourceSpec>,
-    dir: std::path::PathBuf,
+    mut sources: Vec<source::SourceSpec>,
+    dir: PathBuf,
     tx: Sender<NewEvent>,
+    updates: Receiver<SamplerUpdate>,
     stop: Arc<AtomicBool>,
 ) {
     let start = Instant::now();
@@ -218,6 +296,22 @@ fn sample_loop(
     let mut states: Vec<SourceState> = sources.iter().map(|_| SourceState::default()).collect();
     let mut errors: HashMap<usize, (u64, Option<Instant>)> = HashMap::new();
     while !stop.load(Ordering::Relaxed) {
+        while let Ok(u) = updates.try_recv() {
+            match u {
+                SamplerUpdate::Sources(s) => {
+                    sources = s;
+                    next = sources.iter().map(|_| Instant::now()).collect();
+                    states = sources.iter().map(|_| SourceState::default()).collect();
+                    errors.clear();
+                }
+                SamplerUpdate::Interval(name, interval) => {
+                    if let Some(i) = sources.iter().position(|s| s.name == name) {
+                        sources[i].interval = interval;
+                        next[i] = Instant::now() + interval;
+                    }
+                }
+            }
+        }
         let now = Instant::now();
         for (i, spec) in sources.iter().enumerate() {
             if now < next[i] {
@@ -267,8 +361,11 @@ fn sample_loop(
     }
 }
 
-struct Ingest<'a> {
-    cfg: &'a Config,
+struct Ingest {
+    cfg: Config,
+    source: ConfigSource,
+    link: mqtt::Link,
+    sampler: Sender<SamplerUpdate>,
     spool: Spool,
     ids: EventIdGen,
     buffer: Vec<NewEvent>,
@@ -279,7 +376,7 @@ struct Ingest<'a> {
     retry_at: Option<Instant>,
 }
 
-impl Ingest<'_> {
+impl Ingest {
     fn push(&mut self, ev: NewEvent) {
         if self.buffer.len() >= MAX_BUFFERED {
             self.dropped += 1;
@@ -338,11 +435,12 @@ impl Ingest<'_> {
     fn run_until_stopped(
         &mut self,
         rx: &Receiver<NewEvent>,
+        ctl: &Receiver<Control>,
         stop: &AtomicBool,
+        hup: &AtomicBool,
         stats: &DeliveryStats,
     ) {
-        let window = self.cfg.spool.commit_window;
-        let mut commit_at = Instant::now() + window;
+        let mut commit_at = Instant::now() + self.cfg.spool.commit_window;
         let mut maint_at = Instant::now() + self.cfg.spool.checkpoint_interval;
         let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
         while !stop.load(Ordering::Relaxed) {
@@ -356,10 +454,20 @@ impl Ingest<'_> {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
+            while let Ok(c) = ctl.try_recv() {
+                self.control(c);
+            }
+            if hup.swap(false, Ordering::Relaxed) {
+                log::info!("SIGHUP: reloading {}", self.source.path.display());
+                match self.reload() {
+                    Ok(v) => log::info!("config reloaded: {v}"),
+                    Err(e) => log::error!("{e}"),
+                }
+            }
             let now = Instant::now();
             if now >= commit_at {
                 self.commit();
-                commit_at = now + window;
+                commit_at = now + self.cfg.spool.commit_window;
             }
             if now >= maint_at {
                 self.maintain();
@@ -370,6 +478,191 @@ impl Ingest<'_> {
                 summary_at = now + self.cfg.agent.summary_interval;
             }
         }
+    }
+
+    /// Append an event on the `_agent` stream (config fallbacks and the like),
+    /// so operators see it on `<topic_prefix>/events/_agent`.
+    fn agent_event(&mut self, kind: &str, detail: &str) {
+        let (ts_ms, clock_trusted) = wall_clock_ms();
+        self.push(NewEvent {
+            stream: "_agent".into(),
+            ts_ms,
+            clock_trusted,
+            fields: vec![
+                ("event".into(), source::FieldValue::Text(kind.into())),
+                ("detail".into(), source::FieldValue::Text(detail.into())),
+            ],
+        });
+    }
+
+    fn control(&mut self, c: Control) {
+        match c {
+            Control::SetInterval {
+                source,
+                interval,
+                reply,
+            } => {
+                let r = match self.cfg.sources.iter_mut().find(|s| s.name == source) {
+                    Some(s) => {
+                        let prev = s.interval;
+                        s.interval = interval;
+                        let _ = self
+                            .sampler
+                            .send(SamplerUpdate::Interval(source.clone(), interval));
+                        Ok(
+                            serde_json::json!({"source": source, "interval_ms": interval.as_millis() as u64,
+                            "previous_interval_ms": prev.as_millis() as u64, "persisted": false}),
+                        )
+                    }
+                    None => {
+                        let known: Vec<&str> =
+                            self.cfg.sources.iter().map(|s| s.name.as_str()).collect();
+                        Err(format!(
+                            "args.source: no source {source:?} (known: {})",
+                            known.join(", ")
+                        ))
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            Control::Flush { reply } => {
+                let n = self.buffer.len();
+                self.retry_at = None;
+                self.commit();
+                let r = if self.buffer.is_empty() {
+                    Ok(serde_json::json!({"committed": n}))
+                } else {
+                    Err(format!(
+                        "{} readings could not be committed now (spool busy or full)",
+                        self.buffer.len()
+                    ))
+                };
+                let _ = reply.send(r);
+            }
+            Control::Reload { reply } => {
+                let _ = reply.send(self.reload());
+            }
+            Control::ApplyConfig { text, reply } => {
+                let _ = reply.send(self.apply_text(&text));
+            }
+        }
+    }
+
+    /// Re-read the config file; on any problem the running config stays.
+    fn reload(&mut self) -> Result<serde_json::Value, String> {
+        let path = self.source.path.clone();
+        let new = crate::config::load(&path, &self.source.sets)
+            .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
+        if let Ok(text) = std::fs::read(&path) {
+            crate::configfile::save_last_good(&path, &text);
+        }
+        Ok(self.apply_live(new))
+    }
+
+    /// Validate `text` as a whole board config, write it atomically over the
+    /// config file (keeping a last-known-good copy) and apply it live.
+    fn apply_text(&mut self, text: &str) -> Result<serde_json::Value, String> {
+        let new = crate::config::parse(text, "apply-config", &self.source.sets)
+            .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
+        let path = self.source.path.clone();
+        crate::configfile::write_atomic(&path, text.as_bytes()).map_err(|e| {
+            format!(
+                "cannot write {}: {e}; keeping the running config and file",
+                path.display()
+            )
+        })?;
+        crate::configfile::save_last_good(&path, text.as_bytes());
+        let mut v = self.apply_live(new);
+        v["sha256"] = serde_json::Value::String(crate::configfile::sha256_hex(text.as_bytes()));
+        Ok(v)
+    }
+
+    /// Apply what can change live; list what needs a restart. Never touches
+    /// the spool file (field case F15 d).
+    fn apply_live(&mut self, new: Config) -> serde_json::Value {
+        let mut applied: Vec<&str> = Vec::new();
+        let mut restart: Vec<&str> = Vec::new();
+        let cur = &mut self.cfg;
+        if new.sources != cur.sources {
+            let _ = self
+                .sampler
+                .send(SamplerUpdate::Sources(new.sources.clone()));
+            cur.sources = new.sources.clone();
+            applied.push("sources");
+        }
+        let (ns, cs) = (&new.spool, &mut cur.spool);
+        if (
+            ns.commit_window,
+            ns.acked_retention,
+            ns.purge_batch_rows,
+            ns.checkpoint_interval,
+        ) != (
+            cs.commit_window,
+            cs.acked_retention,
+            cs.purge_batch_rows,
+            cs.checkpoint_interval,
+        ) {
+            cs.commit_window = ns.commit_window;
+            cs.acked_retention = ns.acked_retention;
+            cs.purge_batch_rows = ns.purge_batch_rows;
+            cs.checkpoint_interval = ns.checkpoint_interval;
+            applied.push("spool (commit window, retention, checkpoints)");
+        }
+        if ns.path != cs.path
+            || ns.options != cs.options
+            || ns.allow_network_fs != cs.allow_network_fs
+        {
+            restart.push("spool.path/pragmas");
+        }
+        if new.agent != cur.agent {
+            cur.agent = new.agent.clone();
+            applied.push("agent");
+        }
+        if new.device_id != cur.device_id {
+            restart.push("device_id");
+        }
+        if new.commands != cur.commands {
+            restart.push("commands");
+        }
+        let (nm, cm) = (&new.mqtt, &cur.mqtt);
+        if (
+            &nm.topic_prefix,
+            nm.inflight_window,
+            nm.max_payload_bytes,
+            nm.payload_format,
+        ) != (
+            &cm.topic_prefix,
+            cm.inflight_window,
+            cm.max_payload_bytes,
+            cm.payload_format,
+        ) {
+            restart.push("mqtt.topic_prefix/inflight_window/max_payload_bytes/payload_format");
+        }
+        let mut live = nm.clone();
+        live.topic_prefix = cm.topic_prefix.clone();
+        live.inflight_window = cm.inflight_window;
+        live.max_payload_bytes = cm.max_payload_bytes;
+        live.payload_format = cm.payload_format;
+        if live != *cm {
+            self.link.reconfigure(live.clone());
+            cur.mqtt = live;
+            applied.push("mqtt (reconnecting once)");
+        }
+        if !restart.is_empty() {
+            log::warn!(
+                "config: changes to {} take effect at the next restart",
+                restart.join(", ")
+            );
+        }
+        log::info!(
+            "config applied: {}",
+            if applied.is_empty() {
+                "no live changes".to_owned()
+            } else {
+                applied.join(", ")
+            }
+        );
+        serde_json::json!({"applied": applied, "restart_required": restart})
     }
 
     /// Retention in bounded batches with a checkpoint between them (F02), then

@@ -68,6 +68,85 @@ pub struct Config {
     pub agent: AgentConfig,
     /// `[[sources]]`.
     pub sources: Vec<SourceSpec>,
+    /// `[commands]`.
+    pub commands: CommandsConfig,
+}
+
+/// `[commands]`: commands received over MQTT on `<topic_prefix>/commands`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandsConfig {
+    /// `enabled`: subscribe to the command topic.
+    pub enabled: bool,
+    /// `max_payload_bytes`: larger command messages are rejected.
+    pub max_payload_bytes: usize,
+    /// `record_retention_secs`: how long command records are kept (at least
+    /// the longest redelivery window; default 7 days).
+    pub record_retention: Duration,
+    /// `[[commands.handlers]]`: exec handlers.
+    pub handlers: Vec<ExecHandler>,
+}
+
+/// One `[[commands.handlers]]` entry: a program with fixed arguments, run
+/// without a shell; `{param}` in an argument is replaced by a validated value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecHandler {
+    /// Command name operators send.
+    pub name: String,
+    /// Absolute path of the program.
+    pub program: PathBuf,
+    /// Arguments, with `{param}` placeholders.
+    pub args: Vec<String>,
+    /// Killed after this.
+    pub timeout: Duration,
+    /// Captured stdout/stderr are truncated to this many bytes each.
+    pub max_output_bytes: usize,
+    /// May be re-run after a crash interrupted it (F14 variant F).
+    pub retry_safe: bool,
+    /// Declared parameters.
+    pub params: Vec<ParamSpec>,
+}
+
+/// A declared handler parameter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Name, as used in `{name}` and in the command's `args`.
+    pub name: String,
+    /// Type and bounds.
+    pub kind: ParamKind,
+    /// Must be present.
+    pub required: bool,
+}
+
+/// Parameter types. Strings are limited to `[A-Za-z0-9_.:@-]`, may not start
+/// with `-` or `.`, so no value can become an option or a path escape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ParamKind {
+    /// An integer in `min..=max`.
+    Int {
+        /// Lower bound.
+        min: i64,
+        /// Upper bound.
+        max: i64,
+    },
+    /// A number in `min..=max`.
+    Float {
+        /// Lower bound.
+        min: f64,
+        /// Upper bound.
+        max: f64,
+    },
+    /// A safe string of at most `max_len` bytes.
+    Str {
+        /// Length limit.
+        max_len: usize,
+    },
+    /// One of `values`.
+    Enum {
+        /// Allowed values.
+        values: Vec<String>,
+    },
+    /// `true` or `false`.
+    Bool,
 }
 
 /// `[spool]`: where events wait for their acknowledgement.
@@ -141,6 +220,78 @@ struct RawConfig {
     agent: RawAgent,
     #[serde(default)]
     sources: Vec<RawSource>,
+    #[serde(default)]
+    commands: RawCommands,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCommands {
+    #[serde(default = "d_true")]
+    enabled: bool,
+    #[serde(default = "d_cmd_payload")]
+    max_payload_bytes: usize,
+    #[serde(default = "d_cmd_retention")]
+    record_retention_secs: u64,
+    #[serde(default)]
+    handlers: Vec<RawHandler>,
+}
+
+impl Default for RawCommands {
+    fn default() -> Self {
+        RawCommands {
+            enabled: true,
+            max_payload_bytes: d_cmd_payload(),
+            record_retention_secs: d_cmd_retention(),
+            handlers: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHandler {
+    name: String,
+    program: PathBuf,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default = "d_handler_timeout")]
+    timeout_ms: u64,
+    #[serde(default = "d_handler_output")]
+    max_output_bytes: usize,
+    #[serde(default)]
+    retry_safe: bool,
+    #[serde(default)]
+    params: std::collections::BTreeMap<String, RawParam>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawParam {
+    #[serde(rename = "type")]
+    kind: String,
+    min: Option<f64>,
+    max: Option<f64>,
+    values: Option<Vec<String>>,
+    max_len: Option<usize>,
+    #[serde(default = "d_true")]
+    required: bool,
+}
+
+fn d_true() -> bool {
+    true
+}
+fn d_cmd_payload() -> usize {
+    64 * 1024
+}
+fn d_cmd_retention() -> u64 {
+    7 * 86_400
+}
+fn d_handler_timeout() -> u64 {
+    30_000
+}
+fn d_handler_output() -> usize {
+    4096
 }
 
 #[derive(Debug, Deserialize)]
@@ -881,6 +1032,140 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         }
     }
 
+    let rc = &raw.commands;
+    if !(256..=1024 * 1024).contains(&rc.max_payload_bytes) {
+        bad(
+            "commands.max_payload_bytes",
+            format!("must be 256..=1048576 (got {})", rc.max_payload_bytes),
+        );
+    }
+    if rc.record_retention_secs < 3600 {
+        bad(
+            "commands.record_retention_secs",
+            format!(
+                "must be at least 3600, longer than any redelivery window (got {})",
+                rc.record_retention_secs
+            ),
+        );
+    }
+    let builtin = crate::commands::BUILTINS;
+    let mut handlers = Vec::new();
+    let mut hnames = std::collections::HashSet::new();
+    for (i, h) in rc.handlers.iter().enumerate() {
+        let k = |f: &str| format!("commands.handlers[{i}].{f}");
+        if h.name.is_empty() || !h.name.chars().all(topic_safe) {
+            bad(
+                &k("name"),
+                format!(
+                    "must be letters, digits, '-', '_' or '.' (got {:?})",
+                    h.name
+                ),
+            );
+        } else if builtin.contains(&h.name.as_str()) {
+            bad(&k("name"), format!("{:?} is a built-in command", h.name));
+        } else if !hnames.insert(h.name.clone()) {
+            bad(&k("name"), format!("duplicate handler name {:?}", h.name));
+        }
+        if !h.program.is_absolute() {
+            bad(
+                &k("program"),
+                format!(
+                    "must be an absolute path; no shell or PATH lookup is used (got {:?})",
+                    h.program
+                ),
+            );
+        }
+        if !(10..=3_600_000).contains(&h.timeout_ms) {
+            bad(
+                &k("timeout_ms"),
+                format!("must be 10..=3600000 (got {})", h.timeout_ms),
+            );
+        }
+        if !(16..=1024 * 1024).contains(&h.max_output_bytes) {
+            bad(
+                &k("max_output_bytes"),
+                format!("must be 16..=1048576 (got {})", h.max_output_bytes),
+            );
+        }
+        let mut params = Vec::new();
+        for (pname, p) in &h.params {
+            let pk = format!("commands.handlers[{i}].params.{pname}");
+            if pname.is_empty() || !pname.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                bad(&pk, "parameter names are letters, digits and '_'".into());
+            }
+            let kind = match p.kind.as_str() {
+                "int" => {
+                    let (min, max) = (
+                        p.min.unwrap_or(i64::MIN as f64),
+                        p.max.unwrap_or(i64::MAX as f64),
+                    );
+                    if min > max {
+                        bad(&format!("{pk}.min"), format!("min {min} > max {max}"));
+                    }
+                    ParamKind::Int {
+                        min: min as i64,
+                        max: max as i64,
+                    }
+                }
+                "float" => {
+                    let (min, max) = (p.min.unwrap_or(f64::MIN), p.max.unwrap_or(f64::MAX));
+                    if min > max || !min.is_finite() || !max.is_finite() {
+                        bad(
+                            &format!("{pk}.min"),
+                            format!("need finite min <= max (got {min}, {max})"),
+                        );
+                    }
+                    ParamKind::Float { min, max }
+                }
+                "string" => ParamKind::Str {
+                    max_len: p.max_len.unwrap_or(64).clamp(1, 1024),
+                },
+                "enum" => match &p.values {
+                    Some(v) if !v.is_empty() => ParamKind::Enum { values: v.clone() },
+                    _ => {
+                        bad(
+                            &format!("{pk}.values"),
+                            "enum needs a non-empty values list".into(),
+                        );
+                        ParamKind::Enum { values: vec![] }
+                    }
+                },
+                "bool" => ParamKind::Bool,
+                other => {
+                    bad(
+                        &format!("{pk}.type"),
+                        format!("must be int, float, string, enum or bool (got {other:?})"),
+                    );
+                    ParamKind::Bool
+                }
+            };
+            params.push(ParamSpec {
+                name: pname.clone(),
+                kind,
+                required: p.required,
+            });
+        }
+        for a in &h.args {
+            for placeholder in placeholders(a) {
+                if !h.params.contains_key(&placeholder) {
+                    bad(
+                        &k("args"),
+                        format!("{{{placeholder}}} names no declared parameter"),
+                    );
+                }
+            }
+        }
+        handlers.push(ExecHandler {
+            name: h.name.clone(),
+            program: h.program.clone(),
+            args: h.args.clone(),
+            timeout: Duration::from_millis(h.timeout_ms),
+            max_output_bytes: h.max_output_bytes,
+            retry_safe: h.retry_safe,
+            params,
+        });
+    }
+
     if !probs.is_empty() {
         return Err(ConfigError {
             origin: origin.to_owned(),
@@ -922,7 +1207,27 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),
         },
         sources,
+        commands: CommandsConfig {
+            enabled: rc.enabled,
+            max_payload_bytes: rc.max_payload_bytes,
+            record_retention: Duration::from_secs(rc.record_retention_secs),
+            handlers,
+        },
     })
+}
+
+/// The `{name}` placeholders in an argument.
+pub fn placeholders(arg: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = arg;
+    while let Some(start) = rest.find('{') {
+        let Some(len) = rest[start + 1..].find('}') else {
+            break;
+        };
+        out.push(rest[start + 1..start + 1 + len].to_owned());
+        rest = &rest[start + 1 + len + 1..];
+    }
+    out
 }
 
 fn topic_safe(c: char) -> bool {

@@ -14,22 +14,28 @@
 //!
 //! Modules, in the order a reading travels:
 //! - [`config`]: board config, raw TOML → validated [`config::Config`];
+//! - [`configfile`]: atomic config writes and the last-known-good copy;
 //! - [`source`]: one file per kind of reading source;
 //! - [`envelope`]: event ids and the wire format, encoded once at append;
 //! - [`spool`]: the SQLite spool, its pragmas, schema and every statement;
 //! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
 //! - [`ack`]: packet id ↔ row bookkeeping, pure;
 //! - [`mqtt`]: the rumqttc connection thread, backoff and watchdog;
+//! - [`commands`]: commands over MQTT, at most once (receipts, handlers, results);
+//! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`]: lock file and local-filesystem check;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report.
 
 pub mod ack;
 pub mod agent;
+pub mod commands;
 pub mod config;
+pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
 pub mod mqtt;
+pub mod process;
 pub mod publisher;
 pub mod source;
 pub mod spool;

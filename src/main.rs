@@ -139,14 +139,19 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Run { config, sets } => {
-            let cfg = match edgespool::config::load(&config, &sets) {
-                Ok(c) => c,
+            let loaded = match edgespool::configfile::load_at_start(&config, &sets) {
+                Ok(l) => l,
                 Err(e) => {
-                    log::error!("config invalid: {e}");
+                    log::error!("config invalid: {e} (and no usable last-known-good copy)");
                     return ExitCode::from(2);
                 }
             };
-            match edgespool::agent::run(cfg) {
+            let source = edgespool::agent::ConfigSource {
+                path: config,
+                sets,
+                fallback: loaded.fallback,
+            };
+            match edgespool::agent::run(loaded.config, source) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     log::error!("{e}");

@@ -47,6 +47,9 @@ pub enum DeliveryMsg {
     },
     /// New rows were committed to the spool.
     NewRows,
+    /// Rows behind the read cursor became sendable again (requeued FAILED
+    /// rows): read the spool again from the start.
+    Rescan,
 }
 
 /// A row read from the spool, ready to publish.
@@ -78,6 +81,8 @@ pub struct Shared {
     notified: bool,
     /// When the oldest unanswered publish was submitted, or the last PUBACK arrived.
     progress_at: Option<Instant>,
+    /// New connection settings to apply with one reconnect.
+    reconfigure: Option<MqttConfig>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -178,6 +183,34 @@ impl Link {
         Ok(())
     }
 
+    /// Acknowledge an incoming QoS 1 PUBLISH (manual acks), only if the
+    /// connection it arrived on (`epoch`) is still the current one: a packet
+    /// id means nothing on another connection. Otherwise the broker
+    /// redelivers it on the next session and the receipt store answers it.
+    pub fn ack(&self, epoch: u64, publish: &rumqttc::Publish) {
+        let s = lock(&self.shared);
+        if s.epoch == epoch && s.connected {
+            if let Some(c) = &s.client {
+                if let Err(e) = c.try_ack(publish) {
+                    log::warn!("mqtt: could not acknowledge pkid {}: {e}", publish.pkid);
+                }
+            }
+        }
+    }
+
+    /// Apply new connection settings with one reconnect (no change → nothing).
+    pub fn reconfigure(&self, cfg: MqttConfig) {
+        lock(&self.shared).reconfigure = Some(cfg);
+    }
+
+    /// Row ids submitted or waiting in the ready queue.
+    pub fn outstanding_rows(&self) -> std::collections::HashSet<i64> {
+        let s = lock(&self.shared);
+        let mut set: std::collections::HashSet<i64> = s.ready.iter().map(|r| r.row).collect();
+        set.extend(s.ack.rows());
+        set
+    }
+
     /// Take the rows submitted and the rows acknowledged since the last call:
     /// `(submitted, acked)`.
     pub fn take_progress(&self) -> (Vec<i64>, Vec<i64>) {
@@ -231,9 +264,14 @@ impl Backoff {
     }
 }
 
+/// Where PUBLISHes on the command topic go: `(connection epoch, publish)`.
+pub type CommandSink = Box<dyn Fn(u64, rumqttc::Publish) + Send>;
+
 /// The connection thread's body.
 pub struct MqttThread {
     cfg: MqttConfig,
+    /// Command topic and where its messages go; `None` when commands are off.
+    commands: Option<(String, CommandSink)>,
     shared: Arc<Mutex<Shared>>,
     to_delivery: Sender<DeliveryMsg>,
     stop: Arc<AtomicBool>,
@@ -245,6 +283,7 @@ pub fn new(
     cfg: MqttConfig,
     to_delivery: Sender<DeliveryMsg>,
     stop: Arc<AtomicBool>,
+    commands: Option<(String, CommandSink)>,
 ) -> (Link, MqttThread) {
     let shared = Arc::new(Mutex::new(Shared {
         ack: AckMap::new(),
@@ -257,6 +296,7 @@ pub fn new(
         acked: Vec::new(),
         notified: false,
         progress_at: None,
+        reconfigure: None,
     }));
     (
         Link {
@@ -264,6 +304,7 @@ pub fn new(
         },
         MqttThread {
             cfg,
+            commands,
             shared,
             to_delivery,
             stop,
@@ -281,15 +322,23 @@ fn options(cfg: &MqttConfig) -> MqttOptions {
     let topic_room = cfg.topic_prefix.len() + 256;
     o.set_max_packet_size(1024 * 1024, cfg.max_payload_bytes + topic_room);
     o.set_request_channel_capacity(cfg.inflight_window + 8);
+    // Commands are acknowledged only after their receipt commits.
+    o.set_manual_acks(true);
     o
 }
 
 impl MqttThread {
     /// Drive connections until the stop flag is set.
-    pub fn run(self) {
+    pub fn run(mut self) {
         let mut backoff = Backoff::new(self.cfg.reconnect_min, self.cfg.reconnect_max);
         let mut first = true;
         while !self.stop.load(Ordering::Relaxed) {
+            let new_cfg = lock(&self.shared).reconfigure.take();
+            if let Some(c) = new_cfg {
+                backoff = Backoff::new(c.reconnect_min, c.reconnect_max);
+                self.cfg = c;
+                first = true; // reconnect at once with the new settings
+            }
             if !first {
                 let delay = backoff.next_delay();
                 log::debug!("mqtt: reconnecting in {} ms", delay.as_millis());
@@ -366,6 +415,14 @@ impl MqttThread {
                     {
                         let mut s = lock(&self.shared);
                         s.connected = true;
+                        // Subscribe before any publish of this fresh client
+                        // (rumqttc does not re-subscribe by itself), so the
+                        // subscribe's packet id is never one a publish holds.
+                        if let (Some((topic, _)), Some(client)) = (&self.commands, &s.client) {
+                            if let Err(e) = client.try_subscribe(topic.clone(), QoS::AtLeastOnce) {
+                                return format!("cannot subscribe to {topic}: {e}");
+                            }
+                        }
                         s.pump();
                     }
                     backoff.reset();
@@ -411,6 +468,31 @@ impl MqttThread {
                         let _ = self.to_delivery.send(DeliveryMsg::Progress);
                     }
                 }
+                Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => match &self.commands {
+                    Some((topic, sink)) if p.topic == *topic => {
+                        let epoch = lock(&self.shared).epoch;
+                        sink(epoch, p);
+                    }
+                    _ => {
+                        // Not ours: acknowledge so the broker does not resend it.
+                        let epoch = lock(&self.shared).epoch;
+                        Link {
+                            shared: self.shared.clone(),
+                        }
+                        .ack(epoch, &p);
+                    }
+                },
+                Ok(Ok(Event::Incoming(Incoming::SubAck(ack)))) => {
+                    if ack
+                        .return_codes
+                        .iter()
+                        .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
+                    {
+                        log::error!("mqtt: the broker refused the command subscription; commands will not arrive");
+                    } else {
+                        log::info!("mqtt: subscribed to commands");
+                    }
+                }
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
                 Ok(Err(e)) => return format!("connection error: {e}"),
                 Err(RecvTimeoutError::Timeout) => {}
@@ -418,6 +500,9 @@ impl MqttThread {
             }
             // Watchdog: connected, rows waiting, no acknowledgement for too
             // long (rumqtt issues 1014/1056: a stall that looks healthy).
+            if lock(&self.shared).reconfigure.is_some() {
+                return "configuration changed; reconnecting with the new settings".into();
+            }
             let stalled = {
                 let s = lock(&self.shared);
                 s.connected
@@ -456,7 +541,7 @@ mod tests {
         let cfg = crate::config::parse("device_id='d'\n[spool]\npath='/tmp/x'\n", "t", &[])
             .unwrap()
             .mqtt;
-        let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)));
+        let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)), None);
         let ready = |row| Ready {
             row,
             topic: Arc::from("t"),

@@ -15,7 +15,7 @@
 use crate::envelope::wall_clock_ms;
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 use crate::spool::{OutRow, Spool, SpoolError};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -79,6 +79,7 @@ pub fn run(
         waiting_since: None,
         stats,
         last_error_log: None,
+        skip: HashSet::new(),
     };
     while !stop.load(Ordering::Relaxed) {
         let wait = if d.waiting_since.is_some() {
@@ -119,6 +120,8 @@ struct Delivery {
     waiting_since: Option<Instant>,
     stats: Arc<DeliveryStats>,
     last_error_log: Option<Instant>,
+    /// Rows already submitted or queued when a rescan started: not offered twice.
+    skip: HashSet<i64>,
 }
 
 impl Delivery {
@@ -141,6 +144,12 @@ impl Delivery {
                 );
                 self.epoch = epoch;
                 // Replay from the oldest unacknowledged row, in order (I7).
+                self.cursor = 0;
+                self.ahead.clear();
+                self.skip.clear();
+            }
+            DeliveryMsg::Rescan => {
+                self.skip = self.link.outstanding_rows();
                 self.cursor = 0;
                 self.ahead.clear();
             }
@@ -230,8 +239,8 @@ impl Delivery {
             let Some(row) = self.ahead.pop_front() else {
                 break;
             };
-            if self.to_retire.contains(&row.id) {
-                continue; // acknowledged; retirement not yet committed
+            if self.to_retire.contains(&row.id) || self.skip.contains(&row.id) {
+                continue; // acknowledged (not yet committed), or already in flight
             }
             if !row.digest_ok() {
                 self.fail(

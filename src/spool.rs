@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -75,6 +75,29 @@ CREATE TABLE IF NOT EXISTS counters (
     name  TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+";
+
+/// Commands received over MQTT and their results (idempotency records).
+const MIGRATION_2: &str = "
+CREATE TABLE IF NOT EXISTS commands (
+    scope        TEXT    NOT NULL,
+    command_id   TEXT    NOT NULL,
+    request_hash BLOB    NOT NULL,
+    name         TEXT    NOT NULL,
+    request      TEXT    NOT NULL,
+    state        TEXT    NOT NULL CHECK (state IN
+                 ('received','running','completed','failed','rejected','expired','interrupted')),
+    received_ms  INTEGER NOT NULL,
+    ttl_ms       INTEGER,
+    deadline_ms  INTEGER,
+    started_ms   INTEGER,
+    finished_ms  INTEGER,
+    duration_ms  INTEGER,
+    result       TEXT,
+    duplicates   INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (scope, command_id)
+);
+CREATE INDEX IF NOT EXISTS commands_finished ON commands(finished_ms);
 ";
 
 const SQL_INSERT_EVENT: &str = "INSERT INTO events
@@ -145,6 +168,14 @@ pub enum SpoolError {
         /// `user_version` found.
         found: i64,
     },
+    /// An event could not be encoded (a non-finite number). Bad data: skip it.
+    #[error("spool {path}: event not encodable: {detail}")]
+    Encode {
+        /// The spool file.
+        path: PathBuf,
+        /// Why.
+        detail: String,
+    },
     /// Any other SQLite or I/O failure. Fatal for the operation; logged.
     #[error("spool {path}: {source}")]
     Other {
@@ -156,7 +187,7 @@ pub enum SpoolError {
 }
 
 impl SpoolError {
-    fn classify(path: &Path, e: rusqlite::Error) -> SpoolError {
+    pub(crate) fn classify(path: &Path, e: rusqlite::Error) -> SpoolError {
         let path = path.to_path_buf();
         match e.sqlite_error_code() {
             Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => {
@@ -315,7 +346,7 @@ pub struct RunRecord {
 
 /// An open spool connection.
 pub struct Spool {
-    conn: Connection,
+    pub(crate) conn: Connection,
     path: PathBuf,
     pragmas: EffectivePragmas,
     /// Last sequence number per stream (ingest connection only).
@@ -421,6 +452,9 @@ impl Spool {
         }
         if version < 1 {
             tx.execute_batch(MIGRATION_1).map_err(err)?;
+        }
+        if version < 2 {
+            tx.execute_batch(MIGRATION_2).map_err(err)?;
         }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
@@ -675,6 +709,26 @@ impl Spool {
         tx.commit().map_err(err)
     }
 
+    /// Put `FAILED` rows (of `stream`, or all) back to `PENDING` (operator
+    /// action). Returns how many.
+    pub fn requeue_failed(&mut self, stream: Option<&str>) -> Result<usize, SpoolError> {
+        let path = self.path.clone();
+        let err = |e| SpoolError::classify(&path, e);
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        let n = tx
+            .execute(
+                "UPDATE events SET state = 'PENDING', fail_reason = NULL
+                 WHERE state = 'FAILED' AND (?1 IS NULL OR stream = ?1)",
+                params![stream],
+            )
+            .map_err(err)?;
+        tx.commit().map_err(err)?;
+        Ok(n)
+    }
+
     /// Add `by` to the persistent counter `name`.
     pub fn count(&mut self, name: &str, by: i64) -> Result<(), SpoolError> {
         self.conn
@@ -849,6 +903,64 @@ fn read_pragmas(conn: &Connection) -> rusqlite::Result<EffectivePragmas> {
         journal_size_limit: q("PRAGMA journal_size_limit")?,
         wal_autocheckpoint: q("PRAGMA wal_autocheckpoint")?,
     })
+}
+
+/// Append one event inside the caller's transaction `tx`, reading and
+/// advancing its stream's sequence in the `stream_seq` table (not the ingest
+/// connection's cache: used for streams only one other connection writes,
+/// such as command results). Returns the event id.
+pub(crate) fn insert_one(
+    tx: &rusqlite::Transaction<'_>,
+    path: &Path,
+    ev: &NewEvent,
+    ids: &mut EventIdGen,
+    device_id: &str,
+    format: Format,
+    now_ms: i64,
+) -> Result<String, SpoolError> {
+    let err = |e| SpoolError::classify(path, e);
+    let last: i64 = tx
+        .query_row(
+            "SELECT last_seq FROM stream_seq WHERE stream = ?1",
+            params![ev.stream],
+            |r| r.get(0),
+        )
+        .optional()
+        .map_err(err)?
+        .unwrap_or(0);
+    let seq = last + 1;
+    let event_id = ids.next_id();
+    let env = Envelope {
+        event_id,
+        device_id,
+        stream: &ev.stream,
+        seq: seq as u64,
+        ts_ms: ev.ts_ms,
+        clock_trusted: ev.clock_trusted,
+        fields: &ev.fields,
+    };
+    let payload = envelope::encode(format, &env).map_err(|e| SpoolError::Encode {
+        path: path.to_path_buf(),
+        detail: e,
+    })?;
+    let digest = Sha256::digest(&payload);
+    let id = event_id.hyphenated();
+    tx.prepare_cached(SQL_INSERT_EVENT)
+        .map_err(err)?
+        .execute(params![
+            id,
+            ev.stream,
+            seq,
+            payload,
+            digest.as_slice(),
+            now_ms
+        ])
+        .map_err(err)?;
+    tx.prepare_cached(SQL_UPSERT_SEQ)
+        .map_err(err)?
+        .execute(params![ev.stream, seq])
+        .map_err(err)?;
+    Ok(id)
 }
 
 /// The `-wal` file beside a database.

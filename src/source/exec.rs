@@ -1,46 +1,24 @@
 //! A program run with fixed arguments, its stdout parsed as a number or a
 //! flat JSON object.
 //!
-//! The program never goes through a shell, so configured arguments can't
-//! inject commands. It gets its own process group so that on timeout every
-//! helper it started dies with it; otherwise a helper still holding our pipe
-//! would keep the reader waiting.
+//! Running it is [`crate::process`]'s job: no shell, so configured arguments
+//! can't inject commands; its own process group, so on timeout every helper
+//! it started dies with it; both pipes drained within limits. This file adds
+//! what an exec source means by success: a zero exit whose stdout, complete
+//! and within `max_output_bytes`, parses as a reading.
 
-use std::io::{self, Read};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::{excerpt, parse_finite, FieldValue, Fields, SourceError};
+use crate::process::{RunError, Running};
 
-/// How often the child is polled; short enough that a timeout overshoots
-/// by little, long enough to cost nothing on a small CPU.
-const POLL: Duration = Duration::from_millis(10);
-/// Caps the deadline so `Instant + timeout` cannot overflow however large the
-/// configured timeout.
-const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
-/// After SIGKILL a process normally goes at once; one stuck in uninterruptible
-/// sleep (a hung bus) may not, and must not stall the agent.
-const REAP_GRACE: Duration = Duration::from_secs(2);
 /// Raw stderr kept; more than shown so trimming leaves enough.
 const STDERR_KEEP: usize = 512;
 /// Stderr shown in an `Exit` error.
 const STDERR_SHOWN: usize = 200;
 /// Bad stdout shown in a `Parse` error.
 const STDOUT_SHOWN: usize = 80;
-
-/// What a reader thread got from one pipe.
-struct Captured {
-    bytes: Vec<u8>,
-    /// More came than was kept.
-    truncated: bool,
-}
-
-/// Where a reader thread delivers its result.
-type CaptureRx = Receiver<io::Result<Captured>>;
 
 pub(super) fn run(
     program: &Path,
@@ -49,7 +27,6 @@ pub(super) fn run(
     field: &str,
     max_output_bytes: usize,
 ) -> Result<Fields, SourceError> {
-    let deadline = Instant::now() + timeout.min(MAX_TIMEOUT);
     let spawn_err = |source| SourceError::Spawn {
         program: program.to_path_buf(),
         source,
@@ -59,45 +36,22 @@ pub(super) fn run(
         after: timeout,
     };
 
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .map_err(spawn_err)?;
-
-    // Both pipes are drained in threads: a child writing more than a pipe
-    // buffer to either would otherwise block and look like a hang.
-    let (out_rx, err_rx) = match start_readers(&mut child, max_output_bytes) {
-        Ok(rx) => rx,
-        Err(source) => {
-            kill_and_reap(child);
-            return Err(spawn_err(source));
-        }
+    // Failing to wait for it counts as failing to run it.
+    let not_run = |e| match e {
+        RunError::Timeout { .. } => timed_out(),
+        RunError::Spawn { source, .. } | RunError::Io { source, .. } => spawn_err(source),
     };
 
-    let status = match wait_until(&mut child, deadline) {
-        Ok(Some(status)) => status,
-        Ok(None) => {
-            kill_and_reap(child);
-            return Err(timed_out());
-        }
-        Err(source) => {
-            kill_and_reap(child);
-            return Err(spawn_err(source));
-        }
-    };
+    let mut running =
+        Running::start(program, args, timeout, max_output_bytes, STDERR_KEEP).map_err(not_run)?;
+    let status = running.wait().map_err(not_run)?;
 
+    // A failed program's stdout is ignored; its stderr explains the failure,
+    // and is left out if it cannot be had by the deadline.
     if !status.success() {
-        let stderr = match recv_until(&err_rx, deadline) {
-            Some(Ok(c)) => one_line(&c.bytes, STDERR_SHOWN),
-            Some(Err(_)) => String::new(),
-            None => {
-                kill_group(child.id());
-                String::new()
-            }
+        let stderr = match running.stderr() {
+            Ok(c) => one_line(&c.bytes, STDERR_SHOWN),
+            Err(_) => String::new(),
         };
         return Err(SourceError::Exit {
             program: program.to_path_buf(),
@@ -108,18 +62,16 @@ pub(super) fn run(
 
     // The output is complete only once every writer has closed stdout, which
     // a helper the program left behind may never do.
-    let captured = match recv_until(&out_rx, deadline) {
-        Some(Ok(c)) => c,
-        Some(Err(source)) => {
+    let captured = match running.stdout() {
+        Ok(c) => c,
+        Err(RunError::Timeout { .. }) => return Err(timed_out()),
+        Err(RunError::Io { source, .. }) => {
             return Err(SourceError::Io {
                 path: program.to_path_buf(),
                 source,
             })
         }
-        None => {
-            kill_group(child.id());
-            return Err(timed_out());
-        }
+        Err(RunError::Spawn { source, .. }) => return Err(spawn_err(source)),
     };
 
     // Output cut short is never parsed: "12345678" cut to "1234" would be a
@@ -194,134 +146,6 @@ fn parse_stdout(text: &str, field: &str) -> Result<(Fields, usize), String> {
     Ok((fields, skipped))
 }
 
-fn start_readers(child: &mut Child, max_output_bytes: usize) -> io::Result<(CaptureRx, CaptureRx)> {
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| io::Error::other("stdout was not captured"))?;
-    let stderr = child
-        .stderr
-        .take()
-        .ok_or_else(|| io::Error::other("stderr was not captured"))?;
-    let out_rx = spawn_reader("exec-stdout", stdout, max_output_bytes)?;
-    let err_rx = spawn_reader("exec-stderr", stderr, STDERR_KEEP)?;
-    Ok((out_rx, err_rx))
-}
-
-/// The thread ends on EOF, which comes at the latest when the process group
-/// is killed, so it is never joined: the result arrives over the channel,
-/// with a deadline.
-fn spawn_reader<R: Read + Send + 'static>(
-    name: &str,
-    stream: R,
-    keep: usize,
-) -> io::Result<CaptureRx> {
-    let (tx, rx) = mpsc::channel();
-    thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || {
-            // The receiver may have given up already; nothing to do then.
-            let _ = tx.send(capture(stream, keep));
-        })?;
-    Ok(rx)
-}
-
-/// Keeps the first `keep` bytes and reads on to EOF, discarding the rest so
-/// the writer is never blocked on a full pipe.
-fn capture<R: Read>(mut stream: R, keep: usize) -> io::Result<Captured> {
-    let mut bytes = Vec::new();
-    let mut truncated = false;
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        let take = n.min(keep.saturating_sub(bytes.len()));
-        bytes.extend_from_slice(&buf[..take]);
-        if take < n {
-            truncated = true;
-        }
-    }
-    Ok(Captured { bytes, truncated })
-}
-
-/// `None` if the deadline passed first. Polling `try_wait` needs no SIGCHLD
-/// handler, which would be process-wide and clash with the agent's own.
-fn wait_until(child: &mut Child, deadline: Instant) -> io::Result<Option<ExitStatus>> {
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(Some(status));
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
-        }
-        thread::sleep(POLL.min(deadline - now));
-    }
-}
-
-/// `None` if the deadline passed first.
-fn recv_until(rx: &CaptureRx, deadline: Instant) -> Option<io::Result<Captured>> {
-    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        Ok(r) => Some(r),
-        Err(RecvTimeoutError::Timeout) => None,
-        Err(RecvTimeoutError::Disconnected) => Some(Err(io::Error::other(
-            "output reader ended without a result",
-        ))),
-    }
-}
-
-/// SIGKILL to the child's process group (the child leads it, see
-/// `process_group(0)`), reaching helpers it started.
-fn kill_group(pid: u32) {
-    let Ok(pgid) = libc::pid_t::try_from(pid) else {
-        return;
-    };
-    // kill(0) or kill(-1) would hit our own group or every process.
-    if pgid <= 1 {
-        return;
-    }
-    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
-    unsafe {
-        libc::kill(-pgid, libc::SIGKILL);
-    }
-}
-
-/// Kills the child and its group and reaps it so no zombie is left. A child
-/// that does not die within `REAP_GRACE` is handed to a thread that waits
-/// for it, so the agent goes on.
-fn kill_and_reap(mut child: Child) {
-    kill_group(child.id());
-    // In case the group signal could not be sent; an error only means the
-    // child has already exited.
-    let _ = child.kill();
-    let give_up = Instant::now() + REAP_GRACE;
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => return,
-            Ok(None) if Instant::now() < give_up => thread::sleep(POLL),
-            Ok(None) => break,
-            Err(e) => {
-                log::warn!("cannot reap killed child {}: {e}", child.id());
-                return;
-            }
-        }
-    }
-    let pid = child.id();
-    log::warn!("killed child {pid} has not exited; reaping it in the background");
-    let spawned = thread::Builder::new()
-        .name("exec-reaper".to_owned())
-        .spawn(move || {
-            let _ = child.wait();
-        });
-    if let Err(e) = spawned {
-        log::warn!("cannot start reaper thread for child {pid}: {e}; it may stay a zombie");
-    }
-}
-
 /// Stderr as one short line for a log message.
 fn one_line(bytes: &[u8], max_bytes: usize) -> String {
     let text = String::from_utf8_lossy(bytes);
@@ -337,6 +161,8 @@ fn one_line(bytes: &[u8], max_bytes: usize) -> String {
 mod tests {
     use super::*;
     use std::path::PathBuf;
+    use std::thread;
+    use std::time::Instant;
 
     fn sh(script: &str, timeout: Duration, max: usize) -> Result<Fields, SourceError> {
         run(

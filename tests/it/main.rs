@@ -4,6 +4,7 @@
 
 mod support;
 
+mod commands;
 mod config;
 mod delivery;
 mod faults;

@@ -1,0 +1,162 @@
+//! The config file on disk: atomic writes and the last-known-good copy.
+//!
+//! Its one rule: **the config file is replaced only whole** (temporary file,
+//! fsync, rename, fsync of the directory), and a config that validated is
+//! kept beside it as `<config>.last-good`, so an empty, truncated or invalid
+//! file after a power cut or a bad push never stops the board (F15).
+
+use crate::config::{self, Config, ConfigError};
+use sha2::{Digest, Sha256};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// `<config>.last-good`.
+pub fn last_good_path(config: &Path) -> PathBuf {
+    let mut s = config.as_os_str().to_owned();
+    s.push(".last-good");
+    PathBuf::from(s)
+}
+
+/// Hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    crate::commands::hex(&Sha256::digest(bytes))
+}
+
+/// Replace `path` with `bytes` atomically: write `<path>.tmp-<pid>`, fsync it,
+/// rename over `path`, fsync the directory. On any error the old file is
+/// untouched and the temporary file removed.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let res = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)?;
+        File::open(dir)?.sync_all()
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Keep `text` as the last-known-good copy (only when it differs).
+pub fn save_last_good(config: &Path, text: &[u8]) {
+    let lg = last_good_path(config);
+    if std::fs::read(&lg).is_ok_and(|old| old == text) {
+        return;
+    }
+    if let Err(e) = write_atomic(&lg, text) {
+        log::warn!("cannot keep last-known-good config {}: {e}", lg.display());
+    }
+}
+
+/// What [`load_at_start`] ran with.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The config in force.
+    pub config: Config,
+    /// Set when the file was invalid and the last-known-good copy is running:
+    /// the full message for the log and the status stream.
+    pub fallback: Option<String>,
+}
+
+/// Load the config at start. If the file is unusable (empty, truncated, NUL-
+/// filled, invalid), fall back to `<config>.last-good`, loudly. A good file
+/// becomes the new last-known-good copy.
+///
+/// Errors: the file is unusable and there is no usable last-known-good copy.
+pub fn load_at_start(path: &Path, sets: &[String]) -> Result<Loaded, ConfigError> {
+    match config::load(path, sets) {
+        Ok(config) => {
+            if let Ok(text) = std::fs::read(path) {
+                save_last_good(path, &text);
+            }
+            Ok(Loaded {
+                config,
+                fallback: None,
+            })
+        }
+        Err(e) => {
+            let lg = last_good_path(path);
+            let text = std::fs::read(&lg).map_err(|_| e.clone())?;
+            let config = config::load(&lg, sets).map_err(|_| e.clone())?;
+            Ok(Loaded {
+                config,
+                fallback: Some(format!(
+                    "config invalid: {e}; running last-known-good {} (sha256 {})",
+                    lg.display(),
+                    sha256_hex(&text)
+                )),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "device_id = \"d\"\n[spool]\npath = \"/tmp/x/spool.db\"\n";
+
+    #[test]
+    fn an_invalid_file_falls_back_to_the_last_good_copy_loudly() {
+        // field case F15 (b)
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("board.toml");
+        std::fs::write(&p, GOOD).unwrap();
+        let l = load_at_start(&p, &[]).unwrap();
+        assert!(l.fallback.is_none());
+        assert_eq!(std::fs::read_to_string(last_good_path(&p)).unwrap(), GOOD);
+        for bad in ["", "device_id = \"d\"\n[spool", "\0\0\0\0"] {
+            std::fs::write(&p, bad).unwrap();
+            let l = load_at_start(&p, &[]).unwrap();
+            let msg = l.fallback.unwrap();
+            assert!(msg.starts_with("config invalid: "), "{msg}");
+            assert!(msg.contains("running last-known-good"), "{msg}");
+            assert!(msg.contains(&sha256_hex(GOOD.as_bytes())), "{msg}");
+            assert_eq!(l.config.device_id, "d");
+        }
+    }
+
+    #[test]
+    fn without_a_last_good_copy_an_invalid_file_is_an_error() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("board.toml");
+        std::fs::write(&p, "").unwrap();
+        assert!(load_at_start(&p, &[]).is_err());
+    }
+
+    #[test]
+    fn atomic_write_replaces_whole_and_leaves_no_temporary() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("board.toml");
+        std::fs::write(&p, "old").unwrap();
+        write_atomic(&p, b"new contents").unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "new contents");
+        let names: Vec<_> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    #[test]
+    fn a_failed_atomic_write_leaves_the_old_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("missing-dir").join("board.toml");
+        assert!(write_atomic(&p, b"x").is_err());
+    }
+}

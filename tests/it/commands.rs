@@ -1,0 +1,712 @@
+//! Commands over MQTT: at most once (F13, F14), rejections, config push
+//! (F15, F16). Side effects are counted from marker files written by `exec`
+//! handlers declared in the test's board config.
+
+use crate::support::agent::AgentProc;
+use crate::support::broker::Broker;
+use crate::support::proxy::{Mode, Proxy};
+use crate::support::subscriber::Subscriber;
+use crate::support::wait_for;
+use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// A broker, a proxy in front of it for the agent, a subscriber on the
+/// agent's events, and a config with exec handlers writing marker files.
+struct Rig {
+    broker: Broker,
+    proxy: Proxy,
+    dir: tempfile::TempDir,
+    cfg: PathBuf,
+    prefix: String,
+    sub: Subscriber,
+    client_id: String,
+}
+
+impl Rig {
+    fn new(test: &str) -> Rig {
+        let broker = Broker::start();
+        let proxy = Proxy::start(broker.port());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let prefix = crate::prefix(test);
+        let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+        let cfg = dir.path().join("board.toml");
+        let rig = Rig {
+            broker,
+            proxy,
+            dir,
+            cfg,
+            prefix,
+            sub,
+            client_id: format!("cmd-board-{}", crate::support::unique_suffix()),
+        };
+        std::fs::write(&rig.cfg, rig.config_text(30)).expect("write config");
+        rig
+    }
+
+    fn marker(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn config_text(&self, keep_alive: u64) -> String {
+        let d = self.dir.path().display();
+        format!(
+            r#"device_id = "cmd-board"
+[spool]
+path = "{d}/spool.db"
+commit_window_ms = 50
+[mqtt]
+url = "{url}"
+client_id = "{client_id}"
+topic_prefix = "{prefix}"
+keep_alive_secs = {keep_alive}
+reconnect_min_ms = 100
+reconnect_max_ms = 800
+connect_timeout_secs = 2
+[[sources]]
+name = "system"
+kind = "system"
+interval_ms = 1000
+[[commands.handlers]]
+name = "count-slow"
+program = "/bin/sh"
+args = ["-c", "echo run >> {d}/counter; sleep 3"]
+timeout_ms = 20000
+[[commands.handlers]]
+name = "count"
+program = "/bin/sh"
+args = ["-c", "echo run >> {d}/counter-fast"]
+[[commands.handlers]]
+name = "echo"
+program = "/bin/echo"
+args = ["{{word}}"]
+[commands.handlers.params.word]
+type = "string"
+max_len = 32
+"#,
+            url = self.proxy.url(),
+            prefix = self.prefix,
+            client_id = self.client_id,
+        )
+    }
+
+    fn spawn(&self) -> AgentProc {
+        AgentProc::spawn(&self.cfg, &[], self.dir.path())
+    }
+
+    fn db(&self) -> PathBuf {
+        self.dir.path().join("spool.db")
+    }
+
+    /// Publish a command at QoS 1 (retained if asked) and wait for its PUBACK.
+    fn send(&self, payload: &[u8], retain: bool) {
+        publish(
+            self.broker.port(),
+            &format!("{}/commands", self.prefix),
+            payload,
+            retain,
+        );
+    }
+
+    fn send_json(&self, v: Value) {
+        self.send(v.to_string().as_bytes(), false);
+    }
+
+    /// Result events received so far (payload `fields`, with `result` parsed).
+    fn results(&self) -> Vec<Value> {
+        self.sub
+            .deliveries()
+            .iter()
+            .filter(|d| d.topic.ends_with("/events/_commands"))
+            .map(|d| {
+                let mut f = d.json()["fields"].clone();
+                let parsed: Value = serde_json::from_str(f["result"].as_str().unwrap_or("null"))
+                    .unwrap_or(Value::Null);
+                f["result"] = parsed;
+                f
+            })
+            .collect()
+    }
+
+    fn wait_result(&self, command_id: &str, reply: &str, agent: &mut AgentProc) -> Value {
+        let found = wait_for(Duration::from_secs(30), || {
+            self.results()
+                .iter()
+                .any(|r| r["command_id"] == command_id && r["reply"] == reply)
+        });
+        assert!(
+            found,
+            "no {reply} for {command_id}: {:?}\n{}",
+            self.results(),
+            agent.log_tail(40)
+        );
+        self.results()
+            .into_iter()
+            .find(|r| r["command_id"] == command_id && r["reply"] == reply)
+            .expect("found")
+    }
+}
+
+fn lines(p: &Path) -> usize {
+    std::fs::read_to_string(p)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// A short-lived QoS 1 publisher that returns once the PUBACK arrived.
+pub fn publish(port: u16, topic: &str, payload: &[u8], retain: bool) {
+    let mut o = MqttOptions::new(
+        format!("cmd-sender-{}", crate::support::unique_suffix()),
+        "127.0.0.1",
+        port,
+    );
+    o.set_max_packet_size(1 << 20, 1 << 20);
+    let (client, mut conn) = Client::new(o, 10);
+    client
+        .publish(topic, QoS::AtLeastOnce, retain, payload.to_vec())
+        .expect("queue publish");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        match conn.recv_timeout(Duration::from_secs(1)) {
+            Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => {
+                let _ = client.disconnect();
+                return;
+            }
+            Ok(Ok(_)) | Err(_) => {}
+            Ok(Err(e)) => panic!("command publisher: {e}"),
+        }
+    }
+    panic!("no PUBACK for the command");
+}
+
+#[test]
+fn ping_round_trip_reports_a_completed_result() {
+    let rig = Rig::new("ping");
+    let mut agent = rig.spawn();
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("subscribed to commands")),
+        "{}",
+        agent.log_tail(20)
+    );
+    let t = Instant::now();
+    rig.send_json(json!({"command_id": "p-1", "name": "ping"}));
+    let r = rig.wait_result("p-1", "result", &mut agent);
+    println!(
+        "command receipt to result delivery: {} ms",
+        t.elapsed().as_millis()
+    );
+    assert_eq!(r["state"], "completed");
+    assert_eq!(r["result"]["pong"], true);
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// field case F14, variants D (identical resend), E (different body) and a
+/// duplicate while the first still runs.
+#[test]
+fn duplicates_are_answered_from_the_store_and_conflicts_rejected() {
+    let rig = Rig::new("dups");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    let c2 = json!({"command_id": "c-2", "name": "count-slow"});
+    rig.send_json(c2.clone());
+    assert!(wait_for(Duration::from_secs(10), || lines(
+        &rig.marker("counter")
+    ) == 1));
+    rig.send_json(c2.clone()); // while running
+    let busy = rig.wait_result("c-2", "in_progress", &mut agent);
+    assert_eq!(busy["state"], "running");
+    let first = rig.wait_result("c-2", "result", &mut agent);
+    assert_eq!(first["state"], "completed");
+    rig.send_json(c2.clone()); // D: identical resend after completion
+    let dup = rig.wait_result("c-2", "duplicate", &mut agent);
+    assert_eq!(
+        dup["result"], first["result"],
+        "the stored result is answered again"
+    );
+    assert_eq!(dup["state"], "completed");
+    // E: same id, different body.
+    rig.send_json(json!({"command_id": "c-2", "name": "count", "args": {}}));
+    let conflict = rig.wait_result("c-2", "conflict", &mut agent);
+    assert!(
+        conflict["result"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("conflict: request hash mismatch"),
+        "{conflict}"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        lines(&rig.marker("counter")),
+        1,
+        "the command ran more than once"
+    );
+    agent.terminate(Duration::from_secs(15));
+    let (_, status, _) =
+        crate::support::agent::run_cli(&["status", "--spool", rig.db().to_str().expect("utf-8")]);
+    assert!(status.contains("commands_duplicates"), "{status}");
+    assert!(status.contains("commands_conflicts"), "{status}");
+}
+
+/// field case F14, variants A (kill -9 after execution), F (kill -9
+/// mid-execution: reported interrupted, not re-run).
+#[test]
+fn a_command_killed_mid_run_is_reported_interrupted_and_never_rerun() {
+    let rig = Rig::new("interrupt");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    rig.send_json(json!({"command_id": "c-f", "name": "count-slow"}));
+    assert!(wait_for(Duration::from_secs(10), || lines(
+        &rig.marker("counter")
+    ) == 1));
+    agent.kill9(); // F: mid-execution (the handler sleeps 3 s after writing)
+    let mut agent = rig.spawn();
+    let r = rig.wait_result("c-f", "result", &mut agent);
+    assert_eq!(r["state"], "interrupted");
+    assert_eq!(r["retry_safe"], false);
+    // The broker or an operator delivers it again: answered from the store.
+    rig.send_json(json!({"command_id": "c-f", "name": "count-slow"}));
+    rig.wait_result("c-f", "duplicate", &mut agent);
+    // A: kill -9 right after a run completed.
+    rig.send_json(json!({"command_id": "c-a", "name": "count"}));
+    assert!(wait_for(Duration::from_secs(10), || lines(
+        &rig.marker("counter-fast")
+    ) == 1));
+    agent.kill9();
+    let mut agent = rig.spawn();
+    rig.send_json(json!({"command_id": "c-a", "name": "count"}));
+    rig.wait_result("c-a", "result", &mut agent);
+    rig.wait_result("c-a", "duplicate", &mut agent);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(lines(&rig.marker("counter")), 1);
+    assert_eq!(lines(&rig.marker("counter-fast")), 1);
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// field case F14, variants B (network drop mid-execution) and C (broker
+/// restart before the result is published): one run, result delivered.
+#[test]
+fn network_loss_and_broker_restart_during_a_command_do_not_repeat_it() {
+    let mut rig = Rig::new("netloss");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    rig.send_json(json!({"command_id": "c-b", "name": "count-slow"}));
+    assert!(wait_for(Duration::from_secs(10), || lines(
+        &rig.marker("counter")
+    ) == 1));
+    rig.proxy.set_mode(Mode::Blackhole);
+    std::thread::sleep(Duration::from_secs(4));
+    rig.proxy.set_mode(Mode::Forward);
+    rig.proxy.reset_all();
+    rig.wait_result("c-b", "result", &mut agent);
+    // C: the broker restarts (no persistence) while the next command runs.
+    rig.send_json(json!({"command_id": "c-c", "name": "count-slow"}));
+    assert!(wait_for(Duration::from_secs(10), || lines(
+        &rig.marker("counter")
+    ) == 2));
+    rig.broker.kill();
+    rig.proxy.set_mode(Mode::Refuse);
+    rig.broker.restart();
+    assert!(rig.sub.wait_subscribed(Duration::from_secs(15)));
+    rig.proxy.set_mode(Mode::Forward);
+    rig.wait_result("c-c", "result", &mut agent);
+    assert_eq!(lines(&rig.marker("counter")), 2, "a command ran twice");
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// field case F13: a retained command is delivered again on every
+/// subscription; it runs once.
+#[test]
+fn a_retained_command_runs_once_across_agent_and_broker_restarts() {
+    let mut rig = Rig::new("retained");
+    rig.send(
+        json!({"command_id": "c-1", "name": "count"})
+            .to_string()
+            .as_bytes(),
+        true,
+    );
+    for _ in 0..3 {
+        let mut agent = rig.spawn();
+        assert!(wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("subscribed to commands")));
+        assert!(wait_for(Duration::from_secs(10), || lines(
+            &rig.marker("counter-fast")
+        ) >= 1));
+        std::thread::sleep(Duration::from_millis(500));
+        agent.terminate(Duration::from_secs(15));
+    }
+    // The broker restarts without persistence: the retained message is gone;
+    // publish it again, as an operator tool would.
+    rig.broker.kill();
+    rig.broker.restart();
+    assert!(rig.sub.wait_subscribed(Duration::from_secs(15)));
+    rig.send(
+        json!({"command_id": "c-1", "name": "count"})
+            .to_string()
+            .as_bytes(),
+        true,
+    );
+    let mut agent = rig.spawn();
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("duplicate delivery (retained)")),
+        "{}",
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+    assert_eq!(
+        lines(&rig.marker("counter-fast")),
+        1,
+        "the retained command ran more than once"
+    );
+    // Clear the retained message.
+    rig.send(b"", true);
+}
+
+#[test]
+fn malformed_oversized_and_non_utf8_commands_get_rejected_results() {
+    let rig = Rig::new("malformed");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    rig.send(&[0xff, 0xfe, 0xfd], false);
+    rig.send(b"{not json", false);
+    rig.send(
+        json!({"command_id": "m-1", "name": "ping", "extra": 1})
+            .to_string()
+            .as_bytes(),
+        false,
+    );
+    let big = json!({"command_id": "m-2", "name": "ping", "args": {"x": "y".repeat(70_000)}});
+    rig.send(big.to_string().as_bytes(), false);
+    rig.send_json(json!({"command_id": "m-3", "name": "no-such-command"}));
+    assert!(
+        wait_for(Duration::from_secs(20), || rig
+            .results()
+            .iter()
+            .filter(|r| r["state"] == "rejected")
+            .count()
+            >= 5),
+        "{:?}",
+        rig.results()
+    );
+    let rs = rig.results();
+    let errors: Vec<String> = rs
+        .iter()
+        .map(|r| r["result"]["error"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert!(errors.iter().any(|e| e.contains("not UTF-8")), "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("exceeds commands.max_payload_bytes")),
+        "{errors:?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains("unknown field `extra`")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("unknown command \"no-such-command\"")),
+        "{errors:?}"
+    );
+    assert!(
+        rs.iter().any(|r| r["command_id"] == "m-1"),
+        "the readable id is echoed back"
+    );
+    assert!(agent.is_running());
+    agent.terminate(Duration::from_secs(15));
+    let (_, status, _) =
+        crate::support::agent::run_cli(&["status", "--spool", rig.db().to_str().expect("utf-8")]);
+    assert!(status.contains("commands_malformed"), "{status}");
+}
+
+#[test]
+fn exec_handler_arguments_cannot_inject_shell_or_paths() {
+    let rig = Rig::new("inject");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    let pwned = rig.marker("pwned");
+    let attempts = [
+        format!("x; touch {}", pwned.display()),
+        format!("$(touch {})", pwned.display()),
+        "--help".to_owned(),
+        "../../etc/passwd".to_owned(),
+        "/etc/passwd".to_owned(),
+        "a b".to_owned(),
+    ];
+    for (i, a) in attempts.iter().enumerate() {
+        rig.send_json(
+            json!({"command_id": format!("inj-{i}"), "name": "echo", "args": {"word": a}}),
+        );
+    }
+    rig.send_json(
+        json!({"command_id": "inj-ok", "name": "echo", "args": {"word": "hello.world-1"}}),
+    );
+    let ok = rig.wait_result("inj-ok", "result", &mut agent);
+    assert_eq!(ok["state"], "completed");
+    assert_eq!(ok["result"]["stdout"], "hello.world-1\n");
+    for i in 0..attempts.len() {
+        let r = rig.wait_result(&format!("inj-{i}"), "result", &mut agent);
+        assert_eq!(r["state"], "rejected", "{r}");
+        assert!(
+            r["result"]["error"].as_str().unwrap_or("").contains("word"),
+            "{r}"
+        );
+    }
+    assert!(!pwned.exists());
+    agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn a_command_past_its_ttl_is_answered_expired_and_not_run() {
+    let rig = Rig::new("ttl");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    let issued = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as i64
+        - 60_000;
+    rig.send_json(
+        json!({"command_id": "old-1", "name": "count", "ttl_secs": 5, "issued_at_ms": issued}),
+    );
+    let r = rig.wait_result("old-1", "result", &mut agent);
+    assert_eq!(r["state"], "expired");
+    assert_eq!(lines(&rig.marker("counter-fast")), 0);
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// 1,000 deliveries of one command, with the agent killed in between: one run.
+#[test]
+fn a_thousand_redeliveries_with_kills_in_between_run_the_command_once() {
+    let rig = Rig::new("thousand");
+    let topic = format!("{}/commands", rig.prefix);
+    let payload = json!({"command_id": "k-1", "name": "count"}).to_string();
+    let mut o = MqttOptions::new(
+        format!("bulk-{}", crate::support::unique_suffix()),
+        "127.0.0.1",
+        rig.broker.port(),
+    );
+    o.set_inflight(100);
+    let (client, mut conn) = Client::new(o, 200);
+    let pump = std::thread::spawn(move || {
+        let mut acks = 0;
+        while acks < 1000 {
+            match conn.recv_timeout(Duration::from_secs(5)) {
+                Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => acks += 1,
+                Ok(Ok(_)) => {}
+                _ => break,
+            }
+        }
+        acks
+    });
+    let mut delivered = 0;
+    for round in 0..4 {
+        let mut agent = rig.spawn();
+        assert!(wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("subscribed to commands")));
+        for _ in 0..250 {
+            client
+                .publish(topic.clone(), QoS::AtLeastOnce, false, payload.clone())
+                .expect("publish");
+        }
+        delivered += 250;
+        std::thread::sleep(Duration::from_millis(300 + 200 * round));
+        agent.kill9();
+    }
+    let acks = pump.join().expect("pump");
+    assert_eq!(acks, 1000);
+    let mut agent = rig.spawn();
+    rig.wait_result("k-1", "result", &mut agent);
+    std::thread::sleep(Duration::from_secs(2));
+    agent.terminate(Duration::from_secs(15));
+    let conn = crate::support::spool::open(&rig.db());
+    let dups: i64 = conn
+        .query_row(
+            "SELECT duplicates FROM commands WHERE command_id = 'k-1'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("record");
+    println!("1000 deliveries sent: {delivered}; duplicates answered from the store: {dups}; executions: {}", lines(&rig.marker("counter-fast")));
+    assert_eq!(
+        lines(&rig.marker("counter-fast")),
+        1,
+        "executed more than once"
+    );
+    assert!(dups >= 1);
+}
+
+fn sha(text: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn inode(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).expect("metadata").ino()
+}
+
+/// field cases F15 (d) and F16: identical pushes change nothing, a keepalive
+/// change reconnects once, a bad push is rejected with its key path and the
+/// running config stays; the spool file is never touched.
+#[test]
+fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs() {
+    let rig = Rig::new("push");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    let db = rig.db();
+    let ino = inode(&db);
+    let same = rig.config_text(30);
+    for i in 0..3 {
+        rig.send_json(json!({"command_id": format!("same-{i}"), "name": "apply-config", "args": {"config": same, "sha256": sha(&same)}}));
+        let r = rig.wait_result(&format!("same-{i}"), "result", &mut agent);
+        assert_eq!(r["state"], "completed", "{r}");
+        assert_eq!(r["result"]["applied"], json!([]), "{r}");
+    }
+    let connects = agent.log_text().matches("mqtt: connected").count();
+    let ka = rig.config_text(45);
+    rig.send_json(json!({"command_id": "ka", "name": "apply-config", "args": {"config": ka, "sha256": sha(&ka)}}));
+    let r = rig.wait_result("ka", "result", &mut agent);
+    assert_eq!(
+        r["result"]["applied"],
+        json!(["mqtt (reconnecting once)"]),
+        "{r}"
+    );
+    assert!(wait_for(Duration::from_secs(15), || agent
+        .log_text()
+        .matches("mqtt: connected")
+        .count()
+        == connects + 1));
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        agent.log_text().matches("mqtt: connected").count(),
+        connects + 1,
+        "reconnected more than once"
+    );
+    assert!(std::fs::read_to_string(&rig.cfg)
+        .expect("cfg")
+        .contains("keep_alive_secs = 45"));
+    // F16 (a): a typo is rejected with the key path; the file keeps the running config.
+    let typo = ka.replace("commit_window_ms = 50", "commit_windw_ms = 50");
+    rig.send_json(json!({"command_id": "typo", "name": "apply-config", "args": {"config": typo, "sha256": sha(&typo)}}));
+    let r = rig.wait_result("typo", "result", &mut agent);
+    assert_eq!(r["state"], "rejected");
+    assert!(
+        r["result"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("spool.commit_windw_ms"),
+        "{r}"
+    );
+    assert!(std::fs::read_to_string(&rig.cfg)
+        .expect("cfg")
+        .contains("commit_window_ms = 50"));
+    // A wrong checksum is rejected before anything else.
+    rig.send_json(json!({"command_id": "sum", "name": "apply-config", "args": {"config": ka, "sha256": "00"}}));
+    let r = rig.wait_result("sum", "result", &mut agent);
+    assert_eq!(r["state"], "rejected");
+    assert_eq!(inode(&db), ino, "the spool file was replaced");
+    assert!(agent.is_running());
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// field case F15 (b): a config file broken between runs falls back to the
+/// last-known-good copy, loudly, and the agent runs.
+#[test]
+fn a_broken_config_file_at_start_falls_back_to_the_last_good_copy() {
+    let rig = Rig::new("lastgood");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    agent.terminate(Duration::from_secs(15));
+    for broken in ["", "device_id = \"x\"\n[spool\n", "\0\0\0\0\0\0"] {
+        std::fs::write(&rig.cfg, broken).expect("write broken config");
+        let mut agent = rig.spawn();
+        assert!(
+            wait_for(Duration::from_secs(20), || agent
+                .log_text()
+                .contains("subscribed to commands")),
+            "{}",
+            agent.log_tail(20)
+        );
+        let log = agent.log_text();
+        assert!(log.contains("config invalid: "), "{log}");
+        assert!(log.contains("running last-known-good"), "{log}");
+        assert!(wait_for(Duration::from_secs(10), || rig
+            .sub
+            .deliveries()
+            .iter()
+            .any(|d| d.topic.ends_with("/events/_agent"))));
+        agent.terminate(Duration::from_secs(15));
+    }
+}
+
+#[test]
+fn sighup_and_set_interval_change_sampling_live() {
+    let rig = Rig::new("interval");
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    rig.send_json(json!({"command_id": "si", "name": "set-interval", "args": {"source": "system", "interval_ms": 100}}));
+    let r = rig.wait_result("si", "result", &mut agent);
+    assert_eq!(r["result"]["interval_ms"], 100, "{r}");
+    let before = rig
+        .sub
+        .deliveries()
+        .iter()
+        .filter(|d| d.topic.ends_with("/events/system"))
+        .count();
+    std::thread::sleep(Duration::from_secs(2));
+    let after = rig
+        .sub
+        .deliveries()
+        .iter()
+        .filter(|d| d.topic.ends_with("/events/system"))
+        .count();
+    assert!(
+        after - before >= 10,
+        "only {} readings in 2 s at 100 ms",
+        after - before
+    );
+    rig.send_json(json!({"command_id": "si-bad", "name": "set-interval", "args": {"source": "nope", "interval_ms": 100}}));
+    let r = rig.wait_result("si-bad", "result", &mut agent);
+    assert_eq!(r["state"], "rejected");
+    // SIGHUP re-reads the file: the file still says 1000 ms.
+    agent.signal(libc::SIGHUP);
+    assert!(
+        wait_for(Duration::from_secs(10), || agent
+            .log_text()
+            .contains("config reloaded")),
+        "{}",
+        agent.log_tail(20)
+    );
+    assert!(agent.is_running());
+    agent.terminate(Duration::from_secs(15));
+}
