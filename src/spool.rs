@@ -430,6 +430,43 @@ impl Spool {
         Ok(spool)
     }
 
+    /// Open an existing spool read-only, for `status` beside a running agent:
+    /// no pragma is changed, nothing is migrated, nothing is written.
+    ///
+    /// Errors: the file cannot be opened, is damaged, or is from a newer build.
+    pub fn open_read_only(path: &Path) -> Result<Spool, SpoolError> {
+        let err = |e| SpoolError::classify(path, e);
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(err)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(err)?;
+        if version > SCHEMA_VERSION {
+            return Err(SpoolError::NewerSchema {
+                path: path.to_path_buf(),
+                found: version,
+            });
+        }
+        let pragmas = read_pragmas(&conn).map_err(err)?;
+        Ok(Spool {
+            conn,
+            path: path.to_path_buf(),
+            pragmas,
+            seqs: HashMap::new(),
+        })
+    }
+
+    /// `PRAGMA user_version` of the open file.
+    pub fn schema_version(&self) -> Result<i64, SpoolError> {
+        self.conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(|e| self.err(e))
+    }
+
     fn err(&self, e: rusqlite::Error) -> SpoolError {
         SpoolError::classify(&self.path, e)
     }

@@ -3,7 +3,7 @@
 //! Its one rule: **status never writes and never holds a read transaction
 //! longer than one query**, so it is safe beside a running agent (F01).
 
-use crate::spool::{RunRecord, Spool, SpoolOptions, Stats};
+use crate::spool::{RunRecord, Spool, Stats};
 use serde::Serialize;
 use std::path::Path;
 
@@ -18,6 +18,8 @@ pub struct Report {
     pub totals: Vec<(String, i64)>,
     /// Newest runs first.
     pub runs: Vec<RunRecord>,
+    /// Command records by state, duplicates answered, mean duration.
+    pub commands: crate::commands::store::CommandStats,
 }
 
 /// Build the report for the spool at `path`.
@@ -30,9 +32,15 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
             path.display()
         ));
     }
-    let spool = Spool::open(path, &SpoolOptions::default()).map_err(|e| e.to_string())?;
+    let spool = Spool::open_read_only(path).map_err(|e| e.to_string())?;
     let stats = spool.stats(now_ms).map_err(|e| e.to_string())?;
     let runs = spool.runs(10).map_err(|e| e.to_string())?;
+    // Spools from before schema 2 have no command records yet.
+    let commands = if spool.schema_version().map_err(|e| e.to_string())? >= 2 {
+        spool.command_stats().map_err(|e| e.to_string())?
+    } else {
+        Default::default()
+    };
     let mut totals: Vec<(String, i64)> = Vec::new();
     for state in ["PENDING", "SENT", "ACKED", "FAILED"] {
         let n = stats
@@ -48,6 +56,7 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         stats,
         totals,
         runs,
+        commands,
     })
 }
 
@@ -86,6 +95,26 @@ pub fn render(r: &Report, now_ms: i64) -> String {
             o.push_str(&format!("  {k:<32} {v}\n"));
         }
     }
+    let c = &r.commands;
+    let by: Vec<String> = c.by_state.iter().map(|(s, n)| format!("{s}={n}")).collect();
+    let counter = |name: &str| {
+        r.stats
+            .counters
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| *v)
+            .unwrap_or(0)
+    };
+    o.push_str(&format!(
+        "commands: {} | duplicates answered {} | conflicts {} | malformed {} | mean duration {}\n",
+        if by.is_empty() { "none".to_owned() } else { by.join(" ") },
+        c.duplicates,
+        counter("commands_conflicts"),
+        counter("commands_malformed"),
+        c.mean_duration_ms
+            .map(|m| format!("{m:.0} ms"))
+            .unwrap_or_else(|| "-".into())
+    ));
     o.push_str("runs (newest first):\n");
     for run in &r.runs {
         let end = match run.ended_ms {
