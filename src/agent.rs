@@ -222,12 +222,16 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         dropped: 0,
         last_error_log: None,
         retry_at: None,
+        upkeep: Upkeep::new(&cfg.spool.path),
+        pending_counts: HashMap::new(),
     };
     if let Some(msg) = ing.source.fallback.clone() {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
     }
     ing.run_until_stopped(&readings_rx, &ctl_rx, &stop, &hup, &stats);
+    // The loop also ends on a fatal condition: stop the sampler either way.
+    stop.store(true, Ordering::Relaxed);
 
     // Stop: the sampler first, then commit everything it produced.
     let _ = sampler_handle.join();
@@ -248,6 +252,10 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let _ = command_handle.join();
     let _ = delivery_handle.join();
     let _ = mqtt_handle.join();
+    if let Some(msg) = ing.upkeep.fatal.take() {
+        let _ = ing.spool.end_run(run_id, wall_clock_ms().0, "error", Some(&msg));
+        return Err(AgentError::Setup(msg));
+    }
     let (status, err) = if lost == 0 {
         ("ok", None)
     } else {
@@ -374,6 +382,48 @@ struct Ingest {
     dropped: u64,
     last_error_log: Option<Instant>,
     retry_at: Option<Instant>,
+    /// Storage bookkeeping for maintenance, capacity and `status`.
+    upkeep: Upkeep,
+    /// Counter increments not yet stored (a full disk refuses them too).
+    pending_counts: HashMap<String, i64>,
+}
+
+/// What the ingest thread tracks about the spool between maintenance passes.
+struct Upkeep {
+    /// (device, inode) of the spool file at open.
+    identity: Option<(u64, u64)>,
+    /// Set when the agent must stop for its supervisor (spool replaced).
+    fatal: Option<String>,
+    last_checkpoint: Instant,
+    appended_at_last_maint: u64,
+    /// Last capacity check and its answer (checked at most once a second).
+    capacity_checked: Option<Instant>,
+    refusal: Option<crate::maintenance::Refusal>,
+    /// A checkpoint found the WAL pinned by a reader.
+    checkpoint_blocked: bool,
+    /// Write budget baseline: (when, /proc/self/io write_bytes, commits).
+    budget_since: (Instant, u64, u64),
+    commits: u64,
+    last_refusal_log: Option<Instant>,
+    last_checkpoint_error: Option<Instant>,
+}
+
+impl Upkeep {
+    fn new(spool: &Path) -> Upkeep {
+        Upkeep {
+            identity: crate::maintenance::file_identity(spool),
+            fatal: None,
+            last_checkpoint: Instant::now(),
+            appended_at_last_maint: 0,
+            capacity_checked: None,
+            refusal: None,
+            checkpoint_blocked: false,
+            budget_since: (Instant::now(), crate::maintenance::proc_write_bytes().unwrap_or(0), 0),
+            commits: 0,
+            last_refusal_log: None,
+            last_checkpoint_error: None,
+        }
+    }
 }
 
 impl Ingest {
@@ -387,8 +437,99 @@ impl Ingest {
 
     /// Commit the buffer in one transaction; on a transient error keep it and
     /// retry after a second.
+    /// Refuse the buffered readings if the spool or the disk is at its limit,
+    /// after dropping the oldest acknowledged rows first (I6: never an
+    /// unacknowledged one). Checked at most once a second.
+    fn capacity_refusal(&mut self) -> Option<crate::maintenance::Refusal> {
+        let fresh = self
+            .upkeep
+            .capacity_checked
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+        if fresh {
+            return self.upkeep.refusal;
+        }
+        let cap = self.cfg.spool.capacity;
+        let dir = spool_dir(&self.cfg);
+        let check = |spool: &Spool| -> Option<crate::maintenance::Refusal> {
+            let (used, free_pages) = spool.usage().ok()?;
+            let fs_free = crate::maintenance::fs_free_bytes(&dir).ok()?;
+            crate::maintenance::capacity_check(&cap, used, free_pages, fs_free)
+        };
+        let mut refusal = check(&self.spool);
+        if refusal.is_some() {
+            // Policy: drop the oldest acknowledged rows first, in bounded batches.
+            let mut purged = 0;
+            for _ in 0..4 {
+                match self.spool.purge_acked(i64::MAX, self.cfg.spool.purge_batch_rows) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => purged += n,
+                }
+            }
+            if purged > 0 {
+                log::warn!("capacity: dropped the {purged} oldest acknowledged rows to make room");
+                let _ = self.spool.count("events_purged_for_space", purged as i64);
+                refusal = check(&self.spool);
+            }
+        }
+        self.upkeep.capacity_checked = Some(Instant::now());
+        if refusal.is_none() && self.upkeep.refusal.is_some() {
+            log::info!("capacity: space is back; taking readings again");
+        }
+        self.upkeep.refusal = refusal;
+        refusal
+    }
+
+    /// Count `n` readings of the buffer as dropped for `reason`, per stream.
+    fn drop_buffer(&mut self, reason: &str) -> usize {
+        let mut by_stream: HashMap<String, i64> = HashMap::new();
+        for ev in &self.buffer {
+            *by_stream.entry(ev.stream.clone()).or_default() += 1;
+        }
+        let n = self.buffer.len();
+        self.buffer.clear();
+        *self
+            .pending_counts
+            .entry(format!("readings_dropped_{reason}"))
+            .or_default() += n as i64;
+        for (stream, k) in by_stream {
+            *self
+                .pending_counts
+                .entry(format!("readings_dropped_{reason}.{stream}"))
+                .or_default() += k;
+        }
+        self.flush_counts();
+        n
+    }
+
+    /// Store pending counter increments in one transaction; kept on failure
+    /// (a full disk) and retried, so no drop goes uncounted.
+    fn flush_counts(&mut self) {
+        if self.pending_counts.is_empty() {
+            return;
+        }
+        let counts: Vec<(String, i64)> = self.pending_counts.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        if self.spool.count_many(&counts).is_ok() {
+            self.pending_counts.clear();
+        }
+    }
+
+    /// Commit the buffer in one transaction. Busy: keep it and retry after a
+    /// second. Disk full or over capacity: refuse these readings, counted.
     fn commit(&mut self) {
+        self.flush_counts();
         if self.buffer.is_empty() || self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        if let Some(r) = self.capacity_refusal() {
+            let n = self.drop_buffer(r.reason());
+            if self
+                .upkeep
+                .last_refusal_log
+                .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+            {
+                log::error!("capacity: refusing new readings ({r}); {n} dropped now, counted as readings_dropped_{} (repeats logged every 30 s)", r.reason());
+                self.upkeep.last_refusal_log = Some(Instant::now());
+            }
             return;
         }
         match self.spool.append(
@@ -400,9 +541,24 @@ impl Ingest {
         ) {
             Ok(n) => {
                 self.appended += n as u64;
+                self.upkeep.commits += 1;
                 self.buffer.clear();
                 self.retry_at = None;
                 let _ = self.to_delivery.send(DeliveryMsg::NewRows);
+                self.checkpoint_if_due(false);
+            }
+            Err(SpoolError::Full { source, .. }) => {
+                // A half-written transaction was rolled back; nothing partial stays.
+                let n = self.drop_buffer("disk_full");
+                self.upkeep.capacity_checked = None;
+                if self
+                    .upkeep
+                    .last_refusal_log
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::error!("ingest: disk full ({source}); {n} readings refused, counted as readings_dropped_disk_full (repeats logged every 30 s)");
+                    self.upkeep.last_refusal_log = Some(Instant::now());
+                }
             }
             Err(e) => {
                 self.retry_at = Some(Instant::now() + Duration::from_secs(1));
@@ -432,6 +588,59 @@ impl Ingest {
         }
     }
 
+    /// Run the checkpoint the policy asks for now, and record the outcome.
+    fn checkpoint_if_due(&mut self, idle: bool) {
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        let inputs = crate::maintenance::CheckpointInputs {
+            wal_bytes: wal,
+            threshold_bytes: self.cfg.spool.checkpoint_wal_bytes,
+            limit_bytes: self.cfg.spool.options.journal_size_limit_bytes.max(0) as u64,
+            since_last: self.upkeep.last_checkpoint.elapsed(),
+            interval: self.cfg.spool.checkpoint_interval,
+            idle,
+        };
+        let Some(mode) = crate::maintenance::checkpoint_due(&inputs) else {
+            return;
+        };
+        let t = Instant::now();
+        let res = self.spool.checkpoint(mode);
+        let took = t.elapsed();
+        self.upkeep.last_checkpoint = Instant::now();
+        let now = wall_clock_ms().0;
+        match res {
+            Ok(r) => {
+                let blocked = r.busy != 0 || r.checkpointed_frames < r.log_frames;
+                let json = serde_json::json!({"mode": format!("{mode:?}").to_lowercase(), "busy": r.busy,
+                    "log_frames": r.log_frames, "checkpointed_frames": r.checkpointed_frames,
+                    "wal_bytes_before": wal, "duration_ms": took.as_millis() as u64, "at_ms": now});
+                let _ = self.spool.set_state("last_checkpoint", &json.to_string(), now);
+                if blocked {
+                    let _ = self.spool.count("wal_checkpoint_blocked", 1);
+                    if !self.upkeep.checkpoint_blocked {
+                        log::warn!("checkpoint {mode:?} blocked: busy={} log={} checkpointed={} wal_bytes={wal}: a reader is pinning the WAL; health degraded", r.busy, r.log_frames, r.checkpointed_frames);
+                    }
+                } else if self.upkeep.checkpoint_blocked {
+                    log::info!("checkpoint {mode:?} completed again (log={}); WAL no longer pinned", r.log_frames);
+                } else {
+                    log::debug!("checkpoint {mode:?}: log={} checkpointed={} in {} ms", r.log_frames, r.checkpointed_frames, took.as_millis());
+                }
+                self.upkeep.checkpoint_blocked = blocked;
+            }
+            Err(e) => {
+                if self
+                    .upkeep
+                    .last_checkpoint_error
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::warn!("checkpoint {mode:?} failed: {e} (skipped; repeats logged every 30 s)");
+                    self.upkeep.last_checkpoint_error = Some(Instant::now());
+                }
+            }
+        }
+    }
+
     fn run_until_stopped(
         &mut self,
         rx: &Receiver<NewEvent>,
@@ -441,7 +650,8 @@ impl Ingest {
         stats: &DeliveryStats,
     ) {
         let mut commit_at = Instant::now() + self.cfg.spool.commit_window;
-        let mut maint_at = Instant::now() + self.cfg.spool.checkpoint_interval;
+        let mut maint_at =
+            Instant::now() + self.cfg.spool.checkpoint_interval.min(Duration::from_secs(5));
         let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
         while !stop.load(Ordering::Relaxed) {
             let wait = commit_at
@@ -471,7 +681,10 @@ impl Ingest {
             }
             if now >= maint_at {
                 self.maintain();
-                maint_at = now + self.cfg.spool.checkpoint_interval;
+                maint_at = now + self.cfg.spool.checkpoint_interval.min(Duration::from_secs(5));
+                if self.upkeep.fatal.is_some() {
+                    break;
+                }
             }
             if now >= summary_at {
                 self.summary(stats);
@@ -665,9 +878,21 @@ impl Ingest {
         serde_json::json!({"applied": applied, "restart_required": restart})
     }
 
-    /// Retention in bounded batches with a checkpoint between them (F02), then
-    /// a PASSIVE checkpoint, or TRUNCATE when the WAL is over its limit.
+    /// Retention in bounded batches with a checkpoint between them (F02), the
+    /// checkpoint policy, the spool-file identity check, and the health and
+    /// write-budget record for `status`.
     fn maintain(&mut self) {
+        if let Some(id) = self.upkeep.identity {
+            if crate::maintenance::file_identity(&self.cfg.spool.path) != Some(id) {
+                let msg = format!(
+                    "spool {} was removed or replaced under the running agent; stopping without claiming durability (the supervisor restarts a clean process)",
+                    self.cfg.spool.path.display()
+                );
+                log::error!("{msg}");
+                self.upkeep.fatal = Some(msg);
+                return;
+            }
+        }
         let retention_ms = self.cfg.spool.acked_retention.as_millis() as i64;
         let cutoff = wall_clock_ms().0 - retention_ms;
         let mut purged = 0;
@@ -690,23 +915,46 @@ impl Ingest {
         if purged > 0 {
             log::debug!("retention: deleted {purged} acknowledged rows");
         }
+        let idle = self.appended == self.upkeep.appended_at_last_maint;
+        self.upkeep.appended_at_last_maint = self.appended;
+        self.checkpoint_if_due(idle);
+        self.record_health();
+    }
+
+    /// Health and write budget into `agent_state`, for `status`.
+    fn record_health(&mut self) {
+        let now = wall_clock_ms().0;
+        let mut reasons = Vec::new();
+        if self.upkeep.checkpoint_blocked {
+            reasons.push("checkpoint blocked: a reader is pinning the WAL".to_owned());
+        }
+        if let Some(r) = self.upkeep.refusal {
+            reasons.push(format!("refusing readings: {r}"));
+        }
+        if self.source.fallback.is_some() {
+            reasons.push("running the last-known-good config".to_owned());
+        }
+        let health = if reasons.is_empty() {
+            "ok".to_owned()
+        } else {
+            format!("degraded: {}", reasons.join("; "))
+        };
+        let _ = self.spool.set_state("health", &health, now);
+        let (since, bytes0, commits0) = self.upkeep.budget_since;
+        let bytes = crate::maintenance::proc_write_bytes().unwrap_or(bytes0);
+        let elapsed = since.elapsed();
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
-        let mode = if wal as i64 > self.cfg.spool.options.journal_size_limit_bytes {
-            CheckpointMode::Truncate
-        } else {
-            CheckpointMode::Passive
-        };
-        match self.spool.checkpoint(mode) {
-            Ok(r) if r.busy != 0 || r.checkpointed_frames < r.log_frames => log::warn!(
-                "checkpoint {mode:?} blocked: busy={} log={} checkpointed={} wal_bytes={wal} (a reader may be pinning the WAL)",
-                r.busy,
-                r.log_frames,
-                r.checkpointed_frames
-            ),
-            Ok(r) => log::debug!("checkpoint {mode:?}: log={} checkpointed={}", r.log_frames, r.checkpointed_frames),
-            Err(e) => log::warn!("checkpoint {mode:?} failed: {e}"),
+        let budget = serde_json::json!({
+            "write_bytes_per_hour": crate::maintenance::per_hour(bytes.saturating_sub(bytes0), elapsed),
+            "commits_per_hour": crate::maintenance::per_hour(self.upkeep.commits - commits0, elapsed),
+            "wal_bytes": wal,
+            "window_secs": elapsed.as_secs(),
+        });
+        let _ = self.spool.set_state("write_budget", &budget.to_string(), now);
+        if elapsed > Duration::from_secs(3600) {
+            self.upkeep.budget_since = (Instant::now(), bytes, self.upkeep.commits);
         }
     }
 

@@ -166,6 +166,10 @@ pub struct SpoolConfig {
     pub checkpoint_interval: Duration,
     /// `allow_network_fs`: accept a spool on NFS/CIFS/9p/FUSE (unsafe for WAL).
     pub allow_network_fs: bool,
+    /// `max_bytes` / `min_free_bytes`: when to refuse new readings.
+    pub capacity: crate::maintenance::Capacity,
+    /// `checkpoint_wal_bytes`: PASSIVE checkpoint once the WAL reaches this.
+    pub checkpoint_wal_bytes: u64,
 }
 
 /// `[mqtt]`: the broker and delivery.
@@ -316,6 +320,22 @@ struct RawSpool {
     checkpoint_interval_secs: u64,
     #[serde(default)]
     allow_network_fs: bool,
+    #[serde(default = "d_max_bytes")]
+    max_bytes: u64,
+    #[serde(default = "d_min_free")]
+    min_free_bytes: u64,
+    #[serde(default = "d_ckpt_wal")]
+    checkpoint_wal_bytes: u64,
+}
+
+fn d_max_bytes() -> u64 {
+    1024 * 1024 * 1024
+}
+fn d_min_free() -> u64 {
+    64 * 1024 * 1024
+}
+fn d_ckpt_wal() -> u64 {
+    1024 * 1024
 }
 
 #[derive(Debug, Deserialize)]
@@ -406,7 +426,8 @@ fn d_jsl() -> i64 {
     4 * 1024 * 1024
 }
 fn d_autockpt() -> i64 {
-    1000
+    // The agent owns checkpoints (maintenance::checkpoint_due).
+    0
 }
 fn d_commit() -> u64 {
     200
@@ -794,6 +815,12 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             "spool.purge_batch_rows",
             format!("must be 1..=100000 (got {})", s.purge_batch_rows),
         );
+    }
+    if s.max_bytes != 0 && s.max_bytes < 1024 * 1024 {
+        bad("spool.max_bytes", format!("must be 0 (no limit) or at least 1048576 (got {})", s.max_bytes));
+    }
+    if !(64 * 1024..=1024 * 1024 * 1024).contains(&s.checkpoint_wal_bytes) {
+        bad("spool.checkpoint_wal_bytes", format!("must be 65536..=1073741824 (got {})", s.checkpoint_wal_bytes));
     }
     if s.checkpoint_interval_secs == 0 {
         bad(
@@ -1187,6 +1214,11 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             purge_batch_rows: s.purge_batch_rows,
             checkpoint_interval: Duration::from_secs(s.checkpoint_interval_secs),
             allow_network_fs: s.allow_network_fs,
+            capacity: crate::maintenance::Capacity {
+                max_bytes: s.max_bytes,
+                min_free_bytes: s.min_free_bytes,
+            },
+            checkpoint_wal_bytes: s.checkpoint_wal_bytes,
         },
         mqtt: MqttConfig {
             host,

@@ -24,6 +24,7 @@
 //! - [`commands`]: commands over MQTT, at most once (receipts, handlers, results);
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`]: lock file and local-filesystem check;
+//! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report.
 
@@ -34,6 +35,7 @@ pub mod config;
 pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
+pub mod maintenance;
 pub mod mqtt;
 pub mod process;
 pub mod publisher;

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -98,6 +98,15 @@ CREATE TABLE IF NOT EXISTS commands (
     PRIMARY KEY (scope, command_id)
 );
 CREATE INDEX IF NOT EXISTS commands_finished ON commands(finished_ms);
+";
+
+/// The running agent's health, last checkpoint and write budget, for `status`.
+const MIGRATION_3: &str = "
+CREATE TABLE IF NOT EXISTS agent_state (
+    key        TEXT PRIMARY KEY,
+    value      TEXT NOT NULL,
+    updated_ms INTEGER NOT NULL
+);
 ";
 
 const SQL_INSERT_EVENT: &str = "INSERT INTO events
@@ -493,6 +502,9 @@ impl Spool {
         if version < 2 {
             tx.execute_batch(MIGRATION_2).map_err(err)?;
         }
+        if version < 3 {
+            tx.execute_batch(MIGRATION_3).map_err(err)?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
         tx.commit().map_err(err)
@@ -764,6 +776,66 @@ impl Spool {
             .map_err(err)?;
         tx.commit().map_err(err)?;
         Ok(n)
+    }
+
+    /// Live and free space inside the file, bytes: `(page_count -
+    /// freelist_count) * page_size` and `freelist_count * page_size`.
+    pub fn usage(&self) -> Result<(u64, u64), SpoolError> {
+        let q = |sql: &str| {
+            self.conn
+                .query_row(sql, [], |r| r.get::<_, i64>(0))
+                .map_err(|e| self.err(e))
+        };
+        let (pages, free, size) = (
+            q("PRAGMA page_count")?,
+            q("PRAGMA freelist_count")?,
+            q("PRAGMA page_size")?,
+        );
+        Ok((((pages - free).max(0) * size) as u64, (free.max(0) * size) as u64))
+    }
+
+    /// Record one piece of agent state for `status` (health, last checkpoint, ...).
+    pub fn set_state(&mut self, key: &str, value: &str, now_ms: i64) -> Result<(), SpoolError> {
+        self.conn
+            .execute(
+                "INSERT INTO agent_state (key, value, updated_ms) VALUES (?1, ?2, ?3)
+                 ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_ms = excluded.updated_ms",
+                params![key, value, now_ms],
+            )
+            .map(|_| ())
+            .map_err(|e| self.err(e))
+    }
+
+    /// All recorded agent state: `(key, value, updated_ms)`, by key.
+    pub fn states(&self) -> Result<Vec<(String, String, i64)>, SpoolError> {
+        let e = |e| SpoolError::classify(&self.path, e);
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT key, value, updated_ms FROM agent_state ORDER BY key")
+            .map_err(e)?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .map_err(e)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(e)?;
+        Ok(rows)
+    }
+
+    /// Add several counter increments in one IMMEDIATE transaction.
+    pub fn count_many(&mut self, counts: &[(String, i64)]) -> Result<(), SpoolError> {
+        let path = self.path.clone();
+        let err = |e| SpoolError::classify(&path, e);
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        {
+            let mut st = tx.prepare_cached(SQL_COUNTER_ADD).map_err(err)?;
+            for (name, by) in counts {
+                st.execute(params![name, by]).map_err(err)?;
+            }
+        }
+        tx.commit().map_err(err)
     }
 
     /// Add `by` to the persistent counter `name`.

@@ -20,6 +20,9 @@ pub struct Report {
     pub runs: Vec<RunRecord>,
     /// Command records by state, duplicates answered, mean duration.
     pub commands: crate::commands::store::CommandStats,
+    /// What the agent last recorded: `health`, `last_checkpoint`,
+    /// `write_budget`, ... as (key, value, updated Unix ms).
+    pub agent_state: Vec<(String, String, i64)>,
 }
 
 /// Build the report for the spool at `path`.
@@ -35,11 +38,17 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
     let spool = Spool::open_read_only(path).map_err(|e| e.to_string())?;
     let stats = spool.stats(now_ms).map_err(|e| e.to_string())?;
     let runs = spool.runs(10).map_err(|e| e.to_string())?;
-    // Spools from before schema 2 have no command records yet.
-    let commands = if spool.schema_version().map_err(|e| e.to_string())? >= 2 {
+    // Older spools lack the newer tables until an agent migrates them.
+    let version = spool.schema_version().map_err(|e| e.to_string())?;
+    let commands = if version >= 2 {
         spool.command_stats().map_err(|e| e.to_string())?
     } else {
         Default::default()
+    };
+    let agent_state = if version >= 3 {
+        spool.states().map_err(|e| e.to_string())?
+    } else {
+        Vec::new()
     };
     let mut totals: Vec<(String, i64)> = Vec::new();
     for state in ["PENDING", "SENT", "ACKED", "FAILED"] {
@@ -57,6 +66,7 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         totals,
         runs,
         commands,
+        agent_state,
     })
 }
 
@@ -75,6 +85,9 @@ fn fmt_ms(ms: i64) -> String {
 pub fn render(r: &Report, now_ms: i64) -> String {
     let mut o = String::new();
     o.push_str(&format!("spool: {}\n", r.spool));
+    for (k, v, at) in &r.agent_state {
+        o.push_str(&format!("{k}: {v} ({} ago)\n", fmt_ms(now_ms - at)));
+    }
     o.push_str(&format!(
         "size: db {} bytes, wal {} bytes\n",
         r.stats.db_bytes, r.stats.wal_bytes

@@ -9,6 +9,7 @@ mod config;
 mod delivery;
 mod faults;
 mod spool;
+mod storage;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -11,9 +11,28 @@ use super::tail;
 /// How long `run_cli` lets a command run before killing it and panicking.
 pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Path of the binary under test.
+/// Path of the binary under test: `EDGESPOOL_AGENT_BIN` if set (an ARM
+/// build, say), else the one cargo built for these tests.
 pub fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_edgespool"))
+    std::env::var_os("EDGESPOOL_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_edgespool")))
+}
+
+/// A command that runs the binary under test: `EDGESPOOL_AGENT_RUNNER`
+/// (e.g. `qemu-arm -L /usr/arm-linux-gnueabihf`) in front of it when set.
+/// Signals sent to the runner reach the emulated agent (qemu-user forwards
+/// them; SIGKILL kills both, as one process).
+pub fn command() -> Command {
+    match std::env::var("EDGESPOOL_AGENT_RUNNER") {
+        Ok(r) if !r.trim().is_empty() => {
+            let mut parts = r.split_whitespace();
+            let mut cmd = Command::new(parts.next().unwrap_or("env"));
+            cmd.args(parts).arg(bin());
+            cmd
+        }
+        _ => Command::new(bin()),
+    }
 }
 
 /// The RUST_LOG given to spawned agents: EDGESPOOL_TEST_LOG if set, else debug.
@@ -43,7 +62,7 @@ impl AgentProc {
         let log_err = log
             .try_clone()
             .unwrap_or_else(|e| panic!("clone handle of {}: {e}", log_path.display()));
-        let mut cmd = Command::new(bin());
+        let mut cmd = command();
         cmd.arg("run").arg("--config").arg(config_path);
         for set in sets {
             cmd.arg("--set").arg(set);
@@ -203,7 +222,7 @@ pub fn run_cli_with(
     envs: &[(&str, &str)],
     timeout: Duration,
 ) -> (ExitStatus, String, String) {
-    let mut cmd = Command::new(bin());
+    let mut cmd = command();
     cmd.args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

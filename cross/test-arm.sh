@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The ARM builds under qemu-user: the unit tests cross-compiled for each
+# target, then the delivery, crash-safety and command integration tests with
+# the ARM agent binary (run by qemu) against mosquitto on this host.
+#   cross/test-arm.sh              both targets
+#   cross/test-arm.sh armv7        one (aarch64 | armv7)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cross/setup-debian.sh --arm
+targets=(aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf)
+case "${1:-}" in
+  aarch64) targets=(aarch64-unknown-linux-gnu) ;;
+  armv7) targets=(armv7-unknown-linux-gnueabihf) ;;
+  "") ;;
+  *) echo "usage: $0 [aarch64|armv7]" >&2; exit 2 ;;
+esac
+for t in "${targets[@]}"; do
+  case "$t" in
+    aarch64*) runner="qemu-aarch64 -L /usr/aarch64-linux-gnu" ;;
+    armv7*) runner="qemu-arm -L /usr/arm-linux-gnueabihf" ;;
+  esac
+  echo "== $t: unit tests under qemu"
+  cargo test --target "$t" --lib -- --test-threads=2
+  echo "== $t: integration tests, agent under qemu"
+  cargo build --target "$t" --bin edgespool
+  EDGESPOOL_AGENT_BIN="$PWD/target/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
+    cargo test --test it -- --test-threads=2 delivery:: faults:: commands::
+done

@@ -1,0 +1,248 @@
+//! Maintenance policy for slow flash: checkpoint cadence, capacity, health
+//! and the write budget.
+//!
+//! Its one rule: **space is never bought by deleting an unacknowledged row
+//! (I6)**: when the spool or the disk is short, new readings are refused by
+//! an explicit policy (after dropping the oldest *acknowledged* rows) and
+//! counted; everything resumes by itself when space returns.
+//!
+//! The decisions are pure functions of measured inputs, unit-tested here;
+//! the agent feeds them file sizes, `statvfs(2)` and `/proc/self/io`.
+
+use crate::spool::CheckpointMode;
+use std::path::Path;
+use std::time::Duration;
+
+/// What the checkpoint policy looks at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CheckpointInputs {
+    /// Size of the `-wal` file, bytes.
+    pub wal_bytes: u64,
+    /// PASSIVE once the WAL reaches this many bytes.
+    pub threshold_bytes: u64,
+    /// `journal_size_limit`: past twice this the agent brakes with TRUNCATE.
+    pub limit_bytes: u64,
+    /// Time since the last checkpoint.
+    pub since_last: Duration,
+    /// PASSIVE at least this often while the WAL has frames.
+    pub interval: Duration,
+    /// Nothing was appended since the last maintenance pass.
+    pub idle: bool,
+}
+
+/// The checkpoint to run now, if any (litestream's tiers: PASSIVE on a page or
+/// time threshold, TRUNCATE as the brake or when idle;
+/// <https://www.sqlite.org/c3ref/wal_checkpoint_v2.html>).
+pub fn checkpoint_due(i: &CheckpointInputs) -> Option<CheckpointMode> {
+    if i.wal_bytes == 0 {
+        return None;
+    }
+    if i.wal_bytes > i.limit_bytes.saturating_mul(2) || (i.idle && i.since_last >= i.interval) {
+        return Some(CheckpointMode::Truncate);
+    }
+    if i.wal_bytes >= i.threshold_bytes || i.since_last >= i.interval {
+        return Some(CheckpointMode::Passive);
+    }
+    None
+}
+
+/// Capacity limits from `[spool]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// `max_bytes`: live data in the spool (pages in use), 0 = no limit.
+    pub max_bytes: u64,
+    /// `min_free_bytes`: free space kept on the spool's filesystem.
+    pub min_free_bytes: u64,
+}
+
+/// Why new readings are refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The spool holds `max_bytes` of live pages.
+    SpoolFull {
+        /// Bytes in use.
+        used: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The filesystem is down to its reserve and the spool has no free pages to reuse.
+    DiskReserve {
+        /// Free bytes on the filesystem plus free pages inside the spool.
+        free: u64,
+        /// The reserve.
+        reserve: u64,
+    },
+}
+
+impl Refusal {
+    /// Counter and log name of the reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::SpoolFull { .. } => "spool_full",
+            Refusal::DiskReserve { .. } => "disk_reserve",
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::SpoolFull { used, max } => write!(
+                f,
+                "spool holds {used} bytes of live data, spool.max_bytes is {max}"
+            ),
+            Refusal::DiskReserve { free, reserve } => write!(
+                f,
+                "{free} bytes free for the spool, spool.min_free_bytes reserve is {reserve}"
+            ),
+        }
+    }
+}
+
+/// Whether to refuse new readings now. `used` = live pages in the spool,
+/// `free_pages` = free pages inside the file (reused before the file grows),
+/// `fs_free` = free bytes on the filesystem, all in bytes.
+pub fn capacity_check(cap: &Capacity, used: u64, free_pages: u64, fs_free: u64) -> Option<Refusal> {
+    if cap.max_bytes > 0 && used >= cap.max_bytes {
+        return Some(Refusal::SpoolFull {
+            used,
+            max: cap.max_bytes,
+        });
+    }
+    let free = fs_free.saturating_add(free_pages);
+    if free < cap.min_free_bytes {
+        return Some(Refusal::DiskReserve {
+            free,
+            reserve: cap.min_free_bytes,
+        });
+    }
+    None
+}
+
+/// Free bytes for an unprivileged writer on the filesystem holding `dir`.
+pub fn fs_free_bytes(dir: &Path) -> std::io::Result<u64> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"))?;
+    // SAFETY: statvfs fills the zeroed struct we own; c is a valid C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    #[allow(clippy::unnecessary_cast)] // widths differ between targets
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// `write_bytes` of `/proc/self/io`: bytes this process caused to be sent to
+/// the block layer (<https://docs.kernel.org/filesystems/proc.html>).
+pub fn proc_write_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Device and inode of a file, to notice it being removed or replaced.
+pub fn file_identity(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Rate per hour of `delta` over `elapsed`.
+pub fn per_hour(delta: u64, elapsed: Duration) -> u64 {
+    if elapsed.is_zero() {
+        return 0;
+    }
+    (delta as f64 * 3600.0 / elapsed.as_secs_f64()) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs() -> CheckpointInputs {
+        CheckpointInputs {
+            wal_bytes: 100_000,
+            threshold_bytes: 1_000_000,
+            limit_bytes: 4_000_000,
+            since_last: Duration::from_secs(1),
+            interval: Duration::from_secs(30),
+            idle: false,
+        }
+    }
+
+    #[test]
+    fn no_checkpoint_below_thresholds_or_with_an_empty_wal() {
+        assert_eq!(checkpoint_due(&inputs()), None);
+        let mut i = inputs();
+        i.wal_bytes = 0;
+        i.idle = true;
+        i.since_last = Duration::from_secs(3600);
+        assert_eq!(checkpoint_due(&i), None);
+    }
+
+    #[test]
+    fn passive_on_the_page_or_time_threshold() {
+        let mut i = inputs();
+        i.wal_bytes = 1_000_000;
+        assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Passive));
+        let mut i = inputs();
+        i.since_last = Duration::from_secs(30);
+        assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Passive));
+    }
+
+    #[test]
+    fn truncate_as_the_brake_and_when_idle() {
+        let mut i = inputs();
+        i.wal_bytes = 8_000_001;
+        assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Truncate));
+        let mut i = inputs();
+        i.idle = true;
+        i.since_last = Duration::from_secs(30);
+        assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Truncate));
+    }
+
+    #[test]
+    fn capacity_refuses_on_the_spool_limit_and_the_disk_reserve() {
+        let cap = Capacity {
+            max_bytes: 1000,
+            min_free_bytes: 500,
+        };
+        assert_eq!(capacity_check(&cap, 999, 0, 10_000), None);
+        assert_eq!(
+            capacity_check(&cap, 1000, 0, 10_000),
+            Some(Refusal::SpoolFull { used: 1000, max: 1000 })
+        );
+        assert_eq!(
+            capacity_check(&cap, 10, 0, 499),
+            Some(Refusal::DiskReserve { free: 499, reserve: 500 })
+        );
+        // Free pages inside the spool are reused before the file grows.
+        assert_eq!(capacity_check(&cap, 10, 100, 450), None);
+        let unlimited = Capacity {
+            max_bytes: 0,
+            min_free_bytes: 0,
+        };
+        assert_eq!(capacity_check(&unlimited, u64::MAX, 0, 0), None);
+    }
+
+    #[test]
+    fn rates_per_hour() {
+        assert_eq!(per_hour(100, Duration::from_secs(36)), 10_000);
+        assert_eq!(per_hour(100, Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn this_process_has_a_write_counter_and_files_an_identity() {
+        assert!(proc_write_bytes().is_some());
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        std::fs::write(&p, "x").unwrap();
+        let a = file_identity(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(file_identity(&p), None);
+        std::fs::write(&p, "y").unwrap();
+        let b = file_identity(&p);
+        assert!(b.is_some());
+        let _ = a;
+    }
+}

@@ -1,0 +1,245 @@
+//! Storage under pressure: a full disk (F06), the spool size limit (I6), a
+//! reader pinning the WAL (F01), the spool file replaced under the agent.
+
+use crate::support::agent::{run_cli, AgentProc};
+use crate::support::broker::Broker;
+use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::{count_by_state, count_in_state, total};
+use crate::support::subscriber::Subscriber;
+use crate::support::wait_for;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+/// A small tmpfs mounted for one test (the tests run as root, as CI does).
+struct SmallFs {
+    dir: PathBuf,
+}
+
+impl SmallFs {
+    fn mount(parent: &Path, size: &str) -> SmallFs {
+        let dir = parent.join("small-fs");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .expect("run mount");
+        assert!(st.success(), "mounting a tmpfs needs root (CI runs as root)");
+        SmallFs { dir }
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+/// A config whose `big` source produces ~`kb` KB readings every 10 ms.
+fn big_config(dir: &Path, spool: &Path, url: &str, prefix: &str, kb: usize, extra_spool: &str) -> PathBuf {
+    let blob = format!("{{\"blob\":\"{}\"}}", "x".repeat(kb * 1024));
+    let cfg = dir.join("board.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"device_id = "store-board"
+[spool]
+path = "{}"
+commit_window_ms = 50
+checkpoint_interval_secs = 1
+{extra_spool}
+[mqtt]
+url = "{url}"
+topic_prefix = "{prefix}"
+reconnect_min_ms = 100
+reconnect_max_ms = 500
+connect_timeout_secs = 2
+max_payload_bytes = 1048576
+[[sources]]
+name = "big"
+kind = "exec"
+program = "/bin/echo"
+args = [{blob:?}]
+interval_ms = 10
+"#,
+            spool.display()
+        ),
+    )
+    .expect("write config");
+    cfg
+}
+
+fn counter(db: &Path, name: &str) -> i64 {
+    let conn = crate::support::spool::open(db);
+    conn.query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| r.get(0))
+        .unwrap_or(0)
+}
+
+/// field case F06: the writer keeps running while the disk is full, counts
+/// what it refused, and resumes by itself when space returns.
+#[test]
+fn a_full_disk_refuses_readings_counted_and_writing_resumes_when_space_returns() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::Refuse);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fs = SmallFs::mount(dir.path(), "6m");
+    let filler = fs.dir.join("filler");
+    std::fs::write(&filler, vec![0u8; 2 * 1024 * 1024]).expect("filler");
+    let db = fs.dir.join("spool.db");
+    let prefix = crate::prefix("diskfull");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = big_config(dir.path(), &db, &proxy.url(), &prefix, 8, "min_free_bytes = 0\nmax_bytes = 0");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || db.exists() && counter(&db, "readings_dropped_disk_full") > 0),
+        "never hit SQLITE_FULL: {:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert!(agent.is_running(), "the agent died on a full disk");
+    let stored_while_full = total(&db);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(agent.is_running());
+    let dropped = counter(&db, "readings_dropped_disk_full");
+    assert!(dropped > 0);
+    assert_eq!(
+        counter(&db, "readings_dropped_disk_full.big"),
+        dropped,
+        "the per-stream count differs from the total"
+    );
+    // Space returns: writing resumes without a restart.
+    std::fs::remove_file(&filler).expect("remove filler");
+    assert!(
+        wait_for(Duration::from_secs(20), || total(&db) > stored_while_full + 5),
+        "writing did not resume: {} rows\n{}",
+        total(&db),
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+    // The broker comes back: the spool drains and every stored row arrives.
+    proxy.set_mode(Mode::Forward);
+    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "PENDING") + count_in_state(&db, "SENT") == 0),
+        "{:?}\n{}",
+        count_by_state(&db),
+        drain.log_tail(30)
+    );
+    drain.terminate(Duration::from_secs(15));
+    crate::assert_invariants(&db, &sub.deliveries());
+    drop(fs);
+}
+
+/// I6: at the spool size limit new readings are refused and counted; no
+/// unacknowledged row is ever deleted; acknowledged rows make room.
+#[test]
+fn at_the_spool_limit_new_readings_are_refused_and_no_unacked_row_is_deleted() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::Refuse);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("spool.db");
+    let prefix = crate::prefix("cap");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = big_config(dir.path(), &db, &proxy.url(), &prefix, 16, "max_bytes = 1048576");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || db.exists() && counter(&db, "readings_dropped_spool_full") > 0),
+        "{}",
+        agent.log_tail(30)
+    );
+    let rows_at_limit = total(&db);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(total(&db), rows_at_limit, "rows were added or deleted while over the limit");
+    assert!(counter(&db, "readings_dropped_spool_full.big") > 0);
+    let first_id: i64 = crate::support::spool::rows(&db)[0].id;
+    assert_eq!(first_id, 1, "an unacknowledged row was deleted");
+    assert!(wait_for(Duration::from_secs(10), || {
+        let (_, out, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
+        out.contains("health: degraded: refusing readings: spool holds")
+    }));
+    // The broker comes back: acknowledged rows are dropped oldest first to make room.
+    proxy.set_mode(Mode::Forward);
+    assert!(
+        wait_for(Duration::from_secs(30), || counter(&db, "events_purged_for_space") > 0),
+        "{}",
+        agent.log_tail(30)
+    );
+    let max_before: i64 = crate::support::spool::rows(&db).last().map(|r| r.id).unwrap_or(0);
+    assert!(wait_for(Duration::from_secs(20), || crate::support::spool::rows(&db).last().map(|r| r.id).unwrap_or(0) > max_before));
+    agent.terminate(Duration::from_secs(15));
+    // Every row that was ever purged had been received (acknowledged) first.
+    let received = crate::received(&sub.deliveries());
+    let purged = counter(&db, "events_purged_for_space");
+    assert!(received.times.len() as i64 >= purged);
+}
+
+/// field case F01: a reader holding a snapshot blocks checkpoints; the agent
+/// says so (health, counter), keeps ingesting and delivering, and the WAL
+/// shrinks back once the reader is gone.
+#[test]
+fn a_reader_pinning_the_wal_degrades_health_and_the_wal_shrinks_once_it_leaves() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("pin");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 20);
+    let db = dir.path().join("spool.db");
+    let wal = dir.path().join("spool.db-wal");
+    let sets = [
+        "spool.checkpoint_wal_bytes=65536".to_owned(),
+        "spool.journal_size_limit_bytes=65536".to_owned(),
+    ];
+    let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
+    assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 10));
+    let reader = rusqlite::Connection::open(&db).expect("reader");
+    reader
+        .execute_batch("BEGIN; SELECT count(*) FROM events;")
+        .expect("hold a read snapshot");
+    let _: i64 = reader
+        .query_row("SELECT count(*) FROM events", [], |r| r.get(0))
+        .expect("read");
+    let delivered_before = sub.count();
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let (_, out, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
+            out.contains("health: degraded: checkpoint blocked")
+        }),
+        "{}",
+        agent.log_tail(30)
+    );
+    assert!(counter(&db, "wal_checkpoint_blocked") > 0);
+    let pinned_wal = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+    assert!(pinned_wal > 65536, "WAL did not grow while pinned ({pinned_wal} bytes)");
+    assert!(sub.count() > delivered_before, "delivery stopped while the WAL was pinned");
+    reader.execute_batch("COMMIT").expect("release");
+    drop(reader);
+    assert!(
+        wait_for(Duration::from_secs(20), || std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0) <= 65536),
+        "WAL stayed at {} bytes after the reader left\n{}",
+        std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0),
+        agent.log_tail(20)
+    );
+    assert!(wait_for(Duration::from_secs(20), || {
+        let (_, out, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
+        out.contains("health: ok")
+    }));
+    agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = crate::write_config(dir.path(), "mqtt://127.0.0.1:9", &crate::prefix("replaced"), 50);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
+    let copy = dir.path().join("copy.db");
+    std::fs::copy(&db, &copy).expect("copy");
+    std::fs::rename(&copy, &db).expect("replace");
+    let status = agent.wait(Duration::from_secs(20));
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{}", agent.log_tail(20));
+    assert!(agent.log_text().contains("was removed or replaced under the running agent"));
+}
