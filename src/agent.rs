@@ -46,33 +46,53 @@ pub enum AgentError {
     Setup(String),
 }
 
-/// Open the spool, moving a damaged file aside (never a silent wipe; F04):
-/// `spool.db` → `spool.db.corrupt-<unix ms>` (with its `-wal` and `-shm`),
-/// then a fresh spool is created.
+/// The first 16 bytes of every SQLite database file
+/// (<https://www.sqlite.org/fileformat.html#the_database_header>).
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// Open the spool and run `PRAGMA quick_check`; a damaged spool is moved
+/// aside (never a silent wipe; F04): `spool.db` → `spool.db.corrupt-<unix ms>`
+/// (with its `-wal` and `-shm`), the move is counted, and a fresh spool is
+/// created. A file that is not a SQLite database at all (a config file given
+/// as `spool.path` by mistake) is refused, never moved.
 pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
     let path = &cfg.spool.path;
-    match Spool::open(path, &cfg.spool.options) {
-        Err(SpoolError::Corrupt { source, .. }) => {
-            let stamp = wall_clock_ms().0;
-            let aside = format!("{}.corrupt-{stamp}", path.display());
-            log::error!(
-                "spool {} is damaged ({source}); moving it to {aside} and starting a fresh spool",
-                path.display()
-            );
-            for suffix in ["", "-wal", "-shm"] {
-                let from = format!("{}{suffix}", path.display());
-                if Path::new(&from).exists() {
-                    std::fs::rename(&from, format!("{aside}{suffix}")).map_err(|e| {
-                        AgentError::Setup(format!("cannot move damaged spool {from} aside: {e}"))
-                    })?;
-                }
-            }
-            let mut s = Spool::open(path, &cfg.spool.options)?;
-            s.count("spool_moved_aside_corrupt", 1)?;
-            Ok(s)
-        }
-        other => Ok(other?),
+    let damage = match Spool::open(path, &cfg.spool.options) {
+        Ok(s) => match s.quick_check() {
+            Ok(r) if r == "ok" => return Ok(s),
+            Ok(r) => format!("quick_check: {r}"),
+            Err(e) => e.to_string(),
+        },
+        Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
+        Err(e) => return Err(e.into()),
+    };
+    let mut head = [0u8; 16];
+    let is_sqlite = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+        .is_ok_and(|()| &head == SQLITE_MAGIC);
+    if !is_sqlite {
+        return Err(AgentError::Setup(format!(
+            "spool.path {} is not a SQLite database (no SQLite header); refusing to touch it",
+            path.display()
+        )));
     }
+    let stamp = wall_clock_ms().0;
+    let aside = format!("{}.corrupt-{stamp}", path.display());
+    log::error!(
+        "spool {} is damaged ({damage}); moving it to {aside} and starting a fresh spool",
+        path.display()
+    );
+    for suffix in ["", "-wal", "-shm"] {
+        let from = format!("{}{suffix}", path.display());
+        if Path::new(&from).exists() {
+            std::fs::rename(&from, format!("{aside}{suffix}")).map_err(|e| {
+                AgentError::Setup(format!("cannot move damaged spool {from} aside: {e}"))
+            })?;
+        }
+    }
+    let mut s = Spool::open(path, &cfg.spool.options)?;
+    s.count("spool_moved_aside_corrupt", 1)?;
+    Ok(s)
 }
 
 /// Where the running config came from, for `apply-config`, `reload-config`
@@ -130,11 +150,6 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         std::process::id(),
         env!("CARGO_PKG_VERSION"),
     )?;
-    match ingest.quick_check() {
-        Ok(s) if s == "ok" => {}
-        Ok(s) => log::error!("spool quick_check: {s}"),
-        Err(e) => log::error!("spool quick_check failed: {e}"),
-    }
     let delivery_spool = Spool::open(&cfg.spool.path, &cfg.spool.options)?;
     let ids = EventIdGen::new()
         .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
@@ -253,7 +268,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let _ = delivery_handle.join();
     let _ = mqtt_handle.join();
     if let Some(msg) = ing.upkeep.fatal.take() {
-        let _ = ing.spool.end_run(run_id, wall_clock_ms().0, "error", Some(&msg));
+        let _ = ing
+            .spool
+            .end_run(run_id, wall_clock_ms().0, "error", Some(&msg));
         return Err(AgentError::Setup(msg));
     }
     let (status, err) = if lost == 0 {
@@ -406,6 +423,8 @@ struct Upkeep {
     commits: u64,
     last_refusal_log: Option<Instant>,
     last_checkpoint_error: Option<Instant>,
+    /// SQLITE_FULL was hit; cleared by [`Ingest::recovered_from_disk_full`].
+    disk_full: bool,
 }
 
 impl Upkeep {
@@ -418,10 +437,15 @@ impl Upkeep {
             capacity_checked: None,
             refusal: None,
             checkpoint_blocked: false,
-            budget_since: (Instant::now(), crate::maintenance::proc_write_bytes().unwrap_or(0), 0),
+            budget_since: (
+                Instant::now(),
+                crate::maintenance::proc_write_bytes().unwrap_or(0),
+                0,
+            ),
             commits: 0,
             last_refusal_log: None,
             last_checkpoint_error: None,
+            disk_full: false,
         }
     }
 }
@@ -460,7 +484,10 @@ impl Ingest {
             // Policy: drop the oldest acknowledged rows first, in bounded batches.
             let mut purged = 0;
             for _ in 0..4 {
-                match self.spool.purge_acked(i64::MAX, self.cfg.spool.purge_batch_rows) {
+                match self
+                    .spool
+                    .purge_acked(i64::MAX, self.cfg.spool.purge_batch_rows)
+                {
                     Ok(0) | Err(_) => break,
                     Ok(n) => purged += n,
                 }
@@ -477,6 +504,24 @@ impl Ingest {
         }
         self.upkeep.refusal = refusal;
         refusal
+    }
+
+    /// After SQLITE_FULL, ingest stays off until a TRUNCATE checkpoint has
+    /// emptied the WAL into the database and the filesystem has headroom
+    /// again (1 MiB, or the configured reserve if larger); otherwise new
+    /// appends would eat freed space before the checkpoint and delivery
+    /// records that need it.
+    fn recovered_from_disk_full(&mut self) -> bool {
+        let headroom = self.cfg.spool.capacity.min_free_bytes.max(1024 * 1024);
+        let ok = matches!(self.spool.checkpoint(CheckpointMode::Truncate), Ok(r) if r.busy == 0)
+            && crate::maintenance::fs_free_bytes(&spool_dir(&self.cfg))
+                .is_ok_and(|f| f >= headroom);
+        if ok {
+            log::info!("disk has room again; taking readings again");
+            self.upkeep.disk_full = false;
+            self.upkeep.capacity_checked = None;
+        }
+        ok
     }
 
     /// Count `n` readings of the buffer as dropped for `reason`, per stream.
@@ -507,7 +552,11 @@ impl Ingest {
         if self.pending_counts.is_empty() {
             return;
         }
-        let counts: Vec<(String, i64)> = self.pending_counts.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        let counts: Vec<(String, i64)> = self
+            .pending_counts
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
         if self.spool.count_many(&counts).is_ok() {
             self.pending_counts.clear();
         }
@@ -518,6 +567,10 @@ impl Ingest {
     fn commit(&mut self) {
         self.flush_counts();
         if self.buffer.is_empty() || self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        if self.upkeep.disk_full && !self.recovered_from_disk_full() {
+            self.drop_buffer("disk_full");
             return;
         }
         if let Some(r) = self.capacity_refusal() {
@@ -549,6 +602,7 @@ impl Ingest {
             }
             Err(SpoolError::Full { source, .. }) => {
                 // A half-written transaction was rolled back; nothing partial stays.
+                self.upkeep.disk_full = true;
                 let n = self.drop_buffer("disk_full");
                 self.upkeep.capacity_checked = None;
                 if self
@@ -615,16 +669,26 @@ impl Ingest {
                 let json = serde_json::json!({"mode": format!("{mode:?}").to_lowercase(), "busy": r.busy,
                     "log_frames": r.log_frames, "checkpointed_frames": r.checkpointed_frames,
                     "wal_bytes_before": wal, "duration_ms": took.as_millis() as u64, "at_ms": now});
-                let _ = self.spool.set_state("last_checkpoint", &json.to_string(), now);
+                let _ = self
+                    .spool
+                    .set_state("last_checkpoint", &json.to_string(), now);
                 if blocked {
                     let _ = self.spool.count("wal_checkpoint_blocked", 1);
                     if !self.upkeep.checkpoint_blocked {
                         log::warn!("checkpoint {mode:?} blocked: busy={} log={} checkpointed={} wal_bytes={wal}: a reader is pinning the WAL; health degraded", r.busy, r.log_frames, r.checkpointed_frames);
                     }
                 } else if self.upkeep.checkpoint_blocked {
-                    log::info!("checkpoint {mode:?} completed again (log={}); WAL no longer pinned", r.log_frames);
+                    log::info!(
+                        "checkpoint {mode:?} completed again (log={}); WAL no longer pinned",
+                        r.log_frames
+                    );
                 } else {
-                    log::debug!("checkpoint {mode:?}: log={} checkpointed={} in {} ms", r.log_frames, r.checkpointed_frames, took.as_millis());
+                    log::debug!(
+                        "checkpoint {mode:?}: log={} checkpointed={} in {} ms",
+                        r.log_frames,
+                        r.checkpointed_frames,
+                        took.as_millis()
+                    );
                 }
                 self.upkeep.checkpoint_blocked = blocked;
             }
@@ -634,7 +698,9 @@ impl Ingest {
                     .last_checkpoint_error
                     .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
                 {
-                    log::warn!("checkpoint {mode:?} failed: {e} (skipped; repeats logged every 30 s)");
+                    log::warn!(
+                        "checkpoint {mode:?} failed: {e} (skipped; repeats logged every 30 s)"
+                    );
                     self.upkeep.last_checkpoint_error = Some(Instant::now());
                 }
             }
@@ -650,8 +716,12 @@ impl Ingest {
         stats: &DeliveryStats,
     ) {
         let mut commit_at = Instant::now() + self.cfg.spool.commit_window;
-        let mut maint_at =
-            Instant::now() + self.cfg.spool.checkpoint_interval.min(Duration::from_secs(5));
+        let mut maint_at = Instant::now()
+            + self
+                .cfg
+                .spool
+                .checkpoint_interval
+                .min(Duration::from_secs(5));
         let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
         while !stop.load(Ordering::Relaxed) {
             let wait = commit_at
@@ -681,7 +751,12 @@ impl Ingest {
             }
             if now >= maint_at {
                 self.maintain();
-                maint_at = now + self.cfg.spool.checkpoint_interval.min(Duration::from_secs(5));
+                maint_at = now
+                    + self
+                        .cfg
+                        .spool
+                        .checkpoint_interval
+                        .min(Duration::from_secs(5));
                 if self.upkeep.fatal.is_some() {
                     break;
                 }
@@ -931,6 +1006,9 @@ impl Ingest {
         if let Some(r) = self.upkeep.refusal {
             reasons.push(format!("refusing readings: {r}"));
         }
+        if self.upkeep.disk_full {
+            reasons.push("refusing readings: disk full".to_owned());
+        }
         if self.source.fallback.is_some() {
             reasons.push("running the last-known-good config".to_owned());
         }
@@ -952,7 +1030,9 @@ impl Ingest {
             "wal_bytes": wal,
             "window_secs": elapsed.as_secs(),
         });
-        let _ = self.spool.set_state("write_budget", &budget.to_string(), now);
+        let _ = self
+            .spool
+            .set_state("write_budget", &budget.to_string(), now);
         if elapsed > Duration::from_secs(3600) {
             self.upkeep.budget_since = (Instant::now(), bytes, self.upkeep.commits);
         }

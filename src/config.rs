@@ -502,9 +502,9 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, C
             "contains NUL bytes (a damaged or partly written file?)",
         ));
     }
-    // The file alone first, so problems carry the file's line numbers.
-    let raw: RawConfig = deserialize(text, origin, true)?;
     if overrides.is_empty() {
+        // The file alone: problems carry the file's line numbers.
+        let raw: RawConfig = deserialize(text, origin, true)?;
         return validate(raw, origin).map_err(|mut e| {
             for p in &mut e.problems {
                 p.line = p.line.or_else(|| locate(text, &p.key));
@@ -512,9 +512,16 @@ pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, C
             e
         });
     }
-    let mut table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| single(origin, "(file)", None, e.message()))?;
+    // With overrides the merged document is what must be valid: an override
+    // may supply a key the file lacks or fix one it has wrong.
+    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        single(
+            origin,
+            "(syntax)",
+            line_of(text, e.span().map(|s| s.start)),
+            e.message().trim(),
+        )
+    })?;
     for o in overrides {
         apply_override(&mut table, o).map_err(|m| single("--set", o, None, &m))?;
     }
@@ -761,7 +768,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     };
 
     let device_id = raw.device_id.trim().to_owned();
-    if device_id.is_empty() || !device_id.chars().all(topic_safe) {
+    if device_id.is_empty() || device_id.len() > 64 || !device_id.chars().all(topic_safe) {
         bad(
             "device_id",
             format!(
@@ -772,8 +779,23 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     }
 
     let s = &raw.spool;
-    if s.path.as_os_str().is_empty() {
-        bad("spool.path", "must not be empty".into());
+    if s.path.as_os_str().is_empty() || s.path.as_os_str().as_encoded_bytes().contains(&0) {
+        bad(
+            "spool.path",
+            format!(
+                "must be a non-empty path without NUL bytes (got {:?})",
+                s.path
+            ),
+        );
+    }
+    if s.acked_retention_secs > TEN_YEARS_SECS {
+        bad(
+            "spool.acked_retention_secs",
+            format!(
+                "must be at most {TEN_YEARS_SECS} (ten years) (got {})",
+                s.acked_retention_secs
+            ),
+        );
     }
     let synchronous = match s.synchronous.to_ascii_lowercase().as_str() {
         "normal" => Synchronous::Normal,
@@ -817,15 +839,27 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         );
     }
     if s.max_bytes != 0 && s.max_bytes < 1024 * 1024 {
-        bad("spool.max_bytes", format!("must be 0 (no limit) or at least 1048576 (got {})", s.max_bytes));
+        bad(
+            "spool.max_bytes",
+            format!(
+                "must be 0 (no limit) or at least 1048576 (got {})",
+                s.max_bytes
+            ),
+        );
     }
     if !(64 * 1024..=1024 * 1024 * 1024).contains(&s.checkpoint_wal_bytes) {
-        bad("spool.checkpoint_wal_bytes", format!("must be 65536..=1073741824 (got {})", s.checkpoint_wal_bytes));
+        bad(
+            "spool.checkpoint_wal_bytes",
+            format!(
+                "must be 65536..=1073741824 (got {})",
+                s.checkpoint_wal_bytes
+            ),
+        );
     }
-    if s.checkpoint_interval_secs == 0 {
+    if !(1..=86_400).contains(&s.checkpoint_interval_secs) {
         bad(
             "spool.checkpoint_interval_secs",
-            "must be at least 1 (got 0)".into(),
+            format!("must be 1..=86400 (got {})", s.checkpoint_interval_secs),
         );
     }
 
@@ -914,10 +948,13 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             format!("must be 1..=3600 (got {})", m.ack_timeout_secs),
         );
     }
-    if raw.agent.summary_interval_secs == 0 {
+    if !(1..=86_400).contains(&raw.agent.summary_interval_secs) {
         bad(
             "agent.summary_interval_secs",
-            "must be at least 1 (got 0)".into(),
+            format!(
+                "must be 1..=86400 (got {})",
+                raw.agent.summary_interval_secs
+            ),
         );
     }
 
@@ -925,21 +962,19 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     let mut names = std::collections::HashSet::new();
     for (i, rs) in raw.sources.iter().enumerate() {
         let k = |f: &str| format!("sources[{i}].{f}");
-        if rs.name.is_empty() || rs.name.starts_with('_') || !rs.name.chars().all(topic_safe) {
-            bad(
-                &k("name"),
-                format!(
-                    "must be letters, digits, '-', '_' or '.', not starting with '_' (got {:?})",
-                    rs.name
-                ),
-            );
+        if rs.name.is_empty()
+            || rs.name.len() > 64
+            || rs.name.starts_with('_')
+            || !rs.name.chars().all(topic_safe)
+        {
+            bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
         } else if !names.insert(rs.name.clone()) {
             bad(&k("name"), format!("duplicate source name {:?}", rs.name));
         }
-        if rs.interval_ms < 10 {
+        if !(10..=86_400_000).contains(&rs.interval_ms) {
             bad(
                 &k("interval_ms"),
-                format!("must be at least 10 (got {})", rs.interval_ms),
+                format!("must be 10..=86400000 (got {})", rs.interval_ms),
             );
         }
         let unexpected = |bad: &mut dyn FnMut(&str, String), set: &[(&str, bool)]| {
@@ -1066,6 +1101,15 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             format!("must be 256..=1048576 (got {})", rc.max_payload_bytes),
         );
     }
+    if rc.record_retention_secs > TEN_YEARS_SECS {
+        bad(
+            "commands.record_retention_secs",
+            format!(
+                "must be at most {TEN_YEARS_SECS} (got {})",
+                rc.record_retention_secs
+            ),
+        );
+    }
     if rc.record_retention_secs < 3600 {
         bad(
             "commands.record_retention_secs",
@@ -1080,7 +1124,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     let mut hnames = std::collections::HashSet::new();
     for (i, h) in rc.handlers.iter().enumerate() {
         let k = |f: &str| format!("commands.handlers[{i}].{f}");
-        if h.name.is_empty() || !h.name.chars().all(topic_safe) {
+        if h.name.is_empty() || h.name.len() > 64 || !h.name.chars().all(topic_safe) {
             bad(
                 &k("name"),
                 format!(
@@ -1262,6 +1306,10 @@ pub fn placeholders(arg: &str) -> Vec<String> {
     out
 }
 
+/// Upper bound for retention periods: past this, `Instant`/ms arithmetic
+/// could overflow (a "keep forever" value must not wrap to "delete now").
+const TEN_YEARS_SECS: u64 = 10 * 365 * 86_400;
+
 fn topic_safe(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
 }
@@ -1293,6 +1341,14 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
     };
     if host.is_empty() {
         return Err("host is empty".into());
+    }
+    let bracketed = host.starts_with('[') && host.ends_with(']');
+    if !bracketed
+        && !host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    {
+        return Err(format!("host {host:?} is not a host name or address"));
     }
     Ok((host.to_owned(), port))
 }
@@ -1419,6 +1475,34 @@ interval_ms = 1000
         let e = parse(GOOD, "t.toml", &["mqtt.inflight_windw=5".into()]).unwrap_err();
         assert_eq!(e.problems[0].key, "mqtt.inflight_windw");
         assert!(e.problems[0].message.contains("inflight_window"));
+    }
+
+    #[test]
+    fn an_override_can_supply_a_key_the_file_lacks() {
+        let text = GOOD.replace("device_id = \"pi4-lab\"\n", "");
+        assert!(parse(&text, "t.toml", &[]).is_err());
+        let c = parse(&text, "t.toml", &["device_id=gw1".into()]).unwrap();
+        assert_eq!(c.device_id, "gw1");
+    }
+
+    #[test]
+    fn huge_intervals_are_rejected_not_overflowed() {
+        let e = err(&GOOD.replace(
+            "[mqtt]",
+            "[agent]\nsummary_interval_secs = 9223372036854775807\n[mqtt]",
+        ));
+        assert_eq!(e.problems[0].key, "agent.summary_interval_secs");
+        let e = err(&GOOD.replace(
+            "[mqtt]",
+            "acked_retention_secs = 9223372036854775807\n[mqtt]",
+        ));
+        assert_eq!(e.problems[0].key, "spool.acked_retention_secs");
+    }
+
+    #[test]
+    fn a_url_with_two_ports_is_rejected() {
+        let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtt://host:1883:99"));
+        assert_eq!(e.problems[0].key, "mqtt.url");
     }
 
     #[test]

@@ -21,8 +21,12 @@ pub struct SpoolLock {
 
 impl SpoolLock {
     /// Take the lock next to `spool`, or fail at once naming the pid that holds it.
+    ///
+    /// The lock file is named after the spool's resolved path (symlinks and
+    /// `..` followed), so two spellings of one spool share one lock.
     pub fn acquire(spool: &Path) -> Result<SpoolLock, String> {
-        let mut p = spool.as_os_str().to_owned();
+        let resolved = resolve(spool);
+        let mut p = resolved.as_os_str().to_owned();
         p.push(".lock");
         let path = PathBuf::from(p);
         let mut file = OpenOptions::new()
@@ -57,6 +61,22 @@ impl SpoolLock {
     /// The lock file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// `spool` with symlinks and `..` resolved: the file itself if it exists,
+/// else its directory joined with its name.
+pub fn resolve(spool: &Path) -> PathBuf {
+    if let Ok(p) = std::fs::canonicalize(spool) {
+        return p;
+    }
+    let dir = spool
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    match (std::fs::canonicalize(dir), spool.file_name()) {
+        (Ok(d), Some(name)) => d.join(name),
+        _ => spool.to_path_buf(),
     }
 }
 
@@ -124,6 +144,20 @@ mod tests {
             err.contains(&format!("pid {}", std::process::id())),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_symlinked_spelling_of_the_spool_shares_its_lock() {
+        let d = tempfile::tempdir().unwrap();
+        let spool = d.path().join("spool.db");
+        std::fs::write(&spool, b"").unwrap();
+        let link = d.path().join("link.db");
+        std::os::unix::fs::symlink(&spool, &link).unwrap();
+        let _first = SpoolLock::acquire(&spool).unwrap();
+        assert!(SpoolLock::acquire(&link).is_err());
+        let dotted = d.path().join("sub").join("..").join("spool.db");
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        assert!(SpoolLock::acquire(&dotted).is_err());
     }
 
     #[test]

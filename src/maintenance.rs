@@ -210,11 +210,17 @@ mod tests {
         assert_eq!(capacity_check(&cap, 999, 0, 10_000), None);
         assert_eq!(
             capacity_check(&cap, 1000, 0, 10_000),
-            Some(Refusal::SpoolFull { used: 1000, max: 1000 })
+            Some(Refusal::SpoolFull {
+                used: 1000,
+                max: 1000
+            })
         );
         assert_eq!(
             capacity_check(&cap, 10, 0, 499),
-            Some(Refusal::DiskReserve { free: 499, reserve: 500 })
+            Some(Refusal::DiskReserve {
+                free: 499,
+                reserve: 500
+            })
         );
         // Free pages inside the spool are reused before the file grows.
         assert_eq!(capacity_check(&cap, 10, 100, 450), None);

@@ -51,6 +51,9 @@ pub struct DeliveryConfig {
 /// at most this many payloads are held, whatever the backlog.
 const PREFETCH: usize = 256;
 
+/// Uncommitted delivery records past which no new row is offered.
+const MAX_UNRECORDED: usize = 4096;
+
 /// Group commit for delivery records: commit when this many ids are waiting...
 const RECORD_BATCH: usize = 256;
 /// ...or when the oldest has waited this long. A crash loses at most this
@@ -214,7 +217,9 @@ impl Delivery {
 
     /// Keep the ready queue at two windows' worth, reading ahead from the spool.
     fn fill(&mut self, spool: &mut Spool) {
-        if !self.link.connected() {
+        // While delivery records cannot be committed (a full disk), send
+        // nothing new: acknowledgements would pile up in memory.
+        if !self.link.connected() || self.to_retire.len() + self.to_mark.len() > MAX_UNRECORDED {
             return;
         }
         let target = 2 * self.cfg.window;

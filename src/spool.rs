@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -109,13 +109,51 @@ CREATE TABLE IF NOT EXISTS agent_state (
 );
 ";
 
+/// Schema 4, two changes in one table rebuild:
+/// - row ids are never reused (AUTOINCREMENT, <https://www.sqlite.org/autoinc.html>):
+///   the delivery thread reads rows by `id > cursor`, so an id reused after
+///   retention would be skipped until the next reconnect, and a late PUBACK for
+///   the old row could retire the new one;
+/// - payloads live in their own table: SQLite rewrites a whole record on
+///   UPDATE, so with the payload inline every state change (SENT, ACKED)
+///   rewrote the payload too, to the WAL and then the flash.
+const MIGRATION_4: &str = "
+CREATE TABLE events_v4 (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id        TEXT    NOT NULL UNIQUE,
+    stream          TEXT    NOT NULL,
+    seq             INTEGER NOT NULL,
+    digest          BLOB    NOT NULL,
+    state           TEXT    NOT NULL CHECK (state IN ('PENDING','SENT','ACKED','FAILED')),
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    created_ms      INTEGER NOT NULL,
+    last_attempt_ms INTEGER,
+    next_retry_ms   INTEGER,
+    acked_ms        INTEGER,
+    fail_reason     TEXT
+);
+CREATE TABLE payloads (
+    id      INTEGER PRIMARY KEY,
+    payload BLOB NOT NULL
+);
+INSERT INTO events_v4 SELECT id, event_id, stream, seq, digest, state, attempts,
+    created_ms, last_attempt_ms, next_retry_ms, acked_ms, fail_reason FROM events;
+INSERT INTO payloads SELECT id, payload FROM events;
+DROP TABLE events;
+ALTER TABLE events_v4 RENAME TO events;
+CREATE INDEX IF NOT EXISTS events_unacked ON events(id) WHERE state IN ('PENDING','SENT');
+CREATE INDEX IF NOT EXISTS events_acked ON events(acked_ms) WHERE state = 'ACKED';
+";
+
 const SQL_INSERT_EVENT: &str = "INSERT INTO events
-    (event_id, stream, seq, payload, digest, state, attempts, created_ms)
-    VALUES (?1, ?2, ?3, ?4, ?5, 'PENDING', 0, ?6)";
+    (event_id, stream, seq, digest, state, attempts, created_ms)
+    VALUES (?1, ?2, ?3, ?4, 'PENDING', 0, ?5)";
+const SQL_INSERT_PAYLOAD: &str = "INSERT INTO payloads (id, payload) VALUES (?1, ?2)";
 const SQL_UPSERT_SEQ: &str = "INSERT INTO stream_seq (stream, last_seq) VALUES (?1, ?2)
     ON CONFLICT(stream) DO UPDATE SET last_seq = excluded.last_seq";
-const SQL_SENDABLE: &str = "SELECT id, event_id, stream, payload, digest FROM events
-    WHERE state IN ('PENDING','SENT') AND id > ?1 ORDER BY id LIMIT ?2";
+const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, e.stream, p.payload, e.digest
+    FROM events e JOIN payloads p ON p.id = e.id
+    WHERE e.state IN ('PENDING','SENT') AND e.id > ?1 ORDER BY e.id LIMIT ?2";
 const SQL_MARK_SENT: &str = "UPDATE events SET state = 'SENT', attempts = attempts + 1,
     last_attempt_ms = ?2, next_retry_ms = ?3 WHERE id = ?1 AND state IN ('PENDING','SENT')";
 const SQL_RETIRE: &str = "UPDATE events SET state = 'ACKED', acked_ms = ?2
@@ -125,6 +163,8 @@ const SQL_RETIRE_ATTEMPT: &str = "UPDATE events SET state = 'ACKED', acked_ms = 
     WHERE id = ?1 AND state IN ('PENDING','SENT')";
 const SQL_FAIL: &str = "UPDATE events SET state = 'FAILED', fail_reason = ?2
     WHERE id = ?1 AND state IN ('PENDING','SENT')";
+const SQL_PURGE_PAYLOADS: &str = "DELETE FROM payloads WHERE id IN (
+    SELECT id FROM events WHERE state = 'ACKED' AND acked_ms < ?1 ORDER BY id LIMIT ?2)";
 const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
     SELECT id FROM events WHERE state = 'ACKED' AND acked_ms < ?1 ORDER BY id LIMIT ?2)";
 const SQL_COUNTER_ADD: &str = "INSERT INTO counters (name, value) VALUES (?1, ?2)
@@ -505,6 +545,9 @@ impl Spool {
         if version < 3 {
             tx.execute_batch(MIGRATION_3).map_err(err)?;
         }
+        if version < 4 {
+            tx.execute_batch(MIGRATION_4).map_err(err)?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
         tx.commit().map_err(err)
@@ -564,6 +607,7 @@ impl Spool {
             .map_err(err)?;
         {
             let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
+            let mut insert_payload = tx.prepare_cached(SQL_INSERT_PAYLOAD).map_err(err)?;
             for ev in events {
                 let seq = next
                     .get(&ev.stream)
@@ -595,10 +639,12 @@ impl Spool {
                         event_id.hyphenated(),
                         ev.stream,
                         seq,
-                        payload,
                         digest.as_slice(),
                         now_ms
                     ])
+                    .map_err(err)?;
+                insert_payload
+                    .execute(params![tx.last_insert_rowid(), payload])
                     .map_err(err)?;
                 next.insert(ev.stream.clone(), seq);
                 appended += 1;
@@ -791,7 +837,10 @@ impl Spool {
             q("PRAGMA freelist_count")?,
             q("PRAGMA page_size")?,
         );
-        Ok((((pages - free).max(0) * size) as u64, (free.max(0) * size) as u64))
+        Ok((
+            ((pages - free).max(0) * size) as u64,
+            (free.max(0) * size) as u64,
+        ))
     }
 
     /// Record one piece of agent state for `status` (health, last checkpoint, ...).
@@ -856,6 +905,8 @@ impl Spool {
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        tx.execute(SQL_PURGE_PAYLOADS, params![cutoff_ms, batch as i64])
             .map_err(err)?;
         let n = tx
             .execute(SQL_PURGE, params![cutoff_ms, batch as i64])
@@ -1056,14 +1107,11 @@ pub(crate) fn insert_one(
     let id = event_id.hyphenated();
     tx.prepare_cached(SQL_INSERT_EVENT)
         .map_err(err)?
-        .execute(params![
-            id,
-            ev.stream,
-            seq,
-            payload,
-            digest.as_slice(),
-            now_ms
-        ])
+        .execute(params![id, ev.stream, seq, digest.as_slice(), now_ms])
+        .map_err(err)?;
+    tx.prepare_cached(SQL_INSERT_PAYLOAD)
+        .map_err(err)?
+        .execute(params![tx.last_insert_rowid(), payload])
         .map_err(err)?;
     tx.prepare_cached(SQL_UPSERT_SEQ)
         .map_err(err)?
@@ -1232,6 +1280,63 @@ mod tests {
             )
             .unwrap();
         assert_eq!((state.as_str(), attempts), ("ACKED", 1));
+    }
+
+    #[test]
+    fn row_ids_are_never_reused_after_retention() {
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let mut s = open(d.path());
+        s.append(
+            &[ev("a", 1.0), ev("a", 2.0)],
+            &mut ids,
+            "d",
+            Format::Json,
+            0,
+        )
+        .unwrap();
+        let rows = s.sendable(0, 10).unwrap();
+        let top = rows[1].id;
+        s.retire(&[rows[0].id, top], 1).unwrap();
+        assert_eq!(s.purge_acked(i64::MAX, 10).unwrap(), 2);
+        s.append(&[ev("a", 3.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
+        let next = s.sendable(0, 10).unwrap()[0].id;
+        assert!(next > top, "id {next} reused (top was {top})");
+    }
+
+    #[test]
+    fn a_schema_1_spool_is_migrated_and_keeps_its_rows_and_payloads() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("spool.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            let m: String = c
+                .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(m, "wal");
+            c.execute_batch(&MIGRATION_1.replace("AUTOINCREMENT", ""))
+                .unwrap();
+            // Schema 1 kept the payload in the events row.
+            c.execute_batch(
+                "INSERT INTO events (id, event_id, stream, seq, payload, digest, state, created_ms)
+                 VALUES (7, 'e7', 'a', 1, x'00', x'00', 'PENDING', 0); PRAGMA user_version = 1;",
+            )
+            .unwrap();
+        }
+        let s = Spool::open(&path, &SpoolOptions::default()).unwrap();
+        let sql: String = s
+            .conn
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'events'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(sql.contains("AUTOINCREMENT"));
+        let rows = s.sendable(0, 10).unwrap();
+        assert_eq!(rows[0].id, 7);
+        assert_eq!(rows[0].payload, vec![0u8]);
     }
 
     #[test]

@@ -120,7 +120,11 @@ pub fn render(r: &Report, now_ms: i64) -> String {
     };
     o.push_str(&format!(
         "commands: {} | duplicates answered {} | conflicts {} | malformed {} | mean duration {}\n",
-        if by.is_empty() { "none".to_owned() } else { by.join(" ") },
+        if by.is_empty() {
+            "none".to_owned()
+        } else {
+            by.join(" ")
+        },
         c.duplicates,
         counter("commands_conflicts"),
         counter("commands_malformed"),

@@ -103,16 +103,13 @@ fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
         assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 20));
         a.terminate(Duration::from_secs(15));
     }
-    // Overwrite 4 KiB in the middle with garbage, and the header too, so the
-    // damage is seen at open.
+    // Overwrite 4 KiB in the middle with garbage (the header stays intact;
+    // quick_check at start finds the damage).
     let mut bytes = std::fs::read(&db).expect("read spool");
     let mid = bytes.len() / 2;
     let end = (mid + 4096).min(bytes.len());
     for (i, b) in bytes[mid..end].iter_mut().enumerate() {
         *b = (i * 7 + 13) as u8;
-    }
-    for b in bytes[..100].iter_mut() {
-        *b = 0x5a;
     }
     std::fs::write(&db, &bytes).expect("write damaged spool");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
@@ -139,6 +136,22 @@ fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
         .collect();
     assert!(!aside.is_empty(), "damaged file was not kept");
     agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn a_file_that_is_not_a_sqlite_database_is_refused_and_left_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("notdb"), 50);
+    let text = std::fs::read_to_string(&cfg).expect("read");
+    let status = {
+        let mut a = AgentProc::spawn(&cfg, &[format!("spool.path={}", cfg.display())], dir.path());
+        a.wait(Duration::from_secs(10))
+    };
+    assert_eq!(status.and_then(|s| s.code()), Some(1));
+    assert_eq!(
+        std::fs::read_to_string(&cfg).expect("config still there"),
+        text
+    );
 }
 
 #[test]

@@ -25,7 +25,10 @@ impl SmallFs {
             .arg(&dir)
             .status()
             .expect("run mount");
-        assert!(st.success(), "mounting a tmpfs needs root (CI runs as root)");
+        assert!(
+            st.success(),
+            "mounting a tmpfs needs root (CI runs as root)"
+        );
         SmallFs { dir }
     }
 }
@@ -37,7 +40,14 @@ impl Drop for SmallFs {
 }
 
 /// A config whose `big` source produces ~`kb` KB readings every 10 ms.
-fn big_config(dir: &Path, spool: &Path, url: &str, prefix: &str, kb: usize, extra_spool: &str) -> PathBuf {
+fn big_config(
+    dir: &Path,
+    spool: &Path,
+    url: &str,
+    prefix: &str,
+    kb: usize,
+    extra_spool: &str,
+) -> PathBuf {
     let blob = format!("{{\"blob\":\"{}\"}}", "x".repeat(kb * 1024));
     let cfg = dir.join("board.toml");
     std::fs::write(
@@ -72,8 +82,10 @@ interval_ms = 10
 
 fn counter(db: &Path, name: &str) -> i64 {
     let conn = crate::support::spool::open(db);
-    conn.query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| r.get(0))
-        .unwrap_or(0)
+    conn.query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
+        r.get(0)
+    })
+    .unwrap_or(0)
 }
 
 /// field case F06: the writer keeps running while the disk is full, counts
@@ -87,42 +99,59 @@ fn a_full_disk_refuses_readings_counted_and_writing_resumes_when_space_returns()
     let fs = SmallFs::mount(dir.path(), "6m");
     let filler = fs.dir.join("filler");
     std::fs::write(&filler, vec![0u8; 2 * 1024 * 1024]).expect("filler");
+    let filler2 = fs.dir.join("filler2");
+    std::fs::write(&filler2, vec![0u8; 1024 * 1024]).expect("filler2");
     let db = fs.dir.join("spool.db");
     let prefix = crate::prefix("diskfull");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = big_config(dir.path(), &db, &proxy.url(), &prefix, 8, "min_free_bytes = 0\nmax_bytes = 0");
+    let cfg = big_config(
+        dir.path(),
+        &db,
+        &proxy.url(),
+        &prefix,
+        8,
+        "min_free_bytes = 0\nmax_bytes = 0",
+    );
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    // While the disk is full even the counters cannot be stored: the log
+    // says it at once, the counters land when space returns.
     assert!(
-        wait_for(Duration::from_secs(60), || db.exists() && counter(&db, "readings_dropped_disk_full") > 0),
+        wait_for(Duration::from_secs(60), || agent
+            .log_text()
+            .contains("ingest: disk full")),
         "never hit SQLITE_FULL: {:?}\n{}",
         count_by_state(&db),
         agent.log_tail(30)
     );
+    std::thread::sleep(Duration::from_secs(2));
     assert!(agent.is_running(), "the agent died on a full disk");
     let stored_while_full = total(&db);
-    std::thread::sleep(Duration::from_secs(2));
-    assert!(agent.is_running());
+    // Space returns: writing resumes without a restart.
+    std::fs::remove_file(&filler).expect("remove filler");
+    assert!(
+        wait_for(Duration::from_secs(20), || total(&db)
+            > stored_while_full + 5),
+        "writing did not resume: {} rows\n{}",
+        total(&db),
+        agent.log_tail(30)
+    );
     let dropped = counter(&db, "readings_dropped_disk_full");
-    assert!(dropped > 0);
+    assert!(dropped > 0, "refused readings were not counted");
     assert_eq!(
         counter(&db, "readings_dropped_disk_full.big"),
         dropped,
         "the per-stream count differs from the total"
     );
-    // Space returns: writing resumes without a restart.
-    std::fs::remove_file(&filler).expect("remove filler");
-    assert!(
-        wait_for(Duration::from_secs(20), || total(&db) > stored_while_full + 5),
-        "writing did not resume: {} rows\n{}",
-        total(&db),
-        agent.log_tail(30)
-    );
     agent.terminate(Duration::from_secs(15));
-    // The broker comes back: the spool drains and every stored row arrives.
+    // The operator frees more room, the broker comes back: the spool drains
+    // and every stored row arrives.
+    std::fs::remove_file(&filler2).expect("remove filler2");
     proxy.set_mode(Mode::Forward);
     let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
     assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "PENDING") + count_in_state(&db, "SENT") == 0),
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "PENDING")
+            + count_in_state(&db, "SENT")
+            == 0),
         "{:?}\n{}",
         count_by_state(&db),
         drain.log_tail(30)
@@ -143,16 +172,28 @@ fn at_the_spool_limit_new_readings_are_refused_and_no_unacked_row_is_deleted() {
     let db = dir.path().join("spool.db");
     let prefix = crate::prefix("cap");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = big_config(dir.path(), &db, &proxy.url(), &prefix, 16, "max_bytes = 1048576");
+    let cfg = big_config(
+        dir.path(),
+        &db,
+        &proxy.url(),
+        &prefix,
+        16,
+        "max_bytes = 1048576",
+    );
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || db.exists() && counter(&db, "readings_dropped_spool_full") > 0),
+        wait_for(Duration::from_secs(30), || db.exists()
+            && counter(&db, "readings_dropped_spool_full") > 0),
         "{}",
         agent.log_tail(30)
     );
     let rows_at_limit = total(&db);
     std::thread::sleep(Duration::from_secs(2));
-    assert_eq!(total(&db), rows_at_limit, "rows were added or deleted while over the limit");
+    assert_eq!(
+        total(&db),
+        rows_at_limit,
+        "rows were added or deleted while over the limit"
+    );
     assert!(counter(&db, "readings_dropped_spool_full.big") > 0);
     let first_id: i64 = crate::support::spool::rows(&db)[0].id;
     assert_eq!(first_id, 1, "an unacknowledged row was deleted");
@@ -163,12 +204,25 @@ fn at_the_spool_limit_new_readings_are_refused_and_no_unacked_row_is_deleted() {
     // The broker comes back: acknowledged rows are dropped oldest first to make room.
     proxy.set_mode(Mode::Forward);
     assert!(
-        wait_for(Duration::from_secs(30), || counter(&db, "events_purged_for_space") > 0),
+        wait_for(Duration::from_secs(30), || counter(
+            &db,
+            "events_purged_for_space"
+        ) > 0),
         "{}",
         agent.log_tail(30)
     );
-    let max_before: i64 = crate::support::spool::rows(&db).last().map(|r| r.id).unwrap_or(0);
-    assert!(wait_for(Duration::from_secs(20), || crate::support::spool::rows(&db).last().map(|r| r.id).unwrap_or(0) > max_before));
+    let max_before: i64 = crate::support::spool::rows(&db)
+        .last()
+        .map(|r| r.id)
+        .unwrap_or(0);
+    assert!(wait_for(
+        Duration::from_secs(20),
+        || crate::support::spool::rows(&db)
+            .last()
+            .map(|r| r.id)
+            .unwrap_or(0)
+            > max_before
+    ));
     agent.terminate(Duration::from_secs(15));
     // Every row that was ever purged had been received (acknowledged) first.
     let received = crate::received(&sub.deliveries());
@@ -212,12 +266,21 @@ fn a_reader_pinning_the_wal_degrades_health_and_the_wal_shrinks_once_it_leaves()
     );
     assert!(counter(&db, "wal_checkpoint_blocked") > 0);
     let pinned_wal = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
-    assert!(pinned_wal > 65536, "WAL did not grow while pinned ({pinned_wal} bytes)");
-    assert!(sub.count() > delivered_before, "delivery stopped while the WAL was pinned");
+    assert!(
+        pinned_wal > 65536,
+        "WAL did not grow while pinned ({pinned_wal} bytes)"
+    );
+    assert!(
+        sub.count() > delivered_before,
+        "delivery stopped while the WAL was pinned"
+    );
     reader.execute_batch("COMMIT").expect("release");
     drop(reader);
     assert!(
-        wait_for(Duration::from_secs(20), || std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0) <= 65536),
+        wait_for(Duration::from_secs(20), || std::fs::metadata(&wal)
+            .map(|m| m.len())
+            .unwrap_or(0)
+            <= 65536),
         "WAL stayed at {} bytes after the reader left\n{}",
         std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0),
         agent.log_tail(20)
@@ -232,7 +295,12 @@ fn a_reader_pinning_the_wal_degrades_health_and_the_wal_shrinks_once_it_leaves()
 #[test]
 fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(dir.path(), "mqtt://127.0.0.1:9", &crate::prefix("replaced"), 50);
+    let cfg = crate::write_config(
+        dir.path(),
+        "mqtt://127.0.0.1:9",
+        &crate::prefix("replaced"),
+        50,
+    );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
@@ -240,6 +308,13 @@ fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
     std::fs::copy(&db, &copy).expect("copy");
     std::fs::rename(&copy, &db).expect("replace");
     let status = agent.wait(Duration::from_secs(20));
-    assert_eq!(status.and_then(|s| s.code()), Some(1), "{}", agent.log_tail(20));
-    assert!(agent.log_text().contains("was removed or replaced under the running agent"));
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(1),
+        "{}",
+        agent.log_tail(20)
+    );
+    assert!(agent
+        .log_text()
+        .contains("was removed or replaced under the running agent"));
 }

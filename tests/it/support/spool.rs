@@ -88,7 +88,8 @@ pub fn total(db: &Path) -> i64 {
 fn query_rows(db: &Path, filter: &str, params: &[&dyn rusqlite::ToSql]) -> Vec<Row> {
     let conn = open(db);
     let sql = format!(
-        "SELECT id, event_id, stream, seq, payload, state, attempts FROM events {filter} ORDER BY id"
+        "SELECT e.id, e.event_id, e.stream, e.seq, p.payload, e.state, e.attempts
+         FROM events e JOIN payloads p ON p.id = e.id {filter} ORDER BY e.id"
     );
     let mut stmt = conn
         .prepare(&sql)
