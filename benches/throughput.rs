@@ -101,7 +101,13 @@ impl Mosquitto {
             text.push_str("user root\n");
         }
         std::fs::write(&conf, text).expect("write mosquitto.conf");
-        let child = Command::new("mosquitto")
+        // Debian installs it in /usr/sbin, which a non-root PATH may lack.
+        let exe = if std::path::Path::new("/usr/sbin/mosquitto").exists() {
+            "/usr/sbin/mosquitto"
+        } else {
+            "mosquitto"
+        };
+        let child = Command::new(exe)
             .arg("-c")
             .arg(&conf)
             .stdout(Stdio::null())

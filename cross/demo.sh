@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cross/setup-debian.sh
 cargo build --release
-bin=target/release/edgespool
+bin="${CARGO_TARGET_DIR:-target}/release/edgespool"
 cfg=board-configs/local-demo.toml
 "$bin" check-config "$cfg"
 
@@ -22,7 +22,7 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/1883) 2>/dev/null; then
   conf=$(mktemp)
   printf 'listener 1883 127.0.0.1\nallow_anonymous true\n' > "$conf"
   [ "$(id -u)" -eq 0 ] && echo "user root" >> "$conf"
-  mosquitto -c "$conf" >/dev/null 2>&1 &
+  "$(command -v mosquitto || echo /usr/sbin/mosquitto)" -c "$conf" >/dev/null 2>&1 &
   pids+=($!)
   for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/1883) 2>/dev/null && break; sleep 0.1; done
 fi

@@ -13,9 +13,14 @@ for a in "$@"; do
   esac
 done
 
-sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+sudo_if_needed() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"
+  elif command -v sudo >/dev/null; then sudo "$@"
+  else echo "setup: need root (or sudo) to install: $*" >&2; exit 1
+  fi
+}
 
-pkgs=(mosquitto mosquitto-clients sqlite3 gcc)
+pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev)
 if [ "$want_arm" = 1 ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)
 fi

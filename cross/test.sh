@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cross/setup-debian.sh
-cargo test --all-targets -- --test-threads=2
+# Library, binary and integration tests (not the benchmark, which prints
+# figures and is run on its own: cargo bench --bench throughput).
+cargo test --lib --bins --tests -- --test-threads=2

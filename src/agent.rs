@@ -26,7 +26,7 @@ use crate::source::{self, SourceState};
 use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -264,9 +264,13 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let lost = ing.buffer.len();
     net_stop.store(true, Ordering::Relaxed);
     drop(ctl_rx);
-    let _ = command_handle.join();
-    let _ = delivery_handle.join();
-    let _ = mqtt_handle.join();
+    // Bounded: a connect attempt or a running command handler must not hold
+    // the stop past the supervisor's timeout. Whatever they had in flight is
+    // replayed (rows) or reported interrupted (commands) at the next start.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    join_within(command_handle, deadline, "the command thread");
+    join_within(delivery_handle, deadline, "the delivery thread");
+    join_within(mqtt_handle, deadline, "the mqtt thread");
     if let Some(msg) = ing.upkeep.fatal.take() {
         let _ = ing
             .spool
@@ -307,83 +311,181 @@ enum SamplerUpdate {
     Interval(String, Duration),
 }
 
-/// Run every source on its own interval until `stop`; a failed sample is
-/// logged (rate-limited per source) and counted, never fatal.
+/// One source's thread: its stop flag and its live interval.
+struct SourceThread {
+    name: String,
+    stop: Arc<AtomicBool>,
+    interval_ms: Arc<AtomicU64>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+fn start_source(
+    spec: source::SourceSpec,
+    dir: PathBuf,
+    tx: Sender<NewEvent>,
+    global: Arc<AtomicBool>,
+) -> Option<SourceThread> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let interval_ms = Arc::new(AtomicU64::new(spec.interval.as_millis() as u64));
+    let name = spec.name.clone();
+    let handle = {
+        let (stop, interval_ms) = (stop.clone(), interval_ms.clone());
+        std::thread::Builder::new()
+            .name(format!("source-{}", spec.name))
+            .spawn(move || source_loop(spec, dir, tx, stop, interval_ms, global))
+    };
+    match handle {
+        Ok(handle) => Some(SourceThread {
+            name,
+            stop,
+            interval_ms,
+            handle,
+        }),
+        Err(e) => {
+            log::error!("source {name}: cannot start its thread: {e}");
+            None
+        }
+    }
+}
+
+/// Run one source on its interval until told to stop. Each source has its
+/// own thread, so an `exec` program that hangs until its timeout delays only
+/// its own readings. A failed sample is logged (once a minute) and counted in
+/// the log line, never fatal.
+fn source_loop(
+    spec: source::SourceSpec,
+    dir: PathBuf,
+    tx: Sender<NewEvent>,
+    stop: Arc<AtomicBool>,
+    interval_ms: Arc<AtomicU64>,
+    global: Arc<AtomicBool>,
+) {
+    let mut state = SourceState::default();
+    let mut replay = match &spec.kind {
+        source::SourceKind::Replay(r) => match source::replay::Replay::open(r.clone()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                log::error!(
+                    "source {}: {e}; this source is off until the config changes",
+                    spec.name
+                );
+                return;
+            }
+        },
+        _ => None,
+    };
+    let mut failures = 0u64;
+    let mut last_log: Option<Instant> = None;
+    let mut next = Instant::now();
+    let running = || !stop.load(Ordering::Relaxed) && !global.load(Ordering::Relaxed);
+    while running() {
+        let now = Instant::now();
+        if now >= next {
+            let interval = Duration::from_millis(interval_ms.load(Ordering::Relaxed));
+            // Fixed cadence; if we fell behind, skip missed slots rather than burst.
+            next += interval;
+            if next < now {
+                next = now + interval;
+            }
+            let (ts_ms, trusted) = wall_clock_ms();
+            let result = match replay.as_mut() {
+                Some(r) => {
+                    let was_done = r.stats().finished;
+                    let res = r.due(now);
+                    if !was_done && r.stats().finished {
+                        let st = r.stats();
+                        log::info!(
+                            "source {}: replay finished: {} rows read, {} readings, {} cells skipped, {} rows skipped",
+                            spec.name, st.rows_read, st.readings, st.cells_skipped, st.rows_skipped
+                        );
+                    }
+                    res
+                }
+                None => source::sample(&spec, &mut state, &dir).map(|f| vec![f]),
+            };
+            match result {
+                Ok(list) => {
+                    for fields in list.into_iter().filter(|f| !f.is_empty()) {
+                        let ev = NewEvent {
+                            stream: spec.name.clone(),
+                            ts_ms,
+                            clock_trusted: trusted,
+                            fields,
+                        };
+                        if tx.send(ev).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    if last_log.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                        log::warn!("source {}: {e} ({failures} failures so far)", spec.name);
+                        last_log = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        let sleep = next
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(100));
+        std::thread::sleep(sleep);
+    }
+}
+
+/// The sampler: starts one thread per source and applies live changes.
+/// On stop it waits at most 2 s for the source threads; one stuck in a
+/// program (until its own timeout) is left behind rather than delaying the
+/// final commit.
 fn sample_loop(
-    mut sources: Vec<source::SourceSpec>,
+    sources: Vec<source::SourceSpec>,
     dir: PathBuf,
     tx: Sender<NewEvent>,
     updates: Receiver<SamplerUpdate>,
     stop: Arc<AtomicBool>,
 ) {
-    let start = Instant::now();
-    let mut next: Vec<Instant> = sources.iter().map(|_| start).collect();
-    let mut states: Vec<SourceState> = sources.iter().map(|_| SourceState::default()).collect();
-    let mut errors: HashMap<usize, (u64, Option<Instant>)> = HashMap::new();
+    let start_all = |sources: Vec<source::SourceSpec>| -> Vec<SourceThread> {
+        sources
+            .into_iter()
+            .filter_map(|s| start_source(s, dir.clone(), tx.clone(), stop.clone()))
+            .collect()
+    };
+    let mut threads = start_all(sources);
     while !stop.load(Ordering::Relaxed) {
-        while let Ok(u) = updates.try_recv() {
-            match u {
-                SamplerUpdate::Sources(s) => {
-                    sources = s;
-                    next = sources.iter().map(|_| Instant::now()).collect();
-                    states = sources.iter().map(|_| SourceState::default()).collect();
-                    errors.clear();
+        match updates.recv_timeout(Duration::from_millis(200)) {
+            Ok(SamplerUpdate::Sources(s)) => {
+                for t in &threads {
+                    t.stop.store(true, Ordering::Relaxed);
                 }
-                SamplerUpdate::Interval(name, interval) => {
-                    if let Some(i) = sources.iter().position(|s| s.name == name) {
-                        sources[i].interval = interval;
-                        next[i] = Instant::now() + interval;
-                    }
+                threads = start_all(s);
+            }
+            Ok(SamplerUpdate::Interval(name, interval)) => {
+                if let Some(t) = threads.iter().find(|t| t.name == name) {
+                    t.interval_ms
+                        .store(interval.as_millis() as u64, Ordering::Relaxed);
                 }
             }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
-        let now = Instant::now();
-        for (i, spec) in sources.iter().enumerate() {
-            if now < next[i] {
-                continue;
-            }
-            // Fixed cadence; if we fell behind, skip missed slots rather than burst.
-            next[i] += spec.interval;
-            if next[i] < now {
-                next[i] = now + spec.interval;
-            }
-            let (ts_ms, trusted) = wall_clock_ms();
-            match source::sample(spec, &mut states[i], &dir) {
-                Ok(fields) if !fields.is_empty() => {
-                    let ev = NewEvent {
-                        stream: spec.name.clone(),
-                        ts_ms,
-                        clock_trusted: trusted,
-                        fields,
-                    };
-                    if tx.send(ev).is_err() {
-                        return;
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    let entry = errors.entry(i).or_insert((0, None));
-                    entry.0 += 1;
-                    if entry
-                        .1
-                        .is_none_or(|t| t.elapsed() > Duration::from_secs(60))
-                    {
-                        log::warn!("source {}: {e} ({} failures so far)", spec.name, entry.0);
-                        entry.1 = Some(Instant::now());
-                    }
-                }
-            }
-        }
-        let wake = next
-            .iter()
-            .min()
-            .copied()
-            .unwrap_or(now + Duration::from_millis(200));
-        let sleep = wake
-            .saturating_duration_since(Instant::now())
-            .min(Duration::from_millis(200));
-        std::thread::sleep(sleep);
     }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for t in threads {
+        join_within(t.handle, deadline, &format!("source {}", t.name));
+    }
+}
+
+/// Join `h` if it finishes before `deadline`; otherwise leave it running
+/// (its work is replayed or reported at the next start) and say so.
+fn join_within(h: std::thread::JoinHandle<()>, deadline: Instant, what: &str) {
+    while !h.is_finished() {
+        if Instant::now() >= deadline {
+            log::warn!("{what} did not stop in time; leaving it behind");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = h.join();
 }
 
 struct Ingest {

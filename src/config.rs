@@ -414,6 +414,14 @@ struct RawSource {
     args: Option<Vec<String>>,
     timeout_ms: Option<u64>,
     max_output_bytes: Option<usize>,
+    delimiter: Option<String>,
+    decimal_comma: Option<bool>,
+    missing: Option<Vec<String>>,
+    timestamp_columns: Option<Vec<String>>,
+    timestamp_format: Option<String>,
+    columns: Option<std::collections::BTreeMap<String, String>>,
+    speed: Option<f64>,
+    repeat: Option<bool>,
 }
 
 fn d_sync() -> String {
@@ -984,7 +992,80 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 }
             }
         };
+        let replay_fields = [
+            ("delimiter", rs.delimiter.is_some()),
+            ("decimal_comma", rs.decimal_comma.is_some()),
+            ("missing", rs.missing.is_some()),
+            ("timestamp_columns", rs.timestamp_columns.is_some()),
+            ("timestamp_format", rs.timestamp_format.is_some()),
+            ("columns", rs.columns.is_some()),
+            ("speed", rs.speed.is_some()),
+            ("repeat", rs.repeat.is_some()),
+        ];
+        if rs.kind != "replay" {
+            unexpected(&mut bad, &replay_fields);
+        }
         let kind = match rs.kind.as_str() {
+            "replay" => {
+                unexpected(
+                    &mut bad,
+                    &[
+                        ("scale", rs.scale.is_some()),
+                        ("offset", rs.offset.is_some()),
+                        ("field", rs.field.is_some()),
+                        ("program", rs.program.is_some()),
+                        ("args", rs.args.is_some()),
+                        ("timeout_ms", rs.timeout_ms.is_some()),
+                        ("max_output_bytes", rs.max_output_bytes.is_some()),
+                    ],
+                );
+                let delimiter = rs.delimiter.clone().unwrap_or_else(|| ",".into());
+                let mut chars = delimiter.chars();
+                let delim = match (chars.next(), chars.next()) {
+                    (Some(c), None) if c != '\n' && c != '\r' => c,
+                    _ => {
+                        bad(
+                            &k("delimiter"),
+                            format!("must be one character (got {delimiter:?})"),
+                        );
+                        ','
+                    }
+                };
+                let speed = rs.speed.unwrap_or(1.0);
+                if !speed.is_finite() || speed < 0.0 {
+                    bad(&k("speed"), format!("must be >= 0 (trace seconds per second; 0 = as fast as interval_ms allows) (got {speed})"));
+                }
+                let format = rs.timestamp_format.clone().unwrap_or_default();
+                if let Err(e) = crate::source::replay::TsFormat::compile(&format) {
+                    bad(&k("timestamp_format"), format!("{e} (got {format:?})"));
+                }
+                let ts_cols = rs.timestamp_columns.clone().unwrap_or_default();
+                if ts_cols.is_empty() {
+                    bad(
+                        &k("timestamp_columns"),
+                        "required for kind \"replay\": the column(s) holding each row's time"
+                            .into(),
+                    );
+                }
+                match &rs.path {
+                    Some(p) => Some(SourceKind::Replay(crate::source::replay::ReplaySpec {
+                        path: p.clone(),
+                        delimiter: delim,
+                        decimal_comma: rs.decimal_comma.unwrap_or(false),
+                        missing: rs.missing.clone().unwrap_or_default(),
+                        timestamp_columns: ts_cols,
+                        timestamp_format: format,
+                        columns: rs.columns.clone().unwrap_or_default().into_iter().collect(),
+                        speed,
+                        max_rows_per_call: 1000,
+                        repeat: rs.repeat.unwrap_or(false),
+                    })),
+                    None => {
+                        bad(&k("path"), "required for kind \"replay\"".into());
+                        None
+                    }
+                }
+            }
             "system" => {
                 unexpected(
                     &mut bad,
@@ -1074,13 +1155,18 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 }
             }
             other => {
-                let known = ["system".to_owned(), "file".to_owned(), "exec".to_owned()];
+                let known = [
+                    "system".to_owned(),
+                    "file".to_owned(),
+                    "exec".to_owned(),
+                    "replay".to_owned(),
+                ];
                 let hint = did_you_mean(other, &known)
                     .map(|s| format!("; did you mean {s:?}?"))
                     .unwrap_or_default();
                 bad(
                     &k("kind"),
-                    format!("must be \"system\", \"file\" or \"exec\" (got {other:?}){hint}"),
+                    format!("must be \"system\", \"file\", \"exec\" or \"replay\" (got {other:?}){hint}"),
                 );
                 None
             }

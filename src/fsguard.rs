@@ -64,6 +64,24 @@ impl SpoolLock {
     }
 }
 
+/// The pid text in the lock file if an agent holds the lock of `spool` now,
+/// without taking it (`flock(LOCK_SH | LOCK_NB)` on a read-only handle).
+pub fn holder(spool: &Path) -> Option<String> {
+    let mut p = resolve(spool).into_os_string();
+    p.push(".lock");
+    let mut f = File::open(PathBuf::from(p)).ok()?;
+    // SAFETY: flock on a descriptor we own.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+    if rc == 0 {
+        // SAFETY: as above; release what we just took.
+        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        return None;
+    }
+    let mut pid = String::new();
+    let _ = f.read_to_string(&mut pid);
+    Some(pid.trim().to_owned())
+}
+
 /// `spool` with symlinks and `..` resolved: the file itself if it exists,
 /// else its directory joined with its name.
 pub fn resolve(spool: &Path) -> PathBuf {
@@ -158,6 +176,17 @@ mod tests {
         let dotted = d.path().join("sub").join("..").join("spool.db");
         std::fs::create_dir(d.path().join("sub")).unwrap();
         assert!(SpoolLock::acquire(&dotted).is_err());
+    }
+
+    #[test]
+    fn holder_names_the_running_agent_without_taking_the_lock() {
+        let d = tempfile::tempdir().unwrap();
+        let spool = d.path().join("spool.db");
+        assert_eq!(holder(&spool), None);
+        let lock = SpoolLock::acquire(&spool).unwrap();
+        assert_eq!(holder(&spool), Some(std::process::id().to_string()));
+        drop(lock);
+        assert_eq!(holder(&spool), None);
     }
 
     #[test]

@@ -386,8 +386,12 @@ impl MqttThread {
             s.ready.clear();
             (s.epoch, s.ack.reset())
         };
-        if rows.is_empty() {
-            log::info!("mqtt: disconnected: {reason}");
+        if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
+            // At a clean stop the rows in flight simply stay SENT for the next run.
+            log::info!(
+                "mqtt: disconnected: {reason} ({} rows in flight stay unacknowledged)",
+                rows.len()
+            );
         } else {
             log::warn!("mqtt: disconnected: {reason}; requeued {} unacknowledged rows for replay from the spool", rows.len());
         }

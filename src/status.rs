@@ -20,6 +20,8 @@ pub struct Report {
     pub runs: Vec<RunRecord>,
     /// Command records by state, duplicates answered, mean duration.
     pub commands: crate::commands::store::CommandStats,
+    /// The pid holding the spool's lock (a running agent), if any.
+    pub running_pid: Option<String>,
     /// What the agent last recorded: `health`, `last_checkpoint`,
     /// `write_budget`, ... as (key, value, updated Unix ms).
     pub agent_state: Vec<(String, String, i64)>,
@@ -67,6 +69,7 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         runs,
         commands,
         agent_state,
+        running_pid: crate::fsguard::holder(path),
     })
 }
 
@@ -133,11 +136,18 @@ pub fn render(r: &Report, now_ms: i64) -> String {
             .unwrap_or_else(|| "-".into())
     ));
     o.push_str("runs (newest first):\n");
-    for run in &r.runs {
+    match &r.running_pid {
+        Some(pid) => o.push_str(&format!("agent: running (pid {pid})\n")),
+        None => o.push_str("agent: not running\n"),
+    }
+    for (i, run) in r.runs.iter().enumerate() {
         let end = match run.ended_ms {
             Some(e) => format!("ran {}", fmt_ms(e - run.started_ms)),
-            None if run.exit_status.is_none() => {
+            None if run.exit_status.is_none() && i == 0 && r.running_pid.is_some() => {
                 format!("running for {}", fmt_ms(now_ms - run.started_ms))
+            }
+            None if run.exit_status.is_none() => {
+                "ended without a clean stop (killed or power cut)".into()
             }
             None => "end unknown".into(),
         };

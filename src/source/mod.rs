@@ -13,6 +13,7 @@
 
 mod exec;
 mod file;
+pub mod replay;
 mod system;
 
 use std::fmt;
@@ -43,6 +44,9 @@ pub type Fields = Vec<(String, FieldValue)>;
 /// What kind of source, with its validated settings (built by the config module).
 #[derive(Debug, Clone, PartialEq)]
 pub enum SourceKind {
+    /// A recorded CSV trace played back as readings ([`replay::Replay`]);
+    /// stateful, so the agent drives it with `Replay::due`, not [`sample`].
+    Replay(replay::ReplaySpec),
     /// /proc and /sys system sensors: load, memory, CPU utilisation, uptime,
     /// free space of the spool's filesystem, per-interface network byte
     /// counters and temperatures. Each part is optional; see [`sample`].
@@ -233,6 +237,10 @@ pub fn sample(
             field,
             max_output_bytes,
         } => exec::run(program, args, *timeout, field, *max_output_bytes),
+        SourceKind::Replay(r) => Err(SourceError::Parse {
+            what: r.path.display().to_string(),
+            detail: "a replay source is played with replay::Replay, not sampled".into(),
+        }),
     }
 }
 

@@ -8,6 +8,7 @@ mod commands;
 mod config;
 mod delivery;
 mod faults;
+mod replay;
 mod spool;
 mod storage;
 
