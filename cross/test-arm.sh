@@ -20,7 +20,7 @@ for t in "${targets[@]}"; do
     armv7*) runner="qemu-arm -L /usr/arm-linux-gnueabihf" ;;
   esac
   echo "== $t: unit tests under qemu"
-  cargo test --target "$t" --lib -- --test-threads=2
+  EDGESPOOL_UNDER_QEMU=1 cargo test --target "$t" --lib -- --test-threads=2
   echo "== $t: integration tests, agent under qemu"
   cargo build --target "$t" --bin edgespool
   EDGESPOOL_AGENT_BIN="$PWD/target/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \

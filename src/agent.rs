@@ -134,7 +134,40 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
 
+    let mut cfg = cfg;
+    let tuning = if cfg.spool.tune_from_probe {
+        let dir = spool_dir(&cfg);
+        match crate::probe::load_or_probe(&dir) {
+            Ok((profile, fresh)) => {
+                let m = &profile.measurements;
+                let d = profile.derived;
+                log::info!(
+                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s -> commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes",
+                    if fresh { "measured now" } else { "stored profile" },
+                    m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us,
+                    m.write_bytes_per_sec as f64 / 1e6,
+                    d.commit_window_ms, d.checkpoint_wal_bytes, d.retry_min_ms, d.retry_max_ms, d.max_spool_bytes
+                );
+                apply_tuning(&mut cfg, &d);
+                Some(profile)
+            }
+            Err(e) => {
+                log::warn!(
+                    "storage probe failed on {}: {e}; using the configured values",
+                    dir.display()
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
     let mut ingest = open_spool(&cfg)?;
+    if let Some(p) = &tuning {
+        if let Ok(json) = serde_json::to_string(p) {
+            let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
+        }
+    }
     let p = ingest.pragmas().clone();
     log::info!(
         "spool {}: journal_mode={} synchronous={} busy_timeout={}ms journal_size_limit={} wal_autocheckpoint={}",
@@ -239,6 +272,13 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         retry_at: None,
         upkeep: Upkeep::new(&cfg.spool.path),
         pending_counts: HashMap::new(),
+        tuning: tuning.as_ref().map(|p| p.derived),
+        storage_backoff: {
+            let (lo, hi) = tuning
+                .map(|p| (p.derived.retry_min_ms, p.derived.retry_max_ms))
+                .unwrap_or((100, 5000));
+            crate::mqtt::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
+        },
     };
     if let Some(msg) = ing.source.fallback.clone() {
         log::error!("{msg}");
@@ -309,6 +349,23 @@ enum SamplerUpdate {
     Sources(Vec<source::SourceSpec>),
     /// Change one source's interval.
     Interval(String, Duration),
+}
+
+/// Put the probe's derived knobs into `cfg` (`spool.tune_from_probe`),
+/// except where the config set a key itself.
+fn apply_tuning(cfg: &mut Config, d: &crate::probe::Derived) {
+    if !cfg.spool.explicit.commit_window {
+        cfg.spool.commit_window = Duration::from_millis(d.commit_window_ms);
+    }
+    if !cfg.spool.explicit.checkpoint_wal_bytes {
+        cfg.spool.checkpoint_wal_bytes = d.checkpoint_wal_bytes;
+    }
+    let cap = &mut cfg.spool.capacity;
+    cap.max_bytes = if cap.max_bytes == 0 {
+        d.max_spool_bytes
+    } else {
+        cap.max_bytes.min(d.max_spool_bytes)
+    };
 }
 
 /// One source's thread: its stop flag and its live interval.
@@ -505,6 +562,10 @@ struct Ingest {
     upkeep: Upkeep,
     /// Counter increments not yet stored (a full disk refuses them too).
     pending_counts: HashMap<String, i64>,
+    /// What the storage probe derived, re-applied over every reloaded config.
+    tuning: Option<crate::probe::Derived>,
+    /// Backoff for storage writes that failed transiently (busy, I/O).
+    storage_backoff: crate::mqtt::Backoff,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -699,6 +760,7 @@ impl Ingest {
                 self.upkeep.commits += 1;
                 self.buffer.clear();
                 self.retry_at = None;
+                self.storage_backoff.reset();
                 let _ = self.to_delivery.send(DeliveryMsg::NewRows);
                 self.checkpoint_if_due(false);
             }
@@ -717,7 +779,7 @@ impl Ingest {
                 }
             }
             Err(e) => {
-                self.retry_at = Some(Instant::now() + Duration::from_secs(1));
+                self.retry_at = Some(Instant::now() + self.storage_backoff.next_delay());
                 if self
                     .last_error_log
                     .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
@@ -970,6 +1032,10 @@ impl Ingest {
     /// Apply what can change live; list what needs a restart. Never touches
     /// the spool file (field case F15 d).
     fn apply_live(&mut self, new: Config) -> serde_json::Value {
+        let mut new = new;
+        if let (true, Some(d)) = (new.spool.tune_from_probe, self.tuning) {
+            apply_tuning(&mut new, &d);
+        }
         let mut applied: Vec<&str> = Vec::new();
         let mut restart: Vec<&str> = Vec::new();
         let cur = &mut self.cfg;

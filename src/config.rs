@@ -170,6 +170,22 @@ pub struct SpoolConfig {
     pub capacity: crate::maintenance::Capacity,
     /// `checkpoint_wal_bytes`: PASSIVE checkpoint once the WAL reaches this.
     pub checkpoint_wal_bytes: u64,
+    /// `tune_from_probe`: measure the spool's device at start (or reuse the
+    /// stored profile) and derive `commit_window_ms` and
+    /// `checkpoint_wal_bytes` where the config leaves them unset, the storage
+    /// retry backoff, and a `max_bytes` bound that fits the free space.
+    pub tune_from_probe: bool,
+    /// Which tunable keys the config set explicitly (those win over the probe).
+    pub explicit: ExplicitKeys,
+}
+
+/// Tunable keys the config file set itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExplicitKeys {
+    /// `spool.commit_window_ms` was set.
+    pub commit_window: bool,
+    /// `spool.checkpoint_wal_bytes` was set.
+    pub checkpoint_wal_bytes: bool,
 }
 
 /// `[mqtt]`: the broker and delivery.
@@ -310,8 +326,7 @@ struct RawSpool {
     journal_size_limit_bytes: i64,
     #[serde(default = "d_autockpt")]
     wal_autocheckpoint_pages: i64,
-    #[serde(default = "d_commit")]
-    commit_window_ms: u64,
+    commit_window_ms: Option<u64>,
     #[serde(default = "d_retention")]
     acked_retention_secs: u64,
     #[serde(default = "d_purge")]
@@ -324,8 +339,9 @@ struct RawSpool {
     max_bytes: u64,
     #[serde(default = "d_min_free")]
     min_free_bytes: u64,
-    #[serde(default = "d_ckpt_wal")]
-    checkpoint_wal_bytes: u64,
+    checkpoint_wal_bytes: Option<u64>,
+    #[serde(default = "d_true")]
+    tune_from_probe: bool,
 }
 
 fn d_max_bytes() -> u64 {
@@ -834,10 +850,11 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages),
         );
     }
-    if !(1..=60_000).contains(&s.commit_window_ms) {
+    let commit_window_ms = s.commit_window_ms.unwrap_or_else(d_commit);
+    if !(1..=60_000).contains(&commit_window_ms) {
         bad(
             "spool.commit_window_ms",
-            format!("must be 1..=60000 (got {})", s.commit_window_ms),
+            format!("must be 1..=60000 (got {commit_window_ms})"),
         );
     }
     if !(1..=100_000).contains(&s.purge_batch_rows) {
@@ -855,13 +872,11 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ),
         );
     }
-    if !(64 * 1024..=1024 * 1024 * 1024).contains(&s.checkpoint_wal_bytes) {
+    let checkpoint_wal_bytes = s.checkpoint_wal_bytes.unwrap_or_else(d_ckpt_wal);
+    if !(64 * 1024..=1024 * 1024 * 1024).contains(&checkpoint_wal_bytes) {
         bad(
             "spool.checkpoint_wal_bytes",
-            format!(
-                "must be 65536..=1073741824 (got {})",
-                s.checkpoint_wal_bytes
-            ),
+            format!("must be 65536..=1073741824 (got {checkpoint_wal_bytes})"),
         );
     }
     if !(1..=86_400).contains(&s.checkpoint_interval_secs) {
@@ -1339,7 +1354,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 journal_size_limit_bytes: s.journal_size_limit_bytes,
                 wal_autocheckpoint_pages: s.wal_autocheckpoint_pages,
             },
-            commit_window: Duration::from_millis(s.commit_window_ms),
+            commit_window: Duration::from_millis(commit_window_ms),
             acked_retention: Duration::from_secs(s.acked_retention_secs),
             purge_batch_rows: s.purge_batch_rows,
             checkpoint_interval: Duration::from_secs(s.checkpoint_interval_secs),
@@ -1348,7 +1363,12 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 max_bytes: s.max_bytes,
                 min_free_bytes: s.min_free_bytes,
             },
-            checkpoint_wal_bytes: s.checkpoint_wal_bytes,
+            checkpoint_wal_bytes,
+            tune_from_probe: s.tune_from_probe,
+            explicit: ExplicitKeys {
+                commit_window: s.commit_window_ms.is_some(),
+                checkpoint_wal_bytes: s.checkpoint_wal_bytes.is_some(),
+            },
         },
         mqtt: MqttConfig {
             host,

@@ -25,6 +25,7 @@
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`]: lock file and local-filesystem check;
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
+//! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report.
 
@@ -37,6 +38,7 @@ pub mod envelope;
 pub mod fsguard;
 pub mod maintenance;
 pub mod mqtt;
+pub mod probe;
 pub mod process;
 pub mod publisher;
 pub mod source;

@@ -9,6 +9,7 @@ const USAGE: &str = "usage:
   edgespool run --config FILE [--set key.path=value]...
   edgespool check-config FILE [--set key.path=value]...
   edgespool status (--config FILE | --spool PATH) [--json]
+  edgespool probe-storage (--config FILE | --dir DIR) [--json]
   edgespool --version";
 
 enum Cmd {
@@ -25,6 +26,12 @@ enum Cmd {
         spool: Option<PathBuf>,
         json: bool,
     },
+    Probe {
+        config: Option<PathBuf>,
+        dir: Option<PathBuf>,
+        json: bool,
+    },
+    Help,
     Version,
 }
 
@@ -34,16 +41,20 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
     let sub = match p.next()? {
         Some(Value(v)) => v.string()?,
         Some(Long("version")) => return Ok(Cmd::Version),
+        Some(Long("help") | Short('h')) => return Ok(Cmd::Help),
         Some(a) => return Err(a.unexpected()),
         None => return Err("missing command".into()),
     };
     let (mut config, mut spool, mut sets, mut json) = (None, None, Vec::new(), false);
+    let mut dir = None;
     while let Some(arg) = p.next()? {
         match arg {
             Long("config") | Short('c') => config = Some(PathBuf::from(p.value()?)),
             Long("spool") => spool = Some(PathBuf::from(p.value()?)),
             Long("set") => sets.push(p.value()?.string()?),
             Long("json") => json = true,
+            Long("dir") => dir = Some(PathBuf::from(p.value()?)),
+            Long("help") | Short('h') => return Ok(Cmd::Help),
             Value(v) if sub == "check-config" && config.is_none() => {
                 config = Some(PathBuf::from(v))
             }
@@ -65,6 +76,11 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             json,
         }),
         "status" => Err("status needs --config FILE or --spool PATH".into()),
+        "probe-storage" if config.is_some() || dir.is_some() => {
+            Ok(Cmd::Probe { config, dir, json })
+        }
+        "probe-storage" => Err("probe-storage needs --config FILE or --dir DIR".into()),
+        "help" => Ok(Cmd::Help),
         other => Err(format!("unknown command {other:?}").into()),
     }
 }
@@ -79,6 +95,73 @@ fn main() -> ExitCode {
         }
     };
     match cmd {
+        Cmd::Help => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        Cmd::Probe { config, dir, json } => {
+            let dir = match (dir, config) {
+                (Some(d), _) => d,
+                (None, Some(c)) => match edgespool::config::load(&c, &[]) {
+                    Ok(cfg) => cfg
+                        .spool
+                        .path
+                        .parent()
+                        .filter(|d| !d.as_os_str().is_empty())
+                        .map(PathBuf::from)
+                        .unwrap_or_else(|| PathBuf::from(".")),
+                    Err(e) => {
+                        eprintln!("config invalid: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                (None, None) => return ExitCode::from(2),
+            };
+            if let Err(e) = std::fs::create_dir_all(&dir) {
+                eprintln!("edgespool: cannot create {}: {e}", dir.display());
+                return ExitCode::FAILURE;
+            }
+            match edgespool::probe::probe_and_store(&dir, 64, 16 * 1024 * 1024) {
+                Ok(p) if json => {
+                    println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
+                    ExitCode::SUCCESS
+                }
+                Ok(p) => {
+                    let (m, d) = (p.measurements, p.derived);
+                    println!(
+                        "storage probe of {} ({} fsyncs of 4 KiB, 16 MiB sequential):",
+                        dir.display(),
+                        m.samples
+                    );
+                    println!(
+                        "  fsync latency: p50 {} us, p99 {} us, max {} us",
+                        m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us
+                    );
+                    println!(
+                        "  sequential write: {:.1} MB/s; free space {} bytes",
+                        m.write_bytes_per_sec as f64 / 1e6,
+                        m.fs_free_bytes
+                    );
+                    println!("derived (used by `run` unless the config sets the key):");
+                    println!("  spool.commit_window_ms     {}", d.commit_window_ms);
+                    println!("  spool.checkpoint_wal_bytes {}", d.checkpoint_wal_bytes);
+                    println!(
+                        "  storage retry backoff      {}..{} ms",
+                        d.retry_min_ms, d.retry_max_ms
+                    );
+                    println!("  spool size bound           {} bytes", d.max_spool_bytes);
+                    println!(
+                        "stored in {}",
+                        edgespool::probe::profile_path(&dir).display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("edgespool: probe of {} failed: {e}", dir.display());
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Cmd::Version => {
             println!("edgespool {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS

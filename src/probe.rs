@@ -1,0 +1,283 @@
+//! Storage probe: measure the spool's device, derive the knobs from it.
+//!
+//! Its one rule: **tuning comes from measurements of the device the spool is
+//! on, by the same rules everywhere**; nothing is copied from a fast machine.
+//! [`derive`] is a pure function of [`Measurements`]: a device ten times
+//! slower gets a longer group-commit window, a smaller checkpoint threshold
+//! and longer retry backoff from the same rules.
+//!
+//! The profile is stored as `<spool dir>/storage-profile.json` and measured
+//! again when the device or filesystem under the spool changes.
+
+use serde::{Deserialize, Serialize};
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Test hook: milliseconds added to every measured fsync, to stand in for a
+/// slow card (`EDGESPOOL_PROBE_FSYNC_DELAY_MS`).
+pub const DELAY_ENV: &str = "EDGESPOOL_PROBE_FSYNC_DELAY_MS";
+
+/// What the probe measured on the spool's directory.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Measurements {
+    /// Median latency of a 4 KiB write + `fdatasync(2)`, microseconds.
+    pub fsync_p50_us: u64,
+    /// 99th percentile of the same, microseconds.
+    pub fsync_p99_us: u64,
+    /// Slowest of the same, microseconds.
+    pub fsync_max_us: u64,
+    /// Sequential write throughput including a final fsync, bytes per second.
+    pub write_bytes_per_sec: u64,
+    /// Free bytes on the filesystem when measured.
+    pub fs_free_bytes: u64,
+    /// Number of fsyncs timed.
+    pub samples: usize,
+}
+
+/// Knobs derived from [`Measurements`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Derived {
+    /// Group-commit window: one fsync per window costs at most ~10 % of it.
+    pub commit_window_ms: u64,
+    /// PASSIVE checkpoint threshold: about 250 ms of writing at the measured
+    /// rate, between 256 KiB and 4 MiB (the default `journal_size_limit`, past
+    /// twice which the agent brakes with TRUNCATE).
+    pub checkpoint_wal_bytes: u64,
+    /// First retry after a busy or failed storage write: two slow fsyncs.
+    pub retry_min_ms: u64,
+    /// Retry cap: about a hundred slow fsyncs.
+    pub retry_max_ms: u64,
+    /// Spool size bound that fits the free space: half of it.
+    pub max_spool_bytes: u64,
+}
+
+/// Derive the knobs. Pure; every rule is stated on [`Derived`]'s fields.
+pub fn derive(m: &Measurements) -> Derived {
+    let p99_ms = m.fsync_p99_us.div_ceil(1000);
+    Derived {
+        commit_window_ms: (p99_ms * 10).clamp(50, 5000),
+        checkpoint_wal_bytes: (m.write_bytes_per_sec / 4).clamp(256 * 1024, 4 * 1024 * 1024),
+        retry_min_ms: (p99_ms * 2).clamp(10, 1000),
+        retry_max_ms: (p99_ms * 100).clamp(1000, 60_000),
+        max_spool_bytes: (m.fs_free_bytes / 2).max(16 * 1024 * 1024),
+    }
+}
+
+/// A stored profile: which device it belongs to, what was measured, what was derived.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// `st_dev` of the spool directory.
+    pub device: u64,
+    /// `statfs` filesystem type.
+    pub fs_type: i64,
+    /// Unix ms of the measurement.
+    pub measured_at_ms: i64,
+    /// Measurements.
+    pub measurements: Measurements,
+    /// Derived knobs.
+    pub derived: Derived,
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// Measure `dir`: `samples` timed 4 KiB write + fdatasync, then `bulk_bytes`
+/// written sequentially and fsynced. Uses one temporary file, removed after.
+///
+/// Errors: the directory cannot be written.
+pub fn measure(dir: &Path, samples: usize, bulk_bytes: usize) -> std::io::Result<Measurements> {
+    let delay = std::env::var(DELAY_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis);
+    let path = dir.join(format!(".edgespool-probe-{}", std::process::id()));
+    let res = (|| {
+        let mut f = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&path)?;
+        let block = vec![0x5au8; 4096];
+        let mut lat = Vec::with_capacity(samples);
+        for _ in 0..samples.max(1) {
+            let t = Instant::now();
+            f.write_all(&block)?;
+            f.sync_data()?;
+            if let Some(d) = delay {
+                std::thread::sleep(d);
+            }
+            lat.push(t.elapsed().as_micros() as u64);
+        }
+        lat.sort_unstable();
+        let chunk = vec![0xa5u8; 1024 * 1024];
+        let t = Instant::now();
+        let mut written = 0;
+        while written < bulk_bytes {
+            let n = chunk.len().min(bulk_bytes - written);
+            f.write_all(&chunk[..n])?;
+            written += n;
+        }
+        f.sync_all()?;
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+        }
+        let secs = t.elapsed().as_secs_f64().max(1e-6);
+        Ok(Measurements {
+            fsync_p50_us: percentile(&lat, 0.50),
+            fsync_p99_us: percentile(&lat, 0.99),
+            fsync_max_us: lat.last().copied().unwrap_or(0),
+            write_bytes_per_sec: (written as f64 / secs) as u64,
+            fs_free_bytes: crate::maintenance::fs_free_bytes(dir).unwrap_or(0),
+            samples: lat.len(),
+        })
+    })();
+    let _ = std::fs::remove_file(&path);
+    res
+}
+
+/// `<dir>/storage-profile.json`.
+pub fn profile_path(dir: &Path) -> PathBuf {
+    dir.join("storage-profile.json")
+}
+
+fn identity(dir: &Path) -> std::io::Result<(u64, i64)> {
+    let dev = std::fs::metadata(dir)?.dev();
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "NUL in path"))?;
+    // SAFETY: statfs fills the zeroed struct we own; c is a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
+    Ok((dev, st.f_type as i64))
+}
+
+/// Probe `dir` now and store the profile.
+pub fn probe_and_store(dir: &Path, samples: usize, bulk_bytes: usize) -> std::io::Result<Profile> {
+    let (device, fs_type) = identity(dir)?;
+    let measurements = measure(dir, samples, bulk_bytes)?;
+    let profile = Profile {
+        device,
+        fs_type,
+        measured_at_ms: crate::envelope::wall_clock_ms().0,
+        measurements,
+        derived: derive(&measurements),
+    };
+    let json = serde_json::to_vec_pretty(&profile).map_err(std::io::Error::other)?;
+    crate::configfile::write_atomic(&profile_path(dir), &json)?;
+    Ok(profile)
+}
+
+/// The stored profile of `dir` if it still belongs to the same device and
+/// filesystem; otherwise probe again (a short probe) and store it.
+pub fn load_or_probe(dir: &Path) -> std::io::Result<(Profile, bool)> {
+    let (device, fs_type) = identity(dir)?;
+    if let Ok(bytes) = std::fs::read(profile_path(dir)) {
+        if let Ok(p) = serde_json::from_slice::<Profile>(&bytes) {
+            if p.device == device && p.fs_type == fs_type && std::env::var_os(DELAY_ENV).is_none() {
+                return Ok((p, false));
+            }
+        }
+    }
+    Ok((probe_and_store(dir, 32, 4 * 1024 * 1024)?, true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fast() -> Measurements {
+        Measurements {
+            fsync_p50_us: 800,
+            fsync_p99_us: 2_000,
+            fsync_max_us: 5_000,
+            write_bytes_per_sec: 40_000_000,
+            fs_free_bytes: 8_000_000_000,
+            samples: 64,
+        }
+    }
+
+    fn ten_times_slower(m: &Measurements) -> Measurements {
+        Measurements {
+            fsync_p50_us: m.fsync_p50_us * 10,
+            fsync_p99_us: m.fsync_p99_us * 10,
+            fsync_max_us: m.fsync_max_us * 10,
+            write_bytes_per_sec: m.write_bytes_per_sec / 10,
+            ..*m
+        }
+    }
+
+    #[test]
+    fn a_device_ten_times_slower_gets_different_sensible_numbers() {
+        let a = derive(&fast());
+        let b = derive(&ten_times_slower(&fast()));
+        assert_eq!(a.commit_window_ms, 50); // 2 ms p99 -> 20 ms, floored at 50
+        assert_eq!(b.commit_window_ms, 200); // 20 ms p99 -> 200 ms
+        assert_eq!(a.checkpoint_wal_bytes, 4 * 1024 * 1024);
+        assert_eq!(b.checkpoint_wal_bytes, 1_000_000);
+        assert_eq!((a.retry_min_ms, a.retry_max_ms), (10, 1000));
+        assert_eq!((b.retry_min_ms, b.retry_max_ms), (40, 2000));
+        assert_eq!(a.max_spool_bytes, 4_000_000_000);
+    }
+
+    #[test]
+    fn extreme_devices_stay_within_bounds() {
+        let glacial = Measurements {
+            fsync_p50_us: 3_000_000,
+            fsync_p99_us: 9_000_000,
+            fsync_max_us: 20_000_000,
+            write_bytes_per_sec: 10_000,
+            fs_free_bytes: 1_000_000,
+            samples: 8,
+        };
+        let d = derive(&glacial);
+        assert_eq!(d.commit_window_ms, 5000);
+        assert_eq!(d.checkpoint_wal_bytes, 256 * 1024);
+        assert_eq!((d.retry_min_ms, d.retry_max_ms), (1000, 60_000));
+        assert_eq!(d.max_spool_bytes, 16 * 1024 * 1024);
+        let instant = Measurements {
+            fsync_p50_us: 0,
+            fsync_p99_us: 0,
+            fsync_max_us: 0,
+            write_bytes_per_sec: u64::MAX,
+            fs_free_bytes: u64::MAX,
+            samples: 1,
+        };
+        let d = derive(&instant);
+        assert_eq!(d.commit_window_ms, 50);
+        assert_eq!(d.checkpoint_wal_bytes, 4 * 1024 * 1024);
+    }
+
+    #[test]
+    fn a_real_probe_measures_this_directory_and_stores_a_profile() {
+        let d = tempfile::tempdir().unwrap();
+        let (p, fresh) = load_or_probe(d.path()).unwrap();
+        assert!(fresh);
+        assert!(p.measurements.samples >= 1);
+        assert!(p.measurements.write_bytes_per_sec > 0);
+        assert!(p.measurements.fsync_p50_us <= p.measurements.fsync_p99_us);
+        // Stored, and reused while the device is the same.
+        let (q, fresh) = load_or_probe(d.path()).unwrap();
+        assert!(!fresh);
+        assert_eq!(p, q);
+        let leftovers: Vec<_> = std::fs::read_dir(d.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(".edgespool-probe")
+            })
+            .collect();
+        assert!(leftovers.is_empty());
+    }
+}
