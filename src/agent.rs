@@ -257,7 +257,14 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .map_err(|e| AgentError::Setup(format!("cannot start sampler thread: {e}")))?
     };
 
+    let full_spool = {
+        let mut o = cfg.spool.options.clone();
+        o.synchronous = crate::spool::Synchronous::Full;
+        Spool::open(&cfg.spool.path, &o)?
+    };
     let mut ing = Ingest {
+        full_spool,
+        full_buffer: Vec::new(),
         cfg: cfg.clone(),
         source,
         link,
@@ -293,6 +300,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     while let Ok(r) = readings_rx.try_recv() {
         ing.push(r);
     }
+    ing.commit_full();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !ing.buffer.is_empty() && Instant::now() < deadline {
         ing.retry_at = None;
@@ -301,7 +309,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
-    let lost = ing.buffer.len();
+    let lost = ing.buffer.len() + ing.full_buffer.len();
     net_stop.store(true, Ordering::Relaxed);
     drop(ctl_rx);
     // Bounded: a connect attempt or a running command handler must not hold
@@ -566,6 +574,10 @@ struct Ingest {
     tuning: Option<crate::probe::Derived>,
     /// Backoff for storage writes that failed transiently (busy, I/O).
     storage_backoff: crate::mqtt::Backoff,
+    /// Connection with `synchronous = FULL` for `durability = "full"` streams.
+    full_spool: Spool,
+    /// Readings of full-durability streams waiting for their (immediate) commit.
+    full_buffer: Vec<NewEvent>,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -615,11 +627,37 @@ impl Upkeep {
 
 impl Ingest {
     fn push(&mut self, ev: NewEvent) {
-        if self.buffer.len() >= MAX_BUFFERED {
+        if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
             self.dropped += 1;
             return;
         }
-        self.buffer.push(ev);
+        let full = self
+            .cfg
+            .sources
+            .iter()
+            .any(|s| s.name == ev.stream && s.durability == source::Durability::Full);
+        if full {
+            self.full_buffer.push(ev);
+            self.commit_full();
+        } else {
+            self.buffer.push(ev);
+        }
+    }
+
+    /// Commit full-durability readings now, on the FULL connection. The same
+    /// commit path as the batched one, run with the two connections and
+    /// buffers exchanged for the call.
+    fn commit_full(&mut self) {
+        if self.full_buffer.is_empty() {
+            return;
+        }
+        std::mem::swap(&mut self.spool, &mut self.full_spool);
+        std::mem::swap(&mut self.buffer, &mut self.full_buffer);
+        let retry_at = self.retry_at.take();
+        self.commit();
+        self.retry_at = retry_at;
+        std::mem::swap(&mut self.buffer, &mut self.full_buffer);
+        std::mem::swap(&mut self.spool, &mut self.full_spool);
     }
 
     /// Commit the buffer in one transaction; on a transient error keep it and
@@ -909,6 +947,8 @@ impl Ingest {
                 }
             }
             let now = Instant::now();
+            // Full-durability readings that could not commit at once retry here.
+            self.commit_full();
             if now >= commit_at {
                 self.commit();
                 commit_at = now + self.cfg.spool.commit_window;

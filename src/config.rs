@@ -438,6 +438,7 @@ struct RawSource {
     columns: Option<std::collections::BTreeMap<String, String>>,
     speed: Option<f64>,
     repeat: Option<bool>,
+    durability: Option<String>,
 }
 
 fn d_sync() -> String {
@@ -1186,11 +1187,23 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 None
             }
         };
+        let durability = match rs.durability.as_deref() {
+            None | Some("batched") => crate::source::Durability::Batched,
+            Some("full") => crate::source::Durability::Full,
+            Some(other) => {
+                bad(
+                    &k("durability"),
+                    format!("must be \"batched\" or \"full\" (got {other:?})"),
+                );
+                crate::source::Durability::Batched
+            }
+        };
         if let Some(kind) = kind {
             sources.push(SourceSpec {
                 name: rs.name.clone(),
                 interval: Duration::from_millis(rs.interval_ms),
                 kind,
+                durability,
             });
         }
     }

@@ -95,6 +95,21 @@ pub struct SourceSpec {
     pub interval: Duration,
     /// What to read and how.
     pub kind: SourceKind,
+    /// How its readings are committed.
+    pub durability: Durability,
+}
+
+/// Durability class of a stream (`durability` in `[[sources]]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// Group-committed every `spool.commit_window_ms` on a `synchronous =
+    /// NORMAL` connection: a power cut may lose the readings of the open
+    /// window and roll back commits since the last WAL sync.
+    #[default]
+    Batched,
+    /// Committed as soon as taken, on a `synchronous = FULL` connection
+    /// (fsync at each commit): once committed, it survives a power cut.
+    Full,
 }
 
 /// Why a sample failed.
@@ -368,6 +383,7 @@ mod tests {
         let spec = SourceSpec {
             name: "adc".into(),
             interval: Duration::from_secs(1),
+            durability: Durability::Batched,
             kind: SourceKind::File {
                 path,
                 scale: 0.5,
@@ -388,6 +404,7 @@ mod tests {
         let spec = SourceSpec {
             name: "echo".into(),
             interval: Duration::from_secs(1),
+            durability: Durability::Batched,
             kind: SourceKind::Exec {
                 program: "/bin/echo".into(),
                 args: vec!["17.5".into()],
@@ -409,6 +426,7 @@ mod tests {
         let spec = SourceSpec {
             name: "sys".into(),
             interval: Duration::from_secs(1),
+            durability: Durability::Batched,
             kind: SourceKind::System,
         };
         let mut state = SourceState::default();

@@ -195,3 +195,29 @@ fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
     drain.terminate(Duration::from_secs(15));
     crate::assert_invariants(&db, &sub.deliveries());
 }
+
+#[test]
+fn full_durability_readings_commit_at_once_without_waiting_for_the_window() {
+    // durability = "full": each reading is committed (fsynced) when taken,
+    // even with a 60 s group-commit window for the batched streams.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("full"), 100);
+    let text = std::fs::read_to_string(&cfg).expect("read")
+        + "[[sources]]\nname = \"alarm\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"1\"]\ninterval_ms = 100\ndurability = \"full\"\n";
+    std::fs::write(&cfg, text).expect("write");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &["spool.commit_window_ms=60000".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(10), || db.exists() && total(&db) >= 5),
+        "{}",
+        agent.log_tail(20)
+    );
+    let rows = crate::support::spool::rows(&db);
+    assert!(
+        rows.iter().all(|r| r.stream == "alarm"),
+        "batched rows committed before their window"
+    );
+    agent.kill9();
+    // What was committed is there after a kill; the batched window was lost.
+    assert!(total(&db) >= 5);
+}
