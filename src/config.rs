@@ -1624,6 +1624,25 @@ interval_ms = 1000
         assert_eq!(e.problems[0].key, "mqtt.url");
     }
 
+    /// board-configs/example.toml writes every key with its default: it must
+    /// agree with the defaults in this file.
+    #[test]
+    fn the_example_config_mirrors_the_defaults() {
+        let example = parse(include_str!("../board-configs/example.toml"), "example.toml", &[]).unwrap();
+        let minimal = parse(
+            "device_id = \"example-board-01\"\n[spool]\npath = \"/var/lib/edgespool/spool.db\"\n",
+            "minimal",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(example.spool, minimal.spool);
+        assert_eq!(example.mqtt, minimal.mqtt);
+        assert_eq!(example.agent, minimal.agent);
+        assert_eq!(example.commands.enabled, minimal.commands.enabled);
+        assert_eq!(example.commands.max_payload_bytes, minimal.commands.max_payload_bytes);
+        assert_eq!(example.commands.record_retention, minimal.commands.record_retention);
+    }
+
     #[test]
     fn tls_urls_are_refused_with_a_reason() {
         let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtts://b:8883"));
