@@ -20,7 +20,7 @@ sudo_if_needed() {
   fi
 }
 
-pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev)
+pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl)
 if [ "$want_arm" = 1 ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)
 fi

@@ -131,6 +131,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         })?;
     }
     let _lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
+    warn_loose_secrets(&cfg);
     crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
 
@@ -357,6 +358,31 @@ enum SamplerUpdate {
     Sources(Vec<source::SourceSpec>),
     /// Change one source's interval.
     Interval(String, Duration),
+}
+
+/// Warn about secrets files that group or others can read.
+fn warn_loose_secrets(cfg: &Config) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut files = Vec::new();
+    if let Some(t) = &cfg.mqtt.tls {
+        if let Some((_, key)) = &t.client {
+            files.push(("mqtt.client_key_file", key.clone()));
+        }
+    }
+    if let Some((_, Some(p))) = &cfg.mqtt.credentials {
+        files.push(("mqtt.password_file", p.clone()));
+    }
+    for (key, path) in files {
+        match std::fs::metadata(&path) {
+            Ok(m) if m.permissions().mode() & 0o077 != 0 => log::warn!(
+                "{key} {} is readable by group or others (mode {:o}); chmod 600 it",
+                path.display(),
+                m.permissions().mode() & 0o777
+            ),
+            Ok(_) => {}
+            Err(e) => log::warn!("{key} {}: {e}", path.display()),
+        }
+    }
 }
 
 /// Put the probe's derived knobs into `cfg` (`spool.tune_from_probe`),

@@ -191,6 +191,10 @@ pub struct ExplicitKeys {
 /// `[mqtt]`: the broker and delivery.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MqttConfig {
+    /// `mqtts://` in `url`: TLS (rustls, ring provider).
+    pub tls: Option<TlsFiles>,
+    /// `username` and `password_file`.
+    pub credentials: Option<(String, Option<PathBuf>)>,
     /// Host from `url`.
     pub host: String,
     /// Port from `url`.
@@ -218,6 +222,17 @@ pub struct MqttConfig {
     /// `ack_timeout_secs`: connected with rows in flight and no PUBACK for this
     /// long → the client is rebuilt and rows replayed (watchdog).
     pub ack_timeout: Duration,
+}
+
+/// TLS material for `mqtts://`, read at every connect (rotated files apply
+/// at the next reconnect).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// `ca_file`: PEM CA certificate(s) the broker's certificate must chain to.
+    pub ca_file: PathBuf,
+    /// `client_cert_file` and `client_key_file`: PEM client certificate and
+    /// key for mutual TLS (AWS IoT Core and similar).
+    pub client: Option<(PathBuf, PathBuf)>,
 }
 
 /// `[agent]`: process-wide settings.
@@ -379,6 +394,11 @@ struct RawMqtt {
     reconnect_max_ms: u64,
     #[serde(default = "d_acktimeout")]
     ack_timeout_secs: u64,
+    ca_file: Option<PathBuf>,
+    client_cert_file: Option<PathBuf>,
+    client_key_file: Option<PathBuf>,
+    username: Option<String>,
+    password_file: Option<PathBuf>,
 }
 
 impl Default for RawMqtt {
@@ -396,6 +416,11 @@ impl Default for RawMqtt {
             reconnect_min_ms: d_rmin(),
             reconnect_max_ms: d_rmax(),
             ack_timeout_secs: d_acktimeout(),
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
+            username: None,
+            password_file: None,
         }
     }
 }
@@ -888,12 +913,65 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     }
 
     let m = &raw.mqtt;
-    let (host, port) = match parse_url(&m.url) {
+    let (host, port, use_tls) = match parse_url(&m.url) {
         Ok(hp) => hp,
         Err(e) => {
             bad("mqtt.url", format!("{e} (got {:?})", m.url));
-            (String::new(), 0)
+            (String::new(), 0, false)
         }
+    };
+    let tls = if use_tls {
+        match (&m.ca_file, &m.client_cert_file, &m.client_key_file) {
+            (None, _, _) => {
+                bad(
+                    "mqtt.ca_file",
+                    "required with mqtts:// (PEM CA certificate of the broker)".into(),
+                );
+                None
+            }
+            (Some(ca), Some(c), Some(k)) => Some(TlsFiles {
+                ca_file: ca.clone(),
+                client: Some((c.clone(), k.clone())),
+            }),
+            (Some(ca), None, None) => Some(TlsFiles {
+                ca_file: ca.clone(),
+                client: None,
+            }),
+            (Some(_), c, _) => {
+                let missing = if c.is_none() {
+                    "mqtt.client_cert_file"
+                } else {
+                    "mqtt.client_key_file"
+                };
+                bad(
+                    missing,
+                    "client_cert_file and client_key_file go together".into(),
+                );
+                None
+            }
+        }
+    } else {
+        for (key, set) in [
+            ("ca_file", m.ca_file.is_some()),
+            ("client_cert_file", m.client_cert_file.is_some()),
+            ("client_key_file", m.client_key_file.is_some()),
+        ] {
+            if set {
+                bad(
+                    &format!("mqtt.{key}"),
+                    "only used with an mqtts:// url".into(),
+                );
+            }
+        }
+        None
+    };
+    let credentials = match (&m.username, &m.password_file) {
+        (Some(u), p) => Some((u.clone(), p.clone())),
+        (None, Some(_)) => {
+            bad("mqtt.password_file", "needs mqtt.username".into());
+            None
+        }
+        (None, None) => None,
     };
     let client_id = m
         .client_id
@@ -1384,6 +1462,8 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             },
         },
         mqtt: MqttConfig {
+            tls,
+            credentials,
             host,
             port,
             client_id,
@@ -1434,17 +1514,17 @@ fn topic_safe(c: char) -> bool {
 }
 
 /// Parse `mqtt://host:port` (port defaults to 1883).
-fn parse_url(url: &str) -> Result<(String, u16), String> {
-    let rest = if let Some(r) = url.strip_prefix("mqtt://") {
-        r
-    } else if url.starts_with("mqtts://") {
-        return Err("mqtts:// (TLS) is not supported by this build yet; use mqtt://".into());
+fn parse_url(url: &str) -> Result<(String, u16, bool), String> {
+    let (rest, tls) = if let Some(r) = url.strip_prefix("mqtt://") {
+        (r, false)
+    } else if let Some(r) = url.strip_prefix("mqtts://") {
+        (r, true)
     } else {
-        return Err("must start with mqtt://".into());
+        return Err("must start with mqtt:// or mqtts://".into());
     };
     let rest = rest.trim_end_matches('/');
     if rest.is_empty() || rest.contains('/') || rest.contains('@') {
-        return Err("must be mqtt://host[:port]".into());
+        return Err("must be mqtt[s]://host[:port]".into());
     }
     let (host, port) = match rest.rsplit_once(':') {
         Some((h, p)) => {
@@ -1456,7 +1536,7 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
             }
             (h, port)
         }
-        None => (rest, 1883),
+        None => (rest, if tls { 8883 } else { 1883 }),
     };
     if host.is_empty() {
         return Err("host is empty".into());
@@ -1469,7 +1549,7 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
     {
         return Err(format!("host {host:?} is not a host name or address"));
     }
-    Ok((host.to_owned(), port))
+    Ok((host.to_owned(), port, tls))
 }
 
 #[cfg(test)]
@@ -1628,7 +1708,12 @@ interval_ms = 1000
     /// agree with the defaults in this file.
     #[test]
     fn the_example_config_mirrors_the_defaults() {
-        let example = parse(include_str!("../board-configs/example.toml"), "example.toml", &[]).unwrap();
+        let example = parse(
+            include_str!("../board-configs/example.toml"),
+            "example.toml",
+            &[],
+        )
+        .unwrap();
         let minimal = parse(
             "device_id = \"example-board-01\"\n[spool]\npath = \"/var/lib/edgespool/spool.db\"\n",
             "minimal",
@@ -1639,15 +1724,38 @@ interval_ms = 1000
         assert_eq!(example.mqtt, minimal.mqtt);
         assert_eq!(example.agent, minimal.agent);
         assert_eq!(example.commands.enabled, minimal.commands.enabled);
-        assert_eq!(example.commands.max_payload_bytes, minimal.commands.max_payload_bytes);
-        assert_eq!(example.commands.record_retention, minimal.commands.record_retention);
+        assert_eq!(
+            example.commands.max_payload_bytes,
+            minimal.commands.max_payload_bytes
+        );
+        assert_eq!(
+            example.commands.record_retention,
+            minimal.commands.record_retention
+        );
     }
 
     #[test]
-    fn tls_urls_are_refused_with_a_reason() {
-        let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtts://b:8883"));
-        assert_eq!(e.problems[0].key, "mqtt.url");
-        assert!(e.problems[0].message.contains("TLS"));
+    fn tls_urls_need_a_ca_and_both_client_files_or_none() {
+        let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtts://b"));
+        assert_eq!(e.problems[0].key, "mqtt.ca_file");
+        let e = err(&GOOD.replace(
+            "url = \"mqtt://broker.local:1884\"",
+            "url = \"mqtts://b\"\nca_file = \"/ca.pem\"\nclient_cert_file = \"/c.pem\"",
+        ));
+        assert_eq!(e.problems[0].key, "mqtt.client_key_file");
+        let c = parse(
+            &GOOD.replace(
+                "url = \"mqtt://broker.local:1884\"",
+                "url = \"mqtts://b\"\nca_file = \"/ca.pem\"",
+            ),
+            "t",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.mqtt.port, 8883);
+        assert_eq!(c.mqtt.tls.unwrap().client, None);
+        let e = err(&GOOD.replace("[mqtt]", "[mqtt]\nca_file = \"/ca.pem\""));
+        assert_eq!(e.problems[0].key, "mqtt.ca_file");
     }
 
     #[test]

@@ -272,6 +272,8 @@ pub struct MqttThread {
     cfg: MqttConfig,
     /// Command topic and where its messages go; `None` when commands are off.
     commands: Option<(String, CommandSink)>,
+    /// Last disconnect reason and when it was logged (repeats are rate-limited).
+    last_reason: Mutex<Option<(String, Instant)>>,
     shared: Arc<Mutex<Shared>>,
     to_delivery: Sender<DeliveryMsg>,
     stop: Arc<AtomicBool>,
@@ -305,6 +307,7 @@ pub fn new(
         MqttThread {
             cfg,
             commands,
+            last_reason: Mutex::new(None),
             shared,
             to_delivery,
             stop,
@@ -312,8 +315,44 @@ pub fn new(
     )
 }
 
-fn options(cfg: &MqttConfig) -> MqttOptions {
+/// Read a secrets file for the connection; the error names the file and the key.
+fn read_file(key: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("cannot read mqtt.{key} {}: {e}", path.display()))
+}
+
+/// Connection options, reading TLS material and the password from their
+/// files (so rotated files apply at the next connect).
+///
+/// Errors: a file cannot be read; the message names the config key and path.
+fn options(cfg: &MqttConfig) -> Result<MqttOptions, String> {
     let mut o = MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
+    if let Some(tls) = &cfg.tls {
+        let ca = read_file("ca_file", &tls.ca_file)?;
+        let client_auth = match &tls.client {
+            Some((c, k)) => Some((
+                read_file("client_cert_file", c)?,
+                read_file("client_key_file", k)?,
+            )),
+            None => None,
+        };
+        o.set_transport(rumqttc::Transport::tls_with_config(
+            rumqttc::TlsConfiguration::Simple {
+                ca,
+                alpn: None,
+                client_auth,
+            },
+        ));
+    }
+    if let Some((user, pass_file)) = &cfg.credentials {
+        let pass = match pass_file {
+            Some(p) => String::from_utf8(read_file("password_file", p)?)
+                .map_err(|_| format!("mqtt.password_file {} is not UTF-8", p.display()))?
+                .trim_end_matches(['\n', '\r'])
+                .to_owned(),
+            None => String::new(),
+        };
+        o.set_credentials(user.clone(), pass);
+    }
     o.set_keep_alive(cfg.keep_alive);
     o.set_clean_session(cfg.clean_session);
     // Above our window, so rumqttc's own flow control never holds a publish
@@ -324,12 +363,26 @@ fn options(cfg: &MqttConfig) -> MqttOptions {
     o.set_request_channel_capacity(cfg.inflight_window + 8);
     // Commands are acknowledged only after their receipt commits.
     o.set_manual_acks(true);
-    o
+    Ok(o)
+}
+
+/// A connection error in words an operator can act on.
+fn classify(e: &rumqttc::ConnectionError) -> String {
+    use rumqttc::ConnectionError as E;
+    match e {
+        E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
+        E::ConnectionRefused(code) => format!("broker refused the connection: {code:?} (check mqtt.username, mqtt.password_file and mqtt.client_id)"),
+        E::NetworkTimeout => "connect timed out (broker unreachable?)".to_owned(),
+        other => format!("connection error: {other}"),
+    }
 }
 
 impl MqttThread {
     /// Drive connections until the stop flag is set.
     pub fn run(mut self) {
+        // rumqttc's rustls needs a process-wide crypto provider: ring (see
+        // Cargo.toml). An error means one is installed already, which is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let mut backoff = Backoff::new(self.cfg.reconnect_min, self.cfg.reconnect_max);
         let mut first = true;
         while !self.stop.load(Ordering::Relaxed) {
@@ -348,8 +401,14 @@ impl MqttThread {
                 }
             }
             first = false;
-            let (client, mut connection) =
-                Client::new(options(&self.cfg), self.cfg.inflight_window + 8);
+            let opts = match options(&self.cfg) {
+                Ok(o) => o,
+                Err(e) => {
+                    self.lose(&e);
+                    continue;
+                }
+            };
+            let (client, mut connection) = Client::new(opts, self.cfg.inflight_window + 8);
             let mut net = connection.eventloop.network_options();
             net.set_connection_timeout(self.cfg.connect_timeout.as_secs().max(1));
             // Publishes leave in small bursts as the window frees up; with
@@ -386,7 +445,20 @@ impl MqttThread {
             s.ready.clear();
             (s.epoch, s.ack.reset())
         };
-        if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
+        let repeat = {
+            let mut last = self.last_reason.lock().unwrap_or_else(|p| p.into_inner());
+            let same = last
+                .as_ref()
+                .is_some_and(|(r, t)| r == reason && t.elapsed() < Duration::from_secs(60));
+            if !same {
+                *last = Some((reason.to_owned(), Instant::now()));
+            }
+            same
+        };
+        if rows.is_empty() && repeat {
+            // The same failure again within a minute: no new information.
+            log::debug!("mqtt: disconnected: {reason}");
+        } else if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
             // At a clean stop the rows in flight simply stay SENT for the next run.
             log::info!(
                 "mqtt: disconnected: {reason} ({} rows in flight stay unacknowledged)",
@@ -498,7 +570,7 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
-                Ok(Err(e)) => return format!("connection error: {e}"),
+                Ok(Err(e)) => return classify(&e),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
             }

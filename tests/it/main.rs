@@ -11,6 +11,7 @@ mod faults;
 mod replay;
 mod spool;
 mod storage;
+mod tls;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
