@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The ARM builds under qemu-user: the unit tests cross-compiled for each
 # target, then the delivery, crash-safety and command integration tests with
-# the ARM agent binary (run by qemu) against mosquitto on this host.
+# the ARM agent binary (run by qemu) against mosquitto on this host, and
+# for armv7 a short network-loss rig schedule.
 #   cross/test-arm.sh              both targets
 #   cross/test-arm.sh armv7        one (aarch64 | armv7)
 set -euo pipefail
@@ -25,4 +26,9 @@ for t in "${targets[@]}"; do
   cargo build --target "$t" --bin edgespool
   EDGESPOOL_AGENT_BIN="$PWD/target/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
     cargo test --test it -- --test-threads=2 delivery:: faults:: commands::
+  if [[ "$t" == armv7* ]]; then
+    echo "== $t: a short network-loss rig schedule, agent and sink under qemu"
+    EDGESPOOL_AGENT_BIN="$PWD/target/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" RIG_FAULTS=8 \
+      cargo test --test rig
+  fi
 done

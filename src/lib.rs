@@ -27,7 +27,8 @@
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
-//! - [`status`]: the `status` report.
+//! - [`status`]: the `status` report;
+//! - [`sink`]: the reference consumer (`edgespool sink`).
 
 pub mod ack;
 pub mod agent;
@@ -41,6 +42,7 @@ pub mod mqtt;
 pub mod probe;
 pub mod process;
 pub mod publisher;
+pub mod sink;
 pub mod source;
 pub mod spool;
 pub mod status;

@@ -10,6 +10,7 @@ const USAGE: &str = "usage:
   edgespool check-config FILE [--set key.path=value]...
   edgespool status (--config FILE | --spool PATH) [--json]
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
+  edgespool sink --url mqtt://HOST:PORT --topic FILTER --db FILE [--client-id ID] [--share GROUP]
   edgespool --version";
 
 enum Cmd {
@@ -31,6 +32,13 @@ enum Cmd {
         dir: Option<PathBuf>,
         json: bool,
     },
+    Sink {
+        url: String,
+        topic: String,
+        db: PathBuf,
+        client_id: Option<String>,
+        share: Option<String>,
+    },
     Help,
     Version,
 }
@@ -47,6 +55,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
     };
     let (mut config, mut spool, mut sets, mut json) = (None, None, Vec::new(), false);
     let mut dir = None;
+    let (mut url, mut topic, mut db, mut client_id, mut share) = (None, None, None, None, None);
     while let Some(arg) = p.next()? {
         match arg {
             Long("config") | Short('c') => config = Some(PathBuf::from(p.value()?)),
@@ -54,6 +63,11 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("set") => sets.push(p.value()?.string()?),
             Long("json") => json = true,
             Long("dir") => dir = Some(PathBuf::from(p.value()?)),
+            Long("url") => url = Some(p.value()?.string()?),
+            Long("topic") => topic = Some(p.value()?.string()?),
+            Long("db") => db = Some(PathBuf::from(p.value()?)),
+            Long("client-id") => client_id = Some(p.value()?.string()?),
+            Long("share") => share = Some(p.value()?.string()?),
             Long("help") | Short('h') => return Ok(Cmd::Help),
             Value(v) if sub == "check-config" && config.is_none() => {
                 config = Some(PathBuf::from(v))
@@ -81,6 +95,13 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         }
         "probe-storage" => Err("probe-storage needs --config FILE or --dir DIR".into()),
         "help" => Ok(Cmd::Help),
+        "sink" => Ok(Cmd::Sink {
+            url: url.ok_or("sink needs --url mqtt://HOST:PORT")?,
+            topic: topic.ok_or("sink needs --topic FILTER")?,
+            db: db.ok_or("sink needs --db FILE")?,
+            client_id,
+            share,
+        }),
         other => Err(format!("unknown command {other:?}").into()),
     }
 }
@@ -95,6 +116,60 @@ fn main() -> ExitCode {
         }
     };
     match cmd {
+        Cmd::Sink {
+            url,
+            topic,
+            db,
+            client_id,
+            share,
+        } => {
+            let Some((host, port)) = url
+                .strip_prefix("mqtt://")
+                .and_then(|r| r.rsplit_once(':'))
+                .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h.to_owned(), p)))
+            else {
+                eprintln!("edgespool: --url must be mqtt://HOST:PORT (got {url:?})");
+                return ExitCode::from(2);
+            };
+            let mut store = match edgespool::sink::SinkDb::open(&db) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("edgespool: sink database {}: {e}", db.display());
+                    return ExitCode::FAILURE;
+                }
+            };
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+                let _ = signal_hook::flag::register(sig, stop.clone());
+            }
+            let opts = edgespool::sink::SinkOptions {
+                host,
+                port,
+                filter: topic,
+                client_id: client_id
+                    .unwrap_or_else(|| format!("edgespool-sink-{}", std::process::id())),
+                shared_group: share,
+            };
+            match edgespool::sink::run(&opts, &mut store, &stop, std::time::Duration::from_secs(10))
+            {
+                Ok(()) => {
+                    let s = store.stats;
+                    println!(
+                        "sink: first {} duplicates {} mismatches {} unreadable {}",
+                        s.first, s.duplicates, s.mismatches, s.unreadable
+                    );
+                    if s.mismatches > 0 {
+                        ExitCode::FAILURE
+                    } else {
+                        ExitCode::SUCCESS
+                    }
+                }
+                Err(e) => {
+                    eprintln!("edgespool: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Cmd::Help => {
             println!("{USAGE}");
             ExitCode::SUCCESS

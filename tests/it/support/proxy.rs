@@ -152,6 +152,10 @@ struct Shared {
     mode: AtomicU8,
     stop: AtomicBool,
     pubacks_dropped: AtomicU64,
+    latency_ms: AtomicU64,
+    rate_bytes_per_sec: AtomicU64,
+    loss_pct: AtomicU64,
+    rng: AtomicU64,
     publishes_seen: AtomicU64,
     publishes_forwarded: AtomicU64,
     accepted: AtomicU64,
@@ -211,6 +215,10 @@ impl Proxy {
             mode: AtomicU8::new(Mode::Forward.to_u8()),
             stop: AtomicBool::new(false),
             pubacks_dropped: AtomicU64::new(0),
+            latency_ms: AtomicU64::new(0),
+            rate_bytes_per_sec: AtomicU64::new(0),
+            loss_pct: AtomicU64::new(0),
+            rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15 ^ u64::from(port)),
             publishes_seen: AtomicU64::new(0),
             publishes_forwarded: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
@@ -258,6 +266,28 @@ impl Proxy {
     }
 
     /// PUBACK packets removed (broker -> client) so far.
+    /// Delay every forwarded chunk by `d` (both directions).
+    pub fn set_latency(&self, d: Duration) {
+        self.shared
+            .latency_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Cap forwarding at `bytes_per_sec` per direction per connection (0 = off).
+    pub fn set_rate(&self, bytes_per_sec: u64) {
+        self.shared
+            .rate_bytes_per_sec
+            .store(bytes_per_sec, Ordering::SeqCst);
+    }
+
+    /// Stall `percent` of forwarded chunks by 200 ms, as retransmissions after
+    /// random loss would (0 = off).
+    pub fn set_loss(&self, percent: u64) {
+        self.shared
+            .loss_pct
+            .store(percent.min(100), Ordering::SeqCst);
+    }
+
     pub fn pubacks_dropped(&self) -> u64 {
         self.shared.pubacks_dropped.load(Ordering::SeqCst)
     }
@@ -389,6 +419,30 @@ enum Direction {
 }
 
 /// Copy one direction of a connection, packet by packet, applying the mode.
+/// Added latency, a bandwidth cap and "random loss" (as TCP sees it: a lost
+/// segment is a retransmission stall, here 200 ms) before `len` bytes go out.
+fn shape(shared: &Shared, len: usize) {
+    let lat = shared.latency_ms.load(Ordering::SeqCst);
+    if lat > 0 {
+        std::thread::sleep(Duration::from_millis(lat));
+    }
+    let rate = shared.rate_bytes_per_sec.load(Ordering::SeqCst);
+    if let Some(us) = (len as u64 * 1_000_000).checked_div(rate) {
+        std::thread::sleep(Duration::from_micros(us));
+    }
+    let loss = shared.loss_pct.load(Ordering::SeqCst);
+    if loss > 0 {
+        let mut x = shared.rng.load(Ordering::SeqCst);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        shared.rng.store(x, Ordering::SeqCst);
+        if x % 100 < loss {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
     let upstream = conn.upstream.as_ref().expect("pump needs an upstream");
     let (mut src, mut dst) = match dir {
@@ -461,6 +515,7 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
             }
         }
         if !out.is_empty() {
+            shape(shared, out.len());
             if dst.write_all(&out).is_err() {
                 break;
             }
