@@ -18,7 +18,6 @@
 //! integration tests.
 
 #[path = "it/support/mod.rs"]
-#[allow(dead_code)]
 mod support;
 
 use std::path::Path;
