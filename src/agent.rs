@@ -626,6 +626,9 @@ struct Upkeep {
     last_checkpoint_error: Option<Instant>,
     /// SQLITE_FULL was hit; cleared by [`Ingest::recovered_from_disk_full`].
     disk_full: bool,
+    /// Wall clock and monotonic clock at start, to notice clock steps.
+    wall_anchor: (i64, Instant),
+    clock_step_logged: bool,
 }
 
 impl Upkeep {
@@ -647,6 +650,8 @@ impl Upkeep {
             last_refusal_log: None,
             last_checkpoint_error: None,
             disk_full: false,
+            wall_anchor: (wall_clock_ms().0, Instant::now()),
+            clock_step_logged: false,
         }
     }
 }
@@ -1203,7 +1208,18 @@ impl Ingest {
             }
         }
         let retention_ms = self.cfg.spool.acked_retention.as_millis() as i64;
-        let cutoff = wall_clock_ms().0 - retention_ms;
+        let (anchor_wall, anchor_mono) = self.upkeep.wall_anchor;
+        let expected = anchor_wall + anchor_mono.elapsed().as_millis() as i64;
+        let wall = wall_clock_ms().0;
+        let now = crate::maintenance::retention_now(wall, expected);
+        if now != wall && !self.upkeep.clock_step_logged {
+            log::warn!(
+                "wall clock stepped by {} s since start; retention keeps judging ages by monotonic time",
+                (wall - expected) / 1000
+            );
+            self.upkeep.clock_step_logged = true;
+        }
+        let cutoff = now - retention_ms;
         let mut purged = 0;
         for _ in 0..20 {
             match self

@@ -147,6 +147,24 @@ pub fn file_identity(p: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
 }
 
+/// Past this gap between the wall clock and the monotonic expectation, the
+/// wall clock is taken to have been stepped (time sync after a boot in 1970,
+/// an operator's `date -s`).
+pub const CLOCK_STEP_MS: i64 = 3_600_000;
+
+/// The "now" retention judges ages by: the wall clock, unless it has moved
+/// more than [`CLOCK_STEP_MS`] away from `expected_ms` (the wall time at
+/// start plus monotonic time since), in which case the expectation. A clock
+/// stepped forward by years then purges nothing by itself, and one stepped
+/// back keeps everything until real time has passed.
+pub fn retention_now(wall_ms: i64, expected_ms: i64) -> i64 {
+    if (wall_ms - expected_ms).abs() > CLOCK_STEP_MS {
+        expected_ms
+    } else {
+        wall_ms
+    }
+}
+
 /// Rate per hour of `delta` over `elapsed`.
 pub fn per_hour(delta: u64, elapsed: Duration) -> u64 {
     if elapsed.is_zero() {
@@ -229,6 +247,15 @@ mod tests {
             min_free_bytes: 0,
         };
         assert_eq!(capacity_check(&unlimited, u64::MAX, 0, 0), None);
+    }
+
+    #[test]
+    fn a_stepped_clock_does_not_move_retention() {
+        let expected = 1_800_000_000_000;
+        assert_eq!(retention_now(expected + 5_000, expected), expected + 5_000);
+        let ten_years = 10 * 365 * 86_400_000;
+        assert_eq!(retention_now(expected + ten_years, expected), expected);
+        assert_eq!(retention_now(expected - ten_years, expected), expected);
     }
 
     #[test]

@@ -318,3 +318,99 @@ fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
         .log_text()
         .contains("was removed or replaced under the running agent"));
 }
+
+/// field case F02: a large retention purge runs in bounded batches with
+/// checkpoints between them, so the WAL stays a fraction of what one big
+/// delete transaction writes, and exactly the old acknowledged rows go.
+#[test]
+fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_rows() {
+    use edgespool::envelope::{EventIdGen, Format};
+    use edgespool::source::FieldValue;
+    use edgespool::spool::{NewEvent, Spool, SpoolOptions};
+    const OLD: usize = 40_000;
+    const KEEP: usize = 2_000;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("spool.db");
+    {
+        let mut s = Spool::open(&db, &SpoolOptions::default()).expect("open");
+        let mut ids = EventIdGen::new().expect("ids");
+        let ev = |i: usize| NewEvent {
+            stream: "old".into(),
+            ts_ms: i as i64,
+            clock_trusted: true,
+            fields: vec![
+                ("x".into(), FieldValue::Num(i as f64)),
+                ("pad".into(), FieldValue::Text("p".repeat(200))),
+            ],
+        };
+        for chunk in 0..(OLD + KEEP) / 1000 {
+            let batch: Vec<NewEvent> = (0..1000).map(|i| ev(chunk * 1000 + i)).collect();
+            s.append(&batch, &mut ids, "d", Format::Json, 0)
+                .expect("append");
+        }
+        let all: Vec<i64> = s
+            .sendable(0, OLD + KEEP)
+            .expect("rows")
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        // The first OLD rows were acknowledged long ago, the rest just now.
+        s.retire(&all[..OLD], 1_000).expect("retire old");
+        s.retire(&all[OLD..], i64::MAX / 2).expect("retire recent");
+        s.checkpoint(edgespool::spool::CheckpointMode::Truncate)
+            .expect("checkpoint");
+    }
+    // The naive way, on a copy: one transaction deleting every old row.
+    let naive = dir.path().join("naive.db");
+    std::fs::copy(&db, &naive).expect("copy");
+    let naive_wal = {
+        let c = rusqlite::Connection::open(&naive).expect("open copy");
+        let _: String = c
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .expect("wal");
+        c.execute_batch("PRAGMA wal_autocheckpoint=0; BEGIN IMMEDIATE; DELETE FROM payloads WHERE id IN (SELECT id FROM events WHERE acked_ms < 2000); DELETE FROM events WHERE acked_ms < 2000; COMMIT;")
+            .expect("naive delete");
+        std::fs::metadata(dir.path().join("naive.db-wal"))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    };
+    let cfg = crate::write_config(
+        dir.path(),
+        "mqtt://127.0.0.1:9",
+        &crate::prefix("purge"),
+        1000,
+    );
+    let wal = dir.path().join("spool.db-wal");
+    let mut agent = AgentProc::spawn(
+        &cfg,
+        &[
+            "sources=[]".into(),
+            "spool.acked_retention_secs=3600".into(),
+            "spool.purge_batch_rows=5000".into(),
+        ],
+        dir.path(),
+    );
+    let mut peak = 0u64;
+    let done = wait_for(Duration::from_secs(60), || {
+        peak = peak.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
+        counter(&db, "events_purged_acked") >= OLD as i64
+    });
+    assert!(
+        done,
+        "purge incomplete: {}\n{}",
+        counter(&db, "events_purged_acked"),
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+    println!("retention purge of {OLD} rows: peak WAL {peak} bytes in batches of 5000; one big delete wrote {naive_wal} bytes of WAL");
+    assert_eq!(
+        counter(&db, "events_purged_acked"),
+        OLD as i64,
+        "the retention counter"
+    );
+    assert_eq!(total(&db), KEEP as i64, "exactly the old rows are gone");
+    assert!(
+        peak * 3 < naive_wal,
+        "peak WAL {peak} is not well below the single-transaction {naive_wal}"
+    );
+}
