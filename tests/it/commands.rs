@@ -710,3 +710,52 @@ fn sighup_and_set_interval_change_sampling_live() {
     assert!(agent.is_running());
     agent.terminate(Duration::from_secs(15));
 }
+
+/// field case F15 (a): the agent is SIGKILLed at random points while a config
+/// push is being applied; after every cut the file is the whole old config or
+/// the whole new one, never empty or partial, and the agent starts.
+#[test]
+fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
+    let rig = Rig::new("pushkill");
+    let old = rig.config_text(30);
+    let new = rig.config_text(40);
+    let (old_sum, new_sum) = (sha(&old), sha(&new));
+    let mut kills_mid_apply = 0;
+    for round in 0..12u64 {
+        let mut agent = rig.spawn();
+        assert!(
+            wait_for(Duration::from_secs(20), || agent
+                .log_text()
+                .contains("subscribed to commands")),
+            "round {round}: {}",
+            agent.log_tail(20)
+        );
+        let (text, sum) = if round % 2 == 0 {
+            (&new, &new_sum)
+        } else {
+            (&old, &old_sum)
+        };
+        rig.send_json(json!({"command_id": format!("push-{round}"), "name": "apply-config", "args": {"config": text, "sha256": sum}}));
+        // Kill somewhere between the receipt and well after the apply.
+        std::thread::sleep(Duration::from_millis(round * 17 % 120));
+        agent.kill9();
+        let on_disk = std::fs::read_to_string(&rig.cfg).expect("config file");
+        let s = sha(&on_disk);
+        assert!(
+            s == old_sum || s == new_sum,
+            "round {round}: the config file is neither old nor new:\n{on_disk}"
+        );
+        if s != *sum {
+            kills_mid_apply += 1;
+        }
+    }
+    println!(
+        "config push kills: 12 rounds, {kills_mid_apply} killed before the new file was in place"
+    );
+    // The agent still starts on whatever is there.
+    let mut agent = rig.spawn();
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("subscribed to commands")));
+    agent.terminate(Duration::from_secs(15));
+}

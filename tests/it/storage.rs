@@ -414,3 +414,60 @@ fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_row
         "peak WAL {peak} is not well below the single-transaction {naive_wal}"
     );
 }
+
+/// A deliberately slowed spool device (an injected fsync delay in the storage
+/// probe) gets different derived knobs, and delivery still holds.
+#[test]
+fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("slowdev");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    // No commit_window_ms in this config: the probe decides it.
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 50);
+    let text = std::fs::read_to_string(&cfg)
+        .expect("read")
+        .replace("commit_window_ms = 50\n", "");
+    std::fs::write(&cfg, text).expect("write");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn_with_env(
+        &cfg,
+        &[],
+        dir.path(),
+        &[(edgespool::probe::DELAY_ENV, "20")],
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("storage probe (measured now)")),
+        "{}",
+        agent.log_tail(20)
+    );
+    let log = agent.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("storage probe"))
+        .expect("probe line")
+        .to_owned();
+    println!("{line}");
+    let window: u64 = line
+        .split("commit window ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("window in the log line");
+    assert!(
+        window >= 200,
+        "a 20 ms fsync should give a window of at least 200 ms, got {window}"
+    );
+    assert!(sub.wait_count(Duration::from_secs(20), 20));
+    agent.terminate(Duration::from_secs(15));
+    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(wait_for(Duration::from_secs(20), || count_in_state(
+        &db, "PENDING"
+    ) + count_in_state(
+        &db, "SENT"
+    ) == 0));
+    drain.terminate(Duration::from_secs(15));
+    crate::assert_invariants(&db, &sub.deliveries());
+}

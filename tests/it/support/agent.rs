@@ -56,6 +56,16 @@ impl AgentProc {
     /// `<dir>/agent-<n>.log`, where n is the first number (from 1) whose log
     /// does not exist yet in `dir`.
     pub fn spawn(config_path: &Path, sets: &[String], dir: &Path) -> AgentProc {
+        AgentProc::spawn_with_env(config_path, sets, dir, &[])
+    }
+
+    /// Like [`AgentProc::spawn`], with extra environment variables.
+    pub fn spawn_with_env(
+        config_path: &Path,
+        sets: &[String],
+        dir: &Path,
+        envs: &[(&str, &str)],
+    ) -> AgentProc {
         std::fs::create_dir_all(dir)
             .unwrap_or_else(|e| panic!("create agent dir {}: {e}", dir.display()));
         let (log_path, log) = claim_log_file(dir);
@@ -66,6 +76,9 @@ impl AgentProc {
         cmd.arg("run").arg("--config").arg(config_path);
         for set in sets {
             cmd.arg("--set").arg(set);
+        }
+        for (k, v) in envs {
+            cmd.env(k, v);
         }
         cmd.env("RUST_LOG", agent_log_filter())
             .stdin(Stdio::null())
