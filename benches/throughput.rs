@@ -47,11 +47,19 @@ fn main() {
     let (ours, raw) = (median(a_ours), median(a_raw));
     println!("(a) durable append (median of 3): edgespool {ours:.0} rows/s, raw rusqlite {raw:.0} rows/s, ratio {:.2}", ours / raw);
     println!(
-        "(c) storage writes per reading (edgespool append): {:.0} bytes to the block layer (write_bytes), {:.0} bytes through write(2) (wchar); raw rusqlite: {:.0} / {:.0}",
+        "(c) durability batched (100 readings per commit), storage writes per reading: {:.0} bytes to the block layer (write_bytes), {:.0} bytes through write(2) (wchar); raw rusqlite: {:.0} / {:.0}",
         io_ours.0 as f64 / rows as f64,
         io_ours.1 as f64 / rows as f64,
         io_raw.0 as f64 / rows as f64,
         io_raw.1 as f64 / rows as f64
+    );
+
+        // (c) for the full durability class: one reading per commit, synchronous FULL.
+    let (full_rate, io_full) = full_append_rate(&dir.path().join("full.db"), 2000);
+    println!(
+        "(c) durability full (one reading per fsynced commit): {full_rate:.0} readings/s, {:.0} bytes to the block layer per reading (write_bytes), {:.0} through write(2)",
+        io_full.0 as f64 / 2000.0,
+        io_full.1 as f64 / 2000.0
     );
 
     // (b)
@@ -172,6 +180,30 @@ fn append_rate(path: &std::path::Path, rows: usize) -> (f64, (u64, u64)) {
     for _ in 0..rows / BATCH {
         spool
             .append(&batch, &mut ids, "bench", Format::Json, 0)
+            .expect("append");
+    }
+    let rate = rows as f64 / t.elapsed().as_secs_f64();
+    spool
+        .checkpoint(edgespool::spool::CheckpointMode::Truncate)
+        .expect("checkpoint");
+    sync_fs();
+    let io1 = proc_io();
+    (rate, (io1.0 - io0.0, io1.1 - io0.1))
+}
+
+fn full_append_rate(path: &std::path::Path, rows: usize) -> (f64, (u64, u64)) {
+    let opts = SpoolOptions {
+        synchronous: edgespool::spool::Synchronous::Full,
+        ..SpoolOptions::default()
+    };
+    let mut spool = Spool::open(path, &opts).expect("open spool");
+    let mut ids = EventIdGen::new().expect("ids");
+    sync_fs();
+    let io0 = proc_io();
+    let t = Instant::now();
+    for i in 0..rows {
+        spool
+            .append(&[reading(i)], &mut ids, "bench", Format::Json, 0)
             .expect("append");
     }
     let rate = rows as f64 / t.elapsed().as_secs_f64();
