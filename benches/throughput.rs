@@ -54,7 +54,7 @@ fn main() {
         io_raw.1 as f64 / rows as f64
     );
 
-        // (c) for the full durability class: one reading per commit, synchronous FULL.
+    // (c) for the full durability class: one reading per commit, synchronous FULL.
     let (full_rate, io_full) = full_append_rate(&dir.path().join("full.db"), 2000);
     println!(
         "(c) durability full (one reading per fsynced commit): {full_rate:.0} readings/s, {:.0} bytes to the block layer per reading (write_bytes), {:.0} through write(2)",
