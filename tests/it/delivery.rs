@@ -10,10 +10,6 @@ use crate::support::wait_for;
 use crate::{assert_first_seen_in_order, assert_invariants, prefix, received, write_config};
 use std::time::Duration;
 
-fn unacked(db: &std::path::Path) -> i64 {
-    count_in_state(db, "PENDING") + count_in_state(db, "SENT")
-}
-
 #[test]
 fn readings_from_the_system_source_reach_a_subscriber_and_every_row_ends_acked() {
     let broker = Broker::start();
@@ -38,14 +34,7 @@ fn readings_from_the_system_source_reach_a_subscriber_and_every_row_ends_acked()
     // Stopped: what is SENT stays SENT (no PUBACK seen), nothing retired by the stop.
     let after_stop = count_by_state(&db);
     // Drain the rest with a run that takes no readings.
-    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(20), || unacked(&db) == 0),
-        "spool did not drain: {:?}\n{}",
-        count_by_state(&db),
-        drain.log_tail(40)
-    );
-    drain.terminate(Duration::from_secs(15));
+    crate::drain(&cfg, dir.path(), &db);
     let deliveries = sub.deliveries();
     assert_invariants(&db, &deliveries);
     let all = rows(&db);
@@ -105,13 +94,7 @@ fn backlog_built_while_the_broker_is_unreachable_drains_in_sequence_order() {
         agent.log_tail(30)
     );
     agent.terminate(Duration::from_secs(15));
-    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(20), || unacked(&db) == 0),
-        "{:?}",
-        count_by_state(&db)
-    );
-    drain.terminate(Duration::from_secs(15));
+    crate::drain(&cfg, dir.path(), &db);
     let deliveries = sub.deliveries();
     assert_invariants(&db, &deliveries);
     assert_first_seen_in_order(&received(&deliveries));
@@ -149,13 +132,7 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
     // Let the acknowledgements through: everything retires.
     proxy.set_mode(Mode::Forward);
     agent.terminate(Duration::from_secs(15));
-    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(20), || unacked(&db) == 0),
-        "{:?}",
-        count_by_state(&db)
-    );
-    drain.terminate(Duration::from_secs(15));
+    crate::drain(&cfg, dir.path(), &db);
     assert_invariants(&db, &sub.deliveries());
 }
 

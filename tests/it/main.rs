@@ -48,6 +48,23 @@ interval_ms = {interval_ms}
     path
 }
 
+/// Run the agent with no sources until the spool holds no PENDING or SENT
+/// row (60 s at most, else panic with the counts and the log), then stop it.
+pub fn drain(cfg: &Path, dir: &Path, db: &Path) {
+    let mut agent = support::agent::AgentProc::spawn(cfg, &["sources=[]".into()], dir);
+    let drained = support::wait_for(std::time::Duration::from_secs(60), || {
+        let c = support::spool::count_by_state(db);
+        !c.contains_key("PENDING") && !c.contains_key("SENT")
+    });
+    assert!(
+        drained,
+        "spool did not drain: {:?}\n{}",
+        support::spool::count_by_state(db),
+        agent.log_tail(40)
+    );
+    agent.terminate(std::time::Duration::from_secs(15));
+}
+
 /// A unique topic prefix per test, so tests sharing nothing still never
 /// read each other's messages.
 pub fn prefix(test: &str) -> String {

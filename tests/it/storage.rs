@@ -4,7 +4,7 @@
 use crate::support::agent::{run_cli, AgentProc};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
-use crate::support::spool::{count_by_state, count_in_state, total};
+use crate::support::spool::{count_by_state, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::path::{Path, PathBuf};
@@ -147,16 +147,7 @@ fn a_full_disk_refuses_readings_counted_and_writing_resumes_when_space_returns()
     // and every stored row arrives.
     std::fs::remove_file(&filler2).expect("remove filler2");
     proxy.set_mode(Mode::Forward);
-    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "PENDING")
-            + count_in_state(&db, "SENT")
-            == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        drain.log_tail(30)
-    );
-    drain.terminate(Duration::from_secs(15));
+    crate::drain(&cfg, dir.path(), &db);
     crate::assert_invariants(&db, &sub.deliveries());
     drop(fs);
 }
@@ -462,12 +453,6 @@ fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
     );
     assert!(sub.wait_count(Duration::from_secs(20), 20));
     agent.terminate(Duration::from_secs(15));
-    let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(wait_for(Duration::from_secs(20), || count_in_state(
-        &db, "PENDING"
-    ) + count_in_state(
-        &db, "SENT"
-    ) == 0));
-    drain.terminate(Duration::from_secs(15));
+    crate::drain(&cfg, dir.path(), &db);
     crate::assert_invariants(&db, &sub.deliveries());
 }
