@@ -516,6 +516,30 @@ impl Spool {
             .map_err(|e| self.err(e))
     }
 
+    /// Run `f` inside one `BEGIN IMMEDIATE` transaction: every write of the
+    /// spool but the schema migration and the ingest append (which keep
+    /// their own, equally IMMEDIATE) goes through here, so none can hit the
+    /// deferred read→write upgrade that fails with SQLITE_BUSY without waiting
+    /// for `busy_timeout` (F03). `f` gets the transaction and this spool's
+    /// error classifier; Ok commits, Err rolls back.
+    pub(crate) fn write<T>(
+        &mut self,
+        f: impl FnOnce(
+            &rusqlite::Transaction<'_>,
+            &dyn Fn(rusqlite::Error) -> SpoolError,
+        ) -> Result<T, SpoolError>,
+    ) -> Result<T, SpoolError> {
+        let path = &self.path;
+        let err = |e| SpoolError::classify(path, e);
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        let v = f(&tx, &err)?;
+        tx.commit().map_err(err)?;
+        Ok(v)
+    }
+
     fn err(&self, e: rusqlite::Error) -> SpoolError {
         SpoolError::classify(&self.path, e)
     }
@@ -705,20 +729,16 @@ impl Spool {
         if ids.is_empty() {
             return Ok(());
         }
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        {
-            let mut stmt = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
-            for id in ids {
-                stmt.execute(params![id, now_ms, now_ms + retry_after_ms])
-                    .map_err(err)?;
+        self.write(|tx, err| {
+            {
+                let mut stmt = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
+                for id in ids {
+                    stmt.execute(params![id, now_ms, now_ms + retry_after_ms])
+                        .map_err(err)?;
+                }
             }
-        }
-        tx.commit().map_err(err)
+            Ok(())
+        })
     }
 
     /// Retire `ids` (state `ACKED`, `acked_ms = now_ms`): call only with rows
@@ -728,21 +748,16 @@ impl Spool {
         if ids.is_empty() {
             return Ok(0);
         }
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        let mut changed = 0;
-        {
-            let mut stmt = tx.prepare_cached(SQL_RETIRE).map_err(err)?;
-            for id in ids {
-                changed += stmt.execute(params![id, now_ms]).map_err(err)?;
+        self.write(|tx, err| {
+            let mut changed = 0;
+            {
+                let mut stmt = tx.prepare_cached(SQL_RETIRE).map_err(err)?;
+                for id in ids {
+                    changed += stmt.execute(params![id, now_ms]).map_err(err)?;
+                }
             }
-        }
-        tx.commit().map_err(err)?;
-        Ok(changed)
+            Ok(changed)
+        })
     }
 
     /// [`Spool::mark_sent`] and [`Spool::retire`] in one IMMEDIATE
@@ -759,69 +774,55 @@ impl Spool {
         if sent.is_empty() && acked.is_empty() {
             return Ok(0);
         }
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        let mut retired = 0;
-        {
-            // A row sent and acknowledged within one batch takes one UPDATE
-            // (its attempt counted there), not two.
-            let acked_set: std::collections::HashSet<i64> = acked.iter().copied().collect();
-            let sent_set: std::collections::HashSet<i64> = sent.iter().copied().collect();
-            let mut mark = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
-            for id in sent.iter().filter(|id| !acked_set.contains(id)) {
-                mark.execute(params![id, now_ms, now_ms + retry_after_ms])
-                    .map_err(err)?;
+        self.write(|tx, err| {
+            let mut retired = 0;
+            {
+                // A row sent and acknowledged within one batch takes one UPDATE
+                // (its attempt counted there), not two.
+                let acked_set: std::collections::HashSet<i64> = acked.iter().copied().collect();
+                let sent_set: std::collections::HashSet<i64> = sent.iter().copied().collect();
+                let mut mark = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
+                for id in sent.iter().filter(|id| !acked_set.contains(id)) {
+                    mark.execute(params![id, now_ms, now_ms + retry_after_ms])
+                        .map_err(err)?;
+                }
+                let mut retire = tx.prepare_cached(SQL_RETIRE_ATTEMPT).map_err(err)?;
+                for id in acked {
+                    let attempt = i64::from(sent_set.contains(id));
+                    retired += retire.execute(params![id, now_ms, attempt]).map_err(err)?;
+                }
             }
-            let mut retire = tx.prepare_cached(SQL_RETIRE_ATTEMPT).map_err(err)?;
-            for id in acked {
-                let attempt = i64::from(sent_set.contains(id));
-                retired += retire.execute(params![id, now_ms, attempt]).map_err(err)?;
-            }
-        }
-        tx.commit().map_err(err)?;
-        Ok(retired)
+            Ok(retired)
+        })
     }
 
     /// Mark row `id` `FAILED` with `reason` and count it under
     /// `events_failed_<counter>`. Terminal until an operator requeues it.
     pub fn mark_failed(&mut self, id: i64, reason: &str, counter: &str) -> Result<(), SpoolError> {
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
+        self.write(|tx, err| {
+            tx.execute(SQL_FAIL, params![id, reason]).map_err(err)?;
+            tx.execute(
+                SQL_COUNTER_ADD,
+                params![format!("events_failed_{counter}"), 1],
+            )
             .map_err(err)?;
-        tx.execute(SQL_FAIL, params![id, reason]).map_err(err)?;
-        tx.execute(
-            SQL_COUNTER_ADD,
-            params![format!("events_failed_{counter}"), 1],
-        )
-        .map_err(err)?;
-        tx.commit().map_err(err)
+            Ok(())
+        })
     }
 
     /// Put `FAILED` rows (of `stream`, or all) back to `PENDING` (operator
     /// action). Returns how many.
     pub fn requeue_failed(&mut self, stream: Option<&str>) -> Result<usize, SpoolError> {
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        let n = tx
-            .execute(
-                "UPDATE events SET state = 'PENDING', fail_reason = NULL
-                 WHERE state = 'FAILED' AND (?1 IS NULL OR stream = ?1)",
-                params![stream],
-            )
-            .map_err(err)?;
-        tx.commit().map_err(err)?;
-        Ok(n)
+        self.write(|tx, err| {
+            let n = tx
+                .execute(
+                    "UPDATE events SET state = 'PENDING', fail_reason = NULL
+                     WHERE state = 'FAILED' AND (?1 IS NULL OR stream = ?1)",
+                    params![stream],
+                )
+                .map_err(err)?;
+            Ok(n)
+        })
     }
 
     /// Live and free space inside the file, bytes: `(page_count -
@@ -872,19 +873,15 @@ impl Spool {
 
     /// Add several counter increments in one IMMEDIATE transaction.
     pub fn count_many(&mut self, counts: &[(String, i64)]) -> Result<(), SpoolError> {
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        {
-            let mut st = tx.prepare_cached(SQL_COUNTER_ADD).map_err(err)?;
-            for (name, by) in counts {
-                st.execute(params![name, by]).map_err(err)?;
+        self.write(|tx, err| {
+            {
+                let mut st = tx.prepare_cached(SQL_COUNTER_ADD).map_err(err)?;
+                for (name, by) in counts {
+                    st.execute(params![name, by]).map_err(err)?;
+                }
             }
-        }
-        tx.commit().map_err(err)
+            Ok(())
+        })
     }
 
     /// Add `by` to the persistent counter `name`.
@@ -900,23 +897,18 @@ impl Spool {
     /// `FAILED` rows. Returns the number deleted; call again until 0, with a
     /// checkpoint in between, so a large purge never balloons the WAL (F02).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        tx.execute(SQL_PURGE_PAYLOADS, params![cutoff_ms, batch as i64])
-            .map_err(err)?;
-        let n = tx
-            .execute(SQL_PURGE, params![cutoff_ms, batch as i64])
-            .map_err(err)?;
-        if n > 0 {
-            tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
+        self.write(|tx, err| {
+            tx.execute(SQL_PURGE_PAYLOADS, params![cutoff_ms, batch as i64])
                 .map_err(err)?;
-        }
-        tx.commit().map_err(err)?;
-        Ok(n)
+            let n = tx
+                .execute(SQL_PURGE, params![cutoff_ms, batch as i64])
+                .map_err(err)?;
+            if n > 0 {
+                tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
+                    .map_err(err)?;
+            }
+            Ok(n)
+        })
     }
 
     /// Run `PRAGMA wal_checkpoint(mode)`. A busy result is reported, not an error.
@@ -981,25 +973,20 @@ impl Spool {
     /// Record the start of an agent run; first marks any earlier run that has
     /// no end as killed (the process died without a clean stop). Returns the run id.
     pub fn begin_run(&mut self, now_ms: i64, pid: u32, version: &str) -> Result<i64, SpoolError> {
-        let path = self.path.clone();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
+        self.write(|tx, err| {
+            tx.execute(
+                "UPDATE runs SET exit_status = 'killed (no clean stop recorded)' WHERE ended_ms IS NULL AND exit_status IS NULL",
+                [],
+            )
             .map_err(err)?;
-        tx.execute(
-            "UPDATE runs SET exit_status = 'killed (no clean stop recorded)' WHERE ended_ms IS NULL AND exit_status IS NULL",
-            [],
-        )
-        .map_err(err)?;
-        tx.execute(
-            "INSERT INTO runs (started_ms, pid, version) VALUES (?1, ?2, ?3)",
-            params![now_ms, pid, version],
-        )
-        .map_err(err)?;
-        let id = tx.last_insert_rowid();
-        tx.commit().map_err(err)?;
-        Ok(id)
+            tx.execute(
+                "INSERT INTO runs (started_ms, pid, version) VALUES (?1, ?2, ?3)",
+                params![now_ms, pid, version],
+            )
+            .map_err(err)?;
+            let id = tx.last_insert_rowid();
+            Ok(id)
+        })
     }
 
     /// Record the end of run `id` with `exit_status` (`ok` or `error`) and optional error text.

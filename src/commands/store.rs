@@ -8,7 +8,7 @@ use super::{hex, Command, RESULTS_STREAM};
 use crate::envelope::{wall_clock_ms, EventIdGen, Format};
 use crate::source::FieldValue;
 use crate::spool::{insert_one, NewEvent, Spool, SpoolError};
-use rusqlite::{params, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, OptionalExtension};
 
 /// Terminal and intermediate command states.
 pub mod cstate {
@@ -177,112 +177,108 @@ impl Spool {
         ctx: &mut EventCtx<'_>,
     ) -> Result<Claim, SpoolError> {
         let path = self.path().to_path_buf();
-        let err = |e| SpoolError::classify(&path, e);
         let now = wall_clock_ms().0;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        let inserted = tx
-            .execute(
-                "INSERT INTO commands (scope, command_id, request_hash, name, request, state,
-                    received_ms, ttl_ms, deadline_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'received', ?6, ?7, ?8)
-                 ON CONFLICT(scope, command_id) DO NOTHING",
-                params![
-                    cmd.scope,
-                    cmd.command_id,
-                    cmd.request_hash.as_slice(),
-                    cmd.name,
-                    cmd.canonical,
-                    now,
-                    cmd.ttl.map(|t| t.as_millis() as i64),
-                    deadline_ms
-                ],
-            )
-            .map_err(err)?;
-        let claim = if inserted == 1 {
-            count(&tx, "commands_received").map_err(err)?;
-            Claim::New
-        } else {
-            let (hash, state, result, name, duration): (
-                Vec<u8>,
-                String,
-                Option<String>,
-                String,
-                Option<i64>,
-            ) = tx
-                .query_row(
-                    "SELECT request_hash, state, result, name, duration_ms FROM commands
-                     WHERE scope = ?1 AND command_id = ?2",
-                    params![cmd.scope, cmd.command_id],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        self.write(|tx, err| {
+            let inserted = tx
+                .execute(
+                    "INSERT INTO commands (scope, command_id, request_hash, name, request, state,
+                        received_ms, ttl_ms, deadline_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, 'received', ?6, ?7, ?8)
+                     ON CONFLICT(scope, command_id) DO NOTHING",
+                    params![
+                        cmd.scope,
+                        cmd.command_id,
+                        cmd.request_hash.as_slice(),
+                        cmd.name,
+                        cmd.canonical,
+                        now,
+                        cmd.ttl.map(|t| t.as_millis() as i64),
+                        deadline_ms
+                    ],
                 )
                 .map_err(err)?;
-            if hash != cmd.request_hash {
-                count(&tx, "commands_conflicts").map_err(err)?;
-                let detail = serde_json::json!({
-                    "error": "conflict: request hash mismatch",
-                    "stored_request_hash": hex(&hash),
-                    "request_hash": hex(&cmd.request_hash),
-                    "stored_name": name,
-                })
-                .to_string();
-                let ev = result_event(&ResultEvent {
-                    scope: &cmd.scope,
-                    command_id: Some(&cmd.command_id),
-                    name: Some(&cmd.name),
-                    state: "conflict",
-                    result: &detail,
-                    duration_ms: None,
-                    reply: Reply::Conflict,
-                    retry_safe: None,
-                });
-                insert_one(&tx, &path, &ev, ctx.ids, ctx.device_id, ctx.format, now)?;
-                Claim::Conflict
+            let claim = if inserted == 1 {
+                count(tx, "commands_received").map_err(err)?;
+                Claim::New
             } else {
-                tx.execute(
-                    "UPDATE commands SET duplicates = duplicates + 1 WHERE scope = ?1 AND command_id = ?2",
-                    params![cmd.scope, cmd.command_id],
-                )
-                .map_err(err)?;
-                count(&tx, "commands_duplicates").map_err(err)?;
-                if state == super::store::cstate::RECEIVED || state == super::store::cstate::RUNNING
-                {
+                let (hash, state, result, name, duration): (
+                    Vec<u8>,
+                    String,
+                    Option<String>,
+                    String,
+                    Option<i64>,
+                ) = tx
+                    .query_row(
+                        "SELECT request_hash, state, result, name, duration_ms FROM commands
+                         WHERE scope = ?1 AND command_id = ?2",
+                        params![cmd.scope, cmd.command_id],
+                        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+                    )
+                    .map_err(err)?;
+                if hash != cmd.request_hash {
+                    count(tx, "commands_conflicts").map_err(err)?;
+                    let detail = serde_json::json!({
+                        "error": "conflict: request hash mismatch",
+                        "stored_request_hash": hex(&hash),
+                        "request_hash": hex(&cmd.request_hash),
+                        "stored_name": name,
+                    })
+                    .to_string();
                     let ev = result_event(&ResultEvent {
                         scope: &cmd.scope,
                         command_id: Some(&cmd.command_id),
                         name: Some(&cmd.name),
-                        state: &state,
-                        result: r#"{"info":"in progress; not run again"}"#,
+                        state: "conflict",
+                        result: &detail,
                         duration_ms: None,
-                        reply: Reply::InProgress,
+                        reply: Reply::Conflict,
                         retry_safe: None,
                     });
-                    insert_one(&tx, &path, &ev, ctx.ids, ctx.device_id, ctx.format, now)?;
-                    Claim::InProgress
+                    insert_one(tx, &path, &ev, ctx.ids, ctx.device_id, ctx.format, now)?;
+                    Claim::Conflict
                 } else {
-                    if retained {
-                        count(&tx, "commands_retained_duplicates").map_err(err)?;
-                    } else {
+                    tx.execute(
+                        "UPDATE commands SET duplicates = duplicates + 1 WHERE scope = ?1 AND command_id = ?2",
+                        params![cmd.scope, cmd.command_id],
+                    )
+                    .map_err(err)?;
+                    count(tx, "commands_duplicates").map_err(err)?;
+                    if state == super::store::cstate::RECEIVED || state == super::store::cstate::RUNNING
+                    {
                         let ev = result_event(&ResultEvent {
                             scope: &cmd.scope,
                             command_id: Some(&cmd.command_id),
                             name: Some(&cmd.name),
                             state: &state,
-                            result: result.as_deref().unwrap_or("null"),
-                            duration_ms: duration,
-                            reply: Reply::Duplicate,
+                            result: r#"{"info":"in progress; not run again"}"#,
+                            duration_ms: None,
+                            reply: Reply::InProgress,
                             retry_safe: None,
                         });
-                        insert_one(&tx, &path, &ev, ctx.ids, ctx.device_id, ctx.format, now)?;
+                        insert_one(tx, &path, &ev, ctx.ids, ctx.device_id, ctx.format, now)?;
+                        Claim::InProgress
+                    } else {
+                        if retained {
+                            count(tx, "commands_retained_duplicates").map_err(err)?;
+                        } else {
+                            let ev = result_event(&ResultEvent {
+                                scope: &cmd.scope,
+                                command_id: Some(&cmd.command_id),
+                                name: Some(&cmd.name),
+                                state: &state,
+                                result: result.as_deref().unwrap_or("null"),
+                                duration_ms: duration,
+                                reply: Reply::Duplicate,
+                                retry_safe: None,
+                            });
+                            insert_one(tx, &path, &ev, ctx.ids, ctx.device_id, ctx.format, now)?;
+                        }
+                        Claim::Duplicate { state }
                     }
-                    Claim::Duplicate { state }
                 }
-            }
-        };
-        tx.commit().map_err(err)?;
-        Ok(claim)
+            };
+            Ok(claim)
+        })
     }
 
     /// Move a command from `received` to `running`, committed before its
@@ -309,37 +305,33 @@ impl Spool {
         ctx: &mut EventCtx<'_>,
     ) -> Result<String, SpoolError> {
         let path = self.path().to_path_buf();
-        let err = |e| SpoolError::classify(&path, e);
         let now = wall_clock_ms().0;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
+        self.write(|tx, err| {
+            tx.execute(
+                "UPDATE commands SET state = ?3, result = ?4, finished_ms = ?5, duration_ms = ?6
+                 WHERE scope = ?1 AND command_id = ?2",
+                params![
+                    ev.scope,
+                    ev.command_id.unwrap_or(""),
+                    ev.state,
+                    ev.result,
+                    now,
+                    ev.duration_ms
+                ],
+            )
             .map_err(err)?;
-        tx.execute(
-            "UPDATE commands SET state = ?3, result = ?4, finished_ms = ?5, duration_ms = ?6
-             WHERE scope = ?1 AND command_id = ?2",
-            params![
-                ev.scope,
-                ev.command_id.unwrap_or(""),
-                ev.state,
-                ev.result,
+            count(tx, &format!("commands_{}", ev.state)).map_err(err)?;
+            let id = insert_one(
+                tx,
+                &path,
+                &result_event(ev),
+                ctx.ids,
+                ctx.device_id,
+                ctx.format,
                 now,
-                ev.duration_ms
-            ],
-        )
-        .map_err(err)?;
-        count(&tx, &format!("commands_{}", ev.state)).map_err(err)?;
-        let id = insert_one(
-            &tx,
-            &path,
-            &result_event(ev),
-            ctx.ids,
-            ctx.device_id,
-            ctx.format,
-            now,
-        )?;
-        tx.commit().map_err(err)?;
-        Ok(id)
+            )?;
+            Ok(id)
+        })
     }
 
     /// Answer a message that could not be parsed: a `rejected` result event
@@ -351,33 +343,30 @@ impl Spool {
         ctx: &mut EventCtx<'_>,
     ) -> Result<(), SpoolError> {
         let path = self.path().to_path_buf();
-        let err = |e| SpoolError::classify(&path, e);
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(err)?;
-        count(&tx, "commands_malformed").map_err(err)?;
-        let result = serde_json::json!({ "error": why }).to_string();
-        let ev = result_event(&ResultEvent {
-            scope: super::DEFAULT_SCOPE,
-            command_id,
-            name: None,
-            state: cstate::REJECTED,
-            result: &result,
-            duration_ms: None,
-            reply: Reply::Result,
-            retry_safe: None,
-        });
-        insert_one(
-            &tx,
-            &path,
-            &ev,
-            ctx.ids,
-            ctx.device_id,
-            ctx.format,
-            wall_clock_ms().0,
-        )?;
-        tx.commit().map_err(err)
+        self.write(|tx, err| {
+            count(tx, "commands_malformed").map_err(err)?;
+            let result = serde_json::json!({ "error": why }).to_string();
+            let ev = result_event(&ResultEvent {
+                scope: super::DEFAULT_SCOPE,
+                command_id,
+                name: None,
+                state: cstate::REJECTED,
+                result: &result,
+                duration_ms: None,
+                reply: Reply::Result,
+                retry_safe: None,
+            });
+            insert_one(
+                tx,
+                &path,
+                &ev,
+                ctx.ids,
+                ctx.device_id,
+                ctx.format,
+                wall_clock_ms().0,
+            )?;
+            Ok(())
+        })
     }
 
     /// Commands left `received` or `running` by an earlier process, oldest first.
