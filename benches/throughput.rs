@@ -32,6 +32,19 @@ fn main() {
     let broker = Mosquitto::start(dir.path());
     println!("edgespool throughput bench: {rows} rows, batch {BATCH}, window {WINDOW}, mosquitto on port {}", broker.port);
 
+    // BENCH_ONLY=b runs just the delivery comparison (for profiling).
+    let only_b = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "b");
+    if only_b {
+        let db = dir.path().join("only-b.db");
+        let len = fill_spool(&db, rows);
+        let ours = delivery_rate(&db, broker.port, rows);
+        let bare = bare_publisher_rate(broker.port, rows, len);
+        println!(
+            "(b) edgespool {ours:.0} rows/s, bare {bare:.0}, ratio {:.2}",
+            ours / bare
+        );
+        return;
+    }
     // (a) + (c): three alternating runs each, medians.
     let mut a_ours = Vec::new();
     let mut a_raw = Vec::new();

@@ -56,6 +56,11 @@ fn make_ca(dir: &Path, name: &str) {
 }
 
 fn make_cert(dir: &Path, ca: &str, name: &str, san: Option<&str>) {
+    make_cert_days(dir, ca, name, san, "30");
+}
+
+/// `days` "-1" gives a certificate whose validity ended yesterday.
+fn make_cert_days(dir: &Path, ca: &str, name: &str, san: Option<&str>, days: &str) {
     let key = format!("{name}.key");
     openssl(
         dir,
@@ -101,7 +106,7 @@ fn make_cert(dir: &Path, ca: &str, name: &str, san: Option<&str>) {
             &format!("{ca}-ca.key"),
             "-CAcreateserial",
             "-days",
-            "30",
+            days,
             "-extfile",
             &ext,
             "-out",
@@ -318,5 +323,47 @@ fn a_refused_login_names_the_cause_and_the_spool_keeps_filling() {
         "{}",
         agent.log_tail(30)
     );
+    agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn an_expired_server_certificate_is_named_and_the_spool_keeps_filling() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pki(dir.path());
+    // Replace the server certificate by one that expired yesterday.
+    make_cert_days(dir.path(), "good", "server", Some("IP:127.0.0.1"), "-1");
+    let broker = TlsBroker::start(
+        dir.path(),
+        "require_certificate false\nallow_anonymous true\n",
+    );
+    let d = dir.path().display();
+    let cfg = config(
+        dir.path(),
+        broker.port,
+        &format!("ca_file = \"{d}/good-ca.pem\""),
+    );
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("TLS failed")),
+        "{}",
+        agent.log_tail(30)
+    );
+    let log = agent.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("TLS failed"))
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(
+        line.contains("expired"),
+        "the error does not say the certificate expired: {line}"
+    );
+    let before = total(&db);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(total(&db) > before, "the spool stopped filling");
+    assert_eq!(count_in_state(&db, "ACKED"), 0);
     agent.terminate(Duration::from_secs(15));
 }
