@@ -759,3 +759,50 @@ fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
         .contains("subscribed to commands")));
     agent.terminate(Duration::from_secs(15));
 }
+
+/// field case F15 (c): with the config's filesystem full, a pushed config
+/// cannot be written; it is rejected, the file is untouched, the agent runs.
+#[test]
+fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
+    let rig = Rig::new("pushfull");
+    let fs = crate::storage::SmallFs::mount(rig.dir.path(), "64k");
+    let cfg = fs.dir.join("board.toml");
+    let old = rig.config_text(30);
+    std::fs::write(&cfg, &old).expect("config on the small fs");
+    // Fill what is left.
+    let mut n = 0;
+    while std::fs::write(fs.dir.join(format!("filler-{n}")), vec![0u8; 4096]).is_ok() && n < 64 {
+        n += 1;
+    }
+    let mut agent = AgentProc::spawn(&cfg, &[], rig.dir.path());
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("subscribed to commands")),
+        "{}",
+        agent.log_tail(20)
+    );
+    let new = rig.config_text(45);
+    rig.send_json(json!({"command_id": "full-1", "name": "apply-config", "args": {"config": new, "sha256": sha(&new)}}));
+    let r = rig.wait_result("full-1", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    assert!(
+        r["result"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("cannot write"),
+        "{r}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&cfg).expect("config"),
+        old,
+        "the config file changed"
+    );
+    rig.send_json(json!({"command_id": "full-ping", "name": "ping"}));
+    assert_eq!(
+        rig.wait_result("full-ping", "result", &mut agent)["state"],
+        "completed"
+    );
+    agent.terminate(Duration::from_secs(15));
+    drop(fs);
+}

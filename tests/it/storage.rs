@@ -12,12 +12,12 @@ use std::process::Command;
 use std::time::Duration;
 
 /// A small tmpfs mounted for one test (the tests run as root, as CI does).
-struct SmallFs {
-    dir: PathBuf,
+pub(crate) struct SmallFs {
+    pub(crate) dir: PathBuf,
 }
 
 impl SmallFs {
-    fn mount(parent: &Path, size: &str) -> SmallFs {
+    pub(crate) fn mount(parent: &Path, size: &str) -> SmallFs {
         let dir = parent.join("small-fs");
         std::fs::create_dir_all(&dir).expect("mkdir");
         let st = Command::new("mount")
