@@ -1079,40 +1079,38 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 format!("must be 10..=86400000 (got {})", rs.interval_ms),
             );
         }
-        let unexpected = |bad: &mut dyn FnMut(&str, String), set: &[(&str, bool)]| {
-            for (f, present) in set {
-                if *present {
+        // Which kinds each optional key belongs to; a key set for another
+        // kind is an error naming it, never silently ignored (F16).
+        const FILE: &[&str] = &["file"];
+        const EXEC: &[&str] = &["exec"];
+        const REPLAY: &[&str] = &["replay"];
+        let owners: [(&str, bool, &[&str]); 16] = [
+            ("path", rs.path.is_some(), &["file", "replay"]),
+            ("scale", rs.scale.is_some(), FILE),
+            ("offset", rs.offset.is_some(), FILE),
+            ("field", rs.field.is_some(), &["file", "exec"]),
+            ("program", rs.program.is_some(), EXEC),
+            ("args", rs.args.is_some(), EXEC),
+            ("timeout_ms", rs.timeout_ms.is_some(), EXEC),
+            ("max_output_bytes", rs.max_output_bytes.is_some(), EXEC),
+            ("delimiter", rs.delimiter.is_some(), REPLAY),
+            ("decimal_comma", rs.decimal_comma.is_some(), REPLAY),
+            ("missing", rs.missing.is_some(), REPLAY),
+            ("timestamp_columns", rs.timestamp_columns.is_some(), REPLAY),
+            ("timestamp_format", rs.timestamp_format.is_some(), REPLAY),
+            ("columns", rs.columns.is_some(), REPLAY),
+            ("speed", rs.speed.is_some(), REPLAY),
+            ("repeat", rs.repeat.is_some(), REPLAY),
+        ];
+        if ["system", "file", "exec", "replay"].contains(&rs.kind.as_str()) {
+            for (f, present, kinds) in owners {
+                if present && !kinds.contains(&rs.kind.as_str()) {
                     bad(&k(f), format!("not used by kind {:?}", rs.kind));
                 }
             }
-        };
-        let replay_fields = [
-            ("delimiter", rs.delimiter.is_some()),
-            ("decimal_comma", rs.decimal_comma.is_some()),
-            ("missing", rs.missing.is_some()),
-            ("timestamp_columns", rs.timestamp_columns.is_some()),
-            ("timestamp_format", rs.timestamp_format.is_some()),
-            ("columns", rs.columns.is_some()),
-            ("speed", rs.speed.is_some()),
-            ("repeat", rs.repeat.is_some()),
-        ];
-        if rs.kind != "replay" {
-            unexpected(&mut bad, &replay_fields);
         }
         let kind = match rs.kind.as_str() {
             "replay" => {
-                unexpected(
-                    &mut bad,
-                    &[
-                        ("scale", rs.scale.is_some()),
-                        ("offset", rs.offset.is_some()),
-                        ("field", rs.field.is_some()),
-                        ("program", rs.program.is_some()),
-                        ("args", rs.args.is_some()),
-                        ("timeout_ms", rs.timeout_ms.is_some()),
-                        ("max_output_bytes", rs.max_output_bytes.is_some()),
-                    ],
-                );
                 let delimiter = rs.delimiter.clone().unwrap_or_else(|| ",".into());
                 let mut chars = delimiter.chars();
                 let delim = match (chars.next(), chars.next()) {
@@ -1160,32 +1158,8 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                     }
                 }
             }
-            "system" => {
-                unexpected(
-                    &mut bad,
-                    &[
-                        ("path", rs.path.is_some()),
-                        ("scale", rs.scale.is_some()),
-                        ("offset", rs.offset.is_some()),
-                        ("field", rs.field.is_some()),
-                        ("program", rs.program.is_some()),
-                        ("args", rs.args.is_some()),
-                        ("timeout_ms", rs.timeout_ms.is_some()),
-                        ("max_output_bytes", rs.max_output_bytes.is_some()),
-                    ],
-                );
-                Some(SourceKind::System)
-            }
+            "system" => Some(SourceKind::System),
             "file" => {
-                unexpected(
-                    &mut bad,
-                    &[
-                        ("program", rs.program.is_some()),
-                        ("args", rs.args.is_some()),
-                        ("timeout_ms", rs.timeout_ms.is_some()),
-                        ("max_output_bytes", rs.max_output_bytes.is_some()),
-                    ],
-                );
                 let scale = rs.scale.unwrap_or(1.0);
                 let offset = rs.offset.unwrap_or(0.0);
                 if !scale.is_finite() || !offset.is_finite() {
@@ -1208,14 +1182,6 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 }
             }
             "exec" => {
-                unexpected(
-                    &mut bad,
-                    &[
-                        ("path", rs.path.is_some()),
-                        ("scale", rs.scale.is_some()),
-                        ("offset", rs.offset.is_some()),
-                    ],
-                );
                 let timeout = rs.timeout_ms.unwrap_or(5000);
                 if !(10..=600_000).contains(&timeout) {
                     bad(
@@ -1762,6 +1728,19 @@ interval_ms = 1000
     fn source_kind_typo_gets_a_suggestion() {
         let e = err(&GOOD.replace("kind = \"system\"", "kind = \"sytem\""));
         assert!(e.problems[0].message.contains("did you mean \"system\""));
+    }
+
+    #[test]
+    fn a_key_of_another_kind_is_named() {
+        let e = err(&GOOD.replace(
+            "kind = \"system\"",
+            "kind = \"system\"\nscale = 2.0\nspeed = 1.0",
+        ));
+        let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, vec!["sources[0].scale", "sources[0].speed"]);
+        assert!(e.problems[0]
+            .message
+            .contains("not used by kind \"system\""));
     }
 
     #[test]
