@@ -95,6 +95,19 @@ max_len = 32
         AgentProc::spawn(&self.cfg, &[], self.dir.path())
     }
 
+    /// Spawn the agent and wait until it has subscribed to the command topic.
+    fn spawn_ready(&self) -> AgentProc {
+        let agent = self.spawn();
+        assert!(
+            wait_for(Duration::from_secs(20), || agent
+                .log_text()
+                .contains("subscribed to commands")),
+            "{}",
+            agent.log_tail(20)
+        );
+        agent
+    }
+
     fn db(&self) -> PathBuf {
         self.dir.path().join("spool.db")
     }
@@ -183,14 +196,7 @@ pub fn publish(port: u16, topic: &str, payload: &[u8], retain: bool) {
 #[test]
 fn ping_round_trip_reports_a_completed_result() {
     let rig = Rig::new("ping");
-    let mut agent = rig.spawn();
-    assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
-        "{}",
-        agent.log_tail(20)
-    );
+    let mut agent = rig.spawn_ready();
     let t = Instant::now();
     rig.send_json(json!({"command_id": "p-1", "name": "ping"}));
     let r = rig.wait_result("p-1", "result", &mut agent);
@@ -208,10 +214,7 @@ fn ping_round_trip_reports_a_completed_result() {
 #[test]
 fn duplicates_are_answered_from_the_store_and_conflicts_rejected() {
     let rig = Rig::new("dups");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     let c2 = json!({"command_id": "c-2", "name": "count-slow"});
     rig.send_json(c2.clone());
     assert!(wait_for(Duration::from_secs(10), || lines(
@@ -257,10 +260,7 @@ fn duplicates_are_answered_from_the_store_and_conflicts_rejected() {
 #[test]
 fn a_command_killed_mid_run_is_reported_interrupted_and_never_rerun() {
     let rig = Rig::new("interrupt");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     rig.send_json(json!({"command_id": "c-f", "name": "count-slow"}));
     assert!(wait_for(Duration::from_secs(10), || lines(
         &rig.marker("counter")
@@ -294,10 +294,7 @@ fn a_command_killed_mid_run_is_reported_interrupted_and_never_rerun() {
 #[test]
 fn network_loss_and_broker_restart_during_a_command_do_not_repeat_it() {
     let mut rig = Rig::new("netloss");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     rig.send_json(json!({"command_id": "c-b", "name": "count-slow"}));
     assert!(wait_for(Duration::from_secs(10), || lines(
         &rig.marker("counter")
@@ -334,10 +331,7 @@ fn a_retained_command_runs_once_across_agent_and_broker_restarts() {
         true,
     );
     for _ in 0..3 {
-        let mut agent = rig.spawn();
-        assert!(wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")));
+        let mut agent = rig.spawn_ready();
         assert!(wait_for(Duration::from_secs(10), || lines(
             &rig.marker("counter-fast")
         ) >= 1));
@@ -376,10 +370,7 @@ fn a_retained_command_runs_once_across_agent_and_broker_restarts() {
 #[test]
 fn malformed_oversized_and_non_utf8_commands_get_rejected_results() {
     let rig = Rig::new("malformed");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     rig.send(&[0xff, 0xfe, 0xfd], false);
     rig.send(b"{not json", false);
     rig.send(
@@ -437,10 +428,7 @@ fn malformed_oversized_and_non_utf8_commands_get_rejected_results() {
 #[test]
 fn exec_handler_arguments_cannot_inject_shell_or_paths() {
     let rig = Rig::new("inject");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     let pwned = rig.marker("pwned");
     let attempts = [
         format!("x; touch {}", pwned.display()),
@@ -476,10 +464,7 @@ fn exec_handler_arguments_cannot_inject_shell_or_paths() {
 #[test]
 fn a_command_past_its_ttl_is_answered_expired_and_not_run() {
     let rig = Rig::new("ttl");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     let issued = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
@@ -520,10 +505,7 @@ fn a_thousand_redeliveries_with_kills_in_between_run_the_command_once() {
     });
     let mut delivered = 0;
     for round in 0..4 {
-        let mut agent = rig.spawn();
-        assert!(wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")));
+        let mut agent = rig.spawn_ready();
         for _ in 0..250 {
             client
                 .publish(topic.clone(), QoS::AtLeastOnce, false, payload.clone())
@@ -575,10 +557,7 @@ fn inode(p: &Path) -> u64 {
 #[test]
 fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs() {
     let rig = Rig::new("push");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     let db = rig.db();
     let ino = inode(&db);
     let same = rig.config_text(30);
@@ -640,21 +619,11 @@ fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs()
 #[test]
 fn a_broken_config_file_at_start_falls_back_to_the_last_good_copy() {
     let rig = Rig::new("lastgood");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     agent.terminate(Duration::from_secs(15));
     for broken in ["", "device_id = \"x\"\n[spool\n", "\0\0\0\0\0\0"] {
         std::fs::write(&rig.cfg, broken).expect("write broken config");
-        let mut agent = rig.spawn();
-        assert!(
-            wait_for(Duration::from_secs(20), || agent
-                .log_text()
-                .contains("subscribed to commands")),
-            "{}",
-            agent.log_tail(20)
-        );
+        let mut agent = rig.spawn_ready();
         let log = agent.log_text();
         assert!(log.contains("config invalid: "), "{log}");
         assert!(log.contains("running last-known-good"), "{log}");
@@ -670,10 +639,7 @@ fn a_broken_config_file_at_start_falls_back_to_the_last_good_copy() {
 #[test]
 fn sighup_and_set_interval_change_sampling_live() {
     let rig = Rig::new("interval");
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     rig.send_json(json!({"command_id": "si", "name": "set-interval", "args": {"source": "system", "interval_ms": 100}}));
     let r = rig.wait_result("si", "result", &mut agent);
     assert_eq!(r["result"]["interval_ms"], 100, "{r}");
@@ -753,10 +719,7 @@ fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
         "config push kills: 12 rounds, {kills_mid_apply} killed before the new file was in place"
     );
     // The agent still starts on whatever is there.
-    let mut agent = rig.spawn();
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("subscribed to commands")));
+    let mut agent = rig.spawn_ready();
     agent.terminate(Duration::from_secs(15));
 }
 
