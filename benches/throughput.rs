@@ -253,17 +253,17 @@ fn raw_insert_rate(path: &std::path::Path, rows: usize) -> (f64, (u64, u64)) {
             .expect("tx");
         {
             let mut st = tx
-                .prepare_cached("INSERT INTO events (event_id, stream, seq, digest, state, attempts, created_ms) VALUES (?1, 'bench', ?2, ?3, 'PENDING', 0, 0)")
-                .expect("prepare");
-            let mut sp = tx
-                .prepare_cached("INSERT INTO payloads (id, payload) VALUES (?1, ?2)")
+                .prepare_cached("INSERT INTO events (stream_id, seq, event_id, created_ms, digest, payload) VALUES (1, ?1, ?2, 0, ?3, ?4)")
                 .expect("prepare");
             for _ in 0..BATCH {
                 n += 1;
-                st.execute(rusqlite::params![format!("{n:036}"), n, digest.as_slice()])
-                    .expect("insert");
-                sp.execute(rusqlite::params![tx.last_insert_rowid(), payload])
-                    .expect("insert payload");
+                st.execute(rusqlite::params![
+                    n,
+                    format!("{n:036}"),
+                    digest.as_slice(),
+                    payload
+                ])
+                .expect("insert");
             }
         }
         tx.commit().expect("commit");

@@ -31,6 +31,10 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Bytes one WAL frame takes: a 4096-byte page and its 24-byte frame header
+/// (<https://www.sqlite.org/fileformat.html#the_write_ahead_log>).
+const WAL_FRAME_BYTES: u64 = 4096 + 24;
+
 /// Readings held in memory while the spool refuses writes (busy, full); past
 /// this the newest are dropped and counted (`readings_dropped_buffer_full`).
 const MAX_BUFFERED: usize = 10_000;
@@ -44,27 +48,34 @@ pub enum AgentError {
     /// The spool directory, lock file or OS facility failed.
     #[error("{0}")]
     Setup(String),
+    /// A background integrity check found the spool damaged; the marker is
+    /// written, so running again moves the file aside and starts fresh.
+    #[error("{0}")]
+    Damaged(String),
 }
 
 /// The first 16 bytes of every SQLite database file
 /// (<https://www.sqlite.org/fileformat.html#the_database_header>).
 const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 
-/// Open the spool and run `PRAGMA quick_check`; a damaged spool is moved
-/// aside (never a silent wipe; F04): `spool.db` → `spool.db.corrupt-<unix ms>`
-/// (with its `-wal` and `-shm`), the move is counted, and a fresh spool is
-/// created. A file that is not a SQLite database at all (a config file given
-/// as `spool.path` by mistake) is refused, never moved.
+/// Open the spool; a damaged spool is moved aside (never a silent wipe;
+/// F04): `spool.db` → `spool.db.corrupt-<unix ms>` (with its `-wal` and
+/// `-shm`), the move is counted, and a fresh spool is created. Damage is
+/// known from the open itself (SQLITE_CORRUPT/NOTADB) or from the marker a
+/// background [`crate::integrity`] check left. A file that is not a SQLite
+/// database at all (a config file given as `spool.path` by mistake) is
+/// refused, never moved. No whole-file check runs here: startup work does
+/// not grow with the spool.
 pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
     let path = &cfg.spool.path;
-    let damage = match Spool::open(path, &cfg.spool.options) {
-        Ok(s) => match s.quick_check() {
-            Ok(r) if r == "ok" => return Ok(s),
-            Ok(r) => format!("quick_check: {r}"),
-            Err(e) => e.to_string(),
+    let marker = crate::integrity::damaged_marker(path);
+    let damage = match std::fs::read_to_string(&marker) {
+        Ok(reason) => reason,
+        Err(_) => match Spool::open(path, &cfg.spool.options) {
+            Ok(s) => return Ok(s),
+            Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
+            Err(e) => return Err(e.into()),
         },
-        Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
-        Err(e) => return Err(e.into()),
     };
     let mut head = [0u8; 16];
     let is_sqlite = std::fs::File::open(path)
@@ -90,6 +101,7 @@ pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
             })?;
         }
     }
+    let _ = std::fs::remove_file(&marker);
     let mut s = Spool::open(path, &cfg.spool.options)?;
     s.count("spool_moved_aside_corrupt", 1)?;
     Ok(s)
@@ -105,6 +117,9 @@ pub struct ConfigSource {
     pub sets: Vec<String>,
     /// Set when the file was invalid at start and the last-known-good copy runs.
     pub fallback: Option<String>,
+    /// Check the spool's integrity after delivery starts even if the last
+    /// stop was clean (`run --check-spool`).
+    pub check_spool: bool,
 }
 
 /// Run until SIGTERM/SIGINT. Returns Ok after a clean stop.
@@ -163,7 +178,16 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     } else {
         None
     };
+    crate::probe::remove_stale_files(&spool_dir(&cfg));
+    let check_reason = crate::integrity::take_stamp(&cfg.spool.path).or_else(|| {
+        source
+            .check_spool
+            .then(|| "asked for (--check-spool)".to_owned())
+    });
     let mut ingest = open_spool(&cfg)?;
+    crate::spool::set_wal_brake_frames(
+        (2 * cfg.spool.checkpoint_wal_bytes / WAL_FRAME_BYTES) as i64,
+    );
     if let Some(p) = &tuning {
         if let Ok(json) = serde_json::to_string(p) {
             let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
@@ -226,6 +250,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .spawn(move || publisher::run(delivery_spool, dcfg, link, delivery_rx, stop, stats))
             .map_err(|e| AgentError::Setup(format!("cannot start delivery thread: {e}")))?
     };
+    // Delivery is running: now the whole-file check, if the file needs one.
+    let verdict =
+        check_reason.map(|why| crate::integrity::spawn_check(cfg.spool.path.clone(), why));
     let (ctl_tx, ctl_rx) = mpsc::channel::<Control>();
     let command_handle = {
         let wcfg = WorkerConfig {
@@ -261,7 +288,10 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let full_spool = {
         let mut o = cfg.spool.options.clone();
         o.synchronous = crate::spool::Synchronous::Full;
-        Spool::open(&cfg.spool.path, &o)?
+        let mut s = Spool::open(&cfg.spool.path, &o)?;
+        // One sequence counter per stream, whichever connection commits it.
+        s.share_seqs(&ingest);
+        s
     };
     let mut ing = Ingest {
         full_spool,
@@ -278,7 +308,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         dropped: 0,
         last_error_log: None,
         retry_at: None,
-        upkeep: Upkeep::new(&cfg.spool.path),
+        upkeep: Upkeep::new(&cfg.spool.path, verdict),
         pending_counts: HashMap::new(),
         tuning: tuning.as_ref().map(|p| p.derived),
         storage_backoff: {
@@ -302,6 +332,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         ing.push(r);
     }
     ing.commit_full();
+    let _ = ing.spool.persist_seqs();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !ing.buffer.is_empty() && Instant::now() < deadline {
         ing.retry_at = None;
@@ -324,6 +355,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         let _ = ing
             .spool
             .end_run(run_id, wall_clock_ms().0, "error", Some(&msg));
+        if ing.upkeep.damaged {
+            return Err(AgentError::Damaged(msg));
+        }
         return Err(AgentError::Setup(msg));
     }
     let (status, err) = if lost == 0 {
@@ -335,10 +369,18 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     };
     ing.spool
         .end_run(run_id, wall_clock_ms().0, status, err.as_deref())?;
-    log::info!(
-        "stopped cleanly; {} readings appended this run",
-        ing.appended
-    );
+    let appended = ing.appended;
+    let settled = ing
+        .spool
+        .checkpoint(CheckpointMode::Truncate)
+        .is_ok_and(|r| r.busy == 0);
+    let path = ing.cfg.spool.path.clone();
+    drop(ing);
+    if settled && lost == 0 {
+        // The next start can trust this file without reading all of it.
+        crate::integrity::write_stamp(&path);
+    }
+    log::info!("stopped cleanly; {appended} readings appended this run");
     Ok(())
 }
 
@@ -612,16 +654,28 @@ struct Upkeep {
     identity: Option<(u64, u64)>,
     /// Set when the agent must stop for its supervisor (spool replaced).
     fatal: Option<String>,
+    /// The background integrity check, if one runs.
+    verdict: Option<crate::integrity::Verdict>,
+    /// The fatal condition is a damaged spool (run again to move it aside).
+    damaged: bool,
     last_checkpoint: Instant,
-    appended_at_last_maint: u64,
+    /// The last checkpoint's outcome, for `status` (stored at the summary).
+    last_checkpoint_json: Option<serde_json::Value>,
+    /// Checkpoints run since start.
+    checkpoints: u64,
+    /// Last time sequence numbers were persisted.
+    seqs_persisted: Instant,
+    /// The health line last stored, so it is written only when it changes.
+    health_stored: Option<String>,
     /// Last capacity check and its answer (checked at most once a second).
     capacity_checked: Option<Instant>,
     refusal: Option<crate::maintenance::Refusal>,
     /// A checkpoint found the WAL pinned by a reader.
     checkpoint_blocked: bool,
-    /// Write budget baseline: (when, /proc/self/io write_bytes, commits).
-    budget_since: (Instant, u64, u64),
-    commits: u64,
+    /// Write budget baseline: (when, /proc/self/io write_bytes).
+    budget_since: (Instant, u64),
+    /// Commits on the `synchronous = FULL` ingest connection.
+    full_commits: u64,
     last_refusal_log: Option<Instant>,
     last_checkpoint_error: Option<Instant>,
     /// SQLITE_FULL was hit; cleared by [`Ingest::recovered_from_disk_full`].
@@ -632,21 +686,25 @@ struct Upkeep {
 }
 
 impl Upkeep {
-    fn new(spool: &Path) -> Upkeep {
+    fn new(spool: &Path, verdict: Option<crate::integrity::Verdict>) -> Upkeep {
         Upkeep {
             identity: crate::maintenance::file_identity(spool),
             fatal: None,
+            verdict,
+            damaged: false,
             last_checkpoint: Instant::now(),
-            appended_at_last_maint: 0,
+            last_checkpoint_json: None,
+            checkpoints: 0,
+            seqs_persisted: Instant::now(),
+            health_stored: None,
             capacity_checked: None,
             refusal: None,
             checkpoint_blocked: false,
             budget_since: (
                 Instant::now(),
                 crate::maintenance::proc_write_bytes().unwrap_or(0),
-                0,
             ),
-            commits: 0,
+            full_commits: 0,
             last_refusal_log: None,
             last_checkpoint_error: None,
             disk_full: false,
@@ -686,6 +744,9 @@ impl Ingest {
         std::mem::swap(&mut self.buffer, &mut self.full_buffer);
         let retry_at = self.retry_at.take();
         self.commit();
+        if self.buffer.is_empty() {
+            self.upkeep.full_commits += 1;
+        }
         self.retry_at = retry_at;
         std::mem::swap(&mut self.buffer, &mut self.full_buffer);
         std::mem::swap(&mut self.spool, &mut self.full_spool);
@@ -826,12 +887,11 @@ impl Ingest {
         ) {
             Ok(n) => {
                 self.appended += n as u64;
-                self.upkeep.commits += 1;
                 self.buffer.clear();
                 self.retry_at = None;
                 self.storage_backoff.reset();
                 let _ = self.to_delivery.send(DeliveryMsg::NewRows);
-                self.checkpoint_if_due(false);
+                self.checkpoint_if_due();
             }
             Err(SpoolError::Full { source, .. }) => {
                 // A half-written transaction was rolled back; nothing partial stays.
@@ -867,44 +927,55 @@ impl Ingest {
                 .count("readings_dropped_buffer_full", self.dropped as i64)
                 .is_ok()
         {
+            let why = if self.retry_at.is_some() || self.upkeep.disk_full {
+                "while the spool refused writes"
+            } else {
+                "readings arrived faster than the spool could commit them"
+            };
             log::error!(
-                "ingest: {} readings dropped: in-memory buffer full while the spool refused writes",
+                "ingest: {} readings dropped, counted as readings_dropped_buffer_full: the in-memory buffer ({MAX_BUFFERED} readings) was full {why}",
                 self.dropped
             );
             self.dropped = 0;
         }
     }
 
-    /// Run the checkpoint the policy asks for now, and record the outcome.
-    fn checkpoint_if_due(&mut self, idle: bool) {
-        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
-            .map(|m| m.len())
-            .unwrap_or(0);
+    /// Run the checkpoint the policy asks for now, and record the outcome
+    /// in memory (written to `agent_state` at the summary interval, not with
+    /// a commit of its own each time).
+    fn checkpoint_if_due(&mut self) {
+        let written = crate::spool::wal_frames_since_checkpoint() * WAL_FRAME_BYTES;
         let inputs = crate::maintenance::CheckpointInputs {
-            wal_bytes: wal,
+            written_bytes: written,
             threshold_bytes: self.cfg.spool.checkpoint_wal_bytes,
-            limit_bytes: self.cfg.spool.options.journal_size_limit_bytes.max(0) as u64,
             since_last: self.upkeep.last_checkpoint.elapsed(),
             interval: self.cfg.spool.checkpoint_interval,
-            idle,
         };
         let Some(mode) = crate::maintenance::checkpoint_due(&inputs) else {
             return;
         };
+        self.run_checkpoint(mode, written);
+    }
+
+    fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) {
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
         let t = Instant::now();
         let res = self.spool.checkpoint(mode);
         let took = t.elapsed();
         self.upkeep.last_checkpoint = Instant::now();
+        self.upkeep.checkpoints += 1;
         let now = wall_clock_ms().0;
         match res {
             Ok(r) => {
                 let blocked = r.busy != 0 || r.checkpointed_frames < r.log_frames;
-                let json = serde_json::json!({"mode": format!("{mode:?}").to_lowercase(), "busy": r.busy,
+                self.upkeep.last_checkpoint_json = Some(
+                    serde_json::json!({"mode": format!("{mode:?}").to_lowercase(), "busy": r.busy,
                     "log_frames": r.log_frames, "checkpointed_frames": r.checkpointed_frames,
-                    "wal_bytes_before": wal, "duration_ms": took.as_millis() as u64, "at_ms": now});
-                let _ = self
-                    .spool
-                    .set_state("last_checkpoint", &json.to_string(), now);
+                    "written_bytes_before": written, "wal_file_bytes_before": wal,
+                    "duration_ms": took.as_millis() as u64, "at_ms": now}),
+                );
                 if blocked {
                     let _ = self.spool.count("wal_checkpoint_blocked", 1);
                     if !self.upkeep.checkpoint_blocked {
@@ -1196,6 +1267,21 @@ impl Ingest {
     /// checkpoint policy, the spool-file identity check, and the health and
     /// write-budget record for `status`.
     fn maintain(&mut self) {
+        let found = self
+            .upkeep
+            .verdict
+            .as_ref()
+            .and_then(|v| v.lock().unwrap_or_else(|p| p.into_inner()).clone());
+        if let Some(damage) = found {
+            let msg = format!(
+                "spool {} is damaged ({damage}); stopping to move it aside and start a fresh spool",
+                self.cfg.spool.path.display()
+            );
+            log::error!("{msg}");
+            self.upkeep.fatal = Some(msg);
+            self.upkeep.damaged = true;
+            return;
+        }
         if let Some(id) = self.upkeep.identity {
             if crate::maintenance::file_identity(&self.cfg.spool.path) != Some(id) {
                 let msg = format!(
@@ -1240,15 +1326,47 @@ impl Ingest {
         if purged > 0 {
             log::debug!("retention: deleted {purged} acknowledged rows");
         }
-        let idle = self.appended == self.upkeep.appended_at_last_maint;
-        self.upkeep.appended_at_last_maint = self.appended;
-        self.checkpoint_if_due(idle);
+        self.persist_seqs_if_due();
+        self.shrink_step();
+        self.checkpoint_if_due();
         self.record_health();
     }
 
+    /// Sequence numbers reach `streams` once a minute or every 10,000
+    /// readings (an append writes only its rows; a restart reads the rows
+    /// appended since the last persist, so this bounds startup work).
+    fn persist_seqs_if_due(&mut self) {
+        let due = self.spool.appended_since_persist() >= 10_000
+            || self.upkeep.seqs_persisted.elapsed() >= Duration::from_secs(60);
+        if due && self.spool.persist_seqs().is_ok() {
+            self.upkeep.seqs_persisted = Instant::now();
+        }
+    }
+
+    /// Give free pages back in a bounded step (at most 4 MiB a pass) once
+    /// they exceed the live data plus 8 MiB, then let the checkpoint policy
+    /// copy the moved pages (issue: the spool gives space back).
+    fn shrink_step(&mut self) {
+        match self.spool.shrink_step(8 * 1024 * 1024, 1024) {
+            Ok(0) => {}
+            Ok(n) => log::debug!("spool: gave {n} free pages back to the filesystem"),
+            Err(e) => {
+                if self
+                    .upkeep
+                    .last_checkpoint_error
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::warn!("incremental vacuum skipped: {e}");
+                    self.upkeep.last_checkpoint_error = Some(Instant::now());
+                }
+            }
+        }
+    }
+
     /// Health and write budget into `agent_state`, for `status`.
+    /// The health line, stored only when it changes (a commit twice a
+    /// second whatever the rate was a large share of the flash writes).
     fn record_health(&mut self) {
-        let now = wall_clock_ms().0;
         let mut reasons = Vec::new();
         if self.upkeep.checkpoint_blocked {
             reasons.push("checkpoint blocked: a reader is pinning the WAL".to_owned());
@@ -1267,28 +1385,60 @@ impl Ingest {
         } else {
             format!("degraded: {}", reasons.join("; "))
         };
-        let _ = self.spool.set_state("health", &health, now);
-        let (since, bytes0, commits0) = self.upkeep.budget_since;
-        let bytes = crate::maintenance::proc_write_bytes().unwrap_or(bytes0);
-        let elapsed = since.elapsed();
-        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
-            .map(|m| m.len())
-            .unwrap_or(0);
-        let budget = serde_json::json!({
-            "write_bytes_per_hour": crate::maintenance::per_hour(bytes.saturating_sub(bytes0), elapsed),
-            "commits_per_hour": crate::maintenance::per_hour(self.upkeep.commits - commits0, elapsed),
-            "wal_bytes": wal,
-            "window_secs": elapsed.as_secs(),
-        });
-        let _ = self
+        if self.upkeep.health_stored.as_deref() == Some(health.as_str()) {
+            return;
+        }
+        if self
             .spool
-            .set_state("write_budget", &budget.to_string(), now);
-        if elapsed > Duration::from_secs(3600) {
-            self.upkeep.budget_since = (Instant::now(), bytes, self.upkeep.commits);
+            .set_state("health", &health, wall_clock_ms().0)
+            .is_ok()
+        {
+            self.upkeep.health_stored = Some(health);
         }
     }
 
+    /// What this run has cost the flash so far, for `status`: bytes the
+    /// kernel sent to the block layer for this process (`/proc/self/io`),
+    /// commits on every connection, checkpoints, and what follows per hour,
+    /// per reading and per day.
+    fn write_budget(&self) -> serde_json::Value {
+        let (since, bytes0) = self.upkeep.budget_since;
+        let bytes = crate::maintenance::proc_write_bytes()
+            .unwrap_or(bytes0)
+            .saturating_sub(bytes0);
+        let elapsed = since.elapsed();
+        let commits = crate::spool::commits_total();
+        let checkpoints = self.upkeep.checkpoints;
+        // synchronous=NORMAL fsyncs only at checkpoints (the WAL, then the
+        // database: https://www.sqlite.org/wal.html#sync); FULL at every commit.
+        let fsyncs = 2 * checkpoints + self.upkeep.full_commits;
+        let per_hour = |n: u64| crate::maintenance::per_hour(n, elapsed);
+        let readings = self.appended.max(1);
+        serde_json::json!({
+            "window_secs": elapsed.as_secs(),
+            "write_bytes_total": bytes,
+            "write_bytes_per_hour": per_hour(bytes),
+            "commits_total": commits,
+            "commits_per_hour": per_hour(commits),
+            "checkpoints_total": checkpoints,
+            "checkpoints_per_hour": per_hour(checkpoints),
+            "fsyncs_estimated_total": fsyncs,
+            "fsyncs_estimated_per_hour": per_hour(fsyncs),
+            "readings_total": self.appended,
+            "bytes_per_reading": bytes / readings,
+            "projected_mb_per_day": per_hour(bytes) as f64 * 24.0 / 1e6,
+            "wal_file_bytes": std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+                .map(|m| m.len())
+                .unwrap_or(0),
+        })
+    }
+
     fn summary(&mut self, stats: &DeliveryStats) {
+        let mut states = vec![("write_budget", self.write_budget().to_string())];
+        if let Some(c) = &self.upkeep.last_checkpoint_json {
+            states.push(("last_checkpoint", c.to_string()));
+        }
+        let _ = self.spool.set_states(&states, wall_clock_ms().0);
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);

@@ -24,6 +24,7 @@
 //! - [`commands`]: commands over MQTT, at most once (receipts, handlers, results);
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`]: lock file and local-filesystem check;
+//! - [`integrity`]: when the whole-file check runs (never before delivery);
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
@@ -37,6 +38,7 @@ pub mod config;
 pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
+pub mod integrity;
 pub mod maintenance;
 pub mod mqtt;
 pub mod probe;

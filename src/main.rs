@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage:
-  edgespool run --config FILE [--set key.path=value]...
+  edgespool run --config FILE [--set key.path=value]... [--check-spool]
   edgespool check-config FILE [--set key.path=value]...
   edgespool status (--config FILE | --spool PATH) [--json]
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
@@ -17,6 +17,7 @@ enum Cmd {
     Run {
         config: PathBuf,
         sets: Vec<String>,
+        check_spool: bool,
     },
     Check {
         config: PathBuf,
@@ -54,7 +55,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         None => return Err("missing command".into()),
     };
     let (mut config, mut spool, mut sets, mut json) = (None, None, Vec::new(), false);
-    let mut dir = None;
+    let (mut dir, mut check_spool) = (None, false);
     let (mut url, mut topic, mut db, mut client_id, mut share) = (None, None, None, None, None);
     while let Some(arg) = p.next()? {
         match arg {
@@ -62,6 +63,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("spool") => spool = Some(PathBuf::from(p.value()?)),
             Long("set") => sets.push(p.value()?.string()?),
             Long("json") => json = true,
+            Long("check-spool") if sub == "run" => check_spool = true,
             Long("dir") => dir = Some(PathBuf::from(p.value()?)),
             Long("url") => url = Some(p.value()?.string()?),
             Long("topic") => topic = Some(p.value()?.string()?),
@@ -79,6 +81,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         "run" => Ok(Cmd::Run {
             config: config.ok_or("run needs --config FILE")?,
             sets,
+            check_spool,
         }),
         "check-config" => Ok(Cmd::Check {
             config: config.ok_or("check-config needs FILE")?,
@@ -296,7 +299,11 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Cmd::Run { config, sets } => {
+        Cmd::Run {
+            config,
+            sets,
+            check_spool,
+        } => {
             let loaded = match edgespool::configfile::load_at_start(&config, &sets) {
                 Ok(l) => l,
                 Err(e) => {
@@ -308,14 +315,21 @@ fn main() -> ExitCode {
                 path: config,
                 sets,
                 fallback: loaded.fallback,
+                check_spool,
             };
-            match edgespool::agent::run(loaded.config, source) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    log::error!("{e}");
-                    ExitCode::FAILURE
+            // A damaged spool found after start: once more, which moves it
+            // aside (in this process: no restart by the supervisor needed).
+            for _ in 0..2 {
+                match edgespool::agent::run(loaded.config.clone(), source.clone()) {
+                    Ok(()) => return ExitCode::SUCCESS,
+                    Err(edgespool::agent::AgentError::Damaged(e)) => log::error!("{e}"),
+                    Err(e) => {
+                        log::error!("{e}");
+                        return ExitCode::FAILURE;
+                    }
                 }
             }
+            ExitCode::FAILURE
         }
     }
 }

@@ -16,31 +16,33 @@ use std::time::Duration;
 /// What the checkpoint policy looks at.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CheckpointInputs {
-    /// Size of the `-wal` file, bytes.
-    pub wal_bytes: u64,
-    /// PASSIVE once the WAL reaches this many bytes.
+    /// Bytes of WAL frames written since the last checkpoint copied them
+    /// back ([`crate::spool::wal_frames_since_checkpoint`] times the frame
+    /// size), never the `-wal` file's length: after a checkpoint SQLite keeps
+    /// the file at `journal_size_limit`, so its length says nothing about
+    /// what is new.
+    pub written_bytes: u64,
+    /// PASSIVE once this many bytes were written since the last checkpoint.
     pub threshold_bytes: u64,
-    /// `journal_size_limit`: past twice this the agent brakes with TRUNCATE.
-    pub limit_bytes: u64,
     /// Time since the last checkpoint.
     pub since_last: Duration,
-    /// PASSIVE at least this often while the WAL has frames.
+    /// PASSIVE at least this often while something was written.
     pub interval: Duration,
-    /// Nothing was appended since the last maintenance pass.
-    pub idle: bool,
 }
 
-/// The checkpoint to run now, if any (litestream's tiers: PASSIVE on a page or
-/// time threshold, TRUNCATE as the brake or when idle;
-/// <https://www.sqlite.org/c3ref/wal_checkpoint_v2.html>).
+/// The checkpoint to run now, if any: PASSIVE on a written-bytes or time
+/// threshold (litestream's first tier;
+/// <https://www.sqlite.org/c3ref/wal_checkpoint_v2.html>). PASSIVE never
+/// waits for a reader or a writer, so no pass can hold the write lock for a
+/// busy timeout; the WAL restarts from its beginning at the first write after
+/// a complete checkpoint, and `journal_size_limit` trims the file then.
+/// TRUNCATE is kept for explicit requests (the `checkpoint` command, leaving
+/// a disk-full state).
 pub fn checkpoint_due(i: &CheckpointInputs) -> Option<CheckpointMode> {
-    if i.wal_bytes == 0 {
+    if i.written_bytes == 0 {
         return None;
     }
-    if i.wal_bytes > i.limit_bytes.saturating_mul(2) || (i.idle && i.since_last >= i.interval) {
-        return Some(CheckpointMode::Truncate);
-    }
-    if i.wal_bytes >= i.threshold_bytes || i.since_last >= i.interval {
+    if i.written_bytes >= i.threshold_bytes || i.since_last >= i.interval {
         return Some(CheckpointMode::Passive);
     }
     None
@@ -179,29 +181,26 @@ mod tests {
 
     fn inputs() -> CheckpointInputs {
         CheckpointInputs {
-            wal_bytes: 100_000,
+            written_bytes: 100_000,
             threshold_bytes: 1_000_000,
-            limit_bytes: 4_000_000,
             since_last: Duration::from_secs(1),
             interval: Duration::from_secs(30),
-            idle: false,
         }
     }
 
     #[test]
-    fn no_checkpoint_below_thresholds_or_with_an_empty_wal() {
+    fn no_checkpoint_below_thresholds_or_with_nothing_written() {
         assert_eq!(checkpoint_due(&inputs()), None);
         let mut i = inputs();
-        i.wal_bytes = 0;
-        i.idle = true;
+        i.written_bytes = 0;
         i.since_last = Duration::from_secs(3600);
         assert_eq!(checkpoint_due(&i), None);
     }
 
     #[test]
-    fn passive_on_the_page_or_time_threshold() {
+    fn passive_on_the_written_bytes_or_time_threshold() {
         let mut i = inputs();
-        i.wal_bytes = 1_000_000;
+        i.written_bytes = 1_000_000;
         assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Passive));
         let mut i = inputs();
         i.since_last = Duration::from_secs(30);
@@ -209,14 +208,12 @@ mod tests {
     }
 
     #[test]
-    fn truncate_as_the_brake_and_when_idle() {
+    fn a_wal_file_kept_at_its_limit_does_not_trigger_checkpoints() {
+        // The regression behind the flash-wear issue: the policy never sees
+        // the file length, only what was written since the last checkpoint.
         let mut i = inputs();
-        i.wal_bytes = 8_000_001;
-        assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Truncate));
-        let mut i = inputs();
-        i.idle = true;
-        i.since_last = Duration::from_secs(30);
-        assert_eq!(checkpoint_due(&i), Some(CheckpointMode::Truncate));
+        i.written_bytes = 4096 + 24;
+        assert_eq!(checkpoint_due(&i), None);
     }
 
     #[test]

@@ -143,6 +143,34 @@ pub fn measure(dir: &Path, samples: usize, bulk_bytes: usize) -> std::io::Result
     res
 }
 
+/// Remove probe files left by a probe that was killed (`.edgespool-probe-<pid>`,
+/// up to the probe's bulk size each) whose process is gone.
+pub fn remove_stale_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(".edgespool-probe-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => log::info!("removed a stale storage probe file {}", e.path().display()),
+            Err(err) => log::warn!(
+                "cannot remove stale probe file {}: {err}",
+                e.path().display()
+            ),
+        }
+    }
+}
+
 /// `<dir>/storage-profile.json`.
 pub fn profile_path(dir: &Path) -> PathBuf {
     dir.join("storage-profile.json")

@@ -23,10 +23,12 @@ use rusqlite::{params, Connection, ErrorCode, OpenFlags, OptionalExtension, Tran
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -145,30 +147,127 @@ CREATE INDEX IF NOT EXISTS events_unacked ON events(id) WHERE state IN ('PENDING
 CREATE INDEX IF NOT EXISTS events_acked ON events(acked_ms) WHERE state = 'ACKED';
 ";
 
+/// Schema 5: what one reading costs on flash (issue: flash writes within 1.5x
+/// of the minimum). A reading is one row in one append-only table with its
+/// payload inline and no secondary index, so an append dirties the table's
+/// rightmost leaf and nothing else. Delivery state is not a column:
+/// - `delivery_mark.acked_through`: every row with a smaller or equal id is
+///   acknowledged or FAILED (a high-water mark, moved only by
+///   [`Spool::retire`] over rows whose PUBACK arrived);
+/// - `acked_above`: rows acknowledged out of order above the mark (few);
+/// - `failed`: rows FAILED by policy, with the reason;
+/// - `delivery_mark.sent_through`: the highest row id ever submitted (rows at
+///   or below it that are not acknowledged show as SENT).
+///
+/// Sequence numbers live in `streams.last_seq`, written lazily (see
+/// [`Spool::persist_seqs`]); at open the rows above `spool_meta.seq_through_id`
+/// are scanned to catch up. Row ids are never reused because retention never
+/// deletes the row with the highest id (<https://www.sqlite.org/autoinc.html>:
+/// a new rowid is one more than the largest in the table).
+const MIGRATION_5: &str = "
+CREATE TABLE streams (
+    id       INTEGER PRIMARY KEY,
+    name     TEXT    NOT NULL UNIQUE,
+    last_seq INTEGER NOT NULL
+);
+INSERT INTO streams (name, last_seq) SELECT stream, last_seq FROM stream_seq;
+INSERT OR IGNORE INTO streams (name, last_seq) SELECT stream, max(seq) FROM events GROUP BY stream;
+CREATE TABLE delivery_mark (
+    one            INTEGER PRIMARY KEY CHECK (one = 1),
+    acked_through  INTEGER NOT NULL,
+    sent_through   INTEGER NOT NULL
+);
+INSERT INTO delivery_mark VALUES (1,
+    coalesce((SELECT min(id) - 1 FROM events WHERE state IN ('PENDING','SENT')),
+             (SELECT max(id) FROM events), 0),
+    coalesce((SELECT max(id) FROM events WHERE state <> 'PENDING'), 0));
+CREATE TABLE acked_above (id INTEGER PRIMARY KEY);
+INSERT INTO acked_above SELECT id FROM events
+    WHERE state = 'ACKED' AND id > (SELECT acked_through FROM delivery_mark);
+CREATE TABLE failed (
+    id        INTEGER PRIMARY KEY,
+    reason    TEXT    NOT NULL,
+    failed_ms INTEGER NOT NULL
+);
+INSERT INTO failed SELECT id, coalesce(fail_reason, ''), coalesce(last_attempt_ms, created_ms)
+    FROM events WHERE state = 'FAILED';
+CREATE TABLE spool_meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+CREATE TABLE events_v5 (
+    id         INTEGER PRIMARY KEY,
+    stream_id  INTEGER NOT NULL,
+    seq        INTEGER NOT NULL,
+    event_id   TEXT    NOT NULL,
+    created_ms INTEGER NOT NULL,
+    digest     BLOB    NOT NULL,
+    payload    BLOB    NOT NULL
+);
+INSERT INTO events_v5 SELECT e.id, s.id, e.seq, e.event_id, e.created_ms, e.digest, p.payload
+    FROM events e JOIN streams s ON s.name = e.stream JOIN payloads p ON p.id = e.id;
+INSERT INTO spool_meta VALUES ('seq_through_id', coalesce((SELECT max(id) FROM events_v5), 0));
+DROP TABLE events;
+DROP TABLE payloads;
+DROP TABLE stream_seq;
+ALTER TABLE events_v5 RENAME TO events;
+CREATE VIEW event_states AS
+SELECT e.id, e.event_id, s.name AS stream, e.seq, e.created_ms, e.payload, e.digest,
+    CASE WHEN f.id IS NOT NULL THEN 'FAILED'
+         WHEN e.id <= m.acked_through OR a.id IS NOT NULL THEN 'ACKED'
+         WHEN e.id <= m.sent_through THEN 'SENT'
+         ELSE 'PENDING' END AS state,
+    f.reason AS fail_reason
+FROM events e JOIN streams s ON s.id = e.stream_id CROSS JOIN delivery_mark m
+    LEFT JOIN acked_above a ON a.id = e.id LEFT JOIN failed f ON f.id = e.id;
+";
+
 const SQL_INSERT_EVENT: &str = "INSERT INTO events
-    (event_id, stream, seq, digest, state, attempts, created_ms)
-    VALUES (?1, ?2, ?3, ?4, 'PENDING', 0, ?5)";
-const SQL_INSERT_PAYLOAD: &str = "INSERT INTO payloads (id, payload) VALUES (?1, ?2)";
-const SQL_UPSERT_SEQ: &str = "INSERT INTO stream_seq (stream, last_seq) VALUES (?1, ?2)
-    ON CONFLICT(stream) DO UPDATE SET last_seq = excluded.last_seq";
-const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, e.stream, p.payload, e.digest
-    FROM events e JOIN payloads p ON p.id = e.id
-    WHERE e.state IN ('PENDING','SENT') AND e.id > ?1 ORDER BY e.id LIMIT ?2";
-const SQL_MARK_SENT: &str = "UPDATE events SET state = 'SENT', attempts = attempts + 1,
-    last_attempt_ms = ?2, next_retry_ms = ?3 WHERE id = ?1 AND state IN ('PENDING','SENT')";
-const SQL_RETIRE: &str = "UPDATE events SET state = 'ACKED', acked_ms = ?2
-    WHERE id = ?1 AND state IN ('PENDING','SENT')";
-const SQL_RETIRE_ATTEMPT: &str = "UPDATE events SET state = 'ACKED', acked_ms = ?2,
-    attempts = attempts + ?3, last_attempt_ms = CASE WHEN ?3 > 0 THEN ?2 ELSE last_attempt_ms END
-    WHERE id = ?1 AND state IN ('PENDING','SENT')";
-const SQL_FAIL: &str = "UPDATE events SET state = 'FAILED', fail_reason = ?2
-    WHERE id = ?1 AND state IN ('PENDING','SENT')";
-const SQL_PURGE_PAYLOADS: &str = "DELETE FROM payloads WHERE id IN (
-    SELECT id FROM events WHERE state = 'ACKED' AND acked_ms < ?1 ORDER BY id LIMIT ?2)";
+    (stream_id, seq, event_id, created_ms, digest, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)";
+const SQL_NEW_STREAM: &str =
+    "INSERT INTO streams (name, last_seq) VALUES (?1, 0) ON CONFLICT(name) DO NOTHING";
+const SQL_STREAM_BY_NAME: &str = "SELECT id, last_seq FROM streams WHERE name = ?1";
+const SQL_SET_SEQ: &str = "UPDATE streams SET last_seq = max(last_seq, ?2) WHERE id = ?1";
+/// Unresolved rows (not acknowledged, not FAILED) above `?1`, in id order.
+const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest
+    FROM events e JOIN streams s ON s.id = e.stream_id
+    WHERE e.id > max(?1, (SELECT acked_through FROM delivery_mark))
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT ?2";
+/// Rows above the mark with whether each is already resolved, for folding.
+const SQL_ABOVE_MARK: &str = "SELECT e.id,
+    EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+    OR EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    FROM events e WHERE e.id > ?1 ORDER BY e.id LIMIT ?2";
+const SQL_MARK: &str = "SELECT acked_through, sent_through FROM delivery_mark";
+const SQL_SET_MARK: &str = "UPDATE delivery_mark SET acked_through = ?1, sent_through = ?2";
+const SQL_ACKED_ABOVE: &str = "INSERT OR IGNORE INTO acked_above (id) SELECT ?1
+    WHERE EXISTS (SELECT 1 FROM events WHERE id = ?1)";
+const SQL_FAIL: &str = "INSERT OR IGNORE INTO failed (id, reason, failed_ms) SELECT ?1, ?2, ?3
+    WHERE EXISTS (SELECT 1 FROM events WHERE id = ?1)
+      AND ?1 > (SELECT acked_through FROM delivery_mark)
+      AND NOT EXISTS (SELECT 1 FROM acked_above WHERE id = ?1)";
+/// Acknowledged rows, oldest first, appended before `?1`; never the newest
+/// row (its id keeps new ids above every id ever used) nor a FAILED one.
 const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
-    SELECT id FROM events WHERE state = 'ACKED' AND acked_ms < ?1 ORDER BY id LIMIT ?2)";
+    SELECT id FROM events
+    WHERE id <= (SELECT acked_through FROM delivery_mark)
+      AND id < (SELECT max(id) FROM events)
+      AND created_ms < ?1
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id)
+    ORDER BY id LIMIT ?2)";
+const SQL_PURGE_ABOVE: &str = "DELETE FROM events WHERE id IN (
+    SELECT a.id FROM acked_above a JOIN events e ON e.id = a.id
+    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events)
+    ORDER BY a.id LIMIT ?2)";
+const SQL_PURGE_ABOVE_INDEX: &str =
+    "DELETE FROM acked_above WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.id = acked_above.id)";
 const SQL_COUNTER_ADD: &str = "INSERT INTO counters (name, value) VALUES (?1, ?2)
     ON CONFLICT(name) DO UPDATE SET value = value + excluded.value";
+
+/// Rows folded into the acknowledged mark per query while retiring.
+const FOLD_STEP: i64 = 4096;
 
 /// Errors from the spool, classified from SQLite's result codes
 /// (<https://www.sqlite.org/rescode.html>), never from message text.
@@ -398,8 +497,87 @@ pub struct Spool {
     pub(crate) conn: Connection,
     path: PathBuf,
     pragmas: EffectivePragmas,
-    /// Last sequence number per stream (ingest connection only).
-    seqs: HashMap<String, i64>,
+    /// Sequence numbers issued by [`Spool::append`]; shared by the ingest
+    /// connections ([`Spool::share_seqs`]) so each stream has one counter.
+    seqs: Arc<Mutex<SeqBook>>,
+}
+
+/// Sequence numbers per stream as the ingest connections issue them.
+#[derive(Debug, Default)]
+struct SeqBook {
+    /// Stream id and last sequence number per stream name.
+    streams: HashMap<String, StreamSeq>,
+    /// Some `last_seq` moved since [`Spool::persist_seqs`].
+    dirty: bool,
+    /// Rows appended since [`Spool::persist_seqs`].
+    appended_since_persist: u64,
+}
+
+/// A stream's id in `streams` and the last sequence number issued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StreamSeq {
+    id: i64,
+    last_seq: i64,
+}
+
+/// Frames in the WAL after the newest commit on any connection of this
+/// process, as reported by SQLite's WAL hook
+/// (<https://www.sqlite.org/c3ref/wal_hook.html>).
+static WAL_FRAMES: AtomicI64 = AtomicI64::new(0);
+/// Frames already copied back by the last checkpoint this process ran.
+static WAL_BACKFILLED: AtomicI64 = AtomicI64::new(0);
+/// Past this many frames in the WAL, the committing connection runs a
+/// PASSIVE checkpoint itself (a brake while the agent's loop is busy);
+/// 0 = off. Set by the agent from its checkpoint threshold.
+static WAL_BRAKE_FRAMES: AtomicI64 = AtomicI64::new(8192);
+/// Commits on every connection of this process (the write budget).
+static COMMITS: AtomicU64 = AtomicU64::new(0);
+
+/// Registering this hook turns SQLite's own auto-checkpoint off for the
+/// connection (the agent owns checkpoints); it records the WAL's frame count
+/// and brakes the WAL with a PASSIVE checkpoint past [`set_wal_brake_frames`].
+fn wal_hook(wal: &rusqlite::hooks::Wal, frames: std::os::raw::c_int) -> rusqlite::Result<()> {
+    let frames = i64::from(frames);
+    if WAL_FRAMES.swap(frames, Ordering::Relaxed) > frames {
+        // Fewer frames than before: the WAL restarted from its beginning.
+        WAL_BACKFILLED.store(0, Ordering::Relaxed);
+    }
+    COMMITS.fetch_add(1, Ordering::Relaxed);
+    let brake = WAL_BRAKE_FRAMES.load(Ordering::Relaxed);
+    if brake > 0 && frames - WAL_BACKFILLED.load(Ordering::Relaxed) >= brake {
+        // Busy is not an error here: the agent's own pass retries.
+        if let Ok((log, done)) = wal.checkpoint_v2(rusqlite::hooks::CheckpointMode::PASSIVE) {
+            note_checkpoint(i64::from(log), i64::from(done));
+        }
+    }
+    Ok(())
+}
+
+fn note_checkpoint(log_frames: i64, checkpointed: i64) {
+    if log_frames >= 0 && checkpointed >= 0 {
+        WAL_FRAMES.store(log_frames, Ordering::Relaxed);
+        WAL_BACKFILLED.store(checkpointed, Ordering::Relaxed);
+    }
+}
+
+/// Frames written to the WAL since the last checkpoint copied them back
+/// (not the `-wal` file's length, which `journal_size_limit` keeps at its
+/// limit after a reset).
+pub fn wal_frames_since_checkpoint() -> u64 {
+    let frames = WAL_FRAMES.load(Ordering::Relaxed);
+    let done = WAL_BACKFILLED.load(Ordering::Relaxed);
+    (frames - done).max(0) as u64
+}
+
+/// Commits made by every spool connection of this process since it started.
+pub fn commits_total() -> u64 {
+    COMMITS.load(Ordering::Relaxed)
+}
+
+/// Set the frame count past which a committing connection checkpoints
+/// (PASSIVE) on its own; 0 turns the brake off.
+pub fn set_wal_brake_frames(frames: i64) {
+    WAL_BRAKE_FRAMES.store(frames.max(0), Ordering::Relaxed);
 }
 
 impl std::fmt::Debug for Spool {
@@ -425,6 +603,11 @@ impl Spool {
         )
         .map_err(err)?;
         conn.busy_timeout(opts.busy_timeout).map_err(err)?;
+        // auto_vacuum can only be chosen before the first table exists
+        // (<https://www.sqlite.org/pragma.html#pragma_auto_vacuum>); older
+        // spools are converted once, by VACUUM, in `migrate`.
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
+            .map_err(err)?;
         // journal_mode returns a row and is ignored inside a transaction
         // (F07): set it alone, outside any transaction, and read the answer.
         let mode: String = conn
@@ -468,11 +651,12 @@ impl Spool {
                 effective: pragmas.journal_mode,
             });
         }
+        conn.wal_hook(Some(wal_hook));
         let mut spool = Spool {
             conn,
             path: path.to_path_buf(),
             pragmas,
-            seqs: HashMap::new(),
+            seqs: Arc::default(),
         };
         spool.migrate()?;
         spool.load_seqs()?;
@@ -505,7 +689,7 @@ impl Spool {
             conn,
             path: path.to_path_buf(),
             pragmas,
-            seqs: HashMap::new(),
+            seqs: Arc::default(),
         })
     }
 
@@ -572,27 +756,139 @@ impl Spool {
         if version < 4 {
             tx.execute_batch(MIGRATION_4).map_err(err)?;
         }
+        if version < 5 {
+            tx.execute_batch(MIGRATION_5).map_err(err)?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
-        tx.commit().map_err(err)
+        tx.commit().map_err(err)?;
+        self.convert_to_incremental_vacuum()
     }
 
+    /// A spool created before schema 5 has `auto_vacuum = NONE` and never
+    /// gives space back; one VACUUM converts it
+    /// (<https://www.sqlite.org/pragma.html#pragma_auto_vacuum>). It needs
+    /// free space about the size of the file; if it fails (SQLITE_FULL on a
+    /// small disk or temp directory) the spool keeps working as it is and
+    /// the next start tries again.
+    fn convert_to_incremental_vacuum(&mut self) -> Result<(), SpoolError> {
+        let mode: i64 = self
+            .conn
+            .query_row("PRAGMA auto_vacuum", [], |r| r.get(0))
+            .map_err(|e| self.err(e))?;
+        if mode == 2 {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let res = self
+            .conn
+            .execute_batch("PRAGMA auto_vacuum = INCREMENTAL; VACUUM;");
+        match res {
+            Ok(()) => {
+                log::info!(
+                    "spool {}: converted to auto_vacuum=incremental in {} ms (once)",
+                    self.path.display(),
+                    t.elapsed().as_millis()
+                );
+                let _ = self.checkpoint(CheckpointMode::Truncate);
+            }
+            Err(e) => log::warn!(
+                "spool {}: could not convert to auto_vacuum=incremental ({e}); the file will not shrink until this succeeds at a later start",
+                self.path.display()
+            ),
+        }
+        Ok(())
+    }
+
+    /// Sequence numbers per stream: the stored `last_seq`, caught up with the
+    /// rows appended since it was last written (only those rows are read, so
+    /// the cost does not grow with the spool).
     fn load_seqs(&mut self) -> Result<(), SpoolError> {
+        let path = self.path.clone();
+        let err = |e| SpoolError::classify(&path, e);
         let mut stmt = self
             .conn
-            .prepare("SELECT stream, last_seq FROM stream_seq")
-            .map_err(|e| SpoolError::classify(&self.path, e))?;
+            .prepare(
+                "SELECT s.name, s.id, max(s.last_seq, coalesce(t.top, 0)) FROM streams s
+                 LEFT JOIN (SELECT stream_id, max(seq) AS top FROM events
+                            WHERE id > coalesce((SELECT value FROM spool_meta
+                                                 WHERE key = 'seq_through_id'), 0)
+                            GROUP BY stream_id) t ON t.stream_id = s.id",
+            )
+            .map_err(err)?;
         let rows = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-            .map_err(|e| SpoolError::classify(&self.path, e))?;
-        let mut seqs = HashMap::new();
+            .query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    StreamSeq {
+                        id: r.get(1)?,
+                        last_seq: r.get(2)?,
+                    },
+                ))
+            })
+            .map_err(err)?;
+        let mut streams = HashMap::new();
         for row in rows {
-            let (s, n) = row.map_err(|e| SpoolError::classify(&self.path, e))?;
-            seqs.insert(s, n);
+            let (name, s) = row.map_err(err)?;
+            streams.insert(name, s);
         }
         drop(stmt);
-        self.seqs = seqs;
+        let mut book = self.book();
+        book.dirty = !streams.is_empty();
+        book.streams = streams;
         Ok(())
+    }
+
+    fn book(&self) -> MutexGuard<'_, SeqBook> {
+        // panic = "abort" in release: a poisoned lock only happens in tests.
+        self.seqs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Issue sequence numbers from `other`'s book from now on (the ingest
+    /// thread's two connections, batched and `synchronous = FULL`, share one
+    /// counter per stream, whichever commits a stream's readings).
+    pub fn share_seqs(&mut self, other: &Spool) {
+        self.seqs = other.seqs.clone();
+    }
+
+    /// Write the sequence numbers issued by this connection to `streams`,
+    /// and the highest row id they cover, in one IMMEDIATE transaction. Call
+    /// every minute or so, before retention and at a clean stop: between two
+    /// calls an append writes only its own rows (no `streams` page), and a
+    /// restart reads the few rows appended since.
+    pub fn persist_seqs(&mut self) -> Result<(), SpoolError> {
+        let seqs: Vec<StreamSeq> = {
+            let book = self.book();
+            if !book.dirty {
+                return Ok(());
+            }
+            book.streams.values().copied().collect()
+        };
+        self.write(|tx, err| {
+            {
+                let mut st = tx.prepare_cached(SQL_SET_SEQ).map_err(err)?;
+                for s in &seqs {
+                    st.execute(params![s.id, s.last_seq]).map_err(err)?;
+                }
+            }
+            tx.execute(
+                "INSERT INTO spool_meta (key, value)
+                 VALUES ('seq_through_id', coalesce((SELECT max(id) FROM events), 0))
+                 ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                [],
+            )
+            .map_err(err)?;
+            Ok(())
+        })?;
+        let mut book = self.book();
+        book.dirty = false;
+        book.appended_since_persist = 0;
+        Ok(())
+    }
+
+    /// Rows appended since [`Spool::persist_seqs`] last ran.
+    pub fn appended_since_persist(&self) -> u64 {
+        self.book().appended_since_persist
     }
 
     /// The spool file's path.
@@ -607,7 +903,10 @@ impl Spool {
 
     /// Append `events` in one IMMEDIATE transaction: each gets the next
     /// sequence number of its stream, a fresh event id, its payload encoded
-    /// once, and a sha256 digest of that payload. All or nothing.
+    /// once, and a sha256 digest of that payload. All or nothing. The
+    /// transaction writes the new rows only (plus a `streams` row the first
+    /// time a stream appears): sequence numbers reach `streams` through
+    /// [`Spool::persist_seqs`].
     ///
     /// Returns the number of rows appended. Errors: classified SQLite errors
     /// (nothing is appended); an event whose encoding fails is skipped and
@@ -622,7 +921,11 @@ impl Spool {
     ) -> Result<usize, SpoolError> {
         let path = self.path.clone();
         let err = |e| SpoolError::classify(&path, e);
-        let mut next: HashMap<String, i64> = HashMap::new();
+        let seqs = self.seqs.clone();
+        let mut book = seqs.lock().unwrap_or_else(|p| p.into_inner());
+        // Issued in this transaction; into the book only after the commit,
+        // so a rolled-back batch does not advance any sequence.
+        let mut next: HashMap<String, StreamSeq> = HashMap::new();
         let mut appended = 0usize;
         let mut unencodable = 0i64;
         let tx = self
@@ -631,14 +934,16 @@ impl Spool {
             .map_err(err)?;
         {
             let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
-            let mut insert_payload = tx.prepare_cached(SQL_INSERT_PAYLOAD).map_err(err)?;
             for ev in events {
-                let seq = next
+                let known = next
                     .get(&ev.stream)
-                    .or_else(|| self.seqs.get(&ev.stream))
-                    .copied()
-                    .unwrap_or(0)
-                    + 1;
+                    .or_else(|| book.streams.get(&ev.stream))
+                    .copied();
+                let stream = match known {
+                    Some(s) => s,
+                    None => stream_row(&tx, &ev.stream).map_err(err)?,
+                };
+                let seq = stream.last_seq + 1;
                 let event_id = ids.next_id();
                 let env = Envelope {
                     event_id,
@@ -660,22 +965,22 @@ impl Spool {
                 let digest = Sha256::digest(&payload);
                 insert
                     .execute(params![
-                        event_id.hyphenated(),
-                        ev.stream,
+                        stream.id,
                         seq,
+                        event_id.hyphenated(),
+                        now_ms,
                         digest.as_slice(),
-                        now_ms
+                        payload
                     ])
                     .map_err(err)?;
-                insert_payload
-                    .execute(params![tx.last_insert_rowid(), payload])
-                    .map_err(err)?;
-                next.insert(ev.stream.clone(), seq);
+                next.insert(
+                    ev.stream.clone(),
+                    StreamSeq {
+                        id: stream.id,
+                        last_seq: seq,
+                    },
+                );
                 appended += 1;
-            }
-            let mut upsert = tx.prepare_cached(SQL_UPSERT_SEQ).map_err(err)?;
-            for (stream, seq) in &next {
-                upsert.execute(params![stream, seq]).map_err(err)?;
             }
             if unencodable > 0 {
                 tx.execute(
@@ -686,13 +991,14 @@ impl Spool {
             }
         }
         tx.commit().map_err(err)?;
-        // Only after the commit: a rolled-back batch must not advance the sequence.
-        self.seqs.extend(next);
+        book.dirty |= !next.is_empty();
+        book.appended_since_persist += appended as u64;
+        book.streams.extend(next);
         Ok(appended)
     }
 
-    /// Up to `limit` unacknowledged rows (`PENDING` or `SENT`) with row id
-    /// greater than `after_id`, in row-id order, which is sequence order
+    /// Up to `limit` unresolved rows (not acknowledged, not FAILED) with row
+    /// id greater than `after_id`, in row-id order, which is sequence order
     /// within each stream (I7). Holds no statement or transaction afterwards.
     pub fn sendable(&self, after_id: i64, limit: usize) -> Result<Vec<OutRow>, SpoolError> {
         let mut stmt = self
@@ -717,80 +1023,80 @@ impl Spool {
         Ok(out)
     }
 
-    /// Record a publish attempt for `ids`: state `SENT`, attempts + 1, last
-    /// attempt `now_ms`, next retry `now_ms + retry_after_ms`. One IMMEDIATE
-    /// transaction. Acknowledged rows are left alone.
-    pub fn mark_sent(
-        &mut self,
-        ids: &[i64],
-        now_ms: i64,
-        retry_after_ms: i64,
-    ) -> Result<(), SpoolError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        self.write(|tx, err| {
-            {
-                let mut stmt = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
-                for id in ids {
-                    stmt.execute(params![id, now_ms, now_ms + retry_after_ms])
-                        .map_err(err)?;
-                }
-            }
-            Ok(())
-        })
+    /// Record a publish attempt for `ids`: the highest becomes the sent mark
+    /// (rows at or below it that are not acknowledged show as SENT). One
+    /// IMMEDIATE transaction; nothing is retired.
+    pub fn mark_sent(&mut self, ids: &[i64]) -> Result<(), SpoolError> {
+        self.record_delivery(ids, &[]).map(|_| ())
     }
 
-    /// Retire `ids` (state `ACKED`, `acked_ms = now_ms`): call only with rows
-    /// whose PUBACK arrived (I2). One IMMEDIATE transaction. Returns how many
-    /// rows changed state (a row already ACKED or deleted is not counted).
-    pub fn retire(&mut self, ids: &[i64], now_ms: i64) -> Result<usize, SpoolError> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        self.write(|tx, err| {
-            let mut changed = 0;
-            {
-                let mut stmt = tx.prepare_cached(SQL_RETIRE).map_err(err)?;
-                for id in ids {
-                    changed += stmt.execute(params![id, now_ms]).map_err(err)?;
-                }
-            }
-            Ok(changed)
-        })
+    /// Retire `ids`: call only with rows whose PUBACK arrived (I2). One
+    /// IMMEDIATE transaction. Returns how many rows changed state (a row
+    /// already acknowledged, FAILED or deleted is not counted).
+    pub fn retire(&mut self, ids: &[i64]) -> Result<usize, SpoolError> {
+        self.record_delivery(&[], ids)
     }
 
-    /// [`Spool::mark_sent`] and [`Spool::retire`] in one IMMEDIATE
-    /// transaction (the delivery thread's group commit). Attempts are recorded
-    /// first, so a row acknowledged in the same batch still ends `ACKED`.
-    /// Returns the number of rows retired.
-    pub fn record_delivery(
-        &mut self,
-        sent: &[i64],
-        acked: &[i64],
-        now_ms: i64,
-        retry_after_ms: i64,
-    ) -> Result<usize, SpoolError> {
+    /// Record publish attempts (`sent`) and acknowledgements (`acked`) in one
+    /// IMMEDIATE transaction (the delivery thread's group commit). The
+    /// acknowledged rows are folded into the `acked_through` mark while they
+    /// are contiguous with it (rows already acknowledged or FAILED count as
+    /// contiguous); the rest go to `acked_above`. Usually this writes one
+    /// small page. Returns the number of rows retired.
+    pub fn record_delivery(&mut self, sent: &[i64], acked: &[i64]) -> Result<usize, SpoolError> {
         if sent.is_empty() && acked.is_empty() {
             return Ok(0);
         }
+        self.fold(sent, acked)
+    }
+
+    fn fold(&mut self, sent: &[i64], acked: &[i64]) -> Result<usize, SpoolError> {
         self.write(|tx, err| {
-            let mut retired = 0;
+            let (mark, old_sent): (i64, i64) = tx
+                .query_row(SQL_MARK, [], |r| Ok((r.get(0)?, r.get(1)?)))
+                .map_err(err)?;
+            let sent_mark = sent.iter().copied().fold(old_sent, i64::max);
+            let mut pending: std::collections::BTreeSet<i64> =
+                acked.iter().copied().filter(|id| *id > mark).collect();
+            let mut retired = 0usize;
+            let mut new_mark = mark;
+            // Fold: walk the rows above the mark in order while each one is
+            // acknowledged now, or was already resolved.
+            let mut step = tx.prepare_cached(SQL_ABOVE_MARK).map_err(err)?;
+            'fold: loop {
+                let mut rows = step.query(params![new_mark, FOLD_STEP]).map_err(err)?;
+                let mut seen = 0;
+                while let Some(r) = rows.next().map_err(err)? {
+                    seen += 1;
+                    let (id, resolved): (i64, bool) =
+                        (r.get(0).map_err(err)?, r.get(1).map_err(err)?);
+                    if pending.remove(&id) {
+                        if !resolved {
+                            retired += 1;
+                        }
+                    } else if !resolved {
+                        break 'fold;
+                    }
+                    new_mark = id;
+                }
+                if seen < FOLD_STEP {
+                    break;
+                }
+            }
+            drop(step);
             {
-                // A row sent and acknowledged within one batch takes one UPDATE
-                // (its attempt counted there), not two.
-                let acked_set: std::collections::HashSet<i64> = acked.iter().copied().collect();
-                let sent_set: std::collections::HashSet<i64> = sent.iter().copied().collect();
-                let mut mark = tx.prepare_cached(SQL_MARK_SENT).map_err(err)?;
-                for id in sent.iter().filter(|id| !acked_set.contains(id)) {
-                    mark.execute(params![id, now_ms, now_ms + retry_after_ms])
-                        .map_err(err)?;
+                let mut above = tx.prepare_cached(SQL_ACKED_ABOVE).map_err(err)?;
+                for id in &pending {
+                    retired += above.execute(params![id]).map_err(err)?;
                 }
-                let mut retire = tx.prepare_cached(SQL_RETIRE_ATTEMPT).map_err(err)?;
-                for id in acked {
-                    let attempt = i64::from(sent_set.contains(id));
-                    retired += retire.execute(params![id, now_ms, attempt]).map_err(err)?;
-                }
+            }
+            if new_mark > mark {
+                tx.execute("DELETE FROM acked_above WHERE id <= ?1", params![new_mark])
+                    .map_err(err)?;
+            }
+            if new_mark != mark || sent_mark != old_sent {
+                tx.execute(SQL_SET_MARK, params![new_mark, sent_mark])
+                    .map_err(err)?;
             }
             Ok(retired)
         })
@@ -798,30 +1104,58 @@ impl Spool {
 
     /// Mark row `id` `FAILED` with `reason` and count it under
     /// `events_failed_<counter>`. Terminal until an operator requeues it.
+    /// A row already acknowledged is left alone.
     pub fn mark_failed(&mut self, id: i64, reason: &str, counter: &str) -> Result<(), SpoolError> {
+        let now = crate::envelope::wall_clock_ms().0;
         self.write(|tx, err| {
-            tx.execute(SQL_FAIL, params![id, reason]).map_err(err)?;
+            tx.execute(SQL_FAIL, params![id, reason, now])
+                .map_err(err)?;
             tx.execute(
                 SQL_COUNTER_ADD,
                 params![format!("events_failed_{counter}"), 1],
             )
             .map_err(err)?;
             Ok(())
-        })
+        })?;
+        // A FAILED row no longer holds the acknowledged mark back.
+        self.fold(&[], &[]).map(|_| ())
     }
 
-    /// Put `FAILED` rows (of `stream`, or all) back to `PENDING` (operator
-    /// action). Returns how many.
+    /// Put `FAILED` rows (of `stream`, or all) back in the queue (operator
+    /// action): each is appended again as a new row with the same event id,
+    /// sequence number and payload bytes (I3), after every row there is now,
+    /// and the FAILED row is removed. Returns how many.
     pub fn requeue_failed(&mut self, stream: Option<&str>) -> Result<usize, SpoolError> {
         self.write(|tx, err| {
-            let n = tx
-                .execute(
-                    "UPDATE events SET state = 'PENDING', fail_reason = NULL
-                     WHERE state = 'FAILED' AND (?1 IS NULL OR stream = ?1)",
-                    params![stream],
+            let ids: Vec<i64> = {
+                let mut st = tx
+                    .prepare(
+                        "SELECT f.id FROM failed f JOIN events e ON e.id = f.id
+                         JOIN streams s ON s.id = e.stream_id
+                         WHERE ?1 IS NULL OR s.name = ?1 ORDER BY f.id",
+                    )
+                    .map_err(err)?;
+                let rows = st
+                    .query_map(params![stream], |r| r.get(0))
+                    .map_err(err)?
+                    .collect::<Result<Vec<i64>, _>>()
+                    .map_err(err)?;
+                rows
+            };
+            for id in &ids {
+                tx.execute(
+                    "INSERT INTO events (stream_id, seq, event_id, created_ms, digest, payload)
+                     SELECT stream_id, seq, event_id, created_ms, digest, payload
+                     FROM events WHERE id = ?1",
+                    params![id],
                 )
                 .map_err(err)?;
-            Ok(n)
+                tx.execute("DELETE FROM events WHERE id = ?1", params![id])
+                    .map_err(err)?;
+                tx.execute("DELETE FROM failed WHERE id = ?1", params![id])
+                    .map_err(err)?;
+            }
+            Ok(ids.len())
         })
     }
 
@@ -854,6 +1188,22 @@ impl Spool {
             )
             .map(|_| ())
             .map_err(|e| self.err(e))
+    }
+
+    /// Record several pieces of agent state in one IMMEDIATE transaction.
+    pub fn set_states(&mut self, states: &[(&str, String)], now_ms: i64) -> Result<(), SpoolError> {
+        self.write(|tx, err| {
+            let mut st = tx
+                .prepare_cached(
+                    "INSERT INTO agent_state (key, value, updated_ms) VALUES (?1, ?2, ?3)
+                     ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_ms = excluded.updated_ms",
+                )
+                .map_err(err)?;
+            for (k, v) in states {
+                st.execute(params![k, v, now_ms]).map_err(err)?;
+            }
+            Ok(())
+        })
     }
 
     /// All recorded agent state: `(key, value, updated_ms)`, by key.
@@ -892,23 +1242,63 @@ impl Spool {
             .map_err(|e| self.err(e))
     }
 
-    /// Delete at most `batch` `ACKED` rows acknowledged before `cutoff_ms`,
-    /// in one IMMEDIATE transaction. Never touches `PENDING`, `SENT` or
-    /// `FAILED` rows. Returns the number deleted; call again until 0, with a
-    /// checkpoint in between, so a large purge never balloons the WAL (F02).
+    /// Delete at most `batch` acknowledged rows appended before `cutoff_ms`,
+    /// oldest first, in one IMMEDIATE transaction. Never touches an
+    /// unacknowledged or FAILED row, nor the newest row. Returns the number
+    /// deleted; call again until 0, with a checkpoint in between, so a large
+    /// purge never balloons the WAL (F02). Sequence numbers are persisted
+    /// first ([`Spool::persist_seqs`]).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
+        self.persist_seqs()?;
         self.write(|tx, err| {
-            tx.execute(SQL_PURGE_PAYLOADS, params![cutoff_ms, batch as i64])
-                .map_err(err)?;
-            let n = tx
+            let mut n = tx
                 .execute(SQL_PURGE, params![cutoff_ms, batch as i64])
                 .map_err(err)?;
+            if n < batch {
+                let above = tx
+                    .execute(SQL_PURGE_ABOVE, params![cutoff_ms, (batch - n) as i64])
+                    .map_err(err)?;
+                if above > 0 {
+                    tx.execute(SQL_PURGE_ABOVE_INDEX, []).map_err(err)?;
+                }
+                n += above;
+            }
             if n > 0 {
                 tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
                     .map_err(err)?;
             }
             Ok(n)
         })
+    }
+
+    /// Give up to `max_pages` free pages back to the filesystem
+    /// (`PRAGMA incremental_vacuum`, <https://www.sqlite.org/pragma.html#pragma_incremental_vacuum>)
+    /// when the free pages inside the file exceed the live data plus
+    /// `slack_bytes`. One bounded step: call again at the next maintenance
+    /// pass. Returns the pages freed.
+    pub fn shrink_step(&mut self, slack_bytes: u64, max_pages: u64) -> Result<u64, SpoolError> {
+        let (live, free) = self.usage()?;
+        if free <= live.saturating_add(slack_bytes) {
+            return Ok(0);
+        }
+        let page = self
+            .conn
+            .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
+            .map_err(|e| self.err(e))?
+            .max(512) as u64;
+        let excess = (free - live - slack_bytes) / page;
+        let pages = excess.clamp(1, max_pages.max(1));
+        {
+            // Each step frees one page: step the pragma to its end.
+            let mut st = self
+                .conn
+                .prepare(&format!("PRAGMA incremental_vacuum({pages})"))
+                .map_err(|e| self.err(e))?;
+            let mut rows = st.query([]).map_err(|e| self.err(e))?;
+            while rows.next().map_err(|e| self.err(e))?.is_some() {}
+        }
+        let (_, after) = self.usage()?;
+        Ok(free.saturating_sub(after) / page)
     }
 
     /// Run `PRAGMA wal_checkpoint(mode)`. A busy result is reported, not an error.
@@ -926,6 +1316,7 @@ impl Spool {
                 })
             })
             .map_err(|e| self.err(e))
+            .inspect(|r| note_checkpoint(r.log_frames, r.checkpointed_frames))
     }
 
     /// Counts for `status`.
@@ -934,7 +1325,7 @@ impl Spool {
         let mut stmt = self
             .conn
             .prepare_cached(
-                "SELECT stream, state, count(*) FROM events GROUP BY stream, state ORDER BY stream, state",
+                "SELECT stream, state, count(*) FROM event_states GROUP BY stream, state ORDER BY stream, state",
             )
             .map_err(e)?;
         let by = stmt
@@ -945,7 +1336,7 @@ impl Spool {
         let oldest: Option<i64> = self
             .conn
             .query_row(
-                "SELECT min(created_ms) FROM events WHERE state IN ('PENDING','SENT')",
+                "SELECT min(created_ms) FROM event_states WHERE state IN ('PENDING','SENT')",
                 [],
                 |r| r.get(0),
             )
@@ -1053,7 +1444,7 @@ fn read_pragmas(conn: &Connection) -> rusqlite::Result<EffectivePragmas> {
 }
 
 /// Append one event inside the caller's transaction `tx`, reading and
-/// advancing its stream's sequence in the `stream_seq` table (not the ingest
+/// advancing its stream's sequence in the `streams` table at once (not the ingest
 /// connection's cache: used for streams only one other connection writes,
 /// such as command results). Returns the event id.
 pub(crate) fn insert_one(
@@ -1066,16 +1457,8 @@ pub(crate) fn insert_one(
     now_ms: i64,
 ) -> Result<String, SpoolError> {
     let err = |e| SpoolError::classify(path, e);
-    let last: i64 = tx
-        .query_row(
-            "SELECT last_seq FROM stream_seq WHERE stream = ?1",
-            params![ev.stream],
-            |r| r.get(0),
-        )
-        .optional()
-        .map_err(err)?
-        .unwrap_or(0);
-    let seq = last + 1;
+    let stream = stream_row(tx, &ev.stream).map_err(err)?;
+    let seq = stream.last_seq + 1;
     let event_id = ids.next_id();
     let env = Envelope {
         event_id,
@@ -1094,17 +1477,39 @@ pub(crate) fn insert_one(
     let id = event_id.hyphenated();
     tx.prepare_cached(SQL_INSERT_EVENT)
         .map_err(err)?
-        .execute(params![id, ev.stream, seq, digest.as_slice(), now_ms])
+        .execute(params![
+            stream.id,
+            seq,
+            id,
+            now_ms,
+            digest.as_slice(),
+            payload
+        ])
         .map_err(err)?;
-    tx.prepare_cached(SQL_INSERT_PAYLOAD)
+    tx.prepare_cached(SQL_SET_SEQ)
         .map_err(err)?
-        .execute(params![tx.last_insert_rowid(), payload])
-        .map_err(err)?;
-    tx.prepare_cached(SQL_UPSERT_SEQ)
-        .map_err(err)?
-        .execute(params![ev.stream, seq])
+        .execute(params![stream.id, seq])
         .map_err(err)?;
     Ok(id)
+}
+
+/// The `streams` row for `name`, created if missing, with its `last_seq`
+/// caught up with rows appended since it was last persisted.
+fn stream_row(tx: &rusqlite::Transaction<'_>, name: &str) -> rusqlite::Result<StreamSeq> {
+    tx.prepare_cached(SQL_NEW_STREAM)?.execute(params![name])?;
+    let (id, stored): (i64, i64) = tx
+        .prepare_cached(SQL_STREAM_BY_NAME)?
+        .query_row(params![name], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let tail: Option<i64> = tx
+        .prepare_cached(
+            "SELECT max(seq) FROM events WHERE stream_id = ?1
+             AND id > coalesce((SELECT value FROM spool_meta WHERE key = 'seq_through_id'), 0)",
+        )?
+        .query_row(params![id], |r| r.get(0))?;
+    Ok(StreamSeq {
+        id,
+        last_seq: stored.max(tail.unwrap_or(0)),
+    })
 }
 
 /// The `-wal` file beside a database.
@@ -1216,19 +1621,38 @@ mod tests {
         )
         .unwrap();
         let rows = s.sendable(0, 10).unwrap();
-        s.mark_sent(&[rows[0].id, rows[1].id], 10, 1000).unwrap();
-        assert_eq!(s.retire(&[rows[0].id], 20).unwrap(), 1);
+        s.mark_sent(&[rows[0].id, rows[1].id]).unwrap();
+        assert_eq!(s.retire(&[rows[0].id]).unwrap(), 1);
         // Retiring twice changes nothing.
-        assert_eq!(s.retire(&[rows[0].id], 21).unwrap(), 0);
+        assert_eq!(s.retire(&[rows[0].id]).unwrap(), 0);
         // Purge with a cutoff far in the future removes only the ACKED row.
         assert_eq!(s.purge_acked(i64::MAX, 100).unwrap(), 1);
         let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
         assert_eq!(left, vec![rows[1].id, rows[2].id]);
         // mark_sent on an acked row does not resurrect it.
-        s.retire(&[rows[1].id], 30).unwrap();
-        s.mark_sent(&[rows[1].id], 40, 1000).unwrap();
+        s.retire(&[rows[1].id]).unwrap();
+        s.mark_sent(&[rows[1].id]).unwrap();
         let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
         assert_eq!(left, vec![rows[2].id]);
+    }
+
+    fn states(s: &Spool) -> Vec<(i64, String)> {
+        let mut st = s
+            .conn
+            .prepare("SELECT id, state FROM event_states ORDER BY id")
+            .unwrap();
+        let rows = st
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        rows
+    }
+
+    fn mark(s: &Spool) -> (i64, i64) {
+        s.conn
+            .query_row(SQL_MARK, [], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
     }
 
     #[test]
@@ -1246,27 +1670,107 @@ mod tests {
         .unwrap();
         let rows = s.sendable(0, 10).unwrap();
         let (a, b) = (rows[0].id, rows[1].id);
-        assert_eq!(s.record_delivery(&[a, b], &[a], 5, 100).unwrap(), 1);
+        assert_eq!(s.record_delivery(&[a, b], &[a]).unwrap(), 1);
         let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
         assert_eq!(left, vec![b]);
-        let (state, attempts): (String, i64) = s
+        assert_eq!(
+            states(&s),
+            vec![(a, "ACKED".to_owned()), (b, "SENT".to_owned())]
+        );
+        assert_eq!(mark(&s), (a, b));
+    }
+
+    #[test]
+    fn out_of_order_acks_wait_above_the_mark_and_fold_in_once_contiguous() {
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let mut s = open(d.path());
+        let evs: Vec<NewEvent> = (0..5).map(|i| ev("a", i as f64)).collect();
+        s.append(&evs, &mut ids, "d", Format::Json, 0).unwrap();
+        let r: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
+        // PUBACKs for rows 2 and 4 first: nothing below them is retired.
+        assert_eq!(s.retire(&[r[1], r[3]]).unwrap(), 2);
+        assert_eq!(mark(&s).0, 0);
+        let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
+        assert_eq!(left, vec![r[0], r[2], r[4]]);
+        // Row 3 fails by policy; then row 1 is acknowledged: the mark moves
+        // over 1, 2 (acked above), 3 (FAILED) and 4, and stops before 5.
+        s.mark_failed(r[2], "too big", "oversized").unwrap();
+        assert_eq!(s.retire(&[r[0]]).unwrap(), 1);
+        assert_eq!(mark(&s).0, r[3]);
+        let above: i64 = s
             .conn
-            .query_row(
-                "SELECT state, attempts FROM events WHERE id = ?1",
-                [b],
-                |r| Ok((r.get(0)?, r.get(1)?)),
+            .query_row("SELECT count(*) FROM acked_above", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(above, 0, "folded entries are removed");
+        let st = states(&s);
+        assert_eq!(st[2].1, "FAILED");
+        assert_eq!(st[4].1, "PENDING");
+        // A PUBACK for a row below the mark, or for no row, retires nothing.
+        assert_eq!(s.retire(&[r[0], 9999]).unwrap(), 0);
+        // The FAILED row is never purged; the others are, except the newest.
+        assert_eq!(s.purge_acked(i64::MAX, 100).unwrap(), 3);
+        assert_eq!(s.requeue_failed(Some("a")).unwrap(), 1);
+        let left: Vec<OutRow> = s.sendable(0, 10).unwrap();
+        assert_eq!(left.len(), 2);
+        assert!(left[1].id > r[4], "requeued after every row");
+        assert!(left.iter().all(|r| r.digest_ok()));
+    }
+
+    #[test]
+    fn sequences_continue_after_reopen_without_persisting() {
+        // An append writes no `streams` page; a restart catches up from rows.
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        {
+            let mut s = open(d.path());
+            s.append(
+                &[ev("a", 1.0), ev("a", 2.0)],
+                &mut ids,
+                "d",
+                Format::Json,
+                0,
             )
             .unwrap();
-        assert_eq!((state.as_str(), attempts), ("SENT", 1));
-        let (state, attempts): (String, i64) = s
-            .conn
-            .query_row(
-                "SELECT state, attempts FROM events WHERE id = ?1",
-                [a],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
+            s.persist_seqs().unwrap();
+            s.append(&[ev("a", 3.0)], &mut ids, "d", Format::Json, 0)
+                .unwrap();
+        }
+        let mut s = open(d.path());
+        s.append(&[ev("a", 4.0)], &mut ids, "d", Format::Json, 0)
             .unwrap();
-        assert_eq!((state.as_str(), attempts), ("ACKED", 1));
+        let seqs: Vec<i64> = {
+            let mut st = s
+                .conn
+                .prepare("SELECT seq FROM events ORDER BY id")
+                .unwrap();
+            let v = st
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap();
+            v
+        };
+        assert_eq!(seqs, vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn free_pages_are_given_back_in_bounded_steps() {
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let mut s = open(d.path());
+        let evs: Vec<NewEvent> = (0..3000).map(|i| ev("a", i as f64)).collect();
+        s.append(&evs, &mut ids, "d", Format::Json, 0).unwrap();
+        let all: Vec<i64> = s.sendable(0, 5000).unwrap().iter().map(|r| r.id).collect();
+        s.retire(&all).unwrap();
+        while s.purge_acked(i64::MAX, 1000).unwrap() > 0 {}
+        let (live, free) = s.usage().unwrap();
+        assert!(free > live, "live {live} free {free}");
+        let freed = s.shrink_step(0, 10).unwrap();
+        assert_eq!(freed, 10, "one bounded step");
+        while s.shrink_step(0, 1000).unwrap() > 0 {}
+        let (_, free) = s.usage().unwrap();
+        assert!(free <= live, "free {free} live {live}");
     }
 
     #[test]
@@ -1284,8 +1788,9 @@ mod tests {
         .unwrap();
         let rows = s.sendable(0, 10).unwrap();
         let top = rows[1].id;
-        s.retire(&[rows[0].id, top], 1).unwrap();
-        assert_eq!(s.purge_acked(i64::MAX, 10).unwrap(), 2);
+        s.retire(&[rows[0].id, top]).unwrap();
+        // The newest row stays: its id keeps new ids above every id used.
+        assert_eq!(s.purge_acked(i64::MAX, 10).unwrap(), 1);
         s.append(&[ev("a", 3.0)], &mut ids, "d", Format::Json, 0)
             .unwrap();
         let next = s.sendable(0, 10).unwrap()[0].id;
@@ -1320,10 +1825,15 @@ mod tests {
                 |r| r.get(0),
             )
             .unwrap();
-        assert!(sql.contains("AUTOINCREMENT"));
+        assert!(sql.contains("stream_id"), "{sql}");
         let rows = s.sendable(0, 10).unwrap();
         assert_eq!(rows[0].id, 7);
         assert_eq!(rows[0].payload, vec![0u8]);
+        let vacuum: i64 = s
+            .conn
+            .query_row("PRAGMA auto_vacuum", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(vacuum, 2, "converted to incremental auto_vacuum");
     }
 
     #[test]
@@ -1334,10 +1844,11 @@ mod tests {
         let evs: Vec<NewEvent> = (0..25).map(|i| ev("a", i as f64)).collect();
         s.append(&evs, &mut ids, "d", Format::Json, 0).unwrap();
         let all: Vec<i64> = s.sendable(0, 100).unwrap().iter().map(|r| r.id).collect();
-        s.retire(&all, 5).unwrap();
+        s.retire(&all).unwrap();
         assert_eq!(s.purge_acked(6, 10).unwrap(), 10);
         assert_eq!(s.purge_acked(6, 10).unwrap(), 10);
-        assert_eq!(s.purge_acked(6, 10).unwrap(), 5);
+        // 25 rows: the newest stays.
+        assert_eq!(s.purge_acked(6, 10).unwrap(), 4);
         assert_eq!(s.purge_acked(6, 10).unwrap(), 0);
     }
 
@@ -1351,7 +1862,7 @@ mod tests {
         a.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0)
             .unwrap();
         let rows = b.sendable(0, 10).unwrap();
-        b.retire(&[rows[0].id], 1).unwrap();
+        b.retire(&[rows[0].id]).unwrap();
         a.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
             .unwrap();
         assert_eq!(b.sendable(0, 10).unwrap().len(), 1);

@@ -1,4 +1,5 @@
-//! Read-only access to the agent's SQLite spool (table `events`).
+//! Read-only access to the agent's SQLite spool (table `events`; each row's
+//! delivery state comes from the spool's `event_states` view).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,7 +16,7 @@ pub struct Row {
     pub seq: i64,
     pub payload: Vec<u8>,
     pub state: String,
-    /// NULL reads as 0.
+    /// Not stored per row any more (schema 5): always 0.
     pub attempts: i64,
 }
 
@@ -48,7 +49,7 @@ pub fn count_by_state(db: &Path) -> BTreeMap<String, i64> {
         return BTreeMap::new();
     }
     let mut stmt = conn
-        .prepare("SELECT state, COUNT(*) FROM events GROUP BY state")
+        .prepare("SELECT state, COUNT(*) FROM event_states GROUP BY state")
         .unwrap_or_else(|e| panic!("prepare count-by-state on {}: {e}", db.display()));
     let mapped = stmt
         .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
@@ -88,8 +89,8 @@ pub fn total(db: &Path) -> i64 {
 fn query_rows(db: &Path, filter: &str, params: &[&dyn rusqlite::ToSql]) -> Vec<Row> {
     let conn = open(db);
     let sql = format!(
-        "SELECT e.id, e.event_id, e.stream, e.seq, p.payload, e.state, e.attempts
-         FROM events e JOIN payloads p ON p.id = e.id {filter} ORDER BY e.id"
+        "SELECT id, event_id, stream, seq, payload, state, NULL
+         FROM event_states {filter} ORDER BY id"
     );
     let mut stmt = conn
         .prepare(&sql)
