@@ -22,11 +22,12 @@ use crate::envelope::{wall_clock_ms, EventIdGen};
 use crate::fsguard::SpoolLock;
 use crate::mqtt::{self, DeliveryMsg};
 use crate::publisher::{self, DeliveryConfig, DeliveryStats};
-use crate::source::{self, SourceState};
+use crate::sampler::SamplerUpdate;
+use crate::source;
 use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -107,6 +108,55 @@ pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
     Ok(s)
 }
 
+/// What wakes the ingest thread.
+#[derive(Debug)]
+pub enum IngestMsg {
+    /// A reading from a source.
+    Reading(NewEvent),
+    /// A request from the command thread.
+    Control(Control),
+    /// A signal arrived: look at the stop and reload flags.
+    Wake,
+}
+
+/// A thread that blocks on SIGTERM, SIGINT and SIGHUP and wakes the ingest
+/// thread (the flags themselves are set by the handlers registered in
+/// [`run`]). Close the returned handle to end it.
+fn wake_on_signals(tx: Sender<IngestMsg>) -> Result<signal_hook::iterator::Handle, AgentError> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+        .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
+    let handle = signals.handle();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for _ in signals.forever() {
+                if tx.send(IngestMsg::Wake).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| AgentError::Setup(format!("cannot start the signal thread: {e}")))?;
+    Ok(handle)
+}
+
+/// Forward the command thread's control requests into the ingest channel
+/// (a thread blocked on `ctl` until the command thread drops its sender).
+fn forward_controls(ctl: Receiver<Control>, tx: Sender<IngestMsg>) {
+    let spawned = std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            for c in ctl {
+                if tx.send(IngestMsg::Control(c)).is_err() {
+                    return;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot start the control thread: {e}; live config changes are off");
+    }
+}
+
 /// Where the running config came from, for `apply-config`, `reload-config`
 /// and SIGHUP.
 #[derive(Debug, Clone)]
@@ -132,6 +182,10 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let hup = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone())
         .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
+    // Everything the ingest thread reacts to arrives on one channel, so it
+    // sleeps until a reading, a control request, a signal or its next deadline.
+    let (ingest_tx, ingest_rx) = mpsc::channel::<IngestMsg>();
+    let signals = wake_on_signals(ingest_tx.clone())?;
     if let Some(dir) = cfg
         .spool
         .path
@@ -220,6 +274,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let (to_delivery, delivery_rx) = mpsc::channel::<DeliveryMsg>();
     let net_stop = Arc::new(AtomicBool::new(false));
     let (cmd_tx, cmd_rx) = mpsc::channel::<CmdMsg>();
+    let cmd_wake = cmd_tx.clone();
     let sink: Option<(String, mqtt::CommandSink)> = cfg.commands.enabled.then(|| {
         let tx = cmd_tx.clone();
         let sink: mqtt::CommandSink = Box::new(move |epoch, publish| {
@@ -276,12 +331,14 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             })
             .map_err(|e| AgentError::Setup(format!("cannot start command thread: {e}")))?
     };
-    let (readings_tx, readings_rx) = mpsc::channel::<NewEvent>();
+    forward_controls(ctl_rx, ingest_tx.clone());
+    let readings_tx = ingest_tx;
+    let readings_rx = ingest_rx;
     let (sampler_tx, sampler_rx) = mpsc::channel::<SamplerUpdate>();
     let sampler_handle = {
         let (stop, sources, dir) = (stop.clone(), cfg.sources.clone(), spool_dir(&cfg));
         spawn("sampler")
-            .spawn(move || sample_loop(sources, dir, readings_tx, sampler_rx, stop))
+            .spawn(move || crate::sampler::run(sources, dir, readings_tx, sampler_rx, stop))
             .map_err(|e| AgentError::Setup(format!("cannot start sampler thread: {e}")))?
     };
 
@@ -322,14 +379,18 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
     }
-    ing.run_until_stopped(&readings_rx, &ctl_rx, &stop, &hup, &stats);
+    ing.run_until_stopped(&readings_rx, &stop, &hup, &stats);
     // The loop also ends on a fatal condition: stop the sampler either way.
     stop.store(true, Ordering::Relaxed);
+    signals.close();
 
     // Stop: the sampler first, then commit everything it produced.
+    let _ = ing.sampler.send(SamplerUpdate::Stop);
     let _ = sampler_handle.join();
-    while let Ok(r) = readings_rx.try_recv() {
-        ing.push(r);
+    while let Ok(m) = readings_rx.try_recv() {
+        if let IngestMsg::Reading(r) = m {
+            ing.push(r);
+        }
     }
     ing.commit_full();
     let _ = ing.spool.persist_seqs();
@@ -343,7 +404,10 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     }
     let lost = ing.buffer.len() + ing.full_buffer.len();
     net_stop.store(true, Ordering::Relaxed);
-    drop(ctl_rx);
+    // The network threads sleep until an event: wake each to see the flag.
+    ing.link.stop();
+    let _ = ing.to_delivery.send(DeliveryMsg::Stop);
+    let _ = cmd_wake.send(CmdMsg::Wake);
     // Bounded: a connect attempt or a running command handler must not hold
     // the stop past the supervisor's timeout. Whatever they had in flight is
     // replayed (rows) or reported interrupted (commands) at the next start.
@@ -393,15 +457,6 @@ fn spool_dir(cfg: &Config) -> std::path::PathBuf {
         .unwrap_or_else(|| ".".into())
 }
 
-/// A change to the sampler's sources, applied live.
-#[derive(Debug)]
-enum SamplerUpdate {
-    /// Replace every source.
-    Sources(Vec<source::SourceSpec>),
-    /// Change one source's interval.
-    Interval(String, Duration),
-}
-
 /// Warn about secrets files that group or others can read.
 fn warn_loose_secrets(cfg: &Config) {
     use std::os::unix::fs::PermissionsExt;
@@ -444,173 +499,9 @@ fn apply_tuning(cfg: &mut Config, d: &crate::probe::Derived) {
     };
 }
 
-/// One source's thread: its stop flag and its live interval.
-struct SourceThread {
-    name: String,
-    stop: Arc<AtomicBool>,
-    interval_ms: Arc<AtomicU64>,
-    handle: std::thread::JoinHandle<()>,
-}
-
-fn start_source(
-    spec: source::SourceSpec,
-    dir: PathBuf,
-    tx: Sender<NewEvent>,
-    global: Arc<AtomicBool>,
-) -> Option<SourceThread> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let interval_ms = Arc::new(AtomicU64::new(spec.interval.as_millis() as u64));
-    let name = spec.name.clone();
-    let handle = {
-        let (stop, interval_ms) = (stop.clone(), interval_ms.clone());
-        std::thread::Builder::new()
-            .name(format!("source-{}", spec.name))
-            .spawn(move || source_loop(spec, dir, tx, stop, interval_ms, global))
-    };
-    match handle {
-        Ok(handle) => Some(SourceThread {
-            name,
-            stop,
-            interval_ms,
-            handle,
-        }),
-        Err(e) => {
-            log::error!("source {name}: cannot start its thread: {e}");
-            None
-        }
-    }
-}
-
-/// Run one source on its interval until told to stop. Each source has its
-/// own thread, so an `exec` program that hangs until its timeout delays only
-/// its own readings. A failed sample is logged (once a minute) and counted in
-/// the log line, never fatal.
-fn source_loop(
-    spec: source::SourceSpec,
-    dir: PathBuf,
-    tx: Sender<NewEvent>,
-    stop: Arc<AtomicBool>,
-    interval_ms: Arc<AtomicU64>,
-    global: Arc<AtomicBool>,
-) {
-    let mut state = SourceState::default();
-    let mut replay = match &spec.kind {
-        source::SourceKind::Replay(r) => match source::replay::Replay::open(r.clone()) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                log::error!(
-                    "source {}: {e}; this source is off until the config changes",
-                    spec.name
-                );
-                return;
-            }
-        },
-        _ => None,
-    };
-    let mut failures = 0u64;
-    let mut last_log: Option<Instant> = None;
-    let mut next = Instant::now();
-    let running = || !stop.load(Ordering::Relaxed) && !global.load(Ordering::Relaxed);
-    while running() {
-        let now = Instant::now();
-        if now >= next {
-            let interval = Duration::from_millis(interval_ms.load(Ordering::Relaxed));
-            // Fixed cadence; if we fell behind, skip missed slots rather than burst.
-            next += interval;
-            if next < now {
-                next = now + interval;
-            }
-            let (ts_ms, trusted) = wall_clock_ms();
-            let result = match replay.as_mut() {
-                Some(r) => {
-                    let was_done = r.stats().finished;
-                    let res = r.due(now);
-                    if !was_done && r.stats().finished {
-                        let st = r.stats();
-                        log::info!(
-                            "source {}: replay finished: {} rows read, {} readings, {} cells skipped, {} rows skipped",
-                            spec.name, st.rows_read, st.readings, st.cells_skipped, st.rows_skipped
-                        );
-                    }
-                    res
-                }
-                None => source::sample(&spec, &mut state, &dir).map(|f| vec![f]),
-            };
-            match result {
-                Ok(list) => {
-                    for fields in list.into_iter().filter(|f| !f.is_empty()) {
-                        let ev = NewEvent {
-                            stream: spec.name.clone(),
-                            ts_ms,
-                            clock_trusted: trusted,
-                            fields,
-                        };
-                        if tx.send(ev).is_err() {
-                            return;
-                        }
-                    }
-                }
-                Err(e) => {
-                    failures += 1;
-                    if last_log.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
-                        log::warn!("source {}: {e} ({failures} failures so far)", spec.name);
-                        last_log = Some(Instant::now());
-                    }
-                }
-            }
-        }
-        let sleep = next
-            .saturating_duration_since(Instant::now())
-            .min(Duration::from_millis(100));
-        std::thread::sleep(sleep);
-    }
-}
-
-/// The sampler: starts one thread per source and applies live changes.
-/// On stop it waits at most 2 s for the source threads; one stuck in a
-/// program (until its own timeout) is left behind rather than delaying the
-/// final commit.
-fn sample_loop(
-    sources: Vec<source::SourceSpec>,
-    dir: PathBuf,
-    tx: Sender<NewEvent>,
-    updates: Receiver<SamplerUpdate>,
-    stop: Arc<AtomicBool>,
-) {
-    let start_all = |sources: Vec<source::SourceSpec>| -> Vec<SourceThread> {
-        sources
-            .into_iter()
-            .filter_map(|s| start_source(s, dir.clone(), tx.clone(), stop.clone()))
-            .collect()
-    };
-    let mut threads = start_all(sources);
-    while !stop.load(Ordering::Relaxed) {
-        match updates.recv_timeout(Duration::from_millis(200)) {
-            Ok(SamplerUpdate::Sources(s)) => {
-                for t in &threads {
-                    t.stop.store(true, Ordering::Relaxed);
-                }
-                threads = start_all(s);
-            }
-            Ok(SamplerUpdate::Interval(name, interval)) => {
-                if let Some(t) = threads.iter().find(|t| t.name == name) {
-                    t.interval_ms
-                        .store(interval.as_millis() as u64, Ordering::Relaxed);
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-    }
-    let deadline = Instant::now() + Duration::from_secs(2);
-    for t in threads {
-        join_within(t.handle, deadline, &format!("source {}", t.name));
-    }
-}
-
 /// Join `h` if it finishes before `deadline`; otherwise leave it running
 /// (its work is replayed or reported at the next start) and say so.
-fn join_within(h: std::thread::JoinHandle<()>, deadline: Instant, what: &str) {
+pub(crate) fn join_within(h: std::thread::JoinHandle<()>, deadline: Instant, what: &str) {
     while !h.is_finished() {
         if Instant::now() >= deadline {
             log::warn!("{what} did not stop in time; leaving it behind");
@@ -1011,35 +902,33 @@ impl Ingest {
         }
     }
 
+    /// The ingest loop: sleeps until a message or the nearest deadline
+    /// (the open commit window, maintenance, the summary), never on a
+    /// polling timer, so an idle agent wakes about once per maintenance pass.
     fn run_until_stopped(
         &mut self,
-        rx: &Receiver<NewEvent>,
-        ctl: &Receiver<Control>,
+        rx: &Receiver<IngestMsg>,
         stop: &AtomicBool,
         hup: &AtomicBool,
         stats: &DeliveryStats,
     ) {
-        let mut commit_at = Instant::now() + self.cfg.spool.commit_window;
-        let mut maint_at = Instant::now()
-            + self
-                .cfg
-                .spool
-                .checkpoint_interval
-                .min(Duration::from_secs(5));
+        let mut commit_at: Option<Instant> = None;
+        let mut maint_at = Instant::now() + self.maintenance_period();
         let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
         while !stop.load(Ordering::Relaxed) {
-            let wait = commit_at
-                .min(maint_at)
-                .min(summary_at)
-                .saturating_duration_since(Instant::now())
-                .min(Duration::from_millis(200));
-            match rx.recv_timeout(wait) {
-                Ok(ev) => self.push(ev),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => break,
+            let mut next = maint_at.min(summary_at);
+            if let Some(c) = commit_at {
+                next = next.min(c);
             }
-            while let Ok(c) = ctl.try_recv() {
-                self.control(c);
+            if !self.full_buffer.is_empty() {
+                // A full-durability commit that failed retries soon.
+                next = next.min(Instant::now() + Duration::from_millis(200));
+            }
+            match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                Ok(IngestMsg::Reading(ev)) => self.push(ev),
+                Ok(IngestMsg::Control(c)) => self.control(c),
+                Ok(IngestMsg::Wake) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
             }
             if hup.swap(false, Ordering::Relaxed) {
                 log::info!("SIGHUP: reloading {}", self.source.path.display());
@@ -1051,18 +940,17 @@ impl Ingest {
             let now = Instant::now();
             // Full-durability readings that could not commit at once retry here.
             self.commit_full();
-            if now >= commit_at {
+            if !self.buffer.is_empty() && commit_at.is_none() {
+                // The window opens with its first reading.
+                commit_at = Some(now + self.cfg.spool.commit_window);
+            }
+            if commit_at.is_some_and(|c| now >= c) {
                 self.commit();
-                commit_at = now + self.cfg.spool.commit_window;
+                commit_at = (!self.buffer.is_empty()).then(|| now + self.cfg.spool.commit_window);
             }
             if now >= maint_at {
                 self.maintain();
-                maint_at = now
-                    + self
-                        .cfg
-                        .spool
-                        .checkpoint_interval
-                        .min(Duration::from_secs(5));
+                maint_at = now + self.maintenance_period();
                 if self.upkeep.fatal.is_some() {
                     break;
                 }
@@ -1072,6 +960,14 @@ impl Ingest {
                 summary_at = now + self.cfg.agent.summary_interval;
             }
         }
+    }
+
+    /// Maintenance (retention, checkpoints, health) runs this often.
+    fn maintenance_period(&self) -> Duration {
+        self.cfg
+            .spool
+            .checkpoint_interval
+            .min(Duration::from_secs(5))
     }
 
     /// Append an event on the `_agent` stream (config fallbacks and the like),

@@ -16,6 +16,7 @@
 //! - [`config`]: board config, raw TOML → validated [`config::Config`];
 //! - [`configfile`]: atomic config writes and the last-known-good copy;
 //! - [`source`]: one file per kind of reading source;
+//! - [`sampler`]: one thread per source, on its own deadline;
 //! - [`envelope`]: event ids and the wire format, encoded once at append;
 //! - [`spool`]: the SQLite spool, its pragmas, schema and every statement;
 //! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
@@ -44,6 +45,7 @@ pub mod mqtt;
 pub mod probe;
 pub mod process;
 pub mod publisher;
+pub mod sampler;
 pub mod sink;
 pub mod source;
 pub mod spool;

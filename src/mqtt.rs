@@ -21,7 +21,7 @@ use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, Outgoing, QoS, R
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Messages to the delivery thread.
@@ -50,6 +50,8 @@ pub enum DeliveryMsg {
     /// Rows behind the read cursor became sendable again (requeued FAILED
     /// rows): read the spool again from the start.
     Rescan,
+    /// The agent is stopping: look at the stop flag now.
+    Stop,
 }
 
 /// A row read from the spool, ready to publish.
@@ -143,6 +145,8 @@ pub enum NotNow {
 #[derive(Debug, Clone)]
 pub struct Link {
     shared: Arc<Mutex<Shared>>,
+    /// Wakes the MQTT thread out of a backoff sleep (paired with `shared`).
+    wake: Arc<Condvar>,
 }
 
 fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
@@ -200,7 +204,26 @@ impl Link {
 
     /// Apply new connection settings with one reconnect (no change → nothing).
     pub fn reconfigure(&self, cfg: MqttConfig) {
-        lock(&self.shared).reconfigure = Some(cfg);
+        let mut s = lock(&self.shared);
+        s.reconfigure = Some(cfg);
+        Self::interrupt(&mut s);
+        self.wake.notify_all();
+    }
+
+    /// Wake the MQTT thread now (it sleeps until an event or a deadline):
+    /// call after setting its stop flag.
+    pub fn stop(&self) {
+        let mut s = lock(&self.shared);
+        Self::interrupt(&mut s);
+        self.wake.notify_all();
+    }
+
+    /// Make the event loop return from its poll: a DISCONNECT request is the
+    /// one request rumqttc's blocking client can send without waiting.
+    fn interrupt(s: &mut Shared) {
+        if let Some(c) = &s.client {
+            let _ = c.try_disconnect();
+        }
     }
 
     /// Row ids submitted or waiting in the ready queue.
@@ -264,6 +287,10 @@ impl Backoff {
     }
 }
 
+/// Longest poll while connected with nothing in flight (rumqttc sends its
+/// keep-alive pings from inside the poll, so this is only a safety net).
+const IDLE_WAIT: Duration = Duration::from_secs(30);
+
 /// Where PUBLISHes on the command topic go: `(connection epoch, publish)`.
 pub type CommandSink = Box<dyn Fn(u64, rumqttc::Publish) + Send>;
 
@@ -275,6 +302,7 @@ pub struct MqttThread {
     /// Last disconnect reason and when it was logged (repeats are rate-limited).
     last_reason: Mutex<Option<(String, Instant)>>,
     shared: Arc<Mutex<Shared>>,
+    wake: Arc<Condvar>,
     to_delivery: Sender<DeliveryMsg>,
     stop: Arc<AtomicBool>,
 }
@@ -300,15 +328,18 @@ pub fn new(
         progress_at: None,
         reconfigure: None,
     }));
+    let wake = Arc::new(Condvar::new());
     (
         Link {
             shared: shared.clone(),
+            wake: wake.clone(),
         },
         MqttThread {
             cfg,
             commands,
             last_reason: Mutex::new(None),
             shared,
+            wake,
             to_delivery,
             stop,
         },
@@ -423,14 +454,20 @@ impl MqttThread {
         let _ = lock(&self.shared).client.take();
     }
 
+    /// Sleep `d`, or less if [`Link::stop`] or [`Link::reconfigure`] wakes us.
     fn sleep(&self, d: Duration) {
         let until = Instant::now() + d;
-        while !self.stop.load(Ordering::Relaxed) {
+        let mut s = lock(&self.shared);
+        while !self.stop.load(Ordering::Relaxed) && s.reconfigure.is_none() {
             let now = Instant::now();
             if now >= until {
                 break;
             }
-            std::thread::sleep((until - now).min(Duration::from_millis(100)));
+            s = self
+                .wake
+                .wait_timeout(s, until - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
         }
     }
 
@@ -479,13 +516,26 @@ impl MqttThread {
         // Long enough to never cancel a connect attempt (rumqttc's poll is
         // cancelled by the timeout), short enough to see the stop flag.
         let connect_wait = self.cfg.connect_timeout + Duration::from_secs(2);
-        let idle_wait = Duration::from_millis(500);
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 return "agent stopping".into();
             }
-            let connected = lock(&self.shared).connected;
-            let wait = if connected { idle_wait } else { connect_wait };
+            // Event-driven: the poll wakes for packets, for requests the
+            // delivery thread submits, for rumqttc's own keep-alive pings and
+            // for the DISCONNECT that stop/reconfigure send; our only timer
+            // is the watchdog's deadline while rows are in flight.
+            let wait = {
+                let s = lock(&self.shared);
+                match s.progress_at.filter(|_| s.connected && !s.ack.is_empty()) {
+                    _ if !s.connected => connect_wait,
+                    Some(t) => self
+                        .cfg
+                        .ack_timeout
+                        .saturating_sub(t.elapsed())
+                        .max(Duration::from_millis(50)),
+                    None => IDLE_WAIT,
+                }
+            };
             match connection.recv_timeout(wait) {
                 Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
                     {
@@ -554,6 +604,7 @@ impl MqttThread {
                         let epoch = lock(&self.shared).epoch;
                         Link {
                             shared: self.shared.clone(),
+                            wake: self.wake.clone(),
                         }
                         .ack(epoch, &p);
                     }

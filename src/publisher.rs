@@ -46,6 +46,10 @@ pub struct DeliveryConfig {
     pub ack_timeout: Duration,
 }
 
+/// With nothing to record, look at the spool this often even without a
+/// message (a safety net: every change that makes rows sendable sends one).
+const IDLE_POLL: Duration = Duration::from_secs(10);
+
 /// Rows read ahead from the spool per query. Bounds delivery memory:
 /// at most this many payloads are held, whatever the backlog.
 const PREFETCH: usize = 256;
@@ -88,12 +92,14 @@ pub fn run(
         skip: HashSet::new(),
     };
     while !stop.load(Ordering::Relaxed) {
-        let wait = if d.waiting_since.is_some() {
-            RECORD_WINDOW
-        } else {
-            Duration::from_millis(100)
+        // Event-driven: the MQTT thread, ingest and the agent's stop send
+        // messages; the only timer is the group commit of delivery records
+        // (and a slow safety poll).
+        let wait = match d.waiting_since {
+            Some(t) => RECORD_WINDOW.saturating_sub(t.elapsed()),
+            None => IDLE_POLL,
         };
-        match rx.recv_timeout(wait) {
+        match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => d.handle(msg, &mut spool),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
@@ -161,7 +167,10 @@ impl Delivery {
                 self.cursor = 0;
                 self.ahead.clear();
             }
-            DeliveryMsg::Progress | DeliveryMsg::Connected { .. } | DeliveryMsg::NewRows => {}
+            DeliveryMsg::Progress
+            | DeliveryMsg::Connected { .. }
+            | DeliveryMsg::NewRows
+            | DeliveryMsg::Stop => {}
         }
     }
 

@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 /// Messages to the command thread.
 #[derive(Debug)]
 pub enum CmdMsg {
+    /// Look at the stop flag now (sent by the agent when it stops; the
+    /// worker otherwise sleeps until a message or its next deadline).
+    Wake,
     /// A PUBLISH on the command topic, received on connection `epoch`.
     Incoming {
         /// Connection epoch it arrived on (acks go only to that connection).
@@ -133,7 +136,13 @@ pub fn run(
     w.recover(&mut spool, &mut ids);
     let mut last_purge = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        match rx.recv_timeout(Duration::from_millis(200)) {
+        // Event-driven: wake for a message, a result to retry, or the purge.
+        let wait = if w.unsaved.is_empty() {
+            Duration::from_secs(60).saturating_sub(last_purge.elapsed())
+        } else {
+            Duration::from_millis(200)
+        };
+        match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => w.handle(msg, &mut spool, &mut ids),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
@@ -270,6 +279,7 @@ impl Worker {
 
     fn handle(&mut self, msg: CmdMsg, spool: &mut Spool, ids: &mut EventIdGen) {
         match msg {
+            CmdMsg::Wake => {}
             CmdMsg::Incoming { epoch, publish } => self.incoming(epoch, publish, spool, ids),
             CmdMsg::Done {
                 scope,

@@ -1,0 +1,191 @@
+//! The sampler: one thread per source, each taking readings on its
+//! interval and handing them to the ingest thread.
+//!
+//! Its one rule: **a source waits on its own deadline and its control
+//! channel, never on a polling timer**, so an idle agent sleeps (one reading
+//! a minute costs about one wakeup a minute here), and an `exec` program that
+//! hangs until its timeout delays only its own source.
+
+use crate::agent::{join_within, IngestMsg};
+use crate::envelope::wall_clock_ms;
+use crate::source::{self, SourceState};
+use crate::spool::NewEvent;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A change to the sampler's sources, applied live.
+#[derive(Debug)]
+pub enum SamplerUpdate {
+    /// Replace every source.
+    Sources(Vec<source::SourceSpec>),
+    /// Change one source's interval.
+    Interval(String, Duration),
+    /// Stop every source and return.
+    Stop,
+}
+
+/// One source's thread and its control channel (dropping the sender stops it).
+struct SourceThread {
+    name: String,
+    interval: Sender<Duration>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+fn start_source(
+    spec: source::SourceSpec,
+    dir: PathBuf,
+    tx: Sender<IngestMsg>,
+    global: Arc<AtomicBool>,
+) -> Option<SourceThread> {
+    let (interval, ctl) = mpsc::channel();
+    let name = spec.name.clone();
+    let handle = std::thread::Builder::new()
+        .name(format!("source-{}", spec.name))
+        .spawn(move || source_loop(spec, dir, tx, ctl, global));
+    match handle {
+        Ok(handle) => Some(SourceThread {
+            name,
+            interval,
+            handle,
+        }),
+        Err(e) => {
+            log::error!("source {name}: cannot start its thread: {e}");
+            None
+        }
+    }
+}
+
+/// Run one source on its interval until its control channel closes. A
+/// failed sample is logged (once a minute) and counted in the log line,
+/// never fatal.
+fn source_loop(
+    spec: source::SourceSpec,
+    dir: PathBuf,
+    tx: Sender<IngestMsg>,
+    ctl: Receiver<Duration>,
+    global: Arc<AtomicBool>,
+) {
+    let mut state = SourceState::default();
+    let mut replay = match &spec.kind {
+        source::SourceKind::Replay(r) => match source::replay::Replay::open(r.clone()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                log::error!(
+                    "source {}: {e}; this source is off until the config changes",
+                    spec.name
+                );
+                return;
+            }
+        },
+        _ => None,
+    };
+    let mut failures = 0u64;
+    let mut last_log: Option<Instant> = None;
+    let mut interval = spec.interval;
+    let mut next = Instant::now();
+    while !global.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if now >= next {
+            // Fixed cadence; if we fell behind, skip missed slots rather than burst.
+            next += interval;
+            if next < now {
+                next = now + interval;
+            }
+            let result = match replay.as_mut() {
+                Some(r) => replay_due(r, &spec.name, now),
+                None => source::sample(&spec, &mut state, &dir).map(|f| vec![f]),
+            };
+            match result {
+                Ok(list) => {
+                    let (ts_ms, trusted) = wall_clock_ms();
+                    for fields in list.into_iter().filter(|f| !f.is_empty()) {
+                        let ev = NewEvent {
+                            stream: spec.name.clone(),
+                            ts_ms,
+                            clock_trusted: trusted,
+                            fields,
+                        };
+                        if tx.send(IngestMsg::Reading(ev)).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    if last_log.is_none_or(|t| t.elapsed() > Duration::from_secs(60)) {
+                        log::warn!("source {}: {e} ({failures} failures so far)", spec.name);
+                        last_log = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        match ctl.recv_timeout(next.saturating_duration_since(Instant::now())) {
+            Ok(d) => {
+                // A new interval takes effect from the next reading.
+                next = next.min(Instant::now() + d);
+                interval = d;
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+fn replay_due(
+    r: &mut source::replay::Replay,
+    name: &str,
+    now: Instant,
+) -> Result<Vec<source::Fields>, source::SourceError> {
+    let was_done = r.stats().finished;
+    let res = r.due(now);
+    if !was_done && r.stats().finished {
+        let st = r.stats();
+        log::info!(
+            "source {name}: replay finished: {} rows read, {} readings, {} cells skipped, {} rows skipped",
+            st.rows_read, st.readings, st.cells_skipped, st.rows_skipped
+        );
+    }
+    res
+}
+
+/// The sampler: starts one thread per source and applies live changes until
+/// [`SamplerUpdate::Stop`]. On stop it waits at most 2 s for the source
+/// threads; one stuck in a program (until its own timeout) is left behind
+/// rather than delaying the final commit.
+pub fn run(
+    sources: Vec<source::SourceSpec>,
+    dir: PathBuf,
+    tx: Sender<IngestMsg>,
+    updates: Receiver<SamplerUpdate>,
+    stop: Arc<AtomicBool>,
+) {
+    let start_all = |sources: Vec<source::SourceSpec>| -> Vec<SourceThread> {
+        sources
+            .into_iter()
+            .filter_map(|s| start_source(s, dir.clone(), tx.clone(), stop.clone()))
+            .collect()
+    };
+    let mut threads = start_all(sources);
+    loop {
+        match updates.recv() {
+            Ok(SamplerUpdate::Sources(s)) => {
+                // Dropping the old threads' senders stops them.
+                threads = start_all(s);
+            }
+            Ok(SamplerUpdate::Interval(name, interval)) => {
+                if let Some(t) = threads.iter().find(|t| t.name == name) {
+                    let _ = t.interval.send(interval);
+                }
+            }
+            Ok(SamplerUpdate::Stop) | Err(_) => break,
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for t in threads {
+        drop(t.interval);
+        join_within(t.handle, deadline, &format!("source {}", t.name));
+    }
+}
