@@ -158,7 +158,7 @@ pub struct SpoolConfig {
     pub options: SpoolOptions,
     /// `commit_window_ms`: readings are grouped into one transaction per window.
     pub commit_window: Duration,
-    /// `acked_retention_secs`: how long ACKED rows are kept before deletion.
+    /// `acked_retention_secs`: ACKED rows appended longer ago than this are deleted.
     pub acked_retention: Duration,
     /// `purge_batch_rows`: rows deleted per retention transaction.
     pub purge_batch_rows: usize,
