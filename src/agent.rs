@@ -36,6 +36,14 @@ use std::time::{Duration, Instant};
 /// (<https://www.sqlite.org/fileformat.html#the_write_ahead_log>).
 const WAL_FRAME_BYTES: u64 = 4096 + 24;
 
+/// Longest a maintenance pass keeps deleting (each batch holds the write
+/// lock; the delivery thread's commits wait behind it).
+const MAINTENANCE_BUDGET: Duration = Duration::from_millis(100);
+/// The next pass when the last one left work over.
+const MAINTENANCE_AGAIN: Duration = Duration::from_millis(250);
+/// Free pages given back per pass (4 MiB of 4 KiB pages).
+const SHRINK_STEP_PAGES: u64 = 1024;
+
 /// Readings held in memory while the spool refuses writes (busy, full); past
 /// this the newest are dropped and counted (`readings_dropped_buffer_full`).
 const MAX_BUFFERED: usize = 10_000;
@@ -558,6 +566,8 @@ struct Upkeep {
     seqs_persisted: Instant,
     /// The health line last stored, so it is written only when it changes.
     health_stored: Option<String>,
+    /// The last pass left retention or space to give back for the next one.
+    more_work: bool,
     /// Last capacity check and its answer (checked at most once a second).
     capacity_checked: Option<Instant>,
     refusal: Option<crate::maintenance::Refusal>,
@@ -588,6 +598,7 @@ impl Upkeep {
             checkpoints: 0,
             seqs_persisted: Instant::now(),
             health_stored: None,
+            more_work: false,
             capacity_checked: None,
             refusal: None,
             checkpoint_blocked: false,
@@ -950,7 +961,12 @@ impl Ingest {
             }
             if now >= maint_at {
                 self.maintain();
-                maint_at = now + self.maintenance_period();
+                maint_at = now
+                    + if self.upkeep.more_work {
+                        MAINTENANCE_AGAIN
+                    } else {
+                        self.maintenance_period()
+                    };
                 if self.upkeep.fatal.is_some() {
                     break;
                 }
@@ -1203,7 +1219,16 @@ impl Ingest {
         }
         let cutoff = now - retention_ms;
         let mut purged = 0;
-        for _ in 0..20 {
+        // A pass holds the write lock for at most about MAINTENANCE_BUDGET
+        // (the delivery thread's commits wait behind it); what is left is
+        // done at the next pass, which then comes sooner.
+        let started = Instant::now();
+        self.upkeep.more_work = false;
+        loop {
+            if started.elapsed() >= MAINTENANCE_BUDGET {
+                self.upkeep.more_work = true;
+                break;
+            }
             match self
                 .spool
                 .purge_acked(cutoff, self.cfg.spool.purge_batch_rows)
@@ -1211,7 +1236,7 @@ impl Ingest {
                 Ok(0) => break,
                 Ok(n) => {
                     purged += n;
-                    let _ = self.spool.checkpoint(CheckpointMode::Passive);
+                    self.run_checkpoint(CheckpointMode::Passive, 0);
                 }
                 Err(e) => {
                     log::warn!("retention skipped: {e}");
@@ -1223,7 +1248,9 @@ impl Ingest {
             log::debug!("retention: deleted {purged} acknowledged rows");
         }
         self.persist_seqs_if_due();
-        self.shrink_step();
+        if !self.upkeep.more_work {
+            self.shrink_step();
+        }
         self.checkpoint_if_due();
         self.record_health();
     }
@@ -1243,9 +1270,12 @@ impl Ingest {
     /// they exceed the live data plus 8 MiB, then let the checkpoint policy
     /// copy the moved pages (issue: the spool gives space back).
     fn shrink_step(&mut self) {
-        match self.spool.shrink_step(8 * 1024 * 1024, 1024) {
+        match self.spool.shrink_step(8 * 1024 * 1024, SHRINK_STEP_PAGES) {
             Ok(0) => {}
-            Ok(n) => log::debug!("spool: gave {n} free pages back to the filesystem"),
+            Ok(n) => {
+                log::debug!("spool: gave {n} free pages back to the filesystem");
+                self.upkeep.more_work = n >= SHRINK_STEP_PAGES;
+            }
             Err(e) => {
                 if self
                     .upkeep
