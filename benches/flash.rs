@@ -1,0 +1,1320 @@
+//! Flash writes per reading, printed (no pass/fail).
+//!
+//! For each rate the bench starts the real agent binary in a fresh directory
+//! on disk, against a mosquitto it runs on a free loopback port, with one
+//! `file` source (payloads of about 170 bytes) and the agent's own defaults
+//! (commit window and checkpoints as its storage probe derives them). Beside
+//! it, for the same interval, runs a minimal SQLite writer with the same
+//! durability: this bench binary re-executed as a child (so its
+//! `/proc/<pid>/io` is its own), WAL, one `events` table and a one-row
+//! acknowledged high-water mark, one commit per commit window (one per
+//! reading for `full`), a PASSIVE checkpoint every 30 s. It is the ceiling
+//! the agent is compared with.
+//!
+//! Over the measurement interval (after a warm-up), from outside each process:
+//! - bytes written: the `write_bytes` delta of `/proc/<pid>/io`;
+//! - fsyncs: `fsync`/`fdatasync` calls traced by `strace -f -ttt` (with
+//!   `--seccomp-bpf` when supported), counted by timestamp;
+//! - readings: PUBLISHes the broker delivers to the bench's QoS 1 subscriber
+//!   on the source's topic (the minimal writer counts its own);
+//! - commits: from `commits_total` in the agent's `write_budget` records
+//!   (one per summary interval, read with `edgespool status --json` every
+//!   15 s), as the rate between the records nearest the interval's ends, when
+//!   the agent records it (n/a otherwise, or with fewer than two records: a
+//!   quick run may be shorter than the summary interval); the minimal writer
+//!   counts its own.
+//!
+//! Rates: 1, 10 and 100 readings/s with the default (batched) durability, and
+//! 1 reading/s with `durability = "full"` (`1full`).
+//!
+//! Run: `cargo bench --bench flash` (needs mosquitto and strace;
+//! `cross/setup-debian.sh` installs mosquitto). Environment:
+//! - `FLASH_SECS` measurement seconds per rate (default 120);
+//! - `FLASH_WARMUP` warm-up seconds before it (default 30);
+//! - `FLASH_RATES` rates to run, e.g. `1,10` (default `1,10,100,1full`);
+//! - `FLASH_DIR` where the per-rate directories go (default `/var/tmp`; must
+//!   not be tmpfs, where `write_bytes` stays 0).
+//!
+//! A quick look: `FLASH_SECS=20 FLASH_WARMUP=5 cargo bench --bench flash --profile dev`.
+
+use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Set in the environment of the re-executed bench binary: run the minimal writer.
+const MINIMAL_ENV: &str = "EDGESPOOL_FLASH_MINIMAL";
+/// The source's name, so the stream's topic is `<prefix>/events/temperature`.
+const STREAM: &str = "temperature";
+/// Commit window when the agent's startup line cannot be read.
+const FALLBACK_WINDOW_MS: u64 = 50;
+/// The minimal writer's PASSIVE checkpoint cadence.
+const MINIMAL_CHECKPOINT: Duration = Duration::from_secs(30);
+/// How long a child gets to stop after being asked.
+const STOP_GRACE: Duration = Duration::from_secs(20);
+/// `statfs` magic of tmpfs.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+fn main() {
+    if std::env::var_os(MINIMAL_ENV).is_some() {
+        minimal_writer();
+        return;
+    }
+    let settings = Settings::from_env();
+    let tracer = Tracer::detect();
+    let broker_dir = tempfile::tempdir().expect("create the broker's temp dir");
+    let broker = Mosquitto::start(broker_dir.path());
+    println!(
+        "edgespool flash bench: warm-up {} s, measurement {} s per rate, runs under {}, mosquitto on port {}",
+        settings.warmup.as_secs(),
+        settings.measure.as_secs(),
+        settings.base.display(),
+        broker.port
+    );
+    match &tracer {
+        Some(t) => println!(
+            "fsyncs: counted by `strace -f -ttt{}`",
+            if t.seccomp { " --seccomp-bpf" } else { "" }
+        ),
+        None => println!("fsyncs n/a (strace not found)"),
+    }
+    println!(
+        "readings: PUBLISHes the broker delivered to the bench's QoS 1 subscriber on edgespool/<device>/events/{STREAM} during the interval (minimal writer: readings it took)"
+    );
+    let mut rows = Vec::new();
+    for spec in &settings.rates {
+        println!("-- {}: running ...", spec.label());
+        match measure_rate(*spec, &settings, broker.port, tracer.as_ref()) {
+            Ok(row) => {
+                row.print_notes();
+                rows.push(row);
+            }
+            Err(e) => println!("-- {}: failed: {e}", spec.label()),
+        }
+    }
+    print_tables(&rows);
+}
+
+// ---------------------------------------------------------------- settings
+
+/// One row of the table: a reading rate and a durability.
+#[derive(Debug, Clone, Copy)]
+struct RateSpec {
+    per_sec: u32,
+    full: bool,
+}
+
+impl RateSpec {
+    fn parse(s: &str) -> RateSpec {
+        let s = s.trim();
+        let (num, full) = match s.strip_suffix("full") {
+            Some(n) => (n, true),
+            None => (s, false),
+        };
+        let per_sec: u32 = num
+            .parse()
+            .unwrap_or_else(|_| panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full)"));
+        assert!(
+            (1..=100).contains(&per_sec),
+            "FLASH_RATES: {s:?}: the agent's sources run at most every 10 ms (1..=100 readings/s)"
+        );
+        RateSpec { per_sec, full }
+    }
+
+    fn label(&self) -> String {
+        format!("{}{}", self.per_sec, if self.full { "full" } else { "" })
+    }
+
+    fn interval_ms(&self) -> u64 {
+        1000 / u64::from(self.per_sec)
+    }
+}
+
+struct Settings {
+    warmup: Duration,
+    measure: Duration,
+    rates: Vec<RateSpec>,
+    base: PathBuf,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let secs = |key: &str, default: u64| {
+            std::env::var(key)
+                .ok()
+                .map(|v| {
+                    v.parse::<u64>()
+                        .unwrap_or_else(|_| panic!("{key}={v:?} is not a number of seconds"))
+                })
+                .unwrap_or(default)
+        };
+        let rates = std::env::var("FLASH_RATES").unwrap_or_else(|_| "1,10,100,1full".into());
+        let base = PathBuf::from(std::env::var("FLASH_DIR").unwrap_or_else(|_| "/var/tmp".into()));
+        assert!(
+            !on_tmpfs(&base),
+            "{} is tmpfs: write_bytes stays 0 there; set FLASH_DIR to a directory on disk",
+            base.display()
+        );
+        Settings {
+            warmup: Duration::from_secs(secs("FLASH_WARMUP", 30)),
+            measure: Duration::from_secs(secs("FLASH_SECS", 120).max(1)),
+            rates: rates
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(RateSpec::parse)
+                .collect(),
+            base,
+        }
+    }
+}
+
+fn on_tmpfs(path: &Path) -> bool {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path without NUL");
+    // SAFETY: statfs is plain old data; all zeroes is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid NUL-terminated path and a struct of the right type.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    assert!(
+        rc == 0,
+        "statfs {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
+    st.f_type as i64 == TMPFS_MAGIC
+}
+
+// ---------------------------------------------------------------- one rate
+
+/// Counters read at one instant of a run.
+#[derive(Debug, Clone, Copy)]
+struct Snapshot {
+    wall: f64,
+    at: Instant,
+    agent_bytes: u64,
+    agent_ctxsw: u64,
+    minimal_bytes: u64,
+    minimal_ctxsw: u64,
+    minimal: MinimalCounts,
+    delivered: u64,
+}
+
+/// What one rate measured.
+struct Row {
+    spec: RateSpec,
+    window_ms: u64,
+    window_from_log: bool,
+    payload_len: usize,
+    stored_payload_len: Option<f64>,
+    a: Snapshot,
+    b: Snapshot,
+    /// Commits in the interval and the span of the records they come from.
+    agent_commits: Option<(f64, f64)>,
+    agent_fsyncs: Option<u64>,
+    minimal_fsyncs: Option<u64>,
+    agent_wal: u64,
+    agent_db: u64,
+    minimal_wal: u64,
+    minimal_db: u64,
+    last_checkpoint: Option<String>,
+    complaints: Vec<String>,
+}
+
+fn measure_rate(
+    spec: RateSpec,
+    s: &Settings,
+    port: u16,
+    tracer: Option<&Tracer>,
+) -> Result<Row, String> {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("edgespool-flash-{}-", spec.label()))
+        .tempdir_in(&s.base)
+        .expect("create the run's temp dir");
+    let run = RunDir::create(dir.path(), spec, port);
+    let device = format!("flash-{}", spec.label());
+    let sub = Subscriber::start(
+        port,
+        &format!("edgespool/{device}/events/#"),
+        &format!("edgespool/{device}/events/{STREAM}"),
+    )?;
+    let agent_cmd = {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_edgespool"));
+        c.args(["run", "--config"])
+            .arg(&run.config)
+            .env("RUST_LOG", "info");
+        c
+    };
+    let mut agent = Traced::spawn("agent", tracer, agent_cmd, &run.agent_trace, false)?;
+    let log = AgentLog::follow(agent.child.stderr.take().expect("agent stderr is piped"));
+    let (window_ms, window_from_log) =
+        match log.commit_window(&mut agent, Duration::from_secs(120))? {
+            Some(ms) => (ms, true),
+            None => (FALLBACK_WINDOW_MS, false),
+        };
+    let payload_len = sub
+        .first_payload_len(&mut agent, Duration::from_secs(30))
+        .map_err(|e| format!("{e}; agent log:\n{}", log.tail()))?;
+    let mut minimal = Minimal::spawn(tracer, &run, spec, window_ms, payload_len)?;
+    let mut budget = Budget::default();
+    watch(s.warmup, &mut agent, &mut minimal, &mut budget, &run)?;
+    let a = snapshot(&agent, &mut minimal, &sub)?;
+    budget.poll(&run);
+    watch(s.measure, &mut agent, &mut minimal, &mut budget, &run)?;
+    let b = snapshot(&agent, &mut minimal, &sub)?;
+    budget.poll(&run);
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let (agent_wal, agent_db) = (size(&wal_of(&run.spool)), size(&run.spool));
+    let (minimal_wal, minimal_db) = (size(&wal_of(&run.minimal_db)), size(&run.minimal_db));
+    let last_checkpoint = status_state(&run, "last_checkpoint").map(|(v, _)| v.to_string());
+    agent.stop();
+    minimal.stop();
+    drop(sub);
+    let count = |path: &Path| {
+        tracer
+            .map(|_| count_fsyncs(path, a.wall, b.wall))
+            .transpose()
+    };
+    Ok(Row {
+        spec,
+        window_ms,
+        window_from_log,
+        payload_len,
+        stored_payload_len: stored_payload_len(&run.spool),
+        a,
+        b,
+        agent_commits: budget.commits_in(a.wall, b.wall),
+        agent_fsyncs: count(&run.agent_trace)?,
+        minimal_fsyncs: count(&run.minimal_trace)?,
+        agent_wal,
+        agent_db,
+        minimal_wal,
+        minimal_db,
+        last_checkpoint,
+        complaints: log.complaints(),
+    })
+}
+
+/// Sleep `d`, checking every second that both children still run and
+/// polling the agent's write budget now and then.
+fn watch(
+    d: Duration,
+    agent: &mut Traced,
+    minimal: &mut Minimal,
+    budget: &mut Budget,
+    run: &RunDir,
+) -> Result<(), String> {
+    let end = Instant::now() + d;
+    loop {
+        agent.check_alive()?;
+        minimal.proc.check_alive()?;
+        budget.poll_if_due(run);
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(());
+        }
+        std::thread::sleep(left.min(Duration::from_secs(1)));
+    }
+}
+
+fn snapshot(agent: &Traced, minimal: &mut Minimal, sub: &Subscriber) -> Result<Snapshot, String> {
+    let wall = unix_secs();
+    let at = Instant::now();
+    let agent_bytes = agent.write_bytes()?;
+    let minimal_bytes = minimal.proc.write_bytes()?;
+    let counts = minimal.mark()?;
+    let delivered = sub.delivered.load(Ordering::Relaxed);
+    let agent_ctxsw = context_switches(agent.pid);
+    let minimal_ctxsw = context_switches(minimal.proc.pid);
+    Ok(Snapshot {
+        wall,
+        at,
+        agent_bytes,
+        agent_ctxsw,
+        minimal_bytes,
+        minimal_ctxsw,
+        minimal: counts,
+        delivered,
+    })
+}
+
+/// `commits_total` of the agent's `write_budget` records (one per summary
+/// interval), collected with `edgespool status` during the run.
+#[derive(Default)]
+struct Budget {
+    /// (Unix ms the agent recorded it, commits_total), oldest first.
+    records: Vec<(i64, u64)>,
+    polled: Option<Instant>,
+}
+
+impl Budget {
+    /// Often enough to see every record at the default 60 s summary interval.
+    const EVERY: Duration = Duration::from_secs(15);
+
+    fn poll_if_due(&mut self, run: &RunDir) {
+        if self.polled.is_none_or(|t| t.elapsed() >= Self::EVERY) {
+            self.poll(run);
+        }
+    }
+
+    fn poll(&mut self, run: &RunDir) {
+        self.polled = Some(Instant::now());
+        let Some((v, Some(at))) = status_state(run, "write_budget") else {
+            return;
+        };
+        let Some(c) = v.get("commits_total").and_then(serde_json::Value::as_u64) else {
+            return;
+        };
+        if self.records.last().is_none_or(|&(t, _)| t < at) {
+            self.records.push((at, c));
+        }
+    }
+
+    /// Commits in `[t0, t1]` (Unix s) at the rate between the last records
+    /// at or before each end (the first record if none precedes `t0`), and
+    /// the seconds between those records; None without two such records.
+    fn commits_in(&self, t0: f64, t1: f64) -> Option<(f64, f64)> {
+        let (t0_ms, t1_ms) = ((t0 * 1000.0) as i64, (t1 * 1000.0) as i64);
+        let r0 = self
+            .records
+            .iter()
+            .rev()
+            .find(|r| r.0 <= t0_ms)
+            .or(self.records.first())?;
+        let r1 = self.records.iter().rev().find(|r| r.0 <= t1_ms)?;
+        if r1.0 <= r0.0 {
+            return None;
+        }
+        let span = (r1.0 - r0.0) as f64 / 1000.0;
+        let delta = r1.1.checked_sub(r0.1)? as f64;
+        Some((delta / span * (t1 - t0), span))
+    }
+}
+
+/// Paths and files of one rate's run, all under its own temp dir.
+struct RunDir {
+    config: PathBuf,
+    spool: PathBuf,
+    agent_trace: PathBuf,
+    minimal_db: PathBuf,
+    minimal_trace: PathBuf,
+    status_out: PathBuf,
+}
+
+impl RunDir {
+    fn create(dir: &Path, spec: RateSpec, port: u16) -> RunDir {
+        for sub in ["agent", "minimal", "trace"] {
+            std::fs::create_dir(dir.join(sub)).expect("create a run subdirectory");
+        }
+        let value = dir.join("value");
+        std::fs::write(&value, "21.5\n").expect("write the source's value file");
+        let spool = dir.join("agent/spool.db");
+        let config = dir.join("agent.toml");
+        let durability = if spec.full {
+            "durability = \"full\"\n"
+        } else {
+            ""
+        };
+        let text = format!(
+            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
+            label = spec.label(),
+            spool = spool.display(),
+            value = value.display(),
+            interval = spec.interval_ms(),
+        );
+        std::fs::write(&config, text).expect("write the agent's config");
+        RunDir {
+            config,
+            spool,
+            agent_trace: dir.join("trace/agent.txt"),
+            minimal_db: dir.join("minimal/minimal.db"),
+            minimal_trace: dir.join("trace/minimal.txt"),
+            status_out: dir.join("trace/status.json"),
+        }
+    }
+}
+
+fn wal_of(db: &Path) -> PathBuf {
+    let mut s = db.as_os_str().to_owned();
+    s.push("-wal");
+    PathBuf::from(s)
+}
+
+fn unix_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+// ---------------------------------------------------------------- agent status
+
+/// The value (parsed as JSON) and the recorded Unix ms of an `agent_state`
+/// entry, from `edgespool status --spool PATH --json`; None if absent.
+fn status_state(run: &RunDir, key: &str) -> Option<(serde_json::Value, Option<i64>)> {
+    let out = std::fs::File::create(&run.status_out).expect("create the status output file");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
+        .args(["status", "--json", "--spool"])
+        .arg(&run.spool)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn edgespool status");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ok = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st.success(),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break false;
+            }
+        }
+    };
+    if !ok {
+        return None;
+    }
+    let text = std::fs::read_to_string(&run.status_out).ok()?;
+    let report: serde_json::Value = serde_json::from_str(&text).ok()?;
+    find_state(report.get("agent_state")?, key)
+}
+
+/// `agent_state` as `[[key, value, at], ...]`, `[{key, value, ...}, ...]` or
+/// `{key: value}`; a string value holding JSON is parsed.
+fn find_state(states: &serde_json::Value, key: &str) -> Option<(serde_json::Value, Option<i64>)> {
+    use serde_json::Value;
+    let (value, at) = match states {
+        Value::Array(entries) => entries.iter().find_map(|e| match e {
+            Value::Array(t) if t.first().and_then(Value::as_str) == Some(key) => {
+                Some((t.get(1)?.clone(), t.get(2).and_then(Value::as_i64)))
+            }
+            Value::Object(o) if o.get("key").and_then(Value::as_str) == Some(key) => Some((
+                o.get("value")?.clone(),
+                ["updated_ms", "at_ms", "at"]
+                    .iter()
+                    .find_map(|k| o.get(*k).and_then(Value::as_i64)),
+            )),
+            _ => None,
+        })?,
+        Value::Object(o) => (o.get(key)?.clone(), None),
+        _ => return None,
+    };
+    let value = match value {
+        Value::String(s) => serde_json::from_str(&s).unwrap_or(Value::String(s)),
+        v => v,
+    };
+    Some((value, at))
+}
+
+/// Mean stored payload length in the agent's spool, if its schema has a
+/// `payloads(payload)` table.
+fn stored_payload_len(spool: &Path) -> Option<f64> {
+    let conn =
+        rusqlite::Connection::open_with_flags(spool, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .ok()?;
+    conn.query_row("SELECT avg(length(payload)) FROM payloads", [], |r| {
+        r.get(0)
+    })
+    .ok()
+    .flatten()
+}
+
+// ---------------------------------------------------------------- processes
+
+/// How to run a child under strace, if strace is here.
+struct Tracer {
+    seccomp: bool,
+}
+
+impl Tracer {
+    fn detect() -> Option<Tracer> {
+        let works = |extra: &[&str]| {
+            Command::new("strace")
+                .args(["-f", "-qq"])
+                .args(extra)
+                .args(["-e", "trace=fsync", "-o", "/dev/null", "true"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if works(&["--seccomp-bpf"]) {
+            Some(Tracer { seccomp: true })
+        } else if works(&[]) {
+            Some(Tracer { seccomp: false })
+        } else {
+            None
+        }
+    }
+
+    /// `cmd` wrapped in strace writing to `out`, with the same args and env.
+    fn wrap(&self, cmd: &Command, out: &Path) -> Command {
+        let mut c = Command::new("strace");
+        c.args(["-f", "-qq", "-ttt"]);
+        if self.seccomp {
+            c.arg("--seccomp-bpf");
+        }
+        c.args(["-e", "trace=fsync,fdatasync", "-e", "signal=none", "-o"])
+            .arg(out)
+            .arg(cmd.get_program())
+            .args(cmd.get_args());
+        for (k, v) in cmd.get_envs() {
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
+        }
+        c
+    }
+}
+
+/// A child process, maybe under strace; `pid` is the measured process (the
+/// tracee when traced). Dropping it kills both.
+struct Traced {
+    name: &'static str,
+    child: Child,
+    pid: i32,
+    traced: bool,
+}
+
+impl Traced {
+    fn spawn(
+        name: &'static str,
+        tracer: Option<&Tracer>,
+        cmd: Command,
+        trace_out: &Path,
+        piped_stdio: bool,
+    ) -> Result<Traced, String> {
+        let mut cmd = match tracer {
+            Some(t) => t.wrap(&cmd, trace_out),
+            None => cmd,
+        };
+        cmd.stdin(if piped_stdio {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(if piped_stdio {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stderr(if piped_stdio {
+            Stdio::inherit()
+        } else {
+            Stdio::piped()
+        });
+        let child = cmd.spawn().map_err(|e| format!("spawn {name}: {e}"))?;
+        let outer = child.id() as i32;
+        let mut t = Traced {
+            name,
+            child,
+            pid: outer,
+            traced: tracer.is_some(),
+        };
+        if t.traced {
+            t.pid = tracee_of(outer, Instant::now() + Duration::from_secs(10))
+                .ok_or_else(|| format!("{name}: no traced process appeared under strace"))?;
+        }
+        Ok(t)
+    }
+
+    fn check_alive(&mut self) -> Result<(), String> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(st)) => Err(format!("{} exited early ({st})", self.name)),
+            Err(e) => Err(format!("{}: wait failed: {e}", self.name)),
+        }
+    }
+
+    fn write_bytes(&self) -> Result<u64, String> {
+        let text = std::fs::read_to_string(format!("/proc/{}/io", self.pid))
+            .map_err(|e| format!("{}: read /proc/{}/io: {e}", self.name, self.pid))?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("write_bytes:"))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| format!("{}: no write_bytes in /proc/{}/io", self.name, self.pid))
+    }
+
+    /// SIGTERM to the measured process, then wait (bounded) for the child.
+    fn stop(&mut self) {
+        // SAFETY: kill(2) on a pid this bench started.
+        unsafe { libc::kill(self.pid, libc::SIGTERM) };
+        self.wait_or_kill(Instant::now() + STOP_GRACE);
+    }
+
+    fn wait_or_kill(&mut self, deadline: Instant) {
+        loop {
+            match self.child.try_wait() {
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                Ok(Some(_)) => {
+                    // The tracee exits before strace does; kill it anyway in
+                    // case strace died first and left it running.
+                    if self.traced {
+                        // SAFETY: kill(2) on the tracee this bench started.
+                        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+                    }
+                    return;
+                }
+                _ => {
+                    eprintln!("{}: did not stop in time; killing it", self.name);
+                    // SAFETY: kill(2) on the tracee this bench started.
+                    unsafe { libc::kill(self.pid, libc::SIGKILL) };
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on the process this bench started.
+            unsafe { libc::kill(self.pid, libc::SIGKILL) };
+            let _ = self.child.kill();
+            self.wait_or_kill(Instant::now() + Duration::from_secs(5));
+        }
+    }
+}
+
+/// The process strace forked for the command (ppid = strace), once it has
+/// exec'd (its name is no longer strace's).
+fn tracee_of(strace_pid: i32, deadline: Instant) -> Option<i32> {
+    while Instant::now() < deadline {
+        let found = std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let (comm, rest) = stat.rsplit_once(')')?;
+            let ppid: i32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+            (ppid == strace_pid && !comm.ends_with("(strace")).then_some(pid)
+        });
+        if found.is_some() {
+            return found;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Voluntary plus involuntary context switches over all threads of `pid`.
+fn context_switches(pid: i32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// `fsync`/`fdatasync` calls in an strace `-f -ttt` file with a timestamp in
+/// `[t0, t1]` (call starts only; `<... resumed>` lines are not counted).
+fn count_fsyncs(path: &Path, t0: f64, t1: f64) -> Result<u64, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter(|line| {
+            let mut tok = line.split_whitespace();
+            let (_pid, ts, call) = (tok.next(), tok.next(), tok.next().unwrap_or(""));
+            let in_range = ts
+                .and_then(|t| t.parse::<f64>().ok())
+                .is_some_and(|t| (t0..=t1).contains(&t));
+            in_range && (call.starts_with("fsync(") || call.starts_with("fdatasync("))
+        })
+        .count() as u64)
+}
+
+// ---------------------------------------------------------------- agent log
+
+/// The agent's stderr, read on a thread: the commit window from its
+/// `storage probe` line, warnings and errors, and the last lines.
+struct AgentLog {
+    window: Receiver<Option<u64>>,
+    lines: Arc<Mutex<VecDeque<String>>>,
+    complaints: Arc<Mutex<Vec<String>>>,
+}
+
+impl AgentLog {
+    fn follow(stderr: std::process::ChildStderr) -> AgentLog {
+        let (tx, window) = mpsc::channel();
+        let lines = Arc::new(Mutex::new(VecDeque::new()));
+        let complaints = Arc::new(Mutex::new(Vec::new()));
+        let (l, c) = (lines.clone(), complaints.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("storage probe") {
+                    let _ = tx.send(parse_window(&line));
+                }
+                if line.contains(" WARN ") || line.contains(" ERROR ") {
+                    let mut c = c.lock().expect("complaints lock");
+                    if c.len() < 20 {
+                        c.push(line.clone());
+                    }
+                }
+                let mut l = l.lock().expect("log lock");
+                l.push_back(line);
+                if l.len() > 40 {
+                    l.pop_front();
+                }
+            }
+        });
+        AgentLog {
+            window,
+            lines,
+            complaints,
+        }
+    }
+
+    /// The commit window the agent logged at startup; None if it logged a
+    /// probe failure. Errors if the agent dies or stays silent until `limit`.
+    fn commit_window(&self, agent: &mut Traced, limit: Duration) -> Result<Option<u64>, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            match self.window.recv_timeout(Duration::from_millis(200)) {
+                Ok(w) => return Ok(w),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(format!(
+                        "agent closed stderr before its storage probe line:\n{}",
+                        self.tail()
+                    ))
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            agent
+                .check_alive()
+                .map_err(|e| format!("{e}:\n{}", self.tail()))?;
+            if Instant::now() > deadline {
+                eprintln!("agent logged no storage probe line in {limit:?}; assuming {FALLBACK_WINDOW_MS} ms");
+                return Ok(None);
+            }
+        }
+    }
+
+    fn tail(&self) -> String {
+        let l = self.lines.lock().expect("log lock");
+        l.iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    fn complaints(&self) -> Vec<String> {
+        self.complaints.lock().expect("complaints lock").clone()
+    }
+}
+
+/// `N` from `... -> commit window N ms ...`.
+fn parse_window(line: &str) -> Option<u64> {
+    line.split_once("commit window ")?
+        .1
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+// ---------------------------------------------------------------- broker
+
+struct Mosquitto {
+    child: Child,
+    port: u16,
+}
+
+impl Mosquitto {
+    fn start(dir: &Path) -> Mosquitto {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("find a free port")
+            .port();
+        let conf = dir.join("mosquitto.conf");
+        let mut text = format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n");
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            text.push_str("user root\n");
+        }
+        std::fs::write(&conf, text).expect("write mosquitto.conf");
+        // Debian installs it in /usr/sbin, which a non-root PATH may lack.
+        let exe = if Path::new("/usr/sbin/mosquitto").exists() {
+            "/usr/sbin/mosquitto"
+        } else {
+            "mosquitto"
+        };
+        let child = Command::new(exe)
+            .arg("-c")
+            .arg(&conf)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start mosquitto (run cross/setup-debian.sh)");
+        let broker = Mosquitto { child, port };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "mosquitto did not listen on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        broker
+    }
+}
+
+impl Drop for Mosquitto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A QoS 1 subscriber on its own thread, counting PUBLISHes on one topic.
+struct Subscriber {
+    delivered: Arc<AtomicU64>,
+    first_len: Arc<Mutex<Option<usize>>>,
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Subscriber {
+    fn start(port: u16, filter: &str, topic: &str) -> Result<Subscriber, String> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let id = format!(
+            "flash-sub-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut o = MqttOptions::new(id, "127.0.0.1", port);
+        o.set_keep_alive(Duration::from_secs(30));
+        let (client, mut conn) = Client::new(o, 64);
+        client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .map_err(|e| format!("subscribe: {e}"))?;
+        let delivered = Arc::new(AtomicU64::new(0));
+        let first_len = Arc::new(Mutex::new(None));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready) = mpsc::channel();
+        let (d, f, s, topic) = (
+            delivered.clone(),
+            first_len.clone(),
+            stop.clone(),
+            topic.to_owned(),
+        );
+        let handle = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match conn.recv_timeout(Duration::from_millis(500)) {
+                    Ok(Ok(Event::Incoming(Incoming::SubAck(_)))) => {
+                        let _ = ready_tx.send(());
+                    }
+                    Ok(Ok(Event::Incoming(Incoming::Publish(p)))) if p.topic == topic => {
+                        d.fetch_add(1, Ordering::Relaxed);
+                        f.lock()
+                            .expect("payload lock")
+                            .get_or_insert(p.payload.len());
+                    }
+                    Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
+                    Ok(Err(_)) => std::thread::sleep(Duration::from_millis(200)),
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            let _ = client.disconnect();
+        });
+        let sub = Subscriber {
+            delivered,
+            first_len,
+            stop,
+            handle: Some(handle),
+        };
+        ready
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| "subscriber got no SUBACK in 10 s".to_owned())?;
+        Ok(sub)
+    }
+
+    /// Length of the first delivered payload, waiting up to `limit`.
+    fn first_payload_len(&self, agent: &mut Traced, limit: Duration) -> Result<usize, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(n) = *self.first_len.lock().expect("payload lock") {
+                return Ok(n);
+            }
+            agent.check_alive()?;
+            if Instant::now() > deadline {
+                return Err(format!("no reading reached the subscriber in {limit:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------- minimal writer
+
+/// Commits and readings the minimal writer reports.
+#[derive(Debug, Clone, Copy, Default)]
+struct MinimalCounts {
+    commits: u64,
+    readings: u64,
+}
+
+impl MinimalCounts {
+    fn parse(line: &str) -> Option<MinimalCounts> {
+        let get = |k: &str| {
+            line.split_whitespace()
+                .find_map(|t| t.strip_prefix(k)?.strip_prefix('=')?.parse().ok())
+        };
+        Some(MinimalCounts {
+            commits: get("commits")?,
+            readings: get("readings")?,
+        })
+    }
+}
+
+/// The minimal writer child: a mark on its stdin makes it print its counts;
+/// closing stdin stops it.
+struct Minimal {
+    proc: Traced,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+}
+
+impl Minimal {
+    fn spawn(
+        tracer: Option<&Tracer>,
+        run: &RunDir,
+        spec: RateSpec,
+        window_ms: u64,
+        payload_len: usize,
+    ) -> Result<Minimal, String> {
+        let exe = std::env::current_exe().expect("path of the bench binary");
+        let mut cmd = Command::new(exe);
+        cmd.env(MINIMAL_ENV, "1").arg(&run.minimal_db).args([
+            spec.per_sec.to_string(),
+            window_ms.to_string(),
+            if spec.full { "full" } else { "normal" }.to_owned(),
+            payload_len.to_string(),
+        ]);
+        let mut proc = Traced::spawn("minimal writer", tracer, cmd, &run.minimal_trace, true)?;
+        let stdin = proc.child.stdin.take();
+        let stdout = proc
+            .child
+            .stdout
+            .take()
+            .expect("minimal writer stdout is piped");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Minimal { proc, stdin, lines })
+    }
+
+    fn mark(&mut self) -> Result<MinimalCounts, String> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or("minimal writer already stopped")?;
+        writeln!(stdin, "mark")
+            .and_then(|_| stdin.flush())
+            .map_err(|e| format!("minimal writer: write mark: {e}"))?;
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| "minimal writer did not answer a mark in 10 s".to_owned())?;
+        MinimalCounts::parse(&line).ok_or_else(|| format!("minimal writer said {line:?}"))
+    }
+
+    /// Close its stdin (it commits what it holds and exits) and wait, bounded.
+    fn stop(&mut self) {
+        self.stdin = None;
+        self.proc.wait_or_kill(Instant::now() + STOP_GRACE);
+    }
+}
+
+/// The minimal writer's main: `<db> <readings/s> <window ms> <normal|full> <payload bytes>`.
+fn minimal_writer() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [db, rate, window_ms, sync, len] = args.as_slice() else {
+        panic!("minimal writer: expected <db> <readings/s> <window ms> <normal|full> <payload bytes>, got {args:?}");
+    };
+    let rate: f64 = rate.parse().expect("minimal writer: readings/s");
+    let window = Duration::from_millis(window_ms.parse().expect("minimal writer: window ms"));
+    let full = sync == "full";
+    let len: usize = len.parse().expect("minimal writer: payload bytes");
+    let mut w = MinimalDb::open(Path::new(db), full);
+
+    let (tx, marks) = mpsc::channel();
+    std::thread::spawn(move || {
+        for _ in std::io::stdin().lock().lines().map_while(Result::ok) {
+            if tx.send(()).is_err() {
+                break;
+            }
+        }
+    });
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let start = Instant::now();
+    let (mut next_reading, mut next_commit, mut next_ckpt) =
+        (start, start + window, start + MINIMAL_CHECKPOINT);
+    let mut out = std::io::stdout();
+    loop {
+        let now = Instant::now();
+        if now >= next_reading {
+            w.take_reading(len);
+            next_reading += period;
+            if full {
+                w.commit();
+            }
+        }
+        if !full && now >= next_commit {
+            w.commit();
+            next_commit = now + window;
+        }
+        if now >= next_ckpt {
+            w.checkpoint();
+            next_ckpt += MINIMAL_CHECKPOINT;
+        }
+        let due = if full {
+            next_reading
+        } else {
+            next_reading.min(next_commit)
+        }
+        .min(next_ckpt);
+        match marks.recv_timeout(due.saturating_duration_since(Instant::now())) {
+            Ok(()) => {
+                writeln!(out, "mark commits={} readings={}", w.commits, w.readings)
+                    .and_then(|_| out.flush())
+                    .expect("minimal writer: write to stdout");
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    w.commit();
+    let _ = writeln!(out, "end commits={} readings={}", w.commits, w.readings);
+}
+
+/// The minimal writer's database and buffer.
+struct MinimalDb {
+    conn: rusqlite::Connection,
+    buffer: Vec<Vec<u8>>,
+    /// Highest id of the previous commit: acknowledged by the next one.
+    acked_upto: i64,
+    commits: u64,
+    readings: u64,
+}
+
+impl MinimalDb {
+    fn open(path: &Path, full: bool) -> MinimalDb {
+        let conn = rusqlite::Connection::open(path).expect("minimal writer: open its database");
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .expect("minimal writer: set WAL");
+        assert_eq!(mode, "wal", "minimal writer: WAL did not take effect");
+        conn.execute_batch(&format!(
+            "PRAGMA synchronous={};
+             PRAGMA wal_autocheckpoint=0;
+             CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, payload BLOB);
+             CREATE TABLE IF NOT EXISTS acked (one INTEGER PRIMARY KEY CHECK (one = 1), hwm INTEGER NOT NULL);
+             INSERT OR IGNORE INTO acked (one, hwm) VALUES (1, 0);",
+            if full { "FULL" } else { "NORMAL" }
+        ))
+        .expect("minimal writer: schema and pragmas");
+        MinimalDb {
+            conn,
+            buffer: Vec::new(),
+            acked_upto: 0,
+            commits: 0,
+            readings: 0,
+        }
+    }
+
+    fn take_reading(&mut self, len: usize) {
+        self.readings += 1;
+        let mut p = format!("{{\"seq\":{},\"value\":21.5}}", self.readings).into_bytes();
+        p.resize(len, b' ');
+        self.buffer.push(p);
+    }
+
+    /// One transaction: the acknowledgement of everything the previous
+    /// commit appended, then the buffered readings.
+    fn commit(&mut self) {
+        if self.buffer.is_empty() {
+            return;
+        }
+        let tx = self.conn.transaction().expect("minimal writer: begin");
+        tx.execute("UPDATE acked SET hwm = ?1 WHERE one = 1", [self.acked_upto])
+            .expect("minimal writer: record the acknowledgement");
+        let mut last = self.acked_upto;
+        {
+            let mut st = tx
+                .prepare_cached("INSERT INTO events (payload) VALUES (?1)")
+                .expect("minimal writer: prepare insert");
+            for p in self.buffer.drain(..) {
+                st.execute([p]).expect("minimal writer: insert");
+                last = tx.last_insert_rowid();
+            }
+        }
+        tx.commit().expect("minimal writer: commit");
+        self.acked_upto = last;
+        self.commits += 1;
+    }
+
+    fn checkpoint(&mut self) {
+        self.conn
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+            .expect("minimal writer: checkpoint");
+    }
+}
+
+// ---------------------------------------------------------------- report
+
+impl Row {
+    fn secs(&self) -> f64 {
+        (self.b.at - self.a.at).as_secs_f64()
+    }
+
+    fn agent_readings(&self) -> u64 {
+        self.b.delivered - self.a.delivered
+    }
+
+    fn minimal_readings(&self) -> u64 {
+        self.b.minimal.readings - self.a.minimal.readings
+    }
+
+    fn print_notes(&self) {
+        let label = self.spec.label();
+        let stored = self
+            .stored_payload_len
+            .map_or("n/a".into(), |n| format!("{n:.0} B"));
+        let window = if self.window_from_log {
+            "from the agent's log"
+        } else {
+            "fallback"
+        };
+        println!(
+            "-- {label}: payload {} B delivered (stored mean {stored}), commit window {} ms ({window})",
+            self.payload_len, self.window_ms
+        );
+        if let Some((_, span)) = self.agent_commits {
+            println!("-- {label}: agent commits from write_budget records {span:.0} s apart");
+        }
+        if let Some(c) = &self.last_checkpoint {
+            println!("-- {label}: agent's last_checkpoint record: {c}");
+        }
+        for c in &self.complaints {
+            println!("-- {label}: agent log: {c}");
+        }
+    }
+}
+
+fn per(n: Option<f64>, readings: u64) -> String {
+    match n {
+        Some(n) if readings > 0 => format!("{:.2}", n / readings as f64),
+        _ => "n/a".into(),
+    }
+}
+
+fn print_tables(rows: &[Row]) {
+    println!();
+    println!(
+        "{:<6} {:>8} | {:>9} {:>8} {:>8} {:>8} | {:>8} {:>9} {:>8} {:>8} {:>8} | {:>6}",
+        "rate",
+        "readings",
+        "B/reading",
+        "commit/r",
+        "fsync/r",
+        "MB/day",
+        "minimal",
+        "B/reading",
+        "commit/r",
+        "fsync/r",
+        "MB/day",
+        "ratio"
+    );
+    for r in rows {
+        let secs = r.secs();
+        let (na, nm) = (r.agent_readings(), r.minimal_readings());
+        let ab = (r.b.agent_bytes - r.a.agent_bytes) as f64;
+        let mb = (r.b.minimal_bytes - r.a.minimal_bytes) as f64;
+        let mc = (r.b.minimal.commits - r.a.minimal.commits) as f64;
+        let (bpr_a, bpr_m) = (ab / na.max(1) as f64, mb / nm.max(1) as f64);
+        let ratio = if bpr_m > 0.0 {
+            format!("{:.2}", bpr_a / bpr_m)
+        } else {
+            "n/a".into()
+        };
+        println!(
+            "{:<6} {:>8} | {:>9.0} {:>8} {:>8} {:>8.2} | {:>8} {:>9.0} {:>8} {:>8} {:>8.2} | {:>6}",
+            r.spec.label(),
+            na,
+            bpr_a,
+            per(r.agent_commits.map(|(c, _)| c), na),
+            per(r.agent_fsyncs.map(|n| n as f64), na),
+            ab / secs * 86_400.0 / 1e6,
+            nm,
+            bpr_m,
+            per(Some(mc), nm),
+            per(r.minimal_fsyncs.map(|n| n as f64), nm),
+            mb / secs * 86_400.0 / 1e6,
+            ratio
+        );
+    }
+    println!("(readings: delivered to the subscriber in the interval; minimal: readings the minimal writer took in it; ratio: edgespool/minimal bytes per reading)");
+    if rows.iter().any(|r| r.agent_commits.is_none()) {
+        println!("(commit/r n/a: fewer than two write_budget records with commits_total in the run; the agent writes one per summary interval, 60 s by default)");
+    }
+    println!();
+    println!(
+        "{:<6} {:>7} {:>9} | {:>11} {:>11} {:>9} | {:>11} {:>11} {:>9}",
+        "rate",
+        "window",
+        "payload",
+        "agent wal",
+        "agent db",
+        "ctxsw/s",
+        "minimal wal",
+        "minimal db",
+        "ctxsw/s"
+    );
+    for r in rows {
+        let secs = r.secs();
+        println!(
+            "{:<6} {:>5}ms {:>7} B | {:>11} {:>11} {:>9.1} | {:>11} {:>11} {:>9.1}",
+            r.spec.label(),
+            r.window_ms,
+            r.payload_len,
+            r.agent_wal,
+            r.agent_db,
+            (r.b.agent_ctxsw.saturating_sub(r.a.agent_ctxsw)) as f64 / secs,
+            r.minimal_wal,
+            r.minimal_db,
+            (r.b.minimal_ctxsw.saturating_sub(r.a.minimal_ctxsw)) as f64 / secs,
+        );
+    }
+    println!("(file sizes in bytes at the end of the interval; ctxsw/s: context switches per second over all threads, several times higher under strace)");
+}
