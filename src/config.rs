@@ -84,6 +84,22 @@ pub struct CommandsConfig {
     pub record_retention: Duration,
     /// `[[commands.handlers]]`: exec handlers.
     pub handlers: Vec<ExecHandler>,
+    /// `[commands.config_push]`: what `apply-config` may do (see [`crate::policy`]).
+    pub config_push: ConfigPush,
+}
+
+/// `[commands.config_push]`, from the board's local config only.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ConfigPush {
+    /// `mode`: `"off"`, `"overlay"` (default) or `"signed"`.
+    pub mode: crate::policy::PushMode,
+    /// `confirm_secs`: after a push that changes the MQTT connection, a
+    /// CONNACK (and the command SUBACK) must arrive within this, or the
+    /// previous config comes back (5..=3600, default 60).
+    pub confirm: Duration,
+    /// `public_keys`: Ed25519 public keys (64 hex digits each) whose
+    /// signatures make a whole pushed config acceptable in `signed` mode.
+    pub public_keys: Vec<[u8; 32]>,
 }
 
 /// One `[[commands.handlers]]` entry: a program with fixed arguments, run
@@ -270,6 +286,8 @@ struct RawCommands {
     record_retention_secs: u64,
     #[serde(default)]
     handlers: Vec<RawHandler>,
+    #[serde(default)]
+    config_push: RawConfigPush,
 }
 
 impl Default for RawCommands {
@@ -279,8 +297,37 @@ impl Default for RawCommands {
             max_payload_bytes: d_cmd_payload(),
             record_retention_secs: d_cmd_retention(),
             handlers: Vec::new(),
+            config_push: RawConfigPush::default(),
         }
     }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfigPush {
+    #[serde(default = "d_push_mode")]
+    mode: String,
+    #[serde(default = "d_push_confirm")]
+    confirm_secs: u64,
+    #[serde(default)]
+    public_keys: Vec<String>,
+}
+
+impl Default for RawConfigPush {
+    fn default() -> Self {
+        RawConfigPush {
+            mode: d_push_mode(),
+            confirm_secs: d_push_confirm(),
+            public_keys: Vec::new(),
+        }
+    }
+}
+
+fn d_push_mode() -> String {
+    "overlay".into()
+}
+fn d_push_confirm() -> u64 {
+    60
 }
 
 #[derive(Debug, Deserialize)]
@@ -1277,6 +1324,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ),
         );
     }
+    let config_push = validate_push(&rc.config_push, &mut bad);
     let builtin = crate::commands::BUILTINS;
     let mut handlers = Vec::new();
     let mut hnames = std::collections::HashSet::new();
@@ -1453,8 +1501,52 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             max_payload_bytes: rc.max_payload_bytes,
             record_retention: Duration::from_secs(rc.record_retention_secs),
             handlers,
+            config_push,
         },
     })
+}
+
+fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
+    use crate::policy::PushMode;
+    let mode = match raw.mode.as_str() {
+        "off" => PushMode::Off,
+        "overlay" => PushMode::Overlay,
+        "signed" => PushMode::Signed,
+        other => {
+            bad(
+                "commands.config_push.mode",
+                format!("must be \"off\", \"overlay\" or \"signed\" (got {other:?})"),
+            );
+            PushMode::Off
+        }
+    };
+    if !(5..=3600).contains(&raw.confirm_secs) {
+        bad(
+            "commands.config_push.confirm_secs",
+            format!("must be 5..=3600 (got {})", raw.confirm_secs),
+        );
+    }
+    let mut keys = Vec::new();
+    for (i, k) in raw.public_keys.iter().enumerate() {
+        match crate::policy::decode_hex(k.trim()).and_then(|b| <[u8; 32]>::try_from(b).ok()) {
+            Some(key) => keys.push(key),
+            None => bad(
+                &format!("commands.config_push.public_keys.{i}"),
+                format!("must be an Ed25519 public key, 64 hex digits (got {k:?})"),
+            ),
+        }
+    }
+    if mode == PushMode::Signed && raw.public_keys.is_empty() {
+        bad(
+            "commands.config_push.public_keys",
+            "mode \"signed\" needs at least one public key".to_owned(),
+        );
+    }
+    ConfigPush {
+        mode,
+        confirm: Duration::from_secs(raw.confirm_secs),
+        public_keys: keys,
+    }
 }
 
 /// The `{name}` placeholders in an argument.

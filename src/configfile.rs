@@ -25,8 +25,11 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// Replace `path` with `bytes` atomically: write `<path>.tmp-<pid>`, fsync it,
 /// rename over `path`, fsync the directory. On any error the old file is
-/// untouched and the temporary file removed.
+/// untouched and the temporary file removed. The temporary file is created
+/// exclusively and never through a symlink (`O_EXCL | O_NOFOLLOW`), with the
+/// old file's mode and owner (a new file gets mode 0640).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -34,12 +37,26 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp-{}", std::process::id()));
     let tmp = PathBuf::from(tmp);
+    let old = std::fs::metadata(path).ok();
+    // A stale temporary file from a killed run is ours to replace.
+    if std::fs::symlink_metadata(&tmp).is_ok_and(|m| m.is_file()) {
+        let _ = std::fs::remove_file(&tmp);
+    }
     let res = (|| {
         let mut f = OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(old.as_ref().map_or(0o640, |m| m.mode() & 0o7777))
             .open(&tmp)?;
+        if let Some(m) = &old {
+            use std::os::unix::fs::PermissionsExt;
+            // The umask may have narrowed the mode; owner as before.
+            f.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
+            if (m.uid(), m.gid()) != (f.metadata()?.uid(), f.metadata()?.gid()) {
+                std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()))?;
+            }
+        }
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
@@ -58,8 +75,15 @@ pub fn save_last_good(config: &Path, text: &[u8]) {
     if std::fs::read(&lg).is_ok_and(|old| old == text) {
         return;
     }
-    if let Err(e) = write_atomic(&lg, text) {
-        log::warn!("cannot keep last-known-good config {}: {e}", lg.display());
+    match write_atomic(&lg, text) {
+        Ok(()) => {}
+        // An unprivileged agent beside a root-owned /etc/edgespool: the
+        // operator keeps that copy; nothing to warn about at every start.
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => log::debug!(
+            "no last-known-good copy of {} (its directory is not writable)",
+            config.display()
+        ),
+        Err(e) => log::warn!("cannot keep last-known-good config {}: {e}", lg.display()),
     }
 }
 
@@ -151,6 +175,28 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    #[test]
+    fn an_atomic_write_keeps_the_mode_and_never_follows_a_planted_symlink() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("push.toml");
+        std::fs::write(&p, "old").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_atomic(&p, b"new").unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // Someone plants the temporary name as a symlink to a victim file.
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let tmp = d
+            .path()
+            .join(format!("push.toml.tmp-{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &tmp).unwrap();
+        assert!(write_atomic(&p, b"newer").is_err());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "new");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! Modules, in the order a reading travels:
 //! - [`config`]: board config, raw TOML → validated [`config::Config`];
 //! - [`configfile`]: atomic config writes and the last-known-good copy;
+//! - [`push`]: config pushes kept in the state directory, confirm or revert;
 //! - [`source`]: one file per kind of reading source;
 //! - [`sampler`]: one thread per source, on its own deadline;
 //! - [`envelope`]: event ids and the wire format, encoded once at append;
@@ -27,6 +28,7 @@
 //! - [`fsguard`]: lock file and local-filesystem check;
 //! - [`integrity`]: when the whole-file check runs (never before delivery);
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
+//! - [`policy`]: what a config push may change (overlay keys, signatures);
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report;
@@ -42,9 +44,11 @@ pub mod fsguard;
 pub mod integrity;
 pub mod maintenance;
 pub mod mqtt;
+pub mod policy;
 pub mod probe;
 pub mod process;
 pub mod publisher;
+pub mod push;
 pub mod sampler;
 pub mod sink;
 pub mod source;

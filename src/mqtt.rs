@@ -85,6 +85,10 @@ pub struct Shared {
     progress_at: Option<Instant>,
     /// New connection settings to apply with one reconnect.
     reconfigure: Option<MqttConfig>,
+    /// CONNACKs accepted and command SUBACKs granted since start (a pushed
+    /// config that changes the connection is confirmed by new ones).
+    connacks: u64,
+    subacks: u64,
 }
 
 impl std::fmt::Debug for Shared {
@@ -210,6 +214,12 @@ impl Link {
         self.wake.notify_all();
     }
 
+    /// CONNACKs accepted and command SUBACKs granted since start.
+    pub fn connection_counts(&self) -> (u64, u64) {
+        let s = lock(&self.shared);
+        (s.connacks, s.subacks)
+    }
+
     /// Wake the MQTT thread now (it sleeps until an event or a deadline):
     /// call after setting its stop flag.
     pub fn stop(&self) {
@@ -327,6 +337,8 @@ pub fn new(
         notified: false,
         progress_at: None,
         reconfigure: None,
+        connacks: 0,
+        subacks: 0,
     }));
     let wake = Arc::new(Condvar::new());
     (
@@ -541,6 +553,7 @@ impl MqttThread {
                     {
                         let mut s = lock(&self.shared);
                         s.connected = true;
+                        s.connacks += 1;
                         // Subscribe before any publish of this fresh client
                         // (rumqttc does not re-subscribe by itself), so the
                         // subscribe's packet id is never one a publish holds.
@@ -617,6 +630,7 @@ impl MqttThread {
                     {
                         log::error!("mqtt: the broker refused the command subscription; commands will not arrive");
                     } else {
+                        lock(&self.shared).subacks += 1;
                         log::info!("mqtt: subscribed to commands");
                     }
                 }

@@ -12,7 +12,7 @@
 //! | `flush` | none | commits the ingest buffer now |
 //! | `checkpoint` | `mode`: `passive` (default) or `truncate` | runs a WAL checkpoint, returns busy/log/checkpointed |
 //! | `requeue-failed` | optional `stream` | FAILED rows back to PENDING |
-//! | `apply-config` | `config` (TOML text), `sha256` (hex of it) | validate, write atomically, apply live |
+//! | `apply-config` | `config` (TOML text), `sha256` (hex of it), optional `signature` | a push, as the local `[commands.config_push]` allows: an overlay of tuning keys, or a signed whole config; applied live, kept in the state directory once confirmed (see [`crate::policy`], [`crate::push`]) |
 //! | `reload-config` | none | re-read the config file (as SIGHUP) |
 //!
 //! All built-ins are safe to re-run after an interruption.
@@ -42,10 +42,12 @@ pub enum Control {
         /// Reply.
         reply: Sender<Result<Value, String>>,
     },
-    /// Validate, write and apply a complete config text.
+    /// Check a pushed config against the local policy and apply it.
     ApplyConfig {
-        /// The TOML text.
+        /// The TOML text: an overlay, or a whole config when signed.
         text: String,
+        /// Hex Ed25519 signature of `text` (signed mode only).
+        signature: Option<String>,
         /// Reply.
         reply: Sender<Result<Value, String>>,
     },
@@ -178,11 +180,15 @@ pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &Sender<Control>) -
             Ok(Control::Reload { reply: tx })
         }
         "apply-config" => {
-            only(args, &["config", "sha256"])?;
-            let text = args
-                .get("config")
-                .and_then(Value::as_str)
-                .ok_or("args.config: required, the complete TOML text")?;
+            only(args, &["config", "sha256", "signature"])?;
+            let text = args.get("config").and_then(Value::as_str).ok_or(
+                "args.config: required, the TOML text (an overlay, or a whole signed config)",
+            )?;
+            let signature = match args.get("signature") {
+                None => None,
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(_) => return Err("args.signature: must be a hex string".into()),
+            };
             let want = args
                 .get("sha256")
                 .and_then(Value::as_str)
@@ -195,6 +201,7 @@ pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &Sender<Control>) -
             }
             Ok(Control::ApplyConfig {
                 text: text.to_owned(),
+                signature,
                 reply: tx,
             })
         }

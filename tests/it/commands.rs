@@ -551,25 +551,32 @@ fn inode(p: &Path) -> u64 {
     std::fs::metadata(p).expect("metadata").ino()
 }
 
+/// The confirmed config push in the rig's state directory (beside the spool).
+fn kept_push(rig: &Rig) -> Option<String> {
+    std::fs::read_to_string(rig.dir.path().join("config-push.toml")).ok()
+}
+
 /// field cases F15 (d) and F16: identical pushes change nothing, a keepalive
-/// change reconnects once, a bad push is rejected with its key path and the
-/// running config stays; the spool file is never touched.
+/// change reconnects once and is kept once the new connection proves it, a
+/// bad push is rejected with its key path and the running config stays; the
+/// spool file and the board's own config file are never touched.
 #[test]
 fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs() {
     let rig = Rig::new("push");
     let mut agent = rig.spawn_ready();
     let db = rig.db();
     let ino = inode(&db);
-    let same = rig.config_text(30);
+    let local = std::fs::read_to_string(&rig.cfg).expect("cfg");
+    let same = "[mqtt]\nkeep_alive_secs = 30\n";
     for i in 0..3 {
-        rig.send_json(json!({"command_id": format!("same-{i}"), "name": "apply-config", "args": {"config": same, "sha256": sha(&same)}}));
+        rig.send_json(json!({"command_id": format!("same-{i}"), "name": "apply-config", "args": {"config": same, "sha256": sha(same)}}));
         let r = rig.wait_result(&format!("same-{i}"), "result", &mut agent);
         assert_eq!(r["state"], "completed", "{r}");
         assert_eq!(r["result"]["applied"], json!([]), "{r}");
     }
     let connects = agent.log_text().matches("mqtt: connected").count();
-    let ka = rig.config_text(45);
-    rig.send_json(json!({"command_id": "ka", "name": "apply-config", "args": {"config": ka, "sha256": sha(&ka)}}));
+    let ka = "[mqtt]\nkeep_alive_secs = 45\n";
+    rig.send_json(json!({"command_id": "ka", "name": "apply-config", "args": {"config": ka, "sha256": sha(ka)}}));
     let r = rig.wait_result("ka", "result", &mut agent);
     assert_eq!(
         r["result"]["applied"],
@@ -578,21 +585,21 @@ fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs()
     );
     assert!(wait_for(Duration::from_secs(15), || agent
         .log_text()
-        .matches("mqtt: connected")
-        .count()
-        == connects + 1));
+        .contains("config push confirmed")));
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(
         agent.log_text().matches("mqtt: connected").count(),
         connects + 1,
-        "reconnected more than once"
+        "reconnected other than once"
     );
-    assert!(std::fs::read_to_string(&rig.cfg)
-        .expect("cfg")
-        .contains("keep_alive_secs = 45"));
-    // F16 (a): a typo is rejected with the key path; the file keeps the running config.
-    let typo = ka.replace("commit_window_ms = 50", "commit_windw_ms = 50");
-    rig.send_json(json!({"command_id": "typo", "name": "apply-config", "args": {"config": typo, "sha256": sha(&typo)}}));
+    assert_eq!(
+        kept_push(&rig).as_deref(),
+        Some(ka),
+        "the confirmed push is kept"
+    );
+    // F16 (a): a typo is refused with the key path; nothing changes.
+    let typo = "[spool]\ncommit_windw_ms = 50\n";
+    rig.send_json(json!({"command_id": "typo", "name": "apply-config", "args": {"config": typo, "sha256": sha(typo)}}));
     let r = rig.wait_result("typo", "result", &mut agent);
     assert_eq!(r["state"], "rejected");
     assert!(
@@ -602,15 +609,143 @@ fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs()
             .contains("spool.commit_windw_ms"),
         "{r}"
     );
-    assert!(std::fs::read_to_string(&rig.cfg)
-        .expect("cfg")
-        .contains("commit_window_ms = 50"));
+    assert_eq!(kept_push(&rig).as_deref(), Some(ka));
     // A wrong checksum is rejected before anything else.
     rig.send_json(json!({"command_id": "sum", "name": "apply-config", "args": {"config": ka, "sha256": "00"}}));
     let r = rig.wait_result("sum", "result", &mut agent);
     assert_eq!(r["state"], "rejected");
     assert_eq!(inode(&db), ino, "the spool file was replaced");
+    assert_eq!(
+        std::fs::read_to_string(&rig.cfg).expect("cfg"),
+        local,
+        "a push wrote the board's own config file"
+    );
     assert!(agent.is_running());
+    // The push survives a restart.
+    agent.terminate(Duration::from_secs(15));
+    let mut agent = rig.spawn_ready();
+    assert!(
+        agent.log_text().contains("with the confirmed config push"),
+        "{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// An overlay push that would run a program, move the board to another
+/// broker or widen the push policy is refused naming each key, and nothing
+/// runs; the kept push keeps its file mode.
+#[test]
+fn an_overlay_push_cannot_run_a_program_or_move_the_broker() {
+    use std::os::unix::fs::PermissionsExt;
+    let rig = Rig::new("pushattack");
+    let mut agent = rig.spawn_ready();
+    let pwned = rig.marker("pwned");
+    let evil = format!(
+        "[mqtt]\nurl = \"mqtt://127.0.0.1:9\"\n[commands.config_push]\nmode = \"off\"\n[[sources]]\nname = \"x\"\nkind = \"exec\"\ncommand = [\"/bin/sh\", \"-c\", \"id > {}\"]\ninterval_ms = 100\n",
+        pwned.display()
+    );
+    rig.send_json(json!({"command_id": "evil", "name": "apply-config", "args": {"config": evil, "sha256": sha(&evil)}}));
+    let r = rig.wait_result("evil", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    let err = r["result"]["error"].as_str().unwrap_or("").to_owned();
+    for key in ["mqtt.url", "commands.config_push.mode", "sources"] {
+        assert!(err.contains(key), "{key} not named: {err}");
+    }
+    // A whole config with a signature is refused too in overlay mode.
+    rig.send_json(json!({"command_id": "evil-sig", "name": "apply-config", "args": {"config": evil, "sha256": sha(&evil), "signature": "00"}}));
+    assert_eq!(
+        rig.wait_result("evil-sig", "result", &mut agent)["state"],
+        "rejected"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!pwned.exists(), "a pushed program ran");
+    // A kept push keeps the mode an operator gave its file.
+    let ok = "[spool]\npurge_batch_rows = 7\n";
+    rig.send_json(json!({"command_id": "ok-1", "name": "apply-config", "args": {"config": ok, "sha256": sha(ok)}}));
+    assert_eq!(
+        rig.wait_result("ok-1", "result", &mut agent)["state"],
+        "completed"
+    );
+    let file = rig.dir.path().join("config-push.toml");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let ok2 = "[spool]\npurge_batch_rows = 8\n";
+    rig.send_json(json!({"command_id": "ok-2", "name": "apply-config", "args": {"config": ok2, "sha256": sha(ok2)}}));
+    assert_eq!(
+        rig.wait_result("ok-2", "result", &mut agent)["state"],
+        "completed"
+    );
+    assert_eq!(kept_push(&rig).as_deref(), Some(ok2));
+    let mode = std::fs::metadata(&file).expect("meta").permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the push changed the file's mode");
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// In `signed` mode a whole config signed by a listed key is applied; one
+/// that points the board at an unreachable broker comes back to the old
+/// config within `confirm_secs`, and the board reconnects to the old broker.
+/// A signature by another key is refused.
+#[test]
+fn a_signed_push_to_an_unreachable_broker_reverts_within_confirm_secs() {
+    use ring::signature::{Ed25519KeyPair, KeyPair};
+    let rig = Rig::new("pushsigned");
+    let rng = ring::rand::SystemRandom::new();
+    let key =
+        Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).expect("key").as_ref())
+            .expect("key");
+    let other =
+        Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).expect("key").as_ref())
+            .expect("key");
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let policy = format!(
+        "[commands.config_push]\nmode = \"signed\"\nconfirm_secs = 5\npublic_keys = [\"{}\"]\n",
+        hex(key.public_key().as_ref())
+    );
+    std::fs::write(&rig.cfg, format!("{}{policy}", rig.config_text(30))).expect("cfg");
+    let mut agent = rig.spawn_ready();
+    let dead = rig
+        .config_text(30)
+        .replace(&rig.proxy.url(), "mqtt://127.0.0.1:9");
+    assert_ne!(dead, rig.config_text(30));
+    let forged = hex(other.sign(dead.as_bytes()).as_ref());
+    rig.send_json(json!({"command_id": "forged", "name": "apply-config", "args": {"config": dead, "sha256": sha(&dead), "signature": forged}}));
+    let r = rig.wait_result("forged", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    let connects = agent.log_text().matches("mqtt: connected").count();
+    let sig = hex(key.sign(dead.as_bytes()).as_ref());
+    let t = std::time::Instant::now();
+    rig.send_json(json!({"command_id": "dead", "name": "apply-config", "args": {"config": dead, "sha256": sha(&dead), "signature": sig}}));
+    // Its result can only reach the broker once the board is back on it.
+    let r = rig.wait_result("dead", "result", &mut agent);
+    assert_eq!(r["state"], "completed", "{r}");
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("config push reverted")),
+        "{}",
+        agent.log_tail(20)
+    );
+    let reverted_after = t.elapsed();
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .matches("mqtt: connected")
+            .count()
+            > connects),
+        "did not reconnect to the old broker: {}",
+        agent.log_tail(20)
+    );
+    println!(
+        "signed push to a dead broker: reverted {} ms after the push (confirm_secs = 5)",
+        reverted_after.as_millis()
+    );
+    assert!(reverted_after < Duration::from_secs(20));
+    assert_eq!(kept_push(&rig), None, "an unconfirmed push was kept");
+    rig.send_json(json!({"command_id": "after", "name": "ping"}));
+    assert_eq!(
+        rig.wait_result("after", "result", &mut agent)["state"],
+        "completed"
+    );
     agent.terminate(Duration::from_secs(15));
 }
 
@@ -678,14 +813,15 @@ fn sighup_and_set_interval_change_sampling_live() {
 }
 
 /// field case F15 (a): the agent is SIGKILLed at random points while a config
-/// push is being applied; after every cut the file is the whole old config or
-/// the whole new one, never empty or partial, and the agent starts.
+/// push is being applied; after every cut the kept push is the whole old one
+/// or the whole new one (or none yet), never empty or partial, the board's
+/// own config file is untouched, and the agent starts.
 #[test]
 fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
     let rig = Rig::new("pushkill");
-    let old = rig.config_text(30);
-    let new = rig.config_text(40);
-    let (old_sum, new_sum) = (sha(&old), sha(&new));
+    let local = std::fs::read_to_string(&rig.cfg).expect("cfg");
+    let old = "[spool]\npurge_batch_rows = 7\n".to_owned();
+    let new = "[spool]\npurge_batch_rows = 8\n".to_owned();
     let mut kills_mid_apply = 0;
     for round in 0..12u64 {
         let mut agent = rig.spawn();
@@ -696,47 +832,42 @@ fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
             "round {round}: {}",
             agent.log_tail(20)
         );
-        let (text, sum) = if round % 2 == 0 {
-            (&new, &new_sum)
-        } else {
-            (&old, &old_sum)
-        };
-        rig.send_json(json!({"command_id": format!("push-{round}"), "name": "apply-config", "args": {"config": text, "sha256": sum}}));
+        let text = if round % 2 == 0 { &new } else { &old };
+        rig.send_json(json!({"command_id": format!("push-{round}"), "name": "apply-config", "args": {"config": text, "sha256": sha(text)}}));
         // Kill somewhere between the receipt and well after the apply.
         std::thread::sleep(Duration::from_millis(round * 17 % 120));
         agent.kill9();
-        let on_disk = std::fs::read_to_string(&rig.cfg).expect("config file");
-        let s = sha(&on_disk);
+        let kept = kept_push(&rig);
         assert!(
-            s == old_sum || s == new_sum,
-            "round {round}: the config file is neither old nor new:\n{on_disk}"
+            kept.is_none() || kept.as_ref() == Some(&old) || kept.as_ref() == Some(&new),
+            "round {round}: the kept push is neither old nor new: {kept:?}"
         );
-        if s != *sum {
+        if kept.as_ref() != Some(text) {
             kills_mid_apply += 1;
         }
+        assert_eq!(std::fs::read_to_string(&rig.cfg).expect("cfg"), local);
     }
-    println!(
-        "config push kills: 12 rounds, {kills_mid_apply} killed before the new file was in place"
-    );
+    println!("config push kills: 12 rounds, {kills_mid_apply} killed before the new push was kept");
     // The agent still starts on whatever is there.
     let mut agent = rig.spawn_ready();
     agent.terminate(Duration::from_secs(15));
 }
 
-/// field case F15 (c): with the config's filesystem full, a pushed config
-/// cannot be written; it is rejected, the file is untouched, the agent runs.
+/// field case F15 (c): with the state directory's filesystem full, a pushed
+/// config cannot be kept; it is rejected, nothing is applied, the agent runs.
 #[test]
 fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     let rig = Rig::new("pushfull");
-    let fs = crate::storage::SmallFs::mount(rig.dir.path(), "64k");
-    let cfg = fs.dir.join("board.toml");
-    let old = rig.config_text(30);
-    std::fs::write(&cfg, &old).expect("config on the small fs");
-    // Fill what is left.
-    let mut n = 0;
-    while std::fs::write(fs.dir.join(format!("filler-{n}")), vec![0u8; 4096]).is_ok() && n < 64 {
-        n += 1;
-    }
+    let fs = crate::storage::SmallFs::mount(rig.dir.path(), "8m");
+    let cfg = rig.dir.path().join("board-small.toml");
+    let text = rig.config_text(30).replace(
+        &format!("path = \"{}/spool.db\"", rig.dir.path().display()),
+        &format!(
+            "path = \"{}/spool.db\"\ntune_from_probe = false",
+            fs.dir.display()
+        ),
+    );
+    std::fs::write(&cfg, &text).expect("config");
     let mut agent = AgentProc::spawn(&cfg, &[], rig.dir.path());
     assert!(
         wait_for(Duration::from_secs(20), || agent
@@ -745,22 +876,27 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
         "{}",
         agent.log_tail(20)
     );
-    let new = rig.config_text(45);
-    rig.send_json(json!({"command_id": "full-1", "name": "apply-config", "args": {"config": new, "sha256": sha(&new)}}));
+    // Let the WAL grow, then checkpoint so later commits reuse its blocks.
+    std::thread::sleep(Duration::from_secs(3));
+    rig.send_json(json!({"command_id": "ck", "name": "checkpoint"}));
+    rig.wait_result("ck", "result", &mut agent);
+    let mut n = 0;
+    while std::fs::write(fs.dir.join(format!("filler-{n}")), vec![0u8; 4096]).is_ok() && n < 4096 {
+        n += 1;
+    }
+    let push = "[spool]\npurge_batch_rows = 7\n";
+    rig.send_json(json!({"command_id": "full-1", "name": "apply-config", "args": {"config": push, "sha256": sha(push)}}));
     let r = rig.wait_result("full-1", "result", &mut agent);
     assert_eq!(r["state"], "rejected", "{r}");
     assert!(
         r["result"]["error"]
             .as_str()
             .unwrap_or("")
-            .contains("cannot write"),
+            .contains("cannot write the config push"),
         "{r}"
     );
-    assert_eq!(
-        std::fs::read_to_string(&cfg).expect("config"),
-        old,
-        "the config file changed"
-    );
+    assert!(!fs.dir.join("config-push.toml").exists());
+    assert_eq!(std::fs::read_to_string(&cfg).expect("config"), text);
     rig.send_json(json!({"command_id": "full-ping", "name": "ping"}));
     assert_eq!(
         rig.wait_result("full-ping", "result", &mut agent)["state"],

@@ -15,6 +15,8 @@
 //! before exit** (field case F12); nothing is reported as stored before its
 //! commit.
 
+mod control;
+
 use crate::commands::builtin::Control;
 use crate::commands::worker::{CmdMsg, WorkerConfig};
 use crate::config::Config;
@@ -116,6 +118,48 @@ pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
     Ok(s)
 }
 
+/// The local config with the confirmed config push kept in the state
+/// directory on top, if there is one and the local policy still allows it
+/// (a push the local file no longer allows is ignored, loudly).
+fn with_confirmed_push(
+    local: Config,
+    source: &ConfigSource,
+) -> (Config, Option<crate::push::Stored>) {
+    let Some(stored) = crate::push::load(&spool_dir(&local)) else {
+        return (local, None);
+    };
+    let text_path = if source.fallback.is_some() {
+        crate::configfile::last_good_path(&source.path)
+    } else {
+        source.path.clone()
+    };
+    let composed = std::fs::read_to_string(&text_path)
+        .map_err(|e| format!("cannot read {}: {e}", text_path.display()))
+        .and_then(|text| {
+            let push = crate::policy::check(&local, &stored.text, stored.signature.as_deref())?;
+            crate::push::compose(
+                &local,
+                &text,
+                &text_path.display().to_string(),
+                &source.sets,
+                &push,
+            )
+        });
+    match composed {
+        Ok(cfg) => {
+            log::info!(
+                "running the local config with the confirmed config push (sha256 {})",
+                crate::configfile::sha256_hex(stored.text.as_bytes())
+            );
+            (cfg, Some(stored))
+        }
+        Err(e) => {
+            log::warn!("the stored config push is ignored: {e}; running the local config alone");
+            (local, None)
+        }
+    }
+}
+
 /// What wakes the ingest thread.
 #[derive(Debug)]
 pub enum IngestMsg {
@@ -212,7 +256,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
 
-    let mut cfg = cfg;
+    let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
     let tuning = if cfg.spool.tune_from_probe {
         let dir = spool_dir(&cfg);
         match crate::probe::load_or_probe(&dir) {
@@ -361,6 +405,8 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let mut ing = Ingest {
         full_spool,
         full_buffer: Vec::new(),
+        push: confirmed_push,
+        pending_push: None,
         cfg: cfg.clone(),
         source,
         link,
@@ -545,6 +591,10 @@ struct Ingest {
     full_spool: Spool,
     /// Readings of full-durability streams waiting for their (immediate) commit.
     full_buffer: Vec<NewEvent>,
+    /// The confirmed config push in force (kept in the state directory).
+    push: Option<crate::push::Stored>,
+    /// A push applied live, waiting for a connection to confirm it.
+    pending_push: Option<crate::push::Pending>,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -931,8 +981,9 @@ impl Ingest {
             if let Some(c) = commit_at {
                 next = next.min(c);
             }
-            if !self.full_buffer.is_empty() {
-                // A full-durability commit that failed retries soon.
+            if !self.full_buffer.is_empty() || self.pending_push.is_some() {
+                // A full-durability commit that failed retries soon; a pushed
+                // config waits for its confirmation.
                 next = next.min(Instant::now() + Duration::from_millis(200));
             }
             match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
@@ -949,6 +1000,7 @@ impl Ingest {
                 }
             }
             let now = Instant::now();
+            self.judge_pending_push();
             // Full-durability readings that could not commit at once retry here.
             self.commit_full();
             if !self.buffer.is_empty() && commit_at.is_none() {
@@ -999,180 +1051,6 @@ impl Ingest {
                 ("detail".into(), source::FieldValue::Text(detail.into())),
             ],
         });
-    }
-
-    fn control(&mut self, c: Control) {
-        match c {
-            Control::SetInterval {
-                source,
-                interval,
-                reply,
-            } => {
-                let r = match self.cfg.sources.iter_mut().find(|s| s.name == source) {
-                    Some(s) => {
-                        let prev = s.interval;
-                        s.interval = interval;
-                        let _ = self
-                            .sampler
-                            .send(SamplerUpdate::Interval(source.clone(), interval));
-                        Ok(
-                            serde_json::json!({"source": source, "interval_ms": interval.as_millis() as u64,
-                            "previous_interval_ms": prev.as_millis() as u64, "persisted": false}),
-                        )
-                    }
-                    None => {
-                        let known: Vec<&str> =
-                            self.cfg.sources.iter().map(|s| s.name.as_str()).collect();
-                        Err(format!(
-                            "args.source: no source {source:?} (known: {})",
-                            known.join(", ")
-                        ))
-                    }
-                };
-                let _ = reply.send(r);
-            }
-            Control::Flush { reply } => {
-                let n = self.buffer.len();
-                self.retry_at = None;
-                self.commit();
-                let r = if self.buffer.is_empty() {
-                    Ok(serde_json::json!({"committed": n}))
-                } else {
-                    Err(format!(
-                        "{} readings could not be committed now (spool busy or full)",
-                        self.buffer.len()
-                    ))
-                };
-                let _ = reply.send(r);
-            }
-            Control::Reload { reply } => {
-                let _ = reply.send(self.reload());
-            }
-            Control::ApplyConfig { text, reply } => {
-                let _ = reply.send(self.apply_text(&text));
-            }
-        }
-    }
-
-    /// Re-read the config file; on any problem the running config stays.
-    fn reload(&mut self) -> Result<serde_json::Value, String> {
-        let path = self.source.path.clone();
-        let new = crate::config::load(&path, &self.source.sets)
-            .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
-        if let Ok(text) = std::fs::read(&path) {
-            crate::configfile::save_last_good(&path, &text);
-        }
-        Ok(self.apply_live(new))
-    }
-
-    /// Validate `text` as a whole board config, write it atomically over the
-    /// config file (keeping a last-known-good copy) and apply it live.
-    fn apply_text(&mut self, text: &str) -> Result<serde_json::Value, String> {
-        let new = crate::config::parse(text, "apply-config", &self.source.sets)
-            .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
-        let path = self.source.path.clone();
-        crate::configfile::write_atomic(&path, text.as_bytes()).map_err(|e| {
-            format!(
-                "cannot write {}: {e}; keeping the running config and file",
-                path.display()
-            )
-        })?;
-        crate::configfile::save_last_good(&path, text.as_bytes());
-        let mut v = self.apply_live(new);
-        v["sha256"] = serde_json::Value::String(crate::configfile::sha256_hex(text.as_bytes()));
-        Ok(v)
-    }
-
-    /// Apply what can change live; list what needs a restart. Never touches
-    /// the spool file (field case F15 d).
-    fn apply_live(&mut self, new: Config) -> serde_json::Value {
-        let mut new = new;
-        if let (true, Some(d)) = (new.spool.tune_from_probe, self.tuning) {
-            apply_tuning(&mut new, &d);
-        }
-        let mut applied: Vec<&str> = Vec::new();
-        let mut restart: Vec<&str> = Vec::new();
-        let cur = &mut self.cfg;
-        if new.sources != cur.sources {
-            let _ = self
-                .sampler
-                .send(SamplerUpdate::Sources(new.sources.clone()));
-            cur.sources = new.sources.clone();
-            applied.push("sources");
-        }
-        let (ns, cs) = (&new.spool, &mut cur.spool);
-        if (
-            ns.commit_window,
-            ns.acked_retention,
-            ns.purge_batch_rows,
-            ns.checkpoint_interval,
-        ) != (
-            cs.commit_window,
-            cs.acked_retention,
-            cs.purge_batch_rows,
-            cs.checkpoint_interval,
-        ) {
-            cs.commit_window = ns.commit_window;
-            cs.acked_retention = ns.acked_retention;
-            cs.purge_batch_rows = ns.purge_batch_rows;
-            cs.checkpoint_interval = ns.checkpoint_interval;
-            applied.push("spool (commit window, retention, checkpoints)");
-        }
-        if ns.path != cs.path
-            || ns.options != cs.options
-            || ns.allow_network_fs != cs.allow_network_fs
-        {
-            restart.push("spool.path/pragmas");
-        }
-        if new.agent != cur.agent {
-            cur.agent = new.agent.clone();
-            applied.push("agent");
-        }
-        if new.device_id != cur.device_id {
-            restart.push("device_id");
-        }
-        if new.commands != cur.commands {
-            restart.push("commands");
-        }
-        let (nm, cm) = (&new.mqtt, &cur.mqtt);
-        if (
-            &nm.topic_prefix,
-            nm.inflight_window,
-            nm.max_payload_bytes,
-            nm.payload_format,
-        ) != (
-            &cm.topic_prefix,
-            cm.inflight_window,
-            cm.max_payload_bytes,
-            cm.payload_format,
-        ) {
-            restart.push("mqtt.topic_prefix/inflight_window/max_payload_bytes/payload_format");
-        }
-        let mut live = nm.clone();
-        live.topic_prefix = cm.topic_prefix.clone();
-        live.inflight_window = cm.inflight_window;
-        live.max_payload_bytes = cm.max_payload_bytes;
-        live.payload_format = cm.payload_format;
-        if live != *cm {
-            self.link.reconfigure(live.clone());
-            cur.mqtt = live;
-            applied.push("mqtt (reconnecting once)");
-        }
-        if !restart.is_empty() {
-            log::warn!(
-                "config: changes to {} take effect at the next restart",
-                restart.join(", ")
-            );
-        }
-        log::info!(
-            "config applied: {}",
-            if applied.is_empty() {
-                "no live changes".to_owned()
-            } else {
-                applied.join(", ")
-            }
-        );
-        serde_json::json!({"applied": applied, "restart_required": restart})
     }
 
     /// Retention in bounded batches with a checkpoint between them (F02), the

@@ -1,0 +1,331 @@
+//! Config control: reload, pushes (checked, applied live, confirmed or
+//! reverted) and the other control requests of the command thread.
+//!
+//! Its one rule: **a push never writes the board's local config file and
+//! never widens what it allows** ([`crate::policy`]); what is kept for the
+//! next start is the last push a connection confirmed ([`crate::push`]).
+
+use super::{apply_tuning, spool_dir, Ingest, SamplerUpdate};
+use crate::commands::builtin::Control;
+use crate::config::Config;
+use std::time::Instant;
+
+impl Ingest {
+    pub(super) fn control(&mut self, c: Control) {
+        match c {
+            Control::SetInterval {
+                source,
+                interval,
+                reply,
+            } => {
+                let r = match self.cfg.sources.iter_mut().find(|s| s.name == source) {
+                    Some(s) => {
+                        let prev = s.interval;
+                        s.interval = interval;
+                        let _ = self
+                            .sampler
+                            .send(SamplerUpdate::Interval(source.clone(), interval));
+                        Ok(
+                            serde_json::json!({"source": source, "interval_ms": interval.as_millis() as u64,
+                            "previous_interval_ms": prev.as_millis() as u64, "persisted": false}),
+                        )
+                    }
+                    None => {
+                        let known: Vec<&str> =
+                            self.cfg.sources.iter().map(|s| s.name.as_str()).collect();
+                        Err(format!(
+                            "args.source: no source {source:?} (known: {})",
+                            known.join(", ")
+                        ))
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            Control::Flush { reply } => {
+                let n = self.buffer.len();
+                self.retry_at = None;
+                self.commit();
+                let r = if self.buffer.is_empty() {
+                    Ok(serde_json::json!({"committed": n}))
+                } else {
+                    Err(format!(
+                        "{} readings could not be committed now (spool busy or full)",
+                        self.buffer.len()
+                    ))
+                };
+                let _ = reply.send(r);
+            }
+            Control::Reload { reply } => {
+                let _ = reply.send(self.reload());
+            }
+            Control::ApplyConfig {
+                text,
+                signature,
+                reply,
+            } => {
+                let _ = reply.send(self.apply_push(&text, signature));
+            }
+        }
+    }
+
+    /// Re-read the local config file (with the confirmed push on top); on
+    /// any problem the running config stays.
+    pub(super) fn reload(&mut self) -> Result<serde_json::Value, String> {
+        let (local, text) = self.load_local()?;
+        crate::configfile::save_last_good(&self.source.path, text.as_bytes());
+        let path = self.source.path.display().to_string();
+        let new = match self.push.clone() {
+            None => local,
+            Some(stored) => {
+                match crate::policy::check(&local, &stored.text, stored.signature.as_deref())
+                    .and_then(|p| crate::push::compose(&local, &text, &path, &self.source.sets, &p))
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        log::warn!("the confirmed config push no longer applies ({e}); running the local config alone");
+                        self.push = None;
+                        local
+                    }
+                }
+            }
+        };
+        Ok(self.apply_live(new))
+    }
+
+    /// The board's local config file, validated with the command-line
+    /// overrides, and its text.
+    fn load_local(&self) -> Result<(Config, String), String> {
+        let path = &self.source.path;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            format!(
+                "cannot read the local config {}: {e}; keeping the running config",
+                path.display()
+            )
+        })?;
+        let cfg = crate::config::parse(&text, &path.display().to_string(), &self.source.sets)
+            .map_err(|e| format!("local config invalid: {e}; keeping the running config"))?;
+        Ok((cfg, text))
+    }
+
+    /// A config push (`apply-config`): checked against the local file's
+    /// `[commands.config_push]` ([`crate::policy`]), composed on the local
+    /// config, applied live. A push that leaves the MQTT connection alone is
+    /// kept at once; one that changes it is kept only once a CONNACK (and the
+    /// command SUBACK) proves it, else the previous config comes back
+    /// ([`crate::push`]). The local file is never written.
+    fn apply_push(
+        &mut self,
+        text: &str,
+        signature: Option<String>,
+    ) -> Result<serde_json::Value, String> {
+        if self.pending_push.is_some() {
+            return Err(
+                "another config push is waiting for its connection to be confirmed; try again after it"
+                    .to_owned(),
+            );
+        }
+        let (local, local_text) = self.load_local()?;
+        let push = crate::policy::check(&local, text, signature.as_deref())?;
+        let origin = self.source.path.display().to_string();
+        let new = crate::push::compose(&local, &local_text, &origin, &self.source.sets, &push)
+            .map_err(|e| format!("{e}; keeping the running config"))?;
+        let stored = crate::push::Stored {
+            text: text.to_owned(),
+            signature,
+        };
+        let sha = crate::configfile::sha256_hex(text.as_bytes());
+        if !crate::policy::touches_connection(&self.cfg, &new) {
+            // Kept first: a push that cannot be kept is not applied either.
+            let dir = spool_dir(&self.cfg);
+            crate::push::save(&dir, Some(&stored)).map_err(|e| {
+                format!(
+                    "cannot write the config push in {}: {e}; keeping the running config",
+                    dir.display()
+                )
+            })?;
+            self.push = Some(stored);
+            let mut v = self.apply_live(new);
+            v["sha256"] = sha.into();
+            v["confirmation"] = "kept (the MQTT connection is unchanged)".into();
+            return Ok(v);
+        }
+        let confirm = local.commands.config_push.confirm;
+        self.pending_push = Some(crate::push::Pending::new(
+            stored,
+            self.push.clone(),
+            self.link.connection_counts(),
+            confirm,
+        ));
+        let mut v = self.apply_live(new);
+        v["sha256"] = sha.into();
+        v["confirmation"] = format!(
+            "waiting up to {} s for a CONNACK{}; otherwise the previous config returns",
+            confirm.as_secs(),
+            if self.cfg.commands.enabled {
+                " and the command SUBACK"
+            } else {
+                ""
+            }
+        )
+        .into();
+        Ok(v)
+    }
+
+    /// Keep a pending push once its connection is proven, or bring the
+    /// previous config back once its time is up.
+    pub(super) fn judge_pending_push(&mut self) {
+        let Some(p) = &self.pending_push else {
+            return;
+        };
+        let verdict = p.judge(
+            self.link.connection_counts(),
+            self.cfg.commands.enabled,
+            Instant::now(),
+        );
+        let reason = match verdict {
+            crate::push::Verdict::Waiting => return,
+            crate::push::Verdict::Confirmed => {
+                let dir = spool_dir(&self.cfg);
+                match crate::push::save(&dir, Some(&p.push)) {
+                    Ok(()) => {
+                        log::info!(
+                            "config push confirmed by a new connection; kept in {}",
+                            dir.display()
+                        );
+                        self.push = self.pending_push.take().map(|p| p.push);
+                        self.agent_event(
+                            "config_push_confirmed",
+                            "a new connection proved the pushed config",
+                        );
+                        return;
+                    }
+                    Err(e) => format!(
+                        "the pushed config could not be kept in {}: {e}",
+                        dir.display()
+                    ),
+                }
+            }
+            crate::push::Verdict::Revert => {
+                "no CONNACK and command SUBACK within commands.config_push.confirm_secs".to_owned()
+            }
+        };
+        let Some(p) = self.pending_push.take() else {
+            return;
+        };
+        self.revert_push(p.previous, &reason);
+    }
+
+    fn revert_push(&mut self, previous: Option<crate::push::Stored>, reason: &str) {
+        let back = self.load_local().and_then(|(local, text)| match &previous {
+            None => Ok(local),
+            Some(s) => {
+                let origin = self.source.path.display().to_string();
+                crate::policy::check(&local, &s.text, s.signature.as_deref()).and_then(|p| {
+                    crate::push::compose(&local, &text, &origin, &self.source.sets, &p)
+                })
+            }
+        });
+        match back {
+            Ok(cfg) => {
+                self.push = previous;
+                self.apply_live(cfg);
+                let msg = format!("config push reverted: {reason}; back to the previous config");
+                log::error!("{msg}");
+                self.agent_event("config_push_reverted", &msg);
+            }
+            Err(e) => log::error!("config push: {reason}, and the previous config cannot be rebuilt ({e}); keeping the pushed one"),
+        }
+    }
+
+    /// Apply what can change live; list what needs a restart. Never touches
+    /// the spool file (field case F15 d).
+    pub(super) fn apply_live(&mut self, new: Config) -> serde_json::Value {
+        let mut new = new;
+        if let (true, Some(d)) = (new.spool.tune_from_probe, self.tuning) {
+            apply_tuning(&mut new, &d);
+        }
+        let mut applied: Vec<&str> = Vec::new();
+        let mut restart: Vec<&str> = Vec::new();
+        let cur = &mut self.cfg;
+        if new.sources != cur.sources {
+            let _ = self
+                .sampler
+                .send(SamplerUpdate::Sources(new.sources.clone()));
+            cur.sources = new.sources.clone();
+            applied.push("sources");
+        }
+        let (ns, cs) = (&new.spool, &mut cur.spool);
+        if (
+            ns.commit_window,
+            ns.acked_retention,
+            ns.purge_batch_rows,
+            ns.checkpoint_interval,
+        ) != (
+            cs.commit_window,
+            cs.acked_retention,
+            cs.purge_batch_rows,
+            cs.checkpoint_interval,
+        ) {
+            cs.commit_window = ns.commit_window;
+            cs.acked_retention = ns.acked_retention;
+            cs.purge_batch_rows = ns.purge_batch_rows;
+            cs.checkpoint_interval = ns.checkpoint_interval;
+            applied.push("spool (commit window, retention, checkpoints)");
+        }
+        if ns.path != cs.path
+            || ns.options != cs.options
+            || ns.allow_network_fs != cs.allow_network_fs
+        {
+            restart.push("spool.path/pragmas");
+        }
+        if new.agent != cur.agent {
+            cur.agent = new.agent.clone();
+            applied.push("agent");
+        }
+        if new.device_id != cur.device_id {
+            restart.push("device_id");
+        }
+        if new.commands != cur.commands {
+            restart.push("commands");
+        }
+        let (nm, cm) = (&new.mqtt, &cur.mqtt);
+        if (
+            &nm.topic_prefix,
+            nm.inflight_window,
+            nm.max_payload_bytes,
+            nm.payload_format,
+        ) != (
+            &cm.topic_prefix,
+            cm.inflight_window,
+            cm.max_payload_bytes,
+            cm.payload_format,
+        ) {
+            restart.push("mqtt.topic_prefix/inflight_window/max_payload_bytes/payload_format");
+        }
+        let mut live = nm.clone();
+        live.topic_prefix = cm.topic_prefix.clone();
+        live.inflight_window = cm.inflight_window;
+        live.max_payload_bytes = cm.max_payload_bytes;
+        live.payload_format = cm.payload_format;
+        if live != *cm {
+            self.link.reconfigure(live.clone());
+            cur.mqtt = live;
+            applied.push("mqtt (reconnecting once)");
+        }
+        if !restart.is_empty() {
+            log::warn!(
+                "config: changes to {} take effect at the next restart",
+                restart.join(", ")
+            );
+        }
+        log::info!(
+            "config applied: {}",
+            if applied.is_empty() {
+                "no live changes".to_owned()
+            } else {
+                applied.join(", ")
+            }
+        );
+        serde_json::json!({"applied": applied, "restart_required": restart})
+    }
+}

@@ -1,0 +1,293 @@
+//! What a config push may change.
+//!
+//! Its one rule: **nothing that arrives over the network can widen what the
+//! board's own config file allows** (DESIGN.md, "Trust boundaries"). The
+//! local file (root-owned, `/etc/edgespool/`) decides who the board talks to
+//! and what it may run; `[commands.config_push]` in it decides what a push
+//! may do:
+//!
+//! - `mode = "off"`: `apply-config` is refused.
+//! - `mode = "overlay"` (default): a push is an *overlay*, a TOML document
+//!   that may set only the sampling, retention and tuning keys of
+//!   [`OVERLAY_KEYS`]; anything else (the broker, TLS files, credentials,
+//!   sources' programs, handlers, the spool path, the push policy itself) is
+//!   refused, naming each key path.
+//! - `mode = "signed"`: additionally a whole config, accepted only with a
+//!   valid Ed25519 signature (RFC 8032) by one of `public_keys`; its
+//!   `[commands.config_push]` is ignored (the local file's stays in force).
+//!
+//! Pure: parsing, flattening and checks, no I/O.
+
+use crate::config::Config;
+use ring::signature::{UnparsedPublicKey, ED25519};
+
+/// Key paths an overlay may set. `sources.*` stands for a source's name.
+pub const OVERLAY_KEYS: &[&str] = &[
+    "sources.*.interval_ms",
+    "spool.commit_window_ms",
+    "spool.acked_retention_secs",
+    "spool.purge_batch_rows",
+    "spool.checkpoint_interval_secs",
+    "spool.checkpoint_wal_bytes",
+    "spool.max_bytes",
+    "spool.min_free_bytes",
+    "mqtt.keep_alive_secs",
+    "mqtt.connect_timeout_secs",
+    "mqtt.reconnect_min_ms",
+    "mqtt.reconnect_max_ms",
+    "mqtt.ack_timeout_secs",
+    "agent.summary_interval_secs",
+];
+
+/// `commands.config_push.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PushMode {
+    /// `apply-config` is refused.
+    Off,
+    /// Overlays of [`OVERLAY_KEYS`] only.
+    #[default]
+    Overlay,
+    /// Overlays, and whole configs signed by a listed key.
+    Signed,
+}
+
+/// A push, checked and ready to apply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Push {
+    /// `key.path=value` overrides for the local config (the `--set` form,
+    /// sources addressed by index), from an overlay.
+    Overlay(Vec<String>),
+    /// A whole config text whose signature verified.
+    Signed(String),
+}
+
+/// Why a push was refused; the text names each offending key or the cause.
+pub type Refused = String;
+
+/// Check `text` pushed with an optional hex `signature` against the board's
+/// policy (`base` is the config in force, built from the local file).
+///
+/// Errors: the mode is off; the overlay is not TOML, sets a key outside
+/// [`OVERLAY_KEYS`] (all such keys are listed) or names an unknown source; a
+/// signature was given but the mode is not `signed`, or it does not verify.
+pub fn check(base: &Config, text: &str, signature: Option<&str>) -> Result<Push, Refused> {
+    let policy = &base.commands.config_push;
+    match (policy.mode, signature) {
+        (PushMode::Off, _) => Err(
+            "config push is off on this board (commands.config_push.mode = \"off\" in its local config)"
+                .to_owned(),
+        ),
+        (PushMode::Overlay, Some(_)) => Err(
+            "a signed whole config is not accepted: commands.config_push.mode is \"overlay\" (send an overlay of the allowed keys instead)"
+                .to_owned(),
+        ),
+        (PushMode::Signed, Some(sig)) => {
+            verify(text.as_bytes(), sig, &policy.public_keys)?;
+            Ok(Push::Signed(text.to_owned()))
+        }
+        (_, None) => overlay_sets(base, text).map(Push::Overlay),
+    }
+}
+
+/// Verify an Ed25519 `signature_hex` (128 hex digits) over `message` with any
+/// of `keys` (32-byte public keys).
+pub fn verify(message: &[u8], signature_hex: &str, keys: &[[u8; 32]]) -> Result<(), Refused> {
+    let sig = decode_hex(signature_hex.trim())
+        .filter(|s| s.len() == 64)
+        .ok_or("args.signature: must be 128 hex digits (an Ed25519 signature)")?;
+    if keys.is_empty() {
+        return Err("no commands.config_push.public_keys in the local config".to_owned());
+    }
+    if keys.iter().any(|k| {
+        UnparsedPublicKey::new(&ED25519, k)
+            .verify(message, &sig)
+            .is_ok()
+    }) {
+        Ok(())
+    } else {
+        Err(
+            "args.signature: does not verify with any of commands.config_push.public_keys"
+                .to_owned(),
+        )
+    }
+}
+
+/// Hex text to bytes; `None` unless it is an even number of hex digits.
+pub fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
+        .collect()
+}
+
+/// The `--set` overrides an overlay stands for, after checking every key.
+fn overlay_sets(base: &Config, text: &str) -> Result<Vec<String>, Refused> {
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        format!("overlay is not valid TOML: {}", e.message().trim())
+    })?;
+    let mut leaves = Vec::new();
+    flatten("", &toml::Value::Table(table), &mut leaves);
+    if leaves.is_empty() {
+        return Err("overlay sets no key".to_owned());
+    }
+    let mut refused = Vec::new();
+    let mut sets = Vec::new();
+    for (path, value) in leaves {
+        match allowed(&path) {
+            Some(Some(source)) => match base.sources.iter().position(|s| s.name == source) {
+                Some(i) => sets.push(format!("sources.{i}.interval_ms={value}")),
+                None => refused.push(format!("{path} (no source named {source:?})")),
+            },
+            Some(None) => sets.push(format!("{path}={value}")),
+            None => refused.push(path),
+        }
+    }
+    if refused.is_empty() {
+        Ok(sets)
+    } else {
+        Err(format!(
+            "an overlay may not set {} (allowed: {})",
+            refused.join(", "),
+            OVERLAY_KEYS.join(", ")
+        ))
+    }
+}
+
+/// `Some(Some(source))` for `sources.<source>.interval_ms`, `Some(None)` for
+/// another allowed key, `None` when the key is not allowed.
+fn allowed(path: &str) -> Option<Option<String>> {
+    if let Some(rest) = path.strip_prefix("sources.") {
+        return rest
+            .strip_suffix(".interval_ms")
+            .filter(|name| !name.is_empty() && !name.contains('.'))
+            .map(|name| Some(name.to_owned()));
+    }
+    OVERLAY_KEYS.contains(&path).then_some(None)
+}
+
+/// Leaf values of `v` as (dotted path, TOML value text). Arrays are leaves
+/// (no allowed key is an array, so they are refused by path).
+fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
+    match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let p = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&p, v, out);
+            }
+        }
+        other => out.push((prefix.to_owned(), other.to_string())),
+    }
+}
+
+/// True when `a` and `b` differ in anything that decides the MQTT
+/// connection (so applying the change must be confirmed by a CONNACK).
+pub fn touches_connection(a: &Config, b: &Config) -> bool {
+    a.mqtt != b.mqtt
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ring::signature::{Ed25519KeyPair, KeyPair};
+
+    const BASE: &str = r#"
+device_id = "d"
+[spool]
+path = "/tmp/x/spool.db"
+[mqtt]
+url = "mqtt://127.0.0.1:1883"
+[[sources]]
+name = "temp"
+kind = "file"
+path = "/tmp/t"
+interval_ms = 1000
+"#;
+
+    fn base(mode: &str, keys: &[String]) -> Config {
+        let extra = format!(
+            "[commands.config_push]\nmode = \"{mode}\"\npublic_keys = [{}]\n",
+            keys.iter()
+                .map(|k| format!("\"{k}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        crate::config::parse(&format!("{BASE}{extra}"), "test", &[]).unwrap()
+    }
+
+    #[test]
+    fn an_overlay_of_tuning_keys_becomes_overrides_with_sources_by_name() {
+        let b = base("overlay", &[]);
+        let p = check(
+            &b,
+            "[sources.temp]\ninterval_ms = 500\n[spool]\nacked_retention_secs = 3600\n",
+            None,
+        )
+        .unwrap();
+        let Push::Overlay(mut sets) = p else {
+            panic!("{p:?}")
+        };
+        sets.sort();
+        assert_eq!(
+            sets,
+            vec![
+                "sources.0.interval_ms=500".to_owned(),
+                "spool.acked_retention_secs=3600".to_owned()
+            ]
+        );
+    }
+
+    #[test]
+    fn an_overlay_that_runs_a_program_or_moves_the_broker_is_refused_naming_each_key() {
+        let b = base("overlay", &[]);
+        let e = check(
+            &b,
+            "[mqtt]\nurl = \"mqtt://evil:1883\"\n[[sources]]\nname = \"x\"\nkind = \"exec\"\ncommand = [\"/bin/sh\", \"-c\", \"id\"]\n[commands.config_push]\nmode = \"signed\"\n",
+            None,
+        )
+        .unwrap_err();
+        for key in ["mqtt.url", "sources", "commands.config_push.mode"] {
+            assert!(e.contains(key), "{e}");
+        }
+        let e = check(&b, "[sources.nope]\ninterval_ms = 5\n", None).unwrap_err();
+        assert!(e.contains("no source named"), "{e}");
+    }
+
+    #[test]
+    fn mode_off_refuses_every_push_and_overlay_mode_refuses_signatures() {
+        let e = check(&base("off", &[]), "[spool]\npurge_batch_rows = 10\n", None).unwrap_err();
+        assert!(e.contains("off"), "{e}");
+        let e = check(&base("overlay", &[]), BASE, Some("00")).unwrap_err();
+        assert!(e.contains("not accepted"), "{e}");
+    }
+
+    #[test]
+    fn a_signed_config_verifies_only_with_a_listed_key() {
+        let rng = ring::rand::SystemRandom::new();
+        let doc = Ed25519KeyPair::generate_pkcs8(&rng).unwrap();
+        let kp = Ed25519KeyPair::from_pkcs8(doc.as_ref()).unwrap();
+        let other =
+            Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).unwrap().as_ref())
+                .unwrap();
+        let hex = |b: &[u8]| crate::commands::hex(b);
+        let b = base("signed", &[hex(kp.public_key().as_ref())]);
+        let sig = hex(kp.sign(BASE.as_bytes()).as_ref());
+        assert_eq!(
+            check(&b, BASE, Some(&sig)).unwrap(),
+            Push::Signed(BASE.to_owned())
+        );
+        let wrong = hex(other.sign(BASE.as_bytes()).as_ref());
+        assert!(check(&b, BASE, Some(&wrong))
+            .unwrap_err()
+            .contains("does not verify"));
+        let tampered = format!("{BASE}\n# more");
+        assert!(check(&b, &tampered, Some(&sig)).is_err());
+        assert!(check(&b, BASE, Some("zz")).is_err());
+    }
+}

@@ -1,0 +1,196 @@
+//! Config pushes on disk, and confirm-or-revert.
+//!
+//! Its one rule: **the board's local config file is never written by a push,
+//! and the push kept for the next start is the last one that was confirmed**.
+//! A push that changes the MQTT connection is confirmed only by a CONNACK
+//! (and the command SUBACK, when commands are on) within
+//! `commands.config_push.confirm_secs`; otherwise the previous config comes
+//! back. A push that leaves the connection alone is confirmed at once.
+//!
+//! Files, in the state directory (the spool's directory, never `/etc`):
+//! `config-push.toml` (the confirmed push: an overlay, or a signed whole
+//! config) and `config-push.sig` (its signature, for a signed one). Both are
+//! replaced atomically ([`crate::configfile::write_atomic`]).
+
+use crate::config::Config;
+use crate::policy::Push;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// A push as kept on disk: its text and, for a signed whole config, the
+/// signature (hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// The overlay or whole config text, as pushed.
+    pub text: String,
+    /// Hex Ed25519 signature of `text` (signed whole configs only).
+    pub signature: Option<String>,
+}
+
+fn text_path(dir: &Path) -> PathBuf {
+    dir.join("config-push.toml")
+}
+
+fn sig_path(dir: &Path) -> PathBuf {
+    dir.join("config-push.sig")
+}
+
+/// The confirmed push kept in `dir`, if any.
+pub fn load(dir: &Path) -> Option<Stored> {
+    let text = std::fs::read_to_string(text_path(dir)).ok()?;
+    let signature = std::fs::read_to_string(sig_path(dir))
+        .ok()
+        .map(|s| s.trim().to_owned());
+    Some(Stored { text, signature })
+}
+
+/// Keep `push` as the confirmed push in `dir` (or remove it for `None`).
+///
+/// Errors: a file could not be written or removed (the old files stay).
+pub fn save(dir: &Path, push: Option<&Stored>) -> std::io::Result<()> {
+    let remove = |p: PathBuf| match std::fs::remove_file(p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    };
+    match push {
+        None => {
+            remove(text_path(dir))?;
+            remove(sig_path(dir))
+        }
+        Some(s) => {
+            // Signature first: a cut between the two leaves a pair that does
+            // not verify, which the next start ignores, loudly.
+            match &s.signature {
+                Some(sig) => crate::configfile::write_atomic(&sig_path(dir), sig.as_bytes())?,
+                None => remove(sig_path(dir))?,
+            }
+            crate::configfile::write_atomic(&text_path(dir), s.text.as_bytes())
+        }
+    }
+}
+
+/// The config a push makes of the local config: `local_text` (from
+/// `origin`) with `sets` (command-line overrides) and the push on top.
+/// A signed whole config keeps the local file's `[commands.config_push]`,
+/// `spool.path` and `spool.allow_network_fs`: the key that signs may not
+/// change who may push, nor move the state.
+///
+/// Errors: the result does not validate (the message names the key).
+pub fn compose(
+    local: &Config,
+    local_text: &str,
+    origin: &str,
+    sets: &[String],
+    push: &Push,
+) -> Result<Config, String> {
+    let mut cfg = match push {
+        Push::Overlay(over) => {
+            let all: Vec<String> = sets.iter().chain(over.iter()).cloned().collect();
+            crate::config::parse(local_text, origin, &all)
+        }
+        Push::Signed(text) => crate::config::parse(text, "signed push", sets),
+    }
+    .map_err(|e| format!("config invalid: {e}"))?;
+    cfg.commands.config_push = local.commands.config_push.clone();
+    cfg.spool.path = local.spool.path.clone();
+    cfg.spool.allow_network_fs = local.spool.allow_network_fs;
+    Ok(cfg)
+}
+
+/// A push applied live and waiting for its connection to be confirmed.
+#[derive(Debug)]
+pub struct Pending {
+    /// The push to keep once confirmed.
+    pub push: Stored,
+    /// The confirmed push it replaces (`None`: the local file alone).
+    pub previous: Option<Stored>,
+    /// CONNACKs and command SUBACKs seen when it was applied.
+    pub connacks: u64,
+    /// See `connacks`.
+    pub subacks: u64,
+    /// Revert after this.
+    pub deadline: Instant,
+}
+
+/// What a pending push's connection shows now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// CONNACK (and SUBACK when commands are on) since the apply.
+    Confirmed,
+    /// Still waiting, within the deadline.
+    Waiting,
+    /// The deadline passed without them.
+    Revert,
+}
+
+impl Pending {
+    /// Start waiting `confirm` for a new connection to prove the push.
+    pub fn new(
+        push: Stored,
+        previous: Option<Stored>,
+        counts: (u64, u64),
+        confirm: Duration,
+    ) -> Pending {
+        Pending {
+            push,
+            previous,
+            connacks: counts.0,
+            subacks: counts.1,
+            deadline: Instant::now() + confirm,
+        }
+    }
+
+    /// Judge the connection counters `now` (`(connacks, subacks)`);
+    /// `need_suback` when the command subscription is part of the proof.
+    pub fn judge(&self, counts: (u64, u64), need_suback: bool, now: Instant) -> Verdict {
+        let connected = counts.0 > self.connacks;
+        let subscribed = !need_suback || counts.1 > self.subacks;
+        if connected && subscribed {
+            Verdict::Confirmed
+        } else if now >= self.deadline {
+            Verdict::Revert
+        } else {
+            Verdict::Waiting
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(t: &str) -> Stored {
+        Stored {
+            text: t.into(),
+            signature: None,
+        }
+    }
+
+    #[test]
+    fn a_push_is_confirmed_only_by_a_new_connack_and_suback_before_the_deadline() {
+        let p = Pending::new(stored("x"), None, (3, 2), Duration::from_secs(60));
+        let now = Instant::now();
+        assert_eq!(p.judge((3, 2), true, now), Verdict::Waiting);
+        assert_eq!(p.judge((4, 2), true, now), Verdict::Waiting);
+        assert_eq!(p.judge((4, 3), true, now), Verdict::Confirmed);
+        assert_eq!(p.judge((4, 2), false, now), Verdict::Confirmed);
+        let late = now + Duration::from_secs(61);
+        assert_eq!(p.judge((3, 2), true, late), Verdict::Revert);
+    }
+
+    #[test]
+    fn the_confirmed_push_is_kept_whole_and_can_be_removed() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(load(d.path()), None);
+        let s = Stored {
+            text: "[spool]\npurge_batch_rows = 7\n".into(),
+            signature: Some("ab".into()),
+        };
+        save(d.path(), Some(&s)).unwrap();
+        assert_eq!(load(d.path()), Some(s));
+        save(d.path(), Some(&stored("o"))).unwrap();
+        assert_eq!(load(d.path()), Some(stored("o")), "old signature removed");
+        save(d.path(), None).unwrap();
+        assert_eq!(load(d.path()), None);
+    }
+}
