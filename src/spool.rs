@@ -266,6 +266,10 @@ const SQL_PURGE_ABOVE_INDEX: &str =
 const SQL_COUNTER_ADD: &str = "INSERT INTO counters (name, value) VALUES (?1, ?2)
     ON CONFLICT(name) DO UPDATE SET value = value + excluded.value";
 
+/// Sequence numbers are persisted at least every this many appended rows,
+/// so a start reads at most this many rows to catch up.
+const PERSIST_SEQS_EVERY: u64 = 10_000;
+
 /// Rows folded into the acknowledged mark per query while retiring.
 const FOLD_STEP: i64 = 4096;
 
@@ -994,6 +998,12 @@ impl Spool {
         book.dirty |= !next.is_empty();
         book.appended_since_persist += appended as u64;
         book.streams.extend(next);
+        let persist = book.appended_since_persist >= PERSIST_SEQS_EVERY;
+        drop(book);
+        if persist {
+            // Bounds what the next open reads to catch up, whoever appends.
+            self.persist_seqs()?;
+        }
         Ok(appended)
     }
 
@@ -1752,6 +1762,27 @@ mod tests {
             v
         };
         assert_eq!(seqs, vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_start_reads_at_most_ten_thousand_rows_to_catch_up_sequences() {
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let mut s = open(d.path());
+        let evs: Vec<NewEvent> = (0..1000).map(|i| ev("a", i as f64)).collect();
+        for _ in 0..11 {
+            s.append(&evs, &mut ids, "d", Format::Json, 0).unwrap();
+        }
+        let through: i64 = s
+            .conn
+            .query_row(
+                "SELECT value FROM spool_meta WHERE key = 'seq_through_id'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(through >= 10_000, "seq_through_id {through}");
+        assert!(s.appended_since_persist() < 10_000);
     }
 
     #[test]
