@@ -623,6 +623,8 @@ struct Upkeep {
     refusal: Option<crate::maintenance::Refusal>,
     /// A checkpoint found the WAL pinned by a reader.
     checkpoint_blocked: bool,
+    /// Consecutive incomplete checkpoints: since when, how many.
+    incomplete_run: Option<(Instant, u32)>,
     /// Write budget baseline: (when, /proc/self/io write_bytes).
     budget_since: (Instant, u64),
     /// Commits on the `synchronous = FULL` ingest connection.
@@ -652,6 +654,7 @@ impl Upkeep {
             capacity_checked: None,
             refusal: None,
             checkpoint_blocked: false,
+            incomplete_run: None,
             budget_since: (
                 Instant::now(),
                 crate::maintenance::proc_write_bytes().unwrap_or(0),
@@ -921,7 +924,17 @@ impl Ingest {
         let now = wall_clock_ms().0;
         match res {
             Ok(r) => {
-                let blocked = r.busy != 0 || r.checkpointed_frames < r.log_frames;
+                let incomplete = r.busy != 0 || r.checkpointed_frames < r.log_frames;
+                // One incomplete PASSIVE is routine (the delivery thread was
+                // mid-read); a reader pins the WAL when several in a row,
+                // over seconds, cannot finish.
+                let (first, n) = match (incomplete, self.upkeep.incomplete_run) {
+                    (false, _) => (Instant::now(), 0),
+                    (true, Some((t, n))) => (t, n + 1),
+                    (true, None) => (Instant::now(), 1),
+                };
+                self.upkeep.incomplete_run = incomplete.then_some((first, n));
+                let blocked = n >= 3 && first.elapsed() >= Duration::from_secs(2);
                 self.upkeep.last_checkpoint_json = Some(
                     serde_json::json!({"mode": format!("{mode:?}").to_lowercase(), "busy": r.busy,
                     "log_frames": r.log_frames, "checkpointed_frames": r.checkpointed_frames,
