@@ -10,10 +10,13 @@
 
 use crate::ack::MAX_WINDOW;
 use crate::envelope::Format;
+use crate::process::{Credentials, Limits};
 use crate::source::{SourceKind, SourceSpec};
 use crate::spool::{SpoolOptions, Synchronous};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::fmt;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -120,6 +123,18 @@ pub struct ExecHandler {
     pub retry_safe: bool,
     /// Declared parameters.
     pub params: Vec<ParamSpec>,
+    /// `env`: variables the program gets besides `PATH` and `LANG` (a name
+    /// given here replaces that default). Values are taken literally from
+    /// the local config; nothing from a command reaches them.
+    pub env: BTreeMap<String, String>,
+    /// `cwd`: working directory, absolute (default `/`).
+    pub cwd: PathBuf,
+    /// `cpu_secs` (seconds), `max_memory_bytes` (bytes of address space),
+    /// `max_open_files` (descriptors): set in the child before it runs.
+    pub limits: Limits,
+    /// `user` and `group`, resolved to ids when the config was validated;
+    /// `None`: the program runs as the agent's user.
+    pub credentials: Option<Credentials>,
 }
 
 /// A declared handler parameter.
@@ -344,7 +359,18 @@ struct RawHandler {
     #[serde(default)]
     retry_safe: bool,
     #[serde(default)]
-    params: std::collections::BTreeMap<String, RawParam>,
+    params: BTreeMap<String, RawParam>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    cwd: Option<PathBuf>,
+    /// Default: [`default_cpu_secs`] of the timeout.
+    cpu_secs: Option<u64>,
+    #[serde(default = "d_handler_memory")]
+    max_memory_bytes: u64,
+    #[serde(default = "d_handler_files")]
+    max_open_files: u64,
+    user: Option<String>,
+    group: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -375,6 +401,31 @@ fn d_handler_timeout() -> u64 {
 fn d_handler_output() -> usize {
     4096
 }
+/// Default `max_memory_bytes` of a handler: 256 MiB of address space.
+fn d_handler_memory() -> u64 {
+    256 * 1024 * 1024
+}
+/// Default `max_open_files` of a handler.
+fn d_handler_files() -> u64 {
+    64
+}
+/// Default `cwd` of a handler.
+const HANDLER_CWD: &str = "/";
+
+/// Default `cpu_secs` of a handler with a `timeout_ms` timeout: the timeout
+/// in seconds, rounded up, plus one. A program busy for its whole run is
+/// then stopped by its timeout, which says so in the result, rather than by
+/// the CPU limit.
+fn default_cpu_secs(timeout_ms: u64) -> u64 {
+    timeout_ms.div_ceil(1000).saturating_add(1)
+}
+
+/// Most variables a handler's `env` may set.
+const MAX_ENV_VARS: usize = 64;
+/// Longest name in a handler's `env`, bytes.
+const MAX_ENV_NAME_BYTES: usize = 128;
+/// Longest value in a handler's `env`, bytes.
+const MAX_ENV_VALUE_BYTES: usize = 4096;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1432,6 +1483,51 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 }
             }
         }
+        for problem in check_env(&h.env) {
+            bad(&k("env"), problem);
+        }
+        let cwd = h.cwd.clone().unwrap_or_else(|| PathBuf::from(HANDLER_CWD));
+        if let Err(problem) = check_cwd(&cwd) {
+            bad(&k("cwd"), problem);
+        }
+        // The default follows the timeout, whose own range is checked above.
+        let cpu_secs = h.cpu_secs.unwrap_or_else(|| default_cpu_secs(h.timeout_ms));
+        if h.cpu_secs.is_some() && !(1..=86_400).contains(&cpu_secs) {
+            bad(
+                &k("cpu_secs"),
+                format!("must be 1..=86400 seconds (got {cpu_secs})"),
+            );
+        }
+        if !(MIN_HANDLER_MEMORY..=MAX_HANDLER_MEMORY).contains(&h.max_memory_bytes) {
+            bad(
+                &k("max_memory_bytes"),
+                format!(
+                    "must be {MIN_HANDLER_MEMORY}..={MAX_HANDLER_MEMORY} bytes (got {})",
+                    h.max_memory_bytes
+                ),
+            );
+        }
+        if !(8..=1_048_576).contains(&h.max_open_files) {
+            bad(
+                &k("max_open_files"),
+                format!("must be 8..=1048576 (got {})", h.max_open_files),
+            );
+        }
+        let credentials = match resolve_credentials(
+            h.user.as_deref(),
+            h.group.as_deref(),
+            crate::process::can_switch_user(),
+            crate::process::lookup_user,
+            crate::process::lookup_group,
+        ) {
+            Ok(c) => c,
+            Err(problems) => {
+                for (field, problem) in problems {
+                    bad(&k(field), problem);
+                }
+                None
+            }
+        };
         handlers.push(ExecHandler {
             name: h.name.clone(),
             program: h.program.clone(),
@@ -1440,6 +1536,14 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             max_output_bytes: h.max_output_bytes,
             retry_safe: h.retry_safe,
             params,
+            env: h.env.clone(),
+            cwd,
+            limits: Limits {
+                cpu_secs,
+                max_memory_bytes: h.max_memory_bytes,
+                max_open_files: h.max_open_files,
+            },
+            credentials,
         });
     }
 
@@ -1546,6 +1650,128 @@ fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> Con
         mode,
         confirm: Duration::from_secs(raw.confirm_secs),
         public_keys: keys,
+    }
+}
+
+/// Smallest `max_memory_bytes` of a handler (16 MiB): below it even a small
+/// dynamically linked program may fail to start.
+const MIN_HANDLER_MEMORY: u64 = 16 * 1024 * 1024;
+/// Largest `max_memory_bytes` of a handler (1 TiB).
+const MAX_HANDLER_MEMORY: u64 = 1 << 40;
+
+/// Problems with a handler's `env` table, each naming the variable.
+fn check_env(env: &BTreeMap<String, String>) -> Vec<String> {
+    let mut problems = Vec::new();
+    if env.len() > MAX_ENV_VARS {
+        problems.push(format!(
+            "at most {MAX_ENV_VARS} variables (got {})",
+            env.len()
+        ));
+    }
+    for (name, value) in env {
+        if !env_name_ok(name) {
+            problems.push(format!(
+                "variable names are [A-Z_][A-Z0-9_]*, at most {MAX_ENV_NAME_BYTES} bytes (got {name:?})"
+            ));
+        }
+        if value.contains('\0') {
+            problems.push(format!("{name}: the value contains a NUL character"));
+        } else if value.len() > MAX_ENV_VALUE_BYTES {
+            problems.push(format!(
+                "{name}: the value is {} bytes, more than {MAX_ENV_VALUE_BYTES}",
+                value.len()
+            ));
+        }
+    }
+    problems
+}
+
+/// `[A-Z_][A-Z0-9_]*`, not too long.
+fn env_name_ok(name: &str) -> bool {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_uppercase() || c == '_');
+    first_ok
+        && name.len() <= MAX_ENV_NAME_BYTES
+        && chars.all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+}
+
+/// A handler's `cwd` must be an absolute path to an existing directory.
+fn check_cwd(cwd: &Path) -> Result<(), String> {
+    if !cwd.is_absolute() {
+        return Err(format!("must be an absolute path (got {cwd:?})"));
+    }
+    match std::fs::metadata(cwd) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(format!("is not a directory (got {cwd:?})")),
+        Err(e) => Err(format!("cannot be used as a directory: {e} (got {cwd:?})")),
+    }
+}
+
+/// A handler's `user` and `group` as ids, or a problem per key (`"user"`,
+/// `"group"`). `is_root`: the agent can switch users; the lookups are
+/// [`crate::process::lookup_user`] and [`crate::process::lookup_group`] outside
+/// tests.
+///
+/// `group` alone is refused (a program still running as root is not
+/// confined by its group); without `group` the user's primary group is used.
+fn resolve_credentials(
+    user: Option<&str>,
+    group: Option<&str>,
+    is_root: bool,
+    lookup_user: impl Fn(&str) -> io::Result<Option<(libc::uid_t, libc::gid_t)>>,
+    lookup_group: impl Fn(&str) -> io::Result<Option<libc::gid_t>>,
+) -> Result<Option<Credentials>, Vec<(&'static str, String)>> {
+    let Some(user) = user else {
+        return match group {
+            None => Ok(None),
+            Some(g) => Err(vec![(
+                "group",
+                format!(
+                    "needs `user` as well: a program still running as the agent's user keeps its privileges (got {g:?})"
+                ),
+            )]),
+        };
+    };
+    if !is_root {
+        return Err(vec![(
+            "user",
+            format!(
+                "the agent does not run as root, so it cannot run a program as another user (got {user:?}); remove `user` and `group` to run it as the agent's own user"
+            ),
+        )]);
+    }
+    let mut problems = Vec::new();
+    let ids = match lookup_user(user) {
+        Ok(Some(ids)) => Some(ids),
+        Ok(None) => {
+            problems.push(("user", format!("no such user (got {user:?})")));
+            None
+        }
+        Err(e) => {
+            problems.push(("user", format!("cannot look up user {user:?}: {e}")));
+            None
+        }
+    };
+    let gid = match group.map(|g| (g, lookup_group(g))) {
+        None => None,
+        Some((_, Ok(Some(gid)))) => Some(gid),
+        Some((g, Ok(None))) => {
+            problems.push(("group", format!("no such group (got {g:?})")));
+            None
+        }
+        Some((g, Err(e))) => {
+            problems.push(("group", format!("cannot look up group {g:?}: {e}")));
+            None
+        }
+    };
+    match ids {
+        Some((uid, primary_gid)) if problems.is_empty() => Ok(Some(Credentials {
+            uid,
+            gid: gid.unwrap_or(primary_gid),
+        })),
+        _ => Err(problems),
     }
 }
 
@@ -1790,6 +2016,22 @@ interval_ms = 1000
             example.commands.record_retention,
             minimal.commands.record_retention
         );
+        // The example handler writes the confinement keys with their defaults.
+        let handler = &example.commands.handlers[0];
+        let bare = parse(
+            &format!(
+                "device_id = \"x\"\n[spool]\npath = \"/x.db\"\n[[commands.handlers]]\nname = \"h\"\nprogram = \"/bin/true\"\ntimeout_ms = {}\n",
+                handler.timeout.as_millis()
+            ),
+            "bare",
+            &[],
+        )
+        .unwrap();
+        let default = &bare.commands.handlers[0];
+        assert_eq!(handler.env, default.env);
+        assert_eq!(handler.cwd, default.cwd);
+        assert_eq!(handler.limits, default.limits);
+        assert_eq!(handler.credentials, default.credentials);
     }
 
     #[test]
@@ -1839,5 +2081,203 @@ interval_ms = 1000
     fn exec_program_must_be_absolute() {
         let e = err(&GOOD.replace("kind = \"system\"", "kind = \"exec\"\nprogram = \"sh\""));
         assert_eq!(e.problems[0].key, "sources[0].program");
+    }
+    /// GOOD plus one handler with `extra` lines.
+    fn with_handler(extra: &str) -> String {
+        format!("{GOOD}[[commands.handlers]]\nname = \"h\"\nprogram = \"/bin/true\"\n{extra}\n")
+    }
+
+    fn problem(text: &str, key: &str) -> String {
+        let e = err(text);
+        match e.problems.iter().find(|p| p.key == key) {
+            Some(p) => p.message.clone(),
+            None => panic!("no problem on {key}: {e}"),
+        }
+    }
+
+    #[test]
+    fn a_handler_gets_documented_confinement_defaults() {
+        let c = parse(&with_handler(""), "t.toml", &[]).unwrap();
+        let h = &c.commands.handlers[0];
+        assert!(h.env.is_empty());
+        assert_eq!(h.cwd, PathBuf::from("/"));
+        assert_eq!(
+            h.limits,
+            Limits {
+                cpu_secs: 31,
+                max_memory_bytes: 256 * 1024 * 1024,
+                max_open_files: 64,
+            }
+        );
+        assert_eq!(h.credentials, None);
+        for (timeout_ms, cpu_secs) in [(10, 2), (1000, 2), (1001, 3), (3_600_000, 3601)] {
+            let c = parse(
+                &with_handler(&format!("timeout_ms = {timeout_ms}")),
+                "t.toml",
+                &[],
+            )
+            .unwrap();
+            assert_eq!(c.commands.handlers[0].limits.cpu_secs, cpu_secs);
+        }
+    }
+
+    #[test]
+    fn handler_confinement_keys_are_read() {
+        let dir = std::env::temp_dir();
+        let c = parse(
+            &with_handler(&format!(
+                "env = {{ UNIT_LOG = \"info\", _X1 = \"\" }}\ncwd = {:?}\ncpu_secs = 5\nmax_memory_bytes = 33554432\nmax_open_files = 16",
+                dir.display().to_string()
+            )),
+            "t.toml",
+            &[],
+        )
+        .unwrap();
+        let h = &c.commands.handlers[0];
+        assert_eq!(h.env.get("UNIT_LOG").map(String::as_str), Some("info"));
+        assert_eq!(h.env.get("_X1").map(String::as_str), Some(""));
+        assert_eq!(h.cwd, dir);
+        assert_eq!(
+            h.limits,
+            Limits {
+                cpu_secs: 5,
+                max_memory_bytes: 32 * 1024 * 1024,
+                max_open_files: 16,
+            }
+        );
+    }
+
+    #[test]
+    fn handler_env_names_and_values_are_checked() {
+        let key = "commands.handlers[0].env";
+        for name in ["lower", "1ABC", "A-B", "\"\"", "\"A B\""] {
+            let m = problem(&with_handler(&format!("env = {{ {name} = \"x\" }}")), key);
+            assert!(m.contains("[A-Z_][A-Z0-9_]*"), "{name}: {m}");
+        }
+        let m = problem(&with_handler("env = { A = \"x\\u0000y\" }"), key);
+        assert_eq!(m, "A: the value contains a NUL character");
+        let long = "v".repeat(4097);
+        let m = problem(&with_handler(&format!("env = {{ A = \"{long}\" }}")), key);
+        assert!(m.starts_with("A: the value is 4097 bytes"), "{m}");
+        let many: Vec<String> = (0..65).map(|i| format!("V{i} = \"x\"")).collect();
+        let m = problem(
+            &with_handler(&format!("env = {{ {} }}", many.join(", "))),
+            key,
+        );
+        assert!(m.contains("at most 64 variables (got 65)"), "{m}");
+        // The line of the key is given.
+        let e = err(&with_handler("env = { bad = \"x\" }"));
+        assert_eq!(e.problems[0].line, Some(14), "{e}");
+    }
+
+    #[test]
+    fn handler_cwd_must_be_an_absolute_existing_directory() {
+        let key = "commands.handlers[0].cwd";
+        let m = problem(&with_handler("cwd = \"tmp\""), key);
+        assert_eq!(m, "must be an absolute path (got \"tmp\")");
+        let m = problem(&with_handler("cwd = \"/nonexistent/edgespool\""), key);
+        assert!(m.starts_with("cannot be used as a directory"), "{m}");
+        assert!(m.contains("\"/nonexistent/edgespool\""), "{m}");
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let shown = format!("{:?}", file.path().display().to_string());
+        let m = problem(&with_handler(&format!("cwd = {shown}")), key);
+        assert_eq!(m, format!("is not a directory (got {shown})"));
+    }
+
+    #[test]
+    fn handler_limits_out_of_range_are_named_with_the_value() {
+        let text = with_handler("cpu_secs = 0\nmax_memory_bytes = 1024\nmax_open_files = 2");
+        let m = problem(&text, "commands.handlers[0].cpu_secs");
+        assert_eq!(m, "must be 1..=86400 seconds (got 0)");
+        let m = problem(&text, "commands.handlers[0].max_memory_bytes");
+        assert!(m.ends_with("bytes (got 1024)"), "{m}");
+        let m = problem(&text, "commands.handlers[0].max_open_files");
+        assert_eq!(m, "must be 8..=1048576 (got 2)");
+        // A timeout too long for the default CPU limit range is named on the timeout only.
+        let e = err(&with_handler("timeout_ms = 99999999"));
+        let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, ["commands.handlers[0].timeout_ms"], "{e}");
+    }
+
+    #[test]
+    fn an_unknown_user_or_group_is_named_with_its_key_and_value() {
+        let m = problem(
+            &with_handler("user = \"no-such-user-edgespool\""),
+            "commands.handlers[0].user",
+        );
+        assert!(m.contains("\"no-such-user-edgespool\""), "{m}");
+        if crate::process::can_switch_user() {
+            assert_eq!(m, "no such user (got \"no-such-user-edgespool\")");
+            let m = problem(
+                &with_handler("user = \"root\"\ngroup = \"no-such-group-edgespool\""),
+                "commands.handlers[0].group",
+            );
+            assert_eq!(m, "no such group (got \"no-such-group-edgespool\")");
+        }
+    }
+
+    type UserIds = io::Result<Option<(libc::uid_t, libc::gid_t)>>;
+
+    fn users(name: &str) -> UserIds {
+        match name {
+            "svc" => Ok(Some((1001, 1001))),
+            "broken" => Err(io::Error::from_raw_os_error(libc::EIO)),
+            _ => Ok(None),
+        }
+    }
+
+    fn groups(name: &str) -> io::Result<Option<libc::gid_t>> {
+        Ok((name == "gpio").then_some(997))
+    }
+
+    #[test]
+    fn a_user_needs_a_root_agent_and_a_known_name() {
+        let resolve = |u, g, root| resolve_credentials(u, g, root, users, groups);
+        assert_eq!(resolve(None, None, false), Ok(None));
+        assert_eq!(resolve(None, None, true), Ok(None));
+        assert_eq!(
+            resolve(Some("svc"), None, true),
+            Ok(Some(Credentials {
+                uid: 1001,
+                gid: 1001
+            }))
+        );
+        // `group` replaces the user's primary group.
+        assert_eq!(
+            resolve(Some("svc"), Some("gpio"), true),
+            Ok(Some(Credentials {
+                uid: 1001,
+                gid: 997
+            }))
+        );
+
+        let problems = resolve(Some("svc"), None, false).unwrap_err();
+        assert_eq!(problems.len(), 1);
+        assert_eq!(problems[0].0, "user");
+        assert!(
+            problems[0].1.contains("does not run as root"),
+            "{problems:?}"
+        );
+        assert!(problems[0].1.contains("\"svc\""), "{problems:?}");
+
+        let problems = resolve(None, Some("gpio"), true).unwrap_err();
+        assert_eq!(problems[0].0, "group");
+        assert!(problems[0].1.contains("needs `user`"), "{problems:?}");
+
+        let problems = resolve(Some("nosuch"), Some("nogrp"), true).unwrap_err();
+        assert_eq!(
+            problems,
+            vec![
+                ("user", "no such user (got \"nosuch\")".to_owned()),
+                ("group", "no such group (got \"nogrp\")".to_owned()),
+            ]
+        );
+        let problems = resolve(Some("broken"), None, true).unwrap_err();
+        assert!(
+            problems[0]
+                .1
+                .starts_with("cannot look up user \"broken\": "),
+            "{problems:?}"
+        );
     }
 }

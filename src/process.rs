@@ -22,9 +22,15 @@
 //! - A killed child is reaped; one that refuses to die (uninterruptible
 //!   sleep on a hung bus) is handed to a background thread after a short
 //!   grace so the caller goes on.
+//! - A confined child ([`run_confined`], for command handlers) gets only the
+//!   environment it is given, its own working directory, resource limits and
+//!   optionally another user, all set between fork and exec; nothing of the
+//!   agent's environment reaches it.
 
+use std::ffi::CString;
 use std::fmt;
 use std::io::{self, Read};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -48,6 +54,58 @@ const REAP_GRACE: Duration = Duration::from_secs(2);
 const DRAIN_GRACE: Duration = Duration::from_millis(200);
 /// Size of one read from a pipe.
 const CHUNK: usize = 4096;
+/// First buffer for a user or group lookup when the system suggests none.
+const LOOKUP_BUF: usize = 16 * 1024;
+/// A lookup needing more than this is treated as failed: no sane user or
+/// group entry is this large.
+const LOOKUP_BUF_MAX: usize = 1024 * 1024;
+
+/// Resource limits a confined child gets before it execs (`setrlimit`).
+///
+/// Each one is the lower of the value here and the agent's own hard limit
+/// (an unprivileged agent cannot raise it). The hard limit is set as well as
+/// the soft one, so a program not running as root cannot raise it again
+/// (root can: give the handler a `user` to make the limits stick).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// `RLIMIT_CPU`: seconds of CPU time (user + system) the process may
+    /// use. At this the kernel sends it SIGXCPU (which ends it unless it is
+    /// handled), one second later SIGKILL. Counted per process: helpers it
+    /// starts each get their own allowance.
+    pub cpu_secs: u64,
+    /// `RLIMIT_AS`: bytes of virtual address space. Allocations and
+    /// mappings beyond it fail (`ENOMEM`); it bounds reserved memory, not
+    /// only resident memory. Values the board cannot represent mean no limit.
+    pub max_memory_bytes: u64,
+    /// `RLIMIT_NOFILE`: open file descriptors, counting stdin, stdout and
+    /// stderr (one more than the highest descriptor number it may open).
+    pub max_open_files: u64,
+}
+
+/// The user a confined child runs as. Set in the child before exec, in
+/// this order: supplementary groups to just `gid` (`setgroups`), `setgid`,
+/// `setuid`, so no group or privilege of the agent is left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Credentials {
+    /// User id (`setuid`).
+    pub uid: libc::uid_t,
+    /// Group id (`setgroups([gid])`, `setgid`).
+    pub gid: libc::gid_t,
+}
+
+/// What a confined child gets instead of what the agent has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confinement {
+    /// Its whole environment, in this order; nothing is inherited.
+    pub env: Vec<(String, String)>,
+    /// Its working directory (absolute), entered after the switch to
+    /// [`Confinement::credentials`], so it must be reachable by that user.
+    pub cwd: PathBuf,
+    /// Its resource limits.
+    pub limits: Limits,
+    /// The user it runs as; `None`: the agent's own.
+    pub credentials: Option<Credentials>,
+}
 
 /// What a program that ran to completion produced.
 #[derive(Debug)]
@@ -123,6 +181,7 @@ impl std::error::Error for RunError {}
 /// Run `program` with `args` (no shell), stdin null, killed (whole process
 /// group) after `timeout`; stdout and stderr each kept up to
 /// `max_output_bytes` (the rest drained and discarded, flagged truncated).
+/// It inherits the agent's environment, working directory, limits and user.
 ///
 /// Blocks for at most about `timeout`, plus up to ~2 s more only if a killed
 /// program refuses to die. A non-zero exit or a death by signal is not an
@@ -139,7 +198,45 @@ pub fn run_bounded(
     timeout: Duration,
     max_output_bytes: usize,
 ) -> Result<Output, RunError> {
-    let mut running = Running::start(program, args, timeout, max_output_bytes, max_output_bytes)?;
+    run_child(program, args, timeout, max_output_bytes, None)
+}
+
+/// [`run_bounded`], with the child confined as `confinement` says: only its
+/// environment, its working directory, its resource limits and, if given,
+/// its user, all set between fork and exec.
+///
+/// A death by the CPU limit shows in [`Output::status`] as signal SIGXCPU
+/// (or SIGKILL if the program handled SIGXCPU).
+///
+/// # Errors
+///
+/// As [`run_bounded`]. A failure to set up the child (limits, user, working
+/// directory; e.g. a directory the user cannot enter) is a
+/// [`RunError::Spawn`] carrying the OS error; the program did not run.
+pub fn run_confined(
+    program: &Path,
+    args: &[String],
+    timeout: Duration,
+    max_output_bytes: usize,
+    confinement: &Confinement,
+) -> Result<Output, RunError> {
+    run_child(program, args, timeout, max_output_bytes, Some(confinement))
+}
+
+fn run_child(
+    program: &Path,
+    args: &[String],
+    timeout: Duration,
+    max_output_bytes: usize,
+    confinement: Option<&Confinement>,
+) -> Result<Output, RunError> {
+    let mut running = Running::start_with(
+        program,
+        args,
+        timeout,
+        (max_output_bytes, max_output_bytes),
+        confinement,
+    )?;
     let status = running.wait()?;
     let stdout = running.stdout()?;
     let stderr = running.stderr()?;
@@ -194,20 +291,34 @@ impl Running {
         stdout_keep: usize,
         stderr_keep: usize,
     ) -> Result<Running, RunError> {
+        Running::start_with(program, args, timeout, (stdout_keep, stderr_keep), None)
+    }
+
+    /// [`Running::start`], confined if `confinement` is given.
+    fn start_with(
+        program: &Path,
+        args: &[String],
+        timeout: Duration,
+        (stdout_keep, stderr_keep): (usize, usize),
+        confinement: Option<&Confinement>,
+    ) -> Result<Running, RunError> {
         let started = Instant::now();
         let deadline = started + timeout.min(MAX_TIMEOUT);
         let spawn_err = |source| RunError::Spawn {
             program: program.to_path_buf(),
             source,
         };
-        let mut child = Command::new(program)
+        let mut command = Command::new(program);
+        command
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .map_err(spawn_err)?;
+            .process_group(0);
+        if let Some(c) = confinement {
+            confine(&mut command, c).map_err(spawn_err)?;
+        }
+        let mut child = command.spawn().map_err(spawn_err)?;
         let (stdout, stderr) = match start_readers(&mut child, stdout_keep, stderr_keep) {
             Ok(pipes) => pipes,
             Err(source) => {
@@ -505,6 +616,190 @@ fn kill_and_reap(mut child: Child) {
     }
 }
 
+/// Sets up `command` to run confined: environment replaced, and a hook run
+/// in the child between fork and exec that sets the limits, switches user
+/// and enters the working directory.
+///
+/// Everything the hook needs is prepared here, before the fork: in the child
+/// of a threaded process only async-signal-safe calls are allowed (no
+/// allocation, no locks), and the hook makes only plain system calls.
+fn confine(command: &mut Command, c: &Confinement) -> io::Result<()> {
+    command.env_clear();
+    command.envs(c.env.iter().map(|(k, v)| (k, v)));
+    let cwd = CString::new(c.cwd.as_os_str().as_bytes()).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "working directory contains a NUL byte",
+        )
+    })?;
+    let limits = [
+        child_limit(libc::RLIMIT_CPU, c.limits.cpu_secs, 1)?,
+        child_limit(libc::RLIMIT_AS, c.limits.max_memory_bytes, 0)?,
+        child_limit(libc::RLIMIT_NOFILE, c.limits.max_open_files, 0)?,
+    ];
+    let credentials = c.credentials;
+    // SAFETY: the closure runs in the forked child before exec. It only reads
+    // values prepared above and makes system calls that take no locks and
+    // allocate nothing (setrlimit, setgroups, setgid, setuid, chdir); std
+    // makes the same setgroups/setgid/setuid calls in the same place for
+    // `CommandExt::uid`. `last_os_error` builds an error from errno without
+    // allocating.
+    unsafe {
+        command.pre_exec(move || {
+            for (resource, limit) in &limits {
+                if libc::setrlimit(*resource, limit) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if let Some(Credentials { uid, gid }) = credentials {
+                if libc::setgroups(1, &gid) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if libc::chdir(cwd.as_ptr()) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// The resource id `setrlimit` takes: glibc declares its own enum type.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+type Resource = libc::__rlimit_resource_t;
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+type Resource = libc::c_int;
+
+/// The limit a confined child sets for `resource`: soft `want`, hard
+/// `want + extra_hard`, neither above the agent's own hard limit (which
+/// the child inherits and, unprivileged, could not raise).
+fn child_limit(
+    resource: Resource,
+    want: u64,
+    extra_hard: u64,
+) -> io::Result<(Resource, libc::rlimit)> {
+    let mut current = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the struct we pass.
+    if unsafe { libc::getrlimit(resource, &mut current) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Beyond what rlim_t holds (a 32-bit board) is no limit in effect.
+    let as_rlim = |v: u64| libc::rlim_t::try_from(v).unwrap_or(libc::RLIM_INFINITY);
+    // RLIM_INFINITY is the largest rlim_t, so `min` keeps a finite limit.
+    let hard = as_rlim(want.saturating_add(extra_hard)).min(current.rlim_max);
+    let soft = as_rlim(want).min(hard);
+    Ok((
+        resource,
+        libc::rlimit {
+            rlim_cur: soft,
+            rlim_max: hard,
+        },
+    ))
+}
+
+/// Whether the agent can switch a child to another user: it runs as root.
+pub fn can_switch_user() -> bool {
+    // SAFETY: geteuid cannot fail and touches no memory of ours.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The uid and primary gid of user `name` in the system's user database
+/// (`getpwnam_r`: /etc/passwd or whatever NSS is configured). `Ok(None)`:
+/// there is no such user.
+///
+/// # Errors
+///
+/// The database could not be read (the OS error). The caller reports it on
+/// the config key that named the user and keeps its config.
+pub fn lookup_user(name: &str) -> io::Result<Option<(libc::uid_t, libc::gid_t)>> {
+    let Ok(cname) = CString::new(name) else {
+        return Ok(None);
+    };
+    // SAFETY: an all-zero passwd (integers and null pointers) is valid.
+    let mut entry: libc::passwd = unsafe { std::mem::zeroed() };
+    let found = lookup(libc::_SC_GETPW_R_SIZE_MAX, |buf, found| {
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call and `buf` is as long
+        // as the length given; the entry's strings point into `buf`, which
+        // is not read after this closure.
+        let rc = unsafe {
+            libc::getpwnam_r(
+                cname.as_ptr(),
+                &mut entry,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut result,
+            )
+        };
+        *found = !result.is_null();
+        rc
+    })?;
+    Ok(found.then_some((entry.pw_uid, entry.pw_gid)))
+}
+
+/// The gid of group `name` in the system's group database (`getgrnam_r`).
+/// `Ok(None)`: there is no such group.
+///
+/// # Errors
+///
+/// As [`lookup_user`].
+pub fn lookup_group(name: &str) -> io::Result<Option<libc::gid_t>> {
+    let Ok(cname) = CString::new(name) else {
+        return Ok(None);
+    };
+    // SAFETY: an all-zero group (integers and null pointers) is valid.
+    let mut entry: libc::group = unsafe { std::mem::zeroed() };
+    let found = lookup(libc::_SC_GETGR_R_SIZE_MAX, |buf, found| {
+        let mut result: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: as in lookup_user.
+        let rc = unsafe {
+            libc::getgrnam_r(
+                cname.as_ptr(),
+                &mut entry,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut result,
+            )
+        };
+        *found = !result.is_null();
+        rc
+    })?;
+    Ok(found.then_some(entry.gr_gid))
+}
+
+/// Runs a `get*nam_r` call with a buffer that grows while the call says
+/// ERANGE. `call` returns the call's result code and sets whether an entry
+/// was found.
+fn lookup(
+    size_hint: libc::c_int,
+    mut call: impl FnMut(&mut [libc::c_char], &mut bool) -> libc::c_int,
+) -> io::Result<bool> {
+    // SAFETY: sysconf takes an integer; -1 means no suggestion.
+    let hint = unsafe { libc::sysconf(size_hint) };
+    let mut len = usize::try_from(hint)
+        .ok()
+        .filter(|&n| n > 0)
+        .unwrap_or(LOOKUP_BUF)
+        .min(LOOKUP_BUF_MAX);
+    loop {
+        let mut buf = vec![0; len];
+        let mut found = false;
+        match call(&mut buf, &mut found) {
+            0 => return Ok(found),
+            // Some C libraries say "not found" with an error code (see
+            // getpwnam_r(3), NOTES).
+            libc::ENOENT | libc::ESRCH => return Ok(false),
+            libc::ERANGE if len < LOOKUP_BUF_MAX => len = (len * 2).min(LOOKUP_BUF_MAX),
+            rc => return Err(io::Error::from_raw_os_error(rc)),
+        }
+    }
+}
+
 /// True when the tests run under qemu-user (set by `cross/test-arm.sh`):
 /// qemu reports an `execve` that fails in the child as exit status 127
 /// instead of a spawn error, so the tests of that case only mean something
@@ -761,5 +1056,46 @@ mod tests {
         // The pipes closed when the group died.
         let out = running.stdout().unwrap();
         assert!(out.bytes.is_empty() && !out.truncated);
+    }
+
+    #[test]
+    fn users_and_groups_are_looked_up_by_name() {
+        assert_eq!(lookup_user("root").unwrap(), Some((0, 0)));
+        assert_eq!(lookup_group("root").unwrap(), Some(0));
+        assert_eq!(lookup_user("no-such-user-edgespool").unwrap(), None);
+        assert_eq!(lookup_group("no-such-group-edgespool").unwrap(), None);
+        assert_eq!(lookup_user("").unwrap(), None);
+        assert_eq!(lookup_user("ro\0ot").unwrap(), None);
+    }
+
+    #[test]
+    fn a_confined_child_not_running_as_root_cannot_raise_its_limits() {
+        // Root could raise them (CAP_SYS_RESOURCE), so run as nobody if we
+        // are root.
+        let credentials = if can_switch_user() {
+            let (uid, gid) = lookup_user("nobody").unwrap().expect("user nobody");
+            Some(Credentials { uid, gid })
+        } else {
+            None
+        };
+        let confinement = Confinement {
+            env: vec![("PATH".to_owned(), "/usr/bin:/bin".to_owned())],
+            cwd: PathBuf::from("/"),
+            limits: Limits {
+                cpu_secs: 5,
+                max_memory_bytes: 1 << 30,
+                max_open_files: 32,
+            },
+            credentials,
+        };
+        let out = run_confined(
+            Path::new("/bin/sh"),
+            &["-c".to_owned(), "ulimit -n 33 || echo refused".to_owned()],
+            Duration::from_secs(5),
+            256,
+            &confinement,
+        )
+        .unwrap();
+        assert_eq!(out.stdout, b"refused\n", "{out:?}");
     }
 }

@@ -8,10 +8,19 @@
 //!
 //! Its one rule: **a value from a command reaches the program only as (part
 //! of) one argument, after it has been checked against its declared type;
-//! never through a shell.** Strings are limited to `[A-Za-z0-9_.:@-]` and may
-//! not start with `-` or `.`, so a value can become neither an option nor a
-//! path escape, whatever the program does with it.
+//! never through a shell, and never as an option the operator did not
+//! write.** Strings are limited to `[A-Za-z0-9_.:@-]` and may not start with
+//! `-` or `.`; a negative number may not begin an argument. So a value can
+//! become neither an option nor a path escape, whatever the program does
+//! with it. (Enum values are written by the operator and passed as they are.)
+//!
+//! The program runs confined ([`process::run_confined`]): only the
+//! environment of [`child_env`], the handler's working directory (`/` by
+//! default), CPU, address-space and open-file limits, and the handler's
+//! `user`/`group` when the agent runs as root. Nothing of the agent's own
+//! environment (credentials, tokens, proxy settings) reaches it.
 
+use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
@@ -19,7 +28,15 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 
 use crate::config::{ExecHandler, ParamKind, ParamSpec};
-use crate::process::{self, RunError};
+use crate::process::{self, Confinement, RunError};
+
+/// `PATH` of a handler's program unless its `env` sets one: the system
+/// directories only, never the agent's own `PATH`.
+pub const HANDLER_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
+/// `LANG` of a handler's program unless its `env` sets one: UTF-8 without
+/// translated messages, so output is the same on every board. Where the
+/// C library has no `C.UTF-8` locale, programs fall back to `C`.
+pub const HANDLER_LANG: &str = "C.UTF-8";
 
 /// Characters of an offending value shown in an error.
 const SHOWN_CHARS: usize = 64;
@@ -49,16 +66,20 @@ pub enum HandlerOutcome {
 ///   in plain decimal notation; `bool`: a JSON bool, passed as
 ///   `true`/`false`; `enum`: a JSON string equal to one of the values;
 ///   `string`: a JSON string of 1..=`max_len` bytes, only
-///   `[A-Za-z0-9_.:@-]`, not starting with `-` or `.`.
+///   `[A-Za-z0-9_.:@-]`, not starting with `-` (an option) or `.` (a path).
 /// - `{name}` placeholders in each of `h.args` are replaced by the values
 ///   (text around a placeholder is kept, as in `--unit={unit}`); an argument
 ///   naming an optional parameter that is absent is dropped as a whole.
+/// - A negative `int` or `float` may not begin an argument (`{n}` alone
+///   would pass `-5`, which a program reads as an option): it is refused
+///   there, and passed only after other text, as in `--offset={n}`.
 ///
 /// # Errors
 ///
 /// A one-line message naming the parameter, the problem and the value
 /// received (cut to 64 characters), e.g.
-/// `args.unit: "a;b" has characters outside [A-Za-z0-9_.:@-]`.
+/// `args.unit: "a;b" has characters outside [A-Za-z0-9_.:@-]`. The caller
+/// rejects the command without running anything.
 pub fn bind_args(h: &ExecHandler, args: &Map<String, Value>) -> Result<Vec<String>, String> {
     if let Some(unknown) = args
         .keys()
@@ -77,13 +98,13 @@ pub fn bind_args(h: &ExecHandler, args: &Map<String, Value>) -> Result<Vec<Strin
         ));
     }
 
-    let mut values: Vec<(&str, String)> = Vec::with_capacity(h.params.len());
+    let mut values: Vec<(&ParamSpec, String)> = Vec::with_capacity(h.params.len());
     for p in &h.params {
         match args.get(&p.name) {
             Some(v) => {
                 let bound =
                     bind_value(p, v).map_err(|problem| format!("args.{}: {problem}", p.name))?;
-                values.push((p.name.as_str(), bound));
+                values.push((p, bound));
             }
             None if p.required => {
                 return Err(format!("args.{}: required parameter missing", p.name));
@@ -101,16 +122,45 @@ pub fn bind_args(h: &ExecHandler, args: &Map<String, Value>) -> Result<Vec<Strin
     Ok(argv)
 }
 
+/// The whole environment of handler `h`'s program: `PATH` =
+/// [`HANDLER_PATH`], `LANG` = [`HANDLER_LANG`], and the handler's `env`
+/// (which may replace either), sorted by name. Nothing is inherited.
+pub fn child_env(h: &ExecHandler) -> Vec<(String, String)> {
+    let mut env: BTreeMap<&str, &str> = BTreeMap::new();
+    env.insert("PATH", HANDLER_PATH);
+    env.insert("LANG", HANDLER_LANG);
+    for (name, value) in &h.env {
+        env.insert(name, value);
+    }
+    env.into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// How handler `h`'s program is confined.
+fn confinement(h: &ExecHandler) -> Confinement {
+    Confinement {
+        env: child_env(h),
+        cwd: h.cwd.clone(),
+        limits: h.limits,
+        credentials: h.credentials,
+    }
+}
+
 /// Run handler `h` with `args`: [`bind_args`], then
-/// [`process::run_bounded`] with the handler's timeout and output limit.
+/// [`process::run_confined`] with the handler's timeout, output limit and
+/// confinement ([`child_env`], `cwd`, limits, user).
 ///
 /// The result is a JSON object: `{"exit_code": <i32 or null>, "signal":
 /// <i32 or null>, "stdout": "<lossy utf-8>", "stdout_truncated": bool,
 /// "stderr": "<lossy utf-8>", "stderr_truncated": bool, "duration_ms": <u64>,
 /// "argv": [program, args...]}`. After a timeout, `stdout`/`stderr` hold what
 /// was captured before the kill and are flagged truncated when they reached
-/// the limit. Blocks for at most about `h.timeout` (plus up to ~2 s more only
-/// if a killed program refuses to die).
+/// the limit. A program stopped by its CPU limit is `Failed` with `signal`
+/// SIGXCPU (24 on Linux). A program that could not be started, or whose
+/// confinement could not be set up, is `Failed` with the OS error. Blocks
+/// for at most about `h.timeout` (plus up to ~2 s more only if a killed
+/// program refuses to die).
 pub fn run(h: &ExecHandler, args: &Map<String, Value>) -> HandlerOutcome {
     let argv = match bind_args(h, args) {
         Ok(argv) => argv,
@@ -122,7 +172,13 @@ pub fn run(h: &ExecHandler, args: &Map<String, Value>) -> HandlerOutcome {
         .collect();
 
     let started = Instant::now();
-    match process::run_bounded(&h.program, &argv, h.timeout, h.max_output_bytes) {
+    match process::run_confined(
+        &h.program,
+        &argv,
+        h.timeout,
+        h.max_output_bytes,
+        &confinement(h),
+    ) {
         Ok(out) => {
             let mut result = result_object(
                 Some(out.status),
@@ -155,7 +211,12 @@ pub fn run(h: &ExecHandler, args: &Map<String, Value>) -> HandlerOutcome {
                 started.elapsed(),
                 shown_argv,
             );
-            result.insert("error".to_owned(), Value::String(e.to_string()));
+            let error = match &e {
+                // The OS error alone could be the program's or the set-up's.
+                RunError::Spawn { .. } => format!("{e} ({})", setup_shown(h)),
+                RunError::Timeout { .. } | RunError::Io { .. } => e.to_string(),
+            };
+            result.insert("error".to_owned(), Value::String(error));
             HandlerOutcome::Failed(Value::Object(result))
         }
     }
@@ -197,6 +258,14 @@ fn result_object(
     );
     m.insert("argv".to_owned(), Value::Array(argv));
     m
+}
+
+/// Where and as whom the program was to start, for a spawn error.
+fn setup_shown(h: &ExecHandler) -> String {
+    match h.credentials {
+        Some(c) => format!("in {:?} as uid {} gid {}", h.cwd, c.uid, c.gid),
+        None => format!("in {:?}", h.cwd),
+    }
 }
 
 /// How a program that ran ended, for the `error` line.
@@ -250,6 +319,8 @@ fn bind_value(p: &ParamSpec, v: &Value) -> Result<String, String> {
             if !(*min..=*max).contains(&f) {
                 return Err(format!("{} is out of range {min}..={max}", shown_json(v)));
             }
+            // -0.0 would be passed as "-0".
+            let f = if f == 0.0 { 0.0 } else { f };
             // Plain decimal notation (no exponent), which any number parser reads.
             Ok(f.to_string())
         }
@@ -291,8 +362,17 @@ fn bind_value(p: &ParamSpec, v: &Value) -> Result<String, String> {
                     shown_str(s)
                 ));
             }
-            if s.starts_with(['-', '.']) {
-                return Err(format!("{} may not start with '-' or '.'", shown_str(s)));
+            if s.starts_with('-') {
+                return Err(format!(
+                    "{} may not start with '-': the program would read it as an option",
+                    shown_str(s)
+                ));
+            }
+            if s.starts_with('.') {
+                return Err(format!(
+                    "{} may not start with '.': it could name a path (\".\", \"..\", a hidden file)",
+                    shown_str(s)
+                ));
             }
             Ok(s.clone())
         }
@@ -307,10 +387,13 @@ fn safe_char(c: char) -> bool {
 /// [`crate::config::placeholders`] does. `None`: the argument names an
 /// absent optional parameter and is dropped. Values are inserted in one
 /// pass, so braces inside a value are never taken for a placeholder.
+///
+/// A number that would begin the argument may not start with `-` (strings
+/// are refused earlier; enum values are the operator's own).
 fn substitute(
     h: &ExecHandler,
     template: &str,
-    values: &[(&str, String)],
+    values: &[(&ParamSpec, String)],
 ) -> Result<Option<String>, String> {
     let mut out = String::with_capacity(template.len());
     let mut rest = template;
@@ -320,7 +403,16 @@ fn substitute(
         };
         let name = &rest[start + 1..start + 1 + len];
         out.push_str(&rest[..start]);
-        if let Some((_, value)) = values.iter().find(|(n, _)| *n == name) {
+        if let Some((p, value)) = values.iter().find(|(p, _)| p.name == name) {
+            let number = matches!(p.kind, ParamKind::Int { .. } | ParamKind::Float { .. });
+            if number && out.is_empty() && value.starts_with('-') {
+                return Err(format!(
+                    "args.{name}: {value} would begin argument {} and be read as an option; \
+                     a negative number is passed only after other text in its argument, \
+                     as in \"--{name}={{{name}}}\"",
+                    shown_str(template)
+                ));
+            }
             out.push_str(value);
         } else if h.params.iter().any(|p| p.name == name) {
             return Ok(None);
@@ -372,6 +464,7 @@ fn shown_key(k: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::process::Limits;
     use serde_json::json;
     use std::path::{Path, PathBuf};
 
@@ -384,6 +477,14 @@ mod tests {
             max_output_bytes: 4096,
             retry_safe: false,
             params,
+            env: BTreeMap::new(),
+            cwd: PathBuf::from("/"),
+            limits: Limits {
+                cpu_secs: 6,
+                max_memory_bytes: 256 * 1024 * 1024,
+                max_open_files: 64,
+            },
+            credentials: None,
         }
     }
 
@@ -405,6 +506,11 @@ mod tests {
     /// A handler with one required parameter `x` of `kind` used as `{x}`.
     fn one(kind: ParamKind) -> ExecHandler {
         handler("/bin/echo", &["{x}"], vec![param("x", kind, true)])
+    }
+
+    /// As [`one`], used inside an argument as `--x={x}`.
+    fn option_value(kind: ParamKind) -> ExecHandler {
+        handler("/bin/echo", &["--x={x}"], vec![param("x", kind, true)])
     }
 
     fn accepts(h: &ExecHandler, v: Value, expected: &str) {
@@ -432,7 +538,11 @@ mod tests {
     #[test]
     fn int_bounds() {
         let h = one(ParamKind::Int { min: -5, max: 10 });
-        accepts(&h, json!(-5), "-5");
+        accepts(
+            &option_value(ParamKind::Int { min: -5, max: 10 }),
+            json!(-5),
+            "--x=-5",
+        );
         accepts(&h, json!(10), "10");
         accepts(&h, json!(0), "0");
         accepts(&h, json!(3.0), "3");
@@ -446,13 +556,13 @@ mod tests {
         rejects(&h, json!(null));
         rejects(&h, json!([1]));
 
-        let wide = one(ParamKind::Int {
+        let wide = option_value(ParamKind::Int {
             min: i64::MIN,
             max: i64::MAX,
         });
-        accepts(&wide, json!(i64::MIN), &i64::MIN.to_string());
-        accepts(&wide, json!(i64::MAX), &i64::MAX.to_string());
-        accepts(&wide, json!(-(2f64.powi(63))), &i64::MIN.to_string());
+        accepts(&wide, json!(i64::MIN), &format!("--x={}", i64::MIN));
+        accepts(&wide, json!(i64::MAX), &format!("--x={}", i64::MAX));
+        accepts(&wide, json!(-(2f64.powi(63))), &format!("--x={}", i64::MIN));
         rejects(&wide, json!(2f64.powi(63)));
     }
 
@@ -475,7 +585,54 @@ mod tests {
         });
         // No exponent: "1e-7" is not read by every number parser.
         accepts(&tiny, json!(1e-7), "0.0000001");
-        accepts(&tiny, json!(-0.75), "-0.75");
+        accepts(&tiny, json!(-0.0), "0");
+        let tiny = option_value(ParamKind::Float {
+            min: -1.0,
+            max: 1.0,
+        });
+        accepts(&tiny, json!(-0.75), "--x=-0.75");
+    }
+
+    #[test]
+    fn a_negative_number_may_not_begin_an_argument() {
+        for kind in [
+            ParamKind::Int { min: -10, max: 10 },
+            ParamKind::Float {
+                min: -10.0,
+                max: 10.0,
+            },
+        ] {
+            let h = one(kind.clone());
+            let err = rejects(&h, json!(-3));
+            assert!(err.starts_with("args.x: -3 would begin argument"), "{err}");
+            assert!(err.contains("read as an option"), "{err}");
+            assert!(err.len() < 200, "{err}");
+            accepts(&h, json!(3), "3");
+            accepts(&h, json!(0), "0");
+            accepts(&option_value(kind), json!(-3), "--x=-3");
+        }
+        // An empty enum value before it does not hide where the argument starts.
+        let h = handler(
+            "/bin/echo",
+            &["{e}{n}"],
+            vec![
+                param(
+                    "e",
+                    ParamKind::Enum {
+                        values: vec![String::new()],
+                    },
+                    true,
+                ),
+                param("n", ParamKind::Int { min: -9, max: 9 }, true),
+            ],
+        );
+        let err = bind_args(&h, &obj(json!({"e": "", "n": -1}))).unwrap_err();
+        assert!(err.starts_with("args.n: -1 would begin"), "{err}");
+        // Enum values are the operator's own: an option among them is passed.
+        let h = one(ParamKind::Enum {
+            values: vec!["--dry-run".to_owned()],
+        });
+        accepts(&h, json!("--dry-run"), "--dry-run");
     }
 
     #[test]
@@ -517,8 +674,8 @@ mod tests {
         assert!(err.contains("is 9 bytes, more than max_len 8"), "{err}");
         // Bytes, not characters.
         rejects(&h, json!("éééé5"));
-        assert!(rejects(&h, json!("-x")).contains("may not start with '-' or '.'"));
-        rejects(&h, json!(".x"));
+        assert!(rejects(&h, json!("-x")).contains("may not start with '-'"));
+        assert!(rejects(&h, json!(".x")).contains("may not start with '.'"));
         rejects(&h, json!("a b"));
         rejects(&h, json!("é"));
         rejects(&h, json!("a\nb"));
@@ -829,5 +986,220 @@ mod tests {
         assert_eq!(r["exit_code"], Value::Null);
         assert_eq!(r["argv"], json!(["/nonexistent/tool", "x"]));
         assert!(!Path::new("/nonexistent/tool").exists());
+    }
+    fn stdout(outcome: &HandlerOutcome) -> &str {
+        result(outcome)["stdout"].as_str().unwrap_or_default()
+    }
+
+    #[test]
+    fn child_env_is_the_allowlist_plus_the_handler_env() {
+        let mut h = handler("/usr/bin/env", &[], vec![]);
+        assert_eq!(
+            child_env(&h),
+            vec![
+                ("LANG".to_owned(), HANDLER_LANG.to_owned()),
+                ("PATH".to_owned(), HANDLER_PATH.to_owned()),
+            ]
+        );
+        h.env.insert("UNIT_LOG".to_owned(), "info".to_owned());
+        h.env.insert("PATH".to_owned(), "/opt/tool/bin".to_owned());
+        assert_eq!(
+            child_env(&h),
+            vec![
+                ("LANG".to_owned(), HANDLER_LANG.to_owned()),
+                ("PATH".to_owned(), "/opt/tool/bin".to_owned()),
+                ("UNIT_LOG".to_owned(), "info".to_owned()),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_program_sees_none_of_the_agents_environment() {
+        // cargo gives every test process CARGO_* variables; the agent has its
+        // own (RUST_LOG, credentials in a unit file's Environment=, ...).
+        let parent: Vec<String> = std::env::vars().map(|(k, _)| k).collect();
+        assert!(parent.iter().any(|k| k.starts_with("CARGO")), "{parent:?}");
+        let mut h = handler("/usr/bin/env", &[], vec![]);
+        h.env.insert("GREETING".to_owned(), "hello {x}".to_owned());
+        let outcome = run(&h, &Map::new());
+        assert!(
+            matches!(outcome, HandlerOutcome::Completed(_)),
+            "{outcome:?}"
+        );
+        assert_eq!(
+            stdout(&outcome),
+            format!("GREETING=hello {{x}}\nLANG={HANDLER_LANG}\nPATH={HANDLER_PATH}\n")
+        );
+    }
+
+    #[test]
+    fn the_program_runs_in_root_or_in_its_configured_directory() {
+        let h = handler("/bin/pwd", &[], vec![]);
+        assert_eq!(stdout(&run(&h, &Map::new())), "/\n");
+
+        let dir = tempfile::tempdir().unwrap();
+        let h = ExecHandler {
+            cwd: dir.path().to_path_buf(),
+            ..handler("/bin/pwd", &[], vec![])
+        };
+        assert_eq!(
+            stdout(&run(&h, &Map::new())),
+            format!("{}\n", dir.path().display())
+        );
+
+        // A directory removed after validation: not run, and the error says where.
+        let gone = dir.path().join("gone");
+        let h = ExecHandler {
+            cwd: gone.clone(),
+            ..handler("/bin/pwd", &[], vec![])
+        };
+        let outcome = run(&h, &Map::new());
+        assert!(matches!(outcome, HandlerOutcome::Failed(_)), "{outcome:?}");
+        let error = result(&outcome)["error"].as_str().unwrap_or_default();
+        assert!(error.contains(&gone.display().to_string()), "{error}");
+    }
+
+    #[test]
+    fn limits_are_set_soft_and_hard_in_the_child() {
+        let h = ExecHandler {
+            limits: Limits {
+                cpu_secs: 7,
+                max_memory_bytes: 64 * 1024 * 1024,
+                max_open_files: 20,
+            },
+            ..handler(
+                "/bin/sh",
+                &[
+                    "-c",
+                    "ulimit -n; ulimit -Hn; ulimit -t; ulimit -Ht; ulimit -v",
+                ],
+                vec![],
+            )
+        };
+        let outcome = run(&h, &Map::new());
+        let lines: Vec<&str> = stdout(&outcome).lines().collect();
+        // The CPU hard limit is one second above the soft one: SIGXCPU first,
+        // SIGKILL a second later for a program that ignores it.
+        assert_eq!(lines[..4], ["20", "20", "7", "8"], "{outcome:?}");
+        // qemu-user keeps address-space limits to itself.
+        if !crate::process::under_qemu() {
+            assert_eq!(lines[4], (64 * 1024).to_string(), "{outcome:?}");
+        }
+    }
+
+    #[test]
+    fn a_program_cannot_open_more_files_than_its_limit() {
+        // paste holds every file open at once. Descriptors 0-2 are taken;
+        // with a limit of 8, five more fit and a sixth does not.
+        let nulls = |n: usize| vec!["/dev/null"; n].join(" ");
+        let script = format!(
+            "paste {} && echo five-ok; paste {} && echo six-ok",
+            nulls(5),
+            nulls(6)
+        );
+        let h = ExecHandler {
+            limits: Limits {
+                max_open_files: 8,
+                ..handler("/bin/sh", &[], vec![]).limits
+            },
+            ..handler("/bin/sh", &["-c", &script], vec![])
+        };
+        let outcome = run(&h, &Map::new());
+        let r = result(&outcome);
+        assert_eq!(r["stdout"], "five-ok\n", "{r:?}");
+        assert!(
+            r["stderr"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("Too many open files"),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn a_busy_loop_is_stopped_by_the_cpu_limit() {
+        let h = ExecHandler {
+            // Far beyond the CPU limit, so only the limit can end it.
+            timeout: Duration::from_secs(60),
+            limits: Limits {
+                cpu_secs: 1,
+                ..handler("/bin/sh", &[], vec![]).limits
+            },
+            ..handler("/bin/sh", &["-c", "while :; do :; done"], vec![])
+        };
+        let started = Instant::now();
+        let outcome = run(&h, &Map::new());
+        assert!(started.elapsed() < Duration::from_secs(30), "{outcome:?}");
+        let r = result(&outcome);
+        assert!(matches!(outcome, HandlerOutcome::Failed(_)), "{outcome:?}");
+        assert_eq!(r["signal"], libc::SIGXCPU, "{r:?}");
+        assert_eq!(r["exit_code"], Value::Null);
+    }
+
+    #[test]
+    fn a_dash_value_is_refused_and_nothing_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        // If it ran, it would leave a file named after its argument in `dir`.
+        let h = ExecHandler {
+            cwd: dir.path().to_path_buf(),
+            ..handler(
+                "/bin/sh",
+                &["-c", "echo ran > \"ran$1\"", "sh", "{s}", "{n}"],
+                vec![
+                    param("s", ParamKind::Str { max_len: 16 }, false),
+                    param("n", ParamKind::Int { min: -9, max: 9 }, false),
+                ],
+            )
+        };
+        for (args, name) in [(json!({"s": "-rf"}), "s"), (json!({"n": -1}), "n")] {
+            let outcome = run(&h, &obj(args.clone()));
+            let HandlerOutcome::Rejected(message) = &outcome else {
+                panic!("{args}: {outcome:?}");
+            };
+            assert!(message.starts_with(&format!("args.{name}: ")), "{message}");
+            assert!(message.contains("option"), "{message}");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+        let outcome = run(&h, &obj(json!({"s": "x", "n": 1})));
+        assert!(
+            matches!(outcome, HandlerOutcome::Completed(_)),
+            "{outcome:?}"
+        );
+        assert!(dir.path().join("ranx").exists());
+    }
+
+    #[test]
+    fn a_handler_with_user_nobody_runs_as_nobody_with_only_its_group() {
+        if !crate::process::can_switch_user() {
+            eprintln!("skipped: switching users needs root");
+            return;
+        }
+        let Some((uid, gid)) = crate::process::lookup_user("nobody").unwrap() else {
+            panic!("this system has no user nobody");
+        };
+        let text = r#"
+device_id = "t"
+[spool]
+path = "/tmp/unused.db"
+[[commands.handlers]]
+name = "who"
+program = "/bin/sh"
+args = ["-c", "id -u; id -g; id -G; pwd"]
+user = "nobody"
+"#;
+        let config = crate::config::parse(text, "t.toml", &[]).unwrap();
+        let h = &config.commands.handlers[0];
+        assert_eq!(
+            h.credentials,
+            Some(crate::process::Credentials { uid, gid })
+        );
+        let outcome = run(h, &Map::new());
+        assert!(
+            matches!(outcome, HandlerOutcome::Completed(_)),
+            "{outcome:?}"
+        );
+        // No supplementary group of the agent (root's) is left.
+        assert_eq!(stdout(&outcome), format!("{uid}\n{gid}\n{gid}\n/\n"));
     }
 }

@@ -80,7 +80,8 @@ struct Pending {
 }
 
 enum Job {
-    Exec(ExecHandler),
+    /// Boxed: a handler is large and a job is moved through a channel.
+    Exec(Box<ExecHandler>),
     Agent,
 }
 
@@ -473,7 +474,7 @@ impl Worker {
                 name: p.name,
                 args: p.args,
                 job: match exec {
-                    Some(h) => Job::Exec(h),
+                    Some(h) => Job::Exec(Box::new(h)),
                     None => Job::Agent,
                 },
                 retry_safe,

@@ -461,6 +461,103 @@ fn exec_handler_arguments_cannot_inject_shell_or_paths() {
     agent.terminate(Duration::from_secs(15));
 }
 
+/// Handlers run confined: the agent's environment (here a secret) never
+/// reaches them, they start in `/`, under their limits, as their `user`, and
+/// an argument that would be an option is refused before anything runs.
+#[test]
+fn exec_handlers_run_confined_and_never_see_the_agents_environment() {
+    let rig = Rig::new("confined");
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut text = rig.config_text(30);
+    text.push_str(
+        r#"[[commands.handlers]]
+name = "show-env"
+program = "/usr/bin/env"
+env = { GREETING = "hello" }
+[[commands.handlers]]
+name = "where"
+program = "/bin/sh"
+args = ["-c", "pwd; ulimit -n; ulimit -t"]
+max_open_files = 32
+cpu_secs = 5
+[[commands.handlers]]
+name = "echo-n"
+program = "/bin/echo"
+args = ["{n}"]
+[commands.handlers.params.n]
+type = "int"
+min = -10
+max = 10
+"#,
+    );
+    if root {
+        text.push_str(
+            "[[commands.handlers]]
+name = \"whoami\"
+program = \"/usr/bin/id\"
+args = [\"-u\"]
+user = \"nobody\"
+",
+        );
+    }
+    std::fs::write(&rig.cfg, text).expect("write config");
+    let secret = "hunter2-do-not-leak";
+    let mut agent = AgentProc::spawn_with_env(
+        &rig.cfg,
+        &[],
+        rig.dir.path(),
+        &[("EDGESPOOL_TEST_SECRET", secret)],
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("subscribed to commands")),
+        "{}",
+        agent.log_tail(20)
+    );
+
+    rig.send_json(json!({"command_id": "env-1", "name": "show-env"}));
+    let r = rig.wait_result("env-1", "result", &mut agent);
+    assert_eq!(r["state"], "completed", "{r}");
+    assert_eq!(
+        r["result"]["stdout"], "GREETING=hello\nLANG=C.UTF-8\nPATH=/usr/sbin:/usr/bin:/sbin:/bin\n",
+        "{r}"
+    );
+    assert!(!r.to_string().contains(secret), "{r}");
+
+    rig.send_json(json!({"command_id": "where-1", "name": "where"}));
+    let r = rig.wait_result("where-1", "result", &mut agent);
+    assert_eq!(r["result"]["stdout"], "/\n32\n5\n", "{r}");
+
+    rig.send_json(json!({"command_id": "neg-1", "name": "echo-n", "args": {"n": -3}}));
+    let r = rig.wait_result("neg-1", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    let error = r["result"]["error"].as_str().unwrap_or_default();
+    assert!(error.starts_with("args.n: -3 would begin argument"), "{r}");
+    rig.send_json(json!({"command_id": "neg-2", "name": "echo-n", "args": {"n": 3}}));
+    let r = rig.wait_result("neg-2", "result", &mut agent);
+    assert_eq!(r["result"]["stdout"], "3\n", "{r}");
+
+    if root {
+        let nobody = std::fs::read_to_string("/etc/passwd")
+            .expect("/etc/passwd")
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("nobody:x:")
+                    .map(|rest| rest.split(':').next().unwrap_or("").to_owned())
+            })
+            .expect("nobody in /etc/passwd");
+        rig.send_json(json!({"command_id": "who-1", "name": "whoami"}));
+        let r = rig.wait_result("who-1", "result", &mut agent);
+        assert_eq!(r["state"], "completed", "{r}");
+        assert_eq!(r["result"]["stdout"], format!("{nobody}\n"), "{r}");
+    } else {
+        println!("not root: the user switch is not exercised");
+    }
+    agent.terminate(Duration::from_secs(15));
+}
+
 #[test]
 fn a_command_past_its_ttl_is_answered_expired_and_not_run() {
     let rig = Rig::new("ttl");
