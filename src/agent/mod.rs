@@ -43,8 +43,9 @@ const WAL_FRAME_BYTES: u64 = 4096 + 24;
 const MAINTENANCE_BUDGET: Duration = Duration::from_millis(100);
 /// The next pass when the last one left work over.
 const MAINTENANCE_AGAIN: Duration = Duration::from_millis(250);
-/// Free pages given back per pass (4 MiB of 4 KiB pages).
-const SHRINK_STEP_PAGES: u64 = 1024;
+/// Free pages given back per pass (1 MiB of 4 KiB pages): one step is one
+/// transaction, so this also bounds what it adds to the WAL.
+const SHRINK_STEP_PAGES: u64 = 256;
 
 /// Readings held in memory while the spool refuses writes (busy, full); past
 /// this the newest are dropped and counted (`readings_dropped_buffer_full`).
@@ -291,8 +292,11 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .then(|| "asked for (--check-spool)".to_owned())
     });
     let mut ingest = open_spool(&cfg)?;
+    // The brake fires after the commit that crosses it, so it sits below
+    // twice the threshold by about the largest transaction (a retention
+    // batch), which keeps the WAL within twice the threshold.
     crate::spool::set_wal_brake_frames(
-        (2 * cfg.spool.checkpoint_wal_bytes / WAL_FRAME_BYTES) as i64,
+        (3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64,
     );
     if let Some(p) = &tuning {
         if let Ok(json) = serde_json::to_string(p) {
@@ -1166,6 +1170,8 @@ impl Ingest {
             Ok(n) => {
                 log::debug!("spool: gave {n} free pages back to the filesystem");
                 self.upkeep.more_work = n >= SHRINK_STEP_PAGES;
+                // The moved pages go to the database now, one step at a time.
+                self.run_checkpoint(CheckpointMode::Passive, 0);
             }
             Err(e) => {
                 if self
