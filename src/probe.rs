@@ -286,6 +286,22 @@ mod tests {
     }
 
     #[test]
+    fn probe_files_of_dead_processes_are_removed_and_live_ones_kept() {
+        let d = tempfile::tempdir().unwrap();
+        // pid_max is at most 2^22 on Linux: this pid cannot be running.
+        let dead = d.path().join(".edgespool-probe-4194305");
+        let mine = d.path().join(format!(".edgespool-probe-{}", std::process::id()));
+        let other = d.path().join("spool.db");
+        for p in [&dead, &mine, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        remove_stale_files(d.path());
+        assert!(!dead.exists());
+        assert!(mine.exists());
+        assert!(other.exists());
+    }
+
+    #[test]
     fn a_real_probe_measures_this_directory_and_stores_a_profile() {
         let d = tempfile::tempdir().unwrap();
         let (p, fresh) = load_or_probe(d.path()).unwrap();
