@@ -311,6 +311,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         window: WINDOW,
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
         ack_timeout: cfg.mqtt.ack_timeout,
+        fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());

@@ -253,6 +253,11 @@ pub struct MqttConfig {
     /// `ack_timeout_secs`: connected with rows in flight and no PUBACK for this
     /// long → the client is rebuilt and rows replayed (watchdog).
     pub ack_timeout: Duration,
+    /// `fail_after_disconnects`: a row that is the oldest in flight when the
+    /// connection drops this many times in a row is marked FAILED (a publish
+    /// the broker answers by disconnecting, e.g. over its packet size limit),
+    /// so the rows behind it flow (1..=100, default 3).
+    pub fail_after_disconnects: u32,
 }
 
 /// TLS material for `mqtts://`, read at every connect (rotated files apply
@@ -492,6 +497,8 @@ struct RawMqtt {
     reconnect_max_ms: u64,
     #[serde(default = "d_acktimeout")]
     ack_timeout_secs: u64,
+    #[serde(default = "d_fail_after")]
+    fail_after_disconnects: u32,
     ca_file: Option<PathBuf>,
     client_cert_file: Option<PathBuf>,
     client_key_file: Option<PathBuf>,
@@ -514,6 +521,7 @@ impl Default for RawMqtt {
             reconnect_min_ms: d_rmin(),
             reconnect_max_ms: d_rmax(),
             ack_timeout_secs: d_acktimeout(),
+            fail_after_disconnects: d_fail_after(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
@@ -597,6 +605,9 @@ fn d_keepalive() -> u64 {
 }
 fn d_window() -> usize {
     32
+}
+fn d_fail_after() -> u32 {
+    3
 }
 fn d_maxpayload() -> usize {
     64 * 1024
@@ -1142,6 +1153,12 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             format!("must be <= 3600000 (got {})", m.reconnect_max_ms),
         );
     }
+    if !(1..=100).contains(&m.fail_after_disconnects) {
+        bad(
+            "mqtt.fail_after_disconnects",
+            format!("must be 1..=100 (got {})", m.fail_after_disconnects),
+        );
+    }
     if !(1..=3600).contains(&m.ack_timeout_secs) {
         bad(
             "mqtt.ack_timeout_secs",
@@ -1595,6 +1612,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             reconnect_min: Duration::from_millis(m.reconnect_min_ms),
             reconnect_max: Duration::from_millis(m.reconnect_max_ms),
             ack_timeout: Duration::from_secs(m.ack_timeout_secs),
+            fail_after_disconnects: m.fail_after_disconnects,
         },
         agent: AgentConfig {
             summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),

@@ -26,6 +26,7 @@
 //! - [`commands`]: commands over MQTT, at most once (receipts, handlers, results);
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`]: lock file and local-filesystem check;
+//! - [`health`]: ok or degraded, with named reasons (pure);
 //! - [`integrity`]: when the whole-file check runs (never before delivery);
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
 //! - [`policy`]: what a config push may change (overlay keys, signatures);
@@ -41,6 +42,7 @@ pub mod config;
 pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
+pub mod health;
 pub mod integrity;
 pub mod maintenance;
 pub mod mqtt;

@@ -39,6 +39,9 @@ pub enum DeliveryMsg {
         rows: Vec<i64>,
         /// Why (for the log).
         reason: String,
+        /// The connection ended within a keep-alive of its CONNACK without
+        /// carrying a PUBACK (what a broker refusing a publish looks like).
+        quick: bool,
     },
     /// CONNACK accepted.
     Connected {
@@ -73,6 +76,8 @@ pub struct Shared {
     connected: bool,
     epoch: u64,
     window: usize,
+    /// `mqtt.inflight_window`; `window` is 1 while delivery probes.
+    full_window: usize,
     /// Rows offered by the delivery thread, oldest first, not yet submitted.
     ready: VecDeque<Ready>,
     /// Rows submitted since the delivery thread last looked (to mark SENT).
@@ -89,6 +94,79 @@ pub struct Shared {
     /// config that changes the connection is confirmed by new ones).
     connacks: u64,
     subacks: u64,
+    /// What health needs to know about the connection.
+    conn: ConnState,
+}
+
+/// The connection's story for health and backoff.
+#[derive(Debug)]
+struct ConnState {
+    /// When `connected` last changed.
+    since: Instant,
+    /// Why the last connection ended or the last attempt failed.
+    last_error: Option<String>,
+    /// When this connection's CONNACK arrived.
+    connacked_at: Option<Instant>,
+    /// This connection carried a PUBACK.
+    had_puback: bool,
+    /// The command SUBSCRIBE went out on this connection and no SUBACK came.
+    awaiting_suback: bool,
+    /// Connections in a row that ended within a keep-alive of CONNACK
+    /// without a PUBACK.
+    quick_drops: u32,
+    /// Connections in a row that ended while the command SUBSCRIBE waited.
+    sub_kills: u32,
+    /// Connect without the command subscription until then.
+    skip_sub_until: Option<Instant>,
+    /// The next wait before trying the command subscription again.
+    sub_retry: Duration,
+    /// Why commands cannot arrive, if they cannot.
+    commands_unavailable: Option<String>,
+    /// This connection ended by an error from the peer or the network (not
+    /// by our watchdog, a reconfigure or a stop).
+    peer_closed: bool,
+}
+
+impl ConnState {
+    fn new() -> ConnState {
+        ConnState {
+            since: Instant::now(),
+            last_error: None,
+            connacked_at: None,
+            had_puback: false,
+            awaiting_suback: false,
+            quick_drops: 0,
+            sub_kills: 0,
+            skip_sub_until: None,
+            sub_retry: SUB_RETRY_MIN,
+            commands_unavailable: None,
+            peer_closed: false,
+        }
+    }
+}
+
+/// First wait before subscribing to commands again after the broker closed
+/// connections on the subscription; doubles up to [`SUB_RETRY_MAX`].
+const SUB_RETRY_MIN: Duration = Duration::from_secs(600);
+const SUB_RETRY_MAX: Duration = Duration::from_secs(3600);
+
+/// What [`Link::health_facts`] reports.
+#[derive(Debug, Clone)]
+pub struct LinkFacts {
+    /// Connected now.
+    pub connected: bool,
+    /// How long in the current state.
+    pub state_for: Duration,
+    /// Why the last connection ended.
+    pub last_error: Option<String>,
+    /// Rows submitted, not acknowledged.
+    pub in_flight: usize,
+    /// Since the oldest in-flight row was submitted or the last PUBACK.
+    pub no_puback_for: Option<Duration>,
+    /// See [`crate::health::Facts::quick_drops`].
+    pub quick_drops: u32,
+    /// Why commands cannot arrive.
+    pub commands_unavailable: Option<String>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -214,6 +292,30 @@ impl Link {
         self.wake.notify_all();
     }
 
+    /// The connection as health sees it.
+    pub fn health_facts(&self) -> LinkFacts {
+        let s = lock(&self.shared);
+        LinkFacts {
+            connected: s.connected,
+            state_for: s.conn.since.elapsed(),
+            last_error: s.conn.last_error.clone(),
+            in_flight: s.ack.len(),
+            no_puback_for: s
+                .progress_at
+                .filter(|_| !s.ack.is_empty())
+                .map(|t| t.elapsed()),
+            quick_drops: s.conn.quick_drops,
+            commands_unavailable: s.conn.commands_unavailable.clone(),
+        }
+    }
+
+    /// Submit one row at a time (`true`) to find a row the broker refuses
+    /// by disconnecting, or the whole `mqtt.inflight_window` again.
+    pub fn probe(&self, one_at_a_time: bool) {
+        let mut s = lock(&self.shared);
+        s.window = if one_at_a_time { 1 } else { s.full_window };
+    }
+
     /// CONNACKs accepted and command SUBACKs granted since start.
     pub fn connection_counts(&self) -> (u64, u64) {
         let s = lock(&self.shared);
@@ -331,6 +433,7 @@ pub fn new(
         connected: false,
         epoch: 0,
         window: cfg.inflight_window,
+        full_window: cfg.inflight_window,
         ready: VecDeque::new(),
         submitted: Vec::new(),
         acked: Vec::new(),
@@ -339,6 +442,7 @@ pub fn new(
         reconfigure: None,
         connacks: 0,
         subacks: 0,
+        conn: ConnState::new(),
     }));
     let wake = Arc::new(Condvar::new());
     (
@@ -460,6 +564,14 @@ impl MqttThread {
             connection.eventloop.set_network_options(net);
             lock(&self.shared).client = Some(client.clone());
             let reason = self.drive(&mut connection, &mut backoff);
+            let lived = lock(&self.shared)
+                .conn
+                .connacked_at
+                .is_some_and(|t| t.elapsed() >= self.cfg.keep_alive);
+            if lived {
+                // Up for a keep-alive: a healthy connection that ended.
+                backoff.reset();
+            }
             let _ = client.try_disconnect();
             self.lose(&reason);
         }
@@ -485,14 +597,15 @@ impl MqttThread {
 
     /// Drop the connection's bookkeeping; every row in flight becomes replay-eligible.
     fn lose(&self, reason: &str) {
-        let (epoch, rows) = {
+        let (epoch, rows, quick) = {
             let mut s = lock(&self.shared);
+            let quick = self.account_end(&mut s, reason);
             s.connected = false;
             s.client = None;
             s.epoch += 1;
             s.progress_at = None;
             s.ready.clear();
-            (s.epoch, s.ack.reset())
+            (s.epoch, s.ack.reset(), quick)
         };
         let repeat = {
             let mut last = self.last_reason.lock().unwrap_or_else(|p| p.into_inner());
@@ -520,7 +633,47 @@ impl MqttThread {
             epoch,
             rows,
             reason: reason.to_owned(),
+            quick,
         });
+    }
+
+    /// Bookkeeping when a connection ends (or an attempt fails): backoff,
+    /// quick drops, and a command subscription the broker will not take.
+    fn account_end(&self, s: &mut Shared, reason: &str) -> bool {
+        let keep_alive = self.cfg.keep_alive;
+        let c = &mut s.conn;
+        if s.connected {
+            c.since = Instant::now();
+        }
+        c.last_error = Some(reason.to_owned());
+        let Some(at) = c.connacked_at.take() else {
+            return false;
+        };
+        let short = at.elapsed() < keep_alive;
+        let quick = short && !c.had_puback && std::mem::take(&mut c.peer_closed);
+        if quick {
+            c.quick_drops += 1;
+        } else {
+            c.quick_drops = 0;
+        }
+        if c.awaiting_suback && short && !self.stop.load(Ordering::Relaxed) {
+            c.sub_kills += 1;
+            if c.sub_kills >= 2 {
+                c.skip_sub_until = Some(Instant::now() + c.sub_retry);
+                let msg = format!(
+                    "the broker closed the connection on the command subscription {} times in a row (ACL?); connecting without it, trying again in {} min",
+                    c.sub_kills,
+                    c.sub_retry.as_secs() / 60
+                );
+                log::error!("mqtt: {msg}; telemetry keeps flowing");
+                c.commands_unavailable = Some(msg);
+                c.sub_retry = (c.sub_retry * 2).min(SUB_RETRY_MAX);
+                c.sub_kills = 0;
+            }
+        }
+        c.awaiting_suback = false;
+        c.had_puback = false;
+        quick
     }
 
     /// Poll one connection until it fails; returns why.
@@ -554,17 +707,23 @@ impl MqttThread {
                         let mut s = lock(&self.shared);
                         s.connected = true;
                         s.connacks += 1;
+                        s.conn.since = Instant::now();
+                        s.conn.connacked_at = Some(Instant::now());
+                        let skip = s.conn.skip_sub_until.is_some_and(|t| Instant::now() < t);
                         // Subscribe before any publish of this fresh client
                         // (rumqttc does not re-subscribe by itself), so the
                         // subscribe's packet id is never one a publish holds.
-                        if let (Some((topic, _)), Some(client)) = (&self.commands, &s.client) {
+                        // Telemetry never waits on it: see `account_end`.
+                        if let (Some((topic, _)), Some(client), false) =
+                            (&self.commands, &s.client, skip)
+                        {
                             if let Err(e) = client.try_subscribe(topic.clone(), QoS::AtLeastOnce) {
                                 return format!("cannot subscribe to {topic}: {e}");
                             }
+                            s.conn.awaiting_suback = true;
                         }
                         s.pump();
                     }
-                    backoff.reset();
                     log::info!(
                         "mqtt: connected to {}:{} (session_present={})",
                         self.cfg.host,
@@ -585,6 +744,12 @@ impl MqttThread {
                         let mut s = lock(&self.shared);
                         match s.ack.on_puback(ack.pkid) {
                             Ok(row) => {
+                                if !s.conn.had_puback {
+                                    // Backoff resets only once a connection
+                                    // has carried data (or lived a keep-alive).
+                                    s.conn.had_puback = true;
+                                    backoff.reset();
+                                }
                                 s.acked.push(row);
                                 s.progress_at = if s.ack.is_empty() {
                                     None
@@ -628,14 +793,30 @@ impl MqttThread {
                         .iter()
                         .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
                     {
-                        log::error!("mqtt: the broker refused the command subscription; commands will not arrive");
+                        let mut s = lock(&self.shared);
+                        s.conn.awaiting_suback = false;
+                        if s.conn.commands_unavailable.is_none() {
+                            log::error!("mqtt: the broker refused the command subscription (SUBACK failure); commands will not arrive: check the broker's ACL for this client");
+                        }
+                        s.conn.commands_unavailable = Some(
+                            "the broker refused the command subscription (SUBACK failure): check its ACL".to_owned(),
+                        );
                     } else {
-                        lock(&self.shared).subacks += 1;
+                        let mut s = lock(&self.shared);
+                        s.subacks += 1;
+                        s.conn.awaiting_suback = false;
+                        s.conn.sub_kills = 0;
+                        s.conn.sub_retry = SUB_RETRY_MIN;
+                        s.conn.commands_unavailable = None;
+                        drop(s);
                         log::info!("mqtt: subscribed to commands");
                     }
                 }
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
-                Ok(Err(e)) => return classify(&e),
+                Ok(Err(e)) => {
+                    lock(&self.shared).conn.peer_closed = true;
+                    return classify(&e);
+                }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
             }

@@ -290,7 +290,9 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         // pid_max is at most 2^22 on Linux: this pid cannot be running.
         let dead = d.path().join(".edgespool-probe-4194305");
-        let mine = d.path().join(format!(".edgespool-probe-{}", std::process::id()));
+        let mine = d
+            .path()
+            .join(format!(".edgespool-probe-{}", std::process::id()));
         let other = d.path().join("spool.db");
         for p in [&dead, &mine, &other] {
             std::fs::write(p, b"x").unwrap();

@@ -42,8 +42,11 @@ pub struct DeliveryConfig {
     pub window: usize,
     /// `mqtt.max_payload_bytes`.
     pub max_payload_bytes: usize,
-    /// Recorded as a row's next retry time after an attempt (`mqtt.ack_timeout_secs`).
+    /// `mqtt.ack_timeout_secs` (kept for callers; the MQTT thread's watchdog uses it).
     pub ack_timeout: Duration,
+    /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
+    /// disconnects in a row is marked FAILED.
+    pub fail_after_disconnects: u32,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -90,6 +93,8 @@ pub fn run(
         stats,
         last_error_log: None,
         skip: HashSet::new(),
+        suspect: None,
+        probing: None,
     };
     while !stop.load(Ordering::Relaxed) {
         // Event-driven: the MQTT thread, ingest and the agent's stop send
@@ -136,6 +141,11 @@ struct Delivery {
     last_error_log: Option<Instant>,
     /// Rows already submitted or queued when a rescan started: not offered twice.
     skip: HashSet<i64>,
+    /// The row alone in flight at the last quick disconnects, and how many in a row.
+    suspect: Option<(i64, u32)>,
+    /// Sending one row at a time to find a row the broker refuses; acks
+    /// counted since.
+    probing: Option<usize>,
 }
 
 impl Delivery {
@@ -145,10 +155,16 @@ impl Delivery {
                 epoch,
                 rows,
                 reason,
+                quick,
             } => {
                 // Acks received before the loss are real: commit them first.
                 self.collect();
                 self.flush(spool);
+                if quick {
+                    self.suspect_row(spool, &rows);
+                } else {
+                    self.suspect = None;
+                }
                 self.stats
                     .requeued
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
@@ -174,12 +190,59 @@ impl Delivery {
         }
     }
 
+    /// A publish the broker answers by closing the connection never gets a
+    /// PUBACK, and each replay would start with it again: after a quick
+    /// disconnect (within a keep-alive of CONNACK, no PUBACK, closed by the
+    /// peer) with several rows in flight, rows go one at a time; a row alone
+    /// in flight at `fail_after_disconnects` quick disconnects in a row goes
+    /// FAILED, so the rows behind it flow. Never a guess between rows.
+    fn suspect_row(&mut self, spool: &mut Spool, in_flight: &[i64]) {
+        let row = match in_flight {
+            [] => return,
+            [one] => *one,
+            _ => {
+                if self.probing.is_none() {
+                    log::warn!("delivery: connections drop soon after CONNACK with rows in flight; sending one row at a time to find a row the broker refuses");
+                    self.link.probe(true);
+                    self.probing = Some(0);
+                }
+                self.suspect = None;
+                return;
+            }
+        };
+        let n = match self.suspect {
+            Some((r, n)) if r == row => n + 1,
+            _ => 1,
+        };
+        self.suspect = Some((row, n));
+        if n < self.cfg.fail_after_disconnects {
+            return;
+        }
+        self.suspect = None;
+        let oldest = row;
+        let why = format!(
+            "the connection dropped {n} times in a row with this row the oldest in flight (larger than the broker accepts? denied? see the broker's log)"
+        );
+        self.fail(spool, oldest, &format!("row {oldest}"), &why, "disconnects");
+    }
+
     /// Move what the MQTT thread submitted and saw acknowledged into the
     /// pending delivery records.
     fn collect(&mut self) {
         let (sent, acked) = self.link.take_progress();
         if sent.is_empty() && acked.is_empty() {
             return;
+        }
+        if self.suspect.is_some_and(|(row, _)| acked.contains(&row)) {
+            self.suspect = None;
+        }
+        if let Some(n) = self.probing.as_mut() {
+            *n += acked.len();
+            if *n >= 2 * self.cfg.window {
+                log::info!("delivery: rows flow again; back to the full in-flight window");
+                self.link.probe(false);
+                self.probing = None;
+            }
         }
         self.stats
             .submitted

@@ -161,6 +161,11 @@ fn with_confirmed_push(
     }
 }
 
+/// `s` without its digits: a health reason's kind, whatever its figures.
+fn without_digits(s: &str) -> String {
+    s.chars().filter(|c| !c.is_ascii_digit()).collect()
+}
+
 /// What wakes the ingest thread.
 #[derive(Debug)]
 pub enum IngestMsg {
@@ -350,6 +355,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         window: cfg.mqtt.inflight_window,
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
         ack_timeout: cfg.mqtt.ack_timeout,
+        fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
     };
     let spawn = |name: &str| std::thread::Builder::new().name(name.to_owned());
     let mqtt_handle = spawn("mqtt")
@@ -411,6 +417,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         full_buffer: Vec::new(),
         push: confirmed_push,
         pending_push: None,
+        delivery_stats: stats.clone(),
         cfg: cfg.clone(),
         source,
         link,
@@ -599,6 +606,8 @@ struct Ingest {
     push: Option<crate::push::Stored>,
     /// A push applied live, waiting for a connection to confirm it.
     pending_push: Option<crate::push::Pending>,
+    /// Delivery counters (rows FAILED since start, for health).
+    delivery_stats: Arc<DeliveryStats>,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -618,8 +627,14 @@ struct Upkeep {
     checkpoints: u64,
     /// Last time sequence numbers were persisted.
     seqs_persisted: Instant,
-    /// The health line last stored, so it is written only when it changes.
-    health_stored: Option<String>,
+    /// The health reasons last stored (without figures), so health is
+    /// written when they change or at the summary interval, not each pass.
+    health_kinds: Vec<String>,
+    health_stored_at: Option<Instant>,
+    /// Readings the in-memory buffer refused since the last health pass.
+    buffer_drops: u64,
+    /// Rows FAILED as last seen by health, and when that count last grew.
+    failed_seen: (u64, Option<Instant>),
     /// The last pass left retention or space to give back for the next one.
     more_work: bool,
     /// Last capacity check and its answer (checked at most once a second).
@@ -653,7 +668,10 @@ impl Upkeep {
             last_checkpoint_json: None,
             checkpoints: 0,
             seqs_persisted: Instant::now(),
-            health_stored: None,
+            health_kinds: Vec::new(),
+            health_stored_at: None,
+            buffer_drops: 0,
+            failed_seen: (0, None),
             more_work: false,
             capacity_checked: None,
             refusal: None,
@@ -677,6 +695,7 @@ impl Ingest {
     fn push(&mut self, ev: NewEvent) {
         if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
             self.dropped += 1;
+            self.upkeep.buffer_drops += 1;
             return;
         }
         let full = self
@@ -1190,33 +1209,73 @@ impl Ingest {
     /// The health line, stored only when it changes (a commit twice a
     /// second whatever the rate was a large share of the flash writes).
     fn record_health(&mut self) {
-        let mut reasons = Vec::new();
-        if self.upkeep.checkpoint_blocked {
-            reasons.push("checkpoint blocked: a reader is pinning the WAL".to_owned());
-        }
-        if let Some(r) = self.upkeep.refusal {
-            reasons.push(format!("refusing readings: {r}"));
-        }
-        if self.upkeep.disk_full {
-            reasons.push("refusing readings: disk full".to_owned());
-        }
-        if self.source.fallback.is_some() {
-            reasons.push("running the last-known-good config".to_owned());
-        }
-        let health = if reasons.is_empty() {
-            "ok".to_owned()
+        let link = self.link.health_facts();
+        let dropping = if let Some(r) = self.upkeep.refusal {
+            Some(r.to_string())
+        } else if self.upkeep.disk_full {
+            Some("disk full".to_owned())
+        } else if std::mem::take(&mut self.upkeep.buffer_drops) > 0 {
+            Some(
+                "the in-memory buffer overflowed (readings arrive faster than they commit)"
+                    .to_owned(),
+            )
         } else {
-            format!("degraded: {}", reasons.join("; "))
+            None
         };
-        if self.upkeep.health_stored.as_deref() == Some(health.as_str()) {
+        let facts = crate::health::Facts {
+            connected: link.connected,
+            state_for: link.state_for,
+            last_error: link.last_error,
+            broker: format!("{}:{}", self.cfg.mqtt.host, self.cfg.mqtt.port),
+            in_flight: link.in_flight,
+            no_puback_for: link.no_puback_for,
+            quick_drops: link.quick_drops,
+            commands_unavailable: link.commands_unavailable,
+            failed_since_start: self.recent_failures(),
+            checkpoint_blocked: self.upkeep.checkpoint_blocked,
+            dropping,
+            config_fallback: self.source.fallback.is_some(),
+        };
+        let health = crate::health::assess(&facts, crate::health::grace(self.cfg.mqtt.keep_alive));
+        // Each reason is logged once when it appears (by its wording
+        // without figures), and again only after it went away.
+        let kinds: Vec<String> = health.reasons.iter().map(|r| without_digits(r)).collect();
+        for (reason, kind) in health.reasons.iter().zip(&kinds) {
+            if !self.upkeep.health_kinds.contains(kind) {
+                log::warn!("health degraded: {reason}");
+            }
+        }
+        if health.reasons.is_empty() && !self.upkeep.health_kinds.is_empty() {
+            log::info!("health ok again");
+        }
+        let line = health.line();
+        let stale = self
+            .upkeep
+            .health_stored_at
+            .is_none_or(|t| t.elapsed() >= self.cfg.agent.summary_interval);
+        if self.upkeep.health_kinds == kinds && !stale {
             return;
         }
+        self.upkeep.health_kinds = kinds;
         if self
             .spool
-            .set_state("health", &health, wall_clock_ms().0)
+            .set_state("health", &line, wall_clock_ms().0)
             .is_ok()
         {
-            self.upkeep.health_stored = Some(health);
+            self.upkeep.health_stored_at = Some(Instant::now());
+        }
+    }
+
+    /// Rows FAILED since start, while the last one is under 10 minutes old
+    /// (then health may be ok again; `status` keeps the rows and reasons).
+    fn recent_failures(&mut self) -> u64 {
+        let failed = self.delivery_stats.failed.load(Ordering::Relaxed);
+        if failed > self.upkeep.failed_seen.0 {
+            self.upkeep.failed_seen = (failed, Some(Instant::now()));
+        }
+        match self.upkeep.failed_seen.1 {
+            Some(t) if t.elapsed() < Duration::from_secs(600) => failed,
+            _ => 0,
         }
     }
 

@@ -8,6 +8,7 @@ mod commands;
 mod config;
 mod delivery;
 mod faults;
+mod health;
 mod replay;
 mod spool;
 mod storage;

@@ -20,6 +20,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 const TYPE_PUBLISH: u8 = 3;
 const TYPE_PUBACK: u8 = 4;
+const TYPE_SUBSCRIBE: u8 = 8;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -36,6 +37,9 @@ pub enum Mode {
     DropPubacks,
     /// Close every existing connection and close newly accepted ones at once.
     Refuse,
+    /// Forward everything, but close a connection the moment the client sends
+    /// SUBSCRIBE (a broker that answers an ACL deny by disconnecting).
+    CloseOnSubscribe,
 }
 
 impl Mode {
@@ -45,6 +49,7 @@ impl Mode {
             Mode::Blackhole => 1,
             Mode::DropPubacks => 2,
             Mode::Refuse => 3,
+            Mode::CloseOnSubscribe => 4,
         }
     }
 
@@ -54,6 +59,7 @@ impl Mode {
             1 => Mode::Blackhole,
             2 => Mode::DropPubacks,
             3 => Mode::Refuse,
+            4 => Mode::CloseOnSubscribe,
             _ => unreachable!("invalid proxy mode {v}"),
         }
     }
@@ -152,6 +158,10 @@ struct Shared {
     mode: AtomicU8,
     stop: AtomicBool,
     pubacks_dropped: AtomicU64,
+    /// A PUBLISH packet larger than this closes its connection (0: off).
+    max_publish: AtomicU64,
+    /// Connections closed because of a packet (SUBSCRIBE, oversized PUBLISH).
+    closed_on_packet: AtomicU64,
     latency_ms: AtomicU64,
     rate_bytes_per_sec: AtomicU64,
     loss_pct: AtomicU64,
@@ -215,6 +225,8 @@ impl Proxy {
             mode: AtomicU8::new(Mode::Forward.to_u8()),
             stop: AtomicBool::new(false),
             pubacks_dropped: AtomicU64::new(0),
+            max_publish: AtomicU64::new(0),
+            closed_on_packet: AtomicU64::new(0),
             latency_ms: AtomicU64::new(0),
             rate_bytes_per_sec: AtomicU64::new(0),
             loss_pct: AtomicU64::new(0),
@@ -263,6 +275,17 @@ impl Proxy {
     /// Close every current connection, both the client and the upstream side.
     pub fn reset_all(&self) {
         self.shared.close_all();
+    }
+
+    /// Close a connection on any PUBLISH packet larger than `bytes` (whole
+    /// packet, as brokers count it); 0 turns this off.
+    pub fn set_max_publish(&self, bytes: u64) {
+        self.shared.max_publish.store(bytes, Ordering::SeqCst);
+    }
+
+    /// Connections closed because of a SUBSCRIBE or an oversized PUBLISH.
+    pub fn closed_on_packet(&self) -> u64 {
+        self.shared.closed_on_packet.load(Ordering::SeqCst)
     }
 
     /// PUBACK packets removed (broker -> client) so far.
@@ -492,6 +515,16 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
                 let ptype = packet[0] >> 4;
                 if dir == Direction::ToBroker && ptype == TYPE_PUBLISH {
                     shared.publishes_seen.fetch_add(1, Ordering::SeqCst);
+                }
+                let too_big = shared.max_publish.load(Ordering::SeqCst);
+                if dir == Direction::ToBroker
+                    && ((mode == Mode::CloseOnSubscribe && ptype == TYPE_SUBSCRIBE)
+                        || (ptype == TYPE_PUBLISH && too_big > 0 && packet.len() as u64 > too_big))
+                {
+                    // Like a broker that refuses by disconnecting.
+                    shared.closed_on_packet.fetch_add(1, Ordering::SeqCst);
+                    conn.close();
+                    return;
                 }
                 match mode {
                     Mode::Blackhole | Mode::Refuse => continue,

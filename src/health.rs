@@ -1,0 +1,180 @@
+//! The agent's health: `ok`, or `degraded` with named reasons.
+//!
+//! Its one rule: **health says `ok` only while data can flow**: connected,
+//! acknowledged when rows wait, storage taking readings. Each reason names
+//! what to check. Pure: the agent gathers [`Facts`] and stores the
+//! [`Health`] this returns (only when it changes).
+
+use std::time::Duration;
+
+/// What the agent knows at a maintenance pass.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Facts {
+    /// Connected now (CONNACK accepted, not yet lost).
+    pub connected: bool,
+    /// How long the connection has been in its current state (up or down).
+    pub state_for: Duration,
+    /// Why the last connection ended (or the last connect failed).
+    pub last_error: Option<String>,
+    /// `host:port` of the broker, for the messages.
+    pub broker: String,
+    /// Rows submitted and not acknowledged.
+    pub in_flight: usize,
+    /// Time since the oldest of them was submitted or the last PUBACK.
+    pub no_puback_for: Option<Duration>,
+    /// Connections in a row that ended soon after their CONNACK (within a
+    /// keep-alive, without a PUBACK).
+    pub quick_drops: u32,
+    /// The broker refused the command subscription (SUBACK failure), or
+    /// closes the connection on it so the agent connects without it.
+    pub commands_unavailable: Option<String>,
+    /// Rows marked FAILED since start, while the last failure is recent
+    /// (0 once it is not).
+    pub failed_since_start: u64,
+    /// A reader pins the WAL (checkpoints cannot finish).
+    pub checkpoint_blocked: bool,
+    /// Readings refused since the last pass, and why.
+    pub dropping: Option<String>,
+    /// The config in force is the last-known-good copy.
+    pub config_fallback: bool,
+}
+
+/// The verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Every reason it is not ok; empty when ok.
+    pub reasons: Vec<String>,
+}
+
+impl Health {
+    /// `ok`, or `degraded: <reason>; <reason>`.
+    pub fn line(&self) -> String {
+        if self.reasons.is_empty() {
+            "ok".to_owned()
+        } else {
+            format!("degraded: {}", self.reasons.join("; "))
+        }
+    }
+}
+
+/// How long a connection problem may last before it counts:
+/// `mqtt.keep_alive_secs` x 2, or 30 s, whichever is larger.
+pub fn grace(keep_alive: Duration) -> Duration {
+    (keep_alive * 2).max(Duration::from_secs(30))
+}
+
+/// Judge `f` with the connection `grace` (see [`grace`]).
+pub fn assess(f: &Facts, grace: Duration) -> Health {
+    let mut reasons = Vec::new();
+    let secs = |d: Duration| d.as_secs();
+    if !f.connected && f.state_for >= grace {
+        reasons.push(format!(
+            "not connected to {} for {} s ({}): check the broker, the network and the credentials",
+            f.broker,
+            secs(f.state_for),
+            f.last_error.as_deref().unwrap_or("no connection yet")
+        ));
+    }
+    if f.connected && f.in_flight > 0 && f.no_puback_for.is_some_and(|d| d >= grace) {
+        reasons.push(format!(
+            "connected but no PUBACK for {} s with {} rows in flight: the broker accepts the connection and not the publishes (limits, ACL?)",
+            f.no_puback_for.map_or(0, secs),
+            f.in_flight
+        ));
+    }
+    if f.quick_drops >= 3 {
+        reasons.push(format!(
+            "{} connections in a row ended soon after CONNACK ({}): check the broker's log, ACL and limits",
+            f.quick_drops,
+            f.last_error.as_deref().unwrap_or("closed")
+        ));
+    }
+    if let Some(why) = &f.commands_unavailable {
+        reasons.push(format!("commands unavailable: {why}"));
+    }
+    if f.failed_since_start > 0 {
+        reasons.push(format!(
+            "{} rows FAILED since start, the last within 10 min (status shows why; the requeue-failed command sends them again)",
+            f.failed_since_start
+        ));
+    }
+    if f.checkpoint_blocked {
+        reasons.push("checkpoint blocked: a reader is pinning the WAL".to_owned());
+    }
+    if let Some(d) = &f.dropping {
+        reasons.push(format!("refusing readings: {d}"));
+    }
+    if f.config_fallback {
+        reasons.push("running the last-known-good config".to_owned());
+    }
+    Health { reasons }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn healthy() -> Facts {
+        Facts {
+            connected: true,
+            state_for: Duration::from_secs(600),
+            broker: "b:1883".into(),
+            ..Facts::default()
+        }
+    }
+
+    const G: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn connected_and_acknowledged_is_ok() {
+        assert_eq!(assess(&healthy(), G).line(), "ok");
+    }
+
+    #[test]
+    fn a_short_outage_is_ok_and_a_long_one_is_named_with_its_cause() {
+        let mut f = healthy();
+        f.connected = false;
+        f.state_for = Duration::from_secs(10);
+        f.last_error = Some("connection refused".into());
+        assert_eq!(assess(&f, G).line(), "ok");
+        f.state_for = Duration::from_secs(61);
+        let l = assess(&f, G).line();
+        assert!(
+            l.starts_with("degraded: not connected to b:1883 for 61 s (connection refused)"),
+            "{l}"
+        );
+    }
+
+    #[test]
+    fn rows_in_flight_without_puback_past_the_grace_degrade() {
+        let mut f = healthy();
+        f.in_flight = 5;
+        f.no_puback_for = Some(Duration::from_secs(59));
+        assert_eq!(assess(&f, G).line(), "ok");
+        f.no_puback_for = Some(Duration::from_secs(60));
+        assert!(assess(&f, G)
+            .line()
+            .contains("no PUBACK for 60 s with 5 rows"));
+    }
+
+    #[test]
+    fn every_reason_is_listed() {
+        let f = Facts {
+            quick_drops: 3,
+            commands_unavailable: Some("SUBACK refused".into()),
+            failed_since_start: 2,
+            checkpoint_blocked: true,
+            dropping: Some("disk full".into()),
+            config_fallback: true,
+            ..healthy()
+        };
+        let h = assess(&f, G);
+        assert_eq!(h.reasons.len(), 6, "{h:?}");
+    }
+
+    #[test]
+    fn the_grace_is_twice_the_keep_alive_and_at_least_30_s() {
+        assert_eq!(grace(Duration::from_secs(5)), Duration::from_secs(30));
+        assert_eq!(grace(Duration::from_secs(60)), Duration::from_secs(120));
+    }
+}

@@ -1,0 +1,162 @@
+//! Health that tells the truth: refusals and outages show as `degraded` with
+//! their reason, logged at WARN, and data that can flow keeps flowing.
+
+use crate::support::agent::{run_cli, AgentProc};
+use crate::support::broker::Broker;
+use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::{count_in_state, rows_in_state};
+use crate::support::subscriber::Subscriber;
+use crate::support::wait_for;
+use std::path::Path;
+use std::time::Duration;
+
+fn status(db: &Path) -> String {
+    run_cli(&["status", "--spool", db.to_str().expect("utf-8")]).1
+}
+
+/// A broker that answers the command subscription by closing the connection
+/// (aedes does on an ACL deny) must not stop telemetry: after two such
+/// closes the agent connects without the subscription, delivers, and says
+/// `commands unavailable`.
+#[test]
+fn telemetry_flows_when_the_broker_closes_connections_on_the_command_subscription() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::CloseOnSubscribe);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("subkill");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 200);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || sub.count() >= 10),
+        "telemetry did not flow: {} delivered\n{}",
+        sub.count(),
+        agent.log_tail(30)
+    );
+    assert!(proxy.closed_on_packet() >= 2);
+    let log = agent.log_text();
+    assert!(
+        log.contains("ERROR") && log.contains("connecting without it"),
+        "{}",
+        agent.log_tail(30)
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let s = status(&db);
+            s.contains("health: degraded") && s.contains("commands unavailable")
+        }),
+        "{}",
+        status(&db)
+    );
+    assert!(agent
+        .log_text()
+        .contains("WARN  edgespool::agent] health degraded: commands unavailable"));
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// An event the broker answers by closing the connection (larger than its
+/// packet limit) goes FAILED after `fail_after_disconnects` quick drops; the
+/// rows behind it are delivered, and health names the FAILED row.
+#[test]
+fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() {
+    use edgespool::envelope::{EventIdGen, Format};
+    use edgespool::source::FieldValue;
+    use edgespool::spool::{NewEvent, Spool, SpoolOptions};
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_max_publish(2000);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("oversized");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 1000);
+    let db = dir.path().join("spool.db");
+    {
+        let mut s = Spool::open(&db, &SpoolOptions::default()).expect("spool");
+        let mut ids = EventIdGen::new().expect("ids");
+        let ev = |text: String| NewEvent {
+            stream: "big".into(),
+            ts_ms: 1,
+            clock_trusted: true,
+            fields: vec![("t".into(), FieldValue::Text(text))],
+        };
+        let mut evs: Vec<NewEvent> = (0..5).map(|i| ev(format!("small {i}"))).collect();
+        evs.push(ev("x".repeat(3000)));
+        evs.extend((5..10).map(|i| ev(format!("small {i}"))));
+        s.append(&evs, &mut ids, "it-board", Format::Json, 1)
+            .expect("append");
+    }
+    let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || sub.count() >= 10),
+        "only {} of the 10 small events arrived\n{}",
+        sub.count(),
+        agent.log_tail(30)
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || count_in_state(&db, "FAILED")
+            == 1),
+        "{:?}\n{}",
+        crate::support::spool::count_by_state(&db),
+        agent.log_tail(40)
+    );
+    let failed = rows_in_state(&db, "FAILED");
+    assert!(failed[0].payload.len() > 2000, "the wrong row failed");
+    assert!(proxy.closed_on_packet() >= 3);
+    assert!(
+        wait_for(Duration::from_secs(20), || status(&db)
+            .contains("rows FAILED since start")),
+        "{}",
+        status(&db)
+    );
+    assert!(
+        sub.deliveries().iter().all(|d| d.payload.len() < 2000),
+        "the oversized event was delivered"
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// The broker unreachable: `degraded: not connected ...` within the bound
+/// (twice the keep-alive, at least 30 s), logged at WARN with the cause; `ok`
+/// again once the broker is back.
+#[test]
+fn an_unreachable_broker_degrades_health_within_the_bound_and_recovers() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::Refuse);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("unreachable");
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 500);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &["mqtt.keep_alive_secs=5".into()], dir.path());
+    let t = std::time::Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(60), || status(&db)
+            .contains("health: degraded: not connected to")),
+        "{}\n{}",
+        status(&db),
+        agent.log_tail(20)
+    );
+    let after = t.elapsed();
+    println!(
+        "unreachable broker: degraded after {} ms (bound 30 s + a maintenance pass)",
+        after.as_millis()
+    );
+    assert!(
+        after >= Duration::from_secs(25),
+        "degraded before the bound: {after:?}"
+    );
+    assert!(agent
+        .log_text()
+        .contains("WARN  edgespool::agent] health degraded: not connected"));
+    proxy.set_mode(Mode::Forward);
+    assert!(
+        wait_for(Duration::from_secs(30), || status(&db)
+            .contains("health: ok")),
+        "{}\n{}",
+        status(&db),
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
