@@ -444,11 +444,15 @@ fn status(db: &Path) -> (Option<Totals>, Option<String>) {
         acked: get("ACKED"),
         failed: get("FAILED"),
     };
-    let checkpoint = v["agent_state"].as_array().and_then(|a| {
-        a.iter()
+    let checkpoint = match &v["agent_state"] {
+        serde_json::Value::Array(a) => a
+            .iter()
             .find(|e| e[0] == "last_checkpoint")
-            .and_then(|e| e[1].as_str().map(str::to_owned))
-    });
+            .and_then(|e| e[1].as_str().map(str::to_owned)),
+        // {key: {"value": ..., "updated_ms": ...}}
+        serde_json::Value::Object(o) => o.get("last_checkpoint").map(|e| e["value"].to_string()),
+        _ => None,
+    };
     (Some(totals), checkpoint)
 }
 

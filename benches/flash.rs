@@ -484,8 +484,9 @@ fn status_state(run: &RunDir, key: &str) -> Option<(serde_json::Value, Option<i6
     find_state(report.get("agent_state")?, key)
 }
 
-/// `agent_state` as `[[key, value, at], ...]`, `[{key, value, ...}, ...]` or
-/// `{key: value}`; a string value holding JSON is parsed.
+/// `agent_state` as `[[key, value, at], ...]`, `[{key, value, ...}, ...]`,
+/// `{key: {value, updated_ms}}` or `{key: value}`; a string value holding
+/// JSON is parsed.
 fn find_state(states: &serde_json::Value, key: &str) -> Option<(serde_json::Value, Option<i64>)> {
     use serde_json::Value;
     let (value, at) = match states {
@@ -501,7 +502,14 @@ fn find_state(states: &serde_json::Value, key: &str) -> Option<(serde_json::Valu
             )),
             _ => None,
         })?,
-        Value::Object(o) => (o.get(key)?.clone(), None),
+        Value::Object(o) => match o.get(key)? {
+            // {key: {"value": ..., "updated_ms": ...}}
+            Value::Object(e) if e.contains_key("value") => (
+                e.get("value")?.clone(),
+                e.get("updated_ms").and_then(Value::as_i64),
+            ),
+            v => (v.clone(), None),
+        },
         _ => return None,
     };
     let value = match value {

@@ -279,16 +279,18 @@ fn main() -> ExitCode {
             };
             let now = edgespool::envelope::wall_clock_ms().0;
             match edgespool::status::report(&path, now) {
-                Ok(r) if json => match serde_json::to_string_pretty(&r) {
-                    Ok(s) => {
-                        println!("{s}");
-                        ExitCode::SUCCESS
+                Ok(r) if json => {
+                    match serde_json::to_string_pretty(&edgespool::status::to_json(&r)) {
+                        Ok(s) => {
+                            println!("{s}");
+                            ExitCode::SUCCESS
+                        }
+                        Err(e) => {
+                            eprintln!("edgespool: {e}");
+                            ExitCode::FAILURE
+                        }
                     }
-                    Err(e) => {
-                        eprintln!("edgespool: {e}");
-                        ExitCode::FAILURE
-                    }
-                },
+                }
                 Ok(r) => {
                     print!("{}", edgespool::status::render(&r, now));
                     ExitCode::SUCCESS

@@ -84,11 +84,83 @@ fn fmt_ms(ms: i64) -> String {
     )
 }
 
+/// The health record as one line: `ok` or `degraded: <reason>; <reason>`
+/// (an agent before schema 5 stored the line itself).
+fn health_line(stored: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(stored) {
+        Ok(v) if v["state"] == "ok" => "ok".to_owned(),
+        Ok(v) if v["state"] == "degraded" => {
+            let reasons: Vec<&str> = v["reasons"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
+                .unwrap_or_default();
+            format!("degraded: {}", reasons.join("; "))
+        }
+        _ => stored.to_owned(),
+    }
+}
+
+/// `r` as JSON for machines: health as `{"state", "reasons", "since_ms"}`,
+/// counts as objects (`totals` by state, `rows` by stream then state,
+/// `counters` by name), each `agent_state` entry as `{"value",
+/// "updated_ms"}` with its value parsed when it is JSON.
+pub fn to_json(r: &Report) -> serde_json::Value {
+    use serde_json::{json, Map, Value};
+    let parse =
+        |v: &str| serde_json::from_str::<Value>(v).unwrap_or_else(|_| Value::String(v.into()));
+    let mut state = Map::new();
+    let mut health = json!({"state": "unknown", "reasons": [], "since_ms": null});
+    for (k, v, at) in &r.agent_state {
+        let value = parse(v);
+        if k == "health" {
+            health = match &value {
+                Value::Object(_) => value.clone(),
+                // An older agent's line.
+                Value::String(line) if line == "ok" => {
+                    json!({"state": "ok", "reasons": [], "since_ms": at})
+                }
+                Value::String(line) => json!({"state": "degraded",
+                    "reasons": [line.trim_start_matches("degraded: ")], "since_ms": at}),
+                _ => health,
+            };
+        }
+        state.insert(k.clone(), json!({"value": value, "updated_ms": at}));
+    }
+    let mut rows: Map<String, Value> = Map::new();
+    for (stream, st, n) in &r.stats.by_stream_state {
+        if let Value::Object(m) = rows.entry(stream.clone()).or_insert_with(|| json!({})) {
+            m.insert(st.clone(), json!(n));
+        }
+    }
+    let obj = |pairs: &[(String, i64)]| -> Map<String, Value> {
+        pairs.iter().map(|(k, v)| (k.clone(), json!(v))).collect()
+    };
+    json!({
+        "spool": r.spool,
+        "running_pid": r.running_pid,
+        "health": health,
+        "totals": obj(&r.totals),
+        "rows": rows,
+        "oldest_unacked_age_ms": r.stats.oldest_unacked_age_ms,
+        "db_bytes": r.stats.db_bytes,
+        "wal_bytes": r.stats.wal_bytes,
+        "counters": obj(&r.stats.counters),
+        "agent_state": state,
+        "commands": r.commands,
+        "runs": r.runs,
+    })
+}
+
 /// Human-readable form of `r`.
 pub fn render(r: &Report, now_ms: i64) -> String {
     let mut o = String::new();
     o.push_str(&format!("spool: {}\n", r.spool));
     for (k, v, at) in &r.agent_state {
+        let v = if k == "health" {
+            health_line(v)
+        } else {
+            v.clone()
+        };
         o.push_str(&format!("{k}: {v} ({} ago)\n", fmt_ms(now_ms - at)));
     }
     o.push_str(&format!(

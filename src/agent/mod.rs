@@ -631,6 +631,8 @@ struct Upkeep {
     /// written when they change or at the summary interval, not each pass.
     health_kinds: Vec<String>,
     health_stored_at: Option<Instant>,
+    /// Wall ms when the current set of health reasons began.
+    health_since: i64,
     /// Readings the in-memory buffer refused since the last health pass.
     buffer_drops: u64,
     /// Rows FAILED as last seen by health, and when that count last grew.
@@ -670,6 +672,7 @@ impl Upkeep {
             seqs_persisted: Instant::now(),
             health_kinds: Vec::new(),
             health_stored_at: None,
+            health_since: wall_clock_ms().0,
             buffer_drops: 0,
             failed_seen: (0, None),
             more_work: false,
@@ -1248,7 +1251,14 @@ impl Ingest {
         if health.reasons.is_empty() && !self.upkeep.health_kinds.is_empty() {
             log::info!("health ok again");
         }
-        let line = health.line();
+        if kinds != self.upkeep.health_kinds {
+            self.upkeep.health_since = wall_clock_ms().0;
+        }
+        let record = serde_json::json!({
+            "state": if health.reasons.is_empty() { "ok" } else { "degraded" },
+            "reasons": health.reasons,
+            "since_ms": self.upkeep.health_since,
+        });
         let stale = self
             .upkeep
             .health_stored_at
@@ -1259,7 +1269,7 @@ impl Ingest {
         self.upkeep.health_kinds = kinds;
         if self
             .spool
-            .set_state("health", &line, wall_clock_ms().0)
+            .set_state("health", &record.to_string(), wall_clock_ms().0)
             .is_ok()
         {
             self.upkeep.health_stored_at = Some(Instant::now());

@@ -150,6 +150,22 @@ fn an_unreachable_broker_degrades_health_within_the_bound_and_recovers() {
     assert!(agent
         .log_text()
         .contains("WARN  edgespool::agent] health degraded: not connected"));
+    // For machines: health as an object, counts as objects.
+    let json = run_cli(&["status", "--json", "--spool", db.to_str().expect("utf-8")]).1;
+    let v: serde_json::Value = serde_json::from_str(&json).expect("status --json");
+    assert_eq!(v["health"]["state"], "degraded", "{json}");
+    assert!(v["health"]["reasons"][0]
+        .as_str()
+        .is_some_and(|r| r.starts_with("not connected")));
+    assert!(v["health"]["since_ms"].as_i64().is_some(), "{json}");
+    assert!(
+        v["totals"]["PENDING"].as_i64().is_some_and(|n| n > 0),
+        "{json}"
+    );
+    assert!(
+        v["counters"].is_object() && v["agent_state"].is_object(),
+        "{json}"
+    );
     proxy.set_mode(Mode::Forward);
     assert!(
         wait_for(Duration::from_secs(30), || status(&db)
