@@ -110,7 +110,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    init_logging();
     let cmd = match parse_args() {
         Ok(c) => c,
         Err(e) => {
@@ -334,4 +334,25 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Log to stderr through env_logger (`RUST_LOG`, default `info`). Under
+/// systemd (`JOURNAL_STREAM` set: stderr is the journal) each line starts
+/// with its syslog priority, `<3>` error to `<7>` debug (sd-daemon(3)), and
+/// carries no timestamp of its own: the journal stamps every line.
+fn init_logging() {
+    use std::io::Write;
+    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        b.format(|buf, record| {
+            let prio = match record.level() {
+                log::Level::Error => 3,
+                log::Level::Warn => 4,
+                log::Level::Info => 6,
+                log::Level::Debug | log::Level::Trace => 7,
+            };
+            writeln!(buf, "<{prio}>{}: {}", record.target(), record.args())
+        });
+    }
+    b.init();
 }

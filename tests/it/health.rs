@@ -176,3 +176,37 @@ fn an_unreachable_broker_degrades_health_within_the_bound_and_recovers() {
     );
     agent.terminate(Duration::from_secs(15));
 }
+
+/// Under systemd (`JOURNAL_STREAM` set) each line starts with its syslog
+/// priority and has no second timestamp; the journal stamps it.
+#[test]
+fn log_lines_fit_the_journal_when_journal_stream_is_set() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("journal");
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let mut agent =
+        AgentProc::spawn_with_env(&cfg, &[], dir.path(), &[("JOURNAL_STREAM", "8:4242")]);
+    assert!(wait_for(Duration::from_secs(20), || agent
+        .log_text()
+        .contains("mqtt: connected")));
+    agent.terminate(Duration::from_secs(15));
+    let log = agent.log_text();
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty());
+    for l in &lines {
+        assert!(
+            ["<3>", "<4>", "<6>", "<7>"]
+                .iter()
+                .any(|p| l.starts_with(p)),
+            "no priority prefix: {l}"
+        );
+        assert!(
+            !l.contains("Z INFO") && !l.contains("Z DEBUG"),
+            "a timestamp: {l}"
+        );
+    }
+    assert!(lines
+        .iter()
+        .any(|l| l.starts_with("<6>edgespool::mqtt: mqtt: connected")));
+}
