@@ -178,20 +178,36 @@ pub fn run(
         None => opts.filter.clone(),
     };
     let mut last_report = Instant::now();
+    // Acks the request channel had no room for: sent before the next poll.
+    // A lost ack would hold one of the broker's in-flight slots for this
+    // session forever, and enough of them stall delivery to the sink.
+    let mut unsent: std::collections::VecDeque<rumqttc::Publish> = Default::default();
     while !stop.load(Ordering::Relaxed) {
+        while let Some(p) = unsent.front() {
+            if client.try_ack(p).is_err() {
+                break;
+            }
+            unsent.pop_front();
+        }
         match conn.recv_timeout(Duration::from_secs(1)) {
             Ok(Ok(Event::Incoming(Incoming::ConnAck(_)))) => {
+                // A new connection: a packet id of the old one means nothing
+                // here, and the broker sends what was not acknowledged again.
+                unsent.clear();
                 // rumqttc does not re-subscribe by itself.
                 let _ = client.try_subscribe(filter.clone(), QoS::AtLeastOnce);
             }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
                 db.store(&p.topic, &p.payload)
                     .map_err(|e| format!("sink store: {e}"))?;
-                let _ = client.try_ack(&p);
+                if client.try_ack(&p).is_err() {
+                    unsent.push_back(p);
+                }
             }
             Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
             Ok(Err(e)) => {
-                log::debug!("sink: {e}");
+                unsent.clear();
+                log::warn!("sink: {e}");
                 std::thread::sleep(Duration::from_millis(200));
             }
             Err(RecvTimeoutError::Disconnected) => break,
