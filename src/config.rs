@@ -258,6 +258,11 @@ pub struct MqttConfig {
     /// the broker answers by disconnecting, e.g. over its packet size limit),
     /// so the rows behind it flow (1..=100, default 3).
     pub fail_after_disconnects: u32,
+    /// `status_topic`: a retained `<topic_prefix>/status` message, `online`
+    /// at each connect and `offline` as the will (sent by the broker when the
+    /// connection ends without a DISCONNECT: a kill, a power cut, a lost
+    /// link, and a clean stop too). Default true.
+    pub status_topic: bool,
 }
 
 /// TLS material for `mqtts://`, read at every connect (rotated files apply
@@ -499,6 +504,8 @@ struct RawMqtt {
     ack_timeout_secs: u64,
     #[serde(default = "d_fail_after")]
     fail_after_disconnects: u32,
+    #[serde(default = "d_true")]
+    status_topic: bool,
     ca_file: Option<PathBuf>,
     client_cert_file: Option<PathBuf>,
     client_key_file: Option<PathBuf>,
@@ -522,6 +529,7 @@ impl Default for RawMqtt {
             reconnect_max_ms: d_rmax(),
             ack_timeout_secs: d_acktimeout(),
             fail_after_disconnects: d_fail_after(),
+            status_topic: true,
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
@@ -1613,6 +1621,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             reconnect_max: Duration::from_millis(m.reconnect_max_ms),
             ack_timeout: Duration::from_secs(m.ack_timeout_secs),
             fail_after_disconnects: m.fail_after_disconnects,
+            status_topic: m.status_topic,
         },
         agent: AgentConfig {
             summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),

@@ -96,6 +96,43 @@ pub struct Shared {
     subacks: u64,
     /// What health needs to know about the connection.
     conn: ConnState,
+    /// `<topic_prefix>/status` and what the agent last told for it, when
+    /// `mqtt.status_topic` is on.
+    status: Option<(String, serde_json::Value)>,
+}
+
+fn offline_payload() -> Vec<u8> {
+    br#"{"state":"offline"}"#.to_vec()
+}
+
+/// Publish the retained `online` status right after CONNACK, through the ack
+/// map (a stand-in row) so packet ids stay matched to rows.
+fn announce_online(s: &mut Shared, cfg: &MqttConfig) {
+    let Some((topic, info)) = s.status.clone() else {
+        return;
+    };
+    let Some(client) = s.client.clone() else {
+        return;
+    };
+    let mut v = serde_json::json!({
+        "state": "online",
+        "version": env!("CARGO_PKG_VERSION"),
+        "since_ms": crate::envelope::wall_clock_ms().0,
+        "client_id": cfg.client_id,
+    });
+    if let (Some(o), serde_json::Value::Object(i)) = (v.as_object_mut(), info) {
+        o.extend(i);
+    }
+    if s.ack.submitted(STATUS_ROW).is_err() {
+        return;
+    }
+    let payload = v.to_string().into_bytes();
+    if client
+        .try_publish(topic, QoS::AtLeastOnce, true, payload)
+        .is_err()
+    {
+        s.ack.submit_failed();
+    }
 }
 
 /// The connection's story for health and backoff.
@@ -200,7 +237,9 @@ impl Shared {
             }
             match client.try_publish(&*r.topic, QoS::AtLeastOnce, false, r.payload.clone()) {
                 Ok(()) => {
-                    if self.ack.len() == 1 {
+                    if self.progress_at.is_none() {
+                        // The watchdog's clock starts with the first row in
+                        // flight (the status publish may be ahead of it).
                         self.progress_at = Some(Instant::now());
                     }
                     self.submitted.push(r.row);
@@ -323,11 +362,33 @@ impl Link {
     }
 
     /// Wake the MQTT thread now (it sleeps until an event or a deadline):
-    /// call after setting its stop flag.
+    /// call after setting its stop flag. With the status topic on, the wake
+    /// is the retained `offline` status itself (QoS 0), and the connection
+    /// then closes without a DISCONNECT, so the broker publishes the will
+    /// too: either way the retained status reads `offline`.
     pub fn stop(&self) {
         let mut s = lock(&self.shared);
-        Self::interrupt(&mut s);
+        let offline = s
+            .status
+            .as_ref()
+            .zip(s.client.as_ref())
+            .is_some_and(|((topic, _), c)| {
+                c.try_publish(topic.as_str(), QoS::AtMostOnce, true, offline_payload())
+                    .is_ok()
+            });
+        if !offline {
+            Self::interrupt(&mut s);
+        }
         self.wake.notify_all();
+    }
+
+    /// What the retained `online` status tells: the config's sha256 and the
+    /// backlog (rows not yet acknowledged, at most), sent at each connect.
+    pub fn set_status(&self, config_sha256: &str, backlog: u64) {
+        let mut s = lock(&self.shared);
+        if let Some(st) = s.status.as_mut() {
+            st.1 = serde_json::json!({"config_sha256": config_sha256, "backlog": backlog});
+        }
     }
 
     /// Make the event loop return from its poll: a DISCONNECT request is the
@@ -443,6 +504,9 @@ pub fn new(
         connacks: 0,
         subacks: 0,
         conn: ConnState::new(),
+        status: cfg
+            .status_topic
+            .then(|| (status_topic(&cfg), serde_json::json!({}))),
     }));
     let wake = Arc::new(Condvar::new());
     (
@@ -510,8 +574,25 @@ fn options(cfg: &MqttConfig) -> Result<MqttOptions, String> {
     o.set_request_channel_capacity(cfg.inflight_window + 8);
     // Commands are acknowledged only after their receipt commits.
     o.set_manual_acks(true);
+    if cfg.status_topic {
+        o.set_last_will(rumqttc::LastWill::new(
+            status_topic(cfg),
+            r#"{"state":"offline"}"#,
+            QoS::AtLeastOnce,
+            true,
+        ));
+    }
     Ok(o)
 }
+
+/// `<topic_prefix>/status`.
+fn status_topic(cfg: &MqttConfig) -> String {
+    format!("{}/status", cfg.topic_prefix)
+}
+
+/// The ack map's stand-in row for the retained `online` status publish: a
+/// PUBACK for it retires nothing.
+const STATUS_ROW: i64 = -1;
 
 /// A connection error in words an operator can act on.
 fn classify(e: &rumqttc::ConnectionError) -> String {
@@ -605,7 +686,8 @@ impl MqttThread {
             s.epoch += 1;
             s.progress_at = None;
             s.ready.clear();
-            (s.epoch, s.ack.reset(), quick)
+            let rows: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
+            (s.epoch, rows, quick)
         };
         let repeat = {
             let mut last = self.last_reason.lock().unwrap_or_else(|p| p.into_inner());
@@ -701,7 +783,13 @@ impl MqttThread {
                     None => IDLE_WAIT,
                 }
             };
-            match connection.recv_timeout(wait) {
+            let event = connection.recv_timeout(wait);
+            if self.stop.load(Ordering::Relaxed) {
+                // Whatever woke us (the offline status, a DISCONNECT): stop
+                // without matching it to rows.
+                return "agent stopping".into();
+            }
+            match event {
                 Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
                     {
                         let mut s = lock(&self.shared);
@@ -721,6 +809,9 @@ impl MqttThread {
                                 return format!("cannot subscribe to {topic}: {e}");
                             }
                             s.conn.awaiting_suback = true;
+                        }
+                        if self.cfg.status_topic {
+                            announce_online(&mut s, &self.cfg);
                         }
                         s.pump();
                     }
@@ -743,6 +834,10 @@ impl MqttThread {
                     let notify = {
                         let mut s = lock(&self.shared);
                         match s.ack.on_puback(ack.pkid) {
+                            Ok(STATUS_ROW) => {
+                                s.pump();
+                                false
+                            }
                             Ok(row) => {
                                 if !s.conn.had_puback {
                                     // Backoff resets only once a connection

@@ -239,7 +239,19 @@ impl Ingest {
 
     /// Apply what can change live; list what needs a restart. Never touches
     /// the spool file (field case F15 d).
+    /// sha256 of the local config file's bytes, followed by the confirmed
+    /// push's text when there is one.
+    pub(super) fn config_identity(&self) -> String {
+        config_identity(&self.source.path, self.push.as_ref())
+    }
+
     pub(super) fn apply_live(&mut self, new: Config) -> serde_json::Value {
+        let v = self.apply_live_inner(new);
+        self.config_sha = self.config_identity();
+        v
+    }
+
+    fn apply_live_inner(&mut self, new: Config) -> serde_json::Value {
         let mut new = new;
         if let (true, Some(d)) = (new.spool.tune_from_probe, self.tuning) {
             apply_tuning(&mut new, &d);
@@ -328,4 +340,16 @@ impl Ingest {
         );
         serde_json::json!({"applied": applied, "restart_required": restart})
     }
+}
+
+/// sha256 of the local config file at `path`, then `push`'s text.
+pub(super) fn config_identity(
+    path: &std::path::Path,
+    push: Option<&crate::push::Stored>,
+) -> String {
+    let mut bytes = std::fs::read(path).unwrap_or_default();
+    if let Some(p) = push {
+        bytes.extend_from_slice(p.text.as_bytes());
+    }
+    crate::configfile::sha256_hex(&bytes)
 }

@@ -349,6 +349,11 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         net_stop.clone(),
         sink,
     );
+    // The retained `online` status at the first connect already tells these.
+    link.set_status(
+        &control::config_identity(&source.path, confirmed_push.as_ref()),
+        ingest.backlog_estimate().unwrap_or(0),
+    );
     let stats = Arc::new(DeliveryStats::default());
     let dcfg = DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
@@ -418,6 +423,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         push: confirmed_push,
         pending_push: None,
         delivery_stats: stats.clone(),
+        config_sha: String::new(),
         cfg: cfg.clone(),
         source,
         link,
@@ -440,6 +446,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             crate::mqtt::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
         },
     };
+    ing.config_sha = ing.config_identity();
     if let Some(msg) = ing.source.fallback.clone() {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
@@ -608,6 +615,9 @@ struct Ingest {
     pending_push: Option<crate::push::Pending>,
     /// Delivery counters (rows FAILED since start, for health).
     delivery_stats: Arc<DeliveryStats>,
+    /// sha256 of the local config file (and the confirmed push on top), for
+    /// the retained status message.
+    config_sha: String,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -1240,6 +1250,9 @@ impl Ingest {
             config_fallback: self.source.fallback.is_some(),
         };
         let health = crate::health::assess(&facts, crate::health::grace(self.cfg.mqtt.keep_alive));
+        if let Ok(backlog) = self.spool.backlog_estimate() {
+            self.link.set_status(&self.config_sha, backlog);
+        }
         // Each reason is logged once when it appears (by its wording
         // without figures), and again only after it went away.
         let kinds: Vec<String> = health.reasons.iter().map(|r| without_digits(r)).collect();

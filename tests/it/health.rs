@@ -210,3 +210,51 @@ fn log_lines_fit_the_journal_when_journal_stream_is_set() {
         .iter()
         .any(|l| l.starts_with("<6>edgespool::mqtt: mqtt: connected")));
 }
+
+/// The retained `<prefix>/status` says `online` (with version, config sha256
+/// and backlog) once connected, and `offline` after a clean stop and after
+/// `kill -9` (the broker publishes the will).
+#[test]
+fn the_retained_status_topic_says_online_then_offline_after_a_stop_or_a_kill() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("status");
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let topic = format!("{prefix}/status");
+    let last_state = |sub: &Subscriber| -> Option<serde_json::Value> {
+        sub.deliveries()
+            .iter()
+            .rev()
+            .find(|d| d.topic == topic)
+            .and_then(|d| serde_json::from_slice(&d.payload).ok())
+    };
+    for how in ["stop", "kill"] {
+        let sub = Subscriber::start(broker.port(), &topic);
+        assert!(sub.wait_subscribed(Duration::from_secs(10)));
+        let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+        assert!(
+            wait_for(Duration::from_secs(20), || last_state(&sub)
+                .is_some_and(|v| v["state"] == "online")),
+            "{how}: no online status\n{}",
+            agent.log_tail(20)
+        );
+        let online = last_state(&sub).expect("online");
+        assert_eq!(online["version"], env!("CARGO_PKG_VERSION"));
+        assert_eq!(
+            online["config_sha256"].as_str().map(str::len),
+            Some(64),
+            "{online}"
+        );
+        assert!(online["backlog"].is_u64(), "{online}");
+        if how == "stop" {
+            agent.terminate(Duration::from_secs(15));
+        } else {
+            agent.kill9();
+        }
+        assert!(
+            wait_for(Duration::from_secs(20), || last_state(&sub)
+                .is_some_and(|v| v["state"] == "offline")),
+            "{how}: no offline status"
+        );
+    }
+}
