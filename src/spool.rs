@@ -1883,6 +1883,69 @@ mod tests {
     }
 
     #[test]
+    fn a_schema_4_spool_keeps_every_row_state_through_the_migration() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("spool.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            let _: String = c
+                .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+                .unwrap();
+            c.execute_batch(MIGRATION_1).unwrap();
+            c.execute_batch(MIGRATION_2).unwrap();
+            c.execute_batch(MIGRATION_3).unwrap();
+            c.execute_batch(MIGRATION_4).unwrap();
+            for (id, state) in [
+                (1, "ACKED"),
+                (2, "SENT"),
+                (3, "ACKED"),
+                (4, "FAILED"),
+                (5, "PENDING"),
+            ] {
+                c.execute(
+                    "INSERT INTO events (id, event_id, stream, seq, digest, state, created_ms, fail_reason)
+                     VALUES (?1, 'e' || ?1, 'a', ?1, x'00', ?2, 0, CASE WHEN ?2 = 'FAILED' THEN 'too big' END)",
+                    params![id, state],
+                )
+                .unwrap();
+                c.execute(
+                    "INSERT INTO payloads (id, payload) VALUES (?1, x'01')",
+                    params![id],
+                )
+                .unwrap();
+            }
+            c.execute_batch("INSERT INTO stream_seq VALUES ('a', 5); PRAGMA user_version = 4;")
+                .unwrap();
+        }
+        let mut s = Spool::open(&path, &SpoolOptions::default()).unwrap();
+        let got: Vec<(i64, String)> = states(&s);
+        let want: Vec<(i64, String)> = [
+            (1, "ACKED"),
+            (2, "SENT"),
+            (3, "ACKED"),
+            (4, "FAILED"),
+            (5, "PENDING"),
+        ]
+        .iter()
+        .map(|(i, st)| (*i, st.to_string()))
+        .collect();
+        assert_eq!(got, want);
+        let left: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
+        assert_eq!(left, vec![2, 5]);
+        // Sequences continue from the old table.
+        let mut ids = EventIdGen::new().unwrap();
+        s.append(&[ev("a", 6.0)], &mut ids, "d", Format::Json, 0)
+            .unwrap();
+        let seq: i64 = s
+            .conn
+            .query_row("SELECT seq FROM events ORDER BY id DESC LIMIT 1", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        assert_eq!(seq, 6);
+    }
+
+    #[test]
     fn purge_is_bounded_per_batch() {
         let d = tempfile::tempdir().unwrap();
         let mut ids = EventIdGen::new().unwrap();
