@@ -80,11 +80,38 @@ pub struct Config {
 pub struct CommandsConfig {
     /// `enabled`: subscribe to the command topic.
     pub enabled: bool,
-    /// `max_payload_bytes`: larger command messages are rejected.
+    /// `max_payload_bytes`: larger command messages are rejected, bytes
+    /// (256..=1048576, default 65536). The MQTT incoming packet limit is this
+    /// plus the command topic and the PUBLISH header.
     pub max_payload_bytes: usize,
-    /// `record_retention_secs`: how long command records are kept (at least
-    /// the longest redelivery window; default 7 days).
+    /// `record_retention_secs`: the redelivery window, seconds (3600..=ten
+    /// years, default 604800 = 7 days). A command record is never deleted
+    /// before it is this old, its age measured on the agent's monotonic
+    /// clock (time the agent has run since the receipt, a lower bound of the
+    /// real age across restarts and reboots), never on the wall clock.
     pub record_retention: Duration,
+    /// `max_records`: command records kept, a count (1000..=1000000, default
+    /// 10000). Over it, the oldest `rejected` records go first; records of
+    /// commands that ran are deleted only once outside the redelivery
+    /// window, and while none can go new commands are held back (not
+    /// acknowledged).
+    pub max_records: usize,
+    /// `max_queued`: commands waiting for their lane (exec handlers; agent
+    /// requests), per lane, a count (1..=10000, default 100). When a lane is
+    /// full, new command PUBLISHes for it are held back: not acknowledged
+    /// (the broker keeps them), parked in memory within the command inbox's
+    /// bytes, and taken once there is room; what does not fit is redelivered
+    /// by the broker after the agent reconnects.
+    pub max_queued: usize,
+    /// `max_per_minute_per_scope`: new commands accepted per scope, per
+    /// minute (a burst of this many, refilled at this rate; 1..=60000,
+    /// default 60). Over it a command is answered `rejected` (rate limit),
+    /// not recorded, and counted `commands_rate_limited`.
+    pub max_per_minute_per_scope: u32,
+    /// `default_ttl_secs`: time to live given to an exec-handler command
+    /// that names none, seconds (1..=`record_retention_secs`, default 3600).
+    /// Built-ins need none.
+    pub default_ttl: Duration,
     /// `[[commands.handlers]]`: exec handlers.
     pub handlers: Vec<ExecHandler>,
     /// `[commands.config_push]`: what `apply-config` may do (see [`crate::policy`]).
@@ -309,6 +336,14 @@ struct RawCommands {
     max_payload_bytes: usize,
     #[serde(default = "d_cmd_retention")]
     record_retention_secs: u64,
+    #[serde(default = "d_cmd_records")]
+    max_records: usize,
+    #[serde(default = "d_cmd_queued")]
+    max_queued: usize,
+    #[serde(default = "d_cmd_rate")]
+    max_per_minute_per_scope: u32,
+    #[serde(default = "d_cmd_ttl")]
+    default_ttl_secs: u64,
     #[serde(default)]
     handlers: Vec<RawHandler>,
     #[serde(default)]
@@ -321,6 +356,10 @@ impl Default for RawCommands {
             enabled: true,
             max_payload_bytes: d_cmd_payload(),
             record_retention_secs: d_cmd_retention(),
+            max_records: d_cmd_records(),
+            max_queued: d_cmd_queued(),
+            max_per_minute_per_scope: d_cmd_rate(),
+            default_ttl_secs: d_cmd_ttl(),
             handlers: Vec::new(),
             config_push: RawConfigPush::default(),
         }
@@ -404,6 +443,18 @@ fn d_cmd_payload() -> usize {
 }
 fn d_cmd_retention() -> u64 {
     7 * 86_400
+}
+fn d_cmd_records() -> usize {
+    10_000
+}
+fn d_cmd_queued() -> usize {
+    100
+}
+fn d_cmd_rate() -> u32 {
+    60
+}
+fn d_cmd_ttl() -> u64 {
+    3600
 }
 fn d_handler_timeout() -> u64 {
     30_000
@@ -1400,6 +1451,35 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ),
         );
     }
+    if !(1000..=1_000_000).contains(&rc.max_records) {
+        bad(
+            "commands.max_records",
+            format!("must be 1000..=1000000 (got {})", rc.max_records),
+        );
+    }
+    if !(1..=10_000).contains(&rc.max_queued) {
+        bad(
+            "commands.max_queued",
+            format!("must be 1..=10000 (got {})", rc.max_queued),
+        );
+    }
+    if !(1..=60_000).contains(&rc.max_per_minute_per_scope) {
+        bad(
+            "commands.max_per_minute_per_scope",
+            format!("must be 1..=60000 (got {})", rc.max_per_minute_per_scope),
+        );
+    }
+    if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
+        // A command may still run only while its record is sure to exist:
+        // past the redelivery window a redelivery could find no record.
+        bad(
+            "commands.default_ttl_secs",
+            format!(
+                "must be 1..=commands.record_retention_secs ({}) (got {})",
+                rc.record_retention_secs, rc.default_ttl_secs
+            ),
+        );
+    }
     let config_push = validate_push(&rc.config_push, &mut bad);
     let builtin = crate::commands::BUILTINS;
     let mut handlers = Vec::new();
@@ -1631,6 +1711,10 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             enabled: rc.enabled,
             max_payload_bytes: rc.max_payload_bytes,
             record_retention: Duration::from_secs(rc.record_retention_secs),
+            max_records: rc.max_records,
+            max_queued: rc.max_queued,
+            max_per_minute_per_scope: rc.max_per_minute_per_scope,
+            default_ttl: Duration::from_secs(rc.default_ttl_secs),
             handlers,
             config_push,
         },
@@ -2059,6 +2143,63 @@ interval_ms = 1000
         assert_eq!(handler.cwd, default.cwd);
         assert_eq!(handler.limits, default.limits);
         assert_eq!(handler.credentials, default.credentials);
+        for (key, a, b) in [
+            (
+                "max_records",
+                example.commands.max_records,
+                minimal.commands.max_records,
+            ),
+            (
+                "max_queued",
+                example.commands.max_queued,
+                minimal.commands.max_queued,
+            ),
+            (
+                "max_per_minute_per_scope",
+                example.commands.max_per_minute_per_scope as usize,
+                minimal.commands.max_per_minute_per_scope as usize,
+            ),
+            (
+                "default_ttl_secs",
+                example.commands.default_ttl.as_secs() as usize,
+                minimal.commands.default_ttl.as_secs() as usize,
+            ),
+        ] {
+            assert_eq!(a, b, "commands.{key}");
+        }
+    }
+
+    #[test]
+    fn command_bounds_are_range_checked_and_name_their_key() {
+        let with = |body: &str| format!("{GOOD}[commands]\n{body}\n");
+        for (body, key) in [
+            ("max_records = 999", "commands.max_records"),
+            ("max_records = 1000001", "commands.max_records"),
+            ("max_queued = 0", "commands.max_queued"),
+            ("max_queued = 10001", "commands.max_queued"),
+            (
+                "max_per_minute_per_scope = 0",
+                "commands.max_per_minute_per_scope",
+            ),
+            ("default_ttl_secs = 0", "commands.default_ttl_secs"),
+            (
+                "record_retention_secs = 3600\ndefault_ttl_secs = 3601",
+                "commands.default_ttl_secs",
+            ),
+        ] {
+            let e = err(&with(body));
+            assert_eq!(e.problems[0].key, key, "{body}");
+        }
+        let c = parse(
+            &with("max_records = 1000\nmax_queued = 1\nmax_per_minute_per_scope = 5\ndefault_ttl_secs = 60"),
+            "t.toml",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.commands.max_records, 1000);
+        assert_eq!(c.commands.max_queued, 1);
+        assert_eq!(c.commands.max_per_minute_per_scope, 5);
+        assert_eq!(c.commands.default_ttl, Duration::from_secs(60));
     }
 
     #[test]

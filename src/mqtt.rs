@@ -18,6 +18,7 @@
 use crate::ack::AckMap;
 use crate::config::MqttConfig;
 use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, Outgoing, QoS, RecvTimeoutError};
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -90,6 +91,9 @@ pub struct Shared {
     progress_at: Option<Instant>,
     /// New connection settings to apply with one reconnect.
     reconfigure: Option<MqttConfig>,
+    /// Rebuild the connection now so the broker redelivers the commands
+    /// left unacknowledged while the command thread had no room.
+    redeliver: bool,
     /// CONNACKs accepted and command SUBACKs granted since start (a pushed
     /// config that changes the connection is confirmed by new ones).
     connacks: u64,
@@ -287,6 +291,11 @@ impl Link {
         lock(&self.shared).ready.len()
     }
 
+    /// The current connection epoch (it changes at every disconnect).
+    pub fn epoch(&self) -> u64 {
+        lock(&self.shared).epoch
+    }
+
     /// True while connected.
     pub fn connected(&self) -> bool {
         lock(&self.shared).connected
@@ -321,6 +330,21 @@ impl Link {
                 }
             }
         }
+    }
+
+    /// Rebuild the connection at once if it is still the one of `epoch`, so
+    /// that the broker redelivers the PUBLISHes left unacknowledged on it (a
+    /// broker resends them when the session resumes, not before). Returns
+    /// false if the connection changed since: the broker resent them then.
+    pub fn redeliver(&self, epoch: u64) -> bool {
+        let mut s = lock(&self.shared);
+        if s.epoch != epoch || !s.connected {
+            return false;
+        }
+        s.redeliver = true;
+        Self::interrupt(&mut s);
+        self.wake.notify_all();
+        true
     }
 
     /// Apply new connection settings with one reconnect (no change → nothing).
@@ -467,11 +491,60 @@ const IDLE_WAIT: Duration = Duration::from_secs(30);
 /// Where PUBLISHes on the command topic go: `(connection epoch, publish)`.
 pub type CommandSink = Box<dyn Fn(u64, rumqttc::Publish) + Send>;
 
+/// The command subscription.
+pub struct CommandSub {
+    /// `<topic_prefix>/commands`.
+    pub topic: String,
+    /// `commands.max_payload_bytes`: sets the incoming packet limit.
+    pub max_payload_bytes: usize,
+    /// Where its messages go.
+    pub sink: CommandSink,
+}
+
+/// Incoming packet limit when commands are off (nothing is subscribed; a
+/// session left from an earlier config may still deliver).
+const INCOMING_WITHOUT_COMMANDS: usize = 64 * 1024;
+
+/// The incoming packet limit for commands of at most `max_payload` bytes on
+/// `topic`: rumqttc compares it with a packet's remaining length, which for
+/// a QoS 1 PUBLISH is 2 (topic length) + the topic + 2 (packet id) + the
+/// payload (MQTT 3.1.1 §3.3.2).
+pub fn incoming_limit(topic: &str, max_payload: usize) -> usize {
+    max_payload + topic.len() + 4
+}
+
+/// The limit of a one-off connection taken after a packet over the normal
+/// limit: the 1 MiB this agent always accepted, and more than the normal one.
+fn drain_limit(normal: usize) -> usize {
+    (1024 * 1024).max(normal * 2)
+}
+
+/// How a connection is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConnMode {
+    /// The configured settings and the normal incoming limit.
+    Normal,
+    /// A larger incoming limit, once, to take an oversized packet the broker
+    /// keeps resending so it can be rejected and acknowledged.
+    Drain,
+    /// A clean session, once, closed right after CONNACK: drops a packet
+    /// too large to take at all, with everything else the broker queued.
+    Discard,
+}
+
 /// The connection thread's body.
 pub struct MqttThread {
     cfg: MqttConfig,
-    /// Command topic and where its messages go; `None` when commands are off.
-    commands: Option<(String, CommandSink)>,
+    /// Command subscription; `None` when commands are off.
+    commands: Option<CommandSub>,
+    /// Incoming packet limit of a normal connection.
+    incoming_limit: usize,
+    /// Size of a packet that exceeded the last connection's limit.
+    oversize: Cell<Option<usize>>,
+    /// The current connection's mode.
+    mode: Cell<ConnMode>,
+    /// Reconnect without the backoff delay (a redelivery was asked for).
+    reconnect_now: Cell<bool>,
     /// Last disconnect reason and when it was logged (repeats are rate-limited).
     last_reason: Mutex<Option<(String, Instant)>>,
     shared: Arc<Mutex<Shared>>,
@@ -486,7 +559,7 @@ pub fn new(
     cfg: MqttConfig,
     to_delivery: Sender<DeliveryMsg>,
     stop: Arc<AtomicBool>,
-    commands: Option<(String, CommandSink)>,
+    commands: Option<CommandSub>,
 ) -> (Link, MqttThread) {
     let shared = Arc::new(Mutex::new(Shared {
         ack: AckMap::new(),
@@ -507,7 +580,11 @@ pub fn new(
         status: cfg
             .status_topic
             .then(|| (status_topic(&cfg), serde_json::json!({}))),
+        redeliver: false,
     }));
+    let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
+        incoming_limit(&c.topic, c.max_payload_bytes)
+    });
     let wake = Arc::new(Condvar::new());
     (
         Link {
@@ -517,6 +594,10 @@ pub fn new(
         MqttThread {
             cfg,
             commands,
+            incoming_limit,
+            oversize: Cell::new(None),
+            mode: Cell::new(ConnMode::Normal),
+            reconnect_now: Cell::new(false),
             last_reason: Mutex::new(None),
             shared,
             wake,
@@ -532,10 +613,12 @@ fn read_file(key: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
 }
 
 /// Connection options, reading TLS material and the password from their
-/// files (so rotated files apply at the next connect).
+/// files (so rotated files apply at the next connect). `max_incoming` is the
+/// largest packet remaining length taken: rumqttc drops the connection on a
+/// larger one before reading it.
 ///
 /// Errors: a file cannot be read; the message names the config key and path.
-fn options(cfg: &MqttConfig) -> Result<MqttOptions, String> {
+fn options(cfg: &MqttConfig, max_incoming: usize) -> Result<MqttOptions, String> {
     let mut o = MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
     if let Some(tls) = &cfg.tls {
         let ca = read_file("ca_file", &tls.ca_file)?;
@@ -570,7 +653,7 @@ fn options(cfg: &MqttConfig) -> Result<MqttOptions, String> {
     // we counted as in flight for long (packet ids cycle 1..=inflight).
     o.set_inflight((cfg.inflight_window as u16).saturating_mul(2).max(8));
     let topic_room = cfg.topic_prefix.len() + 256;
-    o.set_max_packet_size(1024 * 1024, cfg.max_payload_bytes + topic_room);
+    o.set_max_packet_size(max_incoming, cfg.max_payload_bytes + topic_room);
     o.set_request_channel_capacity(cfg.inflight_window + 8);
     // Commands are acknowledged only after their receipt commits.
     o.set_manual_acks(true);
@@ -601,6 +684,9 @@ fn classify(e: &rumqttc::ConnectionError) -> String {
         E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
         E::ConnectionRefused(code) => format!("broker refused the connection: {code:?} (check mqtt.username, mqtt.password_file and mqtt.client_id)"),
         E::NetworkTimeout => "connect timed out (broker unreachable?)".to_owned(),
+        E::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+        )) => format!("the broker sent a {n}-byte packet, over the incoming limit"),
         other => format!("connection error: {other}"),
     }
 }
@@ -629,13 +715,22 @@ impl MqttThread {
                 }
             }
             first = false;
-            let opts = match options(&self.cfg) {
+            let mode = self.next_mode();
+            self.mode.set(mode);
+            let limit = match mode {
+                ConnMode::Drain => drain_limit(self.incoming_limit),
+                ConnMode::Normal | ConnMode::Discard => self.incoming_limit,
+            };
+            let mut opts = match options(&self.cfg, limit) {
                 Ok(o) => o,
                 Err(e) => {
                     self.lose(&e);
                     continue;
                 }
             };
+            if mode == ConnMode::Discard {
+                opts.set_clean_session(true);
+            }
             let (client, mut connection) = Client::new(opts, self.cfg.inflight_window + 8);
             let mut net = connection.eventloop.network_options();
             net.set_connection_timeout(self.cfg.connect_timeout.as_secs().max(1));
@@ -655,8 +750,39 @@ impl MqttThread {
             }
             let _ = client.try_disconnect();
             self.lose(&reason);
+            if self.reconnect_now.take() {
+                first = true;
+            }
         }
         let _ = lock(&self.shared).client.take();
+    }
+
+    /// How to make the next connection, after what ended the last one.
+    fn next_mode(&self) -> ConnMode {
+        let Some(n) = self.oversize.take() else {
+            return ConnMode::Normal;
+        };
+        let drain = drain_limit(self.incoming_limit);
+        if n <= drain {
+            log::warn!(
+                "mqtt: the broker sent a {n}-byte packet, over the incoming limit of {} bytes \
+                 (commands.max_payload_bytes plus topic and header); taking it on one connection \
+                 with a {drain}-byte limit so it is rejected and acknowledged, not resent forever",
+                self.incoming_limit
+            );
+            ConnMode::Drain
+        } else if self.cfg.clean_session {
+            // A clean session drops it at every disconnect already.
+            ConnMode::Normal
+        } else {
+            log::error!(
+                "mqtt: the broker sent a {n}-byte packet, larger than this agent takes at all \
+                 ({drain} bytes); discarding the broker session once (clean session) to drop it: \
+                 commands queued at the broker for this board are lost. If it is a retained \
+                 command, clear it (an empty retained message) or set the broker's message size limit"
+            );
+            ConnMode::Discard
+        }
     }
 
     /// Sleep `d`, or less if [`Link::stop`] or [`Link::reconfigure`] wakes us.
@@ -686,6 +812,8 @@ impl MqttThread {
             s.epoch += 1;
             s.progress_at = None;
             s.ready.clear();
+            // A new session redelivers by itself.
+            s.redeliver = false;
             let rows: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
             (s.epoch, rows, quick)
         };
@@ -791,6 +919,14 @@ impl MqttThread {
             }
             match event {
                 Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
+                    if self.mode.get() == ConnMode::Discard {
+                        // Messages published before the persistent session
+                        // is back are not queued for us: be quick.
+                        self.reconnect_now.set(true);
+                        return "broker session discarded to drop an oversized packet; \
+                                reconnecting with a persistent session"
+                            .into();
+                    }
                     {
                         let mut s = lock(&self.shared);
                         s.connected = true;
@@ -802,11 +938,10 @@ impl MqttThread {
                         // (rumqttc does not re-subscribe by itself), so the
                         // subscribe's packet id is never one a publish holds.
                         // Telemetry never waits on it: see `account_end`.
-                        if let (Some((topic, _)), Some(client), false) =
-                            (&self.commands, &s.client, skip)
-                        {
-                            if let Err(e) = client.try_subscribe(topic.clone(), QoS::AtLeastOnce) {
-                                return format!("cannot subscribe to {topic}: {e}");
+                        if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
+                            if let Err(e) = client.try_subscribe(c.topic.clone(), QoS::AtLeastOnce)
+                            {
+                                return format!("cannot subscribe to {}: {e}", c.topic);
                             }
                             s.conn.awaiting_suback = true;
                         }
@@ -868,9 +1003,9 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => match &self.commands {
-                    Some((topic, sink)) if p.topic == *topic => {
+                    Some(c) if p.topic == *c.topic => {
                         let epoch = lock(&self.shared).epoch;
-                        sink(epoch, p);
+                        (c.sink)(epoch, p);
                     }
                     _ => {
                         // Not ours: acknowledge so the broker does not resend it.
@@ -910,6 +1045,14 @@ impl MqttThread {
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
                 Ok(Err(e)) => {
                     lock(&self.shared).conn.peer_closed = true;
+                    if let rumqttc::ConnectionError::MqttState(
+                        rumqttc::StateError::Deserialization(
+                            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+                        ),
+                    ) = &e
+                    {
+                        self.oversize.set(Some(*n));
+                    }
                     return classify(&e);
                 }
                 Err(RecvTimeoutError::Timeout) => {}
@@ -919,6 +1062,10 @@ impl MqttThread {
             // long (rumqtt issues 1014/1056: a stall that looks healthy).
             if lock(&self.shared).reconfigure.is_some() {
                 return "configuration changed; reconnecting with the new settings".into();
+            }
+            if std::mem::take(&mut lock(&self.shared).redeliver) {
+                self.reconnect_now.set(true);
+                return "reconnecting so the broker redelivers the commands held back".into();
             }
             let stalled = {
                 let s = lock(&self.shared);

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -220,6 +220,14 @@ SELECT e.id, e.event_id, s.name AS stream, e.seq, e.created_ms, e.payload, e.dig
     f.reason AS fail_reason
 FROM events e JOIN streams s ON s.id = e.stream_id CROSS JOIN delivery_mark m
     LEFT JOIN acked_above a ON a.id = e.id LEFT JOIN failed f ON f.id = e.id;
+";
+
+/// Schema 6: command records carry the agent clock at receipt
+/// ([`crate::commands::retention::AgentClock`]), so they are purged by the
+/// time the agent has run, never by the wall clock. Records written before
+/// have NULL: older than anything stamped since.
+const MIGRATION_6: &str = "
+ALTER TABLE commands ADD COLUMN received_clock_ms INTEGER;
 ";
 
 const SQL_INSERT_EVENT: &str = "INSERT INTO events
@@ -762,6 +770,9 @@ impl Spool {
         }
         if version < 5 {
             tx.execute_batch(MIGRATION_5).map_err(err)?;
+        }
+        if version < 6 {
+            tx.execute_batch(MIGRATION_6).map_err(err)?;
         }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;

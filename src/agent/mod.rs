@@ -336,12 +336,18 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let net_stop = Arc::new(AtomicBool::new(false));
     let (cmd_tx, cmd_rx) = mpsc::channel::<CmdMsg>();
     let cmd_wake = cmd_tx.clone();
-    let sink: Option<(String, mqtt::CommandSink)> = cfg.commands.enabled.then(|| {
-        let tx = cmd_tx.clone();
-        let sink: mqtt::CommandSink = Box::new(move |epoch, publish| {
-            let _ = tx.send(CmdMsg::Incoming { epoch, publish });
-        });
-        (format!("{}/commands", cfg.mqtt.topic_prefix), sink)
+    let inbox = crate::commands::worker::Inbox::new(
+        cmd_tx.clone(),
+        crate::commands::worker::inbox_limit(cfg.commands.max_payload_bytes),
+    );
+    let inbox_meter = inbox.meter();
+    let sink: Option<mqtt::CommandSub> = cfg.commands.enabled.then(|| {
+        let sink: mqtt::CommandSink = Box::new(move |epoch, publish| inbox.offer(epoch, publish));
+        mqtt::CommandSub {
+            topic: format!("{}/commands", cfg.mqtt.topic_prefix),
+            max_payload_bytes: cfg.commands.max_payload_bytes,
+            sink,
+        }
     });
     let (link, mqtt_thread) = mqtt::new(
         cfg.mqtt.clone(),
@@ -389,6 +395,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
                     command_spool,
                     wcfg,
                     link,
+                    inbox_meter,
                     cmd_rx,
                     cmd_tx,
                     ctl_tx,

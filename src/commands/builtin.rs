@@ -61,9 +61,11 @@ pub enum Control {
 /// Where a built-in runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// On the command thread, with its spool connection (quick).
+    /// On the command thread, with its spool connection, as soon as it is
+    /// received (quick; never behind an exec handler).
     Local,
-    /// Through [`Control`], on the executor thread (may wait on the main thread).
+    /// Through [`Control`], on the agent lane's thread, one at a time (may
+    /// wait on the main thread; never behind an exec handler).
     Agent,
 }
 

@@ -13,12 +13,16 @@
 //! `command_id` and `name` are required, the rest optional (`scope` defaults
 //! to `default`). Unknown fields are rejected.
 //!
-//! Files: [`store`] (records and result events), [`worker`] (the command
-//! thread and its executor), [`exec_handler`] (operator-declared programs),
-//! [`builtin`] (built-in handlers).
+//! Files: [`worker`] (the command thread: admission, dispatch to its lanes),
+//! [`store`] (records and result events), [`retention`] (how long records
+//! live, on the agent's monotonic clock), [`rate`] (per-scope rate limit),
+//! [`exec_handler`] (operator-declared programs), [`builtin`] (built-in
+//! handlers).
 
 pub mod builtin;
 pub mod exec_handler;
+pub mod rate;
+pub mod retention;
 pub mod store;
 pub mod worker;
 
