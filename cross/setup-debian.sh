@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what edgespool's build, demo and tests need on a fresh Debian machine.
-#   cross/setup-debian.sh          host build + tests: mosquitto, sqlite3, strace (flash bench), rustfmt, clippy
+#   cross/setup-debian.sh          host build + tests: mosquitto, sqlite3, strace (flash bench),
+#                                  faketime (command tests), rustfmt, clippy
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
@@ -20,7 +21,8 @@ sudo_if_needed() {
   fi
 }
 
-pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace)
+# faketime: libfaketime steps the agent's wall clock in the command tests.
+pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime)
 if [ "$want_arm" = 1 ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)
 fi

@@ -22,11 +22,29 @@ struct Rig {
     prefix: String,
     sub: Subscriber,
     client_id: String,
+    extra: Extra,
+}
+
+/// Additions to the rig's board config and broker.
+#[derive(Default)]
+struct Extra {
+    /// Lines for `[spool]`.
+    spool: &'static str,
+    /// Lines for `[commands]`.
+    commands: &'static str,
+    /// More `[[commands.handlers]]` (`{d}` is the test directory).
+    handlers: &'static str,
+    /// Lines for mosquitto.conf.
+    broker: &'static str,
 }
 
 impl Rig {
     fn new(test: &str) -> Rig {
-        let broker = Broker::start();
+        Rig::with(test, Extra::default())
+    }
+
+    fn with(test: &str, extra: Extra) -> Rig {
+        let broker = Broker::start_with_config(extra.broker);
         let proxy = Proxy::start(broker.port());
         let dir = tempfile::tempdir().expect("tempdir");
         let prefix = crate::prefix(test);
@@ -40,6 +58,7 @@ impl Rig {
             prefix,
             sub,
             client_id: format!("cmd-board-{}", crate::support::unique_suffix()),
+            extra,
         };
         std::fs::write(&rig.cfg, rig.config_text(30)).expect("write config");
         rig
@@ -56,6 +75,7 @@ impl Rig {
 [spool]
 path = "{d}/spool.db"
 commit_window_ms = 50
+{spool_extra}
 [mqtt]
 url = "{url}"
 client_id = "{client_id}"
@@ -68,6 +88,8 @@ connect_timeout_secs = 2
 name = "system"
 kind = "system"
 interval_ms = 1000
+[commands]
+{commands_extra}
 [[commands.handlers]]
 name = "count-slow"
 program = "/bin/sh"
@@ -84,10 +106,14 @@ args = ["{{word}}"]
 [commands.handlers.params.word]
 type = "string"
 max_len = 32
+{handlers_extra}
 "#,
             url = self.proxy.url(),
             prefix = self.prefix,
             client_id = self.client_id,
+            spool_extra = self.extra.spool,
+            commands_extra = self.extra.commands,
+            handlers_extra = self.extra.handlers.replace("{d}", &d.to_string()),
         )
     }
 
@@ -1001,4 +1027,606 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     );
     agent.terminate(Duration::from_secs(15));
     drop(fs);
+}
+
+/// A persistent counter from the spool's `counters` table (0 if absent).
+fn counter(db: &Path, name: &str) -> i64 {
+    use rusqlite::OptionalExtension;
+    crate::support::spool::open(db)
+        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
+            r.get(0)
+        })
+        .optional()
+        .expect("read counter")
+        .unwrap_or(0)
+}
+
+/// Publish every payload at QoS 1 as fast as the broker takes them (100 in
+/// flight) and return once every PUBACK arrived.
+fn publish_all(port: u16, topic: &str, payloads: Vec<Vec<u8>>) {
+    let n = payloads.len();
+    let mut o = MqttOptions::new(
+        format!("bulk-{}", crate::support::unique_suffix()),
+        "127.0.0.1",
+        port,
+    );
+    o.set_inflight(100);
+    o.set_max_packet_size(1 << 20, 1 << 20);
+    let (client, mut conn) = Client::new(o, 200);
+    let pump = std::thread::spawn(move || {
+        let mut acks = 0;
+        while acks < n {
+            match conn.recv_timeout(Duration::from_secs(10)) {
+                Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => acks += 1,
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => panic!("bulk publisher: {e}"),
+                Err(_) => break,
+            }
+        }
+        acks
+    });
+    for p in payloads {
+        client
+            .publish(topic, QoS::AtLeastOnce, false, p)
+            .expect("queue publish");
+    }
+    assert_eq!(pump.join().expect("pump"), n, "not every PUBACK arrived");
+    let _ = client.disconnect();
+}
+
+/// Result events so far, without parsing them (cheap enough to poll with
+/// thousands received).
+fn result_count(rig: &Rig) -> usize {
+    rig.sub
+        .deliveries()
+        .iter()
+        .filter(|d| d.topic.ends_with("/events/_commands"))
+        .count()
+}
+
+/// Live bytes in the spool: pages in use times the page size.
+fn live_bytes(db: &Path) -> i64 {
+    let c = crate::support::spool::open(db);
+    let q = |sql: &str| c.query_row(sql, [], |r| r.get::<_, i64>(0)).expect(sql);
+    (q("PRAGMA page_count") - q("PRAGMA freelist_count")) * q("PRAGMA page_size")
+}
+
+/// Send a command and wait for its answer; returns it and how long it took.
+fn round_trip(rig: &Rig, agent: &mut AgentProc, cmd: Value) -> (Value, Duration) {
+    let id = cmd["command_id"].as_str().expect("command_id").to_owned();
+    let t = Instant::now();
+    rig.send_json(cmd);
+    let r = rig.wait_result(&id, "result", agent);
+    (r, t.elapsed())
+}
+
+#[test]
+fn ping_status_checkpoint_and_flush_answer_while_a_30_s_exec_handler_runs() {
+    let rig = Rig::with(
+        "long-handler",
+        Extra {
+            handlers: r#"
+[[commands.handlers]]
+name = "sleep30"
+program = "/bin/sh"
+args = ["-c", "echo start >> {d}/slow; sleep 30; echo end >> {d}/slow"]
+timeout_ms = 60000
+"#,
+            ..Extra::default()
+        },
+    );
+    let mut agent = rig.spawn_ready();
+    rig.send_json(json!({"command_id": "long-1", "name": "sleep30"}));
+    assert!(
+        wait_for(Duration::from_secs(10), || lines(&rig.marker("slow")) == 1),
+        "{}",
+        agent.log_tail(20)
+    );
+    // Another exec handler waits for its lane: exec handlers run one at a time.
+    rig.send_json(json!({"command_id": "queued-1", "name": "count"}));
+    let mut worst = Duration::ZERO;
+    for (i, name) in ["ping", "status", "checkpoint", "flush", "ping"]
+        .iter()
+        .enumerate()
+    {
+        let (r, took) = round_trip(
+            &rig,
+            &mut agent,
+            json!({"command_id": format!("quick-{i}"), "name": name}),
+        );
+        assert_eq!(r["state"], "completed", "{r}");
+        println!(
+            "{name} answered in {} ms while sleep30 ran",
+            took.as_millis()
+        );
+        worst = worst.max(took);
+    }
+    assert!(
+        worst < Duration::from_secs(5),
+        "a built-in waited {worst:?} behind the exec handler"
+    );
+    assert_eq!(
+        lines(&rig.marker("slow")),
+        1,
+        "the handler is still running"
+    );
+    assert!(
+        !rig.results()
+            .iter()
+            .any(|r| r["command_id"] == "long-1" && r["reply"] == "result"),
+        "the long handler has not finished yet"
+    );
+    assert_eq!(
+        lines(&rig.marker("counter-fast")),
+        0,
+        "a second exec handler ran beside the first"
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// 10,000 distinct junk commands, published as fast as the broker takes
+/// them: malformed, non-UTF-8, unknown names over 400 scopes, bad handler
+/// arguments (queued for the exec lane), a flood in one scope (rate limit)
+/// and 60 KB bodies. The spool stays within its cap, the records within
+/// theirs, and `ping` still answers.
+#[test]
+fn ten_thousand_junk_commands_leave_the_spool_within_its_caps_and_ping_answering() {
+    let rig = Rig::with(
+        "junk",
+        Extra {
+            spool: "max_bytes = 16777216",
+            commands: "max_records = 1000\nmax_queued = 20",
+            // Queue everything for the agent: the test counts on every junk
+            // command reaching it (mosquitto drops beyond 1000 by default).
+            broker: "max_queued_messages 20000\n",
+            ..Extra::default()
+        },
+    );
+    let mut agent = rig.spawn_ready();
+    let big = "y".repeat(60_000);
+    let payloads: Vec<Vec<u8>> = (0..10_000)
+        .map(|i| {
+            if i % 97 == 0 {
+                return json!({"command_id": format!("big-{i}"), "scope": format!("b{i}"), "name": "junk", "args": {"x": big}}).to_string().into_bytes();
+            }
+            match i % 5 {
+                0 => format!("{{\"command_id\":\"j-{i}\",\"name\":").into_bytes(),
+                1 => json!({"command_id": format!("j-{i}"), "scope": format!("s{}", i % 400), "name": "no-such"}).to_string().into_bytes(),
+                2 => json!({"command_id": format!("j-{i}"), "scope": format!("e{}", i % 400), "name": "echo", "args": {"word": "a b"}}).to_string().into_bytes(),
+                3 => json!({"command_id": format!("j-{i}"), "scope": "flood", "name": "no-such"}).to_string().into_bytes(),
+                _ => vec![0xff, 0xfe, (i % 251) as u8, (i / 251) as u8],
+            }
+        })
+        .collect();
+    let t = Instant::now();
+    publish_all(
+        rig.broker.port(),
+        &format!("{}/commands", rig.prefix),
+        payloads,
+    );
+    let published = t.elapsed();
+    let all = wait_for(Duration::from_secs(180), || {
+        std::thread::sleep(Duration::from_millis(950));
+        result_count(&rig) >= 10_000
+    });
+    let answered = t.elapsed();
+    assert!(
+        all,
+        "only {} answers to 10,000 junk commands\n{}",
+        result_count(&rig),
+        agent.log_tail(30)
+    );
+    let (ping, latency) = round_trip(
+        &rig,
+        &mut agent,
+        json!({"command_id": "after-junk", "name": "ping"}),
+    );
+    assert_eq!(ping["state"], "completed");
+    assert!(agent.is_running());
+    let db = rig.db();
+    let (records, longest, file) = {
+        let c = crate::support::spool::open(&db);
+        let records: i64 = c
+            .query_row("SELECT count(*) FROM commands", [], |r| r.get(0))
+            .expect("records");
+        let longest: i64 = c
+            .query_row(
+                "SELECT coalesce(max(length(request)), 0) FROM commands
+                 WHERE state NOT IN ('received', 'running')",
+                [],
+                |r| r.get(0),
+            )
+            .expect("longest request");
+        (records, longest, std::fs::metadata(&db).expect("db").len())
+    };
+    let live = live_bytes(&db);
+    println!(
+        "10,000 junk commands: published in {} ms, all answered after {} s; ping then took {} ms; \
+         {records} command records (cap 1000), longest kept request {longest} chars; \
+         spool file {file} bytes, live {live} bytes (cap 16777216); \
+         malformed {}, rejected {}, rate_limited {}, held_back {}",
+        published.as_millis(),
+        answered.as_secs(),
+        latency.as_millis(),
+        counter(&db, "commands_malformed"),
+        counter(&db, "commands_rejected"),
+        counter(&db, "commands_rate_limited"),
+        counter(&db, "commands_held_back"),
+    );
+    assert!(
+        records <= 1000,
+        "{records} records over commands.max_records"
+    );
+    assert!(
+        longest <= 256,
+        "a finished record kept {longest} characters of request"
+    );
+    assert!(
+        live <= 16 * 1024 * 1024,
+        "{live} live bytes over spool.max_bytes"
+    );
+    assert!(counter(&db, "commands_rate_limited") > 0);
+    let malformed = (0..10_000)
+        .filter(|i| i % 97 != 0 && (i % 5 == 0 || i % 5 == 4))
+        .count() as i64;
+    assert_eq!(counter(&db, "commands_malformed"), malformed);
+    assert!(latency < Duration::from_secs(5), "ping took {latency:?}");
+    agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_warning() {
+    let rig = Rig::new("retained-clear");
+    rig.send(
+        json!({"command_id": "rc-1", "name": "count"})
+            .to_string()
+            .as_bytes(),
+        true,
+    );
+    let mut agent = rig.spawn_ready();
+    rig.wait_result("rc-1", "result", &mut agent);
+    let answers = result_count(&rig);
+    // Clear it the MQTT way while the agent is subscribed: the broker
+    // forwards the empty message (with the retain flag cleared).
+    rig.send(b"", true);
+    assert!(
+        wait_for(Duration::from_secs(10), || agent
+            .log_text()
+            .contains("a retained command was cleared; ignored")),
+        "{}",
+        agent.log_tail(20)
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(result_count(&rig), answers, "the clear was answered");
+    agent.terminate(Duration::from_secs(15));
+    // No retained command left: a restart neither runs nor answers anything.
+    let mut agent = rig.spawn_ready();
+    std::thread::sleep(Duration::from_secs(2));
+    agent.terminate(Duration::from_secs(15));
+    assert_eq!(result_count(&rig), answers);
+    assert_eq!(lines(&rig.marker("counter-fast")), 1);
+    let warnings: Vec<String> = std::fs::read_dir(rig.dir.path())
+        .expect("dir")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("agent-"))
+        .flat_map(|e| {
+            std::fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("WARN") && l.contains("command"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(counter(&rig.db(), "commands_retained_cleared"), 1);
+    assert_eq!(counter(&rig.db(), "commands_malformed"), 0);
+}
+
+/// Debian's libfaketime (package `faketime`), multi-threaded flavour.
+fn libfaketime() -> PathBuf {
+    let found = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path().join("faketime/libfaketimeMT.so.1"))
+        .chain([PathBuf::from("/usr/lib/faketime/libfaketimeMT.so.1")])
+        .find(|p| p.exists());
+    found.expect(
+        "libfaketimeMT.so.1 not found: install Debian's faketime package (cross/setup-debian.sh)",
+    )
+}
+
+/// Step the agent's wall clock: `offset` as libfaketime reads it ("+0",
+/// "+30d", "-1700000000"); the agent re-reads the file at every call.
+fn step_clock(file: &Path, offset: &str) {
+    std::fs::write(file, format!("{offset}\n")).expect("write faketime file");
+}
+
+/// Boards without an RTC boot in 1970 and NTP steps their clock forward
+/// and back: records are purged on the agent's monotonic clock, so one
+/// execution per (scope, command_id) holds across clock steps (forward 30
+/// days, back to 1970, forward ten years), restarts and a broker restart.
+#[test]
+fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
+    if std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty()) {
+        println!("skipped: libfaketime cannot reach an agent run under an emulator");
+        return;
+    }
+    let mut rig = Rig::with(
+        "clock-steps",
+        Extra {
+            commands: "max_per_minute_per_scope = 60000",
+            ..Extra::default()
+        },
+    );
+    let lib = libfaketime();
+    let faketime = rig.dir.path().join("faketime");
+    step_clock(&faketime, "+0");
+    let (lib, ft) = (lib.display().to_string(), faketime.display().to_string());
+    let env: Vec<(&str, &str)> = vec![
+        ("LD_PRELOAD", &lib),
+        ("FAKETIME_TIMESTAMP_FILE", &ft),
+        ("FAKETIME_NO_CACHE", "1"),
+        // NTP steps CLOCK_REALTIME only; the monotonic clocks run on.
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ];
+    let spawn = |rig: &Rig| {
+        let agent = AgentProc::spawn_with_env(&rig.cfg, &[], rig.dir.path(), &env);
+        assert!(
+            wait_for(Duration::from_secs(20), || agent
+                .log_text()
+                .contains("subscribed to commands")),
+            "{}",
+            agent.log_tail(20)
+        );
+        agent
+    };
+    let answers = |rig: &Rig, id: &str, reply: &str| {
+        rig.results()
+            .iter()
+            .filter(|r| r["command_id"] == id && r["reply"] == reply)
+            .count()
+    };
+    // Send `id` and wait for one more `reply` to it.
+    let ask = |rig: &Rig, agent: &mut AgentProc, id: &str, reply: &str| {
+        let before = answers(rig, id, reply);
+        rig.send_json(json!({"command_id": id, "name": "count"}));
+        assert!(
+            wait_for(Duration::from_secs(30), || answers(rig, id, reply) > before),
+            "no new {reply} for {id}\n{}",
+            agent.log_tail(30)
+        );
+    };
+    let wall_of_ping = |rig: &Rig, agent: &mut AgentProc, id: &str| -> i64 {
+        let (r, _) = round_trip(rig, agent, json!({"command_id": id, "name": "ping"}));
+        r["result"]["ts_ms"].as_i64().expect("ts_ms")
+    };
+    let real_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as i64
+    };
+    let day_ms = 86_400_000;
+
+    // Records beyond the newest 100 are the ones a purge may take: bury the
+    // commands under 150 newer ones each.
+    let bury = |rig: &Rig, agent: &mut AgentProc, tag: &str| {
+        for i in 0..150 {
+            rig.send_json(json!({"command_id": format!("{tag}-{i}"), "name": "ping"}));
+        }
+        rig.wait_result(&format!("{tag}-149"), "result", agent);
+    };
+    let mut agent = spawn(&rig);
+    ask(&rig, &mut agent, "c-1", "result");
+    bury(&rig, &mut agent, "after-c-1");
+    // Forward 30 days, past the 7-day record retention on a wall clock.
+    step_clock(&faketime, "+30d");
+    assert!(wall_of_ping(&rig, &mut agent, "t-1") > real_ms() + 29 * day_ms);
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    agent.terminate(Duration::from_secs(15));
+    let mut agent = spawn(&rig); // purges at start, with the clock 30 days ahead
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    // Back to 1970, as after a reboot without an RTC.
+    let secs = real_ms() / 1000 - 10 * 86_400;
+    step_clock(&faketime, &format!("-{secs}"));
+    assert!(wall_of_ping(&rig, &mut agent, "t-2") < 30 * day_ms);
+    ask(&rig, &mut agent, "c-2", "result");
+    bury(&rig, &mut agent, "after-c-2");
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    agent.terminate(Duration::from_secs(15));
+    let mut agent = spawn(&rig);
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    ask(&rig, &mut agent, "c-2", "duplicate");
+    // Forward ten years while running: the 1970 receipts look 56 years old.
+    step_clock(&faketime, "+3650d");
+    assert!(wall_of_ping(&rig, &mut agent, "t-3") > real_ms() + 3000 * day_ms);
+    ask(&rig, &mut agent, "c-2", "duplicate");
+    agent.terminate(Duration::from_secs(15));
+    let mut agent = spawn(&rig);
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    ask(&rig, &mut agent, "c-2", "duplicate");
+    // The broker restarts without persistence: a fresh session.
+    rig.broker.kill();
+    rig.broker.restart();
+    assert!(rig.sub.wait_subscribed(Duration::from_secs(15)));
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .matches("subscribed to commands")
+            .count()
+            >= 2),
+        "{}",
+        agent.log_tail(20)
+    );
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    ask(&rig, &mut agent, "c-2", "duplicate");
+    // And back to the real time.
+    step_clock(&faketime, "+0");
+    ask(&rig, &mut agent, "c-1", "duplicate");
+    agent.terminate(Duration::from_secs(15));
+    assert_eq!(
+        lines(&rig.marker("counter-fast")),
+        2,
+        "a command ran more than once across the clock steps"
+    );
+    assert_eq!(answers(&rig, "c-1", "result"), 1);
+    assert_eq!(answers(&rig, "c-2", "result"), 1);
+    let records: i64 = crate::support::spool::open(&rig.db())
+        .query_row(
+            "SELECT count(*) FROM commands WHERE command_id IN ('c-1', 'c-2')",
+            [],
+            |r| r.get(0),
+        )
+        .expect("records");
+    assert_eq!(records, 2, "a record was purged");
+}
+
+/// A command over the incoming packet limit drops the connection once; it
+/// is then taken on a one-off connection with a larger limit and rejected.
+/// One larger than any limit is dropped with the broker session. Neither
+/// leaves the board deaf.
+#[test]
+fn oversized_commands_are_rejected_or_dropped_without_leaving_the_board_deaf() {
+    let rig = Rig::new("oversize");
+    let mut agent = rig.spawn_ready();
+    let topic = format!("{}/commands", rig.prefix);
+    let over = json!({"command_id": "o-1", "name": "ping", "args": {"x": "y".repeat(100_000)}});
+    publish_all(
+        rig.broker.port(),
+        &topic,
+        vec![over.to_string().into_bytes()],
+    );
+    let r = rig.wait_result("", "result", &mut agent);
+    assert_eq!(r["state"], "rejected");
+    assert!(
+        r["result"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("exceeds commands.max_payload_bytes"),
+        "{r}"
+    );
+    assert!(agent.log_text().contains("taking it on one connection"));
+    let (p, _) = round_trip(
+        &rig,
+        &mut agent,
+        json!({"command_id": "o-ping-1", "name": "ping"}),
+    );
+    assert_eq!(p["state"], "completed");
+    // Larger than anything the agent takes (4 MB): dropped with the session.
+    let mut o = MqttOptions::new(
+        format!("huge-{}", crate::support::unique_suffix()),
+        "127.0.0.1",
+        rig.broker.port(),
+    );
+    o.set_max_packet_size(8 << 20, 8 << 20);
+    let (client, mut conn) = Client::new(o, 10);
+    client
+        .publish(&topic, QoS::AtLeastOnce, false, vec![b'x'; 4 << 20])
+        .expect("queue publish");
+    let acked = wait_for(Duration::from_secs(20), || {
+        matches!(
+            conn.recv_timeout(Duration::from_millis(200)),
+            Ok(Ok(Event::Incoming(Incoming::PubAck(_))))
+        )
+    });
+    assert!(acked);
+    let _ = client.disconnect();
+    // Subscribed again after the discarded session (a command published in
+    // between has no session to wait in at the broker).
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let log = agent.log_text();
+            log.split("discarding the broker session once")
+                .nth(1)
+                .is_some_and(|after| after.contains("subscribed to commands"))
+        }),
+        "{}",
+        agent.log_tail(20)
+    );
+    let (p, _) = round_trip(
+        &rig,
+        &mut agent,
+        json!({"command_id": "o-ping-2", "name": "ping"}),
+    );
+    assert_eq!(p["state"], "completed");
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// More held-back commands than the inbox keeps in memory (4 MiB): the
+/// ones not kept stay unacknowledged at the broker and are redelivered
+/// after the agent reconnects; every command is answered once.
+#[test]
+fn commands_held_back_beyond_the_inbox_are_redelivered_after_a_reconnect() {
+    let rig = Rig::with(
+        "inbox",
+        Extra {
+            commands: "max_queued = 1\nmax_per_minute_per_scope = 1000",
+            ..Extra::default()
+        },
+    );
+    let mut agent = rig.spawn_ready();
+    // Keep the exec lane busy for 3 s, with one more waiting.
+    rig.send_json(json!({"command_id": "busy-1", "name": "count-slow"}));
+    rig.send_json(json!({"command_id": "busy-2", "name": "count-slow"}));
+    assert!(wait_for(Duration::from_secs(10), || lines(
+        &rig.marker("counter")
+    ) == 1));
+    // 100 commands of 60 KB for the same lane: 6 MB, more than the inbox.
+    let pad = "p".repeat(60_000);
+    let payloads: Vec<Vec<u8>> = (0..100)
+        .map(|i| {
+            json!({"command_id": format!("big-{i}"), "name": "echo", "args": {"word": "w", "pad": pad}})
+                .to_string()
+                .into_bytes()
+        })
+        .collect();
+    publish_all(
+        rig.broker.port(),
+        &format!("{}/commands", rig.prefix),
+        payloads,
+    );
+    let answered = |rig: &Rig| {
+        let rs = rig.results();
+        (0..100)
+            .map(|i| {
+                rs.iter()
+                    .filter(|r| r["command_id"] == format!("big-{i}") && r["reply"] == "result")
+                    .count()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        wait_for(Duration::from_secs(60), || answered(&rig)
+            .iter()
+            .all(|&n| n >= 1)),
+        "{:?}\n{}",
+        answered(&rig),
+        agent.log_tail(30)
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        answered(&rig).iter().all(|&n| n == 1),
+        "{:?}",
+        answered(&rig)
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("the command inbox is full") || log.contains("not kept"),
+        "{log}"
+    );
+    assert!(
+        log.contains("reconnecting so the broker redelivers the ones not kept"),
+        "{}",
+        agent.log_tail(30)
+    );
+    let r = rig.wait_result("big-7", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "unknown argument `pad`: {r}");
+    assert_eq!(lines(&rig.marker("counter")), 2);
+    agent.terminate(Duration::from_secs(15));
+    println!(
+        "held back: {} (parked or not kept)",
+        counter(&rig.db(), "commands_held_back")
+    );
 }
