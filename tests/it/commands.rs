@@ -882,8 +882,16 @@ fn a_broken_config_file_at_start_falls_back_to_the_last_good_copy() {
     for broken in ["", "device_id = \"x\"\n[spool\n", "\0\0\0\0\0\0"] {
         std::fs::write(&rig.cfg, broken).expect("write broken config");
         let mut agent = rig.spawn_ready();
+        // Logged by the main thread once the spool is open, which under load
+        // can come after the MQTT thread's "subscribed to commands".
+        assert!(
+            wait_for(Duration::from_secs(10), || agent
+                .log_text()
+                .contains("config invalid: ")),
+            "{}",
+            agent.log_text()
+        );
         let log = agent.log_text();
-        assert!(log.contains("config invalid: "), "{log}");
         assert!(log.contains("running last-known-good"), "{log}");
         assert!(wait_for(Duration::from_secs(10), || rig
             .sub
