@@ -886,6 +886,122 @@ impl MqttThread {
         quick
     }
 
+    /// CONNACK: subscribe to commands (unless the broker closes connections
+    /// on that), announce the retained status, submit what is ready.
+    /// Errors: why this connection must end.
+    fn on_connack(&self, ack: &rumqttc::ConnAck) -> Result<(), String> {
+        if self.mode.get() == ConnMode::Discard {
+            // Messages published before the persistent session
+            // is back are not queued for us: be quick.
+            self.reconnect_now.set(true);
+            return Err("broker session discarded to drop an oversized packet; \
+                    reconnecting with a persistent session"
+                .into());
+        }
+        {
+            let mut s = lock(&self.shared);
+            s.connected = true;
+            s.connacks += 1;
+            s.conn.since = Instant::now();
+            s.conn.connacked_at = Some(Instant::now());
+            let skip = s.conn.skip_sub_until.is_some_and(|t| Instant::now() < t);
+            // Subscribe before any publish of this fresh client
+            // (rumqttc does not re-subscribe by itself), so the
+            // subscribe's packet id is never one a publish holds.
+            // Telemetry never waits on it: see `account_end`.
+            if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
+                if let Err(e) = client.try_subscribe(c.topic.clone(), QoS::AtLeastOnce) {
+                    return Err(format!("cannot subscribe to {}: {e}", c.topic));
+                }
+                s.conn.awaiting_suback = true;
+            }
+            if self.cfg.status_topic {
+                announce_online(&mut s, &self.cfg);
+            }
+            s.pump();
+        }
+        log::info!(
+            "mqtt: connected to {}:{} (session_present={})",
+            self.cfg.host,
+            self.cfg.port,
+            ack.session_present
+        );
+        let _ = self.to_delivery.send(DeliveryMsg::Connected {
+            session_present: ack.session_present,
+        });
+        Ok(())
+    }
+
+    /// PUBACK: the row it acknowledges is retired (through the delivery
+    /// thread); the window refills from here. Errors: an inconsistency that
+    /// ends the connection (the map is dropped, rows replayed).
+    fn on_puback(&self, pkid: u16, backoff: &mut Backoff) -> Result<(), String> {
+        let notify = {
+            let mut s = lock(&self.shared);
+            match s.ack.on_puback(pkid) {
+                Ok(STATUS_ROW) => {
+                    s.pump();
+                    false
+                }
+                Ok(row) => {
+                    if !s.conn.had_puback {
+                        // Backoff resets only once a connection
+                        // has carried data (or lived a keep-alive).
+                        s.conn.had_puback = true;
+                        backoff.reset();
+                    }
+                    s.acked.push(row);
+                    s.progress_at = if s.ack.is_empty() {
+                        None
+                    } else {
+                        Some(Instant::now())
+                    };
+                    // Refill the window from here: no thread hop per PUBACK.
+                    s.pump();
+                    let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;
+                    let first = !s.notified;
+                    if wanted && first {
+                        s.notified = true;
+                    }
+                    wanted && first
+                }
+                Err(e) => return Err(format!("ack correlation: {e}")),
+            }
+        };
+        if notify {
+            let _ = self.to_delivery.send(DeliveryMsg::Progress);
+        }
+        Ok(())
+    }
+
+    /// SUBACK of the command subscription: granted, or refused by the broker.
+    fn on_suback(&self, ack: &rumqttc::SubAck) {
+        if ack
+            .return_codes
+            .iter()
+            .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
+        {
+            let mut s = lock(&self.shared);
+            s.conn.awaiting_suback = false;
+            if s.conn.commands_unavailable.is_none() {
+                log::error!("mqtt: the broker refused the command subscription (SUBACK failure); commands will not arrive: check the broker's ACL for this client");
+            }
+            s.conn.commands_unavailable = Some(
+                "the broker refused the command subscription (SUBACK failure): check its ACL"
+                    .to_owned(),
+            );
+        } else {
+            let mut s = lock(&self.shared);
+            s.subacks += 1;
+            s.conn.awaiting_suback = false;
+            s.conn.sub_kills = 0;
+            s.conn.sub_retry = SUB_RETRY_MIN;
+            s.conn.commands_unavailable = None;
+            drop(s);
+            log::info!("mqtt: subscribed to commands");
+        }
+    }
+
     /// Poll one connection until it fails; returns why.
     fn drive(&self, connection: &mut Connection, backoff: &mut Backoff) -> String {
         // Long enough to never cancel a connect attempt (rumqttc's poll is
@@ -919,46 +1035,9 @@ impl MqttThread {
             }
             match event {
                 Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
-                    if self.mode.get() == ConnMode::Discard {
-                        // Messages published before the persistent session
-                        // is back are not queued for us: be quick.
-                        self.reconnect_now.set(true);
-                        return "broker session discarded to drop an oversized packet; \
-                                reconnecting with a persistent session"
-                            .into();
+                    if let Err(why) = self.on_connack(&ack) {
+                        return why;
                     }
-                    {
-                        let mut s = lock(&self.shared);
-                        s.connected = true;
-                        s.connacks += 1;
-                        s.conn.since = Instant::now();
-                        s.conn.connacked_at = Some(Instant::now());
-                        let skip = s.conn.skip_sub_until.is_some_and(|t| Instant::now() < t);
-                        // Subscribe before any publish of this fresh client
-                        // (rumqttc does not re-subscribe by itself), so the
-                        // subscribe's packet id is never one a publish holds.
-                        // Telemetry never waits on it: see `account_end`.
-                        if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
-                            if let Err(e) = client.try_subscribe(c.topic.clone(), QoS::AtLeastOnce)
-                            {
-                                return format!("cannot subscribe to {}: {e}", c.topic);
-                            }
-                            s.conn.awaiting_suback = true;
-                        }
-                        if self.cfg.status_topic {
-                            announce_online(&mut s, &self.cfg);
-                        }
-                        s.pump();
-                    }
-                    log::info!(
-                        "mqtt: connected to {}:{} (session_present={})",
-                        self.cfg.host,
-                        self.cfg.port,
-                        ack.session_present
-                    );
-                    let _ = self.to_delivery.send(DeliveryMsg::Connected {
-                        session_present: ack.session_present,
-                    });
                 }
                 Ok(Ok(Event::Outgoing(Outgoing::Publish(pkid)))) => {
                     if let Err(e) = lock(&self.shared).ack.on_outgoing_publish(pkid) {
@@ -966,40 +1045,8 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Event::Incoming(Incoming::PubAck(ack)))) => {
-                    let notify = {
-                        let mut s = lock(&self.shared);
-                        match s.ack.on_puback(ack.pkid) {
-                            Ok(STATUS_ROW) => {
-                                s.pump();
-                                false
-                            }
-                            Ok(row) => {
-                                if !s.conn.had_puback {
-                                    // Backoff resets only once a connection
-                                    // has carried data (or lived a keep-alive).
-                                    s.conn.had_puback = true;
-                                    backoff.reset();
-                                }
-                                s.acked.push(row);
-                                s.progress_at = if s.ack.is_empty() {
-                                    None
-                                } else {
-                                    Some(Instant::now())
-                                };
-                                // Refill the window from here: no thread hop per PUBACK.
-                                s.pump();
-                                let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;
-                                let first = !s.notified;
-                                if wanted && first {
-                                    s.notified = true;
-                                }
-                                wanted && first
-                            }
-                            Err(e) => return format!("ack correlation: {e}"),
-                        }
-                    };
-                    if notify {
-                        let _ = self.to_delivery.send(DeliveryMsg::Progress);
+                    if let Err(why) = self.on_puback(ack.pkid, backoff) {
+                        return why;
                     }
                 }
                 Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => match &self.commands {
@@ -1017,31 +1064,7 @@ impl MqttThread {
                         .ack(epoch, &p);
                     }
                 },
-                Ok(Ok(Event::Incoming(Incoming::SubAck(ack)))) => {
-                    if ack
-                        .return_codes
-                        .iter()
-                        .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
-                    {
-                        let mut s = lock(&self.shared);
-                        s.conn.awaiting_suback = false;
-                        if s.conn.commands_unavailable.is_none() {
-                            log::error!("mqtt: the broker refused the command subscription (SUBACK failure); commands will not arrive: check the broker's ACL for this client");
-                        }
-                        s.conn.commands_unavailable = Some(
-                            "the broker refused the command subscription (SUBACK failure): check its ACL".to_owned(),
-                        );
-                    } else {
-                        let mut s = lock(&self.shared);
-                        s.subacks += 1;
-                        s.conn.awaiting_suback = false;
-                        s.conn.sub_kills = 0;
-                        s.conn.sub_retry = SUB_RETRY_MIN;
-                        s.conn.commands_unavailable = None;
-                        drop(s);
-                        log::info!("mqtt: subscribed to commands");
-                    }
-                }
+                Ok(Ok(Event::Incoming(Incoming::SubAck(ack)))) => self.on_suback(&ack),
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
                 Ok(Err(e)) => {
                     lock(&self.shared).conn.peer_closed = true;
