@@ -263,33 +263,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         .map_err(AgentError::Setup)?;
 
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
-    let tuning = if cfg.spool.tune_from_probe {
-        let dir = spool_dir(&cfg);
-        match crate::probe::load_or_probe(&dir) {
-            Ok((profile, fresh)) => {
-                let m = &profile.measurements;
-                let d = profile.derived;
-                log::info!(
-                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s -> commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes",
-                    if fresh { "measured now" } else { "stored profile" },
-                    m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us,
-                    m.write_bytes_per_sec as f64 / 1e6,
-                    d.commit_window_ms, d.checkpoint_wal_bytes, d.retry_min_ms, d.retry_max_ms, d.max_spool_bytes
-                );
-                apply_tuning(&mut cfg, &d);
-                Some(profile)
-            }
-            Err(e) => {
-                log::warn!(
-                    "storage probe failed on {}: {e}; using the configured values",
-                    dir.display()
-                );
-                None
-            }
-        }
-    } else {
-        None
-    };
+    let tuning = tune_from_probe(&mut cfg);
     crate::probe::remove_stale_files(&spool_dir(&cfg));
     let check_reason = crate::integrity::take_stamp(&cfg.spool.path).or_else(|| {
         source
@@ -466,21 +440,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     // Stop: the sampler first, then commit everything it produced.
     let _ = ing.sampler.send(SamplerUpdate::Stop);
     let _ = sampler_handle.join();
-    while let Ok(m) = readings_rx.try_recv() {
-        if let IngestMsg::Reading(r) = m {
-            ing.push(r);
-        }
-    }
-    ing.commit_full();
-    let _ = ing.spool.persist_seqs();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !ing.buffer.is_empty() && Instant::now() < deadline {
-        ing.retry_at = None;
-        ing.commit();
-        if !ing.buffer.is_empty() {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
+    ing.commit_what_is_left(&readings_rx);
     let lost = ing.buffer.len() + ing.full_buffer.len();
     net_stop.store(true, Ordering::Relaxed);
     // The network threads sleep until an event: wake each to see the flag.
@@ -494,37 +454,100 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     join_within(command_handle, deadline, "the command thread");
     join_within(delivery_handle, deadline, "the delivery thread");
     join_within(mqtt_handle, deadline, "the mqtt thread");
-    if let Some(msg) = ing.upkeep.fatal.take() {
-        let _ = ing
-            .spool
-            .end_run(run_id, wall_clock_ms().0, "error", Some(&msg));
-        if ing.upkeep.damaged {
-            return Err(AgentError::Damaged(msg));
+    ing.record_end(run_id, lost)
+}
+
+/// Measure the spool's device (or read its stored profile) and put the
+/// derived knobs into `cfg` where the config leaves them unset
+/// (`spool.tune_from_probe`).
+fn tune_from_probe(cfg: &mut Config) -> Option<crate::probe::Profile> {
+    if cfg.spool.tune_from_probe {
+        let dir = spool_dir(cfg);
+        match crate::probe::load_or_probe(&dir) {
+            Ok((profile, fresh)) => {
+                let m = &profile.measurements;
+                let d = profile.derived;
+                log::info!(
+                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s -> commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes",
+                    if fresh { "measured now" } else { "stored profile" },
+                    m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us,
+                    m.write_bytes_per_sec as f64 / 1e6,
+                    d.commit_window_ms, d.checkpoint_wal_bytes, d.retry_min_ms, d.retry_max_ms, d.max_spool_bytes
+                );
+                apply_tuning(cfg, &d);
+                Some(profile)
+            }
+            Err(e) => {
+                log::warn!(
+                    "storage probe failed on {}: {e}; using the configured values",
+                    dir.display()
+                );
+                None
+            }
         }
-        return Err(AgentError::Setup(msg));
-    }
-    let (status, err) = if lost == 0 {
-        ("ok", None)
     } else {
-        log::error!("{lost} readings could not be committed at shutdown and are lost");
-        let _ = ing.spool.count("readings_lost_at_shutdown", lost as i64);
-        ("error", Some(format!("{lost} readings lost at shutdown")))
-    };
-    ing.spool
-        .end_run(run_id, wall_clock_ms().0, status, err.as_deref())?;
-    let appended = ing.appended;
-    let settled = ing
-        .spool
-        .checkpoint(CheckpointMode::Truncate)
-        .is_ok_and(|r| r.busy == 0);
-    let path = ing.cfg.spool.path.clone();
-    drop(ing);
-    if settled && lost == 0 {
-        // The next start can trust this file without reading all of it.
-        crate::integrity::write_stamp(&path);
+        None
     }
-    log::info!("stopped cleanly; {appended} readings appended this run");
-    Ok(())
+}
+
+impl Ingest {
+    /// At the stop: commit what the sampler produced and what is buffered
+    /// (retrying for up to 10 s), and persist the sequence numbers.
+    fn commit_what_is_left(&mut self, rx: &Receiver<IngestMsg>) {
+        while let Ok(m) = rx.try_recv() {
+            if let IngestMsg::Reading(r) = m {
+                self.push(r);
+            }
+        }
+        self.commit_full();
+        let _ = self.spool.persist_seqs();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.buffer.is_empty() && Instant::now() < deadline {
+            self.retry_at = None;
+            self.commit();
+            if !self.buffer.is_empty() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+
+    /// Record how run `run_id` ended (`lost` readings could not be
+    /// committed); after a clean end, settle the WAL and stamp the file so
+    /// the next start can trust it without reading all of it.
+    fn record_end(self, run_id: i64, lost: usize) -> Result<(), AgentError> {
+        let mut ing = self;
+        if let Some(msg) = ing.upkeep.fatal.take() {
+            let _ = ing
+                .spool
+                .end_run(run_id, wall_clock_ms().0, "error", Some(&msg));
+            if ing.upkeep.damaged {
+                return Err(AgentError::Damaged(msg));
+            }
+            return Err(AgentError::Setup(msg));
+        }
+        let (status, err) = if lost == 0 {
+            ("ok", None)
+        } else {
+            log::error!("{lost} readings could not be committed at shutdown and are lost");
+            let _ = ing.spool.count("readings_lost_at_shutdown", lost as i64);
+            ("error", Some(format!("{lost} readings lost at shutdown")))
+        };
+        ing.spool
+            .end_run(run_id, wall_clock_ms().0, status, err.as_deref())?;
+        let appended = ing.appended;
+        let settled = ing
+            .spool
+            .checkpoint(CheckpointMode::Truncate)
+            .is_ok_and(|r| r.busy == 0);
+        let path = ing.cfg.spool.path.clone();
+        drop(ing);
+        if settled && lost == 0 {
+            // The next start can trust this file without reading all of it.
+            crate::integrity::write_stamp(&path);
+        }
+        log::info!("stopped cleanly; {appended} readings appended this run");
+        Ok(())
+    }
 }
 
 fn spool_dir(cfg: &Config) -> std::path::PathBuf {
