@@ -304,6 +304,10 @@ interval_ms = 50
     println!("{} passed, {} failed", checks.len() - failed, failed);
     if failed > 0 {
         println!("rig: agent log tail:\n{}", drain.log_tail(30));
+        // exit() skips destructors: stop the broker and the proxy first, so
+        // a failed run leaves no mosquitto behind.
+        drop(proxy);
+        drop(broker);
         std::process::exit(1);
     }
 }
