@@ -15,7 +15,7 @@ case "${1:-}" in
 esac
 for t in "${targets[@]}"; do
   cargo build --release --target "$t" --bin edgespool
-  bin="target/$t/release/edgespool"
+  bin="${CARGO_TARGET_DIR:-target}/$t/release/edgespool"
   case "$t" in
     aarch64*) run=(qemu-aarch64 -L /usr/aarch64-linux-gnu) ;;
     armv7*) run=(qemu-arm -L /usr/arm-linux-gnueabihf) ;;

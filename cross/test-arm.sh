@@ -15,6 +15,9 @@ case "${1:-}" in
   "") ;;
   *) echo "usage: $0 [aarch64|armv7]" >&2; exit 2 ;;
 esac
+# Honour CARGO_TARGET_DIR like cargo does (absolute, or relative to here).
+tdir="${CARGO_TARGET_DIR:-target}"
+case "$tdir" in /*) ;; *) tdir="$PWD/$tdir" ;; esac
 for t in "${targets[@]}"; do
   case "$t" in
     aarch64*) runner="qemu-aarch64 -L /usr/aarch64-linux-gnu" ;;
@@ -24,11 +27,11 @@ for t in "${targets[@]}"; do
   EDGESPOOL_UNDER_QEMU=1 cargo test --target "$t" --lib -- --test-threads=2
   echo "== $t: integration tests, agent under qemu"
   cargo build --target "$t" --bin edgespool
-  EDGESPOOL_AGENT_BIN="$PWD/target/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
+  EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
     cargo test --test it -- --test-threads=2 delivery:: faults:: commands::
   if [[ "$t" == armv7* ]]; then
     echo "== $t: a short network-loss rig schedule, agent and sink under qemu"
-    EDGESPOOL_AGENT_BIN="$PWD/target/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" RIG_FAULTS=8 \
+    EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" RIG_FAULTS=8 \
       cargo test --test rig
   fi
 done

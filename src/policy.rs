@@ -22,6 +22,8 @@ use crate::config::Config;
 use ring::signature::{UnparsedPublicKey, ED25519};
 
 /// Key paths an overlay may set. `sources.*` stands for a source's name.
+/// Capacity (`spool.max_bytes`, `spool.min_free_bytes`) is not among them:
+/// a push could make the board refuse every reading.
 pub const OVERLAY_KEYS: &[&str] = &[
     "sources.*.interval_ms",
     "spool.commit_window_ms",
@@ -29,8 +31,6 @@ pub const OVERLAY_KEYS: &[&str] = &[
     "spool.purge_batch_rows",
     "spool.checkpoint_interval_secs",
     "spool.checkpoint_wal_bytes",
-    "spool.max_bytes",
-    "spool.min_free_bytes",
     "mqtt.keep_alive_secs",
     "mqtt.connect_timeout_secs",
     "mqtt.reconnect_min_ms",
@@ -136,6 +136,10 @@ fn overlay_sets(base: &Config, text: &str) -> Result<Vec<String>, Refused> {
     let mut refused = Vec::new();
     let mut sets = Vec::new();
     for (path, value) in leaves {
+        if path.contains('\u{0}') {
+            refused.push(path);
+            continue;
+        }
         match allowed(&path) {
             Some(Some(source)) => match base.sources.iter().position(|s| s.name == source) {
                 Some(i) => sets.push(format!("sources.{i}.interval_ms={value}")),
@@ -146,13 +150,31 @@ fn overlay_sets(base: &Config, text: &str) -> Result<Vec<String>, Refused> {
         }
     }
     if refused.is_empty() {
-        Ok(sets)
+        return Ok(sets);
+    }
+    // The answer goes back over MQTT: bounded, whatever the keys' size.
+    let total = refused.len();
+    let mut named: Vec<String> = refused.iter().take(MAX_NAMED).map(|k| shorten(k)).collect();
+    if total > MAX_NAMED {
+        named.push(format!("and {} more", total - MAX_NAMED));
+    }
+    Err(format!(
+        "an overlay may not set {} (allowed: {})",
+        named.join(", "),
+        OVERLAY_KEYS.join(", ")
+    ))
+}
+
+/// Refused keys named in one answer, at most.
+const MAX_NAMED: usize = 16;
+
+/// `k`, cut to 80 characters.
+fn shorten(k: &str) -> String {
+    let k = k.replace('\u{0}', "");
+    if k.chars().count() <= 80 {
+        k
     } else {
-        Err(format!(
-            "an overlay may not set {} (allowed: {})",
-            refused.join(", "),
-            OVERLAY_KEYS.join(", ")
-        ))
+        format!("{}...", k.chars().take(77).collect::<String>())
     }
 }
 
@@ -174,8 +196,15 @@ fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
     match v {
         toml::Value::Table(t) => {
             for (k, v) in t {
-                let p = if prefix.is_empty() {
+                // A quoted key holding a dot is one key, not a path: it
+                // names nothing in the config (refused, shown quoted).
+                let k = if k.contains('.') {
+                    format!("\"{k}\"\u{0}")
+                } else {
                     k.clone()
+                };
+                let p = if prefix.is_empty() {
+                    k
                 } else {
                     format!("{prefix}.{k}")
                 };
@@ -257,6 +286,19 @@ interval_ms = 1000
         }
         let e = check(&b, "[sources.nope]\ninterval_ms = 5\n", None).unwrap_err();
         assert!(e.contains("no source named"), "{e}");
+        // Capacity could make the board refuse every reading.
+        let e = check(&b, "[spool]\nmin_free_bytes = 1000000000000000\n", None).unwrap_err();
+        assert!(e.contains("spool.min_free_bytes"), "{e}");
+        // A quoted key with dots is one key, not a path.
+        let e = check(&b, "\"sources.temp.interval_ms\" = 5\n", None).unwrap_err();
+        assert!(e.contains("may not set"), "{e}");
+        // The answer stays small whatever the attacker sends.
+        let huge: String = (0..500)
+            .map(|i| format!("\"{}{i}\" = 1\n", "k".repeat(200)))
+            .collect();
+        let e = check(&b, &huge, None).unwrap_err();
+        assert!(e.len() < 4000, "{} bytes", e.len());
+        assert!(e.contains("and 484 more"), "{e}");
     }
 
     #[test]

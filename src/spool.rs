@@ -485,6 +485,21 @@ pub struct Stats {
     pub counters: Vec<(String, i64)>,
 }
 
+/// A FAILED row, for `status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FailedRow {
+    /// Row id.
+    pub id: i64,
+    /// Event id.
+    pub event_id: String,
+    /// Stream.
+    pub stream: String,
+    /// Why it was marked FAILED.
+    pub reason: String,
+    /// When, Unix ms.
+    pub failed_ms: i64,
+}
+
 /// A recorded agent run.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RunRecord {
@@ -1178,6 +1193,34 @@ impl Spool {
             }
             Ok(ids.len())
         })
+    }
+
+    /// The newest `limit` FAILED rows: `(row id, event id, stream, reason,
+    /// failed Unix ms)`, newest first.
+    pub fn failed_rows(&self, limit: usize) -> Result<Vec<FailedRow>, SpoolError> {
+        let e = |e| SpoolError::classify(&self.path, e);
+        let mut st = self
+            .conn
+            .prepare_cached(
+                "SELECT f.id, e.event_id, s.name, f.reason, f.failed_ms FROM failed f
+                 JOIN events e ON e.id = f.id JOIN streams s ON s.id = e.stream_id
+                 ORDER BY f.id DESC LIMIT ?1",
+            )
+            .map_err(e)?;
+        let rows = st
+            .query_map(params![limit as i64], |r| {
+                Ok(FailedRow {
+                    id: r.get(0)?,
+                    event_id: r.get(1)?,
+                    stream: r.get(2)?,
+                    reason: r.get(3)?,
+                    failed_ms: r.get(4)?,
+                })
+            })
+            .map_err(e)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(e)?;
+        Ok(rows)
     }
 
     /// Rows not yet acknowledged, at most (the newest row id less the

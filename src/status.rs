@@ -3,7 +3,7 @@
 //! Its one rule: **status never writes and never holds a read transaction
 //! longer than one query**, so it is safe beside a running agent (F01).
 
-use crate::spool::{RunRecord, Spool, Stats};
+use crate::spool::{FailedRow, RunRecord, Spool, Stats};
 use serde::Serialize;
 use std::path::Path;
 
@@ -20,6 +20,8 @@ pub struct Report {
     pub runs: Vec<RunRecord>,
     /// Command records by state, duplicates answered, mean duration.
     pub commands: crate::commands::store::CommandStats,
+    /// The newest FAILED rows (at most 10) and why.
+    pub failed: Vec<FailedRow>,
     /// The pid holding the spool's lock (a running agent), if any.
     pub running_pid: Option<String>,
     /// What the agent last recorded: `health`, `last_checkpoint`,
@@ -69,6 +71,11 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         runs,
         commands,
         agent_state,
+        failed: if version >= 5 {
+            spool.failed_rows(10).map_err(|e| e.to_string())?
+        } else {
+            Vec::new()
+        },
         running_pid: crate::fsguard::holder(path),
     })
 }
@@ -145,6 +152,7 @@ pub fn to_json(r: &Report) -> serde_json::Value {
         "db_bytes": r.stats.db_bytes,
         "wal_bytes": r.stats.wal_bytes,
         "counters": obj(&r.stats.counters),
+        "failed": r.failed,
         "agent_state": state,
         "commands": r.commands,
         "runs": r.runs,
@@ -181,6 +189,19 @@ pub fn render(r: &Report, now_ms: i64) -> String {
         o.push_str("counters:\n");
         for (k, v) in &r.stats.counters {
             o.push_str(&format!("  {k:<32} {v}\n"));
+        }
+    }
+    if !r.failed.is_empty() {
+        o.push_str("failed rows (newest first; the requeue-failed command sends them again):\n");
+        for f in &r.failed {
+            o.push_str(&format!(
+                "  #{} {} {} ({} ago): {}\n",
+                f.id,
+                f.stream,
+                f.event_id,
+                fmt_ms(now_ms - f.failed_ms),
+                f.reason
+            ));
         }
     }
     let c = &r.commands;

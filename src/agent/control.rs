@@ -284,6 +284,15 @@ impl Ingest {
             cs.checkpoint_interval = ns.checkpoint_interval;
             applied.push("spool (commit window, retention, checkpoints)");
         }
+        if (ns.capacity, ns.checkpoint_wal_bytes) != (cs.capacity, cs.checkpoint_wal_bytes) {
+            cs.capacity = ns.capacity;
+            cs.checkpoint_wal_bytes = ns.checkpoint_wal_bytes;
+            self.upkeep.capacity_checked = None;
+            crate::spool::set_wal_brake_frames(
+                (3 * cs.checkpoint_wal_bytes / 2 / super::WAL_FRAME_BYTES) as i64,
+            );
+            applied.push("spool (capacity, checkpoint threshold)");
+        }
         if ns.path != cs.path
             || ns.options != cs.options
             || ns.allow_network_fs != cs.allow_network_fs

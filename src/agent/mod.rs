@@ -1279,7 +1279,11 @@ impl Ingest {
             dropping,
             config_fallback: self.source.fallback.is_some(),
         };
-        let health = crate::health::assess(&facts, crate::health::grace(self.cfg.mqtt.keep_alive));
+        // Judged once a maintenance pass: a pass early, so `degraded` is
+        // recorded within the bound, not up to a pass after it.
+        let bound = crate::health::grace(self.cfg.mqtt.keep_alive)
+            .saturating_sub(self.maintenance_period());
+        let health = crate::health::assess(&facts, bound);
         if let Ok(backlog) = self.spool.backlog_estimate() {
             self.link.set_status(&self.config_sha, backlog);
         }

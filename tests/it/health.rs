@@ -114,6 +114,12 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
         sub.deliveries().iter().all(|d| d.payload.len() < 2000),
         "the oversized event was delivered"
     );
+    // status names the FAILED row and why.
+    let text = status(&db);
+    assert!(
+        text.contains("failed rows") && text.contains("connection dropped 3 times"),
+        "{text}"
+    );
     agent.terminate(Duration::from_secs(15));
 }
 

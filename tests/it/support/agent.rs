@@ -14,9 +14,15 @@ pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
 /// Path of the binary under test: `EDGESPOOL_AGENT_BIN` if set (an ARM
 /// build, say), else the one cargo built for these tests.
 pub fn bin() -> PathBuf {
-    std::env::var_os("EDGESPOOL_AGENT_BIN")
+    let bin = std::env::var_os("EDGESPOOL_AGENT_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_edgespool")))
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_edgespool")));
+    assert!(
+        bin.is_file(),
+        "agent binary {} does not exist (EDGESPOOL_AGENT_BIN?)",
+        bin.display()
+    );
+    bin
 }
 
 /// A command that runs the binary under test: `EDGESPOOL_AGENT_RUNNER`
