@@ -51,9 +51,6 @@ pub enum DeliveryMsg {
     },
     /// New rows were committed to the spool.
     NewRows,
-    /// Rows behind the read cursor became sendable again (requeued FAILED
-    /// rows): read the spool again from the start.
-    Rescan,
     /// The agent is stopping: look at the stop flag now.
     Stop,
 }
@@ -421,14 +418,6 @@ impl Link {
         if let Some(c) = &s.client {
             let _ = c.try_disconnect();
         }
-    }
-
-    /// Row ids submitted or waiting in the ready queue.
-    pub fn outstanding_rows(&self) -> std::collections::HashSet<i64> {
-        let s = lock(&self.shared);
-        let mut set: std::collections::HashSet<i64> = s.ready.iter().map(|r| r.row).collect();
-        set.extend(s.ack.rows());
-        set
     }
 
     /// Take the rows submitted and the rows acknowledged since the last call:

@@ -42,8 +42,6 @@ pub struct DeliveryConfig {
     pub window: usize,
     /// `mqtt.max_payload_bytes`.
     pub max_payload_bytes: usize,
-    /// `mqtt.ack_timeout_secs` (kept for callers; the MQTT thread's watchdog uses it).
-    pub ack_timeout: Duration,
     /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
     /// disconnects in a row is marked FAILED.
     pub fail_after_disconnects: u32,
@@ -92,7 +90,6 @@ pub fn run(
         waiting_since: None,
         stats,
         last_error_log: None,
-        skip: HashSet::new(),
         suspect: None,
         probing: None,
     };
@@ -139,8 +136,6 @@ struct Delivery {
     waiting_since: Option<Instant>,
     stats: Arc<DeliveryStats>,
     last_error_log: Option<Instant>,
-    /// Rows already submitted or queued when a rescan started: not offered twice.
-    skip: HashSet<i64>,
     /// The row alone in flight at the last quick disconnects, and how many in a row.
     suspect: Option<(i64, u32)>,
     /// Sending one row at a time to find a row the broker refuses; acks
@@ -174,12 +169,6 @@ impl Delivery {
                 );
                 self.epoch = epoch;
                 // Replay from the oldest unacknowledged row, in order (I7).
-                self.cursor = 0;
-                self.ahead.clear();
-                self.skip.clear();
-            }
-            DeliveryMsg::Rescan => {
-                self.skip = self.link.outstanding_rows();
                 self.cursor = 0;
                 self.ahead.clear();
             }
@@ -321,7 +310,7 @@ impl Delivery {
             let Some(row) = self.ahead.pop_front() else {
                 break;
             };
-            if self.retiring.contains(&row.id) || self.skip.contains(&row.id) {
+            if self.retiring.contains(&row.id) {
                 continue; // acknowledged (not yet committed), or already in flight
             }
             if !row.digest_ok() {

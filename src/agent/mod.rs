@@ -339,7 +339,6 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: cfg.mqtt.inflight_window,
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
-        ack_timeout: cfg.mqtt.ack_timeout,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
     };
     let spawn = |name: &str| std::thread::Builder::new().name(name.to_owned());

@@ -1148,8 +1148,8 @@ impl Worker {
             let t = Instant::now();
             let outcome = builtin::run_local(&p.name, &p.args, spool);
             if p.name == "requeue-failed" {
-                // Requeued rows lie behind the delivery cursor.
-                let _ = self.to_delivery.send(DeliveryMsg::Rescan);
+                // Requeued rows are appended as new rows, after every row.
+                let _ = self.to_delivery.send(DeliveryMsg::NewRows);
             }
             self.done(
                 spool,

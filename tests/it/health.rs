@@ -120,6 +120,24 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
         text.contains("failed rows") && text.contains("connection dropped 3 times"),
         "{text}"
     );
+    // The limit lifted, requeue-failed sends it again: appended as a new
+    // row with the same event id and bytes, after every other row.
+    proxy.set_max_publish(0);
+    crate::commands::publish(
+        broker.port(),
+        &format!("{prefix}/commands"),
+        br#"{"command_id":"rq-1","name":"requeue-failed"}"#,
+        false,
+    );
+    assert!(
+        wait_for(Duration::from_secs(30), || sub
+            .deliveries()
+            .iter()
+            .any(|d| d.payload == failed[0].payload)),
+        "the requeued event did not arrive\n{}",
+        agent.log_tail(30)
+    );
+    assert_eq!(count_in_state(&db, "FAILED"), 0);
     agent.terminate(Duration::from_secs(15));
 }
 
