@@ -1198,17 +1198,12 @@ impl Spool {
     /// The newest `limit` FAILED rows: `(row id, event id, stream, reason,
     /// failed Unix ms)`, newest first.
     pub fn failed_rows(&self, limit: usize) -> Result<Vec<FailedRow>, SpoolError> {
-        let e = |e| SpoolError::classify(&self.path, e);
-        let mut st = self
-            .conn
-            .prepare_cached(
-                "SELECT f.id, e.event_id, s.name, f.reason, f.failed_ms FROM failed f
-                 JOIN events e ON e.id = f.id JOIN streams s ON s.id = e.stream_id
-                 ORDER BY f.id DESC LIMIT ?1",
-            )
-            .map_err(e)?;
-        let rows = st
-            .query_map(params![limit as i64], |r| {
+        self.query_all(
+            "SELECT f.id, e.event_id, s.name, f.reason, f.failed_ms FROM failed f
+             JOIN events e ON e.id = f.id JOIN streams s ON s.id = e.stream_id
+             ORDER BY f.id DESC LIMIT ?1",
+            params![limit as i64],
+            |r| {
                 Ok(FailedRow {
                     id: r.get(0)?,
                     event_id: r.get(1)?,
@@ -1216,7 +1211,22 @@ impl Spool {
                     reason: r.get(3)?,
                     failed_ms: r.get(4)?,
                 })
-            })
+            },
+        )
+    }
+
+    /// Every row `sql` returns with `params`, mapped by `f`; no statement
+    /// stays open afterwards (F01).
+    fn query_all<T>(
+        &self,
+        sql: &str,
+        params: impl rusqlite::Params,
+        f: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<Vec<T>, SpoolError> {
+        let e = |e| SpoolError::classify(&self.path, e);
+        let mut st = self.conn.prepare_cached(sql).map_err(e)?;
+        let rows = st
+            .query_map(params, f)
             .map_err(e)?
             .collect::<Result<Vec<_>, _>>()
             .map_err(e)?;
@@ -1287,17 +1297,11 @@ impl Spool {
 
     /// All recorded agent state: `(key, value, updated_ms)`, by key.
     pub fn states(&self) -> Result<Vec<(String, String, i64)>, SpoolError> {
-        let e = |e| SpoolError::classify(&self.path, e);
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT key, value, updated_ms FROM agent_state ORDER BY key")
-            .map_err(e)?;
-        let rows = stmt
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .map_err(e)?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
-        Ok(rows)
+        self.query_all(
+            "SELECT key, value, updated_ms FROM agent_state ORDER BY key",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
     }
 
     /// Add several counter increments in one IMMEDIATE transaction.
@@ -1401,17 +1405,11 @@ impl Spool {
     /// Counts for `status`.
     pub fn stats(&self, now_ms: i64) -> Result<Stats, SpoolError> {
         let e = |e| SpoolError::classify(&self.path, e);
-        let mut stmt = self
-            .conn
-            .prepare_cached(
-                "SELECT stream, state, count(*) FROM event_states GROUP BY stream, state ORDER BY stream, state",
-            )
-            .map_err(e)?;
-        let by = stmt
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .map_err(e)?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
+        let by = self.query_all(
+            "SELECT stream, state, count(*) FROM event_states GROUP BY stream, state ORDER BY stream, state",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?;
         let oldest: Option<i64> = self
             .conn
             .query_row(
@@ -1422,15 +1420,10 @@ impl Spool {
             .optional()
             .map_err(e)?
             .flatten();
-        let mut cstmt = self
-            .conn
-            .prepare_cached("SELECT name, value FROM counters ORDER BY name")
-            .map_err(e)?;
-        let counters = cstmt
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .map_err(e)?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
+        let counters =
+            self.query_all("SELECT name, value FROM counters ORDER BY name", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?;
         Ok(Stats {
             by_stream_state: by,
             oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
@@ -1478,15 +1471,10 @@ impl Spool {
 
     /// The newest `limit` runs, newest first.
     pub fn runs(&self, limit: usize) -> Result<Vec<RunRecord>, SpoolError> {
-        let e = |e| SpoolError::classify(&self.path, e);
-        let mut stmt = self
-            .conn
-            .prepare_cached(
-                "SELECT id, started_ms, ended_ms, pid, version, exit_status, error FROM runs ORDER BY id DESC LIMIT ?1",
-            )
-            .map_err(e)?;
-        let rows = stmt
-            .query_map(params![limit as i64], |r| {
+        self.query_all(
+            "SELECT id, started_ms, ended_ms, pid, version, exit_status, error FROM runs ORDER BY id DESC LIMIT ?1",
+            params![limit as i64],
+            |r| {
                 Ok(RunRecord {
                     id: r.get(0)?,
                     started_ms: r.get(1)?,
@@ -1496,11 +1484,8 @@ impl Spool {
                     exit_status: r.get(5)?,
                     error: r.get(6)?,
                 })
-            })
-            .map_err(e)?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(e)?;
-        Ok(rows)
+            },
+        )
     }
 
     /// `PRAGMA quick_check` result (`ok` when healthy).
