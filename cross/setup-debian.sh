@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what edgespool's build, demo and tests need on a fresh Debian machine.
 #   cross/setup-debian.sh          host build + tests: mosquitto, sqlite3, strace (flash bench),
-#                                  faketime (command tests), rustfmt, clippy
+#                                  faketime (command tests), rustfmt, clippy, cargo-nextest
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
@@ -45,5 +45,10 @@ if command -v rustup >/dev/null; then
   if [ "$want_arm" = 1 ]; then
     rustup target add aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf >/dev/null
   fi
+fi
+# The test runner (cross/test.sh): one process per test, hung tests killed.
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-nextest (a few minutes: it is compiled)"
+  cargo install --locked cargo-nextest
 fi
 echo "setup: ok"

@@ -24,11 +24,11 @@ for t in "${targets[@]}"; do
     armv7*) runner="qemu-arm -L /usr/arm-linux-gnueabihf" ;;
   esac
   echo "== $t: unit tests under qemu"
-  EDGESPOOL_UNDER_QEMU=1 cargo test --target "$t" --lib -- --test-threads=2
+  EDGESPOOL_UNDER_QEMU=1 cargo nextest run --profile ci --target "$t" --lib
   echo "== $t: integration tests, agent under qemu"
   cargo build --target "$t" --bin edgespool
   EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
-    cargo test --test it -- --test-threads=2 delivery:: faults:: commands::
+    cargo nextest run --profile ci --test it -E 'test(/^(delivery|faults|commands)::/)'
   if [[ "$t" == armv7* ]]; then
     echo "== $t: a short network-loss rig schedule, agent and sink under qemu"
     EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" RIG_FAULTS=8 \

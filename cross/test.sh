@@ -8,9 +8,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ]; then cross/setup-debian.sh; else cross/setup-debian.sh --arm; fi
-# Library, binary and integration tests (not the benchmark, which prints
-# figures and is run on its own: cargo bench --bench throughput).
-cargo test --lib --bins --tests -- --test-threads=2
+# Library, binary and integration tests (not the benchmarks, which print
+# figures and are run on their own: cargo bench --bench flash). cargo-nextest
+# runs every test in its own process, kills a hung one after 10 minutes and
+# retries a failure once, reporting it as FLAKY (.config/nextest.toml).
+cargo nextest run --profile ci --lib --bins --test it
+# The network-loss rig is a program, not a libtest harness.
+cargo test --test rig
 if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   cross/test-arm.sh
 fi
