@@ -315,10 +315,13 @@ impl Running {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        if let Some(c) = confinement {
-            confine(&mut command, c).map_err(spawn_err)?;
-        }
-        let mut child = command.spawn().map_err(spawn_err)?;
+        let mut child = match confinement {
+            Some(c) => {
+                confine(&mut command, c).map_err(spawn_err)?;
+                spawn_forked(command, deadline).map_err(spawn_err)?
+            }
+            None => command.spawn().map_err(spawn_err)?,
+        };
         let (stdout, stderr) = match start_readers(&mut child, stdout_keep, stderr_keep) {
             Ok(pipes) => pipes,
             Err(source) => {
@@ -551,6 +554,39 @@ fn drain<R: Read>(mut stream: R, buffer: &Mutex<Buffer>) -> io::Result<()> {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// Starts a command that forks (it has a `pre_exec` hook), giving up at
+/// `deadline`.
+///
+/// `Command::spawn` returns only once the child has exec'd or failed: it
+/// reads a close-on-exec socket until every holder of its write end is
+/// gone. In a multi-threaded process another child forked in that moment
+/// holds it too, and a forked child that never reaches exec holds it for
+/// good. The spawn therefore runs on its own thread; if it has not returned
+/// by the deadline the caller gets an error and goes on, and the thread,
+/// should the spawn ever return, kills and reaps that child.
+fn spawn_forked(mut command: Command, deadline: Instant) -> io::Result<Child> {
+    let (tx, rx) = mpsc::channel();
+    thread::Builder::new()
+        .name("proc-spawn".to_owned())
+        .spawn(move || {
+            let spawned = command.spawn();
+            if let Err(mpsc::SendError(Ok(child))) = tx.send(spawned) {
+                // The caller gave up: this child must not run unobserved.
+                kill_and_reap(child);
+            }
+        })?;
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(spawned) => spawned,
+        Err(RecvTimeoutError::Timeout) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the child did not start (fork without exec) before the timeout",
+        )),
+        Err(RecvTimeoutError::Disconnected) => Err(io::Error::other(
+            "the spawning thread ended without a result",
+        )),
     }
 }
 
@@ -1009,6 +1045,40 @@ mod tests {
         let out =
             run_bounded(Path::new("/bin/echo"), &["1".to_owned()], Duration::MAX, 64).unwrap();
         assert_eq!(out.stdout, b"1\n");
+    }
+
+    #[test]
+    fn a_forked_child_that_does_not_reach_exec_fails_the_spawn_at_the_deadline() {
+        let marker = tempfile::tempdir().unwrap();
+        let ran = marker.path().join("ran");
+        let mut command = Command::new("/bin/sh");
+        command
+            .arg("-c")
+            .arg(format!("sleep 1; touch {}", ran.display()));
+        // SAFETY: the hook only sleeps (nanosleep is async-signal-safe).
+        unsafe {
+            command.pre_exec(|| {
+                let pause = libc::timespec {
+                    tv_sec: 3,
+                    tv_nsec: 0,
+                };
+                libc::nanosleep(&pause, std::ptr::null_mut());
+                Ok(())
+            });
+        }
+        let started = Instant::now();
+        let err = spawn_forked(command, Instant::now() + Duration::from_millis(300))
+            .expect_err("the child sleeps before exec");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // Once the spawn returns, the abandoned child is killed before it
+        // can do anything; it never runs unobserved.
+        thread::sleep(Duration::from_secs(5));
+        assert!(!ran.exists(), "an abandoned child ran its program");
     }
 
     #[test]
