@@ -27,6 +27,7 @@
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`]: lock file and local-filesystem check;
 //! - [`health`]: ok or degraded, with named reasons (pure);
+//! - [`notify`]: systemd notifications (ready, status, watchdog while threads progress);
 //! - [`integrity`]: when the whole-file check runs (never before delivery);
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
 //! - [`policy`]: what a config push may change (overlay keys, signatures);
@@ -46,6 +47,7 @@ pub mod health;
 pub mod integrity;
 pub mod maintenance;
 pub mod mqtt;
+pub mod notify;
 pub mod policy;
 pub mod probe;
 pub mod process;

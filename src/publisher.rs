@@ -31,6 +31,9 @@ pub struct DeliveryStats {
     pub requeued: AtomicU64,
     /// Rows marked FAILED (oversized, damaged payload).
     pub failed: AtomicU64,
+    /// Stamped each time the delivery loop goes round (at least every
+    /// `IDLE_POLL`), for the systemd watchdog.
+    pub heartbeat: crate::notify::Heartbeat,
 }
 
 /// Settings for the delivery thread.
@@ -94,6 +97,7 @@ pub fn run(
         probing: None,
     };
     while !stop.load(Ordering::Relaxed) {
+        d.stats.heartbeat.beat();
         // Event-driven: the MQTT thread, ingest and the agent's stop send
         // messages; the only timer is the group commit of delivery records
         // (and a slow safety poll).

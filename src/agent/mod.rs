@@ -418,6 +418,8 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         retry_at: None,
         upkeep: Upkeep::new(&cfg.spool.path, verdict),
         pending_counts: HashMap::new(),
+        notifier: crate::notify::Notifier::from_env(),
+        heartbeat: crate::notify::Heartbeat::default(),
         tuning: tuning.as_ref().map(|p| p.derived),
         storage_backoff: {
             let (lo, hi) = tuning
@@ -431,7 +433,14 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
     }
+    // The spool is open and every thread runs: tell systemd (Type=notify).
+    ing.notifier.ready();
+    ing.notifier.start_watchdog(vec![
+        ("ingest", ing.heartbeat.clone()),
+        ("delivery", stats.heartbeat.clone()),
+    ]);
     ing.run_until_stopped(&readings_rx, &stop, &hup, &stats);
+    ing.notifier.stopping();
     // The loop also ends on a fatal condition: stop the sampler either way.
     stop.store(true, Ordering::Relaxed);
     signals.close();
@@ -614,6 +623,10 @@ pub(crate) fn join_within(h: std::thread::JoinHandle<()>, deadline: Instant, wha
 }
 
 struct Ingest {
+    /// systemd's notification socket (READY, STATUS, STOPPING, WATCHDOG).
+    notifier: crate::notify::Notifier,
+    /// Stamped each time the ingest loop goes round, for the watchdog.
+    heartbeat: crate::notify::Heartbeat,
     cfg: Config,
     source: ConfigSource,
     link: mqtt::Link,
@@ -1055,6 +1068,7 @@ impl Ingest {
         let mut maint_at = Instant::now() + self.maintenance_period();
         let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
         while !stop.load(Ordering::Relaxed) {
+            self.heartbeat.beat();
             let mut next = maint_at.min(summary_at);
             if let Some(c) = commit_at {
                 next = next.min(c);
@@ -1380,7 +1394,7 @@ impl Ingest {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
-        log::info!(
+        let line = format!(
             "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal}",
             self.appended,
             stats.submitted.load(Ordering::Relaxed),
@@ -1389,5 +1403,7 @@ impl Ingest {
             stats.failed.load(Ordering::Relaxed),
             self.buffer.len()
         );
+        log::info!("{line}");
+        self.notifier.status(&line);
     }
 }

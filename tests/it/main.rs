@@ -12,6 +12,7 @@ mod health;
 mod replay;
 mod spool;
 mod storage;
+mod systemd;
 mod tls;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
