@@ -128,12 +128,9 @@ fn ready_then_watchdog_pings_that_stop_while_the_spool_disk_is_frozen_and_resume
     let frozen_at = Instant::now();
     let mut quiet = false;
     while frozen_at.elapsed() < Duration::from_secs(60) {
-        match next_message(&socket, Duration::from_secs(5)) {
-            None => {
-                quiet = true;
-                break;
-            }
-            Some(_) => {}
+        if next_message(&socket, Duration::from_secs(5)).is_none() {
+            quiet = true;
+            break;
         }
     }
     assert!(
