@@ -29,6 +29,7 @@
 //! - [`health`]: ok or degraded, with named reasons (pure);
 //! - [`integrity`]: when the whole-file check runs (never before delivery);
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
+//! - [`metrics`]: Prometheus text rendering, the textfile and the `/metrics` listener;
 //! - [`policy`]: what a config push may change (overlay keys, signatures);
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
@@ -45,6 +46,7 @@ pub mod fsguard;
 pub mod health;
 pub mod integrity;
 pub mod maintenance;
+pub mod metrics;
 pub mod mqtt;
 pub mod policy;
 pub mod probe;

@@ -16,6 +16,7 @@
 //! commit.
 
 mod control;
+mod figures;
 
 use crate::commands::builtin::Control;
 use crate::commands::worker::{CmdMsg, WorkerConfig};
@@ -417,6 +418,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         last_error_log: None,
         retry_at: None,
         upkeep: Upkeep::new(&cfg.spool.path, verdict),
+        metrics: Default::default(),
         pending_counts: HashMap::new(),
         tuning: tuning.as_ref().map(|p| p.derived),
         storage_backoff: {
@@ -431,6 +433,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
     }
+    let metrics_listener = ing.start_metrics();
     ing.run_until_stopped(&readings_rx, &stop, &hup, &stats);
     // The loop also ends on a fatal condition: stop the sampler either way.
     stop.store(true, Ordering::Relaxed);
@@ -453,6 +456,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     join_within(command_handle, deadline, "the command thread");
     join_within(delivery_handle, deadline, "the delivery thread");
     join_within(mqtt_handle, deadline, "the mqtt thread");
+    ing.stop_metrics(metrics_listener);
     ing.record_end(run_id, lost)
 }
 
@@ -647,6 +651,8 @@ struct Ingest {
     /// sha256 of the local config file (and the confirmed push on top), for
     /// the retained status message.
     config_sha: String,
+    /// Metrics snapshot, textfile, commit latency, drops this run.
+    metrics: figures::MetricsState,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -737,6 +743,7 @@ impl Ingest {
     fn push(&mut self, ev: NewEvent) {
         if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
             self.dropped += 1;
+            self.metrics.dropped += 1;
             self.upkeep.buffer_drops += 1;
             return;
         }
@@ -845,6 +852,7 @@ impl Ingest {
         }
         let n = self.buffer.len();
         self.buffer.clear();
+        self.metrics.dropped += n as u64;
         *self
             .pending_counts
             .entry(format!("readings_dropped_{reason}"))
@@ -898,6 +906,7 @@ impl Ingest {
             }
             return;
         }
+        let started = Instant::now();
         match self.spool.append(
             &self.buffer,
             &mut self.ids,
@@ -906,6 +915,7 @@ impl Ingest {
             wall_clock_ms().0,
         ) {
             Ok(n) => {
+                self.observe_commit(started.elapsed());
                 self.appended += n as u64;
                 self.buffer.clear();
                 self.retry_at = None;
@@ -1372,7 +1382,10 @@ impl Ingest {
     }
 
     fn summary(&mut self, stats: &DeliveryStats) {
-        let mut states = vec![("write_budget", self.write_budget().to_string())];
+        let mut states = vec![
+            ("write_budget", self.write_budget().to_string()),
+            ("latency", self.latency_json().to_string()),
+        ];
         if let Some(c) = &self.upkeep.last_checkpoint_json {
             states.push(("last_checkpoint", c.to_string()));
         }
@@ -1380,14 +1393,19 @@ impl Ingest {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
+        let (backlog, age) = self.backlog_and_age();
         log::info!(
-            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal}",
+            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal} backlog={backlog} oldest_unacked_secs={} connected={} dropped={}",
             self.appended,
             stats.submitted.load(Ordering::Relaxed),
             stats.retired.load(Ordering::Relaxed),
             stats.requeued.load(Ordering::Relaxed),
             stats.failed.load(Ordering::Relaxed),
-            self.buffer.len()
+            self.buffer.len(),
+            age.map_or(0, |a| a.as_secs()),
+            u8::from(self.link.connected()),
+            self.metrics.dropped,
         );
+        self.publish_metrics(true, true);
     }
 }
