@@ -73,6 +73,25 @@ pub struct Config {
     pub sources: Vec<SourceSpec>,
     /// `[commands]`.
     pub commands: CommandsConfig,
+    /// `[metrics]`.
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MetricsConfig {
+    /// `textfile`: an absolute path (for node_exporter's textfile collector,
+    /// e.g. `/var/lib/node_exporter/textfile_collector/edgespool.prom`),
+    /// replaced whole at every `agent.summary_interval_secs` and at a clean
+    /// stop. Unset: no file.
+    pub textfile: Option<PathBuf>,
+    /// `listen`: `IP:port` of an HTTP listener serving `GET /metrics`
+    /// (e.g. `127.0.0.1:9469`). Unset: no listener. A non-loopback address
+    /// needs `listen_public`.
+    pub listen: Option<std::net::SocketAddr>,
+    /// `listen_public`: allow `listen` on an address other hosts can reach
+    /// (default false).
+    pub listen_public: bool,
 }
 
 /// `[commands]`: commands received over MQTT on `<topic_prefix>/commands`.
@@ -325,6 +344,17 @@ struct RawConfig {
     sources: Vec<RawSource>,
     #[serde(default)]
     commands: RawCommands,
+    #[serde(default)]
+    metrics: RawMetrics,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    textfile: Option<PathBuf>,
+    listen: Option<String>,
+    #[serde(default)]
+    listen_public: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1481,6 +1511,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         );
     }
     let config_push = validate_push(&rc.config_push, &mut bad);
+    let metrics = validate_metrics(&raw.metrics, &mut bad);
     let builtin = crate::commands::BUILTINS;
     let mut handlers = Vec::new();
     let mut hnames = std::collections::HashSet::new();
@@ -1718,7 +1749,56 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             handlers,
             config_push,
         },
+        metrics,
     })
+}
+
+/// `[metrics]`: an absolute textfile path; a literal `IP:port` to listen on,
+/// loopback unless `listen_public` (the listener is attack surface).
+fn validate_metrics(raw: &RawMetrics, bad: &mut impl FnMut(&str, String)) -> MetricsConfig {
+    if let Some(p) = &raw.textfile {
+        let nul = p.as_os_str().as_encoded_bytes().contains(&0);
+        if !p.is_absolute() || nul || p.file_name().is_none() {
+            bad(
+                "metrics.textfile",
+                format!("must be an absolute file path without NUL bytes (got {p:?})"),
+            );
+        }
+    }
+    let listen = raw.listen.as_deref().and_then(|l| {
+        match l.parse::<std::net::SocketAddr>() {
+            Ok(a) if a.port() == 0 => {
+                bad("metrics.listen", format!("needs a port, 1..=65535 (got {l:?})"));
+                None
+            }
+            Ok(a) if !a.ip().is_loopback() && !raw.listen_public => {
+                bad(
+                    "metrics.listen",
+                    format!("{l:?} is not a loopback address: metrics would be served to other hosts; use 127.0.0.1:<port>, or set metrics.listen_public = true to mean it"),
+                );
+                None
+            }
+            Ok(a) => Some(a),
+            Err(_) => {
+                bad(
+                    "metrics.listen",
+                    format!("must be IP:port, e.g. \"127.0.0.1:9469\" or \"[::1]:9469\"; host names are not resolved (got {l:?})"),
+                );
+                None
+            }
+        }
+    });
+    if raw.listen_public && raw.listen.is_none() {
+        bad(
+            "metrics.listen_public",
+            "only used with metrics.listen".to_owned(),
+        );
+    }
+    MetricsConfig {
+        textfile: raw.textfile.clone(),
+        listen,
+        listen_public: raw.listen_public,
+    }
 }
 
 fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
@@ -2118,6 +2198,8 @@ interval_ms = 1000
         assert_eq!(example.spool, minimal.spool);
         assert_eq!(example.mqtt, minimal.mqtt);
         assert_eq!(example.agent, minimal.agent);
+        assert_eq!(example.metrics, minimal.metrics);
+        assert_eq!(minimal.metrics, MetricsConfig::default());
         assert_eq!(example.commands.enabled, minimal.commands.enabled);
         assert_eq!(
             example.commands.max_payload_bytes,
@@ -2166,6 +2248,69 @@ interval_ms = 1000
             ),
         ] {
             assert_eq!(a, b, "commands.{key}");
+        }
+    }
+
+    #[test]
+    fn metrics_are_off_by_default_and_read_when_set() {
+        let c = parse(GOOD, "t.toml", &[]).unwrap();
+        assert_eq!(c.metrics, MetricsConfig::default());
+        let c = parse(
+            &format!(
+                "{GOOD}[metrics]\ntextfile = \"/run/edgespool.prom\"\nlisten = \"[::1]:9469\"\n"
+            ),
+            "t.toml",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.metrics.textfile,
+            Some(PathBuf::from("/run/edgespool.prom"))
+        );
+        assert_eq!(c.metrics.listen, Some("[::1]:9469".parse().unwrap()));
+        let public = format!("{GOOD}[metrics]\nlisten = \"0.0.0.0:9469\"\nlisten_public = true\n");
+        assert!(parse(&public, "t.toml", &[]).is_ok());
+    }
+
+    #[test]
+    fn a_metrics_listener_beyond_loopback_needs_listen_public() {
+        let e = err(&format!("{GOOD}[metrics]\nlisten = \"0.0.0.0:9469\"\n"));
+        let p = &e.problems[0];
+        assert_eq!((p.key.as_str(), p.line), ("metrics.listen", Some(12)));
+        assert!(
+            p.message.contains("metrics.listen_public = true"),
+            "{}",
+            p.message
+        );
+        for (body, key, says) in [
+            (
+                "listen = \"localhost:9469\"",
+                "metrics.listen",
+                "host names are not resolved",
+            ),
+            ("listen = \"127.0.0.1:0\"", "metrics.listen", "needs a port"),
+            ("listen = \"127.0.0.1\"", "metrics.listen", "IP:port"),
+            (
+                "textfile = \"edgespool.prom\"",
+                "metrics.textfile",
+                "absolute",
+            ),
+            (
+                "listen_public = true",
+                "metrics.listen_public",
+                "only used with metrics.listen",
+            ),
+            (
+                "listn = \"127.0.0.1:9469\"",
+                "metrics.listn",
+                "did you mean `listen`",
+            ),
+        ] {
+            let e = err(&format!("{GOOD}[metrics]\n{body}\n"));
+            let p = &e.problems[0];
+            assert_eq!(p.key, key, "{body}");
+            assert_eq!(p.line, Some(12), "{body}");
+            assert!(p.message.contains(says), "{body}: {}", p.message);
         }
     }
 

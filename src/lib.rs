@@ -30,6 +30,7 @@
 //! - [`notify`]: systemd notifications (ready, status, watchdog while threads progress);
 //! - [`integrity`]: when the whole-file check runs (never before delivery);
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
+//! - [`metrics`]: Prometheus text rendering, the textfile and the `/metrics` listener;
 //! - [`policy`]: what a config push may change (overlay keys, signatures);
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
@@ -46,6 +47,7 @@ pub mod fsguard;
 pub mod health;
 pub mod integrity;
 pub mod maintenance;
+pub mod metrics;
 pub mod mqtt;
 pub mod notify;
 pub mod policy;

@@ -100,7 +100,16 @@ pub struct Shared {
     /// `<topic_prefix>/status` and what the agent last told for it, when
     /// `mqtt.status_topic` is on.
     status: Option<(String, serde_json::Value)>,
+    /// When each packet id in flight left (`Outgoing::Publish`), for the
+    /// PUBACK latency; at most [`SENT_AT_MAX`] entries, cleared with the map.
+    sent_at: VecDeque<(u16, Instant)>,
+    /// Time from a publish leaving to its PUBACK, rows only (this run).
+    puback_latency: crate::metrics::Histogram,
 }
+
+/// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
+/// is only ever dropped for a packet id that will get no PUBACK.
+const SENT_AT_MAX: usize = 2 * crate::ack::MAX_WINDOW;
 
 fn offline_payload() -> Vec<u8> {
     br#"{"state":"offline"}"#.to_vec()
@@ -382,6 +391,11 @@ impl Link {
         (s.connacks, s.subacks)
     }
 
+    /// Time from a publish leaving to its PUBACK, rows only, since start.
+    pub fn puback_latency(&self) -> crate::metrics::Histogram {
+        lock(&self.shared).puback_latency
+    }
+
     /// Wake the MQTT thread now (it sleeps until an event or a deadline):
     /// call after setting its stop flag. With the status topic on, the wake
     /// is the retained `offline` status itself (QoS 0), and the connection
@@ -570,6 +584,8 @@ pub fn new(
             .status_topic
             .then(|| (status_topic(&cfg), serde_json::json!({}))),
         redeliver: false,
+        sent_at: VecDeque::new(),
+        puback_latency: crate::metrics::Histogram::new(),
     }));
     let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
         incoming_limit(&c.topic, c.max_payload_bytes)
@@ -800,6 +816,7 @@ impl MqttThread {
             s.client = None;
             s.epoch += 1;
             s.progress_at = None;
+            s.sent_at.clear();
             s.ready.clear();
             // A new session redelivers by itself.
             s.redeliver = false;
@@ -927,6 +944,12 @@ impl MqttThread {
     fn on_puback(&self, pkid: u16, backoff: &mut Backoff) -> Result<(), String> {
         let notify = {
             let mut s = lock(&self.shared);
+            let sent = s
+                .sent_at
+                .iter()
+                .position(|(p, _)| *p == pkid)
+                .and_then(|i| s.sent_at.remove(i))
+                .map(|(_, t)| t.elapsed());
             match s.ack.on_puback(pkid) {
                 Ok(STATUS_ROW) => {
                     s.pump();
@@ -940,6 +963,9 @@ impl MqttThread {
                         backoff.reset();
                     }
                     s.acked.push(row);
+                    if let Some(d) = sent {
+                        s.puback_latency.observe(d);
+                    }
                     s.progress_at = if s.ack.is_empty() {
                         None
                     } else {
@@ -1029,9 +1055,15 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Event::Outgoing(Outgoing::Publish(pkid)))) => {
-                    if let Err(e) = lock(&self.shared).ack.on_outgoing_publish(pkid) {
+                    let mut s = lock(&self.shared);
+                    if let Err(e) = s.ack.on_outgoing_publish(pkid) {
                         return format!("ack correlation: {e}");
                     }
+                    s.sent_at.retain(|(p, _)| *p != pkid);
+                    if s.sent_at.len() >= SENT_AT_MAX {
+                        s.sent_at.pop_front();
+                    }
+                    s.sent_at.push_back((pkid, Instant::now()));
                 }
                 Ok(Ok(Event::Incoming(Incoming::PubAck(ack)))) => {
                     if let Err(why) = self.on_puback(ack.pkid, backoff) {

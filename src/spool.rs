@@ -236,6 +236,13 @@ const SQL_NEW_STREAM: &str =
     "INSERT INTO streams (name, last_seq) VALUES (?1, 0) ON CONFLICT(name) DO NOTHING";
 const SQL_STREAM_BY_NAME: &str = "SELECT id, last_seq FROM streams WHERE name = ?1";
 const SQL_SET_SEQ: &str = "UPDATE streams SET last_seq = max(last_seq, ?2) WHERE id = ?1";
+/// The append time of the first row above the acknowledged mark that is
+/// neither acknowledged out of order nor FAILED.
+const SQL_OLDEST_UNACKED: &str = "SELECT e.created_ms FROM events e
+    WHERE e.id > (SELECT acked_through FROM delivery_mark)
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT 1";
 /// Unresolved rows (not acknowledged, not FAILED) above `?1`, in id order.
 const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest
     FROM events e JOIN streams s ON s.id = e.stream_id
@@ -1248,6 +1255,18 @@ impl Spool {
             .map_err(|e| self.err(e))
     }
 
+    /// Append wall time (Unix ms) of the oldest unacknowledged row: the
+    /// lowest row id above the acknowledged mark that is neither
+    /// acknowledged out of order nor FAILED; `None` when there is none. A
+    /// range read from the mark, whatever the spool's size (`stats` takes
+    /// the minimum over every row instead, a full scan).
+    pub fn oldest_unacked_ms(&self) -> Result<Option<i64>, SpoolError> {
+        self.conn
+            .prepare_cached(SQL_OLDEST_UNACKED)
+            .and_then(|mut st| st.query_row([], |r| r.get::<_, i64>(0)).optional())
+            .map_err(|e| self.err(e))
+    }
+
     /// Live and free space inside the file, bytes: `(page_count -
     /// freelist_count) * page_size` and `freelist_count * page_size`.
     pub fn usage(&self) -> Result<(u64, u64), SpoolError> {
@@ -1420,16 +1439,21 @@ impl Spool {
             .optional()
             .map_err(e)?
             .flatten();
-        let counters =
-            self.query_all("SELECT name, value FROM counters ORDER BY name", [], |r| {
-                Ok((r.get(0)?, r.get(1)?))
-            })?;
+        let counters = self.counters()?;
         Ok(Stats {
             by_stream_state: by,
             oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
             wal_bytes: file_len(&wal_path(&self.path)),
             db_bytes: file_len(&self.path),
             counters,
+        })
+    }
+
+    /// The persistent counters `(name, value)`, by name (drops by reason,
+    /// FAILED by reason, command outcomes); one small table.
+    pub fn counters(&self) -> Result<Vec<(String, i64)>, SpoolError> {
+        self.query_all("SELECT name, value FROM counters ORDER BY name", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
         })
     }
 
@@ -1742,6 +1766,34 @@ mod tests {
             vec![(a, "ACKED".to_owned()), (b, "SENT".to_owned())]
         );
         assert_eq!(mark(&s), (a, b));
+    }
+
+    #[test]
+    fn the_oldest_unacknowledged_row_skips_acked_above_and_failed_rows() {
+        let d = tempfile::tempdir().unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let mut s = open(d.path());
+        assert_eq!(s.oldest_unacked_ms().unwrap(), None);
+        for (i, at) in [100, 200, 300].into_iter().enumerate() {
+            s.append(&[ev("a", i as f64)], &mut ids, "d", Format::Json, at)
+                .unwrap();
+        }
+        let r: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
+        let created = |s: &Spool| s.oldest_unacked_ms().unwrap();
+        let first = created(&s);
+        assert!(first.is_some());
+        // Row 2 acknowledged out of order, row 1 FAILED: row 3 is the oldest.
+        s.retire(&[r[1]]).unwrap();
+        s.mark_failed(r[0], "too big", "oversized").unwrap();
+        let third: i64 = s
+            .conn
+            .query_row("SELECT created_ms FROM events WHERE id = ?1", [r[2]], |x| {
+                x.get(0)
+            })
+            .unwrap();
+        assert_eq!(created(&s), Some(third));
+        s.retire(&[r[2]]).unwrap();
+        assert_eq!(created(&s), None);
     }
 
     #[test]

@@ -107,6 +107,34 @@ fn health_line(stored: &str) -> String {
     }
 }
 
+/// The latency record (`{"puback": {...}, "commit": {...}}`, each with
+/// `count`, `p50_seconds`, `p99_seconds`, `max_seconds`) as one line:
+/// `PUBACK p50 12.0 ms, p99 40.0 ms, max 81.2 ms (n=1200); commit ...`.
+/// The quantiles are estimates from the histogram's buckets.
+fn latency_line(stored: &str) -> String {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(stored) else {
+        return stored.to_owned();
+    };
+    let ms = |x: &serde_json::Value| {
+        x.as_f64()
+            .map_or("-".to_owned(), |s| format!("{:.1} ms", s * 1000.0))
+    };
+    let part = |label: &str, h: &serde_json::Value| match h["count"].as_u64() {
+        Some(n) if n > 0 => format!(
+            "{label} p50 {}, p99 {}, max {} (n={n})",
+            ms(&h["p50_seconds"]),
+            ms(&h["p99_seconds"]),
+            ms(&h["max_seconds"])
+        ),
+        _ => format!("{label} none yet"),
+    };
+    format!(
+        "{}; {}",
+        part("PUBACK", &v["puback"]),
+        part("commit", &v["commit"])
+    )
+}
+
 /// `r` as JSON for machines: health as `{"state", "reasons", "since_ms"}`,
 /// counts as objects (`totals` by state, `rows` by stream then state,
 /// `counters` by name), each `agent_state` entry as `{"value",
@@ -164,10 +192,10 @@ pub fn render(r: &Report, now_ms: i64) -> String {
     let mut o = String::new();
     o.push_str(&format!("spool: {}\n", r.spool));
     for (k, v, at) in &r.agent_state {
-        let v = if k == "health" {
-            health_line(v)
-        } else {
-            v.clone()
+        let v = match k.as_str() {
+            "health" => health_line(v),
+            "latency" => latency_line(v),
+            _ => v.clone(),
         };
         o.push_str(&format!("{k}: {v} ({} ago)\n", fmt_ms(now_ms - at)));
     }
@@ -259,4 +287,24 @@ pub fn render(r: &Report, now_ms: i64) -> String {
         ));
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latency_record_reads_as_p50_p99_and_max_in_ms() {
+        let mut h = crate::metrics::Histogram::new();
+        h.observe(std::time::Duration::from_millis(4));
+        let rec = serde_json::json!({
+            "puback": h.summary_json(),
+            "commit": crate::metrics::Histogram::new().summary_json(),
+        });
+        let line = latency_line(&rec.to_string());
+        assert!(line.starts_with("PUBACK p50 "), "{line}");
+        assert!(line.contains("max 4.0 ms (n=1)"), "{line}");
+        assert!(line.ends_with("commit none yet"), "{line}");
+        assert_eq!(latency_line("not json"), "not json");
+    }
 }

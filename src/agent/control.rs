@@ -303,6 +303,15 @@ impl Ingest {
             cur.agent = new.agent.clone();
             applied.push("agent");
         }
+        if new.metrics.textfile != cur.metrics.textfile {
+            cur.metrics.textfile = new.metrics.textfile.clone();
+            applied.push("metrics.textfile");
+        }
+        if (new.metrics.listen, new.metrics.listen_public)
+            != (cur.metrics.listen, cur.metrics.listen_public)
+        {
+            restart.push("metrics.listen");
+        }
         if new.device_id != cur.device_id {
             restart.push("device_id");
         }

@@ -16,6 +16,7 @@
 //! commit.
 
 mod control;
+mod figures;
 
 use crate::commands::builtin::Control;
 use crate::commands::worker::{CmdMsg, WorkerConfig};
@@ -417,6 +418,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         last_error_log: None,
         retry_at: None,
         upkeep: Upkeep::new(&cfg.spool.path, verdict),
+        metrics: Default::default(),
         pending_counts: HashMap::new(),
         notifier: crate::notify::Notifier::from_env(),
         heartbeat: crate::notify::Heartbeat::default(),
@@ -433,6 +435,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
     }
+    let metrics_listener = ing.start_metrics();
     // The spool is open and every thread runs: tell systemd (Type=notify).
     ing.notifier.ready();
     ing.notifier.start_watchdog(vec![
@@ -462,6 +465,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     join_within(command_handle, deadline, "the command thread");
     join_within(delivery_handle, deadline, "the delivery thread");
     join_within(mqtt_handle, deadline, "the mqtt thread");
+    ing.stop_metrics(metrics_listener);
     ing.record_end(run_id, lost)
 }
 
@@ -660,6 +664,8 @@ struct Ingest {
     /// sha256 of the local config file (and the confirmed push on top), for
     /// the retained status message.
     config_sha: String,
+    /// Metrics snapshot, textfile, commit latency, drops this run.
+    metrics: figures::MetricsState,
 }
 
 /// What the ingest thread tracks about the spool between maintenance passes.
@@ -750,6 +756,7 @@ impl Ingest {
     fn push(&mut self, ev: NewEvent) {
         if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
             self.dropped += 1;
+            self.metrics.dropped += 1;
             self.upkeep.buffer_drops += 1;
             return;
         }
@@ -858,6 +865,7 @@ impl Ingest {
         }
         let n = self.buffer.len();
         self.buffer.clear();
+        self.metrics.dropped += n as u64;
         *self
             .pending_counts
             .entry(format!("readings_dropped_{reason}"))
@@ -911,6 +919,7 @@ impl Ingest {
             }
             return;
         }
+        let started = Instant::now();
         match self.spool.append(
             &self.buffer,
             &mut self.ids,
@@ -919,6 +928,7 @@ impl Ingest {
             wall_clock_ms().0,
         ) {
             Ok(n) => {
+                self.observe_commit(started.elapsed());
                 self.appended += n as u64;
                 self.buffer.clear();
                 self.retry_at = None;
@@ -1386,7 +1396,10 @@ impl Ingest {
     }
 
     fn summary(&mut self, stats: &DeliveryStats) {
-        let mut states = vec![("write_budget", self.write_budget().to_string())];
+        let mut states = vec![
+            ("write_budget", self.write_budget().to_string()),
+            ("latency", self.latency_json().to_string()),
+        ];
         if let Some(c) = &self.upkeep.last_checkpoint_json {
             states.push(("last_checkpoint", c.to_string()));
         }
@@ -1394,16 +1407,21 @@ impl Ingest {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
+        let (backlog, age) = self.backlog_and_age();
         let line = format!(
-            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal}",
+            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal} backlog={backlog} oldest_unacked_secs={} connected={} dropped={}",
             self.appended,
             stats.submitted.load(Ordering::Relaxed),
             stats.retired.load(Ordering::Relaxed),
             stats.requeued.load(Ordering::Relaxed),
             stats.failed.load(Ordering::Relaxed),
-            self.buffer.len()
+            self.buffer.len(),
+            age.map_or(0, |a| a.as_secs()),
+            u8::from(self.link.connected()),
+            self.metrics.dropped,
         );
         log::info!("{line}");
         self.notifier.status(&line);
+        self.publish_metrics(true, true);
     }
 }

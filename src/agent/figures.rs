@@ -1,0 +1,149 @@
+//! The agent's side of [`crate::metrics`]: gather [`Figures`] at the summary
+//! interval, publish the rendering to the listener's snapshot, write the
+//! textfile, and keep the latency summary `status` shows.
+//!
+//! Its one rule: **gathering stays cheap for the ingest thread**: counts by
+//! stream and state need a scan of the spool (as `status` does), so they
+//! are taken only while the spool's live data is under [`ROW_SCAN_LIMIT`];
+//! past it, the backlog and the oldest unacknowledged age (index reads)
+//! still are.
+
+use super::Ingest;
+use crate::envelope::wall_clock_ms;
+use crate::metrics::{Figures, Histogram, Snapshot, Textfile};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Largest live spool data (bytes) for which rows are counted by stream and
+/// state: the count reads every row, which on an SD card at about 20 MB/s
+/// is under a second at this size.
+pub(super) const ROW_SCAN_LIMIT: u64 = 16 * 1024 * 1024;
+
+/// What the ingest thread keeps for metrics.
+#[derive(Debug, Default)]
+pub(super) struct MetricsState {
+    /// The rendering the listener serves.
+    pub(super) snapshot: Snapshot,
+    /// `metrics.textfile` writes and their rate-limited warnings.
+    pub(super) textfile: Textfile,
+    /// Duration of each commit of a commit window, this run.
+    pub(super) commit: Histogram,
+    /// Readings refused this run, every reason (for the summary line).
+    pub(super) dropped: u64,
+    /// The row counts were skipped for size, and that was logged.
+    pub(super) scan_skip_logged: bool,
+}
+
+impl Ingest {
+    /// Record the duration of one commit of a commit window.
+    pub(super) fn observe_commit(&mut self, took: Duration) {
+        self.metrics.commit.observe(took);
+    }
+
+    /// `(backlog, oldest unacknowledged age)`: both index reads.
+    pub(super) fn backlog_and_age(&self) -> (u64, Option<Duration>) {
+        let backlog = self.spool.backlog_estimate().unwrap_or(0);
+        let now = wall_clock_ms().0;
+        let age = self
+            .spool
+            .oldest_unacked_ms()
+            .ok()
+            .flatten()
+            .map(|c| Duration::from_millis((now - c).max(0) as u64));
+        (backlog, age)
+    }
+
+    /// Rows by (stream, state) if the spool is small enough to count them.
+    fn row_counts(&mut self) -> Option<Vec<(String, String, i64)>> {
+        let live = self.spool.usage().map(|(live, _)| live).ok()?;
+        if live > ROW_SCAN_LIMIT {
+            if !self.metrics.scan_skip_logged {
+                log::info!(
+                    "metrics: the spool holds {live} bytes of live data, over {ROW_SCAN_LIMIT}: rows by stream and state are not counted (a full scan) until it is smaller; backlog and oldest age still are"
+                );
+                self.metrics.scan_skip_logged = true;
+            }
+            return None;
+        }
+        self.metrics.scan_skip_logged = false;
+        let t = Instant::now();
+        let rows = self.spool.stats(wall_clock_ms().0).ok()?.by_stream_state;
+        log::debug!("metrics: rows counted in {} ms", t.elapsed().as_millis());
+        Some(rows)
+    }
+
+    /// Everything the metrics show now. `count_rows`: also count rows by
+    /// stream and state (see [`ROW_SCAN_LIMIT`]).
+    pub(super) fn figures(&mut self, count_rows: bool) -> Figures {
+        let (backlog, age) = self.backlog_and_age();
+        let rows = if count_rows { self.row_counts() } else { None };
+        let (connacks, _) = self.link.connection_counts();
+        let (at_ms, _) = wall_clock_ms();
+        Figures {
+            rows,
+            backlog,
+            oldest_unacked_age_secs: age.map_or(0.0, |a| a.as_secs_f64()),
+            connected: self.link.connected(),
+            reconnects: connacks.saturating_sub(1),
+            puback: self.link.puback_latency(),
+            commit: self.metrics.commit,
+            counters: self.spool.counters().unwrap_or_default(),
+            write_bytes: crate::maintenance::proc_write_bytes().unwrap_or(0),
+            checkpoints: self.upkeep.checkpoints,
+            appended: self.appended,
+            acked: self.delivery_stats.retired.load(Ordering::Relaxed),
+            at_unix_secs: at_ms as f64 / 1000.0,
+        }
+    }
+
+    /// Render the figures for the listener and, when `textfile`, write
+    /// `metrics.textfile`. Nothing to do with both outputs off.
+    pub(super) fn publish_metrics(&mut self, count_rows: bool, textfile: bool) {
+        let m = &self.cfg.metrics;
+        if m.textfile.is_none() && m.listen.is_none() {
+            return;
+        }
+        let text = crate::metrics::render(&self.figures(count_rows));
+        if let (true, Some(path)) = (textfile, self.cfg.metrics.textfile.clone()) {
+            self.metrics.textfile.write(&path, &text);
+        }
+        self.metrics.snapshot.publish(text);
+    }
+
+    /// PUBACK and commit latency as `status` shows them (p50, p99, max).
+    pub(super) fn latency_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "puback": self.link.puback_latency().summary_json(),
+            "commit": self.metrics.commit.summary_json(),
+        })
+    }
+
+    /// At start: a first snapshot (no row counts: startup work does not
+    /// grow with the spool), then `metrics.listen` if set; a failure to bind
+    /// is an ERROR and the agent runs on without it.
+    pub(super) fn start_metrics(&mut self) -> Option<crate::metrics::listen::Listener> {
+        self.publish_metrics(false, false);
+        let addr = self.cfg.metrics.listen?;
+        match crate::metrics::listen::start(addr, self.metrics.snapshot.clone()) {
+            Ok(l) => {
+                log::info!("metrics: serving GET /metrics on http://{addr}");
+                Some(l)
+            }
+            Err(e) => {
+                log::error!(
+                    "metrics.listen {addr}: cannot listen: {e}; running without the metrics listener"
+                );
+                None
+            }
+        }
+    }
+
+    /// At a clean stop: the last textfile, then the listener stops.
+    pub(super) fn stop_metrics(&mut self, listener: Option<crate::metrics::listen::Listener>) {
+        self.publish_metrics(true, true);
+        if let Some(l) = listener {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            super::join_within(l.stop(), deadline, "the metrics listener");
+        }
+    }
+}
