@@ -754,6 +754,33 @@ impl Plan {
     }
 }
 
+/// What `check-config` says about a replay source: opens the file and
+/// reads its header as [`Replay::open`] does. The error is `(key, message)`:
+/// the source key at fault (`path` for a file that cannot be opened or read
+/// or is empty, `timestamp_columns` or `columns` for a column the header
+/// lacks, `timestamp_format` for the format or zone) and the message, which
+/// names the file.
+///
+/// # Errors
+///
+/// As above; nothing is written.
+pub fn check(spec: &ReplaySpec) -> Result<(), (&'static str, String)> {
+    match Replay::open(spec.clone()) {
+        Ok(_) => Ok(()),
+        Err(SourceError::Parse { what, detail }) => {
+            // Replay::open starts a detail with the key it is about.
+            let key = ["timestamp_columns", "columns", "timestamp_format"]
+                .into_iter()
+                .find(|k| {
+                    detail.starts_with(&format!("{k}:")) || detail.starts_with(&format!("{k}/"))
+                })
+                .unwrap_or("path");
+            Err((key, SourceError::Parse { what, detail }.to_string()))
+        }
+        Err(e) => Err(("path", e.to_string())),
+    }
+}
+
 /// Rejects settings that cannot work, whatever the file.
 fn check_settings(spec: &ReplaySpec) -> Result<(), String> {
     if !spec.speed.is_finite() || spec.speed < 0.0 {
@@ -1536,6 +1563,27 @@ mod tests {
         fs::write(&empty, "").unwrap();
         let e = Replay::open(spec(&empty)).unwrap_err().to_string();
         assert!(e.contains("empty"), "{e}");
+    }
+
+    #[test]
+    fn check_names_the_key_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, msg) = check(&spec(&dir.path().join("nope.csv"))).unwrap_err();
+        assert_eq!(key, "path");
+        assert!(msg.contains("nope.csv"), "{msg}");
+        let (_d, path) = trace(&refs(&hourly(1)), "\n");
+        assert_eq!(check(&spec(&path)), Ok(()));
+        let mut s = spec(&path);
+        s.columns = vec![("NO2(GT)".into(), "no2".into())];
+        let (key, msg) = check(&s).unwrap_err();
+        assert_eq!(key, "columns");
+        assert!(
+            msg.contains("trace.csv") && msg.contains("NO2(GT)"),
+            "{msg}"
+        );
+        let mut s = spec(&path);
+        s.timestamp_columns = vec!["Datum".into()];
+        assert_eq!(check(&s).unwrap_err().0, "timestamp_columns");
     }
 
     #[test]
