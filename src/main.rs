@@ -5,7 +5,7 @@
 //! `check-config`, also a replay file that is missing or lacks a configured
 //! column).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage:
@@ -254,33 +254,7 @@ fn main() -> ExitCode {
             config,
             sets,
             sample,
-        } => match edgespool::config::load(&config, &sets) {
-            Ok(c) => {
-                let problems = edgespool::source::check_files(&c.sources);
-                for (key, msg) in &problems {
-                    eprintln!("config invalid: {}: {key}: {msg}", config.display());
-                }
-                if !problems.is_empty() {
-                    return ExitCode::from(2);
-                }
-                if sample && !sample_sources(&c) {
-                    return ExitCode::FAILURE;
-                }
-                println!(
-                    "{}: ok (device {}, {} sources, broker {}:{})",
-                    config.display(),
-                    c.device_id,
-                    c.sources.len(),
-                    c.mqtt.host,
-                    c.mqtt.port
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("config invalid: {e}");
-                ExitCode::from(2)
-            }
-        },
+        } => check_config(&config, &sets, sample),
         Cmd::Status {
             config,
             spool,
@@ -354,6 +328,38 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `check-config`: the config, then the replay files it names, then (with
+/// `sample`) one reading per source. Exit 2 for a bad config or file, 1 for
+/// a source that gave no reading.
+fn check_config(config: &Path, sets: &[String], sample: bool) -> ExitCode {
+    let c = match edgespool::config::load(config, sets) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("config invalid: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let problems = edgespool::source::check_files(&c.sources);
+    for (key, msg) in &problems {
+        eprintln!("config invalid: {}: {key}: {msg}", config.display());
+    }
+    if !problems.is_empty() {
+        return ExitCode::from(2);
+    }
+    if sample && !sample_sources(&c) {
+        return ExitCode::FAILURE;
+    }
+    println!(
+        "{}: ok (device {}, {} sources, broker {}:{})",
+        config.display(),
+        c.device_id,
+        c.sources.len(),
+        c.mqtt.host,
+        c.mqtt.port
+    );
+    ExitCode::SUCCESS
 }
 
 /// `check-config --sample`: one reading from each source, printed as
