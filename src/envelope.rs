@@ -16,10 +16,14 @@ use std::fmt;
 
 /// A 128-bit event id, unique forever (I3).
 ///
-/// The first 8 bytes are random per agent process ([`EventIdGen::new`]), the
-/// last 8 a counter within that process. Nothing of it is stored in or derived
-/// from the spool, so a power-loss rollback or a lost `-wal` file that undoes
-/// the newest commits cannot make a later process issue the same id again.
+/// Two kinds. Most ids: the first 8 bytes are random per agent process
+/// ([`EventIdGen::new`]), the last 8 a counter within that process. Nothing
+/// of it is stored in or derived from the spool, so a power-loss rollback or
+/// a lost `-wal` file that undoes the newest commits cannot make a later
+/// process issue the same id again for another reading. A replayed trace
+/// row's id is instead derived from the row itself ([`replay_event_id`]):
+/// the same row always gets the same id (that is its purpose), and another
+/// row never does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EventId(pub [u8; 16]);
 
