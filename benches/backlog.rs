@@ -341,6 +341,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// bytes of JSON envelope with the device id and the event id.
 fn reading(i: usize, base_ms: i64) -> NewEvent {
     NewEvent {
+        replay: None,
         stream: "bench".into(),
         ts_ms: base_ms + i as i64 * 10,
         clock_trusted: true,

@@ -153,6 +153,7 @@ impl Drop for Mosquitto {
 
 fn reading(i: usize) -> NewEvent {
     NewEvent {
+        replay: None,
         stream: "bench".into(),
         ts_ms: 1_800_000_000_000 + i as i64,
         clock_trusted: true,

@@ -658,6 +658,8 @@ struct RawSource {
     columns: Option<std::collections::BTreeMap<String, String>>,
     speed: Option<f64>,
     repeat: Option<bool>,
+    timezone: Option<String>,
+    trace_id: Option<String>,
     durability: Option<String>,
 }
 
@@ -1288,7 +1290,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         const FILE: &[&str] = &["file"];
         const EXEC: &[&str] = &["exec"];
         const REPLAY: &[&str] = &["replay"];
-        let owners: [(&str, bool, &[&str]); 16] = [
+        let owners: [(&str, bool, &[&str]); 18] = [
             ("path", rs.path.is_some(), &["file", "replay"]),
             ("scale", rs.scale.is_some(), FILE),
             ("offset", rs.offset.is_some(), FILE),
@@ -1305,6 +1307,8 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ("columns", rs.columns.is_some(), REPLAY),
             ("speed", rs.speed.is_some(), REPLAY),
             ("repeat", rs.repeat.is_some(), REPLAY),
+            ("timezone", rs.timezone.is_some(), REPLAY),
+            ("trace_id", rs.trace_id.is_some(), REPLAY),
         ];
         if ["system", "file", "exec", "replay"].contains(&rs.kind.as_str()) {
             for (f, present, kinds) in owners {
@@ -1318,11 +1322,11 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 let delimiter = rs.delimiter.clone().unwrap_or_else(|| ",".into());
                 let mut chars = delimiter.chars();
                 let delim = match (chars.next(), chars.next()) {
-                    (Some(c), None) if c != '\n' && c != '\r' => c,
+                    (Some(c), None) if c.is_ascii() && !matches!(c, '\n' | '\r' | '"') => c,
                     _ => {
                         bad(
                             &k("delimiter"),
-                            format!("must be one character (got {delimiter:?})"),
+                            format!("must be one ASCII character other than a quote or a line break (got {delimiter:?})"),
                         );
                         ','
                     }
@@ -1332,8 +1336,20 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                     bad(&k("speed"), format!("must be >= 0 (trace seconds per second; 0 = as fast as interval_ms allows) (got {speed})"));
                 }
                 let format = rs.timestamp_format.clone().unwrap_or_default();
-                if let Err(e) = crate::source::replay::TsFormat::compile(&format) {
+                let timezone = rs.timezone.clone().unwrap_or_else(|| "UTC".into());
+                if let Err(e) = crate::source::replay::parse_timezone(&timezone) {
+                    bad(&k("timezone"), e);
+                } else if let Err(e) = crate::source::replay::TsFormat::compile(&format, &timezone)
+                {
                     bad(&k("timestamp_format"), format!("{e} (got {format:?})"));
+                }
+                if let Some(id) = &rs.trace_id {
+                    if id.is_empty() || id.len() > 128 || id.chars().any(char::is_control) {
+                        bad(
+                            &k("trace_id"),
+                            format!("must be 1..=128 printable characters (got {id:?})"),
+                        );
+                    }
                 }
                 let ts_cols = rs.timestamp_columns.clone().unwrap_or_default();
                 if ts_cols.is_empty() {
@@ -1351,6 +1367,8 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         missing: rs.missing.clone().unwrap_or_default(),
                         timestamp_columns: ts_cols,
                         timestamp_format: format,
+                        timezone,
+                        trace_id: rs.trace_id.clone(),
                         columns: rs.columns.clone().unwrap_or_default().into_iter().collect(),
                         speed,
                         max_rows_per_call: 1000,

@@ -16,10 +16,14 @@ use std::fmt;
 
 /// A 128-bit event id, unique forever (I3).
 ///
-/// The first 8 bytes are random per agent process ([`EventIdGen::new`]), the
-/// last 8 a counter within that process. Nothing of it is stored in or derived
-/// from the spool, so a power-loss rollback or a lost `-wal` file that undoes
-/// the newest commits cannot make a later process issue the same id again.
+/// Two kinds. Most ids: the first 8 bytes are random per agent process
+/// ([`EventIdGen::new`]), the last 8 a counter within that process. Nothing
+/// of it is stored in or derived from the spool, so a power-loss rollback or
+/// a lost `-wal` file that undoes the newest commits cannot make a later
+/// process issue the same id again for another reading. A replayed trace
+/// row's id is instead derived from the row itself ([`replay_event_id`]):
+/// the same row always gets the same id (that is its purpose), and another
+/// row never does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EventId(pub [u8; 16]);
 
@@ -72,6 +76,38 @@ impl EventIdGen {
         b[8..].copy_from_slice(&self.counter.to_be_bytes());
         EventId(b)
     }
+}
+
+/// The event id of a replayed trace row: the first 16 bytes of
+/// sha256(`"edgespool-replay-v1"`, device id, stream, trace identity, lap,
+/// line), each string length-prefixed, with the UUID version nibble set
+/// to 8 and the RFC 9562 variant bits (a UUIDv8, so it never looks like a
+/// random [`EventIdGen`] id).
+///
+/// The same row of the same trace on the same device and stream gets the
+/// same id in every process, which is what lets a consumer drop a row that
+/// a restart (or a power-cut rollback of the newest commits) sends again.
+/// Another lap of a repeated trace is another row, so another id.
+pub fn replay_event_id(
+    device_id: &str,
+    stream: &str,
+    trace_id: &str,
+    lap: u64,
+    line: u64,
+) -> EventId {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in ["edgespool-replay-v1", device_id, stream, trace_id] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    h.update(lap.to_be_bytes());
+    h.update(line.to_be_bytes());
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&h.finalize()[..16]);
+    b[6] = (b[6] & 0x0f) | 0x80;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    EventId(b)
 }
 
 /// Payload encoding, from `mqtt.payload_format`.
@@ -244,6 +280,24 @@ mod tests {
         let a = EventIdGen::new().unwrap().next_id();
         let b = EventIdGen::new().unwrap().next_id();
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn replay_ids_are_stable_and_differ_by_each_part() {
+        let id = replay_event_id("dev", "air", "fp:ab", 0, 2);
+        assert_eq!(id, replay_event_id("dev", "air", "fp:ab", 0, 2));
+        assert_eq!(&id.to_string()[14..15], "8", "{id}");
+        for other in [
+            replay_event_id("dev2", "air", "fp:ab", 0, 2),
+            replay_event_id("dev", "air2", "fp:ab", 0, 2),
+            replay_event_id("dev", "air", "fp:ac", 0, 2),
+            replay_event_id("dev", "air", "fp:ab", 1, 2),
+            replay_event_id("dev", "air", "fp:ab", 0, 3),
+            // Length prefixes: moving a character between parts changes it.
+            replay_event_id("de", "vair", "fp:ab", 0, 2),
+        ] {
+            assert_ne!(id, other);
+        }
     }
 
     #[test]

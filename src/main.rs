@@ -1,13 +1,16 @@
 //! The `edgespool` command: parses arguments, runs, maps results to exit codes.
 //!
-//! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS); 2 bad usage or bad config.
+//! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS; for `check-config
+//! --sample`, a source that gave no reading); 2 bad usage or bad config (for
+//! `check-config`, also a replay file that is missing or lacks a configured
+//! column).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage:
   edgespool run --config FILE [--set key.path=value]... [--check-spool]
-  edgespool check-config FILE [--set key.path=value]...
+  edgespool check-config FILE [--set key.path=value]... [--sample]
   edgespool status (--config FILE | --spool PATH) [--json]
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
   edgespool sink --url mqtt://HOST:PORT --topic FILTER --db FILE [--client-id ID] [--share GROUP]
@@ -22,6 +25,7 @@ enum Cmd {
     Check {
         config: PathBuf,
         sets: Vec<String>,
+        sample: bool,
     },
     Status {
         config: Option<PathBuf>,
@@ -55,7 +59,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         None => return Err("missing command".into()),
     };
     let (mut config, mut spool, mut sets, mut json) = (None, None, Vec::new(), false);
-    let (mut dir, mut check_spool) = (None, false);
+    let (mut dir, mut check_spool, mut sample) = (None, false, false);
     let (mut url, mut topic, mut db, mut client_id, mut share) = (None, None, None, None, None);
     while let Some(arg) = p.next()? {
         match arg {
@@ -64,6 +68,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("set") => sets.push(p.value()?.string()?),
             Long("json") => json = true,
             Long("check-spool") if sub == "run" => check_spool = true,
+            Long("sample") if sub == "check-config" => sample = true,
             Long("dir") => dir = Some(PathBuf::from(p.value()?)),
             Long("url") => url = Some(p.value()?.string()?),
             Long("topic") => topic = Some(p.value()?.string()?),
@@ -86,6 +91,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         "check-config" => Ok(Cmd::Check {
             config: config.ok_or("check-config needs FILE")?,
             sets,
+            sample,
         }),
         "status" if config.is_some() || spool.is_some() => Ok(Cmd::Status {
             config,
@@ -244,23 +250,11 @@ fn main() -> ExitCode {
             println!("edgespool {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
         }
-        Cmd::Check { config, sets } => match edgespool::config::load(&config, &sets) {
-            Ok(c) => {
-                println!(
-                    "{}: ok (device {}, {} sources, broker {}:{})",
-                    config.display(),
-                    c.device_id,
-                    c.sources.len(),
-                    c.mqtt.host,
-                    c.mqtt.port
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("config invalid: {e}");
-                ExitCode::from(2)
-            }
-        },
+        Cmd::Check {
+            config,
+            sets,
+            sample,
+        } => check_config(&config, &sets, sample),
         Cmd::Status {
             config,
             spool,
@@ -334,6 +328,72 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `check-config`: the config, then the replay files it names, then (with
+/// `sample`) one reading per source. Exit 2 for a bad config or file, 1 for
+/// a source that gave no reading.
+fn check_config(config: &Path, sets: &[String], sample: bool) -> ExitCode {
+    let c = match edgespool::config::load(config, sets) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("config invalid: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let problems = edgespool::source::check_files(&c.sources);
+    for (key, msg) in &problems {
+        eprintln!("config invalid: {}: {key}: {msg}", config.display());
+    }
+    if !problems.is_empty() {
+        return ExitCode::from(2);
+    }
+    if sample && !sample_sources(&c) {
+        return ExitCode::FAILURE;
+    }
+    println!(
+        "{}: ok (device {}, {} sources, broker {}:{})",
+        config.display(),
+        c.device_id,
+        c.sources.len(),
+        c.mqtt.host,
+        c.mqtt.port
+    );
+    ExitCode::SUCCESS
+}
+
+/// `check-config --sample`: one reading from each source, printed as
+/// `source NAME: field=value ...`, or its error. False if any failed.
+fn sample_sources(cfg: &edgespool::config::Config) -> bool {
+    use edgespool::source::FieldValue;
+    let dir = cfg
+        .spool
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let mut ok = true;
+    for (i, spec) in cfg.sources.iter().enumerate() {
+        match edgespool::source::sample_once(spec, &dir) {
+            Ok(fields) => {
+                let shown: Vec<String> = fields
+                    .iter()
+                    .map(|(k, v)| match v {
+                        FieldValue::Num(n) => format!("{k}={n}"),
+                        FieldValue::Text(t) => format!("{k}={t:?}"),
+                        FieldValue::Bool(b) => format!("{k}={b}"),
+                    })
+                    .collect();
+                println!("source {}: {}", spec.name, shown.join(" "));
+            }
+            Err(e) => {
+                eprintln!("source {} (sources[{i}]): no reading: {e}", spec.name);
+                ok = false;
+            }
+        }
+    }
+    ok
 }
 
 /// Log to stderr through env_logger (`RUST_LOG`, default `info`). Under

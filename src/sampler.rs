@@ -8,9 +8,10 @@
 
 use crate::agent::{join_within, IngestMsg};
 use crate::envelope::wall_clock_ms;
+use crate::source::replay::{Replay, ReplayPosition, Resumed};
 use crate::source::{self, SourceState};
-use crate::spool::NewEvent;
-use std::path::PathBuf;
+use crate::spool::{NewEvent, Spool};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -37,6 +38,7 @@ struct SourceThread {
 fn start_source(
     spec: source::SourceSpec,
     dir: PathBuf,
+    spool: PathBuf,
     tx: Sender<IngestMsg>,
     global: Arc<AtomicBool>,
 ) -> Option<SourceThread> {
@@ -44,7 +46,7 @@ fn start_source(
     let name = spec.name.clone();
     let handle = std::thread::Builder::new()
         .name(format!("source-{}", spec.name))
-        .spawn(move || source_loop(spec, dir, tx, ctl, global));
+        .spawn(move || source_loop(spec, dir, spool, tx, ctl, global));
     match handle {
         Ok(handle) => Some(SourceThread {
             name,
@@ -64,13 +66,14 @@ fn start_source(
 fn source_loop(
     spec: source::SourceSpec,
     dir: PathBuf,
+    spool: PathBuf,
     tx: Sender<IngestMsg>,
     ctl: Receiver<Duration>,
     global: Arc<AtomicBool>,
 ) {
     let mut state = SourceState::default();
     let mut replay = match &spec.kind {
-        source::SourceKind::Replay(r) => match source::replay::Replay::open(r.clone()) {
+        source::SourceKind::Replay(r) => match open_replay(r, &spec.name, &spool) {
             Ok(p) => Some(p),
             Err(e) => {
                 log::error!(
@@ -96,13 +99,14 @@ fn source_loop(
             }
             let result = match replay.as_mut() {
                 Some(r) => replay_due(r, &spec.name, now),
-                None => source::sample(&spec, &mut state, &dir).map(|f| vec![f]),
+                None => source::sample(&spec, &mut state, &dir).map(|f| vec![(f, None)]),
             };
             match result {
                 Ok(list) => {
                     let (ts_ms, trusted) = wall_clock_ms();
-                    for fields in list.into_iter().filter(|f| !f.is_empty()) {
+                    for (fields, replay) in list.into_iter().filter(|(f, _)| !f.is_empty()) {
                         let ev = NewEvent {
+                            replay,
                             stream: spec.name.clone(),
                             ts_ms,
                             clock_trusted: trusted,
@@ -134,13 +138,54 @@ fn source_loop(
     }
 }
 
-fn replay_due(
-    r: &mut source::replay::Replay,
+/// Opens a replay and resumes it after the position the spool stored with
+/// its last committed row (read on a read-only connection of its own).
+/// An unreadable spool is logged and the replay starts from its first row:
+/// rows it already holds are not appended twice ([`crate::spool::Spool::append`]).
+fn open_replay(
+    spec: &source::replay::ReplaySpec,
     name: &str,
-    now: Instant,
-) -> Result<Vec<source::Fields>, source::SourceError> {
+    spool: &Path,
+) -> Result<Replay, source::SourceError> {
+    let mut replay = Replay::open(spec.clone())?;
+    let saved = match Spool::open_read_only(spool).and_then(|s| s.replay_position(name)) {
+        Ok(saved) => saved,
+        Err(e) => {
+            log::warn!("source {name}: cannot read its stored replay position ({e}); starting from the first row");
+            None
+        }
+    };
+    let what = spec.path.display();
+    match replay.resume(saved)? {
+        Resumed::Fresh => log::info!(
+            "source {name}: replaying {what} (trace {}) from the first row",
+            replay.trace_id()
+        ),
+        Resumed::After { lap, line } => log::info!(
+            "source {name}: resuming {what} (trace {}) after line {line} of lap {lap}",
+            replay.trace_id()
+        ),
+        Resumed::SkippedTo { lap, line, reached } => log::warn!(
+            "source {name}: {what} changed under trace_id {:?}: {} line {line} of lap {lap}",
+            replay.trace_id(),
+            if reached { "skipped to just after" } else { "the file is shorter than the stored position, so that lap ended at" }
+        ),
+        Resumed::NewTrace { was } => log::warn!(
+            "source {name}: {what} is not the trace played before (stored identity {was}, now {}): playing it from the first row under new event ids",
+            replay.trace_id()
+        ),
+    }
+    Ok(replay)
+}
+
+/// One reading with, for a replayed row, its position.
+type Due = (source::Fields, Option<ReplayPosition>);
+
+fn replay_due(r: &mut Replay, name: &str, now: Instant) -> Result<Vec<Due>, source::SourceError> {
     let was_done = r.stats().finished;
-    let res = r.due(now);
+    let res = r
+        .due_at(now)
+        .map(|list| list.into_iter().map(|(f, p)| (f, Some(p))).collect());
     if !was_done && r.stats().finished {
         let st = r.stats();
         log::info!(
@@ -152,20 +197,27 @@ fn replay_due(
 }
 
 /// The sampler: starts one thread per source and applies live changes until
-/// [`SamplerUpdate::Stop`]. On stop it waits at most 2 s for the source
+/// [`SamplerUpdate::Stop`]. `spool` is the spool file: its directory is the
+/// one the system source reports free space of, and a replay source reads
+/// its stored position from it at start (see [`Replay::resume`]). On stop it waits at most 2 s for the source
 /// threads; one stuck in a program (until its own timeout) is left behind
 /// rather than delaying the final commit.
 pub fn run(
     sources: Vec<source::SourceSpec>,
-    dir: PathBuf,
+    spool: PathBuf,
     tx: Sender<IngestMsg>,
     updates: Receiver<SamplerUpdate>,
     stop: Arc<AtomicBool>,
 ) {
+    let dir = spool
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| ".".into());
     let start_all = |sources: Vec<source::SourceSpec>| -> Vec<SourceThread> {
         sources
             .into_iter()
-            .filter_map(|s| start_source(s, dir.clone(), tx.clone(), stop.clone()))
+            .filter_map(|s| start_source(s, dir.clone(), spool.clone(), tx.clone(), stop.clone()))
             .collect()
     };
     let mut threads = start_all(sources);

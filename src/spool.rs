@@ -18,6 +18,7 @@
 //!   pins the WAL (F01).
 
 use crate::envelope::{self, Envelope, EventIdGen, Format};
+use crate::source::replay::ReplayPosition;
 use crate::source::Fields;
 use rusqlite::{params, Connection, ErrorCode, OpenFlags, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
@@ -278,6 +279,9 @@ const SQL_PURGE_ABOVE: &str = "DELETE FROM events WHERE id IN (
     ORDER BY a.id LIMIT ?2)";
 const SQL_PURGE_ABOVE_INDEX: &str =
     "DELETE FROM acked_above WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.id = acked_above.id)";
+const SQL_GET_STATE: &str = "SELECT value FROM agent_state WHERE key = ?1";
+const SQL_SET_STATE: &str = "INSERT INTO agent_state (key, value, updated_ms) VALUES (?1, ?2, ?3)
+    ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_ms = excluded.updated_ms";
 const SQL_COUNTER_ADD: &str = "INSERT INTO counters (name, value) VALUES (?1, ?2)
     ON CONFLICT(name) DO UPDATE SET value = value + excluded.value";
 
@@ -433,6 +437,11 @@ pub struct NewEvent {
     pub clock_trusted: bool,
     /// The fields.
     pub fields: Fields,
+    /// For a row of a replayed trace: where the replay stands after it.
+    /// The event id then derives from it ([`envelope::replay_event_id`]),
+    /// the append stores it with the row, and a row at or before the
+    /// position already stored for the same trace is not appended again.
+    pub replay: Option<ReplayPosition>,
 }
 
 /// A row to publish.
@@ -939,15 +948,17 @@ impl Spool {
     }
 
     /// Append `events` in one IMMEDIATE transaction: each gets the next
-    /// sequence number of its stream, a fresh event id, its payload encoded
-    /// once, and a sha256 digest of that payload. All or nothing. The
-    /// transaction writes the new rows only (plus a `streams` row the first
-    /// time a stream appears): sequence numbers reach `streams` through
-    /// [`Spool::persist_seqs`].
+    /// sequence number of its stream, an event id (fresh, or derived from
+    /// its replay position), its payload encoded once, and a sha256 digest
+    /// of that payload. All or nothing. The transaction writes the new rows
+    /// only (plus a `streams` row the first time a stream appears, and the
+    /// replay position of each replayed stream, see [`NewEvent::replay`]):
+    /// sequence numbers reach `streams` through [`Spool::persist_seqs`].
     ///
     /// Returns the number of rows appended. Errors: classified SQLite errors
     /// (nothing is appended); an event whose encoding fails is skipped and
-    /// counted under `readings_unencodable`.
+    /// counted under `readings_unencodable`; a replayed row already in the
+    /// spool is skipped and counted under `replay_rows_already_spooled`.
     pub fn append(
         &mut self,
         events: &[NewEvent],
@@ -965,6 +976,7 @@ impl Spool {
         let mut next: HashMap<String, StreamSeq> = HashMap::new();
         let mut appended = 0usize;
         let mut unencodable = 0i64;
+        let mut marks = ReplayMarks::default();
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -980,8 +992,22 @@ impl Spool {
                     Some(s) => s,
                     None => stream_row(&tx, &ev.stream).map_err(err)?,
                 };
+                let event_id = match &ev.replay {
+                    Some(pos) => {
+                        if !marks.admit(&tx, &ev.stream, pos).map_err(err)? {
+                            continue;
+                        }
+                        envelope::replay_event_id(
+                            device_id,
+                            &ev.stream,
+                            &pos.trace_id,
+                            pos.lap,
+                            pos.line,
+                        )
+                    }
+                    None => ids.next_id(),
+                };
                 let seq = stream.last_seq + 1;
-                let event_id = ids.next_id();
                 let env = Envelope {
                     event_id,
                     device_id,
@@ -1017,8 +1043,12 @@ impl Spool {
                         last_seq: seq,
                     },
                 );
+                if let Some(pos) = &ev.replay {
+                    marks.appended(&ev.stream, pos);
+                }
                 appended += 1;
             }
+            marks.store(&tx, now_ms).map_err(err)?;
             if unencodable > 0 {
                 tx.execute(
                     SQL_COUNTER_ADD,
@@ -1286,6 +1316,16 @@ impl Spool {
         ))
     }
 
+    /// The replay position stored with the last row appended to `stream`
+    /// (see [`NewEvent::replay`]), if any.
+    ///
+    /// # Errors
+    ///
+    /// Classified SQLite errors.
+    pub fn replay_position(&self, stream: &str) -> Result<Option<ReplayPosition>, SpoolError> {
+        load_replay_position(&self.conn, stream).map_err(|e| self.err(e))
+    }
+
     /// Record one piece of agent state for `status` (health, last checkpoint, ...).
     pub fn set_state(&mut self, key: &str, value: &str, now_ms: i64) -> Result<(), SpoolError> {
         self.conn
@@ -1531,6 +1571,94 @@ fn read_pragmas(conn: &Connection) -> rusqlite::Result<EffectivePragmas> {
     })
 }
 
+/// Replay positions met in one append transaction.
+#[derive(Default)]
+struct ReplayMarks {
+    /// Per stream: the position stored (or appended in this transaction),
+    /// and whether this transaction moved it.
+    by_stream: HashMap<String, (Option<ReplayPosition>, bool)>,
+    /// Rows not appended because their position was already stored.
+    already: i64,
+}
+
+impl ReplayMarks {
+    /// Whether the row at `pos` is new: not at or before the position
+    /// stored for `stream` with the same trace identity. Two readers of one
+    /// trace (a config reload racing the old source thread) thus never
+    /// append one row twice.
+    fn admit(
+        &mut self,
+        tx: &rusqlite::Transaction<'_>,
+        stream: &str,
+        pos: &ReplayPosition,
+    ) -> rusqlite::Result<bool> {
+        if !self.by_stream.contains_key(stream) {
+            let stored = load_replay_position(tx, stream)?;
+            self.by_stream.insert(stream.to_owned(), (stored, false));
+        }
+        let seen = self.by_stream.get(stream).is_some_and(|(s, _)| {
+            s.as_ref().is_some_and(|s| {
+                s.trace_id == pos.trace_id && (pos.lap, pos.line) <= (s.lap, s.line)
+            })
+        });
+        if seen {
+            self.already += 1;
+        }
+        Ok(!seen)
+    }
+
+    /// The row at `pos` was appended.
+    fn appended(&mut self, stream: &str, pos: &ReplayPosition) {
+        self.by_stream
+            .insert(stream.to_owned(), (Some(pos.clone()), true));
+    }
+
+    /// Stores the moved positions (and the count of rows not appended
+    /// again) in `tx`.
+    fn store(&self, tx: &rusqlite::Transaction<'_>, now_ms: i64) -> rusqlite::Result<()> {
+        for (stream, (pos, moved)) in &self.by_stream {
+            let Some(pos) = pos.as_ref().filter(|_| *moved) else {
+                continue;
+            };
+            let json = serde_json::to_string(pos)
+                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+            tx.prepare_cached(SQL_SET_STATE)?
+                .execute(params![replay_key(stream), json, now_ms])?;
+        }
+        if self.already > 0 {
+            tx.execute(
+                SQL_COUNTER_ADD,
+                params!["replay_rows_already_spooled", self.already],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// `agent_state` key of a replayed stream's position.
+fn replay_key(stream: &str) -> String {
+    format!("replay_position.{stream}")
+}
+
+/// The position stored for `stream`; a value that does not parse (written
+/// by hand, or by a later version) counts as none, with a warning.
+fn load_replay_position(
+    conn: &Connection,
+    stream: &str,
+) -> rusqlite::Result<Option<ReplayPosition>> {
+    let text: Option<String> = conn
+        .prepare_cached(SQL_GET_STATE)?
+        .query_row(params![replay_key(stream)], |r| r.get(0))
+        .optional()?;
+    Ok(text.and_then(|t| match serde_json::from_str(&t) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            log::warn!("stream {stream}: stored replay position unreadable ({e}); ignored");
+            None
+        }
+    }))
+}
+
 /// Append one event inside the caller's transaction `tx`, reading and
 /// advancing its stream's sequence in the `streams` table at once (not the ingest
 /// connection's cache: used for streams only one other connection writes,
@@ -1618,6 +1746,7 @@ mod tests {
 
     fn ev(stream: &str, x: f64) -> NewEvent {
         NewEvent {
+            replay: None,
             stream: stream.into(),
             ts_ms: 1,
             clock_trusted: true,
@@ -1627,6 +1756,82 @@ mod tests {
 
     fn open(dir: &Path) -> Spool {
         Spool::open(&dir.join("spool.db"), &SpoolOptions::default()).unwrap()
+    }
+
+    fn replayed(trace: &str, lap: u64, line: u64) -> NewEvent {
+        let mut e = ev("air", line as f64);
+        e.replay = Some(ReplayPosition {
+            trace_id: trace.into(),
+            fingerprint: "f".into(),
+            lap,
+            line,
+            offset: line * 10,
+            shift_ms: 0,
+            pass: Default::default(),
+        });
+        e
+    }
+
+    fn event_ids(s: &Spool) -> Vec<String> {
+        s.query_all("SELECT event_id FROM events ORDER BY id", [], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn replayed_rows_get_derived_ids_and_their_position_commits_with_them() {
+        let d = tempfile::tempdir().unwrap();
+        let mut s = open(d.path());
+        let mut ids = EventIdGen::new().unwrap();
+        let batch: Vec<NewEvent> = (2..5).map(|l| replayed("fp:a", 0, l)).collect();
+        assert_eq!(
+            s.append(&batch, &mut ids, "dev", Format::Json, 0).unwrap(),
+            3
+        );
+        let want: Vec<String> = (2..5)
+            .map(|l| envelope::replay_event_id("dev", "air", "fp:a", 0, l).hyphenated())
+            .collect();
+        assert_eq!(event_ids(&s), want);
+        assert_eq!(s.replay_position("air").unwrap(), batch[2].replay);
+        assert_eq!(s.replay_position("other").unwrap(), None);
+
+        // A second reader of the same trace (a reload racing the old
+        // thread): rows already stored are not appended again.
+        let overlap: Vec<NewEvent> = (3..6).map(|l| replayed("fp:a", 0, l)).collect();
+        assert_eq!(
+            s.append(&overlap, &mut ids, "dev", Format::Json, 0)
+                .unwrap(),
+            1
+        );
+        let skipped: i64 = s
+            .conn
+            .query_row(
+                "SELECT value FROM counters WHERE name = 'replay_rows_already_spooled'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(skipped, 2);
+        // The next lap, and another trace, are new rows.
+        let more = [replayed("fp:a", 1, 2), replayed("fp:b", 0, 2)];
+        assert_eq!(
+            s.append(&more, &mut ids, "dev", Format::Json, 0).unwrap(),
+            2
+        );
+        let all = event_ids(&s);
+        assert_eq!(all.len(), 6);
+        let distinct: std::collections::HashSet<&String> = all.iter().collect();
+        assert_eq!(distinct.len(), 6);
+        drop(s);
+        let s = open(d.path());
+        assert_eq!(s.replay_position("air").unwrap(), more[1].replay);
+        // An unreadable stored value counts as none.
+        s.conn
+            .execute(
+                "UPDATE agent_state SET value = 'junk' WHERE key = 'replay_position.air'",
+                [],
+            )
+            .unwrap();
+        assert_eq!(s.replay_position("air").unwrap(), None);
     }
 
     #[test]

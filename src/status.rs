@@ -91,6 +91,15 @@ fn fmt_ms(ms: i64) -> String {
     )
 }
 
+/// A stored replay position as `trace T, lap L, line N` (the stored text
+/// itself if it does not parse).
+fn replay_line(stored: &str) -> String {
+    match serde_json::from_str::<crate::source::replay::ReplayPosition>(stored) {
+        Ok(p) => format!("trace {}, lap {}, line {}", p.trace_id, p.lap, p.line),
+        Err(_) => stored.to_owned(),
+    }
+}
+
 /// The health record as one line: `ok` or `degraded: <reason>; <reason>`
 /// (an agent before schema 5 stored the line itself).
 fn health_line(stored: &str) -> String {
@@ -195,6 +204,7 @@ pub fn render(r: &Report, now_ms: i64) -> String {
         let v = match k.as_str() {
             "health" => health_line(v),
             "latency" => latency_line(v),
+            k if k.starts_with("replay_position.") => replay_line(v),
             _ => v.clone(),
         };
         o.push_str(&format!("{k}: {v} ({} ago)\n", fmt_ms(now_ms - at)));
@@ -306,5 +316,12 @@ mod tests {
         assert!(line.contains("max 4.0 ms (n=1)"), "{line}");
         assert!(line.ends_with("commit none yet"), "{line}");
         assert_eq!(latency_line("not json"), "not json");
+    }
+
+    #[test]
+    fn a_stored_replay_position_reads_as_trace_lap_and_line() {
+        let stored = r#"{"trace_id":"fp:ab","fingerprint":"ab","lap":2,"line":41,"offset":900,"shift_ms":0,"pass":{"first":null,"prev":null,"max":null,"step":null}}"#;
+        assert_eq!(replay_line(stored), "trace fp:ab, lap 2, line 41");
+        assert_eq!(replay_line("junk"), "junk");
     }
 }

@@ -384,9 +384,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let readings_rx = ingest_rx;
     let (sampler_tx, sampler_rx) = mpsc::channel::<SamplerUpdate>();
     let sampler_handle = {
-        let (stop, sources, dir) = (stop.clone(), cfg.sources.clone(), spool_dir(&cfg));
+        let (stop, sources, path) = (stop.clone(), cfg.sources.clone(), cfg.spool.path.clone());
         spawn("sampler")
-            .spawn(move || crate::sampler::run(sources, dir, readings_tx, sampler_rx, stop))
+            .spawn(move || crate::sampler::run(sources, path, readings_tx, sampler_rx, stop))
             .map_err(|e| AgentError::Setup(format!("cannot start sampler thread: {e}")))?
     };
 
@@ -1145,6 +1145,7 @@ impl Ingest {
     fn agent_event(&mut self, kind: &str, detail: &str) {
         let (ts_ms, clock_trusted) = wall_clock_ms();
         self.push(NewEvent {
+            replay: None,
             stream: "_agent".into(),
             ts_ms,
             clock_trusted,

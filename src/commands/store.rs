@@ -191,6 +191,7 @@ fn result_event(r: &ResultEvent<'_>) -> NewEvent {
         fields.push(("retry_safe".to_owned(), FieldValue::Bool(s)));
     }
     NewEvent {
+        replay: None,
         stream: RESULTS_STREAM.to_owned(),
         ts_ms,
         clock_trusted: trusted,

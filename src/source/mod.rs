@@ -259,6 +259,61 @@ pub fn sample(
     }
 }
 
+/// Problems `check-config` finds in the files the sources read, each as
+/// `(key, message)` with the key as in the config (`sources[2].path`):
+/// for now, a replay file that cannot be opened, read or parsed, or whose
+/// header lacks a configured column ([`replay::check`]). Other kinds are
+/// only tried by [`sample_once`] (`check-config --sample`), as a sensor may
+/// appear after boot.
+pub fn check_files(sources: &[SourceSpec]) -> Vec<(String, String)> {
+    sources
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match &s.kind {
+            SourceKind::Replay(r) => replay::check(r)
+                .err()
+                .map(|(key, msg)| (format!("sources[{i}].{key}"), msg)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// One reading of `spec` taken now, as `check-config --sample` prints it:
+/// [`sample`] for system, file and exec sources (a system source's
+/// `cpu_util_pct` needs two samples and is absent); for a replay, its
+/// first usable row (read from the start, nothing stored).
+///
+/// # Errors
+///
+/// As [`sample`]; for a replay, as [`replay::Replay::open`] and
+/// [`replay::Replay::due`], or `Parse` if the file gives no usable row
+/// within its first 100,000 lines.
+pub fn sample_once(spec: &SourceSpec, spool_dir: &Path) -> Result<Fields, SourceError> {
+    let SourceKind::Replay(r) = &spec.kind else {
+        return sample(spec, &mut SourceState::default(), spool_dir);
+    };
+    let mut first = r.clone();
+    first.speed = 0.0;
+    first.repeat = false;
+    first.max_rows_per_call = 1;
+    let mut replay = replay::Replay::open(first)?;
+    for _ in 0..10 {
+        if let Some(fields) = replay.due(std::time::Instant::now())?.pop() {
+            return Ok(fields);
+        }
+        if replay.stats().finished {
+            break;
+        }
+    }
+    Err(SourceError::Parse {
+        what: r.path.display().to_string(),
+        detail: format!(
+            "no usable row in its first {} lines",
+            replay.stats().rows_read
+        ),
+    })
+}
+
 /// Parses a trimmed decimal number; NaN and infinities are rejected because
 /// no sensor means them and they would poison downstream aggregates.
 fn parse_finite(text: &str) -> Option<f64> {

@@ -6,16 +6,26 @@
 //! second) or as fast as the caller asks (`speed == 0`). Each usable row
 //! becomes one reading: `trace_ts_ms` first, then the configured columns.
 //!
+//! Its one rule: **a row has one identity for ever.** Every reading carries
+//! a [`ReplayPosition`] (trace identity, lap, line); the spool derives the
+//! row's event id from it and stores the position in the same transaction
+//! as the row, and [`Replay::resume`] continues after the stored position.
+//! So a restart neither skips a row nor sends one again under a new id.
+//!
 //! The file is streamed line by line through a `BufReader` and is never held
 //! whole; a line longer than [`MAX_LINE_BYTES`] is skipped without being
-//! buffered, so memory stays flat whatever the file holds.
+//! buffered, so memory stays flat whatever the file holds. Each line is
+//! split by the `csv` crate (quoted cells, `""` escapes); as lines are read
+//! one at a time, a quoted cell cannot span two lines. Timestamps are read
+//! by `jiff` (strftime-style formats, offsets, IANA time zones).
 //!
 //! Bad data is never an error: an unusable cell is skipped (and counted), a
 //! row without a timestamp or without any usable value is skipped (and
 //! counted). Errors are reserved for the file itself (unreadable: `Io`) and
 //! for a configuration that does not fit it (`Parse`).
 //!
-//! Counting rules of [`ReplayStats`]:
+//! Counting rules of [`ReplayStats`] (for this process only: a resumed
+//! replay counts from the resume point):
 //! - `rows_read`: every line after the header, including blank and
 //!   separator-only lines (`;;;;`) and over-long lines; over all passes when
 //!   repeating.
@@ -29,9 +39,14 @@
 //!   are not looked at and not counted.
 
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+use jiff::fmt::strtime;
+use jiff::tz::TimeZone;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use super::{excerpt, FieldValue, Fields, SourceError};
 
@@ -41,6 +56,9 @@ pub const TRACE_TS_FIELD: &str = "trace_ts_ms";
 /// Longest line kept; a longer one is consumed without being buffered and
 /// counted as a skipped row.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
+/// Bytes hashed at each end of the file for its fingerprint.
+const FINGERPRINT_EDGE_BYTES: u64 = 64 * 1024;
 
 /// Rows that give no reading examined per call at most, so one call stays
 /// short even on a file made mostly of junk.
@@ -58,8 +76,8 @@ const SHOWN_BYTES: usize = 64;
 pub struct ReplaySpec {
     /// The CSV file; its first line is the header.
     pub path: PathBuf,
-    /// Cell separator, e.g. `';'`. Not `'\n'`, `'\r'`, nor `','` together
-    /// with `decimal_comma`.
+    /// Cell separator, one ASCII character, e.g. `';'`. Not `'\n'`, `'\r'`,
+    /// `'"'`, nor `','` together with `decimal_comma`.
     pub delimiter: char,
     /// `"2,6"` means 2.6 (and `"2.6"` is then rejected, as `.` would be a
     /// thousands separator in such a file).
@@ -71,11 +89,16 @@ pub struct ReplaySpec {
     /// Header names of the cells making up the timestamp, joined with one
     /// space before parsing, e.g. `["Date", "Time"]`. At least one.
     pub timestamp_columns: Vec<String>,
-    /// Subset of strftime: `%d %m %Y %H %M %S`, `%%` for a percent sign,
-    /// every other character literal; e.g. `"%d/%m/%Y %H.%M.%S"`. `%Y`
-    /// takes exactly 4 digits, the others 1 or 2. `%d`, `%m` and `%Y` are
-    /// required. Interpreted as UTC.
+    /// A jiff strftime-style format (see [`TsFormat`]), e.g.
+    /// `"%d/%m/%Y %H.%M.%S"`, `"%Y-%m-%dT%H:%M:%S%.f%:z"` or `"%s"`.
     pub timestamp_format: String,
+    /// Zone that wall-clock timestamps without an offset are read in:
+    /// `"UTC"`, an IANA name (`"Europe/Rome"`) or a fixed offset
+    /// (`"+01:00"`). See [`parse_timezone`].
+    pub timezone: String,
+    /// The trace's identity, from which the event ids of its rows derive.
+    /// `None`: the file's [`fingerprint`], so another file is another trace.
+    pub trace_id: Option<String>,
     /// `(CSV column header, field name)`, in output order. Empty means every
     /// column that is not a timestamp column and has a non-empty header,
     /// named by [`sanitize_header`] (a clash or an empty result gets a
@@ -107,6 +130,63 @@ pub struct ReplayStats {
     pub finished: bool,
 }
 
+/// Where a replay stands just after one row: stored by the spool with the
+/// row (key `replay_position.<stream>` in `agent_state`, as JSON) and given
+/// back to [`Replay::resume`] at the next start.
+///
+/// `(trace_id, lap, line)` is the row's identity: the spool derives the
+/// event id from it ([`crate::envelope::replay_event_id`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplayPosition {
+    /// The trace identity: the configured `trace_id`, else `fp:` and the
+    /// file's [`fingerprint`].
+    pub trace_id: String,
+    /// The file's [`fingerprint`] when the row was read.
+    pub fingerprint: String,
+    /// Pass over the file, from 0 (grows only with `repeat`).
+    pub lap: u64,
+    /// Line number of the row in the file (the header is line 1).
+    pub line: u64,
+    /// Byte offset in the file just after the row's line.
+    pub offset: u64,
+    /// Shift added to the file's timestamps in this lap, ms.
+    pub shift_ms: i64,
+    /// Timestamps of this lap up to the row, to place the next lap.
+    pub pass: PassInfo,
+}
+
+/// What [`Replay::resume`] did, for the log line.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Resumed {
+    /// No stored position: from the first row.
+    Fresh,
+    /// Seeked to just after the stored row.
+    After {
+        /// Lap of the stored row.
+        lap: u64,
+        /// Line of the stored row.
+        line: u64,
+    },
+    /// Same configured `trace_id` but another file content: lines were
+    /// skipped up to the stored line (reached: `true`; the file is shorter
+    /// than the stored position: `false`, and the lap counts as ended).
+    SkippedTo {
+        /// Lap of the stored row.
+        lap: u64,
+        /// Line of the stored row.
+        line: u64,
+        /// Whether the file still has that line.
+        reached: bool,
+    },
+    /// The stored position belongs to another trace identity (the file
+    /// changed and no `trace_id` is configured): a new trace, from the first
+    /// row, with new event ids.
+    NewTrace {
+        /// The identity stored before.
+        was: String,
+    },
+}
+
 /// A trace being played.
 ///
 /// Pacing: the first call to [`Replay::due`] fixes the start instant; the
@@ -126,22 +206,31 @@ pub struct Replay {
     plan: Plan,
     /// The header line as read at open; a reopen must find the same.
     header: String,
+    /// Identity of the trace and fingerprint of the file, fixed at open.
+    trace_id: String,
+    fingerprint: String,
     /// `None` between the end of a pass and the next reopen.
     reader: Option<BufReader<File>>,
     /// Reused line buffer.
     line: Vec<u8>,
     /// Line number in the file of the last line read (header = 1).
     line_no: u64,
+    /// Byte offset just after the last line read.
+    offset: u64,
+    /// Pass over the file, from 0.
+    lap: u64,
     /// A row read but not yet due.
     pending: Option<Row>,
     /// Instant of the first call.
     start: Option<Instant>,
-    /// Timestamp (shifted) of the first row of the whole replay.
+    /// Timestamp (shifted) of the first row played by this process.
     first_ts: Option<i64>,
     /// Shift added to the file's timestamps in the current pass.
     offset_ms: i64,
     pass: PassInfo,
     stats: ReplayStats,
+    /// A bad timestamp was already logged at warn level.
+    warned_ts: bool,
 }
 
 /// How to turn a line into a reading; fixed at open.
@@ -149,7 +238,7 @@ pub struct Replay {
 struct Plan {
     /// For log lines.
     what: String,
-    delimiter: char,
+    delimiter: u8,
     decimal_comma: bool,
     format: TsFormat,
     ts_cols: Vec<usize>,
@@ -165,21 +254,26 @@ struct Column {
     field: String,
 }
 
-/// One usable row: the file's timestamp and the finished reading.
+/// One usable row: the file's timestamp, the finished reading and where
+/// the replay stands after it.
 #[derive(Debug)]
 struct Row {
-    raw_ts: i64,
     ts: i64,
     fields: Fields,
+    position: ReplayPosition,
 }
 
 /// Timestamps seen in the current pass, to place the next one.
-#[derive(Debug, Default)]
-struct PassInfo {
-    first: Option<i64>,
-    prev: Option<i64>,
-    max: Option<i64>,
-    step: Option<i64>,
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PassInfo {
+    /// First timestamp of the pass (file time, unshifted), ms.
+    pub first: Option<i64>,
+    /// Latest timestamp read, ms.
+    pub prev: Option<i64>,
+    /// Largest timestamp read, ms.
+    pub max: Option<i64>,
+    /// First positive gap between two consecutive rows, ms.
+    pub step: Option<i64>,
 }
 
 impl PassInfo {
@@ -207,16 +301,19 @@ enum LineRead {
 }
 
 impl Replay {
-    /// Opens the trace and reads its header.
+    /// Opens the trace, reads its header and fingerprints the file. The
+    /// replay starts at the first row unless [`Replay::resume`] is called
+    /// before the first [`Replay::due`].
     ///
     /// # Errors
     ///
     /// - `Io` if the file cannot be opened or read;
     /// - `Parse` if the file is empty, the header lacks a configured column
-    ///   (the detail names it and lists the headers), `timestamp_format` is
-    ///   not valid, or a setting is out of range (speed negative or not
-    ///   finite, `max_rows_per_call` 0, an unusable delimiter, no timestamp
-    ///   column, duplicate field names).
+    ///   (the detail starts with the key, `timestamp_columns:` or
+    ///   `columns:`, names the column and lists the headers),
+    ///   `timestamp_format` or `timezone` is not valid, or a setting is out
+    ///   of range (speed negative or not finite, `max_rows_per_call` 0, an
+    ///   unusable delimiter, no timestamp column, duplicate field names).
     pub fn open(spec: ReplaySpec) -> Result<Replay, SourceError> {
         let what = spec.path.display().to_string();
         let parse_err = |detail: String| SourceError::Parse {
@@ -224,18 +321,23 @@ impl Replay {
             detail,
         };
         check_settings(&spec).map_err(parse_err)?;
-        let format = TsFormat::compile(&spec.timestamp_format).map_err(|e| {
-            parse_err(format!(
-                "bad timestamp_format {:?}: {e}",
-                spec.timestamp_format
-            ))
-        })?;
-        let (reader, header) = open_with_header(&spec)?;
-        let headers: Vec<&str> = split_line(&header, spec.delimiter)
+        let format = TsFormat::compile(&spec.timestamp_format, &spec.timezone)
+            .map_err(|e| parse_err(format!("timestamp_format/timezone: {e}")))?;
+        let delimiter = spec.delimiter as u8;
+        let (reader, header, header_len) = open_with_header(&spec)?;
+        let headers: Vec<String> = split_cells(header.as_bytes(), delimiter)
             .into_iter()
-            .map(str::trim)
+            .map(|h| h.trim().to_owned())
             .collect();
         let (ts_cols, columns) = resolve_columns(&headers, &spec).map_err(parse_err)?;
+        let fingerprint = fingerprint(&spec.path).map_err(|source| SourceError::Io {
+            path: spec.path.clone(),
+            source,
+        })?;
+        let trace_id = match &spec.trace_id {
+            Some(id) => id.clone(),
+            None => format!("fp:{fingerprint}"),
+        };
         let sentinels = spec
             .missing
             .iter()
@@ -246,7 +348,7 @@ impl Replay {
             .collect();
         let plan = Plan {
             what,
-            delimiter: spec.delimiter,
+            delimiter,
             decimal_comma: spec.decimal_comma,
             format,
             ts_cols,
@@ -257,15 +359,87 @@ impl Replay {
             spec,
             plan,
             header,
+            trace_id,
+            fingerprint,
             reader: Some(reader),
             line: Vec::new(),
             line_no: 1,
+            offset: header_len,
+            lap: 0,
             pending: None,
             start: None,
             first_ts: None,
             offset_ms: 0,
             pass: PassInfo::default(),
             stats: ReplayStats::default(),
+            warned_ts: false,
+        })
+    }
+
+    /// The trace identity rows of this replay carry (`trace_id` or
+    /// `fp:<fingerprint>`).
+    pub fn trace_id(&self) -> &str {
+        &self.trace_id
+    }
+
+    /// Continues after `saved`, the position stored with the last row the
+    /// spool committed (`None`: from the first row). Call before the first
+    /// [`Replay::due`].
+    ///
+    /// - Same identity and same file: seeks just after the stored row.
+    /// - Same configured `trace_id`, other content: skips lines up to the
+    ///   stored line; a file shorter than that ends the stored lap.
+    /// - Another identity: the file is a new trace, played from its first
+    ///   row (lap 0) under new ids.
+    ///
+    /// # Errors
+    ///
+    /// `Io` if seeking or reading the file fails.
+    pub fn resume(&mut self, saved: Option<ReplayPosition>) -> Result<Resumed, SourceError> {
+        let Some(saved) = saved else {
+            return Ok(Resumed::Fresh);
+        };
+        if saved.trace_id != self.trace_id {
+            return Ok(Resumed::NewTrace {
+                was: saved.trace_id,
+            });
+        }
+        self.lap = saved.lap;
+        self.offset_ms = saved.shift_ms;
+        self.pass = saved.pass.clone();
+        let io_err = |source| SourceError::Io {
+            path: self.spec.path.clone(),
+            source,
+        };
+        let Some(reader) = self.reader.as_mut() else {
+            return Ok(Resumed::Fresh);
+        };
+        if saved.fingerprint == self.fingerprint {
+            reader.seek(SeekFrom::Start(saved.offset)).map_err(io_err)?;
+            self.line_no = saved.line;
+            self.offset = saved.offset;
+            return Ok(Resumed::After {
+                lap: saved.lap,
+                line: saved.line,
+            });
+        }
+        while self.line_no < saved.line {
+            let (read, used) = read_line(reader, &mut self.line).map_err(io_err)?;
+            if read == LineRead::Eof {
+                self.end_of_pass();
+                return Ok(Resumed::SkippedTo {
+                    lap: saved.lap,
+                    line: saved.line,
+                    reached: false,
+                });
+            }
+            self.line_no += 1;
+            self.offset += used;
+        }
+        Ok(Resumed::SkippedTo {
+            lap: saved.lap,
+            line: saved.line,
+            reached: true,
         })
     }
 
@@ -287,6 +461,16 @@ impl Replay {
     /// reading is due in the same call, so readings are never lost; the
     /// failed step is tried again on the next call.
     pub fn due(&mut self, now: Instant) -> Result<Vec<Fields>, SourceError> {
+        Ok(self.due_at(now)?.into_iter().map(|(f, _)| f).collect())
+    }
+
+    /// Like [`Replay::due`], each reading with the position just after its
+    /// row (to be stored with it, see [`ReplayPosition`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Replay::due`].
+    pub fn due_at(&mut self, now: Instant) -> Result<Vec<(Fields, ReplayPosition)>, SourceError> {
         let mut out = Vec::new();
         if self.stats.finished {
             return Ok(out);
@@ -313,7 +497,7 @@ impl Replay {
                 break;
             }
             self.stats.readings += 1;
-            out.push(row.fields);
+            out.push((row.fields, row.position));
         }
         Ok(out)
     }
@@ -367,43 +551,69 @@ impl Replay {
             let Some(reader) = self.reader.as_mut() else {
                 return Ok(None);
             };
-            let read = read_line(reader, &mut self.line).map_err(|source| SourceError::Io {
-                path: self.spec.path.clone(),
-                source,
-            })?;
-            match read {
-                LineRead::Eof => self.end_of_pass(),
-                LineRead::TooLong => {
-                    self.line_no += 1;
-                    self.stats.rows_read += 1;
+            let (read, used) =
+                read_line(reader, &mut self.line).map_err(|source| SourceError::Io {
+                    path: self.spec.path.clone(),
+                    source,
+                })?;
+            if read == LineRead::Eof {
+                self.end_of_pass();
+                continue;
+            }
+            self.line_no += 1;
+            self.offset += used;
+            self.stats.rows_read += 1;
+            let row = if read == LineRead::TooLong {
+                log::debug!(
+                    "{} line {}: longer than {MAX_LINE_BYTES} bytes, skipped",
+                    self.plan.what,
+                    self.line_no
+                );
+                None
+            } else {
+                self.parse_current()
+            };
+            match row {
+                Some(row) => return Ok(Some(row)),
+                None => {
                     self.stats.rows_skipped += 1;
                     *budget -= 1;
-                    log::debug!(
-                        "{} line {}: longer than {MAX_LINE_BYTES} bytes, skipped",
-                        self.plan.what,
-                        self.line_no
-                    );
-                }
-                LineRead::Line => {
-                    self.line_no += 1;
-                    self.stats.rows_read += 1;
-                    let text = String::from_utf8_lossy(&self.line);
-                    let row =
-                        self.plan
-                            .parse_row(&text, self.line_no, self.offset_ms, &mut self.stats);
-                    match row {
-                        Some(row) => {
-                            self.pass.note(row.raw_ts);
-                            return Ok(Some(row));
-                        }
-                        None => {
-                            self.stats.rows_skipped += 1;
-                            *budget -= 1;
-                        }
-                    }
                 }
             }
         }
+    }
+
+    /// The reading of the line in the buffer, if it gives one.
+    fn parse_current(&mut self) -> Option<Row> {
+        let warn = !self.warned_ts;
+        let (raw_ts, fields) = match self.plan.parse_row(
+            &self.line,
+            self.line_no,
+            self.offset_ms,
+            &mut self.stats,
+            warn,
+        ) {
+            Ok(row) => row?,
+            Err(()) => {
+                self.warned_ts = true;
+                return None;
+            }
+        };
+        self.pass.note(raw_ts);
+        let position = ReplayPosition {
+            trace_id: self.trace_id.clone(),
+            fingerprint: self.fingerprint.clone(),
+            lap: self.lap,
+            line: self.line_no,
+            offset: self.offset,
+            shift_ms: self.offset_ms,
+            pass: self.pass.clone(),
+        };
+        Some(Row {
+            ts: raw_ts.saturating_add(self.offset_ms),
+            fields,
+            position,
+        })
     }
 
     /// The file is exhausted: finish, or arrange the next pass.
@@ -421,6 +631,7 @@ impl Replay {
                     .offset_ms
                     .saturating_add(max.saturating_sub(first))
                     .saturating_add(step);
+                self.lap += 1;
             }
             _ => {
                 log::warn!(
@@ -435,7 +646,7 @@ impl Replay {
     /// Opens the file again for the next pass; its header must not have
     /// changed, or the column positions would be wrong.
     fn reopen(&mut self) -> Result<(), SourceError> {
-        let (reader, header) = open_with_header(&self.spec)?;
+        let (reader, header, header_len) = open_with_header(&self.spec)?;
         if header != self.header {
             return Err(SourceError::Parse {
                 what: self.plan.what.clone(),
@@ -447,46 +658,59 @@ impl Replay {
         }
         self.reader = Some(reader);
         self.line_no = 1;
+        self.offset = header_len;
         Ok(())
     }
 }
 
 impl Plan {
-    /// The reading of one line, or `None` if it has none (cells skipped are
-    /// counted here, the row by the caller).
+    /// The file timestamp and reading of one line: `Ok(None)` if it has
+    /// none (cells skipped are counted here, the row by the caller),
+    /// `Err(())` if its timestamp does not parse (logged, at warn level if
+    /// `warn`, else at debug).
     fn parse_row(
         &self,
-        line: &str,
+        line: &[u8],
         line_no: u64,
         offset_ms: i64,
         stats: &mut ReplayStats,
-    ) -> Option<Row> {
-        let cells = split_line(line, self.delimiter);
+        warn: bool,
+    ) -> Result<Option<(i64, Fields)>, ()> {
+        let cells = split_cells(line, self.delimiter);
+        let cell = |index: usize| cells.get(index).map_or("", |c| c.trim());
         if cells.iter().all(|c| c.trim().is_empty()) {
             // Blank or separator-only line: nothing to report.
-            return None;
+            return Ok(None);
         }
         let mut ts_text = String::new();
         for (k, &index) in self.ts_cols.iter().enumerate() {
-            let cell = cells.get(index).map_or("", |c| c.trim());
-            if cell.is_empty() {
+            if cell(index).is_empty() {
                 log::debug!("{} line {line_no}: empty timestamp, row skipped", self.what);
-                return None;
+                return Ok(None);
             }
             if k > 0 {
                 ts_text.push(' ');
             }
-            ts_text.push_str(cell);
+            ts_text.push_str(cell(index));
         }
         let raw_ts = match self.format.parse_ms(&ts_text) {
             Ok(ts) => ts,
             Err(e) => {
-                log::debug!(
-                    "{} line {line_no}: timestamp {:?}: {e}, row skipped",
+                let level = if warn {
+                    log::Level::Warn
+                } else {
+                    log::Level::Debug
+                };
+                log::log!(
+                    level,
+                    "{} line {line_no}: timestamp {:?} (column {}) does not match timestamp_format {:?}: {e}; row skipped{}",
                     self.what,
-                    excerpt(&ts_text, SHOWN_BYTES)
+                    excerpt(&ts_text, SHOWN_BYTES),
+                    self.ts_cols.iter().map(|i| (i + 1).to_string()).collect::<Vec<_>>().join("+"),
+                    self.format.format,
+                    if warn { " (further ones at debug level)" } else { "" }
                 );
-                return None;
+                return Err(());
             }
         };
         let ts = raw_ts.saturating_add(offset_ms);
@@ -494,25 +718,26 @@ impl Plan {
         // Unix milliseconds stay far below 2^53, where f64 is exact.
         fields.push((TRACE_TS_FIELD.to_owned(), FieldValue::Num(ts as f64)));
         for col in &self.columns {
-            let cell = cells.get(col.index).map_or("", |c| c.trim());
-            match self.cell_value(cell) {
+            let text = cell(col.index);
+            match self.cell_value(text) {
                 Ok(Some(v)) => fields.push((col.field.clone(), FieldValue::Num(v))),
                 Ok(None) => stats.cells_skipped += 1,
                 Err(()) => {
                     stats.cells_skipped += 1;
                     log::debug!(
-                        "{} line {line_no}: column {:?}: not a number: {:?}",
+                        "{} line {line_no}: column {} {:?}: not a number: {:?}",
                         self.what,
+                        col.index + 1,
                         col.header,
-                        excerpt(cell, SHOWN_BYTES)
+                        excerpt(text, SHOWN_BYTES)
                     );
                 }
             }
         }
         if fields.len() == 1 {
-            return None;
+            return Ok(None);
         }
-        Some(Row { raw_ts, ts, fields })
+        Ok(Some((raw_ts, fields)))
     }
 
     /// `Ok(Some)` for a number, `Ok(None)` for an empty or missing cell,
@@ -529,6 +754,33 @@ impl Plan {
     }
 }
 
+/// What `check-config` says about a replay source: opens the file and
+/// reads its header as [`Replay::open`] does. The error is `(key, message)`:
+/// the source key at fault (`path` for a file that cannot be opened or read
+/// or is empty, `timestamp_columns` or `columns` for a column the header
+/// lacks, `timestamp_format` for the format or zone) and the message, which
+/// names the file.
+///
+/// # Errors
+///
+/// As above; nothing is written.
+pub fn check(spec: &ReplaySpec) -> Result<(), (&'static str, String)> {
+    match Replay::open(spec.clone()) {
+        Ok(_) => Ok(()),
+        Err(SourceError::Parse { what, detail }) => {
+            // Replay::open starts a detail with the key it is about.
+            let key = ["timestamp_columns", "columns", "timestamp_format"]
+                .into_iter()
+                .find(|k| {
+                    detail.starts_with(&format!("{k}:")) || detail.starts_with(&format!("{k}/"))
+                })
+                .unwrap_or("path");
+            Err((key, SourceError::Parse { what, detail }.to_string()))
+        }
+        Err(e) => Err(("path", e.to_string())),
+    }
+}
+
 /// Rejects settings that cannot work, whatever the file.
 fn check_settings(spec: &ReplaySpec) -> Result<(), String> {
     if !spec.speed.is_finite() || spec.speed < 0.0 {
@@ -540,7 +792,7 @@ fn check_settings(spec: &ReplaySpec) -> Result<(), String> {
     if spec.max_rows_per_call == 0 {
         return Err("max_rows_per_call must be at least 1".to_owned());
     }
-    if matches!(spec.delimiter, '\n' | '\r') {
+    if !spec.delimiter.is_ascii() || matches!(spec.delimiter, '\n' | '\r' | '"') {
         return Err(format!("delimiter {:?} cannot be used", spec.delimiter));
     }
     if spec.decimal_comma && spec.delimiter == ',' {
@@ -562,8 +814,9 @@ fn check_settings(spec: &ReplaySpec) -> Result<(), String> {
     Ok(())
 }
 
-/// Opens the trace and reads its header line (BOM, CR and LF removed).
-fn open_with_header(spec: &ReplaySpec) -> Result<(BufReader<File>, String), SourceError> {
+/// Opens the trace and reads its header line (BOM, CR and LF removed),
+/// with the bytes it took.
+fn open_with_header(spec: &ReplaySpec) -> Result<(BufReader<File>, String, u64), SourceError> {
     let io_err = |source| SourceError::Io {
         path: spec.path.clone(),
         source,
@@ -574,7 +827,8 @@ fn open_with_header(spec: &ReplaySpec) -> Result<(BufReader<File>, String), Sour
     };
     let mut reader = BufReader::new(File::open(&spec.path).map_err(io_err)?);
     let mut buf = Vec::new();
-    match read_line(&mut reader, &mut buf).map_err(io_err)? {
+    let (read, used) = read_line(&mut reader, &mut buf).map_err(io_err)?;
+    match read {
         LineRead::Eof => return Err(parse_err("file is empty, expected a header line")),
         LineRead::TooLong => {
             return Err(parse_err(&format!(
@@ -585,21 +839,55 @@ fn open_with_header(spec: &ReplaySpec) -> Result<(BufReader<File>, String), Sour
     }
     let text = String::from_utf8_lossy(&buf);
     let header = text.strip_prefix('\u{feff}').unwrap_or(&text).to_owned();
-    Ok((reader, header))
+    Ok((reader, header, used))
+}
+
+/// sha256 over the file's length and its first and last 64 KiB (the
+/// header included), first 16 bytes in hex (32 characters). Cheap on any
+/// file size; an edit in the middle of a large file that keeps its length
+/// is not seen (configure `trace_id` to decide identity yourself).
+///
+/// # Errors
+///
+/// The file cannot be opened, measured or read.
+pub fn fingerprint(path: &std::path::Path) -> io::Result<String> {
+    let mut file = File::open(path)?;
+    let len = file.metadata()?.len();
+    let mut hash = Sha256::new();
+    hash.update(len.to_be_bytes());
+    let mut buf = Vec::new();
+    (&mut file)
+        .take(FINGERPRINT_EDGE_BYTES)
+        .read_to_end(&mut buf)?;
+    hash.update(&buf);
+    if len > FINGERPRINT_EDGE_BYTES {
+        file.seek(SeekFrom::Start(
+            len.saturating_sub(FINGERPRINT_EDGE_BYTES)
+                .max(FINGERPRINT_EDGE_BYTES),
+        ))?;
+        buf.clear();
+        file.take(FINGERPRINT_EDGE_BYTES).read_to_end(&mut buf)?;
+        hash.update(&buf);
+    }
+    Ok(hash.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// Positions of the timestamp cells and the value columns in `headers`
-/// (already trimmed).
+/// (already trimmed). An error starts with the key at fault
+/// (`timestamp_columns:` or `columns:`).
 fn resolve_columns(
-    headers: &[&str],
+    headers: &[String],
     spec: &ReplaySpec,
 ) -> Result<(Vec<usize>, Vec<Column>), String> {
-    let find = |name: &str| {
+    let find = |key: &str, name: &str| {
         let name = name.trim();
         headers.iter().position(|h| *h == name).ok_or_else(|| {
             let listed: Vec<String> = headers.iter().map(|h| format!("{h:?}")).collect();
             format!(
-                "column {name:?} is not in the header (headers: {})",
+                "{key}: column {name:?} is not in the header (headers: {})",
                 excerpt(&listed.join(", "), 16 * SHOWN_BYTES)
             )
         })
@@ -607,7 +895,7 @@ fn resolve_columns(
     let ts_cols = spec
         .timestamp_columns
         .iter()
-        .map(|c| find(c))
+        .map(|c| find("timestamp_columns", c))
         .collect::<Result<Vec<_>, _>>()?;
     let mut columns = Vec::new();
     if spec.columns.is_empty() {
@@ -629,14 +917,14 @@ fn resolve_columns(
             used.push(field.clone());
             columns.push(Column {
                 index,
-                header: (*header).to_owned(),
+                header: header.clone(),
                 field,
             });
         }
     } else {
         for (header, field) in &spec.columns {
             columns.push(Column {
-                index: find(header)?,
+                index: find("columns", header)?,
                 header: header.trim().to_owned(),
                 field: field.clone(),
             });
@@ -645,38 +933,41 @@ fn resolve_columns(
     Ok((ts_cols, columns))
 }
 
-/// Reads one line into `buf` (cleared first), without its `\n` or `\r\n`.
-/// A final line without a newline is a line. A line longer than
-/// [`MAX_LINE_BYTES`] is consumed up to its newline without being kept.
-fn read_line<R: BufRead>(reader: &mut R, buf: &mut Vec<u8>) -> io::Result<LineRead> {
+/// Reads one line into `buf` (cleared first), without its `\n` or `\r\n`,
+/// and returns it with the bytes consumed (end of line included). A final
+/// line without a newline is a line. A line longer than [`MAX_LINE_BYTES`]
+/// is consumed up to its newline without being kept.
+fn read_line<R: BufRead>(reader: &mut R, buf: &mut Vec<u8>) -> io::Result<(LineRead, u64)> {
     buf.clear();
     let cap = u64::try_from(MAX_LINE_BYTES)
         .unwrap_or(u64::MAX)
         .saturating_add(1);
-    let n = reader.by_ref().take(cap).read_until(b'\n', buf)?;
+    let n = reader.by_ref().take(cap).read_until(b'\n', buf)? as u64;
     if n == 0 {
-        return Ok(LineRead::Eof);
+        return Ok((LineRead::Eof, 0));
     }
     if buf.last() == Some(&b'\n') {
         buf.pop();
     } else if buf.len() > MAX_LINE_BYTES {
         buf.clear();
-        skip_past_newline(reader)?;
-        return Ok(LineRead::TooLong);
+        let rest = skip_past_newline(reader)?;
+        return Ok((LineRead::TooLong, n + rest));
     }
     if buf.last() == Some(&b'\r') {
         buf.pop();
     }
-    Ok(LineRead::Line)
+    Ok((LineRead::Line, n))
 }
 
-/// Consumes input up to and including the next `\n` (or to the end).
-fn skip_past_newline<R: BufRead>(reader: &mut R) -> io::Result<()> {
+/// Consumes input up to and including the next `\n` (or to the end), and
+/// returns the bytes consumed.
+fn skip_past_newline<R: BufRead>(reader: &mut R) -> io::Result<u64> {
+    let mut total = 0u64;
     loop {
         let (found, used) = {
             let avail = reader.fill_buf()?;
             if avail.is_empty() {
-                return Ok(());
+                return Ok(total);
             }
             match avail.iter().position(|&b| b == b'\n') {
                 Some(pos) => (true, pos + 1),
@@ -684,17 +975,35 @@ fn skip_past_newline<R: BufRead>(reader: &mut R) -> io::Result<()> {
             }
         };
         reader.consume(used);
+        total += used as u64;
         if found {
-            return Ok(());
+            return Ok(total);
         }
     }
 }
 
-/// Splits a line into its cells. No quoting: a `"` is an ordinary
-/// character, so a quoted cell holding the delimiter is split (and its parts
-/// then fail to parse as numbers).
-pub fn split_line(line: &str, delimiter: char) -> Vec<&str> {
-    line.split(delimiter).collect()
+/// The cells of one line, split by the `csv` crate: a cell may be quoted
+/// (`"a;b"` holds the delimiter, `""` inside quotes is one `"`); a `"` in
+/// the middle of an unquoted cell is an ordinary character. Bytes that are
+/// not UTF-8 become U+FFFD. A blank line gives no cell. A quote left open
+/// runs to the end of the line (lines are split one at a time).
+pub fn split_cells(line: &[u8], delimiter: u8) -> Vec<String> {
+    let mut reader = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .flexible(true)
+        .delimiter(delimiter)
+        .buffer_capacity(line.len().max(64))
+        .from_reader(line);
+    let mut record = csv::ByteRecord::new();
+    match reader.read_byte_record(&mut record) {
+        Ok(true) => record
+            .iter()
+            .map(|c| String::from_utf8_lossy(c).into_owned())
+            .collect(),
+        // A slice cannot fail to read, flexible records have no length
+        // error and byte records no UTF-8 one: only a blank line is left.
+        Ok(false) | Err(_) => Vec::new(),
+    }
 }
 
 /// Field name for a header: lowercase ASCII, each run of characters other
@@ -765,181 +1074,105 @@ pub fn parse_number(text: &str, decimal_comma: bool) -> Option<f64> {
     v.ok().filter(|v| v.is_finite())
 }
 
-/// One piece of a compiled timestamp format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TsPart {
-    Day,
-    Month,
-    Year,
-    Hour,
-    Minute,
-    Second,
-    Lit(char),
+/// A `timezone` setting: `"UTC"` (also `"Z"`), a fixed offset (`"+01:00"`,
+/// `"-0530"`), or an IANA name looked up in the system's zoneinfo
+/// (`/usr/share/zoneinfo`, e.g. `"Europe/Rome"`).
+///
+/// # Errors
+///
+/// A one-line reason naming the value.
+pub fn parse_timezone(text: &str) -> Result<TimeZone, String> {
+    let t = text.trim();
+    if t.is_empty() || t.eq_ignore_ascii_case("utc") || t == "Z" {
+        return Ok(TimeZone::UTC);
+    }
+    if t.starts_with(['+', '-']) {
+        for format in ["%:z", "%z"] {
+            if let Some(offset) = strtime::parse(format, t).ok().and_then(|tm| tm.offset()) {
+                return Ok(TimeZone::fixed(offset));
+            }
+        }
+        return Err(format!(
+            "{t:?} is not an offset like \"+01:00\" or \"-0530\""
+        ));
+    }
+    TimeZone::get(t).map_err(|e| format!("unknown time zone {t:?}: {e}"))
 }
 
-/// A compiled `timestamp_format`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A `timestamp_format`, read by jiff's strptime
+/// (<https://docs.rs/jiff/latest/jiff/fmt/strtime/index.html>): `%d %m %Y
+/// %H %M %S` as before (numbers need no leading zeros; `%Y` takes 1 to 4
+/// digits, so `04` is the year 4: use `%y` for two-digit years; a leap
+/// second `:60` reads as `:59`), plus `%.f`
+/// (fractional seconds), `%z`/`%:z` (an offset in the text), `%Q` (an IANA
+/// zone in the text), `%s` (epoch seconds), `%b`, `%y`, `%j` and the rest
+/// of jiff's set; every other character is literal, a space matches any run
+/// of whitespace. A text with an offset, zone or epoch seconds is read as
+/// such; a bare wall time is read in the configured zone, and a wall time
+/// a DST change makes ambiguous or skips is resolved the way RFC 5545 does
+/// (jiff's "compatible": the earlier of two, the later across a gap).
+#[derive(Debug, Clone)]
 pub struct TsFormat {
-    parts: Vec<TsPart>,
+    format: String,
+    tz: TimeZone,
 }
 
 impl TsFormat {
-    /// Compiles a format: `%d %m %Y %H %M %S`, `%%`, other characters
-    /// literal. `%d`, `%m`, `%Y` must each appear once; `%H`, `%M`, `%S` at
-    /// most once (absent ones are 0).
+    /// Checks `format` by writing a known instant with it and reading it
+    /// back, and resolves `timezone` ([`parse_timezone`]).
     ///
     /// # Errors
     ///
-    /// A one-line reason: unknown directive, `%` at the end, a directive
-    /// missing or repeated.
-    pub fn compile(format: &str) -> Result<TsFormat, String> {
-        let mut parts = Vec::new();
-        let mut chars = format.chars();
-        while let Some(c) = chars.next() {
-            if c != '%' {
-                parts.push(TsPart::Lit(c));
-                continue;
-            }
-            let part = match chars.next() {
-                Some('d') => TsPart::Day,
-                Some('m') => TsPart::Month,
-                Some('Y') => TsPart::Year,
-                Some('H') => TsPart::Hour,
-                Some('M') => TsPart::Minute,
-                Some('S') => TsPart::Second,
-                Some('%') => TsPart::Lit('%'),
-                Some(other) => {
-                    return Err(format!(
-                        "unsupported directive %{other} (supported: %d %m %Y %H %M %S %%)"
-                    ))
-                }
-                None => return Err("lone % at the end".to_owned()),
-            };
-            parts.push(part);
+    /// A one-line reason: empty format, an unknown directive, a format that
+    /// does not give a date (for example `"%H:%M"`), or a bad `timezone`.
+    pub fn compile(format: &str, timezone: &str) -> Result<TsFormat, String> {
+        if format.trim().is_empty() {
+            return Err("timestamp_format is empty".to_owned());
         }
-        for (part, name, required) in [
-            (TsPart::Day, "%d", true),
-            (TsPart::Month, "%m", true),
-            (TsPart::Year, "%Y", true),
-            (TsPart::Hour, "%H", false),
-            (TsPart::Minute, "%M", false),
-            (TsPart::Second, "%S", false),
-        ] {
-            let count = parts.iter().filter(|p| **p == part).count();
-            if count > 1 {
-                return Err(format!("{name} appears {count} times"));
-            }
-            if required && count == 0 {
-                return Err(format!("{name} is missing"));
-            }
-        }
-        Ok(TsFormat { parts })
-    }
-
-    /// Unix milliseconds of `text`, read as UTC. The whole text must match.
-    ///
-    /// # Errors
-    ///
-    /// A one-line reason: a literal not matching, digits missing, trailing
-    /// text, or a field out of range (month 1–12, day within the month,
-    /// leap years included, hour 0–23, minute and second 0–59).
-    pub fn parse_ms(&self, text: &str) -> Result<i64, String> {
-        let b = text.as_bytes();
-        let mut i = 0;
-        let (mut year, mut month, mut day) = (None, None, None);
-        let (mut hour, mut minute, mut second) = (0, 0, 0);
-        for part in &self.parts {
-            let (min_len, max_len) = match part {
-                TsPart::Lit(c) => {
-                    let mut enc = [0u8; 4];
-                    let lit = c.encode_utf8(&mut enc).as_bytes();
-                    if b.get(i..i + lit.len()) != Some(lit) {
-                        return Err(format!("expected {c:?} at position {i}"));
-                    }
-                    i += lit.len();
-                    continue;
-                }
-                TsPart::Year => (4, 4),
-                _ => (1, 2),
-            };
-            let mut value: i64 = 0;
-            let mut len = 0;
-            while len < max_len {
-                match b.get(i) {
-                    Some(d) if d.is_ascii_digit() => {
-                        value = value * 10 + i64::from(d - b'0');
-                        i += 1;
-                        len += 1;
-                    }
-                    _ => break,
-                }
-            }
-            if len < min_len {
-                return Err(format!("expected {min_len} digit(s) at position {i}"));
-            }
-            match part {
-                TsPart::Day => day = Some(value),
-                TsPart::Month => month = Some(value),
-                TsPart::Year => year = Some(value),
-                TsPart::Hour => hour = value,
-                TsPart::Minute => minute = value,
-                TsPart::Second => second = value,
-                TsPart::Lit(_) => {}
-            }
-        }
-        if i != b.len() {
-            return Err(format!("unexpected text at position {i}"));
-        }
-        let (Some(year), Some(month), Some(day)) = (year, month, day) else {
-            return Err("format lacks a date".to_owned());
+        let tz = parse_timezone(timezone).map_err(|e| format!("timezone: {e}"))?;
+        let f = TsFormat {
+            format: format.to_owned(),
+            tz: tz.clone(),
         };
-        if !(1..=12).contains(&month) {
-            return Err(format!("month {month} out of range"));
-        }
-        if day < 1 || day > days_in_month(year, month) {
-            return Err(format!("day {day} out of range for {year}-{month:02}"));
-        }
-        if hour > 23 {
-            return Err(format!("hour {hour} out of range"));
-        }
-        if minute > 59 {
-            return Err(format!("minute {minute} out of range"));
-        }
-        if second > 59 {
-            return Err(format!("second {second} out of range"));
-        }
-        let days = days_since_epoch(year, month, day);
-        Ok(((days * 24 + hour) * 60 + minute) * 60_000 + second * 1000)
+        // 2004-03-10T18:07:09.25Z, in the zone the texts will be read in.
+        let probe = jiff::Timestamp::from_millisecond(1_078_942_029_250)
+            .map_err(|e| e.to_string())?
+            .to_zoned_datetime(tz);
+        let text = strtime::format(format, &probe)
+            .map_err(|e| format!("timestamp_format {format:?}: {e}"))?;
+        f.parse_ms(&text).map_err(|e| {
+            format!("timestamp_format {format:?} cannot read back its own output {text:?}: {e}")
+        })?;
+        Ok(f)
     }
-}
 
-fn is_leap_year(year: i64) -> bool {
-    (year % 4 == 0 && year % 100 != 0) || year % 400 == 0
-}
-
-/// Days in `month` (1–12) of `year`.
-fn days_in_month(year: i64, month: i64) -> i64 {
-    match month {
-        2 if is_leap_year(year) => 29,
-        2 => 28,
-        4 | 6 | 9 | 11 => 30,
-        _ => 31,
+    /// Unix milliseconds of `text`. The whole text must match.
+    ///
+    /// # Errors
+    ///
+    /// jiff's one-line reason: a literal not matching, digits missing,
+    /// trailing text, a field out of range (month 13, 31 April, 29 February
+    /// of a common year, hour 24...), an unknown zone named in the text.
+    pub fn parse_ms(&self, text: &str) -> Result<i64, String> {
+        let tm = strtime::parse(&self.format, text).map_err(|e| e.to_string())?;
+        let ts = if tm.timestamp().is_some() || tm.offset().is_some() {
+            tm.to_timestamp().map_err(|e| e.to_string())?
+        } else {
+            let dt = tm.to_datetime().map_err(|e| e.to_string())?;
+            let named;
+            let tz = match tm.iana_time_zone() {
+                Some(name) => {
+                    named = TimeZone::get(name).map_err(|e| e.to_string())?;
+                    &named
+                }
+                None => &self.tz,
+            };
+            tz.to_ambiguous_timestamp(dt)
+                .compatible()
+                .map_err(|e| e.to_string())?
+        };
+        Ok(ts.as_millisecond())
     }
-}
-
-/// Leap years among years 1..=`year` (proleptic Gregorian; extends
-/// consistently below 1 thanks to floor division).
-fn leap_years_through(year: i64) -> i64 {
-    year.div_euclid(4) - year.div_euclid(100) + year.div_euclid(400)
-}
-
-/// Days from 1970-01-01 to the given valid date (negative before).
-fn days_since_epoch(year: i64, month: i64, day: i64) -> i64 {
-    const BEFORE_MONTH: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let year_days = 365 * (year - 1970) + leap_years_through(year - 1) - leap_years_through(1969);
-    let month_index = usize::try_from(month - 1).unwrap_or(0).min(11);
-    let leap_day = i64::from(month > 2 && is_leap_year(year));
-    year_days + BEFORE_MONTH[month_index] + leap_day + day - 1
 }
 
 #[cfg(test)]
@@ -962,6 +1195,8 @@ mod tests {
             missing: vec!["-200".to_owned()],
             timestamp_columns: vec!["Date".to_owned(), "Time".to_owned()],
             timestamp_format: "%d/%m/%Y %H.%M.%S".to_owned(),
+            timezone: "UTC".to_owned(),
+            trace_id: None,
             columns: Vec::new(),
             speed: 0.0,
             max_rows_per_call: 1000,
@@ -1079,15 +1314,25 @@ mod tests {
     }
 
     #[test]
-    fn split_line_keeps_empty_cells_and_ignores_quotes() {
-        assert_eq!(split_line("a;b;;", ';'), ["a", "b", "", ""]);
-        assert_eq!(split_line("", ';'), [""]);
-        assert_eq!(split_line(";;;", ';'), ["", "", "", ""]);
-        assert_eq!(split_line("1,2\t3", '\t'), ["1,2", "3"]);
-        // No quoting: a quoted delimiter splits, and nothing panics.
-        assert_eq!(split_line("\"x;y\";2", ';'), ["\"x", "y\"", "2"]);
-        assert_eq!(split_line("\"", ';'), ["\""]);
-        assert_eq!(split_line("é;ü", ';'), ["é", "ü"]);
+    fn split_cells_keeps_empty_cells_and_honours_quotes() {
+        let split = |line: &str, d: u8| split_cells(line.as_bytes(), d);
+        assert_eq!(split("a;b;;", b';'), ["a", "b", "", ""]);
+        assert!(split("", b';').is_empty());
+        assert_eq!(split(";;;", b';'), ["", "", "", ""]);
+        assert_eq!(split("1,2\t3", b'\t'), ["1,2", "3"]);
+        // Quoted cells hold the delimiter; "" is one quote.
+        assert_eq!(split("\"x;y\";2", b';'), ["x;y", "2"]);
+        assert_eq!(
+            split("\"say \"\"hi\"\"\";\"2,6\"", b';'),
+            ["say \"hi\"", "2,6"]
+        );
+        // A quote inside an unquoted cell is a character; an open quote
+        // runs to the end of the line. Nothing panics.
+        assert_eq!(split("ab\"c;d", b';'), ["ab\"c", "d"]);
+        assert_eq!(split("\"", b';'), [""]);
+        assert_eq!(split("\"open;still", b';'), ["open;still"]);
+        assert_eq!(split("é;ü", b';'), ["é", "ü"]);
+        assert_eq!(split_cells(b"\xff;1", b';'), ["\u{fffd}", "1"]);
     }
 
     #[test]
@@ -1097,11 +1342,15 @@ mod tests {
         let mut got = Vec::new();
         loop {
             match read_line(&mut input, &mut buf).unwrap() {
-                LineRead::Eof => break,
-                r => got.push((r, String::from_utf8(buf.clone()).unwrap())),
+                (LineRead::Eof, n) => {
+                    assert_eq!(n, 0);
+                    break;
+                }
+                (r, n) => got.push((r, n, String::from_utf8(buf.clone()).unwrap())),
             }
         }
-        let want = ["a;b", "c", "", "", "last"].map(|s| (LineRead::Line, s.to_owned()));
+        let want = [("a;b", 5), ("c", 2), ("", 2), ("", 1), ("last", 4)]
+            .map(|(s, n)| (LineRead::Line, n, s.to_owned()));
         assert_eq!(got, want);
     }
 
@@ -1115,39 +1364,107 @@ mod tests {
         data.push(b'\n');
         let mut input = io::BufReader::with_capacity(1000, &data[..]);
         let mut buf = Vec::new();
-        assert_eq!(read_line(&mut input, &mut buf).unwrap(), LineRead::Line);
+        let long = MAX_LINE_BYTES as u64 * 3 + 2;
+        assert_eq!(
+            read_line(&mut input, &mut buf).unwrap(),
+            (LineRead::Line, 3)
+        );
         assert_eq!(buf, b"ok");
-        assert_eq!(read_line(&mut input, &mut buf).unwrap(), LineRead::TooLong);
+        assert_eq!(
+            read_line(&mut input, &mut buf).unwrap(),
+            (LineRead::TooLong, long)
+        );
         assert!(buf.capacity() < MAX_LINE_BYTES * 3, "line kept whole");
-        assert_eq!(read_line(&mut input, &mut buf).unwrap(), LineRead::Line);
+        assert_eq!(
+            read_line(&mut input, &mut buf).unwrap(),
+            (LineRead::Line, 5)
+        );
         assert_eq!(buf, b"next");
-        assert_eq!(read_line(&mut input, &mut buf).unwrap(), LineRead::Line);
+        let exact_len = MAX_LINE_BYTES as u64 + 1;
+        assert_eq!(
+            read_line(&mut input, &mut buf).unwrap(),
+            (LineRead::Line, exact_len)
+        );
         assert_eq!(buf, exact);
-        assert_eq!(read_line(&mut input, &mut buf).unwrap(), LineRead::Eof);
+        assert_eq!(read_line(&mut input, &mut buf).unwrap(), (LineRead::Eof, 0));
     }
 
     #[test]
     fn timestamp_format_compile_errors() {
-        let f = "%d/%m/%Y %H.%M.%S";
-        assert!(TsFormat::compile(f).is_ok());
-        assert!(TsFormat::compile("%Y-%m-%d").is_ok());
-        assert!(TsFormat::compile("%d%%%m%%%Y").is_ok());
-        for (bad, why) in [
-            ("%d/%m/%Y %H:%M:%q", "%q"),
-            ("%d/%m/%Y %", "lone %"),
-            ("%d/%m %H", "%Y is missing"),
-            ("%d/%m/%Y %d", "%d appears 2 times"),
-            ("", "%d is missing"),
-            ("%y-%m-%d", "%y"),
+        for good in [
+            "%d/%m/%Y %H.%M.%S",
+            "%Y-%m-%d",
+            "%d%%%m%%%Y",
+            "%y-%m-%d",
+            "%s",
+            "%Y-%m-%dT%H:%M:%S%.f%:z",
+            "%Y-%m-%d %H:%M:%S %Q",
         ] {
-            let e = TsFormat::compile(bad).unwrap_err();
-            assert!(e.contains(why), "{bad:?}: {e}");
+            assert!(TsFormat::compile(good, "UTC").is_ok(), "{good:?}");
+        }
+        for bad in [
+            "%d/%m/%Y %H:%M:%q",
+            "%d/%m/%Y %",
+            "%d/%m %H",
+            "%H:%M",
+            "",
+            "  ",
+        ] {
+            let e = TsFormat::compile(bad, "UTC").unwrap_err();
+            println!("{bad:?}: {e}");
+            assert!(e.contains("timestamp_format"), "{bad:?}: {e}");
+        }
+        let e = TsFormat::compile("%Y-%m-%d", "Mars/Olympus").unwrap_err();
+        assert!(e.contains("timezone") && e.contains("Mars/Olympus"), "{e}");
+    }
+
+    #[test]
+    fn timezones_named_fixed_and_utc() {
+        assert_eq!(parse_timezone("UTC").unwrap(), TimeZone::UTC);
+        assert_eq!(parse_timezone("").unwrap(), TimeZone::UTC);
+        let plus_one = jiff::tz::Offset::from_seconds(3600).unwrap();
+        assert_eq!(parse_timezone("+01:00").unwrap(), TimeZone::fixed(plus_one));
+        assert_eq!(parse_timezone("+0100").unwrap(), TimeZone::fixed(plus_one));
+        for bad in ["+1h", "-", "Nowhere/Atlantis"] {
+            assert!(parse_timezone(bad).is_err(), "{bad:?}");
+        }
+        let f = TsFormat::compile("%d/%m/%Y %H.%M.%S", "+01:00").unwrap();
+        assert_eq!(f.parse_ms("10/03/2004 19.00.00"), Ok(1_078_941_600_000));
+        if std::path::Path::new("/usr/share/zoneinfo/Europe/Rome").exists() {
+            let rome = TsFormat::compile("%d/%m/%Y %H.%M.%S", "Europe/Rome").unwrap();
+            // Winter (CET, +1) and summer (CEST, +2).
+            assert_eq!(rome.parse_ms("10/03/2004 19.00.00"), Ok(1_078_941_600_000));
+            assert_eq!(rome.parse_ms("10/07/2004 20.00.00"), Ok(1_089_482_400_000));
+            // 02:30 does not exist on 27/03/2005: read as 03:30 CEST.
+            assert_eq!(
+                rome.parse_ms("27/03/2005 02.30.00"),
+                rome.parse_ms("27/03/2005 03.30.00")
+            );
+        } else {
+            println!("no zoneinfo for Europe/Rome here; named-zone case skipped");
         }
     }
 
     #[test]
+    fn timestamps_with_fractions_offsets_zones_and_epochs() {
+        let iso = TsFormat::compile("%Y-%m-%dT%H:%M:%S%.f%:z", "Europe/Rome");
+        let iso = iso
+            .or_else(|_| TsFormat::compile("%Y-%m-%dT%H:%M:%S%.f%:z", "UTC"))
+            .unwrap();
+        // The offset in the text wins over the configured zone.
+        assert_eq!(
+            iso.parse_ms("2004-03-10T20:00:00.250+02:00"),
+            Ok(1_078_941_600_250)
+        );
+        let epoch = TsFormat::compile("%s", "+05:00").unwrap();
+        assert_eq!(epoch.parse_ms("1078941600"), Ok(1_078_941_600_000));
+        let bad = iso.parse_ms("2004-03-10T20:00:00").unwrap_err();
+        assert!(!bad.is_empty());
+    }
+
+    #[test]
     fn timestamp_parses_to_unix_ms() {
-        let f = TsFormat::compile("%d/%m/%Y %H.%M.%S").unwrap();
+        let f = TsFormat::compile("%d/%m/%Y %H.%M.%S", "UTC").unwrap();
         // Expected values from `date -u -d '...' +%s`.
         for (text, secs) in [
             ("10/03/2004 18.00.00", 1_078_941_600),
@@ -1161,30 +1478,27 @@ mod tests {
         ] {
             assert_eq!(f.parse_ms(text), Ok(secs * 1000), "{text}");
         }
-        let iso = TsFormat::compile("%Y-%m-%dT%H:%M:%SZ").unwrap();
+        let iso = TsFormat::compile("%Y-%m-%dT%H:%M:%SZ", "UTC").unwrap();
         assert_eq!(iso.parse_ms("2004-03-10T18:00:00Z"), Ok(1_078_941_600_000));
-        let date_only = TsFormat::compile("%Y%m%d").unwrap();
+        let date_only = TsFormat::compile("%Y%m%d", "UTC").unwrap();
         assert_eq!(date_only.parse_ms("20040310"), Ok(1_078_876_800_000));
     }
 
     #[test]
     fn timestamp_rejects_bad_values_and_literals() {
-        let f = TsFormat::compile("%d/%m/%Y %H.%M.%S").unwrap();
+        let f = TsFormat::compile("%d/%m/%Y %H.%M.%S", "UTC").unwrap();
         for bad in [
-            "10/13/2004 18.00.00", // month 13
-            "10/00/2004 18.00.00", // month 0
-            "00/03/2004 18.00.00", // day 0
-            "32/03/2004 18.00.00", // day 32
-            "31/04/2004 18.00.00", // April has 30
-            "29/02/2005 18.00.00", // not a leap year
-            "29/02/1900 18.00.00", // century, not leap
-            "10/03/2004 24.00.00", // hour 24
-            "10/03/2004 18.60.00", // minute 60
-            "10/03/2004 18.00.60", // second 60
-            "10-03-2004 18.00.00", // wrong literal
-            "10/03/2004 18:00:00", // wrong literal
-            "10/03/2004  18.00.00",
-            "10/03/04 18.00.00",       // year needs 4 digits
+            "10/13/2004 18.00.00",     // month 13
+            "10/00/2004 18.00.00",     // month 0
+            "00/03/2004 18.00.00",     // day 0
+            "32/03/2004 18.00.00",     // day 32
+            "31/04/2004 18.00.00",     // April has 30
+            "29/02/2005 18.00.00",     // not a leap year
+            "29/02/1900 18.00.00",     // century, not leap
+            "10/03/2004 24.00.00",     // hour 24
+            "10/03/2004 18.60.00",     // minute 60
+            "10-03-2004 18.00.00",     // wrong literal
+            "10/03/2004 18:00:00",     // wrong literal
             "10/03/2004 18.00.00 UTC", // trailing text
             "10/03/2004 18.00.0x",
             "10/03/2004 18.00",
@@ -1196,25 +1510,18 @@ mod tests {
             assert!(f.parse_ms(bad).is_err(), "{bad:?}");
         }
         assert!(f.parse_ms("29/02/2004 18.00.00").is_ok());
+        // jiff's %Y takes 1 to 4 digits: "04" is the year 4 (use %y for
+        // two-digit years, which jiff maps to 1969..=2068).
+        let y4 = f.parse_ms("10/03/04 18.00.00").unwrap();
+        assert!(y4 < -60_000_000_000_000, "{y4}");
+        // A space in the format matches any run of whitespace.
+        assert!(f.parse_ms("10/03/2004  18.00.00").is_ok());
+        // jiff reads a leap second as :59 of the same minute.
+        assert_eq!(
+            f.parse_ms("10/03/2004 18.00.60"),
+            f.parse_ms("10/03/2004 18.00.59")
+        );
         assert!(f.parse_ms("29/02/2000 18.00.00").is_ok());
-    }
-
-    #[test]
-    fn civil_days_are_consecutive() {
-        // Independent of any reference: walking day by day from 1600 to
-        // 2400 must add exactly one day each time.
-        let mut prev = days_since_epoch(1600, 1, 1) - 1;
-        for year in 1600..=2400 {
-            for month in 1..=12 {
-                for day in 1..=days_in_month(year, month) {
-                    let d = days_since_epoch(year, month, day);
-                    assert_eq!(d, prev + 1, "{year}-{month}-{day}");
-                    prev = d;
-                }
-            }
-        }
-        assert_eq!(days_since_epoch(1970, 1, 1), 0);
-        assert_eq!(days_since_epoch(2000, 3, 1), 11_017);
     }
 
     // ---- open ----
@@ -1230,9 +1537,9 @@ mod tests {
 
         let (_d, path) = trace(&refs(&hourly(2)), "\r\n");
         let mut s = spec(&path);
-        s.timestamp_format = "%d/%m/%Y %H.%M.%Q".to_owned();
+        s.timestamp_format = "%d/%m/%Y %H.%M.%q".to_owned();
         let e = Replay::open(s).unwrap_err().to_string();
-        assert!(e.contains("timestamp_format") && e.contains("%Q"), "{e}");
+        assert!(e.contains("timestamp_format") && e.contains("%q"), "{e}");
 
         for change in [
             (|s: &mut ReplaySpec| s.speed = -1.0) as fn(&mut ReplaySpec),
@@ -1256,6 +1563,27 @@ mod tests {
         fs::write(&empty, "").unwrap();
         let e = Replay::open(spec(&empty)).unwrap_err().to_string();
         assert!(e.contains("empty"), "{e}");
+    }
+
+    #[test]
+    fn check_names_the_key_and_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, msg) = check(&spec(&dir.path().join("nope.csv"))).unwrap_err();
+        assert_eq!(key, "path");
+        assert!(msg.contains("nope.csv"), "{msg}");
+        let (_d, path) = trace(&refs(&hourly(1)), "\n");
+        assert_eq!(check(&spec(&path)), Ok(()));
+        let mut s = spec(&path);
+        s.columns = vec![("NO2(GT)".into(), "no2".into())];
+        let (key, msg) = check(&s).unwrap_err();
+        assert_eq!(key, "columns");
+        assert!(
+            msg.contains("trace.csv") && msg.contains("NO2(GT)"),
+            "{msg}"
+        );
+        let mut s = spec(&path);
+        s.timestamp_columns = vec!["Datum".into()];
+        assert_eq!(check(&s).unwrap_err().0, "timestamp_columns");
     }
 
     #[test]
@@ -1599,6 +1927,163 @@ mod tests {
         assert!(r.due(Instant::now()).unwrap().is_empty());
         assert!(!r.stats().finished);
         assert_eq!(r.due(Instant::now()).unwrap().len(), 1);
+    }
+
+    // ---- quoting, resume, identity ----
+
+    #[test]
+    fn a_quoted_header_and_quoted_cells_play() {
+        let (_d, path) = trace(
+            &[
+                "\"Date\";\"Time\";\"CO;GT\";\"T\"",
+                "\"10/03/2004\";\"18.00.00\";\"2,6\";\"-1,9\"",
+            ],
+            "\r\n",
+        );
+        let mut s = spec(&path);
+        s.columns = vec![("CO;GT".into(), "co".into()), ("T".into(), "t".into())];
+        let mut r = Replay::open(s).unwrap();
+        let rows = drain(&mut r);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(num(&rows[0], "co"), Some(2.6));
+        assert_eq!(num(&rows[0], "t"), Some(-1.9));
+        assert_eq!(ts(&rows[0]), T0_MS);
+    }
+
+    /// Every (position, trace_ts_ms) of a replay, `per_call` rows a call.
+    fn positions(r: &mut Replay, calls: usize) -> Vec<(ReplayPosition, f64)> {
+        let mut out = Vec::new();
+        for _ in 0..calls {
+            for (f, p) in r.due_at(Instant::now()).unwrap() {
+                out.push((p, ts(&f)));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn resume_continues_after_the_stored_row_with_the_same_identities() {
+        let (_d, path) = trace(&refs(&hourly(5)), "\r\n");
+        let mut s = spec(&path);
+        s.repeat = true;
+        s.max_rows_per_call = 2;
+        // Uninterrupted: 32 rows over laps 0..=6.
+        let whole = positions(&mut Replay::open(s.clone()).unwrap(), 16);
+        assert_eq!(whole.len(), 32);
+        assert_eq!(whole[31].0.lap, 6);
+        assert_eq!(whole[4].0.line, 6);
+        assert_eq!(whole[5].0.lap, 1);
+        // Stopped after each k rows, resumed from the k-th position.
+        for k in 1..10 {
+            let mut r = Replay::open(s.clone()).unwrap();
+            let done = positions(&mut r, 8);
+            let stored = done[k - 1].0.clone();
+            let mut again = Replay::open(s.clone()).unwrap();
+            let how = again.resume(Some(stored.clone())).unwrap();
+            assert_eq!(
+                how,
+                Resumed::After {
+                    lap: stored.lap,
+                    line: stored.line
+                }
+            );
+            let rest = positions(&mut again, 8);
+            assert_eq!(rest[..], whole[k..k + rest.len()], "after row {k}");
+            assert!(rest.len() >= 2);
+        }
+    }
+
+    #[test]
+    fn resume_at_the_end_finishes_and_a_changed_file_is_a_new_trace() {
+        let (_d, path) = trace(&refs(&hourly(3)), "\r\n");
+        let s = spec(&path);
+        let mut r = Replay::open(s.clone()).unwrap();
+        let all = positions(&mut r, 2);
+        let last = all[2].0.clone();
+        let mut again = Replay::open(s.clone()).unwrap();
+        again.resume(Some(last.clone())).unwrap();
+        assert!(again.due(Instant::now()).unwrap().is_empty());
+        assert!(again.stats().finished);
+
+        // One more row: another fingerprint, so another trace from row 1.
+        let mut lines = hourly(4);
+        lines[1] = lines[1].replace(";0;", ";9;");
+        fs::write(&path, refs(&lines).join("\r\n")).unwrap();
+        let mut changed = Replay::open(s).unwrap();
+        assert_ne!(changed.trace_id(), last.trace_id);
+        let how = changed.resume(Some(last.clone())).unwrap();
+        assert_eq!(how, Resumed::NewTrace { was: last.trace_id });
+        let rows = positions(&mut changed, 2);
+        assert_eq!((rows[0].0.lap, rows[0].0.line), (0, 2));
+        assert_eq!(rows.len(), 4);
+    }
+
+    #[test]
+    fn a_configured_trace_id_skips_by_line_and_a_shorter_file_ends_the_lap() {
+        let (_d, path) = trace(&refs(&hourly(6)), "\n");
+        let mut s = spec(&path);
+        s.trace_id = Some("air-2004".into());
+        let mut r = Replay::open(s.clone()).unwrap();
+        assert_eq!(r.trace_id(), "air-2004");
+        let all = positions(&mut r, 2);
+        let at4 = all[3].0.clone();
+        assert_eq!(at4.line, 5);
+
+        // Same id, other content (CRLF now, so other offsets): by line.
+        fs::write(&path, refs(&hourly(6)).join("\r\n")).unwrap();
+        let mut again = Replay::open(s.clone()).unwrap();
+        let how = again.resume(Some(at4.clone())).unwrap();
+        assert_eq!(
+            how,
+            Resumed::SkippedTo {
+                lap: 0,
+                line: 5,
+                reached: true
+            }
+        );
+        let rest = positions(&mut again, 2);
+        assert_eq!(rest.iter().map(|(p, _)| p.line).collect::<Vec<_>>(), [6, 7]);
+        assert_eq!(rest[0].1, all[4].1);
+
+        // Shorter than the stored line: that lap has ended.
+        fs::write(&path, refs(&hourly(2)).join("\n")).unwrap();
+        let mut short = Replay::open(s.clone()).unwrap();
+        let how = short.resume(Some(at4.clone())).unwrap();
+        assert_eq!(
+            how,
+            Resumed::SkippedTo {
+                lap: 0,
+                line: 5,
+                reached: false
+            }
+        );
+        assert!(short.due(Instant::now()).unwrap().is_empty());
+        assert!(short.stats().finished);
+        // With repeat, the next lap starts, from its first row.
+        s.repeat = true;
+        let mut looped = Replay::open(s).unwrap();
+        looped.resume(Some(at4)).unwrap();
+        let next = positions(&mut looped, 1);
+        assert_eq!((next[0].0.lap, next[0].0.line), (1, 2));
+    }
+
+    #[test]
+    fn fingerprint_sees_length_head_and_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let big = vec![b'a'; 300 * 1024];
+        fs::write(&p, &big).unwrap();
+        let base = fingerprint(&p).unwrap();
+        assert_eq!(base.len(), 32);
+        assert_eq!(base, fingerprint(&p).unwrap());
+        for at in [0, big.len() - 1] {
+            let mut other = big.clone();
+            other[at] = b'b';
+            fs::write(&p, &other).unwrap();
+            assert_ne!(fingerprint(&p).unwrap(), base, "byte {at}");
+        }
+        fs::write(&p, &big[1..]).unwrap();
+        assert_ne!(fingerprint(&p).unwrap(), base);
     }
 
     // ---- the real trace ----

@@ -82,3 +82,76 @@ fn run_with_an_invalid_config_exits_2_without_creating_a_spool() {
     assert!(err.contains("spool.retenton_days"), "{err}");
     assert!(!d.path().join("spool.db").exists());
 }
+
+/// A board config in `dir` with one source, given as TOML lines.
+fn one_source_config(dir: &Path, source: &str) -> std::path::PathBuf {
+    let cfg = dir.join("board.toml");
+    let text = format!(
+        "device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\n[[sources]]\nname = \"s\"\n{source}\n",
+        dir.display()
+    );
+    std::fs::write(&cfg, text).expect("write config");
+    cfg
+}
+
+#[test]
+fn check_config_fails_on_a_missing_replay_file_or_a_header_without_the_column() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let trace = d.path().join("trace.csv");
+    let replay = |extra: &str| {
+        format!(
+            "kind = \"replay\"\npath = \"{}\"\ntimestamp_columns = [\"Date\"]\ntimestamp_format = \"%Y-%m-%d\"\n{extra}",
+            trace.display()
+        )
+    };
+    let cfg = one_source_config(d.path(), &replay(""));
+    let (status, _, err) = run_cli(&["check-config", cfg.to_str().expect("utf-8")]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("sources[0].path: ") && err.contains("trace.csv"),
+        "{err}"
+    );
+
+    std::fs::write(&trace, "\"Date\";\"T\"\n2024-05-01;1\n").expect("trace");
+    let cfg = one_source_config(
+        d.path(),
+        &replay("delimiter = \";\"\ncolumns = { \"RH\" = \"rh\" }"),
+    );
+    let (status, _, err) = run_cli(&["check-config", cfg.to_str().expect("utf-8")]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("sources[0].columns: ") && err.contains("trace.csv") && err.contains("\"RH\""),
+        "{err}"
+    );
+
+    let cfg = one_source_config(
+        d.path(),
+        &replay("delimiter = \";\"\ncolumns = { \"T\" = \"t\" }"),
+    );
+    let (status, out, err) = run_cli(&["check-config", cfg.to_str().expect("utf-8"), "--sample"]);
+    assert!(status.success(), "{out}{err}");
+    assert!(
+        out.contains("source s: trace_ts_ms=1714521600000 t=1"),
+        "{out}"
+    );
+}
+
+#[test]
+fn check_config_sample_names_a_source_that_gives_no_reading() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let cfg = one_source_config(
+        d.path(),
+        "kind = \"file\"\npath = \"/sys/bus/w1/devices/28-000000000000/temperature\"",
+    );
+    let (status, _, err) = run_cli(&["check-config", cfg.to_str().expect("utf-8")]);
+    assert!(
+        status.success(),
+        "without --sample the path is not opened: {err}"
+    );
+    let (status, _, err) = run_cli(&["check-config", cfg.to_str().expect("utf-8"), "--sample"]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("source s (sources[0]): no reading") && err.contains("28-000000000000"),
+        "{err}"
+    );
+}

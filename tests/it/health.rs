@@ -76,6 +76,7 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
         let mut s = Spool::open(&db, &SpoolOptions::default()).expect("spool");
         let mut ids = EventIdGen::new().expect("ids");
         let ev = |text: String| NewEvent {
+            replay: None,
             stream: "big".into(),
             ts_ms: 1,
             clock_trusted: true,

@@ -326,6 +326,7 @@ fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_row
         let mut s = Spool::open(&db, &SpoolOptions::default()).expect("open");
         let mut ids = EventIdGen::new().expect("ids");
         let ev = |i: usize| NewEvent {
+            replay: None,
             stream: "old".into(),
             ts_ms: i as i64,
             clock_trusted: true,
