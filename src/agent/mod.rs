@@ -233,35 +233,12 @@ pub struct ConfigSource {
 
 /// Run until SIGTERM/SIGINT. Returns Ok after a clean stop.
 pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register(sig, stop.clone())
-            .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
-    }
-    let hup = Arc::new(AtomicBool::new(false));
-    signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone())
-        .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
+    let (stop, hup) = signal_flags()?;
     // Everything the ingest thread reacts to arrives on one channel, so it
     // sleeps until a reading, a control request, a signal or its next deadline.
     let (ingest_tx, ingest_rx) = mpsc::channel::<IngestMsg>();
     let signals = wake_on_signals(ingest_tx.clone())?;
-    if let Some(dir) = cfg
-        .spool
-        .path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-    {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            AgentError::Setup(format!(
-                "cannot create spool directory {}: {e}",
-                dir.display()
-            ))
-        })?;
-    }
-    let _lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
-    warn_loose_secrets(&cfg);
-    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
-        .map_err(AgentError::Setup)?;
+    let _lock = claim_spool(&cfg)?;
 
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
     let tuning = tune_from_probe(&mut cfg);
@@ -271,28 +248,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .check_spool
             .then(|| "asked for (--check-spool)".to_owned())
     });
-    let mut ingest = open_spool(&cfg)?;
-    // The brake fires after the commit that crosses it, so it sits below
-    // twice the threshold by about the largest transaction (a retention
-    // batch), which keeps the WAL within twice the threshold.
-    crate::spool::set_wal_brake_frames(
-        (3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64,
-    );
-    if let Some(p) = &tuning {
-        if let Ok(json) = serde_json::to_string(p) {
-            let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
-        }
-    }
-    let p = ingest.pragmas().clone();
-    log::info!(
-        "spool {}: journal_mode={} synchronous={} busy_timeout={}ms journal_size_limit={} wal_autocheckpoint={}",
-        cfg.spool.path.display(),
-        p.journal_mode,
-        p.synchronous,
-        p.busy_timeout_ms,
-        p.journal_size_limit,
-        p.wal_autocheckpoint
-    );
+    let mut ingest = open_ingest_spool(&cfg, tuning.as_ref())?;
     let run_id = ingest.begin_run(
         wall_clock_ms().0,
         std::process::id(),
@@ -390,14 +346,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .map_err(|e| AgentError::Setup(format!("cannot start sampler thread: {e}")))?
     };
 
-    let full_spool = {
-        let mut o = cfg.spool.options.clone();
-        o.synchronous = crate::spool::Synchronous::Full;
-        let mut s = Spool::open(&cfg.spool.path, &o)?;
-        // One sequence counter per stream, whichever connection commits it.
-        s.share_seqs(&ingest);
-        s
-    };
+    let full_spool = open_full_spool(&cfg, &ingest)?;
     let mut ing = Ingest {
         full_spool,
         full_buffer: Vec::new(),
@@ -423,12 +372,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         notifier: crate::notify::Notifier::from_env(),
         heartbeat: crate::notify::Heartbeat::default(),
         tuning: tuning.as_ref().map(|p| p.derived),
-        storage_backoff: {
-            let (lo, hi) = tuning
-                .map(|p| (p.derived.retry_min_ms, p.derived.retry_max_ms))
-                .unwrap_or((100, 5000));
-            crate::mqtt::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
-        },
+        storage_backoff: storage_backoff(tuning.as_ref()),
     };
     ing.config_sha = ing.config_identity();
     if let Some(msg) = ing.source.fallback.clone() {
@@ -448,25 +392,143 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     stop.store(true, Ordering::Relaxed);
     signals.close();
 
-    // Stop: the sampler first, then commit everything it produced.
-    let _ = ing.sampler.send(SamplerUpdate::Stop);
-    let _ = sampler_handle.join();
-    ing.commit_what_is_left(&readings_rx);
-    let lost = ing.buffer.len() + ing.full_buffer.len();
-    net_stop.store(true, Ordering::Relaxed);
-    // The network threads sleep until an event: wake each to see the flag.
-    ing.link.stop();
-    let _ = ing.to_delivery.send(DeliveryMsg::Stop);
-    let _ = cmd_wake.send(CmdMsg::Wake);
-    // Bounded: a connect attempt or a running command handler must not hold
-    // the stop past the supervisor's timeout. Whatever they had in flight is
-    // replayed (rows) or reported interrupted (commands) at the next start.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    join_within(command_handle, deadline, "the command thread");
-    join_within(delivery_handle, deadline, "the delivery thread");
-    join_within(mqtt_handle, deadline, "the mqtt thread");
+    let lost = ing.stop_threads(
+        &readings_rx,
+        Threads {
+            sampler: sampler_handle,
+            command: command_handle,
+            delivery: delivery_handle,
+            mqtt: mqtt_handle,
+            cmd_wake,
+            net_stop,
+        },
+    );
     ing.stop_metrics(metrics_listener);
     ing.record_end(run_id, lost)
+}
+
+/// The threads [`run`] started, for the stop.
+struct Threads {
+    sampler: std::thread::JoinHandle<()>,
+    command: std::thread::JoinHandle<()>,
+    delivery: std::thread::JoinHandle<()>,
+    mqtt: std::thread::JoinHandle<()>,
+    /// Wakes the command thread to see `net_stop`.
+    cmd_wake: Sender<CmdMsg>,
+    /// Stops the network threads (mqtt, delivery, commands).
+    net_stop: Arc<AtomicBool>,
+}
+
+impl Ingest {
+    /// The stop: the sampler first, then every reading it produced is
+    /// committed, then the network threads, each within a bound. Returns how
+    /// many readings could not be committed.
+    fn stop_threads(&mut self, readings_rx: &Receiver<IngestMsg>, t: Threads) -> usize {
+        let _ = self.sampler.send(SamplerUpdate::Stop);
+        let _ = t.sampler.join();
+        self.commit_what_is_left(readings_rx);
+        let lost = self.buffer.len() + self.full_buffer.len();
+        t.net_stop.store(true, Ordering::Relaxed);
+        // The network threads sleep until an event: wake each to see the flag.
+        self.link.stop();
+        let _ = self.to_delivery.send(DeliveryMsg::Stop);
+        let _ = t.cmd_wake.send(CmdMsg::Wake);
+        // Bounded: a connect attempt or a running command handler must not
+        // hold the stop past the supervisor's timeout. Whatever they had in
+        // flight is replayed (rows) or reported interrupted (commands) at the
+        // next start.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        join_within(t.command, deadline, "the command thread");
+        join_within(t.delivery, deadline, "the delivery thread");
+        join_within(t.mqtt, deadline, "the mqtt thread");
+        lost
+    }
+}
+
+/// SIGTERM/SIGINT set the first flag (stop), SIGHUP the second (reload).
+fn signal_flags() -> Result<(Arc<AtomicBool>, Arc<AtomicBool>), AgentError> {
+    let setup =
+        |e: std::io::Error| AgentError::Setup(format!("cannot install signal handler: {e}"));
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone()).map_err(setup)?;
+    }
+    let hup = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone()).map_err(setup)?;
+    Ok((stop, hup))
+}
+
+/// Creates the spool's directory, takes the spool lock (held until the
+/// returned guard drops) and refuses a network filesystem.
+fn claim_spool(cfg: &Config) -> Result<SpoolLock, AgentError> {
+    if let Some(dir) = cfg
+        .spool
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            AgentError::Setup(format!(
+                "cannot create spool directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+    }
+    let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
+    warn_loose_secrets(cfg);
+    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
+        .map_err(AgentError::Setup)?;
+    Ok(lock)
+}
+
+/// The ingest thread's connection: opened (migrated if needed), the WAL
+/// brake set, the storage profile stored and the pragmas logged.
+fn open_ingest_spool(
+    cfg: &Config,
+    tuning: Option<&crate::probe::Profile>,
+) -> Result<Spool, AgentError> {
+    let mut ingest = open_spool(cfg)?;
+    // The brake fires after the commit that crosses it, so it sits below
+    // twice the threshold by about the largest transaction (a retention
+    // batch), which keeps the WAL within twice the threshold.
+    crate::spool::set_wal_brake_frames(
+        (3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64,
+    );
+    if let Some(p) = tuning {
+        if let Ok(json) = serde_json::to_string(p) {
+            let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
+        }
+    }
+    let p = ingest.pragmas().clone();
+    log::info!(
+        "spool {}: journal_mode={} synchronous={} busy_timeout={}ms journal_size_limit={} wal_autocheckpoint={}",
+        cfg.spool.path.display(),
+        p.journal_mode,
+        p.synchronous,
+        p.busy_timeout_ms,
+        p.journal_size_limit,
+        p.wal_autocheckpoint
+    );
+    Ok(ingest)
+}
+
+/// The connection for `durability = "full"` readings (synchronous FULL),
+/// sharing the ingest connection's sequence counters.
+fn open_full_spool(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
+    let mut o = cfg.spool.options.clone();
+    o.synchronous = crate::spool::Synchronous::Full;
+    let mut s = Spool::open(&cfg.spool.path, &o)?;
+    // One sequence counter per stream, whichever connection commits it.
+    s.share_seqs(ingest);
+    Ok(s)
+}
+
+/// Retry pacing for a spool that refuses writes, from the storage probe.
+fn storage_backoff(tuning: Option<&crate::probe::Profile>) -> crate::mqtt::Backoff {
+    let (lo, hi) = tuning
+        .map(|p| (p.derived.retry_min_ms, p.derived.retry_max_ms))
+        .unwrap_or((100, 5000));
+    crate::mqtt::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
 }
 
 /// Measure the spool's device (or read its stored profile) and put the
