@@ -572,6 +572,8 @@ pub struct MqttThread {
     mode: Cell<ConnMode>,
     /// Reconnect without the backoff delay (a redelivery was asked for).
     reconnect_now: Cell<bool>,
+    /// The last attempt ended with a CONNACK refusal (logged at ERROR).
+    refused: Cell<bool>,
     /// Last disconnect reason and when it was logged (repeats are rate-limited).
     last_reason: Mutex<Option<(String, Instant)>>,
     shared: Arc<Mutex<Shared>>,
@@ -625,6 +627,7 @@ pub fn new(
             oversize: Cell::new(None),
             mode: Cell::new(ConnMode::Normal),
             reconnect_now: Cell::new(false),
+            refused: Cell::new(false),
             last_reason: Mutex::new(None),
             shared,
             wake,
@@ -709,12 +712,27 @@ fn classify(e: &rumqttc::ConnectionError) -> String {
     use rumqttc::ConnectionError as E;
     match e {
         E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
-        E::ConnectionRefused(code) => format!("broker refused the connection: {code:?} (check mqtt.username, mqtt.password_file and mqtt.client_id)"),
+        E::ConnectionRefused(code) => refusal(*code),
         E::NetworkTimeout => "connect timed out (broker unreachable?)".to_owned(),
         E::MqttState(rumqttc::StateError::Deserialization(
             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
         )) => format!("the broker sent a {n}-byte packet, over the incoming limit"),
         other => format!("connection error: {other}"),
+    }
+}
+
+/// A CONNACK refusal (MQTT 3.1.1 §3.2.2.3, return codes 1 to 5) in words
+/// an operator can act on. Not transient: the same config gets the same
+/// answer, so it is logged at ERROR.
+fn refusal(code: rumqttc::ConnectReturnCode) -> String {
+    use rumqttc::ConnectReturnCode as C;
+    match code {
+        C::BadUserNamePassword => "the broker refused the login: bad user name or password (CONNACK return code 4): check mqtt.username and mqtt.password_file".to_owned(),
+        C::NotAuthorized => "the broker refused the login: not authorized (CONNACK return code 5): check mqtt.username, mqtt.password_file and the broker's access rules for this client".to_owned(),
+        C::BadClientId => "the broker refused the client identifier (CONNACK return code 2): check mqtt.client_id".to_owned(),
+        C::RefusedProtocolVersion => "the broker refused protocol level 4, MQTT 3.1.1 (CONNACK return code 1)".to_owned(),
+        C::ServiceUnavailable => "the broker refused the connection: server unavailable (CONNACK return code 3)".to_owned(),
+        C::Success => "broker refused the connection with return code 0".to_owned(),
     }
 }
 
@@ -854,9 +872,14 @@ impl MqttThread {
             }
             same
         };
+        let refused = self.refused.take();
         if rows.is_empty() && repeat {
             // The same failure again within a minute: no new information.
             log::debug!("mqtt: disconnected: {reason}");
+        } else if refused {
+            // The broker answered and said no: retrying will not change
+            // that until the broker or this config does.
+            log::error!("mqtt: {reason}; retrying with backoff");
         } else if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
             // At a clean stop the rows in flight simply stay SENT for the next run.
             log::info!(
@@ -948,10 +971,13 @@ impl MqttThread {
             s.pump();
         }
         log::info!(
-            "mqtt: connected to {}:{} (session_present={})",
+            "mqtt: connected to {}:{} (session_present={}, keep_alive={} s)",
             self.cfg.host,
             self.cfg.port,
-            ack.session_present
+            ack.session_present,
+            // MQTT 3.1.1 has no server keep-alive (§3.1.2.10): this is the
+            // one in force, whatever the broker's own maximum.
+            self.cfg.keep_alive.as_secs()
         );
         let _ = self.to_delivery.send(DeliveryMsg::Connected {
             session_present: ack.session_present,
@@ -1001,22 +1027,24 @@ impl MqttThread {
         Ok(())
     }
 
-    /// SUBACK of the command subscription: granted, or refused by the broker.
+    /// SUBACK of the command subscription: granted, or refused by the broker
+    /// (return code 0x80, MQTT 3.1.1 §3.9.3; mosquitto answers so when its
+    /// ACL denies the subscription). Telemetry never waits on it.
     fn on_suback(&self, ack: &rumqttc::SubAck) {
         if ack
             .return_codes
             .iter()
             .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
         {
+            let topic = self.commands.as_ref().map_or("", |c| c.topic.as_str());
             let mut s = lock(&self.shared);
             s.conn.awaiting_suback = false;
             if s.conn.commands_unavailable.is_none() {
-                log::error!("mqtt: the broker refused the command subscription (SUBACK failure); commands will not arrive: check the broker's ACL for this client");
+                log::error!("mqtt: the broker refused the command subscription to {topic} (SUBACK 0x80); commands will not arrive, telemetry keeps flowing: check the broker's ACL for this client");
             }
-            s.conn.commands_unavailable = Some(
-                "the broker refused the command subscription (SUBACK failure): check its ACL"
-                    .to_owned(),
-            );
+            s.conn.commands_unavailable = Some(format!(
+                "the broker refused the subscription to {topic} (SUBACK 0x80): check its ACL"
+            ));
         } else {
             let mut s = lock(&self.shared);
             s.subacks += 1;
@@ -1095,6 +1123,8 @@ impl MqttThread {
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
                 Ok(Err(e)) => {
                     lock(&self.shared).conn.peer_closed = true;
+                    self.refused
+                        .set(matches!(e, rumqttc::ConnectionError::ConnectionRefused(_)));
                     if let rumqttc::ConnectionError::MqttState(
                         rumqttc::StateError::Deserialization(
                             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
