@@ -9,6 +9,7 @@ mod config;
 mod delivery;
 mod faults;
 mod health;
+mod refusals;
 mod replay;
 mod spool;
 mod storage;
