@@ -311,6 +311,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: WINDOW,
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
+        max_packet_bytes: cfg.mqtt.max_packet_bytes,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
     };
     let t = Instant::now();

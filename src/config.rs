@@ -288,6 +288,12 @@ pub struct MqttConfig {
     pub inflight_window: usize,
     /// `max_payload_bytes`: larger events are marked FAILED, never sent.
     pub max_payload_bytes: usize,
+    /// `max_packet_bytes`: the broker's limit on a whole packet (mosquitto's
+    /// `max_packet_size`): an event whose QoS 1 PUBLISH (fixed header,
+    /// Remaining Length, topic, packet id and payload; MQTT 3.1.1 §2.2,
+    /// §3.3) is larger is marked FAILED, never sent. Default
+    /// [`crate::mqtt::PROTOCOL_MAX_PACKET`], the protocol's own limit.
+    pub max_packet_bytes: usize,
     /// `payload_format`.
     pub payload_format: Format,
     /// `connect_timeout_secs`.
@@ -573,6 +579,8 @@ struct RawMqtt {
     inflight_window: usize,
     #[serde(default = "d_maxpayload")]
     max_payload_bytes: usize,
+    #[serde(default = "d_maxpacket")]
+    max_packet_bytes: usize,
     #[serde(default = "d_format")]
     payload_format: String,
     #[serde(default = "d_connect")]
@@ -604,6 +612,7 @@ impl Default for RawMqtt {
             clean_session: false,
             inflight_window: d_window(),
             max_payload_bytes: d_maxpayload(),
+            max_packet_bytes: d_maxpacket(),
             payload_format: d_format(),
             connect_timeout_secs: d_connect(),
             reconnect_min_ms: d_rmin(),
@@ -703,6 +712,12 @@ fn d_fail_after() -> u32 {
 fn d_maxpayload() -> usize {
     64 * 1024
 }
+fn d_maxpacket() -> usize {
+    crate::mqtt::PROTOCOL_MAX_PACKET
+}
+/// Smallest `mqtt.max_packet_bytes`: mosquitto refuses a `max_packet_size`
+/// under 20; 128 leaves room for a topic and a small reading.
+const MIN_PACKET_BYTES: usize = 128;
 fn d_format() -> String {
     "json".into()
 }
@@ -1210,6 +1225,16 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         bad(
             "mqtt.max_payload_bytes",
             format!("must be 1024..=268435456 (got {})", m.max_payload_bytes),
+        );
+    }
+    if !(MIN_PACKET_BYTES..=crate::mqtt::PROTOCOL_MAX_PACKET).contains(&m.max_packet_bytes) {
+        bad(
+            "mqtt.max_packet_bytes",
+            format!(
+                "must be {MIN_PACKET_BYTES}..={} (got {})",
+                crate::mqtt::PROTOCOL_MAX_PACKET,
+                m.max_packet_bytes
+            ),
         );
     }
     let payload_format = match m.payload_format.as_str() {
@@ -1744,6 +1769,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             clean_session: m.clean_session,
             inflight_window: m.inflight_window,
             max_payload_bytes: m.max_payload_bytes,
+            max_packet_bytes: m.max_packet_bytes,
             payload_format,
             connect_timeout: Duration::from_secs(m.connect_timeout_secs),
             reconnect_min: Duration::from_millis(m.reconnect_min_ms),
@@ -2116,6 +2142,28 @@ interval_ms = 1000
         let e = err(&GOOD.replace("[mqtt]", "[mqtt]\ninflight_window = 0\nkeep_alive_secs = 0"));
         let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
         assert_eq!(keys, vec!["mqtt.keep_alive_secs", "mqtt.inflight_window"]);
+    }
+
+    #[test]
+    fn max_packet_bytes_defaults_to_the_protocol_limit_and_is_range_checked() {
+        let c = parse(GOOD, "t", &[]).unwrap();
+        assert_eq!(c.mqtt.max_packet_bytes, 268_435_460);
+        let c = parse(
+            &GOOD.replace("[mqtt]", "[mqtt]\nmax_packet_bytes = 2000"),
+            "t",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.mqtt.max_packet_bytes, 2000);
+        for bad in ["127", "268435461"] {
+            let e = err(&GOOD.replace("[mqtt]", &format!("[mqtt]\nmax_packet_bytes = {bad}")));
+            assert_eq!(e.problems[0].key, "mqtt.max_packet_bytes");
+            assert!(
+                e.problems[0].message.contains(&format!("(got {bad})")),
+                "{}",
+                e.problems[0].message
+            );
+        }
     }
 
     #[test]

@@ -25,7 +25,8 @@ pub struct Facts {
     /// Connections in a row that ended soon after their CONNACK (within a
     /// keep-alive, without a PUBACK).
     pub quick_drops: u32,
-    /// The broker refused the command subscription (SUBACK failure), or
+    /// The broker refused the command subscription (SUBACK 0x80, MQTT 3.1.1
+    /// §3.9.3), or
     /// closes the connection on it so the agent connects without it.
     pub commands_unavailable: Option<String>,
     /// Rows marked FAILED since start, while the last failure is recent

@@ -516,6 +516,44 @@ pub fn incoming_limit(topic: &str, max_payload: usize) -> usize {
     max_payload + topic.len() + 4
 }
 
+/// The largest MQTT 3.1.1 control packet: a 1-byte fixed header, a 4-byte
+/// Remaining Length and the largest Remaining Length, 268,435,455 bytes
+/// (MQTT 3.1.1 §2.2.3). The default of `mqtt.max_packet_bytes`: no limit
+/// beyond the protocol's.
+pub const PROTOCOL_MAX_PACKET: usize = 1 + 4 + 268_435_455;
+
+/// Bytes of the Remaining Length field for `remaining` (MQTT 3.1.1 §2.2.3:
+/// 7 bits per byte, 1 to 4 bytes). `None` past 268,435,455, which no packet
+/// can carry.
+fn remaining_length_bytes(remaining: usize) -> Option<usize> {
+    match remaining {
+        0..=127 => Some(1),
+        128..=16_383 => Some(2),
+        16_384..=2_097_151 => Some(3),
+        2_097_152..=268_435_455 => Some(4),
+        _ => None,
+    }
+}
+
+/// Size on the wire of the QoS 1 PUBLISH carrying `payload_len` bytes on a
+/// topic of `topic_len` bytes (UTF-8): the whole packet a broker's packet
+/// limit counts (mosquitto's `max_packet_size`), not only the payload.
+///
+/// Fixed header byte (MQTT 3.1.1 §2.2) + Remaining Length (§2.2.3) +
+/// topic length prefix (2) + topic (§3.3.2.1) + packet identifier (2, QoS 1,
+/// §3.3.2.2) + payload (§3.3.3). Past what Remaining Length can encode the
+/// result is `usize::MAX` (over any limit).
+pub fn publish_packet_size(topic_len: usize, payload_len: usize) -> usize {
+    let remaining = 2usize
+        .saturating_add(topic_len)
+        .saturating_add(2)
+        .saturating_add(payload_len);
+    match remaining_length_bytes(remaining) {
+        Some(n) => 1 + n + remaining,
+        None => usize::MAX,
+    }
+}
+
 /// The limit of a one-off connection taken after a packet over the normal
 /// limit: the 1 MiB this agent always accepted, and more than the normal one.
 fn drain_limit(normal: usize) -> usize {
@@ -548,6 +586,8 @@ pub struct MqttThread {
     mode: Cell<ConnMode>,
     /// Reconnect without the backoff delay (a redelivery was asked for).
     reconnect_now: Cell<bool>,
+    /// The last attempt ended with a CONNACK refusal (logged at ERROR).
+    refused: Cell<bool>,
     /// Last disconnect reason and when it was logged (repeats are rate-limited).
     last_reason: Mutex<Option<(String, Instant)>>,
     shared: Arc<Mutex<Shared>>,
@@ -603,6 +643,7 @@ pub fn new(
             oversize: Cell::new(None),
             mode: Cell::new(ConnMode::Normal),
             reconnect_now: Cell::new(false),
+            refused: Cell::new(false),
             last_reason: Mutex::new(None),
             shared,
             wake,
@@ -687,12 +728,27 @@ fn classify(e: &rumqttc::ConnectionError) -> String {
     use rumqttc::ConnectionError as E;
     match e {
         E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
-        E::ConnectionRefused(code) => format!("broker refused the connection: {code:?} (check mqtt.username, mqtt.password_file and mqtt.client_id)"),
+        E::ConnectionRefused(code) => refusal(*code),
         E::NetworkTimeout => "connect timed out (broker unreachable?)".to_owned(),
         E::MqttState(rumqttc::StateError::Deserialization(
             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
         )) => format!("the broker sent a {n}-byte packet, over the incoming limit"),
         other => format!("connection error: {other}"),
+    }
+}
+
+/// A CONNACK refusal (MQTT 3.1.1 §3.2.2.3, return codes 1 to 5) in words
+/// an operator can act on. Not transient: the same config gets the same
+/// answer, so it is logged at ERROR.
+fn refusal(code: rumqttc::ConnectReturnCode) -> String {
+    use rumqttc::ConnectReturnCode as C;
+    match code {
+        C::BadUserNamePassword => "the broker refused the login: bad user name or password (CONNACK return code 4): check mqtt.username and mqtt.password_file".to_owned(),
+        C::NotAuthorized => "the broker refused the login: not authorized (CONNACK return code 5): check mqtt.username, mqtt.password_file and the broker's access rules for this client".to_owned(),
+        C::BadClientId => "the broker refused the client identifier (CONNACK return code 2): check mqtt.client_id".to_owned(),
+        C::RefusedProtocolVersion => "the broker refused protocol level 4, MQTT 3.1.1 (CONNACK return code 1)".to_owned(),
+        C::ServiceUnavailable => "the broker refused the connection: server unavailable (CONNACK return code 3)".to_owned(),
+        C::Success => "broker refused the connection with return code 0".to_owned(),
     }
 }
 
@@ -833,9 +889,14 @@ impl MqttThread {
             }
             same
         };
+        let refused = self.refused.take();
         if rows.is_empty() && repeat {
             // The same failure again within a minute: no new information.
             log::debug!("mqtt: disconnected: {reason}");
+        } else if refused {
+            // The broker answered and said no: retrying will not change
+            // that until the broker or this config does.
+            log::error!("mqtt: {reason}; retrying with backoff");
         } else if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
             // At a clean stop the rows in flight simply stay SENT for the next run.
             log::info!(
@@ -927,10 +988,13 @@ impl MqttThread {
             s.pump();
         }
         log::info!(
-            "mqtt: connected to {}:{} (session_present={})",
+            "mqtt: connected to {}:{} (session_present={}, keep_alive={} s)",
             self.cfg.host,
             self.cfg.port,
-            ack.session_present
+            ack.session_present,
+            // MQTT 3.1.1 has no server keep-alive (§3.1.2.10): this is the
+            // one in force, whatever the broker's own maximum.
+            self.cfg.keep_alive.as_secs()
         );
         let _ = self.to_delivery.send(DeliveryMsg::Connected {
             session_present: ack.session_present,
@@ -989,22 +1053,24 @@ impl MqttThread {
         Ok(())
     }
 
-    /// SUBACK of the command subscription: granted, or refused by the broker.
+    /// SUBACK of the command subscription: granted, or refused by the broker
+    /// (return code 0x80, MQTT 3.1.1 §3.9.3; mosquitto answers so when its
+    /// ACL denies the subscription). Telemetry never waits on it.
     fn on_suback(&self, ack: &rumqttc::SubAck) {
         if ack
             .return_codes
             .iter()
             .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
         {
+            let topic = self.commands.as_ref().map_or("", |c| c.topic.as_str());
             let mut s = lock(&self.shared);
             s.conn.awaiting_suback = false;
             if s.conn.commands_unavailable.is_none() {
-                log::error!("mqtt: the broker refused the command subscription (SUBACK failure); commands will not arrive: check the broker's ACL for this client");
+                log::error!("mqtt: the broker refused the command subscription to {topic} (SUBACK 0x80); commands will not arrive, telemetry keeps flowing: check the broker's ACL for this client");
             }
-            s.conn.commands_unavailable = Some(
-                "the broker refused the command subscription (SUBACK failure): check its ACL"
-                    .to_owned(),
-            );
+            s.conn.commands_unavailable = Some(format!(
+                "the broker refused the subscription to {topic} (SUBACK 0x80): check its ACL"
+            ));
         } else {
             let mut s = lock(&self.shared);
             s.subacks += 1;
@@ -1089,6 +1155,8 @@ impl MqttThread {
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
                 Ok(Err(e)) => {
                     lock(&self.shared).conn.peer_closed = true;
+                    self.refused
+                        .set(matches!(e, rumqttc::ConnectionError::ConnectionRefused(_)));
                     if let rumqttc::ConnectionError::MqttState(
                         rumqttc::StateError::Deserialization(
                             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
@@ -1141,6 +1209,70 @@ mod tests {
         assert!(d[5..].iter().all(|&x| (750..=1000).contains(&x)), "{d:?}");
         b.reset();
         assert!(b.next_delay().as_millis() <= 125);
+    }
+
+    /// What rumqttc itself writes for a QoS 1 PUBLISH with a packet id (as
+    /// every publish of ours has when it is encoded).
+    fn rumqttc_publish(topic_len: usize, payload_len: usize) -> (usize, usize, usize) {
+        let mut p = rumqttc::Publish::new(
+            "t".repeat(topic_len),
+            QoS::AtLeastOnce,
+            vec![b'x'; payload_len],
+        );
+        p.pkid = 7;
+        let mut buf = bytes::BytesMut::new();
+        let written = p.write(&mut buf).expect("rumqttc encodes it");
+        (p.size(), written, buf.len())
+    }
+
+    #[test]
+    fn publish_packet_size_matches_what_rumqttc_writes_at_every_length_boundary() {
+        // Remaining Length grows a byte at 128, 16,384 and 2,097,152
+        // (MQTT 3.1.1 §2.2.3); remaining = 2 + topic + 2 + payload.
+        let topic = 20;
+        let mut payloads = vec![0, 1, 100, 1000, 65_536];
+        for edge in [128usize, 16_384, 2_097_152] {
+            let p = edge - 4 - topic;
+            payloads.extend([p - 1, p, p + 1]);
+        }
+        for payload in payloads {
+            let (size, written, buf) = rumqttc_publish(topic, payload);
+            let ours = publish_packet_size(topic, payload);
+            assert_eq!(ours, size, "payload {payload}: rumqttc size()");
+            assert_eq!(ours, written, "payload {payload}: rumqttc write()");
+            assert_eq!(ours, buf, "payload {payload}: bytes in the buffer");
+        }
+        for topic in [1, 60, 200, 1000] {
+            let (size, _, buf) = rumqttc_publish(topic, 3000);
+            assert_eq!(publish_packet_size(topic, 3000), size);
+            assert_eq!(publish_packet_size(topic, 3000), buf);
+        }
+    }
+
+    #[test]
+    fn rumqttc_refuses_a_publish_one_byte_over_its_outgoing_limit_as_we_count_it() {
+        let mut p = rumqttc::Publish::new("a/events/s", QoS::AtLeastOnce, vec![0u8; 500]);
+        p.pkid = 1;
+        let size = publish_packet_size(10, 500);
+        let packet = rumqttc::Packet::Publish(p);
+        let mut buf = bytes::BytesMut::new();
+        assert!(packet.write(&mut buf, size).is_ok());
+        assert!(matches!(
+            packet.write(&mut buf, size - 1),
+            Err(rumqttc::mqttbytes::Error::OutgoingPacketTooLarge { pkt_size, max })
+                if pkt_size == size && max == size - 1
+        ));
+    }
+
+    #[test]
+    fn a_publish_past_the_protocol_limit_counts_as_larger_than_any_limit() {
+        let max_remaining = 268_435_455;
+        assert_eq!(
+            publish_packet_size(10, max_remaining - 14),
+            PROTOCOL_MAX_PACKET
+        );
+        assert_eq!(publish_packet_size(10, max_remaining - 13), usize::MAX);
+        assert_eq!(publish_packet_size(usize::MAX, 1), usize::MAX);
     }
 
     #[test]

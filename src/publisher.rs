@@ -45,6 +45,8 @@ pub struct DeliveryConfig {
     pub window: usize,
     /// `mqtt.max_payload_bytes`.
     pub max_payload_bytes: usize,
+    /// `mqtt.max_packet_bytes`: the broker's limit on a whole PUBLISH.
+    pub max_packet_bytes: usize,
     /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
     /// disconnects in a row is marked FAILED.
     pub fail_after_disconnects: u32,
@@ -342,6 +344,12 @@ impl Delivery {
                 .entry(row.stream.clone())
                 .or_insert_with(|| Arc::from(format!("{prefix}/events/{}", row.stream)))
                 .clone();
+            if let Some(why) =
+                packet_too_large(&topic, row.payload.len(), self.cfg.max_packet_bytes)
+            {
+                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+                continue;
+            }
             batch.push(Ready {
                 row: row.id,
                 topic,
@@ -358,6 +366,8 @@ impl Delivery {
         }
     }
 
+    /// Mark one row FAILED (kept, shown by `status`, counted as
+    /// `events_failed_<counter>`); the rows behind it flow.
     fn fail(&mut self, spool: &mut Spool, id: i64, event_id: &str, why: &str, counter: &str) {
         log::error!("delivery: event {event_id} marked FAILED: {why}");
         match spool.mark_failed(id, why, counter) {
@@ -366,5 +376,37 @@ impl Delivery {
             }
             Err(e) => self.log_error("mark failed", &e),
         }
+    }
+}
+
+/// Why a row cannot be sent under the broker's whole-packet limit, if it
+/// cannot: the QoS 1 PUBLISH carrying `payload_len` bytes on `topic` is
+/// larger than `max_packet_bytes` (MQTT 3.1.1 §2.2, §3.3; see
+/// [`crate::mqtt::publish_packet_size`]). A broker drops the connection on
+/// such a packet (3.1.1 has no way to refuse one publish), so it must never
+/// leave.
+fn packet_too_large(topic: &str, payload_len: usize, max_packet_bytes: usize) -> Option<String> {
+    let size = crate::mqtt::publish_packet_size(topic.len(), payload_len);
+    (size > max_packet_bytes).then(|| {
+        format!(
+            "PUBLISH packet of {size} bytes (payload {payload_len} bytes on {topic}) exceeds mqtt.max_packet_bytes {max_packet_bytes}"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packet_over_the_limit_is_named_with_its_size_and_the_limit() {
+        // 1 + 2 + (2 + 10 + 2 + 1000) = 1017 bytes on the wire.
+        let topic = "p/events/s";
+        assert_eq!(packet_too_large(topic, 1000, 1017), None);
+        let why = packet_too_large(topic, 1000, 1016).expect("over");
+        assert_eq!(
+            why,
+            "PUBLISH packet of 1017 bytes (payload 1000 bytes on p/events/s) exceeds mqtt.max_packet_bytes 1016"
+        );
     }
 }

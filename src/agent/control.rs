@@ -323,19 +323,24 @@ impl Ingest {
             &nm.topic_prefix,
             nm.inflight_window,
             nm.max_payload_bytes,
+            nm.max_packet_bytes,
             nm.payload_format,
         ) != (
             &cm.topic_prefix,
             cm.inflight_window,
             cm.max_payload_bytes,
+            cm.max_packet_bytes,
             cm.payload_format,
         ) {
-            restart.push("mqtt.topic_prefix/inflight_window/max_payload_bytes/payload_format");
+            restart.push(
+                "mqtt.topic_prefix/inflight_window/max_payload_bytes/max_packet_bytes/payload_format",
+            );
         }
         let mut live = nm.clone();
         live.topic_prefix = cm.topic_prefix.clone();
         live.inflight_window = cm.inflight_window;
         live.max_payload_bytes = cm.max_payload_bytes;
+        live.max_packet_bytes = cm.max_packet_bytes;
         live.payload_format = cm.payload_format;
         if live != *cm {
             self.link.reconfigure(live.clone());

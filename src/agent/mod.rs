@@ -296,6 +296,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: cfg.mqtt.inflight_window,
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
+        max_packet_bytes: cfg.mqtt.max_packet_bytes,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
     };
     let spawn = |name: &str| std::thread::Builder::new().name(name.to_owned());

@@ -205,7 +205,7 @@ pub fn publish(port: u16, topic: &str, payload: &[u8], retain: bool) {
     client
         .publish(topic, QoS::AtLeastOnce, retain, payload.to_vec())
         .expect("queue publish");
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
         match conn.recv_timeout(Duration::from_secs(1)) {
             Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => {
@@ -626,17 +626,7 @@ fn a_thousand_redeliveries_with_kills_in_between_run_the_command_once() {
     );
     o.set_inflight(100);
     let (client, mut conn) = Client::new(o, 200);
-    let pump = std::thread::spawn(move || {
-        let mut acks = 0;
-        while acks < 1000 {
-            match conn.recv_timeout(Duration::from_secs(5)) {
-                Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => acks += 1,
-                Ok(Ok(_)) => {}
-                _ => break,
-            }
-        }
-        acks
-    });
+    let pump = std::thread::spawn(move || pump_pubacks(&mut conn, 1000));
     let mut delivered = 0;
     for round in 0..4 {
         let mut agent = rig.spawn_ready();
@@ -1060,6 +1050,27 @@ fn counter(db: &Path, name: &str) -> i64 {
         .unwrap_or(0)
 }
 
+/// Drive a bulk publisher's event loop until `n` PUBACKs arrived or
+/// [`PUMP_DEADLINE`] passed; returns the PUBACKs counted. A quiet gap is no
+/// reason to stop (a slow machine has long ones): only the overall deadline,
+/// a connection error (panics) or a closed event loop end it.
+fn pump_pubacks(conn: &mut rumqttc::Connection, n: usize) -> usize {
+    let deadline = Instant::now() + PUMP_DEADLINE;
+    let mut acks = 0;
+    while acks < n && Instant::now() < deadline {
+        match conn.recv_timeout(Duration::from_secs(1)) {
+            Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => acks += 1,
+            Ok(Ok(_)) | Err(rumqttc::RecvTimeoutError::Timeout) => {}
+            Ok(Err(e)) => panic!("bulk publisher: {e}"),
+            Err(rumqttc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    acks
+}
+
+/// How long a bulk publisher waits for all its PUBACKs, in all.
+const PUMP_DEADLINE: Duration = Duration::from_secs(180);
+
 /// Publish every payload at QoS 1 as fast as the broker takes them (100 in
 /// flight) and return once every PUBACK arrived.
 fn publish_all(port: u16, topic: &str, payloads: Vec<Vec<u8>>) {
@@ -1072,18 +1083,7 @@ fn publish_all(port: u16, topic: &str, payloads: Vec<Vec<u8>>) {
     o.set_inflight(100);
     o.set_max_packet_size(1 << 20, 1 << 20);
     let (client, mut conn) = Client::new(o, 200);
-    let pump = std::thread::spawn(move || {
-        let mut acks = 0;
-        while acks < n {
-            match conn.recv_timeout(Duration::from_secs(10)) {
-                Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => acks += 1,
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => panic!("bulk publisher: {e}"),
-                Err(_) => break,
-            }
-        }
-        acks
-    });
+    let pump = std::thread::spawn(move || pump_pubacks(&mut conn, n));
     for p in payloads {
         client
             .publish(topic, QoS::AtLeastOnce, false, p)

@@ -10,6 +10,7 @@ mod delivery;
 mod faults;
 mod health;
 mod metrics;
+mod refusals;
 mod replay;
 mod spool;
 mod storage;

@@ -210,8 +210,10 @@ impl Drop for Broker {
     }
 }
 
-/// True if an MQTT 3.1.1 CONNECT to `addr` is answered with an accepting
-/// CONNACK (so it is mosquitto listening there, and it is ready).
+/// True if an MQTT 3.1.1 CONNECT to `addr` is answered with a CONNACK (so
+/// it is mosquitto listening there, and it is ready). A refusing CONNACK
+/// counts too: a broker with `allow_anonymous false` answers this anonymous
+/// probe with return code 5.
 fn mqtt_probe(addr: &SocketAddr) -> bool {
     use std::io::{Read, Write};
     const CLIENT_ID: &[u8] = b"edgespool-broker-probe";
@@ -234,7 +236,7 @@ fn mqtt_probe(addr: &SocketAddr) -> bool {
     if stream.read_exact(&mut connack).is_err() {
         return false;
     }
-    let ok = connack[0] == 0x20 && connack[1] == 2 && connack[3] == 0;
+    let ok = connack[0] == 0x20 && connack[1] == 2 && connack[3] <= 5;
     let _ = stream.write_all(&[0xe0, 0x00]); // DISCONNECT
     ok
 }
