@@ -120,6 +120,7 @@ fn seed(db: &Path, texts: &[String]) {
             ts_ms: 1,
             clock_trusted: true,
             fields: vec![("t".into(), FieldValue::Text(t.clone()))],
+            replay: None,
         })
         .collect();
     // Appended now: retention deletes ACKED rows by their append time.
