@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what edgespool's build, demo and tests need on a fresh Debian machine.
 #   cross/setup-debian.sh          host build + tests: mosquitto, sqlite3, strace (flash bench),
-#                                  faketime (command tests), rustfmt, clippy, cargo-nextest
+#                                  faketime (command tests), rustfmt, clippy, cargo-nextest,
+#                                  nodejs/npm and aedes (a second broker for the tests)
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
@@ -46,6 +47,19 @@ if command -v rustup >/dev/null; then
     rustup target add aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf >/dev/null
   fi
 fi
+# aedes, the second broker implementation the tests run against
+# (tests/it/aedes.rs), from the npm registry at the version in its lock file.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "setup: installing nodejs and npm"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+aedes_dir="$(dirname "$0")/../tests/fixtures/aedes"
+if [ ! -d "$aedes_dir/node_modules/aedes" ]; then
+  echo "setup: installing aedes (npm ci in tests/fixtures/aedes)"
+  (cd "$aedes_dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+fi
+
 # The test runner (cross/test.sh): one process per test, hung tests killed.
 if ! cargo nextest --version >/dev/null 2>&1; then
   echo "setup: installing cargo-nextest (a few minutes: it is compiled)"

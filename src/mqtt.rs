@@ -723,8 +723,10 @@ fn status_topic(cfg: &MqttConfig) -> String {
 /// PUBACK for it retires nothing.
 const STATUS_ROW: i64 = -1;
 
-/// A connection error in words an operator can act on.
-fn classify(e: &rumqttc::ConnectionError) -> String {
+/// A connection error in words an operator can act on. `keep_alive` is
+/// the one this client asked for, named when a broker refuses with a code
+/// 3.1.1 does not define.
+fn classify(e: &rumqttc::ConnectionError, keep_alive: Duration) -> String {
     use rumqttc::ConnectionError as E;
     match e {
         E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
@@ -733,6 +735,9 @@ fn classify(e: &rumqttc::ConnectionError) -> String {
         E::MqttState(rumqttc::StateError::Deserialization(
             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
         )) => format!("the broker sent a {n}-byte packet, over the incoming limit"),
+        E::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::InvalidConnectReturnCode(code),
+        )) => undefined_refusal(*code, keep_alive),
         other => format!("connection error: {other}"),
     }
 }
@@ -750,6 +755,30 @@ fn refusal(code: rumqttc::ConnectReturnCode) -> String {
         C::ServiceUnavailable => "the broker refused the connection: server unavailable (CONNACK return code 3)".to_owned(),
         C::Success => "broker refused the connection with return code 0".to_owned(),
     }
+}
+
+/// A CONNACK return code MQTT 3.1.1 does not define (§3.2.2.3 ends at 5).
+/// aedes answers 6 to a keep-alive above its `keepaliveLimit` (the MQTT 5
+/// meaning would be a refusal too), so the keep-alive is named.
+fn undefined_refusal(code: u8, keep_alive: Duration) -> String {
+    format!(
+        "the broker refused the connection with CONNACK return code {code}, which MQTT 3.1.1 does not define: \
+         some brokers (aedes) send 6 for a keep-alive above their limit; this client asks for a keep-alive of {} s \
+         (mqtt.keep_alive_secs): lower it, or check the broker's log for the cause",
+        keep_alive.as_secs()
+    )
+}
+
+/// Whether the broker answered the CONNECT and said no (a CONNACK refusal,
+/// or a return code outside 3.1.1): the same config gets the same answer.
+fn is_refusal(e: &rumqttc::ConnectionError) -> bool {
+    matches!(
+        e,
+        rumqttc::ConnectionError::ConnectionRefused(_)
+            | rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
+                rumqttc::mqttbytes::Error::InvalidConnectReturnCode(_),
+            ))
+    )
 }
 
 impl MqttThread {
@@ -1155,8 +1184,7 @@ impl MqttThread {
                 Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
                 Ok(Err(e)) => {
                     lock(&self.shared).conn.peer_closed = true;
-                    self.refused
-                        .set(matches!(e, rumqttc::ConnectionError::ConnectionRefused(_)));
+                    self.refused.set(is_refusal(&e));
                     if let rumqttc::ConnectionError::MqttState(
                         rumqttc::StateError::Deserialization(
                             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
@@ -1165,7 +1193,7 @@ impl MqttThread {
                     {
                         self.oversize.set(Some(*n));
                     }
-                    return classify(&e);
+                    return classify(&e, self.cfg.keep_alive);
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod aedes;
 mod commands;
 mod config;
 mod delivery;
