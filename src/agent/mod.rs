@@ -258,10 +258,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let ids = EventIdGen::new()
         .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
 
-    // Commands and their results: fsync at every commit (synchronous FULL).
-    let mut cmd_opts = cfg.spool.options.clone();
-    cmd_opts.synchronous = crate::spool::Synchronous::Full;
-    let command_spool = Spool::open(&cfg.spool.path, &cmd_opts)?;
+    let command_spool = open_full_durability(&cfg)?;
 
     let (to_delivery, delivery_rx) = mpsc::channel::<DeliveryMsg>();
     let net_stop = Arc::new(AtomicBool::new(false));
@@ -272,19 +269,11 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         crate::commands::worker::inbox_limit(cfg.commands.max_payload_bytes),
     );
     let inbox_meter = inbox.meter();
-    let sink: Option<mqtt::CommandSub> = cfg.commands.enabled.then(|| {
-        let sink: mqtt::CommandSink = Box::new(move |epoch, publish| inbox.offer(epoch, publish));
-        mqtt::CommandSub {
-            topic: format!("{}/commands", cfg.mqtt.topic_prefix),
-            max_payload_bytes: cfg.commands.max_payload_bytes,
-            sink,
-        }
-    });
     let (link, mqtt_thread) = mqtt::new(
         cfg.mqtt.clone(),
         to_delivery.clone(),
         net_stop.clone(),
-        sink,
+        command_subscription(&cfg, inbox),
     );
     // The retained `online` status at the first connect already tells these.
     link.set_status(
@@ -292,13 +281,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         ingest.backlog_estimate().unwrap_or(0),
     );
     let stats = Arc::new(DeliveryStats::default());
-    let dcfg = DeliveryConfig {
-        topic_prefix: cfg.mqtt.topic_prefix.clone(),
-        window: cfg.mqtt.inflight_window,
-        max_payload_bytes: cfg.mqtt.max_payload_bytes,
-        max_packet_bytes: cfg.mqtt.max_packet_bytes,
-        fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
-    };
+    let dcfg = delivery_config(&cfg);
     let spawn = |name: &str| std::thread::Builder::new().name(name.to_owned());
     let mqtt_handle = spawn("mqtt")
         .spawn(move || mqtt_thread.run())
@@ -513,15 +496,48 @@ fn open_ingest_spool(
     Ok(ingest)
 }
 
-/// The connection for `durability = "full"` readings (synchronous FULL),
-/// sharing the ingest connection's sequence counters.
-fn open_full_spool(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
+/// A connection that fsyncs at every commit (synchronous FULL): commands
+/// and their results, and `durability = "full"` readings.
+fn open_full_durability(cfg: &Config) -> Result<Spool, AgentError> {
     let mut o = cfg.spool.options.clone();
     o.synchronous = crate::spool::Synchronous::Full;
-    let mut s = Spool::open(&cfg.spool.path, &o)?;
+    Ok(Spool::open(&cfg.spool.path, &o)?)
+}
+
+/// The connection for `durability = "full"` readings, sharing the ingest
+/// connection's sequence counters.
+fn open_full_spool(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
+    let mut s = open_full_durability(cfg)?;
     // One sequence counter per stream, whichever connection commits it.
     s.share_seqs(ingest);
     Ok(s)
+}
+
+/// The command subscription the MQTT thread makes (`None` with commands
+/// off): each command publish goes to the command thread's inbox.
+fn command_subscription(
+    cfg: &Config,
+    inbox: crate::commands::worker::Inbox,
+) -> Option<mqtt::CommandSub> {
+    cfg.commands.enabled.then(|| {
+        let sink: mqtt::CommandSink = Box::new(move |epoch, publish| inbox.offer(epoch, publish));
+        mqtt::CommandSub {
+            topic: format!("{}/commands", cfg.mqtt.topic_prefix),
+            max_payload_bytes: cfg.commands.max_payload_bytes,
+            sink,
+        }
+    })
+}
+
+/// The delivery thread's settings, from `[mqtt]`.
+fn delivery_config(cfg: &Config) -> DeliveryConfig {
+    DeliveryConfig {
+        topic_prefix: cfg.mqtt.topic_prefix.clone(),
+        window: cfg.mqtt.inflight_window,
+        max_payload_bytes: cfg.mqtt.max_payload_bytes,
+        max_packet_bytes: cfg.mqtt.max_packet_bytes,
+        fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
+    }
 }
 
 /// Retry pacing for a spool that refuses writes, from the storage probe.
