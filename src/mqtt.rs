@@ -105,6 +105,8 @@ pub struct Shared {
     sent_at: VecDeque<(u16, Instant)>,
     /// Time from a publish leaving to its PUBACK, rows only (this run).
     puback_latency: crate::metrics::Histogram,
+    /// The online status was found over `mqtt.max_packet_bytes` (warned once).
+    status_too_large_logged: bool,
 }
 
 /// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
@@ -133,10 +135,23 @@ fn announce_online(s: &mut Shared, cfg: &MqttConfig) {
     if let (Some(o), serde_json::Value::Object(i)) = (v.as_object_mut(), info) {
         o.extend(i);
     }
+    let payload = v.to_string().into_bytes();
+    let size = publish_packet_size(topic.len(), payload.len());
+    if size > cfg.max_packet_bytes {
+        // A broker closes the connection on a packet over its limit: the
+        // status must never cost the connection that carries the rows.
+        if !s.status_too_large_logged {
+            s.status_too_large_logged = true;
+            log::warn!(
+                "the retained online status on {topic} is a {size}-byte PUBLISH, over mqtt.max_packet_bytes {}: not sent (raise the limit or set mqtt.status_topic = false)",
+                cfg.max_packet_bytes
+            );
+        }
+        return;
+    }
     if s.ack.submitted(STATUS_ROW).is_err() {
         return;
     }
-    let payload = v.to_string().into_bytes();
     if client
         .try_publish(topic, QoS::AtLeastOnce, true, payload)
         .is_err()
@@ -626,6 +641,7 @@ pub fn new(
         redeliver: false,
         sent_at: VecDeque::new(),
         puback_latency: crate::metrics::Histogram::new(),
+        status_too_large_logged: false,
     }));
     let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
         incoming_limit(&c.topic, c.max_payload_bytes)

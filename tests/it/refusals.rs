@@ -517,3 +517,42 @@ fn a_publish_denied_by_acl_is_acknowledged_under_3_1_1_and_the_agent_cannot_tell
     agent.terminate(Duration::from_secs(15));
     assert_eq!(sub.count(), 0);
 }
+
+/// The agent's own retained `online` status must never cost the connection:
+/// with `mqtt.max_packet_bytes` below its size (a broker with a small
+/// `max_packet_size`) it is not sent, with one WARN, and the events, which
+/// fit, are all delivered on one connection.
+#[test]
+fn a_status_message_over_max_packet_bytes_is_skipped_and_events_flow() {
+    let broker = Broker::start_with_config("max_packet_size 220\n");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("pktstatus");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let db = dir.path().join("spool.db");
+    let small: Vec<String> = (0..10).map(|i| format!("s{i}")).collect();
+    seed(&db, &small);
+    let mut agent = AgentProc::spawn(
+        &cfg,
+        &["sources=[]".into(), "mqtt.max_packet_bytes=220".into()],
+        dir.path(),
+    );
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
+            == 10),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert_eq!(
+        log_lines(&agent, "WARN", "the retained online status").len(),
+        1,
+        "{}",
+        agent.log_tail(30)
+    );
+    assert!(!broker.log_text().contains("oversize packet"));
+    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 1);
+    agent.terminate(Duration::from_secs(15));
+    assert_acked_rows_were_received(&db, &sub);
+    assert_no_retirement_without_puback(&db, &broker);
+}
