@@ -196,7 +196,12 @@ const DROP_REASONS: [&str; 5] = [
 ];
 
 /// Why the delivery thread marks a row FAILED (`events_failed_<reason>`).
-const FAIL_REASONS: [&str; 3] = ["disconnects", "oversized", "digest_mismatch"];
+const FAIL_REASONS: [&str; 4] = [
+    "disconnects",
+    "oversized",
+    "packet_too_large",
+    "digest_mismatch",
+];
 
 /// Final command states counted as `commands_<state>`.
 const COMMAND_STATES: [&str; 5] = ["completed", "failed", "rejected", "expired", "interrupted"];

@@ -96,6 +96,9 @@ pub fn run(
         stats,
         last_error_log: None,
         suspect: None,
+        offered_size: HashMap::new(),
+        largest_acked: 0,
+        learned_limit: None,
         probing: None,
     };
     while !stop.load(Ordering::Relaxed) {
@@ -144,6 +147,16 @@ struct Delivery {
     last_error_log: Option<Instant>,
     /// The row alone in flight at the last quick disconnects, and how many in a row.
     suspect: Option<(i64, u32)>,
+    /// Whole-packet size of each row offered in this epoch and not yet
+    /// acknowledged (at most the ready queue plus the window).
+    offered_size: HashMap<i64, usize>,
+    /// The largest PUBLISH the broker has acknowledged in this run.
+    largest_acked: usize,
+    /// A packet size the broker dropped the connection on, learned from a
+    /// row FAILED after quick disconnects while larger than any packet it
+    /// acknowledged: rows at least this large fail at once instead of
+    /// costing `fail_after_disconnects` reconnects each.
+    learned_limit: Option<usize>,
     /// Sending one row at a time to find a row the broker refuses; acks
     /// counted since.
     probing: Option<usize>,
@@ -177,6 +190,7 @@ impl Delivery {
                 // Replay from the oldest unacknowledged row, in order (I7).
                 self.cursor = 0;
                 self.ahead.clear();
+                self.offered_size.clear();
             }
             DeliveryMsg::Progress
             | DeliveryMsg::Connected { .. }
@@ -219,6 +233,25 @@ impl Delivery {
             "the connection dropped {n} times in a row with this row the oldest in flight (larger than the broker accepts? denied? see the broker's log)"
         );
         self.fail(spool, oldest, &format!("row {oldest}"), &why, "disconnects");
+        self.learn_limit(self.offered_size.get(&oldest).copied());
+    }
+
+    /// After a row alone in flight cost the connection: if its packet was
+    /// larger than every packet the broker acknowledged, its size is taken
+    /// as the broker's limit (3.1.1 has no other way to learn it) until a
+    /// packet that large is acknowledged.
+    fn learn_limit(&mut self, size: Option<usize>) {
+        let Some(size) = size.filter(|&s| s > self.largest_acked) else {
+            return;
+        };
+        if self.learned_limit.is_some_and(|l| l <= size) {
+            return;
+        }
+        self.learned_limit = Some(size);
+        log::warn!(
+            "delivery: the broker dropped the connection on a {size}-byte PUBLISH (the largest it acknowledged is {} bytes): rows of {size} bytes or more now go FAILED at once; set mqtt.max_packet_bytes to the broker's limit",
+            self.largest_acked
+        );
     }
 
     /// Move what the MQTT thread submitted and saw acknowledged into the
@@ -230,6 +263,15 @@ impl Delivery {
         }
         if self.suspect.is_some_and(|(row, _)| acked.contains(&row)) {
             self.suspect = None;
+        }
+        for row in &acked {
+            if let Some(size) = self.offered_size.remove(row) {
+                self.largest_acked = self.largest_acked.max(size);
+            }
+        }
+        if self.learned_limit.is_some_and(|l| self.largest_acked >= l) {
+            log::info!("delivery: the broker acknowledged a packet as large as the learned limit; forgetting it");
+            self.learned_limit = None;
         }
         if let Some(n) = self.probing.as_mut() {
             *n += acked.len();
@@ -349,6 +391,17 @@ impl Delivery {
             {
                 self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
                 continue;
+            }
+            let size = crate::mqtt::publish_packet_size(topic.len(), row.payload.len());
+            if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
+                let why = format!(
+                    "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
+                );
+                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+                continue;
+            }
+            if self.offered_size.len() < 4 * crate::ack::MAX_WINDOW {
+                self.offered_size.insert(row.id, size);
             }
             batch.push(Ready {
                 row: row.id,

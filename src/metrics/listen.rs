@@ -144,7 +144,10 @@ fn answer(mut stream: TcpStream, snapshot: &Snapshot) {
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
         let mut sink = [0u8; 4096];
         let mut drained = 0;
-        while drained < 64 * 1024 {
+        // One overall bound too: a client trickling a byte per read must
+        // not hold the only listener thread.
+        let give_up = Instant::now() + Duration::from_millis(500);
+        while drained < 64 * 1024 && Instant::now() < give_up {
             match stream.read(&mut sink) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => drained += n,

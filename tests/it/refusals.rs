@@ -556,3 +556,51 @@ fn a_status_message_over_max_packet_bytes_is_skipped_and_events_flow() {
     assert_acked_rows_were_received(&db, &sub);
     assert_no_retirement_without_puback(&db, &broker);
 }
+
+/// Oversized readings that keep coming, without `mqtt.max_packet_bytes`:
+/// the first costs `fail_after_disconnects` (3) dropped connections; its
+/// size, larger than anything the broker acknowledged, is then taken as the
+/// broker's limit, so the later ones go FAILED at once instead of 3
+/// reconnects each, and the small rows behind them keep flowing.
+#[test]
+fn after_one_oversized_row_costs_the_connection_later_ones_fail_at_once() {
+    let broker = Broker::start_with_config("max_packet_size 2000\n");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("pktlearn");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let db = dir.path().join("spool.db");
+    let mut texts = Vec::new();
+    for i in 0..5 {
+        texts.extend((0..4).map(|j| format!("small {i}.{j}")));
+        texts.push(format!("{i}{}", "x".repeat(3000)));
+    }
+    seed(&db, &texts);
+    let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(120), || count_in_state(&db, "ACKED")
+            == 20
+            && count_in_state(&db, "FAILED") == 5),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert_eq!(
+        log_lines(&agent, "WARN", "now go FAILED at once").len(),
+        1,
+        "{}",
+        agent.log_tail(30)
+    );
+    // The first oversized row costs the drops it always did (one or two
+    // with several rows in flight, which start one-row probing, then 3
+    // alone in flight); the four after it cost none (without the learned
+    // limit: 3 each, 15 or more in all).
+    let drops = broker.log_text().matches("oversize packet").count();
+    assert!((3..=5).contains(&drops), "{drops} oversize drops");
+    let v = status_json(&db);
+    assert_eq!(v["counters"]["events_failed_packet_too_large"], 4, "{v}");
+    agent.terminate(Duration::from_secs(15));
+    assert_eq!(crate::received(&sub.deliveries()).times.len(), 20);
+    assert_acked_rows_were_received(&db, &sub);
+    assert_no_retirement_without_puback(&db, &broker);
+}
