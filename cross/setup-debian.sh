@@ -60,9 +60,4 @@ if [ ! -d "$aedes_dir/node_modules/aedes" ]; then
   (cd "$aedes_dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 fi
 
-# The test runner (cross/test.sh): one process per test, hung tests killed.
-if ! cargo nextest --version >/dev/null 2>&1; then
-  echo "setup: installing cargo-nextest (a few minutes: it is compiled)"
-  cargo install --locked cargo-nextest
-fi
 echo "setup: ok"

@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cross/setup-debian.sh --arm
+cross/ensure-nextest.sh
 targets=(aarch64-unknown-linux-gnu armv7-unknown-linux-gnueabihf)
 case "${1:-}" in
   aarch64) targets=(aarch64-unknown-linux-gnu) ;;
@@ -32,6 +33,6 @@ for t in "${targets[@]}"; do
   if [[ "$t" == armv7* ]]; then
     echo "== $t: a short network-loss rig schedule, agent and sink under qemu"
     EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" RIG_FAULTS=8 \
-      cargo test --test rig
+      timeout 1800 cargo test --test rig
   fi
 done

@@ -12,9 +12,11 @@ if [ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ]; then cross/setup-debian.sh; else cross/se
 # figures and are run on their own: cargo bench --bench flash). cargo-nextest
 # runs every test in its own process, kills a hung one after 10 minutes and
 # retries a failure once, reporting it as FLAKY (.config/nextest.toml).
+cross/ensure-nextest.sh
 cargo nextest run --profile ci --lib --bins --test it
-# The network-loss rig is a program, not a libtest harness.
-cargo test --test rig
+# The network-loss rig is a program, not a libtest harness: bounded here
+# as nextest bounds the others.
+timeout 1800 cargo test --test rig
 if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   cross/test-arm.sh
 fi

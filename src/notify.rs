@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 /// the delivery loop's idle poll is 10 s and the ingest loop's longest sleep
 /// is its maintenance period (at most 5 s).
 const MIN_STALL: Duration = Duration::from_secs(15);
+/// The watchdog pings at most this often, whatever `$WATCHDOG_USEC` says.
+const MIN_PING_PERIOD: Duration = Duration::from_millis(100);
 
 /// Milliseconds since the first use in this process (monotonic).
 fn now_ms() -> u64 {
@@ -65,6 +67,8 @@ struct Target {
     addr: std::os::unix::net::SocketAddr,
     /// `$WATCHDOG_USEC`, when it is meant for this process.
     watchdog: Option<Duration>,
+    /// A send has failed (the first failure is a WARN).
+    failed: std::sync::atomic::AtomicBool,
 }
 
 impl Notifier {
@@ -121,9 +125,11 @@ impl Notifier {
         };
         let notifier = self.clone();
         let stall = (interval / 2).max(MIN_STALL);
+        // A WatchdogSec= below 200 ms cannot be served anyway; never spin.
+        let every = (interval / 2).max(MIN_PING_PERIOD);
         let spawned = thread::Builder::new()
             .name("watchdog".into())
-            .spawn(move || watchdog_loop(&notifier, interval / 2, stall, &threads));
+            .spawn(move || watchdog_loop(&notifier, every, stall, &threads));
         if let Err(e) = spawned {
             log::error!("cannot start the watchdog thread: {e}; systemd will restart the agent");
         }
@@ -132,7 +138,13 @@ impl Notifier {
     fn send(&self, msg: &str) {
         if let Some(t) = &self.target {
             if let Err(e) = t.socket.send_to_addr(msg.as_bytes(), &t.addr) {
-                log::debug!("sd_notify {msg:?}: {e}");
+                // The first failure matters (under Type=notify a lost READY=1
+                // gets the agent killed at its start timeout); repeats do not.
+                if t.failed.swap(true, Ordering::Relaxed) {
+                    log::debug!("sd_notify {msg:?}: {e}");
+                } else {
+                    log::warn!("cannot notify the service manager ({msg:?}): {e}; under Type=notify systemd will not see the agent as ready");
+                }
             }
         }
     }
@@ -185,6 +197,7 @@ impl Target {
             socket: UnixDatagram::unbound()?,
             addr,
             watchdog: watchdog_from_env(),
+            failed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -218,6 +231,7 @@ mod tests {
                 socket: UnixDatagram::unbound().unwrap(),
                 addr: std::os::unix::net::SocketAddr::from_pathname(&path).unwrap(),
                 watchdog: None,
+                failed: std::sync::atomic::AtomicBool::new(false),
             })),
         };
         let recv = || {

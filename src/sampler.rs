@@ -171,7 +171,7 @@ fn open_replay(
             if reached { "skipped to just after" } else { "the file is shorter than the stored position, so that lap ended at" }
         ),
         Resumed::NewTrace { was } => log::warn!(
-            "source {name}: {what} is not the trace played before (stored identity {was}, now {}): playing it from the first row under new event ids",
+            "source {name}: {what} is not the trace played before (stored identity {was}, now {}): playing it from the first row under new event ids; give the source a trace_id so that an edited or appended trace resumes by line instead",
             replay.trace_id()
         ),
     }

@@ -231,6 +231,9 @@ pub struct Replay {
     stats: ReplayStats,
     /// A bad timestamp was already logged at warn level.
     warned_ts: bool,
+    /// The row waited for is due so far ahead that it was logged (once per
+    /// row timestamp).
+    warned_wait: Option<i64>,
 }
 
 /// How to turn a line into a reading; fixed at open.
@@ -299,6 +302,9 @@ enum LineRead {
     /// Nothing left.
     Eof,
 }
+
+/// A paced replay waiting longer than this for its next row says so.
+const LONG_WAIT: Duration = Duration::from_secs(3600);
 
 impl Replay {
     /// Opens the trace, reads its header and fingerprints the file. The
@@ -373,6 +379,7 @@ impl Replay {
             pass: PassInfo::default(),
             stats: ReplayStats::default(),
             warned_ts: false,
+            warned_wait: None,
         })
     }
 
@@ -519,14 +526,25 @@ impl Replay {
         }
         // Integer milliseconds up to 2^53 convert exactly.
         let real_secs = ahead_ms as f64 / 1000.0 / self.spec.speed;
-        match Duration::try_from_secs_f64(real_secs)
+        let due_at = Duration::try_from_secs_f64(real_secs)
             .ok()
-            .and_then(|d| start.checked_add(d))
-        {
-            Some(due_at) => now >= due_at,
-            // Beyond what an Instant can hold: never in practice.
-            None => false,
+            .and_then(|d| start.checked_add(d));
+        let due = due_at.is_some_and(|d| now >= d);
+        // A timestamp far ahead of the others stalls a paced replay with no
+        // other sign: say so once.
+        let wait = due_at.map(|d| d.saturating_duration_since(now));
+        if !due && wait.is_none_or(|w| w > LONG_WAIT) && self.warned_wait != Some(ts) {
+            self.warned_wait = Some(ts);
+            log::warn!(
+                "{}: line {}: the next row is {} s of trace time after the first one, due in {} at speed {}: a timestamp far ahead of the others? (nothing is played until then)",
+                self.plan.what,
+                self.line_no,
+                ahead_ms / 1000,
+                wait.map_or_else(|| "never".to_owned(), |w| format!("{} s", w.as_secs())),
+                self.spec.speed
+            );
         }
+        due
     }
 
     /// Reads lines until one gives a reading. `Ok(None)`: nothing more in
@@ -825,6 +843,10 @@ fn open_with_header(spec: &ReplaySpec) -> Result<(BufReader<File>, String, u64),
         what: spec.path.display().to_string(),
         detail: detail.to_owned(),
     };
+    // A FIFO would block the open, /dev/zero would be read for ever.
+    if !std::fs::metadata(&spec.path).map_err(io_err)?.is_file() {
+        return Err(parse_err("not a regular file"));
+    }
     let mut reader = BufReader::new(File::open(&spec.path).map_err(io_err)?);
     let mut buf = Vec::new();
     let (read, used) = read_line(&mut reader, &mut buf).map_err(io_err)?;
@@ -1083,7 +1105,13 @@ pub fn parse_number(text: &str, decimal_comma: bool) -> Option<f64> {
 /// A one-line reason naming the value.
 pub fn parse_timezone(text: &str) -> Result<TimeZone, String> {
     let t = text.trim();
-    if t.is_empty() || t.eq_ignore_ascii_case("utc") || t == "Z" {
+    if t.is_empty() {
+        return Err(
+            "empty: write \"UTC\", an offset like \"+01:00\" or a zone like \"Europe/Rome\""
+                .to_owned(),
+        );
+    }
+    if t.eq_ignore_ascii_case("utc") || t == "Z" {
         return Ok(TimeZone::UTC);
     }
     if t.starts_with(['+', '-']) {
@@ -1421,7 +1449,10 @@ mod tests {
     #[test]
     fn timezones_named_fixed_and_utc() {
         assert_eq!(parse_timezone("UTC").unwrap(), TimeZone::UTC);
-        assert_eq!(parse_timezone("").unwrap(), TimeZone::UTC);
+        assert!(
+            parse_timezone("").is_err(),
+            "an empty timezone is a mistake, not UTC"
+        );
         let plus_one = jiff::tz::Offset::from_seconds(3600).unwrap();
         assert_eq!(parse_timezone("+01:00").unwrap(), TimeZone::fixed(plus_one));
         assert_eq!(parse_timezone("+0100").unwrap(), TimeZone::fixed(plus_one));
@@ -1825,6 +1856,25 @@ mod tests {
         );
         assert!(r.stats().finished);
         assert_eq!(r.stats().readings, 6);
+    }
+
+    #[test]
+    fn a_row_due_far_ahead_is_noticed_once_and_plays_when_due() {
+        // Row 2 is ten years after row 1: at 60x it is due in ~60 days.
+        let mut lines = hourly(1);
+        lines.push("10/03/2014;18.00.00;9;1000;10,5;50;;".to_owned());
+        let (_d, path) = trace(&refs(&lines), "\n");
+        let mut s = spec(&path);
+        s.speed = 60.0;
+        let mut r = Replay::open(s).unwrap();
+        let t0 = Instant::now();
+        assert_eq!(r.due(t0).unwrap().len(), 1);
+        assert!(r.due(t0 + Duration::from_secs(1)).unwrap().is_empty());
+        let waited = r.warned_wait.expect("the long wait was noticed");
+        assert!(r.due(t0 + Duration::from_secs(2)).unwrap().is_empty());
+        assert_eq!(r.warned_wait, Some(waited), "noticed once per row");
+        let later = t0 + Duration::from_secs(61 * 24 * 3600);
+        assert_eq!(r.due(later).unwrap().len(), 1);
     }
 
     #[test]
