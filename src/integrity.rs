@@ -72,6 +72,33 @@ pub fn write_stamp(db: &Path) {
     }
 }
 
+/// After an open failed with a generic SQLite error: whether the file at
+/// `db` is damaged, by SQLite's own check on a read-only connection
+/// (`PRAGMA quick_check`, which reads every page; this runs only on that
+/// error path). `Some(reason)` when the check cannot read the file or finds
+/// damage; `None` when it passes, or cannot run for a reason that is not the
+/// file's content (busy, permissions, I/O): then the open's error stands.
+pub fn confirm_damage(db: &Path) -> Option<String> {
+    use crate::spool::{Spool, SpoolError};
+    let content_error = |e: &rusqlite::Error| {
+        matches!(
+            e.sqlite_error_code(),
+            Some(rusqlite::ErrorCode::Unknown)
+                | Some(rusqlite::ErrorCode::DatabaseCorrupt)
+                | Some(rusqlite::ErrorCode::NotADatabase)
+        )
+    };
+    match Spool::open_read_only(db).and_then(|s| s.quick_check()) {
+        Ok(r) if r == "ok" => None,
+        Ok(r) => Some(format!("quick_check: {r}")),
+        Err(SpoolError::Corrupt { source, .. }) => Some(format!("quick_check: {source}")),
+        Err(SpoolError::Other { source, .. }) if content_error(&source) => {
+            Some(format!("quick_check: {source}"))
+        }
+        Err(_) => None,
+    }
+}
+
 /// The outcome of a background check, filled in once it has run:
 /// `Some(reason)` when the spool is damaged.
 pub type Verdict = Arc<Mutex<Option<String>>>;
@@ -116,6 +143,54 @@ pub fn spawn_check(db: PathBuf, why: String) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn moved_aside(dir: &Path) -> bool {
+        std::fs::read_dir(dir).unwrap().any(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains(".corrupt-")
+        })
+    }
+
+    /// Found by the `spool_open` fuzz target: a header whose schema format
+    /// number (byte 47) was damaged made SQLite answer "unsupported file
+    /// format", a generic error, so the agent refused to start at every
+    /// restart (a crash loop) instead of moving the file aside.
+    #[test]
+    fn a_spool_whose_header_names_an_unknown_schema_format_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let opts = crate::spool::SpoolOptions::default();
+        drop(crate::spool::Spool::open(&db, &opts).unwrap());
+        let mut bytes = std::fs::read(&db).unwrap();
+        bytes[47] = 35;
+        std::fs::write(&db, &bytes).unwrap();
+        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
+        let counted = s.counters().unwrap();
+        assert!(
+            counted.contains(&("spool_moved_aside_corrupt".to_owned(), 1)),
+            "{counted:?}"
+        );
+    }
+
+    /// The other side of the rule above: a healthy SQLite file that is not a
+    /// spool of the version it claims fails the open with its error, and is
+    /// never moved aside.
+    #[test]
+    fn a_healthy_file_with_a_foreign_schema_is_refused_not_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch("CREATE TABLE other (x); PRAGMA user_version = 6;")
+            .unwrap();
+        drop(conn);
+        let opts = crate::spool::SpoolOptions::default();
+        let e = crate::agent::open_spool_at(&db, &opts).unwrap_err();
+        assert!(e.to_string().contains("no such table"), "{e}");
+        assert!(!moved_aside(d.path()));
+    }
 
     #[test]
     fn a_clean_stop_vouches_for_the_file_until_it_changes() {
