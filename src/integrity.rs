@@ -72,7 +72,21 @@ pub fn write_stamp(db: &Path) {
     }
 }
 
-/// After an open failed with a generic SQLite error: whether the file at
+/// Whether an error from opening the spool may come from damage to the
+/// file's content: SQLite's generic error, or a value read back with a type
+/// the schema rules out. Confirm with [`confirm_damage`] before acting.
+pub fn may_be_damage(e: &rusqlite::Error) -> bool {
+    use rusqlite::Error as E;
+    e.sqlite_error_code() == Some(rusqlite::ErrorCode::Unknown)
+        || matches!(
+            e,
+            E::InvalidColumnType(..)
+                | E::FromSqlConversionFailure(..)
+                | E::IntegralValueOutOfRange(..)
+        )
+}
+
+/// After an open failed with an error [`may_be_damage`] accepts: whether the file at
 /// `db` is damaged, by SQLite's own check on a read-only connection
 /// (`PRAGMA quick_check`, which reads every page; this runs only on that
 /// error path). `Some(reason)` when the check cannot read the file or finds
@@ -173,6 +187,49 @@ mod tests {
             counted.contains(&("spool_moved_aside_corrupt".to_owned(), 1)),
             "{counted:?}"
         );
+    }
+
+    /// Found by the `spool_open` fuzz target: a damaged row with NULL in
+    /// `streams.name` (NOT NULL) failed the open with a type error while
+    /// reading sequence numbers, at every restart.
+    #[test]
+    fn a_spool_with_null_in_a_not_null_column_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let opts = crate::spool::SpoolOptions::default();
+        let mut s = crate::spool::Spool::open(&db, &opts).unwrap();
+        let mut ids = crate::envelope::EventIdGen::new().unwrap();
+        let ev = crate::spool::NewEvent {
+            stream: "s".into(),
+            ts_ms: 1,
+            clock_trusted: true,
+            fields: vec![("v".into(), crate::source::FieldValue::Num(1.0))],
+            replay: None,
+        };
+        s.append(&[ev], &mut ids, "d", crate::envelope::Format::Json, 1)
+            .unwrap();
+        drop(s);
+        // Damage the way a bad sector could: the row, not the schema.
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(
+            "PRAGMA writable_schema = ON;
+             UPDATE sqlite_schema SET sql = replace(sql, 'TEXT    NOT NULL UNIQUE', 'TEXT UNIQUE')
+                 WHERE name = 'streams';",
+        )
+        .unwrap();
+        drop(conn);
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(
+            "UPDATE streams SET name = NULL;
+             PRAGMA writable_schema = ON;
+             UPDATE sqlite_schema SET sql = replace(sql, 'TEXT UNIQUE', 'TEXT    NOT NULL UNIQUE')
+                 WHERE name = 'streams';",
+        )
+        .unwrap();
+        drop(conn);
+        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
+        assert!(s.stats(0).unwrap().by_stream_state.is_empty());
     }
 
     /// The other side of the rule above: a healthy SQLite file that is not a

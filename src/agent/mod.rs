@@ -97,10 +97,11 @@ pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, Agent
             Ok(s) => return Ok(s),
             Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
             // SQLite reports some damage as a generic error (a mangled
-            // header: "unsupported file format"); a file its own check
-            // also fails is damaged, one it passes keeps the error.
+            // header: "unsupported file format"), and damaged rows read back
+            // with the wrong type (NULL in a NOT NULL column); a file its own
+            // check also fails is damaged, one it passes keeps the error.
             Err(SpoolError::Other { path: p, source })
-                if source.sqlite_error_code() == Some(rusqlite::ErrorCode::Unknown) =>
+                if crate::integrity::may_be_damage(&source) =>
             {
                 match crate::integrity::confirm_damage(path) {
                     Some(why) => format!("{source}; {why}"),
