@@ -577,7 +577,7 @@ impl World {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 192,
+        cases: 512,
         max_shrink_iters: 2000,
         ..ProptestConfig::default()
     })]
