@@ -93,22 +93,24 @@ pub fn may_be_damage(e: &rusqlite::Error) -> bool {
 /// damage; `None` when it passes, or cannot run for a reason that is not the
 /// file's content (busy, permissions, I/O): then the open's error stands.
 pub fn confirm_damage(db: &Path) -> Option<String> {
-    use crate::spool::{Spool, SpoolError};
+    use rusqlite::{Connection, ErrorCode, OpenFlags};
     let content_error = |e: &rusqlite::Error| {
         matches!(
             e.sqlite_error_code(),
-            Some(rusqlite::ErrorCode::Unknown)
-                | Some(rusqlite::ErrorCode::DatabaseCorrupt)
-                | Some(rusqlite::ErrorCode::NotADatabase)
+            Some(ErrorCode::Unknown | ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
         )
     };
-    match Spool::open_read_only(db).and_then(|s| s.quick_check()) {
+    // A plain connection, not `Spool::open_read_only`: the check is about
+    // the content, whatever `user_version` the damaged header claims.
+    let checked = Connection::open_with_flags(
+        db,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .and_then(|c| c.query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0)));
+    match checked {
         Ok(r) if r == "ok" => None,
         Ok(r) => Some(format!("quick_check: {r}")),
-        Err(SpoolError::Corrupt { source, .. }) => Some(format!("quick_check: {source}")),
-        Err(SpoolError::Other { source, .. }) if content_error(&source) => {
-            Some(format!("quick_check: {source}"))
-        }
+        Err(e) if content_error(&e) => Some(format!("quick_check: {e}")),
         Err(_) => None,
     }
 }
@@ -230,6 +232,24 @@ mod tests {
         let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
         assert!(moved_aside(d.path()));
         assert!(s.stats(0).unwrap().by_stream_state.is_empty());
+    }
+
+    /// Found by the `spool_open` fuzz target (the long run): a header with
+    /// both the schema format and `user_version` damaged; the read-only
+    /// check stopped at the version ("newer schema") before looking at the
+    /// content, so the file was neither opened nor moved aside.
+    #[test]
+    fn a_damaged_header_claiming_a_newer_schema_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let opts = crate::spool::SpoolOptions::default();
+        drop(crate::spool::Spool::open(&db, &opts).unwrap());
+        let mut bytes = std::fs::read(&db).unwrap();
+        bytes[47] = 35; // schema format number
+        bytes[60..64].copy_from_slice(&50_331_648u32.to_be_bytes()); // user_version
+        std::fs::write(&db, &bytes).unwrap();
+        crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
     }
 
     /// The other side of the rule above: a healthy SQLite file that is not a
