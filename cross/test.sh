@@ -5,6 +5,7 @@
 # qemu-user (cross/test-arm.sh). The integration tests start their own
 # mosquitto brokers on free loopback ports.
 #   EDGESPOOL_SKIP_ARM=1 cross/test.sh    host only
+#   EDGESPOOL_SKIP_FUZZ=1 cross/test.sh   without the fuzz smoke
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ]; then cross/setup-debian.sh; else cross/setup-debian.sh --arm; fi
@@ -17,6 +18,13 @@ cargo nextest run --profile ci --lib --bins --test it
 # The network-loss rig is a program, not a libtest harness: bounded here
 # as nextest bounds the others.
 timeout 1800 cargo test --test rig
+# Fuzz smoke: every parser's fuzz target built (nightly, cargo-fuzz; its own
+# workspace and target directory) and run 10 s each; about 8 min on a
+# 2-core machine, most of it the first sanitizer build. The longer run is
+# fuzz/run.sh 600. EDGESPOOL_SKIP_FUZZ=1 skips it.
+if [ "${EDGESPOOL_SKIP_FUZZ:-0}" != 1 ]; then
+  fuzz/run.sh 10
+fi
 if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   cross/test-arm.sh
 fi

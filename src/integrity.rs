@@ -72,6 +72,49 @@ pub fn write_stamp(db: &Path) {
     }
 }
 
+/// Whether an error from opening the spool may come from damage to the
+/// file's content: SQLite's generic error, or a value read back with a type
+/// the schema rules out. Confirm with [`confirm_damage`] before acting.
+pub fn may_be_damage(e: &rusqlite::Error) -> bool {
+    use rusqlite::Error as E;
+    e.sqlite_error_code() == Some(rusqlite::ErrorCode::Unknown)
+        || matches!(
+            e,
+            E::InvalidColumnType(..)
+                | E::FromSqlConversionFailure(..)
+                | E::IntegralValueOutOfRange(..)
+        )
+}
+
+/// After an open failed with an error [`may_be_damage`] accepts: whether the file at
+/// `db` is damaged, by SQLite's own check on a read-only connection
+/// (`PRAGMA quick_check`, which reads every page; this runs only on that
+/// error path). `Some(reason)` when the check cannot read the file or finds
+/// damage; `None` when it passes, or cannot run for a reason that is not the
+/// file's content (busy, permissions, I/O): then the open's error stands.
+pub fn confirm_damage(db: &Path) -> Option<String> {
+    use rusqlite::{Connection, ErrorCode, OpenFlags};
+    let content_error = |e: &rusqlite::Error| {
+        matches!(
+            e.sqlite_error_code(),
+            Some(ErrorCode::Unknown | ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+        )
+    };
+    // A plain connection, not `Spool::open_read_only`: the check is about
+    // the content, whatever `user_version` the damaged header claims.
+    let checked = Connection::open_with_flags(
+        db,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .and_then(|c| c.query_row("PRAGMA quick_check", [], |r| r.get::<_, String>(0)));
+    match checked {
+        Ok(r) if r == "ok" => None,
+        Ok(r) => Some(format!("quick_check: {r}")),
+        Err(e) if content_error(&e) => Some(format!("quick_check: {e}")),
+        Err(_) => None,
+    }
+}
+
 /// The outcome of a background check, filled in once it has run:
 /// `Some(reason)` when the spool is damaged.
 pub type Verdict = Arc<Mutex<Option<String>>>;
@@ -116,6 +159,115 @@ pub fn spawn_check(db: PathBuf, why: String) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn moved_aside(dir: &Path) -> bool {
+        std::fs::read_dir(dir).unwrap().any(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains(".corrupt-")
+        })
+    }
+
+    /// Found by the `spool_open` fuzz target: a header whose schema format
+    /// number (byte 47) was damaged made SQLite answer "unsupported file
+    /// format", a generic error, so the agent refused to start at every
+    /// restart (a crash loop) instead of moving the file aside.
+    #[test]
+    fn a_spool_whose_header_names_an_unknown_schema_format_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let opts = crate::spool::SpoolOptions::default();
+        drop(crate::spool::Spool::open(&db, &opts).unwrap());
+        let mut bytes = std::fs::read(&db).unwrap();
+        bytes[47] = 35;
+        std::fs::write(&db, &bytes).unwrap();
+        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
+        let counted = s.counters().unwrap();
+        assert!(
+            counted.contains(&("spool_moved_aside_corrupt".to_owned(), 1)),
+            "{counted:?}"
+        );
+    }
+
+    /// Found by the `spool_open` fuzz target: a damaged row with NULL in
+    /// `streams.name` (NOT NULL) failed the open with a type error while
+    /// reading sequence numbers, at every restart.
+    #[test]
+    fn a_spool_with_null_in_a_not_null_column_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let opts = crate::spool::SpoolOptions::default();
+        let mut s = crate::spool::Spool::open(&db, &opts).unwrap();
+        let mut ids = crate::envelope::EventIdGen::new().unwrap();
+        let ev = crate::spool::NewEvent {
+            stream: "s".into(),
+            ts_ms: 1,
+            clock_trusted: true,
+            fields: vec![("v".into(), crate::source::FieldValue::Num(1.0))],
+            replay: None,
+        };
+        s.append(&[ev], &mut ids, "d", crate::envelope::Format::Json, 1)
+            .unwrap();
+        drop(s);
+        // Damage the way a bad sector could: the row, not the schema.
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(
+            "PRAGMA writable_schema = ON;
+             UPDATE sqlite_schema SET sql = replace(sql, 'TEXT    NOT NULL UNIQUE', 'TEXT UNIQUE')
+                 WHERE name = 'streams';",
+        )
+        .unwrap();
+        drop(conn);
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(
+            "UPDATE streams SET name = NULL;
+             PRAGMA writable_schema = ON;
+             UPDATE sqlite_schema SET sql = replace(sql, 'TEXT UNIQUE', 'TEXT    NOT NULL UNIQUE')
+                 WHERE name = 'streams';",
+        )
+        .unwrap();
+        drop(conn);
+        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
+        assert!(s.stats(0).unwrap().by_stream_state.is_empty());
+    }
+
+    /// Found by the `spool_open` fuzz target (the long run): a header with
+    /// both the schema format and `user_version` damaged; the read-only
+    /// check stopped at the version ("newer schema") before looking at the
+    /// content, so the file was neither opened nor moved aside.
+    #[test]
+    fn a_damaged_header_claiming_a_newer_schema_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let opts = crate::spool::SpoolOptions::default();
+        drop(crate::spool::Spool::open(&db, &opts).unwrap());
+        let mut bytes = std::fs::read(&db).unwrap();
+        bytes[47] = 35; // schema format number
+        bytes[60..64].copy_from_slice(&50_331_648u32.to_be_bytes()); // user_version
+        std::fs::write(&db, &bytes).unwrap();
+        crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
+    }
+
+    /// The other side of the rule above: a healthy SQLite file that is not a
+    /// spool of the version it claims fails the open with its error, and is
+    /// never moved aside.
+    #[test]
+    fn a_healthy_file_with_a_foreign_schema_is_refused_not_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch("CREATE TABLE other (x); PRAGMA user_version = 6;")
+            .unwrap();
+        drop(conn);
+        let opts = crate::spool::SpoolOptions::default();
+        let e = crate::agent::open_spool_at(&db, &opts).unwrap_err();
+        assert!(e.to_string().contains("no such table"), "{e}");
+        assert!(!moved_aside(d.path()));
+    }
 
     #[test]
     fn a_clean_stop_vouches_for_the_file_until_it_changes() {

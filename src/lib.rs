@@ -60,3 +60,7 @@ pub mod sink;
 pub mod source;
 pub mod spool;
 pub mod status;
+
+/// The model check of [`ack`] and [`spool`] delivery bookkeeping (tests only).
+#[cfg(test)]
+mod delivery_model;

@@ -27,7 +27,7 @@ use crate::mqtt::{self, DeliveryMsg};
 use crate::publisher::{self, DeliveryConfig, DeliveryStats};
 use crate::sampler::SamplerUpdate;
 use crate::source;
-use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
+use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError, SpoolOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,19 +74,40 @@ const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 /// Open the spool; a damaged spool is moved aside (never a silent wipe;
 /// F04): `spool.db` → `spool.db.corrupt-<unix ms>` (with its `-wal` and
 /// `-shm`), the move is counted, and a fresh spool is created. Damage is
-/// known from the open itself (SQLITE_CORRUPT/NOTADB) or from the marker a
-/// background [`crate::integrity`] check left. A file that is not a SQLite
+/// known from the open itself (SQLITE_CORRUPT/NOTADB, or a generic error
+/// that SQLite's own check of the file confirms, see
+/// [`crate::integrity::confirm_damage`]) or from the marker a background
+/// [`crate::integrity`] check left. A file that is not a SQLite
 /// database at all (a config file given as `spool.path` by mistake) is
 /// refused, never moved. No whole-file check runs here: startup work does
 /// not grow with the spool.
 pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
-    let path = &cfg.spool.path;
+    open_spool_at(&cfg.spool.path, &cfg.spool.options)
+}
+
+/// [`open_spool`] for a spool at `path` opened with `options`: the whole
+/// decision (open, move aside as damaged, or refuse a file that is not
+/// SQLite), without a full config. Public so the fuzz target that mutates
+/// spool files runs exactly this code.
+pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, AgentError> {
     let marker = crate::integrity::damaged_marker(path);
     let damage = match std::fs::read_to_string(&marker) {
         Ok(reason) => reason,
-        Err(_) => match Spool::open(path, &cfg.spool.options) {
+        Err(_) => match Spool::open(path, options) {
             Ok(s) => return Ok(s),
             Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
+            // SQLite reports some damage as a generic error (a mangled
+            // header: "unsupported file format"), and damaged rows read back
+            // with the wrong type (NULL in a NOT NULL column); a file its own
+            // check also fails is damaged, one it passes keeps the error.
+            Err(SpoolError::Other { path: p, source })
+                if crate::integrity::may_be_damage(&source) =>
+            {
+                match crate::integrity::confirm_damage(path) {
+                    Some(why) => format!("{source}; {why}"),
+                    None => return Err(SpoolError::Other { path: p, source }.into()),
+                }
+            }
             Err(e) => return Err(e.into()),
         },
     };
@@ -115,7 +136,7 @@ pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
         }
     }
     let _ = std::fs::remove_file(&marker);
-    let mut s = Spool::open(path, &cfg.spool.options)?;
+    let mut s = Spool::open(path, options)?;
     s.count("spool_moved_aside_corrupt", 1)?;
     Ok(s)
 }

@@ -247,6 +247,41 @@ mod tests {
         assert_ne!(a.request_hash, c.request_hash);
     }
 
+    /// Found by the `command` fuzz target: without serde_json's
+    /// `float_roundtrip`, `18446749747034551616` parsed to the f64 one unit
+    /// above the nearest (`1.8446749747034554e19`, not `1.844674974703455e19`),
+    /// so the same command resent with that number spelt another way hashed
+    /// differently (a conflict instead of the stored result), and the
+    /// canonical form did not read back as itself.
+    #[test]
+    fn a_number_spelt_in_full_or_in_exponent_form_gives_one_request_hash() {
+        let spellings = [
+            "18446749747034551616",
+            "18446749747034550272",
+            "1.844674974703455e19",
+            "184467497470345502.72e2",
+        ];
+        let hashes: Vec<String> = spellings
+            .iter()
+            .map(|n| {
+                let msg = format!(r#"{{"command_id":"c-2","name":"x","args":{{"n":{n}}}}}"#);
+                let c = parse(msg.as_bytes(), 4096).unwrap();
+                assert_eq!(
+                    c.canonical, r#"{"args":{"n":1.844674974703455e+19},"name":"x"}"#,
+                    "{n}"
+                );
+                let again: serde_json::Value = serde_json::from_str(&c.canonical).unwrap();
+                assert_eq!(
+                    again.to_string(),
+                    c.canonical,
+                    "canonical form reads back as itself"
+                );
+                hex(&c.request_hash)
+            })
+            .collect();
+        assert!(hashes.windows(2).all(|w| w[0] == w[1]), "{hashes:?}");
+    }
+
     #[test]
     fn scope_defaults_and_ttl_is_read() {
         let c = parse(br#"{"command_id":"c-1","name":"ping","ttl_secs":5}"#, 4096).unwrap();

@@ -1,0 +1,596 @@
+//! Model check of the delivery bookkeeping (issue 15): the ack map
+//! ([`crate::ack`]) and the spool's state changes ([`crate::spool`], a real
+//! SQLite file in a temporary directory) driven by random interleavings of
+//! append, offer, publish, PUBACK (in order, out of order, duplicated, for a
+//! packet id not outstanding), a refused submission, group commit, a lost
+//! connection (with and without session), a restart (reopening the file,
+//! after a clean stop or a kill that loses the uncommitted records), FAILED,
+//! requeue and retention, against a small reference model.
+//!
+//! The driver does what the MQTT thread and the delivery thread do
+//! (publisher.rs, mqtt.rs) in one thread: offer rows from the spool in row-id
+//! order from a cursor reset at each new connection, skip rows acknowledged
+//! but not yet committed, group-commit attempts and retirements, commit them
+//! before a replay, and drop the map on any inconsistency. The simulated
+//! client gives packet ids as rumqttc does (cycling `1..=PKIDS`, a publish
+//! held while its id is still outstanding) and the simulated broker
+//! acknowledges what it received, in any order.
+//!
+//! Invariants checked after every step (DESIGN.md):
+//! - **I2** a row is retired (ACKED) only after the PUBACK of a publish
+//!   that carried it arrived in the current connection, and the PUBACK
+//!   the ack map matches is for the row the wire carried;
+//! - **I1** no row vanishes: every appended row is unresolved (PENDING or
+//!   SENT), ACKED, FAILED, or deleted by retention once ACKED; at the end of
+//!   each case every row not FAILED is ACKED after a final drain;
+//! - the acknowledged mark never passes an unresolved row;
+//! - **I3** an event's id and payload bytes never change, across replays,
+//!   restarts and requeues; no event id is issued twice, and each stream's
+//!   sequence numbers are 1..=n, each once, across restarts;
+//! - **I7** first offers in an epoch go in row-id order, and the first offer
+//!   after a replay is the oldest unresolved row (none skipped).
+//!
+//! Out of the model: a duplicate PUBACK delivered after its packet id was
+//! given to another publish. The client cannot tell it from that publish's
+//! own PUBACK; brokers send one PUBACK per PUBLISH, and the client sends each
+//! row once per connection, so it does not arise. A duplicate is delivered
+//! at once here, and must be refused as an unknown packet id.
+
+use crate::ack::{AckMap, Inconsistency};
+use crate::envelope::{CompactEnvelope, EventIdGen, Format};
+use crate::source::FieldValue;
+use crate::spool::{NewEvent, Spool, SpoolOptions};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::PathBuf;
+
+/// In-flight window, below [`PKIDS`] as in the agent (a packet id is never
+/// reused while mapped).
+const WINDOW: usize = 4;
+/// rumqttc's `inflight`: packet ids cycle `1..=PKIDS`.
+const PKIDS: u16 = 6;
+const STREAMS: u8 = 3;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Append {
+        stream: u8,
+        n: u8,
+    },
+    Fill,
+    Refuse,
+    Outgoing,
+    BrokerAck(u8),
+    DeliverAck {
+        index: u8,
+        duplicate: bool,
+    },
+    StaleAck(u16),
+    Flush,
+    /// The connection dropped; the next CONNACK had a session or not.
+    /// Both replay from the spool (the client is rebuilt, ack.rs), and the
+    /// model checks that they do.
+    Lost {
+        session_present: bool,
+    },
+    Restart {
+        clean: bool,
+    },
+    Fail(u8),
+    Requeue,
+    Retention(u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..STREAMS, 1u8..4).prop_map(|(stream, n)| Op::Append { stream, n }),
+        5 => Just(Op::Fill),
+        1 => Just(Op::Refuse),
+        6 => Just(Op::Outgoing),
+        5 => any::<u8>().prop_map(Op::BrokerAck),
+        5 => (any::<u8>(), prop::bool::weighted(0.1))
+            .prop_map(|(index, duplicate)| Op::DeliverAck { index, duplicate }),
+        1 => (1..=PKIDS + 2).prop_map(Op::StaleAck),
+        3 => Just(Op::Flush),
+        1 => any::<bool>().prop_map(|session_present| Op::Lost { session_present }),
+        1 => any::<bool>().prop_map(|clean| Op::Restart { clean }),
+        1 => any::<u8>().prop_map(Op::Fail),
+        1 => Just(Op::Requeue),
+        1 => (1u8..4).prop_map(Op::Retention),
+    ]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Unresolved,
+    Acked,
+    Failed,
+    Purged,
+}
+
+#[derive(Debug, Clone)]
+struct RowModel {
+    status: Status,
+    event_id: Option<String>,
+}
+
+struct World {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    spool: Spool,
+    ids: EventIdGen,
+    map: AckMap<i64>,
+    clock_ms: i64,
+    // The model.
+    rows: BTreeMap<i64, RowModel>,
+    next_id: i64,
+    /// Event id -> payload bytes first seen (I3).
+    payloads: HashMap<String, Vec<u8>>,
+    /// Stream -> sequence numbers seen.
+    seqs: HashMap<String, BTreeSet<u64>>,
+    // The delivery thread.
+    epoch: u64,
+    cursor: i64,
+    ready: VecDeque<i64>,
+    retiring: BTreeSet<i64>,
+    to_mark: Vec<i64>,
+    to_retire: Vec<i64>,
+    /// Highest row first offered in this epoch; `None` before the first.
+    last_offer: Option<i64>,
+    // The simulated client and broker.
+    channel: VecDeque<i64>,
+    next_pkid: u16,
+    wire: BTreeMap<u16, i64>,
+    transit: Vec<(u16, i64)>,
+    /// Lost connections whose next CONNACK had a session.
+    resumed_sessions: u32,
+}
+
+impl World {
+    fn new() -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spool.db");
+        let spool = Spool::open(&path, &SpoolOptions::default()).unwrap();
+        World {
+            _dir: dir,
+            path,
+            spool,
+            ids: EventIdGen::new().unwrap(),
+            map: AckMap::new(),
+            clock_ms: 1_790_000_000_000,
+            rows: BTreeMap::new(),
+            next_id: 1,
+            payloads: HashMap::new(),
+            seqs: HashMap::new(),
+            epoch: 0,
+            cursor: 0,
+            ready: VecDeque::new(),
+            retiring: BTreeSet::new(),
+            to_mark: Vec::new(),
+            to_retire: Vec::new(),
+            last_offer: None,
+            channel: VecDeque::new(),
+            next_pkid: 1,
+            wire: BTreeMap::new(),
+            transit: Vec::new(),
+            resumed_sessions: 0,
+        }
+    }
+
+    fn outstanding(&self, pkid: u16) -> bool {
+        self.wire.contains_key(&pkid) || self.transit.iter().any(|(p, _)| *p == pkid)
+    }
+
+    fn unresolved(&self) -> impl Iterator<Item = i64> + '_ {
+        self.rows
+            .iter()
+            .filter(|(_, r)| r.status == Status::Unresolved)
+            .map(|(id, _)| *id)
+    }
+
+    fn step(&mut self, op: &Op) {
+        self.clock_ms += 10;
+        match *op {
+            Op::Append { stream, n } => {
+                let name = format!("s{stream}");
+                let events: Vec<NewEvent> = (0..n)
+                    .map(|i| NewEvent {
+                        stream: name.clone(),
+                        ts_ms: self.clock_ms + i64::from(i),
+                        clock_trusted: true,
+                        fields: vec![("v".to_owned(), FieldValue::Num(f64::from(i) + 0.5))],
+                        replay: None,
+                    })
+                    .collect();
+                let format = if stream == 1 {
+                    Format::Postcard
+                } else {
+                    Format::Json
+                };
+                let appended = self
+                    .spool
+                    .append(&events, &mut self.ids, "model", format, self.clock_ms)
+                    .unwrap();
+                assert_eq!(appended, usize::from(n));
+                for _ in 0..n {
+                    self.rows.insert(
+                        self.next_id,
+                        RowModel {
+                            status: Status::Unresolved,
+                            event_id: None,
+                        },
+                    );
+                    self.next_id += 1;
+                }
+            }
+            Op::Fill => self.fill(),
+            Op::Refuse => {
+                if let Some(row) = self.map.submit_failed() {
+                    assert_eq!(self.channel.pop_back(), Some(row));
+                    self.ready.push_front(row);
+                }
+            }
+            Op::Outgoing => {
+                if self.channel.is_empty() || self.outstanding(self.next_pkid) {
+                    // Nothing queued, or rumqttc holds the publish until
+                    // the packet id's PUBACK (a collision).
+                    return;
+                }
+                let pkid = self.next_pkid;
+                self.next_pkid = pkid % PKIDS + 1;
+                let row = self.channel.pop_front().unwrap();
+                assert_eq!(self.map.on_outgoing_publish(pkid), Ok(()));
+                self.wire.insert(pkid, row);
+                self.to_mark.push(row);
+            }
+            Op::BrokerAck(i) => {
+                if self.wire.is_empty() {
+                    return;
+                }
+                let pkid = *self
+                    .wire
+                    .keys()
+                    .nth(usize::from(i) % self.wire.len())
+                    .unwrap();
+                let row = self.wire.remove(&pkid).unwrap();
+                self.transit.push((pkid, row));
+            }
+            Op::DeliverAck { index, duplicate } => {
+                if self.transit.is_empty() {
+                    return;
+                }
+                let (pkid, row) = self.transit.remove(usize::from(index) % self.transit.len());
+                assert_eq!(
+                    self.map.on_puback(pkid),
+                    Ok(row),
+                    "PUBACK {pkid} matched to a wrong row"
+                );
+                self.to_retire.push(row);
+                self.retiring.insert(row);
+                if duplicate {
+                    assert_eq!(
+                        self.map.on_puback(pkid),
+                        Err(Inconsistency::UnknownAck { pkid })
+                    );
+                    self.lost();
+                }
+            }
+            Op::StaleAck(pkid) => {
+                if self.outstanding(pkid) {
+                    return;
+                }
+                assert_eq!(
+                    self.map.on_puback(pkid),
+                    Err(Inconsistency::UnknownAck { pkid })
+                );
+                self.lost();
+            }
+            Op::Flush => self.flush(),
+            Op::Lost { session_present } => {
+                // The client is rebuilt either way: a resumed session's
+                // re-sends are never relied on (ack.rs), so both cases
+                // replay from the spool.
+                self.resumed_sessions += u32::from(session_present);
+                self.lost();
+            }
+            Op::Restart { clean } => {
+                if clean {
+                    self.flush();
+                    self.spool.persist_seqs().unwrap();
+                }
+                // A kill loses what was not committed: those rows are sent
+                // again (duplicates, never loss).
+                self.to_mark.clear();
+                self.to_retire.clear();
+                self.retiring.clear();
+                self.spool = Spool::open(&self.path, &SpoolOptions::default()).unwrap();
+                self.ids = EventIdGen::new().unwrap();
+                self.new_epoch();
+            }
+            Op::Fail(i) => {
+                let in_flight: BTreeSet<i64> =
+                    self.map.rows().chain(self.ready.iter().copied()).collect();
+                let candidates: Vec<i64> = self
+                    .unresolved()
+                    .filter(|id| !in_flight.contains(id) && !self.retiring.contains(id))
+                    .collect();
+                if candidates.is_empty() {
+                    return;
+                }
+                let id = candidates[usize::from(i) % candidates.len()];
+                self.spool.mark_failed(id, "model", "model").unwrap();
+                self.rows.get_mut(&id).unwrap().status = Status::Failed;
+            }
+            Op::Requeue => {
+                let failed: Vec<i64> = self
+                    .rows
+                    .iter()
+                    .filter(|(_, r)| r.status == Status::Failed)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let n = self.spool.requeue_failed(None).unwrap();
+                assert_eq!(n, failed.len());
+                for id in failed {
+                    // Appended again after every row, with the same event id.
+                    let old = self.rows.remove(&id).unwrap();
+                    self.rows.insert(
+                        self.next_id,
+                        RowModel {
+                            status: Status::Unresolved,
+                            event_id: old.event_id,
+                        },
+                    );
+                    self.next_id += 1;
+                }
+            }
+            Op::Retention(batch) => {
+                let before: BTreeSet<i64> = self.db_rows().keys().copied().collect();
+                let n = self
+                    .spool
+                    .purge_acked(i64::MAX, usize::from(batch))
+                    .unwrap();
+                let after: BTreeSet<i64> = self.db_rows().keys().copied().collect();
+                let gone: Vec<i64> = before.difference(&after).copied().collect();
+                assert_eq!(gone.len(), n);
+                for id in gone {
+                    let r = self.rows.get_mut(&id).unwrap();
+                    assert_eq!(
+                        r.status,
+                        Status::Acked,
+                        "retention deleted row {id}, {:?}",
+                        r.status
+                    );
+                    r.status = Status::Purged;
+                }
+            }
+        }
+    }
+
+    /// The delivery thread's fill: rows from the cursor, in row-id order.
+    fn fill(&mut self) {
+        while self.map.len() < WINDOW {
+            let row = match self.ready.pop_front() {
+                Some(r) => r,
+                None => {
+                    let rows = self.spool.sendable(self.cursor, 1).unwrap();
+                    let Some(r) = rows.into_iter().next() else {
+                        return;
+                    };
+                    self.cursor = r.id;
+                    assert!(r.digest_ok(), "row {} fails its digest", r.id);
+                    let m = &self.rows[&r.id];
+                    assert_eq!(
+                        m.event_id.as_deref(),
+                        Some(r.event_id.as_str()),
+                        "event id of row {} changed",
+                        r.id
+                    );
+                    assert_eq!(
+                        self.payloads[&r.event_id], r.payload,
+                        "payload of {} changed",
+                        r.event_id
+                    );
+                    if self.retiring.contains(&r.id) {
+                        continue;
+                    }
+                    // I7: first offers in order; the first after a replay is
+                    // the oldest unresolved row.
+                    match self.last_offer {
+                        Some(last) => assert!(r.id > last, "row {} offered after {last}", r.id),
+                        None => assert_eq!(
+                            Some(r.id),
+                            self.unresolved().find(|id| !self.retiring.contains(id)),
+                            "the replay skipped a row"
+                        ),
+                    }
+                    self.last_offer = Some(r.id);
+                    r.id
+                }
+            };
+            self.map.submitted(row).unwrap();
+            self.channel.push_back(row);
+        }
+    }
+
+    fn flush(&mut self) {
+        let expect = self
+            .to_retire
+            .iter()
+            .filter(|id| {
+                self.rows
+                    .get(id)
+                    .is_some_and(|r| r.status == Status::Unresolved)
+            })
+            .collect::<BTreeSet<_>>()
+            .len();
+        let n = self
+            .spool
+            .record_delivery(&self.to_mark, &self.to_retire)
+            .unwrap();
+        assert_eq!(n, expect, "rows retired");
+        for id in self.to_retire.drain(..) {
+            let r = self.rows.get_mut(&id).unwrap();
+            if r.status == Status::Unresolved {
+                r.status = Status::Acked;
+            }
+        }
+        self.to_mark.clear();
+        self.retiring.clear();
+    }
+
+    /// A lost connection or an inconsistency: acks received are committed,
+    /// the map is dropped, the client rebuilt, rows replayed from the spool.
+    fn lost(&mut self) {
+        self.flush();
+        self.map.reset();
+        self.new_epoch();
+    }
+
+    fn new_epoch(&mut self) {
+        self.map = AckMap::new();
+        self.epoch += 1;
+        self.cursor = 0;
+        self.ready.clear();
+        self.last_offer = None;
+        self.channel.clear();
+        self.next_pkid = 1;
+        self.wire.clear();
+        self.transit.clear();
+    }
+
+    /// Every row in the file: id -> (event id, state, stream, payload).
+    fn db_rows(&self) -> BTreeMap<i64, (String, String, String, Vec<u8>)> {
+        let mut st = self
+            .spool
+            .conn
+            .prepare("SELECT id, event_id, state, stream, payload FROM event_states ORDER BY id")
+            .unwrap();
+        st.query_map([], |r| {
+            Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+        })
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+    }
+
+    fn check(&mut self) {
+        let db = self.db_rows();
+        for (id, (event_id, state, stream, payload)) in &db {
+            let m = self
+                .rows
+                .get_mut(id)
+                .unwrap_or_else(|| panic!("row {id} in the file, not in the model"));
+            match &m.event_id {
+                None => {
+                    // First sight of an appended row: a new event id (I3).
+                    assert!(
+                        !self.payloads.contains_key(event_id),
+                        "event id {event_id} issued twice"
+                    );
+                    self.payloads.insert(event_id.clone(), payload.clone());
+                    m.event_id = Some(event_id.clone());
+                    let seq = match serde_json::from_slice::<serde_json::Value>(payload) {
+                        Ok(v) => v["seq"].as_u64().unwrap(),
+                        Err(_) => {
+                            postcard::from_bytes::<CompactEnvelope>(payload)
+                                .unwrap()
+                                .seq
+                        }
+                    };
+                    let seen = self.seqs.entry(stream.clone()).or_default();
+                    assert!(seen.insert(seq), "{stream} seq {seq} issued twice");
+                }
+                Some(e) => {
+                    assert_eq!(e, event_id, "row {id}: event id changed");
+                    assert_eq!(&self.payloads[e], payload, "row {id}: payload changed");
+                }
+            }
+            let want: &[&str] = match m.status {
+                Status::Unresolved => &["PENDING", "SENT"],
+                Status::Acked => &["ACKED"],
+                Status::Failed => &["FAILED"],
+                Status::Purged => panic!("row {id} purged but still in the file"),
+            };
+            assert!(
+                want.contains(&state.as_str()),
+                "row {id} is {state}, the model says {:?}",
+                m.status
+            );
+        }
+        for (id, m) in &self.rows {
+            if !db.contains_key(id) {
+                assert_eq!(
+                    m.status,
+                    Status::Purged,
+                    "row {id} vanished ({:?})",
+                    m.status
+                );
+            }
+        }
+        let mark: i64 = self
+            .spool
+            .conn
+            .query_row("SELECT acked_through FROM delivery_mark", [], |r| r.get(0))
+            .unwrap();
+        if let Some(id) = self.unresolved().find(|id| *id <= mark) {
+            panic!("acked mark {mark} passed unresolved row {id}");
+        }
+        for (stream, seqs) in &self.seqs {
+            let n = seqs.len() as u64;
+            assert_eq!(
+                seqs.iter().next_back().copied(),
+                Some(n),
+                "{stream}: gaps in {seqs:?}"
+            );
+        }
+    }
+
+    /// Reconnect and deliver until every row not FAILED is acknowledged.
+    fn drain(&mut self) {
+        self.lost();
+        for _ in 0..1000 {
+            if self.unresolved().next().is_none() {
+                return;
+            }
+            self.fill();
+            while !self.channel.is_empty() {
+                self.step(&Op::Outgoing);
+            }
+            while !self.wire.is_empty() {
+                self.step(&Op::BrokerAck(0));
+            }
+            while !self.transit.is_empty() {
+                self.step(&Op::DeliverAck {
+                    index: 0,
+                    duplicate: false,
+                });
+            }
+            self.flush();
+            self.check();
+        }
+        panic!(
+            "rows never acknowledged: {:?}",
+            self.unresolved().collect::<Vec<_>>()
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 512,
+        max_shrink_iters: 2000,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn delivery_bookkeeping_keeps_its_invariants_under_any_interleaving(
+        ops in prop::collection::vec(op(), 1..120)
+    ) {
+        let mut w = World::new();
+        for op in &ops {
+            w.step(op);
+            w.check();
+        }
+        w.drain();
+    }
+}
