@@ -51,6 +51,10 @@ pub enum DeliveryMsg {
     },
     /// New rows were committed to the spool.
     NewRows,
+    /// FAILED rows were requeued (appended again) by `requeue-failed`: an
+    /// operator retries them, so a packet limit learned from a dropped
+    /// connection is forgotten.
+    Requeued,
     /// The agent is stopping: look at the stop flag now.
     Stop,
 }

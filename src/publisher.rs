@@ -192,6 +192,11 @@ impl Delivery {
                 self.ahead.clear();
                 self.offered_size.clear();
             }
+            DeliveryMsg::Requeued => {
+                if self.learned_limit.take().is_some() {
+                    log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
+                }
+            }
             DeliveryMsg::Progress
             | DeliveryMsg::Connected { .. }
             | DeliveryMsg::NewRows

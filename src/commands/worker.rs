@@ -1146,6 +1146,11 @@ impl Worker {
         }
         let Some(lane) = lane else {
             let t = Instant::now();
+            if p.name == "requeue-failed" {
+                // Before the copies exist, so delivery never judges one by
+                // a packet limit it learned from the failure.
+                let _ = self.to_delivery.send(DeliveryMsg::Requeued);
+            }
             let outcome = builtin::run_local(&p.name, &p.args, spool);
             if p.name == "requeue-failed" {
                 // Requeued rows are appended as new rows, after every row.
