@@ -185,6 +185,7 @@ fn session<S: Store>(
                         opts.subscription()
                     ));
                 }
+                log::info!("sink: subscribed {}", opts.subscription());
             }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
                 if items.is_empty() {

@@ -10,6 +10,8 @@ mod delivery;
 mod faults;
 mod health;
 mod metrics;
+#[cfg(feature = "pg-sink")]
+mod pgsink;
 mod replay;
 mod spool;
 mod storage;
