@@ -11,96 +11,10 @@
 //! `max_queued_messages 0` (no limit; the default, 1000, would drop QoS 1
 //! messages for the dead sink) and the killed sinks are restarted.
 
-use crate::support::{self, broker::Broker, postgres::Postgres, publisher};
+use crate::support::{self, broker::Broker, postgres::Postgres, publisher, sink::SinkProc};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// The broker settings the README's fleet layout asks for.
-pub const BROKER_EXTRA: &str = "max_inflight_messages 1000\nmax_queued_messages 0\n";
-
-/// A sink process.
-pub struct SinkProc {
-    pub child: Child,
-    pub log: PathBuf,
-}
-
-impl SinkProc {
-    pub fn spawn(
-        port: u16,
-        filter: &str,
-        conninfo: &str,
-        id: &str,
-        group: &str,
-        dir: &Path,
-    ) -> SinkProc {
-        let n = (1..)
-            .find(|n| !dir.join(format!("{id}-{n}.log")).exists())
-            .expect("a free log name");
-        let log = dir.join(format!("{id}-{n}.log"));
-        let f = std::fs::File::create(&log).expect("sink log");
-        let child = Command::new(support::agent::bin())
-            .args([
-                "sink",
-                "--url",
-                &format!("mqtt://127.0.0.1:{port}"),
-                "--topic",
-                filter,
-            ])
-            .args(["--postgres", conninfo, "--client-id", id, "--share", group])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().expect("clone log"))
-            .stderr(f)
-            .spawn()
-            .expect("start the sink");
-        SinkProc { child, log }
-    }
-
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Wait until the sink logged its SUBACK.
-    pub fn wait_subscribed(&self) {
-        assert!(
-            support::wait_for(Duration::from_secs(30), || self
-                .log_text()
-                .contains("sink: subscribed")),
-            "sink did not subscribe:\n{}",
-            support::tail(&self.log_text(), 20)
-        );
-    }
-
-    pub fn kill(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-        let _ = self.child.wait();
-    }
-
-    pub fn terminate(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.kill();
-    }
-}
-
-impl Drop for SinkProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
 
 fn count(c: &mut postgres::Client, sql: &str) -> i64 {
     c.query_one(sql, &[]).map(|r| r.get(0)).unwrap_or(-1)
@@ -124,7 +38,7 @@ fn three_shared_sinks_two_killed_store_each_event_once_and_count_every_repeat() 
         conflicts: 10,
     };
     let pg = Postgres::start(&[("fsync", "off")]);
-    let broker = Broker::start_with_options(BROKER_EXTRA, false);
+    let broker = Broker::start_with_options(support::sink::BROKER_EXTRA, false);
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pgsink");
     let filter = format!("{prefix}/+/events/#");
@@ -261,4 +175,47 @@ fn three_shared_sinks_two_killed_store_each_event_once_and_count_every_repeat() 
 fn digest(b: &[u8]) -> Vec<u8> {
     use sha2::Digest;
     sha2::Sha256::digest(b).to_vec()
+}
+
+#[test]
+fn store_keeps_unreadable_and_mismatches_aside_and_refuses_a_newer_schema() {
+    use edgespool::sink::batch::Item;
+    use edgespool::sink::postgres::PgStore;
+    use edgespool::sink::{Store, StoreError};
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let mut store = PgStore::connect(&pg.conninfo(), "unit").expect("connect and migrate");
+    let plan = publisher::Plan {
+        events: 10,
+        devices: 2,
+        dup_every: 0,
+        conflicts: 1,
+    };
+    let (_, a) = publisher::envelope(&plan, 1, 0);
+    let (_, a2) = publisher::envelope(&plan, 1, 1);
+    let items: Vec<Item> = [&a[..], &a[..], &a2[..], &a2[..], b"not an envelope", b"{\"event_id\":\"x\"}"]
+        .iter()
+        .map(|p| Item::new("t/dev/events/load", p))
+        .collect();
+    let s = store.store_batch(&items, 1).expect("batch");
+    // The second copy of a2 is a repeat of a mismatch already kept: a duplicate.
+    assert_eq!((s.first, s.duplicates, s.mismatches, s.unreadable), (1, 2, 1, 2));
+    // Delivered again (a sink died before its PUBACK): nothing new but duplicates.
+    let s = store.store_batch(&items[..3], 2).expect("batch again");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (0, 3, 0));
+    let mut db = pg.client();
+    assert_eq!(count(&mut db, "SELECT count(*) FROM events"), 1);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM mismatches"), 1);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM duplicates"), 5);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM unreadable"), 2);
+
+    // A second sink migrates nothing; a schema from a newer sink is refused.
+    drop(PgStore::connect(&pg.conninfo(), "again").expect("second connect"));
+    assert_eq!(count(&mut db, "SELECT count(*) FROM schema_version"), 1);
+    db.execute("INSERT INTO schema_version (version) VALUES (999)", &[])
+        .expect("bump version");
+    match PgStore::connect(&pg.conninfo(), "old") {
+        Err(StoreError::Fatal(e)) => assert!(e.contains("999"), "{e}"),
+        Err(e) => panic!("expected a fatal error, got {e}"),
+        Ok(_) => panic!("a newer schema was accepted"),
+    }
 }

@@ -9,6 +9,7 @@ pub mod broker;
 pub mod postgres;
 pub mod proxy;
 pub mod publisher;
+pub mod sink;
 pub mod spool;
 pub mod subscriber;
 
