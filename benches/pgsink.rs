@@ -12,7 +12,7 @@
 //! `cross/setup-debian.sh`). `BENCH_EVENTS` sets the event count (default 50000).
 
 #[path = "../tests/it/support/mod.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod support;
 
 use edgespool::sink::message::decode;
@@ -53,10 +53,14 @@ fn main() {
 /// A fresh database; its connection string.
 fn database(pg: &Postgres, name: &str) -> String {
     let mut c = pg.client();
-    c.batch_execute(&format!(
-        "DROP DATABASE IF EXISTS {name}; CREATE DATABASE {name}"
-    ))
-    .expect("create database");
+    // One statement each: DROP/CREATE DATABASE cannot run in the implicit
+    // transaction block of a multi-statement string.
+    for sql in [
+        format!("DROP DATABASE IF EXISTS {name}"),
+        format!("CREATE DATABASE {name}"),
+    ] {
+        c.batch_execute(&sql).expect("create database");
+    }
     format!(
         "{} dbname={name}",
         pg.conninfo().replace(" dbname=postgres", "")
