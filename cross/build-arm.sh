@@ -14,7 +14,8 @@ case "${1:-}" in
   *) echo "usage: $0 [aarch64|armv7]" >&2; exit 2 ;;
 esac
 for t in "${targets[@]}"; do
-  cargo build --release --target "$t" --bin edgespool
+  # --no-default-features: a board does not carry the PostgreSQL sink.
+  cargo build --release --target "$t" --bin edgespool --no-default-features
   bin="${CARGO_TARGET_DIR:-target}/$t/release/edgespool"
   case "$t" in
     aarch64*) run=(qemu-aarch64 -L /usr/aarch64-linux-gnu) ;;

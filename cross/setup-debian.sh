@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install what edgespool's build, demo and tests need on a fresh Debian machine.
 #   cross/setup-debian.sh          host build + tests: mosquitto, sqlite3, strace (flash bench),
-#                                  faketime (command tests), rustfmt, clippy, cargo-nextest,
+#                                  faketime (command tests), postgresql (PostgreSQL sink
+#                                  tests and bench; the service is not started: tests run
+#                                  their own server), rustfmt, clippy,
 #                                  nodejs/npm and aedes (a second broker for the tests)
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
 # Safe to run again: it installs only what is missing.
@@ -23,7 +25,8 @@ sudo_if_needed() {
 }
 
 # faketime: libfaketime steps the agent's wall clock in the command tests.
-pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime)
+# postgresql: initdb/pg_ctl under /usr/lib/postgresql/*/bin and the `postgres` user.
+pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime postgresql)
 if [ "$want_arm" = 1 ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)
 fi

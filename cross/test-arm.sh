@@ -25,9 +25,9 @@ for t in "${targets[@]}"; do
     armv7*) runner="qemu-arm -L /usr/arm-linux-gnueabihf" ;;
   esac
   echo "== $t: unit tests under qemu"
-  EDGESPOOL_UNDER_QEMU=1 cargo nextest run --profile ci --target "$t" --lib
+  EDGESPOOL_UNDER_QEMU=1 cargo nextest run --profile ci --target "$t" --lib --no-default-features
   echo "== $t: integration tests, agent under qemu"
-  cargo build --target "$t" --bin edgespool
+  cargo build --target "$t" --bin edgespool --no-default-features
   EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
     cargo nextest run --profile ci --test it -E 'test(/^(delivery|faults|commands)::/)'
   if [[ "$t" == armv7* ]]; then

@@ -5,6 +5,9 @@
 //! `check-config`, also a replay file that is missing or lacks a configured
 //! column).
 
+mod sink_cmd;
+
+use sink_cmd::SinkArgs;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -13,7 +16,9 @@ const USAGE: &str = "usage:
   edgespool check-config FILE [--set key.path=value]... [--sample]
   edgespool status (--config FILE | --spool PATH) [--json]
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
-  edgespool sink --url mqtt://HOST:PORT --topic FILTER --db FILE [--client-id ID] [--share GROUP]
+  edgespool sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)
+                 [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS]
+  edgespool sink --stats (--db FILE | --postgres CONNINFO) [--json]
   edgespool --version";
 
 enum Cmd {
@@ -37,12 +42,11 @@ enum Cmd {
         dir: Option<PathBuf>,
         json: bool,
     },
-    Sink {
-        url: String,
-        topic: String,
-        db: PathBuf,
-        client_id: Option<String>,
-        share: Option<String>,
+    Sink(SinkArgs),
+    SinkStats {
+        db: Option<PathBuf>,
+        postgres: Option<String>,
+        json: bool,
     },
     Help,
     Version,
@@ -61,6 +65,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
     let (mut config, mut spool, mut sets, mut json) = (None, None, Vec::new(), false);
     let (mut dir, mut check_spool, mut sample) = (None, false, false);
     let (mut url, mut topic, mut db, mut client_id, mut share) = (None, None, None, None, None);
+    let (mut postgres, mut stats, mut batch_max, mut batch_ms) = (None, false, None, None);
     while let Some(arg) = p.next()? {
         match arg {
             Long("config") | Short('c') => config = Some(PathBuf::from(p.value()?)),
@@ -75,6 +80,10 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("db") => db = Some(PathBuf::from(p.value()?)),
             Long("client-id") => client_id = Some(p.value()?.string()?),
             Long("share") => share = Some(p.value()?.string()?),
+            Long("postgres") => postgres = Some(p.value()?.string()?),
+            Long("stats") if sub == "sink" => stats = true,
+            Long("batch-max") => batch_max = Some(p.value()?.parse::<usize>()?),
+            Long("batch-ms") => batch_ms = Some(p.value()?.parse::<u64>()?),
             Long("help") | Short('h') => return Ok(Cmd::Help),
             Value(v) if sub == "check-config" && config.is_none() => {
                 config = Some(PathBuf::from(v))
@@ -104,13 +113,28 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         }
         "probe-storage" => Err("probe-storage needs --config FILE or --dir DIR".into()),
         "help" => Ok(Cmd::Help),
-        "sink" => Ok(Cmd::Sink {
+        "sink" if db.is_some() == postgres.is_some() => {
+            Err("sink needs one of --db FILE or --postgres CONNINFO".into())
+        }
+        "sink" if stats => Ok(Cmd::SinkStats { db, postgres, json }),
+        "sink" => Ok(Cmd::Sink(SinkArgs {
             url: url.ok_or("sink needs --url mqtt://HOST:PORT")?,
             topic: topic.ok_or("sink needs --topic FILTER")?,
-            db: db.ok_or("sink needs --db FILE")?,
-            client_id,
+            // A persistent session is found again by its client id: a
+            // PostgreSQL sink (one of N) must be given a stable one.
+            client_id: match (client_id, &postgres) {
+                (Some(id), _) => id,
+                (None, None) => format!("edgespool-sink-{}", std::process::id()),
+                (None, Some(_)) => {
+                    return Err("sink --postgres needs --client-id ID (stable per sink)".into())
+                }
+            },
+            db,
+            postgres,
             share,
-        }),
+            batch_max: batch_max.filter(|&n| n > 0).unwrap_or(500),
+            batch_ms: batch_ms.unwrap_or(100),
+        })),
         other => Err(format!("unknown command {other:?}").into()),
     }
 }
@@ -125,60 +149,8 @@ fn main() -> ExitCode {
         }
     };
     match cmd {
-        Cmd::Sink {
-            url,
-            topic,
-            db,
-            client_id,
-            share,
-        } => {
-            let Some((host, port)) = url
-                .strip_prefix("mqtt://")
-                .and_then(|r| r.rsplit_once(':'))
-                .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h.to_owned(), p)))
-            else {
-                eprintln!("edgespool: --url must be mqtt://HOST:PORT (got {url:?})");
-                return ExitCode::from(2);
-            };
-            let mut store = match edgespool::sink::SinkDb::open(&db) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("edgespool: sink database {}: {e}", db.display());
-                    return ExitCode::FAILURE;
-                }
-            };
-            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-                let _ = signal_hook::flag::register(sig, stop.clone());
-            }
-            let opts = edgespool::sink::SinkOptions {
-                host,
-                port,
-                filter: topic,
-                client_id: client_id
-                    .unwrap_or_else(|| format!("edgespool-sink-{}", std::process::id())),
-                shared_group: share,
-            };
-            match edgespool::sink::run(&opts, &mut store, &stop, std::time::Duration::from_secs(10))
-            {
-                Ok(()) => {
-                    let s = store.stats;
-                    println!(
-                        "sink: first {} duplicates {} mismatches {} unreadable {}",
-                        s.first, s.duplicates, s.mismatches, s.unreadable
-                    );
-                    if s.mismatches > 0 {
-                        ExitCode::FAILURE
-                    } else {
-                        ExitCode::SUCCESS
-                    }
-                }
-                Err(e) => {
-                    eprintln!("edgespool: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Cmd::Sink(args) => sink_cmd::run(args),
+        Cmd::SinkStats { db, postgres, json } => sink_cmd::stats(db, postgres, json),
         Cmd::Help => {
             println!("{USAGE}");
             ExitCode::SUCCESS

@@ -11,6 +11,8 @@ mod delivery;
 mod faults;
 mod health;
 mod metrics;
+#[cfg(feature = "pg-sink")]
+mod pgsink;
 mod refusals;
 mod replay;
 mod spool;

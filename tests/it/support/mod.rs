@@ -5,7 +5,11 @@
 
 pub mod agent;
 pub mod broker;
+#[cfg(feature = "pg-sink")]
+pub mod postgres;
 pub mod proxy;
+pub mod publisher;
+pub mod sink;
 pub mod spool;
 pub mod subscriber;
 

@@ -1,0 +1,217 @@
+//! What a batch is and what became of each delivery in it.
+//!
+//! Pure: no I/O, time passed in. Its one rule: within a batch and against
+//! the store, the first delivery of an event id is stored and every later one
+//! is compared by digest, never written over the first (I3 at the consumer).
+
+use super::message::{Event, Unreadable};
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+/// One delivery in a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Item {
+    /// Topic it arrived on.
+    pub topic: String,
+    /// The bytes as delivered.
+    pub payload: Vec<u8>,
+    /// The envelope, or why it is not one (kept aside and counted).
+    pub read: Result<Event, Unreadable>,
+}
+
+impl Item {
+    /// Read a delivery.
+    pub fn new(topic: &str, payload: &[u8]) -> Item {
+        Item {
+            topic: topic.to_owned(),
+            payload: payload.to_vec(),
+            read: super::message::decode(payload),
+        }
+    }
+}
+
+/// What became of one delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// The first delivery of its event id: its row was inserted by this batch.
+    First,
+    /// Its event id is stored with the same digest.
+    Duplicate,
+    /// Its event id is stored with another digest.
+    Mismatch,
+    /// Not an envelope.
+    Unreadable,
+}
+
+/// Indices of the first delivery of each event id in `items`, ordered by
+/// event id. The order is the lock order of the insert: two sinks inserting
+/// overlapping ids in different orders could deadlock each other.
+pub fn candidates(items: &[Item]) -> Vec<usize> {
+    let mut seen = HashSet::new();
+    let mut out: Vec<usize> = items
+        .iter()
+        .enumerate()
+        .filter_map(|(i, it)| match &it.read {
+            Ok(e) if seen.insert(e.event_id.as_str()) => Some(i),
+            _ => None,
+        })
+        .collect();
+    out.sort_by(|&a, &b| event_id(&items[a]).cmp(event_id(&items[b])));
+    out
+}
+
+fn event_id(it: &Item) -> &str {
+    it.read.as_ref().map(|e| e.event_id.as_str()).unwrap_or("")
+}
+
+/// The fate of every item, in order. `inserted`: the ids whose row this
+/// batch's insert created; `stored`: the digest stored for every event id of
+/// the batch after the insert (inserted or found).
+///
+/// An id missing from `stored` (which a correct caller never produces) is a
+/// mismatch: it is kept aside rather than assumed equal.
+pub fn classify(
+    items: &[Item],
+    inserted: &HashSet<String>,
+    stored: &HashMap<String, [u8; 32]>,
+) -> Vec<Fate> {
+    let mut claimed: HashSet<&str> = HashSet::new();
+    items
+        .iter()
+        .map(|it| match &it.read {
+            Err(_) => Fate::Unreadable,
+            Ok(e) => {
+                let id = e.event_id.as_str();
+                if inserted.contains(id) && claimed.insert(id) {
+                    Fate::First
+                } else if stored.get(id) == Some(&e.digest) {
+                    Fate::Duplicate
+                } else {
+                    Fate::Mismatch
+                }
+            }
+        })
+        .collect()
+}
+
+/// When a batch is committed: at `max` deliveries, when its first delivery
+/// is `window` old, or when nothing arrived for `idle` (the broker stops
+/// sending once its in-flight limit for this client is reached, so waiting
+/// longer would only wait for our own acknowledgements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchPolicy {
+    /// Most deliveries in one transaction.
+    pub max: usize,
+    /// Longest a delivery waits for its transaction.
+    pub window: Duration,
+    /// A pause in arrivals this long commits what is there.
+    pub idle: Duration,
+}
+
+impl BatchPolicy {
+    /// Whether a batch of `len`, the oldest `age` old, with the last arrival
+    /// `quiet` ago, is to be committed now.
+    pub fn due(&self, len: usize, age: Duration, quiet: Duration) -> bool {
+        len > 0 && (len >= self.max || age >= self.window || quiet >= self.idle)
+    }
+
+    /// How long to wait for the next delivery: until the batch is due by
+    /// time, or `empty_wait` when there is none.
+    pub fn wait(
+        &self,
+        len: usize,
+        age: Duration,
+        quiet: Duration,
+        empty_wait: Duration,
+    ) -> Duration {
+        if len == 0 {
+            return empty_wait;
+        }
+        let left = self
+            .window
+            .saturating_sub(age)
+            .min(self.idle.saturating_sub(quiet));
+        left.max(Duration::from_millis(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::message::digest;
+
+    fn ev(id: &str, payload: &[u8]) -> Item {
+        Item {
+            topic: "t".into(),
+            payload: payload.to_vec(),
+            read: Ok(Event {
+                event_id: id.into(),
+                device_id: "d".into(),
+                stream: "s".into(),
+                seq: 1,
+                ts_ms: 0,
+                clock_trusted: true,
+                fields_json: "{}".into(),
+                digest: digest(payload),
+            }),
+        }
+    }
+
+    #[test]
+    fn candidates_are_first_deliveries_in_id_order() {
+        let items = vec![ev("b", b"1"), ev("a", b"2"), ev("b", b"1"), ev("c", b"3")];
+        assert_eq!(candidates(&items), vec![1, 0, 3]);
+    }
+
+    #[test]
+    fn a_repeat_in_the_same_batch_is_a_duplicate_or_a_mismatch() {
+        let items = vec![ev("a", b"1"), ev("a", b"1"), ev("a", b"x")];
+        let inserted = HashSet::from(["a".to_owned()]);
+        let stored = HashMap::from([("a".to_owned(), digest(b"1"))]);
+        assert_eq!(
+            classify(&items, &inserted, &stored),
+            vec![Fate::First, Fate::Duplicate, Fate::Mismatch]
+        );
+    }
+
+    #[test]
+    fn an_id_stored_by_another_sink_is_never_first() {
+        let items = vec![ev("a", b"1"), ev("b", b"2")];
+        let stored = HashMap::from([
+            ("a".to_owned(), digest(b"1")),
+            ("b".to_owned(), digest(b"other")),
+        ]);
+        assert_eq!(
+            classify(&items, &HashSet::new(), &stored),
+            vec![Fate::Duplicate, Fate::Mismatch]
+        );
+    }
+
+    #[test]
+    fn an_id_missing_from_the_store_is_kept_aside_not_assumed_equal() {
+        let items = vec![ev("a", b"1")];
+        assert_eq!(
+            classify(&items, &HashSet::new(), &HashMap::new()),
+            vec![Fate::Mismatch]
+        );
+    }
+
+    #[test]
+    fn batches_are_due_by_size_age_or_a_pause() {
+        let p = BatchPolicy {
+            max: 3,
+            window: Duration::from_millis(100),
+            idle: Duration::from_millis(5),
+        };
+        let ms = Duration::from_millis;
+        assert!(!p.due(0, ms(500), ms(500)));
+        assert!(!p.due(2, ms(10), ms(1)));
+        assert!(p.due(3, ms(0), ms(0)));
+        assert!(p.due(1, ms(100), ms(0)));
+        assert!(p.due(1, ms(1), ms(5)));
+        assert_eq!(p.wait(0, ms(0), ms(0), ms(1000)), ms(1000));
+        assert_eq!(p.wait(1, ms(98), ms(0), ms(1000)), ms(2));
+        assert_eq!(p.wait(1, ms(10), ms(3), ms(1000)), ms(2));
+        assert_eq!(p.wait(1, ms(200), ms(9), ms(1000)), ms(1));
+    }
+}

@@ -1,0 +1,258 @@
+//! The sink's MQTT session: subscribe, gather batches, acknowledge after commit.
+//!
+//! Its one rule: a PUBACK (MQTT 3.1.1 §3.4, sent in the order the PUBLISH
+//! packets arrived, §4.6) leaves only for a delivery whose transaction has
+//! committed, and only on the connection that delivered it. rumqttc's manual
+//! acks (`set_manual_acks(true)`, `Client::try_ack`) queue a `PubAck(pkid)`
+//! request; the event loop writes it whenever it next polls, on whatever
+//! connection it then has, and a packet id of a lost connection may name
+//! another message on the next one. So a lost connection drops the whole
+//! client (and any acknowledgement still queued in it): the next connection
+//! starts from a new client with the same id and the persistent session, and
+//! the broker sends again every message it holds unacknowledged (§4.4),
+//! which the store then counts as a duplicate.
+
+use super::batch::{BatchPolicy, Item};
+use super::{SinkStats, Store, StoreError};
+use rumqttc::{
+    Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
+    RecvTimeoutError, SubscribeReasonCode,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Sink settings.
+#[derive(Debug, Clone)]
+pub struct SinkOptions {
+    /// Broker host.
+    pub host: String,
+    /// Broker port.
+    pub port: u16,
+    /// Topic filter, e.g. `edgespool/+/events/#`.
+    pub filter: String,
+    /// MQTT client id. The broker keeps the session (and what it has not had
+    /// acknowledged) under it: a restarted sink must come back with the same id.
+    pub client_id: String,
+    /// Subscribe as `$share/<group>/<filter>` to spread load over sinks.
+    pub shared_group: Option<String>,
+    /// When a batch commits.
+    pub batch: BatchPolicy,
+    /// Interval of the summary log line.
+    pub report: Duration,
+}
+
+impl SinkOptions {
+    /// Options with the default batch policy (500 deliveries, 100 ms window,
+    /// 2 ms pause) and a 10 s summary line.
+    pub fn new(host: String, port: u16, filter: String, client_id: String) -> SinkOptions {
+        SinkOptions {
+            host,
+            port,
+            filter,
+            client_id,
+            shared_group: None,
+            batch: BatchPolicy {
+                max: 500,
+                window: Duration::from_millis(100),
+                idle: Duration::from_millis(2),
+            },
+            report: Duration::from_secs(10),
+        }
+    }
+
+    /// The filter as subscribed: `$share/GROUP/FILTER` with a group.
+    pub fn subscription(&self) -> String {
+        match &self.shared_group {
+            Some(g) => format!("$share/{g}/{}", self.filter),
+            None => self.filter.clone(),
+        }
+    }
+}
+
+/// How one connection ended.
+enum End {
+    /// `stop` was set.
+    Stop,
+    /// Connection or store lost; reconnect after a pause.
+    Lost(String),
+}
+
+/// Run the sink until `stop`; returns what it stored.
+///
+/// Errors: a fatal store error or a refused subscription (retrying cannot
+/// help; exit non-zero).
+pub fn run<S: Store>(
+    opts: &SinkOptions,
+    store: &mut S,
+    stop: &AtomicBool,
+) -> Result<SinkStats, String> {
+    let mut totals = SinkStats::default();
+    let mut backoff = Duration::from_millis(100);
+    let mut last_report = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let (client, conn) = connect(opts);
+        let began = Instant::now();
+        match session(
+            opts,
+            store,
+            &client,
+            conn,
+            stop,
+            &mut totals,
+            &mut last_report,
+        )? {
+            End::Stop => break,
+            End::Lost(why) => {
+                log::warn!("sink: connection lost: {why}; reconnecting in {backoff:?}");
+                // A session that lasted is not a failure streak.
+                if began.elapsed() > Duration::from_secs(30) {
+                    backoff = Duration::from_millis(100);
+                }
+                sleep_unless(stop, backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+    Ok(totals)
+}
+
+fn connect(opts: &SinkOptions) -> (Client, Connection) {
+    let mut o = MqttOptions::new(opts.client_id.clone(), opts.host.clone(), opts.port);
+    o.set_clean_session(false);
+    o.set_manual_acks(true);
+    o.set_keep_alive(Duration::from_secs(10));
+    o.set_max_packet_size(16 << 20, 1 << 20);
+    // Room for every acknowledgement of a full batch, so `try_ack` does not
+    // find the request channel full in the common case.
+    Client::new(o, opts.batch.max.saturating_mul(2).max(64))
+}
+
+/// One connection, from CONNECT to its loss or `stop`.
+fn session<S: Store>(
+    opts: &SinkOptions,
+    store: &mut S,
+    client: &Client,
+    mut conn: Connection,
+    stop: &AtomicBool,
+    totals: &mut SinkStats,
+    last_report: &mut Instant,
+) -> Result<End, String> {
+    let mut pending: Vec<Publish> = Vec::new();
+    let mut items: Vec<Item> = Vec::new();
+    // Committed, not yet handed to the client (its channel was full).
+    let mut acks: std::collections::VecDeque<Publish> = Default::default();
+    let (mut first_at, mut last_at) = (Instant::now(), Instant::now());
+    loop {
+        while let Some(p) = acks.front() {
+            if client.try_ack(p).is_err() {
+                break;
+            }
+            acks.pop_front();
+        }
+        if stop.load(Ordering::Relaxed) {
+            // The open batch is not acknowledged: the broker sends it again.
+            flush_acks(client, &mut conn, &mut acks);
+            let _ = client.try_disconnect();
+            return Ok(End::Stop);
+        }
+        let wait = opts.batch.wait(
+            items.len(),
+            first_at.elapsed(),
+            last_at.elapsed(),
+            Duration::from_secs(1),
+        );
+        match conn.recv_timeout(wait) {
+            Ok(Ok(Event::Incoming(Incoming::ConnAck(c)))) => {
+                if c.code != ConnectReturnCode::Success {
+                    return Ok(End::Lost(format!("broker refused: {:?}", c.code)));
+                }
+                log::info!(
+                    "sink: connected as {} (session_present {}), subscribing {}",
+                    opts.client_id,
+                    c.session_present,
+                    opts.subscription()
+                );
+                // rumqttc does not re-subscribe by itself; with a session
+                // present it is a harmless repeat.
+                if let Err(e) = client.try_subscribe(opts.subscription(), QoS::AtLeastOnce) {
+                    return Ok(End::Lost(format!("subscribe request: {e}")));
+                }
+            }
+            Ok(Ok(Event::Incoming(Incoming::SubAck(s)))) => {
+                if s.return_codes.contains(&SubscribeReasonCode::Failure) {
+                    return Err(format!(
+                        "broker refused the subscription {}",
+                        opts.subscription()
+                    ));
+                }
+                log::info!("sink: subscribed {}", opts.subscription());
+            }
+            Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
+                if items.is_empty() {
+                    first_at = Instant::now();
+                }
+                last_at = Instant::now();
+                items.push(Item::new(&p.topic, &p.payload));
+                pending.push(p);
+            }
+            Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
+            Ok(Err(e)) => return Ok(End::Lost(e.to_string())),
+            Err(RecvTimeoutError::Disconnected) => {
+                return Ok(End::Lost("event loop closed".into()))
+            }
+        }
+        if opts
+            .batch
+            .due(items.len(), first_at.elapsed(), last_at.elapsed())
+        {
+            let now = crate::envelope::wall_clock_ms().0;
+            match store.store_batch(&items, now) {
+                Ok(s) => *totals += s,
+                Err(StoreError::Transient(e)) => return Ok(End::Lost(format!("store: {e}"))),
+                Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
+            }
+            items.clear();
+            acks.extend(pending.drain(..));
+        }
+        if last_report.elapsed() >= opts.report {
+            *last_report = Instant::now();
+            log::info!(
+                "sink: first {} duplicates {} mismatches {} unreadable {}",
+                totals.first,
+                totals.duplicates,
+                totals.mismatches,
+                totals.unreadable
+            );
+        }
+    }
+}
+
+/// Give queued acknowledgements a moment to leave before a clean stop
+/// (one that does not go out is only a duplicate later).
+fn flush_acks(
+    client: &Client,
+    conn: &mut Connection,
+    acks: &mut std::collections::VecDeque<Publish>,
+) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline {
+        while let Some(p) = acks.front() {
+            if client.try_ack(p).is_err() {
+                break;
+            }
+            acks.pop_front();
+        }
+        match conn.recv_timeout(Duration::from_millis(50)) {
+            Err(RecvTimeoutError::Timeout) if acks.is_empty() => return,
+            Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => return,
+            _ => {}
+        }
+    }
+}
+
+fn sleep_unless(stop: &AtomicBool, d: Duration) {
+    let until = Instant::now() + d;
+    while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20).min(until - Instant::now()));
+    }
+}

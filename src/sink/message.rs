@@ -1,0 +1,244 @@
+//! One delivered payload, read into the columns a store keeps.
+//!
+//! Pure: no I/O. Its one rule: the digest is taken over the payload bytes
+//! exactly as delivered (JSON or postcard), so two deliveries of one event id
+//! are the same event only if every byte is the same (I3).
+
+use crate::envelope::{CompactEnvelope, EventId};
+use crate::source::FieldValue;
+use sha2::{Digest, Sha256};
+
+/// An edgespool envelope, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// Canonical event id: 8-4-4-4-12 lowercase hex (a UUID's text form).
+    pub event_id: String,
+    /// `device_id` of the board that produced it.
+    pub device_id: String,
+    /// Stream (source) name.
+    pub stream: String,
+    /// Per-stream sequence number.
+    pub seq: i64,
+    /// Reading time, Unix ms (the board's clock).
+    pub ts_ms: i64,
+    /// Whether the board's clock was trusted when the reading was taken.
+    pub clock_trusted: bool,
+    /// The reading's fields as a JSON object (text), whatever the wire format.
+    pub fields_json: String,
+    /// sha256 of the payload bytes.
+    pub digest: [u8; 32],
+}
+
+/// Why a payload is not an edgespool envelope.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    /// Neither a JSON envelope nor a postcard one. Kept aside and counted;
+    /// it can never be stored as an event.
+    #[error("not an edgespool envelope (JSON or postcard)")]
+    NotAnEnvelope,
+    /// A JSON envelope with a missing or mistyped field (named).
+    #[error("envelope field {0}: missing or of the wrong type")]
+    Field(&'static str),
+    /// An event id that is not 32 hex digits in the 8-4-4-4-12 form.
+    #[error("event id {0:?} is not a UUID-shaped id")]
+    EventId(String),
+    /// A NUL character in a string, which PostgreSQL's `text` and `jsonb`
+    /// cannot hold.
+    #[error("NUL character in {0}")]
+    Nul(&'static str),
+}
+
+/// sha256 of `payload`.
+pub fn digest(payload: &[u8]) -> [u8; 32] {
+    Sha256::digest(payload).into()
+}
+
+/// Decode a delivered payload: a JSON envelope, else a postcard one.
+///
+/// Errors: [`Unreadable`] when it is neither, or a field is missing; the
+/// caller keeps it aside, counts it and acknowledges it (no redelivery can
+/// make it readable).
+pub fn decode(payload: &[u8]) -> Result<Event, Unreadable> {
+    let e = match serde_json::from_slice::<serde_json::Value>(payload) {
+        Ok(v) if v.is_object() => decode_json(&v, payload)?,
+        _ => decode_postcard(payload)?,
+    };
+    // Text columns cannot hold NUL; a batch holding one would fail every
+    // time it is delivered again.
+    if e.device_id.contains('\0') {
+        return Err(Unreadable::Nul("device_id"));
+    }
+    if e.stream.contains('\0') {
+        return Err(Unreadable::Nul("stream"));
+    }
+    if has_escaped_nul(&e.fields_json) {
+        return Err(Unreadable::Nul("fields"));
+    }
+    Ok(e)
+}
+
+fn decode_json(v: &serde_json::Value, payload: &[u8]) -> Result<Event, Unreadable> {
+    let text = |k: &'static str| {
+        v.get(k)
+            .and_then(|x| x.as_str())
+            .map(str::to_owned)
+            .ok_or(Unreadable::Field(k))
+    };
+    let int = |k: &'static str| {
+        v.get(k)
+            .and_then(|x| x.as_i64())
+            .ok_or(Unreadable::Field(k))
+    };
+    let raw_id = text("event_id")?;
+    let id = parse_event_id(&raw_id).ok_or(Unreadable::EventId(raw_id))?;
+    let fields = match v.get("fields") {
+        Some(f @ serde_json::Value::Object(_)) => f.to_string(),
+        None => "{}".to_owned(),
+        Some(_) => return Err(Unreadable::Field("fields")),
+    };
+    Ok(Event {
+        event_id: id.hyphenated(),
+        device_id: text("device_id")?,
+        stream: text("stream")?,
+        seq: int("seq")?,
+        ts_ms: int("ts_ms")?,
+        clock_trusted: v
+            .get("clock_trusted")
+            .and_then(|x| x.as_bool())
+            .ok_or(Unreadable::Field("clock_trusted"))?,
+        fields_json: fields,
+        digest: digest(payload),
+    })
+}
+
+fn decode_postcard(payload: &[u8]) -> Result<Event, Unreadable> {
+    let c: CompactEnvelope =
+        postcard::from_bytes(payload).map_err(|_| Unreadable::NotAnEnvelope)?;
+    let mut fields = serde_json::Map::with_capacity(c.fields.len());
+    for (k, v) in c.fields {
+        let j = match v {
+            FieldValue::Num(n) => serde_json::Number::from_f64(n)
+                .map(serde_json::Value::Number)
+                .unwrap_or(serde_json::Value::Null),
+            FieldValue::Text(t) => serde_json::Value::String(t),
+            FieldValue::Bool(b) => serde_json::Value::Bool(b),
+        };
+        fields.insert(k, j);
+    }
+    Ok(Event {
+        event_id: EventId(c.event_id).hyphenated(),
+        device_id: c.device_id,
+        stream: c.stream,
+        seq: i64::try_from(c.seq).map_err(|_| Unreadable::Field("seq"))?,
+        ts_ms: c.ts_ms,
+        clock_trusted: c.clock_trusted,
+        fields_json: serde_json::Value::Object(fields).to_string(),
+        digest: digest(payload),
+    })
+}
+
+/// Whether serialized JSON holds the escape `\u0000` (not a literal
+/// backslash followed by `u0000`, which is written `\\u0000`).
+fn has_escaped_nul(json: &str) -> bool {
+    let b = json.as_bytes();
+    json.match_indices("\\u0000").any(|(i, _)| {
+        let backslashes_before = b[..i].iter().rev().take_while(|&&c| c == b'\\').count();
+        backslashes_before % 2 == 0
+    })
+}
+
+/// Parse `8-4-4-4-12` hex (either case) into the 16 id bytes.
+pub fn parse_event_id(s: &str) -> Option<EventId> {
+    let b = s.as_bytes();
+    if b.len() != 36 || [8, 13, 18, 23].iter().any(|&i| b[i] != b'-') {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    let mut digits = b.iter().filter(|&&c| c != b'-');
+    for byte in &mut out {
+        let hi = (*digits.next()? as char).to_digit(16)?;
+        let lo = (*digits.next()? as char).to_digit(16)?;
+        *byte = (hi << 4 | lo) as u8;
+    }
+    digits.next().is_none().then_some(EventId(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{encode, Envelope, Format};
+
+    fn fields() -> crate::source::Fields {
+        vec![
+            ("load1".into(), FieldValue::Num(0.5)),
+            ("iface".into(), FieldValue::Text("eth0".into())),
+        ]
+    }
+
+    fn envelope(f: &crate::source::Fields) -> Envelope<'_> {
+        Envelope {
+            event_id: EventId([0xab; 16]),
+            device_id: "dev-1",
+            stream: "system",
+            seq: 42,
+            ts_ms: 1_800_000_000_000,
+            clock_trusted: true,
+            fields: f,
+        }
+    }
+
+    #[test]
+    fn json_and_postcard_envelopes_decode_to_the_same_columns() {
+        let f = fields();
+        let js = encode(Format::Json, &envelope(&f)).unwrap();
+        let pc = encode(Format::Postcard, &envelope(&f)).unwrap();
+        let (a, b) = (decode(&js).unwrap(), decode(&pc).unwrap());
+        assert_eq!(a.event_id, "abababab-abab-abab-abab-abababababab");
+        assert_eq!(
+            (&a.event_id, &a.device_id, &a.stream, a.seq, a.ts_ms),
+            (&b.event_id, &b.device_id, &b.stream, b.seq, b.ts_ms)
+        );
+        assert_eq!(a.fields_json, b.fields_json);
+        assert_ne!(a.digest, b.digest, "the digest covers the wire bytes");
+    }
+
+    #[test]
+    fn an_uppercase_id_is_stored_in_canonical_lowercase() {
+        let p = br#"{"event_id":"ABABABAB-ABAB-ABAB-ABAB-ABABABABABAB","device_id":"d","stream":"s","seq":1,"ts_ms":5,"clock_trusted":false,"fields":{}}"#;
+        assert_eq!(
+            decode(p).unwrap().event_id,
+            "abababab-abab-abab-abab-abababababab"
+        );
+    }
+
+    #[test]
+    fn payloads_that_are_not_envelopes_are_unreadable_with_a_reason() {
+        assert_eq!(decode(b"hello"), Err(Unreadable::NotAnEnvelope));
+        assert_eq!(
+            decode(br#"{"event_id":"e-1","ts_ms":5}"#),
+            Err(Unreadable::EventId("e-1".into()))
+        );
+        let no_stream = br#"{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"d","seq":1,"ts_ms":5,"clock_trusted":true}"#;
+        assert_eq!(decode(no_stream), Err(Unreadable::Field("stream")));
+        let nul = br#"{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"d","stream":"s","seq":1,"ts_ms":5,"clock_trusted":true,"fields":{"x":"a\u0000b"}}"#;
+        assert_eq!(decode(nul), Err(Unreadable::Nul("fields")));
+        let backslash = br#"{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"d","stream":"s","seq":1,"ts_ms":5,"clock_trusted":true,"fields":{"x":"a\\u0000b"}}"#;
+        assert!(
+            decode(backslash).is_ok(),
+            "a literal backslash is not a NUL"
+        );
+    }
+
+    #[test]
+    fn event_id_parser_rejects_near_misses() {
+        assert!(parse_event_id("abababab-abab-abab-abab-abababababab").is_some());
+        for bad in [
+            "abababab-abab-abab-abab-ababababab",
+            "abababababababababababababababababab",
+            "abababab-abab-abab-abab-abababababag",
+            "abababab-abab-abab-abab+abababababab",
+        ] {
+            assert!(parse_event_id(bad).is_none(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! The PostgreSQL sink's schema and its migrations.
+//!
+//! Its one rule: the schema is changed only here, one numbered migration at a
+//! time, each in the transaction that records it in `schema_version`, under a
+//! transaction-scoped advisory lock so N sinks starting together migrate once.
+
+use postgres::Client;
+
+/// Migrations in order; `schema_version` holds the numbers applied.
+const MIGRATIONS: &[(i32, &str)] = &[(1, V1)];
+
+/// Version 1: events keyed by event id, and the deliveries kept aside.
+///
+/// - `events`: one row per event id, the first payload delivered (`payload`,
+///   the exact bytes, JSON or postcard; `digest` = sha256 of them), with the
+///   envelope's columns and its `fields` as `jsonb` whatever the wire format.
+///   `events_latest` serves "latest per device and stream"
+///   (`DISTINCT ON (device_id, stream) .. ORDER BY device_id, stream, seq DESC`),
+///   `events_ts` time ranges by reading time, `events_received` (BRIN: rows
+///   arrive in `received_ms` order) time ranges by arrival.
+/// - `duplicates`: one row per delivery of an event id already stored with
+///   the same digest (append-only: no update contention between sinks).
+/// - `mismatches`: one row per (event id, digest) that differs from the
+///   stored digest; never written over the stored row (I3).
+/// - `unreadable`: deliveries that are not an edgespool envelope.
+const V1: &str = "
+CREATE TABLE events (
+    event_id      uuid PRIMARY KEY,
+    device_id     text NOT NULL,
+    stream        text NOT NULL,
+    seq           bigint NOT NULL,
+    ts_ms         bigint NOT NULL,
+    clock_trusted boolean NOT NULL,
+    received_ms   bigint NOT NULL,
+    fields        jsonb NOT NULL,
+    payload       bytea NOT NULL,
+    digest        bytea NOT NULL
+);
+CREATE INDEX events_latest ON events (device_id, stream, seq DESC);
+CREATE INDEX events_ts ON events (ts_ms);
+CREATE INDEX events_received ON events USING brin (received_ms);
+CREATE TABLE duplicates (
+    event_id    uuid NOT NULL,
+    received_ms bigint NOT NULL,
+    sink        text NOT NULL
+);
+CREATE TABLE mismatches (
+    event_id    uuid NOT NULL,
+    digest      bytea NOT NULL,
+    payload     bytea NOT NULL,
+    topic       text NOT NULL,
+    received_ms bigint NOT NULL,
+    sink        text NOT NULL,
+    PRIMARY KEY (event_id, digest)
+);
+CREATE TABLE unreadable (
+    id          bigserial PRIMARY KEY,
+    topic       text NOT NULL,
+    payload     bytea NOT NULL,
+    reason      text NOT NULL,
+    received_ms bigint NOT NULL,
+    sink        text NOT NULL
+);
+";
+
+/// Any constant, the same in every sink: the key of the advisory lock.
+const MIGRATION_LOCK: i64 = 0x6564_6765_7370_6f6f; // "edgespoo"
+
+/// The newest schema version this build knows.
+pub fn latest() -> i32 {
+    MIGRATIONS.last().map(|m| m.0).unwrap_or(0)
+}
+
+/// Bring the schema to [`latest`]; returns the version found before.
+///
+/// TimescaleDB: `events` stays a plain table even when the extension is
+/// present. A hypertable requires every unique index to include its time
+/// column, so `event_id` alone could no longer be the key that deduplicates;
+/// this is logged once.
+///
+/// Errors: a database error, or a schema newer than this build (`Err` text
+/// names both versions: run a newer sink).
+pub fn migrate(client: &mut Client) -> Result<i32, MigrateError> {
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
+    tx.batch_execute(
+        "CREATE TABLE IF NOT EXISTS schema_version (
+             version    integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         )",
+    )?;
+    let found: i32 = tx
+        .query_one("SELECT coalesce(max(version), 0) FROM schema_version", &[])?
+        .get(0);
+    if found > latest() {
+        return Err(MigrateError::Newer {
+            found,
+            known: latest(),
+        });
+    }
+    for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
+        tx.batch_execute(sql)?;
+        tx.execute("INSERT INTO schema_version (version) VALUES ($1)", &[v])?;
+        log::info!("sink: PostgreSQL schema migrated to version {v}");
+    }
+    let timescale: bool = tx
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'timescaledb')",
+            &[],
+        )?
+        .get(0);
+    tx.commit()?;
+    if timescale {
+        log::info!(
+            "sink: TimescaleDB is installed; events stays a plain table \
+             (a hypertable cannot keep event_id alone unique)"
+        );
+    }
+    Ok(found)
+}
+
+/// Why the schema could not be brought up to date.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// A database error (classified by the caller: transient or fatal).
+    #[error(transparent)]
+    Db(#[from] postgres::Error),
+    /// The database was migrated by a newer sink: fatal, run that version.
+    #[error(
+        "schema version {found} is newer than this sink knows ({known}); run a newer edgespool"
+    )]
+    Newer {
+        /// Version in `schema_version`.
+        found: i32,
+        /// Newest version this build has.
+        known: i32,
+    },
+}

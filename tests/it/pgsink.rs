@@ -1,0 +1,244 @@
+//! The PostgreSQL sink: three sinks on one shared subscription, a publisher
+//! with ten device ids, duplicates and conflicts, two sinks SIGKILLed
+//! mid-stream and restarted under the same client id.
+//!
+//! What mosquitto 2.0 does (checked with mosquitto_sub, and pinned here): a
+//! shared-subscription member that is gone but whose session persists
+//! (clean_session=false) still gets its round-robin share, queued in its
+//! session; nothing is handed to the other members. The queue is delivered
+//! when the same client id connects again, together with what it had
+//! received and not acknowledged. So the broker here runs with
+//! `max_queued_messages 0` (no limit; the default, 1000, would drop QoS 1
+//! messages for the dead sink) and the killed sinks are restarted.
+
+use crate::support::{self, broker::Broker, postgres::Postgres, publisher, sink::SinkProc};
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn count(c: &mut postgres::Client, sql: &str) -> i64 {
+    c.query_one(sql, &[]).map(|r| r.get(0)).unwrap_or(-1)
+}
+
+/// Events in the table, or -1 before the schema exists.
+fn events(c: &mut postgres::Client) -> i64 {
+    count(c, "SELECT count(*) FROM events")
+}
+
+#[test]
+fn three_shared_sinks_two_killed_store_each_event_once_and_count_every_repeat() {
+    let total: usize = std::env::var("EDGESPOOL_PGSINK_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let plan = publisher::Plan {
+        events: total,
+        devices: 10,
+        dup_every: 50,
+        conflicts: 10,
+    };
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let broker = Broker::start_with_options(support::sink::BROKER_EXTRA, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("pgsink");
+    let filter = format!("{prefix}/+/events/#");
+    let ids = ["pg-sink-a", "pg-sink-b", "pg-sink-c"];
+    let spawn = |id: &str| {
+        SinkProc::spawn(
+            broker.port(),
+            &filter,
+            &pg.conninfo(),
+            id,
+            "fleet",
+            dir.path(),
+        )
+    };
+    let mut sinks: Vec<SinkProc> = ids.iter().map(|id| spawn(id)).collect();
+    for s in &sinks {
+        s.wait_subscribed();
+    }
+    let mut db = pg.client();
+
+    let started = Instant::now();
+    let port = broker.port();
+    let pub_prefix = prefix.clone();
+    let publisher = std::thread::spawn(move || {
+        publisher::publish(port, &pub_prefix, plan, Duration::from_secs(600))
+    });
+
+    // Kill sink a at 25 %, bring it back once the others stored 5 % more
+    // (or the publisher is done); the same for sink b at 55 %.
+    let mut kills = Vec::new();
+    for (k, at) in [(0usize, 0.25f64), (1, 0.55)] {
+        let target = (total as f64 * at) as i64;
+        assert!(
+            support::wait_for(Duration::from_secs(300), || events(&mut db) >= target),
+            "stored {} of {target} before kill {k}",
+            events(&mut db)
+        );
+        sinks[k].kill();
+        let at_kill = events(&mut db);
+        kills.push((ids[k], at_kill));
+        support::wait_for(Duration::from_secs(60), || {
+            publisher.is_finished() || events(&mut db) >= at_kill + total as i64 / 20
+        });
+        sinks[k] = spawn(ids[k]);
+        sinks[k].wait_subscribed();
+    }
+    let sent = publisher.join().expect("publisher");
+
+    let settled = support::wait_for(Duration::from_secs(300), || {
+        events(&mut db) == sent.distinct as i64
+            && count(&mut db, "SELECT count(*) FROM mismatches") == sent.conflicts as i64
+            && count(&mut db, "SELECT count(*) FROM duplicates") >= sent.duplicates as i64
+    });
+    let logs: String = sinks
+        .iter()
+        .map(|s| support::tail(&s.log_text(), 8) + "\n")
+        .collect();
+    assert!(
+        settled,
+        "events {} of {}, mismatches {} of {}, duplicates {} (>= {})\n{logs}",
+        events(&mut db),
+        sent.distinct,
+        count(&mut db, "SELECT count(*) FROM mismatches"),
+        sent.conflicts,
+        count(&mut db, "SELECT count(*) FROM duplicates"),
+        sent.duplicates
+    );
+    let elapsed = started.elapsed();
+    for s in &mut sinks {
+        s.terminate();
+    }
+    // Reconnects other than the two restarts (each one makes the broker
+    // send its in-flight window again: more redeliveries).
+    let lost: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("sink logs")
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+        .flat_map(|t| {
+            t.lines()
+                .filter(|l| l.contains("WARN"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    println!("pgsink: sink warnings: {lost:?}");
+
+    // Exactly the distinct events, each with the bytes of one of its sends.
+    let mut stored: HashMap<String, Vec<u8>> = HashMap::new();
+    for r in db
+        .query("SELECT event_id::text, digest FROM events", &[])
+        .expect("read events")
+    {
+        stored.insert(r.get(0), r.get(1));
+    }
+    assert_eq!(stored.len(), sent.distinct);
+    for i in 0..plan.events {
+        let (_, body) = publisher::envelope(&plan, i, 0);
+        let id = format!("{:08x}-0000-4000-8000-{:012x}", i % plan.devices, i);
+        let d = stored
+            .get(&id)
+            .unwrap_or_else(|| panic!("event {id} missing"));
+        let mut ok = d.as_slice() == digest(&body);
+        if publisher::is_conflict(&plan, i) {
+            ok |= d.as_slice() == digest(&publisher::envelope(&plan, i, 1).1);
+        }
+        assert!(
+            ok,
+            "event {id} stored with bytes that were never sent for it"
+        );
+    }
+    let duplicates = count(&mut db, "SELECT count(*) FROM duplicates");
+    let unreadable = count(&mut db, "SELECT count(*) FROM unreadable");
+    assert_eq!(unreadable, 0);
+
+    // The consumer's view: no gap in any stream, ten devices.
+    let out = Command::new(support::agent::bin())
+        .args(["sink", "--stats", "--json", "--postgres", &pg.conninfo()])
+        .output()
+        .expect("sink --stats");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let streams = report["streams"].as_array().expect("streams");
+    assert_eq!(streams.len(), plan.devices);
+    assert!(streams.iter().all(|s| s["missing"] == 0), "{report}");
+    assert_eq!(report["mismatches"], sent.conflicts);
+    println!(
+        "pgsink: {} publishes ({} distinct, {} duplicates sent, {} conflicts) in {:.1?}; \
+         kills at {:?}; stored {} events, duplicates counted {} ({} redeliveries), \
+         mismatches {}, all settled after {:.1?}",
+        sent.publishes,
+        sent.distinct,
+        sent.duplicates,
+        sent.conflicts,
+        sent.elapsed,
+        kills,
+        stored.len(),
+        duplicates,
+        duplicates - sent.duplicates as i64,
+        report["mismatches"],
+        elapsed
+    );
+}
+
+fn digest(b: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).to_vec()
+}
+
+#[test]
+fn store_keeps_unreadable_and_mismatches_aside_and_refuses_a_newer_schema() {
+    use edgespool::sink::batch::Item;
+    use edgespool::sink::postgres::PgStore;
+    use edgespool::sink::{Store, StoreError};
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let mut store = PgStore::connect(&pg.conninfo(), "unit").expect("connect and migrate");
+    let plan = publisher::Plan {
+        events: 10,
+        devices: 2,
+        dup_every: 0,
+        conflicts: 1,
+    };
+    let (_, a) = publisher::envelope(&plan, 1, 0);
+    let (_, a2) = publisher::envelope(&plan, 1, 1);
+    let items: Vec<Item> = [
+        &a[..],
+        &a[..],
+        &a2[..],
+        &a2[..],
+        b"not an envelope",
+        b"{\"event_id\":\"x\"}",
+    ]
+    .iter()
+    .map(|p| Item::new("t/dev/events/load", p))
+    .collect();
+    let s = store.store_batch(&items, 1).expect("batch");
+    // The second copy of a2 is a repeat of a mismatch already kept: a duplicate.
+    assert_eq!(
+        (s.first, s.duplicates, s.mismatches, s.unreadable),
+        (1, 2, 1, 2)
+    );
+    // Delivered again (a sink died before its PUBACK): nothing new but duplicates.
+    let s = store.store_batch(&items[..3], 2).expect("batch again");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (0, 3, 0));
+    let mut db = pg.client();
+    assert_eq!(count(&mut db, "SELECT count(*) FROM events"), 1);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM mismatches"), 1);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM duplicates"), 5);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM unreadable"), 2);
+
+    // A second sink migrates nothing; a schema from a newer sink is refused.
+    drop(PgStore::connect(&pg.conninfo(), "again").expect("second connect"));
+    assert_eq!(count(&mut db, "SELECT count(*) FROM schema_version"), 1);
+    db.execute("INSERT INTO schema_version (version) VALUES (999)", &[])
+        .expect("bump version");
+    match PgStore::connect(&pg.conninfo(), "old") {
+        Err(StoreError::Fatal(e)) => assert!(e.contains("999"), "{e}"),
+        Err(e) => panic!("expected a fatal error, got {e}"),
+        Ok(_) => panic!("a newer schema was accepted"),
+    }
+}

@@ -1,0 +1,94 @@
+//! The `edgespool sink` binary as a child process, and the broker settings
+//! a fleet of sinks needs.
+
+use super::{tail, wait_for};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The broker settings the README's fleet layout asks for: room for a
+/// whole batch in flight per sink, and no limit on what is queued for a
+/// sink that is down (mosquitto's default, 1000, drops QoS 1 beyond it).
+pub const BROKER_EXTRA: &str = "max_inflight_messages 1000\nmax_queued_messages 0\n";
+
+/// A sink process.
+pub struct SinkProc {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl SinkProc {
+    pub fn spawn(
+        port: u16,
+        filter: &str,
+        conninfo: &str,
+        id: &str,
+        group: &str,
+        dir: &Path,
+    ) -> SinkProc {
+        let n = (1..)
+            .find(|n| !dir.join(format!("{id}-{n}.log")).exists())
+            .expect("a free log name");
+        let log = dir.join(format!("{id}-{n}.log"));
+        let f = std::fs::File::create(&log).expect("sink log");
+        let child = Command::new(super::agent::bin())
+            .args([
+                "sink",
+                "--url",
+                &format!("mqtt://127.0.0.1:{port}"),
+                "--topic",
+                filter,
+            ])
+            .args(["--postgres", conninfo, "--client-id", id, "--share", group])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().expect("clone log"))
+            .stderr(f)
+            .spawn()
+            .expect("start the sink");
+        SinkProc { child, log }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Wait until the sink logged its SUBACK.
+    pub fn wait_subscribed(&self) {
+        assert!(
+            wait_for(Duration::from_secs(30), || self
+                .log_text()
+                .contains("sink: subscribed")),
+            "sink did not subscribe:\n{}",
+            tail(&self.log_text(), 20)
+        );
+    }
+
+    pub fn kill(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+
+    pub fn terminate(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+    }
+}
+
+impl Drop for SinkProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
