@@ -35,8 +35,13 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 deb="$dist/edgespool_${version}_amd64.deb"
 work=$(mktemp -d)
 pids=()
+installed_by_us=0
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  # A test that stopped half-way leaves no package, user or state behind.
+  if [ "$installed_by_us" = 1 ] && dpkg-query -W edgespool >/dev/null 2>&1; then
+    dpkg -P edgespool >/dev/null 2>&1 || true
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -58,7 +63,17 @@ private() {
 }
 
 echo "== the amd64 package: install"
-if dpkg-query -W edgespool >/dev/null 2>&1; then dpkg -P edgespool >/dev/null; fi
+# This test purges what it installs, spool included: never on a machine
+# where edgespool was installed for real.
+if dpkg-query -W -f='${Status}' edgespool 2>/dev/null | grep -q 'ok installed\|config-files'; then
+  if [ "${EDGESPOOL_PACKAGE_TEST_PURGE:-0}" != 1 ]; then
+    echo "test-package: edgespool is installed here; its spool would be purged." >&2
+    echo "  EDGESPOOL_PACKAGE_TEST_PURGE=1 cross/test-package.sh to purge it and test anyway" >&2
+    exit 1
+  fi
+  dpkg -P edgespool >/dev/null
+fi
+installed_by_us=1
 check "no edgespool user before the install" bash -c '! getent passwd edgespool >/dev/null'
 dpkg -i "$deb" </dev/null
 check "the package is installed" bash -c "dpkg-query -W -f='\${Status}' edgespool | grep -q 'install ok installed'"
@@ -168,6 +183,16 @@ check "install.sh: config 0640" bash -c "[ \"\$(stat -c %a '$work/root/etc/edges
 DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" --uninstall >/dev/null
 check "install.sh --uninstall keeps only the config and state" bash -c \
   "[ -z \"\$(cd '$work/root' && find . -type f ! -path './etc/edgespool/*')\" ]"
+inst="$work/edgespool-$version-x86_64-linux-musl/install.sh"
+"$inst" >/dev/null
+check "install.sh: user edgespool created" bash -c 'getent passwd edgespool >/dev/null'
+check "install.sh: /etc/edgespool/edgespool.toml 640 root:edgespool" mode_is /etc/edgespool/edgespool.toml "640 root:edgespool"
+check "install.sh: /var/lib/edgespool 750 edgespool:edgespool" mode_is /var/lib/edgespool "750 edgespool:edgespool"
+check "install.sh: check-config as the user edgespool" \
+  runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml
+"$inst" --purge >/dev/null
+check "install.sh --purge: user, state and files gone" bash -c \
+  '! getent passwd edgespool && [ ! -e /var/lib/edgespool ] && [ ! -e /etc/edgespool ] && [ ! -e /usr/bin/edgespool ]'
 
 if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   echo "== static ARM binaries under qemu-user"
