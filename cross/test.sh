@@ -2,10 +2,13 @@
 # The whole test suite, from a fresh Debian machine: installs what is missing
 # (mosquitto, the ARM cross compilers, qemu-user, rustup targets), then runs
 # the unit and integration tests on this host, then the ARM builds under
-# qemu-user (cross/test-arm.sh). The integration tests start their own
-# mosquitto brokers on free loopback ports.
-#   EDGESPOOL_SKIP_ARM=1 cross/test.sh    host only
-#   EDGESPOOL_SKIP_FUZZ=1 cross/test.sh   without the fuzz smoke
+# qemu-user (cross/test-arm.sh), then the static binaries and the packages
+# (cross/test-package.sh: installs and purges the amd64 .deb on this
+# machine; root needed). The integration tests start their own mosquitto
+# brokers on free loopback ports.
+#   EDGESPOOL_SKIP_ARM=1 cross/test.sh        host only (and the amd64 package)
+#   EDGESPOOL_SKIP_PACKAGE=1 cross/test.sh    without the packages
+#   EDGESPOOL_SKIP_FUZZ=1 cross/test.sh       without the fuzz smoke
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ]; then cross/setup-debian.sh; else cross/setup-debian.sh --arm; fi
@@ -27,4 +30,11 @@ if [ "${EDGESPOOL_SKIP_FUZZ:-0}" != 1 ]; then
 fi
 if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   cross/test-arm.sh
+fi
+if [ "${EDGESPOOL_SKIP_PACKAGE:-0}" != 1 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    cross/test-package.sh
+  else
+    echo "test: skipping cross/test-package.sh (dpkg -i needs root)"
+  fi
 fi

@@ -2,8 +2,11 @@
 //!
 //! Its one rule: **the config file is replaced only whole** (temporary file,
 //! fsync, rename, fsync of the directory), and a config that validated is
-//! kept beside it as `<config>.last-good`, so an empty, truncated or invalid
-//! file after a power cut or a bad push never stops the board (F15).
+//! kept as `<config>.last-good`, so an empty, truncated or invalid file after
+//! a power cut or a bad push never stops the board (F15). The copy lives
+//! beside the config, or in the service's state directory when systemd
+//! gives one (`$STATE_DIRECTORY`): under `ProtectSystem=strict` the agent
+//! cannot write to `/etc`.
 
 use crate::config::{self, Config, ConfigError};
 use sha2::{Digest, Sha256};
@@ -11,9 +14,25 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// `<config>.last-good`.
+/// Where the last-known-good copy of `config` is kept: `<config>.last-good`
+/// beside it, or `<state dir>/<config file name>.last-good` when systemd
+/// names a state directory (`$STATE_DIRECTORY`, set by `StateDirectory=`;
+/// the first one if several), since the packaged unit's
+/// `ProtectSystem=strict` leaves `/etc` read-only.
 pub fn last_good_path(config: &Path) -> PathBuf {
-    let mut s = config.as_os_str().to_owned();
+    last_good_path_in(config, std::env::var_os("STATE_DIRECTORY").as_deref())
+}
+
+fn last_good_path_in(config: &Path, state_dir: Option<&std::ffi::OsStr>) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    let state_dir = state_dir
+        .and_then(|v| v.as_bytes().split(|&b| b == b':').next())
+        .map(|d| Path::new(std::ffi::OsStr::from_bytes(d)))
+        .filter(|d| d.is_absolute());
+    let mut s = match (state_dir, config.file_name()) {
+        (Some(dir), Some(name)) => dir.join(name).into_os_string(),
+        _ => config.as_os_str().to_owned(),
+    };
     s.push(".last-good");
     PathBuf::from(s)
 }
@@ -77,12 +96,21 @@ pub fn save_last_good(config: &Path, text: &[u8]) {
     }
     match write_atomic(&lg, text) {
         Ok(()) => {}
-        // An unprivileged agent beside a root-owned /etc/edgespool: the
-        // operator keeps that copy; nothing to warn about at every start.
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => log::debug!(
-            "no last-known-good copy of {} (its directory is not writable)",
-            config.display()
-        ),
+        // An unprivileged agent beside a root-owned /etc/edgespool, or a
+        // read-only /etc: the operator keeps that copy; nothing to warn
+        // about at every start.
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
+            ) =>
+        {
+            log::debug!(
+                "no last-known-good copy of {} ({} is not writable)",
+                config.display(),
+                lg.display()
+            )
+        }
         Err(e) => log::warn!("cannot keep last-known-good config {}: {e}", lg.display()),
     }
 }
@@ -153,6 +181,28 @@ mod tests {
             assert!(msg.contains(&sha256_hex(GOOD.as_bytes())), "{msg}");
             assert_eq!(l.config.device_id, "d");
         }
+    }
+
+    #[test]
+    fn the_last_good_copy_goes_to_the_state_directory_systemd_names() {
+        // ProtectSystem=strict: /etc is read-only, StateDirectory= is not.
+        let cfg = Path::new("/etc/edgespool/edgespool.toml");
+        let at = |v: Option<&str>| last_good_path_in(cfg, v.map(std::ffi::OsStr::new));
+        assert_eq!(
+            at(None),
+            Path::new("/etc/edgespool/edgespool.toml.last-good")
+        );
+        assert_eq!(
+            at(Some("/var/lib/edgespool")),
+            Path::new("/var/lib/edgespool/edgespool.toml.last-good")
+        );
+        assert_eq!(
+            at(Some("/var/lib/edgespool:/var/lib/other")),
+            Path::new("/var/lib/edgespool/edgespool.toml.last-good")
+        );
+        // Not absolute, or empty: beside the config.
+        assert_eq!(at(Some("")), at(None));
+        assert_eq!(at(Some("relative")), at(None));
     }
 
     #[test]

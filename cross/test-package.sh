@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# The packages and static binaries, tested on this machine (root needed):
+#  1. builds them (cross/package.sh; a no-op for what is already built);
+#  2. installs the amd64 .deb with dpkg -i and checks the user, files, modes
+#     and the conffile, runs `check-config` as the user edgespool, runs the
+#     agent as the service would (user edgespool, umask 027, /etc and /usr
+#     read-only, $STATE_DIRECTORY) against a local mosquitto and checks that
+#     it wrote only to /var/lib/edgespool with modes 0640/0750 at most;
+#     `systemd-analyze verify` on the unit and on the drop-in examples; an
+#     upgrade keeps an edited conffile; dpkg -r keeps the state and the user,
+#     dpkg -P removes both; install.sh from the tarball lays the same files;
+#  3. runs the static ARM binaries under qemu-user: --version, then the
+#     delivery, crash and command integration tests with each of them as the
+#     agent (the ARMv6 one under `qemu-arm -cpu arm1176`, a Pi Zero/1's CPU:
+#     an ARMv7-only instruction would fault).
+#   cross/test-package.sh              everything
+#   EDGESPOOL_SKIP_ARM=1 cross/test-package.sh   the amd64 package only
+#   EDGESPOOL_PACKAGE_REUSE=1 cross/test-package.sh   test target/dist as it is, no build
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" -ne 0 ]; then echo "test-package: needs root (dpkg -i)" >&2; exit 1; fi
+
+targets=(x86_64 aarch64 armv7 armv6)
+[ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ] && targets=(x86_64)
+# EDGESPOOL_PACKAGE_REUSE=1: test what target/dist already holds.
+[ "${EDGESPOOL_PACKAGE_REUSE:-0}" = 1 ] || cross/package.sh "${targets[@]}"
+if ! command -v systemd-analyze >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
+fi
+
+tdir="${CARGO_TARGET_DIR:-target}"
+case "$tdir" in /*) ;; *) tdir="$PWD/$tdir" ;; esac
+dist="$tdir/dist"
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+deb="$dist/edgespool_${version}_amd64.deb"
+work=$(mktemp -d)
+pids=()
+installed_by_us=0
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  # A test that stopped half-way leaves no package, user or state behind.
+  if [ "$installed_by_us" = 1 ] && dpkg-query -W edgespool >/dev/null 2>&1; then
+    dpkg -P edgespool >/dev/null 2>&1 || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+fails=0
+passes=0
+ok() { echo "  ok: $*"; passes=$((passes + 1)); }
+bad() { echo "  FAIL: $*"; fails=$((fails + 1)); }
+check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
+mode_is() { [ "$(stat -c '%a %U:%G' "$1")" = "$2" ] || { echo "    $1: $(stat -c '%a %U:%G' "$1"), want $2"; return 1; }; }
+# No bit beyond 0640 for files, 0750 for directories.
+private() {
+  local f m
+  while IFS= read -r f; do
+    m=$(stat -c %a "$f")
+    if [ -d "$f" ]; then (( (8#$m & ~8#750) == 0 )) || { echo "    $f: $m"; return 1; }
+    else (( (8#$m & ~8#640) == 0 )) || { echo "    $f: $m"; return 1; }; fi
+  done < <(find "$1")
+}
+
+echo "== the amd64 package: install"
+# This test purges what it installs, spool included: never on a machine
+# where edgespool was installed for real.
+if dpkg-query -W -f='${Status}' edgespool 2>/dev/null | grep -q 'ok installed\|config-files'; then
+  if [ "${EDGESPOOL_PACKAGE_TEST_PURGE:-0}" != 1 ]; then
+    echo "test-package: edgespool is installed here; its spool would be purged." >&2
+    echo "  EDGESPOOL_PACKAGE_TEST_PURGE=1 cross/test-package.sh to purge it and test anyway" >&2
+    exit 1
+  fi
+  dpkg -P edgespool >/dev/null
+fi
+installed_by_us=1
+check "no edgespool user before the install" bash -c '! getent passwd edgespool >/dev/null'
+dpkg -i "$deb" </dev/null
+check "the package is installed" bash -c "dpkg-query -W -f='\${Status}' edgespool | grep -q 'install ok installed'"
+check "system user edgespool, home /var/lib/edgespool, no login" bash -c \
+  'IFS=: read -r _ _ uid _ _ home shell < <(getent passwd edgespool) && [ "$uid" -lt 1000 ] && [ "$home" = /var/lib/edgespool ] && [[ "$shell" == */nologin || "$shell" == /bin/false ]]'
+check "group edgespool" bash -c 'getent group edgespool >/dev/null'
+check "/usr/bin/edgespool 755 root:root" mode_is /usr/bin/edgespool "755 root:root"
+check "/usr/bin/edgespool is static" bash -c 'file -b /usr/bin/edgespool | grep -Eq "statically linked|static-pie linked"'
+check "the unit 644 root:root" mode_is /lib/systemd/system/edgespool.service "644 root:root"
+check "/etc/edgespool 750 root:edgespool" mode_is /etc/edgespool "750 root:edgespool"
+check "/etc/edgespool/edgespool.toml 640 root:edgespool" mode_is /etc/edgespool/edgespool.toml "640 root:edgespool"
+check "/var/lib/edgespool 750 edgespool:edgespool" mode_is /var/lib/edgespool "750 edgespool:edgespool"
+check "the config is a conffile" bash -c "dpkg-query -W -f='\${Conffiles}' edgespool | grep -q '^ /etc/edgespool/edgespool.toml '"
+check "the config is the shipped one" cmp -s /etc/edgespool/edgespool.toml board-configs/edgespool.toml
+check "man page edgespool(1), gzipped" gzip -t /usr/share/man/man1/edgespool.1.gz
+check "bash completion" bash -c 'source /usr/share/bash-completion/completions/edgespool 2>/dev/null; complete -p edgespool | grep -q _edgespool'
+check "drop-in examples" test -f /usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf
+check "enabled for multi-user.target" test -L /etc/systemd/system/multi-user.target.wants/edgespool.service
+check "check-config as the user edgespool" \
+  runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml
+check "the user edgespool cannot write /etc/edgespool" \
+  runuser -u edgespool -- sh -c '! touch /etc/edgespool/x 2>/dev/null'
+
+echo "== the unit"
+check "systemd-analyze verify accepts the unit" bash -c \
+  'out=$(systemd-analyze verify /lib/systemd/system/edgespool.service 2>&1) && rc=0 || rc=$?; [ -z "$out" ] || echo "$out" | sed "s/^/    /"; [ $rc = 0 ] && ! echo "$out" | grep -q edgespool.service'
+for d in /usr/share/doc/edgespool/examples/edgespool.service.d/*.conf; do
+  # The unit with a drop-in's settings appended: its keys must be known.
+  grep -v '^\[Service\]' "$d" >"$work/dropin"
+  sed "/^\[Install\]/e cat $work/dropin" /lib/systemd/system/edgespool.service >"$work/edgespool.service"
+  check "systemd-analyze verify accepts the drop-in $(basename "$d")" bash -c \
+    "out=\$(systemd-analyze verify '$work/edgespool.service' 2>&1) && rc=0 || rc=\$?; [ -z \"\$out\" ] || echo \"\$out\" | sed 's/^/    /'; [ \$rc = 0 ] && ! echo \"\$out\" | grep -q edgespool.service"
+done
+for k in Type=notify NotifyAccess=main WatchdogSec=120 \
+  'ExecStart=/usr/bin/edgespool run --config /etc/edgespool/edgespool.toml' \
+  'ExecReload=/bin/kill -HUP $MAINPID' Restart=on-failure RestartPreventExitStatus=2 \
+  User=edgespool Group=edgespool StateDirectory=edgespool UMask=0027 ProtectSystem=strict \
+  ProtectHome=yes PrivateTmp=yes NoNewPrivileges=yes ReadWritePaths=/var/lib/edgespool; do
+  check "unit: $k" grep -qxF "$k" /lib/systemd/system/edgespool.service
+done
+
+echo "== the agent as the service runs it"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+printf 'listener %s 127.0.0.1\nallow_anonymous true\nuser root\n' "$port" >"$work/mosquitto.conf"
+"$(command -v mosquitto || echo /usr/sbin/mosquitto)" -c "$work/mosquitto.conf" >/dev/null 2>&1 &
+pids+=($!)
+for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+timeout 20 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -C 1 -t 'edgespool/edgespool-gateway/events/#' >"$work/received" &
+sub=$!
+pids+=($sub)
+sleep 0.5
+find /etc /usr -newer "$work/mosquitto.conf" -print 2>/dev/null >"$work/etc-before" || true
+# ProtectSystem=strict, by hand: /etc and /usr read-only in a mount namespace.
+unshare --mount --propagation private sh -c "
+  mount --bind /etc /etc && mount -o remount,bind,ro /etc &&
+  mount --bind /usr /usr && mount -o remount,bind,ro /usr &&
+  exec runuser -u edgespool -- env STATE_DIRECTORY=/var/lib/edgespool RUST_LOG=info \
+    sh -c 'umask 0027; exec timeout --preserve-status -s TERM 8 /usr/bin/edgespool run --config /etc/edgespool/edgespool.toml --set mqtt.url=mqtt://127.0.0.1:$port --set sources.0.interval_ms=500'
+" >"$work/agent.log" 2>&1 && rc=0 || rc=$?
+check "the agent stopped cleanly on SIGTERM (exit 0)" bash -c "[ $rc = 0 ] && grep -q 'stopped cleanly' '$work/agent.log'"
+wait "$sub" || true
+check "the broker received an event from the packaged agent" grep -q event_id "$work/received"
+check "no WARN or ERROR from the packaged agent" bash -c "! grep -E ' (WARN|ERROR) ' '$work/agent.log'"
+check "the spool is in /var/lib/edgespool" test -f /var/lib/edgespool/spool.db
+check "the last-known-good config is in /var/lib/edgespool" \
+  cmp -s /var/lib/edgespool/edgespool.toml.last-good /etc/edgespool/edgespool.toml
+check "nothing written to /etc/edgespool" bash -c '[ "$(ls -A /etc/edgespool)" = edgespool.toml ]'
+check "every file the agent made is 0640/0750 at most, owned by edgespool" bash -c \
+  "$(declare -f private); private /var/lib/edgespool && [ -z \"\$(find /var/lib/edgespool ! -user edgespool)\" ]"
+ls -la /var/lib/edgespool | sed 's/^/    /'
+check "status reads the spool as the user edgespool" \
+  runuser -u edgespool -- /usr/bin/edgespool status --config /etc/edgespool/edgespool.toml
+if [ "${fails}" -gt 0 ]; then sed 's/^/    agent: /' "$work/agent.log"; fi
+
+echo "== upgrade keeps an edited conffile"
+sed -i 's/^device_id = .*/device_id = "edited-board"/' /etc/edgespool/edgespool.toml
+up="$work/up"
+dpkg-deb -R "$deb" "$up"
+sed -i "s/^Version: .*/Version: ${version}+test1/" "$up/DEBIAN/control"
+dpkg-deb --root-owner-group -Zxz --build "$up" "$work/edgespool_up.deb" >/dev/null
+dpkg -i "$work/edgespool_up.deb" </dev/null
+check "the upgrade is installed" bash -c "[ \"\$(dpkg-query -W -f='\${Version}' edgespool)\" = '${version}+test1' ]"
+check "the edited conffile was kept" grep -qx 'device_id = "edited-board"' /etc/edgespool/edgespool.toml
+check "modes survive the upgrade" mode_is /etc/edgespool/edgespool.toml "640 root:edgespool"
+
+echo "== remove keeps the state, purge removes it"
+dpkg -r edgespool </dev/null >/dev/null
+check "remove: binary gone" test ! -e /usr/bin/edgespool
+check "remove: the spool kept" test -f /var/lib/edgespool/spool.db
+check "remove: the user kept" bash -c 'getent passwd edgespool >/dev/null'
+dpkg -P edgespool </dev/null >/dev/null
+check "purge: the package is gone" bash -c '! dpkg-query -W -f="\${Status}" edgespool 2>/dev/null | grep -q installed'
+check "purge: the user edgespool is gone" bash -c '! getent passwd edgespool'
+check "purge: the group edgespool is gone" bash -c '! getent group edgespool'
+check "purge: /var/lib/edgespool is gone" test ! -e /var/lib/edgespool
+check "purge: /etc/edgespool is gone" test ! -e /etc/edgespool
+check "purge: the unit's enable link is gone" test ! -e /etc/systemd/system/multi-user.target.wants/edgespool.service
+
+echo "== the tarball's install.sh lays the .deb's files"
+tarball="$dist/edgespool-$version-x86_64-linux-musl.tar.gz"
+tar -C "$work" -xzf "$tarball"
+DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" >/dev/null
+(cd "$work/root" && find . -type f | sed 's|^\./|/|' | sort) >"$work/tar-files"
+dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print substr($6, 2)}' | sort >"$work/deb-files"
+check "install.sh installs the files of the .deb" diff "$work/deb-files" "$work/tar-files"
+check "install.sh: config 0640" bash -c "[ \"\$(stat -c %a '$work/root/etc/edgespool/edgespool.toml')\" = 640 ]"
+DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" --uninstall >/dev/null
+check "install.sh --uninstall keeps only the config and state" bash -c \
+  "[ -z \"\$(cd '$work/root' && find . -type f ! -path './etc/edgespool/*')\" ]"
+inst="$work/edgespool-$version-x86_64-linux-musl/install.sh"
+"$inst" >/dev/null
+check "install.sh: user edgespool created" bash -c 'getent passwd edgespool >/dev/null'
+check "install.sh: /etc/edgespool/edgespool.toml 640 root:edgespool" mode_is /etc/edgespool/edgespool.toml "640 root:edgespool"
+check "install.sh: /var/lib/edgespool 750 edgespool:edgespool" mode_is /var/lib/edgespool "750 edgespool:edgespool"
+check "install.sh: check-config as the user edgespool" \
+  runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml
+"$inst" --purge >/dev/null
+check "install.sh --purge: user, state and files gone" bash -c \
+  '! getent passwd edgespool && [ ! -e /var/lib/edgespool ] && [ ! -e /etc/edgespool ] && [ ! -e /usr/bin/edgespool ]'
+
+if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
+  echo "== static ARM binaries under qemu-user"
+  for w in aarch64 armv7 armv6; do
+    b="$dist/edgespool-$w"
+    case "$w" in
+      aarch64) run="qemu-aarch64" ;;
+      armv7) run="qemu-arm -cpu cortex-a7" ;;
+      armv6) run="qemu-arm -cpu arm1176" ;;
+    esac
+    check "$w: statically linked" bash -c "file -b '$b' | grep -Eq 'statically linked|static-pie linked'"
+    check "$w: --version under $run" bash -c "$run '$b' --version | grep -qx 'edgespool $version'"
+  done
+  check "armv7 binary at most 3 MB" bash -c "[ \$(stat -c %s '$dist/edgespool-armv7') -le 3000000 ]"
+  check "armv6 binary is ARMv6 (Tag_CPU_arch: v6)" bash -c "readelf -A '$dist/edgespool-armv6' | grep -q 'Tag_CPU_arch: v6\$'"
+fi
+
+echo "test-package: $passes passed, $fails failed"
+[ "$fails" -eq 0 ] || exit 1
+
+if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
+  # The shipped binaries themselves, not debug builds: about a minute each.
+  for w in aarch64 armv7 armv6; do
+    case "$w" in
+      aarch64) run="qemu-aarch64" ;;
+      armv7) run="qemu-arm -cpu cortex-a7" ;;
+      armv6) run="qemu-arm -cpu arm1176" ;;
+    esac
+    echo "== delivery, crash and command integration tests: static $w agent under $run"
+    EDGESPOOL_AGENT_BIN="$dist/edgespool-$w" EDGESPOOL_AGENT_RUNNER="$run" \
+      cargo nextest run --profile ci --test it -E 'test(/^(delivery|faults|commands)::/)'
+  done
+fi

@@ -1,0 +1,32 @@
+# bash completion for edgespool(1)
+_edgespool() {
+    local cur prev words cword
+    _init_completion || return
+    local cmds="run check-config status probe-storage sink help --version --help"
+    if [ "$cword" -eq 1 ]; then
+        COMPREPLY=($(compgen -W "$cmds" -- "$cur"))
+        return
+    fi
+    case "$prev" in
+        --config|-c|--spool|--db)
+            _filedir
+            return ;;
+        --dir)
+            _filedir -d
+            return ;;
+        --set|--url|--topic|--client-id|--share)
+            return ;;
+    esac
+    local opts
+    case "${words[1]}" in
+        run) opts="--config --set --check-spool --help" ;;
+        check-config)
+            opts="--set --help"
+            if [[ "$cur" != -* ]]; then _filedir toml; return; fi ;;
+        status) opts="--config --spool --json --help" ;;
+        probe-storage) opts="--config --dir --json --help" ;;
+        sink) opts="--url --topic --db --client-id --share --help" ;;
+    esac
+    COMPREPLY=($(compgen -W "$opts" -- "$cur"))
+} &&
+complete -F _edgespool edgespool
