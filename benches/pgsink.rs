@@ -118,7 +118,10 @@ fn sinks_rate(
 fn copy_rate(pg: &Postgres, plan: publisher::Plan) -> (f64, f64) {
     let conninfo = database(pg, "bench_copy");
     // The sink creates the schema; a store connection migrates it.
-    drop(edgespool::sink::postgres::PgStore::connect(&conninfo, "bench").expect("schema"));
+    drop(
+        edgespool::sink::postgres::PgStore::connect(&conninfo, "bench", &Default::default())
+            .expect("schema"),
+    );
     let mut text = Vec::new();
     for i in 0..plan.events {
         let (_, body) = publisher::envelope(&plan, i, 0);

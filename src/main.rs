@@ -7,7 +7,7 @@
 
 mod sink_cmd;
 
-use sink_cmd::SinkArgs;
+use sink_cmd::{PgTlsArgs, SinkArgs};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -18,7 +18,9 @@ const USAGE: &str = "usage:
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
   edgespool sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)
                  [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS]
+                 [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]
   edgespool sink --stats (--db FILE | --postgres CONNINFO) [--json]
+                 [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]
   edgespool --version";
 
 enum Cmd {
@@ -46,6 +48,7 @@ enum Cmd {
     SinkStats {
         db: Option<PathBuf>,
         postgres: Option<String>,
+        pg_tls: PgTlsArgs,
         json: bool,
     },
     Help,
@@ -66,6 +69,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
     let (mut dir, mut check_spool, mut sample) = (None, false, false);
     let (mut url, mut topic, mut db, mut client_id, mut share) = (None, None, None, None, None);
     let (mut postgres, mut stats, mut batch_max, mut batch_ms) = (None, false, None, None);
+    let mut pg_tls = PgTlsArgs::default();
     while let Some(arg) = p.next()? {
         match arg {
             Long("config") | Short('c') => config = Some(PathBuf::from(p.value()?)),
@@ -81,6 +85,9 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("client-id") => client_id = Some(p.value()?.string()?),
             Long("share") => share = Some(p.value()?.string()?),
             Long("postgres") => postgres = Some(p.value()?.string()?),
+            Long("pg-ca") => pg_tls.ca = Some(PathBuf::from(p.value()?)),
+            Long("pg-cert") => pg_tls.cert = Some(PathBuf::from(p.value()?)),
+            Long("pg-key") => pg_tls.key = Some(PathBuf::from(p.value()?)),
             Long("stats") if sub == "sink" => stats = true,
             Long("batch-max") => batch_max = Some(p.value()?.parse::<usize>()?),
             Long("batch-ms") => batch_ms = Some(p.value()?.parse::<u64>()?),
@@ -116,7 +123,15 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
         "sink" if db.is_some() == postgres.is_some() => {
             Err("sink needs one of --db FILE or --postgres CONNINFO".into())
         }
-        "sink" if stats => Ok(Cmd::SinkStats { db, postgres, json }),
+        "sink" if postgres.is_none() && pg_tls.any() => {
+            Err("--pg-ca, --pg-cert and --pg-key go with --postgres".into())
+        }
+        "sink" if stats => Ok(Cmd::SinkStats {
+            db,
+            postgres,
+            pg_tls,
+            json,
+        }),
         "sink" => Ok(Cmd::Sink(SinkArgs {
             url: url.ok_or("sink needs --url mqtt://HOST:PORT")?,
             topic: topic.ok_or("sink needs --topic FILTER")?,
@@ -131,6 +146,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             },
             db,
             postgres,
+            pg_tls,
             share,
             batch_max: batch_max.filter(|&n| n > 0).unwrap_or(500),
             batch_ms: batch_ms.unwrap_or(100),
@@ -150,7 +166,12 @@ fn main() -> ExitCode {
     };
     match cmd {
         Cmd::Sink(args) => sink_cmd::run(args),
-        Cmd::SinkStats { db, postgres, json } => sink_cmd::stats(db, postgres, json),
+        Cmd::SinkStats {
+            db,
+            postgres,
+            pg_tls,
+            json,
+        } => sink_cmd::stats(db, postgres, &pg_tls, json),
         Cmd::Help => {
             println!("{USAGE}");
             ExitCode::SUCCESS

@@ -10,12 +10,37 @@ use std::time::Duration;
 use edgespool::sink::batch::BatchPolicy;
 use edgespool::sink::{SinkOptions, SinkStats};
 
+/// `--pg-ca`, `--pg-cert`, `--pg-key`: TLS files for `--postgres`.
+#[derive(Default)]
+pub struct PgTlsArgs {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl PgTlsArgs {
+    /// Whether any of the flags was given.
+    pub fn any(&self) -> bool {
+        self.ca.is_some() || self.cert.is_some() || self.key.is_some()
+    }
+
+    #[cfg(feature = "pg-sink")]
+    fn files(&self) -> edgespool::sink::pg_tls::TlsFiles {
+        edgespool::sink::pg_tls::TlsFiles {
+            ca: self.ca.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
 /// `sink` arguments, as parsed.
 pub struct SinkArgs {
     pub url: String,
     pub topic: String,
     pub db: Option<PathBuf>,
     pub postgres: Option<String>,
+    pub pg_tls: PgTlsArgs,
     pub client_id: String,
     pub share: Option<String>,
     pub batch_max: usize,
@@ -53,7 +78,7 @@ pub fn run(a: SinkArgs) -> ExitCode {
             Ok(mut store) => edgespool::sink::run(&opts, &mut store, &stop),
             Err(e) => Err(format!("sink database {}: {e}", db.display())),
         },
-        (None, Some(conninfo)) => run_postgres(&opts, &conninfo, &stop),
+        (None, Some(conninfo)) => run_postgres(&opts, &conninfo, &a.pg_tls, &stop),
         (None, None) => Err("sink needs --db FILE or --postgres CONNINFO".into()),
     };
     match result {
@@ -83,13 +108,15 @@ fn print_totals(s: &SinkStats) {
 fn run_postgres(
     opts: &SinkOptions,
     conninfo: &str,
+    tls: &PgTlsArgs,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     use edgespool::sink::StoreError;
+    let files = tls.files();
     // The server may come up after the sink: wait for it, as for the broker.
     let mut backoff = Duration::from_millis(200);
     let mut store = loop {
-        match edgespool::sink::postgres::PgStore::connect(conninfo, &opts.client_id) {
+        match edgespool::sink::postgres::PgStore::connect(conninfo, &opts.client_id, &files) {
             Ok(s) => break s,
             Err(StoreError::Transient(e)) if !stop.load(std::sync::atomic::Ordering::Relaxed) => {
                 log::warn!("sink: PostgreSQL not reachable ({e}); retrying in {backoff:?}");
@@ -103,17 +130,27 @@ fn run_postgres(
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn run_postgres(_: &SinkOptions, _: &str, _: &AtomicBool) -> Result<SinkStats, String> {
+fn run_postgres(
+    _: &SinkOptions,
+    _: &str,
+    _: &PgTlsArgs,
+    _: &AtomicBool,
+) -> Result<SinkStats, String> {
     Err("this edgespool was built without the pg-sink feature".into())
 }
 
 /// `sink --stats`: print the store's report (text, or JSON with `json`).
-pub fn stats(db: Option<PathBuf>, postgres: Option<String>, json: bool) -> ExitCode {
+pub fn stats(
+    db: Option<PathBuf>,
+    postgres: Option<String>,
+    tls: &PgTlsArgs,
+    json: bool,
+) -> ExitCode {
     let now = edgespool::envelope::wall_clock_ms().0;
     let report = match (db, postgres) {
         (Some(db), _) => edgespool::sink::stats::from_sqlite(&db, now)
             .map_err(|e| format!("sink database {}: {e}", db.display())),
-        (None, Some(conninfo)) => postgres_report(&conninfo, now),
+        (None, Some(conninfo)) => postgres_report(&conninfo, tls, now),
         (None, None) => Err("sink --stats needs --db FILE or --postgres CONNINFO".into()),
     };
     match report {
@@ -139,17 +176,21 @@ pub fn stats(db: Option<PathBuf>, postgres: Option<String>, json: bool) -> ExitC
 }
 
 #[cfg(feature = "pg-sink")]
-fn postgres_report(conninfo: &str, now: i64) -> Result<edgespool::sink::stats::Report, String> {
-    let config: postgres::Config = conninfo
-        .parse()
-        .map_err(|e| format!("--postgres {conninfo:?}: {e}"))?;
-    let mut c = config
-        .connect(postgres::NoTls)
+fn postgres_report(
+    conninfo: &str,
+    tls: &PgTlsArgs,
+    now: i64,
+) -> Result<edgespool::sink::stats::Report, String> {
+    let mut c = edgespool::sink::postgres::connect_client(conninfo, &tls.files())
         .map_err(|e| format!("PostgreSQL: {e}"))?;
     edgespool::sink::stats::from_postgres(&mut c, now).map_err(|e| format!("PostgreSQL: {e}"))
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn postgres_report(_: &str, _: i64) -> Result<edgespool::sink::stats::Report, String> {
+fn postgres_report(
+    _: &str,
+    _: &PgTlsArgs,
+    _: i64,
+) -> Result<edgespool::sink::stats::Report, String> {
     Err("this edgespool was built without the pg-sink feature".into())
 }

@@ -29,6 +29,8 @@ pub mod message;
 #[cfg(feature = "pg-sink")]
 pub mod pg_schema;
 #[cfg(feature = "pg-sink")]
+pub mod pg_tls;
+#[cfg(feature = "pg-sink")]
 pub mod postgres;
 pub mod sqlite;
 pub mod stats;

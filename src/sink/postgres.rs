@@ -13,8 +13,9 @@
 
 use super::batch::{self, Fate, Item};
 use super::pg_schema::{self, MigrateError};
+use super::pg_tls::{self, PgConnect, TlsFiles};
 use super::{SinkStats, Store, StoreError};
-use postgres::{Client, Config, NoTls, Transaction};
+use postgres::{Client, Transaction};
 use std::collections::{HashMap, HashSet};
 
 const INSERT_EVENTS: &str = "
@@ -49,23 +50,24 @@ FROM unnest($1::text[], $2::bytea[], $3::text[]) AS u(topic, payload, reason)";
 
 /// A PostgreSQL connection that reconnects when lost, and the sink's name.
 pub struct PgStore {
-    config: Config,
+    connect: PgConnect,
     client: Option<Client>,
     sink: String,
 }
 
 impl PgStore {
-    /// Parse `conninfo` (libpq keyword/value or URL form), connect, and
-    /// migrate the schema. `sink` names this sink in the rows it keeps aside
-    /// and as `application_name`.
+    /// Parse `conninfo` (libpq keyword/value or URL form), connect (with
+    /// TLS if its `sslmode` asks for it, see [`pg_tls`]), and migrate the
+    /// schema. `sink` names this sink in the rows it keeps aside and as
+    /// `application_name`.
     ///
-    /// Errors: [`StoreError::Fatal`] for a bad connection string, a refused
-    /// login or a newer schema; [`StoreError::Transient`] when the server
-    /// cannot be reached (the caller may retry).
-    pub fn connect(conninfo: &str, sink: &str) -> Result<PgStore, StoreError> {
-        let mut config: Config = conninfo
-            .parse()
-            .map_err(|e| StoreError::Fatal(format!("--postgres {conninfo:?}: {e}")))?;
+    /// Errors: [`StoreError::Fatal`] for a bad connection string or TLS
+    /// setting, a refused TLS handshake, a refused login or a newer schema;
+    /// [`StoreError::Transient`] when the server cannot be reached (the
+    /// caller may retry).
+    pub fn connect(conninfo: &str, sink: &str, tls: &TlsFiles) -> Result<PgStore, StoreError> {
+        let mut connect = PgConnect::new(conninfo, tls).map_err(StoreError::Fatal)?;
+        let config = &mut connect.config;
         if config.get_application_name().is_none() {
             config.application_name(sink);
         }
@@ -73,7 +75,7 @@ impl PgStore {
             config.connect_timeout(std::time::Duration::from_secs(10));
         }
         let mut s = PgStore {
-            config,
+            connect,
             client: None,
             sink: sink.to_owned(),
         };
@@ -89,10 +91,7 @@ impl PgStore {
             self.client = None;
         }
         if self.client.is_none() {
-            let mut c = self
-                .config
-                .connect(NoTls)
-                .map_err(|e| classify(&e).into_error(e))?;
+            let mut c = self.connect.connect().map_err(connect_error)?;
             pg_schema::migrate(&mut c).map_err(|e| match e {
                 MigrateError::Db(e) => classify(&e).into_error(e),
                 e @ MigrateError::Newer { .. } => StoreError::Fatal(e.to_string()),
@@ -187,6 +186,26 @@ impl Class {
             Class::Transient | Class::Data => StoreError::Transient(text),
         }
     }
+}
+
+/// A failed connection: a refused TLS handshake is fatal (the same
+/// certificates get the same answer), the rest as [`classify`].
+fn connect_error(e: postgres::Error) -> StoreError {
+    match pg_tls::tls_failure(&e) {
+        Some(r) => StoreError::Fatal(format!("TLS handshake with PostgreSQL failed: {r}")),
+        None => classify(&e).into_error(e),
+    }
+}
+
+/// Connect once, as [`PgStore::connect`] does but without migrating (for
+/// `sink --stats`).
+///
+/// Errors: as [`PgStore::connect`].
+pub fn connect_client(conninfo: &str, tls: &TlsFiles) -> Result<Client, StoreError> {
+    PgConnect::new(conninfo, tls)
+        .map_err(StoreError::Fatal)?
+        .connect()
+        .map_err(connect_error)
 }
 
 fn classify(e: &postgres::Error) -> Class {

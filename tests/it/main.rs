@@ -13,6 +13,8 @@ mod health;
 mod metrics;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
+#[cfg(feature = "pg-sink")]
+mod pgtls;
 mod refusals;
 mod replay;
 mod spool;

@@ -196,7 +196,8 @@ fn store_keeps_unreadable_and_mismatches_aside_and_refuses_a_newer_schema() {
     use edgespool::sink::postgres::PgStore;
     use edgespool::sink::{Store, StoreError};
     let pg = Postgres::start(&[("fsync", "off")]);
-    let mut store = PgStore::connect(&pg.conninfo(), "unit").expect("connect and migrate");
+    let mut store =
+        PgStore::connect(&pg.conninfo(), "unit", &Default::default()).expect("connect and migrate");
     let plan = publisher::Plan {
         events: 10,
         devices: 2,
@@ -232,11 +233,11 @@ fn store_keeps_unreadable_and_mismatches_aside_and_refuses_a_newer_schema() {
     assert_eq!(count(&mut db, "SELECT count(*) FROM unreadable"), 2);
 
     // A second sink migrates nothing; a schema from a newer sink is refused.
-    drop(PgStore::connect(&pg.conninfo(), "again").expect("second connect"));
+    drop(PgStore::connect(&pg.conninfo(), "again", &Default::default()).expect("second connect"));
     assert_eq!(count(&mut db, "SELECT count(*) FROM schema_version"), 1);
     db.execute("INSERT INTO schema_version (version) VALUES (999)", &[])
         .expect("bump version");
-    match PgStore::connect(&pg.conninfo(), "old") {
+    match PgStore::connect(&pg.conninfo(), "old", &Default::default()) {
         Err(StoreError::Fatal(e)) => assert!(e.contains("999"), "{e}"),
         Err(e) => panic!("expected a fatal error, got {e}"),
         Ok(_) => panic!("a newer schema was accepted"),

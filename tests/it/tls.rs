@@ -23,7 +23,7 @@ fn openssl(dir: &Path, args: &[&str]) {
 }
 
 /// A CA (`<name>-ca.pem`), and certificates it signs.
-fn make_ca(dir: &Path, name: &str) {
+pub(crate) fn make_ca(dir: &Path, name: &str) {
     let key = format!("{name}-ca.key");
     openssl(
         dir,
@@ -55,7 +55,7 @@ fn make_ca(dir: &Path, name: &str) {
     );
 }
 
-fn make_cert(dir: &Path, ca: &str, name: &str, san: Option<&str>) {
+pub(crate) fn make_cert(dir: &Path, ca: &str, name: &str, san: Option<&str>) {
     make_cert_days(dir, ca, name, san, "30");
 }
 

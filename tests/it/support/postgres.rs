@@ -37,6 +37,14 @@ impl Postgres {
     /// initdb (trust auth, superuser `postgres`) and start the server with
     /// `settings` (`-c` pairs); wait until it accepts connections.
     pub fn start(settings: &[(&str, &str)]) -> Postgres {
+        let mut pg = Postgres::init();
+        pg.launch(settings);
+        pg
+    }
+
+    /// initdb only: files may be put in the data directory ([`Postgres::put`])
+    /// before [`Postgres::launch`].
+    pub fn init() -> Postgres {
         let bin = bin_dir();
         let dir = tempfile::Builder::new()
             .prefix("edgespool-pg-")
@@ -47,7 +55,7 @@ impl Postgres {
         if as_postgres {
             chown_to_postgres(dir.path());
         }
-        let mut pg = Postgres {
+        let pg = Postgres {
             bin,
             dir,
             port: 0,
@@ -68,6 +76,27 @@ impl Postgres {
                 "--no-sync",
             ],
         );
+        pg
+    }
+
+    /// Write `name` in the data directory, readable by the server's user
+    /// only (PostgreSQL refuses a key file others can read).
+    pub fn put(&self, name: &str, contents: &[u8]) {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.dir.path().join("data").join(name);
+        std::fs::write(&path, contents).unwrap_or_else(|e| panic!("write {name}: {e}"));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .unwrap_or_else(|e| panic!("chmod {name}: {e}"));
+        if self.as_postgres {
+            chown_to_postgres(&path);
+        }
+    }
+
+    /// Start the initialized server with `settings` (`-c` pairs); wait
+    /// until it accepts connections.
+    pub fn launch(&mut self, settings: &[(&str, &str)]) {
+        let pg = self;
+        let data = pg.data();
         let mut last = String::new();
         for _ in 0..3 {
             pg.port = free_port();
@@ -87,7 +116,7 @@ impl Postgres {
                 .args(["-o", &opts, "start"])
                 .status();
             if matches!(ok, Ok(s) if s.success()) {
-                return pg;
+                return;
             }
             last = std::fs::read_to_string(&log).unwrap_or_default();
         }
@@ -137,6 +166,18 @@ impl Postgres {
             "host=127.0.0.1 port={} user=postgres dbname=postgres",
             self.port
         )
+    }
+
+    /// A new client connection over the Unix socket (which pg_hba.conf
+    /// may allow when TCP needs TLS).
+    pub fn socket_client(&self) -> postgres::Client {
+        let conninfo = format!(
+            "host={} port={} user=postgres dbname=postgres",
+            self.dir.path().display(),
+            self.port
+        );
+        postgres::Client::connect(&conninfo, postgres::NoTls)
+            .unwrap_or_else(|e| panic!("connect to test PostgreSQL by socket: {e}"))
     }
 
     /// A new client connection.

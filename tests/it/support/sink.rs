@@ -26,6 +26,19 @@ impl SinkProc {
         group: &str,
         dir: &Path,
     ) -> SinkProc {
+        SinkProc::spawn_with(port, filter, conninfo, id, group, dir, &[])
+    }
+
+    /// As [`SinkProc::spawn`], with more arguments.
+    pub fn spawn_with(
+        port: u16,
+        filter: &str,
+        conninfo: &str,
+        id: &str,
+        group: &str,
+        dir: &Path,
+        extra: &[&str],
+    ) -> SinkProc {
         let n = (1..)
             .find(|n| !dir.join(format!("{id}-{n}.log")).exists())
             .expect("a free log name");
@@ -40,6 +53,7 @@ impl SinkProc {
                 filter,
             ])
             .args(["--postgres", conninfo, "--client-id", id, "--share", group])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(f.try_clone().expect("clone log"))
@@ -62,6 +76,16 @@ impl SinkProc {
             "sink did not subscribe:\n{}",
             tail(&self.log_text(), 20)
         );
+    }
+
+    /// The exit status, once the sink ended (within `timeout`).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut status = None;
+        wait_for(timeout, || {
+            status = self.child.try_wait().ok().flatten();
+            status.is_some()
+        });
+        status
     }
 
     pub fn kill(&mut self) {
