@@ -73,6 +73,9 @@ installed_targets=$(rustup target list --installed 2>/dev/null || true)
 build() {
   local t; t=$(triple "$1")
   local cmd=(cargo zigbuild --release --target "$t" --bin edgespool)
+  # Boards carry the agent, not the PostgreSQL sink (feature pg-sink, about
+  # 0.7 MB): only the x86_64 build, where fleet sinks run, keeps it.
+  [ "$1" = x86_64 ] || cmd+=(--no-default-features)
   local env=() rustflags=""
   if ! grep -qx "$t" <<<"$installed_targets" && ! rustup target add "$t" >/dev/null 2>&1; then
     # No prebuilt standard library for this target from rustup: build it
