@@ -34,8 +34,13 @@ impl FreezableFs {
         run("fsfreeze", &["-f", path_str(&self.dir)]);
     }
 
+    /// Thaws the filesystem; harmless (an error) when it is not frozen.
     fn thaw(&self) {
-        let _ = Command::new("fsfreeze").arg("-u").arg(&self.dir).status();
+        let _ = Command::new("fsfreeze")
+            .arg("-u")
+            .arg(&self.dir)
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 }
 
@@ -133,18 +138,21 @@ fn ready_then_watchdog_pings_that_stop_while_the_spool_disk_is_frozen_and_resume
             break;
         }
     }
+    let stall_logged = agent.log_text().contains("has not gone round");
+    // Thaw before any assertion: a test that panics with the disk frozen
+    // would leave the agent in uninterruptible sleep on it.
+    fs.thaw();
     assert!(
         quiet,
         "watchdog pings went on while the spool's disk was frozen\n{}",
         agent.log_tail(30)
     );
     assert!(
-        agent.log_text().contains("has not gone round"),
+        stall_logged,
         "the stall was not logged\n{}",
         agent.log_tail(30)
     );
 
-    fs.thaw();
     assert!(
         wait_message(&socket, Duration::from_secs(60), |m| m == "WATCHDOG=1"),
         "pings did not resume after the disk came back\n{}",
