@@ -591,12 +591,12 @@ fn after_one_oversized_row_costs_the_connection_later_ones_fail_at_once() {
         "{}",
         agent.log_tail(30)
     );
-    // The first oversized row costs the drops it always did (one or two
-    // with several rows in flight, which start one-row probing, then 3
-    // alone in flight); the four after it cost none (without the learned
-    // limit: 3 each, 15 or more in all).
+    // The first oversized row costs the drops it always did (a few with
+    // several rows in flight, until one-row probing starts, then 3 alone in
+    // flight); the four after it cost none: without the learned limit each
+    // costs 3 more, 15 or more in all. The counter below is the exact check.
     let drops = broker.log_text().matches("oversize packet").count();
-    assert!((3..=5).contains(&drops), "{drops} oversize drops");
+    assert!((3..=8).contains(&drops), "{drops} oversize drops");
     let v = status_json(&db);
     assert_eq!(v["counters"]["events_failed_packet_too_large"], 4, "{v}");
     agent.terminate(Duration::from_secs(15));
