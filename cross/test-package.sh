@@ -36,7 +36,10 @@ deb="$dist/edgespool_${version}_amd64.deb"
 work=$(mktemp -d)
 pids=()
 installed_by_us=0
+inst_installed=""
 cleanup() {
+  # install.sh's own install, if a check failed before its --purge.
+  if [ -n "$inst_installed" ]; then "$inst_installed" --purge >/dev/null 2>&1 || true; fi
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   # A test that stopped half-way leaves no package, user or state behind.
   if [ "$installed_by_us" = 1 ] && dpkg-query -W edgespool >/dev/null 2>&1; then
@@ -184,6 +187,7 @@ DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" --u
 check "install.sh --uninstall keeps only the config and state" bash -c \
   "[ -z \"\$(cd '$work/root' && find . -type f ! -path './etc/edgespool/*')\" ]"
 inst="$work/edgespool-$version-x86_64-linux-musl/install.sh"
+inst_installed="$inst"
 "$inst" >/dev/null
 check "install.sh: user edgespool created" bash -c 'getent passwd edgespool >/dev/null'
 check "install.sh: /etc/edgespool/edgespool.toml 640 root:edgespool" mode_is /etc/edgespool/edgespool.toml "640 root:edgespool"
@@ -191,6 +195,7 @@ check "install.sh: /var/lib/edgespool 750 edgespool:edgespool" mode_is /var/lib/
 check "install.sh: check-config as the user edgespool" \
   runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml
 "$inst" --purge >/dev/null
+inst_installed=""
 check "install.sh --purge: user, state and files gone" bash -c \
   '! getent passwd edgespool && [ ! -e /var/lib/edgespool ] && [ ! -e /etc/edgespool ] && [ ! -e /usr/bin/edgespool ]'
 

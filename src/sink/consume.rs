@@ -116,6 +116,12 @@ pub fn run<S: Store>(
     Ok(totals)
 }
 
+/// A batch is committed once its payloads reach this many bytes, whatever
+/// `--batch-max` says: with incoming packets of up to 16 MiB, 500 of them
+/// would make one transaction too large for PostgreSQL (1 GiB per message),
+/// fail every time and be redelivered for ever.
+const MAX_BATCH_BYTES: usize = 16 << 20;
+
 fn connect(opts: &SinkOptions) -> (Client, Connection) {
     let mut o = MqttOptions::new(opts.client_id.clone(), opts.host.clone(), opts.port);
     o.set_clean_session(false);
@@ -139,6 +145,9 @@ fn session<S: Store>(
 ) -> Result<End, String> {
     let mut pending: Vec<Publish> = Vec::new();
     let mut items: Vec<Item> = Vec::new();
+    // Payload bytes in `items`: a batch is also committed at MAX_BATCH_BYTES,
+    // so a few large messages never make one transaction too big to send.
+    let mut batch_bytes = 0usize;
     // Committed, not yet handed to the client (its channel was full).
     let mut acks: std::collections::VecDeque<Publish> = Default::default();
     let (mut first_at, mut last_at) = (Instant::now(), Instant::now());
@@ -192,6 +201,7 @@ fn session<S: Store>(
                     first_at = Instant::now();
                 }
                 last_at = Instant::now();
+                batch_bytes = batch_bytes.saturating_add(p.payload.len());
                 items.push(Item::new(&p.topic, &p.payload));
                 pending.push(p);
             }
@@ -201,9 +211,11 @@ fn session<S: Store>(
                 return Ok(End::Lost("event loop closed".into()))
             }
         }
-        if opts
-            .batch
-            .due(items.len(), first_at.elapsed(), last_at.elapsed())
+        let full = !items.is_empty() && batch_bytes >= MAX_BATCH_BYTES;
+        if full
+            || opts
+                .batch
+                .due(items.len(), first_at.elapsed(), last_at.elapsed())
         {
             let now = crate::envelope::wall_clock_ms().0;
             match store.store_batch(&items, now) {
@@ -212,6 +224,7 @@ fn session<S: Store>(
                 Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
             }
             items.clear();
+            batch_bytes = 0;
             acks.extend(pending.drain(..));
         }
         if last_report.elapsed() >= opts.report {

@@ -46,7 +46,16 @@ pub enum Unreadable {
     /// cannot hold.
     #[error("NUL character in {0}")]
     Nul(&'static str),
+    /// A device id or stream name longer than the agent ever sends
+    /// ([`MAX_NAME_CHARS`]); indexed columns must stay within PostgreSQL's
+    /// index row size, or one message would fail every batch it is in.
+    #[error("{0} is longer than {MAX_NAME_CHARS} characters")]
+    TooLong(&'static str),
 }
+
+/// The longest device id or stream name accepted: the agent's own limit on
+/// both is 64 characters; 256 leaves room for other publishers.
+pub const MAX_NAME_CHARS: usize = 256;
 
 /// sha256 of `payload`.
 pub fn digest(payload: &[u8]) -> [u8; 32] {
@@ -70,6 +79,12 @@ pub fn decode(payload: &[u8]) -> Result<Event, Unreadable> {
     }
     if e.stream.contains('\0') {
         return Err(Unreadable::Nul("stream"));
+    }
+    if e.device_id.chars().count() > MAX_NAME_CHARS {
+        return Err(Unreadable::TooLong("device_id"));
+    }
+    if e.stream.chars().count() > MAX_NAME_CHARS {
+        return Err(Unreadable::TooLong("stream"));
     }
     if has_escaped_nul(&e.fields_json) {
         return Err(Unreadable::Nul("fields"));
@@ -209,6 +224,26 @@ mod tests {
             decode(p).unwrap().event_id,
             "abababab-abab-abab-abab-abababababab"
         );
+    }
+
+    #[test]
+    fn an_overlong_device_id_or_stream_is_unreadable_not_a_failed_batch() {
+        let long = "d".repeat(MAX_NAME_CHARS + 1);
+        let ok = "d".repeat(MAX_NAME_CHARS);
+        let env = |device: &str, stream: &str| {
+            format!(
+                r#"{{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"{device}","stream":"{stream}","seq":1,"ts_ms":5,"clock_trusted":false,"fields":{{}}}}"#
+            )
+        };
+        assert!(matches!(
+            decode(env(&long, "s").as_bytes()),
+            Err(Unreadable::TooLong("device_id"))
+        ));
+        assert!(matches!(
+            decode(env("d", &long).as_bytes()),
+            Err(Unreadable::TooLong("stream"))
+        ));
+        assert!(decode(env(&ok, &ok).as_bytes()).is_ok());
     }
 
     #[test]

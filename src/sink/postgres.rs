@@ -214,7 +214,10 @@ fn classify(e: &postgres::Error) -> Class {
     };
     match &db.code().code()[..2] {
         "08" | "40" | "53" | "57" | "58" => Class::Transient,
-        "22" | "23" => Class::Data,
+        // 54: a program limit one row exceeded (an index row too large):
+        // about that row, so it is set aside like bad data, not a reason
+        // to stop (the broker would send it again after every restart).
+        "22" | "23" | "54" => Class::Data,
         _ => Class::Fatal,
     }
 }
