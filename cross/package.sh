@@ -93,6 +93,9 @@ build() {
     # fifth smaller than ARM code (3.5 MB -> 2.8 MB), within the 3 MB budget.
     rustflags="${rustflags:+$rustflags }-C target-feature=+thumb-mode"
     env+=("CFLAGS_${t//-/_}=-mthumb")
+    # And optimised for size over speed (opt-level z, -Oz for SQLite's C):
+    # a Pi Zero 2's bottleneck is the SD card, not the CPU.
+    env+=(CARGO_PROFILE_RELEASE_OPT_LEVEL=z)
   fi
   [ -z "$rustflags" ] || env+=("CARGO_TARGET_$(tr 'a-z-' 'A-Z_' <<<"$t")_RUSTFLAGS=$rustflags")
   echo "== $t"
