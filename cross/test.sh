@@ -22,11 +22,12 @@ cargo nextest run --profile ci --lib --bins --test it
 # as nextest bounds the others.
 timeout 1800 cargo test --test rig
 # Fuzz smoke: every parser's fuzz target built (nightly, cargo-fuzz; its own
-# workspace and target directory) and run 10 s each; about 8 min on a
-# 2-core machine, most of it the first sanitizer build. The longer run is
-# fuzz/run.sh 600. EDGESPOOL_SKIP_FUZZ=1 skips it.
+# workspace and target directory) and run reproducibly: 20,000 mutations
+# from a fixed seed each, spool_open over its seeds and past crashes only;
+# about 8 min on a 2-core machine, most of it the first sanitizer build.
+# Exploring for new crashes is fuzz/run.sh 600. EDGESPOOL_SKIP_FUZZ=1 skips it.
 if [ "${EDGESPOOL_SKIP_FUZZ:-0}" != 1 ]; then
-  fuzz/run.sh 10
+  FUZZ_RUNS=20000 fuzz/run.sh
 fi
 if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   cross/test-arm.sh

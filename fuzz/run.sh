@@ -11,6 +11,11 @@
 # fuzz/artifacts/<target>/ and makes the script exit non-zero once every
 # target has run; reproduce it with
 #   cargo +nightly fuzz run <target> fuzz/artifacts/<target>/<file>
+# FUZZ_RUNS=N: instead of N seconds, a reproducible run: N mutations per
+# target from a fixed seed (-seed=1), and for spool_open only its seeds and
+# past crash inputs (its seed files are written fresh at each build, so
+# mutating them would not repeat). cross/test.sh uses this, so CI passes or
+# fails the same way every time; finding new crashes is the timed run's job.
 # Limits, for every target: no input over 64 KiB (256 KiB for spool files),
 # no single allocation over 256 MiB (-malloc_limit_mb), the process under
 # 1 GiB resident (-rss_limit_mb), and no input running longer than 10 s
@@ -49,9 +54,22 @@ for t in "${targets[@]}"; do
     command | sink_envelope) dict=(-dict=dict/json.dict) ;;
     spool_open) max_len=262144 ;;
   esac
-  echo "== $t: ${secs}s"
-  "$bin/$t" "corpus/$t" "seeds/$t" "${extra[@]}" "${dict[@]}" \
-    -max_total_time="$secs" -max_len="$max_len" -timeout=10 \
+  if [ -n "${FUZZ_RUNS:-}" ]; then
+    # A fresh corpus directory: the working corpus differs between machines.
+    rm -rf "corpus-ci/$t" && mkdir -p "corpus-ci/$t"
+    corpus="corpus-ci/$t"
+    runs=$FUZZ_RUNS
+    [ "$t" = spool_open ] && runs=0
+    budget=(-seed=1 -runs="$runs")
+    [ -d "regressions/$t" ] && extra+=("regressions/$t")
+    echo "== $t: $runs runs from seed 1"
+  else
+    corpus="corpus/$t"
+    budget=(-max_total_time="$secs")
+    echo "== $t: ${secs}s"
+  fi
+  "$bin/$t" "$corpus" "seeds/$t" "${extra[@]}" "${dict[@]}" \
+    "${budget[@]}" -max_len="$max_len" -timeout=10 \
     -rss_limit_mb=1024 -malloc_limit_mb=256 \
     -artifact_prefix="artifacts/$t/" -print_final_stats=1 2>&1 |
     grep -E '^(#[0-9]+ +(DONE|INITED)|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb|==[0-9]+==|SUMMARY|.*panicked|.*Test unit written)' || true

@@ -191,6 +191,24 @@ mod tests {
         );
     }
 
+    /// Found by the CI's `spool_open` fuzz smoke: bytes changed inside the
+    /// stored schema, so the open failed with "no such column" (not an error
+    /// that looked like damage) at every restart, though SQLite's own check
+    /// fails the file. Any open error is now checked the same way.
+    #[test]
+    fn a_spool_with_a_mangled_schema_that_fails_its_check_is_moved_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/spool-with-a-mangled-schema.db");
+        std::fs::copy(&fixture, &db).unwrap();
+        assert!(confirm_damage(&db).is_some(), "the fixture fails quick_check");
+        let opts = crate::spool::SpoolOptions::default();
+        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        assert!(moved_aside(d.path()));
+        assert!(s.stats(0).unwrap().by_stream_state.is_empty());
+    }
+
     /// Found by the `spool_open` fuzz target: a damaged row with NULL in
     /// `streams.name` (NOT NULL) failed the open with a type error while
     /// reading sequence numbers, at every restart.

@@ -97,12 +97,12 @@ pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, Agent
             Ok(s) => return Ok(s),
             Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
             // SQLite reports some damage as a generic error (a mangled
-            // header: "unsupported file format"), and damaged rows read back
-            // with the wrong type (NULL in a NOT NULL column); a file its own
-            // check also fails is damaged, one it passes keeps the error.
-            Err(SpoolError::Other { path: p, source })
-                if crate::integrity::may_be_damage(&source) =>
-            {
+            // header: "unsupported file format"), damaged rows read back
+            // with the wrong type (NULL in a NOT NULL column), and a mangled
+            // schema as a missing column: whatever the error, a file its own
+            // check also fails is damaged, one it passes keeps the error
+            // (a bug of ours must never move a good spool aside).
+            Err(SpoolError::Other { path: p, source }) => {
                 match crate::integrity::confirm_damage(path) {
                     Some(why) => format!("{source}; {why}"),
                     None => return Err(SpoolError::Other { path: p, source }.into()),
