@@ -202,7 +202,10 @@ mod tests {
         let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/spool-with-a-mangled-schema.db");
         std::fs::copy(&fixture, &db).unwrap();
-        assert!(confirm_damage(&db).is_some(), "the fixture fails quick_check");
+        assert!(
+            confirm_damage(&db).is_some(),
+            "the fixture fails quick_check"
+        );
         let opts = crate::spool::SpoolOptions::default();
         let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
         assert!(moved_aside(d.path()));
