@@ -266,18 +266,7 @@ fn main() -> ExitCode {
             };
             let now = edgespool::envelope::wall_clock_ms().0;
             match edgespool::status::report(&path, now) {
-                Ok(r) if json => {
-                    match serde_json::to_string_pretty(&edgespool::status::to_json(&r)) {
-                        Ok(s) => {
-                            println!("{s}");
-                            ExitCode::SUCCESS
-                        }
-                        Err(e) => {
-                            eprintln!("edgespool: {e}");
-                            ExitCode::FAILURE
-                        }
-                    }
-                }
+                Ok(r) if json => print_json(&edgespool::status::to_json(&r)),
                 Ok(r) => {
                     print!("{}", edgespool::status::render(&r, now));
                     ExitCode::SUCCESS
@@ -408,4 +397,19 @@ fn init_logging() {
         });
     }
     b.init();
+}
+
+/// Prints `value` as pretty JSON on stdout (`status --json`, `sink --stats
+/// --json`); a value that cannot be serialised is an error on stderr.
+fn print_json<T: serde::Serialize>(value: &T) -> ExitCode {
+    match serde_json::to_string_pretty(value) {
+        Ok(s) => {
+            println!("{s}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("edgespool: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

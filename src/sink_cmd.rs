@@ -154,16 +154,7 @@ pub fn stats(
         (None, None) => Err("sink --stats needs --db FILE or --postgres CONNINFO".into()),
     };
     match report {
-        Ok(r) if json => match serde_json::to_string_pretty(&r) {
-            Ok(s) => {
-                println!("{s}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("edgespool: {e}");
-                ExitCode::FAILURE
-            }
-        },
+        Ok(r) if json => crate::print_json(&r),
         Ok(r) => {
             print!("{}", edgespool::sink::stats::render(&r));
             ExitCode::SUCCESS
