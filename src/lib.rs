@@ -18,6 +18,7 @@
 //! - [`push`]: config pushes kept in the state directory, confirm or revert;
 //! - [`source`]: one file per kind of reading source;
 //! - [`sampler`]: one thread per source, on its own deadline;
+//! - [`ingest`]: the local socket other programs put readings through (JSON lines, replies after the commit);
 //! - [`envelope`]: event ids and the wire format, encoded once at append;
 //! - [`spool`]: the SQLite spool, its pragmas, schema and every statement;
 //! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
@@ -45,6 +46,7 @@ pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
 pub mod health;
+pub mod ingest;
 pub mod integrity;
 pub mod maintenance;
 pub mod metrics;
