@@ -81,13 +81,21 @@ pub struct Config {
 
 impl Config {
     /// The durability class readings of `stream` are committed with: the
-    /// `durability` of the `[[sources]]` entry of that name, `Batched` for
-    /// any other stream.
+    /// `durability` of the `[[sources]]` entry of that name, else of the
+    /// `[[ingest.streams]]` entry of that name, `Batched` for any other
+    /// stream (those `ingest.stream_patterns` allow, agent streams).
     pub fn stream_durability(&self, stream: &str) -> crate::source::Durability {
         self.sources
             .iter()
             .find(|s| s.name == stream)
             .map(|s| s.durability)
+            .or_else(|| {
+                self.ingest
+                    .streams
+                    .iter()
+                    .find(|s| s.name == stream)
+                    .map(|s| s.durability)
+            })
             .unwrap_or_default()
     }
 }
@@ -2683,6 +2691,102 @@ interval_ms = 1000
         assert_eq!(c.metrics.listen, Some("[::1]:9469".parse().unwrap()));
         let public = format!("{GOOD}[metrics]\nlisten = \"0.0.0.0:9469\"\nlisten_public = true\n");
         assert!(parse(&public, "t.toml", &[]).is_ok());
+    }
+
+    #[test]
+    fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
+        let c = parse(GOOD, "t.toml", &[]).unwrap();
+        assert_eq!(c.ingest, IngestConfig::default());
+        assert!(!c.ingest.enabled());
+        let text = format!(
+            "{GOOD}[ingest]\nsocket = \"/run/edgespool/ingest.sock\"\nsocket_mode = \"0600\"\ntcp = \"127.0.0.1:7788\"\nstream_patterns = [\"plant.*\"]\n[[ingest.streams]]\nname = \"pump\"\ndurability = \"full\"\npriority = 9\n"
+        );
+        let c = parse(&text, "t.toml", &[]).unwrap();
+        assert_eq!(c.ingest.socket_mode, 0o600);
+        assert_eq!(c.ingest.max_line_bytes, 16 * 1024);
+        let pump = c.ingest.stream("pump").unwrap();
+        assert_eq!(
+            (pump.durability, pump.priority),
+            (crate::source::Durability::Full, 9)
+        );
+        assert_eq!(c.stream_durability("pump"), crate::source::Durability::Full);
+        assert_eq!(
+            c.stream_durability("plant.a"),
+            crate::source::Durability::Batched
+        );
+        assert!(c.ingest.stream("plant.a").is_some());
+        assert!(c.ingest.stream("plant.").is_none());
+        assert!(c.ingest.stream("valve").is_none());
+    }
+
+    #[test]
+    fn ingest_problems_name_their_key() {
+        let on = "[ingest]\nsocket = \"/run/e/i.sock\"\n";
+        let stream = "[[ingest.streams]]\nname = \"pump\"\n";
+        for (body, key, says) in [
+            (
+                format!("{on}tcp = \"0.0.0.0:7788\"\n{stream}"),
+                "ingest.tcp",
+                "ingest.tcp_public = true",
+            ),
+            (
+                format!("{on}socket_mode = \"0666\"\n{stream}"),
+                "ingest.socket_mode",
+                "others' write",
+            ),
+            (
+                format!("{on}socket_mode = \"rw-rw----\"\n{stream}"),
+                "ingest.socket_mode",
+                "octal",
+            ),
+            (
+                format!("{on}max_line_bytes = 10\n{stream}"),
+                "ingest.max_line_bytes",
+                "256..=1048576",
+            ),
+            (
+                format!("{on}stream_patterns = [\"plant\"]\n{stream}"),
+                "ingest.stream_patterns[0]",
+                "followed by '*'",
+            ),
+            (
+                format!("{on}stream_patterns = [\"sys*\"]\n{stream}"),
+                "ingest.stream_patterns[0]",
+                "matches source \"system\"",
+            ),
+            (
+                format!("{on}[[ingest.streams]]\nname = \"_commands\"\n"),
+                "ingest.streams[0].name",
+                "not starting with '_'",
+            ),
+            (
+                format!("{on}[[ingest.streams]]\nname = \"system\"\n"),
+                "ingest.streams[0].name",
+                "is a source's stream",
+            ),
+            (
+                format!("{on}{stream}durability = \"fsync\"\n"),
+                "ingest.streams[0].durability",
+                "\"batched\" or \"full\"",
+            ),
+            (
+                format!("{on}{stream}{stream}"),
+                "ingest.streams[1].name",
+                "duplicate",
+            ),
+            (on.to_owned(), "ingest.streams", "no stream is declared"),
+            (format!("[ingest]\n{stream}"), "ingest", "no listener"),
+            (
+                format!("{on}sockett = 1\n"),
+                "ingest.sockett",
+                "did you mean `socket`",
+            ),
+        ] {
+            let e = err(&format!("{GOOD}{body}"));
+            let p = &e.problems[0];
+            assert_eq!(p.key, key, "{body}");
+            assert!(p.message.contains(says), "{body}: {}", p.message);
+        }
     }
 
     #[test]

@@ -146,4 +146,14 @@ impl Ingest {
             super::join_within(l.stop(), deadline, "the metrics listener");
         }
     }
+
+    /// Move the ingest socket's counter increments into the spool's
+    /// counters (kept pending if the spool refuses them now).
+    pub(super) fn store_socket_counts(&mut self) {
+        let Some(c) = &self.socket_counts else { return };
+        for (k, v) in c.take() {
+            *self.pending_counts.entry(k).or_default() += v;
+        }
+        self.flush_counts();
+    }
 }

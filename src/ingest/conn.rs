@@ -179,7 +179,8 @@ fn read_requests(
         let pending = match parse_request(&line, cfg, wall_clock_ms()) {
             Ok(req) => {
                 let (tx, rx) = mpsc::channel();
-                let mut ev = NewEvent::new(req.stream.name, req.ts_ms, req.clock_trusted, req.fields);
+                let mut ev =
+                    NewEvent::new(req.stream.name, req.ts_ms, req.clock_trusted, req.fields);
                 ev.key = req.key;
                 ev.reply = Some(Reply::new(tx));
                 if ingest.send(IngestMsg::Reading(ev)).is_ok() {
@@ -281,7 +282,11 @@ pub fn read_line<R: BufRead>(r: &mut R, buf: &mut Vec<u8>, max: usize) -> io::Re
             Err(e) => return Err(e),
         };
         if avail.is_empty() {
-            return Ok(if buf.is_empty() { Line::Eof } else { Line::Line });
+            return Ok(if buf.is_empty() {
+                Line::Eof
+            } else {
+                Line::Line
+            });
         }
         let (take, done) = match avail.iter().position(|b| *b == b'\n') {
             Some(i) => (i, true),

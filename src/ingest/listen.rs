@@ -86,13 +86,7 @@ pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketInge
         let (sh, tx) = (shared.clone(), ingest.clone());
         let h = std::thread::Builder::new()
             .name("ingest-unix".into())
-            .spawn(move || {
-                serve(
-                    || listener.accept().map(|(s, _)| Stream::Unix(s)),
-                    &sh,
-                    &tx,
-                )
-            })
+            .spawn(move || serve(|| listener.accept().map(|(s, _)| Stream::Unix(s)), &sh, &tx))
             .map_err(|e| format!("cannot start the ingest socket thread: {e}"))?;
         log::info!(
             "ingest: listening on {} (mode {:o})",
@@ -115,13 +109,7 @@ pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketInge
         let (sh, tx) = (shared.clone(), ingest);
         let h = std::thread::Builder::new()
             .name("ingest-tcp".into())
-            .spawn(move || {
-                serve(
-                    || listener.accept().map(|(s, _)| Stream::Tcp(s)),
-                    &sh,
-                    &tx,
-                )
-            })
+            .spawn(move || serve(|| listener.accept().map(|(s, _)| Stream::Tcp(s)), &sh, &tx))
             .map_err(|e| format!("cannot start the ingest tcp thread: {e}"))?;
         log::info!("ingest: listening on tcp {local}");
         running.tcp = Some((local, h));
@@ -150,11 +138,7 @@ impl SocketIngest {
         if let Some((addr, _)) = &r.tcp {
             let _ = TcpStream::connect_timeout(addr, Duration::from_millis(500));
         }
-        if let Ok(open) = r.shared.open.lock() {
-            for (s, _) in open.values() {
-                let _ = s.shutdown(Shutdown::Read);
-            }
-        }
+        shut_reads(&r.shared);
     }
 
     /// The stop, second half (after the ingest thread committed what it
@@ -162,7 +146,7 @@ impl SocketIngest {
     /// replies, then remove the socket file if it is still ours.
     pub fn finish(self) {
         let Some(r) = self.running else { return };
-        self.stop_intake_again(&r);
+        shut_reads(&r.shared);
         let deadline = Instant::now() + Duration::from_secs(2);
         let threads: Vec<JoinHandle<()>> = match r.shared.open.lock() {
             Ok(mut open) => open.values_mut().filter_map(|(_, h)| h.take()).collect(),
@@ -183,13 +167,15 @@ impl SocketIngest {
             crate::agent::join_within(h, deadline, "the ingest tcp thread");
         }
     }
+}
 
-    fn stop_intake_again(&self, r: &Running) {
-        // A connection admitted while the stop began is shut here too.
-        if let Ok(open) = r.shared.open.lock() {
-            for (s, _) in open.values() {
-                let _ = s.shutdown(Shutdown::Read);
-            }
+/// Shut the read side of every open connection: its reader sees EOF and
+/// ends; replies it owes are still written. (Called again at `finish` for a
+/// connection admitted while the stop began.)
+fn shut_reads(shared: &Shared) {
+    if let Ok(open) = shared.open.lock() {
+        for (s, _) in open.values() {
+            let _ = s.shutdown(Shutdown::Read);
         }
     }
 }
@@ -205,10 +191,13 @@ fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
             if UnixStream::connect(path).is_ok() {
-                return Err(format!("ingest.socket {shown}: another process is listening on it (another agent?)"));
+                return Err(format!(
+                    "ingest.socket {shown}: another process is listening on it (another agent?)"
+                ));
             }
-            std::fs::remove_file(path)
-                .map_err(|e| format!("ingest.socket {shown}: cannot remove the stale socket: {e}"))?;
+            std::fs::remove_file(path).map_err(|e| {
+                format!("ingest.socket {shown}: cannot remove the stale socket: {e}")
+            })?;
             log::info!("ingest: removed the stale socket {shown}");
         }
         Ok(m) => {
@@ -236,14 +225,23 @@ fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
         let gid = match g.parse::<u32>() {
             Ok(n) => n,
             Err(_) => crate::process::lookup_group(g)
-                .map_err(|e| format!("ingest.socket_group {g:?}: cannot read the group database: {e}"))?
+                .map_err(|e| {
+                    format!("ingest.socket_group {g:?}: cannot read the group database: {e}")
+                })?
                 .ok_or_else(|| format!("ingest.socket_group {g:?}: no such group"))?,
         };
-        std::os::unix::fs::chown(path, None, Some(gid))
-            .map_err(|e| format!("ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}"))?;
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| {
+            format!("ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}")
+        })?;
     }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode))
-        .map_err(|e| format!("ingest.socket_mode: cannot set {:o} on {shown}: {e}", cfg.socket_mode))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode)).map_err(
+        |e| {
+            format!(
+                "ingest.socket_mode: cannot set {:o} on {shown}: {e}",
+                cfg.socket_mode
+            )
+        },
+    )?;
     Ok(listener)
 }
 

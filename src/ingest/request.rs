@@ -75,7 +75,9 @@ pub enum RequestError {
     #[error("bad fields: {0:?} appears twice")]
     DuplicateField(String),
     /// A field whose value is an object or an array.
-    #[error("bad field {0:?}: nested objects and arrays are not taken; flatten them (e.g. \"a.b\")")]
+    #[error(
+        "bad field {0:?}: nested objects and arrays are not taken; flatten them (e.g. \"a.b\")"
+    )]
     Nested(String),
     /// A field whose value is null.
     #[error("bad field {0:?}: null is not a value")]
@@ -194,7 +196,10 @@ fn json_problem(e: &serde_json::Error) -> String {
     let s = e.to_string();
     if s.len() > 200 {
         // An unknown member's name is echoed in full; keep replies short.
-        let cut = (0..=200).rev().find(|i| s.is_char_boundary(*i)).unwrap_or(0);
+        let cut = (0..=200)
+            .rev()
+            .find(|i| s.is_char_boundary(*i))
+            .unwrap_or(0);
         format!("{}...", &s[..cut])
     } else {
         s
@@ -373,18 +378,28 @@ mod tests {
             parse(r#"{"stream":"pump","fields":{"a b":1}}"#),
             Err(RequestError::BadFieldName("a b".into()))
         );
-        let long = format!(r#"{{"stream":"pump","fields":{{"s":"{}"}}}}"#, "x".repeat(1025));
+        let long = format!(
+            r#"{{"stream":"pump","fields":{{"s":"{}"}}}}"#,
+            "x".repeat(1025)
+        );
         assert_eq!(parse(&long), Err(RequestError::TextTooLong("s".into())));
     }
 
     #[test]
     fn shape_time_and_key_errors_are_named() {
         for (line, want) in [
-            ("not json", "expected value"),
+            ("hello", "expected value"),
+            ("{\"stream\":", "EOF while parsing"),
             (r#"{"fields":{"a":1}}"#, "missing field `stream`"),
             (r#"{"stream":"pump"}"#, "missing field `fields`"),
-            (r#"{"stream":"pump","fields":{"a":1},"extra":1}"#, "unknown field `extra`"),
-            (r#"{"stream":"pump","fields":{"a":1},"ts_ms":1.5}"#, "invalid type"),
+            (
+                r#"{"stream":"pump","fields":{"a":1},"extra":1}"#,
+                "unknown field `extra`",
+            ),
+            (
+                r#"{"stream":"pump","fields":{"a":1},"ts_ms":1.5}"#,
+                "invalid type",
+            ),
             (r#"[1]"#, "invalid type"),
         ] {
             let e = parse(line).expect_err(line).to_string();
