@@ -53,8 +53,11 @@ struct Shared {
     next_id: AtomicU64,
     /// Open connections (a handle each, to shut them at the stop) and
     /// their threads.
-    open: Mutex<HashMap<u64, (Stream, Option<JoinHandle<()>>)>>,
+    open: Mutex<HashMap<u64, OpenConn>>,
 }
+
+/// A handle to an open connection (to shut it at the stop) and its thread.
+type OpenConn = (Stream, Option<JoinHandle<()>>);
 
 /// Bind the configured listeners and start their threads; readings go to
 /// `ingest`. Nothing configured: an empty [`SocketIngest`].

@@ -10,6 +10,7 @@ mod config;
 mod delivery;
 mod faults;
 mod health;
+mod ingest;
 mod metrics;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
