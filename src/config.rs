@@ -2621,6 +2621,8 @@ interval_ms = 1000
         assert_eq!(example.agent, minimal.agent);
         assert_eq!(example.metrics, minimal.metrics);
         assert_eq!(minimal.metrics, MetricsConfig::default());
+        assert_eq!(example.ingest, minimal.ingest);
+        assert_eq!(minimal.ingest, IngestConfig::default());
         assert_eq!(example.commands.enabled, minimal.commands.enabled);
         assert_eq!(
             example.commands.max_payload_bytes,
