@@ -384,6 +384,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         storage_backoff: storage_backoff(tuning.as_ref()),
     };
     ing.config_sha = ing.config_identity();
+    ing.note_socket_ingest(&socket_ingest);
     if let Some(msg) = ing.source.fallback.clone() {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);

@@ -128,6 +128,31 @@ impl SocketIngest {
         self.running.as_ref().map(|r| r.shared.counters.clone())
     }
 
+    /// What listens, for `status` (`unix <path> (mode 660, group g), tcp
+    /// <addr>`); `None` when nothing does.
+    pub fn describe(&self) -> Option<String> {
+        let r = self.running.as_ref()?;
+        let mut parts = Vec::new();
+        if let Some((path, _, _)) = &r.unix {
+            let group = r
+                .shared
+                .cfg
+                .socket_group
+                .as_ref()
+                .map(|g| format!(", group {g}"))
+                .unwrap_or_default();
+            parts.push(format!(
+                "unix {} (mode {:o}{group})",
+                path.display(),
+                r.shared.cfg.socket_mode
+            ));
+        }
+        if let Some((addr, _)) = &r.tcp {
+            parts.push(format!("tcp {addr}"));
+        }
+        Some(parts.join(", "))
+    }
+
     /// The stop, first half: accept nothing more and stop reading requests
     /// (every connection's read side is shut); replies still owed are
     /// written as their outcomes arrive.

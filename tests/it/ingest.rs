@@ -193,6 +193,15 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
     );
     assert_eq!(rows.len(), 4, "no other rows expected: {rows:?}");
 
+    let (_, status, _) =
+        crate::support::agent::run_cli(&["status", "--config", cfg.to_str().expect("utf-8 path")]);
+    assert!(
+        status.contains(&format!(
+            "ingest_listeners: unix {} (mode 660), tcp 127.0.0.1:{port}",
+            sock.display()
+        )),
+        "{status}"
+    );
     drop((c, t));
     assert!(agent
         .terminate(Duration::from_secs(15))
