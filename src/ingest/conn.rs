@@ -22,6 +22,7 @@ use crate::spool::{CommitOutcome, NewEvent, Reply};
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -101,6 +102,16 @@ impl Write for Stream {
     }
 }
 
+/// Decrements the listener's count of active readers when dropped (also
+/// on an early return).
+struct ReaderDone<'a>(&'a AtomicUsize);
+
+impl Drop for ReaderDone<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// What the writer answers next.
 enum Pending {
     /// A request handed to the ingest thread: its outcome comes here.
@@ -112,7 +123,20 @@ enum Pending {
 /// Serve one connection until the client closes it, a bound closes it, or
 /// [`Stream::shutdown`] from the listener's stop. Returns when every reply
 /// it owes is written (or the client is gone).
-pub fn serve(stream: Stream, cfg: &IngestConfig, ingest: Sender<IngestMsg>, counters: &Counters) {
+///
+/// `intake` is the listener's stop flag and count of readers still
+/// handing requests over: once the flag is set no request is handed over
+/// any more (a line already read but not handed over gets no reply: not
+/// stored), and the count is decremented when this reader is done, so the
+/// stop can wait for every hand-over before the last commit.
+pub fn serve(
+    stream: Stream,
+    cfg: &IngestConfig,
+    ingest: Sender<IngestMsg>,
+    counters: &Counters,
+    intake: (&AtomicBool, &AtomicUsize),
+) {
+    let reader_done = ReaderDone(intake.1);
     let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
     let write_half = match stream.try_clone() {
         Ok(w) => w,
@@ -130,7 +154,8 @@ pub fn serve(stream: Stream, cfg: &IngestConfig, ingest: Sender<IngestMsg>, coun
         return;
     };
     let mut reader = BufReader::with_capacity(64 * 1024, stream);
-    let overlong = read_requests(&mut reader, cfg, &ingest, counters, &out);
+    let overlong = read_requests(&mut reader, cfg, &ingest, counters, &out, intake.0);
+    drop(reader_done);
     drop(out);
     let _ = writer.join();
     let stream = reader.into_inner();
@@ -153,6 +178,7 @@ fn read_requests(
     ingest: &Sender<IngestMsg>,
     counters: &Counters,
     out: &SyncSender<Pending>,
+    stop: &AtomicBool,
 ) -> bool {
     let mut bucket = TokenBucket::new(cfg.max_rate_per_sec, Instant::now());
     let mut line = Vec::with_capacity(1024);
@@ -175,6 +201,9 @@ fn read_requests(
         }
         if let Some(wait) = bucket.take(Instant::now()) {
             std::thread::sleep(wait);
+        }
+        if stop.load(Ordering::Relaxed) {
+            return false;
         }
         let pending = match parse_request(&line, cfg, wall_clock_ms()) {
             Ok(req) => {

@@ -23,7 +23,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -50,6 +50,8 @@ struct Shared {
     cfg: IngestConfig,
     counters: Arc<Counters>,
     stop: AtomicBool,
+    /// Connection readers that may still hand a request over.
+    readers: AtomicUsize,
     next_id: AtomicU64,
     /// Open connections (a handle each, to shut them at the stop) and
     /// their threads.
@@ -74,6 +76,7 @@ pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketInge
         cfg: cfg.clone(),
         counters: Arc::new(Counters::default()),
         stop: AtomicBool::new(false),
+        readers: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
         open: Mutex::new(HashMap::new()),
     });
@@ -154,8 +157,10 @@ impl SocketIngest {
     }
 
     /// The stop, first half: accept nothing more and stop reading requests
-    /// (every connection's read side is shut); replies still owed are
-    /// written as their outcomes arrive.
+    /// (every connection's read side is shut), then wait (up to 1 s) until
+    /// no reader can hand a request over any more, so the ingest thread's
+    /// last drain of its channel sees every request that will get an `ok`.
+    /// Replies still owed are written as their outcomes arrive.
     pub fn stop_intake(&self) {
         let Some(r) = &self.running else { return };
         r.shared.stop.store(true, Ordering::Relaxed);
@@ -167,6 +172,13 @@ impl SocketIngest {
             let _ = TcpStream::connect_timeout(addr, Duration::from_millis(500));
         }
         shut_reads(&r.shared);
+        // A reader past its last check may be blocked handing its reply
+        // channel to its writer, its request already sent: that one is
+        // in the channel the ingest thread drains next, so a bound is safe.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while r.shared.readers.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// The stop, second half (after the ingest thread committed what it
@@ -322,17 +334,22 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     };
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (sh, tx) = (shared.clone(), ingest.clone());
+    // Counted before the thread starts, so a stop beginning now waits for it.
+    shared.readers.fetch_add(1, Ordering::Relaxed);
     let spawned = std::thread::Builder::new()
         .name("ingest-conn".into())
         .spawn(move || {
-            conn::serve(stream, &sh.cfg, tx, &sh.counters);
+            conn::serve(stream, &sh.cfg, tx, &sh.counters, (&sh.stop, &sh.readers));
         });
     match spawned {
         Ok(h) => {
             shared.counters.add("ingest_connections", 1);
             open.insert(id, (handle, Some(h)));
         }
-        Err(e) => log::warn!("ingest: cannot start a connection thread: {e}"),
+        Err(e) => {
+            shared.readers.fetch_sub(1, Ordering::Relaxed);
+            log::warn!("ingest: cannot start a connection thread: {e}");
+        }
     }
 }
 

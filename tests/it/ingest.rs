@@ -80,13 +80,7 @@ impl Client {
 
     /// The next reply line as JSON; `None` at EOF or on an error.
     fn reply(&mut self) -> Option<Value> {
-        let mut line = String::new();
-        match self.r.read_line(&mut line) {
-            Ok(0) | Err(_) => None,
-            Ok(_) => {
-                Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply {line:?}: {e}")))
-            }
-        }
+        next_reply(&mut self.r)
     }
 
     fn ask(&mut self, line: &str) -> Value {
@@ -99,6 +93,17 @@ impl Client {
 fn id_of(d: &crate::support::subscriber::Delivery) -> Option<String> {
     let v: Value = serde_json::from_slice(&d.payload).ok()?;
     v["event_id"].as_str().map(str::to_owned)
+}
+
+/// The next reply line on `r` as JSON; `None` at EOF or on an error.
+fn next_reply(r: &mut impl BufRead) -> Option<Value> {
+    let mut line = String::new();
+    match r.read_line(&mut line) {
+        Ok(0) | Err(_) => None,
+        Ok(_) => {
+            Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply {line:?}: {e}")))
+        }
+    }
 }
 
 fn ok_id(v: &Value) -> String {
@@ -350,6 +355,69 @@ fn a_regular_file_at_the_socket_path_is_never_deleted() {
     assert_eq!(
         std::fs::read_to_string(&path).expect("still there"),
         "precious\n"
+    );
+}
+
+/// A clean stop (SIGTERM) while a client pipelines: every reply is `ok`
+/// (committed, in the spool) or `agent stopping; not stored`; lines without
+/// a reply were not stored either; the socket file is gone afterwards.
+#[test]
+fn a_clean_stop_answers_every_handed_over_request_and_stores_only_what_got_ok() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &prefix("ingest_stop"),
+        "[[ingest.streams]]\nname = \"pump\"\n",
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+    let Client { mut r, w } = Client::unix(&sock).expect("connect");
+    let writer = {
+        let mut w = w;
+        std::thread::spawn(move || {
+            for n in 0..20_000 {
+                let line =
+                    format!("{{\"stream\":\"pump\",\"fields\":{{\"n\":{n}}},\"key\":\"k{n}\"}}\n");
+                if w.write_all(line.as_bytes()).is_err() {
+                    return n;
+                }
+            }
+            20_000
+        })
+    };
+    // Stop once some replies came back.
+    let mut replies = Vec::new();
+    while replies.len() < 500 {
+        replies.push(next_reply(&mut r).expect("reply before the stop"));
+    }
+    agent.signal(libc::SIGTERM);
+    while let Some(v) = next_reply(&mut r) {
+        replies.push(v);
+    }
+    let status = agent.wait(Duration::from_secs(30)).expect("agent stops");
+    assert!(status.success(), "{}", agent.log_tail(20));
+    let sent = writer.join().expect("writer");
+    let mut ok = HashSet::new();
+    let mut stopping = 0;
+    for v in &replies {
+        if v["ok"] == true {
+            ok.insert(v["event_id"].as_str().expect("id").to_owned());
+        } else {
+            assert_eq!(error_of(v), "agent stopping; not stored");
+            stopping += 1;
+        }
+    }
+    let rows = rows_per_event(&dir.path().join("spool.db"));
+    let stored: HashSet<String> = rows.keys().cloned().collect();
+    assert_eq!(ok, stored, "the rows are exactly the requests that got ok");
+    assert!(!sock.exists(), "the socket is removed at a clean stop");
+    println!(
+        "clean stop: {sent} lines written, {} replies ({} ok, {stopping} not stored)",
+        replies.len(),
+        ok.len()
     );
 }
 
