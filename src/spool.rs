@@ -1000,7 +1000,7 @@ impl Spool {
                         envelope::replay_event_id(
                             device_id,
                             &ev.stream,
-                            &pos.trace_id,
+                            &pos.id_trace(),
                             pos.lap,
                             pos.line,
                         )
@@ -1768,6 +1768,7 @@ mod tests {
             offset: line * 10,
             shift_ms: 0,
             pass: Default::default(),
+            segment: None,
         });
         e
     }

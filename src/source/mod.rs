@@ -15,6 +15,7 @@ mod exec;
 mod file;
 pub mod replay;
 mod system;
+pub mod tail;
 
 use std::fmt;
 use std::io::{self, Read};
@@ -295,6 +296,8 @@ pub fn sample_once(spec: &SourceSpec, spool_dir: &Path) -> Result<Fields, Source
     let mut first = r.clone();
     first.speed = 0.0;
     first.repeat = false;
+    // One row from the start: a followed file is read as it stands.
+    first.follow = false;
     first.max_rows_per_call = 1;
     let mut replay = replay::Replay::open(first)?;
     for _ in 0..10 {
