@@ -346,6 +346,8 @@ fn reading(i: usize, base_ms: i64) -> NewEvent {
         ts_ms: base_ms + i as i64 * 10,
         clock_trusted: true,
         fields: vec![("value".into(), FieldValue::Num((i % 1000) as f64 / 8.0))],
+        key: None,
+        reply: None,
     }
 }
 

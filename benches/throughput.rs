@@ -163,6 +163,8 @@ fn reading(i: usize) -> NewEvent {
             ("temp_c".into(), FieldValue::Num(41.5)),
             ("uptime_secs".into(), FieldValue::Num(1234.5)),
         ],
+        key: None,
+        reply: None,
     }
 }
 

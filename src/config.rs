@@ -77,6 +77,19 @@ pub struct Config {
     pub metrics: MetricsConfig,
 }
 
+impl Config {
+    /// The durability class readings of `stream` are committed with: the
+    /// `durability` of the `[[sources]]` entry of that name, `Batched` for
+    /// any other stream.
+    pub fn stream_durability(&self, stream: &str) -> crate::source::Durability {
+        self.sources
+            .iter()
+            .find(|s| s.name == stream)
+            .map(|s| s.durability)
+            .unwrap_or_default()
+    }
+}
+
 /// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct MetricsConfig {

@@ -200,6 +200,8 @@ impl World {
                         clock_trusted: true,
                         fields: vec![("v".to_owned(), FieldValue::Num(f64::from(i) + 0.5))],
                         replay: None,
+                        key: None,
+                        reply: None,
                     })
                     .collect();
                 let format = if stream == 1 {

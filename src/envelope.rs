@@ -110,6 +110,28 @@ pub fn replay_event_id(
     EventId(b)
 }
 
+/// The event id of a keyed reading (an idempotency key from a local
+/// producer: the ingest socket's `key`, a bridged message's `id_field`): the
+/// first 16 bytes of sha256(`"edgespool-key-v1"`, device id, stream, key),
+/// each length-prefixed, as a UUIDv8 like [`replay_event_id`].
+///
+/// A producer that sends the same key again (after its own crash, or a
+/// reply it never saw) gets the same id, so neither the spool nor a
+/// consumer sees a second event.
+pub fn keyed_event_id(device_id: &str, stream: &str, key: &str) -> EventId {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in ["edgespool-key-v1", device_id, stream, key] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&h.finalize()[..16]);
+    b[6] = (b[6] & 0x0f) | 0x80;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    EventId(b)
+}
+
 /// Payload encoding, from `mqtt.payload_format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {

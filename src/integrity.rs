@@ -228,6 +228,8 @@ mod tests {
             clock_trusted: true,
             fields: vec![("v".into(), crate::source::FieldValue::Num(1.0))],
             replay: None,
+            key: None,
+            reply: None,
         };
         s.append(&[ev], &mut ids, "d", crate::envelope::Format::Json, 1)
             .unwrap();

@@ -120,6 +120,8 @@ fn source_loop(
                             ts_ms,
                             clock_trusted: trusted,
                             fields,
+                            key: None,
+                            reply: None,
                         };
                         if tx.send(IngestMsg::Reading(ev)).is_err() {
                             return;

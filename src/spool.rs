@@ -17,6 +17,8 @@
 //! - No statement or read transaction is held across calls, so no agent reader
 //!   pins the WAL (F01).
 
+mod keys;
+
 use crate::envelope::{self, Envelope, EventIdGen, Format};
 use crate::source::replay::ReplayPosition;
 use crate::source::Fields;
@@ -29,7 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -442,6 +444,61 @@ pub struct NewEvent {
     /// the append stores it with the row, and a row at or before the
     /// position already stored for the same trace is not appended again.
     pub replay: Option<ReplayPosition>,
+    /// Idempotency key from the producer (ingest socket `key`, bridged
+    /// message `id_field`). The event id then derives from (device id,
+    /// stream, key) ([`envelope::keyed_event_id`]); a keyed reading whose
+    /// id is already spooled is not appended again (counted under
+    /// `ingest_keys_already_spooled`) and its reply carries that id. Keys
+    /// are remembered while their row, or any older row, is in the spool.
+    pub key: Option<String>,
+    /// Told the outcome once: after the commit, or when refused.
+    pub reply: Option<Reply>,
+}
+
+impl NewEvent {
+    /// A reading with no replay position, key or reply.
+    pub fn new(stream: impl Into<String>, ts_ms: i64, clock_trusted: bool, fields: Fields) -> Self {
+        NewEvent {
+            stream: stream.into(),
+            ts_ms,
+            clock_trusted,
+            fields,
+            replay: None,
+            key: None,
+            reply: None,
+        }
+    }
+
+    /// Tell the producer this reading was refused (`why`, a sentence naming
+    /// the cause); nothing when no one waits.
+    pub fn refuse(&self, why: &str) {
+        if let Some(r) = &self.reply {
+            r.send(Err(why.to_owned()));
+        }
+    }
+}
+
+/// What a producer waiting on a reading learns: `Ok(event id)` (a
+/// hyphenated UUID) once the transaction holding it has committed, or
+/// `Err(why)` when it was refused (spool or disk full, the in-memory
+/// buffer full, not encodable). When the agent stops before committing,
+/// the sender is dropped and the receiver's `recv` fails: not stored.
+pub type CommitOutcome = Result<String, String>;
+
+/// Where a reading's [`CommitOutcome`] goes (one per reading).
+#[derive(Debug, Clone)]
+pub struct Reply(std::sync::mpsc::Sender<CommitOutcome>);
+
+impl Reply {
+    /// A reply into `tx`.
+    pub fn new(tx: std::sync::mpsc::Sender<CommitOutcome>) -> Self {
+        Reply(tx)
+    }
+
+    /// Send `outcome`; a producer that has gone away is ignored.
+    pub fn send(&self, outcome: CommitOutcome) {
+        let _ = self.0.send(outcome);
+    }
 }
 
 /// A row to publish.
@@ -805,6 +862,9 @@ impl Spool {
         if version < 6 {
             tx.execute_batch(MIGRATION_6).map_err(err)?;
         }
+        if version < 7 {
+            tx.execute_batch(keys::MIGRATION_7).map_err(err)?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
         tx.commit().map_err(err)?;
@@ -977,13 +1037,16 @@ impl Spool {
         let mut appended = 0usize;
         let mut unencodable = 0i64;
         let mut marks = ReplayMarks::default();
+        // What each reading's producer is told after the commit.
+        let mut outcomes: Vec<Option<CommitOutcome>> = vec![None; events.len()];
+        let mut keys_already = 0i64;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(err)?;
         {
             let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
-            for ev in events {
+            for (ev, outcome) in events.iter().zip(outcomes.iter_mut()) {
                 let known = next
                     .get(&ev.stream)
                     .or_else(|| book.streams.get(&ev.stream))
@@ -1005,7 +1068,18 @@ impl Spool {
                             pos.line,
                         )
                     }
-                    None => ids.next_id(),
+                    None => match &ev.key {
+                        Some(key) => {
+                            let id = envelope::keyed_event_id(device_id, &ev.stream, key);
+                            if keys::spooled(&tx, &id.hyphenated()).map_err(err)? {
+                                *outcome = Some(Ok(id.hyphenated()));
+                                keys_already += 1;
+                                continue;
+                            }
+                            id
+                        }
+                        None => ids.next_id(),
+                    },
                 };
                 let seq = stream.last_seq + 1;
                 let env = Envelope {
@@ -1021,21 +1095,29 @@ impl Spool {
                     Ok(p) => p,
                     Err(e) => {
                         log::warn!("stream {}: reading not encodable, skipped: {e}", ev.stream);
+                        *outcome = Some(Err(format!(
+                            "not stored: the reading is not encodable ({e})"
+                        )));
                         unencodable += 1;
                         continue;
                     }
                 };
                 let digest = Sha256::digest(&payload);
+                let hyphenated = event_id.hyphenated();
                 insert
                     .execute(params![
                         stream.id,
                         seq,
-                        event_id.hyphenated(),
+                        hyphenated,
                         now_ms,
                         digest.as_slice(),
                         payload
                     ])
                     .map_err(err)?;
+                if ev.key.is_some() {
+                    keys::remember(&tx, tx.last_insert_rowid(), &hyphenated).map_err(err)?;
+                }
+                *outcome = Some(Ok(hyphenated));
                 next.insert(
                     ev.stream.clone(),
                     StreamSeq {
@@ -1056,8 +1138,20 @@ impl Spool {
                 )
                 .map_err(err)?;
             }
+            if keys_already > 0 {
+                tx.execute(
+                    SQL_COUNTER_ADD,
+                    params!["ingest_keys_already_spooled", keys_already],
+                )
+                .map_err(err)?;
+            }
         }
         tx.commit().map_err(err)?;
+        for (ev, outcome) in events.iter().zip(outcomes) {
+            if let (Some(reply), Some(outcome)) = (&ev.reply, outcome) {
+                reply.send(outcome);
+            }
+        }
         book.dirty |= !next.is_empty();
         book.appended_since_persist += appended as u64;
         book.streams.extend(next);
@@ -1406,6 +1500,7 @@ impl Spool {
                 n += above;
             }
             if n > 0 {
+                keys::forget_purged(tx).map_err(err)?;
                 tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
                     .map_err(err)?;
             }
@@ -1751,6 +1846,8 @@ mod tests {
             ts_ms: 1,
             clock_trusted: true,
             fields: vec![("x".into(), FieldValue::Num(x))],
+            key: None,
+            reply: None,
         }
     }
 

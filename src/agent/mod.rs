@@ -855,17 +855,13 @@ impl Upkeep {
 impl Ingest {
     fn push(&mut self, ev: NewEvent) {
         if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
+            ev.refuse("not stored: the agent's in-memory buffer is full (the spool is not keeping up); retry later");
             self.dropped += 1;
             self.metrics.dropped += 1;
             self.upkeep.buffer_drops += 1;
             return;
         }
-        let full = self
-            .cfg
-            .sources
-            .iter()
-            .any(|s| s.name == ev.stream && s.durability == source::Durability::Full);
-        if full {
+        if self.cfg.stream_durability(&ev.stream) == source::Durability::Full {
             self.full_buffer.push(ev);
             self.commit_full();
         } else {
@@ -960,8 +956,10 @@ impl Ingest {
     /// Count `n` readings of the buffer as dropped for `reason`, per stream.
     fn drop_buffer(&mut self, reason: &str) -> usize {
         let mut by_stream: HashMap<String, i64> = HashMap::new();
+        let why = format!("not stored: the spool refused new readings ({reason}); retry later");
         for ev in &self.buffer {
             *by_stream.entry(ev.stream.clone()).or_default() += 1;
+            ev.refuse(&why);
         }
         let n = self.buffer.len();
         self.buffer.clear();
@@ -1253,6 +1251,8 @@ impl Ingest {
                 ("event".into(), source::FieldValue::Text(kind.into())),
                 ("detail".into(), source::FieldValue::Text(detail.into())),
             ],
+            key: None,
+            reply: None,
         });
     }
 

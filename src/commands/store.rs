@@ -196,6 +196,8 @@ fn result_event(r: &ResultEvent<'_>) -> NewEvent {
         ts_ms,
         clock_trusted: trusted,
         fields,
+        key: None,
+        reply: None,
     }
 }
 

@@ -81,6 +81,8 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
             ts_ms: 1,
             clock_trusted: true,
             fields: vec![("t".into(), FieldValue::Text(text))],
+            key: None,
+            reply: None,
         };
         let mut evs: Vec<NewEvent> = (0..5).map(|i| ev(format!("small {i}"))).collect();
         evs.push(ev("x".repeat(3000)));

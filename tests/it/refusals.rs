@@ -121,6 +121,8 @@ fn seed(db: &Path, texts: &[String]) {
             clock_trusted: true,
             fields: vec![("t".into(), FieldValue::Text(t.clone()))],
             replay: None,
+            key: None,
+            reply: None,
         })
         .collect();
     // Appended now: retention deletes ACKED rows by their append time.

@@ -334,6 +334,8 @@ fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_row
                 ("x".into(), FieldValue::Num(i as f64)),
                 ("pad".into(), FieldValue::Text("p".repeat(200))),
             ],
+            key: None,
+            reply: None,
         };
         // The first OLD rows were appended long ago (retention counts from
         // the append), the rest just now.
