@@ -166,9 +166,10 @@ pub struct ReplayPosition {
     /// Timestamps of this lap up to the row, to place the next lap.
     pub pass: PassInfo,
     /// For a followed file: which file the row came from (`lap` is then
-    /// the segment number). Absent in positions of other replays.
+    /// the segment number). Absent in positions of other replays. Boxed:
+    /// every reading in flight to the spool carries a position.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub segment: Option<SegmentMark>,
+    pub segment: Option<Box<SegmentMark>>,
 }
 
 impl ReplayPosition {
@@ -477,7 +478,7 @@ impl Replay {
         }
         if let Some(tail) = self.tail.as_mut() {
             let how = tail
-                .resume(saved.lap, saved.line, saved.offset, saved.segment.as_ref())
+                .resume(saved.lap, saved.line, saved.offset, saved.segment.as_deref())
                 .map_err(tail_err)?;
             if tail.segment() != saved.lap {
                 self.pass = PassInfo::default();
@@ -742,7 +743,7 @@ impl Replay {
             offset: self.offset,
             shift_ms: self.offset_ms,
             pass: self.pass.clone(),
-            segment: self.tail.as_mut().map(Tail::mark),
+            segment: self.tail.as_mut().map(|t| Box::new(t.mark())),
         };
         Some(Row {
             ts: raw_ts.saturating_add(self.offset_ms),
