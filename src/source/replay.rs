@@ -478,7 +478,12 @@ impl Replay {
         }
         if let Some(tail) = self.tail.as_mut() {
             let how = tail
-                .resume(saved.lap, saved.line, saved.offset, saved.segment.as_deref())
+                .resume(
+                    saved.lap,
+                    saved.line,
+                    saved.offset,
+                    saved.segment.as_deref(),
+                )
                 .map_err(tail_err)?;
             if tail.segment() != saved.lap {
                 self.pass = PassInfo::default();
