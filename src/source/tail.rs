@@ -125,6 +125,9 @@ struct Segment {
     header_done: bool,
     /// The header line did not match: the message.
     bad_header: Option<String>,
+    /// Its last line was handed out and the path names another file: it is
+    /// closed at the next call (kept until then for [`Tail::mark`]).
+    ended: bool,
 }
 
 /// A followed file (see the module doc).
@@ -291,6 +294,7 @@ impl Tail {
                 head_digest: None,
                 header_done: true,
                 bad_header: None,
+                ended: false,
             };
             self.seg = Some(seg);
             self.continue_at(segment, line, offset, head)?;
@@ -321,6 +325,9 @@ impl Tail {
         }
         // At most two segment switches per call, so one call stays short.
         for _ in 0..3 {
+            if self.seg.as_ref().is_some_and(|s| s.ended) {
+                self.seg = None;
+            }
             if self.seg.is_none() && !self.start_segment()? {
                 return Ok(TailLine::Wait);
             }
@@ -351,10 +358,13 @@ impl Tail {
                         self.segment,
                         self.line_no
                     );
-                    self.seg = None;
                     if last {
+                        if let Some(seg) = self.seg.as_mut() {
+                            seg.ended = true;
+                        }
                         return Ok(TailLine::Line);
                     }
+                    self.seg = None;
                 }
                 Probe::Truncated => self.truncated(),
             }
@@ -477,8 +487,11 @@ impl Tail {
         if self.partial_len == 0 {
             return false;
         }
-        let header_done = self.seg.as_ref().is_some_and(|s| s.header_done);
-        let usable = !self.skipping && header_done;
+        let header_ok = self
+            .seg
+            .as_ref()
+            .is_some_and(|s| s.header_done && s.bad_header.is_none());
+        let usable = !self.skipping && header_ok;
         self.line_no += 1;
         self.offset += self.partial_len;
         let mut line = std::mem::take(&mut self.partial);
@@ -617,6 +630,7 @@ fn open_segment(path: &Path) -> io::Result<Option<Segment>> {
         head_digest: None,
         header_done: false,
         bad_header: None,
+        ended: false,
     }))
 }
 
@@ -757,9 +771,17 @@ mod tests {
         assert_eq!(texts(&lines(&mut t)), ["2,b"]);
         // The new file without its header yet: waited for.
         append(&p, "ts");
-        assert_eq!(lines(&mut t), [(0, 4, "3,".to_owned())]);
-        assert_eq!(t.segment(), 1);
+        // The old file's last line, without its newline, closes segment 0;
+        // its position still names the old file.
+        let mut buf = Vec::new();
+        assert_eq!(t.next_line(&mut buf).unwrap(), TailLine::Line);
+        assert_eq!(
+            (buf.as_slice(), t.segment(), t.line_no()),
+            (&b"3,"[..], 0, 4)
+        );
+        assert_eq!(t.mark().ino, first.ino);
         assert!(lines(&mut t).is_empty());
+        assert_eq!(t.segment(), 1);
         append(&p, ",v\n4,d\n");
         assert_eq!(lines(&mut t), [(1, 2, "4,d".to_owned())]);
         assert_ne!(t.mark().ino, first.ino);
