@@ -7,7 +7,7 @@ use crate::support::spool::{count_by_state, count_in_state, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[test]
@@ -287,24 +287,12 @@ fn ids_by_seq(
     by_seq
 }
 
-/// `follow = true`: a log written while the agent runs, rotated once
-/// (rename + create, with lines still written to the renamed file first),
-/// truncated once, a line written in two halves, and the agent SIGKILLed
-/// once with lines appended while it is down (a process kill, not a power
-/// cut: the page cache survives). Every line written arrives, each under
-/// exactly one event id, and the spool holds each line once.
-#[test]
-fn a_followed_log_rotated_truncated_and_killed_delivers_every_line_once() {
-    use std::fs::OpenOptions;
-    const LINES: u64 = 240;
-    let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let prefix = crate::prefix("replay-follow");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    assert!(sub.wait_subscribed(Duration::from_secs(30)));
-    let log = dir.path().join("log.csv");
-    let db = dir.path().join("spool.db");
-    let cfg = dir.path().join("board.toml");
+/// A board config in `dir` following `dir/log.csv` (`ts,seq` lines, epoch
+/// seconds) into `dir/spool.db`: (log, spool, config).
+fn follow_config(dir: &Path, broker: &Broker, prefix: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let log = dir.join("log.csv");
+    let db = dir.join("spool.db");
+    let cfg = dir.join("board.toml");
     std::fs::write(
         &cfg,
         format!(
@@ -332,6 +320,25 @@ interval_ms = 50
         ),
     )
     .expect("write config");
+    (log, db, cfg)
+}
+
+/// `follow = true`: a log written while the agent runs, rotated once
+/// (rename + create, with lines still written to the renamed file first),
+/// truncated once, a line written in two halves, and the agent SIGKILLed
+/// once with lines appended while it is down (a process kill, not a power
+/// cut: the page cache survives). Every line written arrives, each under
+/// exactly one event id, and the spool holds each line once.
+#[test]
+fn a_followed_log_rotated_truncated_and_killed_delivers_every_line_once() {
+    use std::fs::OpenOptions;
+    const LINES: u64 = 240;
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("replay-follow");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    assert!(sub.wait_subscribed(Duration::from_secs(30)));
+    let (log, db, cfg) = follow_config(dir.path(), &broker, &prefix);
     let stored = |n: i64| wait_for(Duration::from_secs(60), || db.exists() && total(&db) >= n);
     let open = |p: &Path| {
         OpenOptions::new()
@@ -426,4 +433,76 @@ interval_ms = 50
         deliveries.len(),
         distinct.len()
     );
+}
+
+/// A log rotated while the agent is stopped (SIGKILL: a process kill, not a
+/// power cut): at restart the stored file is found under its new name by
+/// its inode, read to its end from the stored row, then the new file at the
+/// path from its first row. Every line arrives under exactly one id.
+#[test]
+fn a_log_rotated_while_the_agent_is_down_is_finished_then_the_new_file_followed() {
+    use std::fs::OpenOptions;
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("replay-follow-down");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    assert!(sub.wait_subscribed(Duration::from_secs(30)));
+    let (log, db, cfg) = follow_config(dir.path(), &broker, &prefix);
+    let stored = |n: i64| wait_for(Duration::from_secs(60), || db.exists() && total(&db) >= n);
+    let open = |p: &Path| {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .expect("open the log")
+    };
+    let mut old = open(&log);
+    append(&mut old, &format!("ts,seq\n{}", log_lines(0, 40)));
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(stored(40), "{}", agent.log_tail(30));
+    agent.kill9();
+    // While it is down: more lines to the old file, rotated, a new file.
+    append(&mut old, &log_lines(40, 60));
+    std::fs::rename(&log, dir.path().join("log.csv.1")).expect("rotate");
+    append(&mut old, &log_lines(60, 70));
+    drop(old);
+    let mut new = open(&log);
+    append(&mut new, &format!("ts,seq\n{}", log_lines(70, 100)));
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || total(&db) >= 100
+            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
+                == 0),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert!(
+        sub.wait_until(Duration::from_secs(60), |d| ids_by_seq(d).len() >= 100),
+        "{} lines received",
+        ids_by_seq(&sub.deliveries()).len()
+    );
+    agent.terminate(Duration::from_secs(15));
+    assert!(
+        agent.log_text().contains(&format!(
+            "was rotated while stopped: finishing segment 0 in {} after line 41",
+            dir.path().join("log.csv.1").display()
+        )),
+        "{}",
+        agent.log_tail(30)
+    );
+    let deliveries = sub.deliveries();
+    crate::assert_invariants(&db, &deliveries);
+    let by_seq = ids_by_seq(&deliveries);
+    assert!(
+        by_seq.values().all(|ids| ids.len() == 1),
+        "a line under two ids"
+    );
+    assert_eq!(
+        by_seq.keys().copied().collect::<Vec<u64>>(),
+        (0..100).collect::<Vec<u64>>()
+    );
+    let rows = crate::support::spool::rows(&db);
+    let ids: BTreeSet<&str> = rows.iter().map(|r| r.event_id.as_str()).collect();
+    assert_eq!((rows.len(), ids.len()), (100, 100));
 }
