@@ -463,6 +463,12 @@ impl Replay {
     ///   stored line; a file shorter than that ends the stored lap.
     /// - Another identity: the file is a new trace, played from its first
     ///   row (lap 0) under new ids.
+    /// - Followed file ([`Tail::resume`]): after the stored row if the file
+    ///   at the path is still the stored one (inode and first bytes); else
+    ///   in the stored file found under another name in its directory
+    ///   ([`Resumed::InRotated`]); else the path's file from its first row
+    ///   as the next segment ([`Resumed::NextSegment`]). A position stored
+    ///   without a file identity skips lines up to the stored line.
     ///
     /// # Errors
     ///
