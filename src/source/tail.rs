@@ -181,7 +181,7 @@ impl Tail {
             probe_first: false,
         };
         let Some(seg) = open_segment(path).map_err(|e| tail.io(e))? else {
-            return Err(tail.io(io::Error::from(io::ErrorKind::NotFound)));
+            return Err(tail.io(io::Error::from_raw_os_error(libc::ENOENT)));
         };
         tail.seg = Some(seg);
         let mut buf = Vec::new();
