@@ -264,7 +264,7 @@ pub fn sample(
 /// `(key, message)` with the key as in the config (`sources[2].path`):
 /// for now, a replay file that cannot be opened, read or parsed, or whose
 /// header lacks a configured column ([`replay::check`]). Other kinds are
-/// only tried by [`sample_once`] (`check-config --sample`), as a sensor may
+/// only tried by [`sample_once`] (`edgespool test`), as a sensor may
 /// appear after boot.
 pub fn check_files(sources: &[SourceSpec]) -> Vec<(String, String)> {
     sources
@@ -279,7 +279,7 @@ pub fn check_files(sources: &[SourceSpec]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// One reading of `spec` taken now, as `check-config --sample` prints it:
+/// One reading of `spec` taken now, as `edgespool test` shows it:
 /// [`sample`] for system, file and exec sources (a system source's
 /// `cpu_util_pct` needs two samples and is absent); for a replay, its
 /// first usable row (read from the start, nothing stored).
