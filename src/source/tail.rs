@@ -610,6 +610,14 @@ enum Probe {
 /// Opens `path` as a segment to be read from its start; `None` if it does
 /// not exist.
 fn open_segment(path: &Path) -> io::Result<Option<Segment>> {
+    let not_regular = || io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
+    // A FIFO would block the open, /dev/zero would be read for ever.
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => return Err(not_regular()),
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    }
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -617,10 +625,7 @@ fn open_segment(path: &Path) -> io::Result<Option<Segment>> {
     };
     let meta = file.metadata()?;
     if !meta.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
+        return Err(not_regular());
     }
     Ok(Some(Segment {
         reader: BufReader::new(file),
@@ -744,6 +749,17 @@ mod tests {
         append(&p, "b\r\n3,c\n");
         assert_eq!(texts(&lines(&mut t)), ["2,b", "3,c"]);
         assert_eq!((t.line_no(), t.offset()), (4, 19));
+    }
+
+    #[test]
+    fn a_fifo_at_the_path_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("fifo");
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo(3) on a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = Tail::open(&p).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     #[test]
