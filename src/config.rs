@@ -714,6 +714,7 @@ struct RawSource {
     columns: Option<std::collections::BTreeMap<String, String>>,
     speed: Option<f64>,
     repeat: Option<bool>,
+    follow: Option<bool>,
     timezone: Option<String>,
     trace_id: Option<String>,
     durability: Option<String>,
@@ -1373,7 +1374,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         const FILE: &[&str] = &["file"];
         const EXEC: &[&str] = &["exec"];
         const REPLAY: &[&str] = &["replay"];
-        let owners: [(&str, bool, &[&str]); 18] = [
+        let owners: [(&str, bool, &[&str]); 19] = [
             ("path", rs.path.is_some(), &["file", "replay"]),
             ("scale", rs.scale.is_some(), FILE),
             ("offset", rs.offset.is_some(), FILE),
@@ -1390,6 +1391,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ("columns", rs.columns.is_some(), REPLAY),
             ("speed", rs.speed.is_some(), REPLAY),
             ("repeat", rs.repeat.is_some(), REPLAY),
+            ("follow", rs.follow.is_some(), REPLAY),
             ("timezone", rs.timezone.is_some(), REPLAY),
             ("trace_id", rs.trace_id.is_some(), REPLAY),
         ];
@@ -1414,7 +1416,20 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         ','
                     }
                 };
-                let speed = rs.speed.unwrap_or(1.0);
+                let follow = rs.follow.unwrap_or(false);
+                if follow && rs.repeat == Some(true) {
+                    bad(
+                        &k("follow"),
+                        "follow = true cannot be combined with repeat = true: a followed file has no end to start over from".into(),
+                    );
+                }
+                if follow && rs.speed.is_some() {
+                    bad(
+                        &k("speed"),
+                        "not used with follow = true: a followed file's rows are played as they are written".into(),
+                    );
+                }
+                let speed = rs.speed.unwrap_or(if follow { 0.0 } else { 1.0 });
                 if !speed.is_finite() || speed < 0.0 {
                     bad(&k("speed"), format!("must be >= 0 (trace seconds per second; 0 = as fast as interval_ms allows) (got {speed})"));
                 }
@@ -1456,6 +1471,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         speed,
                         max_rows_per_call: 1000,
                         repeat: rs.repeat.unwrap_or(false),
+                        follow,
                     })),
                     None => {
                         bad(&k("path"), "required for kind \"replay\"".into());
@@ -2149,6 +2165,30 @@ interval_ms = 1000
 
     fn err(text: &str) -> ConfigError {
         parse(text, "t.toml", &[]).unwrap_err()
+    }
+
+    #[test]
+    fn follow_refuses_repeat_and_speed_by_name_and_plays_unpaced() {
+        let src = |extra: &str| {
+            format!(
+                "{GOOD}[[sources]]\nname = \"log\"\nkind = \"replay\"\npath = \"/var/log/x.csv\"\ntimestamp_columns = [\"ts\"]\ntimestamp_format = \"%s\"\nfollow = true\n{extra}"
+            )
+        };
+        let e = err(&src("repeat = true\n")).to_string();
+        assert!(
+            e.contains("sources[1].follow: follow = true cannot be combined with repeat = true"),
+            "{e}"
+        );
+        let e = err(&src("speed = 2.0\n")).to_string();
+        assert!(
+            e.contains("sources[1].speed: not used with follow = true"),
+            "{e}"
+        );
+        let c = parse(&src("repeat = false\n"), "t.toml", &[]).unwrap();
+        match &c.sources[1].kind {
+            SourceKind::Replay(r) => assert!(r.follow && !r.repeat && r.speed == 0.0),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -22,6 +22,7 @@ mod spool;
 mod storage;
 mod systemd;
 mod tls;
+mod trial;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
