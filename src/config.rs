@@ -445,11 +445,33 @@ pub struct MqttConfig {
     /// the broker answers by disconnecting, e.g. over its packet size limit),
     /// so the rows behind it flow (1..=100, default 3).
     pub fail_after_disconnects: u32,
+    /// `protocol`: `"5"` (default) or `"3.1.1"`. Only MQTT 5 tells a
+    /// publisher that the broker refused a publish (a PUBACK reason code of
+    /// 0x80 or more, MQTT 5.0 §3.4.2.1); under 3.1.1 a broker that denies a
+    /// publish still acknowledges it (§3.4: a PUBACK has no reason code).
+    pub protocol: Protocol,
+    /// `session_expiry_secs`: how long the broker keeps this client's
+    /// session (its command subscription and queued commands) after a
+    /// disconnect, MQTT 5 only (§3.1.2.11.2); 0..=4294967295, default
+    /// 604800 (7 days). Ignored with `clean_session = true` or 3.1.1, where
+    /// a persistent session lasts until the broker drops it.
+    pub session_expiry_secs: u32,
     /// `status_topic`: a retained `<topic_prefix>/status` message, `online`
     /// at each connect and `offline` as the will (sent by the broker when the
     /// connection ends without a DISCONNECT: a kill, a power cut, a lost
     /// link, and a clean stop too). Default true.
     pub status_topic: bool,
+}
+
+/// `mqtt.protocol`: the MQTT version spoken to the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// MQTT 3.1.1 (protocol level 4).
+    V311,
+    /// MQTT 5.0 (protocol level 5): PUBACK reason codes, the broker's
+    /// receive maximum and maximum packet size, user properties.
+    #[default]
+    V5,
 }
 
 /// TLS material for `mqtts://`, read at every connect (rotated files apply
@@ -635,6 +657,12 @@ struct RawParam {
     required: bool,
 }
 
+fn d_protocol() -> String {
+    "5".to_owned()
+}
+fn d_session_expiry() -> u32 {
+    604_800
+}
 fn d_true() -> bool {
     true
 }
@@ -759,6 +787,10 @@ struct RawMqtt {
     fail_after_disconnects: u32,
     #[serde(default = "d_true")]
     status_topic: bool,
+    #[serde(default = "d_protocol")]
+    protocol: String,
+    #[serde(default = "d_session_expiry")]
+    session_expiry_secs: u32,
     ca_file: Option<PathBuf>,
     client_cert_file: Option<PathBuf>,
     client_key_file: Option<PathBuf>,
@@ -784,6 +816,8 @@ impl Default for RawMqtt {
             ack_timeout_secs: d_acktimeout(),
             fail_after_disconnects: d_fail_after(),
             status_topic: true,
+            protocol: d_protocol(),
+            session_expiry_secs: d_session_expiry(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
@@ -831,6 +865,7 @@ struct RawSource {
     columns: Option<std::collections::BTreeMap<String, String>>,
     speed: Option<f64>,
     repeat: Option<bool>,
+    follow: Option<bool>,
     timezone: Option<String>,
     trace_id: Option<String>,
     durability: Option<String>,
@@ -1401,6 +1436,17 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ),
         );
     }
+    let protocol = match m.protocol.as_str() {
+        "5" | "5.0" => Protocol::V5,
+        "3.1.1" => Protocol::V311,
+        other => {
+            bad(
+                "mqtt.protocol",
+                format!("must be \"5\" or \"3.1.1\" (got {other:?})"),
+            );
+            Protocol::V5
+        }
+    };
     let payload_format = match m.payload_format.as_str() {
         "json" => Format::Json,
         "postcard" => Format::Postcard,
@@ -1475,7 +1521,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         const FILE: &[&str] = &["file"];
         const EXEC: &[&str] = &["exec"];
         const REPLAY: &[&str] = &["replay"];
-        let owners: [(&str, bool, &[&str]); 18] = [
+        let owners: [(&str, bool, &[&str]); 19] = [
             ("path", rs.path.is_some(), &["file", "replay"]),
             ("scale", rs.scale.is_some(), FILE),
             ("offset", rs.offset.is_some(), FILE),
@@ -1492,6 +1538,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ("columns", rs.columns.is_some(), REPLAY),
             ("speed", rs.speed.is_some(), REPLAY),
             ("repeat", rs.repeat.is_some(), REPLAY),
+            ("follow", rs.follow.is_some(), REPLAY),
             ("timezone", rs.timezone.is_some(), REPLAY),
             ("trace_id", rs.trace_id.is_some(), REPLAY),
         ];
@@ -1516,7 +1563,20 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         ','
                     }
                 };
-                let speed = rs.speed.unwrap_or(1.0);
+                let follow = rs.follow.unwrap_or(false);
+                if follow && rs.repeat == Some(true) {
+                    bad(
+                        &k("follow"),
+                        "follow = true cannot be combined with repeat = true: a followed file has no end to start over from".into(),
+                    );
+                }
+                if follow && rs.speed.is_some() {
+                    bad(
+                        &k("speed"),
+                        "not used with follow = true: a followed file's rows are played as they are written".into(),
+                    );
+                }
+                let speed = rs.speed.unwrap_or(if follow { 0.0 } else { 1.0 });
                 if !speed.is_finite() || speed < 0.0 {
                     bad(&k("speed"), format!("must be >= 0 (trace seconds per second; 0 = as fast as interval_ms allows) (got {speed})"));
                 }
@@ -1558,6 +1618,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         speed,
                         max_rows_per_call: 1000,
                         repeat: rs.repeat.unwrap_or(false),
+                        follow,
                     })),
                     None => {
                         bad(&k("path"), "required for kind \"replay\"".into());
@@ -1938,6 +1999,8 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ack_timeout: Duration::from_secs(m.ack_timeout_secs),
             fail_after_disconnects: m.fail_after_disconnects,
             status_topic: m.status_topic,
+            protocol,
+            session_expiry_secs: m.session_expiry_secs,
         },
         agent: AgentConfig {
             summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),
@@ -2444,6 +2507,30 @@ interval_ms = 1000
 
     fn err(text: &str) -> ConfigError {
         parse(text, "t.toml", &[]).unwrap_err()
+    }
+
+    #[test]
+    fn follow_refuses_repeat_and_speed_by_name_and_plays_unpaced() {
+        let src = |extra: &str| {
+            format!(
+                "{GOOD}[[sources]]\nname = \"log\"\nkind = \"replay\"\npath = \"/var/log/x.csv\"\ntimestamp_columns = [\"ts\"]\ntimestamp_format = \"%s\"\nfollow = true\n{extra}"
+            )
+        };
+        let e = err(&src("repeat = true\n")).to_string();
+        assert!(
+            e.contains("sources[1].follow: follow = true cannot be combined with repeat = true"),
+            "{e}"
+        );
+        let e = err(&src("speed = 2.0\n")).to_string();
+        assert!(
+            e.contains("sources[1].speed: not used with follow = true"),
+            "{e}"
+        );
+        let c = parse(&src("repeat = false\n"), "t.toml", &[]).unwrap();
+        match &c.sources[1].kind {
+            SourceKind::Replay(r) => assert!(r.follow && !r.repeat && r.speed == 0.0),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -36,6 +36,7 @@
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report;
+//! - [`trial`]: `edgespool test`, one reading per source shown, nothing written;
 //! - [`sink`]: the reference consumer (`edgespool sink`).
 
 pub mod ack;
@@ -62,6 +63,7 @@ pub mod sink;
 pub mod source;
 pub mod spool;
 pub mod status;
+pub mod trial;
 
 /// The model check of [`ack`] and [`spool`] delivery bookkeeping (tests only).
 #[cfg(test)]
