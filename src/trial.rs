@@ -86,17 +86,26 @@ pub fn sample_sources(cfg: &Config) -> Vec<SourceResult> {
 }
 
 /// The listeners `cfg` makes the agent open, each with its config key:
-/// today `metrics.listen`. A listener section added to the config (a local
-/// ingest socket, say) lists its sockets here, and `test` checks them.
+/// `metrics.listen`, `ingest.socket`, `ingest.tcp`.
 pub fn listeners(cfg: &Config) -> Vec<Listener> {
-    cfg.metrics
-        .listen
-        .map(|addr| Listener::Tcp {
-            key: "metrics.listen".into(),
+    let tcp = |key: &str, addr: Option<SocketAddr>| {
+        addr.map(|addr| Listener::Tcp {
+            key: key.into(),
             addr,
         })
-        .into_iter()
-        .collect()
+    };
+    let unix = cfg.ingest.socket.clone().map(|path| Listener::Unix {
+        key: "ingest.socket".into(),
+        path,
+    });
+    [
+        tcp("metrics.listen", cfg.metrics.listen),
+        unix,
+        tcp("ingest.tcp", cfg.ingest.tcp),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 /// Whether `l` can be bound now. The listener is closed again at once.
@@ -121,9 +130,15 @@ pub fn try_bind(l: &Listener) -> Result<(), String> {
 }
 
 fn try_bind_unix(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::FileTypeExt;
     use std::os::unix::net::{UnixListener, UnixStream};
     let shown = path.display();
-    if path.exists() {
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            return Err(format!(
+                "{shown} exists and is not a socket; the agent refuses to delete it"
+            ));
+        }
         return match UnixStream::connect(path) {
             Ok(_) => Err(format!(
                 "{shown}: a process is listening on it (a running agent?)"
@@ -131,6 +146,13 @@ fn try_bind_unix(path: &Path) -> Result<(), String> {
             // A stale socket file: the agent removes it and binds.
             Err(_) => Ok(()),
         };
+    }
+    if path
+        .parent()
+        .is_some_and(|d| !d.as_os_str().is_empty() && !d.exists())
+    {
+        // The agent creates it (under systemd, RuntimeDirectory= does).
+        return Ok(());
     }
     match UnixListener::bind(path) {
         Ok(listener) => {
@@ -250,5 +272,20 @@ mod tests {
         drop(live);
         // The file stays, nobody listens: stale, the agent replaces it.
         assert_eq!(try_bind(&sock), Ok(()));
+        // A regular file there is never the agent's to replace.
+        let file = Listener::Unix {
+            key: "ingest.socket".into(),
+            path: dir.path().join("f.sock"),
+        };
+        std::fs::write(dir.path().join("f.sock"), "x").unwrap();
+        assert!(try_bind(&file).unwrap_err().contains("not a socket"));
+    }
+
+    #[test]
+    fn the_ingest_listeners_are_listed_with_their_keys() {
+        let c = cfg("[ingest]\nsocket = \"/run/edgespool/ingest.sock\"\ntcp = \"127.0.0.1:7788\"\n[[ingest.streams]]\nname = \"pump\"\n");
+        let ls = listeners(&c);
+        let keys: Vec<&str> = ls.iter().map(Listener::key).collect();
+        assert_eq!(keys, ["ingest.socket", "ingest.tcp"]);
     }
 }
