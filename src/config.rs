@@ -2171,6 +2171,30 @@ fn validate_ingest(
         1_000_000,
         d.max_rate_per_sec as usize,
     ) as u32;
+    let streams = validate_ingest_streams(raw, sources, bad);
+    IngestConfig {
+        socket: raw.socket.clone(),
+        socket_group: raw.socket_group.clone(),
+        socket_mode,
+        tcp,
+        tcp_public: raw.tcp_public,
+        max_line_bytes,
+        max_connections,
+        max_rate_per_sec,
+        max_fields,
+        streams,
+        stream_patterns: raw.stream_patterns.clone(),
+    }
+}
+
+/// `[[ingest.streams]]` and `ingest.stream_patterns`: valid names, not a
+/// source's stream, no duplicates; patterns `prefix*`; and a listener to go
+/// with them (and streams to go with a listener).
+fn validate_ingest_streams(
+    raw: &RawIngest,
+    sources: &[SourceSpec],
+    bad: &mut impl FnMut(&str, String),
+) -> Vec<IngestStream> {
     let enabled = raw.socket.is_some() || raw.tcp.is_some();
     let mut streams = Vec::new();
     let mut names = std::collections::HashSet::new();
@@ -2240,19 +2264,7 @@ fn validate_ingest(
     if enabled && raw.streams.is_empty() && raw.stream_patterns.is_empty() {
         bad("ingest.streams", "a listener is set but no stream is declared: add [[ingest.streams]] or ingest.stream_patterns".into());
     }
-    IngestConfig {
-        socket: raw.socket.clone(),
-        socket_group: raw.socket_group.clone(),
-        socket_mode,
-        tcp,
-        tcp_public: raw.tcp_public,
-        max_line_bytes,
-        max_connections,
-        max_rate_per_sec,
-        max_fields,
-        streams,
-        stream_patterns: raw.stream_patterns.clone(),
-    }
+    streams
 }
 
 fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
