@@ -87,6 +87,9 @@ build() {
     env+=(RUSTC_BOOTSTRAP=1)
     rustflags="-C link-self-contained=no"
     cmd+=(-Zbuild-std=std,panic_abort)
+    # std's own size-over-speed choices (its default panic-unwind is not
+    # needed: every build here aborts on panic).
+    cmd+=(-Zbuild-std-features=optimize_for_size)
   fi
   if [ "$1" = armv7 ]; then
     # Thumb-2 code, as Debian's armhf compilers emit by default: about a
