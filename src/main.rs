@@ -357,6 +357,16 @@ fn sample_sources(cfg: &edgespool::config::Config) -> bool {
         .unwrap_or_else(|| PathBuf::from("."));
     let mut ok = true;
     for (i, spec) in cfg.sources.iter().enumerate() {
+        if let edgespool::source::SourceKind::Mqtt(b) = &spec.kind {
+            match edgespool::source::bridge::probe(b, std::time::Duration::from_secs(2)) {
+                Ok(what) => println!("source {}: {what}", spec.name),
+                Err(e) => {
+                    eprintln!("source {} (sources[{i}]): {e}", spec.name);
+                    ok = false;
+                }
+            }
+            continue;
+        }
         match edgespool::source::sample_once(spec, &dir) {
             Ok(fields) => {
                 let shown: Vec<String> = fields
