@@ -1866,7 +1866,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
 
 /// `kind = "mqtt"`: the local-broker bridge ([`crate::source::bridge`]).
 /// `url` mqtt://host[:port] (no TLS: the broker is local), `topics` valid
-/// filters (MQTT 3.1.1 §4.7), `qos` 1 or 2, `client_id` 1..=128 bytes,
+/// filters (MQTT 3.1.1 §4.7), `qos` 1 (0 and 2 refused, each saying why), `client_id` 1..=128 bytes,
 /// `password_file` only with `username`, `payload` json|number|auto,
 /// `max_payload_bytes` 16..=16 MiB. `k` makes the key path of a member.
 fn validate_bridge(
@@ -1902,13 +1902,19 @@ fn validate_bridge(
     }
     let qos = match rs.qos.unwrap_or(1) {
         1 => rumqttc::QoS::AtLeastOnce,
-        2 => rumqttc::QoS::ExactlyOnce,
         0 => {
-            bad(&k("qos"), "0 cannot be made durable: a QoS 0 message is neither queued for the bridge while it is down nor acknowledged after its commit; use 1 (or 2)".into());
+            bad(&k("qos"), "0 cannot be made durable: a QoS 0 message is neither queued for the bridge while it is down nor acknowledged after its commit; use 1".into());
+            rumqttc::QoS::AtLeastOnce
+        }
+        2 => {
+            // Reproduced against mosquitto 2.0.11: a session left waiting
+            // for our PUBCOMP makes rumqttc end every new connection with
+            // "unsolicited ack" (it keeps no QoS 2 state across connections).
+            bad(&k("qos"), "2 is not offered: rumqttc keeps no QoS 2 state across connections, so a PUBREL the broker resends after a reconnect ends every new connection; use 1 (with id_field for one event per message)".into());
             rumqttc::QoS::AtLeastOnce
         }
         q => {
-            bad(&k("qos"), format!("must be 1 or 2 (got {q})"));
+            bad(&k("qos"), format!("must be 1 (got {q})"));
             rumqttc::QoS::AtLeastOnce
         }
     };
@@ -2667,7 +2673,8 @@ interval_ms = 1000
     fn mqtt_source_problems_name_their_key() {
         for (extra, key, says) in [
             ("qos = 0", "sources[0].qos", "cannot be made durable"),
-            ("qos = 3", "sources[0].qos", "must be 1 or 2"),
+            ("qos = 3", "sources[0].qos", "must be 1"),
+            ("qos = 2", "sources[0].qos", "PUBREL"),
             ("url = \"mqtts://h:8883\"", "sources[0].url", "without TLS"),
             ("url = \"tcp://h\"", "sources[0].url", "mqtt://"),
             ("payload = \"xml\"", "sources[0].payload", "\"auto\""),

@@ -2,8 +2,7 @@
 //! (the mosquitto that Node-RED, a Modbus poller or a script already
 //! publish to) into the spool.
 //!
-//! Its one rule: **a local message is acknowledged (PUBACK, or PUBREC at
-//! QoS 2) only after the reading it became is committed to the spool**, or
+//! Its one rule: **a local message is acknowledged (PUBACK) only after the reading it became is committed to the spool**, or
 //! when it can never become one (a refused payload, a retained copy, a topic
 //! no longer configured). Between the two brokers a QoS 1 message is thus
 //! always held by one of them: the local broker keeps it in the bridge's
@@ -80,8 +79,12 @@ pub struct BridgeSpec {
     /// `topics`: topic filters (MQTT 3.1.1 §4.7), each checked by
     /// [`check_filter`].
     pub topics: Vec<String>,
-    /// `qos`: of the subscriptions, 1 or 2 (0 is refused by the config: a
-    /// QoS 0 message is never queued for an offline session nor acknowledged).
+    /// `qos`: of the subscriptions; the config accepts only 1. 0 cannot be
+    /// made durable (never queued for an offline session, never
+    /// acknowledged); 2 livelocks with rumqttc 0.25, which keeps no QoS 2
+    /// state across connections: a PUBREL resent after a reconnect ends
+    /// every new connection ("unsolicited ack"). A QoS 2 publisher's
+    /// messages arrive here at QoS 1 (MQTT 3.1.1 §3.8.4).
     pub qos: QoS,
     /// `client_id`: the persistent session's identity at the local broker;
     /// default `edgespool-bridge-<device_id>-<source name>`.
@@ -276,7 +279,10 @@ fn acker(name: String, shared: Arc<Shared>, rx: Receiver<Pending>) {
     let mut refused = 0u64;
     for p in rx {
         match p.outcome.recv() {
-            Ok(Ok(_event_id)) => shared.ack(p.epoch, &p.ack),
+            Ok(Ok(_event_id)) => {
+                shared.refused_before.store(false, Ordering::Relaxed);
+                shared.ack(p.epoch, &p.ack);
+            }
             Ok(Err(why)) => {
                 refused += 1;
                 if let Some(held) = log.due() {
@@ -511,14 +517,22 @@ impl Bridge<'_> {
             if self.shared.refused.load(Ordering::Relaxed) {
                 return End::Refused;
             }
+            // The backoff resets once a connection carries something past
+            // its CONNACK (a broker that ends each connection right after
+            // CONNACK gets the growing delay), and not while commits are
+            // refused (reset by the acker's next acknowledgement).
+            let carried = matches!(
+                &event,
+                Ok(Ok(Event::Incoming(
+                    Packet::Publish(_) | Packet::SubAck(_) | Packet::PingResp
+                ))) | Err(RecvTimeoutError::Timeout)
+            );
+            if carried && connected && !self.shared.refused_before.load(Ordering::Relaxed) {
+                backoff.reset();
+            }
             match event {
                 Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
                     connected = true;
-                    if !self.shared.refused_before.swap(false, Ordering::Relaxed) {
-                        // Not after a refused commit: that backoff keeps
-                        // growing while the spool keeps refusing.
-                        backoff.reset();
-                    }
                     log::info!(
                         "bridge {}: connected to {} as {} (session_present={})",
                         self.name,

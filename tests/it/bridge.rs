@@ -331,7 +331,12 @@ fn two_thousand_local_messages_survive_agent_kills_and_a_local_broker_restart() 
     upstream.kill();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-2000");
-    let cfg = write_bridge_config(dir.path(), &local.url(), &proxy.url(), &prefix, "");
+    // The bridge reaches the local broker through a proxy capped at about
+    // 400 messages a second, so the kills below land mid-intake however
+    // fast the machine is.
+    let local_proxy = Proxy::start(local.port());
+    local_proxy.set_rate(40_000);
+    let cfg = write_bridge_config(dir.path(), &local_proxy.url(), &proxy.url(), &prefix, "");
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     // The bridge's persistent session must exist before the publisher
