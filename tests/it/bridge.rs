@@ -454,3 +454,83 @@ fn two_thousand_local_messages_survive_agent_kills_and_a_local_broker_restart() 
         started.elapsed().as_secs_f64()
     );
 }
+
+/// A reading the spool refuses (over `spool.max_bytes`, upstream down) is
+/// not acknowledged: the local broker keeps it and redelivers it once the
+/// bridge reconnects, and it is stored when delivery has made room.
+#[test]
+fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_room() {
+    const N: usize = 2000;
+    let local = Broker::start_with_options(LOCAL_EXTRA, false);
+    let upstream = Broker::start_with_options("", false);
+    let proxy = Proxy::start(upstream.port());
+    proxy.set_mode(Mode::Refuse);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("bridge-full");
+    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    // About 400 messages of 1 KB a second reach the bridge, so the capacity
+    // check (once a second) sees the spool pass 1 MiB well before all N are in.
+    let local_proxy = Proxy::start(local.port());
+    local_proxy.set_rate(400_000);
+    let cfg = write_bridge_config(dir.path(), &local_proxy.url(), &proxy.url(), &prefix, "");
+    let db = dir.path().join("spool.db");
+    let sets = ["spool.max_bytes=1048576".to_owned()];
+    let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
+    wait_bridge_subscribed(&agent);
+    // About 1 KB a message: 1 MiB of spool holds fewer than N.
+    let pad = "x".repeat(900);
+    let text: String = (0..N)
+        .map(|n| format!("{{\"n\":{n},\"pad\":\"{pad}\"}}\n"))
+        .collect();
+    let input = dir.path().join("lines.txt");
+    std::fs::write(&input, text).expect("write lines");
+    let out = Command::new(MOSQUITTO_PUB)
+        .args(["-h", "127.0.0.1", "-p", &local.port().to_string()])
+        .args(["-q", "1", "-t", "plant/big", "-l"])
+        .stdin(std::fs::File::open(&input).expect("open lines"))
+        .output()
+        .expect("run mosquitto_pub -l");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        wait_for(Duration::from_secs(60), || agent
+            .log_text()
+            .contains("bridge plant: the spool refused a reading")),
+        "no refusal:\n{}",
+        agent.log_tail(40)
+    );
+    let held = spooled(&db).len();
+    assert!(held < N, "the spool took all {N}");
+
+    // Upstream back: delivery acknowledges rows, the capacity check drops
+    // acknowledged rows to make room, and the redelivered messages fit.
+    proxy.set_mode(Mode::Forward);
+    let started = Instant::now();
+    let complete = sub.wait_until(Duration::from_secs(120), |d| {
+        plant_fields(d)
+            .iter()
+            .filter_map(|(_, f)| f["n"].as_f64().map(|n| n as i64))
+            .collect::<HashSet<_>>()
+            .len()
+            >= N
+    });
+    let got: HashSet<i64> = plant_fields(&sub.deliveries())
+        .iter()
+        .filter_map(|(_, f)| f["n"].as_f64().map(|n| n as i64))
+        .collect();
+    assert!(
+        complete,
+        "{} of {N} readings arrived:\n{}",
+        got.len(),
+        agent.log_tail(40)
+    );
+    assert!(got.iter().all(|n| (0..N as i64).contains(n)));
+    agent.terminate(Duration::from_secs(15));
+    println!(
+        "bridge full spool: {held} of {N} held at the refusal, all {N} upstream {:.1} s after upstream came back",
+        started.elapsed().as_secs_f64()
+    );
+}
