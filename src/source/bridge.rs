@@ -258,14 +258,18 @@ struct RateLog {
 }
 
 impl RateLog {
-    /// Some(count held back since the last line) when a line is due.
-    fn due(&mut self) -> Option<u64> {
+    /// Some(note on the lines held back since the last one, empty if
+    /// none) when a line is due.
+    fn due(&mut self) -> Option<String> {
         if self.last.is_some_and(|t| t.elapsed() < LOG_EVERY) {
             self.held += 1;
             return None;
         }
         self.last = Some(Instant::now());
-        Some(std::mem::take(&mut self.held))
+        Some(match std::mem::take(&mut self.held) {
+            0 => String::new(),
+            n => format!("; {n} such lines held back"),
+        })
     }
 }
 
@@ -287,7 +291,7 @@ fn acker(name: String, shared: Arc<Shared>, rx: Receiver<Pending>) {
                 refused += 1;
                 if let Some(held) = log.due() {
                     log::warn!(
-                        "bridge {name}: the spool refused a reading ({why}); not acknowledged, so the local broker keeps it and redelivers it after a reconnect ({refused} refused since start, {held} lines held back)"
+                        "bridge {name}: the spool refused a reading ({why}); not acknowledged, so the local broker keeps it and redelivers it after a reconnect ({refused} refused since start{held})"
                     );
                 }
                 shared.refused.store(true, Ordering::Relaxed);
@@ -439,7 +443,7 @@ impl Bridge<'_> {
                 End::Lost(why) => {
                     if let Some(held) = self.lost_log.due() {
                         log::warn!(
-                            "bridge {}: connection to {} ended: {why}; reconnecting with backoff ({held} similar lines held back)",
+                            "bridge {}: connection to {} ended: {why}; reconnecting with backoff{held}",
                             self.name,
                             self.spec.url()
                         );
@@ -488,7 +492,10 @@ impl Bridge<'_> {
             }
             None => normal,
         };
-        o.set_max_packet_size(incoming, 64 * 1024);
+        // Outgoing: the SUBSCRIBE (2 + filter + 1 bytes each, MQTT 3.1.1
+        // §3.8.3) is the largest packet the bridge sends.
+        let subscribe: usize = s.topics.iter().map(|t| t.len() + 3).sum();
+        o.set_max_packet_size(incoming, subscribe + 1024);
         o.set_keep_alive(KEEP_ALIVE);
         o.set_clean_session(false);
         o.set_manual_acks(true);
@@ -664,7 +671,7 @@ impl Bridge<'_> {
         self.refused_payloads += 1;
         if let Some(held) = self.refusal_log.due() {
             log::warn!(
-                "bridge {}: refused a message on {}: {why}; acknowledged and not stored ({} refused since start, {held} lines held back; counted bridge_payload_refused)",
+                "bridge {}: refused a message on {}: {why}; acknowledged and not stored ({} refused since start, counted bridge_payload_refused{held})",
                 self.name,
                 p.topic,
                 self.refused_payloads
@@ -713,10 +720,10 @@ mod tests {
     #[test]
     fn rate_log_holds_repeats_back() {
         let mut l = RateLog::default();
-        assert_eq!(l.due(), Some(0));
+        assert_eq!(l.due().as_deref(), Some(""));
         assert_eq!(l.due(), None);
         assert_eq!(l.due(), None);
         l.last = Some(Instant::now() - LOG_EVERY - Duration::from_secs(1));
-        assert_eq!(l.due(), Some(2));
+        assert_eq!(l.due().as_deref(), Some("; 2 such lines held back"));
     }
 }
