@@ -315,6 +315,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
         max_packet_bytes: cfg.mqtt.max_packet_bytes,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
+        protocol: cfg.mqtt.protocol,
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());

@@ -323,11 +323,33 @@ pub struct MqttConfig {
     /// the broker answers by disconnecting, e.g. over its packet size limit),
     /// so the rows behind it flow (1..=100, default 3).
     pub fail_after_disconnects: u32,
+    /// `protocol`: `"5"` (default) or `"3.1.1"`. Only MQTT 5 tells a
+    /// publisher that the broker refused a publish (a PUBACK reason code of
+    /// 0x80 or more, MQTT 5.0 §3.4.2.1); under 3.1.1 a broker that denies a
+    /// publish still acknowledges it (§3.4: a PUBACK has no reason code).
+    pub protocol: Protocol,
+    /// `session_expiry_secs`: how long the broker keeps this client's
+    /// session (its command subscription and queued commands) after a
+    /// disconnect, MQTT 5 only (§3.1.2.11.2); 0..=4294967295, default
+    /// 604800 (7 days). Ignored with `clean_session = true` or 3.1.1, where
+    /// a persistent session lasts until the broker drops it.
+    pub session_expiry_secs: u32,
     /// `status_topic`: a retained `<topic_prefix>/status` message, `online`
     /// at each connect and `offline` as the will (sent by the broker when the
     /// connection ends without a DISCONNECT: a kill, a power cut, a lost
     /// link, and a clean stop too). Default true.
     pub status_topic: bool,
+}
+
+/// `mqtt.protocol`: the MQTT version spoken to the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// MQTT 3.1.1 (protocol level 4).
+    V311,
+    /// MQTT 5.0 (protocol level 5): PUBACK reason codes, the broker's
+    /// receive maximum and maximum packet size, user properties.
+    #[default]
+    V5,
 }
 
 /// TLS material for `mqtts://`, read at every connect (rotated files apply
@@ -484,6 +506,12 @@ struct RawParam {
     required: bool,
 }
 
+fn d_protocol() -> String {
+    "5".to_owned()
+}
+fn d_session_expiry() -> u32 {
+    604_800
+}
 fn d_true() -> bool {
     true
 }
@@ -608,6 +636,10 @@ struct RawMqtt {
     fail_after_disconnects: u32,
     #[serde(default = "d_true")]
     status_topic: bool,
+    #[serde(default = "d_protocol")]
+    protocol: String,
+    #[serde(default = "d_session_expiry")]
+    session_expiry_secs: u32,
     ca_file: Option<PathBuf>,
     client_cert_file: Option<PathBuf>,
     client_key_file: Option<PathBuf>,
@@ -633,6 +665,8 @@ impl Default for RawMqtt {
             ack_timeout_secs: d_acktimeout(),
             fail_after_disconnects: d_fail_after(),
             status_topic: true,
+            protocol: d_protocol(),
+            session_expiry_secs: d_session_expiry(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
@@ -1261,6 +1295,17 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ),
         );
     }
+    let protocol = match m.protocol.as_str() {
+        "5" | "5.0" => Protocol::V5,
+        "3.1.1" => Protocol::V311,
+        other => {
+            bad(
+                "mqtt.protocol",
+                format!("must be \"5\" or \"3.1.1\" (got {other:?})"),
+            );
+            Protocol::V5
+        }
+    };
     let payload_format = match m.payload_format.as_str() {
         "json" => Format::Json,
         "postcard" => Format::Postcard,
@@ -1844,6 +1889,8 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ack_timeout: Duration::from_secs(m.ack_timeout_secs),
             fail_after_disconnects: m.fail_after_disconnects,
             status_topic: m.status_topic,
+            protocol,
+            session_expiry_secs: m.session_expiry_secs,
         },
         agent: AgentConfig {
             summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),

@@ -17,13 +17,16 @@
 
 use crate::ack::AckMap;
 use crate::config::MqttConfig;
-use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, Outgoing, QoS, RecvTimeoutError};
+pub mod wire;
+
+use rumqttc::{QoS, RecvTimeoutError};
 use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use wire::{Client, Conn, Ev, Granted, PubAckRefusal};
 
 /// Messages to the delivery thread.
 #[derive(Debug)]
@@ -68,6 +71,8 @@ pub struct Ready {
     pub topic: Arc<str>,
     /// The stored payload bytes.
     pub payload: Vec<u8>,
+    /// The row's event id, sent as the `event_id` user property under MQTT 5.
+    pub event_id: String,
 }
 
 /// State shared by the MQTT thread and the delivery thread; locked only for
@@ -111,6 +116,11 @@ pub struct Shared {
     puback_latency: crate::metrics::Histogram,
     /// The online status was found over `mqtt.max_packet_bytes` (warned once).
     status_too_large_logged: bool,
+    /// What this connection's CONNACK granted (MQTT 5).
+    granted: Granted,
+    /// Rows whose PUBACK refused them (MQTT 5 reason code 0x80 or more, not
+    /// transient), for the delivery thread to mark FAILED.
+    refused: Vec<(i64, PubAckRefusal)>,
 }
 
 /// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
@@ -140,15 +150,18 @@ fn announce_online(s: &mut Shared, cfg: &MqttConfig) {
         o.extend(i);
     }
     let payload = v.to_string().into_bytes();
-    let size = publish_packet_size(topic.len(), payload.len());
-    if size > cfg.max_packet_bytes {
+    let size = publish_packet_size(
+        topic.len(),
+        payload.len() + publish_extra(cfg.protocol, false),
+    );
+    let limit = packet_limit(cfg.max_packet_bytes, s.granted);
+    if size > limit {
         // A broker closes the connection on a packet over its limit: the
         // status must never cost the connection that carries the rows.
         if !s.status_too_large_logged {
             s.status_too_large_logged = true;
             log::warn!(
-                "the retained online status on {topic} is a {size}-byte PUBLISH, over mqtt.max_packet_bytes {}: not sent (raise the limit or set mqtt.status_topic = false)",
-                cfg.max_packet_bytes
+                "the retained online status on {topic} is a {size}-byte PUBLISH, over the packet limit of {limit} bytes (mqtt.max_packet_bytes or the broker's maximum packet size): not sent (raise the limit or set mqtt.status_topic = false)"
             );
         }
         return;
@@ -157,7 +170,7 @@ fn announce_online(s: &mut Shared, cfg: &MqttConfig) {
         return;
     }
     if client
-        .try_publish(topic, QoS::AtLeastOnce, true, payload)
+        .try_publish(&topic, QoS::AtLeastOnce, true, payload, None)
         .is_err()
     {
         s.ack.submit_failed();
@@ -264,7 +277,13 @@ impl Shared {
             if self.ack.submitted(r.row).is_err() {
                 return;
             }
-            match client.try_publish(&*r.topic, QoS::AtLeastOnce, false, r.payload.clone()) {
+            match client.try_publish(
+                &r.topic,
+                QoS::AtLeastOnce,
+                false,
+                r.payload.clone(),
+                Some(&r.event_id),
+            ) {
                 Ok(()) => {
                     if self.progress_at.is_none() {
                         // The watchdog's clock starts with the first row in
@@ -427,7 +446,7 @@ impl Link {
             .as_ref()
             .zip(s.client.as_ref())
             .is_some_and(|((topic, _), c)| {
-                c.try_publish(topic.as_str(), QoS::AtMostOnce, true, offline_payload())
+                c.try_publish(topic, QoS::AtMostOnce, true, offline_payload(), None)
                     .is_ok()
             });
         if !offline {
@@ -449,8 +468,20 @@ impl Link {
     /// one request rumqttc's blocking client can send without waiting.
     fn interrupt(s: &mut Shared) {
         if let Some(c) = &s.client {
-            let _ = c.try_disconnect();
+            c.try_disconnect();
         }
+    }
+
+    /// The broker's maximum packet size from this connection's CONNACK
+    /// (MQTT 5 §3.2.2.3.6), if it gave one.
+    pub fn broker_max_packet(&self) -> Option<usize> {
+        lock(&self.shared).granted.max_packet.map(|m| m as usize)
+    }
+
+    /// Take the rows the broker refused (PUBACK reason code 0x80 or more,
+    /// MQTT 5) since the last call, with the refusal.
+    pub fn take_refused(&self) -> Vec<(i64, PubAckRefusal)> {
+        std::mem::take(&mut lock(&self.shared).refused)
     }
 
     /// Take the rows submitted and the rows acknowledged since the last call:
@@ -646,6 +677,8 @@ pub fn new(
         sent_at: VecDeque::new(),
         puback_latency: crate::metrics::Histogram::new(),
         status_too_large_logged: false,
+        granted: Granted::default(),
+        refused: Vec::new(),
     }));
     let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
         incoming_limit(&c.topic, c.max_payload_bytes)
@@ -678,14 +711,15 @@ fn read_file(key: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("cannot read mqtt.{key} {}: {e}", path.display()))
 }
 
-/// Connection options, reading TLS material and the password from their
-/// files (so rotated files apply at the next connect). `max_incoming` is the
-/// largest packet remaining length taken: rumqttc drops the connection on a
-/// larger one before reading it.
+/// What a connection needs beyond the config: TLS material and the
+/// password read from their files (so rotated files apply at the next
+/// connect), the incoming limit, the will. `max_incoming` is the largest
+/// packet remaining length taken: rumqttc drops the connection on a larger
+/// one before reading it.
 ///
 /// Errors: a file cannot be read; the message names the config key and path.
-fn options(cfg: &MqttConfig, max_incoming: usize) -> Result<MqttOptions, String> {
-    let mut o = MqttOptions::new(cfg.client_id.clone(), cfg.host.clone(), cfg.port);
+fn setup(cfg: &MqttConfig, max_incoming: usize, clean: bool) -> Result<wire::Setup, String> {
+    let mut transport = None;
     if let Some(tls) = &cfg.tls {
         let ca = read_file("ca_file", &tls.ca_file)?;
         let client_auth = match &tls.client {
@@ -695,7 +729,7 @@ fn options(cfg: &MqttConfig, max_incoming: usize) -> Result<MqttOptions, String>
             )),
             None => None,
         };
-        o.set_transport(rumqttc::Transport::tls_with_config(
+        transport = Some(rumqttc::Transport::tls_with_config(
             rumqttc::TlsConfiguration::Simple {
                 ca,
                 alpn: None,
@@ -703,6 +737,7 @@ fn options(cfg: &MqttConfig, max_incoming: usize) -> Result<MqttOptions, String>
             },
         ));
     }
+    let mut credentials = None;
     if let Some((user, pass_file)) = &cfg.credentials {
         let pass = match pass_file {
             Some(p) => String::from_utf8(read_file("password_file", p)?)
@@ -711,27 +746,37 @@ fn options(cfg: &MqttConfig, max_incoming: usize) -> Result<MqttOptions, String>
                 .to_owned(),
             None => String::new(),
         };
-        o.set_credentials(user.clone(), pass);
+        credentials = Some((user.clone(), pass));
     }
-    o.set_keep_alive(cfg.keep_alive);
-    o.set_clean_session(cfg.clean_session);
-    // Above our window, so rumqttc's own flow control never holds a publish
-    // we counted as in flight for long (packet ids cycle 1..=inflight).
-    o.set_inflight((cfg.inflight_window as u16).saturating_mul(2).max(8));
-    let topic_room = cfg.topic_prefix.len() + 256;
-    o.set_max_packet_size(max_incoming, cfg.max_payload_bytes + topic_room);
-    o.set_request_channel_capacity(cfg.inflight_window + 8);
-    // Commands are acknowledged only after their receipt commits.
-    o.set_manual_acks(true);
-    if cfg.status_topic {
-        o.set_last_will(rumqttc::LastWill::new(
-            status_topic(cfg),
-            r#"{"state":"offline"}"#,
-            QoS::AtLeastOnce,
-            true,
-        ));
+    Ok(wire::Setup {
+        max_incoming,
+        clean,
+        will: cfg
+            .status_topic
+            .then(|| (status_topic(cfg), offline_payload())),
+        credentials,
+        transport,
+    })
+}
+
+/// Bytes a PUBLISH under `protocol` carries beyond the 3.1.1 packet
+/// [`publish_packet_size`] counts: nothing under 3.1.1; under MQTT 5 the
+/// property length (§3.3.2.3.1) and, for a row, its `event_id` user
+/// property ([`wire::V5_EVENT_PROPERTIES`]).
+pub fn publish_extra(protocol: crate::config::Protocol, row: bool) -> usize {
+    match (protocol, row) {
+        (crate::config::Protocol::V311, _) => 0,
+        (crate::config::Protocol::V5, true) => wire::V5_EVENT_PROPERTIES,
+        (crate::config::Protocol::V5, false) => 1,
     }
-    Ok(o)
+}
+
+/// The whole-packet limit in force: `mqtt.max_packet_bytes`, or the
+/// broker's Maximum Packet Size from CONNACK (MQTT 5) if smaller.
+fn packet_limit(configured: usize, granted: Granted) -> usize {
+    granted
+        .max_packet
+        .map_or(configured, |m| configured.min(m as usize))
 }
 
 /// `<topic_prefix>/status`.
@@ -801,6 +846,22 @@ fn is_refusal(e: &rumqttc::ConnectionError) -> bool {
     )
 }
 
+/// A 3.1.1 connection error as a [`wire::Failure`].
+fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> wire::Failure {
+    let oversize = match e {
+        rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+        )) => Some(*n),
+        _ => None,
+    };
+    wire::Failure {
+        reason: classify(e, keep_alive),
+        refused: is_refusal(e),
+        oversize,
+        closed_by_peer: false,
+    }
+}
+
 impl MqttThread {
     /// Drive connections until the stop flag is set.
     pub fn run(mut self) {
@@ -831,23 +892,14 @@ impl MqttThread {
                 ConnMode::Drain => drain_limit(self.incoming_limit),
                 ConnMode::Normal | ConnMode::Discard => self.incoming_limit,
             };
-            let mut opts = match options(&self.cfg, limit) {
+            let setup = match setup(&self.cfg, limit, mode == ConnMode::Discard) {
                 Ok(o) => o,
                 Err(e) => {
                     self.lose(&e);
                     continue;
                 }
             };
-            if mode == ConnMode::Discard {
-                opts.set_clean_session(true);
-            }
-            let (client, mut connection) = Client::new(opts, self.cfg.inflight_window + 8);
-            let mut net = connection.eventloop.network_options();
-            net.set_connection_timeout(self.cfg.connect_timeout.as_secs().max(1));
-            // Publishes leave in small bursts as the window frees up; with
-            // Nagle on, a burst's tail waits for the peer's delayed ACK (~40 ms).
-            net.set_tcp_nodelay(true);
-            connection.eventloop.set_network_options(net);
+            let (client, mut connection) = wire::connect(&self.cfg, setup);
             lock(&self.shared).client = Some(client.clone());
             let reason = self.drive(&mut connection, &mut backoff);
             let lived = lock(&self.shared)
@@ -858,7 +910,7 @@ impl MqttThread {
                 // Up for a keep-alive: a healthy connection that ended.
                 backoff.reset();
             }
-            let _ = client.try_disconnect();
+            client.try_disconnect();
             self.lose(&reason);
             if self.reconnect_now.take() {
                 first = true;
@@ -1005,7 +1057,7 @@ impl MqttThread {
     /// CONNACK: subscribe to commands (unless the broker closes connections
     /// on that), announce the retained status, submit what is ready.
     /// Errors: why this connection must end.
-    fn on_connack(&self, ack: &rumqttc::ConnAck) -> Result<(), String> {
+    fn on_connack(&self, session_present: bool, granted: Granted) -> Result<(), String> {
         if self.mode.get() == ConnMode::Discard {
             // Messages published before the persistent session
             // is back are not queued for us: be quick.
@@ -1020,13 +1072,22 @@ impl MqttThread {
             s.connacks += 1;
             s.conn.since = Instant::now();
             s.conn.connacked_at = Some(Instant::now());
+            s.granted = granted;
+            // The broker's Receive Maximum bounds the window (MQTT 5
+            // §3.3.4: a client must not exceed it); rumqttc holds back
+            // whatever goes over, which would stall our watchdog's clock.
+            let window = granted.receive_max.map_or(self.cfg.inflight_window, |m| {
+                self.cfg.inflight_window.min(m.max(1) as usize)
+            });
+            s.window = if s.window == 1 { 1 } else { window };
+            s.full_window = window;
             let skip = s.conn.skip_sub_until.is_some_and(|t| Instant::now() < t);
             // Subscribe before any publish of this fresh client
             // (rumqttc does not re-subscribe by itself), so the
             // subscribe's packet id is never one a publish holds.
             // Telemetry never waits on it: see `account_end`.
             if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
-                if let Err(e) = client.try_subscribe(c.topic.clone(), QoS::AtLeastOnce) {
+                if let Err(e) = client.try_subscribe(&c.topic, QoS::AtLeastOnce) {
                     return Err(format!("cannot subscribe to {}: {e}", c.topic));
                 }
                 s.conn.awaiting_suback = true;
@@ -1036,25 +1097,47 @@ impl MqttThread {
             }
             s.pump();
         }
+        let limits = match self.cfg.protocol {
+            crate::config::Protocol::V311 => String::new(),
+            crate::config::Protocol::V5 => format!(
+                ", MQTT 5, receive maximum {}, maximum packet size {}",
+                granted
+                    .receive_max
+                    .map_or("not set".to_owned(), |m| m.to_string()),
+                granted
+                    .max_packet
+                    .map_or("not set".to_owned(), |m| format!("{m} bytes")),
+            ),
+        };
         log::info!(
-            "mqtt: connected to {}:{} (session_present={}, keep_alive={} s)",
+            "mqtt: connected to {}:{} (session_present={session_present}, keep_alive={} s{limits})",
             self.cfg.host,
             self.cfg.port,
-            ack.session_present,
             // MQTT 3.1.1 has no server keep-alive (§3.1.2.10): this is the
-            // one in force, whatever the broker's own maximum.
-            self.cfg.keep_alive.as_secs()
+            // one in force, whatever the broker's own maximum; an MQTT 5
+            // broker may impose its own (Server Keep Alive, §3.2.2.3.14).
+            granted
+                .keep_alive
+                .map_or(self.cfg.keep_alive.as_secs(), u64::from)
         );
-        let _ = self.to_delivery.send(DeliveryMsg::Connected {
-            session_present: ack.session_present,
-        });
+        let _ = self
+            .to_delivery
+            .send(DeliveryMsg::Connected { session_present });
         Ok(())
     }
 
     /// PUBACK: the row it acknowledges is retired (through the delivery
     /// thread); the window refills from here. Errors: an inconsistency that
     /// ends the connection (the map is dropped, rows replayed).
-    fn on_puback(&self, pkid: u16, backoff: &mut Backoff) -> Result<(), String> {
+    fn on_puback(
+        &self,
+        pkid: u16,
+        refused: Option<PubAckRefusal>,
+        backoff: &mut Backoff,
+    ) -> Result<(), String> {
+        if let Some(r) = refused {
+            return self.on_refused_puback(pkid, r);
+        }
         let notify = {
             let mut s = lock(&self.shared);
             let sent = s
@@ -1102,23 +1185,52 @@ impl MqttThread {
         Ok(())
     }
 
+    /// A PUBACK with a reason code of 0x80 or more (MQTT 5.0 §3.4.2.1): the
+    /// row is not delivered. A refusal about the moment (quota exceeded,
+    /// packet id in use) ends the connection, so the row is sent again
+    /// after the backoff; any other goes to the delivery thread to be
+    /// marked FAILED with its reason, and the rows behind it flow.
+    /// Errors: why the connection must end.
+    fn on_refused_puback(&self, pkid: u16, r: PubAckRefusal) -> Result<(), String> {
+        let notify = {
+            let mut s = lock(&self.shared);
+            s.sent_at.retain(|(p, _)| *p != pkid);
+            let row = match s.ack.on_puback(pkid) {
+                Ok(row) => row,
+                Err(e) => return Err(format!("ack correlation: {e}")),
+            };
+            if r.transient() {
+                return Err(format!("{r}; sending it again after the backoff"));
+            }
+            s.pump();
+            if row == STATUS_ROW {
+                log::warn!("mqtt: the retained online status was refused: {r}");
+                return Ok(());
+            }
+            s.refused.push((row, r));
+            let first = !s.notified;
+            s.notified = true;
+            first
+        };
+        if notify {
+            let _ = self.to_delivery.send(DeliveryMsg::Progress);
+        }
+        Ok(())
+    }
+
     /// SUBACK of the command subscription: granted, or refused by the broker
     /// (return code 0x80, MQTT 3.1.1 §3.9.3; mosquitto answers so when its
     /// ACL denies the subscription). Telemetry never waits on it.
-    fn on_suback(&self, ack: &rumqttc::SubAck) {
-        if ack
-            .return_codes
-            .iter()
-            .any(|c| matches!(c, rumqttc::SubscribeReasonCode::Failure))
-        {
+    fn on_suback(&self, refused: Option<String>) {
+        if let Some(code) = refused {
             let topic = self.commands.as_ref().map_or("", |c| c.topic.as_str());
             let mut s = lock(&self.shared);
             s.conn.awaiting_suback = false;
             if s.conn.commands_unavailable.is_none() {
-                log::error!("mqtt: the broker refused the command subscription to {topic} (SUBACK 0x80); commands will not arrive, telemetry keeps flowing: check the broker's ACL for this client");
+                log::error!("mqtt: the broker refused the command subscription to {topic} ({code}); commands will not arrive, telemetry keeps flowing: check the broker's ACL for this client");
             }
             s.conn.commands_unavailable = Some(format!(
-                "the broker refused the subscription to {topic} (SUBACK 0x80): check its ACL"
+                "the broker refused the subscription to {topic} ({code}): check its ACL"
             ));
         } else {
             let mut s = lock(&self.shared);
@@ -1133,7 +1245,7 @@ impl MqttThread {
     }
 
     /// Poll one connection until it fails; returns why.
-    fn drive(&self, connection: &mut Connection, backoff: &mut Backoff) -> String {
+    fn drive(&self, connection: &mut Conn, backoff: &mut Backoff) -> String {
         // Long enough to never cancel a connect attempt (rumqttc's poll is
         // cancelled by the timeout), short enough to see the stop flag.
         let connect_wait = self.cfg.connect_timeout + Duration::from_secs(2);
@@ -1157,19 +1269,22 @@ impl MqttThread {
                     None => IDLE_WAIT,
                 }
             };
-            let event = connection.recv_timeout(wait);
+            let event = connection.recv_timeout(wait, self.cfg.keep_alive);
             if self.stop.load(Ordering::Relaxed) {
                 // Whatever woke us (the offline status, a DISCONNECT): stop
                 // without matching it to rows.
                 return "agent stopping".into();
             }
             match event {
-                Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
-                    if let Err(why) = self.on_connack(&ack) {
+                Ok(Ok(Ev::ConnAck {
+                    session_present,
+                    granted,
+                })) => {
+                    if let Err(why) = self.on_connack(session_present, granted) {
                         return why;
                     }
                 }
-                Ok(Ok(Event::Outgoing(Outgoing::Publish(pkid)))) => {
+                Ok(Ok(Ev::OutgoingPublish(pkid))) => {
                     let mut s = lock(&self.shared);
                     if let Err(e) = s.ack.on_outgoing_publish(pkid) {
                         return format!("ack correlation: {e}");
@@ -1180,12 +1295,12 @@ impl MqttThread {
                     }
                     s.sent_at.push_back((pkid, Instant::now()));
                 }
-                Ok(Ok(Event::Incoming(Incoming::PubAck(ack)))) => {
-                    if let Err(why) = self.on_puback(ack.pkid, backoff) {
+                Ok(Ok(Ev::PubAck { pkid, refused })) => {
+                    if let Err(why) = self.on_puback(pkid, refused, backoff) {
                         return why;
                     }
                 }
-                Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => match &self.commands {
+                Ok(Ok(Ev::Publish(p))) => match &self.commands {
                     Some(c) if p.topic == *c.topic => {
                         let epoch = lock(&self.shared).epoch;
                         (c.sink)(epoch, p);
@@ -1200,20 +1315,28 @@ impl MqttThread {
                         .ack(epoch, &p);
                     }
                 },
-                Ok(Ok(Event::Incoming(Incoming::SubAck(ack)))) => self.on_suback(&ack),
-                Ok(Ok(ev)) => log::trace!("mqtt: {ev:?}"),
-                Ok(Err(e)) => {
-                    lock(&self.shared).conn.peer_closed = true;
-                    self.refused.set(is_refusal(&e));
-                    if let rumqttc::ConnectionError::MqttState(
-                        rumqttc::StateError::Deserialization(
-                            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
-                        ),
-                    ) = &e
+                Ok(Ok(Ev::SubAck { refused })) => self.on_suback(refused),
+                Ok(Ok(Ev::Other(ev))) => log::trace!("mqtt: {ev}"),
+                Ok(Err(mut f)) => {
+                    let connected = {
+                        let mut s = lock(&self.shared);
+                        s.conn.peer_closed = true;
+                        s.connected
+                    };
+                    if f.closed_by_peer
+                        && !connected
+                        && self.cfg.protocol == crate::config::Protocol::V5
                     {
-                        self.oversize.set(Some(*n));
+                        // No CONNACK: what a broker that does not speak
+                        // MQTT 5 does with a level-5 CONNECT (aedes 1.2).
+                        f.reason = "the broker closed the connection without answering the MQTT 5 CONNECT: a broker that does not speak MQTT 5 does this; if so, set mqtt.protocol = \"3.1.1\" (otherwise see the broker's log)".to_owned();
+                        f.refused = true;
                     }
-                    return classify(&e, self.cfg.keep_alive);
+                    self.refused.set(f.refused);
+                    if f.oversize.is_some() {
+                        self.oversize.set(f.oversize);
+                    }
+                    return f.reason;
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
@@ -1334,6 +1457,7 @@ mod tests {
             row,
             topic: Arc::from("t"),
             payload: b"x".to_vec(),
+            event_id: String::new(),
         };
         // Disconnected: held in the ready queue, nothing in flight.
         assert_eq!(link.offer(0, vec![ready(1)]), Ok(()));

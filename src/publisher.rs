@@ -50,6 +50,8 @@ pub struct DeliveryConfig {
     /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
     /// disconnects in a row is marked FAILED.
     pub fail_after_disconnects: u32,
+    /// `mqtt.protocol`: what a PUBLISH carries beyond topic and payload.
+    pub protocol: crate::config::Protocol,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -119,11 +121,13 @@ pub fn run(
             d.handle(msg, &mut spool);
         }
         d.collect();
+        d.fail_refused(&mut spool);
         d.fill(&mut spool);
         d.maybe_flush(&mut spool);
     }
     // Acks already received are committed before exit; nothing else is.
     d.collect();
+    d.fail_refused(&mut spool);
     d.flush(&mut spool);
 }
 
@@ -173,6 +177,7 @@ impl Delivery {
             } => {
                 // Acks received before the loss are real: commit them first.
                 self.collect();
+                self.fail_refused(spool);
                 self.flush(spool);
                 if quick {
                     self.suspect_row(spool, &rows);
@@ -391,13 +396,18 @@ impl Delivery {
                 .entry(row.stream.clone())
                 .or_insert_with(|| Arc::from(format!("{prefix}/events/{}", row.stream)))
                 .clone();
-            if let Some(why) =
-                packet_too_large(&topic, row.payload.len(), self.cfg.max_packet_bytes)
-            {
+            let extra = crate::mqtt::publish_extra(self.cfg.protocol, true);
+            let (limit, whose) = match self.link.broker_max_packet() {
+                Some(m) if m < self.cfg.max_packet_bytes => {
+                    (m, "the broker's maximum packet size (CONNACK)")
+                }
+                _ => (self.cfg.max_packet_bytes, "mqtt.max_packet_bytes"),
+            };
+            if let Some(why) = packet_too_large(&topic, row.payload.len(), extra, limit, whose) {
                 self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
                 continue;
             }
-            let size = crate::mqtt::publish_packet_size(topic.len(), row.payload.len());
+            let size = crate::mqtt::publish_packet_size(topic.len(), row.payload.len() + extra);
             if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
                 let why = format!(
                     "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
@@ -412,6 +422,7 @@ impl Delivery {
                 row: row.id,
                 topic,
                 payload: row.payload,
+                event_id: row.event_id,
             });
             room -= 1;
         }
@@ -421,6 +432,22 @@ impl Delivery {
         if self.link.offer(self.epoch, batch).is_err() {
             // Stale epoch: a Lost message is on its way and resets the read-ahead.
             self.ahead.clear();
+        }
+    }
+
+    /// Mark FAILED the rows whose PUBACK refused them (MQTT 5 reason code
+    /// 0x80 or more), counted per reason as
+    /// `events_failed_puback_<reason>`: the broker took the publish and
+    /// said no, so it is not delivered and sending it again would repeat.
+    fn fail_refused(&mut self, spool: &mut Spool) {
+        for (row, r) in self.link.take_refused() {
+            self.fail(
+                spool,
+                row,
+                &format!("in row {row}"),
+                &r.to_string(),
+                &format!("puback_{}", r.name),
+            );
         }
     }
 
@@ -443,11 +470,17 @@ impl Delivery {
 /// [`crate::mqtt::publish_packet_size`]). A broker drops the connection on
 /// such a packet (3.1.1 has no way to refuse one publish), so it must never
 /// leave.
-fn packet_too_large(topic: &str, payload_len: usize, max_packet_bytes: usize) -> Option<String> {
-    let size = crate::mqtt::publish_packet_size(topic.len(), payload_len);
+fn packet_too_large(
+    topic: &str,
+    payload_len: usize,
+    extra: usize,
+    max_packet_bytes: usize,
+    whose: &str,
+) -> Option<String> {
+    let size = crate::mqtt::publish_packet_size(topic.len(), payload_len + extra);
     (size > max_packet_bytes).then(|| {
         format!(
-            "PUBLISH packet of {size} bytes (payload {payload_len} bytes on {topic}) exceeds mqtt.max_packet_bytes {max_packet_bytes}"
+            "PUBLISH packet of {size} bytes (payload {payload_len} bytes on {topic}) exceeds {whose} {max_packet_bytes}"
         )
     })
 }
@@ -460,8 +493,11 @@ mod tests {
     fn a_packet_over_the_limit_is_named_with_its_size_and_the_limit() {
         // 1 + 2 + (2 + 10 + 2 + 1000) = 1017 bytes on the wire.
         let topic = "p/events/s";
-        assert_eq!(packet_too_large(topic, 1000, 1017), None);
-        let why = packet_too_large(topic, 1000, 1016).expect("over");
+        assert_eq!(
+            packet_too_large(topic, 1000, 0, 1017, "mqtt.max_packet_bytes"),
+            None
+        );
+        let why = packet_too_large(topic, 1000, 0, 1016, "mqtt.max_packet_bytes").expect("over");
         assert_eq!(
             why,
             "PUBLISH packet of 1017 bytes (payload 1000 bytes on p/events/s) exceeds mqtt.max_packet_bytes 1016"

@@ -567,6 +567,7 @@ fn delivery_config(cfg: &Config) -> DeliveryConfig {
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
         max_packet_bytes: cfg.mqtt.max_packet_bytes,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
+        protocol: cfg.mqtt.protocol,
     }
 }
 

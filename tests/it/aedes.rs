@@ -3,7 +3,8 @@
 //! `tests/fixtures/aedes/node_modules`. It refuses things differently from
 //! mosquitto: it closes the connection on a denied SUBSCRIBE, and answers a
 //! keep-alive above its limit with CONNACK code 6, which MQTT 3.1.1 does not
-//! define (§3.2.2.3 stops at 5).
+//! define (§3.2.2.3 stops at 5). It does not speak MQTT 5: the tests pin
+//! `mqtt.protocol = "3.1.1"`, except the one that checks the refusal of 5.
 
 use crate::support::agent::{run_cli, AgentProc};
 use crate::support::spool::count_in_state;
@@ -98,7 +99,7 @@ fn aedes_closing_on_the_command_subscription_does_not_stop_telemetry() {
     let aedes = Aedes::start(&[&format!("deny-subscribe={prefix}/commands")]);
     let sub = Subscriber::start(aedes.port, &format!("{prefix}/events/#"));
     let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(dir.path(), &aedes.url(), &prefix, 200);
+    let cfg = crate::v311(crate::write_config(dir.path(), &aedes.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
@@ -135,7 +136,7 @@ fn aedes_refusing_the_keep_alive_is_named_and_nothing_is_retired() {
     let aedes = Aedes::start(&["keepalive-limit=10"]);
     let prefix = crate::prefix("aedes-ka");
     let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(dir.path(), &aedes.url(), &prefix, 200);
+    let cfg = crate::v311(crate::write_config(dir.path(), &aedes.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let sets = ["mqtt.keep_alive_secs=20".to_owned()];
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
@@ -167,5 +168,40 @@ fn aedes_refusing_the_keep_alive_is_named_and_nothing_is_retired() {
         "rows did not flow with a keep-alive within the limit\n{}",
         agent.log_tail(30)
     );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// aedes 1.2 does not speak MQTT 5, the default: it closes the connection
+/// on the level-5 CONNECT without a CONNACK (it logs "unacceptable protocol
+/// version"), and the agent says so at ERROR naming `mqtt.protocol`, with
+/// health degraded by that cause and nothing retired.
+#[test]
+fn a_broker_without_mqtt_5_is_named_with_the_setting_to_change() {
+    let aedes = Aedes::start(&[]);
+    let prefix = crate::prefix("aedes-v5");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = crate::write_config(dir.path(), &aedes.url(), &prefix, 200);
+    let db = dir.path().join("spool.db");
+    let sets = ["mqtt.keep_alive_secs=10".to_owned()];
+    let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
+    let named = "without answering the MQTT 5 CONNECT: a broker that does not speak MQTT 5 does this; if so, set mqtt.protocol = \"3.1.1\"";
+    assert!(
+        wait_for(Duration::from_secs(60), || agent
+            .log_text()
+            .lines()
+            .any(|l| l.contains(" ERROR ") && l.contains(named))),
+        "the refusal was not named at ERROR\n{}\n{}",
+        aedes.output(),
+        agent.log_tail(30)
+    );
+    assert!(
+        wait_for(Duration::from_secs(90), || {
+            let s = status(&db);
+            s.contains("health: degraded") && s.contains("mqtt.protocol")
+        }),
+        "{}",
+        status(&db)
+    );
+    assert_eq!(count_in_state(&db, "ACKED"), 0, "{}", status(&db));
     agent.terminate(Duration::from_secs(15));
 }

@@ -12,6 +12,7 @@ mod delivery;
 mod faults;
 mod health;
 mod metrics;
+mod mqtt5;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
 #[cfg(feature = "pg-sink")]
@@ -56,6 +57,16 @@ interval_ms = {interval_ms}
     );
     std::fs::write(&path, text).expect("write test config");
     path
+}
+
+/// Pin `mqtt.protocol` to 3.1.1 in a config [`write_config`] wrote (the
+/// default is MQTT 5): for brokers that do not speak 5 (aedes 1.2) and for
+/// tests of what 3.1.1 does.
+pub fn v311(cfg: PathBuf) -> PathBuf {
+    let text = std::fs::read_to_string(&cfg).expect("read test config");
+    let text = text.replacen("[mqtt]\n", "[mqtt]\nprotocol = \"3.1.1\"\n", 1);
+    std::fs::write(&cfg, text).expect("write test config");
+    cfg
 }
 
 /// Run the agent with no sources until the spool holds no PENDING or SENT

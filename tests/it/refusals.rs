@@ -1,4 +1,5 @@
-//! Real-broker refusals under MQTT 3.1.1: each test starts its own mosquitto
+//! Real-broker refusals under MQTT 3.1.1 (`mqtt.protocol = "3.1.1"`, pinned
+//! in every test; `mqtt5.rs` has what MQTT 5 changes): each test starts its own mosquitto
 //! (2.0.11 here) with a generated config that refuses something, and checks
 //! what the agent reports (health reason, log level), that the rows it can
 //! still send keep flowing, and that nothing is retired without a PUBACK
@@ -31,14 +32,14 @@ use std::time::Duration;
 const CLIENT_ID: &str = "edgespool-it-board";
 
 /// `status --json`, parsed.
-fn status_json(db: &Path) -> serde_json::Value {
+pub(crate) fn status_json(db: &Path) -> serde_json::Value {
     let out = run_cli(&["status", "--json", "--spool", db.to_str().expect("utf-8")]).1;
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("status --json ({e}): {out}"))
 }
 
 /// Health reasons from `status --json` when degraded, else empty (also
 /// before the agent has created the spool).
-fn health_reasons(db: &Path) -> Vec<String> {
+pub(crate) fn health_reasons(db: &Path) -> Vec<String> {
     if !db.exists() || crate::support::spool::total(db) == 0 {
         return Vec::new();
     }
@@ -58,7 +59,12 @@ fn health_reasons(db: &Path) -> Vec<String> {
 
 /// Wait until health is degraded with a reason containing every one of
 /// `parts`; panics with the status and the agent's log tail otherwise.
-fn wait_degraded_with(db: &Path, agent: &AgentProc, parts: &[&str], within: Duration) -> String {
+pub(crate) fn wait_degraded_with(
+    db: &Path,
+    agent: &AgentProc,
+    parts: &[&str],
+    within: Duration,
+) -> String {
     let mut found = None;
     let ok = wait_for(within, || {
         found = health_reasons(db)
@@ -77,7 +83,7 @@ fn wait_degraded_with(db: &Path, agent: &AgentProc, parts: &[&str], within: Dura
 
 /// PUBACKs mosquitto logged sending to the agent (data rows and the status
 /// message): an upper bound on what the agent may have retired.
-fn pubacks_sent(broker: &Broker) -> i64 {
+pub(crate) fn pubacks_sent(broker: &Broker) -> i64 {
     broker
         .log_text()
         .lines()
@@ -86,7 +92,7 @@ fn pubacks_sent(broker: &Broker) -> i64 {
 }
 
 /// I2 against the broker's own log: no row is ACKED without a PUBACK.
-fn assert_no_retirement_without_puback(db: &Path, broker: &Broker) {
+pub(crate) fn assert_no_retirement_without_puback(db: &Path, broker: &Broker) {
     let acked = count_in_state(db, "ACKED");
     let pubacks = pubacks_sent(broker);
     assert!(
@@ -96,7 +102,7 @@ fn assert_no_retirement_without_puback(db: &Path, broker: &Broker) {
 }
 
 /// The agent's log lines at `level` (`ERROR`, `WARN`, ...) containing `text`.
-fn log_lines(agent: &AgentProc, level: &str, text: &str) -> Vec<String> {
+pub(crate) fn log_lines(agent: &AgentProc, level: &str, text: &str) -> Vec<String> {
     agent
         .log_text()
         .lines()
@@ -107,7 +113,7 @@ fn log_lines(agent: &AgentProc, level: &str, text: &str) -> Vec<String> {
 
 /// Append one event per entry of `texts` to stream `s` before the agent
 /// starts (payload size follows the text's length).
-fn seed(db: &Path, texts: &[String]) {
+pub(crate) fn seed(db: &Path, texts: &[String]) {
     use edgespool::envelope::{EventIdGen, Format};
     use edgespool::source::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
@@ -132,7 +138,7 @@ fn seed(db: &Path, texts: &[String]) {
 }
 
 /// Five small events, one of about 3,000 bytes, five small.
-fn small_big_small() -> Vec<String> {
+pub(crate) fn small_big_small() -> Vec<String> {
     let mut t: Vec<String> = (0..5).map(|i| format!("small {i}")).collect();
     t.push("x".repeat(3000));
     t.extend((5..10).map(|i| format!("small {i}")));
@@ -153,7 +159,7 @@ fn dynsec_plugin() -> PathBuf {
 /// clients (the agent and the test subscriber) get `acls`, a JSON array of
 /// `{"acltype", "topic", "allow"}`; everything else is denied, except
 /// receiving and unsubscribing. Config and ACL live in `dir`.
-fn broker_with_acl(dir: &Path, acls: serde_json::Value) -> Broker {
+pub(crate) fn broker_with_acl(dir: &Path, acls: serde_json::Value) -> Broker {
     let cfg = dir.join("dynsec.json");
     let doc = serde_json::json!({
         "defaultACLAccess": {
@@ -175,13 +181,13 @@ fn broker_with_acl(dir: &Path, acls: serde_json::Value) -> Broker {
     ))
 }
 
-fn allow(acltype: &str, topic: &str) -> serde_json::Value {
+pub(crate) fn allow(acltype: &str, topic: &str) -> serde_json::Value {
     serde_json::json!({"acltype": acltype, "topic": topic, "allow": true})
 }
 
 /// Every ACKED row reached the subscriber (the broker had it), allowing
 /// the subscriber a moment behind the agent's PUBACK.
-fn assert_acked_rows_were_received(db: &Path, sub: &Subscriber) {
+pub(crate) fn assert_acked_rows_were_received(db: &Path, sub: &Subscriber) {
     let ok = wait_for(Duration::from_secs(20), || {
         let got: std::collections::HashSet<String> =
             sub.deliveries().iter().map(crate::event_id).collect();
@@ -207,7 +213,7 @@ fn a_command_subscription_denied_by_acl_degrades_health_and_telemetry_keeps_flow
         ]),
     );
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
+    let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     let topic = format!("{prefix}/commands");
@@ -252,7 +258,12 @@ fn a_broker_max_keepalive_below_ours_is_not_enforced_on_3_1_1_and_the_agent_keep
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("keepalive");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::v311(crate::write_config(
+        dir.path(),
+        &broker.url(),
+        &prefix,
+        1000,
+    ));
     let db = dir.path().join("spool.db");
     seed(&db, &(0..5).map(|i| format!("r{i}")).collect::<Vec<_>>());
     let mut agent = AgentProc::spawn(
@@ -312,7 +323,12 @@ fn with_max_packet_bytes_set_the_oversized_row_fails_at_once_and_the_rest_are_ac
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktlimit");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::v311(crate::write_config(
+        dir.path(),
+        &broker.url(),
+        &prefix,
+        1000,
+    ));
     let db = dir.path().join("spool.db");
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(
@@ -366,7 +382,12 @@ fn without_max_packet_bytes_the_broker_drops_the_connection_and_the_row_fails_af
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktdrop");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::v311(crate::write_config(
+        dir.path(),
+        &broker.url(),
+        &prefix,
+        1000,
+    ));
     let db = dir.path().join("spool.db");
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
@@ -419,7 +440,7 @@ fn a_wrong_password_is_logged_as_a_login_refusal_and_nothing_is_retired() {
         pw_db.display()
     ));
     let prefix = crate::prefix("badlogin");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 500));
     let db = dir.path().join("spool.db");
     let pw_file = dir.path().join("board.password");
     std::fs::write(&pw_file, "wrong-secret\n").expect("write password file");
@@ -494,7 +515,7 @@ fn a_publish_denied_by_acl_is_acknowledged_under_3_1_1_and_the_agent_cannot_tell
         ]),
     );
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
+    let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
@@ -530,7 +551,12 @@ fn a_status_message_over_max_packet_bytes_is_skipped_and_events_flow() {
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktstatus");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::v311(crate::write_config(
+        dir.path(),
+        &broker.url(),
+        &prefix,
+        1000,
+    ));
     let db = dir.path().join("spool.db");
     let small: Vec<String> = (0..10).map(|i| format!("s{i}")).collect();
     seed(&db, &small);
@@ -570,7 +596,12 @@ fn after_one_oversized_row_costs_the_connection_later_ones_fail_at_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktlearn");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::v311(crate::write_config(
+        dir.path(),
+        &broker.url(),
+        &prefix,
+        1000,
+    ));
     let db = dir.path().join("spool.db");
     let mut texts = Vec::new();
     for i in 0..5 {

@@ -1,0 +1,175 @@
+//! MQTT 5 against a real mosquitto (2.0.11 here), the default
+//! `mqtt.protocol`: what it lets the agent see that 3.1.1 hides.
+//!
+//! - A publish the broker's ACL denies is answered with PUBACK reason code
+//!   0x87 (not authorized): the row goes FAILED with that reason, counted,
+//!   never retired as delivered (under 3.1.1 the same broker sends a plain
+//!   PUBACK; `refusals.rs` pins that).
+//! - The broker's Maximum Packet Size comes in CONNACK: a larger row goes
+//!   FAILED before it is sent, with no setting and no dropped connection.
+//! - Every event PUBLISH carries its event id as the user property
+//!   `event_id`.
+//! - A broker that does not speak MQTT 5 gets a refusal naming
+//!   `mqtt.protocol` (aedes 1.2, in `aedes.rs`).
+
+use crate::refusals::{
+    allow, assert_acked_rows_were_received, assert_no_retirement_without_puback, broker_with_acl,
+    log_lines, seed, small_big_small, status_json, wait_degraded_with,
+};
+use crate::support::agent::AgentProc;
+use crate::support::broker::Broker;
+use crate::support::spool::{count_by_state, count_in_state, rows_in_state};
+use crate::support::subscriber::Subscriber;
+use crate::support::wait_for;
+use std::time::{Duration, Instant};
+
+/// The ACL denies the events topic: each row's PUBACK carries 0x87, each
+/// row goes FAILED naming it, nothing is ACKED, health is degraded, and
+/// the status message (allowed) still gets through.
+#[test]
+fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("v5deny");
+    let broker = broker_with_acl(
+        dir.path(),
+        serde_json::json!([
+            allow("publishClientSend", &format!("{prefix}/status")),
+            allow("subscribePattern", &format!("{prefix}/#")),
+        ]),
+    );
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/#"));
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let db = dir.path().join("spool.db");
+    seed(&db, &(0..5).map(|i| format!("row {i}")).collect::<Vec<_>>());
+    let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
+            == 5),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert_eq!(count_in_state(&db, "ACKED"), 0);
+    assert!(broker.log_text().contains("Denied PUBLISH"));
+    let v = status_json(&db);
+    let why = v["failed"][0]["reason"].as_str().unwrap_or_default();
+    assert_eq!(
+        why, "the broker refused the publish: not authorized (PUBACK reason code 0x87)",
+        "{v}"
+    );
+    assert_eq!(
+        v["counters"]["events_failed_puback_not_authorized"], 5,
+        "{v}"
+    );
+    assert_eq!(
+        log_lines(&agent, "ERROR", "not authorized (PUBACK reason code 0x87)").len(),
+        5
+    );
+    wait_degraded_with(
+        &db,
+        &agent,
+        &["5 rows FAILED since start"],
+        Duration::from_secs(30),
+    );
+    // The allowed retained status arrived; no event did.
+    assert!(wait_for(Duration::from_secs(10), || sub
+        .deliveries()
+        .iter()
+        .any(|d| d.topic.ends_with("/status"))));
+    agent.terminate(Duration::from_secs(15));
+    assert!(sub
+        .deliveries()
+        .iter()
+        .all(|d| !d.topic.contains("/events/")));
+    // One connection: a refusal is an answer, not a reason to reconnect.
+    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 1);
+}
+
+/// mosquitto's `max_packet_size` reaches the agent as CONNACK's Maximum
+/// Packet Size: the one larger row goes FAILED before it is sent, with no
+/// `mqtt.max_packet_bytes` and no dropped connection; the rest are ACKED.
+#[test]
+fn the_brokers_maximum_packet_size_from_connack_fails_a_larger_row_before_sending() {
+    let broker = Broker::start_with_config("max_packet_size 2000\n");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("v5pkt");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let db = dir.path().join("spool.db");
+    seed(&db, &small_big_small());
+    let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
+            == 10
+            && count_in_state(&db, "FAILED") == 1),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    let failed = rows_in_state(&db, "FAILED");
+    assert!(failed[0].payload.len() > 2000, "the wrong row failed");
+    let v = status_json(&db);
+    let why = v["failed"][0]["reason"].as_str().unwrap_or_default();
+    assert!(
+        why.ends_with("exceeds the broker's maximum packet size (CONNACK) 2000"),
+        "{v}"
+    );
+    assert!(!log_lines(&agent, "INFO", "maximum packet size 2000 bytes").is_empty());
+    assert!(!broker.log_text().contains("oversize packet"));
+    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 1);
+    agent.terminate(Duration::from_secs(15));
+    assert_eq!(crate::received(&sub.deliveries()).times.len(), 10);
+    assert_acked_rows_were_received(&db, &sub);
+    assert_no_retirement_without_puback(&db, &broker);
+}
+
+/// Every event PUBLISH carries `event_id` as a user property, equal to the
+/// envelope's `event_id`, read by an MQTT 5 subscriber.
+#[test]
+fn every_event_carries_its_event_id_as_a_user_property() {
+    use rumqttc::v5::mqttbytes::v5::Packet;
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::{Client, Event, MqttOptions};
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("v5prop");
+    let mut o = MqttOptions::new("edgespool-test-v5-sub", "127.0.0.1", broker.port());
+    o.set_keep_alive(Duration::from_secs(5));
+    let (client, mut conn) = Client::new(o, 16);
+    client
+        .subscribe(format!("{prefix}/events/#"), QoS::AtLeastOnce)
+        .expect("subscribe");
+    let mut got: Vec<(serde_json::Value, Vec<(String, String)>)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut agent = None;
+    while got.len() < 5 && Instant::now() < deadline {
+        match conn.recv_timeout(Duration::from_millis(500)) {
+            Ok(Ok(Event::Incoming(Packet::SubAck(_)))) if agent.is_none() => {
+                let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
+                agent = Some(AgentProc::spawn(&cfg, &[], dir.path()));
+            }
+            Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                let body = serde_json::from_slice(&p.payload).expect("JSON payload");
+                let props = p.properties.map(|p| p.user_properties).unwrap_or_default();
+                got.push((body, props));
+            }
+            _ => {}
+        }
+    }
+    let mut agent = agent.expect("the subscriber never got its SUBACK");
+    agent.terminate(Duration::from_secs(15));
+    assert!(
+        got.len() >= 5,
+        "{} events\n{}",
+        got.len(),
+        agent.log_tail(20)
+    );
+    for (body, props) in &got {
+        let id = body["event_id"].as_str().expect("event_id in the envelope");
+        assert_eq!(
+            props,
+            &vec![("event_id".to_owned(), id.to_owned())],
+            "{body}"
+        );
+    }
+}
