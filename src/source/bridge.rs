@@ -46,7 +46,7 @@ use crate::mqtt::Backoff;
 use crate::spool::{CommitOutcome, NewEvent, Reply};
 use rumqttc::{Client, Connection, Event, Outgoing, Packet, Publish, QoS, RecvTimeoutError};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -170,9 +170,11 @@ struct Shared {
     wake: Condvar,
     /// The source is to stop (its control channel closed).
     stop: AtomicBool,
-    /// A commit was refused on the current connection: end it so the broker
-    /// redelivers what was not acknowledged.
-    refused: AtomicBool,
+    /// 1 + the epoch of a connection on which a commit was refused (0:
+    /// none): that connection ends so the broker redelivers what was not
+    /// acknowledged. Tagged, so a late outcome of an older connection does
+    /// not end the current one.
+    refused: AtomicU64,
     /// The last connection ended on a refused commit.
     refused_before: AtomicBool,
 }
@@ -294,7 +296,7 @@ fn acker(name: String, shared: Arc<Shared>, rx: Receiver<Pending>) {
                         "bridge {name}: the spool refused a reading ({why}); not acknowledged, so the local broker keeps it and redelivers it after a reconnect ({refused} refused since start{held})"
                     );
                 }
-                shared.refused.store(true, Ordering::Relaxed);
+                shared.refused.store(p.epoch + 1, Ordering::Relaxed);
                 shared.interrupt(Some(p.epoch));
             }
             // The agent stopped before committing it: not stored, not
@@ -350,7 +352,7 @@ pub fn run(
         }),
         wake: Condvar::new(),
         stop: AtomicBool::new(false),
-        refused: AtomicBool::new(false),
+        refused: AtomicU64::new(0),
         refused_before: AtomicBool::new(false),
     });
     let (to_acker, acker_rx) = mpsc::channel();
@@ -425,7 +427,6 @@ impl Bridge<'_> {
                 c.client = Some(client.clone());
                 c.epoch
             };
-            self.shared.refused.store(false, Ordering::Relaxed);
             let end = self.drive(&client, &mut connection, epoch, &mut backoff);
             {
                 let mut c = self.shared.lock();
@@ -438,7 +439,7 @@ impl Bridge<'_> {
                 End::Stop => break,
                 End::Refused => {
                     self.shared.refused_before.store(true, Ordering::Relaxed);
-                    log::info!("bridge {}: reconnecting after a refused commit so the local broker redelivers what was not acknowledged", self.name);
+                    log::debug!("bridge {}: reconnecting after a refused commit so the local broker redelivers what was not acknowledged", self.name);
                 }
                 End::Lost(why) => {
                     if let Some(held) = self.lost_log.due() {
@@ -521,7 +522,7 @@ impl Bridge<'_> {
             if self.stopping() {
                 return End::Stop;
             }
-            if self.shared.refused.load(Ordering::Relaxed) {
+            if self.shared.refused.load(Ordering::Relaxed) == epoch + 1 {
                 return End::Refused;
             }
             // The backoff resets once a connection carries something past
