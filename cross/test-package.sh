@@ -2,7 +2,7 @@
 # The packages and static binaries, tested on this machine (root needed):
 #  1. builds them (cross/package.sh; a no-op for what is already built);
 #  2. installs the amd64 .deb with dpkg -i and checks the user, files, modes
-#     and the conffile, runs `check-config` as the user edgespool, runs the
+#     and the conffile, runs `check-config` and `test` as the user edgespool, runs the
 #     agent as the service would (user edgespool, umask 027, /etc and /usr
 #     read-only, $STATE_DIRECTORY) against a local mosquitto and checks that
 #     it wrote only to /var/lib/edgespool with modes 0640/0750 at most;
@@ -97,6 +97,8 @@ check "drop-in examples" test -f /usr/share/doc/edgespool/examples/edgespool.ser
 check "enabled for multi-user.target" test -L /etc/systemd/system/multi-user.target.wants/edgespool.service
 check "check-config as the user edgespool" \
   runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml
+check "test as the user edgespool: a reading from each source, nothing written" bash -c \
+  'before=$(ls -A /var/lib/edgespool); runuser -u edgespool -- /usr/bin/edgespool test --config /etc/edgespool/edgespool.toml >/dev/null && [ "$(ls -A /var/lib/edgespool)" = "$before" ]'
 check "the user edgespool cannot write /etc/edgespool" \
   runuser -u edgespool -- sh -c '! touch /etc/edgespool/x 2>/dev/null'
 

@@ -2,7 +2,7 @@
 _edgespool() {
     local cur prev words cword
     _init_completion || return
-    local cmds="run check-config status probe-storage sink help --version --help"
+    local cmds="run check-config test status probe-storage sink help --version --help"
     if [ "$cword" -eq 1 ]; then
         COMPREPLY=($(compgen -W "$cmds" -- "$cur"))
         return
@@ -20,8 +20,9 @@ _edgespool() {
     local opts
     case "${words[1]}" in
         run) opts="--config --set --check-spool --help" ;;
+        test) opts="--config --set --help" ;;
         check-config)
-            opts="--set --help"
+            opts="--set --sample --help"
             if [[ "$cur" != -* ]]; then _filedir toml; return; fi ;;
         status) opts="--config --spool --json --help" ;;
         probe-storage) opts="--config --dir --json --help" ;;

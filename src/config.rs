@@ -75,17 +75,27 @@ pub struct Config {
     pub commands: CommandsConfig,
     /// `[metrics]`.
     pub metrics: MetricsConfig,
+    /// `[ingest]`: the local socket other programs put readings through.
+    pub ingest: IngestConfig,
 }
 
 impl Config {
     /// The durability class readings of `stream` are committed with: the
-    /// `durability` of the `[[sources]]` entry of that name, `Batched` for
-    /// any other stream.
+    /// `durability` of the `[[sources]]` entry of that name, else of the
+    /// `[[ingest.streams]]` entry of that name, `Batched` for any other
+    /// stream (those `ingest.stream_patterns` allow, agent streams).
     pub fn stream_durability(&self, stream: &str) -> crate::source::Durability {
         self.sources
             .iter()
             .find(|s| s.name == stream)
             .map(|s| s.durability)
+            .or_else(|| {
+                self.ingest
+                    .streams
+                    .iter()
+                    .find(|s| s.name == stream)
+                    .map(|s| s.durability)
+            })
             .unwrap_or_default()
     }
 }
@@ -105,6 +115,118 @@ pub struct MetricsConfig {
     /// `listen_public`: allow `listen` on an address other hosts can reach
     /// (default false).
     pub listen_public: bool,
+}
+
+/// `[ingest]`: the local socket ingest ([`crate::ingest`]). Off unless
+/// `socket` or `tcp` is set. Changes take effect at the next restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IngestConfig {
+    /// `socket`: absolute path of a Unix stream socket (e.g.
+    /// `/run/edgespool/ingest.sock`). Unset: none.
+    pub socket: Option<PathBuf>,
+    /// `socket_group`: group given the socket (a name, looked up at start,
+    /// or a numeric gid). Unset: the agent's own group.
+    pub socket_group: Option<String>,
+    /// `socket_mode`: permission bits of the socket, an octal string
+    /// (default `"0660"`: owner and group may connect). Must keep the
+    /// owner's read and write bits; others may never write.
+    pub socket_mode: u32,
+    /// `tcp`: `IP:port` of a TCP listener (e.g. `127.0.0.1:7788`); a
+    /// non-loopback address needs `tcp_public`. Unset: none.
+    pub tcp: Option<std::net::SocketAddr>,
+    /// `tcp_public`: allow `tcp` on an address other hosts can reach
+    /// (default false). Nothing authenticates a TCP client.
+    pub tcp_public: bool,
+    /// `max_line_bytes`: longest request line, bytes, newline excluded
+    /// (256..=1048576, default 16384). A longer line is answered with an
+    /// error naming this limit and the connection is closed.
+    pub max_line_bytes: usize,
+    /// `max_connections`: connections served at once over both listeners
+    /// (1..=1024, default 16); one more is told so in one error line and
+    /// closed.
+    pub max_connections: usize,
+    /// `max_rate_per_sec`: requests per second per connection (token
+    /// bucket, burst of one second's worth; 1..=1000000, default 5000).
+    /// Past it the agent stops reading that connection until tokens are
+    /// back (backpressure, nothing refused).
+    pub max_rate_per_sec: u32,
+    /// `max_fields`: fields per request (1..=1024, default 64).
+    pub max_fields: usize,
+    /// `[[ingest.streams]]`: the streams clients may write, by name.
+    pub streams: Vec<IngestStream>,
+    /// `stream_patterns`: further streams allowed by prefix (`"plant.*"`
+    /// allows every valid name starting with `plant.`); such streams are
+    /// `durability = "batched"`, priority [`DEFAULT_STREAM_PRIORITY`].
+    pub stream_patterns: Vec<String>,
+}
+
+/// Priority of an ingest stream that does not set one (and of a stream a
+/// pattern allows).
+pub const DEFAULT_STREAM_PRIORITY: u8 = 128;
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            socket: None,
+            socket_group: None,
+            socket_mode: 0o660,
+            tcp: None,
+            tcp_public: false,
+            max_line_bytes: 16 * 1024,
+            max_connections: 16,
+            max_rate_per_sec: 5000,
+            max_fields: 64,
+            streams: Vec::new(),
+            stream_patterns: Vec::new(),
+        }
+    }
+}
+
+impl IngestConfig {
+    /// Whether any listener is configured.
+    pub fn enabled(&self) -> bool {
+        self.socket.is_some() || self.tcp.is_some()
+    }
+
+    /// The declared stream `name`, or one a pattern allows (batched,
+    /// default priority); `None`: clients may not write it.
+    pub fn stream(&self, name: &str) -> Option<IngestStream> {
+        if let Some(s) = self.streams.iter().find(|s| s.name == name) {
+            return Some(s.clone());
+        }
+        let allowed = stream_name_ok(name)
+            && self
+                .stream_patterns
+                .iter()
+                .any(|p| pattern_matches(p, name));
+        allowed.then(|| IngestStream {
+            name: name.to_owned(),
+            durability: crate::source::Durability::Batched,
+            priority: DEFAULT_STREAM_PRIORITY,
+        })
+    }
+}
+
+/// Whether stream `name` matches `pattern`: a name, or a prefix followed by
+/// one final `*` (`plant.*`). No other glob syntax.
+pub fn pattern_matches(pattern: &str, name: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => name.len() > prefix.len() && name.starts_with(prefix),
+        None => pattern == name,
+    }
+}
+
+/// One `[[ingest.streams]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IngestStream {
+    /// `name`: the stream (the name rule of sources, see [`stream_name_ok`]).
+    pub name: String,
+    /// `durability`: `"batched"` (default) or `"full"` (committed at once on
+    /// the `synchronous = FULL` connection).
+    pub durability: crate::source::Durability,
+    /// `priority`: 0..=255 (default 128), kept for delivery ordering; not
+    /// used yet.
+    pub priority: u8,
 }
 
 /// `[commands]`: commands received over MQTT on `<topic_prefix>/commands`.
@@ -387,6 +509,35 @@ struct RawConfig {
     commands: RawCommands,
     #[serde(default)]
     metrics: RawMetrics,
+    #[serde(default)]
+    ingest: RawIngest,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawIngest {
+    socket: Option<PathBuf>,
+    socket_group: Option<String>,
+    socket_mode: Option<String>,
+    tcp: Option<String>,
+    #[serde(default)]
+    tcp_public: bool,
+    max_line_bytes: Option<usize>,
+    max_connections: Option<usize>,
+    max_rate_per_sec: Option<u32>,
+    max_fields: Option<usize>,
+    #[serde(default)]
+    streams: Vec<RawIngestStream>,
+    #[serde(default)]
+    stream_patterns: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIngestStream {
+    name: String,
+    durability: Option<String>,
+    priority: Option<u8>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -715,6 +866,7 @@ struct RawSource {
     columns: Option<std::collections::BTreeMap<String, String>>,
     speed: Option<f64>,
     repeat: Option<bool>,
+    follow: Option<bool>,
     timezone: Option<String>,
     trace_id: Option<String>,
     durability: Option<String>,
@@ -1365,11 +1517,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     let mut bridge_ids = std::collections::HashSet::new();
     for (i, rs) in raw.sources.iter().enumerate() {
         let k = |f: &str| format!("sources[{i}].{f}");
-        if rs.name.is_empty()
-            || rs.name.len() > 64
-            || rs.name.starts_with('_')
-            || !rs.name.chars().all(topic_safe)
-        {
+        if !stream_name_ok(&rs.name) {
             bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
         } else if !names.insert(rs.name.clone()) {
             bad(&k("name"), format!("duplicate source name {:?}", rs.name));
@@ -1388,7 +1536,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         const REPLAY: &[&str] = &["replay"];
         const MQTT: &[&str] = &["mqtt"];
         let all_but_mqtt: &[&str] = &["system", "file", "exec", "replay"];
-        let owners: [(&str, bool, &[&str]); 28] = [
+        let owners: [(&str, bool, &[&str]); 29] = [
             ("interval_ms", rs.interval_ms.is_some(), all_but_mqtt),
             ("url", rs.url.is_some(), MQTT),
             ("topics", rs.topics.is_some(), MQTT),
@@ -1415,6 +1563,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ("columns", rs.columns.is_some(), REPLAY),
             ("speed", rs.speed.is_some(), REPLAY),
             ("repeat", rs.repeat.is_some(), REPLAY),
+            ("follow", rs.follow.is_some(), REPLAY),
             ("timezone", rs.timezone.is_some(), REPLAY),
             ("trace_id", rs.trace_id.is_some(), REPLAY),
         ];
@@ -1439,7 +1588,20 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         ','
                     }
                 };
-                let speed = rs.speed.unwrap_or(1.0);
+                let follow = rs.follow.unwrap_or(false);
+                if follow && rs.repeat == Some(true) {
+                    bad(
+                        &k("follow"),
+                        "follow = true cannot be combined with repeat = true: a followed file has no end to start over from".into(),
+                    );
+                }
+                if follow && rs.speed.is_some() {
+                    bad(
+                        &k("speed"),
+                        "not used with follow = true: a followed file's rows are played as they are written".into(),
+                    );
+                }
+                let speed = rs.speed.unwrap_or(if follow { 0.0 } else { 1.0 });
                 if !speed.is_finite() || speed < 0.0 {
                     bad(&k("speed"), format!("must be >= 0 (trace seconds per second; 0 = as fast as interval_ms allows) (got {speed})"));
                 }
@@ -1481,6 +1643,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                         speed,
                         max_rows_per_call: 1000,
                         repeat: rs.repeat.unwrap_or(false),
+                        follow,
                     })),
                     None => {
                         bad(&k("path"), "required for kind \"replay\"".into());
@@ -1667,6 +1830,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     }
     let config_push = validate_push(&rc.config_push, &mut bad);
     let metrics = validate_metrics(&raw.metrics, &mut bad);
+    let ingest = validate_ingest(&raw.ingest, &sources, &mut bad);
     let builtin = crate::commands::BUILTINS;
     let mut handlers = Vec::new();
     let mut hnames = std::collections::HashSet::new();
@@ -1908,6 +2072,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             config_push,
         },
         metrics,
+        ingest,
     })
 }
 
@@ -2080,6 +2245,203 @@ fn validate_metrics(raw: &RawMetrics, bad: &mut impl FnMut(&str, String)) -> Met
         listen,
         listen_public: raw.listen_public,
     }
+}
+
+/// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
+/// `tcp_public`), bounds in range, and the streams clients may write: valid
+/// names, not a source's stream, no duplicates; patterns `prefix*`.
+fn validate_ingest(
+    raw: &RawIngest,
+    sources: &[SourceSpec],
+    bad: &mut impl FnMut(&str, String),
+) -> IngestConfig {
+    let d = IngestConfig::default();
+    if let Some(p) = &raw.socket {
+        let nul = p.as_os_str().as_encoded_bytes().contains(&0);
+        // sun_path holds 108 bytes with its NUL (unix(7)).
+        if !p.is_absolute() || nul || p.file_name().is_none() || p.as_os_str().len() > 107 {
+            bad(
+                "ingest.socket",
+                format!("must be an absolute file path of at most 107 bytes without NUL bytes (got {p:?})"),
+            );
+        }
+    }
+    if let Some(g) = &raw.socket_group {
+        let name_ok = !g.is_empty()
+            && g.len() <= 32
+            && g.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !name_ok {
+            bad(
+                "ingest.socket_group",
+                format!("must be a group name or a numeric gid (got {g:?})"),
+            );
+        }
+        if raw.socket.is_none() {
+            bad("ingest.socket_group", "only used with ingest.socket".into());
+        }
+    }
+    let socket_mode = match raw.socket_mode.as_deref() {
+        None => d.socket_mode,
+        Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+            Ok(v) if v <= 0o777 && v & 0o600 == 0o600 && v & 0o002 == 0 => v,
+            _ => {
+                bad(
+                    "ingest.socket_mode",
+                    format!("must be octal permission bits with the owner's read and write and without others' write, e.g. \"0660\" (got {m:?})"),
+                );
+                d.socket_mode
+            }
+        },
+    };
+    let tcp = raw.tcp.as_deref().and_then(|l| match l.parse::<std::net::SocketAddr>() {
+        Ok(a) if a.port() == 0 => {
+            bad("ingest.tcp", format!("needs a port, 1..=65535 (got {l:?})"));
+            None
+        }
+        Ok(a) if !a.ip().is_loopback() && !raw.tcp_public => {
+            bad(
+                "ingest.tcp",
+                format!("{l:?} is not a loopback address: any host could write readings; use 127.0.0.1:<port>, or set ingest.tcp_public = true to mean it"),
+            );
+            None
+        }
+        Ok(a) => Some(a),
+        Err(_) => {
+            bad(
+                "ingest.tcp",
+                format!("must be IP:port, e.g. \"127.0.0.1:7788\"; host names are not resolved (got {l:?})"),
+            );
+            None
+        }
+    });
+    if raw.tcp_public && raw.tcp.is_none() {
+        bad("ingest.tcp_public", "only used with ingest.tcp".into());
+    }
+    let mut range = |key: &str, got: Option<usize>, lo: usize, hi: usize, def: usize| match got {
+        Some(v) if !(lo..=hi).contains(&v) => {
+            bad(key, format!("must be {lo}..={hi} (got {v})"));
+            def
+        }
+        Some(v) => v,
+        None => def,
+    };
+    let max_line_bytes = range(
+        "ingest.max_line_bytes",
+        raw.max_line_bytes,
+        256,
+        1 << 20,
+        d.max_line_bytes,
+    );
+    let max_connections = range(
+        "ingest.max_connections",
+        raw.max_connections,
+        1,
+        1024,
+        d.max_connections,
+    );
+    let max_fields = range("ingest.max_fields", raw.max_fields, 1, 1024, d.max_fields);
+    let max_rate_per_sec = range(
+        "ingest.max_rate_per_sec",
+        raw.max_rate_per_sec.map(|v| v as usize),
+        1,
+        1_000_000,
+        d.max_rate_per_sec as usize,
+    ) as u32;
+    let streams = validate_ingest_streams(raw, sources, bad);
+    IngestConfig {
+        socket: raw.socket.clone(),
+        socket_group: raw.socket_group.clone(),
+        socket_mode,
+        tcp,
+        tcp_public: raw.tcp_public,
+        max_line_bytes,
+        max_connections,
+        max_rate_per_sec,
+        max_fields,
+        streams,
+        stream_patterns: raw.stream_patterns.clone(),
+    }
+}
+
+/// `[[ingest.streams]]` and `ingest.stream_patterns`: valid names, not a
+/// source's stream, no duplicates; patterns `prefix*`; and a listener to go
+/// with them (and streams to go with a listener).
+fn validate_ingest_streams(
+    raw: &RawIngest,
+    sources: &[SourceSpec],
+    bad: &mut impl FnMut(&str, String),
+) -> Vec<IngestStream> {
+    let enabled = raw.socket.is_some() || raw.tcp.is_some();
+    let mut streams = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    let is_source = |n: &str| sources.iter().any(|s| s.name == n);
+    for (i, rs) in raw.streams.iter().enumerate() {
+        let k = |f: &str| format!("ingest.streams[{i}].{f}");
+        if !stream_name_ok(&rs.name) {
+            bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
+            continue;
+        }
+        if is_source(&rs.name) {
+            bad(
+                &k("name"),
+                format!(
+                    "{:?} is a source's stream; give clients a stream of their own",
+                    rs.name
+                ),
+            );
+        } else if !names.insert(rs.name.clone()) {
+            bad(&k("name"), format!("duplicate ingest stream {:?}", rs.name));
+        }
+        let durability = match rs.durability.as_deref() {
+            None | Some("batched") => crate::source::Durability::Batched,
+            Some("full") => crate::source::Durability::Full,
+            Some(other) => {
+                bad(
+                    &k("durability"),
+                    format!("must be \"batched\" or \"full\" (got {other:?})"),
+                );
+                crate::source::Durability::Batched
+            }
+        };
+        streams.push(IngestStream {
+            name: rs.name.clone(),
+            durability,
+            priority: rs.priority.unwrap_or(DEFAULT_STREAM_PRIORITY),
+        });
+    }
+    for (i, p) in raw.stream_patterns.iter().enumerate() {
+        let key = format!("ingest.stream_patterns[{i}]");
+        let prefix_ok = p
+            .strip_suffix('*')
+            .is_some_and(|pre| !pre.is_empty() && stream_name_ok(pre));
+        if !prefix_ok {
+            bad(
+                &key,
+                format!(
+                    "must be a stream-name prefix followed by '*', e.g. \"plant.*\" (got {p:?})"
+                ),
+            );
+        } else if let Some(s) = sources.iter().find(|s| pattern_matches(p, &s.name)) {
+            bad(
+                &key,
+                format!(
+                    "{p:?} matches source {:?}; give clients streams of their own",
+                    s.name
+                ),
+            );
+        }
+    }
+    if !enabled && (!raw.streams.is_empty() || !raw.stream_patterns.is_empty()) {
+        bad(
+            "ingest",
+            "streams are declared but no listener: set ingest.socket or ingest.tcp".into(),
+        );
+    }
+    if enabled && raw.streams.is_empty() && raw.stream_patterns.is_empty() {
+        bad("ingest.streams", "a listener is set but no stream is declared: add [[ingest.streams]] or ingest.stream_patterns".into());
+    }
+    streams
 }
 
 fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
@@ -2269,6 +2631,14 @@ fn topic_safe(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
 }
 
+/// The name rule of a stream (a source's `name`, an ingest stream): 1..=64
+/// letters, digits, '-', '_' or '.', not starting with '_' (names starting
+/// with '_' are the agent's own: `_commands`, `_agent`). A stream name is a
+/// topic level (`<topic_prefix>/<stream>`), so no '/', '+' or '#'.
+pub fn stream_name_ok(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && !name.starts_with('_') && name.chars().all(topic_safe)
+}
+
 /// Parse `mqtt://host:port` (port defaults to 1883).
 fn parse_url(url: &str) -> Result<(String, u16, bool), String> {
     let (rest, tls) = if let Some(r) = url.strip_prefix("mqtt://") {
@@ -2326,6 +2696,30 @@ interval_ms = 1000
 
     fn err(text: &str) -> ConfigError {
         parse(text, "t.toml", &[]).unwrap_err()
+    }
+
+    #[test]
+    fn follow_refuses_repeat_and_speed_by_name_and_plays_unpaced() {
+        let src = |extra: &str| {
+            format!(
+                "{GOOD}[[sources]]\nname = \"log\"\nkind = \"replay\"\npath = \"/var/log/x.csv\"\ntimestamp_columns = [\"ts\"]\ntimestamp_format = \"%s\"\nfollow = true\n{extra}"
+            )
+        };
+        let e = err(&src("repeat = true\n")).to_string();
+        assert!(
+            e.contains("sources[1].follow: follow = true cannot be combined with repeat = true"),
+            "{e}"
+        );
+        let e = err(&src("speed = 2.0\n")).to_string();
+        assert!(
+            e.contains("sources[1].speed: not used with follow = true"),
+            "{e}"
+        );
+        let c = parse(&src("repeat = false\n"), "t.toml", &[]).unwrap();
+        match &c.sources[1].kind {
+            SourceKind::Replay(r) => assert!(r.follow && !r.repeat && r.speed == 0.0),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -2503,6 +2897,8 @@ interval_ms = 1000
         assert_eq!(example.agent, minimal.agent);
         assert_eq!(example.metrics, minimal.metrics);
         assert_eq!(minimal.metrics, MetricsConfig::default());
+        assert_eq!(example.ingest, minimal.ingest);
+        assert_eq!(minimal.ingest, IngestConfig::default());
         assert_eq!(example.commands.enabled, minimal.commands.enabled);
         assert_eq!(
             example.commands.max_payload_bytes,
@@ -2573,6 +2969,102 @@ interval_ms = 1000
         assert_eq!(c.metrics.listen, Some("[::1]:9469".parse().unwrap()));
         let public = format!("{GOOD}[metrics]\nlisten = \"0.0.0.0:9469\"\nlisten_public = true\n");
         assert!(parse(&public, "t.toml", &[]).is_ok());
+    }
+
+    #[test]
+    fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
+        let c = parse(GOOD, "t.toml", &[]).unwrap();
+        assert_eq!(c.ingest, IngestConfig::default());
+        assert!(!c.ingest.enabled());
+        let text = format!(
+            "{GOOD}[ingest]\nsocket = \"/run/edgespool/ingest.sock\"\nsocket_mode = \"0600\"\ntcp = \"127.0.0.1:7788\"\nstream_patterns = [\"plant.*\"]\n[[ingest.streams]]\nname = \"pump\"\ndurability = \"full\"\npriority = 9\n"
+        );
+        let c = parse(&text, "t.toml", &[]).unwrap();
+        assert_eq!(c.ingest.socket_mode, 0o600);
+        assert_eq!(c.ingest.max_line_bytes, 16 * 1024);
+        let pump = c.ingest.stream("pump").unwrap();
+        assert_eq!(
+            (pump.durability, pump.priority),
+            (crate::source::Durability::Full, 9)
+        );
+        assert_eq!(c.stream_durability("pump"), crate::source::Durability::Full);
+        assert_eq!(
+            c.stream_durability("plant.a"),
+            crate::source::Durability::Batched
+        );
+        assert!(c.ingest.stream("plant.a").is_some());
+        assert!(c.ingest.stream("plant.").is_none());
+        assert!(c.ingest.stream("valve").is_none());
+    }
+
+    #[test]
+    fn ingest_problems_name_their_key() {
+        let on = "[ingest]\nsocket = \"/run/e/i.sock\"\n";
+        let stream = "[[ingest.streams]]\nname = \"pump\"\n";
+        for (body, key, says) in [
+            (
+                format!("{on}tcp = \"0.0.0.0:7788\"\n{stream}"),
+                "ingest.tcp",
+                "ingest.tcp_public = true",
+            ),
+            (
+                format!("{on}socket_mode = \"0666\"\n{stream}"),
+                "ingest.socket_mode",
+                "others' write",
+            ),
+            (
+                format!("{on}socket_mode = \"rw-rw----\"\n{stream}"),
+                "ingest.socket_mode",
+                "octal",
+            ),
+            (
+                format!("{on}max_line_bytes = 10\n{stream}"),
+                "ingest.max_line_bytes",
+                "256..=1048576",
+            ),
+            (
+                format!("{on}stream_patterns = [\"plant\"]\n{stream}"),
+                "ingest.stream_patterns[0]",
+                "followed by '*'",
+            ),
+            (
+                format!("{on}stream_patterns = [\"sys*\"]\n{stream}"),
+                "ingest.stream_patterns[0]",
+                "matches source \"system\"",
+            ),
+            (
+                format!("{on}[[ingest.streams]]\nname = \"_commands\"\n"),
+                "ingest.streams[0].name",
+                "not starting with '_'",
+            ),
+            (
+                format!("{on}[[ingest.streams]]\nname = \"system\"\n"),
+                "ingest.streams[0].name",
+                "is a source's stream",
+            ),
+            (
+                format!("{on}{stream}durability = \"fsync\"\n"),
+                "ingest.streams[0].durability",
+                "\"batched\" or \"full\"",
+            ),
+            (
+                format!("{on}{stream}{stream}"),
+                "ingest.streams[1].name",
+                "duplicate",
+            ),
+            (on.to_owned(), "ingest.streams", "no stream is declared"),
+            (format!("[ingest]\n{stream}"), "ingest", "no listener"),
+            (
+                format!("{on}sockett = 1\n"),
+                "ingest.sockett",
+                "did you mean `socket`",
+            ),
+        ] {
+            let e = err(&format!("{GOOD}{body}"));
+            let p = &e.problems[0];
+            assert_eq!(p.key, key, "{body}");
+            assert!(p.message.contains(says), "{body}: {}", p.message);
+        }
     }
 
     #[test]

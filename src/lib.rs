@@ -18,6 +18,7 @@
 //! - [`push`]: config pushes kept in the state directory, confirm or revert;
 //! - [`source`]: one file per kind of reading source;
 //! - [`sampler`]: one thread per source, on its own deadline;
+//! - [`ingest`]: the local socket other programs put readings through (JSON lines, replies after the commit);
 //! - [`envelope`]: event ids and the wire format, encoded once at append;
 //! - [`spool`]: the SQLite spool, its pragmas, schema and every statement;
 //! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
@@ -35,6 +36,7 @@
 //! - [`probe`]: storage probe and the knobs derived from it;
 //! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report;
+//! - [`trial`]: `edgespool test`, one reading per source shown, nothing written;
 //! - [`sink`]: the reference consumer (`edgespool sink`).
 
 pub mod ack;
@@ -45,6 +47,7 @@ pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
 pub mod health;
+pub mod ingest;
 pub mod integrity;
 pub mod maintenance;
 pub mod metrics;
@@ -60,6 +63,7 @@ pub mod sink;
 pub mod source;
 pub mod spool;
 pub mod status;
+pub mod trial;
 
 /// The model check of [`ack`] and [`spool`] delivery bookkeeping (tests only).
 #[cfg(test)]

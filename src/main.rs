@@ -1,11 +1,12 @@
 //! The `edgespool` command: parses arguments, runs, maps results to exit codes.
 //!
-//! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS; for `check-config
-//! --sample`, a source that gave no reading); 2 bad usage or bad config (for
-//! `check-config`, also a replay file that is missing or lacks a configured
-//! column).
+//! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS; for `test`, a
+//! source that gave no reading or a listener that cannot bind); 2 bad usage
+//! or bad config (for `check-config`, also a replay file that is missing or
+//! lacks a configured column).
 
 mod sink_cmd;
+mod test_cmd;
 
 use sink_cmd::{PgTlsArgs, SinkArgs};
 use std::path::{Path, PathBuf};
@@ -13,7 +14,8 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage:
   edgespool run --config FILE [--set key.path=value]... [--check-spool]
-  edgespool check-config FILE [--set key.path=value]... [--sample]
+  edgespool check-config FILE [--set key.path=value]...
+  edgespool test --config FILE [--set key.path=value]...
   edgespool status (--config FILE | --spool PATH) [--json]
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
   edgespool sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)
@@ -33,6 +35,10 @@ enum Cmd {
         config: PathBuf,
         sets: Vec<String>,
         sample: bool,
+    },
+    Test {
+        config: PathBuf,
+        sets: Vec<String>,
     },
     Status {
         config: Option<PathBuf>,
@@ -92,7 +98,7 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             Long("batch-max") => batch_max = Some(p.value()?.parse::<usize>()?),
             Long("batch-ms") => batch_ms = Some(p.value()?.parse::<u64>()?),
             Long("help") | Short('h') => return Ok(Cmd::Help),
-            Value(v) if sub == "check-config" && config.is_none() => {
+            Value(v) if matches!(sub.as_str(), "check-config" | "test") && config.is_none() => {
                 config = Some(PathBuf::from(v))
             }
             a => return Err(a.unexpected()),
@@ -108,6 +114,10 @@ fn parse_args() -> Result<Cmd, lexopt::Error> {
             config: config.ok_or("check-config needs FILE")?,
             sets,
             sample,
+        }),
+        "test" => Ok(Cmd::Test {
+            config: config.ok_or("test needs --config FILE")?,
+            sets,
         }),
         "status" if config.is_some() || spool.is_some() => Ok(Cmd::Status {
             config,
@@ -248,6 +258,7 @@ fn main() -> ExitCode {
             sets,
             sample,
         } => check_config(&config, &sets, sample),
+        Cmd::Test { config, sets } => test_cmd::run(&config, &sets),
         Cmd::Status {
             config,
             spool,
@@ -313,8 +324,8 @@ fn main() -> ExitCode {
 }
 
 /// `check-config`: the config, then the replay files it names, then (with
-/// `sample`) one reading per source. Exit 2 for a bad config or file, 1 for
-/// a source that gave no reading.
+/// `sample`, the older spelling of `test`) what `test` does. Exit 2 for a
+/// bad config or file, 1 for a source that gave no reading.
 fn check_config(config: &Path, sets: &[String], sample: bool) -> ExitCode {
     let c = match edgespool::config::load(config, sets) {
         Ok(c) => c,
@@ -330,7 +341,7 @@ fn check_config(config: &Path, sets: &[String], sample: bool) -> ExitCode {
     if !problems.is_empty() {
         return ExitCode::from(2);
     }
-    if sample && !sample_sources(&c) {
+    if sample && !test_cmd::report(&c) {
         return ExitCode::FAILURE;
     }
     println!(
@@ -342,50 +353,6 @@ fn check_config(config: &Path, sets: &[String], sample: bool) -> ExitCode {
         c.mqtt.port
     );
     ExitCode::SUCCESS
-}
-
-/// `check-config --sample`: one reading from each source, printed as
-/// `source NAME: field=value ...`, or its error. False if any failed.
-fn sample_sources(cfg: &edgespool::config::Config) -> bool {
-    use edgespool::source::FieldValue;
-    let dir = cfg
-        .spool
-        .path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let mut ok = true;
-    for (i, spec) in cfg.sources.iter().enumerate() {
-        if let edgespool::source::SourceKind::Mqtt(b) = &spec.kind {
-            match edgespool::source::bridge::probe(b, std::time::Duration::from_secs(2)) {
-                Ok(what) => println!("source {}: {what}", spec.name),
-                Err(e) => {
-                    eprintln!("source {} (sources[{i}]): {e}", spec.name);
-                    ok = false;
-                }
-            }
-            continue;
-        }
-        match edgespool::source::sample_once(spec, &dir) {
-            Ok(fields) => {
-                let shown: Vec<String> = fields
-                    .iter()
-                    .map(|(k, v)| match v {
-                        FieldValue::Num(n) => format!("{k}={n}"),
-                        FieldValue::Text(t) => format!("{k}={t:?}"),
-                        FieldValue::Bool(b) => format!("{k}={b}"),
-                    })
-                    .collect();
-                println!("source {}: {}", spec.name, shown.join(" "));
-            }
-            Err(e) => {
-                eprintln!("source {} (sources[{i}]): no reading: {e}", spec.name);
-                ok = false;
-            }
-        }
-    }
-    ok
 }
 
 /// Log to stderr through env_logger (`RUST_LOG`, default `info`). Under

@@ -76,9 +76,16 @@ fn source_loop(
         return source::bridge::run(&spec.name, b, tx, ctl, global);
     }
     let mut state = SourceState::default();
-    let mut replay = match &spec.kind {
-        source::SourceKind::Replay(r) => match open_replay(r, &spec.name, &spool) {
-            Ok(p) => Some(p),
+    let mut replay = None;
+    if let source::SourceKind::Replay(r) = &spec.kind {
+        match open_replay(r, &spec.name, &spool) {
+            Ok(p) => replay = Some(p),
+            // A followed file may be between a rotation's rename and create.
+            Err(e) if r.follow => log::warn!(
+                "source {}: {e}; tried again every {} ms",
+                spec.name,
+                spec.interval.as_millis()
+            ),
             Err(e) => {
                 log::error!(
                     "source {}: {e}; this source is off until the config changes",
@@ -86,9 +93,8 @@ fn source_loop(
                 );
                 return;
             }
-        },
-        _ => None,
-    };
+        }
+    }
     let mut failures = 0u64;
     let mut last_log: Option<Instant> = None;
     let mut interval = spec.interval;
@@ -101,9 +107,12 @@ fn source_loop(
             if next < now {
                 next = now + interval;
             }
-            let result = match replay.as_mut() {
-                Some(r) => replay_due(r, &spec.name, now),
-                None => source::sample(&spec, &mut state, &dir).map(|f| vec![(f, None)]),
+            let result = match (replay.as_mut(), &spec.kind) {
+                (Some(r), _) => replay_due(r, &spec.name, now),
+                // Only a followed file gets here: tried again every interval.
+                (None, source::SourceKind::Replay(r)) => open_replay(r, &spec.name, &spool)
+                    .and_then(|p| replay_due(replay.insert(p), &spec.name, now)),
+                (None, _) => source::sample(&spec, &mut state, &dir).map(|f| vec![(f, None)]),
             };
             match result {
                 Ok(list) => {
@@ -175,6 +184,13 @@ fn open_replay(
             "source {name}: {what} changed under trace_id {:?}: {} line {line} of lap {lap}",
             replay.trace_id(),
             if reached { "skipped to just after" } else { "the file is shorter than the stored position, so that lap ended at" }
+        ),
+        Resumed::InRotated { lap, line, file } => log::info!(
+            "source {name}: {what} was rotated while stopped: finishing segment {lap} in {} after line {line}, then the new file",
+            file.display()
+        ),
+        Resumed::NextSegment { lap } => log::warn!(
+            "source {name}: the file followed before is gone or was truncated: following {what} from its first row as segment {lap}"
         ),
         Resumed::NewTrace { was } => log::warn!(
             "source {name}: {what} is not the trace played before (stored identity {was}, now {}): playing it from the first row under new event ids; give the source a trace_id so that an edited or appended trace resumes by line instead",

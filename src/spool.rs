@@ -1063,7 +1063,7 @@ impl Spool {
                         envelope::replay_event_id(
                             device_id,
                             &ev.stream,
-                            &pos.trace_id,
+                            &pos.id_trace(),
                             pos.lap,
                             pos.line,
                         )
@@ -1865,6 +1865,7 @@ mod tests {
             offset: line * 10,
             shift_ms: 0,
             pass: Default::default(),
+            segment: None,
         });
         e
     }

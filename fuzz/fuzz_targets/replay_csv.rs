@@ -76,6 +76,7 @@ fuzz_target!(|data: &[u8]| {
         speed: 0.0,
         max_rows_per_call: MAX_ROWS_PER_CALL,
         repeat,
+        follow: false,
     };
     let Ok(mut replay) = Replay::open(spec) else {
         return;

@@ -318,6 +318,9 @@ impl Ingest {
         if new.device_id != cur.device_id {
             restart.push("device_id");
         }
+        if new.ingest != cur.ingest {
+            restart.push("ingest");
+        }
         if new.commands != cur.commands {
             restart.push("commands");
         }

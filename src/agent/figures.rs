@@ -146,4 +146,33 @@ impl Ingest {
             super::join_within(l.stop(), deadline, "the metrics listener");
         }
     }
+
+    /// Move the ingest socket's counter increments into the spool's
+    /// counters (kept pending if the spool refuses them now).
+    pub(super) fn store_socket_counts(&mut self) {
+        let Some(c) = &self.socket_counts else { return };
+        for (k, v) in c.take() {
+            *self.pending_counts.entry(k).or_default() += v;
+        }
+        self.flush_counts();
+    }
+
+    /// Record in `agent_state` (`ingest_listeners`, shown by `status`) what
+    /// the ingest socket listens on; "off" replaces an earlier entry.
+    pub(super) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
+        let now = crate::envelope::wall_clock_ms().0;
+        let had = self
+            .spool
+            .states()
+            .is_ok_and(|v| v.iter().any(|(k, _, _)| k == "ingest_listeners"));
+        match s.describe() {
+            Some(d) => {
+                let _ = self.spool.set_state("ingest_listeners", &d, now);
+            }
+            None if had => {
+                let _ = self.spool.set_state("ingest_listeners", "off", now);
+            }
+            None => {}
+        }
+    }
 }

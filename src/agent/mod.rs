@@ -271,6 +271,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let _lock = claim_spool(&cfg)?;
 
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
+    // Clients' readings wait in the channel until the ingest loop runs.
+    let socket_ingest =
+        crate::ingest::start(&cfg.ingest, ingest_tx.clone()).map_err(AgentError::Setup)?;
     let tuning = tune_from_probe(&mut cfg);
     crate::probe::remove_stale_files(&spool_dir(&cfg));
     let check_reason = crate::integrity::take_stamp(&cfg.spool.path).or_else(|| {
@@ -383,12 +386,14 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         upkeep: Upkeep::new(&cfg.spool.path, verdict),
         metrics: Default::default(),
         pending_counts: HashMap::new(),
+        socket_counts: socket_ingest.counters(),
         notifier: crate::notify::Notifier::from_env(),
         heartbeat: crate::notify::Heartbeat::default(),
         tuning: tuning.as_ref().map(|p| p.derived),
         storage_backoff: storage_backoff(tuning.as_ref()),
     };
     ing.config_sha = ing.config_identity();
+    ing.note_socket_ingest(&socket_ingest);
     if let Some(msg) = ing.source.fallback.clone() {
         log::error!("{msg}");
         ing.agent_event("config_invalid", &msg);
@@ -401,6 +406,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         ("delivery", stats.heartbeat.clone()),
     ]);
     ing.run_until_stopped(&readings_rx, &stop, &hup, &stats);
+    socket_ingest.stop_intake();
     ing.notifier.stopping();
     // The loop also ends on a fatal condition: stop the sampler either way.
     stop.store(true, Ordering::Relaxed);
@@ -417,6 +423,8 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             net_stop,
         },
     );
+    socket_ingest.finish();
+    ing.store_socket_counts();
     ing.stop_metrics(metrics_listener);
     ing.record_end(run_id, lost)
 }
@@ -762,6 +770,8 @@ struct Ingest {
     upkeep: Upkeep,
     /// Counter increments not yet stored (a full disk refuses them too).
     pending_counts: HashMap<String, i64>,
+    /// The ingest socket's counters, moved into the spool's at each summary.
+    socket_counts: Option<Arc<crate::ingest::Counters>>,
     /// What the storage probe derived, re-applied over every reloaded config.
     tuning: Option<crate::probe::Derived>,
     /// Backoff for storage writes that failed transiently (busy, I/O).
@@ -1544,6 +1554,7 @@ impl Ingest {
         );
         log::info!("{line}");
         self.notifier.status(&line);
+        self.store_socket_counts();
         self.publish_metrics(true, true);
     }
 }

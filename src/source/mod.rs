@@ -16,6 +16,7 @@ mod exec;
 mod file;
 pub mod replay;
 mod system;
+pub mod tail;
 
 use std::fmt;
 use std::io::{self, Read};
@@ -272,7 +273,7 @@ pub fn sample(
 /// `(key, message)` with the key as in the config (`sources[2].path`):
 /// for now, a replay file that cannot be opened, read or parsed, or whose
 /// header lacks a configured column ([`replay::check`]). Other kinds are
-/// only tried by [`sample_once`] (`check-config --sample`), as a sensor may
+/// only tried by [`sample_once`] (`edgespool test`), as a sensor may
 /// appear after boot.
 pub fn check_files(sources: &[SourceSpec]) -> Vec<(String, String)> {
     sources
@@ -287,7 +288,7 @@ pub fn check_files(sources: &[SourceSpec]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// One reading of `spec` taken now, as `check-config --sample` prints it:
+/// One reading of `spec` taken now, as `edgespool test` shows it:
 /// [`sample`] for system, file and exec sources (a system source's
 /// `cpu_util_pct` needs two samples and is absent); for a replay, its
 /// first usable row (read from the start, nothing stored).
@@ -304,6 +305,8 @@ pub fn sample_once(spec: &SourceSpec, spool_dir: &Path) -> Result<Fields, Source
     let mut first = r.clone();
     first.speed = 0.0;
     first.repeat = false;
+    // One row from the start: a followed file is read as it stands.
+    first.follow = false;
     first.max_rows_per_call = 1;
     let mut replay = replay::Replay::open(first)?;
     for _ in 0..10 {

@@ -12,6 +12,13 @@
 //! as the row, and [`Replay::resume`] continues after the stored position.
 //! So a restart neither skips a row nor sends one again under a new id.
 //!
+//! With `follow = true` the file is tailed instead (like `tail -F`, see
+//! [`super::tail`]): at its end the replay waits for more complete lines,
+//! and a rotated or truncated file continues as the next *segment*, read
+//! from its start. The segment number takes the place of the lap in a
+//! row's position, and the segment's inode and first bytes join the trace
+//! identity the event id derives from ([`ReplayPosition::id_trace`]).
+//!
 //! The file is streamed line by line through a `BufReader` and is never held
 //! whole; a line longer than [`MAX_LINE_BYTES`] is skipped without being
 //! buffered, so memory stays flat whatever the file holds. Each line is
@@ -48,6 +55,7 @@ use jiff::tz::TimeZone;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::tail::{SegmentMark, Tail, TailError, TailLine, TailResumed};
 use super::{excerpt, FieldValue, Fields, SourceError};
 
 /// Name of the field carrying the row's timestamp (unix milliseconds, UTC).
@@ -111,6 +119,10 @@ pub struct ReplaySpec {
     pub max_rows_per_call: usize,
     /// Start over at the end of the file.
     pub repeat: bool,
+    /// Tail the file: wait at its end for more lines, follow rotation and
+    /// truncation (see [`super::tail`]). Excludes `repeat`; rows are played
+    /// as they are written, so `speed` is 0.
+    pub follow: bool,
 }
 
 /// Counters, for logs and the closing report. See the module doc for what
@@ -153,6 +165,25 @@ pub struct ReplayPosition {
     pub shift_ms: i64,
     /// Timestamps of this lap up to the row, to place the next lap.
     pub pass: PassInfo,
+    /// For a followed file: which file the row came from (`lap` is then
+    /// the segment number). Absent in positions of other replays. Boxed:
+    /// every reading in flight to the spool carries a position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment: Option<Box<SegmentMark>>,
+}
+
+impl ReplayPosition {
+    /// The trace identity the event id derives from
+    /// ([`crate::envelope::replay_event_id`]): `trace_id`, and for a
+    /// followed file also the segment's inode and head digest
+    /// (`trace_id#ino:head`), so rows of two different files never share an
+    /// id even under one segment number.
+    pub fn id_trace(&self) -> std::borrow::Cow<'_, str> {
+        match &self.segment {
+            None => std::borrow::Cow::Borrowed(&self.trace_id),
+            Some(m) => std::borrow::Cow::Owned(format!("{}#{}:{}", self.trace_id, m.ino, m.head)),
+        }
+    }
 }
 
 /// What [`Replay::resume`] did, for the log line.
@@ -185,6 +216,23 @@ pub enum Resumed {
         /// The identity stored before.
         was: String,
     },
+    /// Followed file: the stored file was found under another name (rotated
+    /// while the agent was down); it is read to its end from the stored
+    /// row, then the path's file follows as the next segment.
+    InRotated {
+        /// Segment of the stored row.
+        lap: u64,
+        /// Line of the stored row.
+        line: u64,
+        /// Where the stored file is now.
+        file: PathBuf,
+    },
+    /// Followed file: the stored file is gone or was truncated; the path's
+    /// file is played from its first row as segment `lap`.
+    NextSegment {
+        /// The new segment's number (the stored one + 1).
+        lap: u64,
+    },
 }
 
 /// A trace being played.
@@ -209,8 +257,11 @@ pub struct Replay {
     /// Identity of the trace and fingerprint of the file, fixed at open.
     trace_id: String,
     fingerprint: String,
-    /// `None` between the end of a pass and the next reopen.
+    /// `None` between the end of a pass and the next reopen, and when
+    /// following.
     reader: Option<BufReader<File>>,
+    /// The followed file (`follow = true`).
+    tail: Option<Tail>,
     /// Reused line buffer.
     line: Vec<u8>,
     /// Line number in the file of the last line read (header = 1).
@@ -330,18 +381,31 @@ impl Replay {
         let format = TsFormat::compile(&spec.timestamp_format, &spec.timezone)
             .map_err(|e| parse_err(format!("timestamp_format/timezone: {e}")))?;
         let delimiter = spec.delimiter as u8;
-        let (reader, header, header_len) = open_with_header(&spec)?;
+        let (reader, tail, header, header_len) = if spec.follow {
+            let (tail, header) = Tail::open(&spec.path).map_err(tail_err)?;
+            let len = tail.offset();
+            (None, Some(tail), header, len)
+        } else {
+            let (reader, header, len) = open_with_header(&spec)?;
+            (Some(reader), None, header, len)
+        };
         let headers: Vec<String> = split_cells(header.as_bytes(), delimiter)
             .into_iter()
             .map(|h| h.trim().to_owned())
             .collect();
         let (ts_cols, columns) = resolve_columns(&headers, &spec).map_err(parse_err)?;
-        let fingerprint = fingerprint(&spec.path).map_err(|source| SourceError::Io {
-            path: spec.path.clone(),
-            source,
-        })?;
+        // A followed file grows: its content is no identity. Its path is.
+        let fingerprint = if spec.follow {
+            String::new()
+        } else {
+            fingerprint(&spec.path).map_err(|source| SourceError::Io {
+                path: spec.path.clone(),
+                source,
+            })?
+        };
         let trace_id = match &spec.trace_id {
             Some(id) => id.clone(),
+            None if spec.follow => format!("path:{}", spec.path.display()),
             None => format!("fp:{fingerprint}"),
         };
         let sentinels = spec
@@ -367,7 +431,8 @@ impl Replay {
             header,
             trace_id,
             fingerprint,
-            reader: Some(reader),
+            reader,
+            tail,
             line: Vec::new(),
             line_no: 1,
             offset: header_len,
@@ -398,6 +463,12 @@ impl Replay {
     ///   stored line; a file shorter than that ends the stored lap.
     /// - Another identity: the file is a new trace, played from its first
     ///   row (lap 0) under new ids.
+    /// - Followed file ([`Tail::resume`]): after the stored row if the file
+    ///   at the path is still the stored one (inode and first bytes); else
+    ///   in the stored file found under another name in its directory
+    ///   ([`Resumed::InRotated`]); else the path's file from its first row
+    ///   as the next segment ([`Resumed::NextSegment`]). A position stored
+    ///   without a file identity skips lines up to the stored line.
     ///
     /// # Errors
     ///
@@ -409,6 +480,33 @@ impl Replay {
         if saved.trace_id != self.trace_id {
             return Ok(Resumed::NewTrace {
                 was: saved.trace_id,
+            });
+        }
+        if let Some(tail) = self.tail.as_mut() {
+            let how = tail
+                .resume(
+                    saved.lap,
+                    saved.line,
+                    saved.offset,
+                    saved.segment.as_deref(),
+                )
+                .map_err(tail_err)?;
+            if tail.segment() != saved.lap {
+                self.pass = PassInfo::default();
+            }
+            self.lap = tail.segment();
+            self.line_no = tail.line_no();
+            self.offset = tail.offset();
+            let (lap, line) = (saved.lap, saved.line);
+            return Ok(match how {
+                TailResumed::Same => Resumed::After { lap, line },
+                TailResumed::ByLine => Resumed::SkippedTo {
+                    lap,
+                    line,
+                    reached: true,
+                },
+                TailResumed::Rotated(file) => Resumed::InRotated { lap, line, file },
+                TailResumed::NextSegment => Resumed::NextSegment { lap: self.lap },
             });
         }
         self.lap = saved.lap;
@@ -485,6 +583,9 @@ impl Replay {
         let start = *self.start.get_or_insert(now);
         let limit = self.spec.max_rows_per_call.max(1);
         let mut budget = MAX_SKIPPED_ROWS_PER_CALL;
+        if let Some(tail) = self.tail.as_mut() {
+            tail.new_poll();
+        }
         let mut reopened = false;
         while out.len() < limit {
             let row = match self.pending.take() {
@@ -559,27 +660,30 @@ impl Replay {
             if self.stats.finished || *budget == 0 {
                 return Ok(None);
             }
-            if self.reader.is_none() {
-                if *reopened {
-                    return Ok(None);
+            let read = if let Some(tail) = self.tail.as_mut() {
+                let read = match tail.next_line(&mut self.line).map_err(tail_err)? {
+                    TailLine::Wait => return Ok(None),
+                    TailLine::Line => LineRead::Line,
+                    TailLine::TooLong => LineRead::TooLong,
+                };
+                if tail.segment() != self.lap {
+                    // A new segment: its own timeline.
+                    self.pass = PassInfo::default();
                 }
-                *reopened = true;
-                self.reopen()?;
-            }
-            let Some(reader) = self.reader.as_mut() else {
-                return Ok(None);
+                self.lap = tail.segment();
+                self.line_no = tail.line_no();
+                self.offset = tail.offset();
+                read
+            } else {
+                match self.next_file_line(reopened)? {
+                    Some(read) => read,
+                    None => return Ok(None),
+                }
             };
-            let (read, used) =
-                read_line(reader, &mut self.line).map_err(|source| SourceError::Io {
-                    path: self.spec.path.clone(),
-                    source,
-                })?;
             if read == LineRead::Eof {
                 self.end_of_pass();
                 continue;
             }
-            self.line_no += 1;
-            self.offset += used;
             self.stats.rows_read += 1;
             let row = if read == LineRead::TooLong {
                 log::debug!(
@@ -599,6 +703,30 @@ impl Replay {
                 }
             }
         }
+    }
+
+    /// The next line of the (not followed) file, reopened for the next
+    /// pass at most once per call: `None` when nothing more in this call.
+    fn next_file_line(&mut self, reopened: &mut bool) -> Result<Option<LineRead>, SourceError> {
+        if self.reader.is_none() {
+            if *reopened {
+                return Ok(None);
+            }
+            *reopened = true;
+            self.reopen()?;
+        }
+        let Some(reader) = self.reader.as_mut() else {
+            return Ok(None);
+        };
+        let (read, used) = read_line(reader, &mut self.line).map_err(|source| SourceError::Io {
+            path: self.spec.path.clone(),
+            source,
+        })?;
+        if read != LineRead::Eof {
+            self.line_no += 1;
+            self.offset += used;
+        }
+        Ok(Some(read))
     }
 
     /// The reading of the line in the buffer, if it gives one.
@@ -626,6 +754,7 @@ impl Replay {
             offset: self.offset,
             shift_ms: self.offset_ms,
             pass: self.pass.clone(),
+            segment: self.tail.as_mut().map(|t| Box::new(t.mark())),
         };
         Some(Row {
             ts: raw_ts.saturating_add(self.offset_ms),
@@ -819,6 +948,9 @@ fn check_settings(spec: &ReplaySpec) -> Result<(), String> {
     if spec.timestamp_columns.is_empty() {
         return Err("timestamp_columns is empty, at least one column is needed".to_owned());
     }
+    if spec.follow && spec.repeat {
+        return Err("follow: cannot be combined with repeat (a followed file has no end to start over from)".to_owned());
+    }
     let mut names: Vec<&str> = vec![TRACE_TS_FIELD];
     for (header, field) in &spec.columns {
         if field.is_empty() {
@@ -830,6 +962,18 @@ fn check_settings(spec: &ReplaySpec) -> Result<(), String> {
         names.push(field);
     }
     Ok(())
+}
+
+/// A followed file's error as a source error: unreadable → `Io`, a bad
+/// header → `Parse`.
+fn tail_err(e: TailError) -> SourceError {
+    match e {
+        TailError::Io { path, source } => SourceError::Io { path, source },
+        TailError::Header { path, detail } => SourceError::Parse {
+            what: path.display().to_string(),
+            detail,
+        },
+    }
 }
 
 /// Opens the trace and reads its header line (BOM, CR and LF removed),
@@ -1229,6 +1373,7 @@ mod tests {
             speed: 0.0,
             max_rows_per_call: 1000,
             repeat: false,
+            follow: false,
         }
     }
 
@@ -2115,6 +2260,56 @@ mod tests {
         looped.resume(Some(at4)).unwrap();
         let next = positions(&mut looped, 1);
         assert_eq!((next[0].0.lap, next[0].0.line), (1, 2));
+    }
+
+    #[test]
+    fn a_followed_trace_waits_at_its_end_and_numbers_segments_across_rotation() {
+        let (dir, path) = trace(&refs(&hourly(2)), "\n");
+        let mut s = spec(&path);
+        s.follow = true;
+        let mut r = Replay::open(s.clone()).unwrap();
+        assert_eq!(r.trace_id(), format!("path:{}", path.display()));
+        let first = positions(&mut r, 2);
+        assert_eq!(first.len(), 2);
+        assert!(!r.stats().finished, "a followed file has no end");
+        let more = hourly(4);
+        let mut f = fs::OpenOptions::new().append(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut f, format!("{}\n{}", more[3], &more[4][..5]).as_bytes())
+            .unwrap();
+        let grown = positions(&mut r, 1);
+        assert_eq!(grown.len(), 1, "the incomplete line waits");
+        assert_eq!((grown[0].0.lap, grown[0].0.line), (0, 4));
+        // Rotated: the rest of the old file, then the new one as segment 1.
+        std::io::Write::write_all(&mut f, format!("{}\n", &more[4][5..]).as_bytes()).unwrap();
+        fs::rename(&path, dir.path().join("trace.csv.1")).unwrap();
+        fs::write(&path, refs(&hourly(1)).join("\n") + "\n").unwrap();
+        let after = positions(&mut r, 1);
+        let at: Vec<(u64, u64)> = after.iter().map(|(p, _)| (p.lap, p.line)).collect();
+        assert_eq!(at, [(0, 5), (1, 2)]);
+        // Row 2 of segment 1 and of segment 0 hold the same data, yet their
+        // identities differ (segment number, inode and head are all in it).
+        assert_eq!(after[1].1, first[0].1);
+        assert_ne!(after[1].0.id_trace(), first[0].0.id_trace());
+        assert_ne!(after[1].0.segment, first[0].0.segment);
+
+        // Resumed from each stored position, the rest is the same rows.
+        let stored = after[0].0.clone();
+        let mut again = Replay::open(s.clone()).unwrap();
+        let how = again.resume(Some(stored)).unwrap();
+        assert_eq!(
+            how,
+            Resumed::InRotated {
+                lap: 0,
+                line: 5,
+                file: dir.path().join("trace.csv.1")
+            }
+        );
+        let rest = positions(&mut again, 1);
+        assert_eq!(rest, after[1..]);
+        let mut again = Replay::open(s).unwrap();
+        let how = again.resume(Some(after[1].0.clone())).unwrap();
+        assert_eq!(how, Resumed::After { lap: 1, line: 2 });
+        assert!(positions(&mut again, 1).is_empty());
     }
 
     #[test]

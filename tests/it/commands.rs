@@ -64,6 +64,14 @@ impl Rig {
         rig
     }
 
+    /// Pin `mqtt.protocol = "3.1.1"`: oversized commands reach a 3.1.1
+    /// client (MQTT 5 brokers drop them for a client that announced a
+    /// smaller Maximum Packet Size, §3.1.2.11.4).
+    fn v311(self) -> Rig {
+        crate::v311(self.cfg.clone());
+        self
+    }
+
     fn marker(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
@@ -395,7 +403,7 @@ fn a_retained_command_runs_once_across_agent_and_broker_restarts() {
 
 #[test]
 fn malformed_oversized_and_non_utf8_commands_get_rejected_results() {
-    let rig = Rig::new("malformed");
+    let rig = Rig::new("malformed").v311();
     let mut agent = rig.spawn_ready();
     rig.send(&[0xff, 0xfe, 0xfd], false);
     rig.send(b"{not json", false);
@@ -1508,7 +1516,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
 /// leaves the board deaf.
 #[test]
 fn oversized_commands_are_rejected_or_dropped_without_leaving_the_board_deaf() {
-    let rig = Rig::new("oversize");
+    let rig = Rig::new("oversize").v311();
     let mut agent = rig.spawn_ready();
     let topic = format!("{}/commands", rig.prefix);
     let over = json!({"command_id": "o-1", "name": "ping", "args": {"x": "y".repeat(100_000)}});
@@ -1648,4 +1656,69 @@ fn commands_held_back_beyond_the_inbox_are_redelivered_after_a_reconnect() {
         "held back: {} (parked or not kept)",
         counter(&rig.db(), "commands_held_back")
     );
+}
+
+/// MQTT 5 session expiry (`mqtt.session_expiry_secs`, 7 days by default): a
+/// command sent while the agent is stopped waits in its session at the
+/// broker and runs after the restart. The control: with a session expiry
+/// of 0 the broker ends the session at the disconnect (MQTT 5
+/// §3.1.2.11.2), and a command sent meanwhile never arrives.
+#[test]
+fn a_command_sent_while_the_agent_is_down_waits_in_its_session_under_mqtt_5() {
+    let rig = Rig::new("offline-cmd");
+    for (expiry, id, kept) in [("604800", "off-kept", true), ("0", "off-lost", false)] {
+        let sets = vec![format!("mqtt.session_expiry_secs={expiry}")];
+        let ready = |agent: &AgentProc| {
+            assert!(
+                wait_for(Duration::from_secs(20), || agent
+                    .log_text()
+                    .contains("subscribed to commands")),
+                "{}",
+                agent.log_tail(20)
+            );
+        };
+        let mut agent = AgentProc::spawn(&rig.cfg, &sets, rig.dir.path());
+        ready(&agent);
+        agent.terminate(Duration::from_secs(15));
+        rig.send_json(json!({"command_id": id, "name": "ping"}));
+        let mut agent = AgentProc::spawn(&rig.cfg, &sets, rig.dir.path());
+        ready(&agent);
+        if kept {
+            let r = rig.wait_result(id, "result", &mut agent);
+            assert_eq!(r["state"], "completed");
+        } else {
+            std::thread::sleep(Duration::from_secs(5));
+            assert!(
+                rig.results().iter().all(|r| r["command_id"] != id),
+                "a command survived a session that expired at the disconnect"
+            );
+        }
+        agent.terminate(Duration::from_secs(15));
+    }
+}
+
+/// Under MQTT 5 the agent announces its incoming limit in CONNECT (Maximum
+/// Packet Size, §3.1.2.11.4), and the broker discards a larger command
+/// for it instead of sending it: no result comes back for it, the
+/// connection is never dropped, and the next command is answered.
+#[test]
+fn an_oversized_command_under_mqtt_5_is_discarded_by_the_broker_and_the_board_keeps_answering() {
+    let rig = Rig::new("oversize5");
+    let mut agent = rig.spawn_ready();
+    let over = json!({"command_id": "o5-1", "name": "ping", "args": {"x": "y".repeat(100_000)}});
+    rig.send(over.to_string().as_bytes(), false);
+    let (p, _) = round_trip(
+        &rig,
+        &mut agent,
+        json!({"command_id": "o5-ping", "name": "ping"}),
+    );
+    assert_eq!(p["state"], "completed");
+    assert!(rig.results().iter().all(|r| r["command_id"] != "o5-1"));
+    assert_eq!(
+        agent.log_text().matches("mqtt: connected to").count(),
+        1,
+        "{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
 }

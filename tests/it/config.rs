@@ -131,7 +131,8 @@ fn check_config_fails_on_a_missing_replay_file_or_a_header_without_the_column() 
     let (status, out, err) = run_cli(&["check-config", cfg.to_str().expect("utf-8"), "--sample"]);
     assert!(status.success(), "{out}{err}");
     assert!(
-        out.contains("source s: trace_ts_ms=1714521600000 t=1"),
+        out.contains("source s (sources[0]) -> ")
+            && out.contains("\"fields\":{\"trace_ts_ms\":1714521600000,\"t\":1}"),
         "{out}"
     );
 }

@@ -11,6 +11,7 @@ mod config;
 mod delivery;
 mod faults;
 mod health;
+mod ingest;
 mod metrics;
 mod mqtt5;
 #[cfg(feature = "pg-sink")]
@@ -23,6 +24,7 @@ mod spool;
 mod storage;
 mod systemd;
 mod tls;
+mod trial;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};

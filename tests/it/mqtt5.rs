@@ -173,3 +173,82 @@ fn every_event_carries_its_event_id_as_a_user_property() {
         );
     }
 }
+
+/// mosquitto's `max_keepalive` reaches an MQTT 5 client as CONNACK's Server
+/// Keep Alive: the agent's 60 s becomes the broker's 10 s, the `connected`
+/// line says so, and the connection survives an idle gap of twice that
+/// (the pings go at the broker's interval).
+#[test]
+fn the_brokers_server_keep_alive_replaces_ours_and_the_connection_holds() {
+    let broker = Broker::start_with_config("max_keepalive 10\n");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("v5ka");
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let db = dir.path().join("spool.db");
+    seed(&db, &(0..5).map(|i| format!("r{i}")).collect::<Vec<_>>());
+    let mut agent = AgentProc::spawn(
+        &cfg,
+        &["sources=[]".into(), "mqtt.keep_alive_secs=60".into()],
+        dir.path(),
+    );
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
+            == 5),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    let connected = log_lines(&agent, "INFO", "mqtt: connected to");
+    assert!(
+        connected.len() == 1 && connected[0].contains("keep_alive=10 s"),
+        "{connected:?}"
+    );
+    // Idle past 1.5 x 10 s: an absence, so a minimum wait, not a guess.
+    std::thread::sleep(Duration::from_secs(20));
+    assert_eq!(
+        log_lines(&agent, "INFO", "mqtt: connected to").len(),
+        1,
+        "{}",
+        agent.log_tail(20)
+    );
+    assert_eq!(status_json(&db)["health"]["state"], "ok");
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// A command subscription the ACL denies: under MQTT 5 the SUBACK carries
+/// 0x87 (not authorized), which health and the ERROR line name; telemetry
+/// keeps flowing.
+#[test]
+fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("v5subdeny");
+    let broker = broker_with_acl(
+        dir.path(),
+        serde_json::json!([
+            allow("publishClientSend", &format!("{prefix}/#")),
+            allow("subscribePattern", &format!("{prefix}/events/#")),
+        ]),
+    );
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let topic = format!("{prefix}/commands");
+    wait_degraded_with(
+        &db,
+        &agent,
+        &["commands unavailable", &topic, "SUBACK 0x87 not authorized"],
+        Duration::from_secs(60),
+    );
+    assert!(!log_lines(&agent, "ERROR", "(SUBACK 0x87 not authorized)").is_empty());
+    assert!(
+        wait_for(Duration::from_secs(60), || sub.count() >= 10
+            && count_in_state(&db, "ACKED") >= 10),
+        "telemetry stopped: {}\n{}",
+        sub.count(),
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+    assert_acked_rows_were_received(&db, &sub);
+    assert_no_retirement_without_puback(&db, &broker);
+}

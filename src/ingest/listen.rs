@@ -1,0 +1,378 @@
+//! The ingest listeners: the Unix socket (`ingest.socket`) and the TCP port
+//! (`ingest.tcp`), one accept thread each, one thread per connection
+//! ([`super::conn`]).
+//!
+//! Its one rule: **the socket path is ours only if it is a socket**: a
+//! stale socket left by a killed agent is removed at start (after checking
+//! nobody answers on it), anything else at that path (a regular file, a
+//! directory) is an error that names it and is never deleted; the socket
+//! is removed at a clean stop only if it is still the one we created.
+//!
+//! Bounds: at most `ingest.max_connections` connections over both
+//! listeners; one more gets one error line and is closed. The model is the
+//! metrics listener ([`crate::metrics::listen`]).
+
+use super::conn::{self, Stream};
+use super::request::error_line;
+use super::Counters;
+use crate::agent::IngestMsg;
+use crate::config::IngestConfig;
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The running listeners (none when `[ingest]` configures none).
+#[derive(Debug, Default)]
+pub struct SocketIngest {
+    running: Option<Running>,
+}
+
+#[derive(Debug)]
+struct Running {
+    shared: Arc<Shared>,
+    /// The socket path, its (device, inode) after bind, the accept thread.
+    unix: Option<(PathBuf, (u64, u64), JoinHandle<()>)>,
+    /// The bound address (the port chosen for 0) and the accept thread.
+    tcp: Option<(SocketAddr, JoinHandle<()>)>,
+}
+
+/// What the accept threads and connection threads share.
+#[derive(Debug)]
+struct Shared {
+    cfg: IngestConfig,
+    counters: Arc<Counters>,
+    stop: AtomicBool,
+    /// Connection readers that may still hand a request over.
+    readers: AtomicUsize,
+    next_id: AtomicU64,
+    /// Open connections (a handle each, to shut them at the stop) and
+    /// their threads.
+    open: Mutex<HashMap<u64, OpenConn>>,
+}
+
+/// A handle to an open connection (to shut it at the stop) and its thread.
+type OpenConn = (Stream, Option<JoinHandle<()>>);
+
+/// Bind the configured listeners and start their threads; readings go to
+/// `ingest`. Nothing configured: an empty [`SocketIngest`].
+///
+/// Errors (a sentence naming the key and path): the socket path holds
+/// something that is not a socket, another process answers on it, its
+/// directory cannot be made, the group is unknown, the mode or group cannot
+/// be set, the TCP address cannot be bound, a thread cannot start.
+pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketIngest, String> {
+    if !cfg.enabled() {
+        return Ok(SocketIngest::default());
+    }
+    let shared = Arc::new(Shared {
+        cfg: cfg.clone(),
+        counters: Arc::new(Counters::default()),
+        stop: AtomicBool::new(false),
+        readers: AtomicUsize::new(0),
+        next_id: AtomicU64::new(0),
+        open: Mutex::new(HashMap::new()),
+    });
+    let mut running = Running {
+        shared: shared.clone(),
+        unix: None,
+        tcp: None,
+    };
+    if let Some(path) = &cfg.socket {
+        let listener = bind_unix(path, cfg)?;
+        let meta = std::fs::symlink_metadata(path)
+            .map_err(|e| format!("ingest.socket {}: {e}", path.display()))?;
+        let (sh, tx) = (shared.clone(), ingest.clone());
+        let h = std::thread::Builder::new()
+            .name("ingest-unix".into())
+            .spawn(move || serve(|| listener.accept().map(|(s, _)| Stream::Unix(s)), &sh, &tx))
+            .map_err(|e| format!("cannot start the ingest socket thread: {e}"))?;
+        log::info!(
+            "ingest: listening on {} (mode {:o})",
+            path.display(),
+            cfg.socket_mode
+        );
+        running.unix = Some((path.clone(), (meta.dev(), meta.ino()), h));
+    }
+    if let Some(addr) = cfg.tcp {
+        let listener = TcpListener::bind(addr).map_err(|e| format!("ingest.tcp {addr}: {e}"))?;
+        let mut local = listener
+            .local_addr()
+            .map_err(|e| format!("ingest.tcp {addr}: {e}"))?;
+        if local.ip().is_unspecified() {
+            local.set_ip(match local {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let (sh, tx) = (shared.clone(), ingest);
+        let h = std::thread::Builder::new()
+            .name("ingest-tcp".into())
+            .spawn(move || serve(|| listener.accept().map(|(s, _)| Stream::Tcp(s)), &sh, &tx))
+            .map_err(|e| format!("cannot start the ingest tcp thread: {e}"))?;
+        log::info!("ingest: listening on tcp {local}");
+        running.tcp = Some((local, h));
+    }
+    Ok(SocketIngest {
+        running: Some(running),
+    })
+}
+
+impl SocketIngest {
+    /// The counters the listeners keep (drain them into the spool's).
+    pub fn counters(&self) -> Option<Arc<Counters>> {
+        self.running.as_ref().map(|r| r.shared.counters.clone())
+    }
+
+    /// What listens, for `status` (`unix <path> (mode 660, group g), tcp
+    /// <addr>`); `None` when nothing does.
+    pub fn describe(&self) -> Option<String> {
+        let r = self.running.as_ref()?;
+        let mut parts = Vec::new();
+        if let Some((path, _, _)) = &r.unix {
+            let group = r
+                .shared
+                .cfg
+                .socket_group
+                .as_ref()
+                .map(|g| format!(", group {g}"))
+                .unwrap_or_default();
+            parts.push(format!(
+                "unix {} (mode {:o}{group})",
+                path.display(),
+                r.shared.cfg.socket_mode
+            ));
+        }
+        if let Some((addr, _)) = &r.tcp {
+            parts.push(format!("tcp {addr}"));
+        }
+        Some(parts.join(", "))
+    }
+
+    /// The stop, first half: accept nothing more and stop reading requests
+    /// (every connection's read side is shut), then wait (up to 1 s) until
+    /// no reader can hand a request over any more, so the ingest thread's
+    /// last drain of its channel sees every request that will get an `ok`.
+    /// Replies still owed are written as their outcomes arrive.
+    pub fn stop_intake(&self) {
+        let Some(r) = &self.running else { return };
+        r.shared.stop.store(true, Ordering::Relaxed);
+        // Wake the accept threads (they see the flag before serving).
+        if let Some((path, _, _)) = &r.unix {
+            let _ = UnixStream::connect(path);
+        }
+        if let Some((addr, _)) = &r.tcp {
+            let _ = TcpStream::connect_timeout(addr, Duration::from_millis(500));
+        }
+        shut_reads(&r.shared);
+        // A reader past its last check may be blocked handing its reply
+        // channel to its writer, its request already sent: that one is
+        // in the channel the ingest thread drains next, so a bound is safe.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while r.shared.readers.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The stop, second half (after the ingest thread committed what it
+    /// had): wait up to 2 s for the connections to write their last
+    /// replies, then remove the socket file if it is still ours.
+    pub fn finish(self) {
+        let Some(r) = self.running else { return };
+        shut_reads(&r.shared);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let threads: Vec<JoinHandle<()>> = match r.shared.open.lock() {
+            Ok(mut open) => open.values_mut().filter_map(|(_, h)| h.take()).collect(),
+            Err(_) => Vec::new(),
+        };
+        for h in threads {
+            crate::agent::join_within(h, deadline, "an ingest connection");
+        }
+        if let Some((path, id, h)) = r.unix {
+            crate::agent::join_within(h, deadline, "the ingest socket thread");
+            let still_ours = std::fs::symlink_metadata(&path)
+                .is_ok_and(|m| m.file_type().is_socket() && (m.dev(), m.ino()) == id);
+            if still_ours {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        if let Some((_, h)) = r.tcp {
+            crate::agent::join_within(h, deadline, "the ingest tcp thread");
+        }
+    }
+}
+
+/// Shut the read side of every open connection: its reader sees EOF and
+/// ends; replies it owes are still written. (Called again at `finish` for a
+/// connection admitted while the stop began.)
+fn shut_reads(shared: &Shared) {
+    if let Ok(open) = shared.open.lock() {
+        for (s, _) in open.values() {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+    }
+}
+
+/// Bind the Unix socket at `path`: make its directory, clear a stale
+/// socket (never anything else), then set its mode and group.
+fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
+    let shown = path.display();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("ingest.socket: cannot create {}: {e}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(format!(
+                    "ingest.socket {shown}: another process is listening on it (another agent?)"
+                ));
+            }
+            std::fs::remove_file(path).map_err(|e| {
+                format!("ingest.socket {shown}: cannot remove the stale socket: {e}")
+            })?;
+            log::info!("ingest: removed the stale socket {shown}");
+        }
+        Ok(m) => {
+            let kind = if m.is_dir() {
+                "a directory"
+            } else if m.file_type().is_symlink() {
+                "a symbolic link"
+            } else if m.is_file() {
+                "a regular file"
+            } else {
+                "not a socket"
+            };
+            return Err(format!(
+                "ingest.socket {shown} exists and is {kind}, not a socket; refusing to delete it (remove it or choose another path)"
+            ));
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("ingest.socket {shown}: {e}")),
+    }
+    // Between bind and chmod the socket has the umask's mode; connecting
+    // needs write permission, which a 022 or 077 umask gives only the
+    // owner, so the window grants nobody else anything.
+    let listener = UnixListener::bind(path).map_err(|e| format!("ingest.socket {shown}: {e}"))?;
+    if let Some(g) = &cfg.socket_group {
+        let gid = match g.parse::<u32>() {
+            Ok(n) => n,
+            Err(_) => crate::process::lookup_group(g)
+                .map_err(|e| {
+                    format!("ingest.socket_group {g:?}: cannot read the group database: {e}")
+                })?
+                .ok_or_else(|| format!("ingest.socket_group {g:?}: no such group"))?,
+        };
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| {
+            format!("ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}")
+        })?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode)).map_err(
+        |e| {
+            format!(
+                "ingest.socket_mode: cannot set {:o} on {shown}: {e}",
+                cfg.socket_mode
+            )
+        },
+    )?;
+    Ok(listener)
+}
+
+/// An accept thread: until the stop flag, admit each connection or refuse
+/// it over the bound. Accept errors (a full descriptor table) are logged
+/// at most once a minute and retried after a pause.
+fn serve(
+    mut accept: impl FnMut() -> std::io::Result<Stream>,
+    shared: &Arc<Shared>,
+    ingest: &Sender<IngestMsg>,
+) {
+    let mut last_error: Option<Instant> = None;
+    loop {
+        let accepted = accept();
+        if shared.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        match accepted {
+            Ok(s) => admit(s, shared, ingest),
+            Err(e) => {
+                if last_error.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    log::warn!("ingest: accept failed: {e} (repeats logged every 60 s)");
+                    last_error = Some(Instant::now());
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// Start a connection thread for `stream`, or refuse it in one line if
+/// `ingest.max_connections` are open.
+fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
+    let Ok(mut open) = shared.open.lock() else {
+        return;
+    };
+    open.retain(|_, (_, h)| h.as_ref().is_some_and(|h| !h.is_finished()));
+    if open.len() >= shared.cfg.max_connections {
+        drop(open);
+        shared.counters.refused("too_many_connections");
+        let why = format!(
+            "too many connections ({} open, ingest.max_connections); try again later",
+            shared.cfg.max_connections
+        );
+        refuse(stream, &why);
+        return;
+    }
+    let Ok(handle) = stream.try_clone() else {
+        return;
+    };
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let (sh, tx) = (shared.clone(), ingest.clone());
+    // Counted before the thread starts, so a stop beginning now waits for it.
+    shared.readers.fetch_add(1, Ordering::Relaxed);
+    let spawned = std::thread::Builder::new()
+        .name("ingest-conn".into())
+        .spawn(move || {
+            conn::serve(stream, &sh.cfg, tx, &sh.counters, (&sh.stop, &sh.readers));
+        });
+    match spawned {
+        Ok(h) => {
+            shared.counters.add("ingest_connections", 1);
+            open.insert(id, (handle, Some(h)));
+        }
+        Err(e) => {
+            shared.readers.fetch_sub(1, Ordering::Relaxed);
+            log::warn!("ingest: cannot start a connection thread: {e}");
+        }
+    }
+}
+
+/// Tell a client it was refused, in one line, and close.
+fn refuse(mut stream: Stream, why: &str) {
+    let _ = stream_set_timeouts(&stream);
+    let _ = stream.write_all(error_line(why).as_bytes());
+    let _ = stream.shutdown(Shutdown::Write);
+    // Read what already arrived (without waiting long): unread data at
+    // close makes TCP send a reset that can destroy the line just written.
+    let mut sink = [0u8; 4096];
+    let _ = stream.read(&mut sink);
+}
+
+fn stream_set_timeouts(s: &Stream) -> std::io::Result<()> {
+    match s {
+        Stream::Unix(u) => {
+            u.set_write_timeout(Some(Duration::from_millis(500)))?;
+            u.set_read_timeout(Some(Duration::from_millis(20)))
+        }
+        Stream::Tcp(t) => {
+            t.set_write_timeout(Some(Duration::from_millis(500)))?;
+            t.set_read_timeout(Some(Duration::from_millis(20)))
+        }
+    }
+}

@@ -1,0 +1,649 @@
+//! The ingest socket of the real agent: requests over the Unix socket and
+//! TCP reach a real mosquitto under the event ids the replies gave; what a
+//! hostile or careless client sends is refused by name; and 10,000 keyed
+//! requests from 4 concurrent clients survive SIGKILLs of the agent with
+//! every `ok` delivered and no key stored twice.
+
+use crate::support::agent::AgentProc;
+use crate::support::broker::Broker;
+use crate::support::subscriber::Subscriber;
+use crate::support::{free_port, wait_for};
+use crate::{prefix, write_config};
+use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The test board config (no sources: `--set sources=[]` at spawn) with
+/// an `[ingest]` section: `ingest` is its body, `streams` what follows.
+fn ingest_config(dir: &Path, url: &str, prefix: &str, ingest: &str) -> PathBuf {
+    let path = write_config(dir, url, prefix, 1000);
+    let mut text = std::fs::read_to_string(&path).expect("read config");
+    text.push_str(&format!(
+        "[ingest]\nsocket = \"{}\"\n{ingest}",
+        dir.join("run/ingest.sock").display()
+    ));
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+fn spawn(cfg: &Path, dir: &Path) -> AgentProc {
+    AgentProc::spawn(cfg, &["sources=[]".into()], dir)
+}
+
+/// Wait until the agent answers on its socket.
+fn wait_socket(sock: &Path, agent: &AgentProc) {
+    let up = wait_for(Duration::from_secs(20), || {
+        UnixStream::connect(sock).is_ok()
+    });
+    assert!(up, "ingest socket never answered\n{}", agent.log_tail(30));
+}
+
+/// A line client over either transport.
+struct Client {
+    r: BufReader<Box<dyn Read + Send>>,
+    w: Box<dyn Write + Send>,
+}
+
+impl Client {
+    fn unix(path: &Path) -> std::io::Result<Client> {
+        let s = UnixStream::connect(path)?;
+        s.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let w = s.try_clone()?;
+        Ok(Client {
+            r: BufReader::new(Box::new(s)),
+            w: Box::new(w),
+        })
+    }
+
+    fn tcp(port: u16) -> Client {
+        let s = TcpStream::connect(("127.0.0.1", port)).expect("connect tcp");
+        s.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        let w = s.try_clone().expect("clone");
+        Client {
+            r: BufReader::new(Box::new(s)),
+            w: Box::new(w),
+        }
+    }
+
+    fn send(&mut self, line: &str) -> std::io::Result<()> {
+        self.w.write_all(line.as_bytes())?;
+        self.w.write_all(b"\n")
+    }
+
+    /// The next reply line as JSON; `None` at EOF or on an error.
+    fn reply(&mut self) -> Option<Value> {
+        next_reply(&mut self.r)
+    }
+
+    fn ask(&mut self, line: &str) -> Value {
+        self.send(line).expect("send request");
+        self.reply().expect("a reply")
+    }
+}
+
+/// The event id of a delivered event (`None` for the agent's status message).
+fn id_of(d: &crate::support::subscriber::Delivery) -> Option<String> {
+    let v: Value = serde_json::from_slice(&d.payload).ok()?;
+    v["event_id"].as_str().map(str::to_owned)
+}
+
+/// The next reply line on `r` as JSON; `None` at EOF or on an error.
+fn next_reply(r: &mut impl BufRead) -> Option<Value> {
+    let mut line = String::new();
+    match r.read_line(&mut line) {
+        Ok(0) | Err(_) => None,
+        Ok(_) => {
+            Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply {line:?}: {e}")))
+        }
+    }
+}
+
+fn ok_id(v: &Value) -> String {
+    assert_eq!(v["ok"], true, "expected ok: {v}");
+    v["event_id"].as_str().expect("event_id").to_owned()
+}
+
+fn error_of(v: &Value) -> String {
+    assert_eq!(v["ok"], false, "expected a refusal: {v}");
+    v["error"].as_str().expect("error").to_owned()
+}
+
+/// Rows per event id in the spool (the agent's own `_` streams left out).
+fn rows_per_event(db: &Path) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for r in crate::support::spool::rows(db) {
+        if r.stream.starts_with('_') {
+            continue;
+        }
+        *m.entry(r.event_id).or_default() += 1;
+    }
+    m
+}
+
+#[test]
+fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores_nothing_new() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pfx = prefix("ingest_happy");
+    let sub = Subscriber::start(broker.port(), &format!("{pfx}/#"));
+    let port = free_port();
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        &format!("tcp = \"127.0.0.1:{port}\"\nstream_patterns = [\"plant.*\"]\n[[ingest.streams]]\nname = \"pump\"\ndurability = \"full\"\npriority = 3\n"),
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+    let mode = std::fs::metadata(&sock)
+        .expect("socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o660, "socket mode {:o}", mode & 0o777);
+
+    // Pipelined: three lines sent before any reply is read.
+    let mut c = Client::unix(&sock).expect("connect");
+    c.send(r#"{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}"#).expect("send");
+    c.send(r#"{"stream":"pump","fields":{"running":true,"mode":"auto"}}"#)
+        .expect("send");
+    c.send(r#"{"stream":"plant.line1","fields":{"count":7}}"#)
+        .expect("send");
+    let ids: Vec<String> = (0..3).map(|_| ok_id(&c.reply().expect("reply"))).collect();
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 3, "{ids:?}");
+
+    let mut t = Client::tcp(port);
+    let again = ok_id(&t.ask(r#"{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}"#));
+    assert_eq!(again, ids[0], "a retried key must get the same event id");
+    let tcp_id = ok_id(&t.ask(r#"{"stream":"plant.line2","fields":{"t_c":21.5},"key":"x-1"}"#));
+
+    let mut want: HashSet<String> = ids.iter().cloned().collect();
+    want.insert(tcp_id.clone());
+    let arrived = sub.wait_until(Duration::from_secs(20), |d| {
+        let got: HashSet<String> = d.iter().filter_map(id_of).collect();
+        want.is_subset(&got)
+    });
+    assert!(
+        arrived,
+        "not every ok'ed event arrived\n{}",
+        agent.log_tail(30)
+    );
+    let deliveries = sub.deliveries();
+    let first = deliveries
+        .iter()
+        .find(|d| id_of(d).as_ref() == Some(&ids[0]))
+        .expect("pump-000123 delivered");
+    assert_eq!(first.topic, format!("{pfx}/events/pump"));
+    let v = first.json();
+    assert_eq!(v["fields"]["pressure_bar"], 2.5);
+    assert_eq!(v["ts_ms"], 1_796_000_000_000i64);
+    let rows = rows_per_event(&dir.path().join("spool.db"));
+    assert_eq!(
+        rows.get(&ids[0]),
+        Some(&1),
+        "the retried key stored a second row"
+    );
+    assert_eq!(
+        rows.keys().filter(|k| want.contains(*k)).count(),
+        4,
+        "rows: {rows:?}"
+    );
+    assert_eq!(rows.len(), 4, "no other rows expected: {rows:?}");
+
+    let (_, status, _) =
+        crate::support::agent::run_cli(&["status", "--config", cfg.to_str().expect("utf-8 path")]);
+    assert!(
+        status.contains(&format!(
+            "ingest_listeners: unix {} (mode 660), tcp 127.0.0.1:{port}",
+            sock.display()
+        )),
+        "{status}"
+    );
+    drop((c, t));
+    assert!(agent
+        .terminate(Duration::from_secs(15))
+        .is_some_and(|s| s.success()));
+    assert!(!sock.exists(), "the socket is removed at a clean stop");
+}
+
+#[test]
+fn hostile_requests_are_refused_by_name_and_bounds_hold() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pfx = prefix("ingest_hostile");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        "max_line_bytes = 256\nmax_connections = 2\n[[ingest.streams]]\nname = \"pump\"\n",
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+    let mode = std::fs::metadata(&sock)
+        .expect("socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o660);
+
+    let mut c = Client::unix(&sock).expect("connect");
+    for (line, says) in [
+        (
+            r#"{"stream":"valve","fields":{"a":1}}"#,
+            "unknown stream \"valve\"",
+        ),
+        (
+            r#"{"stream":"_commands","fields":{"a":1}}"#,
+            "bad stream name \"_commands\"",
+        ),
+        (
+            r#"{"stream":"_agent","fields":{"a":1}}"#,
+            "bad stream name \"_agent\"",
+        ),
+        ("this is not json", "bad request"),
+        (
+            r#"{"stream":"pump","fields":{"a":{"b":1}}}"#,
+            "bad field \"a\": nested",
+        ),
+        (
+            r#"{"stream":"pump","fields":{"a":[1,2]}}"#,
+            "bad field \"a\": nested",
+        ),
+        (
+            r#"{"stream":"pump","fields":{"a":1},"admin":true}"#,
+            "unknown field `admin`",
+        ),
+        (
+            r#"{"stream":"pump","fields":{"a":1},"key":"has space"}"#,
+            "bad key",
+        ),
+    ] {
+        let e = error_of(&c.ask(line));
+        assert!(e.contains(says), "{line}: {e}");
+    }
+    // The connection still serves after refusals.
+    ok_id(&c.ask(r#"{"stream":"pump","fields":{"a":1}}"#));
+
+    // Too many connections: `c` and `d` are admitted, `e` is told and closed.
+    let mut d = Client::unix(&sock).expect("connect");
+    ok_id(&d.ask(r#"{"stream":"pump","fields":{"a":2}}"#));
+    let mut e = Client::unix(&sock).expect("connect");
+    let refused = error_of(&e.reply().expect("one error line"));
+    assert!(
+        refused.contains("too many connections") && refused.contains("ingest.max_connections"),
+        "{refused}"
+    );
+    assert!(e.reply().is_none(), "closed after the error line");
+    drop(d);
+
+    // An over-long line: one error naming the limit, then the connection closes.
+    let long = format!(
+        r#"{{"stream":"pump","fields":{{"s":"{}"}}}}"#,
+        "x".repeat(400)
+    );
+    let _ = c.send(&long);
+    let e = error_of(&c.reply().expect("error line"));
+    assert!(
+        e.contains("256 bytes") && e.contains("ingest.max_line_bytes"),
+        "{e}"
+    );
+    assert!(c.reply().is_none(), "closed after an over-long line");
+
+    // A new connection is served (slots were given back).
+    let ok = wait_for(Duration::from_secs(5), || {
+        Client::unix(&sock)
+            .is_ok_and(|mut f| f.ask(r#"{"stream":"pump","fields":{"a":3}}"#)["ok"] == true)
+    });
+    assert!(ok, "{}", agent.log_tail(20));
+
+    // Refusals are counted (stored at the 2 s summary).
+    let db = dir.path().join("spool.db");
+    let counted = wait_for(Duration::from_secs(10), || {
+        let conn = crate::support::spool::open(&db);
+        let n = |name: &str| -> i64 {
+            conn.query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
+                r.get(0)
+            })
+            .unwrap_or(0)
+        };
+        n("ingest_refused.unknown_stream") == 1
+            && n("ingest_refused.bad_stream") == 2
+            && n("ingest_refused.line_too_long") == 1
+            && n("ingest_refused.too_many_connections") >= 1
+    });
+    assert!(
+        counted,
+        "refusal counters not stored\n{}",
+        agent.log_tail(20)
+    );
+    // Only the three good requests became rows.
+    assert_eq!(rows_per_event(&db).len(), 3);
+    assert!(agent
+        .terminate(Duration::from_secs(15))
+        .is_some_and(|s| s.success()));
+}
+
+#[test]
+fn a_regular_file_at_the_socket_path_is_never_deleted() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &prefix("ingest_file"),
+        "[[ingest.streams]]\nname = \"pump\"\n",
+    );
+    let path = dir.path().join("run/ingest.sock");
+    std::fs::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+    std::fs::write(&path, "precious\n").expect("write");
+    let mut agent = spawn(&cfg, dir.path());
+    let status = agent.wait(Duration::from_secs(20)).expect("agent exits");
+    assert!(!status.success());
+    let log = agent.log_text();
+    assert!(
+        log.contains("exists and is a regular file, not a socket; refusing to delete it"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&path).expect("still there"),
+        "precious\n"
+    );
+}
+
+/// A clean stop (SIGTERM) while a client pipelines: every reply is `ok`
+/// (committed, in the spool) or `agent stopping; not stored`; lines without
+/// a reply were not stored either; the socket file is gone afterwards.
+#[test]
+fn a_clean_stop_answers_every_handed_over_request_and_stores_only_what_got_ok() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &prefix("ingest_stop"),
+        "[[ingest.streams]]\nname = \"pump\"\n",
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+    let Client { mut r, w } = Client::unix(&sock).expect("connect");
+    let writer = {
+        let mut w = w;
+        std::thread::spawn(move || {
+            for n in 0..20_000 {
+                let line =
+                    format!("{{\"stream\":\"pump\",\"fields\":{{\"n\":{n}}},\"key\":\"k{n}\"}}\n");
+                if w.write_all(line.as_bytes()).is_err() {
+                    return n;
+                }
+            }
+            20_000
+        })
+    };
+    // Stop once some replies came back.
+    let mut replies = Vec::new();
+    while replies.len() < 500 {
+        replies.push(next_reply(&mut r).expect("reply before the stop"));
+    }
+    agent.signal(libc::SIGTERM);
+    while let Some(v) = next_reply(&mut r) {
+        replies.push(v);
+    }
+    let status = agent.wait(Duration::from_secs(30)).expect("agent stops");
+    assert!(status.success(), "{}", agent.log_tail(20));
+    let sent = writer.join().expect("writer");
+    let mut ok = HashSet::new();
+    let mut stopping = 0;
+    for v in &replies {
+        if v["ok"] == true {
+            ok.insert(v["event_id"].as_str().expect("id").to_owned());
+        } else {
+            assert_eq!(error_of(v), "agent stopping; not stored");
+            stopping += 1;
+        }
+    }
+    let rows = rows_per_event(&dir.path().join("spool.db"));
+    let stored: HashSet<String> = rows.keys().cloned().collect();
+    assert_eq!(ok, stored, "the rows are exactly the requests that got ok");
+    assert!(!sock.exists(), "the socket is removed at a clean stop");
+    println!(
+        "clean stop: {sent} lines written, {} replies ({} ok, {stopping} not stored)",
+        replies.len(),
+        ok.len()
+    );
+}
+
+/// What the clients of the kill test saw.
+#[derive(Default)]
+struct Tally {
+    /// key → event id from its `ok` reply.
+    ok: HashMap<String, String>,
+    requests_sent: usize,
+    /// Requests sent again after no reply (or an error reply).
+    retried: usize,
+    /// Error replies (`agent stopping; not stored` and the like).
+    errors: usize,
+    /// Connections that broke or could not be made.
+    broken: usize,
+}
+
+/// One client: sends its keys pipelined in batches, retries (same key) every
+/// request without an `ok`, reconnecting until the socket answers again.
+fn kill_test_client(
+    sock: PathBuf,
+    stream: String,
+    keys: Vec<String>,
+    done: Arc<AtomicUsize>,
+) -> Tally {
+    let mut t = Tally::default();
+    let mut todo: Vec<String> = keys;
+    let mut seen: HashSet<String> = HashSet::new();
+    let give_up = Instant::now() + Duration::from_secs(300);
+    while !todo.is_empty() {
+        assert!(
+            Instant::now() < give_up,
+            "client {stream} stuck with {} keys left",
+            todo.len()
+        );
+        let Ok(mut c) = Client::unix(&sock) else {
+            t.broken += 1;
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        let batch: Vec<String> = todo.iter().take(200).cloned().collect();
+        let mut text = String::new();
+        for (n, k) in batch.iter().enumerate() {
+            text.push_str(&format!(
+                "{{\"stream\":\"{stream}\",\"fields\":{{\"n\":{n},\"k\":\"{k}\"}},\"key\":\"{k}\"}}\n"
+            ));
+            if !seen.insert(k.clone()) {
+                t.retried += 1;
+            }
+        }
+        t.requests_sent += batch.len();
+        if c.w.write_all(text.as_bytes()).is_err() {
+            t.broken += 1;
+            continue;
+        }
+        for k in &batch {
+            match c.reply() {
+                Some(v) if v["ok"] == true => {
+                    let id = v["event_id"].as_str().expect("event_id").to_owned();
+                    if let Some(prev) = t.ok.insert(k.clone(), id.clone()) {
+                        assert_eq!(prev, id, "key {k} got two event ids");
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(_) => t.errors += 1,
+                None => {
+                    t.broken += 1;
+                    break;
+                }
+            }
+        }
+        todo.retain(|k| !t.ok.contains_key(k));
+    }
+    t
+}
+
+/// The issue's kill test. 4 clients × 2,500 keyed requests (one client on a
+/// `durability = "full"` stream), the agent SIGKILLed 4 times at points
+/// set by progress and restarted on the same spool each time. SIGKILL is a
+/// process kill: the page cache survives, so every committed transaction
+/// (batched or FULL) survives; this is not a power cut.
+#[test]
+fn ten_thousand_keyed_requests_survive_agent_kills_with_every_ok_delivered_once() {
+    const CLIENTS: usize = 4;
+    const PER_CLIENT: usize = 2_500;
+    // No queue limit for the subscriber: mosquitto's default (1000 queued
+    // QoS 1 messages per client) drops what a slow subscriber has not taken
+    // when a restarted agent sends its backlog at once.
+    let broker = Broker::start_with_options("max_queued_messages 0\n", false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pfx = prefix("ingest_kill");
+    let sub = Subscriber::start(broker.port(), &format!("{pfx}/#"));
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        "stream_patterns = [\"kt.*\"]\n[[ingest.streams]]\nname = \"kt-full\"\ndurability = \"full\"\n",
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let db = dir.path().join("spool.db");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+
+    let done = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let stream = if i == 0 {
+                "kt-full".to_owned()
+            } else {
+                format!("kt.c{i}")
+            };
+            let keys = (0..PER_CLIENT).map(|n| format!("c{i}-{n:05}")).collect();
+            let (sock, done) = (sock.clone(), done.clone());
+            std::thread::spawn(move || kill_test_client(sock, stream, keys, done))
+        })
+        .collect();
+    let mut kills = 0;
+    for at in [1_500, 3_500, 5_500, 7_500] {
+        let reached = wait_for(Duration::from_secs(120), || {
+            done.load(Ordering::Relaxed) >= at
+        });
+        assert!(reached, "no progress to {at}\n{}", agent.log_tail(30));
+        agent.kill9();
+        kills += 1;
+        std::thread::sleep(Duration::from_millis(300));
+        agent = spawn(&cfg, dir.path());
+    }
+    let tallies: Vec<Tally> = clients
+        .into_iter()
+        .map(|h| h.join().expect("client thread"))
+        .collect();
+    let elapsed = started.elapsed();
+
+    let mut ok: HashMap<String, String> = HashMap::new();
+    for t in &tallies {
+        ok.extend(t.ok.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    assert_eq!(
+        ok.len(),
+        CLIENTS * PER_CLIENT,
+        "every key got an ok in the end"
+    );
+    let ok_ids: HashSet<String> = ok.values().cloned().collect();
+    assert_eq!(ok_ids.len(), ok.len(), "two keys got the same event id");
+
+    let arrived = sub.wait_until(Duration::from_secs(120), |d| {
+        let got: HashSet<String> = d.iter().filter_map(id_of).collect();
+        ok_ids.is_subset(&got)
+    });
+    let deliveries = sub.deliveries();
+    let upstream: HashSet<String> = deliveries.iter().filter_map(id_of).collect();
+    if !arrived {
+        let rows = rows_per_event(&db);
+        let mut missing: Vec<&str> = ok
+            .iter()
+            .filter(|(_, id)| !upstream.contains(*id))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        missing.sort_unstable();
+        let in_spool = missing
+            .iter()
+            .filter(|k| rows.contains_key(&ok[**k]))
+            .count();
+        let states: Vec<(i64, String, i64)> = crate::support::spool::rows(&db)
+            .into_iter()
+            .filter(|r| missing.first().is_some_and(|k| ok[*k] == r.event_id))
+            .map(|r| (r.id, r.state, r.seq))
+            .collect();
+        let kept = dir.keep();
+        panic!(
+            "{} ok'ed events never arrived upstream ({in_spool} of them in the spool; the first: {states:?}; spool kept in {}); keys e.g. {:?}\n{}",
+            missing.len(),
+            kept.display(),
+            &missing[..missing.len().min(10)],
+            agent.log_tail(30)
+        );
+    }
+    assert!(agent
+        .terminate(Duration::from_secs(20))
+        .is_some_and(|s| s.success()));
+
+    // No key stored twice: one row per event id, and upstream holds exactly
+    // the events of keys that got ok (nothing under another id).
+    let rows = rows_per_event(&db);
+    let doubled: Vec<_> = rows.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        doubled.is_empty(),
+        "event ids with two rows: {:?}",
+        &doubled[..doubled.len().min(5)]
+    );
+    let ours: HashSet<String> = deliveries
+        .iter()
+        .filter(|d| d.topic.starts_with(&format!("{pfx}/events/kt")))
+        .filter_map(id_of)
+        .collect();
+    assert_eq!(
+        ours.len(),
+        ok.len(),
+        "distinct events upstream != distinct keys that got ok"
+    );
+    // The retained status message is no event.
+    let events: Vec<_> = deliveries
+        .into_iter()
+        .filter(|d| id_of(d).is_some())
+        .collect();
+    crate::assert_invariants(&db, &events);
+
+    let sum = |f: fn(&Tally) -> usize| tallies.iter().map(f).sum::<usize>();
+    let already: i64 = crate::support::spool::open(&db)
+        .query_row(
+            "SELECT value FROM counters WHERE name = 'ingest_keys_already_spooled'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap_or(0);
+    println!(
+        "ingest kill test: {} keys ok, {} distinct events upstream ({} deliveries), {} requests sent ({} retries, {already} of them already spooled), {} error replies, {} broken or refused connections, {kills} SIGKILLs, {:.1} s, {:.0} requests/s overall",
+        ok.len(),
+        ours.len(),
+        events.len(),
+        sum(|t| t.requests_sent),
+        sum(|t| t.retried),
+        sum(|t| t.errors),
+        sum(|t| t.broken),
+        elapsed.as_secs_f64(),
+        sum(|t| t.requests_sent) as f64 / elapsed.as_secs_f64()
+    );
+}
