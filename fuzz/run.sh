@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every fuzz target for N seconds each, one after the other (default 60):
 #   fuzz/run.sh            60 s per target
-#   fuzz/run.sh 600        the longer run (about 80 min for the 8 targets)
+#   fuzz/run.sh 600        the longer run (about 90 min for the 9 targets)
 #   fuzz/run.sh 10 config  some targets only
 # Installs the nightly toolchain and cargo-fuzz when missing. The working
 # corpus grows in fuzz/corpus/<target> (not committed); the committed seeds
@@ -26,7 +26,7 @@ secs=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(config command overlay replay_csv replay_timestamp sink_envelope spool_open ingest_line)
+  targets=(config command overlay replay_csv replay_timestamp sink_envelope spool_open ingest_line bridge_payload)
 fi
 if ! rustup toolchain list | grep -q '^nightly'; then
   rustup toolchain install nightly --profile minimal
@@ -51,7 +51,7 @@ for t in "${targets[@]}"; do
   case "$t" in
     config) extra=(../board-configs ../tests/fixtures/bad-configs); dict=(-dict=dict/toml.dict) ;;
     overlay) dict=(-dict=dict/toml.dict) ;;
-    command | sink_envelope | ingest_line) dict=(-dict=dict/json.dict) ;;
+    command | sink_envelope | ingest_line | bridge_payload) dict=(-dict=dict/json.dict) ;;
     spool_open) max_len=262144 ;;
   esac
   if [ -n "${FUZZ_RUNS:-}" ]; then

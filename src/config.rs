@@ -847,8 +847,9 @@ impl Default for RawAgent {
 struct RawSource {
     name: String,
     kind: String,
-    #[serde(default = "d_interval")]
-    interval_ms: u64,
+    /// Not used by kind "mqtt" (readings arrive when published); defaults
+    /// to [`d_interval`] for the others.
+    interval_ms: Option<u64>,
     path: Option<PathBuf>,
     scale: Option<f64>,
     offset: Option<f64>,
@@ -869,6 +870,16 @@ struct RawSource {
     timezone: Option<String>,
     trace_id: Option<String>,
     durability: Option<String>,
+    // kind = "mqtt" (the local-broker bridge).
+    url: Option<String>,
+    topics: Option<Vec<String>>,
+    qos: Option<u8>,
+    client_id: Option<String>,
+    username: Option<String>,
+    password_file: Option<PathBuf>,
+    payload: Option<String>,
+    id_field: Option<String>,
+    max_payload_bytes: Option<usize>,
 }
 
 fn d_sync() -> String {
@@ -1503,6 +1514,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
 
     let mut sources = Vec::new();
     let mut names = std::collections::HashSet::new();
+    let mut bridge_ids = std::collections::HashSet::new();
     for (i, rs) in raw.sources.iter().enumerate() {
         let k = |f: &str| format!("sources[{i}].{f}");
         if !stream_name_ok(&rs.name) {
@@ -1510,10 +1522,11 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         } else if !names.insert(rs.name.clone()) {
             bad(&k("name"), format!("duplicate source name {:?}", rs.name));
         }
-        if !(10..=86_400_000).contains(&rs.interval_ms) {
+        let interval_ms = rs.interval_ms.unwrap_or_else(d_interval);
+        if !(10..=86_400_000).contains(&interval_ms) {
             bad(
                 &k("interval_ms"),
-                format!("must be 10..=86400000 (got {})", rs.interval_ms),
+                format!("must be 10..=86400000 (got {interval_ms})"),
             );
         }
         // Which kinds each optional key belongs to; a key set for another
@@ -1521,7 +1534,19 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         const FILE: &[&str] = &["file"];
         const EXEC: &[&str] = &["exec"];
         const REPLAY: &[&str] = &["replay"];
-        let owners: [(&str, bool, &[&str]); 19] = [
+        const MQTT: &[&str] = &["mqtt"];
+        let all_but_mqtt: &[&str] = &["system", "file", "exec", "replay"];
+        let owners: [(&str, bool, &[&str]); 29] = [
+            ("interval_ms", rs.interval_ms.is_some(), all_but_mqtt),
+            ("url", rs.url.is_some(), MQTT),
+            ("topics", rs.topics.is_some(), MQTT),
+            ("qos", rs.qos.is_some(), MQTT),
+            ("client_id", rs.client_id.is_some(), MQTT),
+            ("username", rs.username.is_some(), MQTT),
+            ("password_file", rs.password_file.is_some(), MQTT),
+            ("payload", rs.payload.is_some(), MQTT),
+            ("id_field", rs.id_field.is_some(), MQTT),
+            ("max_payload_bytes", rs.max_payload_bytes.is_some(), MQTT),
             ("path", rs.path.is_some(), &["file", "replay"]),
             ("scale", rs.scale.is_some(), FILE),
             ("offset", rs.offset.is_some(), FILE),
@@ -1542,7 +1567,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
             ("timezone", rs.timezone.is_some(), REPLAY),
             ("trace_id", rs.trace_id.is_some(), REPLAY),
         ];
-        if ["system", "file", "exec", "replay"].contains(&rs.kind.as_str()) {
+        if ["system", "file", "exec", "replay", "mqtt"].contains(&rs.kind.as_str()) {
             for (f, present, kinds) in owners {
                 if present && !kinds.contains(&rs.kind.as_str()) {
                     bad(&k(f), format!("not used by kind {:?}", rs.kind));
@@ -1627,6 +1652,7 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 }
             }
             "system" => Some(SourceKind::System),
+            "mqtt" => validate_bridge(rs, &device_id, &k, &mut bad).map(SourceKind::Mqtt),
             "file" => {
                 let scale = rs.scale.unwrap_or(1.0);
                 let offset = rs.offset.unwrap_or(0.0);
@@ -1688,13 +1714,14 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                     "file".to_owned(),
                     "exec".to_owned(),
                     "replay".to_owned(),
+                    "mqtt".to_owned(),
                 ];
                 let hint = did_you_mean(other, &known)
                     .map(|s| format!("; did you mean {s:?}?"))
                     .unwrap_or_default();
                 bad(
                     &k("kind"),
-                    format!("must be \"system\", \"file\", \"exec\" or \"replay\" (got {other:?}){hint}"),
+                    format!("must be \"system\", \"file\", \"exec\", \"replay\" or \"mqtt\" (got {other:?}){hint}"),
                 );
                 None
             }
@@ -1710,10 +1737,37 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
                 crate::source::Durability::Batched
             }
         };
+        if let Some(SourceKind::Mqtt(b)) = &kind {
+            let same_broker = b.host == host && b.port == port;
+            if !bridge_ids.insert(b.client_id.clone()) || (same_broker && b.client_id == client_id)
+            {
+                // Two sessions under one client id take each other's place at every connect.
+                bad(
+                    &k("client_id"),
+                    format!(
+                        "{:?} is already the client id of another connection to that broker",
+                        b.client_id
+                    ),
+                );
+            }
+            let own = format!("{topic_prefix}/events/{}", rs.name);
+            if let Some(t) = b
+                .topics
+                .iter()
+                .find(|t| same_broker && crate::source::bridge::filter_matches(t, &own))
+            {
+                bad(
+                    &k("topics"),
+                    format!(
+                        "{t:?} takes this source's own events ({own}) back from mqtt.url: a loop"
+                    ),
+                );
+            }
+        }
         if let Some(kind) = kind {
             sources.push(SourceSpec {
                 name: rs.name.clone(),
-                interval: Duration::from_millis(rs.interval_ms),
+                interval: Duration::from_millis(interval_ms),
                 kind,
                 durability,
             });
@@ -2019,6 +2073,129 @@ fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
         },
         metrics,
         ingest,
+    })
+}
+
+/// `kind = "mqtt"`: the local-broker bridge ([`crate::source::bridge`]).
+/// `url` mqtt://host[:port] (no TLS: the broker is local), `topics` valid
+/// filters (MQTT 3.1.1 §4.7), `qos` 1 (0 and 2 refused, each saying why), `client_id` 1..=128 bytes,
+/// `password_file` only with `username`, `payload` json|number|auto,
+/// `max_payload_bytes` 16..=16 MiB. `k` makes the key path of a member.
+fn validate_bridge(
+    rs: &RawSource,
+    device_id: &str,
+    k: &impl Fn(&str) -> String,
+    bad: &mut impl FnMut(&str, String),
+) -> Option<crate::source::bridge::BridgeSpec> {
+    use crate::source::bridge::{self, BridgeSpec, PayloadFormat, PayloadSettings};
+    let url = rs.url.clone().unwrap_or_else(d_url);
+    let addr = match parse_url(&url) {
+        Ok((_, _, true)) => {
+            bad(&k("url"), format!("must be mqtt://host[:port]: the bridge reads a broker on this board or its LAN, without TLS (got {url:?})"));
+            None
+        }
+        Ok((host, port, false)) => Some((host, port)),
+        Err(e) => {
+            bad(&k("url"), format!("{e} (got {url:?})"));
+            None
+        }
+    };
+    let topics = rs.topics.clone().unwrap_or_default();
+    if topics.is_empty() {
+        bad(
+            &k("topics"),
+            "required for kind \"mqtt\": at least one topic filter, e.g. [\"plant/#\"]".into(),
+        );
+    }
+    for (j, t) in topics.iter().enumerate() {
+        if let Err(e) = bridge::check_filter(t) {
+            bad(&format!("{}[{j}]", k("topics")), format!("{e} (got {t:?})"));
+        }
+    }
+    let qos = match rs.qos.unwrap_or(1) {
+        1 => rumqttc::QoS::AtLeastOnce,
+        0 => {
+            bad(&k("qos"), "0 cannot be made durable: a QoS 0 message is neither queued for the bridge while it is down nor acknowledged after its commit; use 1".into());
+            rumqttc::QoS::AtLeastOnce
+        }
+        2 => {
+            // Reproduced against mosquitto 2.0.11: a session left waiting
+            // for our PUBCOMP makes rumqttc end every new connection with
+            // "unsolicited ack" (it keeps no QoS 2 state across connections).
+            bad(&k("qos"), "2 is not offered: rumqttc keeps no QoS 2 state across connections, so a PUBREL the broker resends after a reconnect ends every new connection; use 1 (with id_field for one event per message)".into());
+            rumqttc::QoS::AtLeastOnce
+        }
+        q => {
+            bad(&k("qos"), format!("must be 1 (got {q})"));
+            rumqttc::QoS::AtLeastOnce
+        }
+    };
+    let client_id = rs
+        .client_id
+        .clone()
+        .unwrap_or_else(|| format!("edgespool-bridge-{device_id}-{}", rs.name));
+    if client_id.is_empty() || client_id.len() > 128 {
+        bad(
+            &k("client_id"),
+            format!("must be 1..=128 bytes (got {client_id:?})"),
+        );
+    }
+    let credentials = match (&rs.username, &rs.password_file) {
+        (Some(u), p) => Some((u.clone(), p.clone())),
+        (None, Some(_)) => {
+            bad(&k("password_file"), format!("needs {}", k("username")));
+            None
+        }
+        (None, None) => None,
+    };
+    let format = match rs.payload.as_deref() {
+        None | Some("auto") => PayloadFormat::Auto,
+        Some("json") => PayloadFormat::Json,
+        Some("number") => PayloadFormat::Number,
+        Some(other) => {
+            bad(
+                &k("payload"),
+                format!("must be \"json\", \"number\" or \"auto\" (got {other:?})"),
+            );
+            PayloadFormat::Auto
+        }
+    };
+    if let Some(id) = &rs.id_field {
+        if id.is_empty() || id.len() > 256 {
+            bad(
+                &k("id_field"),
+                format!("must be a member name of 1..=256 bytes (got {id:?})"),
+            );
+        } else if id == bridge::TOPIC_FIELD {
+            bad(
+                &k("id_field"),
+                format!(
+                    "{:?} is the field the bridge writes the topic into",
+                    bridge::TOPIC_FIELD
+                ),
+            );
+        }
+    }
+    let max_payload_bytes = rs.max_payload_bytes.unwrap_or(bridge::DEFAULT_MAX_PAYLOAD);
+    if !(16..=16 * 1024 * 1024).contains(&max_payload_bytes) {
+        bad(
+            &k("max_payload_bytes"),
+            format!("must be 16..=16777216 (got {max_payload_bytes})"),
+        );
+    }
+    let (host, port) = addr?;
+    Some(BridgeSpec {
+        host,
+        port,
+        topics,
+        qos,
+        client_id,
+        credentials,
+        payload: PayloadSettings {
+            format,
+            max_payload_bytes,
+            id_field: rs.id_field.clone(),
+        },
     })
 }
 
@@ -3006,6 +3183,95 @@ interval_ms = 1000
         assert!(e.problems[0]
             .message
             .contains("not used by kind \"system\""));
+    }
+
+    /// GOOD with its source replaced by an mqtt one with `extra` lines.
+    fn bridge(extra: &str) -> String {
+        GOOD.replace(
+            "kind = \"system\"\ninterval_ms = 1000",
+            &format!("kind = \"mqtt\"\ntopics = [\"plant/#\"]\n{extra}"),
+        )
+    }
+
+    #[test]
+    fn an_mqtt_source_gets_documented_defaults_and_needs_no_interval() {
+        let c = parse(&bridge(""), "t.toml", &[]).unwrap();
+        let SourceKind::Mqtt(b) = &c.sources[0].kind else {
+            panic!("not an mqtt source: {:?}", c.sources[0].kind)
+        };
+        assert_eq!((b.host.as_str(), b.port), ("127.0.0.1", 1883));
+        assert_eq!(b.qos, rumqttc::QoS::AtLeastOnce);
+        assert_eq!(b.client_id, "edgespool-bridge-pi4-lab-system");
+        assert_eq!(b.payload.format, crate::source::bridge::PayloadFormat::Auto);
+        assert_eq!(b.payload.max_payload_bytes, 64 * 1024);
+        assert_eq!(b.payload.id_field, None);
+        assert_eq!(b.credentials, None);
+    }
+
+    #[test]
+    fn mqtt_source_problems_name_their_key() {
+        for (extra, key, says) in [
+            ("qos = 0", "sources[0].qos", "cannot be made durable"),
+            ("qos = 3", "sources[0].qos", "must be 1"),
+            ("qos = 2", "sources[0].qos", "PUBREL"),
+            ("url = \"mqtts://h:8883\"", "sources[0].url", "without TLS"),
+            ("url = \"tcp://h\"", "sources[0].url", "mqtt://"),
+            ("payload = \"xml\"", "sources[0].payload", "\"auto\""),
+            (
+                "interval_ms = 500",
+                "sources[0].interval_ms",
+                "not used by kind \"mqtt\"",
+            ),
+            (
+                "password_file = \"/p\"",
+                "sources[0].password_file",
+                "needs sources[0].username",
+            ),
+            (
+                "id_field = \"source_topic\"",
+                "sources[0].id_field",
+                "topic",
+            ),
+            (
+                "max_payload_bytes = 1",
+                "sources[0].max_payload_bytes",
+                "16..=",
+            ),
+            (
+                "path = \"/x\"",
+                "sources[0].path",
+                "not used by kind \"mqtt\"",
+            ),
+        ] {
+            let msg = problem(&bridge(extra), key);
+            assert!(msg.contains(says), "{extra}: {msg}");
+        }
+        let e = err(&bridge("").replace("[\"plant/#\"]", "[\"ok/#\", \"a/#/b\"]"));
+        assert_eq!(e.problems[0].key, "sources[0].topics[1]");
+        let e = err(&bridge("").replace("[\"plant/#\"]", "[]"));
+        assert_eq!(e.problems[0].key, "sources[0].topics");
+    }
+
+    #[test]
+    fn a_bridge_may_not_share_the_main_client_id_nor_take_its_own_events() {
+        let same = "url = \"mqtt://broker.local:1884\"";
+        let msg = problem(
+            &bridge(&format!("{same}\nclient_id = \"edgespool-pi4-lab\"")),
+            "sources[0].client_id",
+        );
+        assert!(msg.contains("already the client id"), "{msg}");
+        let msg = problem(
+            &bridge(same).replace("[\"plant/#\"]", "[\"edgespool/#\"]"),
+            "sources[0].topics",
+        );
+        assert!(msg.contains("a loop"), "{msg}");
+        // Another broker: the same filter is no loop.
+        assert!(parse(
+            &bridge("").replace("[\"plant/#\"]", "[\"edgespool/#\"]"),
+            "t",
+            &[]
+        )
+        .is_ok());
     }
 
     #[test]

@@ -71,6 +71,10 @@ fn source_loop(
     ctl: Receiver<Duration>,
     global: Arc<AtomicBool>,
 ) {
+    if let source::SourceKind::Mqtt(b) = &spec.kind {
+        // Readings arrive when local programs publish: no interval.
+        return source::bridge::run(&spec.name, b, tx, ctl, global);
+    }
     let mut state = SourceState::default();
     let mut replay = None;
     if let source::SourceKind::Replay(r) = &spec.kind {

@@ -33,11 +33,14 @@ pub fn report(cfg: &edgespool::config::Config) -> bool {
     let results = edgespool::trial::sample_sources(cfg);
     for r in &results {
         match &r.outcome {
-            Ok(shown) => {
+            Ok(edgespool::trial::Taken::Reading(shown)) => {
                 println!(
                     "source {} ({}) -> {} ({} bytes)\n  {}",
                     r.name, r.key, shown.topic, shown.payload_bytes, shown.json
                 );
+            }
+            Ok(edgespool::trial::Taken::NoSample(what)) => {
+                println!("source {} ({}): {what}", r.name, r.key);
             }
             Err(e) => {
                 eprintln!("source {} ({}): no reading: {e}", r.name, r.key);

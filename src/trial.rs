@@ -2,7 +2,9 @@
 //! sent, and a bind check of every listener the agent would open.
 //!
 //! Its one rule: **nothing is written.** No spool is opened or created, no
-//! state file is touched, no broker is contacted; a listener bound to be
+//! state file is touched, no broker is contacted (an mqtt source's local
+//! broker only gets a TCP connect, closed at once: no MQTT session, nothing
+//! acknowledged); a listener bound to be
 //! checked is closed (and a Unix socket file made for the check removed)
 //! before the function returns. What a source itself does when read (an
 //! `exec` program) is up to it.
@@ -26,6 +28,16 @@ pub struct Shown {
     pub payload_bytes: usize,
 }
 
+/// What a source gave when tried.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Taken {
+    /// A reading, as it would be sent.
+    Reading(Shown),
+    /// A source that takes no sample (an mqtt bridge: its readings arrive
+    /// as local programs publish), with what was checked instead.
+    NoSample(String),
+}
+
 /// What trying one source gave.
 #[derive(Debug)]
 pub struct SourceResult {
@@ -33,8 +45,8 @@ pub struct SourceResult {
     pub name: String,
     /// Its place in the config: `sources[N]`.
     pub key: String,
-    /// The reading as it would be sent, or why there is none.
-    pub outcome: Result<Shown, String>,
+    /// What it gave, or why it gave nothing.
+    pub outcome: Result<Taken, String>,
 }
 
 /// A listener the agent would open.
@@ -68,7 +80,8 @@ impl Listener {
 /// Takes one reading from each source of `cfg`, in config order
 /// ([`source::sample_once`]: a replay gives its first usable row, read from
 /// the start; a system source lacks `cpu_util_pct`, which needs two
-/// samples), and encodes it as [`Shown`].
+/// samples), and encodes it as [`Shown`]. An mqtt source takes no sample:
+/// its local broker must accept TCP within 2 s ([`source::bridge::probe`]).
 pub fn sample_sources(cfg: &Config) -> Vec<SourceResult> {
     let dir = spool_dir(&cfg.spool.path);
     let mut ids = EventIdGen::new().ok();
@@ -78,9 +91,15 @@ pub fn sample_sources(cfg: &Config) -> Vec<SourceResult> {
         .map(|(i, spec)| SourceResult {
             name: spec.name.clone(),
             key: format!("sources[{i}]"),
-            outcome: source::sample_once(spec, &dir)
-                .map_err(|e| e.to_string())
-                .and_then(|fields| show(cfg, spec, &fields, ids.as_mut())),
+            outcome: match &spec.kind {
+                source::SourceKind::Mqtt(b) => {
+                    source::bridge::probe(b, std::time::Duration::from_secs(2)).map(Taken::NoSample)
+                }
+                _ => source::sample_once(spec, &dir)
+                    .map_err(|e| e.to_string())
+                    .and_then(|fields| show(cfg, spec, &fields, ids.as_mut()))
+                    .map(Taken::Reading),
+            },
         })
         .collect()
 }
@@ -227,7 +246,9 @@ mod tests {
         ));
         let r = sample_sources(&c);
         assert_eq!(r.len(), 2);
-        let shown = r[0].outcome.as_ref().expect("a reading");
+        let Ok(Taken::Reading(shown)) = &r[0].outcome else {
+            panic!("not a reading: {:?}", r[0].outcome)
+        };
         assert_eq!(shown.topic, "p/events/ok");
         let v: serde_json::Value = serde_json::from_str(&shown.json).unwrap();
         assert_eq!(v["fields"]["temp_c"], 21.5);
@@ -243,6 +264,27 @@ mod tests {
         let e = r[1].outcome.as_ref().unwrap_err();
         assert!(e.contains("missing"), "{e}");
         assert!(!Path::new("/nonexistent/dir").exists());
+    }
+
+    #[test]
+    fn an_mqtt_source_takes_no_sample_but_its_broker_must_accept_connections() {
+        let open = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = open.local_addr().unwrap().port();
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let c = cfg(&format!(
+            "[[sources]]\nname = \"up\"\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{port}\"\ntopics = [\"a/#\"]\n[[sources]]\nname = \"down\"\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{closed}\"\ntopics = [\"a/#\"]\n"
+        ));
+        let r = sample_sources(&c);
+        let Ok(Taken::NoSample(what)) = &r[0].outcome else {
+            panic!("{:?}", r[0].outcome)
+        };
+        assert!(what.contains("no sample taken"), "{what}");
+        let e = r[1].outcome.as_ref().unwrap_err();
+        assert!(e.contains("cannot connect"), "{e}");
     }
 
     #[test]

@@ -19,6 +19,9 @@ impl Ingest {
                 reply,
             } => {
                 let r = match self.cfg.sources.iter_mut().find(|s| s.name == source) {
+                    Some(s) if matches!(s.kind, crate::source::SourceKind::Mqtt(_)) => Err(format!(
+                        "args.source: {source:?} is an mqtt source: its readings arrive as local programs publish, it has no interval"
+                    )),
                     Some(s) => {
                         let prev = s.interval;
                         s.interval = interval;

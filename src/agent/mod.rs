@@ -197,6 +197,15 @@ pub enum IngestMsg {
     Control(Control),
     /// A signal arrived: look at the stop and reload flags.
     Wake,
+    /// Add `by` to the persistent counter `name` (shown by `status`), for
+    /// bad data a producer refused before it became a reading (e.g.
+    /// `bridge_payload_refused`). Stored with the next commit window.
+    Count {
+        /// Counter name, e.g. `bridge_payload_refused.<source>`.
+        name: String,
+        /// Increment.
+        by: i64,
+    },
 }
 
 /// A thread that blocks on SIGTERM, SIGINT and SIGHUP and wakes the ingest
@@ -616,10 +625,15 @@ impl Ingest {
     /// (retrying for up to 10 s), and persist the sequence numbers.
     fn commit_what_is_left(&mut self, rx: &Receiver<IngestMsg>) {
         while let Ok(m) = rx.try_recv() {
-            if let IngestMsg::Reading(r) = m {
-                self.push(r);
+            match m {
+                IngestMsg::Reading(r) => self.push(r),
+                IngestMsg::Count { name, by } => {
+                    *self.pending_counts.entry(name).or_default() += by;
+                }
+                IngestMsg::Control(_) | IngestMsg::Wake => {}
             }
         }
+        self.flush_counts();
         self.commit_full();
         let _ = self.spool.persist_seqs();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1200,6 +1214,12 @@ impl Ingest {
             match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
                 Ok(IngestMsg::Reading(ev)) => self.push(ev),
                 Ok(IngestMsg::Control(c)) => self.control(c),
+                Ok(IngestMsg::Count { name, by }) => {
+                    *self.pending_counts.entry(name).or_default() += by;
+                    // Stored by the next commit (which flushes counts first):
+                    // one write per window however many arrive.
+                    commit_at.get_or_insert_with(|| Instant::now() + self.cfg.spool.commit_window);
+                }
                 Ok(IngestMsg::Wake) | Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }

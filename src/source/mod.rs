@@ -11,6 +11,7 @@
 //! back as `Err`, which the caller counts, logs rate-limited, and then carries
 //! on with the next sample.
 
+pub mod bridge;
 mod exec;
 mod file;
 pub mod replay;
@@ -85,6 +86,10 @@ pub enum SourceKind {
         /// Bytes of stdout kept; the rest is read and discarded.
         max_output_bytes: usize,
     },
+    /// A durable bridge from a local MQTT broker ([`bridge`]): messages on
+    /// its topics become readings, each acknowledged to the local broker
+    /// only after its commit. Driven by [`bridge::run`], not [`sample`].
+    Mqtt(bridge::BridgeSpec),
 }
 
 /// One configured source.
@@ -256,6 +261,10 @@ pub fn sample(
         SourceKind::Replay(r) => Err(SourceError::Parse {
             what: r.path.display().to_string(),
             detail: "a replay source is played with replay::Replay, not sampled".into(),
+        }),
+        SourceKind::Mqtt(b) => Err(SourceError::Parse {
+            what: b.url(),
+            detail: "an mqtt source takes what local programs publish; it is not sampled".into(),
         }),
     }
 }

@@ -41,6 +41,19 @@ impl Broker {
     /// errors, warnings, notices and connections are logged (a debug line per
     /// packet slows mosquitto under a load test).
     pub fn start_with_options(extra: &str, verbose: bool) -> Broker {
+        Broker::start_inner(extra, verbose, false)
+    }
+
+    /// Like [`Broker::start_with_options`], with mosquitto's own persistence
+    /// on (`persistence true`, its file in the broker's temp dir): sessions,
+    /// subscriptions and queued QoS 1/2 messages survive
+    /// [`Broker::restart_graceful`] (mosquitto writes the file when it exits
+    /// on SIGTERM, and every `autosave_interval` = 1 s otherwise).
+    pub fn start_persistent(extra: &str, verbose: bool) -> Broker {
+        Broker::start_inner(extra, verbose, true)
+    }
+
+    fn start_inner(extra: &str, verbose: bool, persistent: bool) -> Broker {
         let dir = tempfile::Builder::new()
             .prefix("edgespool-broker-")
             .tempdir()
@@ -59,7 +72,14 @@ impl Broker {
         let mut last_err = String::new();
         for _ in 0..3 {
             broker.port = free_port();
-            write_config(&broker.conf_path, broker.port, extra, verbose);
+            let persistence = persistent.then(|| broker.dir.path().to_path_buf());
+            write_config(
+                &broker.conf_path,
+                broker.port,
+                extra,
+                verbose,
+                persistence.as_deref(),
+            );
             match broker.spawn_and_wait(START_TIMEOUT) {
                 Ok(()) => return broker,
                 Err(why) => last_err = why,
@@ -161,6 +181,14 @@ impl Broker {
         );
     }
 
+    /// SIGTERM (mosquitto saves its persistence file on the way out), then
+    /// start it again on the same port: with [`Broker::start_persistent`],
+    /// sessions and queued messages are back. Panics if it does not come back.
+    pub fn restart_graceful(&mut self) {
+        self.stop_graceful();
+        self.restart();
+    }
+
     /// Everything mosquitto has logged so far, across restarts.
     pub fn log_text(&self) -> String {
         match std::fs::read(&self.log_path) {
@@ -248,12 +276,19 @@ fn mqtt_probe(addr: &SocketAddr) -> bool {
     ok
 }
 
-fn write_config(path: &Path, port: u16, extra: &str, verbose: bool) {
+fn write_config(path: &Path, port: u16, extra: &str, verbose: bool, persistence: Option<&Path>) {
     use std::io::Write;
     let mut conf = String::new();
     conf.push_str(&format!("listener {port} 127.0.0.1\n"));
     conf.push_str("allow_anonymous true\n");
-    conf.push_str("persistence false\n");
+    match persistence {
+        None => conf.push_str("persistence false\n"),
+        Some(dir) => {
+            conf.push_str("persistence true\n");
+            conf.push_str(&format!("persistence_location {}/\n", dir.display()));
+            conf.push_str("autosave_interval 1\n");
+        }
+    }
     // Logs go to stderr, which is redirected (append) to mosquitto.log so a
     // bind failure and every restart land in the same file.
     conf.push_str("log_dest stderr\n");

@@ -40,6 +40,9 @@ pub enum Mode {
     /// Forward everything, but close a connection the moment the client sends
     /// SUBSCRIBE (a broker that answers an ACL deny by disconnecting).
     CloseOnSubscribe,
+    /// Forward everything except PUBACK packets travelling client -> broker
+    /// (a subscriber's acknowledgements lost), removed and counted.
+    DropClientPubacks,
 }
 
 impl Mode {
@@ -50,6 +53,7 @@ impl Mode {
             Mode::DropPubacks => 2,
             Mode::Refuse => 3,
             Mode::CloseOnSubscribe => 4,
+            Mode::DropClientPubacks => 5,
         }
     }
 
@@ -60,6 +64,7 @@ impl Mode {
             2 => Mode::DropPubacks,
             3 => Mode::Refuse,
             4 => Mode::CloseOnSubscribe,
+            5 => Mode::DropClientPubacks,
             _ => unreachable!("invalid proxy mode {v}"),
         }
     }
@@ -529,6 +534,12 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
                 match mode {
                     Mode::Blackhole | Mode::Refuse => continue,
                     Mode::DropPubacks if dir == Direction::ToClient && ptype == TYPE_PUBACK => {
+                        shared.pubacks_dropped.fetch_add(1, Ordering::SeqCst);
+                        continue;
+                    }
+                    Mode::DropClientPubacks
+                        if dir == Direction::ToBroker && ptype == TYPE_PUBACK =>
+                    {
                         shared.pubacks_dropped.fetch_add(1, Ordering::SeqCst);
                         continue;
                     }
