@@ -1,23 +1,49 @@
 //! [`RawConfig`] → [`Config`]: every range, rule and cross-key check, each
 //! problem reported as `key.path: problem (got value)`.
 
+mod bridge;
+mod commands;
+mod handlers;
+mod ingest;
+mod metrics;
+
+pub use handlers::placeholders;
+
 use super::raw::*;
 use super::read::did_you_mean;
-use super::{
-    pattern_matches, AgentConfig, CommandsConfig, Config, ConfigError, ConfigPush, ExecHandler,
-    ExplicitKeys, IngestConfig, IngestStream, MetricsConfig, MqttConfig, ParamKind, ParamSpec,
-    Problem, Protocol, SpoolConfig, TlsFiles, DEFAULT_STREAM_PRIORITY,
-};
+use super::AgentConfig;
+use super::CommandsConfig;
+use super::Config;
+use super::ConfigError;
+use super::ExecHandler;
+use super::ExplicitKeys;
+use super::MqttConfig;
+use super::ParamKind;
+use super::ParamSpec;
+use super::Problem;
+use super::Protocol;
+use super::SpoolConfig;
+use super::TlsFiles;
 use crate::ack::MAX_WINDOW;
 use crate::envelope::Format;
-use crate::process::{Credentials, Limits};
-use crate::source::{SourceKind, SourceSpec};
-use crate::spool::{SpoolOptions, Synchronous};
-use std::collections::BTreeMap;
-use std::io;
-use std::path::{Path, PathBuf};
+use crate::process::Limits;
+use crate::source::SourceKind;
+use crate::source::SourceSpec;
+use crate::spool::SpoolOptions;
+use crate::spool::Synchronous;
+use bridge::validate_bridge;
+use commands::validate_push;
+use handlers::check_cwd;
+use handlers::check_env;
+pub(super) use handlers::resolve_credentials;
+use handlers::MAX_HANDLER_MEMORY;
+use handlers::MIN_HANDLER_MEMORY;
+use ingest::validate_ingest;
+use metrics::validate_metrics;
+use std::path::PathBuf;
 use std::time::Duration;
 
+/// Validate every section of `raw` (from `origin`, used in the error).
 pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigError> {
     let mut probs: Vec<Problem> = Vec::new();
     let mut bad = |key: &str, msg: String| {
@@ -862,561 +888,11 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
     })
 }
 
-/// `kind = "mqtt"`: the local-broker bridge ([`crate::source::bridge`]).
-/// `url` mqtt://host[:port] (no TLS: the broker is local), `topics` valid
-/// filters (MQTT 3.1.1 §4.7), `qos` 1 (0 and 2 refused, each saying why), `client_id` 1..=128 bytes,
-/// `password_file` only with `username`, `payload` json|number|auto,
-/// `max_payload_bytes` 16..=16 MiB. `k` makes the key path of a member.
-pub(super) fn validate_bridge(
-    rs: &RawSource,
-    device_id: &str,
-    k: &impl Fn(&str) -> String,
-    bad: &mut impl FnMut(&str, String),
-) -> Option<crate::source::bridge::BridgeSpec> {
-    use crate::source::bridge::{self, BridgeSpec, PayloadFormat, PayloadSettings};
-    let url = rs.url.clone().unwrap_or_else(d_url);
-    let addr = match parse_url(&url) {
-        Ok((_, _, true)) => {
-            bad(&k("url"), format!("must be mqtt://host[:port]: the bridge reads a broker on this board or its LAN, without TLS (got {url:?})"));
-            None
-        }
-        Ok((host, port, false)) => Some((host, port)),
-        Err(e) => {
-            bad(&k("url"), format!("{e} (got {url:?})"));
-            None
-        }
-    };
-    let topics = rs.topics.clone().unwrap_or_default();
-    if topics.is_empty() {
-        bad(
-            &k("topics"),
-            "required for kind \"mqtt\": at least one topic filter, e.g. [\"plant/#\"]".into(),
-        );
-    }
-    for (j, t) in topics.iter().enumerate() {
-        if let Err(e) = bridge::check_filter(t) {
-            bad(&format!("{}[{j}]", k("topics")), format!("{e} (got {t:?})"));
-        }
-    }
-    let qos = match rs.qos.unwrap_or(1) {
-        1 => rumqttc::QoS::AtLeastOnce,
-        0 => {
-            bad(&k("qos"), "0 cannot be made durable: a QoS 0 message is neither queued for the bridge while it is down nor acknowledged after its commit; use 1".into());
-            rumqttc::QoS::AtLeastOnce
-        }
-        2 => {
-            // Reproduced against mosquitto 2.0.11: a session left waiting
-            // for our PUBCOMP makes rumqttc end every new connection with
-            // "unsolicited ack" (it keeps no QoS 2 state across connections).
-            bad(&k("qos"), "2 is not offered: rumqttc keeps no QoS 2 state across connections, so a PUBREL the broker resends after a reconnect ends every new connection; use 1 (with id_field for one event per message)".into());
-            rumqttc::QoS::AtLeastOnce
-        }
-        q => {
-            bad(&k("qos"), format!("must be 1 (got {q})"));
-            rumqttc::QoS::AtLeastOnce
-        }
-    };
-    let client_id = rs
-        .client_id
-        .clone()
-        .unwrap_or_else(|| format!("edgespool-bridge-{device_id}-{}", rs.name));
-    if client_id.is_empty() || client_id.len() > 128 {
-        bad(
-            &k("client_id"),
-            format!("must be 1..=128 bytes (got {client_id:?})"),
-        );
-    }
-    let credentials = match (&rs.username, &rs.password_file) {
-        (Some(u), p) => Some((u.clone(), p.clone())),
-        (None, Some(_)) => {
-            bad(&k("password_file"), format!("needs {}", k("username")));
-            None
-        }
-        (None, None) => None,
-    };
-    let format = match rs.payload.as_deref() {
-        None | Some("auto") => PayloadFormat::Auto,
-        Some("json") => PayloadFormat::Json,
-        Some("number") => PayloadFormat::Number,
-        Some(other) => {
-            bad(
-                &k("payload"),
-                format!("must be \"json\", \"number\" or \"auto\" (got {other:?})"),
-            );
-            PayloadFormat::Auto
-        }
-    };
-    if let Some(id) = &rs.id_field {
-        if id.is_empty() || id.len() > 256 {
-            bad(
-                &k("id_field"),
-                format!("must be a member name of 1..=256 bytes (got {id:?})"),
-            );
-        } else if id == bridge::TOPIC_FIELD {
-            bad(
-                &k("id_field"),
-                format!(
-                    "{:?} is the field the bridge writes the topic into",
-                    bridge::TOPIC_FIELD
-                ),
-            );
-        }
-    }
-    let max_payload_bytes = rs.max_payload_bytes.unwrap_or(bridge::DEFAULT_MAX_PAYLOAD);
-    if !(16..=16 * 1024 * 1024).contains(&max_payload_bytes) {
-        bad(
-            &k("max_payload_bytes"),
-            format!("must be 16..=16777216 (got {max_payload_bytes})"),
-        );
-    }
-    let (host, port) = addr?;
-    Some(BridgeSpec {
-        host,
-        port,
-        topics,
-        qos,
-        client_id,
-        credentials,
-        payload: PayloadSettings {
-            format,
-            max_payload_bytes,
-            id_field: rs.id_field.clone(),
-        },
-    })
-}
-
-/// `[metrics]`: an absolute textfile path; a literal `IP:port` to listen on,
-/// loopback unless `listen_public` (the listener is attack surface).
-pub(super) fn validate_metrics(
-    raw: &RawMetrics,
-    bad: &mut impl FnMut(&str, String),
-) -> MetricsConfig {
-    if let Some(p) = &raw.textfile {
-        let nul = p.as_os_str().as_encoded_bytes().contains(&0);
-        if !p.is_absolute() || nul || p.file_name().is_none() {
-            bad(
-                "metrics.textfile",
-                format!("must be an absolute file path without NUL bytes (got {p:?})"),
-            );
-        }
-    }
-    let listen = raw.listen.as_deref().and_then(|l| {
-        match l.parse::<std::net::SocketAddr>() {
-            Ok(a) if a.port() == 0 => {
-                bad("metrics.listen", format!("needs a port, 1..=65535 (got {l:?})"));
-                None
-            }
-            Ok(a) if !a.ip().is_loopback() && !raw.listen_public => {
-                bad(
-                    "metrics.listen",
-                    format!("{l:?} is not a loopback address: metrics would be served to other hosts; use 127.0.0.1:<port>, or set metrics.listen_public = true to mean it"),
-                );
-                None
-            }
-            Ok(a) => Some(a),
-            Err(_) => {
-                bad(
-                    "metrics.listen",
-                    format!("must be IP:port, e.g. \"127.0.0.1:9469\" or \"[::1]:9469\"; host names are not resolved (got {l:?})"),
-                );
-                None
-            }
-        }
-    });
-    if raw.listen_public && raw.listen.is_none() {
-        bad(
-            "metrics.listen_public",
-            "only used with metrics.listen".to_owned(),
-        );
-    }
-    MetricsConfig {
-        textfile: raw.textfile.clone(),
-        listen,
-        listen_public: raw.listen_public,
-    }
-}
-
-/// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
-/// `tcp_public`), bounds in range, and the streams clients may write: valid
-/// names, not a source's stream, no duplicates; patterns `prefix*`.
-pub(super) fn validate_ingest(
-    raw: &RawIngest,
-    sources: &[SourceSpec],
-    bad: &mut impl FnMut(&str, String),
-) -> IngestConfig {
-    let d = IngestConfig::default();
-    if let Some(p) = &raw.socket {
-        let nul = p.as_os_str().as_encoded_bytes().contains(&0);
-        // sun_path holds 108 bytes with its NUL (unix(7)).
-        if !p.is_absolute() || nul || p.file_name().is_none() || p.as_os_str().len() > 107 {
-            bad(
-                "ingest.socket",
-                format!("must be an absolute file path of at most 107 bytes without NUL bytes (got {p:?})"),
-            );
-        }
-    }
-    if let Some(g) = &raw.socket_group {
-        let name_ok = !g.is_empty()
-            && g.len() <= 32
-            && g.chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-        if !name_ok {
-            bad(
-                "ingest.socket_group",
-                format!("must be a group name or a numeric gid (got {g:?})"),
-            );
-        }
-        if raw.socket.is_none() {
-            bad("ingest.socket_group", "only used with ingest.socket".into());
-        }
-    }
-    let socket_mode = match raw.socket_mode.as_deref() {
-        None => d.socket_mode,
-        Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
-            Ok(v) if v <= 0o777 && v & 0o600 == 0o600 && v & 0o002 == 0 => v,
-            _ => {
-                bad(
-                    "ingest.socket_mode",
-                    format!("must be octal permission bits with the owner's read and write and without others' write, e.g. \"0660\" (got {m:?})"),
-                );
-                d.socket_mode
-            }
-        },
-    };
-    let tcp = raw.tcp.as_deref().and_then(|l| match l.parse::<std::net::SocketAddr>() {
-        Ok(a) if a.port() == 0 => {
-            bad("ingest.tcp", format!("needs a port, 1..=65535 (got {l:?})"));
-            None
-        }
-        Ok(a) if !a.ip().is_loopback() && !raw.tcp_public => {
-            bad(
-                "ingest.tcp",
-                format!("{l:?} is not a loopback address: any host could write readings; use 127.0.0.1:<port>, or set ingest.tcp_public = true to mean it"),
-            );
-            None
-        }
-        Ok(a) => Some(a),
-        Err(_) => {
-            bad(
-                "ingest.tcp",
-                format!("must be IP:port, e.g. \"127.0.0.1:7788\"; host names are not resolved (got {l:?})"),
-            );
-            None
-        }
-    });
-    if raw.tcp_public && raw.tcp.is_none() {
-        bad("ingest.tcp_public", "only used with ingest.tcp".into());
-    }
-    let mut range = |key: &str, got: Option<usize>, lo: usize, hi: usize, def: usize| match got {
-        Some(v) if !(lo..=hi).contains(&v) => {
-            bad(key, format!("must be {lo}..={hi} (got {v})"));
-            def
-        }
-        Some(v) => v,
-        None => def,
-    };
-    let max_line_bytes = range(
-        "ingest.max_line_bytes",
-        raw.max_line_bytes,
-        256,
-        1 << 20,
-        d.max_line_bytes,
-    );
-    let max_connections = range(
-        "ingest.max_connections",
-        raw.max_connections,
-        1,
-        1024,
-        d.max_connections,
-    );
-    let max_fields = range("ingest.max_fields", raw.max_fields, 1, 1024, d.max_fields);
-    let max_rate_per_sec = range(
-        "ingest.max_rate_per_sec",
-        raw.max_rate_per_sec.map(|v| v as usize),
-        1,
-        1_000_000,
-        d.max_rate_per_sec as usize,
-    ) as u32;
-    let streams = validate_ingest_streams(raw, sources, bad);
-    IngestConfig {
-        socket: raw.socket.clone(),
-        socket_group: raw.socket_group.clone(),
-        socket_mode,
-        tcp,
-        tcp_public: raw.tcp_public,
-        max_line_bytes,
-        max_connections,
-        max_rate_per_sec,
-        max_fields,
-        streams,
-        stream_patterns: raw.stream_patterns.clone(),
-    }
-}
-
-/// `[[ingest.streams]]` and `ingest.stream_patterns`: valid names, not a
-/// source's stream, no duplicates; patterns `prefix*`; and a listener to go
-/// with them (and streams to go with a listener).
-pub(super) fn validate_ingest_streams(
-    raw: &RawIngest,
-    sources: &[SourceSpec],
-    bad: &mut impl FnMut(&str, String),
-) -> Vec<IngestStream> {
-    let enabled = raw.socket.is_some() || raw.tcp.is_some();
-    let mut streams = Vec::new();
-    let mut names = std::collections::HashSet::new();
-    let is_source = |n: &str| sources.iter().any(|s| s.name == n);
-    for (i, rs) in raw.streams.iter().enumerate() {
-        let k = |f: &str| format!("ingest.streams[{i}].{f}");
-        if !stream_name_ok(&rs.name) {
-            bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
-            continue;
-        }
-        if is_source(&rs.name) {
-            bad(
-                &k("name"),
-                format!(
-                    "{:?} is a source's stream; give clients a stream of their own",
-                    rs.name
-                ),
-            );
-        } else if !names.insert(rs.name.clone()) {
-            bad(&k("name"), format!("duplicate ingest stream {:?}", rs.name));
-        }
-        let durability = match rs.durability.as_deref() {
-            None | Some("batched") => crate::source::Durability::Batched,
-            Some("full") => crate::source::Durability::Full,
-            Some(other) => {
-                bad(
-                    &k("durability"),
-                    format!("must be \"batched\" or \"full\" (got {other:?})"),
-                );
-                crate::source::Durability::Batched
-            }
-        };
-        streams.push(IngestStream {
-            name: rs.name.clone(),
-            durability,
-            priority: rs.priority.unwrap_or(DEFAULT_STREAM_PRIORITY),
-        });
-    }
-    for (i, p) in raw.stream_patterns.iter().enumerate() {
-        let key = format!("ingest.stream_patterns[{i}]");
-        let prefix_ok = p
-            .strip_suffix('*')
-            .is_some_and(|pre| !pre.is_empty() && stream_name_ok(pre));
-        if !prefix_ok {
-            bad(
-                &key,
-                format!(
-                    "must be a stream-name prefix followed by '*', e.g. \"plant.*\" (got {p:?})"
-                ),
-            );
-        } else if let Some(s) = sources.iter().find(|s| pattern_matches(p, &s.name)) {
-            bad(
-                &key,
-                format!(
-                    "{p:?} matches source {:?}; give clients streams of their own",
-                    s.name
-                ),
-            );
-        }
-    }
-    if !enabled && (!raw.streams.is_empty() || !raw.stream_patterns.is_empty()) {
-        bad(
-            "ingest",
-            "streams are declared but no listener: set ingest.socket or ingest.tcp".into(),
-        );
-    }
-    if enabled && raw.streams.is_empty() && raw.stream_patterns.is_empty() {
-        bad("ingest.streams", "a listener is set but no stream is declared: add [[ingest.streams]] or ingest.stream_patterns".into());
-    }
-    streams
-}
-
-pub(super) fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
-    use crate::policy::PushMode;
-    let mode = match raw.mode.as_str() {
-        "off" => PushMode::Off,
-        "overlay" => PushMode::Overlay,
-        "signed" => PushMode::Signed,
-        other => {
-            bad(
-                "commands.config_push.mode",
-                format!("must be \"off\", \"overlay\" or \"signed\" (got {other:?})"),
-            );
-            PushMode::Off
-        }
-    };
-    if !(5..=3600).contains(&raw.confirm_secs) {
-        bad(
-            "commands.config_push.confirm_secs",
-            format!("must be 5..=3600 (got {})", raw.confirm_secs),
-        );
-    }
-    let mut keys = Vec::new();
-    for (i, k) in raw.public_keys.iter().enumerate() {
-        match crate::policy::decode_hex(k.trim()).and_then(|b| <[u8; 32]>::try_from(b).ok()) {
-            Some(key) => keys.push(key),
-            None => bad(
-                &format!("commands.config_push.public_keys.{i}"),
-                format!("must be an Ed25519 public key, 64 hex digits (got {k:?})"),
-            ),
-        }
-    }
-    if mode == PushMode::Signed && raw.public_keys.is_empty() {
-        bad(
-            "commands.config_push.public_keys",
-            "mode \"signed\" needs at least one public key".to_owned(),
-        );
-    }
-    ConfigPush {
-        mode,
-        confirm: Duration::from_secs(raw.confirm_secs),
-        public_keys: keys,
-    }
-}
-
-/// Smallest `max_memory_bytes` of a handler (16 MiB): below it even a small
-/// dynamically linked program may fail to start.
-pub(super) const MIN_HANDLER_MEMORY: u64 = 16 * 1024 * 1024;
-/// Largest `max_memory_bytes` of a handler (1 TiB).
-pub(super) const MAX_HANDLER_MEMORY: u64 = 1 << 40;
-
-/// Problems with a handler's `env` table, each naming the variable.
-pub(super) fn check_env(env: &BTreeMap<String, String>) -> Vec<String> {
-    let mut problems = Vec::new();
-    if env.len() > MAX_ENV_VARS {
-        problems.push(format!(
-            "at most {MAX_ENV_VARS} variables (got {})",
-            env.len()
-        ));
-    }
-    for (name, value) in env {
-        if !env_name_ok(name) {
-            problems.push(format!(
-                "variable names are [A-Z_][A-Z0-9_]*, at most {MAX_ENV_NAME_BYTES} bytes (got {name:?})"
-            ));
-        }
-        if value.contains('\0') {
-            problems.push(format!("{name}: the value contains a NUL character"));
-        } else if value.len() > MAX_ENV_VALUE_BYTES {
-            problems.push(format!(
-                "{name}: the value is {} bytes, more than {MAX_ENV_VALUE_BYTES}",
-                value.len()
-            ));
-        }
-    }
-    problems
-}
-
-/// `[A-Z_][A-Z0-9_]*`, not too long.
-pub(super) fn env_name_ok(name: &str) -> bool {
-    let mut chars = name.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_uppercase() || c == '_');
-    first_ok
-        && name.len() <= MAX_ENV_NAME_BYTES
-        && chars.all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
-}
-
-/// A handler's `cwd` must be an absolute path to an existing directory.
-pub(super) fn check_cwd(cwd: &Path) -> Result<(), String> {
-    if !cwd.is_absolute() {
-        return Err(format!("must be an absolute path (got {cwd:?})"));
-    }
-    match std::fs::metadata(cwd) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(format!("is not a directory (got {cwd:?})")),
-        Err(e) => Err(format!("cannot be used as a directory: {e} (got {cwd:?})")),
-    }
-}
-
-/// A handler's `user` and `group` as ids, or a problem per key (`"user"`,
-/// `"group"`). `is_root`: the agent can switch users; the lookups are
-/// [`crate::process::lookup_user`] and [`crate::process::lookup_group`] outside
-/// tests.
-///
-/// `group` alone is refused (a program still running as root is not
-/// confined by its group); without `group` the user's primary group is used.
-pub(super) fn resolve_credentials(
-    user: Option<&str>,
-    group: Option<&str>,
-    is_root: bool,
-    lookup_user: impl Fn(&str) -> io::Result<Option<(libc::uid_t, libc::gid_t)>>,
-    lookup_group: impl Fn(&str) -> io::Result<Option<libc::gid_t>>,
-) -> Result<Option<Credentials>, Vec<(&'static str, String)>> {
-    let Some(user) = user else {
-        return match group {
-            None => Ok(None),
-            Some(g) => Err(vec![(
-                "group",
-                format!(
-                    "needs `user` as well: a program still running as the agent's user keeps its privileges (got {g:?})"
-                ),
-            )]),
-        };
-    };
-    if !is_root {
-        return Err(vec![(
-            "user",
-            format!(
-                "the agent does not run as root, so it cannot run a program as another user (got {user:?}); remove `user` and `group` to run it as the agent's own user"
-            ),
-        )]);
-    }
-    let mut problems = Vec::new();
-    let ids = match lookup_user(user) {
-        Ok(Some(ids)) => Some(ids),
-        Ok(None) => {
-            problems.push(("user", format!("no such user (got {user:?})")));
-            None
-        }
-        Err(e) => {
-            problems.push(("user", format!("cannot look up user {user:?}: {e}")));
-            None
-        }
-    };
-    let gid = match group.map(|g| (g, lookup_group(g))) {
-        None => None,
-        Some((_, Ok(Some(gid)))) => Some(gid),
-        Some((g, Ok(None))) => {
-            problems.push(("group", format!("no such group (got {g:?})")));
-            None
-        }
-        Some((g, Err(e))) => {
-            problems.push(("group", format!("cannot look up group {g:?}: {e}")));
-            None
-        }
-    };
-    match ids {
-        Some((uid, primary_gid)) if problems.is_empty() => Ok(Some(Credentials {
-            uid,
-            gid: gid.unwrap_or(primary_gid),
-        })),
-        _ => Err(problems),
-    }
-}
-
-/// The `{name}` placeholders in an argument.
-pub fn placeholders(arg: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = arg;
-    while let Some(start) = rest.find('{') {
-        let Some(len) = rest[start + 1..].find('}') else {
-            break;
-        };
-        out.push(rest[start + 1..start + 1 + len].to_owned());
-        rest = &rest[start + 1 + len + 1..];
-    }
-    out
-}
-
 /// Upper bound for retention periods: past this, `Instant`/ms arithmetic
 /// could overflow (a "keep forever" value must not wrap to "delete now").
-pub(super) const TEN_YEARS_SECS: u64 = 10 * 365 * 86_400;
+const TEN_YEARS_SECS: u64 = 10 * 365 * 86_400;
 
-pub(super) fn topic_safe(c: char) -> bool {
+fn topic_safe(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
 }
 
@@ -1429,7 +905,7 @@ pub fn stream_name_ok(name: &str) -> bool {
 }
 
 /// Parse `mqtt://host:port` (port defaults to 1883).
-pub(super) fn parse_url(url: &str) -> Result<(String, u16, bool), String> {
+fn parse_url(url: &str) -> Result<(String, u16, bool), String> {
     let (rest, tls) = if let Some(r) = url.strip_prefix("mqtt://") {
         (r, false)
     } else if let Some(r) = url.strip_prefix("mqtts://") {
@@ -1466,13 +942,6 @@ pub(super) fn parse_url(url: &str) -> Result<(String, u16, bool), String> {
     }
     Ok((host.to_owned(), port, tls))
 }
-
-/// Most variables a handler's `env` may set.
-const MAX_ENV_VARS: usize = 64;
-/// Longest name in a handler's `env`, bytes.
-const MAX_ENV_NAME_BYTES: usize = 128;
-/// Longest value in a handler's `env`, bytes.
-const MAX_ENV_VALUE_BYTES: usize = 4096;
 
 /// Smallest `mqtt.max_packet_bytes`: mosquitto refuses a `max_packet_size`
 /// under 20; 128 leaves room for a topic and a small reading.
