@@ -6,6 +6,7 @@ mod commands;
 mod handlers;
 mod ingest;
 mod metrics;
+mod spool;
 
 pub use handlers::placeholders;
 
@@ -16,21 +17,17 @@ use super::CommandsConfig;
 use super::Config;
 use super::ConfigError;
 use super::ExecHandler;
-use super::ExplicitKeys;
 use super::MqttConfig;
 use super::ParamKind;
 use super::ParamSpec;
 use super::Problem;
 use super::Protocol;
-use super::SpoolConfig;
 use super::TlsFiles;
 use crate::ack::MAX_WINDOW;
 use crate::envelope::Format;
 use crate::process::Limits;
 use crate::source::SourceKind;
 use crate::source::SourceSpec;
-use crate::spool::SpoolOptions;
-use crate::spool::Synchronous;
 use bridge::validate_bridge;
 use commands::validate_push;
 use handlers::check_cwd;
@@ -65,89 +62,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
         );
     }
 
-    let s = &raw.spool;
-    if s.path.as_os_str().is_empty() || s.path.as_os_str().as_encoded_bytes().contains(&0) {
-        bad(
-            "spool.path",
-            format!(
-                "must be a non-empty path without NUL bytes (got {:?})",
-                s.path
-            ),
-        );
-    }
-    if s.acked_retention_secs > TEN_YEARS_SECS {
-        bad(
-            "spool.acked_retention_secs",
-            format!(
-                "must be at most {TEN_YEARS_SECS} (ten years) (got {})",
-                s.acked_retention_secs
-            ),
-        );
-    }
-    let synchronous = match s.synchronous.to_ascii_lowercase().as_str() {
-        "normal" => Synchronous::Normal,
-        "full" => Synchronous::Full,
-        other => {
-            bad(
-                "spool.synchronous",
-                format!("must be \"normal\" or \"full\" (got {other:?}); OFF is never allowed"),
-            );
-            Synchronous::Normal
-        }
-    };
-    if s.busy_timeout_ms < 5000 {
-        bad(
-            "spool.busy_timeout_ms",
-            format!("must be at least 5000 (got {})", s.busy_timeout_ms),
-        );
-    }
-    if s.journal_size_limit_bytes < 0 {
-        bad(
-            "spool.journal_size_limit_bytes",
-            format!("must be >= 0 (got {})", s.journal_size_limit_bytes),
-        );
-    }
-    if s.wal_autocheckpoint_pages < 0 {
-        bad(
-            "spool.wal_autocheckpoint_pages",
-            format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages),
-        );
-    }
-    let commit_window_ms = s.commit_window_ms.unwrap_or_else(d_commit);
-    if !(1..=60_000).contains(&commit_window_ms) {
-        bad(
-            "spool.commit_window_ms",
-            format!("must be 1..=60000 (got {commit_window_ms})"),
-        );
-    }
-    if !(1..=100_000).contains(&s.purge_batch_rows) {
-        bad(
-            "spool.purge_batch_rows",
-            format!("must be 1..=100000 (got {})", s.purge_batch_rows),
-        );
-    }
-    if s.max_bytes != 0 && s.max_bytes < 1024 * 1024 {
-        bad(
-            "spool.max_bytes",
-            format!(
-                "must be 0 (no limit) or at least 1048576 (got {})",
-                s.max_bytes
-            ),
-        );
-    }
-    let checkpoint_wal_bytes = s.checkpoint_wal_bytes.unwrap_or_else(d_ckpt_wal);
-    if !(64 * 1024..=1024 * 1024 * 1024).contains(&checkpoint_wal_bytes) {
-        bad(
-            "spool.checkpoint_wal_bytes",
-            format!("must be 65536..=1073741824 (got {checkpoint_wal_bytes})"),
-        );
-    }
-    if !(1..=86_400).contains(&s.checkpoint_interval_secs) {
-        bad(
-            "spool.checkpoint_interval_secs",
-            format!("must be 1..=86400 (got {})", s.checkpoint_interval_secs),
-        );
-    }
+    let spool = spool::validate_spool(&raw.spool, &mut bad);
 
     let m = &raw.mqtt;
     let (host, port, use_tls) = match parse_url(&m.url) {
@@ -822,30 +737,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
     }
     Ok(Config {
         device_id,
-        spool: SpoolConfig {
-            path: s.path.clone(),
-            options: SpoolOptions {
-                synchronous,
-                busy_timeout: Duration::from_millis(s.busy_timeout_ms),
-                journal_size_limit_bytes: s.journal_size_limit_bytes,
-                wal_autocheckpoint_pages: s.wal_autocheckpoint_pages,
-            },
-            commit_window: Duration::from_millis(commit_window_ms),
-            acked_retention: Duration::from_secs(s.acked_retention_secs),
-            purge_batch_rows: s.purge_batch_rows,
-            checkpoint_interval: Duration::from_secs(s.checkpoint_interval_secs),
-            allow_network_fs: s.allow_network_fs,
-            capacity: crate::maintenance::Capacity {
-                max_bytes: s.max_bytes,
-                min_free_bytes: s.min_free_bytes,
-            },
-            checkpoint_wal_bytes,
-            tune_from_probe: s.tune_from_probe,
-            explicit: ExplicitKeys {
-                commit_window: s.commit_window_ms.is_some(),
-                checkpoint_wal_bytes: s.checkpoint_wal_bytes.is_some(),
-            },
-        },
+        spool,
         mqtt: MqttConfig {
             tls,
             credentials,
