@@ -51,16 +51,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
         })
     };
 
-    let device_id = raw.device_id.trim().to_owned();
-    if device_id.is_empty() || device_id.len() > 64 || !device_id.chars().all(topic_safe) {
-        bad(
-            "device_id",
-            format!(
-                "must be non-empty letters, digits, '-', '_' or '.' (got {:?})",
-                raw.device_id
-            ),
-        );
-    }
+    let device_id = validate_device_id(&raw.device_id, &mut bad);
 
     let spool = spool::validate_spool(&raw.spool, &mut bad);
 
@@ -229,15 +220,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             format!("must be 1..=3600 (got {})", m.ack_timeout_secs),
         );
     }
-    if !(1..=86_400).contains(&raw.agent.summary_interval_secs) {
-        bad(
-            "agent.summary_interval_secs",
-            format!(
-                "must be 1..=86400 (got {})",
-                raw.agent.summary_interval_secs
-            ),
-        );
-    }
+    let agent = validate_agent(&raw.agent, &mut bad);
 
     let mut sources = Vec::new();
     let mut names = std::collections::HashSet::new();
@@ -760,9 +743,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             protocol,
             session_expiry_secs: m.session_expiry_secs,
         },
-        agent: AgentConfig {
-            summary_interval: Duration::from_secs(raw.agent.summary_interval_secs),
-        },
+        agent,
         sources,
         commands: CommandsConfig {
             enabled: rc.enabled,
@@ -778,6 +759,35 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
         metrics,
         ingest,
     })
+}
+
+/// `device_id`: trimmed, 1..=64 letters, digits, '-', '_' or '.' (it is a
+/// topic level). Returns the trimmed id.
+fn validate_device_id(raw: &str, bad: &mut impl FnMut(&str, String)) -> String {
+    let device_id = raw.trim().to_owned();
+    if device_id.is_empty() || device_id.len() > 64 || !device_id.chars().all(topic_safe) {
+        bad(
+            "device_id",
+            format!(
+                "must be non-empty letters, digits, '-', '_' or '.' (got {:?})",
+                raw
+            ),
+        );
+    }
+    device_id
+}
+
+/// `[agent]`: `summary_interval_secs` 1..=86400.
+fn validate_agent(raw: &RawAgent, bad: &mut impl FnMut(&str, String)) -> AgentConfig {
+    if !(1..=86_400).contains(&raw.summary_interval_secs) {
+        bad(
+            "agent.summary_interval_secs",
+            format!("must be 1..=86400 (got {})", raw.summary_interval_secs),
+        );
+    }
+    AgentConfig {
+        summary_interval: Duration::from_secs(raw.summary_interval_secs),
+    }
 }
 
 /// Upper bound for retention periods: past this, `Instant`/ms arithmetic
