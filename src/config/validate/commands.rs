@@ -1,8 +1,68 @@
-//! `[commands]` validation: `[commands.config_push]`.
+//! `[commands]` validation: the bounds of the command channel and
+//! `[commands.config_push]`. Handlers are in `handlers.rs`.
 
-use crate::config::raw::RawConfigPush;
+use super::TEN_YEARS_SECS;
+use crate::config::raw::{RawCommands, RawConfigPush};
 use crate::config::ConfigPush;
 use std::time::Duration;
+
+/// `[commands]` bounds: payload size, record retention (3600 s..=ten years),
+/// records, queue, rate, and a `default_ttl_secs` within the retention.
+pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, String)) {
+    if !(256..=1024 * 1024).contains(&rc.max_payload_bytes) {
+        bad(
+            "commands.max_payload_bytes",
+            format!("must be 256..=1048576 (got {})", rc.max_payload_bytes),
+        );
+    }
+    if rc.record_retention_secs > TEN_YEARS_SECS {
+        bad(
+            "commands.record_retention_secs",
+            format!(
+                "must be at most {TEN_YEARS_SECS} (got {})",
+                rc.record_retention_secs
+            ),
+        );
+    }
+    if rc.record_retention_secs < 3600 {
+        bad(
+            "commands.record_retention_secs",
+            format!(
+                "must be at least 3600, longer than any redelivery window (got {})",
+                rc.record_retention_secs
+            ),
+        );
+    }
+    if !(1000..=1_000_000).contains(&rc.max_records) {
+        bad(
+            "commands.max_records",
+            format!("must be 1000..=1000000 (got {})", rc.max_records),
+        );
+    }
+    if !(1..=10_000).contains(&rc.max_queued) {
+        bad(
+            "commands.max_queued",
+            format!("must be 1..=10000 (got {})", rc.max_queued),
+        );
+    }
+    if !(1..=60_000).contains(&rc.max_per_minute_per_scope) {
+        bad(
+            "commands.max_per_minute_per_scope",
+            format!("must be 1..=60000 (got {})", rc.max_per_minute_per_scope),
+        );
+    }
+    if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
+        // A command may still run only while its record is sure to exist:
+        // past the redelivery window a redelivery could find no record.
+        bad(
+            "commands.default_ttl_secs",
+            format!(
+                "must be 1..=commands.record_retention_secs ({}) (got {})",
+                rc.record_retention_secs, rc.default_ttl_secs
+            ),
+        );
+    }
+}
 
 /// `[commands.config_push]`: the mode and its confirmation window.
 pub(super) fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
