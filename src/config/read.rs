@@ -1,0 +1,235 @@
+//! TOML text → [`RawConfig`]: `--set` overrides, deserialization with the
+//! key path, line and did-you-mean of a problem (field case F16).
+
+use super::raw::RawConfig;
+use super::{ConfigError, Problem};
+
+pub(super) fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) -> ConfigError {
+    ConfigError {
+        origin: origin.to_owned(),
+        problems: vec![Problem {
+            key: key.to_owned(),
+            line,
+            message: msg.to_owned(),
+        }],
+    }
+}
+
+pub(super) fn line_of(text: &str, offset: Option<usize>) -> Option<usize> {
+    offset.map(|o| text[..o.min(text.len())].matches('\n').count() + 1)
+}
+
+pub(super) fn deserialize(
+    text: &str,
+    origin: &str,
+    with_lines: bool,
+) -> Result<RawConfig, ConfigError> {
+    let de = toml::Deserializer::parse(text).map_err(|e| {
+        let line = if with_lines {
+            line_of(text, e.span().map(|s| s.start))
+        } else {
+            None
+        };
+        single(origin, "(syntax)", line, e.message().trim())
+    })?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let inner = e.inner();
+        let line = if with_lines {
+            line_of(text, inner.span().map(|s| s.start))
+        } else {
+            None
+        };
+        let msg = inner.message().trim().to_owned();
+        let mut key = path_string(e.path());
+        // serde_path_to_error already ends the path with the unknown key;
+        // make sure it is there even if a future version stops at the table.
+        let msg = match unknown_field(&msg) {
+            Some((field, expected)) => {
+                if key.is_empty() {
+                    key = field.clone();
+                } else if !key.ends_with(&field) {
+                    key = format!("{key}.{field}");
+                }
+                match did_you_mean(&field, &expected) {
+                    Some(s) => format!(
+                        "unknown key; did you mean `{s}`? (known keys: {})",
+                        expected.join(", ")
+                    ),
+                    None => format!("unknown key (known keys: {})", expected.join(", ")),
+                }
+            }
+            None => {
+                if let Some(field) = msg
+                    .strip_prefix("missing field `")
+                    .and_then(|r| r.split_once('`'))
+                    .map(|(f, _)| f.to_owned())
+                {
+                    key = if key.is_empty() {
+                        field
+                    } else {
+                        format!("{key}.{field}")
+                    };
+                    "required key is missing".to_owned()
+                } else {
+                    msg
+                }
+            }
+        };
+        single(origin, &key, line, &msg)
+    })
+}
+
+/// The line (1-based) where `key` (`a.b`, `sources[2].c`, `device_id`) is
+/// written in `text`, found by following table headers. `None` when the key
+/// is not written (a missing key or a default).
+pub(super) fn locate(text: &str, key: &str) -> Option<usize> {
+    let (table, index, leaf) = match key.rsplit_once('.') {
+        Some((t, leaf)) => match t.split_once('[') {
+            Some((name, rest)) => (name, rest.trim_end_matches(']').parse::<usize>().ok(), leaf),
+            None => (t, None, leaf),
+        },
+        None => ("", None, key),
+    };
+    let mut current = String::new();
+    let mut counts: std::collections::HashMap<String, usize> = Default::default();
+    let mut current_index: Option<usize> = None;
+    for (n, raw_line) in text.lines().enumerate() {
+        let line = raw_line.trim();
+        if let Some(h) = line
+            .strip_prefix("[[")
+            .and_then(|l| l.split_once("]]"))
+            .map(|(h, _)| h.trim())
+        {
+            let c = counts.entry(h.to_owned()).or_insert(0);
+            current = h.to_owned();
+            current_index = Some(*c);
+            *c += 1;
+            continue;
+        }
+        if let Some(h) = line
+            .strip_prefix('[')
+            .and_then(|l| l.split_once(']'))
+            .map(|(h, _)| h.trim())
+        {
+            current = h.to_owned();
+            current_index = None;
+            continue;
+        }
+        let in_table = current == table && (index.is_none() || index == current_index);
+        if in_table {
+            if let Some(rest) = line.strip_prefix(leaf) {
+                if rest.trim_start().starts_with('=') {
+                    return Some(n + 1);
+                }
+            }
+        }
+    }
+    None
+}
+
+pub(super) fn path_string(p: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut s = String::new();
+    for seg in p.iter() {
+        match seg {
+            Segment::Seq { index } => s.push_str(&format!("[{index}]")),
+            Segment::Map { key } | Segment::Enum { variant: key } => {
+                if !s.is_empty() {
+                    s.push('.');
+                }
+                s.push_str(key);
+            }
+            Segment::Unknown => {}
+        }
+    }
+    s
+}
+
+/// Split serde's standard "unknown field `x`, expected one of `a`, `b`" message.
+pub(super) fn unknown_field(msg: &str) -> Option<(String, Vec<String>)> {
+    let rest = msg.strip_prefix("unknown field `")?;
+    let (field, rest) = rest.split_once('`')?;
+    let expected = rest
+        .split('`')
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+        .map(|(_, s)| s.to_owned())
+        .collect();
+    Some((field.to_owned(), expected))
+}
+
+/// The closest known key within a small edit distance, if any.
+pub(super) fn did_you_mean(got: &str, known: &[String]) -> Option<String> {
+    known
+        .iter()
+        .map(|k| (edit_distance(got, k), k))
+        .filter(|(d, k)| *d <= 2.max(k.len() / 4))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.clone())
+}
+
+pub(super) fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// Set `key.path=value` in `table`. Path segments are table keys or array
+/// indexes (`sources.0.interval_ms`).
+pub(super) fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), String> {
+    let (path, value) = spec
+        .split_once('=')
+        .ok_or_else(|| "expected key.path=value".to_owned())?;
+    let path = path.trim();
+    let value = value.trim();
+    let parsed: toml::Value = format!("v = {value}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_owned()));
+    let segs: Vec<&str> = path.split('.').collect();
+    if segs.iter().any(|s| s.is_empty()) {
+        return Err(format!("bad key path {path:?}"));
+    }
+    let mut root = toml::Value::Table(std::mem::take(table));
+    let res = set_path(&mut root, &segs, parsed, path);
+    if let toml::Value::Table(t) = root {
+        *table = t;
+    }
+    res
+}
+
+pub(super) fn set_path(
+    cur: &mut toml::Value,
+    segs: &[&str],
+    value: toml::Value,
+    path: &str,
+) -> Result<(), String> {
+    let Some((seg, rest)) = segs.split_first() else {
+        *cur = value;
+        return Ok(());
+    };
+    let next = match cur {
+        toml::Value::Table(t) => t
+            .entry((*seg).to_owned())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new())),
+        toml::Value::Array(a) => {
+            let idx: usize = seg
+                .parse()
+                .map_err(|_| format!("{path}: `{seg}` is not an array index"))?;
+            let len = a.len();
+            a.get_mut(idx)
+                .ok_or_else(|| format!("{path}: index {idx} out of range (array has {len})"))?
+        }
+        _ => return Err(format!("{path}: `{seg}` is not inside a table or array")),
+    };
+    set_path(next, rest, value, path)
+}

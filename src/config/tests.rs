@@ -1,0 +1,798 @@
+use super::validate::resolve_credentials;
+use super::*;
+use crate::source::SourceKind;
+use std::io;
+
+const GOOD: &str = r#"
+device_id = "pi4-lab"
+[spool]
+path = "/tmp/x/spool.db"
+[mqtt]
+url = "mqtt://broker.local:1884"
+[[sources]]
+name = "system"
+kind = "system"
+interval_ms = 1000
+"#;
+
+fn err(text: &str) -> ConfigError {
+    parse(text, "t.toml", &[]).unwrap_err()
+}
+
+#[test]
+fn follow_refuses_repeat_and_speed_by_name_and_plays_unpaced() {
+    let src = |extra: &str| {
+        format!(
+                "{GOOD}[[sources]]\nname = \"log\"\nkind = \"replay\"\npath = \"/var/log/x.csv\"\ntimestamp_columns = [\"ts\"]\ntimestamp_format = \"%s\"\nfollow = true\n{extra}"
+            )
+    };
+    let e = err(&src("repeat = true\n")).to_string();
+    assert!(
+        e.contains("sources[1].follow: follow = true cannot be combined with repeat = true"),
+        "{e}"
+    );
+    let e = err(&src("speed = 2.0\n")).to_string();
+    assert!(
+        e.contains("sources[1].speed: not used with follow = true"),
+        "{e}"
+    );
+    let c = parse(&src("repeat = false\n"), "t.toml", &[]).unwrap();
+    match &c.sources[1].kind {
+        SourceKind::Replay(r) => assert!(r.follow && !r.repeat && r.speed == 0.0),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_minimal_config_gets_documented_defaults() {
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    assert_eq!(c.mqtt.host, "broker.local");
+    assert_eq!(c.mqtt.port, 1884);
+    assert_eq!(c.mqtt.client_id, "edgespool-pi4-lab");
+    assert_eq!(c.mqtt.topic_prefix, "edgespool/pi4-lab");
+    assert_eq!(c.mqtt.inflight_window, 32);
+    assert_eq!(c.spool.options.busy_timeout, Duration::from_secs(5));
+    assert_eq!(c.sources.len(), 1);
+}
+
+#[test]
+fn misspelt_key_names_the_path_the_line_and_a_suggestion() {
+    // field case F16 (a)
+    let e = err(&GOOD.replace("interval_ms = 1000", "intervall_ms = 1000"));
+    let p = &e.problems[0];
+    assert_eq!(p.key, "sources[0].intervall_ms");
+    assert_eq!(p.line, Some(10));
+    assert!(
+        p.message.contains("did you mean `interval_ms`"),
+        "{}",
+        p.message
+    );
+}
+
+#[test]
+fn host_and_port_where_url_is_expected_are_rejected() {
+    // field case F16 (b)
+    let e = err(&GOOD.replace(
+        "url = \"mqtt://broker.local:1884\"",
+        "host = \"y\"\nport = 8883",
+    ));
+    assert_eq!(e.problems[0].key, "mqtt.host");
+    assert_eq!(e.problems[0].line, Some(6));
+}
+
+#[test]
+fn wrong_type_names_the_key() {
+    // field case F16 (c)
+    let e = err(&GOOD.replace("interval_ms = 1000", "interval_ms = \"10k\""));
+    assert_eq!(e.problems[0].key, "sources[0].interval_ms");
+    assert_eq!(e.problems[0].line, Some(10));
+}
+
+#[test]
+fn dangerous_values_are_rejected_by_range() {
+    // field case F16 (e)
+    let e = err(&GOOD.replace("[mqtt]", "[mqtt]\ninflight_window = 0\nkeep_alive_secs = 0"));
+    let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, vec!["mqtt.keep_alive_secs", "mqtt.inflight_window"]);
+}
+
+#[test]
+fn max_packet_bytes_defaults_to_the_protocol_limit_and_is_range_checked() {
+    let c = parse(GOOD, "t", &[]).unwrap();
+    assert_eq!(c.mqtt.max_packet_bytes, 268_435_460);
+    let c = parse(
+        &GOOD.replace("[mqtt]", "[mqtt]\nmax_packet_bytes = 2000"),
+        "t",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.mqtt.max_packet_bytes, 2000);
+    for bad in ["127", "268435461"] {
+        let e = err(&GOOD.replace("[mqtt]", &format!("[mqtt]\nmax_packet_bytes = {bad}")));
+        assert_eq!(e.problems[0].key, "mqtt.max_packet_bytes");
+        assert!(
+            e.problems[0].message.contains(&format!("(got {bad})")),
+            "{}",
+            e.problems[0].message
+        );
+    }
+}
+
+#[test]
+fn empty_and_nul_filled_files_are_rejected_not_defaulted() {
+    // field case F15 (b)
+    assert_eq!(err("").problems[0].message, "config is empty");
+    assert!(err("\0\0\0\0").problems[0].message.contains("NUL"));
+    assert_eq!(
+        err("device_id = \"x\"\n[spool\n").problems[0].key,
+        "(syntax)"
+    );
+}
+
+#[test]
+fn range_problems_carry_the_line_of_the_key() {
+    let e = err(&GOOD.replace("interval_ms = 1000", "interval_ms = 1"));
+    assert_eq!(e.problems[0].key, "sources[0].interval_ms");
+    assert_eq!(e.problems[0].line, Some(10));
+    let e = err(&GOOD.replace("[mqtt]", "[mqtt]\nkeep_alive_secs = 1"));
+    assert_eq!(e.problems[0].line, Some(6));
+}
+
+#[test]
+fn a_missing_required_key_is_named() {
+    let e = err("[spool]\npath = \"/x\"\n");
+    assert_eq!(e.problems[0].key, "device_id");
+    assert_eq!(e.problems[0].message, "required key is missing");
+}
+
+#[test]
+fn overrides_set_nested_keys_and_array_items() {
+    let c = parse(
+        GOOD,
+        "t.toml",
+        &[
+            "mqtt.url=mqtt://127.0.0.1:9999".into(),
+            "sources.0.interval_ms=50".into(),
+            "spool.path=/tmp/other.db".into(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.mqtt.port, 9999);
+    assert_eq!(c.sources[0].interval, Duration::from_millis(50));
+    assert_eq!(c.spool.path, PathBuf::from("/tmp/other.db"));
+}
+
+#[test]
+fn a_bad_override_is_rejected_with_its_key() {
+    let e = parse(GOOD, "t.toml", &["mqtt.inflight_windw=5".into()]).unwrap_err();
+    assert_eq!(e.problems[0].key, "mqtt.inflight_windw");
+    assert!(e.problems[0].message.contains("inflight_window"));
+}
+
+#[test]
+fn an_override_can_supply_a_key_the_file_lacks() {
+    let text = GOOD.replace("device_id = \"pi4-lab\"\n", "");
+    assert!(parse(&text, "t.toml", &[]).is_err());
+    let c = parse(&text, "t.toml", &["device_id=gw1".into()]).unwrap();
+    assert_eq!(c.device_id, "gw1");
+}
+
+#[test]
+fn huge_intervals_are_rejected_not_overflowed() {
+    let e = err(&GOOD.replace(
+        "[mqtt]",
+        "[agent]\nsummary_interval_secs = 9223372036854775807\n[mqtt]",
+    ));
+    assert_eq!(e.problems[0].key, "agent.summary_interval_secs");
+    let e = err(&GOOD.replace(
+        "[mqtt]",
+        "acked_retention_secs = 9223372036854775807\n[mqtt]",
+    ));
+    assert_eq!(e.problems[0].key, "spool.acked_retention_secs");
+}
+
+#[test]
+fn a_url_with_two_ports_is_rejected() {
+    let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtt://host:1883:99"));
+    assert_eq!(e.problems[0].key, "mqtt.url");
+}
+
+/// board-configs/example.toml writes every key with its default: it must
+/// agree with the defaults in this file.
+#[test]
+fn the_example_config_mirrors_the_defaults() {
+    let example = parse(
+        include_str!("../../board-configs/example.toml"),
+        "example.toml",
+        &[],
+    )
+    .unwrap();
+    let minimal = parse(
+        "device_id = \"example-board-01\"\n[spool]\npath = \"/var/lib/edgespool/spool.db\"\n",
+        "minimal",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(example.spool, minimal.spool);
+    assert_eq!(example.mqtt, minimal.mqtt);
+    assert_eq!(example.agent, minimal.agent);
+    assert_eq!(example.metrics, minimal.metrics);
+    assert_eq!(minimal.metrics, MetricsConfig::default());
+    assert_eq!(example.ingest, minimal.ingest);
+    assert_eq!(minimal.ingest, IngestConfig::default());
+    assert_eq!(example.commands.enabled, minimal.commands.enabled);
+    assert_eq!(
+        example.commands.max_payload_bytes,
+        minimal.commands.max_payload_bytes
+    );
+    assert_eq!(
+        example.commands.record_retention,
+        minimal.commands.record_retention
+    );
+    // The example handler writes the confinement keys with their defaults.
+    let handler = &example.commands.handlers[0];
+    let bare = parse(
+            &format!(
+                "device_id = \"x\"\n[spool]\npath = \"/x.db\"\n[[commands.handlers]]\nname = \"h\"\nprogram = \"/bin/true\"\ntimeout_ms = {}\n",
+                handler.timeout.as_millis()
+            ),
+            "bare",
+            &[],
+        )
+        .unwrap();
+    let default = &bare.commands.handlers[0];
+    assert_eq!(handler.env, default.env);
+    assert_eq!(handler.cwd, default.cwd);
+    assert_eq!(handler.limits, default.limits);
+    assert_eq!(handler.credentials, default.credentials);
+    for (key, a, b) in [
+        (
+            "max_records",
+            example.commands.max_records,
+            minimal.commands.max_records,
+        ),
+        (
+            "max_queued",
+            example.commands.max_queued,
+            minimal.commands.max_queued,
+        ),
+        (
+            "max_per_minute_per_scope",
+            example.commands.max_per_minute_per_scope as usize,
+            minimal.commands.max_per_minute_per_scope as usize,
+        ),
+        (
+            "default_ttl_secs",
+            example.commands.default_ttl.as_secs() as usize,
+            minimal.commands.default_ttl.as_secs() as usize,
+        ),
+    ] {
+        assert_eq!(a, b, "commands.{key}");
+    }
+}
+
+#[test]
+fn metrics_are_off_by_default_and_read_when_set() {
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    assert_eq!(c.metrics, MetricsConfig::default());
+    let c = parse(
+        &format!("{GOOD}[metrics]\ntextfile = \"/run/edgespool.prom\"\nlisten = \"[::1]:9469\"\n"),
+        "t.toml",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        c.metrics.textfile,
+        Some(PathBuf::from("/run/edgespool.prom"))
+    );
+    assert_eq!(c.metrics.listen, Some("[::1]:9469".parse().unwrap()));
+    let public = format!("{GOOD}[metrics]\nlisten = \"0.0.0.0:9469\"\nlisten_public = true\n");
+    assert!(parse(&public, "t.toml", &[]).is_ok());
+}
+
+#[test]
+fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    assert_eq!(c.ingest, IngestConfig::default());
+    assert!(!c.ingest.enabled());
+    let text = format!(
+            "{GOOD}[ingest]\nsocket = \"/run/edgespool/ingest.sock\"\nsocket_mode = \"0600\"\ntcp = \"127.0.0.1:7788\"\nstream_patterns = [\"plant.*\"]\n[[ingest.streams]]\nname = \"pump\"\ndurability = \"full\"\npriority = 9\n"
+        );
+    let c = parse(&text, "t.toml", &[]).unwrap();
+    assert_eq!(c.ingest.socket_mode, 0o600);
+    assert_eq!(c.ingest.max_line_bytes, 16 * 1024);
+    let pump = c.ingest.stream("pump").unwrap();
+    assert_eq!(
+        (pump.durability, pump.priority),
+        (crate::source::Durability::Full, 9)
+    );
+    assert_eq!(c.stream_durability("pump"), crate::source::Durability::Full);
+    assert_eq!(
+        c.stream_durability("plant.a"),
+        crate::source::Durability::Batched
+    );
+    assert!(c.ingest.stream("plant.a").is_some());
+    assert!(c.ingest.stream("plant.").is_none());
+    assert!(c.ingest.stream("valve").is_none());
+}
+
+#[test]
+fn ingest_problems_name_their_key() {
+    let on = "[ingest]\nsocket = \"/run/e/i.sock\"\n";
+    let stream = "[[ingest.streams]]\nname = \"pump\"\n";
+    for (body, key, says) in [
+        (
+            format!("{on}tcp = \"0.0.0.0:7788\"\n{stream}"),
+            "ingest.tcp",
+            "ingest.tcp_public = true",
+        ),
+        (
+            format!("{on}socket_mode = \"0666\"\n{stream}"),
+            "ingest.socket_mode",
+            "others' write",
+        ),
+        (
+            format!("{on}socket_mode = \"rw-rw----\"\n{stream}"),
+            "ingest.socket_mode",
+            "octal",
+        ),
+        (
+            format!("{on}max_line_bytes = 10\n{stream}"),
+            "ingest.max_line_bytes",
+            "256..=1048576",
+        ),
+        (
+            format!("{on}stream_patterns = [\"plant\"]\n{stream}"),
+            "ingest.stream_patterns[0]",
+            "followed by '*'",
+        ),
+        (
+            format!("{on}stream_patterns = [\"sys*\"]\n{stream}"),
+            "ingest.stream_patterns[0]",
+            "matches source \"system\"",
+        ),
+        (
+            format!("{on}[[ingest.streams]]\nname = \"_commands\"\n"),
+            "ingest.streams[0].name",
+            "not starting with '_'",
+        ),
+        (
+            format!("{on}[[ingest.streams]]\nname = \"system\"\n"),
+            "ingest.streams[0].name",
+            "is a source's stream",
+        ),
+        (
+            format!("{on}{stream}durability = \"fsync\"\n"),
+            "ingest.streams[0].durability",
+            "\"batched\" or \"full\"",
+        ),
+        (
+            format!("{on}{stream}{stream}"),
+            "ingest.streams[1].name",
+            "duplicate",
+        ),
+        (on.to_owned(), "ingest.streams", "no stream is declared"),
+        (format!("[ingest]\n{stream}"), "ingest", "no listener"),
+        (
+            format!("{on}sockett = 1\n"),
+            "ingest.sockett",
+            "did you mean `socket`",
+        ),
+    ] {
+        let e = err(&format!("{GOOD}{body}"));
+        let p = &e.problems[0];
+        assert_eq!(p.key, key, "{body}");
+        assert!(p.message.contains(says), "{body}: {}", p.message);
+    }
+}
+
+#[test]
+fn a_metrics_listener_beyond_loopback_needs_listen_public() {
+    let e = err(&format!("{GOOD}[metrics]\nlisten = \"0.0.0.0:9469\"\n"));
+    let p = &e.problems[0];
+    assert_eq!((p.key.as_str(), p.line), ("metrics.listen", Some(12)));
+    assert!(
+        p.message.contains("metrics.listen_public = true"),
+        "{}",
+        p.message
+    );
+    for (body, key, says) in [
+        (
+            "listen = \"localhost:9469\"",
+            "metrics.listen",
+            "host names are not resolved",
+        ),
+        ("listen = \"127.0.0.1:0\"", "metrics.listen", "needs a port"),
+        ("listen = \"127.0.0.1\"", "metrics.listen", "IP:port"),
+        (
+            "textfile = \"edgespool.prom\"",
+            "metrics.textfile",
+            "absolute",
+        ),
+        (
+            "listen_public = true",
+            "metrics.listen_public",
+            "only used with metrics.listen",
+        ),
+        (
+            "listn = \"127.0.0.1:9469\"",
+            "metrics.listn",
+            "did you mean `listen`",
+        ),
+    ] {
+        let e = err(&format!("{GOOD}[metrics]\n{body}\n"));
+        let p = &e.problems[0];
+        assert_eq!(p.key, key, "{body}");
+        assert_eq!(p.line, Some(12), "{body}");
+        assert!(p.message.contains(says), "{body}: {}", p.message);
+    }
+}
+
+#[test]
+fn command_bounds_are_range_checked_and_name_their_key() {
+    let with = |body: &str| format!("{GOOD}[commands]\n{body}\n");
+    for (body, key) in [
+        ("max_records = 999", "commands.max_records"),
+        ("max_records = 1000001", "commands.max_records"),
+        ("max_queued = 0", "commands.max_queued"),
+        ("max_queued = 10001", "commands.max_queued"),
+        (
+            "max_per_minute_per_scope = 0",
+            "commands.max_per_minute_per_scope",
+        ),
+        ("default_ttl_secs = 0", "commands.default_ttl_secs"),
+        (
+            "record_retention_secs = 3600\ndefault_ttl_secs = 3601",
+            "commands.default_ttl_secs",
+        ),
+    ] {
+        let e = err(&with(body));
+        assert_eq!(e.problems[0].key, key, "{body}");
+    }
+    let c = parse(
+            &with("max_records = 1000\nmax_queued = 1\nmax_per_minute_per_scope = 5\ndefault_ttl_secs = 60"),
+            "t.toml",
+            &[],
+        )
+        .unwrap();
+    assert_eq!(c.commands.max_records, 1000);
+    assert_eq!(c.commands.max_queued, 1);
+    assert_eq!(c.commands.max_per_minute_per_scope, 5);
+    assert_eq!(c.commands.default_ttl, Duration::from_secs(60));
+}
+
+#[test]
+fn tls_urls_need_a_ca_and_both_client_files_or_none() {
+    let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtts://b"));
+    assert_eq!(e.problems[0].key, "mqtt.ca_file");
+    let e = err(&GOOD.replace(
+        "url = \"mqtt://broker.local:1884\"",
+        "url = \"mqtts://b\"\nca_file = \"/ca.pem\"\nclient_cert_file = \"/c.pem\"",
+    ));
+    assert_eq!(e.problems[0].key, "mqtt.client_key_file");
+    let c = parse(
+        &GOOD.replace(
+            "url = \"mqtt://broker.local:1884\"",
+            "url = \"mqtts://b\"\nca_file = \"/ca.pem\"",
+        ),
+        "t",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.mqtt.port, 8883);
+    assert_eq!(c.mqtt.tls.unwrap().client, None);
+    let e = err(&GOOD.replace("[mqtt]", "[mqtt]\nca_file = \"/ca.pem\""));
+    assert_eq!(e.problems[0].key, "mqtt.ca_file");
+}
+
+#[test]
+fn source_kind_typo_gets_a_suggestion() {
+    let e = err(&GOOD.replace("kind = \"system\"", "kind = \"sytem\""));
+    assert!(e.problems[0].message.contains("did you mean \"system\""));
+}
+
+#[test]
+fn a_key_of_another_kind_is_named() {
+    let e = err(&GOOD.replace(
+        "kind = \"system\"",
+        "kind = \"system\"\nscale = 2.0\nspeed = 1.0",
+    ));
+    let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, vec!["sources[0].scale", "sources[0].speed"]);
+    assert!(e.problems[0]
+        .message
+        .contains("not used by kind \"system\""));
+}
+
+/// GOOD with its source replaced by an mqtt one with `extra` lines.
+fn bridge(extra: &str) -> String {
+    GOOD.replace(
+        "kind = \"system\"\ninterval_ms = 1000",
+        &format!("kind = \"mqtt\"\ntopics = [\"plant/#\"]\n{extra}"),
+    )
+}
+
+#[test]
+fn an_mqtt_source_gets_documented_defaults_and_needs_no_interval() {
+    let c = parse(&bridge(""), "t.toml", &[]).unwrap();
+    let SourceKind::Mqtt(b) = &c.sources[0].kind else {
+        panic!("not an mqtt source: {:?}", c.sources[0].kind)
+    };
+    assert_eq!((b.host.as_str(), b.port), ("127.0.0.1", 1883));
+    assert_eq!(b.qos, rumqttc::QoS::AtLeastOnce);
+    assert_eq!(b.client_id, "edgespool-bridge-pi4-lab-system");
+    assert_eq!(b.payload.format, crate::source::bridge::PayloadFormat::Auto);
+    assert_eq!(b.payload.max_payload_bytes, 64 * 1024);
+    assert_eq!(b.payload.id_field, None);
+    assert_eq!(b.credentials, None);
+}
+
+#[test]
+fn mqtt_source_problems_name_their_key() {
+    for (extra, key, says) in [
+        ("qos = 0", "sources[0].qos", "cannot be made durable"),
+        ("qos = 3", "sources[0].qos", "must be 1"),
+        ("qos = 2", "sources[0].qos", "PUBREL"),
+        ("url = \"mqtts://h:8883\"", "sources[0].url", "without TLS"),
+        ("url = \"tcp://h\"", "sources[0].url", "mqtt://"),
+        ("payload = \"xml\"", "sources[0].payload", "\"auto\""),
+        (
+            "interval_ms = 500",
+            "sources[0].interval_ms",
+            "not used by kind \"mqtt\"",
+        ),
+        (
+            "password_file = \"/p\"",
+            "sources[0].password_file",
+            "needs sources[0].username",
+        ),
+        (
+            "id_field = \"source_topic\"",
+            "sources[0].id_field",
+            "topic",
+        ),
+        (
+            "max_payload_bytes = 1",
+            "sources[0].max_payload_bytes",
+            "16..=",
+        ),
+        (
+            "path = \"/x\"",
+            "sources[0].path",
+            "not used by kind \"mqtt\"",
+        ),
+    ] {
+        let msg = problem(&bridge(extra), key);
+        assert!(msg.contains(says), "{extra}: {msg}");
+    }
+    let e = err(&bridge("").replace("[\"plant/#\"]", "[\"ok/#\", \"a/#/b\"]"));
+    assert_eq!(e.problems[0].key, "sources[0].topics[1]");
+    let e = err(&bridge("").replace("[\"plant/#\"]", "[]"));
+    assert_eq!(e.problems[0].key, "sources[0].topics");
+}
+
+#[test]
+fn a_bridge_may_not_share_the_main_client_id_nor_take_its_own_events() {
+    let same = "url = \"mqtt://broker.local:1884\"";
+    let msg = problem(
+        &bridge(&format!("{same}\nclient_id = \"edgespool-pi4-lab\"")),
+        "sources[0].client_id",
+    );
+    assert!(msg.contains("already the client id"), "{msg}");
+    let msg = problem(
+        &bridge(same).replace("[\"plant/#\"]", "[\"edgespool/#\"]"),
+        "sources[0].topics",
+    );
+    assert!(msg.contains("a loop"), "{msg}");
+    // Another broker: the same filter is no loop.
+    assert!(parse(
+        &bridge("").replace("[\"plant/#\"]", "[\"edgespool/#\"]"),
+        "t",
+        &[]
+    )
+    .is_ok());
+}
+
+#[test]
+fn exec_program_must_be_absolute() {
+    let e = err(&GOOD.replace("kind = \"system\"", "kind = \"exec\"\nprogram = \"sh\""));
+    assert_eq!(e.problems[0].key, "sources[0].program");
+}
+/// GOOD plus one handler with `extra` lines.
+fn with_handler(extra: &str) -> String {
+    format!("{GOOD}[[commands.handlers]]\nname = \"h\"\nprogram = \"/bin/true\"\n{extra}\n")
+}
+
+fn problem(text: &str, key: &str) -> String {
+    let e = err(text);
+    match e.problems.iter().find(|p| p.key == key) {
+        Some(p) => p.message.clone(),
+        None => panic!("no problem on {key}: {e}"),
+    }
+}
+
+#[test]
+fn a_handler_gets_documented_confinement_defaults() {
+    let c = parse(&with_handler(""), "t.toml", &[]).unwrap();
+    let h = &c.commands.handlers[0];
+    assert!(h.env.is_empty());
+    assert_eq!(h.cwd, PathBuf::from("/"));
+    assert_eq!(
+        h.limits,
+        Limits {
+            cpu_secs: 31,
+            max_memory_bytes: 256 * 1024 * 1024,
+            max_open_files: 64,
+        }
+    );
+    assert_eq!(h.credentials, None);
+    for (timeout_ms, cpu_secs) in [(10, 2), (1000, 2), (1001, 3), (3_600_000, 3601)] {
+        let c = parse(
+            &with_handler(&format!("timeout_ms = {timeout_ms}")),
+            "t.toml",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.commands.handlers[0].limits.cpu_secs, cpu_secs);
+    }
+}
+
+#[test]
+fn handler_confinement_keys_are_read() {
+    let dir = std::env::temp_dir();
+    let c = parse(
+            &with_handler(&format!(
+                "env = {{ UNIT_LOG = \"info\", _X1 = \"\" }}\ncwd = {:?}\ncpu_secs = 5\nmax_memory_bytes = 33554432\nmax_open_files = 16",
+                dir.display().to_string()
+            )),
+            "t.toml",
+            &[],
+        )
+        .unwrap();
+    let h = &c.commands.handlers[0];
+    assert_eq!(h.env.get("UNIT_LOG").map(String::as_str), Some("info"));
+    assert_eq!(h.env.get("_X1").map(String::as_str), Some(""));
+    assert_eq!(h.cwd, dir);
+    assert_eq!(
+        h.limits,
+        Limits {
+            cpu_secs: 5,
+            max_memory_bytes: 32 * 1024 * 1024,
+            max_open_files: 16,
+        }
+    );
+}
+
+#[test]
+fn handler_env_names_and_values_are_checked() {
+    let key = "commands.handlers[0].env";
+    for name in ["lower", "1ABC", "A-B", "\"\"", "\"A B\""] {
+        let m = problem(&with_handler(&format!("env = {{ {name} = \"x\" }}")), key);
+        assert!(m.contains("[A-Z_][A-Z0-9_]*"), "{name}: {m}");
+    }
+    let m = problem(&with_handler("env = { A = \"x\\u0000y\" }"), key);
+    assert_eq!(m, "A: the value contains a NUL character");
+    let long = "v".repeat(4097);
+    let m = problem(&with_handler(&format!("env = {{ A = \"{long}\" }}")), key);
+    assert!(m.starts_with("A: the value is 4097 bytes"), "{m}");
+    let many: Vec<String> = (0..65).map(|i| format!("V{i} = \"x\"")).collect();
+    let m = problem(
+        &with_handler(&format!("env = {{ {} }}", many.join(", "))),
+        key,
+    );
+    assert!(m.contains("at most 64 variables (got 65)"), "{m}");
+    // The line of the key is given.
+    let e = err(&with_handler("env = { bad = \"x\" }"));
+    assert_eq!(e.problems[0].line, Some(14), "{e}");
+}
+
+#[test]
+fn handler_cwd_must_be_an_absolute_existing_directory() {
+    let key = "commands.handlers[0].cwd";
+    let m = problem(&with_handler("cwd = \"tmp\""), key);
+    assert_eq!(m, "must be an absolute path (got \"tmp\")");
+    let m = problem(&with_handler("cwd = \"/nonexistent/edgespool\""), key);
+    assert!(m.starts_with("cannot be used as a directory"), "{m}");
+    assert!(m.contains("\"/nonexistent/edgespool\""), "{m}");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let shown = format!("{:?}", file.path().display().to_string());
+    let m = problem(&with_handler(&format!("cwd = {shown}")), key);
+    assert_eq!(m, format!("is not a directory (got {shown})"));
+}
+
+#[test]
+fn handler_limits_out_of_range_are_named_with_the_value() {
+    let text = with_handler("cpu_secs = 0\nmax_memory_bytes = 1024\nmax_open_files = 2");
+    let m = problem(&text, "commands.handlers[0].cpu_secs");
+    assert_eq!(m, "must be 1..=86400 seconds (got 0)");
+    let m = problem(&text, "commands.handlers[0].max_memory_bytes");
+    assert!(m.ends_with("bytes (got 1024)"), "{m}");
+    let m = problem(&text, "commands.handlers[0].max_open_files");
+    assert_eq!(m, "must be 8..=1048576 (got 2)");
+    // A timeout too long for the default CPU limit range is named on the timeout only.
+    let e = err(&with_handler("timeout_ms = 99999999"));
+    let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, ["commands.handlers[0].timeout_ms"], "{e}");
+}
+
+#[test]
+fn an_unknown_user_or_group_is_named_with_its_key_and_value() {
+    let m = problem(
+        &with_handler("user = \"no-such-user-edgespool\""),
+        "commands.handlers[0].user",
+    );
+    assert!(m.contains("\"no-such-user-edgespool\""), "{m}");
+    if crate::process::can_switch_user() {
+        assert_eq!(m, "no such user (got \"no-such-user-edgespool\")");
+        let m = problem(
+            &with_handler("user = \"root\"\ngroup = \"no-such-group-edgespool\""),
+            "commands.handlers[0].group",
+        );
+        assert_eq!(m, "no such group (got \"no-such-group-edgespool\")");
+    }
+}
+
+type UserIds = io::Result<Option<(libc::uid_t, libc::gid_t)>>;
+
+fn users(name: &str) -> UserIds {
+    match name {
+        "svc" => Ok(Some((1001, 1001))),
+        "broken" => Err(io::Error::from_raw_os_error(libc::EIO)),
+        _ => Ok(None),
+    }
+}
+
+fn groups(name: &str) -> io::Result<Option<libc::gid_t>> {
+    Ok((name == "gpio").then_some(997))
+}
+
+#[test]
+fn a_user_needs_a_root_agent_and_a_known_name() {
+    let resolve = |u, g, root| resolve_credentials(u, g, root, users, groups);
+    assert_eq!(resolve(None, None, false), Ok(None));
+    assert_eq!(resolve(None, None, true), Ok(None));
+    assert_eq!(
+        resolve(Some("svc"), None, true),
+        Ok(Some(Credentials {
+            uid: 1001,
+            gid: 1001
+        }))
+    );
+    // `group` replaces the user's primary group.
+    assert_eq!(
+        resolve(Some("svc"), Some("gpio"), true),
+        Ok(Some(Credentials {
+            uid: 1001,
+            gid: 997
+        }))
+    );
+
+    let problems = resolve(Some("svc"), None, false).unwrap_err();
+    assert_eq!(problems.len(), 1);
+    assert_eq!(problems[0].0, "user");
+    assert!(
+        problems[0].1.contains("does not run as root"),
+        "{problems:?}"
+    );
+    assert!(problems[0].1.contains("\"svc\""), "{problems:?}");
+
+    let problems = resolve(None, Some("gpio"), true).unwrap_err();
+    assert_eq!(problems[0].0, "group");
+    assert!(problems[0].1.contains("needs `user`"), "{problems:?}");
+
+    let problems = resolve(Some("nosuch"), Some("nogrp"), true).unwrap_err();
+    assert_eq!(
+        problems,
+        vec![
+            ("user", "no such user (got \"nosuch\")".to_owned()),
+            ("group", "no such group (got \"nogrp\")".to_owned()),
+        ]
+    );
+    let problems = resolve(Some("broken"), None, true).unwrap_err();
+    assert!(
+        problems[0]
+            .1
+            .starts_with("cannot look up user \"broken\": "),
+        "{problems:?}"
+    );
+}

@@ -1,0 +1,109 @@
+//! `[commands]` validation: the bounds of the command channel and
+//! `[commands.config_push]`. Handlers are in `handlers.rs`.
+
+use super::TEN_YEARS_SECS;
+use crate::config::raw::{RawCommands, RawConfigPush};
+use crate::config::ConfigPush;
+use std::time::Duration;
+
+/// `[commands]` bounds: payload size, record retention (3600 s..=ten years),
+/// records, queue, rate, and a `default_ttl_secs` within the retention.
+pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, String)) {
+    if !(256..=1024 * 1024).contains(&rc.max_payload_bytes) {
+        bad(
+            "commands.max_payload_bytes",
+            format!("must be 256..=1048576 (got {})", rc.max_payload_bytes),
+        );
+    }
+    if rc.record_retention_secs > TEN_YEARS_SECS {
+        bad(
+            "commands.record_retention_secs",
+            format!(
+                "must be at most {TEN_YEARS_SECS} (got {})",
+                rc.record_retention_secs
+            ),
+        );
+    }
+    if rc.record_retention_secs < 3600 {
+        bad(
+            "commands.record_retention_secs",
+            format!(
+                "must be at least 3600, longer than any redelivery window (got {})",
+                rc.record_retention_secs
+            ),
+        );
+    }
+    if !(1000..=1_000_000).contains(&rc.max_records) {
+        bad(
+            "commands.max_records",
+            format!("must be 1000..=1000000 (got {})", rc.max_records),
+        );
+    }
+    if !(1..=10_000).contains(&rc.max_queued) {
+        bad(
+            "commands.max_queued",
+            format!("must be 1..=10000 (got {})", rc.max_queued),
+        );
+    }
+    if !(1..=60_000).contains(&rc.max_per_minute_per_scope) {
+        bad(
+            "commands.max_per_minute_per_scope",
+            format!("must be 1..=60000 (got {})", rc.max_per_minute_per_scope),
+        );
+    }
+    if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
+        // A command may still run only while its record is sure to exist:
+        // past the redelivery window a redelivery could find no record.
+        bad(
+            "commands.default_ttl_secs",
+            format!(
+                "must be 1..=commands.record_retention_secs ({}) (got {})",
+                rc.record_retention_secs, rc.default_ttl_secs
+            ),
+        );
+    }
+}
+
+/// `[commands.config_push]`: the mode and its confirmation window.
+pub(super) fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
+    use crate::policy::PushMode;
+    let mode = match raw.mode.as_str() {
+        "off" => PushMode::Off,
+        "overlay" => PushMode::Overlay,
+        "signed" => PushMode::Signed,
+        other => {
+            bad(
+                "commands.config_push.mode",
+                format!("must be \"off\", \"overlay\" or \"signed\" (got {other:?})"),
+            );
+            PushMode::Off
+        }
+    };
+    if !(5..=3600).contains(&raw.confirm_secs) {
+        bad(
+            "commands.config_push.confirm_secs",
+            format!("must be 5..=3600 (got {})", raw.confirm_secs),
+        );
+    }
+    let mut keys = Vec::new();
+    for (i, k) in raw.public_keys.iter().enumerate() {
+        match crate::policy::decode_hex(k.trim()).and_then(|b| <[u8; 32]>::try_from(b).ok()) {
+            Some(key) => keys.push(key),
+            None => bad(
+                &format!("commands.config_push.public_keys.{i}"),
+                format!("must be an Ed25519 public key, 64 hex digits (got {k:?})"),
+            ),
+        }
+    }
+    if mode == PushMode::Signed && raw.public_keys.is_empty() {
+        bad(
+            "commands.config_push.public_keys",
+            "mode \"signed\" needs at least one public key".to_owned(),
+        );
+    }
+    ConfigPush {
+        mode,
+        confirm: Duration::from_secs(raw.confirm_secs),
+        public_keys: keys,
+    }
+}

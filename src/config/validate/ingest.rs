@@ -1,0 +1,203 @@
+//! `[ingest]` validation: listeners, bounds and the streams clients may write.
+
+use super::stream_name_ok;
+use crate::config::raw::RawIngest;
+use crate::config::{pattern_matches, IngestConfig, IngestStream, DEFAULT_STREAM_PRIORITY};
+use crate::source::SourceSpec;
+
+/// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
+/// `tcp_public`), bounds in range, and the streams clients may write: valid
+/// names, not a source's stream, no duplicates; patterns `prefix*`.
+pub(super) fn validate_ingest(
+    raw: &RawIngest,
+    sources: &[SourceSpec],
+    bad: &mut impl FnMut(&str, String),
+) -> IngestConfig {
+    let d = IngestConfig::default();
+    if let Some(p) = &raw.socket {
+        let nul = p.as_os_str().as_encoded_bytes().contains(&0);
+        // sun_path holds 108 bytes with its NUL (unix(7)).
+        if !p.is_absolute() || nul || p.file_name().is_none() || p.as_os_str().len() > 107 {
+            bad(
+                "ingest.socket",
+                format!("must be an absolute file path of at most 107 bytes without NUL bytes (got {p:?})"),
+            );
+        }
+    }
+    if let Some(g) = &raw.socket_group {
+        let name_ok = !g.is_empty()
+            && g.len() <= 32
+            && g.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !name_ok {
+            bad(
+                "ingest.socket_group",
+                format!("must be a group name or a numeric gid (got {g:?})"),
+            );
+        }
+        if raw.socket.is_none() {
+            bad("ingest.socket_group", "only used with ingest.socket".into());
+        }
+    }
+    let socket_mode = match raw.socket_mode.as_deref() {
+        None => d.socket_mode,
+        Some(m) => match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+            Ok(v) if v <= 0o777 && v & 0o600 == 0o600 && v & 0o002 == 0 => v,
+            _ => {
+                bad(
+                    "ingest.socket_mode",
+                    format!("must be octal permission bits with the owner's read and write and without others' write, e.g. \"0660\" (got {m:?})"),
+                );
+                d.socket_mode
+            }
+        },
+    };
+    let tcp = raw.tcp.as_deref().and_then(|l| match l.parse::<std::net::SocketAddr>() {
+        Ok(a) if a.port() == 0 => {
+            bad("ingest.tcp", format!("needs a port, 1..=65535 (got {l:?})"));
+            None
+        }
+        Ok(a) if !a.ip().is_loopback() && !raw.tcp_public => {
+            bad(
+                "ingest.tcp",
+                format!("{l:?} is not a loopback address: any host could write readings; use 127.0.0.1:<port>, or set ingest.tcp_public = true to mean it"),
+            );
+            None
+        }
+        Ok(a) => Some(a),
+        Err(_) => {
+            bad(
+                "ingest.tcp",
+                format!("must be IP:port, e.g. \"127.0.0.1:7788\"; host names are not resolved (got {l:?})"),
+            );
+            None
+        }
+    });
+    if raw.tcp_public && raw.tcp.is_none() {
+        bad("ingest.tcp_public", "only used with ingest.tcp".into());
+    }
+    let mut range = |key: &str, got: Option<usize>, lo: usize, hi: usize, def: usize| match got {
+        Some(v) if !(lo..=hi).contains(&v) => {
+            bad(key, format!("must be {lo}..={hi} (got {v})"));
+            def
+        }
+        Some(v) => v,
+        None => def,
+    };
+    let max_line_bytes = range(
+        "ingest.max_line_bytes",
+        raw.max_line_bytes,
+        256,
+        1 << 20,
+        d.max_line_bytes,
+    );
+    let max_connections = range(
+        "ingest.max_connections",
+        raw.max_connections,
+        1,
+        1024,
+        d.max_connections,
+    );
+    let max_fields = range("ingest.max_fields", raw.max_fields, 1, 1024, d.max_fields);
+    let max_rate_per_sec = range(
+        "ingest.max_rate_per_sec",
+        raw.max_rate_per_sec.map(|v| v as usize),
+        1,
+        1_000_000,
+        d.max_rate_per_sec as usize,
+    ) as u32;
+    let streams = validate_ingest_streams(raw, sources, bad);
+    IngestConfig {
+        socket: raw.socket.clone(),
+        socket_group: raw.socket_group.clone(),
+        socket_mode,
+        tcp,
+        tcp_public: raw.tcp_public,
+        max_line_bytes,
+        max_connections,
+        max_rate_per_sec,
+        max_fields,
+        streams,
+        stream_patterns: raw.stream_patterns.clone(),
+    }
+}
+
+/// `[[ingest.streams]]` and `ingest.stream_patterns`: valid names, not a
+/// source's stream, no duplicates; patterns `prefix*`; and a listener to go
+/// with them (and streams to go with a listener).
+fn validate_ingest_streams(
+    raw: &RawIngest,
+    sources: &[SourceSpec],
+    bad: &mut impl FnMut(&str, String),
+) -> Vec<IngestStream> {
+    let enabled = raw.socket.is_some() || raw.tcp.is_some();
+    let mut streams = Vec::new();
+    let mut names = std::collections::HashSet::new();
+    let is_source = |n: &str| sources.iter().any(|s| s.name == n);
+    for (i, rs) in raw.streams.iter().enumerate() {
+        let k = |f: &str| format!("ingest.streams[{i}].{f}");
+        if !stream_name_ok(&rs.name) {
+            bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
+            continue;
+        }
+        if is_source(&rs.name) {
+            bad(
+                &k("name"),
+                format!(
+                    "{:?} is a source's stream; give clients a stream of their own",
+                    rs.name
+                ),
+            );
+        } else if !names.insert(rs.name.clone()) {
+            bad(&k("name"), format!("duplicate ingest stream {:?}", rs.name));
+        }
+        let durability = match rs.durability.as_deref() {
+            None | Some("batched") => crate::source::Durability::Batched,
+            Some("full") => crate::source::Durability::Full,
+            Some(other) => {
+                bad(
+                    &k("durability"),
+                    format!("must be \"batched\" or \"full\" (got {other:?})"),
+                );
+                crate::source::Durability::Batched
+            }
+        };
+        streams.push(IngestStream {
+            name: rs.name.clone(),
+            durability,
+            priority: rs.priority.unwrap_or(DEFAULT_STREAM_PRIORITY),
+        });
+    }
+    for (i, p) in raw.stream_patterns.iter().enumerate() {
+        let key = format!("ingest.stream_patterns[{i}]");
+        let prefix_ok = p
+            .strip_suffix('*')
+            .is_some_and(|pre| !pre.is_empty() && stream_name_ok(pre));
+        if !prefix_ok {
+            bad(
+                &key,
+                format!(
+                    "must be a stream-name prefix followed by '*', e.g. \"plant.*\" (got {p:?})"
+                ),
+            );
+        } else if let Some(s) = sources.iter().find(|s| pattern_matches(p, &s.name)) {
+            bad(
+                &key,
+                format!(
+                    "{p:?} matches source {:?}; give clients streams of their own",
+                    s.name
+                ),
+            );
+        }
+    }
+    if !enabled && (!raw.streams.is_empty() || !raw.stream_patterns.is_empty()) {
+        bad(
+            "ingest",
+            "streams are declared but no listener: set ingest.socket or ingest.tcp".into(),
+        );
+    }
+    if enabled && raw.streams.is_empty() && raw.stream_patterns.is_empty() {
+        bad("ingest.streams", "a listener is set but no stream is declared: add [[ingest.streams]] or ingest.stream_patterns".into());
+    }
+    streams
+}
