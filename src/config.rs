@@ -147,9 +147,11 @@ pub struct IngestConfig {
     /// (256..=1048576, default 16384). A longer line is answered with an
     /// error naming this limit and the connection is closed.
     pub max_line_bytes: usize,
-    /// `max_connections`: connections served at once over both listeners
-    /// (1..=1024, default 16); one more is told so in one error line and
-    /// closed.
+    /// `max_connections`: connections served at once per listener (the
+    /// socket and the TCP port each; 1..=1024, default 16); one more is
+    /// told so in one error line and closed. A connection that completes
+    /// no request line for 60 s is told so and closed
+    /// ([`crate::ingest::conn::LINE_TIMEOUT`]).
     pub max_connections: usize,
     /// `max_rate_per_sec`: requests per second per connection (token
     /// bucket, burst of one second's worth; 1..=1000000, default 5000).
@@ -162,7 +164,9 @@ pub struct IngestConfig {
     pub streams: Vec<IngestStream>,
     /// `stream_patterns`: further streams allowed by prefix (`"plant.*"`
     /// allows every valid name starting with `plant.`); such streams are
-    /// `durability = "batched"`, priority [`DEFAULT_STREAM_PRIORITY`].
+    /// `durability = "batched"`, priority [`DEFAULT_STREAM_PRIORITY`], and
+    /// at most [`crate::ingest::MAX_PATTERN_STREAMS`] of them are let in
+    /// per run of the agent.
     pub stream_patterns: Vec<String>,
 }
 

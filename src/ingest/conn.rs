@@ -37,6 +37,13 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// it stopped (its reply channel closed without an outcome).
 pub const STOPPING: &str = "agent stopping; not stored";
 
+/// How long a connection may go without completing a request line: a
+/// client that sends nothing, or trickles a line, for this long is told so
+/// and closed, so idle or slow connections cannot hold the listener's
+/// `ingest.max_connections` slots. A client that sends a reading every few
+/// minutes reconnects for each (or sends them over a new connection).
+pub const LINE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A connected client, over either listener.
 #[derive(Debug)]
 pub enum Stream {
@@ -133,11 +140,12 @@ pub fn serve(
     stream: Stream,
     cfg: &IngestConfig,
     ingest: Sender<IngestMsg>,
-    counters: &Counters,
+    (counters, patterns): (&Counters, &super::PatternStreams),
     intake: (&AtomicBool, &AtomicUsize),
 ) {
     let reader_done = ReaderDone(intake.1);
     let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+    let _ = stream.set_read_timeout(Some(LINE_TIMEOUT));
     let write_half = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
@@ -154,7 +162,14 @@ pub fn serve(
         return;
     };
     let mut reader = BufReader::with_capacity(64 * 1024, stream);
-    let overlong = read_requests(&mut reader, cfg, &ingest, counters, &out, intake.0);
+    let overlong = read_requests(
+        &mut reader,
+        cfg,
+        &ingest,
+        (counters, patterns),
+        &out,
+        intake.0,
+    );
     drop(reader_done);
     drop(out);
     let _ = writer.join();
@@ -176,15 +191,26 @@ fn read_requests(
     reader: &mut BufReader<Stream>,
     cfg: &IngestConfig,
     ingest: &Sender<IngestMsg>,
-    counters: &Counters,
+    (counters, patterns): (&Counters, &super::PatternStreams),
     out: &SyncSender<Pending>,
     stop: &AtomicBool,
 ) -> bool {
     let mut bucket = TokenBucket::new(cfg.max_rate_per_sec, Instant::now());
     let mut line = Vec::with_capacity(1024);
     loop {
-        match read_line(reader, &mut line, cfg.max_line_bytes) {
-            Ok(Line::Eof) | Err(_) => return false,
+        let give_up = Instant::now() + LINE_TIMEOUT;
+        match read_line(reader, &mut line, cfg.max_line_bytes, give_up) {
+            Ok(Line::Eof) => return false,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                counters.refused("idle");
+                let why = format!(
+                    "no complete request line for {} s; closing the connection",
+                    LINE_TIMEOUT.as_secs()
+                );
+                let _ = out.send(Pending::Now(error_line(&why)));
+                return true;
+            }
+            Err(_) => return false,
             Ok(Line::TooLong) => {
                 counters.refused("line_too_long");
                 let why = format!(
@@ -205,7 +231,9 @@ fn read_requests(
         if stop.load(Ordering::Relaxed) {
             return false;
         }
-        let pending = match parse_request(&line, cfg, wall_clock_ms()) {
+        let parsed = parse_request(&line, cfg, wall_clock_ms())
+            .and_then(|req| patterns.admit(cfg, &req.stream.name).map(|()| req));
+        let pending = match parsed {
             Ok(req) => {
                 let (tx, rx) = mpsc::channel();
                 let mut ev =
@@ -302,9 +330,24 @@ pub enum Line {
 
 /// Read one line into `buf` (cleared first), never holding more than `max`
 /// bytes of it (unlike `read_line`, which grows without bound).
-pub fn read_line<R: BufRead>(r: &mut R, buf: &mut Vec<u8>, max: usize) -> io::Result<Line> {
+///
+/// Errors: the reader's; `TimedOut` once `give_up` has passed with the line
+/// still incomplete (checked between reads, so a client trickling bytes
+/// cannot hold a connection past it).
+pub fn read_line<R: BufRead>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    max: usize,
+    give_up: Instant,
+) -> io::Result<Line> {
     buf.clear();
     loop {
+        if !buf.is_empty() && Instant::now() > give_up {
+            return Err(io::Error::new(
+                ErrorKind::TimedOut,
+                "request line not completed in time",
+            ));
+        }
         let avail = match r.fill_buf() {
             Ok(b) => b,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -365,23 +408,50 @@ impl TokenBucket {
 mod tests {
     use super::*;
 
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(3600)
+    }
+
+    #[test]
+    fn a_line_not_completed_by_its_deadline_times_out() {
+        // A reader that gives one byte per call, like a trickling client.
+        struct Trickle(Vec<u8>);
+        impl std::io::Read for Trickle {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                if self.0.is_empty() || buf.is_empty() {
+                    return Ok(0);
+                }
+                buf[0] = self.0.remove(0);
+                Ok(1)
+            }
+        }
+        let mut r = std::io::BufReader::with_capacity(1, Trickle(b"{\"stream\"".to_vec()));
+        let mut buf = Vec::new();
+        let past = Instant::now() - Duration::from_millis(1);
+        let e = read_line(&mut r, &mut buf, 1024, past).expect_err("timed out");
+        assert_eq!(e.kind(), ErrorKind::TimedOut);
+    }
+
     #[test]
     fn lines_are_read_up_to_the_limit_and_no_further() {
         let mut r = BufReader::with_capacity(4, &b"abc\n\nabcdef\nxy"[..]);
         let mut buf = Vec::new();
-        assert_eq!(read_line(&mut r, &mut buf, 5).ok(), Some(Line::Line));
+        assert_eq!(read_line(&mut r, &mut buf, 5, far()).ok(), Some(Line::Line));
         assert_eq!(buf, b"abc");
-        assert_eq!(read_line(&mut r, &mut buf, 5).ok(), Some(Line::Line));
+        assert_eq!(read_line(&mut r, &mut buf, 5, far()).ok(), Some(Line::Line));
         assert_eq!(buf, b"");
-        assert_eq!(read_line(&mut r, &mut buf, 5).ok(), Some(Line::TooLong));
+        assert_eq!(
+            read_line(&mut r, &mut buf, 5, far()).ok(),
+            Some(Line::TooLong)
+        );
         assert!(buf.len() <= 5);
         let mut r = BufReader::new(&b"xy"[..]);
-        assert_eq!(read_line(&mut r, &mut buf, 5).ok(), Some(Line::Line));
+        assert_eq!(read_line(&mut r, &mut buf, 5, far()).ok(), Some(Line::Line));
         assert_eq!(buf, b"xy");
-        assert_eq!(read_line(&mut r, &mut buf, 5).ok(), Some(Line::Eof));
+        assert_eq!(read_line(&mut r, &mut buf, 5, far()).ok(), Some(Line::Eof));
         // Exactly the limit is allowed.
         let mut r = BufReader::new(&b"12345\n"[..]);
-        assert_eq!(read_line(&mut r, &mut buf, 5).ok(), Some(Line::Line));
+        assert_eq!(read_line(&mut r, &mut buf, 5, far()).ok(), Some(Line::Line));
     }
 
     #[test]

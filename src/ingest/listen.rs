@@ -49,6 +49,8 @@ struct Running {
 struct Shared {
     cfg: IngestConfig,
     counters: Arc<Counters>,
+    /// Streams patterns let in during this run (bounded).
+    patterns: super::PatternStreams,
     stop: AtomicBool,
     /// Connection readers that may still hand a request over.
     readers: AtomicUsize,
@@ -75,6 +77,7 @@ pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketInge
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
         counters: Arc::new(Counters::default()),
+        patterns: super::PatternStreams::default(),
         stop: AtomicBool::new(false),
         readers: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
@@ -319,11 +322,19 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
         return;
     };
     open.retain(|_, (_, h)| h.as_ref().is_some_and(|h| !h.is_finished()));
-    if open.len() >= shared.cfg.max_connections {
+    // Counted per listener: clients of the loopback TCP port (any local
+    // user) can never take the Unix socket's slots (its mode and group
+    // decide who connects there), nor the other way round.
+    let unix = matches!(stream, Stream::Unix(_));
+    let same = open
+        .values()
+        .filter(|(s, _)| matches!(s, Stream::Unix(_)) == unix)
+        .count();
+    if same >= shared.cfg.max_connections {
         drop(open);
         shared.counters.refused("too_many_connections");
         let why = format!(
-            "too many connections ({} open, ingest.max_connections); try again later",
+            "too many connections on this listener ({} open, ingest.max_connections); try again later",
             shared.cfg.max_connections
         );
         refuse(stream, &why);
@@ -339,7 +350,13 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     let spawned = std::thread::Builder::new()
         .name("ingest-conn".into())
         .spawn(move || {
-            conn::serve(stream, &sh.cfg, tx, &sh.counters, (&sh.stop, &sh.readers));
+            conn::serve(
+                stream,
+                &sh.cfg,
+                tx,
+                (&sh.counters, &sh.patterns),
+                (&sh.stop, &sh.readers),
+            );
         });
     match spawned {
         Ok(h) => {

@@ -57,6 +57,10 @@ pub enum RequestError {
     /// The stream is not declared in `[[ingest.streams]]` nor allowed by a pattern.
     #[error("unknown stream {0:?}: not declared in [[ingest.streams]] nor allowed by ingest.stream_patterns")]
     UnknownStream(String),
+    /// A new stream a pattern allows, past [`super::MAX_PATTERN_STREAMS`]
+    /// such streams in this run (declare it in `[[ingest.streams]]`).
+    #[error("stream {0:?} refused: patterns already let in 64 streams in this run (declare the streams you need in [[ingest.streams]])")]
+    TooManyStreams(String),
     /// `fields` is empty.
     #[error("bad fields: no field given")]
     NoFields,
@@ -103,6 +107,7 @@ impl RequestError {
             RequestError::Json(_) => "bad_request",
             RequestError::BadStream(_) => "bad_stream",
             RequestError::UnknownStream(_) => "unknown_stream",
+            RequestError::TooManyStreams(_) => "too_many_streams",
             RequestError::BadTs(_) => "bad_ts",
             RequestError::BadKey => "bad_key",
             _ => "bad_fields",

@@ -647,3 +647,72 @@ fn ten_thousand_keyed_requests_survive_agent_kills_with_every_ok_delivered_once(
         sum(|t| t.requests_sent) as f64 / elapsed.as_secs_f64()
     );
 }
+
+/// Bounds a local client cannot talk its way past: patterns let in at most
+/// 64 new streams per run (each stream costs queries at every summary; a
+/// client creating 20,000 froze the agent), declared streams are never
+/// refused for it; clients of the loopback TCP port (any local user) cannot
+/// take the Unix socket's connection slots; and a connection that completes
+/// no line for 60 s, idle or trickling half a line, is told so and closed.
+#[test]
+fn pattern_streams_idle_connections_and_tcp_clients_cannot_starve_the_ingest() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = Broker::start();
+    let pfx = prefix("ingest-bounds");
+    let port = free_port();
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        &format!(
+            "tcp = \"127.0.0.1:{port}\"\nmax_connections = 4\nstream_patterns = [\"plant.*\"]\n\
+             [[ingest.streams]]\nname = \"pump\"\n"
+        ),
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+    // 64 new pattern streams are let in, the 65th is refused by name.
+    let mut c = Client::unix(&sock).expect("connect");
+    for i in 0..64 {
+        ok_id(&c.ask(&format!(
+            r#"{{"stream":"plant.s{i}","fields":{{"v":{i}}}}}"#
+        )));
+    }
+    let e = error_of(&c.ask(r#"{"stream":"plant.s64","fields":{"v":1}}"#));
+    assert!(e.contains("patterns already let in 64 streams"), "{e}");
+    ok_id(&c.ask(r#"{"stream":"plant.s3","fields":{"v":2}}"#));
+    ok_id(&c.ask(r#"{"stream":"pump","fields":{"v":3}}"#));
+    drop(c);
+    // Four idle TCP clients hold every TCP slot; the socket still serves.
+    let mut idle: Vec<Client> = (0..4).map(|_| Client::tcp(port)).collect();
+    let mut fifth = Client::tcp(port);
+    let e = error_of(&fifth.reply().expect("a refusal line"));
+    assert!(e.contains("too many connections on this listener"), "{e}");
+    let mut c = Client::unix(&sock).expect("connect");
+    ok_id(&c.ask(r#"{"stream":"pump","fields":{"v":4}}"#));
+    // Half a line, then nothing: closed with the reason after 60 s, like
+    // the idle ones.
+    idle[0].w.write_all(br#"{"stream":"#).expect("half a line");
+    let t = Instant::now();
+    for cl in idle.iter_mut() {
+        let e = error_of(&loop {
+            if let Some(v) = cl.reply() {
+                break v;
+            }
+            assert!(t.elapsed() < Duration::from_secs(120), "never closed");
+        });
+        assert!(e.contains("no complete request line for 60 s"), "{e}");
+    }
+    println!("idle connections closed after {} s", t.elapsed().as_secs());
+    // The slots are free again (once the closed connections' threads end).
+    let freed = wait_for(Duration::from_secs(10), || {
+        Client::tcp(port).ask(r#"{"stream":"pump","fields":{"v":5}}"#)["ok"] == true
+    });
+    assert!(
+        freed,
+        "the TCP slots were not freed\n{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
