@@ -591,6 +591,18 @@ fn a_bridge_may_not_share_the_main_client_id_nor_take_its_own_events() {
         &[]
     )
     .is_ok());
+    // The same broker under two loopback names is one broker.
+    let local = GOOD.replace("mqtt://broker.local:1884", "mqtt://127.0.0.1:1883");
+    let looped = local.replace(
+        "kind = \"system\"\ninterval_ms = 1000",
+        "kind = \"mqtt\"\nurl = \"mqtt://localhost:1883\"\ntopics = [\"edgespool/pi4-lab/events/system\"]",
+    );
+    assert!(problem(&looped, "sources[0].topics").contains("a loop"));
+    // Two bridges taking each other's events are a loop too.
+    let pair = format!(
+        "{local}[[sources]]\nname = \"m\"\nkind = \"mqtt\"\nclient_id = \"b-m\"\ntopics = [\"edgespool/pi4-lab/events/system\"]\n"
+    );
+    assert!(problem(&pair, "sources[1].topics").contains("a loop"));
 }
 
 #[test]

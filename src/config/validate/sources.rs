@@ -52,7 +52,8 @@ pub(super) fn validate_sources(
             }
         };
         if let Some(SourceKind::Mqtt(b)) = &kind {
-            check_bridge_against_main(rs, b, mqtt, &mut bridge_ids, &k, bad);
+            let streams: Vec<&str> = raw.iter().map(|r| r.name.as_str()).collect();
+            check_bridge_against_main((b, &streams), mqtt, &mut bridge_ids, &k, bad);
         }
         if let Some(kind) = kind {
             sources.push(SourceSpec {
@@ -310,17 +311,18 @@ fn validate_exec(
 /// A bridge against the main connection (`[mqtt]`) and the other bridges:
 /// its client id must be its own (two sessions under one client id take
 /// each other's place at every connect), and on the main broker its topics
-/// must not take this source's own events back (a loop).
+/// must not take any of the agent's events back (a loop: its own, another
+/// bridge's, which then takes these, or the agent's `_` streams). `streams`
+/// are the configured source names.
 fn check_bridge_against_main(
-    rs: &RawSource,
-    b: &BridgeSpec,
+    (b, streams): (&BridgeSpec, &[&str]),
     mqtt: &MqttConfig,
     bridge_ids: &mut HashSet<String>,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) {
     let topic_prefix = &mqtt.topic_prefix;
-    let same_broker = b.host == mqtt.host && b.port == mqtt.port;
+    let same_broker = b.port == mqtt.port && same_host(&b.host, &mqtt.host);
     if !bridge_ids.insert(b.client_id.clone()) || (same_broker && b.client_id == mqtt.client_id) {
         // Two sessions under one client id take each other's place at every connect.
         bad(
@@ -331,15 +333,36 @@ fn check_bridge_against_main(
             ),
         );
     }
-    let own = format!("{topic_prefix}/events/{}", rs.name);
-    if let Some(t) = b
-        .topics
+    let ours = streams
         .iter()
-        .find(|t| same_broker && crate::source::bridge::filter_matches(t, &own))
-    {
-        bad(
-            &k("topics"),
-            format!("{t:?} takes this source's own events ({own}) back from mqtt.url: a loop"),
-        );
+        .copied()
+        .chain(["_agent", "_commands"])
+        .map(|s| format!("{topic_prefix}/events/{s}"));
+    for own in ours {
+        if let Some(t) = b
+            .topics
+            .iter()
+            .find(|t| same_broker && crate::source::bridge::filter_matches(t, &own))
+        {
+            bad(
+                &k("topics"),
+                format!("{t:?} takes the agent's own events ({own}) back from mqtt.url: a loop"),
+            );
+            return;
+        }
     }
+}
+
+/// Whether two host names in URLs name the same broker host as far as the
+/// config can tell without resolving names: equal ignoring case, or both
+/// loopback (`localhost`, `127.0.0.0/8`, `::1`).
+fn same_host(a: &str, b: &str) -> bool {
+    let loopback = |h: &str| {
+        let h = h.trim_start_matches('[').trim_end_matches(']');
+        h.eq_ignore_ascii_case("localhost")
+            || h.eq_ignore_ascii_case("ip6-localhost")
+            || h.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    };
+    a.eq_ignore_ascii_case(b) || (loopback(a) && loopback(b))
 }

@@ -142,7 +142,7 @@ pub fn decode(
     }
     let key = match &settings.id_field {
         None => None,
-        Some(name) => id_key(&map, &fields, name)?,
+        Some(name) => id_key(&map, name)?,
     };
     Ok(Decoded { fields, key })
 }
@@ -206,36 +206,33 @@ fn flatten(map: &serde_json::Map<String, serde_json::Value>, prefix: &str, out: 
     }
 }
 
-/// The key named by `id_field`: looked up as a flattened field name, its
-/// JSON text for a number (`17` stays `17`, not `17.0`), the string itself
-/// for a string. Absent: no key. Present but a bool, empty or too long: an
-/// error, since the publisher meant the message to carry an id.
+/// The key named by `id_field`, found in the JSON itself (never in the
+/// flattened fields, whose numbers are f64): a dotted name walks nested
+/// objects (`meta.id`). A string gives itself; a number its JSON text
+/// (`17` stays `17`), exact for every integer serde_json holds as i64 or
+/// u64. Absent: no key. Present but a bool, null, object, array, empty,
+/// too long, or a number that only an f64 holds (an integer past 2^64, or
+/// a fraction: two distinct ids could then meet): an error, since the
+/// publisher meant the message to carry an id.
 fn id_key(
     map: &serde_json::Map<String, serde_json::Value>,
-    fields: &Fields,
     name: &str,
 ) -> Result<Option<String>, PayloadError> {
-    // A top-level number keeps its JSON spelling; a nested one is found in
-    // the flattened fields.
-    let raw = match map.get(name) {
-        Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+    let raw = match lookup(map, name, 0) {
+        None => None,
         Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Number(n)) if n.is_f64() => {
+            return Err(PayloadError::BadId(format!(
+                "{name:?} is the number {n}, which is not an exact integer id (send it as a string)"
+            )))
+        }
+        Some(serde_json::Value::Number(n)) => Some(n.to_string()),
         Some(other) => {
             return Err(PayloadError::BadId(format!(
                 "{name:?} is {}, not a string or number",
                 kind(other)
             )))
         }
-        None => match fields.iter().skip(1).find(|(n, _)| n == name) {
-            Some((_, FieldValue::Text(s))) => Some(s.clone()),
-            Some((_, FieldValue::Num(v))) => Some(v.to_string()),
-            Some((_, FieldValue::Bool(_))) => {
-                return Err(PayloadError::BadId(format!(
-                    "{name:?} is a bool, not a string or number"
-                )))
-            }
-            None => None,
-        },
     };
     match raw {
         Some(k) if k.is_empty() || k.len() > MAX_KEY_BYTES => Err(PayloadError::BadId(format!(
@@ -244,6 +241,29 @@ fn id_key(
         ))),
         other => Ok(other),
     }
+}
+
+/// The member `name` names: itself, or, split at any `.`, a nested one
+/// (member names may hold dots too, so every split is tried). `depth`
+/// bounds the walk like the flattening's nesting limit.
+fn lookup<'a>(
+    map: &'a serde_json::Map<String, serde_json::Value>,
+    name: &str,
+    depth: usize,
+) -> Option<&'a serde_json::Value> {
+    if let Some(v) = map.get(name) {
+        return Some(v);
+    }
+    if depth >= 32 {
+        return None;
+    }
+    name.match_indices('.').find_map(|(i, _)| {
+        let (head, rest) = (&name[..i], &name[i + 1..]);
+        match map.get(head) {
+            Some(serde_json::Value::Object(inner)) => lookup(inner, rest, depth + 1),
+            _ => None,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -364,10 +384,29 @@ mod tests {
                 .as_deref(),
             Some("x")
         );
+        // Nested numeric ids keep every digit (they were once read from
+        // the f64 fields: 2^53 and 2^53 + 1 became one id).
+        let key = |body: &[u8]| decode("t", body, &nested).unwrap().key;
+        assert_eq!(
+            key(br#"{"meta":{"id":9007199254740993},"v":1}"#).as_deref(),
+            Some("9007199254740993")
+        );
+        assert_ne!(
+            key(br#"{"meta":{"id":9007199254740992},"v":1}"#),
+            key(br#"{"meta":{"id":9007199254740993},"v":1}"#)
+        );
+        // A member name holding a dot is found too.
+        assert_eq!(
+            key(br#"{"meta.id":"dotted","v":1}"#).as_deref(),
+            Some("dotted")
+        );
         for bad in [
             &br#"{"msg_id":true,"v":1}"#[..],
             br#"{"msg_id":"","v":1}"#,
             br#"{"msg_id":{"a":1},"v":1}"#,
+            // Only an f64 holds these: two ids could meet.
+            br#"{"msg_id":12345678901234567000001,"v":1}"#,
+            br#"{"msg_id":1.5,"v":1}"#,
         ] {
             assert!(matches!(decode("t", bad, &s), Err(PayloadError::BadId(_))));
         }
