@@ -260,31 +260,42 @@ fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(format!("ingest.socket {shown}: {e}")),
     }
-    // Between bind and chmod the socket has the umask's mode; connecting
-    // needs write permission, which a 022 or 077 umask gives only the
-    // owner, so the window grants nobody else anything.
-    let listener = UnixListener::bind(path).map_err(|e| format!("ingest.socket {shown}: {e}"))?;
-    if let Some(g) = &cfg.socket_group {
-        let gid = match g.parse::<u32>() {
+    // The group is looked up before bind, so a bad group leaves no socket.
+    let gid = match &cfg.socket_group {
+        None => None,
+        Some(g) => Some(match g.parse::<u32>() {
             Ok(n) => n,
             Err(_) => crate::process::lookup_group(g)
                 .map_err(|e| {
                     format!("ingest.socket_group {g:?}: cannot read the group database: {e}")
                 })?
                 .ok_or_else(|| format!("ingest.socket_group {g:?}: no such group"))?,
-        };
-        std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| {
-            format!("ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}")
-        })?;
+        }),
+    };
+    // Between bind and chmod the socket has the umask's mode; connecting
+    // needs write permission, which a 022 or 077 umask gives only the
+    // owner, so the window grants nobody else anything.
+    let listener = UnixListener::bind(path).map_err(|e| format!("ingest.socket {shown}: {e}"))?;
+    let finish = || -> Result<(), String> {
+        if let (Some(g), Some(gid)) = (&cfg.socket_group, gid) {
+            std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| {
+                format!("ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}")
+            })?;
+        }
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode)).map_err(
+            |e| {
+                format!(
+                    "ingest.socket_mode: cannot set {:o} on {shown}: {e}",
+                    cfg.socket_mode
+                )
+            },
+        )
+    };
+    if let Err(e) = finish() {
+        // Never leave a socket behind with the umask's mode.
+        let _ = std::fs::remove_file(path);
+        return Err(e);
     }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode)).map_err(
-        |e| {
-            format!(
-                "ingest.socket_mode: cannot set {:o} on {shown}: {e}",
-                cfg.socket_mode
-            )
-        },
-    )?;
     Ok(listener)
 }
 

@@ -358,6 +358,30 @@ fn a_regular_file_at_the_socket_path_is_never_deleted() {
     );
 }
 
+/// A `socket_group` that does not exist stops the start with the group
+/// named, and leaves no socket behind (it is looked up before the bind).
+#[test]
+fn an_unknown_socket_group_stops_the_start_and_leaves_no_socket() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &prefix("ingest_group"),
+        "socket_group = \"no-such-group-here\"\n[[ingest.streams]]\nname = \"pump\"\n",
+    );
+    let path = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    let status = agent.wait(Duration::from_secs(20)).expect("agent exits");
+    assert!(!status.success());
+    let log = agent.log_text();
+    assert!(
+        log.contains("ingest.socket_group \"no-such-group-here\": no such group"),
+        "{log}"
+    );
+    assert!(!path.exists(), "a socket was left behind");
+}
+
 /// A clean stop (SIGTERM) while a client pipelines: every reply is `ok`
 /// (committed, in the spool) or `agent stopping; not stored`; lines without
 /// a reply were not stored either; the socket file is gone afterwards.
