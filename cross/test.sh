@@ -4,13 +4,19 @@
 # the unit and integration tests on this host, then the ARM builds under
 # qemu-user (cross/test-arm.sh), then the static binaries and the packages
 # (cross/test-package.sh: installs and purges the amd64 .deb on this
-# machine; root needed). The integration tests start their own mosquitto
+# machine). Run as root. The integration tests start their own mosquitto
 # brokers on free loopback ports.
 #   EDGESPOOL_SKIP_ARM=1 cross/test.sh        host only (and the amd64 package)
 #   EDGESPOOL_SKIP_PACKAGE=1 cross/test.sh    without the packages
 #   EDGESPOOL_SKIP_FUZZ=1 cross/test.sh       without the fuzz smoke
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Root: the storage tests mount tmpfs filesystems and a loop-mounted ext4
+# image, and cross/test-package.sh installs the .deb.
+if [ "$(id -u)" -ne 0 ]; then
+  echo "test: run as root (sudo cross/test.sh): the storage tests mount tmpfs and loop images, the package test runs dpkg -i" >&2
+  exit 1
+fi
 if [ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ]; then cross/setup-debian.sh; else cross/setup-debian.sh --arm; fi
 # Library, binary and integration tests (not the benchmarks, which print
 # figures and are run on their own: cargo bench --bench flash). cargo-nextest
@@ -33,9 +39,5 @@ if [ "${EDGESPOOL_SKIP_ARM:-0}" != 1 ]; then
   cross/test-arm.sh
 fi
 if [ "${EDGESPOOL_SKIP_PACKAGE:-0}" != 1 ]; then
-  if [ "$(id -u)" -eq 0 ]; then
-    cross/test-package.sh
-  else
-    echo "test: skipping cross/test-package.sh (dpkg -i needs root)"
-  fi
+  cross/test-package.sh
 fi

@@ -455,7 +455,7 @@ pub struct MqttConfig {
     /// the broker answers by disconnecting, e.g. over its packet size limit),
     /// so the rows behind it flow (1..=100, default 3).
     pub fail_after_disconnects: u32,
-    /// `protocol`: `"5"` (default) or `"3.1.1"`. Only MQTT 5 tells a
+    /// `protocol`: `"5"` (default; the integer `5` too) or `"3.1.1"`. Only MQTT 5 tells a
     /// publisher that the broker refused a publish (a PUBACK reason code of
     /// 0x80 or more, MQTT 5.0 §3.4.2.1); under 3.1.1 a broker that denies a
     /// publish still acknowledges it (§3.4: a PUBACK has no reason code).

@@ -1098,7 +1098,7 @@ impl MqttThread {
             s.pump();
         }
         let limits = match self.cfg.protocol {
-            crate::config::Protocol::V311 => String::new(),
+            crate::config::Protocol::V311 => ", MQTT 3.1.1".to_owned(),
             crate::config::Protocol::V5 => format!(
                 ", MQTT 5, receive maximum {}, maximum packet size {}",
                 granted

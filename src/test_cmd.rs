@@ -3,7 +3,9 @@
 //! it would be sent, every listener's bind checked, nothing written (part
 //! of the binary; the work is in [`edgespool::trial`]).
 //!
-//! Exit codes: 0 every source gave a reading and every listener can bind;
+//! Exit codes: 0 every source gave a reading (or takes none: an mqtt
+//! source; or has no rows yet: a followed replay) and every listener can
+//! bind (and `ingest.socket_group` exists);
 //! 1 a source or listener failed (each named on stderr, then one summary
 //! line naming them all); 2 the config is invalid (the key named).
 
@@ -39,7 +41,9 @@ pub fn report(cfg: &edgespool::config::Config) -> bool {
                     r.name, r.key, shown.topic, shown.payload_bytes, shown.json
                 );
             }
-            Ok(edgespool::trial::Taken::NoSample(what)) => {
+            Ok(
+                edgespool::trial::Taken::NoSample(what) | edgespool::trial::Taken::NoRowsYet(what),
+            ) => {
                 println!("source {} ({}): {what}", r.name, r.key);
             }
             Err(e) => {
@@ -58,12 +62,32 @@ pub fn report(cfg: &edgespool::config::Config) -> bool {
         }
     }
     if failed.is_empty() {
-        println!(
-            "test: ok ({} sources gave a reading; nothing was written)",
-            results.len()
-        );
+        println!("test: ok ({}; nothing was written)", counts(&results));
         return true;
     }
     eprintln!("test: {} failed: {}", failed.len(), failed.join(", "));
     false
+}
+
+/// `N sources gave a reading`, then `, M take none (mqtt)` and `, K have no
+/// rows yet (follow)` when there are such sources.
+fn counts(results: &[edgespool::trial::SourceResult]) -> String {
+    use edgespool::trial::Taken;
+    let count = |f: fn(&Taken) -> bool| {
+        results
+            .iter()
+            .filter(|r| r.outcome.as_ref().is_ok_and(f))
+            .count()
+    };
+    let readings = count(|t| matches!(t, Taken::Reading(_)));
+    let none = count(|t| matches!(t, Taken::NoSample(_)));
+    let waiting = count(|t| matches!(t, Taken::NoRowsYet(_)));
+    let mut out = format!("{readings} sources gave a reading");
+    if none > 0 {
+        out.push_str(&format!(", {none} take none (mqtt)"));
+    }
+    if waiting > 0 {
+        out.push_str(&format!(", {waiting} have no rows yet (follow)"));
+    }
+    out
 }

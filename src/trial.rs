@@ -36,6 +36,9 @@ pub enum Taken {
     /// A source that takes no sample (an mqtt bridge: its readings arrive
     /// as local programs publish), with what was checked instead.
     NoSample(String),
+    /// A followed replay (`follow = true`) whose file has no row yet (only
+    /// its header): the agent waits for rows, so this is no failure.
+    NoRowsYet(String),
 }
 
 /// What trying one source gave.
@@ -65,6 +68,9 @@ pub enum Listener {
         key: String,
         /// The socket file.
         path: PathBuf,
+        /// `ingest.socket_group`: the group the agent gives the socket;
+        /// it must exist, or the agent does not start.
+        group: Option<String>,
     },
 }
 
@@ -82,6 +88,7 @@ impl Listener {
 /// the start; a system source lacks `cpu_util_pct`, which needs two
 /// samples), and encodes it as [`Shown`]. An mqtt source takes no sample:
 /// its local broker must accept TCP within 2 s ([`source::bridge::probe`]).
+/// A followed replay whose file has no row yet gives [`Taken::NoRowsYet`].
 pub fn sample_sources(cfg: &Config) -> Vec<SourceResult> {
     let dir = spool_dir(&cfg.spool.path);
     let mut ids = EventIdGen::new().ok();
@@ -95,10 +102,11 @@ pub fn sample_sources(cfg: &Config) -> Vec<SourceResult> {
                 source::SourceKind::Mqtt(b) => {
                     source::bridge::probe(b, std::time::Duration::from_secs(2)).map(Taken::NoSample)
                 }
-                _ => source::sample_once(spec, &dir)
-                    .map_err(|e| e.to_string())
-                    .and_then(|fields| show(cfg, spec, &fields, ids.as_mut()))
-                    .map(Taken::Reading),
+                _ => match source::sample_once(spec, &dir) {
+                    Ok(Some(fields)) => show(cfg, spec, &fields, ids.as_mut()).map(Taken::Reading),
+                    Ok(None) => Ok(Taken::NoRowsYet("no rows yet; following".to_owned())),
+                    Err(e) => Err(e.to_string()),
+                },
             },
         })
         .collect()
@@ -116,6 +124,7 @@ pub fn listeners(cfg: &Config) -> Vec<Listener> {
     let unix = cfg.ingest.socket.clone().map(|path| Listener::Unix {
         key: "ingest.socket".into(),
         path,
+        group: cfg.ingest.socket_group.clone(),
     });
     [
         tcp("metrics.listen", cfg.metrics.listen),
@@ -134,7 +143,8 @@ pub fn listeners(cfg: &Config) -> Vec<Listener> {
 /// The OS error of the bind, with a hint when the address is in use (a
 /// running agent holds it); for a Unix socket whose file exists, a
 /// connection attempt tells a live socket (in use) from a stale file,
-/// which the agent replaces.
+/// which the agent replaces. A Unix socket's `group` that names no group
+/// (the agent's start would fail on it: see `process::lookup_group`).
 pub fn try_bind(l: &Listener) -> Result<(), String> {
     match l {
         Listener::Tcp { addr, .. } => match TcpListener::bind(addr) {
@@ -144,7 +154,25 @@ pub fn try_bind(l: &Listener) -> Result<(), String> {
             )),
             Err(e) => Err(format!("cannot bind {addr}: {e}")),
         },
-        Listener::Unix { path, .. } => try_bind_unix(path),
+        Listener::Unix { path, group, .. } => {
+            if let Some(g) = group {
+                group_exists(g)?;
+            }
+            try_bind_unix(path)
+        }
+    }
+}
+
+/// `Ok` if the group `name` exists in the group database.
+fn group_exists(name: &str) -> Result<(), String> {
+    match crate::process::lookup_group(name) {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(format!(
+            "ingest.socket_group {name:?}: no such group (the agent would not start)"
+        )),
+        Err(e) => Err(format!(
+            "ingest.socket_group {name:?}: cannot read the group database: {e}"
+        )),
     }
 }
 
@@ -306,6 +334,7 @@ mod tests {
         let sock = Listener::Unix {
             key: "k".into(),
             path: dir.path().join("s.sock"),
+            group: None,
         };
         assert_eq!(try_bind(&sock), Ok(()));
         assert!(!dir.path().join("s.sock").exists(), "nothing left behind");
@@ -318,9 +347,60 @@ mod tests {
         let file = Listener::Unix {
             key: "ingest.socket".into(),
             path: dir.path().join("f.sock"),
+            group: None,
         };
         std::fs::write(dir.path().join("f.sock"), "x").unwrap();
         assert!(try_bind(&file).unwrap_err().contains("not a socket"));
+    }
+
+    #[test]
+    fn a_socket_group_that_does_not_exist_fails_the_listener() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("i.sock");
+        let with = |group: &str| {
+            cfg(&format!(
+                "[ingest]\nsocket = \"{}\"\nsocket_group = \"{group}\"\n[[ingest.streams]]\nname = \"pump\"\n",
+                sock.display()
+            ))
+        };
+        let ls = listeners(&with("no-such-group-edgespool"));
+        let e = try_bind(&ls[0]).unwrap_err();
+        assert!(e.contains("no such group"), "{e}");
+        assert!(e.contains("no-such-group-edgespool"), "{e}");
+        // The group "root" (gid 0) exists on every Linux system.
+        let ls = listeners(&with("root"));
+        assert_eq!(try_bind(&ls[0]), Ok(()));
+        assert!(!sock.exists(), "nothing left behind");
+    }
+
+    #[test]
+    fn a_followed_replay_with_only_its_header_has_no_rows_yet_not_a_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("t.csv");
+        std::fs::write(&csv, "ts,temp_c\n").unwrap();
+        let src = |name: &str, follow: bool| {
+            format!(
+                "[[sources]]\nname = \"{name}\"\nkind = \"replay\"\npath = \"{}\"\ntimestamp_columns = [\"ts\"]\ntimestamp_format = \"%s\"\nfollow = {follow}\n",
+                csv.display()
+            )
+        };
+        let c = cfg(&format!("{}{}", src("tail", true), src("once", false)));
+        let r = sample_sources(&c);
+        let Ok(Taken::NoRowsYet(note)) = &r[0].outcome else {
+            panic!("{:?}", r[0].outcome)
+        };
+        assert!(note.contains("following"), "{note}");
+        // Not followed: a file with no row is a failure, as before.
+        let e = r[1].outcome.as_ref().unwrap_err();
+        assert!(e.contains("no usable row"), "{e}");
+        // Once a row is there, the followed replay gives it.
+        std::fs::write(&csv, "ts,temp_c\n1796000000,21.5\n").unwrap();
+        let r = sample_sources(&c);
+        assert!(
+            matches!(r[0].outcome, Ok(Taken::Reading(_))),
+            "{:?}",
+            r[0].outcome
+        );
     }
 
     #[test]

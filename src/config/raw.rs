@@ -172,6 +172,23 @@ pub(super) struct RawParam {
 pub(super) fn d_protocol() -> String {
     "5".to_owned()
 }
+/// `mqtt.protocol` as written: a string (`"5"`, `"3.1.1"`) or an integer
+/// (`protocol = 5`, and `--set mqtt.protocol=5`, which overrides parse as
+/// TOML), kept as its text; validation judges the value.
+fn de_protocol<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum TextOrInt {
+        Text(String),
+        Int(i64),
+    }
+    match TextOrInt::deserialize(d)
+        .map_err(|_| serde::de::Error::custom("mqtt.protocol must be \"5\", 5 or \"3.1.1\""))?
+    {
+        TextOrInt::Text(s) => Ok(s),
+        TextOrInt::Int(n) => Ok(n.to_string()),
+    }
+}
 pub(super) fn d_session_expiry() -> u32 {
     604_800
 }
@@ -292,7 +309,8 @@ pub(super) struct RawMqtt {
     pub(super) fail_after_disconnects: u32,
     #[serde(default = "d_true")]
     pub(super) status_topic: bool,
-    #[serde(default = "d_protocol")]
+    /// `"5"`, `"3.1.1"` or the integer `5` (see [`de_protocol`]).
+    #[serde(default = "d_protocol", deserialize_with = "de_protocol")]
     pub(super) protocol: String,
     #[serde(default = "d_session_expiry")]
     pub(super) session_expiry_secs: u32,

@@ -163,6 +163,29 @@ fn overrides_set_nested_keys_and_array_items() {
 }
 
 #[test]
+fn protocol_takes_5_as_integer_or_string_and_3_1_1_by_set() {
+    use crate::config::Protocol;
+    // `--set` values parse as TOML: `5` is an integer, `3.1.1` is not
+    // TOML and stays a string.
+    for (set, want) in [
+        ("mqtt.protocol=5", Protocol::V5),
+        ("mqtt.protocol=\"5\"", Protocol::V5),
+        ("mqtt.protocol=3.1.1", Protocol::V311),
+        ("mqtt.protocol=\"3.1.1\"", Protocol::V311),
+    ] {
+        let c = parse(GOOD, "t.toml", &[set.into()]).unwrap_or_else(|e| panic!("{set}: {e:?}"));
+        assert_eq!(c.mqtt.protocol, want, "{set}");
+    }
+    let e = parse(GOOD, "t.toml", &["mqtt.protocol=3".into()]).unwrap_err();
+    assert_eq!(e.problems[0].key, "mqtt.protocol");
+    let text = GOOD.replacen("[mqtt]\n", "[mqtt]\nprotocol = 5\n", 1);
+    assert_eq!(
+        parse(&text, "t.toml", &[]).unwrap().mqtt.protocol,
+        Protocol::V5
+    );
+}
+
+#[test]
 fn a_bad_override_is_rejected_with_its_key() {
     let e = parse(GOOD, "t.toml", &["mqtt.inflight_windw=5".into()]).unwrap_err();
     assert_eq!(e.problems[0].key, "mqtt.inflight_windw");

@@ -297,10 +297,12 @@ pub fn check_files(sources: &[SourceSpec]) -> Vec<(String, String)> {
 ///
 /// As [`sample`]; for a replay, as [`replay::Replay::open`] and
 /// [`replay::Replay::due`], or `Parse` if the file gives no usable row
-/// within its first 100,000 lines.
-pub fn sample_once(spec: &SourceSpec, spool_dir: &Path) -> Result<Fields, SourceError> {
+/// within its first 100,000 lines. `Ok(None)`: a followed replay
+/// (`follow = true`) whose file holds no row yet (only its header, or
+/// nothing): the agent waits for rows there, so that is no failure.
+pub fn sample_once(spec: &SourceSpec, spool_dir: &Path) -> Result<Option<Fields>, SourceError> {
     let SourceKind::Replay(r) = &spec.kind else {
-        return sample(spec, &mut SourceState::default(), spool_dir);
+        return sample(spec, &mut SourceState::default(), spool_dir).map(Some);
     };
     let mut first = r.clone();
     first.speed = 0.0;
@@ -311,11 +313,14 @@ pub fn sample_once(spec: &SourceSpec, spool_dir: &Path) -> Result<Fields, Source
     let mut replay = replay::Replay::open(first)?;
     for _ in 0..10 {
         if let Some(fields) = replay.due(std::time::Instant::now())?.pop() {
-            return Ok(fields);
+            return Ok(Some(fields));
         }
         if replay.stats().finished {
             break;
         }
+    }
+    if r.follow && replay.stats().rows_read == 0 {
+        return Ok(None);
     }
     Err(SourceError::Parse {
         what: r.path.display().to_string(),

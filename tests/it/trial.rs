@@ -232,3 +232,67 @@ fn test_on_a_broken_config_names_the_key_or_each_failed_source_and_writes_nothin
     files.retain(|f| f.starts_with("spool.db"));
     assert_eq!(files, ["spool.db"], "no -wal, -shm or lock file");
 }
+
+/// The real binary on a config whose sources take no sample (an mqtt
+/// bridge whose local broker accepts TCP) or have no row yet (a followed
+/// replay holding only its header): exit 0, and the summary counts only
+/// the sources that gave a reading. An `ingest.socket_group` naming no
+/// group fails the listener (exit 1), as it would fail the agent's start.
+#[test]
+fn test_counts_sources_without_a_sample_apart_and_checks_the_socket_group() {
+    let d = tempfile::tempdir().expect("tempdir");
+    // Stands in for the local broker: `test` only opens a TCP connection.
+    let broker = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = broker.local_addr().expect("addr").port();
+    let csv = d.path().join("growing.csv");
+    std::fs::write(&csv, "ts,temp_c\n").expect("header only");
+    let cfg = d.path().join("board.toml");
+    let write = |ingest: &str| {
+        std::fs::write(
+            &cfg,
+            format!(
+                "device_id = \"t\"\n[spool]\npath = \"{dir}/spool.db\"\n[mqtt]\nurl = \"mqtt://127.0.0.1:1\"\n\
+                 [[sources]]\nname = \"sys\"\nkind = \"system\"\n\
+                 [[sources]]\nname = \"plant\"\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{port}\"\ntopics = [\"plant/#\"]\n\
+                 [[sources]]\nname = \"trace\"\nkind = \"replay\"\npath = \"{csv}\"\ntimestamp_columns = [\"ts\"]\ntimestamp_format = \"%s\"\nfollow = true\n\
+                 {ingest}",
+                dir = d.path().display(),
+                csv = csv.display()
+            ),
+        )
+        .expect("write config")
+    };
+    write("");
+    let (code, out, err) = run_test(&cfg, &[]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("source trace (sources[2]): no rows yet; following"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "test: ok (1 sources gave a reading, 1 take none (mqtt), 1 have no rows yet (follow);"
+        ),
+        "{out}"
+    );
+
+    let ingest = |group: &str| {
+        format!(
+            "[ingest]\nsocket = \"{}/run/i.sock\"\nsocket_group = \"{group}\"\n[[ingest.streams]]\nname = \"pump\"\n",
+            d.path().display()
+        )
+    };
+    write(&ingest("no-such-group-edgespool"));
+    let (code, out, err) = run_test(&cfg, &[]);
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        err.contains("listener ingest.socket: ingest.socket_group \"no-such-group-edgespool\": no such group"),
+        "{err}"
+    );
+    assert!(err.contains("failed: listener ingest.socket"), "{err}");
+    // The group "root" (gid 0) exists on every Linux system.
+    write(&ingest("root"));
+    let (code, out, err) = run_test(&cfg, &[]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    drop(broker);
+}
