@@ -112,6 +112,27 @@ fn validate_agent(raw: &RawAgent, bad: &mut impl FnMut(&str, String)) -> AgentCo
 /// could overflow (a "keep forever" value must not wrap to "delete now").
 const TEN_YEARS_SECS: u64 = 10 * 365 * 86_400;
 
+/// A stream's `durability` (`[[sources]]`, `[[ingest.streams]]`):
+/// `"batched"` (the default) or `"full"`; anything else is a problem on
+/// `key`, and batched is assumed.
+fn durability(
+    raw: Option<&str>,
+    key: &str,
+    bad: &mut impl FnMut(&str, String),
+) -> crate::source::Durability {
+    match raw {
+        None | Some("batched") => crate::source::Durability::Batched,
+        Some("full") => crate::source::Durability::Full,
+        Some(other) => {
+            bad(
+                key,
+                format!("must be \"batched\" or \"full\" (got {other:?})"),
+            );
+            crate::source::Durability::Batched
+        }
+    }
+}
+
 fn topic_safe(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
 }

@@ -1,6 +1,6 @@
 //! `[ingest]` validation: listeners, bounds and the streams clients may write.
 
-use super::stream_name_ok;
+use super::{durability, stream_name_ok};
 use crate::config::raw::RawIngest;
 use crate::config::{pattern_matches, IngestConfig, IngestStream, DEFAULT_STREAM_PRIORITY};
 use crate::source::SourceSpec;
@@ -151,17 +151,7 @@ fn validate_ingest_streams(
         } else if !names.insert(rs.name.clone()) {
             bad(&k("name"), format!("duplicate ingest stream {:?}", rs.name));
         }
-        let durability = match rs.durability.as_deref() {
-            None | Some("batched") => crate::source::Durability::Batched,
-            Some("full") => crate::source::Durability::Full,
-            Some(other) => {
-                bad(
-                    &k("durability"),
-                    format!("must be \"batched\" or \"full\" (got {other:?})"),
-                );
-                crate::source::Durability::Batched
-            }
-        };
+        let durability = durability(rs.durability.as_deref(), &k("durability"), bad);
         streams.push(IngestStream {
             name: rs.name.clone(),
             durability,

@@ -2,7 +2,7 @@
 //! function per kind (replay, file, exec, mqtt bridge; system has no keys).
 
 use super::bridge::validate_bridge;
-use super::stream_name_ok;
+use super::{durability, stream_name_ok};
 use crate::config::raw::{d_interval, RawSource};
 use crate::config::read::did_you_mean;
 use crate::config::MqttConfig;
@@ -40,17 +40,7 @@ pub(super) fn validate_sources(
         }
         check_kind_keys(rs, &k, bad);
         let kind = validate_kind(rs, device_id, &k, bad);
-        let durability = match rs.durability.as_deref() {
-            None | Some("batched") => crate::source::Durability::Batched,
-            Some("full") => crate::source::Durability::Full,
-            Some(other) => {
-                bad(
-                    &k("durability"),
-                    format!("must be \"batched\" or \"full\" (got {other:?})"),
-                );
-                crate::source::Durability::Batched
-            }
-        };
+        let durability = durability(rs.durability.as_deref(), &k("durability"), bad);
         if let Some(SourceKind::Mqtt(b)) = &kind {
             let streams: Vec<&str> = raw.iter().map(|r| r.name.as_str()).collect();
             check_bridge_against_main((b, &streams), mqtt, &mut bridge_ids, &k, bad);
