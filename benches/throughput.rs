@@ -316,6 +316,8 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         max_packet_bytes: cfg.mqtt.max_packet_bytes,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
         protocol: cfg.mqtt.protocol,
+        min_share_pct: cfg.mqtt.min_share_pct,
+        live_streams: Default::default(),
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());

@@ -104,6 +104,33 @@ impl Config {
             })
             .unwrap_or_default()
     }
+
+    /// The delivery priority of every stream the config names: each
+    /// `[[sources]]` and `[[ingest.streams]]` entry (its `priority`, else
+    /// [`default_priority`] of its durability), and the agent's `_commands`
+    /// and `_agent` ([`AGENT_STREAM_PRIORITY`]). Any other stream (one a
+    /// pattern allows) has priority 0.
+    pub fn stream_priorities(&self) -> std::collections::HashMap<String, u8> {
+        let mut out: std::collections::HashMap<String, u8> = self
+            .sources
+            .iter()
+            .map(|s| (s.name.clone(), s.priority))
+            .chain(self.ingest.streams.iter().map(|s| (s.name.clone(), s.priority)))
+            .collect();
+        out.insert(crate::commands::RESULTS_STREAM.to_owned(), AGENT_STREAM_PRIORITY);
+        out.insert(crate::agent::AGENT_STREAM.to_owned(), AGENT_STREAM_PRIORITY);
+        out
+    }
+
+    /// The streams whose `live_first` is set.
+    pub fn live_first_streams(&self) -> std::collections::HashSet<String> {
+        let sources = self.sources.iter().filter(|s| s.live_first).map(|s| &s.name);
+        let ingest = self.ingest.streams.iter().filter(|s| s.live_first);
+        sources
+            .chain(ingest.map(|s| &s.name))
+            .cloned()
+            .collect()
+    }
 }
 
 /// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
@@ -164,15 +191,25 @@ pub struct IngestConfig {
     pub streams: Vec<IngestStream>,
     /// `stream_patterns`: further streams allowed by prefix (`"plant.*"`
     /// allows every valid name starting with `plant.`); such streams are
-    /// `durability = "batched"`, priority [`DEFAULT_STREAM_PRIORITY`], and
+    /// `durability = "batched"`, priority 0, and
     /// at most [`crate::ingest::MAX_PATTERN_STREAMS`] of them are let in
     /// per run of the agent.
     pub stream_patterns: Vec<String>,
 }
 
-/// Priority of an ingest stream that does not set one (and of a stream a
-/// pattern allows).
-pub const DEFAULT_STREAM_PRIORITY: u8 = 128;
+/// Delivery priority of the agent's own streams, `_commands` (command
+/// results) and `_agent` (the agent's events): they go ahead of every
+/// stream a config does not raise above it.
+pub const AGENT_STREAM_PRIORITY: u8 = 200;
+
+/// Delivery priority of a stream that sets none: 100 for `durability =
+/// "full"` (a reading worth an fsync is worth sending first), 0 otherwise.
+pub fn default_priority(durability: crate::source::Durability) -> u8 {
+    match durability {
+        crate::source::Durability::Full => 100,
+        crate::source::Durability::Batched => 0,
+    }
+}
 
 impl Default for IngestConfig {
     fn default() -> Self {
@@ -212,7 +249,8 @@ impl IngestConfig {
         allowed.then(|| IngestStream {
             name: name.to_owned(),
             durability: crate::source::Durability::Batched,
-            priority: DEFAULT_STREAM_PRIORITY,
+            priority: 0,
+            live_first: false,
         })
     }
 }
@@ -234,9 +272,12 @@ pub struct IngestStream {
     /// `durability`: `"batched"` (default) or `"full"` (committed at once on
     /// the `synchronous = FULL` connection).
     pub durability: crate::source::Durability,
-    /// `priority`: 0..=255 (default 128), kept for delivery ordering; not
-    /// used yet.
+    /// `priority`: delivery priority 0..=255, higher first (default
+    /// [`default_priority`] of its durability; see [`crate::lanes`]).
     pub priority: u8,
+    /// `live_first`: new readings of this stream go ahead of its own
+    /// backlog (default false; see [`crate::lanes`]).
+    pub live_first: bool,
 }
 
 /// `[commands]`: commands received over MQTT on `<topic_prefix>/commands`.
@@ -466,6 +507,11 @@ pub struct MqttConfig {
     /// 604800 (7 days). Ignored with `clean_session = true` or 3.1.1, where
     /// a persistent session lasts until the broker drops it.
     pub session_expiry_secs: u32,
+    /// `min_share_pct`: the starvation bound of delivery priority
+    /// ([`crate::lanes`]): while streams of a higher priority have rows
+    /// waiting, lower priorities still get this share of the publishes
+    /// offered, in percent (0..=50, default 10; 0 is strict priority).
+    pub min_share_pct: u8,
     /// `status_topic`: a retained `<topic_prefix>/status` message, `online`
     /// at each connect and `offline` as the will (sent by the broker when the
     /// connection ends without a DISCONNECT: a kill, a power cut, a lost

@@ -49,6 +49,7 @@ pub mod fsguard;
 pub mod health;
 pub mod ingest;
 pub mod integrity;
+pub mod lanes;
 pub mod maintenance;
 pub mod metrics;
 pub mod mqtt;

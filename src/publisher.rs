@@ -13,8 +13,9 @@
 //! blocks the MQTT thread and is never waited on by ingest.
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
-use crate::spool::{OutRow, Spool, SpoolError};
-use std::collections::{HashMap, HashSet, VecDeque};
+use crate::lanes::Lanes;
+use crate::spool::{Spool, SpoolError};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -52,15 +53,15 @@ pub struct DeliveryConfig {
     pub fail_after_disconnects: u32,
     /// `mqtt.protocol`: what a PUBLISH carries beyond topic and payload.
     pub protocol: crate::config::Protocol,
+    /// `mqtt.min_share_pct`: the starvation bound of [`crate::lanes`].
+    pub min_share_pct: u8,
+    /// Streams with `live_first = true` ([`crate::lanes`]).
+    pub live_streams: HashSet<String>,
 }
 
 /// With nothing to record, look at the spool this often even without a
 /// message (a safety net: every change that makes rows sendable sends one).
 const IDLE_POLL: Duration = Duration::from_secs(10);
-
-/// Rows read ahead from the spool per query. Bounds delivery memory:
-/// at most this many payloads are held, whatever the backlog.
-const PREFETCH: usize = 256;
 
 /// Uncommitted delivery records past which no new row is offered.
 const MAX_UNRECORDED: usize = 4096;
@@ -84,12 +85,12 @@ pub fn run(
     stop: Arc<AtomicBool>,
     stats: Arc<DeliveryStats>,
 ) {
+    let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
     let mut d = Delivery {
         cfg,
         link,
         epoch: 0,
-        cursor: 0,
-        ahead: VecDeque::new(),
+        lanes,
         topics: HashMap::new(),
         to_retire: Vec::new(),
         retiring: HashSet::new(),
@@ -135,10 +136,8 @@ struct Delivery {
     cfg: DeliveryConfig,
     link: Link,
     epoch: u64,
-    /// Highest row id read from the spool in this epoch.
-    cursor: i64,
-    /// Rows read from the spool, not yet offered, in row-id order.
-    ahead: VecDeque<OutRow>,
+    /// Rows read from the spool in this epoch, not yet offered, by priority.
+    lanes: Lanes,
     /// Topic per stream, built once.
     topics: HashMap<String, Arc<str>>,
     to_retire: Vec<i64>,
@@ -193,19 +192,19 @@ impl Delivery {
                 );
                 self.epoch = epoch;
                 // Replay from the oldest unacknowledged row, in order (I7).
-                self.cursor = 0;
-                self.ahead.clear();
+                self.lanes.reset();
                 self.offered_size.clear();
             }
+            DeliveryMsg::Connected { .. } => match spool.newest_id() {
+                Ok(newest) => self.lanes.connected(newest),
+                Err(e) => self.log_error("read the newest row id", &e),
+            },
             DeliveryMsg::Requeued => {
                 if self.learned_limit.take().is_some() {
                     log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
                 }
             }
-            DeliveryMsg::Progress
-            | DeliveryMsg::Connected { .. }
-            | DeliveryMsg::NewRows
-            | DeliveryMsg::Stop => {}
+            DeliveryMsg::Progress | DeliveryMsg::NewRows | DeliveryMsg::Stop => {}
         }
     }
 
@@ -339,7 +338,8 @@ impl Delivery {
         }
     }
 
-    /// Keep the ready queue at two windows' worth, reading ahead from the spool.
+    /// Keep the ready queue at two windows' worth, reading ahead from the
+    /// spool, highest priority first ([`crate::lanes`]).
     fn fill(&mut self, spool: &mut Spool) {
         // While delivery records cannot be committed (a full disk), send
         // nothing new: acknowledgements would pile up in memory.
@@ -349,24 +349,25 @@ impl Delivery {
         let target = 2 * self.cfg.window;
         let mut room = target.saturating_sub(self.link.ready_len());
         let mut batch = Vec::new();
+        if let Err(e) = self.lanes.refill(spool) {
+            self.log_error("read sendable rows", &e);
+            return;
+        }
         while room > 0 {
-            if self.ahead.is_empty() {
-                match spool.sendable(self.cursor, PREFETCH) {
-                    Ok(rows) if rows.is_empty() => break,
-                    Ok(rows) => {
-                        if let Some(last) = rows.last() {
-                            self.cursor = last.id;
-                        }
-                        self.ahead.extend(rows);
-                    }
-                    Err(e) => {
+            let row = match self.lanes.pick() {
+                Some(row) => row,
+                None => {
+                    // The read-ahead ran dry within this fill (a backlog
+                    // larger than it): read on.
+                    if let Err(e) = self.lanes.refill(spool) {
                         self.log_error("read sendable rows", &e);
                         break;
                     }
+                    match self.lanes.pick() {
+                        Some(row) => row,
+                        None => break,
+                    }
                 }
-            }
-            let Some(row) = self.ahead.pop_front() else {
-                break;
             };
             if self.retiring.contains(&row.id) {
                 continue; // acknowledged (not yet committed), or already in flight
@@ -431,7 +432,7 @@ impl Delivery {
         }
         if self.link.offer(self.epoch, batch).is_err() {
             // Stale epoch: a Lost message is on its way and resets the read-ahead.
-            self.ahead.clear();
+            self.lanes.reset();
         }
     }
 

@@ -18,6 +18,7 @@
 //!   pins the WAL (F01).
 
 mod keys;
+pub mod priority;
 
 use crate::envelope::{self, Envelope, EventIdGen, Format};
 use crate::source::replay::ReplayPosition;
@@ -31,7 +32,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// Row states (DESIGN.md, "Spool states").
 pub mod state {
@@ -234,10 +235,11 @@ ALTER TABLE commands ADD COLUMN received_clock_ms INTEGER;
 ";
 
 const SQL_INSERT_EVENT: &str = "INSERT INTO events
-    (stream_id, seq, event_id, created_ms, digest, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)";
+    (stream_id, seq, event_id, created_ms, digest, payload, prio)
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 const SQL_NEW_STREAM: &str =
-    "INSERT INTO streams (name, last_seq) VALUES (?1, 0) ON CONFLICT(name) DO NOTHING";
-const SQL_STREAM_BY_NAME: &str = "SELECT id, last_seq FROM streams WHERE name = ?1";
+    "INSERT INTO streams (name, last_seq, prio) VALUES (?1, 0, ?2) ON CONFLICT(name) DO NOTHING";
+const SQL_STREAM_BY_NAME: &str = "SELECT id, last_seq, prio FROM streams WHERE name = ?1";
 const SQL_SET_SEQ: &str = "UPDATE streams SET last_seq = max(last_seq, ?2) WHERE id = ?1";
 /// The append time of the first row above the acknowledged mark that is
 /// neither acknowledged out of order nor FAILED.
@@ -247,7 +249,7 @@ const SQL_OLDEST_UNACKED: &str = "SELECT e.created_ms FROM events e
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
     ORDER BY e.id LIMIT 1";
 /// Unresolved rows (not acknowledged, not FAILED) above `?1`, in id order.
-const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest
+const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio
     FROM events e JOIN streams s ON s.id = e.stream_id
     WHERE e.id > max(?1, (SELECT acked_through FROM delivery_mark))
       AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
@@ -514,6 +516,8 @@ pub struct OutRow {
     pub payload: Vec<u8>,
     /// sha256 of `payload` as stored at append.
     pub digest: Vec<u8>,
+    /// Delivery priority of the row (its stream's, [`priority`]).
+    pub prio: u8,
 }
 
 impl OutRow {
@@ -611,6 +615,9 @@ struct SeqBook {
     dirty: bool,
     /// Rows appended since [`Spool::persist_seqs`].
     appended_since_persist: u64,
+    /// The config's priority per stream ([`Spool::set_priorities`]), for
+    /// streams first seen after it ran.
+    priorities: HashMap<String, u8>,
 }
 
 /// A stream's id in `streams` and the last sequence number issued.
@@ -618,6 +625,8 @@ struct SeqBook {
 struct StreamSeq {
     id: i64,
     last_seq: i64,
+    /// The stream's delivery priority (`streams.prio`), stamped on each row.
+    prio: u8,
 }
 
 /// Frames in the WAL after the newest commit on any connection of this
@@ -865,6 +874,9 @@ impl Spool {
         if version < 7 {
             tx.execute_batch(keys::MIGRATION_7).map_err(err)?;
         }
+        if version < 8 {
+            tx.execute_batch(priority::MIGRATION_8).map_err(err)?;
+        }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
         tx.commit().map_err(err)?;
@@ -915,7 +927,7 @@ impl Spool {
         let mut stmt = self
             .conn
             .prepare(
-                "SELECT s.name, s.id, max(s.last_seq, coalesce(t.top, 0)) FROM streams s
+                "SELECT s.name, s.id, max(s.last_seq, coalesce(t.top, 0)), s.prio FROM streams s
                  LEFT JOIN (SELECT stream_id, max(seq) AS top FROM events
                             WHERE id > coalesce((SELECT value FROM spool_meta
                                                  WHERE key = 'seq_through_id'), 0)
@@ -929,6 +941,7 @@ impl Spool {
                     StreamSeq {
                         id: r.get(1)?,
                         last_seq: r.get(2)?,
+                        prio: r.get::<_, i64>(3)?.clamp(0, 255) as u8,
                     },
                 ))
             })
@@ -1053,7 +1066,11 @@ impl Spool {
                     .copied();
                 let stream = match known {
                     Some(s) => s,
-                    None => stream_row(&tx, &ev.stream).map_err(err)?,
+                    None => {
+                        let prio = book.priorities.get(&ev.stream).copied();
+                        let prio = prio.unwrap_or_else(|| priority::fallback_priority(&ev.stream));
+                        stream_row(&tx, &ev.stream, prio).map_err(err)?
+                    }
                 };
                 let event_id = match &ev.replay {
                     Some(pos) => {
@@ -1111,7 +1128,8 @@ impl Spool {
                         hyphenated,
                         now_ms,
                         digest.as_slice(),
-                        payload
+                        payload,
+                        stream.prio
                     ])
                     .map_err(err)?;
                 if ev.key.is_some() {
@@ -1121,8 +1139,8 @@ impl Spool {
                 next.insert(
                     ev.stream.clone(),
                     StreamSeq {
-                        id: stream.id,
                         last_seq: seq,
+                        ..stream
                     },
                 );
                 if let Some(pos) = &ev.replay {
@@ -1180,6 +1198,7 @@ impl Spool {
                     stream: r.get(2)?,
                     payload: r.get(3)?,
                     digest: r.get(4)?,
+                    prio: r.get::<_, i64>(5)?.clamp(0, 255) as u8,
                 })
             })
             .map_err(|e| self.err(e))?;
@@ -1768,7 +1787,8 @@ pub(crate) fn insert_one(
     now_ms: i64,
 ) -> Result<String, SpoolError> {
     let err = |e| SpoolError::classify(path, e);
-    let stream = stream_row(tx, &ev.stream).map_err(err)?;
+    let prio = priority::fallback_priority(&ev.stream);
+    let stream = stream_row(tx, &ev.stream, prio).map_err(err)?;
     let seq = stream.last_seq + 1;
     let event_id = ids.next_id();
     let env = Envelope {
@@ -1794,7 +1814,8 @@ pub(crate) fn insert_one(
             id,
             now_ms,
             digest.as_slice(),
-            payload
+            payload,
+            stream.prio
         ])
         .map_err(err)?;
     tx.prepare_cached(SQL_SET_SEQ)
@@ -1804,13 +1825,15 @@ pub(crate) fn insert_one(
     Ok(id)
 }
 
-/// The `streams` row for `name`, created if missing, with its `last_seq`
-/// caught up with rows appended since it was last persisted.
-fn stream_row(tx: &rusqlite::Transaction<'_>, name: &str) -> rusqlite::Result<StreamSeq> {
-    tx.prepare_cached(SQL_NEW_STREAM)?.execute(params![name])?;
-    let (id, stored): (i64, i64) = tx
+/// The `streams` row for `name`, created with priority `prio` if missing,
+/// with its `last_seq` caught up with rows appended since it was last
+/// persisted.
+fn stream_row(tx: &rusqlite::Transaction<'_>, name: &str, prio: u8) -> rusqlite::Result<StreamSeq> {
+    tx.prepare_cached(SQL_NEW_STREAM)?
+        .execute(params![name, prio])?;
+    let (id, stored, prio): (i64, i64, i64) = tx
         .prepare_cached(SQL_STREAM_BY_NAME)?
-        .query_row(params![name], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        .query_row(params![name], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
     let tail: Option<i64> = tx
         .prepare_cached(
             "SELECT max(seq) FROM events WHERE stream_id = ?1
@@ -1820,6 +1843,7 @@ fn stream_row(tx: &rusqlite::Transaction<'_>, name: &str) -> rusqlite::Result<St
     Ok(StreamSeq {
         id,
         last_seq: stored.max(tail.unwrap_or(0)),
+        prio: prio.clamp(0, 255) as u8,
     })
 }
 

@@ -261,6 +261,19 @@ impl Ingest {
         }
         let mut applied: Vec<&str> = Vec::new();
         let mut restart: Vec<&str> = Vec::new();
+        // The delivery order is set at start (the spool's stream priorities,
+        // the delivery thread's lanes).
+        if (
+            new.stream_priorities(),
+            new.live_first_streams(),
+            new.mqtt.min_share_pct,
+        ) != (
+            self.cfg.stream_priorities(),
+            self.cfg.live_first_streams(),
+            self.cfg.mqtt.min_share_pct,
+        ) {
+            restart.push("delivery order (priority, live_first, mqtt.min_share_pct)");
+        }
         let cur = &mut self.cfg;
         if new.sources != cur.sources {
             let _ = self

@@ -39,6 +39,10 @@ use std::time::{Duration, Instant};
 /// (<https://www.sqlite.org/fileformat.html#the_write_ahead_log>).
 const WAL_FRAME_BYTES: u64 = 4096 + 24;
 
+/// The agent's own events (config fallbacks and the like), published on
+/// `<topic_prefix>/events/_agent`.
+pub const AGENT_STREAM: &str = "_agent";
+
 /// Longest a maintenance pass keeps deleting (each batch holds the write
 /// lock; the delivery thread's commits wait behind it).
 const MAINTENANCE_BUDGET: Duration = Duration::from_millis(100);
@@ -510,6 +514,15 @@ fn open_ingest_spool(
     tuning: Option<&crate::probe::Profile>,
 ) -> Result<Spool, AgentError> {
     let mut ingest = open_spool(cfg)?;
+    for r in ingest.set_priorities(&cfg.stream_priorities())? {
+        log::info!(
+            "stream {}: delivery priority {} -> {} ({} unacknowledged rows moved with it)",
+            r.stream,
+            r.from,
+            r.to,
+            r.rows
+        );
+    }
     // The brake fires after the commit that crosses it, so it sits below
     // twice the threshold by about the largest transaction (a retention
     // batch), which keeps the WAL within twice the threshold.
@@ -576,6 +589,8 @@ fn delivery_config(cfg: &Config) -> DeliveryConfig {
         max_packet_bytes: cfg.mqtt.max_packet_bytes,
         fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
         protocol: cfg.mqtt.protocol,
+        min_share_pct: cfg.mqtt.min_share_pct,
+        live_streams: cfg.live_first_streams(),
     }
 }
 
@@ -1275,7 +1290,7 @@ impl Ingest {
         let (ts_ms, clock_trusted) = wall_clock_ms();
         self.push(NewEvent {
             replay: None,
-            stream: "_agent".into(),
+            stream: AGENT_STREAM.into(),
             ts_ms,
             clock_trusted,
             fields: vec![

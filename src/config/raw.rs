@@ -50,6 +50,7 @@ pub(super) struct RawIngestStream {
     pub(super) name: String,
     pub(super) durability: Option<String>,
     pub(super) priority: Option<u8>,
+    pub(super) live_first: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -192,6 +193,9 @@ fn de_protocol<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Erro
 pub(super) fn d_session_expiry() -> u32 {
     604_800
 }
+pub(super) fn d_min_share() -> u8 {
+    10
+}
 pub(super) fn d_true() -> bool {
     true
 }
@@ -314,6 +318,8 @@ pub(super) struct RawMqtt {
     pub(super) protocol: String,
     #[serde(default = "d_session_expiry")]
     pub(super) session_expiry_secs: u32,
+    #[serde(default = "d_min_share")]
+    pub(super) min_share_pct: u8,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) client_cert_file: Option<PathBuf>,
     pub(super) client_key_file: Option<PathBuf>,
@@ -341,6 +347,7 @@ impl Default for RawMqtt {
             status_topic: true,
             protocol: d_protocol(),
             session_expiry_secs: d_session_expiry(),
+            min_share_pct: d_min_share(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
@@ -393,6 +400,8 @@ pub(super) struct RawSource {
     pub(super) timezone: Option<String>,
     pub(super) trace_id: Option<String>,
     pub(super) durability: Option<String>,
+    pub(super) priority: Option<u8>,
+    pub(super) live_first: Option<bool>,
     // kind = "mqtt" (the local-broker bridge).
     pub(super) url: Option<String>,
     pub(super) topics: Option<Vec<String>>,

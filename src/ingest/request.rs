@@ -284,6 +284,7 @@ mod tests {
                 name: "pump".into(),
                 durability: Durability::Full,
                 priority: 7,
+                live_first: false,
             }],
             stream_patterns: vec!["plant.*".into()],
             max_fields: 3,

@@ -103,6 +103,13 @@ pub struct SourceSpec {
     pub kind: SourceKind,
     /// How its readings are committed.
     pub durability: Durability,
+    /// `priority`: delivery priority 0..=255, higher first (default
+    /// [`crate::config::default_priority`] of its durability; see
+    /// [`crate::lanes`]).
+    pub priority: u8,
+    /// `live_first`: new readings go ahead of this stream's own backlog
+    /// (default false; see [`crate::lanes`]).
+    pub live_first: bool,
 }
 
 /// Durability class of a stream (`durability` in `[[sources]]`).
@@ -456,6 +463,8 @@ mod tests {
             name: "adc".into(),
             interval: Duration::from_secs(1),
             durability: Durability::Batched,
+            priority: 0,
+            live_first: false,
             kind: SourceKind::File {
                 path,
                 scale: 0.5,
@@ -477,6 +486,8 @@ mod tests {
             name: "echo".into(),
             interval: Duration::from_secs(1),
             durability: Durability::Batched,
+            priority: 0,
+            live_first: false,
             kind: SourceKind::Exec {
                 program: "/bin/echo".into(),
                 args: vec!["17.5".into()],
@@ -499,6 +510,8 @@ mod tests {
             name: "sys".into(),
             interval: Duration::from_secs(1),
             durability: Durability::Batched,
+            priority: 0,
+            live_first: false,
             kind: SourceKind::System,
         };
         let mut state = SourceState::default();

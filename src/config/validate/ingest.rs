@@ -2,7 +2,7 @@
 
 use super::{durability, stream_name_ok};
 use crate::config::raw::RawIngest;
-use crate::config::{pattern_matches, IngestConfig, IngestStream, DEFAULT_STREAM_PRIORITY};
+use crate::config::{default_priority, pattern_matches, IngestConfig, IngestStream};
 use crate::source::SourceSpec;
 
 /// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
@@ -155,7 +155,8 @@ fn validate_ingest_streams(
         streams.push(IngestStream {
             name: rs.name.clone(),
             durability,
-            priority: rs.priority.unwrap_or(DEFAULT_STREAM_PRIORITY),
+            priority: rs.priority.unwrap_or_else(|| default_priority(durability)),
+            live_first: rs.live_first.unwrap_or(false),
         });
     }
     for (i, p) in raw.stream_patterns.iter().enumerate() {

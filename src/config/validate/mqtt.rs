@@ -103,6 +103,7 @@ pub(super) fn validate_mqtt(
         status_topic: m.status_topic,
         protocol,
         session_expiry_secs: m.session_expiry_secs,
+        min_share_pct: m.min_share_pct,
     }
 }
 
@@ -166,6 +167,12 @@ fn check_limits(m: &RawMqtt, bad: &mut impl FnMut(&str, String)) {
         bad(
             "mqtt.keep_alive_secs",
             format!("must be 5..=3600 (got {})", m.keep_alive_secs),
+        );
+    }
+    if m.min_share_pct > 50 {
+        bad(
+            "mqtt.min_share_pct",
+            format!("must be 0..=50 (got {})", m.min_share_pct),
         );
     }
     if !(1..MAX_WINDOW).contains(&m.inflight_window) {

@@ -51,6 +51,10 @@ pub(super) fn validate_sources(
                 interval: Duration::from_millis(interval_ms),
                 kind,
                 durability,
+                priority: rs
+                    .priority
+                    .unwrap_or_else(|| crate::config::default_priority(durability)),
+                live_first: rs.live_first.unwrap_or(false),
             });
         }
     }

@@ -1,0 +1,380 @@
+//! Delivery order: which waiting row the delivery thread offers next.
+//!
+//! One job: after an outage, the rows that matter go first. Each row has
+//! its stream's priority (0..=255, higher first; `priority` on a source or
+//! an ingest stream; `_commands` and `_agent` 200, `durability = "full"`
+//! streams 100, others 0, see [`crate::config::Config::stream_priorities`]).
+//!
+//! - **Levels.** Rows wait in one queue per priority, each in row-id order
+//!   (so in sequence order per stream: a stream's rows are all at one
+//!   priority, [`crate::spool::priority`]). A pick takes the front row of
+//!   the highest priority with rows waiting.
+//! - **Starvation bound.** While several priorities have rows waiting,
+//!   every `100 / min_share_pct`-th pick (`mqtt.min_share_pct`, default 10:
+//!   every 10th) goes to a lower one instead, the lower priorities taking
+//!   turns; so lower priorities together get at least that share of the
+//!   publishes offered. 0 is strict priority.
+//! - **Fresh data first.** A stream with `live_first = true` has its rows
+//!   appended since the current connection came up (row id above the
+//!   newest at CONNACK) offered ahead of its own backlog, at its priority.
+//!   The backlog still drains completely, in order; the envelope keeps
+//!   `seq` and `ts_ms`, so consumers can order.
+//!
+//! Bounds: at most [`PREFETCH`] rows are read ahead per lane (priority 0,
+//! priorities above 0, fresh rows), whatever the backlog. After a lost
+//! connection everything is read again from the oldest unacknowledged row
+//! ([`Lanes::reset`], I7), and the spool's state decides what is sent:
+//! nothing here retires or skips a row.
+
+use crate::spool::priority::Lane;
+use crate::spool::{OutRow, Spool, SpoolError};
+use std::collections::{BTreeMap, HashSet, VecDeque};
+
+/// Rows read ahead per lane and query. Bounds delivery memory: at most
+/// three times this many payloads are held, whatever the backlog.
+pub const PREFETCH: usize = 256;
+
+#[derive(Debug, Default)]
+struct Level {
+    /// Fresh rows of `live_first` streams, in row-id order.
+    live: VecDeque<OutRow>,
+    /// Every other row of this priority, in row-id order.
+    backlog: VecDeque<OutRow>,
+}
+
+impl Level {
+    fn is_empty(&self) -> bool {
+        self.live.is_empty() && self.backlog.is_empty()
+    }
+}
+
+/// The rows read ahead for delivery, by priority, and the read positions of
+/// the three lanes in the current epoch.
+#[derive(Debug)]
+pub struct Lanes {
+    /// Picks between share turns (`100 / min_share_pct`); 0: none.
+    share_every: u64,
+    live_streams: Vec<String>,
+    levels: BTreeMap<u8, Level>,
+    normal_cursor: i64,
+    priority_cursor: i64,
+    priority_buffered: usize,
+    live_cursor: i64,
+    live_buffered: usize,
+    /// Rows above this id are fresh (set at CONNACK; `i64::MAX` while
+    /// disconnected).
+    live_boundary: i64,
+    /// Rows the fresh lane read that their own lane has not reached yet
+    /// (it skips them once, then forgets them).
+    live_taken: HashSet<i64>,
+    picks: u64,
+    share_turn: usize,
+}
+
+impl Lanes {
+    /// Empty lanes. `min_share_pct`: `mqtt.min_share_pct` (0..=50);
+    /// `live_streams`: the streams with `live_first = true`.
+    pub fn new(min_share_pct: u8, live_streams: HashSet<String>) -> Lanes {
+        let mut live_streams: Vec<String> = live_streams.into_iter().collect();
+        live_streams.sort();
+        Lanes {
+            share_every: 100u64.checked_div(u64::from(min_share_pct)).unwrap_or(0),
+            live_streams,
+            levels: BTreeMap::new(),
+            normal_cursor: 0,
+            priority_cursor: 0,
+            priority_buffered: 0,
+            live_cursor: 0,
+            live_buffered: 0,
+            live_boundary: i64::MAX,
+            live_taken: HashSet::new(),
+            picks: 0,
+            share_turn: 0,
+        }
+    }
+
+    /// Forget everything read ahead: the next read starts again from the
+    /// oldest unacknowledged row of each lane (after a lost connection, I7).
+    /// No row is fresh until [`Lanes::connected`].
+    pub fn reset(&mut self) {
+        self.levels.clear();
+        self.normal_cursor = 0;
+        self.priority_cursor = 0;
+        self.priority_buffered = 0;
+        self.live_cursor = 0;
+        self.live_buffered = 0;
+        self.live_boundary = i64::MAX;
+        self.live_taken.clear();
+    }
+
+    /// A connection came up: rows above `newest_id` (the newest row now)
+    /// are fresh.
+    pub fn connected(&mut self, newest_id: i64) {
+        self.live_boundary = newest_id;
+        self.live_cursor = self.live_cursor.max(newest_id);
+    }
+
+    /// Rows read ahead and not yet picked.
+    pub fn buffered(&self) -> usize {
+        self.levels
+            .values()
+            .map(|l| l.live.len() + l.backlog.len())
+            .sum()
+    }
+
+    /// Read ahead from `spool` what each lane lacks: priority 0 when its
+    /// queue is empty, priorities above 0 and fresh rows up to
+    /// [`PREFETCH`] each. One indexed query per lane at most.
+    pub fn refill(&mut self, spool: &Spool) -> Result<(), SpoolError> {
+        if self.priority_buffered < PREFETCH {
+            let rows = spool.sendable_lane(
+                Lane::Priority,
+                self.priority_cursor,
+                PREFETCH - self.priority_buffered,
+            )?;
+            if let Some(last) = rows.last() {
+                self.priority_cursor = last.id;
+            }
+            for row in rows {
+                if !self.live_taken.remove(&row.id) {
+                    self.priority_buffered += 1;
+                    self.level(row.prio).backlog.push_back(row);
+                }
+            }
+        }
+        if self.levels.get(&0).is_none_or(|l| l.backlog.is_empty()) {
+            let rows = spool.sendable_lane(Lane::Normal, self.normal_cursor, PREFETCH)?;
+            if let Some(last) = rows.last() {
+                self.normal_cursor = last.id;
+            }
+            for row in rows {
+                if !self.live_taken.remove(&row.id) {
+                    self.level(0).backlog.push_back(row);
+                }
+            }
+        }
+        self.refill_live(spool)
+    }
+
+    fn refill_live(&mut self, spool: &Spool) -> Result<(), SpoolError> {
+        if self.live_streams.is_empty()
+            || self.live_boundary == i64::MAX
+            || self.live_buffered >= PREFETCH
+        {
+            return Ok(());
+        }
+        let through = spool.newest_id()?;
+        let after = self.live_cursor.max(self.live_boundary);
+        if through <= after {
+            return Ok(());
+        }
+        let limit = PREFETCH - self.live_buffered;
+        let rows = spool.sendable_of_streams(&self.live_streams, after, through, limit)?;
+        // Rows in (after, through] not returned are of other streams or
+        // resolved: never look at them again in this lane.
+        self.live_cursor = match rows.last() {
+            Some(last) if rows.len() >= limit => last.id,
+            _ => through,
+        };
+        for row in rows {
+            let own = if row.prio == 0 {
+                self.normal_cursor
+            } else {
+                self.priority_cursor
+            };
+            if row.id <= own {
+                continue; // its own lane has read it already
+            }
+            self.live_taken.insert(row.id);
+            self.live_buffered += 1;
+            self.level(row.prio).live.push_back(row);
+        }
+        Ok(())
+    }
+
+    fn level(&mut self, prio: u8) -> &mut Level {
+        self.levels.entry(prio).or_default()
+    }
+
+    /// The next row to offer: the front row of the highest priority with
+    /// rows waiting (its fresh rows first), except on share turns, which go
+    /// to the lower priorities in turn. `None` when nothing is read ahead.
+    pub fn pick(&mut self) -> Option<OutRow> {
+        let waiting: Vec<u8> = self
+            .levels
+            .iter()
+            .rev()
+            .filter(|(_, l)| !l.is_empty())
+            .map(|(p, _)| *p)
+            .collect();
+        let top = *waiting.first()?;
+        self.picks += 1;
+        let share_turn = self.share_every > 0 && self.picks % self.share_every == 0;
+        let prio = match &waiting[1..] {
+            lower if share_turn && !lower.is_empty() => {
+                self.share_turn = self.share_turn.wrapping_add(1);
+                lower[self.share_turn % lower.len()]
+            }
+            _ => top,
+        };
+        let level = self.levels.get_mut(&prio)?;
+        let row = match level.live.pop_front() {
+            Some(r) => {
+                self.live_buffered -= 1;
+                r
+            }
+            None => {
+                let r = level.backlog.pop_front()?;
+                if prio > 0 {
+                    self.priority_buffered -= 1;
+                }
+                r
+            }
+        };
+        Some(row)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{EventIdGen, Format};
+    use crate::source::FieldValue;
+    use crate::spool::{NewEvent, SpoolOptions};
+    use std::collections::HashMap;
+
+    fn spool(dir: &std::path::Path, prios: &[(&str, u8)]) -> Spool {
+        let mut s = Spool::open(&dir.join("s.db"), &SpoolOptions::default()).unwrap();
+        let want: HashMap<String, u8> = prios.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect();
+        s.set_priorities(&want).unwrap();
+        s
+    }
+
+    fn append(s: &mut Spool, stream: &str, n: usize) {
+        let evs: Vec<NewEvent> = (0..n)
+            .map(|i| NewEvent::new(stream, 1, true, vec![("x".into(), FieldValue::Num(i as f64))]))
+            .collect();
+        s.append(&evs, &mut EventIdGen::new().unwrap(), "dev", Format::Json, 1)
+            .unwrap();
+    }
+
+    fn drain(l: &mut Lanes, s: &Spool) -> Vec<(String, i64)> {
+        let mut out = Vec::new();
+        loop {
+            l.refill(s).unwrap();
+            let Some(r) = l.pick() else { break };
+            out.push((r.stream, r.id));
+        }
+        out
+    }
+
+    fn streams(order: &[(String, i64)]) -> String {
+        order.iter().map(|(s, _)| &s[..1]).collect()
+    }
+
+    #[test]
+    fn higher_priority_rows_go_first_and_each_stream_stays_in_row_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[("alarm", 100), ("tele", 0)]);
+        append(&mut s, "tele", 5);
+        append(&mut s, "alarm", 2);
+        append(&mut s, "_commands", 1);
+        append(&mut s, "tele", 2);
+        let mut l = Lanes::new(0, HashSet::new());
+        let order = drain(&mut l, &s);
+        assert_eq!(streams(&order), "_aattttttt");
+        for name in ["tele", "alarm"] {
+            let ids: Vec<i64> = order.iter().filter(|(n, _)| n == name).map(|r| r.1).collect();
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "{name}: {ids:?}");
+        }
+    }
+
+    #[test]
+    fn a_lower_priority_gets_every_tenth_pick_while_a_higher_one_has_backlog() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[("alarm", 100)]);
+        append(&mut s, "tele", 100);
+        append(&mut s, "alarm", 100);
+        let mut l = Lanes::new(10, HashSet::new());
+        let order = drain(&mut l, &s);
+        assert_eq!(order.len(), 200);
+        let first_100 = &order[..100];
+        let tele = first_100.iter().filter(|(n, _)| n == "tele").count();
+        assert_eq!(tele, 10, "{}", streams(first_100));
+        // Strict priority: none.
+        let mut l = Lanes::new(0, HashSet::new());
+        let order = drain(&mut l, &s);
+        assert_eq!(order[..100].iter().filter(|(n, _)| n == "tele").count(), 0);
+    }
+
+    #[test]
+    fn share_turns_rotate_between_the_lower_priorities() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[("hi", 200), ("mid", 100)]);
+        append(&mut s, "lo", 50);
+        append(&mut s, "mid", 50);
+        append(&mut s, "hi", 100);
+        let mut l = Lanes::new(50, HashSet::new());
+        let order = drain(&mut l, &s);
+        let first = &order[..40];
+        let count = |n: &str| first.iter().filter(|(s, _)| s == n).count();
+        assert_eq!((count("hi"), count("mid"), count("lo")), (20, 10, 10));
+    }
+
+    #[test]
+    fn fresh_rows_of_a_live_first_stream_go_ahead_of_its_backlog_which_still_drains() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[]);
+        append(&mut s, "dash", 300);
+        append(&mut s, "tele", 10);
+        let mut l = Lanes::new(0, ["dash".to_owned()].into());
+        l.connected(s.newest_id().unwrap());
+        append(&mut s, "dash", 3);
+        append(&mut s, "tele", 1);
+        let order = drain(&mut l, &s);
+        let ids: Vec<i64> = order.iter().map(|r| r.1).collect();
+        assert_eq!(&ids[..3], &[311, 312, 313], "fresh rows first");
+        assert_eq!(order.len(), 314, "every row once");
+        let mut sorted = ids.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 314, "no row twice");
+        assert_eq!(&ids[3..], &(1..=310).chain(314..=314).collect::<Vec<_>>()[..]);
+    }
+
+    #[test]
+    fn without_a_connection_nothing_is_fresh_and_reset_reads_again_from_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[]);
+        append(&mut s, "dash", 3);
+        let mut l = Lanes::new(0, ["dash".to_owned()].into());
+        let first = drain(&mut l, &s);
+        assert_eq!(first.iter().map(|r| r.1).collect::<Vec<_>>(), [1, 2, 3]);
+        assert!(drain(&mut l, &s).is_empty(), "nothing read twice in an epoch");
+        l.reset();
+        assert_eq!(drain(&mut l, &s).len(), 3, "a reset offers the unacknowledged rows again");
+    }
+
+    #[test]
+    fn a_priority_change_moves_the_unacknowledged_rows_of_the_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[]);
+        append(&mut s, "tele", 4);
+        append(&mut s, "pump", 4);
+        s.retire(&[5]).unwrap();
+        let changed = s
+            .set_priorities(&[("pump".to_owned(), 150)].into())
+            .unwrap();
+        assert_eq!(changed.len(), 1);
+        assert_eq!((changed[0].from, changed[0].to, changed[0].rows), (0, 150, 4));
+        let mut l = Lanes::new(0, HashSet::new());
+        let order = drain(&mut l, &s);
+        assert_eq!(streams(&order), "ppptttt", "pump's three unacknowledged rows first");
+        // Appended from now on with the new priority too.
+        append(&mut s, "pump", 1);
+        l.reset();
+        let again = drain(&mut l, &s);
+        let ids: Vec<i64> = again.iter().map(|r| r.1).collect();
+        assert_eq!(&ids[..4], &[6, 7, 8, 9], "{ids:?}");
+    }
+}

@@ -1,0 +1,241 @@
+//! Delivery priority in the spool: which rows the delivery thread reads for
+//! each lane of [`crate::lanes`].
+//!
+//! One job: keep each row's priority next to it and read the unresolved
+//! rows of one lane in row-id order without scanning the others.
+//!
+//! - `events.prio` is the stream's priority when the row was appended, and
+//!   `streams.prio` the stream's current one. A row costs nothing more for
+//!   it: a zero takes no bytes in SQLite's record format
+//!   (<https://www.sqlite.org/fileformat2.html#record_format>, serial type 8).
+//! - Rows of priority above 0 are also in the partial index
+//!   `events_priority` (<https://www.sqlite.org/partialindex.html>); rows of
+//!   priority 0, the bulk of telemetry, are not, so an append of one writes
+//!   no index page.
+//! - When the config gives a stream another priority, [`set_priorities`]
+//!   moves its unacknowledged rows too (one pass over the rows above the
+//!   acknowledged mark), so a stream's rows are never split between two
+//!   lanes and its first publishes stay in sequence order.
+
+use super::{OutRow, Spool, SpoolError};
+use rusqlite::{params, OptionalExtension};
+use std::collections::HashMap;
+
+/// Schema 8: a priority per stream and per row, and the partial index of
+/// the rows above priority 0.
+pub(super) const MIGRATION_8: &str = "
+ALTER TABLE streams ADD COLUMN prio INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE events ADD COLUMN prio INTEGER NOT NULL DEFAULT 0;
+UPDATE streams SET prio = 200 WHERE name IN ('_commands', '_agent');
+UPDATE events SET prio = 200
+    WHERE stream_id IN (SELECT id FROM streams WHERE name IN ('_commands', '_agent'))
+      AND id > (SELECT acked_through FROM delivery_mark);
+CREATE INDEX events_priority ON events(id) WHERE prio > 0;
+";
+
+/// The priority a stream gets when no config names it: the agent's own
+/// streams (names starting with `_`: `_commands`, `_agent`) get
+/// [`crate::config::AGENT_STREAM_PRIORITY`], every other stream 0.
+pub fn fallback_priority(stream: &str) -> u8 {
+    if stream.starts_with('_') {
+        crate::config::AGENT_STREAM_PRIORITY
+    } else {
+        0
+    }
+}
+
+/// Which rows a delivery read returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Rows of priority 0, by row id (a range read of the table).
+    Normal,
+    /// Rows of priority above 0, by row id (through `events_priority`).
+    Priority,
+}
+
+/// Unresolved rows of priority 0 above `?1`, in row-id order.
+const SQL_NORMAL: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio
+    FROM events e JOIN streams s ON s.id = e.stream_id
+    WHERE e.id > max(?1, (SELECT acked_through FROM delivery_mark)) AND e.prio = 0
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT ?2";
+
+/// Unresolved rows of priority above 0 above `?1`, in row-id order, through
+/// the partial index (named, so a large table is never scanned for them).
+const SQL_PRIORITY: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio
+    FROM events e INDEXED BY events_priority JOIN streams s ON s.id = e.stream_id
+    WHERE e.prio > 0 AND e.id > max(?1, (SELECT acked_through FROM delivery_mark))
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT ?2";
+
+/// Unresolved rows of the streams in the JSON array `?3` (stream ids) with
+/// row ids in `(?1, ?2]`, in row-id order.
+const SQL_OF_STREAMS: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio
+    FROM events e JOIN streams s ON s.id = e.stream_id
+    WHERE e.id > max(?1, (SELECT acked_through FROM delivery_mark)) AND e.id <= ?2
+      AND e.stream_id IN (SELECT value FROM json_each(?3))
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT ?4";
+
+fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
+    Ok(OutRow {
+        id: r.get(0)?,
+        event_id: r.get(1)?,
+        stream: r.get(2)?,
+        payload: r.get(3)?,
+        digest: r.get(4)?,
+        prio: r.get::<_, i64>(5)?.clamp(0, 255) as u8,
+    })
+}
+
+/// A stream whose priority [`set_priorities`] changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reranked {
+    /// The stream.
+    pub stream: String,
+    /// Its priority before.
+    pub from: u8,
+    /// Its priority now.
+    pub to: u8,
+    /// Its unacknowledged rows moved to the new priority.
+    pub rows: usize,
+}
+
+impl Spool {
+    /// Up to `limit` unresolved rows (not acknowledged, not FAILED) of
+    /// `lane` with row id above `after_id`, in row-id order (sequence order
+    /// within each stream, I7). Holds no statement or transaction afterwards.
+    pub fn sendable_lane(
+        &self,
+        lane: Lane,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<OutRow>, SpoolError> {
+        let sql = match lane {
+            Lane::Normal => SQL_NORMAL,
+            Lane::Priority => SQL_PRIORITY,
+        };
+        let mut stmt = self.conn.prepare_cached(sql).map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(params![after_id, limit as i64], out_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))
+    }
+
+    /// Up to `limit` unresolved rows of the streams named in `streams` with
+    /// row ids in `(after_id, through_id]`, in row-id order. Streams the
+    /// spool has never seen are ignored.
+    pub fn sendable_of_streams(
+        &self,
+        streams: &[String],
+        after_id: i64,
+        through_id: i64,
+        limit: usize,
+    ) -> Result<Vec<OutRow>, SpoolError> {
+        let book = self.book();
+        let ids: Vec<i64> = streams
+            .iter()
+            .filter_map(|s| book.streams.get(s).map(|b| b.id))
+            .collect();
+        drop(book);
+        let ids = if ids.len() == streams.len() {
+            ids
+        } else {
+            // Streams another connection created: look them up.
+            let mut st = self
+                .conn
+                .prepare_cached("SELECT id FROM streams WHERE name = ?1")
+                .map_err(|e| self.err(e))?;
+            let mut out = Vec::new();
+            for s in streams {
+                let id = st
+                    .query_row(params![s], |r| r.get::<_, i64>(0))
+                    .optional()
+                    .map_err(|e| self.err(e))?;
+                out.extend(id);
+            }
+            out
+        };
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let json = format!(
+            "[{}]",
+            ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")
+        );
+        let mut stmt = self
+            .conn
+            .prepare_cached(SQL_OF_STREAMS)
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(params![after_id, through_id, json, limit as i64], out_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))
+    }
+
+    /// The highest row id in the spool (0 when empty).
+    pub fn newest_id(&self) -> Result<i64, SpoolError> {
+        self.conn
+            .query_row("SELECT coalesce(max(id), 0) FROM events", [], |r| r.get(0))
+            .map_err(|e| self.err(e))
+    }
+
+    /// Give streams the priorities of the config: each stream in `want`
+    /// gets its value, every other stream [`fallback_priority`]. Streams
+    /// appended later get theirs when first seen. A stream whose priority
+    /// changes has its unacknowledged rows moved with it, in the same
+    /// IMMEDIATE transaction (one pass over the rows above the acknowledged
+    /// mark per changed stream). Returns what changed.
+    pub fn set_priorities(&mut self, want: &HashMap<String, u8>) -> Result<Vec<Reranked>, SpoolError> {
+        let changed = self.write(|tx, err| {
+            let streams: Vec<(i64, String, i64)> = {
+                let mut st = tx
+                    .prepare("SELECT id, name, prio FROM streams")
+                    .map_err(err)?;
+                let rows = st
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                    .map_err(err)?;
+                rows.collect::<Result<_, _>>().map_err(err)?
+            };
+            let mut changed = Vec::new();
+            for (id, name, prio) in streams {
+                let to = want
+                    .get(&name)
+                    .copied()
+                    .unwrap_or_else(|| fallback_priority(&name));
+                if i64::from(to) == prio {
+                    continue;
+                }
+                tx.execute("UPDATE streams SET prio = ?2 WHERE id = ?1", params![id, to])
+                    .map_err(err)?;
+                let rows = tx
+                    .execute(
+                        "UPDATE events SET prio = ?2 WHERE stream_id = ?1
+                         AND id > (SELECT acked_through FROM delivery_mark)",
+                        params![id, to],
+                    )
+                    .map_err(err)?;
+                changed.push(Reranked {
+                    stream: name,
+                    from: prio.clamp(0, 255) as u8,
+                    to,
+                    rows,
+                });
+            }
+            Ok(changed)
+        })?;
+        let mut book = self.book();
+        book.priorities = want.clone();
+        for c in &changed {
+            if let Some(s) = book.streams.get_mut(&c.stream) {
+                s.prio = c.to;
+            }
+        }
+        Ok(changed)
+    }
+}
