@@ -377,4 +377,20 @@ mod tests {
         let ids: Vec<i64> = again.iter().map(|r| r.1).collect();
         assert_eq!(&ids[..4], &[6, 7, 8, 9], "{ids:?}");
     }
+
+    #[test]
+    fn backlog_per_stream_counts_unacknowledged_rows_highest_priority_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[("alarm", 100)]);
+        append(&mut s, "tele", 3);
+        append(&mut s, "alarm", 2);
+        s.retire(&[1, 4]).unwrap();
+        s.mark_failed(2, "test", "test").unwrap();
+        let b = s.backlog_by_stream(1001).unwrap();
+        let got: Vec<(&str, u8, u64, Option<i64>)> = b
+            .iter()
+            .map(|b| (b.stream.as_str(), b.priority, b.rows, b.oldest_unacked_age_ms))
+            .collect();
+        assert_eq!(got, [("alarm", 100, 1, Some(1000)), ("tele", 0, 1, Some(1000))]);
+    }
 }

@@ -154,6 +154,9 @@ pub struct Figures {
     /// Rows by `(stream, state)`; states are `PENDING`, `SENT`, `ACKED`, `FAILED`.
     /// `None`: the spool could not be read this time (the families are left out).
     pub rows: Option<Vec<(String, String, i64)>>,
+    /// Backlog, oldest unacknowledged age and priority per stream; `None`
+    /// when the rows were not counted (the families are left out).
+    pub streams: Option<Vec<crate::spool::priority::StreamBacklog>>,
     /// Rows not yet acknowledged, at most (`Spool::backlog_estimate`).
     pub backlog: u64,
     /// Age of the oldest unacknowledged row, seconds (0 when there is none).
@@ -477,6 +480,9 @@ fn render_spool(o: &mut Out, f: &Figures) {
             );
         }
     }
+    if let Some(streams) = &f.streams {
+        render_stream_backlog(o, streams);
+    }
     o.single(
         "edgespool_spool_backlog_rows",
         "gauge",
@@ -489,6 +495,37 @@ fn render_spool(o: &mut Out, f: &Figures) {
         "Age of the oldest unacknowledged row by its append wall time, seconds; 0 when every row is acknowledged.",
         f.oldest_unacked_age_secs,
     );
+}
+
+/// Backlog and oldest unacknowledged age per stream, labelled with the
+/// stream's delivery priority.
+fn render_stream_backlog(o: &mut Out, streams: &[crate::spool::priority::StreamBacklog]) {
+    o.family(
+        "edgespool_stream_backlog_rows",
+        "gauge",
+        "Rows not yet acknowledged per stream (FAILED rows not counted), with the stream's delivery priority.",
+    );
+    for b in streams {
+        let prio = b.priority.to_string();
+        o.sample(
+            "edgespool_stream_backlog_rows",
+            &[("stream", &b.stream), ("priority", &prio)],
+            b.rows as f64,
+        );
+    }
+    o.family(
+        "edgespool_stream_oldest_unacked_age_seconds",
+        "gauge",
+        "Age of the stream's oldest unacknowledged row by its append wall time, seconds; 0 when it has none.",
+    );
+    for b in streams {
+        let prio = b.priority.to_string();
+        o.sample(
+            "edgespool_stream_oldest_unacked_age_seconds",
+            &[("stream", &b.stream), ("priority", &prio)],
+            b.oldest_unacked_age_ms.unwrap_or(0) as f64 / 1000.0,
+        );
+    }
 }
 
 /// Command counters from the spool.
@@ -775,6 +812,20 @@ mod tests {
                 ("system".into(), "PENDING".into(), 2),
                 ("we\"ird\\str\neam".into(), "FAILED".into(), 1),
             ]),
+            streams: Some(vec![
+                crate::spool::priority::StreamBacklog {
+                    stream: "_commands".into(),
+                    priority: 200,
+                    rows: 0,
+                    oldest_unacked_age_ms: None,
+                },
+                crate::spool::priority::StreamBacklog {
+                    stream: "system".into(),
+                    priority: 0,
+                    rows: 2,
+                    oldest_unacked_age_ms: Some(1500),
+                },
+            ]),
             backlog: 3,
             oldest_unacked_age_secs: 1.5,
             connected: true,
@@ -932,6 +983,23 @@ mod tests {
                 &[("le", "30")]
             ),
             5.0
+        );
+    }
+
+    #[test]
+    fn backlog_per_stream_carries_the_stream_and_its_priority() {
+        let f = check(&render(&figures()));
+        let sys = [("stream", "system"), ("priority", "0")];
+        assert_eq!(value_of(&f, "edgespool_stream_backlog_rows", &sys), 2.0);
+        assert_eq!(
+            value_of(&f, "edgespool_stream_oldest_unacked_age_seconds", &sys),
+            1.5
+        );
+        let cmd = [("stream", "_commands"), ("priority", "200")];
+        assert_eq!(value_of(&f, "edgespool_stream_backlog_rows", &cmd), 0.0);
+        assert_eq!(
+            value_of(&f, "edgespool_stream_oldest_unacked_age_seconds", &cmd),
+            0.0
         );
     }
 

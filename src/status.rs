@@ -24,6 +24,9 @@ pub struct Report {
     pub failed: Vec<FailedRow>,
     /// The pid holding the spool's lock (a running agent), if any.
     pub running_pid: Option<String>,
+    /// Backlog, oldest unacknowledged age and priority per stream (empty
+    /// for a spool older than schema 8).
+    pub streams: Vec<crate::spool::priority::StreamBacklog>,
     /// What the agent last recorded: `health`, `last_checkpoint`,
     /// `write_budget`, ... as (key, value, updated Unix ms).
     pub agent_state: Vec<(String, String, i64)>,
@@ -77,6 +80,11 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
             Vec::new()
         },
         running_pid: crate::fsguard::holder(path),
+        streams: if version >= 8 {
+            spool.backlog_by_stream(now_ms).map_err(|e| e.to_string())?
+        } else {
+            Vec::new()
+        },
     })
 }
 
@@ -186,6 +194,7 @@ pub fn to_json(r: &Report) -> serde_json::Value {
         "totals": obj(&r.totals),
         "rows": rows,
         "oldest_unacked_age_ms": r.stats.oldest_unacked_age_ms,
+        "streams": r.streams,
         "db_bytes": r.stats.db_bytes,
         "wal_bytes": r.stats.wal_bytes,
         "counters": obj(&r.stats.counters),
@@ -222,6 +231,18 @@ pub fn render(r: &Report, now_ms: i64) -> String {
     o.push_str("by stream:\n");
     for (stream, state, n) in &r.stats.by_stream_state {
         o.push_str(&format!("  {stream:<24} {state:<8} {n}\n"));
+    }
+    if !r.streams.is_empty() {
+        o.push_str("backlog by stream (delivered highest priority first):\n");
+        for b in &r.streams {
+            let age = b
+                .oldest_unacked_age_ms
+                .map_or_else(|| "-".to_owned(), |a| format!("oldest {} old", fmt_ms(a)));
+            o.push_str(&format!(
+                "  {:<24} priority {:<3} backlog {:<8} {age}\n",
+                b.stream, b.priority, b.rows
+            ));
+        }
     }
     if !r.stats.counters.is_empty() {
         o.push_str("counters:\n");

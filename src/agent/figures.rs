@@ -77,10 +77,15 @@ impl Ingest {
     pub(super) fn figures(&mut self, count_rows: bool) -> Figures {
         let (backlog, age) = self.backlog_and_age();
         let rows = if count_rows { self.row_counts() } else { None };
+        // Under the same size bound as the row counts (it reads the backlog).
+        let streams = rows
+            .as_ref()
+            .and_then(|_| self.spool.backlog_by_stream(wall_clock_ms().0).ok());
         let (connacks, _) = self.link.connection_counts();
         let (at_ms, _) = wall_clock_ms();
         Figures {
             rows,
+            streams,
             backlog,
             oldest_unacked_age_secs: age.map_or(0.0, |a| a.as_secs_f64()),
             connected: self.link.connected(),

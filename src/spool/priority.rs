@@ -91,6 +91,32 @@ fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
     })
 }
 
+/// One stream's backlog, for `status` and the metrics.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct StreamBacklog {
+    /// The stream.
+    pub stream: String,
+    /// Its delivery priority now (`streams.prio`).
+    pub priority: u8,
+    /// Rows not yet acknowledged (PENDING or SENT; FAILED rows not counted).
+    pub rows: u64,
+    /// Age of its oldest unacknowledged row by append wall time, ms;
+    /// `None` when it has none.
+    pub oldest_unacked_age_ms: Option<i64>,
+}
+
+/// Unacknowledged rows and the oldest append time per stream, every stream
+/// listed (highest priority first): a read of the rows above the
+/// acknowledged mark only.
+const SQL_BACKLOG: &str = "SELECT s.name, s.prio, count(b.id), min(b.created_ms)
+    FROM streams s LEFT JOIN (
+        SELECT e.id, e.stream_id, e.created_ms FROM events e
+        WHERE e.id > (SELECT acked_through FROM delivery_mark)
+          AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+          AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ) b ON b.stream_id = s.id
+    GROUP BY s.id ORDER BY s.prio DESC, s.name";
+
 /// A stream whose priority [`set_priorities`] changed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reranked {
@@ -173,6 +199,30 @@ impl Spool {
             .map_err(|e| self.err(e))?;
         let rows = stmt
             .query_map(params![after_id, through_id, json, limit as i64], out_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))
+    }
+
+    /// Backlog and oldest unacknowledged age per stream, at `now_ms`
+    /// (Unix ms), highest priority first. Reads the rows above the
+    /// acknowledged mark (the backlog), not the whole spool.
+    pub fn backlog_by_stream(&self, now_ms: i64) -> Result<Vec<StreamBacklog>, SpoolError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(SQL_BACKLOG)
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(StreamBacklog {
+                    stream: r.get(0)?,
+                    priority: r.get::<_, i64>(1)?.clamp(0, 255) as u8,
+                    rows: r.get::<_, i64>(2)?.max(0) as u64,
+                    oldest_unacked_age_ms: r
+                        .get::<_, Option<i64>>(3)?
+                        .map(|c| (now_ms - c).max(0)),
+                })
+            })
             .map_err(|e| self.err(e))?;
         rows.collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.err(e))

@@ -18,6 +18,7 @@ mod mqtt5;
 mod pgsink;
 #[cfg(feature = "pg-sink")]
 mod pgtls;
+mod priority;
 mod refusals;
 mod replay;
 mod spool;
