@@ -318,6 +318,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         protocol: cfg.mqtt.protocol,
         min_share_pct: cfg.mqtt.min_share_pct,
         live_streams: Default::default(),
+        batching: Default::default(),
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());

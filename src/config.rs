@@ -115,21 +115,44 @@ impl Config {
             .sources
             .iter()
             .map(|s| (s.name.clone(), s.priority))
-            .chain(self.ingest.streams.iter().map(|s| (s.name.clone(), s.priority)))
+            .chain(
+                self.ingest
+                    .streams
+                    .iter()
+                    .map(|s| (s.name.clone(), s.priority)),
+            )
             .collect();
-        out.insert(crate::commands::RESULTS_STREAM.to_owned(), AGENT_STREAM_PRIORITY);
+        out.insert(
+            crate::commands::RESULTS_STREAM.to_owned(),
+            AGENT_STREAM_PRIORITY,
+        );
         out.insert(crate::agent::AGENT_STREAM.to_owned(), AGENT_STREAM_PRIORITY);
         out
     }
 
+    /// The batching of each stream that has it.
+    pub fn stream_batching(&self) -> std::collections::HashMap<String, crate::batching::BatchSpec> {
+        let sources = self
+            .sources
+            .iter()
+            .filter_map(|s| Some((s.name.clone(), s.batch?)));
+        let ingest = self
+            .ingest
+            .streams
+            .iter()
+            .filter_map(|s| Some((s.name.clone(), s.batch?)));
+        sources.chain(ingest).collect()
+    }
+
     /// The streams whose `live_first` is set.
     pub fn live_first_streams(&self) -> std::collections::HashSet<String> {
-        let sources = self.sources.iter().filter(|s| s.live_first).map(|s| &s.name);
+        let sources = self
+            .sources
+            .iter()
+            .filter(|s| s.live_first)
+            .map(|s| &s.name);
         let ingest = self.ingest.streams.iter().filter(|s| s.live_first);
-        sources
-            .chain(ingest.map(|s| &s.name))
-            .cloned()
-            .collect()
+        sources.chain(ingest.map(|s| &s.name)).cloned().collect()
     }
 }
 
@@ -251,6 +274,7 @@ impl IngestConfig {
             durability: crate::source::Durability::Batched,
             priority: 0,
             live_first: false,
+            batch: None,
         })
     }
 }
@@ -278,6 +302,9 @@ pub struct IngestStream {
     /// `live_first`: new readings of this stream go ahead of its own
     /// backlog (default false; see [`crate::lanes`]).
     pub live_first: bool,
+    /// `batch_max_events` (above 1), `batch_max_ms`, `compression`:
+    /// several events per PUBLISH ([`crate::batching`]); `None`: one each.
+    pub batch: Option<crate::batching::BatchSpec>,
 }
 
 /// `[commands]`: commands received over MQTT on `<topic_prefix>/commands`.

@@ -252,10 +252,23 @@ mod tests {
 
     fn append(s: &mut Spool, stream: &str, n: usize) {
         let evs: Vec<NewEvent> = (0..n)
-            .map(|i| NewEvent::new(stream, 1, true, vec![("x".into(), FieldValue::Num(i as f64))]))
+            .map(|i| {
+                NewEvent::new(
+                    stream,
+                    1,
+                    true,
+                    vec![("x".into(), FieldValue::Num(i as f64))],
+                )
+            })
             .collect();
-        s.append(&evs, &mut EventIdGen::new().unwrap(), "dev", Format::Json, 1)
-            .unwrap();
+        s.append(
+            &evs,
+            &mut EventIdGen::new().unwrap(),
+            "dev",
+            Format::Json,
+            1,
+        )
+        .unwrap();
     }
 
     fn drain(l: &mut Lanes, s: &Spool) -> Vec<(String, i64)> {
@@ -284,7 +297,11 @@ mod tests {
         let order = drain(&mut l, &s);
         assert_eq!(streams(&order), "_aattttttt");
         for name in ["tele", "alarm"] {
-            let ids: Vec<i64> = order.iter().filter(|(n, _)| n == name).map(|r| r.1).collect();
+            let ids: Vec<i64> = order
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|r| r.1)
+                .collect();
             assert!(ids.windows(2).all(|w| w[0] < w[1]), "{name}: {ids:?}");
         }
     }
@@ -339,7 +356,10 @@ mod tests {
         sorted.sort();
         sorted.dedup();
         assert_eq!(sorted.len(), 314, "no row twice");
-        assert_eq!(&ids[3..], &(1..=310).chain(314..=314).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            &ids[3..],
+            &(1..=310).chain(314..=314).collect::<Vec<_>>()[..]
+        );
     }
 
     #[test]
@@ -350,9 +370,16 @@ mod tests {
         let mut l = Lanes::new(0, ["dash".to_owned()].into());
         let first = drain(&mut l, &s);
         assert_eq!(first.iter().map(|r| r.1).collect::<Vec<_>>(), [1, 2, 3]);
-        assert!(drain(&mut l, &s).is_empty(), "nothing read twice in an epoch");
+        assert!(
+            drain(&mut l, &s).is_empty(),
+            "nothing read twice in an epoch"
+        );
         l.reset();
-        assert_eq!(drain(&mut l, &s).len(), 3, "a reset offers the unacknowledged rows again");
+        assert_eq!(
+            drain(&mut l, &s).len(),
+            3,
+            "a reset offers the unacknowledged rows again"
+        );
     }
 
     #[test]
@@ -366,10 +393,17 @@ mod tests {
             .set_priorities(&[("pump".to_owned(), 150)].into())
             .unwrap();
         assert_eq!(changed.len(), 1);
-        assert_eq!((changed[0].from, changed[0].to, changed[0].rows), (0, 150, 4));
+        assert_eq!(
+            (changed[0].from, changed[0].to, changed[0].rows),
+            (0, 150, 4)
+        );
         let mut l = Lanes::new(0, HashSet::new());
         let order = drain(&mut l, &s);
-        assert_eq!(streams(&order), "ppptttt", "pump's three unacknowledged rows first");
+        assert_eq!(
+            streams(&order),
+            "ppptttt",
+            "pump's three unacknowledged rows first"
+        );
         // Appended from now on with the new priority too.
         append(&mut s, "pump", 1);
         l.reset();
@@ -389,8 +423,18 @@ mod tests {
         let b = s.backlog_by_stream(1001).unwrap();
         let got: Vec<(&str, u8, u64, Option<i64>)> = b
             .iter()
-            .map(|b| (b.stream.as_str(), b.priority, b.rows, b.oldest_unacked_age_ms))
+            .map(|b| {
+                (
+                    b.stream.as_str(),
+                    b.priority,
+                    b.rows,
+                    b.oldest_unacked_age_ms,
+                )
+            })
             .collect();
-        assert_eq!(got, [("alarm", 100, 1, Some(1000)), ("tele", 0, 1, Some(1000))]);
+        assert_eq!(
+            got,
+            [("alarm", 100, 1, Some(1000)), ("tele", 0, 1, Some(1000))]
+        );
     }
 }

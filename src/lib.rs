@@ -41,6 +41,7 @@
 
 pub mod ack;
 pub mod agent;
+pub mod batching;
 pub mod commands;
 pub mod config;
 pub mod configfile;

@@ -21,7 +21,7 @@ pub mod wire;
 
 use rumqttc::{QoS, RecvTimeoutError};
 use std::cell::Cell;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -71,8 +71,12 @@ pub struct Ready {
     pub topic: Arc<str>,
     /// The stored payload bytes.
     pub payload: Vec<u8>,
-    /// The row's event id, sent as the `event_id` user property under MQTT 5.
+    /// The row's event id, sent as the `event_id` user property under MQTT 5
+    /// (empty for a batch: its events carry their own ids).
     pub event_id: String,
+    /// A batch ([`crate::batching`]): every row it carries, `row` first, in
+    /// row-id order; one PUBACK retires them all. Empty for a single row.
+    pub members: Vec<i64>,
 }
 
 /// State shared by the MQTT thread and the delivery thread; locked only for
@@ -121,6 +125,17 @@ pub struct Shared {
     /// Rows whose PUBACK refused them (MQTT 5 reason code 0x80 or more, not
     /// transient), for the delivery thread to mark FAILED.
     refused: Vec<(i64, PubAckRefusal)>,
+    /// The rows of each batch submitted on this connection, by its first
+    /// row (the handle in the ack map); cleared with the map.
+    batches: HashMap<i64, Vec<i64>>,
+}
+
+impl Shared {
+    /// The rows `row` stands for: a batch's members (forgotten here), else
+    /// the row itself.
+    fn members(&mut self, row: i64) -> Vec<i64> {
+        self.batches.remove(&row).unwrap_or_else(|| vec![row])
+    }
 }
 
 /// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
@@ -277,12 +292,13 @@ impl Shared {
             if self.ack.submitted(r.row).is_err() {
                 return;
             }
+            let event_id = (!r.event_id.is_empty()).then_some(r.event_id.as_str());
             match client.try_publish(
                 &r.topic,
                 QoS::AtLeastOnce,
                 false,
                 r.payload.clone(),
-                Some(&r.event_id),
+                event_id,
             ) {
                 Ok(()) => {
                     if self.progress_at.is_none() {
@@ -290,7 +306,12 @@ impl Shared {
                         // flight (the status publish may be ahead of it).
                         self.progress_at = Some(Instant::now());
                     }
-                    self.submitted.push(r.row);
+                    if r.members.is_empty() {
+                        self.submitted.push(r.row);
+                    } else {
+                        self.submitted.extend_from_slice(&r.members);
+                        self.batches.insert(r.row, r.members.clone());
+                    }
                     self.ready.pop_front();
                 }
                 Err(_) => {
@@ -679,6 +700,7 @@ pub fn new(
         status_too_large_logged: false,
         granted: Granted::default(),
         refused: Vec::new(),
+        batches: HashMap::new(),
     }));
     let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
         incoming_limit(&c.topic, c.max_payload_bytes)
@@ -977,7 +999,9 @@ impl MqttThread {
             s.ready.clear();
             // A new session redelivers by itself.
             s.redeliver = false;
-            let rows: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
+            let handles: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
+            let rows: Vec<i64> = handles.into_iter().flat_map(|r| s.members(r)).collect();
+            s.batches.clear();
             (s.epoch, rows, quick)
         };
         let repeat = {
@@ -1158,7 +1182,8 @@ impl MqttThread {
                         s.conn.had_puback = true;
                         backoff.reset();
                     }
-                    s.acked.push(row);
+                    let rows = s.members(row);
+                    s.acked.extend(rows);
                     if let Some(d) = sent {
                         s.puback_latency.observe(d);
                     }
@@ -1207,7 +1232,9 @@ impl MqttThread {
                 log::warn!("mqtt: the retained online status was refused: {r}");
                 return Ok(());
             }
-            s.refused.push((row, r));
+            for row in s.members(row) {
+                s.refused.push((row, r));
+            }
             let first = !s.notified;
             s.notified = true;
             first
@@ -1458,6 +1485,7 @@ mod tests {
             topic: Arc::from("t"),
             payload: b"x".to_vec(),
             event_id: String::new(),
+            members: Vec::new(),
         };
         // Disconnected: held in the ready queue, nothing in flight.
         assert_eq!(link.offer(0, vec![ready(1)]), Ok(()));

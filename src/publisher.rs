@@ -13,8 +13,12 @@
 //! blocks the MQTT thread and is never waited on by ingest.
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
+mod batcher;
+
 use crate::lanes::Lanes;
-use crate::spool::{Spool, SpoolError};
+use crate::mqtt::publish_packet_size;
+use crate::spool::{OutRow, Spool, SpoolError};
+use batcher::Batcher;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -57,6 +61,8 @@ pub struct DeliveryConfig {
     pub min_share_pct: u8,
     /// Streams with `live_first = true` ([`crate::lanes`]).
     pub live_streams: HashSet<String>,
+    /// Batched streams and their batching ([`crate::batching`]).
+    pub batching: HashMap<String, crate::batching::BatchSpec>,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -86,7 +92,9 @@ pub fn run(
     stats: Arc<DeliveryStats>,
 ) {
     let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
+    let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
     let mut d = Delivery {
+        batcher,
         cfg,
         link,
         epoch: 0,
@@ -109,10 +117,13 @@ pub fn run(
         // Event-driven: the MQTT thread, ingest and the agent's stop send
         // messages; the only timer is the group commit of delivery records
         // (and a slow safety poll).
-        let wait = match d.waiting_since {
+        let mut wait = match d.waiting_since {
             Some(t) => RECORD_WINDOW.saturating_sub(t.elapsed()),
             None => IDLE_POLL,
         };
+        if let Some(due) = d.batcher.next_due() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
         match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => d.handle(msg, &mut spool),
             Err(RecvTimeoutError::Timeout) => {}
@@ -138,6 +149,8 @@ struct Delivery {
     epoch: u64,
     /// Rows read from the spool in this epoch, not yet offered, by priority.
     lanes: Lanes,
+    /// Rows of batched streams waiting for their batch to fill.
+    batcher: Batcher,
     /// Topic per stream, built once.
     topics: HashMap<String, Arc<str>>,
     to_retire: Vec<i64>,
@@ -193,6 +206,7 @@ impl Delivery {
                 self.epoch = epoch;
                 // Replay from the oldest unacknowledged row, in order (I7).
                 self.lanes.reset();
+                self.batcher.clear();
                 self.offered_size.clear();
             }
             DeliveryMsg::Connected { .. } => match spool.newest_id() {
@@ -372,60 +386,41 @@ impl Delivery {
             if self.retiring.contains(&row.id) {
                 continue; // acknowledged (not yet committed), or already in flight
             }
-            if !row.digest_ok() {
-                self.fail(
-                    spool,
-                    row.id,
-                    &row.event_id,
-                    "payload does not match its stored digest",
-                    "digest_mismatch",
-                );
+            let Some((topic, size)) = self.admit(spool, &row) else {
                 continue;
-            }
-            if row.payload.len() > self.cfg.max_payload_bytes {
-                let why = format!(
-                    "payload of {} bytes exceeds mqtt.max_payload_bytes {}",
-                    row.payload.len(),
-                    self.cfg.max_payload_bytes
-                );
-                self.fail(spool, row.id, &row.event_id, &why, "oversized");
-                continue;
-            }
-            let prefix = &self.cfg.topic_prefix;
-            let topic = self
-                .topics
-                .entry(row.stream.clone())
-                .or_insert_with(|| Arc::from(format!("{prefix}/events/{}", row.stream)))
-                .clone();
-            let extra = crate::mqtt::publish_extra(self.cfg.protocol, true);
-            let (limit, whose) = match self.link.broker_max_packet() {
-                Some(m) if m < self.cfg.max_packet_bytes => {
-                    (m, "the broker's maximum packet size (CONNACK)")
-                }
-                _ => (self.cfg.max_packet_bytes, "mqtt.max_packet_bytes"),
             };
-            if let Some(why) = packet_too_large(&topic, row.payload.len(), extra, limit, whose) {
-                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
-                continue;
+            // While probing for a refused row, rows go one by one.
+            match self
+                .batcher
+                .spec(&row.stream)
+                .filter(|_| self.probing.is_none())
+            {
+                Some(spec) => {
+                    let limit = self.batch_limit(&row.stream);
+                    for r in self.batcher.add(row, spec, limit) {
+                        self.note_size(&r);
+                        batch.push(r);
+                        room = room.saturating_sub(1);
+                    }
+                }
+                None => {
+                    if self.offered_size.len() < 4 * crate::ack::MAX_WINDOW {
+                        self.offered_size.insert(row.id, size);
+                    }
+                    batch.push(Ready {
+                        row: row.id,
+                        topic,
+                        payload: row.payload,
+                        event_id: row.event_id,
+                        members: Vec::new(),
+                    });
+                    room -= 1;
+                }
             }
-            let size = crate::mqtt::publish_packet_size(topic.len(), row.payload.len() + extra);
-            if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
-                let why = format!(
-                    "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
-                );
-                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
-                continue;
-            }
-            if self.offered_size.len() < 4 * crate::ack::MAX_WINDOW {
-                self.offered_size.insert(row.id, size);
-            }
-            batch.push(Ready {
-                row: row.id,
-                topic,
-                payload: row.payload,
-                event_id: row.event_id,
-            });
-            room -= 1;
+        }
+        for r in self.batcher.due(Instant::now()) {
+            self.note_size(&r);
+            batch.push(r);
         }
         if batch.is_empty() {
             return;
@@ -433,6 +428,85 @@ impl Delivery {
         if self.link.offer(self.epoch, batch).is_err() {
             // Stale epoch: a Lost message is on its way and resets the read-ahead.
             self.lanes.reset();
+        }
+    }
+
+    /// Whether `row` may be sent: its digest holds and it fits the payload
+    /// and packet limits as a single PUBLISH. Returns its single-event
+    /// topic and packet size; a row that may not is marked FAILED (and the
+    /// rows behind it flow).
+    fn admit(&mut self, spool: &mut Spool, row: &OutRow) -> Option<(Arc<str>, usize)> {
+        if !row.digest_ok() {
+            let why = "payload does not match its stored digest";
+            self.fail(spool, row.id, &row.event_id, why, "digest_mismatch");
+            return None;
+        }
+        if row.payload.len() > self.cfg.max_payload_bytes {
+            let why = format!(
+                "payload of {} bytes exceeds mqtt.max_payload_bytes {}",
+                row.payload.len(),
+                self.cfg.max_payload_bytes
+            );
+            self.fail(spool, row.id, &row.event_id, &why, "oversized");
+            return None;
+        }
+        let prefix = &self.cfg.topic_prefix;
+        let topic = self
+            .topics
+            .entry(row.stream.clone())
+            .or_insert_with(|| Arc::from(format!("{prefix}/events/{}", row.stream)))
+            .clone();
+        let extra = crate::mqtt::publish_extra(self.cfg.protocol, true);
+        let (limit, whose) = self.packet_limit();
+        if let Some(why) = packet_too_large(&topic, row.payload.len(), extra, limit, whose) {
+            self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            return None;
+        }
+        let size = publish_packet_size(topic.len(), row.payload.len() + extra);
+        if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
+            let why = format!(
+                "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
+            );
+            self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            return None;
+        }
+        Some((topic, size))
+    }
+
+    /// The whole-packet limit in force and whose it is.
+    fn packet_limit(&self) -> (usize, &'static str) {
+        match self.link.broker_max_packet() {
+            Some(m) if m < self.cfg.max_packet_bytes => {
+                (m, "the broker's maximum packet size (CONNACK)")
+            }
+            _ => (self.cfg.max_packet_bytes, "mqtt.max_packet_bytes"),
+        }
+    }
+
+    /// The largest uncompressed batch payload of `stream` that fits
+    /// `mqtt.max_payload_bytes` and the packet limit (with a learned limit
+    /// below it, under that too).
+    fn batch_limit(&self, stream: &str) -> usize {
+        let (mut packet, _) = self.packet_limit();
+        if let Some(l) = self.learned_limit {
+            packet = packet.min(l.saturating_sub(1));
+        }
+        // Fixed header and Remaining Length: at most 5 bytes.
+        let overhead = publish_packet_size(self.batcher.topic_len(stream), 0)
+            + crate::mqtt::publish_extra(self.cfg.protocol, false)
+            + 4;
+        self.cfg
+            .max_payload_bytes
+            .min(packet.saturating_sub(overhead))
+    }
+
+    /// Remember the packet size of an offered publish (for a limit learned
+    /// from a dropped connection).
+    fn note_size(&mut self, r: &Ready) {
+        let extra = crate::mqtt::publish_extra(self.cfg.protocol, r.members.is_empty());
+        let size = publish_packet_size(r.topic.len(), r.payload.len() + extra);
+        if self.offered_size.len() < 4 * crate::ack::MAX_WINDOW {
+            self.offered_size.insert(r.row, size);
         }
     }
 

@@ -21,6 +21,7 @@
 #![no_main]
 
 use edgespool::agent::{open_spool_at, AgentError};
+use edgespool::spool::priority::Lane;
 use edgespool::spool::{SpoolError, SpoolOptions};
 use libfuzzer_sys::fuzz_target;
 
@@ -54,6 +55,9 @@ fuzz_target!(|data: &[u8]| {
             // What the agent reads first; errors (damage further in) are for
             // the background integrity check, a panic is a bug.
             let _ = spool.sendable(0, 64);
+            let _ = spool.sendable_lane(Lane::Priority, 0, 64);
+            let _ = spool.sendable_lane(Lane::Normal, 0, 64);
+            let _ = spool.backlog_by_stream(0);
             let _ = spool.stats(0);
             let _ = spool.oldest_unacked_ms();
             let _ = spool.backlog_estimate();

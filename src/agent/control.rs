@@ -267,12 +267,14 @@ impl Ingest {
             new.stream_priorities(),
             new.live_first_streams(),
             new.mqtt.min_share_pct,
+            new.stream_batching(),
         ) != (
             self.cfg.stream_priorities(),
             self.cfg.live_first_streams(),
             self.cfg.mqtt.min_share_pct,
+            self.cfg.stream_batching(),
         ) {
-            restart.push("delivery order (priority, live_first, mqtt.min_share_pct)");
+            restart.push("delivery (priority, live_first, batching, mqtt.min_share_pct)");
         }
         let cur = &mut self.cfg;
         if new.sources != cur.sources {

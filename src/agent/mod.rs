@@ -591,6 +591,7 @@ fn delivery_config(cfg: &Config) -> DeliveryConfig {
         protocol: cfg.mqtt.protocol,
         min_share_pct: cfg.mqtt.min_share_pct,
         live_streams: cfg.live_first_streams(),
+        batching: cfg.stream_batching(),
     }
 }
 

@@ -51,6 +51,9 @@ pub(super) struct RawIngestStream {
     pub(super) durability: Option<String>,
     pub(super) priority: Option<u8>,
     pub(super) live_first: Option<bool>,
+    pub(super) batch_max_events: Option<usize>,
+    pub(super) batch_max_ms: Option<u64>,
+    pub(super) compression: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -402,6 +405,9 @@ pub(super) struct RawSource {
     pub(super) durability: Option<String>,
     pub(super) priority: Option<u8>,
     pub(super) live_first: Option<bool>,
+    pub(super) batch_max_events: Option<usize>,
+    pub(super) batch_max_ms: Option<u64>,
+    pub(super) compression: Option<String>,
     // kind = "mqtt" (the local-broker bridge).
     pub(super) url: Option<String>,
     pub(super) topics: Option<Vec<String>>,

@@ -285,6 +285,7 @@ mod tests {
                 durability: Durability::Full,
                 priority: 7,
                 live_first: false,
+                batch: None,
             }],
             stream_patterns: vec!["plant.*".into()],
             max_fields: 3,

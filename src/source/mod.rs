@@ -110,6 +110,9 @@ pub struct SourceSpec {
     /// `live_first`: new readings go ahead of this stream's own backlog
     /// (default false; see [`crate::lanes`]).
     pub live_first: bool,
+    /// `batch_max_events` (above 1), `batch_max_ms`, `compression`:
+    /// several events per PUBLISH ([`crate::batching`]); `None`: one each.
+    pub batch: Option<crate::batching::BatchSpec>,
 }
 
 /// Durability class of a stream (`durability` in `[[sources]]`).
@@ -465,6 +468,7 @@ mod tests {
             durability: Durability::Batched,
             priority: 0,
             live_first: false,
+            batch: None,
             kind: SourceKind::File {
                 path,
                 scale: 0.5,
@@ -488,6 +492,7 @@ mod tests {
             durability: Durability::Batched,
             priority: 0,
             live_first: false,
+            batch: None,
             kind: SourceKind::Exec {
                 program: "/bin/echo".into(),
                 args: vec!["17.5".into()],
@@ -512,6 +517,7 @@ mod tests {
             durability: Durability::Batched,
             priority: 0,
             live_first: false,
+            batch: None,
             kind: SourceKind::System,
         };
         let mut state = SourceState::default();

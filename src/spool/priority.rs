@@ -148,8 +148,7 @@ impl Spool {
         let rows = stmt
             .query_map(params![after_id, limit as i64], out_row)
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.err(e))
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
     /// Up to `limit` unresolved rows of the streams named in `streams` with
@@ -200,8 +199,7 @@ impl Spool {
         let rows = stmt
             .query_map(params![after_id, through_id, json, limit as i64], out_row)
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.err(e))
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
     /// Backlog and oldest unacknowledged age per stream, at `now_ms`
@@ -218,14 +216,11 @@ impl Spool {
                     stream: r.get(0)?,
                     priority: r.get::<_, i64>(1)?.clamp(0, 255) as u8,
                     rows: r.get::<_, i64>(2)?.max(0) as u64,
-                    oldest_unacked_age_ms: r
-                        .get::<_, Option<i64>>(3)?
-                        .map(|c| (now_ms - c).max(0)),
+                    oldest_unacked_age_ms: r.get::<_, Option<i64>>(3)?.map(|c| (now_ms - c).max(0)),
                 })
             })
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.err(e))
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
     /// The highest row id in the spool (0 when empty).
@@ -241,7 +236,10 @@ impl Spool {
     /// changes has its unacknowledged rows moved with it, in the same
     /// IMMEDIATE transaction (one pass over the rows above the acknowledged
     /// mark per changed stream). Returns what changed.
-    pub fn set_priorities(&mut self, want: &HashMap<String, u8>) -> Result<Vec<Reranked>, SpoolError> {
+    pub fn set_priorities(
+        &mut self,
+        want: &HashMap<String, u8>,
+    ) -> Result<Vec<Reranked>, SpoolError> {
         let changed = self.write(|tx, err| {
             let streams: Vec<(i64, String, i64)> = {
                 let mut st = tx
@@ -261,8 +259,11 @@ impl Spool {
                 if i64::from(to) == prio {
                     continue;
                 }
-                tx.execute("UPDATE streams SET prio = ?2 WHERE id = ?1", params![id, to])
-                    .map_err(err)?;
+                tx.execute(
+                    "UPDATE streams SET prio = ?2 WHERE id = ?1",
+                    params![id, to],
+                )
+                .map_err(err)?;
                 let rows = tx
                     .execute(
                         "UPDATE events SET prio = ?2 WHERE stream_id = ?1

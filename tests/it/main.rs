@@ -5,6 +5,7 @@
 mod support;
 
 mod aedes;
+mod batches;
 mod bridge;
 mod commands;
 mod config;

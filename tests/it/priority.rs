@@ -28,7 +28,12 @@ fn build_backlog(db: &Path, n: usize) {
         let evs: Vec<NewEvent> = (chunk * 10_000..((chunk + 1) * 10_000).min(n))
             .map(|i| {
                 let fields = (0..8)
-                    .map(|f| (format!("sensor_{f}"), FieldValue::Num(i as f64 + f as f64 / 8.0)))
+                    .map(|f| {
+                        (
+                            format!("sensor_{f}"),
+                            FieldValue::Num(i as f64 + f as f64 / 8.0),
+                        )
+                    })
                     .collect();
                 NewEvent::new("tele", t0 + i as i64 * 1000, true, fields)
             })
@@ -76,7 +81,12 @@ durability = "full"
 fn ping_latency(broker: &Broker, prefix: &str, results: &Subscriber, id: &str) -> Duration {
     let before = results.count();
     let body = serde_json::json!({"command_id": id, "name": "ping"}).to_string();
-    crate::commands::publish(broker.port(), &format!("{prefix}/commands"), body.as_bytes(), false);
+    crate::commands::publish(
+        broker.port(),
+        &format!("{prefix}/commands"),
+        body.as_bytes(),
+        false,
+    );
     let sent = Instant::now();
     // Polled every 5 ms: the figure is good to about that.
     let arrived = |d: &[crate::support::subscriber::Delivery]| {
@@ -146,7 +156,9 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     // The agent starts with the broker unreachable, then the link comes back.
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent.log_text().contains("spool ")),
+        wait_for(Duration::from_secs(30), || agent
+            .log_text()
+            .contains("spool ")),
         "{}",
         agent.log_tail(30)
     );
@@ -165,11 +177,17 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     println!("command result during the drain: {} ms after the command's PUBACK ({tele_at_first} of {BACKLOG} telemetry rows delivered)", first.as_millis());
 
     // SIGKILL mid-drain, restart, another command.
-    assert!(sub.wait_count(Duration::from_secs(120), BACKLOG / 2), "{}", agent.log_tail(30));
+    assert!(
+        sub.wait_count(Duration::from_secs(120), BACKLOG / 2),
+        "{}",
+        agent.log_tail(30)
+    );
     agent.kill9();
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent.log_text().contains("subscribed to commands")),
+        wait_for(Duration::from_secs(30), || agent
+            .log_text()
+            .contains("subscribed to commands")),
         "{}",
         agent.log_tail(30)
     );
@@ -181,7 +199,11 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     let all = sub.wait_until(Duration::from_secs(300), |d| tele.update(d) >= BACKLOG);
     let drained = drain_start.elapsed();
     let (n, last_tele) = (tele.seen(&sub), tele.last.get());
-    assert!(all, "{n} of {BACKLOG} telemetry rows arrived\n{}", agent.log_tail(40));
+    assert!(
+        all,
+        "{n} of {BACKLOG} telemetry rows arrived\n{}",
+        agent.log_tail(40)
+    );
     println!(
         "drained {BACKLOG} rows in {:.1} s ({:.0} rows/s, including the kill and restart); {} deliveries in all",
         drained.as_secs_f64(),
@@ -191,17 +213,31 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     agent.terminate(Duration::from_secs(20));
 
     // The command results did not wait for the backlog.
-    assert!(first < Duration::from_secs(1), "first command result took {first:?}");
-    assert!(second < Duration::from_secs(1), "second command result took {second:?}");
-    assert!(tele_at_first < BACKLOG, "the first result came after the backlog");
-    assert!(tele_at_second < BACKLOG, "the second result came after the backlog");
+    assert!(
+        first < Duration::from_secs(1),
+        "first command result took {first:?}"
+    );
+    assert!(
+        second < Duration::from_secs(1),
+        "second command result took {second:?}"
+    );
+    assert!(
+        tele_at_first < BACKLOG,
+        "the first result came after the backlog"
+    );
+    assert!(
+        tele_at_second < BACKLOG,
+        "the second result came after the backlog"
+    );
 
     // A `full` reading taken during the drain arrived before the backlog
     // finished.
     let deliveries = sub.deliveries();
     let early_alarm = deliveries.iter().enumerate().find(|(i, d)| {
         d.topic.ends_with("/events/alarm")
-            && d.json()["ts_ms"].as_i64().is_some_and(|ts| ts >= drain_start_ms)
+            && d.json()["ts_ms"]
+                .as_i64()
+                .is_some_and(|ts| ts >= drain_start_ms)
             && *i < last_tele
     });
     assert!(
@@ -219,7 +255,9 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     // retired without reaching the broker.
     let counts = crate::support::spool::count_by_state(&db);
     assert!(
-        !counts.contains_key("PENDING") && !counts.contains_key("SENT") && !counts.contains_key("FAILED"),
+        !counts.contains_key("PENDING")
+            && !counts.contains_key("SENT")
+            && !counts.contains_key("FAILED"),
         "{counts:?}"
     );
 }

@@ -37,6 +37,10 @@ fn main() {
 fn make(path: &Path) {
     let mut spool = Spool::open(path, &SpoolOptions::default()).expect("open the spool");
     let mut ids = EventIdGen::new().expect("event ids");
+    // `temp` above priority 0: its rows are in the partial index too.
+    spool
+        .set_priorities(&[("temp".to_owned(), 100)].into())
+        .expect("priorities");
     let events: Vec<NewEvent> = (0..6)
         .map(|i| NewEvent {
             stream: if i % 2 == 0 { "system" } else { "temp" }.to_owned(),

@@ -1,6 +1,6 @@
 //! `[ingest]` validation: listeners, bounds and the streams clients may write.
 
-use super::{durability, stream_name_ok};
+use super::{batching, durability, stream_name_ok};
 use crate::config::raw::RawIngest;
 use crate::config::{default_priority, pattern_matches, IngestConfig, IngestStream};
 use crate::source::SourceSpec;
@@ -152,11 +152,18 @@ fn validate_ingest_streams(
             bad(&k("name"), format!("duplicate ingest stream {:?}", rs.name));
         }
         let durability = durability(rs.durability.as_deref(), &k("durability"), bad);
+        let keys = (
+            rs.batch_max_events,
+            rs.batch_max_ms,
+            rs.compression.as_deref(),
+        );
+        let batch = batching(keys, &k, bad);
         streams.push(IngestStream {
             name: rs.name.clone(),
             durability,
             priority: rs.priority.unwrap_or_else(|| default_priority(durability)),
             live_first: rs.live_first.unwrap_or(false),
+            batch,
         });
     }
     for (i, p) in raw.stream_patterns.iter().enumerate() {

@@ -2,7 +2,7 @@
 //! function per kind (replay, file, exec, mqtt bridge; system has no keys).
 
 use super::bridge::validate_bridge;
-use super::{durability, stream_name_ok};
+use super::{batching, durability, stream_name_ok};
 use crate::config::raw::{d_interval, RawSource};
 use crate::config::read::did_you_mean;
 use crate::config::MqttConfig;
@@ -41,6 +41,12 @@ pub(super) fn validate_sources(
         check_kind_keys(rs, &k, bad);
         let kind = validate_kind(rs, device_id, &k, bad);
         let durability = durability(rs.durability.as_deref(), &k("durability"), bad);
+        let keys = (
+            rs.batch_max_events,
+            rs.batch_max_ms,
+            rs.compression.as_deref(),
+        );
+        let batch = batching(keys, &k, bad);
         if let Some(SourceKind::Mqtt(b)) = &kind {
             let streams: Vec<&str> = raw.iter().map(|r| r.name.as_str()).collect();
             check_bridge_against_main((b, &streams), mqtt, &mut bridge_ids, &k, bad);
@@ -55,6 +61,7 @@ pub(super) fn validate_sources(
                     .priority
                     .unwrap_or_else(|| crate::config::default_priority(durability)),
                 live_first: rs.live_first.unwrap_or(false),
+                batch,
             });
         }
     }

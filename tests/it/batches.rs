@@ -1,0 +1,254 @@
+//! Batched publishes: one PUBLISH carries many rows, and only its PUBACK
+//! retires them. A real mosquitto, the real binary, a proxy that withholds
+//! PUBACKs, and a real SIGKILL mid-drain (a process kill, not a power cut).
+use crate::support::agent::AgentProc;
+use crate::support::broker::Broker;
+use crate::support::proxy::{Mode, Proxy};
+use crate::support::subscriber::{Delivery, Subscriber};
+use crate::support::wait_for;
+use edgespool::envelope::{EventIdGen, Format};
+use edgespool::source::FieldValue;
+use edgespool::spool::{NewEvent, Spool, SpoolOptions};
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::io::Read;
+use std::path::Path;
+use std::time::Duration;
+
+const BACKLOG: usize = 20_000;
+
+fn build_backlog(db: &Path, n: usize) -> HashSet<String> {
+    let mut spool = Spool::open(db, &SpoolOptions::default()).expect("open the spool");
+    let mut ids = EventIdGen::new().expect("event ids");
+    let evs: Vec<NewEvent> = (0..n)
+        .map(|i| {
+            let fields = (0..8)
+                .map(|f| {
+                    (
+                        format!("sensor_{f}"),
+                        FieldValue::Num(20.0 + (i % 97) as f64 / 8.0 + f as f64),
+                    )
+                })
+                .collect();
+            NewEvent::new("tele", 1_700_000_000_000 + i as i64 * 1000, true, fields)
+        })
+        .collect();
+    spool
+        .append(
+            &evs,
+            &mut ids,
+            "batch-board",
+            Format::Json,
+            1_700_000_000_000,
+        )
+        .expect("append the backlog");
+    let conn = rusqlite::Connection::open(db).expect("open");
+    let mut st = conn
+        .prepare("SELECT event_id FROM events")
+        .expect("prepare");
+    let ids = st
+        .query_map([], |r| r.get::<_, String>(0))
+        .expect("query")
+        .map(|r| r.expect("row"))
+        .collect();
+    ids
+}
+
+fn config(dir: &Path, url: &str, prefix: &str, compression: &str) -> std::path::PathBuf {
+    let d = dir.display();
+    std::fs::write(dir.join("tele"), "21.5\n").expect("write the sensor file");
+    let text = format!(
+        r#"device_id = "batch-board"
+[spool]
+path = "{d}/spool.db"
+commit_window_ms = 200
+[mqtt]
+url = "{url}"
+topic_prefix = "{prefix}"
+reconnect_min_ms = 100
+reconnect_max_ms = 500
+connect_timeout_secs = 2
+ack_timeout_secs = 4
+[[sources]]
+name = "tele"
+kind = "file"
+path = "{d}/tele"
+interval_ms = 200
+batch_max_events = 50
+batch_max_ms = 500
+compression = "{compression}"
+"#
+    );
+    let path = dir.join("board.toml");
+    std::fs::write(&path, text).expect("write the config");
+    path
+}
+
+/// The event ids in one delivery: a single event, or every event of a
+/// batch (plain, lz4 or zstd, per the README's format). Panics on a
+/// payload that does not follow it.
+fn unpack(d: &Delivery) -> Vec<String> {
+    if d.topic.contains("/events/") {
+        return vec![crate::event_id(d)];
+    }
+    if !d.topic.contains("/batches/") {
+        return Vec::new(); // the retained status
+    }
+    let plain = if d.topic.ends_with("/lz4") {
+        let mut out = Vec::new();
+        lz4_flex::frame::FrameDecoder::new(&d.payload[..])
+            .read_to_end(&mut out)
+            .expect("an lz4 frame");
+        out
+    } else if d.topic.ends_with("/zstd") {
+        zstd_frame(&d.payload)
+    } else {
+        d.payload.clone()
+    };
+    let v: serde_json::Value = serde_json::from_slice(&plain).expect("a JSON batch");
+    v["batch"]
+        .as_array()
+        .expect("a batch array")
+        .iter()
+        .map(|e| e["event_id"].as_str().expect("event_id").to_owned())
+        .collect()
+}
+
+#[cfg(feature = "zstd")]
+fn zstd_frame(payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    ruzstd::decoding::StreamingDecoder::new(payload)
+        .expect("a zstd frame")
+        .read_to_end(&mut out)
+        .expect("a zstd frame");
+    out
+}
+
+#[cfg(not(feature = "zstd"))]
+fn zstd_frame(_: &[u8]) -> Vec<u8> {
+    panic!("a zstd batch from a build without zstd")
+}
+
+/// Event ids and batch sizes seen so far, read incrementally.
+#[derive(Default)]
+struct Seen {
+    ids: RefCell<HashSet<String>>,
+    batches: RefCell<Vec<usize>>,
+    next: std::cell::Cell<usize>,
+}
+
+impl Seen {
+    fn update(&self, d: &[Delivery]) -> usize {
+        let mut ids = self.ids.borrow_mut();
+        for x in &d[self.next.get()..] {
+            let got = unpack(x);
+            if x.topic.contains("/batches/") {
+                self.batches.borrow_mut().push(got.len());
+            }
+            ids.extend(got);
+        }
+        self.next.set(d.len());
+        ids.len()
+    }
+
+    fn has_all(&self, want: &HashSet<String>) -> bool {
+        want.is_subset(&self.ids.borrow())
+    }
+}
+
+fn acked_through(db: &Path) -> i64 {
+    let conn = rusqlite::Connection::open(db).expect("open");
+    conn.query_row("SELECT acked_through FROM delivery_mark", [], |r| r.get(0))
+        .expect("read the acknowledged mark")
+}
+
+fn drain_batched(compression: &str) {
+    let broker = Broker::start_with_options("max_queued_messages 0\n", false);
+    let proxy = Proxy::start(broker.port());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix(&format!("batches-{compression}"));
+    let db = dir.path().join("spool.db");
+    let want = build_backlog(&db, BACKLOG);
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/#"));
+    let cfg = config(dir.path(), &proxy.url(), &prefix, compression);
+
+    // PUBACKs withheld: batches reach the broker, no row is retired.
+    proxy.set_mode(Mode::DropPubacks);
+    let mark0 = acked_through(&db);
+    let agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || proxy.pubacks_dropped() >= 3),
+        "no PUBACK withheld: {}",
+        agent.log_tail(30)
+    );
+    let forwarded = proxy.publishes_forwarded();
+    assert_eq!(
+        acked_through(&db),
+        mark0,
+        "rows retired without their PUBACK"
+    );
+    println!("{compression}: {forwarded} publishes forwarded with their PUBACKs withheld; the acknowledged mark stayed at {mark0}");
+
+    // PUBACKs flow; a SIGKILL once a quarter has arrived, then a restart.
+    proxy.set_mode(Mode::Forward);
+    let seen = Seen::default();
+    assert!(
+        sub.wait_until(Duration::from_secs(120), |d| seen.update(d) >= BACKLOG / 4),
+        "{}",
+        agent.log_tail(30)
+    );
+    let mut agent = agent;
+    agent.kill9();
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let all = sub.wait_until(Duration::from_secs(180), |d| {
+        seen.update(d);
+        seen.has_all(&want)
+    });
+    let n = seen.ids.borrow().len();
+    assert!(
+        all,
+        "{n} distinct events seen, not every one of the {BACKLOG}\n{}",
+        agent.log_tail(40)
+    );
+    agent.terminate(Duration::from_secs(20));
+    // Every backlog row is acknowledged (readings taken since may still
+    // wait for their batch: a clean stop leaves them for the next run).
+    let conn = rusqlite::Connection::open(&db).expect("open");
+    let unacked: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM event_states WHERE id <= ?1 AND state <> 'ACKED'",
+            [BACKLOG as i64],
+            |r| r.get(0),
+        )
+        .expect("count");
+    assert_eq!(unacked, 0, "backlog rows not acknowledged");
+    let batches = seen.batches.borrow();
+    let events_in_batches: usize = batches.iter().sum();
+    assert!(batches.contains(&50), "no full batch of 50: {batches:?}");
+    assert!(
+        batches.iter().all(|&b| (2..=50).contains(&b)),
+        "{batches:?}"
+    );
+    println!(
+        "{compression}: {} batches carried {events_in_batches} events ({} distinct, backlog {BACKLOG}); {} deliveries in all",
+        batches.len(),
+        n,
+        sub.count()
+    );
+}
+
+#[test]
+fn a_batched_backlog_drains_across_a_kill_and_only_pubacks_retire_its_rows() {
+    drain_batched("none");
+}
+
+#[test]
+fn an_lz4_batched_backlog_drains_across_a_kill() {
+    drain_batched("lz4");
+}
+
+#[cfg(feature = "zstd")]
+#[test]
+fn a_zstd_batched_backlog_drains_across_a_kill() {
+    drain_batched("zstd");
+}
