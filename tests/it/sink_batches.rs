@@ -172,3 +172,60 @@ fn batches_plain_and_lz4_and_singles_are_stored_once_per_event() {
     publish_all(broker.port(), vec![(singles, event(75).1)]);
     wait_deliveries(&sink, &db, 76, 111);
 }
+
+/// The PostgreSQL store, fed what a batched delivery unpacks to: the
+/// readable events stored (a duplicate of a single delivery counted), the
+/// unreadable event and the unreadable batch kept in `unreadable` with their
+/// reasons.
+#[cfg(feature = "pg-sink")]
+#[test]
+fn postgres_store_keeps_unreadable_batches_with_their_reason() {
+    use crate::support::postgres::Postgres;
+    use edgespool::sink::postgres::PgStore;
+    use edgespool::sink::unbatch::items;
+    use edgespool::sink::Store;
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let mut store =
+        PgStore::connect(&pg.conninfo(), "unit", &Default::default()).expect("connect and migrate");
+    let single = items("p/dev-1/events/load", &event(1).1);
+    let s = store.store_batch(&single, 1).expect("single");
+    assert_eq!((s.first, s.unreadable), (1, 0));
+
+    let mut plain = json_batch(0..3);
+    // An object that is no envelope, as a fourth event.
+    plain.truncate(plain.len() - 2);
+    plain.extend_from_slice(br#",{"not":"an envelope"}]}"#);
+    let mut delivered = items("p/dev-1/batches/load/lz4", &lz4(&plain));
+    assert_eq!(delivered.len(), 4);
+    delivered.extend(items("p/dev-1/batches/load/zstd", b"not a zstd frame"));
+    let s = store.store_batch(&delivered, 2).expect("batch");
+    assert_eq!(
+        (s.first, s.duplicates, s.mismatches, s.unreadable),
+        (2, 1, 0, 2)
+    );
+    let mut db = pg.client();
+    let rows = db
+        .query(
+            "SELECT event_id::text, payload FROM events ORDER BY seq",
+            &[],
+        )
+        .expect("events");
+    assert_eq!(rows.len(), 3);
+    for (i, r) in rows.iter().enumerate() {
+        let (id, payload) = event(i as u32);
+        assert_eq!(r.get::<_, String>(0), id);
+        assert_eq!(r.get::<_, Vec<u8>>(1), payload);
+    }
+    let reasons: Vec<String> = db
+        .query("SELECT reason FROM unreadable ORDER BY reason", &[])
+        .expect("unreadable")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        reasons[1].starts_with("unreadable batch: zstd"),
+        "{reasons:?}"
+    );
+    assert!(reasons[0].contains("event_id"), "{reasons:?}");
+}
