@@ -22,6 +22,7 @@
 
 use super::batch::Item;
 use super::message::Unreadable;
+use std::borrow::Cow;
 use std::io::Read;
 
 /// Most events in one batch.
@@ -110,17 +111,23 @@ fn refused(topic: &str, payload: &[u8], why: String) -> Item {
 
 /// The uncompressed batch, at most [`MAX_DECOMPRESSED`] bytes.
 ///
-/// Errors: a frame that does not decode, more than one frame's worth of
-/// trailing bytes, or output past the bound (decoding stops one byte past
-/// it). A zstd frame whose window is larger than the bound is refused before
-/// decoding (the decoder would reserve the window up front).
-pub fn decompress(c: Compression, payload: &[u8]) -> Result<Vec<u8>, String> {
+/// Errors: a frame that does not decode, bytes after a zstd frame (after an
+/// lz4 frame they must be another lz4 frame, read on as the `lz4` CLI
+/// does), or output past the bound (decoding stops one byte past it). A
+/// zstd frame whose window is larger than the bound is refused before
+/// decoding (the decoder reserves the window up front). Memory: the output
+/// (at most the bound plus one byte) and the decoder's buffers (an lz4
+/// block of at most 4 MiB, twice, plus 64 KiB; a zstd window of at most the
+/// bound).
+pub fn decompress(c: Compression, payload: &[u8]) -> Result<Cow<'_, [u8]>, String> {
     match c {
         Compression::None if payload.len() > MAX_DECOMPRESSED => {
             Err(format!("batch of {} bytes is over 16 MiB", payload.len()))
         }
-        Compression::None => Ok(payload.to_vec()),
-        Compression::Lz4 => bounded(lz4_flex::frame::FrameDecoder::new(payload), "lz4"),
+        Compression::None => Ok(Cow::Borrowed(payload)),
+        Compression::Lz4 => {
+            bounded(lz4_flex::frame::FrameDecoder::new(payload), "lz4").map(Cow::Owned)
+        }
         Compression::Zstd => {
             let (frame, _) = ruzstd::frame::read_frame_header(payload)
                 .map_err(|e| format!("zstd frame header: {e}"))?;
@@ -140,7 +147,7 @@ pub fn decompress(c: Compression, payload: &[u8]) -> Result<Vec<u8>, String> {
             if !src.is_empty() {
                 return Err(format!("{} bytes after the zstd frame", src.len()));
             }
-            Ok(out)
+            Ok(Cow::Owned(out))
         }
     }
 }
