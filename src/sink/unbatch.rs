@@ -116,9 +116,9 @@ fn refused(topic: &str, payload: &[u8], why: String) -> Item {
 /// does), or output past the bound (decoding stops one byte past it). A
 /// zstd frame whose window is larger than the bound is refused before
 /// decoding (the decoder reserves the window up front). Memory: the output
-/// (at most the bound plus one byte) and the decoder's buffers (an lz4
-/// block of at most 4 MiB, twice, plus 64 KiB; a zstd window of at most the
-/// bound).
+/// (at most the bound plus one byte) and the decoder's buffers (lz4: one
+/// input block and two output blocks of at most 4 MiB each plus 64 KiB;
+/// zstd: a window of at most the bound).
 pub fn decompress(c: Compression, payload: &[u8]) -> Result<Cow<'_, [u8]>, String> {
     match c {
         Compression::None if payload.len() > MAX_DECOMPRESSED => {
