@@ -16,7 +16,7 @@ use super::batch::{BatchPolicy, Item};
 use super::{SinkStats, Store, StoreError};
 use rumqttc::{
     Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
-    RecvTimeoutError, SubscribeReasonCode,
+    RecvTimeoutError, SubscribeFilter, SubscribeReasonCode,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -60,13 +60,36 @@ impl SinkOptions {
         }
     }
 
-    /// The filter as subscribed: `$share/GROUP/FILTER` with a group.
-    pub fn subscription(&self) -> String {
+    /// The filters as subscribed: `filter`, and its batch twin (see
+    /// [`batches_filter`]) when it has one; each as `$share/GROUP/FILTER`
+    /// with a group.
+    pub fn subscriptions(&self) -> Vec<String> {
+        let mut out = vec![self.filter.clone()];
+        out.extend(batches_filter(&self.filter));
         match &self.shared_group {
-            Some(g) => format!("$share/{g}/{}", self.filter),
-            None => self.filter.clone(),
+            Some(g) => out.iter().map(|f| format!("$share/{g}/{f}")).collect(),
+            None => out,
         }
     }
+}
+
+/// The filter for the batched publishes of the streams an events filter
+/// names: `P/events/#` → `P/batches/#`; `P/events/S` (a stream or `+`) →
+/// `P/batches/S/#`, which matches `P/batches/S` and its `/lz4` and `/zstd`
+/// forms (`#` also matches the parent level, MQTT 3.1.1 §4.7.1.2). `None` for
+/// a filter whose second-to-last level is not `events`: it is taken as
+/// given (`edgespool/#` already matches the batches).
+pub fn batches_filter(filter: &str) -> Option<String> {
+    let (rest, last) = filter.rsplit_once('/')?;
+    let prefix = match rest.rsplit_once('/') {
+        Some((p, "events")) => format!("{p}/batches"),
+        None if rest == "events" => "batches".to_owned(),
+        _ => return None,
+    };
+    Some(match last {
+        "#" => format!("{prefix}/#"),
+        s => format!("{prefix}/{s}/#"),
+    })
 }
 
 /// How one connection ended.
@@ -175,34 +198,46 @@ fn session<S: Store>(
                 if c.code != ConnectReturnCode::Success {
                     return Ok(End::Lost(format!("broker refused: {:?}", c.code)));
                 }
+                let subs = opts.subscriptions();
                 log::info!(
                     "sink: connected as {} (session_present {}), subscribing {}",
                     opts.client_id,
                     c.session_present,
-                    opts.subscription()
+                    subs.join(" ")
                 );
                 // rumqttc does not re-subscribe by itself; with a session
                 // present it is a harmless repeat.
-                if let Err(e) = client.try_subscribe(opts.subscription(), QoS::AtLeastOnce) {
+                let filters = subs
+                    .into_iter()
+                    .map(|f| SubscribeFilter::new(f, QoS::AtLeastOnce));
+                if let Err(e) = client.try_subscribe_many(filters) {
                     return Ok(End::Lost(format!("subscribe request: {e}")));
                 }
             }
             Ok(Ok(Event::Incoming(Incoming::SubAck(s)))) => {
-                if s.return_codes.contains(&SubscribeReasonCode::Failure) {
-                    return Err(format!(
-                        "broker refused the subscription {}",
-                        opts.subscription()
-                    ));
+                let subs = opts.subscriptions();
+                // One return code per filter, in the order subscribed
+                // (MQTT 3.1.1 §3.9.3).
+                if let Some((f, _)) = subs
+                    .iter()
+                    .zip(&s.return_codes)
+                    .find(|(_, c)| **c == SubscribeReasonCode::Failure)
+                {
+                    return Err(format!("broker refused the subscription {f}"));
                 }
-                log::info!("sink: subscribed {}", opts.subscription());
+                log::info!("sink: subscribed {}", subs.join(" "));
             }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
                 if items.is_empty() {
                     first_at = Instant::now();
                 }
                 last_at = Instant::now();
-                batch_bytes = batch_bytes.saturating_add(p.payload.len());
-                items.push(Item::new(&p.topic, &p.payload));
+                // A batched publish becomes one item per event, all in
+                // this transaction: its PUBACK waits for every one of them.
+                let new = super::unbatch::items(&p.topic, &p.payload);
+                let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
+                batch_bytes = batch_bytes.saturating_add(bytes);
+                items.extend(new);
                 pending.push(p);
             }
             Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}

@@ -51,6 +51,12 @@ pub enum Unreadable {
     /// index row size, or one message would fail every batch it is in.
     #[error("{0} is longer than {MAX_NAME_CHARS} characters")]
     TooLong(&'static str),
+    /// A batched publish (`<prefix>/batches/...`) that cannot be read as a
+    /// whole: bad compression, neither a JSON nor a postcard batch, or over
+    /// the bounds of [`super::unbatch`]; the reason says which. None of its
+    /// events is stored.
+    #[error("unreadable batch: {0}")]
+    Batch(String),
 }
 
 /// The longest device id or stream name accepted: the agent's own limit on

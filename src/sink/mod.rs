@@ -7,6 +7,8 @@
 //! ```
 //!
 //! - [`message`]: payload → columns and digest (pure);
+//! - [`unbatch`]: a batched publish (`<prefix>/batches/...`, maybe lz4 or
+//!   zstd) into one delivery item per event (pure);
 //! - [`batch`]: what became of each delivery, and when a batch is due (pure);
 //! - [`consume`]: the MQTT session, batches, acknowledgements;
 //! - [`sqlite`]: the single-machine store (rigs and tests);
@@ -34,6 +36,7 @@ pub mod pg_tls;
 pub mod postgres;
 pub mod sqlite;
 pub mod stats;
+pub mod unbatch;
 
 pub use consume::{run, SinkOptions};
 pub use sqlite::{envelope_identity, SinkDb};

@@ -93,6 +93,12 @@ impl Store for SinkDb {
             .map_err(fatal)?;
         let mut delta = SinkStats::default();
         for it in items {
+            // A batch that could not be unpacked: its bytes are no envelope,
+            // whatever they happen to parse as.
+            if let Err(super::message::Unreadable::Batch(_)) = &it.read {
+                delta.unreadable += 1;
+                continue;
+            }
             delta += store_in(&tx, &it.topic, &it.payload, now_ms)
                 .map_err(fatal)?
                 .1;

@@ -22,6 +22,7 @@ mod pgtls;
 mod priority;
 mod refusals;
 mod replay;
+mod sink_batches;
 mod spool;
 mod storage;
 mod systemd;

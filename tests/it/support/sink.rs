@@ -39,6 +39,22 @@ impl SinkProc {
         dir: &Path,
         extra: &[&str],
     ) -> SinkProc {
+        let mut args = vec!["--postgres", conninfo, "--client-id", id, "--share", group];
+        args.extend_from_slice(extra);
+        SinkProc::launch(port, filter, id, dir, &args)
+    }
+
+    /// A sink storing into the SQLite file `db`, under client id `id` (a
+    /// persistent session: a sink started again with the same id gets what
+    /// the broker holds unacknowledged).
+    pub fn spawn_sqlite(port: u16, filter: &str, db: &Path, id: &str, dir: &Path) -> SinkProc {
+        let db = db.to_str().expect("UTF-8 path");
+        SinkProc::launch(port, filter, id, dir, &["--db", db, "--client-id", id])
+    }
+
+    /// `edgespool sink --url .. --topic FILTER ARGS..`, logging to
+    /// `dir/ID-N.log` (the first N not taken).
+    fn launch(port: u16, filter: &str, id: &str, dir: &Path, args: &[&str]) -> SinkProc {
         let n = (1..)
             .find(|n| !dir.join(format!("{id}-{n}.log")).exists())
             .expect("a free log name");
@@ -52,8 +68,7 @@ impl SinkProc {
                 "--topic",
                 filter,
             ])
-            .args(["--postgres", conninfo, "--client-id", id, "--share", group])
-            .args(extra)
+            .args(args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(f.try_clone().expect("clone log"))
