@@ -136,8 +136,8 @@ pub fn decompress(c: Compression, payload: &[u8]) -> Result<Cow<'_, [u8]>, Strin
                 ));
             }
             let mut src = payload;
-            let dec =
-                ruzstd::decoding::StreamingDecoder::new(&mut src).map_err(|e| format!("zstd frame: {e}"))?;
+            let dec = ruzstd::decoding::StreamingDecoder::new(&mut src)
+                .map_err(|e| format!("zstd frame: {e}"))?;
             let out = bounded(dec, "zstd")?;
             if !src.is_empty() {
                 return Err(format!("{} bytes after the zstd frame", src.len()));
