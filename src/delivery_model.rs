@@ -8,10 +8,14 @@
 //! requeue and retention, against a small reference model.
 //!
 //! The driver does what the MQTT thread and the delivery thread do
-//! (publisher.rs, mqtt.rs) in one thread: offer rows from the spool in row-id
-//! order from a cursor reset at each new connection, skip rows acknowledged
-//! but not yet committed, group-commit attempts and retirements, commit them
-//! before a replay, and drop the map on any inconsistency. The simulated
+//! (publisher.rs, mqtt.rs) in one thread: offer rows from the spool through
+//! the real delivery lanes ([`crate::lanes`]: stream `s0` at priority 100,
+//! the others 0, a 34% share for the lower priority, all reset at each new
+//! connection), gather stream `s1`'s rows into batches of up to three that
+//! one packet id carries and one PUBACK retires ([`crate::batching`]), skip
+//! rows acknowledged but not yet committed, group-commit attempts and
+//! retirements, commit them before a replay, and drop the map on any
+//! inconsistency. The simulated
 //! client gives packet ids as rumqttc does (cycling `1..=PKIDS`, a publish
 //! held while its id is still outstanding) and the simulated broker
 //! acknowledges what it received, in any order.
@@ -27,8 +31,10 @@
 //! - **I3** an event's id and payload bytes never change, across replays,
 //!   restarts and requeues; no event id is issued twice, and each stream's
 //!   sequence numbers are 1..=n, each once, across restarts;
-//! - **I7** first offers in an epoch go in row-id order, and the first offer
-//!   after a replay is the oldest unresolved row (none skipped).
+//! - **I7** first offers of a stream in an epoch go in row-id order, and the
+//!   first offer of a stream after a replay is its oldest unresolved row
+//!   (none skipped); `live_first` (which reorders a stream on purpose) is
+//!   out of the model.
 //!
 //! Out of the model: a duplicate PUBACK delivered after its packet id was
 //! given to another publish. The client cannot tell it from that publish's
@@ -112,7 +118,12 @@ enum Status {
 struct RowModel {
     status: Status,
     event_id: Option<String>,
+    stream: String,
 }
+
+/// Stream whose rows go out in batches, and how many per batch.
+const BATCHED: &str = "s1";
+const BATCH: usize = 3;
 
 struct World {
     _dir: tempfile::TempDir,
@@ -130,13 +141,18 @@ struct World {
     seqs: HashMap<String, BTreeSet<u64>>,
     // The delivery thread.
     epoch: u64,
-    cursor: i64,
+    lanes: crate::lanes::Lanes,
+    /// Rows of the batched stream waiting for their batch.
+    pending: Vec<i64>,
+    /// Every publish's rows, by its handle (the first row).
+    batches: HashMap<i64, Vec<i64>>,
+    /// Publishes (handles) offered, not yet submitted.
     ready: VecDeque<i64>,
     retiring: BTreeSet<i64>,
     to_mark: Vec<i64>,
     to_retire: Vec<i64>,
-    /// Highest row first offered in this epoch; `None` before the first.
-    last_offer: Option<i64>,
+    /// Highest row first offered in this epoch, per stream.
+    last_offer: HashMap<String, i64>,
     // The simulated client and broker.
     channel: VecDeque<i64>,
     next_pkid: u16,
@@ -150,7 +166,10 @@ impl World {
     fn new() -> World {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("spool.db");
-        let spool = Spool::open(&path, &SpoolOptions::default()).unwrap();
+        let mut spool = Spool::open(&path, &SpoolOptions::default()).unwrap();
+        spool
+            .set_priorities(&[("s0".to_owned(), 100)].into())
+            .unwrap();
         World {
             _dir: dir,
             path,
@@ -163,12 +182,14 @@ impl World {
             payloads: HashMap::new(),
             seqs: HashMap::new(),
             epoch: 0,
-            cursor: 0,
+            lanes: crate::lanes::Lanes::new(34, Default::default()),
+            pending: Vec::new(),
+            batches: HashMap::new(),
             ready: VecDeque::new(),
             retiring: BTreeSet::new(),
             to_mark: Vec::new(),
             to_retire: Vec::new(),
-            last_offer: None,
+            last_offer: HashMap::new(),
             channel: VecDeque::new(),
             next_pkid: 1,
             wire: BTreeMap::new(),
@@ -220,6 +241,7 @@ impl World {
                         RowModel {
                             status: Status::Unresolved,
                             event_id: None,
+                            stream: name.clone(),
                         },
                     );
                     self.next_id += 1;
@@ -243,7 +265,7 @@ impl World {
                 let row = self.channel.pop_front().unwrap();
                 assert_eq!(self.map.on_outgoing_publish(pkid), Ok(()));
                 self.wire.insert(pkid, row);
-                self.to_mark.push(row);
+                self.to_mark.extend(self.members(row));
             }
             Op::BrokerAck(i) => {
                 if self.wire.is_empty() {
@@ -267,8 +289,10 @@ impl World {
                     Ok(row),
                     "PUBACK {pkid} matched to a wrong row"
                 );
-                self.to_retire.push(row);
-                self.retiring.insert(row);
+                // One PUBACK retires every row its publish carried.
+                let rows = self.members(row);
+                self.to_retire.extend(&rows);
+                self.retiring.extend(rows);
                 if duplicate {
                     assert_eq!(
                         self.map.on_puback(pkid),
@@ -306,12 +330,23 @@ impl World {
                 self.to_retire.clear();
                 self.retiring.clear();
                 self.spool = Spool::open(&self.path, &SpoolOptions::default()).unwrap();
+                // What the agent does at every start.
+                self.spool
+                    .set_priorities(&[("s0".to_owned(), 100)].into())
+                    .unwrap();
                 self.ids = EventIdGen::new().unwrap();
                 self.new_epoch();
             }
             Op::Fail(i) => {
-                let in_flight: BTreeSet<i64> =
-                    self.map.rows().chain(self.ready.iter().copied()).collect();
+                let handles: Vec<i64> = self.map.rows().chain(self.ready.iter().copied()).collect();
+                let in_flight: BTreeSet<i64> = handles
+                    .into_iter()
+                    .flat_map(|h| self.members(h))
+                    .chain(self.pending.iter().copied())
+                    // Read ahead by the delivery thread: only it marks
+                    // rows FAILED, never one it holds behind its back.
+                    .chain(self.lanes.buffered_ids())
+                    .collect();
                 let candidates: Vec<i64> = self
                     .unresolved()
                     .filter(|id| !in_flight.contains(id) && !self.retiring.contains(id))
@@ -340,6 +375,7 @@ impl World {
                         RowModel {
                             status: Status::Unresolved,
                             event_id: old.event_id,
+                            stream: old.stream,
                         },
                     );
                     self.next_id += 1;
@@ -368,50 +404,90 @@ impl World {
         }
     }
 
-    /// The delivery thread's fill: rows from the cursor, in row-id order.
+    /// The rows publish `handle` carries.
+    fn members(&self, handle: i64) -> Vec<i64> {
+        self.batches
+            .get(&handle)
+            .cloned()
+            .unwrap_or_else(|| vec![handle])
+    }
+
+    /// The delivery thread's fill: publishes from the lanes until the
+    /// window is full.
     fn fill(&mut self) {
         while self.map.len() < WINDOW {
-            let row = match self.ready.pop_front() {
+            let handle = match self.ready.pop_front() {
+                Some(h) => h,
+                None => match self.next_publish() {
+                    Some(h) => h,
+                    None => return,
+                },
+            };
+            self.map.submitted(handle).unwrap();
+            self.channel.push_back(handle);
+        }
+    }
+
+    /// The next publish: a row, or a batch of the batched stream (full, or
+    /// what there is once no row is left to read).
+    fn next_publish(&mut self) -> Option<i64> {
+        loop {
+            let row = match self.lanes.pick() {
                 Some(r) => r,
                 None => {
-                    let rows = self.spool.sendable(self.cursor, 1).unwrap();
-                    let Some(r) = rows.into_iter().next() else {
-                        return;
-                    };
-                    self.cursor = r.id;
-                    assert!(r.digest_ok(), "row {} fails its digest", r.id);
-                    let m = &self.rows[&r.id];
-                    assert_eq!(
-                        m.event_id.as_deref(),
-                        Some(r.event_id.as_str()),
-                        "event id of row {} changed",
-                        r.id
-                    );
-                    assert_eq!(
-                        self.payloads[&r.event_id], r.payload,
-                        "payload of {} changed",
-                        r.event_id
-                    );
-                    if self.retiring.contains(&r.id) {
-                        continue;
+                    self.lanes.refill(&self.spool).unwrap();
+                    match self.lanes.pick() {
+                        Some(r) => r,
+                        None => return self.close_batch(),
                     }
-                    // I7: first offers in order; the first after a replay is
-                    // the oldest unresolved row.
-                    match self.last_offer {
-                        Some(last) => assert!(r.id > last, "row {} offered after {last}", r.id),
-                        None => assert_eq!(
-                            Some(r.id),
-                            self.unresolved().find(|id| !self.retiring.contains(id)),
-                            "the replay skipped a row"
-                        ),
-                    }
-                    self.last_offer = Some(r.id);
-                    r.id
                 }
             };
-            self.map.submitted(row).unwrap();
-            self.channel.push_back(row);
+            assert!(row.digest_ok(), "row {} fails its digest", row.id);
+            let m = &self.rows[&row.id];
+            assert_eq!(m.stream, row.stream, "row {}: stream", row.id);
+            assert_eq!(
+                m.event_id.as_deref(),
+                Some(row.event_id.as_str()),
+                "event id of row {} changed",
+                row.id
+            );
+            assert_eq!(
+                self.payloads[&row.event_id], row.payload,
+                "payload of {} changed",
+                row.event_id
+            );
+            if self.retiring.contains(&row.id) {
+                continue;
+            }
+            // I7 per stream: first offers in order; the first after a
+            // replay is the stream's oldest unresolved row.
+            match self.last_offer.get(&row.stream) {
+                Some(&last) => assert!(row.id > last, "row {} offered after {last}", row.id),
+                None => assert_eq!(
+                    Some(row.id),
+                    self.unresolved().find(
+                        |id| self.rows[id].stream == row.stream && !self.retiring.contains(id)
+                    ),
+                    "the replay skipped a row of {}",
+                    row.stream
+                ),
+            }
+            self.last_offer.insert(row.stream.clone(), row.id);
+            if row.stream != BATCHED {
+                return Some(row.id);
+            }
+            self.pending.push(row.id);
+            if self.pending.len() == BATCH {
+                return self.close_batch();
+            }
         }
+    }
+
+    fn close_batch(&mut self) -> Option<i64> {
+        let rows = std::mem::take(&mut self.pending);
+        let first = *rows.first()?;
+        self.batches.insert(first, rows);
+        Some(first)
     }
 
     fn flush(&mut self) {
@@ -451,9 +527,11 @@ impl World {
     fn new_epoch(&mut self) {
         self.map = AckMap::new();
         self.epoch += 1;
-        self.cursor = 0;
+        self.lanes.reset();
+        self.pending.clear();
+        self.batches.clear();
         self.ready.clear();
-        self.last_offer = None;
+        self.last_offer.clear();
         self.channel.clear();
         self.next_pkid = 1;
         self.wire.clear();

@@ -122,6 +122,14 @@ impl Lanes {
             .sum()
     }
 
+    /// The row ids read ahead and not yet picked.
+    pub fn buffered_ids(&self) -> impl Iterator<Item = i64> + '_ {
+        self.levels
+            .values()
+            .flat_map(|l| l.live.iter().chain(l.backlog.iter()))
+            .map(|r| r.id)
+    }
+
     /// Read ahead from `spool` what each lane lacks: priority 0 when its
     /// queue is empty, priorities above 0 and fresh rows up to
     /// [`PREFETCH`] each. One indexed query per lane at most.
@@ -436,5 +444,24 @@ mod tests {
             got,
             [("alarm", 100, 1, Some(1000)), ("tele", 0, 1, Some(1000))]
         );
+    }
+
+    /// Regression (found by the delivery model check): a requeued FAILED
+    /// row was appended again at priority 0, so a priority stream's rows
+    /// were split between two lanes and went out of sequence order.
+    #[test]
+    fn a_requeued_failed_row_keeps_its_streams_priority() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[("alarm", 100)]);
+        append(&mut s, "alarm", 1);
+        append(&mut s, "tele", 2);
+        s.mark_failed(1, "test", "test").unwrap();
+        assert_eq!(s.requeue_failed(None).unwrap(), 1);
+        append(&mut s, "alarm", 1);
+        let mut l = Lanes::new(0, HashSet::new());
+        let order = drain(&mut l, &s);
+        assert_eq!(streams(&order), "aatt", "{order:?}");
+        assert_eq!(order[0].1, 4, "the requeued row, appended again as row 4");
+        assert_eq!(order[1].1, 5);
     }
 }

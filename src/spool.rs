@@ -1330,9 +1330,9 @@ impl Spool {
             };
             for id in &ids {
                 tx.execute(
-                    "INSERT INTO events (stream_id, seq, event_id, created_ms, digest, payload)
-                     SELECT stream_id, seq, event_id, created_ms, digest, payload
-                     FROM events WHERE id = ?1",
+                    "INSERT INTO events (stream_id, seq, event_id, created_ms, digest, payload, prio)
+                     SELECT e.stream_id, e.seq, e.event_id, e.created_ms, e.digest, e.payload, s.prio
+                     FROM events e JOIN streams s ON s.id = e.stream_id WHERE e.id = ?1",
                     params![id],
                 )
                 .map_err(err)?;
