@@ -217,7 +217,7 @@ impl Lanes {
             .collect();
         let top = *waiting.first()?;
         self.picks += 1;
-        let share_turn = self.share_every > 0 && self.picks % self.share_every == 0;
+        let share_turn = self.share_every > 0 && self.picks.is_multiple_of(self.share_every);
         let prio = match &waiting[1..] {
             lower if share_turn && !lower.is_empty() => {
                 self.share_turn = self.share_turn.wrapping_add(1);

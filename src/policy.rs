@@ -114,7 +114,7 @@ pub fn verify(message: &[u8], signature_hex: &str, keys: &[[u8; 32]]) -> Result<
 
 /// Hex text to bytes; `None` unless it is an even number of hex digits.
 pub fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
