@@ -831,3 +831,78 @@ fn a_user_needs_a_root_agent_and_a_known_name() {
         "{problems:?}"
     );
 }
+
+#[test]
+fn priorities_default_by_durability_and_the_agent_streams_come_first() {
+    let text = format!(
+        "{GOOD}[[sources]]\nname = \"alarm\"\nkind = \"system\"\ndurability = \"full\"\n[[sources]]\nname = \"dash\"\nkind = \"system\"\npriority = 7\nlive_first = true\n"
+    );
+    let c = parse(&text, "t.toml", &[]).unwrap();
+    let p = c.stream_priorities();
+    assert_eq!(
+        (
+            p["system"],
+            p["alarm"],
+            p["dash"],
+            p["_commands"],
+            p["_agent"]
+        ),
+        (0, 100, 7, 200, 200)
+    );
+    assert_eq!(c.live_first_streams(), ["dash".to_owned()].into());
+    assert_eq!(c.mqtt.min_share_pct, 10);
+    let e = parse(GOOD, "t.toml", &["mqtt.min_share_pct=60".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("mqtt.min_share_pct: must be 0..=50 (got 60)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn batching_keys_are_checked_by_name() {
+    let src =
+        |extra: &str| format!("{GOOD}[[sources]]\nname = \"tele\"\nkind = \"system\"\n{extra}");
+    let c = parse(
+        &src("batch_max_events = 50\nbatch_max_ms = 30000\ncompression = \"lz4\"\n"),
+        "t.toml",
+        &[],
+    )
+    .unwrap();
+    let b = c.stream_batching()["tele"];
+    assert_eq!(
+        (b.max_events, b.max_wait.as_millis(), b.compression),
+        (50, 30000, crate::batching::Compression::Lz4)
+    );
+    assert!(!c.stream_batching().contains_key("system"));
+    for (extra, want) in [
+        (
+            "batch_max_events = 0\n",
+            "sources[1].batch_max_events: must be 1..=1000 (got 0)",
+        ),
+        (
+            "batch_max_events = 1001\n",
+            "sources[1].batch_max_events: must be 1..=1000 (got 1001)",
+        ),
+        (
+            "batch_max_events = 5\nbatch_max_ms = 600001\n",
+            "sources[1].batch_max_ms: must be 0..=600000",
+        ),
+        (
+            "batch_max_events = 5\ncompression = \"gzip\"\n",
+            "sources[1].compression: must be \"none\", \"lz4\" or \"zstd\" (got \"gzip\")",
+        ),
+        (
+            "compression = \"lz4\"\n",
+            "sources[1].compression: compresses batches: set batch_max_events above 1 too",
+        ),
+        (
+            "batch_max_ms = 10\n",
+            "sources[1].batch_max_ms: applies to batches",
+        ),
+    ] {
+        let e = err(&src(extra)).to_string();
+        assert!(e.contains(want), "{extra}: {e}");
+    }
+}
