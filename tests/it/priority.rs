@@ -15,7 +15,9 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// Rows of `tele` in the backlog; `dash` has one for every nine of them.
 const BACKLOG: usize = 200_000;
+const DASH: usize = BACKLOG / 9;
 
 /// `n` telemetry rows on stream `tele`, about 330 bytes of JSON each,
 /// appended in transactions of 10,000 by the agent's own spool code (what
@@ -35,7 +37,9 @@ fn build_backlog(db: &Path, n: usize) {
                         )
                     })
                     .collect();
-                NewEvent::new("tele", t0 + i as i64 * 1000, true, fields)
+                // One row in ten is of `dash`, a live_first stream.
+                let stream = if i % 10 == 9 { "dash" } else { "tele" };
+                NewEvent::new(stream, t0 + i as i64 * 1000, true, fields)
             })
             .collect();
         spool
@@ -66,6 +70,12 @@ kind = "file"
 path = "{d}/alarm"
 interval_ms = 250
 durability = "full"
+[[sources]]
+name = "dash"
+kind = "file"
+path = "{d}/alarm"
+interval_ms = 250
+live_first = true
 [commands]
 "#
     );
@@ -147,8 +157,11 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     let prefix = crate::prefix("priority");
     let db = dir.path().join("spool.db");
     let t = Instant::now();
-    build_backlog(&db, BACKLOG);
-    println!("backlog of {BACKLOG} rows written in {:?}", t.elapsed());
+    build_backlog(&db, BACKLOG + DASH);
+    println!(
+        "backlog of {BACKLOG} tele and {DASH} dash rows written in {:?}",
+        t.elapsed()
+    );
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
     let results = Subscriber::start(broker.port(), &format!("{prefix}/events/_commands"));
     let cfg = config(dir.path(), &proxy.url(), &prefix);
@@ -250,14 +263,53 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
         .count();
     println!("alarm readings delivered before the backlog finished: {alarms_during}");
 
-    // Nothing left unacknowledged (acknowledged rows may already be purged
-    // by retention): with every telemetry row at the subscriber, no row was
-    // retired without reaching the broker.
-    let counts = crate::support::spool::count_by_state(&db);
+    // live_first: a fresh `dash` reading arrived before `dash`'s own backlog
+    // was through, and the backlog still arrived whole.
+    let dash: Vec<(usize, String, i64)> = deliveries
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.topic.ends_with("/events/dash"))
+        .map(|(i, d)| {
+            (
+                i,
+                crate::event_id(d),
+                d.json()["ts_ms"].as_i64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let backlog: HashSet<&str> = dash
+        .iter()
+        .filter(|d| d.2 < drain_start_ms - 60_000)
+        .map(|d| d.1.as_str())
+        .collect();
+    assert_eq!(backlog.len(), DASH, "dash backlog rows delivered");
+    let last_backlog = dash
+        .iter()
+        .filter(|d| d.2 < drain_start_ms - 60_000)
+        .map(|d| d.0)
+        .max();
+    let first_fresh = dash
+        .iter()
+        .filter(|d| d.2 >= drain_start_ms)
+        .map(|d| d.0)
+        .min();
+    println!("dash (live_first): first fresh reading at delivery {first_fresh:?}, last backlog row at {last_backlog:?}");
     assert!(
-        !counts.contains_key("PENDING")
-            && !counts.contains_key("SENT")
-            && !counts.contains_key("FAILED"),
-        "{counts:?}"
+        first_fresh.zip(last_backlog).is_some_and(|(f, l)| f < l),
+        "no fresh dash reading arrived before dash's backlog finished"
     );
+
+    // No backlog row left unacknowledged (readings taken since may still be
+    // in flight at the clean stop: they stay SENT for the next run), none
+    // FAILED; with every backlog row at the subscriber, none was retired
+    // without reaching the broker.
+    let conn = rusqlite::Connection::open(&db).expect("open");
+    let left: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM event_states WHERE (id <= ?1 AND state <> 'ACKED') OR state = 'FAILED'",
+            [(BACKLOG + DASH) as i64],
+            |r| r.get(0),
+        )
+        .expect("count");
+    assert_eq!(left, 0, "backlog rows not acknowledged, or rows FAILED");
 }
