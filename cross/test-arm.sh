@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The ARM builds under qemu-user: the unit tests cross-compiled for each
 # target, then the delivery, crash-safety, command and MQTT 5 integration
-# tests, and the ingest socket's and the bridge's first test, with
+# tests, and the ingest socket's, the bridge's and the lz4 batches' first test, with
 # the ARM agent binary (run by qemu) against mosquitto on this host, and
 # for armv7 a short network-loss rig schedule.
 #   cross/test-arm.sh              both targets
@@ -31,7 +31,7 @@ for t in "${targets[@]}"; do
   cargo build --target "$t" --bin edgespool --no-default-features
   EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" \
     cargo nextest run --profile ci --test it \
-    -E 'test(/^(delivery|faults|commands|mqtt5)::/) | test(/^ingest::socket_and_tcp/) | test(/^bridge::json_messages/)'
+    -E 'test(/^(delivery|faults|commands|mqtt5)::/) | test(/^ingest::socket_and_tcp/) | test(/^bridge::json_messages/) | test(/^batches::an_lz4/)'
   if [[ "$t" == armv7* ]]; then
     echo "== $t: a short network-loss rig schedule, agent and sink under qemu"
     EDGESPOOL_AGENT_BIN="$tdir/$t/debug/edgespool" EDGESPOOL_AGENT_RUNNER="$runner" RIG_FAULTS=8 \
