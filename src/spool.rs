@@ -1191,22 +1191,9 @@ impl Spool {
             .prepare_cached(SQL_SENDABLE)
             .map_err(|e| self.err(e))?;
         let rows = stmt
-            .query_map(params![after_id, limit as i64], |r| {
-                Ok(OutRow {
-                    id: r.get(0)?,
-                    event_id: r.get(1)?,
-                    stream: r.get(2)?,
-                    payload: r.get(3)?,
-                    digest: r.get(4)?,
-                    prio: r.get::<_, i64>(5)?.clamp(0, 255) as u8,
-                })
-            })
+            .query_map(params![after_id, limit as i64], priority::out_row)
             .map_err(|e| self.err(e))?;
-        let mut out = Vec::with_capacity(limit);
-        for r in rows {
-            out.push(r.map_err(|e| self.err(e))?);
-        }
-        Ok(out)
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
     /// Record a publish attempt for `ids`: the highest becomes the sent mark

@@ -80,7 +80,9 @@ const SQL_OF_STREAMS: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.dige
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
     ORDER BY e.id LIMIT ?4";
 
-fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
+/// An [`OutRow`] from the columns id, event_id, stream name, payload,
+/// digest, prio.
+pub(super) fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
     Ok(OutRow {
         id: r.get(0)?,
         event_id: r.get(1)?,
