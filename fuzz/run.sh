@@ -26,7 +26,7 @@ secs=${1:-60}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(config command overlay replay_csv replay_timestamp sink_envelope spool_open ingest_line bridge_payload)
+  targets=(config command overlay replay_csv replay_timestamp sink_envelope sink_batch spool_open ingest_line bridge_payload)
 fi
 if ! rustup toolchain list | grep -q '^nightly'; then
   rustup toolchain install nightly --profile minimal
@@ -51,7 +51,7 @@ for t in "${targets[@]}"; do
   case "$t" in
     config) extra=(../board-configs ../tests/fixtures/bad-configs); dict=(-dict=dict/toml.dict) ;;
     overlay) dict=(-dict=dict/toml.dict) ;;
-    command | sink_envelope | ingest_line | bridge_payload) dict=(-dict=dict/json.dict) ;;
+    command | sink_envelope | sink_batch | ingest_line | bridge_payload) dict=(-dict=dict/json.dict) ;;
     spool_open) max_len=262144 ;;
   esac
   if [ -n "${FUZZ_RUNS:-}" ]; then
