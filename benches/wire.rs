@@ -244,6 +244,9 @@ fn config(dir: &Path, port: u16, f: Fmt, prefix: &str) -> PathBuf {
         ),
         None => String::new(),
     };
+    // One client id per agent: they share the broker, and a second
+    // CONNECT under the same id takes the session over (MQTT 5 §3.1.4).
+    let client = prefix.replace('/', "-");
     let text = format!(
         r#"device_id = "wire-bench"
 [spool]
@@ -253,6 +256,7 @@ commit_window_ms = 200
 [mqtt]
 url = "mqtt://127.0.0.1:{port}"
 topic_prefix = "{prefix}"
+client_id = "{client}"
 payload_format = "{}"
 keep_alive_secs = 600
 reconnect_min_ms = 100
