@@ -181,7 +181,7 @@ fn print_table(rows: &[(&str, u64, Wire)], drains: &[(&str, f64, f64)], backlog:
             drain
         );
     }
-    println!("(B/rdg: TCP payload bytes per reading, client->broker and broker->client; drain: a {backlog}-row backlog in that format, agent start to the last row acknowledged)");
+    println!("(B/rdg: TCP payload bytes per reading, client->broker and broker->client; drain: a {backlog}-row backlog in that format, agent start (process spawn, through the counting proxy) to no row PENDING or SENT, polled every 100 ms)");
     for (name, _, per_row) in drains {
         println!("  drain {name}: {per_row:.1} TCP payload bytes client->broker per row");
     }
