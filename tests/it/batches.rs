@@ -385,26 +385,52 @@ name = "pump"
     std::fs::write(&cfg, text).expect("write the config");
 
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    // The kill once a third of the rows are acknowledged in the spool (the
+    // agent's side: the sink lags behind the broker).
     let third = (TELE + PUMP) as i64 / 3;
     assert!(
-        wait_for(Duration::from_secs(120), || sink_count(&sink_db) >= third),
-        "the sink stored {} events\n{}\n{}",
-        sink_count(&sink_db),
+        wait_for(Duration::from_secs(120), || acked_through(&spool_db)
+            >= third),
+        "the agent acknowledged through row {}\n{}\n{}",
+        acked_through(&spool_db),
         agent.log_tail(30),
         tail(&sink.log_text(), 20)
     );
     agent.kill9();
-    let (sent, acked): (i64, i64) = rusqlite::Connection::open(&spool_db)
-        .and_then(|c| {
-            c.query_row(
-                "SELECT sent_through, acked_through FROM delivery_mark",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-        })
-        .expect("read the delivery mark");
-    let at_kill = sink_count(&sink_db);
-    println!("SIGKILL with {at_kill} events at the sink; spool as the kill left it: acknowledged through row {acked}, sent through row {sent} (the last mark written; with 50-row batches up to 32 PUBLISHes, 1,600 rows, may be in flight): rows above {acked} without an acknowledgement are sent again");
+    // Let the broker hand the sink what it got before the kill (the sink
+    // count still for a second), then: events the sink holds whose rows
+    // the kill left unacknowledged in the spool must each be sent again by
+    // the restarted agent, so the sink must count at least that many
+    // duplicates.
+    let mut last = -1;
+    wait_for(Duration::from_secs(20), || {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = sink_count(&sink_db);
+        std::mem::replace(&mut last, now) == now
+    });
+    let unacked: HashSet<String> = {
+        let c = rusqlite::Connection::open(&spool_db).expect("open the spool");
+        let mut st = c
+            .prepare("SELECT event_id FROM event_states WHERE state <> 'ACKED'")
+            .expect("prepare");
+        let ids = st
+            .query_map([], |r| r.get(0))
+            .expect("query")
+            .map(|r| r.expect("row"))
+            .collect();
+        ids
+    };
+    assert!(
+        !unacked.is_empty(),
+        "the kill came after the drain: nothing left unacknowledged"
+    );
+    let at_kill = sink_rows(&sink_db);
+    let resent = at_kill.keys().filter(|id| unacked.contains(*id)).count();
+    println!(
+        "SIGKILL with {} events at the sink and {} rows unacknowledged in the spool; {resent} of them already at the sink (each must come again)",
+        at_kill.len(),
+        unacked.len()
+    );
 
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     let all = wait_for(Duration::from_secs(240), || {
@@ -449,10 +475,36 @@ name = "pump"
         got.len()
     );
     assert_eq!(first as usize, want.len());
+    // The topics of the first deliveries: `pump` alone, `tele` in lz4 batches.
+    let topics: HashMap<String, i64> = {
+        let c = rusqlite::Connection::open(&sink_db).expect("open the sink store");
+        let mut st = c
+            .prepare("SELECT topic, count(*) FROM received GROUP BY topic")
+            .expect("prepare");
+        let rows = st
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("query")
+            .map(|r| r.expect("row"))
+            .collect();
+        rows
+    };
+    println!("first deliveries by topic: {topics:?}");
+    let on = |t: &str| topics.get(&format!("{prefix}/{t}")).copied().unwrap_or(0);
+    assert_eq!(on("events/pump"), PUMP as i64, "{topics:?}");
+    assert!(on("batches/tele/lz4") >= TELE as i64 / 2, "{topics:?}");
+    assert_eq!(
+        on("batches/tele/lz4") + on("events/tele"),
+        TELE as i64,
+        "{topics:?}"
+    );
     assert_eq!((mismatches, unreadable), (0, 0));
     assert_eq!(
         duplicates as i64,
         deliveries - got.len() as i64,
         "the sink's duplicate count matches its per-event delivery counts"
+    );
+    assert!(
+        duplicates as usize >= resent,
+        "{resent} events re-sent after the kill, {duplicates} duplicates counted"
     );
 }
