@@ -4,13 +4,14 @@
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
+use crate::support::sink::{SinkProc, BROKER_EXTRA};
 use crate::support::subscriber::{Delivery, Subscriber};
-use crate::support::wait_for;
+use crate::support::{tail, wait_for};
 use edgespool::envelope::{EventIdGen, Format};
 use edgespool::source::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::cell::RefCell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::path::Path;
 use std::time::Duration;
@@ -251,4 +252,259 @@ fn an_lz4_batched_backlog_drains_across_a_kill() {
 #[test]
 fn a_zstd_batched_backlog_drains_across_a_kill() {
     drain_batched("zstd");
+}
+
+/// `tele` rows (batched, lz4) and `pump` rows (single events), appended in
+/// alternating chunks; returns event id -> the payload the spool stored.
+fn build_mixed_backlog(db: &Path, tele: usize, pump: usize) -> HashMap<String, Vec<u8>> {
+    let mut spool = Spool::open(db, &SpoolOptions::default()).expect("open the spool");
+    let mut ids = EventIdGen::new().expect("event ids");
+    let t0 = 1_800_000_000_000i64;
+    let (mut t, mut p) = (0, 0);
+    while t < tele || p < pump {
+        let mut evs = Vec::new();
+        for (stream, done, total, step) in
+            [("tele", &mut t, tele, 1000), ("pump", &mut p, pump, 300)]
+        {
+            let end = (*done + step).min(total);
+            evs.extend((*done..end).map(|i| {
+                let fields = (0..8)
+                    .map(|f| {
+                        (
+                            format!("{stream}_{f}"),
+                            FieldValue::Num(i as f64 + f as f64 / 8.0),
+                        )
+                    })
+                    .collect();
+                NewEvent::new(stream, t0 + i as i64 * 1000, true, fields)
+            }));
+            *done = end;
+        }
+        spool
+            .append(&evs, &mut ids, "batch-board", Format::Json, t0)
+            .expect("append the backlog");
+    }
+    let conn = rusqlite::Connection::open(db).expect("open");
+    let mut st = conn
+        .prepare("SELECT event_id, payload FROM events")
+        .expect("prepare");
+    let rows = st
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .expect("query")
+        .map(|r| r.expect("row"))
+        .collect();
+    rows
+}
+
+/// event id -> (payload, deliveries) in the sink's SQLite store.
+fn sink_rows(db: &Path) -> HashMap<String, (Vec<u8>, i64)> {
+    let Ok(c) =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    else {
+        return HashMap::new();
+    };
+    let Ok(mut st) = c.prepare("SELECT event_id, payload, deliveries FROM received") else {
+        return HashMap::new();
+    };
+    st.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
+        .and_then(|rows| rows.collect())
+        .unwrap_or_default()
+}
+
+fn sink_count(db: &Path) -> i64 {
+    rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .and_then(|c| c.query_row("SELECT count(*) FROM received", [], |r| r.get(0)))
+        .unwrap_or(0)
+}
+
+/// The numbers of the sink's last `sink: first N duplicates N mismatches N
+/// unreadable N` line.
+fn sink_totals(log: &str) -> [u64; 4] {
+    let line = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("sink: first "))
+        .unwrap_or_else(|| panic!("no totals line in the sink log:\n{}", tail(log, 20)));
+    let rest = &line[line.find("sink: first ").expect("found above")..];
+    let nums: Vec<u64> = rest
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    nums.try_into()
+        .unwrap_or_else(|n| panic!("unexpected totals line {line:?}: {n:?}"))
+}
+
+/// The agent drains a backlog of lz4 batches (`tele`) beside single events
+/// (`pump`) into the real `edgespool sink` (SQLite store, `<prefix>/events/#`,
+/// which subscribes the batches too), with a SIGKILL of the agent mid-drain
+/// (a process kill: the page cache survives; not a power cut). The sink
+/// holds every event once, with the spool's bytes, and counts re-sends as
+/// duplicates.
+#[test]
+fn the_sink_stores_an_lz4_batched_and_a_single_stream_once_across_an_agent_kill() {
+    const TELE: usize = 10_000;
+    const PUMP: usize = 3_000;
+    let broker = Broker::start_with_config(BROKER_EXTRA);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("batches-sink");
+    let spool_db = dir.path().join("spool.db");
+    let want = build_mixed_backlog(&spool_db, TELE, PUMP);
+    assert_eq!(want.len(), TELE + PUMP);
+
+    let sink_db = dir.path().join("sink.db");
+    let filter = format!("{prefix}/events/#");
+    let mut sink =
+        SinkProc::spawn_sqlite(broker.port(), &filter, &sink_db, "mixed-sink", dir.path());
+    sink.wait_subscribed();
+
+    let d = dir.path().display();
+    let cfg = dir.path().join("board.toml");
+    let text = format!(
+        r#"device_id = "batch-board"
+[spool]
+path = "{d}/spool.db"
+commit_window_ms = 200
+[mqtt]
+url = "mqtt://127.0.0.1:{}"
+topic_prefix = "{prefix}"
+reconnect_min_ms = 100
+reconnect_max_ms = 500
+connect_timeout_secs = 2
+[ingest]
+socket = "{d}/ingest.sock"
+[[ingest.streams]]
+name = "tele"
+batch_max_events = 50
+batch_max_ms = 500
+compression = "lz4"
+[[ingest.streams]]
+name = "pump"
+"#,
+        broker.port()
+    );
+    std::fs::write(&cfg, text).expect("write the config");
+
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    // The kill once a third of the rows are acknowledged in the spool (the
+    // agent's side: the sink lags behind the broker).
+    let third = (TELE + PUMP) as i64 / 3;
+    assert!(
+        wait_for(Duration::from_secs(120), || acked_through(&spool_db)
+            >= third),
+        "the agent acknowledged through row {}\n{}\n{}",
+        acked_through(&spool_db),
+        agent.log_tail(30),
+        tail(&sink.log_text(), 20)
+    );
+    agent.kill9();
+    // Let the broker hand the sink what it got before the kill (the sink
+    // count still for a second), then: events the sink holds whose rows
+    // the kill left unacknowledged in the spool must each be sent again by
+    // the restarted agent, so the sink must count at least that many
+    // duplicates.
+    let mut last = -1;
+    wait_for(Duration::from_secs(20), || {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = sink_count(&sink_db);
+        std::mem::replace(&mut last, now) == now
+    });
+    let unacked: HashSet<String> = {
+        let c = rusqlite::Connection::open(&spool_db).expect("open the spool");
+        let mut st = c
+            .prepare("SELECT event_id FROM event_states WHERE state <> 'ACKED'")
+            .expect("prepare");
+        let ids = st
+            .query_map([], |r| r.get(0))
+            .expect("query")
+            .map(|r| r.expect("row"))
+            .collect();
+        ids
+    };
+    assert!(
+        !unacked.is_empty(),
+        "the kill came after the drain: nothing left unacknowledged"
+    );
+    let at_kill = sink_rows(&sink_db);
+    let resent = at_kill.keys().filter(|id| unacked.contains(*id)).count();
+    println!(
+        "SIGKILL with {} events at the sink and {} rows unacknowledged in the spool; {resent} of them already at the sink (each must come again)",
+        at_kill.len(),
+        unacked.len()
+    );
+
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let all = wait_for(Duration::from_secs(240), || {
+        sink_count(&sink_db) as usize >= want.len()
+            && crate::support::spool::count_by_state(&spool_db)
+                .keys()
+                .all(|s| s == "ACKED")
+    });
+    assert!(
+        all,
+        "the sink stored {} of {} events; spool {:?}\n{}",
+        sink_count(&sink_db),
+        want.len(),
+        crate::support::spool::count_by_state(&spool_db),
+        agent.log_tail(40)
+    );
+    agent.terminate(Duration::from_secs(20));
+    // Every PUBACK the agent got left the sink's broker queue; wait for the
+    // sink to commit what is still in flight to it, then stop it.
+    std::thread::sleep(Duration::from_secs(2));
+    sink.terminate();
+
+    let got = sink_rows(&sink_db);
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "events stored (one row per event id)"
+    );
+    for (id, payload) in &want {
+        let (stored, _) = got
+            .get(id)
+            .unwrap_or_else(|| panic!("event {id} not at the sink"));
+        assert_eq!(
+            stored, payload,
+            "event {id}: the sink's bytes differ from the spool's"
+        );
+    }
+    let deliveries: i64 = got.values().map(|v| v.1).sum();
+    let [first, duplicates, mismatches, unreadable] = sink_totals(&sink.log_text());
+    println!(
+        "sink: {first} first deliveries, {duplicates} duplicates, {mismatches} mismatches, {unreadable} unreadable; {deliveries} deliveries stored for {} events",
+        got.len()
+    );
+    assert_eq!(first as usize, want.len());
+    // The topics of the first deliveries: `pump` alone, `tele` in lz4 batches.
+    let topics: HashMap<String, i64> = {
+        let c = rusqlite::Connection::open(&sink_db).expect("open the sink store");
+        let mut st = c
+            .prepare("SELECT topic, count(*) FROM received GROUP BY topic")
+            .expect("prepare");
+        let rows = st
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("query")
+            .map(|r| r.expect("row"))
+            .collect();
+        rows
+    };
+    println!("first deliveries by topic: {topics:?}");
+    let on = |t: &str| topics.get(&format!("{prefix}/{t}")).copied().unwrap_or(0);
+    assert_eq!(on("events/pump"), PUMP as i64, "{topics:?}");
+    assert!(on("batches/tele/lz4") >= TELE as i64 / 2, "{topics:?}");
+    assert_eq!(
+        on("batches/tele/lz4") + on("events/tele"),
+        TELE as i64,
+        "{topics:?}"
+    );
+    assert_eq!((mismatches, unreadable), (0, 0));
+    assert_eq!(
+        duplicates as i64,
+        deliveries - got.len() as i64,
+        "the sink's duplicate count matches its per-event delivery counts"
+    );
+    assert!(
+        duplicates as usize >= resent,
+        "{resent} events re-sent after the kill, {duplicates} duplicates counted"
+    );
 }
