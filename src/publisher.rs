@@ -233,6 +233,9 @@ impl Delivery {
             [] => return,
             [one] => *one,
             _ => {
+                if let Some(cap) = self.batcher.quick_loss(in_flight, self.largest_acked) {
+                    log::warn!("delivery: the connection dropped with a batch larger than any packet the broker acknowledged in flight: batches now at most {cap} bytes per PUBLISH; set mqtt.max_packet_bytes to the broker's limit");
+                }
                 if self.probing.is_none() {
                     log::warn!("delivery: connections drop soon after CONNACK with rows in flight; sending one row at a time to find a row the broker refuses");
                     self.link.probe(true);
@@ -491,6 +494,9 @@ impl Delivery {
         if let Some(l) = self.learned_limit {
             packet = packet.min(l.saturating_sub(1));
         }
+        if let Some(c) = self.batcher.cap() {
+            packet = packet.min(c);
+        }
         // Fixed header and Remaining Length: at most 5 bytes.
         let overhead = publish_packet_size(self.batcher.topic_len(stream), 0)
             + crate::mqtt::publish_extra(self.cfg.protocol, false)
@@ -505,6 +511,9 @@ impl Delivery {
     fn note_size(&mut self, r: &Ready) {
         let extra = crate::mqtt::publish_extra(self.cfg.protocol, r.members.is_empty());
         let size = publish_packet_size(r.topic.len(), r.payload.len() + extra);
+        if !r.members.is_empty() {
+            self.batcher.offered(r.row, size);
+        }
         if self.offered_size.len() < 4 * crate::ack::MAX_WINDOW {
             self.offered_size.insert(r.row, size);
         }

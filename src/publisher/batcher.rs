@@ -23,6 +23,12 @@ pub(super) struct Batcher {
     specs: HashMap<String, BatchSpec>,
     pending: HashMap<String, Pending<Row>>,
     prefix: String,
+    /// Whole-packet size of each batch offered in this epoch, by its first
+    /// row (forgotten at a lost connection).
+    offered: HashMap<i64, usize>,
+    /// A bound on batch packets learned from dropped connections (see
+    /// [`Batcher::quick_loss`]); kept for the run.
+    cap: Option<usize>,
 }
 
 impl Batcher {
@@ -33,7 +39,45 @@ impl Batcher {
             specs,
             pending: HashMap::new(),
             prefix: prefix.to_owned(),
+            offered: HashMap::new(),
+            cap: None,
         }
+    }
+
+    /// Note the packet size of an offered batch (first row `row`).
+    pub(super) fn offered(&mut self, row: i64, size: usize) {
+        if self.offered.len() < 4 * crate::ack::MAX_WINDOW {
+            self.offered.insert(row, size);
+        }
+    }
+
+    /// The connection dropped soon after CONNACK with `in_flight` rows
+    /// unacknowledged. A broker's packet limit drops the connection on a
+    /// batch over it (MQTT 3.1.1 has no other way to say so), and rows sent
+    /// one at a time never find the culprit: each row fits alone. So when a
+    /// batch larger than any packet acknowledged (`largest_acked`) was in
+    /// flight, batches are held to half its size from then on (a few
+    /// halvings reach any limit; single rows are not affected). Forgets
+    /// the sizes of this epoch's batches either way. Returns the new bound
+    /// when it changed, for the log.
+    pub(super) fn quick_loss(&mut self, in_flight: &[i64], largest_acked: usize) -> Option<usize> {
+        let biggest = in_flight
+            .iter()
+            .filter_map(|r| self.offered.get(r).copied())
+            .max();
+        self.offered.clear();
+        let size = biggest.filter(|&s| s > largest_acked)?;
+        let cap = (size / 2).max(1);
+        if self.cap.is_some_and(|c| c <= cap) {
+            return None;
+        }
+        self.cap = Some(cap);
+        Some(cap)
+    }
+
+    /// The learned bound on batch packets, if any.
+    pub(super) fn cap(&self) -> Option<usize> {
+        self.cap
     }
 
     /// The batching of `stream`, if it is batched.
@@ -117,9 +161,11 @@ impl Batcher {
             .min()
     }
 
-    /// Forget every waiting row (a lost connection: they are read again).
+    /// Forget every waiting row (a lost connection: they are read again)
+    /// and the sizes of the batches offered.
     pub(super) fn clear(&mut self) {
         self.pending.clear();
+        self.offered.clear();
     }
 
     /// One PUBLISH for `p`: a batch of two or more rows, a single row as
@@ -215,6 +261,25 @@ mod tests {
         let out = b.add(row(3, "t", "\u{1}postcard"), spec(10), 200);
         assert_eq!(out.len(), 1, "a format change closes the JSON batch");
         assert_eq!(out[0].row, 2);
+    }
+
+    #[test]
+    fn a_batch_in_flight_at_a_quick_disconnect_halves_the_batch_bound() {
+        let mut b = Batcher::new("p", [("t".to_owned(), spec(3))].into());
+        b.offered(1, 9_000);
+        b.offered(60, 300);
+        // Rows 1..=50 were the batch, 60 a single row.
+        let in_flight: Vec<i64> = (1..=50).chain([60]).collect();
+        assert_eq!(b.quick_loss(&in_flight, 2_500), Some(4_500));
+        assert_eq!(b.cap(), Some(4_500));
+        b.offered(70, 4_400);
+        assert_eq!(b.quick_loss(&[70, 71], 2_500), Some(2_200));
+        // No batch in flight, or one no larger than a packet acknowledged:
+        // the bound stays.
+        assert_eq!(b.quick_loss(&[80], 2_500), None);
+        b.offered(90, 2_100);
+        assert_eq!(b.quick_loss(&[90, 91], 2_500), None);
+        assert_eq!(b.cap(), Some(2_200));
     }
 
     #[test]

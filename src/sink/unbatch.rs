@@ -58,17 +58,23 @@ pub enum TopicKind {
 /// Read a topic. A stream name never holds '/', so a batch topic has
 /// `batches` as its second-to-last level, or third-to-last with a
 /// compression level after the stream. The compressed form is tried first:
-/// `a/batches/batches/lz4` is an lz4 batch of stream `batches`.
+/// `a/batches/batches/lz4` is an lz4 batch of stream `batches`. A topic
+/// whose second-to-last level is `events` is a single event even when a
+/// level of the prefix is `batches` (`site/batches/events/tele`: without
+/// this rule it read as a batch in an unknown encoding `tele`, and the
+/// event was acknowledged and not stored). One ambiguity is left: a
+/// single event of a stream named `lz4` or `zstd` under a prefix ending in
+/// `batches` reads as a compressed batch of stream `events` (unreadable,
+/// counted, named in the log).
 pub fn topic_kind(topic: &str) -> TopicKind {
     let levels: Vec<&str> = topic.rsplitn(4, '/').collect();
     // Reversed: levels[0] is the last level.
     match levels.as_slice() {
-        [last, _stream, "batches", ..] => match *last {
-            "lz4" => TopicKind::Batch(Compression::Lz4),
-            "zstd" => TopicKind::Batch(Compression::Zstd),
-            other => TopicKind::UnknownEncoding(other.to_owned()),
-        },
+        ["lz4", _stream, "batches", ..] => TopicKind::Batch(Compression::Lz4),
+        ["zstd", _stream, "batches", ..] => TopicKind::Batch(Compression::Zstd),
+        [_stream, "events", ..] => TopicKind::Single,
         [_stream, "batches", ..] => TopicKind::Batch(Compression::None),
+        [last, _stream, "batches", ..] => TopicKind::UnknownEncoding((*last).to_owned()),
         _ => TopicKind::Single,
     }
 }
@@ -197,8 +203,50 @@ fn bounded(r: impl Read, what: &str) -> Result<Vec<u8>, String> {
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct JsonBatch<'a> {
-    #[serde(borrow)]
-    batch: Vec<&'a serde_json::value::RawValue>,
+    #[serde(borrow, deserialize_with = "bounded_events")]
+    batch: Bounded<'a>,
+}
+
+/// The first [`MAX_EVENTS`] elements of a JSON array and how many it held.
+struct Bounded<'a> {
+    kept: Vec<&'a serde_json::value::RawValue>,
+    total: usize,
+}
+
+/// Keep at most [`MAX_EVENTS`] elements and skip (count, never store) the
+/// rest, so a 16 MiB `[0,0,0,...]` costs no more memory than 1,000
+/// elements (storing every element cost 16 bytes per element: 128 MiB for
+/// an 8-million-element array that a 64 KiB lz4 frame inflates to).
+fn bounded_events<'de, D>(d: D) -> Result<Bounded<'de>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    struct V;
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = Bounded<'de>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an array of events")
+        }
+        fn visit_seq<A>(self, mut seq: A) -> Result<Bounded<'de>, A::Error>
+        where
+            A: serde::de::SeqAccess<'de>,
+        {
+            let mut kept = Vec::new();
+            let mut total = 0usize;
+            while total < MAX_EVENTS {
+                match seq.next_element::<&'de serde_json::value::RawValue>()? {
+                    Some(e) => kept.push(e),
+                    None => return Ok(Bounded { kept, total }),
+                }
+                total += 1;
+            }
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                total += 1;
+            }
+            Ok(Bounded { kept, total })
+        }
+    }
+    d.deserialize_seq(V)
 }
 
 /// The events of an uncompressed batch, each its exact bytes: a JSON batch
@@ -209,7 +257,13 @@ struct JsonBatch<'a> {
 pub fn split(plain: &[u8]) -> Result<Vec<&[u8]>, String> {
     let events: Vec<&[u8]> = if plain.first() == Some(&b'{') {
         match serde_json::from_slice::<JsonBatch<'_>>(plain) {
-            Ok(b) => b.batch.iter().map(|r| r.get().as_bytes()).collect(),
+            Ok(b) if b.batch.total > MAX_EVENTS => {
+                return Err(format!(
+                    "{} events in one batch (at most {MAX_EVENTS})",
+                    b.batch.total
+                ))
+            }
+            Ok(b) => b.batch.kept.iter().map(|r| r.get().as_bytes()).collect(),
             Err(json) => split_postcard(plain)
                 .map_err(|pc| format!("neither a JSON batch ({json}) nor a postcard one ({pc})"))?,
         }
@@ -231,6 +285,16 @@ pub fn split(plain: &[u8]) -> Result<Vec<&[u8]>, String> {
 /// Postcard `Vec<&[u8]>`: serde's `&[u8]` goes through `deserialize_bytes`,
 /// which postcard reads as varint length + bytes, borrowed from `plain`.
 fn split_postcard(plain: &[u8]) -> Result<Vec<&[u8]>, String> {
+    // The count first: serde's Vec grows with the elements it reads (1 byte
+    // each at least, 16 bytes each in the Vec), so a 16 MiB run of empty
+    // strings cost 256 MiB before the count was checked.
+    let (count, _) = postcard::take_from_bytes::<usize>(plain)
+        .map_err(|e| format!("not a postcard batch: {e}"))?;
+    if count > MAX_EVENTS {
+        return Err(format!(
+            "{count} events in one batch (at most {MAX_EVENTS})"
+        ));
+    }
     let (events, rest) = postcard::take_from_bytes::<Vec<&[u8]>>(plain)
         .map_err(|e| format!("not a postcard batch: {e}"))?;
     if !rest.is_empty() {
@@ -358,6 +422,46 @@ mod tests {
             TopicKind::UnknownEncoding("gzip".into())
         );
         assert_eq!(topic_kind("system"), TopicKind::Single);
+    }
+
+    #[test]
+    fn a_prefix_level_named_batches_leaves_single_events_single() {
+        use Compression::*;
+        // topic_prefix "site/batches" (or device_id "batches" under the
+        // default prefix): single events were read as a batch in an
+        // unknown encoding, acknowledged and not stored.
+        assert_eq!(topic_kind("site/batches/events/tele"), TopicKind::Single);
+        assert_eq!(topic_kind("batches/events/tele"), TopicKind::Single);
+        assert_eq!(
+            topic_kind("site/batches/batches/tele"),
+            TopicKind::Batch(None)
+        );
+        assert_eq!(
+            topic_kind("site/batches/batches/tele/lz4"),
+            TopicKind::Batch(Lz4)
+        );
+        assert_eq!(topic_kind("es/batches/events"), TopicKind::Batch(None));
+        assert_eq!(topic_kind("es/batches/events/zstd"), TopicKind::Batch(Zstd));
+        let e = event(Format::Json, 3);
+        let got = items("site/batches/events/system", &e);
+        assert_eq!(payloads(&got), [e]);
+    }
+
+    #[test]
+    fn a_huge_element_count_is_refused_by_its_count() {
+        // 8 million JSON elements and 16 million empty postcard strings:
+        // refused with their count (the elements past 1,000 are skipped,
+        // the postcard count is read before any element).
+        let mut js = br#"{"batch":["#.to_vec();
+        js.extend_from_slice(&b"0,".repeat(8_000_000));
+        js.extend_from_slice(b"0]}");
+        let why = batch_reason(&items("es/batches/s", &js));
+        assert!(why.contains("8000001 events"), "{why}");
+        let mut pc = Vec::new();
+        varint(16_000_000, &mut pc);
+        pc.resize(pc.len() + 16_000_000, 0);
+        let why = batch_reason(&items("es/batches/s", &pc));
+        assert!(why.contains("16000000 events"), "{why}");
     }
 
     #[test]

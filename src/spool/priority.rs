@@ -110,14 +110,19 @@ pub struct StreamBacklog {
 /// Unacknowledged rows and the oldest append time per stream, every stream
 /// listed (highest priority first): a read of the rows above the
 /// acknowledged mark only.
-const SQL_BACKLOG: &str = "SELECT s.name, s.prio, count(b.id), min(b.created_ms)
+const SQL_BACKLOG: &str = "SELECT s.name, s.prio, coalesce(b.n, 0), b.oldest
     FROM streams s LEFT JOIN (
-        SELECT e.id, e.stream_id, e.created_ms FROM events e
+        SELECT e.stream_id, count(*) AS n, min(e.created_ms) AS oldest FROM events e
         WHERE e.id > (SELECT acked_through FROM delivery_mark)
           AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
           AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+        GROUP BY e.stream_id
     ) b ON b.stream_id = s.id
-    GROUP BY s.id ORDER BY s.prio DESC, s.name";
+    ORDER BY s.prio DESC, s.name";
+// Grouped inside the subquery: with the join outside it, SQLite built an
+// automatic index over every row of `events` (the whole table, acknowledged
+// rows too) on each call: 0.84 s on a 1,000,000-row spool with 10,000
+// unacknowledged, against 0.015 s for this range read from the mark.
 
 /// A stream whose priority [`set_priorities`] changed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -290,5 +295,34 @@ impl Spool {
             }
         }
         Ok(changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spool::{Spool, SpoolOptions};
+
+    #[test]
+    fn backlog_reads_the_rows_above_the_mark_not_the_whole_table() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Spool::open(&dir.path().join("s.db"), &SpoolOptions::default()).expect("open");
+        let plan: Vec<String> = s
+            .conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {SQL_BACKLOG}"))
+            .expect("explain")
+            .query_map([], |r| r.get::<_, String>(3))
+            .expect("plan")
+            .collect::<Result<_, _>>()
+            .expect("plan rows");
+        let plan = plan.join("\n");
+        // The join with the grouping outside the subquery was planned as an
+        // automatic index built over all of `events` on every call.
+        assert!(
+            plan.contains("SEARCH e USING INTEGER PRIMARY KEY (rowid>?)"),
+            "{plan}"
+        );
+        assert!(!plan.contains("SEARCH e USING AUTOMATIC"), "{plan}");
+        assert!(!plan.contains("SCAN e "), "{plan}");
     }
 }
