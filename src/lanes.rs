@@ -16,8 +16,11 @@
 //!   publishes offered. 0 is strict priority.
 //! - **Fresh data first.** A stream with `live_first = true` has its rows
 //!   appended since the current connection came up (row id above the
-//!   newest at CONNACK) offered ahead of its own backlog, at its priority.
-//!   The backlog still drains completely, in order; the envelope keeps
+//!   newest at CONNACK) offered ahead of its own backlog, at its priority:
+//!   while its priority also has backlog waiting, fresh rows and backlog
+//!   take turns (every other pick each), so a steady flow of fresh rows
+//!   holds back neither the stream's own backlog nor another stream's, and
+//!   the backlog still drains completely, in order. The envelope keeps
 //!   `seq` and `ts_ms`, so consumers can order.
 //!
 //! Bounds: at most [`PREFETCH`] rows are read ahead per lane (priority 0,
@@ -69,6 +72,8 @@ pub struct Lanes {
     live_taken: HashSet<i64>,
     picks: u64,
     share_turn: usize,
+    /// The last pick in a level with both fresh rows and backlog was fresh.
+    live_turn: bool,
 }
 
 impl Lanes {
@@ -90,6 +95,7 @@ impl Lanes {
             live_taken: HashSet::new(),
             picks: 0,
             share_turn: 0,
+            live_turn: false,
         }
     }
 
@@ -226,18 +232,22 @@ impl Lanes {
             _ => top,
         };
         let level = self.levels.get_mut(&prio)?;
-        let row = match level.live.pop_front() {
-            Some(r) => {
-                self.live_buffered -= 1;
-                r
+        // Fresh rows and the backlog take turns while both wait, so neither
+        // another stream's backlog nor the stream's own is held back by a
+        // steady flow of fresh rows.
+        let live = !level.live.is_empty() && {
+            self.live_turn = !self.live_turn;
+            self.live_turn || level.backlog.is_empty()
+        };
+        let row = if live {
+            self.live_buffered -= 1;
+            level.live.pop_front()?
+        } else {
+            let r = level.backlog.pop_front()?;
+            if prio > 0 {
+                self.priority_buffered -= 1;
             }
-            None => {
-                let r = level.backlog.pop_front()?;
-                if prio > 0 {
-                    self.priority_buffered -= 1;
-                }
-                r
-            }
+            r
         };
         Some(row)
     }
@@ -358,16 +368,22 @@ mod tests {
         append(&mut s, "tele", 1);
         let order = drain(&mut l, &s);
         let ids: Vec<i64> = order.iter().map(|r| r.1).collect();
-        assert_eq!(&ids[..3], &[311, 312, 313], "fresh rows first");
+        assert_eq!(
+            &ids[..6],
+            &[311, 1, 312, 2, 313, 3],
+            "fresh rows first, taking turns with the backlog"
+        );
         assert_eq!(order.len(), 314, "every row once");
         let mut sorted = ids.clone();
         sorted.sort();
         sorted.dedup();
         assert_eq!(sorted.len(), 314, "no row twice");
-        assert_eq!(
-            &ids[3..],
-            &(1..=310).chain(314..=314).collect::<Vec<_>>()[..]
-        );
+        let backlog: Vec<i64> = ids
+            .iter()
+            .copied()
+            .filter(|id| !(311..=313).contains(id))
+            .collect();
+        assert_eq!(backlog, (1..=310).chain(314..=314).collect::<Vec<_>>());
     }
 
     #[test]
@@ -463,5 +479,32 @@ mod tests {
         assert_eq!(streams(&order), "aatt", "{order:?}");
         assert_eq!(order[0].1, 4, "the requeued row, appended again as row 4");
         assert_eq!(order[1].1, 5);
+    }
+
+    /// Regression (found by a reviewer): fresh rows went ahead of every
+    /// backlog of their priority, so a steady flow of them (at link rate)
+    /// starved the other streams and the stream's own backlog.
+    #[test]
+    fn a_steady_flow_of_fresh_rows_starves_no_backlog() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[]);
+        append(&mut s, "tele", 50);
+        append(&mut s, "live", 5);
+        let mut l = Lanes::new(0, ["live".to_owned()].into());
+        l.connected(s.newest_id().unwrap());
+        let mut picked = Vec::new();
+        for _ in 0..40 {
+            append(&mut s, "live", 1); // one fresh row per pick: the link's rate
+            l.refill(&s).unwrap();
+            picked.push(l.pick().unwrap());
+        }
+        let tele = picked.iter().filter(|r| r.stream == "tele").count();
+        let fresh = picked.iter().filter(|r| r.id > 55).count();
+        assert_eq!((tele, fresh), (20, 20), "half each");
+        let order: Vec<i64> = picked.iter().filter(|r| r.id <= 55).map(|r| r.id).collect();
+        assert!(
+            order.windows(2).all(|w| w[0] < w[1]),
+            "backlog in order: {order:?}"
+        );
     }
 }
