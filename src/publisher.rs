@@ -501,9 +501,17 @@ impl Delivery {
         let overhead = publish_packet_size(self.batcher.topic_len(stream), 0)
             + crate::mqtt::publish_extra(self.cfg.protocol, false)
             + 4;
-        self.cfg
+        let limit = self
+            .cfg
             .max_payload_bytes
-            .min(packet.saturating_sub(overhead))
+            .min(packet.saturating_sub(overhead));
+        // Incompressible bytes grow a little in a frame (LZ4 worst case
+        // about 0.4% plus its 19-byte header and end mark; zstd's raw
+        // blocks 3 bytes per 128 KiB plus an 18-byte header): keep room.
+        match self.batcher.spec(stream).map(|s| s.compression) {
+            Some(crate::batching::Compression::None) | None => limit,
+            Some(_) => limit.saturating_sub(limit / 128 + 64),
+        }
     }
 
     /// Remember the packet size of an offered publish (for a limit learned
