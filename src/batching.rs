@@ -223,4 +223,38 @@ mod tests {
         let pc = payload(&events, false, Compression::None).unwrap();
         assert!(p.size_with(0) >= pc.len());
     }
+
+    #[test]
+    fn a_compressed_frame_of_incompressible_bytes_stays_within_the_room_kept() {
+        // xorshift bytes: nothing to compress.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let noise: Vec<u8> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        let events: Vec<&[u8]> = noise.chunks(10_000).collect();
+        let plain = payload(&events, false, Compression::None).unwrap();
+        let room = plain.len() / 128 + 64;
+        let lz = payload(&events, false, Compression::Lz4).unwrap();
+        assert!(
+            lz.len() <= plain.len() + room,
+            "lz4 {} > {} + {room}",
+            lz.len(),
+            plain.len()
+        );
+        #[cfg(feature = "zstd")]
+        {
+            let z = payload(&events, false, Compression::Zstd).unwrap();
+            assert!(
+                z.len() <= plain.len() + room,
+                "zstd {} > {} + {room}",
+                z.len(),
+                plain.len()
+            );
+        }
+    }
 }
