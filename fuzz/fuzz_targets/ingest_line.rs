@@ -32,6 +32,8 @@ fn config() -> IngestConfig {
             name: "pump".into(),
             durability: Durability::Full,
             priority: 3,
+            live_first: false,
+            batch: None,
         }],
         stream_patterns: vec!["plant.*".into()],
         max_fields: 8,
