@@ -3,7 +3,7 @@
 //! compared with what the reference consumer (`edgespool sink`) stored.
 //!
 //! Faults, all in a userspace TCP proxy (this machine's kernel has no netem
-//! and no iptables; see ../shared/DESIGN.md): blackhole without RST,
+//! and no iptables): blackhole without RST,
 //! connection reset, added latency, bandwidth cap, random loss (as the
 //! retransmission stalls TCP would show), PUBACKs withheld; plus SIGKILL of
 //! the agent and a graceful broker restart (mosquitto with persistence, so

@@ -805,7 +805,7 @@ mod tests {
             json!("a && b"),
             json!("--help"),
             json!("-rf"),
-            json!("../../etc/passwd"),
+            json!("../../etc/passwd"), // hostile input
             json!("/etc/passwd"),
             json!(".hidden"),
             json!(".."),

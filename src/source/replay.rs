@@ -2335,11 +2335,7 @@ mod tests {
 
     #[test]
     fn plays_the_uci_air_quality_trace() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/AirQualityUCI.csv");
-        if !path.exists() {
-            println!("skipped: {} not found", path.display());
-            return;
-        }
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/AirQualityUCI.csv");
         let mut s = spec(&path);
         s.missing = vec!["-200".into()];
         let mut r = Replay::open(s).unwrap();
@@ -2399,11 +2395,7 @@ mod tests {
 
     #[test]
     fn paces_the_uci_air_quality_trace() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/AirQualityUCI.csv");
-        if !path.exists() {
-            println!("skipped: {} not found", path.display());
-            return;
-        }
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/AirQualityUCI.csv");
         let mut s = spec(&path);
         s.speed = 3600.0;
         s.max_rows_per_call = 1000;

@@ -479,7 +479,7 @@ fn exec_handler_arguments_cannot_inject_shell_or_paths() {
         format!("x; touch {}", pwned.display()),
         format!("$(touch {})", pwned.display()),
         "--help".to_owned(),
-        "../../etc/passwd".to_owned(),
+        "../../etc/passwd".to_owned(), // hostile input
         "/etc/passwd".to_owned(),
         "a b".to_owned(),
     ];

@@ -24,6 +24,7 @@ mod refusals;
 mod replay;
 mod sink_batches;
 mod spool;
+mod standalone;
 mod storage;
 mod systemd;
 mod tls;

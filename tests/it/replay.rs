@@ -1,4 +1,4 @@
-//! The whole recorded AirQualityUCI trace (../shared/data), replayed through
+//! The whole recorded AirQualityUCI trace (data/ in the repository), replayed through
 //! the real agent into a real broker: every reading the trace holds arrives.
 
 use crate::support::agent::AgentProc;
@@ -13,12 +13,8 @@ use std::time::Duration;
 #[test]
 fn the_whole_air_quality_trace_is_replayed_and_delivered() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let trace = root.join("../shared/data/AirQualityUCI.csv");
-    assert!(
-        trace.exists(),
-        "{} is missing (the shared data folder sits beside the repository)",
-        trace.display()
-    );
+    let trace = root.join("data/AirQualityUCI.csv");
+    assert!(trace.exists(), "{} is missing", trace.display());
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay");
