@@ -35,7 +35,7 @@
 //! on disk, not tmpfs).
 
 use edgespool::envelope::{EventIdGen, Format};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::collections::{HashMap, HashSet};

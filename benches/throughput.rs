@@ -12,7 +12,7 @@
 //! `BENCH_ROWS` sets the row count (default 20000).
 
 use edgespool::envelope::{EventIdGen, Format};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::process::{Child, Command, Stdio};

@@ -22,47 +22,8 @@
 //!   (<https://github.com/lz4/lz4/blob/dev/doc/lz4_Frame_format.md>) or one
 //!   Zstandard frame (RFC 8878).
 
-use std::time::{Duration, Instant};
-
-/// How a batch's payload is compressed (`compression`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Compression {
-    /// Sent as built (default).
-    #[default]
-    None,
-    /// One LZ4 frame (lz4_flex, pure Rust).
-    Lz4,
-    /// One Zstandard frame, ruzstd's fastest level (about zstd level 1).
-    /// Only in builds with the `zstd` feature.
-    Zstd,
-}
-
-impl Compression {
-    /// The topic level appended for this compression, if any.
-    pub fn topic_suffix(self) -> &'static str {
-        match self {
-            Compression::None => "",
-            Compression::Lz4 => "/lz4",
-            Compression::Zstd => "/zstd",
-        }
-    }
-}
-
-/// A stream's batching (`batch_max_events` above 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BatchSpec {
-    /// `batch_max_events`: events per PUBLISH, 2..=1000.
-    pub max_events: usize,
-    /// `batch_max_ms`: the longest the first row of a batch waits for the
-    /// batch to fill when no more rows are waiting (0..=600000 ms, default
-    /// 1000). A backlog fills batches at once.
-    pub max_wait: Duration,
-    /// `compression`.
-    pub compression: Compression,
-}
-
-/// Largest `batch_max_events`.
-pub const MAX_BATCH_EVENTS: usize = 1000;
+use crate::stream::Compression;
+use std::time::Instant;
 
 /// The wire format of a stored payload (batches never mix them): JSON
 /// when it parses as JSON, postcard otherwise.

@@ -44,7 +44,7 @@
 
 use crate::ack::{AckMap, Inconsistency};
 use crate::envelope::{CompactEnvelope, EventIdGen, Format};
-use crate::source::FieldValue;
+use crate::reading::FieldValue;
 use crate::spool::{NewEvent, Spool, SpoolOptions};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};

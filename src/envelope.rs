@@ -10,7 +10,7 @@
 //! - `postcard`: the same envelope as [`CompactEnvelope`] in postcard
 //!   (<https://postcard.jamesmunns.com/wire-format>), for metered links.
 
-use crate::source::{FieldValue, Fields};
+use crate::reading::{FieldValue, Fields};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 

@@ -22,9 +22,11 @@
 pub mod conn;
 pub mod listen;
 pub mod request;
+pub mod settings;
 
 pub use listen::{start, SocketIngest};
 pub use request::{parse_request, Request, RequestError};
+pub use settings::{IngestConfig, IngestStream};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -49,7 +51,7 @@ impl PatternStreams {
     /// Errors: [`RequestError::TooManyStreams`].
     pub fn admit(
         &self,
-        cfg: &crate::config::IngestConfig,
+        cfg: &crate::ingest::IngestConfig,
         stream: &str,
     ) -> Result<(), RequestError> {
         if cfg.streams.iter().any(|s| s.name == stream) {

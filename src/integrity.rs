@@ -226,7 +226,7 @@ mod tests {
             stream: "s".into(),
             ts_ms: 1,
             clock_trusted: true,
-            fields: vec![("v".into(), crate::source::FieldValue::Num(1.0))],
+            fields: vec![("v".into(), crate::reading::FieldValue::Num(1.0))],
             replay: None,
             key: None,
             reply: None,

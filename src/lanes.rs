@@ -257,7 +257,7 @@ impl Lanes {
 mod tests {
     use super::*;
     use crate::envelope::{EventIdGen, Format};
-    use crate::source::FieldValue;
+    use crate::reading::FieldValue;
     use crate::spool::{NewEvent, SpoolOptions};
     use std::collections::HashMap;
 

@@ -41,6 +41,7 @@
 
 pub mod ack;
 pub mod agent;
+pub mod backoff;
 pub mod batching;
 pub mod commands;
 pub mod config;
@@ -49,6 +50,7 @@ pub mod envelope;
 pub mod fsguard;
 pub mod health;
 pub mod ingest;
+pub mod intake;
 pub mod integrity;
 pub mod lanes;
 pub mod maintenance;
@@ -60,11 +62,14 @@ pub mod probe;
 pub mod process;
 pub mod publisher;
 pub mod push;
+pub mod reading;
 pub mod sampler;
 pub mod sink;
 pub mod source;
 pub mod spool;
 pub mod status;
+pub mod stream;
+pub mod threads;
 pub mod trial;
 
 /// The model check of [`ack`] and [`spool`] delivery bookkeeping (tests only).

@@ -23,6 +23,23 @@
 
 pub mod listen;
 
+/// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MetricsConfig {
+    /// `textfile`: an absolute path (for node_exporter's textfile collector,
+    /// e.g. `/var/lib/node_exporter/textfile_collector/edgespool.prom`),
+    /// replaced whole at every `agent.summary_interval_secs` and at a clean
+    /// stop. Unset: no file.
+    pub textfile: Option<PathBuf>,
+    /// `listen`: `IP:port` of an HTTP listener serving `GET /metrics`
+    /// (e.g. `127.0.0.1:9469`). Unset: no listener. A non-loopback address
+    /// needs `listen_public`.
+    pub listen: Option<std::net::SocketAddr>,
+    /// `listen_public`: allow `listen` on an address other hosts can reach
+    /// (default false).
+    pub listen_public: bool,
+}
+
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};

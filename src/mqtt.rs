@@ -16,8 +16,11 @@
 //! built after a capped, jittered backoff.
 
 use crate::ack::AckMap;
-use crate::config::MqttConfig;
+use crate::backoff::Backoff;
+pub mod settings;
 pub mod wire;
+
+pub use settings::{MqttConfig, Protocol, TlsFiles};
 
 use rumqttc::{QoS, RecvTimeoutError};
 use std::cell::Cell;
@@ -517,47 +520,6 @@ impl Link {
     }
 }
 
-/// Capped exponential backoff with ±25 % jitter.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    min: Duration,
-    max: Duration,
-    current: Duration,
-    rng: u64,
-}
-
-impl Backoff {
-    /// Start at `min`, double up to `max`.
-    pub fn new(min: Duration, max: Duration) -> Backoff {
-        let mut seed = [0u8; 8];
-        // A fixed seed only makes jitter predictable; it is never a correctness issue.
-        let _ = getrandom::fill(&mut seed);
-        Backoff {
-            min,
-            max,
-            current: min,
-            rng: u64::from_le_bytes(seed) | 1,
-        }
-    }
-
-    /// The next delay; doubles the base for the following call.
-    pub fn next_delay(&mut self) -> Duration {
-        // xorshift64: cheap jitter, no dependency.
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let base = self.current;
-        self.current = (self.current * 2).min(self.max);
-        let frac = (self.rng % 501) as f64 / 1000.0 + 0.75; // 0.75..=1.25
-        base.mul_f64(frac).min(self.max)
-    }
-
-    /// Back to `min` (after a successful connection).
-    pub fn reset(&mut self) {
-        self.current = self.min;
-    }
-}
-
 /// Longest poll while connected with nothing in flight (rumqttc sends its
 /// keep-alive pings from inside the poll, so this is only a safety net).
 const IDLE_WAIT: Duration = Duration::from_secs(30);
@@ -785,11 +747,11 @@ fn setup(cfg: &MqttConfig, max_incoming: usize, clean: bool) -> Result<wire::Set
 /// [`publish_packet_size`] counts: nothing under 3.1.1; under MQTT 5 the
 /// property length (§3.3.2.3.1) and, for a row, its `event_id` user
 /// property ([`wire::V5_EVENT_PROPERTIES`]).
-pub fn publish_extra(protocol: crate::config::Protocol, row: bool) -> usize {
+pub fn publish_extra(protocol: crate::mqtt::Protocol, row: bool) -> usize {
     match (protocol, row) {
-        (crate::config::Protocol::V311, _) => 0,
-        (crate::config::Protocol::V5, true) => wire::V5_EVENT_PROPERTIES,
-        (crate::config::Protocol::V5, false) => 1,
+        (crate::mqtt::Protocol::V311, _) => 0,
+        (crate::mqtt::Protocol::V5, true) => wire::V5_EVENT_PROPERTIES,
+        (crate::mqtt::Protocol::V5, false) => 1,
     }
 }
 
@@ -1122,8 +1084,8 @@ impl MqttThread {
             s.pump();
         }
         let limits = match self.cfg.protocol {
-            crate::config::Protocol::V311 => ", MQTT 3.1.1".to_owned(),
-            crate::config::Protocol::V5 => format!(
+            crate::mqtt::Protocol::V311 => ", MQTT 3.1.1".to_owned(),
+            crate::mqtt::Protocol::V5 => format!(
                 ", MQTT 5, receive maximum {}, maximum packet size {}",
                 granted
                     .receive_max
@@ -1352,7 +1314,7 @@ impl MqttThread {
                     };
                     if f.closed_by_peer
                         && !connected
-                        && self.cfg.protocol == crate::config::Protocol::V5
+                        && self.cfg.protocol == crate::mqtt::Protocol::V5
                     {
                         // No CONNACK: what a broker that does not speak
                         // MQTT 5 does with a level-5 CONNECT (aedes 1.2).

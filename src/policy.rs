@@ -18,7 +18,7 @@
 //!
 //! Pure: parsing, flattening and checks, no I/O.
 
-use crate::config::Config;
+use crate::config::{Config, PushMode};
 use ring::signature::{UnparsedPublicKey, ED25519};
 
 /// Key paths an overlay may set. `sources.*` stands for a source's name.
@@ -38,18 +38,6 @@ pub const OVERLAY_KEYS: &[&str] = &[
     "mqtt.ack_timeout_secs",
     "agent.summary_interval_secs",
 ];
-
-/// `commands.config_push.mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PushMode {
-    /// `apply-config` is refused.
-    Off,
-    /// Overlays of [`OVERLAY_KEYS`] only.
-    #[default]
-    Overlay,
-    /// Overlays, and whole configs signed by a listed key.
-    Signed,
-}
 
 /// A push, checked and ready to apply.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,7 +59,7 @@ pub type Refused = String;
 /// [`OVERLAY_KEYS`] (all such keys are listed) or names an unknown source; a
 /// signature was given but the mode is not `signed`, or it does not verify.
 pub fn check(base: &Config, text: &str, signature: Option<&str>) -> Result<Push, Refused> {
-    let policy = &base.commands.config_push;
+    let policy = &base.config_push;
     match (policy.mode, signature) {
         (PushMode::Off, _) => Err(
             "config push is off on this board (commands.config_push.mode = \"off\" in its local config)"

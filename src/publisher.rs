@@ -56,13 +56,13 @@ pub struct DeliveryConfig {
     /// disconnects in a row is marked FAILED.
     pub fail_after_disconnects: u32,
     /// `mqtt.protocol`: what a PUBLISH carries beyond topic and payload.
-    pub protocol: crate::config::Protocol,
+    pub protocol: crate::mqtt::Protocol,
     /// `mqtt.min_share_pct`: the starvation bound of [`crate::lanes`].
     pub min_share_pct: u8,
     /// Streams with `live_first = true` ([`crate::lanes`]).
     pub live_streams: HashSet<String>,
     /// Batched streams and their batching ([`crate::batching`]).
-    pub batching: HashMap<String, crate::batching::BatchSpec>,
+    pub batching: HashMap<String, crate::stream::BatchSpec>,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -509,7 +509,7 @@ impl Delivery {
         // about 0.4% plus its 19-byte header and end mark; zstd's raw
         // blocks 3 bytes per 128 KiB plus an 18-byte header): keep room.
         match self.batcher.spec(stream).map(|s| s.compression) {
-            Some(crate::batching::Compression::None) | None => limit,
+            Some(crate::stream::Compression::None) | None => limit,
             Some(_) => limit.saturating_sub(limit / 128 + 64),
         }
     }

@@ -91,7 +91,7 @@ pub fn compose(
         Push::Signed(text) => crate::config::parse(text, "signed push", sets),
     }
     .map_err(|e| format!("config invalid: {e}"))?;
-    cfg.commands.config_push = local.commands.config_push.clone();
+    cfg.config_push = local.config_push.clone();
     cfg.spool.path = local.spool.path.clone();
     cfg.spool.allow_network_fs = local.spool.allow_network_fs;
     Ok(cfg)

@@ -6,11 +6,13 @@
 //! a minute costs about one wakeup a minute here), and an `exec` program that
 //! hangs until its timeout delays only its own source.
 
-use crate::agent::{join_within, IngestMsg};
 use crate::envelope::wall_clock_ms;
-use crate::source::replay::{Replay, ReplayPosition, Resumed};
+use crate::intake::IngestMsg;
+use crate::reading::ReplayPosition;
+use crate::source::replay::{Replay, Resumed};
 use crate::source::{self, SourceState};
 use crate::spool::{NewEvent, Spool};
+use crate::threads::join_within;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -201,7 +203,7 @@ fn open_replay(
 }
 
 /// One reading with, for a replayed row, its position.
-type Due = (source::Fields, Option<ReplayPosition>);
+type Due = (crate::reading::Fields, Option<ReplayPosition>);
 
 fn replay_due(r: &mut Replay, name: &str, now: Instant) -> Result<Vec<Due>, source::SourceError> {
     let was_done = r.stats().finished;

@@ -21,8 +21,8 @@ mod keys;
 pub mod priority;
 
 use crate::envelope::{self, Envelope, EventIdGen, Format};
-use crate::source::replay::ReplayPosition;
-use crate::source::Fields;
+use crate::reading::Fields;
+use crate::reading::ReplayPosition;
 use rusqlite::{params, Connection, ErrorCode, OpenFlags, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -1068,7 +1068,8 @@ impl Spool {
                     Some(s) => s,
                     None => {
                         let prio = book.priorities.get(&ev.stream).copied();
-                        let prio = prio.unwrap_or_else(|| priority::fallback_priority(&ev.stream));
+                        let prio =
+                            prio.unwrap_or_else(|| crate::stream::fallback_priority(&ev.stream));
                         stream_row(&tx, &ev.stream, prio).map_err(err)?
                     }
                 };
@@ -1774,7 +1775,7 @@ pub(crate) fn insert_one(
     now_ms: i64,
 ) -> Result<String, SpoolError> {
     let err = |e| SpoolError::classify(path, e);
-    let prio = priority::fallback_priority(&ev.stream);
+    let prio = crate::stream::fallback_priority(&ev.stream);
     let stream = stream_row(tx, &ev.stream, prio).map_err(err)?;
     let seq = stream.last_seq + 1;
     let event_id = ids.next_id();
@@ -1848,7 +1849,7 @@ fn file_len(p: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::FieldValue;
+    use crate::reading::FieldValue;
 
     fn ev(stream: &str, x: f64) -> NewEvent {
         NewEvent {

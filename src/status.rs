@@ -102,7 +102,7 @@ fn fmt_ms(ms: i64) -> String {
 /// A stored replay position as `trace T, lap L, line N` (the stored text
 /// itself if it does not parse).
 fn replay_line(stored: &str) -> String {
-    match serde_json::from_str::<crate::source::replay::ReplayPosition>(stored) {
+    match serde_json::from_str::<crate::reading::ReplayPosition>(stored) {
         Ok(p) => format!("trace {}, lap {}, line {}", p.trace_id, p.lap, p.line),
         Err(_) => stored.to_owned(),
     }

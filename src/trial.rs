@@ -215,7 +215,7 @@ fn try_bind_unix(path: &Path) -> Result<(), String> {
 fn show(
     cfg: &Config,
     spec: &SourceSpec,
-    fields: &source::Fields,
+    fields: &crate::reading::Fields,
     ids: Option<&mut EventIdGen>,
 ) -> Result<Shown, String> {
     let ids = ids.ok_or("the OS random source failed, no event id can be issued")?;

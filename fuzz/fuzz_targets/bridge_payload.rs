@@ -17,7 +17,7 @@
 use edgespool::envelope::{self, Envelope, EventId, Format};
 use edgespool::source::bridge::payload::{MAX_KEY_BYTES, MAX_NAME_BYTES};
 use edgespool::source::bridge::{decode, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use libfuzzer_sys::fuzz_target;
 use std::collections::HashSet;
 

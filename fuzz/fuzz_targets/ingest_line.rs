@@ -16,7 +16,7 @@
 //! For a line that is refused: the reply line is one JSON object on one line.
 #![no_main]
 
-use edgespool::config::{IngestConfig, IngestStream};
+use edgespool::ingest::{IngestConfig, IngestStream};
 use edgespool::ingest::request::{error_line, MAX_KEY_BYTES, MAX_TEXT_BYTES, MAX_TS_MS};
 use edgespool::ingest::{parse_request, Request};
 use edgespool::source::{Durability, FieldValue};
@@ -62,7 +62,7 @@ fuzz_target!(|data: &[u8]| {
 fn check(req: &Request, cfg: &IngestConfig, data: &[u8]) {
     let name = &req.stream.name;
     assert!(!name.starts_with('_') && !name.is_empty() && name.len() <= 64, "{name:?}");
-    assert!(edgespool::config::stream_name_ok(name));
+    assert!(edgespool::stream::stream_name_ok(name));
     assert_eq!(cfg.stream(name).as_ref(), Some(&req.stream));
     assert!(!req.fields.is_empty() && req.fields.len() <= cfg.max_fields);
     for (i, (n, v)) in req.fields.iter().enumerate() {

@@ -6,8 +6,8 @@
 //! next start is the last push a connection confirmed ([`crate::push`]).
 
 use super::{apply_tuning, spool_dir, Ingest, SamplerUpdate};
-use crate::commands::builtin::Control;
 use crate::config::Config;
+use crate::intake::Control;
 use std::time::Instant;
 
 impl Ingest {
@@ -152,7 +152,7 @@ impl Ingest {
             v["confirmation"] = "kept (the MQTT connection is unchanged)".into();
             return Ok(v);
         }
-        let confirm = local.commands.config_push.confirm;
+        let confirm = local.config_push.confirm;
         self.pending_push = Some(crate::push::Pending::new(
             stored,
             self.push.clone(),

@@ -148,7 +148,7 @@ impl Ingest {
         self.publish_metrics(true, true);
         if let Some(l) = listener {
             let deadline = Instant::now() + Duration::from_secs(1);
-            super::join_within(l.stop(), deadline, "the metrics listener");
+            crate::threads::join_within(l.stop(), deadline, "the metrics listener");
         }
     }
 

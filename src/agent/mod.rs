@@ -18,16 +18,17 @@
 mod control;
 mod figures;
 
-use crate::commands::builtin::Control;
 use crate::commands::worker::{CmdMsg, WorkerConfig};
 use crate::config::Config;
 use crate::envelope::{wall_clock_ms, EventIdGen};
 use crate::fsguard::SpoolLock;
+use crate::intake::{Control, IngestMsg};
 use crate::mqtt::{self, DeliveryMsg};
 use crate::publisher::{self, DeliveryConfig, DeliveryStats};
 use crate::sampler::SamplerUpdate;
-use crate::source;
 use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError, SpoolOptions};
+use crate::stream::AGENT_STREAM;
+use crate::threads::join_within;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,10 +39,6 @@ use std::time::{Duration, Instant};
 /// Bytes one WAL frame takes: a 4096-byte page and its 24-byte frame header
 /// (<https://www.sqlite.org/fileformat.html#the_write_ahead_log>).
 const WAL_FRAME_BYTES: u64 = 4096 + 24;
-
-/// The agent's own events (config fallbacks and the like), published on
-/// `<topic_prefix>/events/_agent`.
-pub const AGENT_STREAM: &str = "_agent";
 
 /// Longest a maintenance pass keeps deleting (each batch holds the write
 /// lock; the delivery thread's commits wait behind it).
@@ -190,26 +187,6 @@ fn with_confirmed_push(
 /// `s` without its digits: a health reason's kind, whatever its figures.
 fn without_digits(s: &str) -> String {
     s.chars().filter(|c| !c.is_ascii_digit()).collect()
-}
-
-/// What wakes the ingest thread.
-#[derive(Debug)]
-pub enum IngestMsg {
-    /// A reading from a source.
-    Reading(NewEvent),
-    /// A request from the command thread.
-    Control(Control),
-    /// A signal arrived: look at the stop and reload flags.
-    Wake,
-    /// Add `by` to the persistent counter `name` (shown by `status`), for
-    /// bad data a producer refused before it became a reading (e.g.
-    /// `bridge_payload_refused`). Stored with the next commit window.
-    Count {
-        /// Counter name, e.g. `bridge_payload_refused.<source>`.
-        name: String,
-        /// Increment.
-        by: i64,
-    },
 }
 
 /// A thread that blocks on SIGTERM, SIGINT and SIGHUP and wakes the ingest
@@ -596,11 +573,11 @@ fn delivery_config(cfg: &Config) -> DeliveryConfig {
 }
 
 /// Retry pacing for a spool that refuses writes, from the storage probe.
-fn storage_backoff(tuning: Option<&crate::probe::Profile>) -> crate::mqtt::Backoff {
+fn storage_backoff(tuning: Option<&crate::probe::Profile>) -> crate::backoff::Backoff {
     let (lo, hi) = tuning
         .map(|p| (p.derived.retry_min_ms, p.derived.retry_max_ms))
         .unwrap_or((100, 5000));
-    crate::mqtt::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
+    crate::backoff::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
 }
 
 /// Measure the spool's device (or read its stored profile) and put the
@@ -752,19 +729,6 @@ fn apply_tuning(cfg: &mut Config, d: &crate::probe::Derived) {
     };
 }
 
-/// Join `h` if it finishes before `deadline`; otherwise leave it running
-/// (its work is replayed or reported at the next start) and say so.
-pub(crate) fn join_within(h: std::thread::JoinHandle<()>, deadline: Instant, what: &str) {
-    while !h.is_finished() {
-        if Instant::now() >= deadline {
-            log::warn!("{what} did not stop in time; leaving it behind");
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = h.join();
-}
-
 struct Ingest {
     /// systemd's notification socket (READY, STATUS, STOPPING, WATCHDOG).
     notifier: crate::notify::Notifier,
@@ -791,7 +755,7 @@ struct Ingest {
     /// What the storage probe derived, re-applied over every reloaded config.
     tuning: Option<crate::probe::Derived>,
     /// Backoff for storage writes that failed transiently (busy, I/O).
-    storage_backoff: crate::mqtt::Backoff,
+    storage_backoff: crate::backoff::Backoff,
     /// Connection with `synchronous = FULL` for `durability = "full"` streams.
     full_spool: Spool,
     /// Readings of full-durability streams waiting for their (immediate) commit.
@@ -902,7 +866,7 @@ impl Ingest {
             self.upkeep.buffer_drops += 1;
             return;
         }
-        if self.cfg.stream_durability(&ev.stream) == source::Durability::Full {
+        if self.cfg.stream_durability(&ev.stream) == crate::stream::Durability::Full {
             self.full_buffer.push(ev);
             self.commit_full();
         } else {
@@ -1295,8 +1259,14 @@ impl Ingest {
             ts_ms,
             clock_trusted,
             fields: vec![
-                ("event".into(), source::FieldValue::Text(kind.into())),
-                ("detail".into(), source::FieldValue::Text(detail.into())),
+                (
+                    "event".into(),
+                    crate::reading::FieldValue::Text(kind.into()),
+                ),
+                (
+                    "detail".into(),
+                    crate::reading::FieldValue::Text(detail.into()),
+                ),
             ],
             key: None,
             reply: None,

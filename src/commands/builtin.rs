@@ -18,45 +18,12 @@
 //! All built-ins are safe to re-run after an interruption.
 
 use super::exec_handler::HandlerOutcome;
+use crate::intake::Control;
 use crate::spool::{CheckpointMode, Spool};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 use std::sync::mpsc::Sender;
 use std::time::Duration;
-
-/// A request to the agent's main thread; the reply is a result object or an
-/// error message (which makes the command `rejected`).
-#[derive(Debug)]
-pub enum Control {
-    /// Change one source's sampling interval.
-    SetInterval {
-        /// Source (stream) name.
-        source: String,
-        /// New interval.
-        interval: Duration,
-        /// Reply.
-        reply: Sender<Result<Value, String>>,
-    },
-    /// Commit the ingest buffer now.
-    Flush {
-        /// Reply.
-        reply: Sender<Result<Value, String>>,
-    },
-    /// Check a pushed config against the local policy and apply it.
-    ApplyConfig {
-        /// The TOML text: an overlay, or a whole config when signed.
-        text: String,
-        /// Hex Ed25519 signature of `text` (signed mode only).
-        signature: Option<String>,
-        /// Reply.
-        reply: Sender<Result<Value, String>>,
-    },
-    /// Re-read the config file.
-    Reload {
-        /// Reply.
-        reply: Sender<Result<Value, String>>,
-    },
-}
 
 /// Where a built-in runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
-use crate::config::{ExecHandler, ParamKind, ParamSpec};
+use crate::commands::{ExecHandler, ParamKind, ParamSpec};
 use crate::process::{self, Confinement, RunError};
 
 /// `PATH` of a handler's program unless its `env` sets one: the system

@@ -23,8 +23,11 @@ pub mod builtin;
 pub mod exec_handler;
 pub mod rate;
 pub mod retention;
+pub mod settings;
 pub mod store;
 pub mod worker;
+
+pub use settings::{CommandsConfig, ExecHandler, ParamKind, ParamSpec};
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -41,9 +44,6 @@ pub const BUILTINS: &[&str] = &[
     "apply-config",
     "reload-config",
 ];
-
-/// Stream (and topic suffix) of command result events.
-pub const RESULTS_STREAM: &str = "_commands";
 
 /// Scope used when a command names none.
 pub const DEFAULT_SCOPE: &str = "default";

@@ -5,10 +5,11 @@
 //! stored without its event nor sent without being stored.
 
 use super::retention::{self, Candidate, Policy};
-use super::{hex, Command, RESULTS_STREAM};
+use super::{hex, Command};
 use crate::envelope::{wall_clock_ms, EventIdGen, Format};
-use crate::source::FieldValue;
+use crate::reading::FieldValue;
 use crate::spool::{insert_one, NewEvent, Spool, SpoolError};
+use crate::stream::RESULTS_STREAM;
 use rusqlite::{params, OptionalExtension};
 use std::time::Duration;
 

@@ -37,14 +37,15 @@
 //! when the session resumes, not before). With `mqtt.clean_session = true`
 //! the broker forgets those instead.
 
-use super::builtin::{self, Control, Kind};
+use super::builtin::{self, Kind};
 use super::exec_handler::{self, HandlerOutcome};
 use super::rate::RateLimiter;
 use super::retention::{self, AgentClock, Policy};
 use super::store::{cstate, Admit, Claim, EventCtx, Receipt, Reply, ResultEvent};
 use super::{parse, Command};
-use crate::config::{CommandsConfig, ExecHandler};
+use crate::commands::{CommandsConfig, ExecHandler};
 use crate::envelope::{wall_clock_ms, EventIdGen, Format};
+use crate::intake::Control;
 use crate::mqtt::{DeliveryMsg, Link};
 use crate::spool::{Spool, SpoolError};
 use serde_json::{json, Map, Value};

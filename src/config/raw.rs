@@ -44,6 +44,19 @@ pub(super) struct RawIngest {
     pub(super) stream_patterns: Vec<String>,
 }
 
+/// The keys every stream declaration has (`[[sources]]`,
+/// `[[ingest.streams]]`), as written; [`RawSource::stream`] and
+/// [`RawIngestStream::stream`] lend them to the one validation of them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RawStream<'a> {
+    pub(super) durability: Option<&'a str>,
+    pub(super) priority: Option<u8>,
+    pub(super) live_first: Option<bool>,
+    pub(super) batch_max_events: Option<usize>,
+    pub(super) batch_max_ms: Option<u64>,
+    pub(super) compression: Option<&'a str>,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawIngestStream {
@@ -54,6 +67,20 @@ pub(super) struct RawIngestStream {
     pub(super) batch_max_events: Option<usize>,
     pub(super) batch_max_ms: Option<u64>,
     pub(super) compression: Option<String>,
+}
+
+impl RawIngestStream {
+    /// Its stream keys.
+    pub(super) fn stream(&self) -> RawStream<'_> {
+        RawStream {
+            durability: self.durability.as_deref(),
+            priority: self.priority,
+            live_first: self.live_first,
+            batch_max_events: self.batch_max_events,
+            batch_max_ms: self.batch_max_ms,
+            compression: self.compression.as_deref(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -418,6 +445,20 @@ pub(super) struct RawSource {
     pub(super) payload: Option<String>,
     pub(super) id_field: Option<String>,
     pub(super) max_payload_bytes: Option<usize>,
+}
+
+impl RawSource {
+    /// Its stream keys.
+    pub(super) fn stream(&self) -> RawStream<'_> {
+        RawStream {
+            durability: self.durability.as_deref(),
+            priority: self.priority,
+            live_first: self.live_first,
+            batch_max_events: self.batch_max_events,
+            batch_max_ms: self.batch_max_ms,
+            compression: self.compression.as_deref(),
+        }
+    }
 }
 
 pub(super) fn d_sync() -> String {

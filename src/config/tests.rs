@@ -1,5 +1,6 @@
 use super::validate::resolve_credentials;
 use super::*;
+use crate::process::{Credentials, Limits};
 use crate::source::SourceKind;
 use std::io;
 
@@ -164,7 +165,7 @@ fn overrides_set_nested_keys_and_array_items() {
 
 #[test]
 fn protocol_takes_5_as_integer_or_string_and_3_1_1_by_set() {
-    use crate::config::Protocol;
+    use crate::mqtt::Protocol;
     // `--set` values parse as TOML: `5` is an integer, `3.1.1` is not
     // TOML and stays a string.
     for (set, want) in [
@@ -326,13 +327,13 @@ fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
     assert_eq!(c.ingest.max_line_bytes, 16 * 1024);
     let pump = c.ingest.stream("pump").unwrap();
     assert_eq!(
-        (pump.durability, pump.priority),
-        (crate::source::Durability::Full, 9)
+        (pump.settings.durability, pump.settings.priority),
+        (crate::stream::Durability::Full, 9)
     );
-    assert_eq!(c.stream_durability("pump"), crate::source::Durability::Full);
+    assert_eq!(c.stream_durability("pump"), crate::stream::Durability::Full);
     assert_eq!(
         c.stream_durability("plant.a"),
-        crate::source::Durability::Batched
+        crate::stream::Durability::Batched
     );
     assert!(c.ingest.stream("plant.a").is_some());
     assert!(c.ingest.stream("plant.").is_none());
@@ -873,7 +874,7 @@ fn batching_keys_are_checked_by_name() {
     let b = c.stream_batching()["tele"];
     assert_eq!(
         (b.max_events, b.max_wait.as_millis(), b.compression),
-        (50, 30000, crate::batching::Compression::Lz4)
+        (50, 30000, crate::stream::Compression::Lz4)
     );
     assert!(!c.stream_batching().contains_key("system"));
     for (extra, want) in [

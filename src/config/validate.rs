@@ -11,6 +11,7 @@ mod metrics;
 mod mqtt;
 mod sources;
 mod spool;
+mod stream;
 
 pub use handlers::placeholders;
 #[cfg(test)]
@@ -18,6 +19,7 @@ pub(super) use handlers::resolve_credentials;
 
 use super::raw::{RawAgent, RawConfig};
 use super::{AgentConfig, CommandsConfig, Config, ConfigError, Problem};
+use crate::stream::topic_safe;
 use std::time::Duration;
 
 /// Validate every section of `raw` (from `origin`, used in the error).
@@ -72,8 +74,8 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             max_per_minute_per_scope: rc.max_per_minute_per_scope,
             default_ttl: Duration::from_secs(rc.default_ttl_secs),
             handlers,
-            config_push,
         },
+        config_push,
         metrics,
         ingest,
     })
@@ -111,101 +113,6 @@ fn validate_agent(raw: &RawAgent, bad: &mut impl FnMut(&str, String)) -> AgentCo
 /// Upper bound for retention periods: past this, `Instant`/ms arithmetic
 /// could overflow (a "keep forever" value must not wrap to "delete now").
 const TEN_YEARS_SECS: u64 = 10 * 365 * 86_400;
-
-/// A stream's batching keys (`[[sources]]`, `[[ingest.streams]]`):
-/// `batch_max_events` 1..=1000 (default 1: every event its own PUBLISH),
-/// `batch_max_ms` 0..=600000 (default 1000), `compression` `"none"`,
-/// `"lz4"` or `"zstd"` (only with batches; zstd only in builds with it).
-/// `k` makes a key's path. `None`: no batching.
-fn batching(
-    (max_events, max_ms, compression): (Option<usize>, Option<u64>, Option<&str>),
-    k: &impl Fn(&str) -> String,
-    bad: &mut impl FnMut(&str, String),
-) -> Option<crate::batching::BatchSpec> {
-    use crate::batching::{supported, BatchSpec, Compression, MAX_BATCH_EVENTS};
-    let events = max_events.unwrap_or(1);
-    if !(1..=MAX_BATCH_EVENTS).contains(&events) {
-        bad(
-            &k("batch_max_events"),
-            format!("must be 1..={MAX_BATCH_EVENTS} (got {events})"),
-        );
-    }
-    let ms = max_ms.unwrap_or(1000);
-    if ms > 600_000 {
-        bad(&k("batch_max_ms"), format!("must be 0..=600000 (got {ms})"));
-    }
-    let compression = match compression {
-        None | Some("none") => Compression::None,
-        Some("lz4") => Compression::Lz4,
-        Some("zstd") => Compression::Zstd,
-        Some(other) => {
-            bad(
-                &k("compression"),
-                format!("must be \"none\", \"lz4\" or \"zstd\" (got {other:?})"),
-            );
-            Compression::None
-        }
-    };
-    if !supported(compression) {
-        bad(
-            &k("compression"),
-            "\"zstd\" is not in this build (built without the `zstd` feature, as the armv7 and armv6 packages are): use \"lz4\"".to_owned(),
-        );
-    }
-    if events <= 1 {
-        if compression != Compression::None {
-            bad(
-                &k("compression"),
-                "compresses batches: set batch_max_events above 1 too".to_owned(),
-            );
-        }
-        if max_ms.is_some() {
-            bad(
-                &k("batch_max_ms"),
-                "applies to batches: set batch_max_events above 1 too".to_owned(),
-            );
-        }
-        return None;
-    }
-    Some(BatchSpec {
-        max_events: events.min(MAX_BATCH_EVENTS),
-        max_wait: Duration::from_millis(ms.min(600_000)),
-        compression,
-    })
-}
-
-/// A stream's `durability` (`[[sources]]`, `[[ingest.streams]]`):
-/// `"batched"` (the default) or `"full"`; anything else is a problem on
-/// `key`, and batched is assumed.
-fn durability(
-    raw: Option<&str>,
-    key: &str,
-    bad: &mut impl FnMut(&str, String),
-) -> crate::source::Durability {
-    match raw {
-        None | Some("batched") => crate::source::Durability::Batched,
-        Some("full") => crate::source::Durability::Full,
-        Some(other) => {
-            bad(
-                key,
-                format!("must be \"batched\" or \"full\" (got {other:?})"),
-            );
-            crate::source::Durability::Batched
-        }
-    }
-}
-
-fn topic_safe(c: char) -> bool {
-    c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')
-}
-
-/// The name rule of a stream (a source's `name`, an ingest stream): 1..=64
-/// letters, digits, '-', '_' or '.', not starting with '_' (names starting
-/// with '_' are the agent's own: `_commands`, `_agent`). A stream name is a
-/// topic level (`<topic_prefix>/<stream>`), so no '/', '+' or '#'.
-pub fn stream_name_ok(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 64 && !name.starts_with('_') && name.chars().all(topic_safe)
-}
 
 /// Parse `mqtt://host:port` (port defaults to 1883).
 fn parse_url(url: &str) -> Result<(String, u16, bool), String> {

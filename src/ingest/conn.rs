@@ -15,9 +15,9 @@
 
 use super::request::{error_line, ok_line, parse_request};
 use super::Counters;
-use crate::agent::IngestMsg;
-use crate::config::IngestConfig;
 use crate::envelope::wall_clock_ms;
+use crate::ingest::IngestConfig;
+use crate::intake::IngestMsg;
 use crate::spool::{CommitOutcome, NewEvent, Reply};
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};

@@ -15,8 +15,8 @@
 use super::conn::{self, Stream};
 use super::request::error_line;
 use super::Counters;
-use crate::agent::IngestMsg;
-use crate::config::IngestConfig;
+use crate::ingest::IngestConfig;
+use crate::intake::IngestMsg;
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -196,10 +196,10 @@ impl SocketIngest {
             Err(_) => Vec::new(),
         };
         for h in threads {
-            crate::agent::join_within(h, deadline, "an ingest connection");
+            crate::threads::join_within(h, deadline, "an ingest connection");
         }
         if let Some((path, id, h)) = r.unix {
-            crate::agent::join_within(h, deadline, "the ingest socket thread");
+            crate::threads::join_within(h, deadline, "the ingest socket thread");
             let still_ours = std::fs::symlink_metadata(&path)
                 .is_ok_and(|m| m.file_type().is_socket() && (m.dev(), m.ino()) == id);
             if still_ours {
@@ -207,7 +207,7 @@ impl SocketIngest {
             }
         }
         if let Some((_, h)) = r.tcp {
-            crate::agent::join_within(h, deadline, "the ingest tcp thread");
+            crate::threads::join_within(h, deadline, "the ingest tcp thread");
         }
     }
 }

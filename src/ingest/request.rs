@@ -9,9 +9,9 @@
 //! `{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}`
 //! (`ts_ms` and `key` optional, no other members).
 
-use crate::config::{IngestConfig, IngestStream};
 use crate::envelope::CLOCK_FLOOR_MS;
-use crate::source::{FieldValue, Fields};
+use crate::ingest::{IngestConfig, IngestStream};
+use crate::reading::{FieldValue, Fields};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
@@ -168,7 +168,7 @@ pub fn parse_request(
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let raw: RawRequest =
         serde_json::from_slice(line).map_err(|e| RequestError::Json(json_problem(&e)))?;
-    if !crate::config::stream_name_ok(&raw.stream) {
+    if !crate::stream::stream_name_ok(&raw.stream) {
         return Err(RequestError::BadStream(raw.stream));
     }
     let stream = cfg
@@ -275,17 +275,19 @@ pub fn error_line(why: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::Durability;
+    use crate::stream::Durability;
 
     fn cfg() -> IngestConfig {
         IngestConfig {
             socket: Some("/tmp/x.sock".into()),
             streams: vec![IngestStream {
                 name: "pump".into(),
-                durability: Durability::Full,
-                priority: 7,
-                live_first: false,
-                batch: None,
+                settings: crate::stream::StreamSettings {
+                    durability: Durability::Full,
+                    priority: 7,
+                    live_first: false,
+                    batch: None,
+                },
             }],
             stream_patterns: vec!["plant.*".into()],
             max_fields: 3,
@@ -304,8 +306,8 @@ mod tests {
         let r = parse(r#"{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}"#)
             .expect("parses");
         assert_eq!(r.stream.name, "pump");
-        assert_eq!(r.stream.durability, Durability::Full);
-        assert_eq!(r.stream.priority, 7);
+        assert_eq!(r.stream.settings.durability, Durability::Full);
+        assert_eq!(r.stream.settings.priority, 7);
         assert_eq!(
             r.fields,
             vec![("pressure_bar".into(), FieldValue::Num(2.5))]
@@ -319,7 +321,7 @@ mod tests {
         let r = parse("{\"stream\":\"plant.a\",\"fields\":{\"z\":\"on\",\"a\":true,\"m\":1}}\r")
             .expect("parses");
         assert_eq!((r.ts_ms, r.clock_trusted), NOW);
-        assert_eq!(r.stream.durability, Durability::Batched);
+        assert_eq!(r.stream.settings.durability, Durability::Batched);
         let names: Vec<&str> = r.fields.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["z", "a", "m"]);
         assert_eq!(r.key, None);

@@ -11,7 +11,7 @@
 //! §3.2.2.3.6), the session expiry interval (§3.1.2.11.2) and the `event_id`
 //! user property on every event PUBLISH (§3.3.2.3.7).
 
-use crate::config::{MqttConfig, Protocol};
+use crate::mqtt::{MqttConfig, Protocol};
 use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::{QoS, RecvTimeoutError};
 use std::time::Duration;

@@ -7,9 +7,10 @@
 //! queue the MQTT thread sees, and after a lost connection [`Batcher::clear`]
 //! drops them and the lanes read them again from the spool.
 
-use crate::batching::{self, BatchSpec, Pending};
+use crate::batching::{self, Pending};
 use crate::mqtt::Ready;
 use crate::spool::OutRow;
+use crate::stream::BatchSpec;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -211,7 +212,7 @@ impl Batcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batching::Compression;
+    use crate::stream::Compression;
     use std::time::Duration;
 
     fn row(id: i64, stream: &str, payload: &str) -> OutRow {

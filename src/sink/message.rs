@@ -5,7 +5,7 @@
 //! are the same event only if every byte is the same (I3).
 
 use crate::envelope::{CompactEnvelope, EventId};
-use crate::source::FieldValue;
+use crate::reading::FieldValue;
 use sha2::{Digest, Sha256};
 
 /// An edgespool envelope, decoded.
@@ -189,14 +189,14 @@ mod tests {
     use super::*;
     use crate::envelope::{encode, Envelope, Format};
 
-    fn fields() -> crate::source::Fields {
+    fn fields() -> crate::reading::Fields {
         vec![
             ("load1".into(), FieldValue::Num(0.5)),
             ("iface".into(), FieldValue::Text("eth0".into())),
         ]
     }
 
-    fn envelope(f: &crate::source::Fields) -> Envelope<'_> {
+    fn envelope(f: &crate::reading::Fields) -> Envelope<'_> {
         Envelope {
             event_id: EventId([0xab; 16]),
             device_id: "dev-1",

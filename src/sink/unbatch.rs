@@ -310,9 +310,9 @@ fn split_postcard(plain: &[u8]) -> Result<Vec<&[u8]>, String> {
 mod tests {
     use super::*;
     use crate::envelope::{encode, Envelope, EventId, Format};
+    use crate::reading::FieldValue;
     use crate::sink::message::digest;
     use crate::sink::{SinkDb, SinkStats, Store};
-    use crate::source::FieldValue;
     use std::io::Write;
 
     /// Event `n` as the agent stores it.

@@ -40,9 +40,9 @@ pub mod payload;
 
 pub use payload::{decode, Decoded, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD};
 
-use crate::agent::IngestMsg;
+use crate::backoff::Backoff;
 use crate::envelope::wall_clock_ms;
-use crate::mqtt::Backoff;
+use crate::intake::IngestMsg;
 use crate::spool::{CommitOutcome, NewEvent, Reply};
 use rumqttc::{Client, Connection, Event, Outgoing, Packet, Publish, QoS, RecvTimeoutError};
 use std::path::PathBuf;

@@ -10,8 +10,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::{excerpt, parse_finite, FieldValue, Fields, SourceError};
+use super::{excerpt, parse_finite, SourceError};
 use crate::process::{RunError, Running};
+use crate::reading::{FieldValue, Fields};
 
 /// Raw stderr kept; more than shown so trimming leaves enough.
 const STDERR_KEEP: usize = 512;

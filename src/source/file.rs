@@ -5,7 +5,8 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use super::{excerpt, parse_finite, read_limited, FieldValue, Fields, SourceError};
+use super::{excerpt, parse_finite, read_limited, SourceError};
+use crate::reading::{FieldValue, Fields};
 
 /// One number never needs more; a longer file is the wrong file.
 const MAX_FILE_BYTES: usize = 4096;

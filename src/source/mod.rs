@@ -18,30 +18,12 @@ pub mod replay;
 mod system;
 pub mod tail;
 
+use crate::reading::Fields;
+use crate::stream::StreamSettings;
 use std::fmt;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-/// One value of a reading.
-///
-/// Numbers carry their unit in the field name, not here (see [`Fields`]).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub enum FieldValue {
-    /// A finite number (never NaN or infinite).
-    Num(f64),
-    /// A string, as a program printed it in a JSON object.
-    Text(String),
-    /// A boolean, as a program printed it in a JSON object.
-    Bool(bool),
-}
-
-/// Fields of one sample, in a stable order: `(name, value)`.
-///
-/// Names are `snake_case` with units in the name (e.g. `"mem_available_bytes"`,
-/// `"load1"`, `"cpu_util_pct"`, `"uptime_secs"`, `"temp_c"`). Within one
-/// sample a name appears at most once.
-pub type Fields = Vec<(String, FieldValue)>;
 
 /// What kind of source, with its validated settings (built by the config module).
 #[derive(Debug, Clone, PartialEq)]
@@ -101,31 +83,9 @@ pub struct SourceSpec {
     pub interval: Duration,
     /// What to read and how.
     pub kind: SourceKind,
-    /// How its readings are committed.
-    pub durability: Durability,
-    /// `priority`: delivery priority 0..=255, higher first (default
-    /// [`crate::config::default_priority`] of its durability; see
-    /// [`crate::lanes`]).
-    pub priority: u8,
-    /// `live_first`: new readings go ahead of this stream's own backlog
-    /// (default false; see [`crate::lanes`]).
-    pub live_first: bool,
-    /// `batch_max_events` (above 1), `batch_max_ms`, `compression`:
-    /// several events per PUBLISH ([`crate::batching`]); `None`: one each.
-    pub batch: Option<crate::batching::BatchSpec>,
-}
-
-/// Durability class of a stream (`durability` in `[[sources]]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Durability {
-    /// Group-committed every `spool.commit_window_ms` on a `synchronous =
-    /// NORMAL` connection: a power cut may lose the readings of the open
-    /// window and roll back commits since the last WAL sync.
-    #[default]
-    Batched,
-    /// Committed as soon as taken, on a `synchronous = FULL` connection
-    /// (fsync at each commit): once committed, it survives a power cut.
-    Full,
+    /// What the stream of its readings sets: durability, delivery
+    /// priority, live-first, batching.
+    pub settings: StreamSettings,
 }
 
 /// Why a sample failed.
@@ -374,6 +334,7 @@ fn read_limited<R: Read>(reader: R, limit: usize) -> io::Result<(Vec<u8>, bool)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reading::FieldValue;
 
     #[test]
     fn parse_finite_accepts_plain_numbers_only() {
@@ -465,10 +426,7 @@ mod tests {
         let spec = SourceSpec {
             name: "adc".into(),
             interval: Duration::from_secs(1),
-            durability: Durability::Batched,
-            priority: 0,
-            live_first: false,
-            batch: None,
+            settings: StreamSettings::plain(),
             kind: SourceKind::File {
                 path,
                 scale: 0.5,
@@ -489,10 +447,7 @@ mod tests {
         let spec = SourceSpec {
             name: "echo".into(),
             interval: Duration::from_secs(1),
-            durability: Durability::Batched,
-            priority: 0,
-            live_first: false,
-            batch: None,
+            settings: StreamSettings::plain(),
             kind: SourceKind::Exec {
                 program: "/bin/echo".into(),
                 args: vec!["17.5".into()],
@@ -514,10 +469,7 @@ mod tests {
         let spec = SourceSpec {
             name: "sys".into(),
             interval: Duration::from_secs(1),
-            durability: Durability::Batched,
-            priority: 0,
-            live_first: false,
-            batch: None,
+            settings: StreamSettings::plain(),
             kind: SourceKind::System,
         };
         let mut state = SourceState::default();

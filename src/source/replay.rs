@@ -52,18 +52,14 @@ use std::time::{Duration, Instant};
 
 use jiff::fmt::strtime;
 use jiff::tz::TimeZone;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::tail::{SegmentMark, Tail, TailError, TailLine, TailResumed};
-use super::{excerpt, FieldValue, Fields, SourceError};
+use super::tail::{Tail, TailError, TailLine, TailResumed, MAX_LINE_BYTES};
+use super::{excerpt, SourceError};
+use crate::reading::{FieldValue, Fields, PassInfo, ReplayPosition};
 
 /// Name of the field carrying the row's timestamp (unix milliseconds, UTC).
 pub const TRACE_TS_FIELD: &str = "trace_ts_ms";
-
-/// Longest line kept; a longer one is consumed without being buffered and
-/// counted as a skipped row.
-pub const MAX_LINE_BYTES: usize = 64 * 1024;
 
 /// Bytes hashed at each end of the file for its fingerprint.
 const FINGERPRINT_EDGE_BYTES: u64 = 64 * 1024;
@@ -140,50 +136,6 @@ pub struct ReplayStats {
     /// The end of the file was reached without `repeat` (or a repeated pass
     /// held no usable row); every later call returns no reading.
     pub finished: bool,
-}
-
-/// Where a replay stands just after one row: stored by the spool with the
-/// row (key `replay_position.<stream>` in `agent_state`, as JSON) and given
-/// back to [`Replay::resume`] at the next start.
-///
-/// `(trace_id, lap, line)` is the row's identity: the spool derives the
-/// event id from it ([`crate::envelope::replay_event_id`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReplayPosition {
-    /// The trace identity: the configured `trace_id`, else `fp:` and the
-    /// file's [`fingerprint`].
-    pub trace_id: String,
-    /// The file's [`fingerprint`] when the row was read.
-    pub fingerprint: String,
-    /// Pass over the file, from 0 (grows only with `repeat`).
-    pub lap: u64,
-    /// Line number of the row in the file (the header is line 1).
-    pub line: u64,
-    /// Byte offset in the file just after the row's line.
-    pub offset: u64,
-    /// Shift added to the file's timestamps in this lap, ms.
-    pub shift_ms: i64,
-    /// Timestamps of this lap up to the row, to place the next lap.
-    pub pass: PassInfo,
-    /// For a followed file: which file the row came from (`lap` is then
-    /// the segment number). Absent in positions of other replays. Boxed:
-    /// every reading in flight to the spool carries a position.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub segment: Option<Box<SegmentMark>>,
-}
-
-impl ReplayPosition {
-    /// The trace identity the event id derives from
-    /// ([`crate::envelope::replay_event_id`]): `trace_id`, and for a
-    /// followed file also the segment's inode and head digest
-    /// (`trace_id#ino:head`), so rows of two different files never share an
-    /// id even under one segment number.
-    pub fn id_trace(&self) -> std::borrow::Cow<'_, str> {
-        match &self.segment {
-            None => std::borrow::Cow::Borrowed(&self.trace_id),
-            Some(m) => std::borrow::Cow::Owned(format!("{}#{}:{}", self.trace_id, m.ino, m.head)),
-        }
-    }
 }
 
 /// What [`Replay::resume`] did, for the log line.
@@ -315,32 +267,6 @@ struct Row {
     ts: i64,
     fields: Fields,
     position: ReplayPosition,
-}
-
-/// Timestamps seen in the current pass, to place the next one.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PassInfo {
-    /// First timestamp of the pass (file time, unshifted), ms.
-    pub first: Option<i64>,
-    /// Latest timestamp read, ms.
-    pub prev: Option<i64>,
-    /// Largest timestamp read, ms.
-    pub max: Option<i64>,
-    /// First positive gap between two consecutive rows, ms.
-    pub step: Option<i64>,
-}
-
-impl PassInfo {
-    fn note(&mut self, ts: i64) {
-        self.first.get_or_insert(ts);
-        if let Some(prev) = self.prev {
-            if self.step.is_none() && ts > prev {
-                self.step = Some(ts - prev);
-            }
-        }
-        self.prev = Some(ts);
-        self.max = Some(self.max.map_or(ts, |m| m.max(ts)));
-    }
 }
 
 /// What reading one line gave.

@@ -36,10 +36,13 @@ use std::io::{self, BufRead, BufReader, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::replay::MAX_LINE_BYTES;
+use crate::reading::SegmentMark;
+
+/// Longest line kept; a longer one is consumed without being buffered and
+/// counted as a skipped row (by a replay).
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
 
 /// Bytes at the start of a segment whose digest is part of its identity.
 pub const HEAD_BYTES: usize = 1024;
@@ -47,16 +50,6 @@ pub const HEAD_BYTES: usize = 1024;
 /// Directory entries looked at, at most, when resuming in a file that was
 /// rotated away while the agent was down.
 const MAX_DIR_ENTRIES: usize = 10_000;
-
-/// Which file a followed row came from, stored with its position.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SegmentMark {
-    /// Inode number of the file (`st_ino`, stat(2)).
-    pub ino: u64,
-    /// sha256 of the file's first `min(offset, HEAD_BYTES)` bytes (offset
-    /// of the row's position), first 16 bytes in hex.
-    pub head: String,
-}
 
 /// What [`Tail::next_line`] gave.
 #[derive(Debug, PartialEq, Eq)]

@@ -50,7 +50,7 @@ pub(super) fn forget_purged(tx: &Transaction<'_>) -> rusqlite::Result<usize> {
 #[cfg(test)]
 mod tests {
     use crate::envelope::{keyed_event_id, EventIdGen, Format};
-    use crate::source::FieldValue;
+    use crate::reading::FieldValue;
     use crate::spool::{CommitOutcome, NewEvent, Reply, Spool, SpoolOptions};
     use std::sync::mpsc::{channel, Receiver};
 

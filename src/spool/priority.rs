@@ -18,6 +18,7 @@
 //!   lanes and its first publishes stay in sequence order.
 
 use super::{OutRow, Spool, SpoolError};
+use crate::stream::fallback_priority;
 use rusqlite::{params, OptionalExtension};
 use std::collections::HashMap;
 
@@ -32,17 +33,6 @@ UPDATE events SET prio = 200
       AND id > (SELECT acked_through FROM delivery_mark);
 CREATE INDEX events_priority ON events(id) WHERE prio > 0;
 ";
-
-/// The priority a stream gets when no config names it: the agent's own
-/// streams (names starting with `_`: `_commands`, `_agent`) get
-/// [`crate::config::AGENT_STREAM_PRIORITY`], every other stream 0.
-pub fn fallback_priority(stream: &str) -> u8 {
-    if stream.starts_with('_') {
-        crate::config::AGENT_STREAM_PRIORITY
-    } else {
-        0
-    }
-}
 
 /// Which rows a delivery read returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

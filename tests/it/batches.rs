@@ -8,7 +8,7 @@ use crate::support::sink::{SinkProc, BROKER_EXTRA};
 use crate::support::subscriber::{Delivery, Subscriber};
 use crate::support::{tail, wait_for};
 use edgespool::envelope::{EventIdGen, Format};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};

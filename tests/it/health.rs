@@ -62,7 +62,7 @@ fn telemetry_flows_when_the_broker_closes_connections_on_the_command_subscriptio
 #[test]
 fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() {
     use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::source::FieldValue;
+    use edgespool::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());

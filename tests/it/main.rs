@@ -26,6 +26,7 @@ mod sink_batches;
 mod spool;
 mod standalone;
 mod storage;
+mod structure;
 mod systemd;
 mod tls;
 mod trial;

@@ -8,7 +8,7 @@ use crate::support::proxy::{Mode, Proxy};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use edgespool::envelope::{EventIdGen, Format};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::cell::{Cell, RefCell};
 use std::collections::HashSet;

@@ -115,7 +115,7 @@ pub(crate) fn log_lines(agent: &AgentProc, level: &str, text: &str) -> Vec<Strin
 /// starts (payload size follows the text's length).
 pub(crate) fn seed(db: &Path, texts: &[String]) {
     use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::source::FieldValue;
+    use edgespool::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     let mut s = Spool::open(db, &SpoolOptions::default()).expect("spool");
     let mut ids = EventIdGen::new().expect("ids");

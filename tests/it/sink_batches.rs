@@ -6,7 +6,7 @@ use crate::support::broker::Broker;
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
 use crate::support::{tail, wait_for};
 use edgespool::envelope::{encode, Envelope, EventId, Format};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
 use std::collections::HashMap;
 use std::io::Write;

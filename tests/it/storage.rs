@@ -316,7 +316,7 @@ fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
 #[test]
 fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_rows() {
     use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::source::FieldValue;
+    use edgespool::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     const OLD: usize = 40_000;
     const KEEP: usize = 2_000;

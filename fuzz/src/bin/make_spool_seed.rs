@@ -7,7 +7,7 @@
 //! Usage: make_spool_seed <output directory>
 
 use edgespool::envelope::{EventIdGen, Format};
-use edgespool::source::FieldValue;
+use edgespool::reading::FieldValue;
 use edgespool::spool::{CheckpointMode, NewEvent, Spool, SpoolOptions};
 use std::path::Path;
 

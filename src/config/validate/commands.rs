@@ -66,7 +66,7 @@ pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, 
 
 /// `[commands.config_push]`: the mode and its confirmation window.
 pub(super) fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, String)) -> ConfigPush {
-    use crate::policy::PushMode;
+    use crate::config::PushMode;
     let mode = match raw.mode.as_str() {
         "off" => PushMode::Off,
         "overlay" => PushMode::Overlay,

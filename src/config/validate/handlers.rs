@@ -1,10 +1,10 @@
 //! `[[commands.handlers]]` validation: the programs a command may run and
 //! their confinement (environment, working directory, limits, user).
 
-use super::topic_safe;
+use crate::commands::{ExecHandler, ParamKind, ParamSpec};
 use crate::config::raw::{default_cpu_secs, RawHandler, HANDLER_CWD};
-use crate::config::{ExecHandler, ParamKind, ParamSpec};
 use crate::process::{Credentials, Limits};
+use crate::stream::topic_safe;
 use std::collections::{BTreeMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};

@@ -1,9 +1,10 @@
 //! `[ingest]` validation: listeners, bounds and the streams clients may write.
 
-use super::{batching, durability, stream_name_ok};
+use super::stream::stream_settings;
 use crate::config::raw::RawIngest;
-use crate::config::{default_priority, pattern_matches, IngestConfig, IngestStream};
+use crate::ingest::{IngestConfig, IngestStream};
 use crate::source::SourceSpec;
+use crate::stream::{pattern_matches, stream_name_ok};
 
 /// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
 /// `tcp_public`), bounds in range, and the streams clients may write: valid
@@ -151,19 +152,9 @@ fn validate_ingest_streams(
         } else if !names.insert(rs.name.clone()) {
             bad(&k("name"), format!("duplicate ingest stream {:?}", rs.name));
         }
-        let durability = durability(rs.durability.as_deref(), &k("durability"), bad);
-        let keys = (
-            rs.batch_max_events,
-            rs.batch_max_ms,
-            rs.compression.as_deref(),
-        );
-        let batch = batching(keys, &k, bad);
         streams.push(IngestStream {
             name: rs.name.clone(),
-            durability,
-            priority: rs.priority.unwrap_or_else(|| default_priority(durability)),
-            live_first: rs.live_first.unwrap_or(false),
-            batch,
+            settings: stream_settings(rs.stream(), &k, bad),
         });
     }
     for (i, p) in raw.stream_patterns.iter().enumerate() {

@@ -1,7 +1,7 @@
 //! `[metrics]` validation.
 
 use crate::config::raw::RawMetrics;
-use crate::config::MetricsConfig;
+use crate::metrics::MetricsConfig;
 
 /// `[metrics]`: an absolute textfile path; a literal `IP:port` to listen on,
 /// loopback unless `listen_public` (the listener is attack surface).

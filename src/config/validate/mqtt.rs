@@ -3,8 +3,8 @@
 use super::parse_url;
 use crate::ack::MAX_WINDOW;
 use crate::config::raw::RawMqtt;
-use crate::config::{MqttConfig, Protocol, TlsFiles};
 use crate::envelope::Format;
+use crate::mqtt::{MqttConfig, Protocol, TlsFiles};
 use std::time::Duration;
 
 /// Smallest `mqtt.max_packet_bytes`: mosquitto refuses a `max_packet_size`

@@ -2,12 +2,13 @@
 //! function per kind (replay, file, exec, mqtt bridge; system has no keys).
 
 use super::bridge::validate_bridge;
-use super::{batching, durability, stream_name_ok};
+use super::stream::stream_settings;
 use crate::config::raw::{d_interval, RawSource};
 use crate::config::read::did_you_mean;
-use crate::config::MqttConfig;
+use crate::mqtt::MqttConfig;
 use crate::source::bridge::BridgeSpec;
 use crate::source::{SourceKind, SourceSpec};
+use crate::stream::stream_name_ok;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -40,13 +41,7 @@ pub(super) fn validate_sources(
         }
         check_kind_keys(rs, &k, bad);
         let kind = validate_kind(rs, device_id, &k, bad);
-        let durability = durability(rs.durability.as_deref(), &k("durability"), bad);
-        let keys = (
-            rs.batch_max_events,
-            rs.batch_max_ms,
-            rs.compression.as_deref(),
-        );
-        let batch = batching(keys, &k, bad);
+        let settings = stream_settings(rs.stream(), &k, bad);
         if let Some(SourceKind::Mqtt(b)) = &kind {
             let streams: Vec<&str> = raw.iter().map(|r| r.name.as_str()).collect();
             check_bridge_against_main((b, &streams), mqtt, &mut bridge_ids, &k, bad);
@@ -56,12 +51,7 @@ pub(super) fn validate_sources(
                 name: rs.name.clone(),
                 interval: Duration::from_millis(interval_ms),
                 kind,
-                durability,
-                priority: rs
-                    .priority
-                    .unwrap_or_else(|| crate::config::default_priority(durability)),
-                live_first: rs.live_first.unwrap_or(false),
-                batch,
+                settings,
             });
         }
     }

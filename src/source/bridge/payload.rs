@@ -5,7 +5,7 @@
 //! Its one rule: **a payload either becomes a complete reading or a named
 //! refusal**; nothing is guessed from half a message, and no input panics.
 
-use crate::source::{FieldValue, Fields};
+use crate::reading::{FieldValue, Fields};
 use std::fmt;
 
 /// The field every bridged reading carries: the topic its message came on.

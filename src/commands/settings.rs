@@ -1,0 +1,128 @@
+//! `[commands]` settings: what the command thread accepts and keeps, and
+//! the exec handlers the local config names. Built by the config
+//! ([`crate::config`]) and handed to the command thread as they are.
+//!
+//! Its one rule: a handler is only ever what the board's own config says
+//! (program, fixed arguments, typed parameters); nothing a command sends can
+//! widen it.
+
+use crate::process::{Credentials, Limits};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `[commands]`: commands received over MQTT on `<topic_prefix>/commands`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandsConfig {
+    /// `enabled`: subscribe to the command topic.
+    pub enabled: bool,
+    /// `max_payload_bytes`: larger command messages are rejected, bytes
+    /// (256..=1048576, default 65536). The MQTT incoming packet limit is this
+    /// plus the command topic and the PUBLISH header.
+    pub max_payload_bytes: usize,
+    /// `record_retention_secs`: the redelivery window, seconds (3600..=ten
+    /// years, default 604800 = 7 days). A command record is never deleted
+    /// before it is this old, its age measured on the agent's monotonic
+    /// clock (time the agent has run since the receipt, a lower bound of the
+    /// real age across restarts and reboots), never on the wall clock.
+    pub record_retention: Duration,
+    /// `max_records`: command records kept, a count (1000..=1000000, default
+    /// 10000). Over it, the oldest `rejected` records go first; records of
+    /// commands that ran are deleted only once outside the redelivery
+    /// window, and while none can go new commands are held back (not
+    /// acknowledged).
+    pub max_records: usize,
+    /// `max_queued`: commands waiting for their lane (exec handlers; agent
+    /// requests), per lane, a count (1..=10000, default 100). When a lane is
+    /// full, new command PUBLISHes for it are held back: not acknowledged
+    /// (the broker keeps them), parked in memory within the command inbox's
+    /// bytes, and taken once there is room; what does not fit is redelivered
+    /// by the broker after the agent reconnects.
+    pub max_queued: usize,
+    /// `max_per_minute_per_scope`: new commands accepted per scope, per
+    /// minute (a burst of this many, refilled at this rate; 1..=60000,
+    /// default 60). Over it a command is answered `rejected` (rate limit),
+    /// not recorded, and counted `commands_rate_limited`.
+    pub max_per_minute_per_scope: u32,
+    /// `default_ttl_secs`: time to live given to an exec-handler command
+    /// that names none, seconds (1..=`record_retention_secs`, default 3600).
+    /// Built-ins need none.
+    pub default_ttl: Duration,
+    /// `[[commands.handlers]]`: exec handlers.
+    pub handlers: Vec<ExecHandler>,
+}
+
+/// One `[[commands.handlers]]` entry: a program with fixed arguments, run
+/// without a shell; `{param}` in an argument is replaced by a validated value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecHandler {
+    /// Command name operators send.
+    pub name: String,
+    /// Absolute path of the program.
+    pub program: PathBuf,
+    /// Arguments, with `{param}` placeholders.
+    pub args: Vec<String>,
+    /// Killed after this.
+    pub timeout: Duration,
+    /// Captured stdout/stderr are truncated to this many bytes each.
+    pub max_output_bytes: usize,
+    /// May be re-run after a crash interrupted it (F14 variant F).
+    pub retry_safe: bool,
+    /// Declared parameters.
+    pub params: Vec<ParamSpec>,
+    /// `env`: variables the program gets besides `PATH` and `LANG` (a name
+    /// given here replaces that default). Values are taken literally from
+    /// the local config; nothing from a command reaches them.
+    pub env: BTreeMap<String, String>,
+    /// `cwd`: working directory, absolute (default `/`).
+    pub cwd: PathBuf,
+    /// `cpu_secs` (seconds), `max_memory_bytes` (bytes of address space),
+    /// `max_open_files` (descriptors): set in the child before it runs.
+    pub limits: Limits,
+    /// `user` and `group`, resolved to ids when the config was validated;
+    /// `None`: the program runs as the agent's user.
+    pub credentials: Option<Credentials>,
+}
+
+/// A declared handler parameter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Name, as used in `{name}` and in the command's `args`.
+    pub name: String,
+    /// Type and bounds.
+    pub kind: ParamKind,
+    /// Must be present.
+    pub required: bool,
+}
+
+/// Parameter types. Strings are limited to `[A-Za-z0-9_.:@-]`, may not start
+/// with `-` or `.`, so no value can become an option or a path escape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ParamKind {
+    /// An integer in `min..=max`.
+    Int {
+        /// Lower bound.
+        min: i64,
+        /// Upper bound.
+        max: i64,
+    },
+    /// A number in `min..=max`.
+    Float {
+        /// Lower bound.
+        min: f64,
+        /// Upper bound.
+        max: f64,
+    },
+    /// A safe string of at most `max_len` bytes.
+    Str {
+        /// Length limit.
+        max_len: usize,
+    },
+    /// One of `values`.
+    Enum {
+        /// Allowed values.
+        values: Vec<String>,
+    },
+    /// `true` or `false`.
+    Bool,
+}

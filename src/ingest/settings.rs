@@ -1,0 +1,108 @@
+//! `[ingest]` settings: the local socket and TCP listener, their bounds,
+//! and the streams clients may write. Built by the config
+//! ([`crate::config`]).
+//!
+//! Its one rule: a client writes only a stream the local config declares
+//! or a pattern allows, with that stream's settings, never its own.
+
+use crate::stream::{pattern_matches, stream_name_ok, StreamSettings};
+use std::path::PathBuf;
+
+/// `[ingest]`: the local socket ingest ([`crate::ingest`]). Off unless
+/// `socket` or `tcp` is set. Changes take effect at the next restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IngestConfig {
+    /// `socket`: absolute path of a Unix stream socket (e.g.
+    /// `/run/edgespool/ingest.sock`). Unset: none.
+    pub socket: Option<PathBuf>,
+    /// `socket_group`: group given the socket (a name, looked up at start,
+    /// or a numeric gid). Unset: the agent's own group.
+    pub socket_group: Option<String>,
+    /// `socket_mode`: permission bits of the socket, an octal string
+    /// (default `"0660"`: owner and group may connect). Must keep the
+    /// owner's read and write bits; others may never write.
+    pub socket_mode: u32,
+    /// `tcp`: `IP:port` of a TCP listener (e.g. `127.0.0.1:7788`); a
+    /// non-loopback address needs `tcp_public`. Unset: none.
+    pub tcp: Option<std::net::SocketAddr>,
+    /// `tcp_public`: allow `tcp` on an address other hosts can reach
+    /// (default false). Nothing authenticates a TCP client.
+    pub tcp_public: bool,
+    /// `max_line_bytes`: longest request line, bytes, newline excluded
+    /// (256..=1048576, default 16384). A longer line is answered with an
+    /// error naming this limit and the connection is closed.
+    pub max_line_bytes: usize,
+    /// `max_connections`: connections served at once per listener (the
+    /// socket and the TCP port each; 1..=1024, default 16); one more is
+    /// told so in one error line and closed. A connection that completes
+    /// no request line for 60 s is told so and closed
+    /// ([`crate::ingest::conn::LINE_TIMEOUT`]).
+    pub max_connections: usize,
+    /// `max_rate_per_sec`: requests per second per connection (token
+    /// bucket, burst of one second's worth; 1..=1000000, default 5000).
+    /// Past it the agent stops reading that connection until tokens are
+    /// back (backpressure, nothing refused).
+    pub max_rate_per_sec: u32,
+    /// `max_fields`: fields per request (1..=1024, default 64).
+    pub max_fields: usize,
+    /// `[[ingest.streams]]`: the streams clients may write, by name.
+    pub streams: Vec<IngestStream>,
+    /// `stream_patterns`: further streams allowed by prefix (`"plant.*"`
+    /// allows every valid name starting with `plant.`); such streams are
+    /// `durability = "batched"`, priority 0, and
+    /// at most [`crate::ingest::MAX_PATTERN_STREAMS`] of them are let in
+    /// per run of the agent.
+    pub stream_patterns: Vec<String>,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            socket: None,
+            socket_group: None,
+            socket_mode: 0o660,
+            tcp: None,
+            tcp_public: false,
+            max_line_bytes: 16 * 1024,
+            max_connections: 16,
+            max_rate_per_sec: 5000,
+            max_fields: 64,
+            streams: Vec::new(),
+            stream_patterns: Vec::new(),
+        }
+    }
+}
+
+impl IngestConfig {
+    /// Whether any listener is configured.
+    pub fn enabled(&self) -> bool {
+        self.socket.is_some() || self.tcp.is_some()
+    }
+
+    /// The declared stream `name`, or one a pattern allows (batched,
+    /// default priority); `None`: clients may not write it.
+    pub fn stream(&self, name: &str) -> Option<IngestStream> {
+        if let Some(s) = self.streams.iter().find(|s| s.name == name) {
+            return Some(s.clone());
+        }
+        let allowed = stream_name_ok(name)
+            && self
+                .stream_patterns
+                .iter()
+                .any(|p| pattern_matches(p, name));
+        allowed.then(|| IngestStream {
+            name: name.to_owned(),
+            settings: StreamSettings::plain(),
+        })
+    }
+}
+
+/// One `[[ingest.streams]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IngestStream {
+    /// `name`: the stream (the name rule of sources, see [`stream_name_ok`]).
+    pub name: String,
+    /// What the stream sets: durability, delivery priority, live-first,
+    /// batching (a stream a pattern allows gets [`StreamSettings::plain`]).
+    pub settings: StreamSettings,
+}

@@ -1,0 +1,66 @@
+//! What the ingest thread receives: readings from every producer (the
+//! sampler, the ingest socket, the local-broker bridge), control requests
+//! from the command thread, counts of refused input, and wake-ups.
+//!
+//! It sits below every producer, so none of them imports the agent. One
+//! rule: a reading sent here is not stored until the ingest thread's commit
+//! says so (its [`crate::spool::Reply`] carries the outcome).
+
+use crate::spool::NewEvent;
+use serde_json::Value;
+use std::sync::mpsc::Sender;
+use std::time::Duration;
+
+/// What wakes the ingest thread.
+#[derive(Debug)]
+pub enum IngestMsg {
+    /// A reading from a source.
+    Reading(NewEvent),
+    /// A request from the command thread.
+    Control(Control),
+    /// A signal arrived: look at the stop and reload flags.
+    Wake,
+    /// Add `by` to the persistent counter `name` (shown by `status`), for
+    /// bad data a producer refused before it became a reading (e.g.
+    /// `bridge_payload_refused`). Stored with the next commit window.
+    Count {
+        /// Counter name, e.g. `bridge_payload_refused.<source>`.
+        name: String,
+        /// Increment.
+        by: i64,
+    },
+}
+
+/// A request to the agent's main thread; the reply is a result object or an
+/// error message (which makes the command `rejected`).
+#[derive(Debug)]
+pub enum Control {
+    /// Change one source's sampling interval.
+    SetInterval {
+        /// Source (stream) name.
+        source: String,
+        /// New interval.
+        interval: Duration,
+        /// Reply.
+        reply: Sender<Result<Value, String>>,
+    },
+    /// Commit the ingest buffer now.
+    Flush {
+        /// Reply.
+        reply: Sender<Result<Value, String>>,
+    },
+    /// Check a pushed config against the local policy and apply it.
+    ApplyConfig {
+        /// The TOML text: an overlay, or a whole config when signed.
+        text: String,
+        /// Hex Ed25519 signature of `text` (signed mode only).
+        signature: Option<String>,
+        /// Reply.
+        reply: Sender<Result<Value, String>>,
+    },
+    /// Re-read the config file.
+    Reload {
+        /// Reply.
+        reply: Sender<Result<Value, String>>,
+    },
+}

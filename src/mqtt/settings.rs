@@ -1,0 +1,100 @@
+//! `[mqtt]` settings: the broker, the session and delivery's limits. Built
+//! by the config ([`crate::config`]) and handed to the MQTT thread and the
+//! delivery thread as they are.
+//!
+//! Its one rule: every limit here is the local config's; what a broker
+//! announces on one connection is judged per connection, never stored here.
+
+use crate::envelope::Format;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `[mqtt]`: the broker and delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MqttConfig {
+    /// `mqtts://` in `url`: TLS (rustls, ring provider).
+    pub tls: Option<TlsFiles>,
+    /// `username` and `password_file`.
+    pub credentials: Option<(String, Option<PathBuf>)>,
+    /// Host from `url`.
+    pub host: String,
+    /// Port from `url`.
+    pub port: u16,
+    /// `client_id`.
+    pub client_id: String,
+    /// `topic_prefix`: events go to `<topic_prefix>/events/<stream>`.
+    pub topic_prefix: String,
+    /// `keep_alive_secs`.
+    pub keep_alive: Duration,
+    /// `clean_session`.
+    pub clean_session: bool,
+    /// `inflight_window`: publishes awaiting PUBACK at once.
+    pub inflight_window: usize,
+    /// `max_payload_bytes`: larger events are marked FAILED, never sent.
+    pub max_payload_bytes: usize,
+    /// `max_packet_bytes`: the broker's limit on a whole packet (mosquitto's
+    /// `max_packet_size`): an event whose QoS 1 PUBLISH (fixed header,
+    /// Remaining Length, topic, packet id and payload; MQTT 3.1.1 §2.2,
+    /// §3.3) is larger is marked FAILED, never sent. Default
+    /// [`crate::mqtt::PROTOCOL_MAX_PACKET`], the protocol's own limit.
+    pub max_packet_bytes: usize,
+    /// `payload_format`.
+    pub payload_format: Format,
+    /// `connect_timeout_secs`.
+    pub connect_timeout: Duration,
+    /// `reconnect_min_ms`: first reconnect backoff.
+    pub reconnect_min: Duration,
+    /// `reconnect_max_ms`: backoff cap.
+    pub reconnect_max: Duration,
+    /// `ack_timeout_secs`: connected with rows in flight and no PUBACK for this
+    /// long → the client is rebuilt and rows replayed (watchdog).
+    pub ack_timeout: Duration,
+    /// `fail_after_disconnects`: a row that is the oldest in flight when the
+    /// connection drops this many times in a row is marked FAILED (a publish
+    /// the broker answers by disconnecting, e.g. over its packet size limit),
+    /// so the rows behind it flow (1..=100, default 3).
+    pub fail_after_disconnects: u32,
+    /// `protocol`: `"5"` (default; the integer `5` too) or `"3.1.1"`. Only MQTT 5 tells a
+    /// publisher that the broker refused a publish (a PUBACK reason code of
+    /// 0x80 or more, MQTT 5.0 §3.4.2.1); under 3.1.1 a broker that denies a
+    /// publish still acknowledges it (§3.4: a PUBACK has no reason code).
+    pub protocol: Protocol,
+    /// `session_expiry_secs`: how long the broker keeps this client's
+    /// session (its command subscription and queued commands) after a
+    /// disconnect, MQTT 5 only (§3.1.2.11.2); 0..=4294967295, default
+    /// 604800 (7 days). Ignored with `clean_session = true` or 3.1.1, where
+    /// a persistent session lasts until the broker drops it.
+    pub session_expiry_secs: u32,
+    /// `min_share_pct`: the starvation bound of delivery priority
+    /// ([`crate::lanes`]): while streams of a higher priority have rows
+    /// waiting, lower priorities still get this share of the publishes
+    /// offered, in percent (0..=50, default 10; 0 is strict priority).
+    pub min_share_pct: u8,
+    /// `status_topic`: a retained `<topic_prefix>/status` message, `online`
+    /// at each connect and `offline` as the will (sent by the broker when the
+    /// connection ends without a DISCONNECT: a kill, a power cut, a lost
+    /// link, and a clean stop too). Default true.
+    pub status_topic: bool,
+}
+
+/// `mqtt.protocol`: the MQTT version spoken to the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// MQTT 3.1.1 (protocol level 4).
+    V311,
+    /// MQTT 5.0 (protocol level 5): PUBACK reason codes, the broker's
+    /// receive maximum and maximum packet size, user properties.
+    #[default]
+    V5,
+}
+
+/// TLS material for `mqtts://`, read at every connect (rotated files apply
+/// at the next reconnect).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// `ca_file`: PEM CA certificate(s) the broker's certificate must chain to.
+    pub ca_file: PathBuf,
+    /// `client_cert_file` and `client_key_file`: PEM client certificate and
+    /// key for mutual TLS (AWS IoT Core and similar).
+    pub client: Option<(PathBuf, PathBuf)>,
+}
