@@ -39,7 +39,7 @@ fn last_good_path_in(config: &Path, state_dir: Option<&std::ffi::OsStr>) -> Path
 
 /// Hex sha256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    crate::commands::hex(&Sha256::digest(bytes))
+    crate::hex::encode(&Sha256::digest(bytes))
 }
 
 /// Replace `path` with `bytes` atomically: write `<path>.tmp-<pid>`, fsync it,

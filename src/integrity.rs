@@ -12,11 +12,93 @@
 //! `<spool>.clean` (length, mtime and inode of the database file after a
 //! final checkpoint); a start removes it, so a kill or a power cut leaves
 //! none. A check that finds damage writes `<spool>.damaged` with the reason;
-//! the next open moves the file aside (see [`crate::agent::open_spool`]).
+//! the next open moves the file aside ([`open_spool_at`]).
 
+use crate::spool::{Spool, SpoolError, SpoolOptions};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+/// Why [`open_spool_at`] gave no spool.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The open failed and the file is not damaged (or the fresh spool
+    /// failed): fatal, the cause says what to fix.
+    #[error(transparent)]
+    Spool(#[from] SpoolError),
+    /// The file is not a SQLite database, or a damaged one could not be
+    /// moved aside: refused, nothing touched; fix the path or directory.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// The first 16 bytes of every SQLite database file
+/// (<https://www.sqlite.org/fileformat.html#the_database_header>).
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// Open the spool at `path` with `options`; a damaged spool is moved aside
+/// (never a silent wipe; F04): `spool.db` → `spool.db.corrupt-<unix ms>`
+/// (with its `-wal` and `-shm`), the move is counted, and a fresh spool is
+/// created. Damage is known from the open itself (SQLITE_CORRUPT/NOTADB, or
+/// a generic error that SQLite's own check of the file confirms, see
+/// [`confirm_damage`]) or from the marker a background check left. A file
+/// that is not a SQLite database at all (a config file given as
+/// `spool.path` by mistake) is refused, never moved. No whole-file check
+/// runs here: startup work does not grow with the spool. The fuzz target
+/// that mutates spool files runs exactly this code.
+///
+/// Errors: [`OpenError::Spool`] (the open failed and the file is not
+/// damaged, or the fresh spool failed), [`OpenError::Refused`] (not a
+/// SQLite file, or it cannot be moved aside).
+pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, OpenError> {
+    let marker = damaged_marker(path);
+    let damage = match std::fs::read_to_string(&marker) {
+        Ok(reason) => reason,
+        Err(_) => match Spool::open(path, options) {
+            Ok(s) => return Ok(s),
+            Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
+            // SQLite reports some damage as a generic error (a mangled
+            // header: "unsupported file format"), damaged rows read back
+            // with the wrong type (NULL in a NOT NULL column), and a mangled
+            // schema as a missing column: whatever the error, a file its own
+            // check also fails is damaged, one it passes keeps the error
+            // (a bug of ours must never move a good spool aside).
+            Err(SpoolError::Other { path: p, source }) => match confirm_damage(path) {
+                Some(why) => format!("{source}; {why}"),
+                None => return Err(SpoolError::Other { path: p, source }.into()),
+            },
+            Err(e) => return Err(e.into()),
+        },
+    };
+    let mut head = [0u8; 16];
+    let is_sqlite = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+        .is_ok_and(|()| &head == SQLITE_MAGIC);
+    if !is_sqlite {
+        return Err(OpenError::Refused(format!(
+            "spool.path {} is not a SQLite database (no SQLite header); refusing to touch it",
+            path.display()
+        )));
+    }
+    let stamp = crate::envelope::wall_clock_ms().0;
+    let aside = format!("{}.corrupt-{stamp}", path.display());
+    log::error!(
+        "spool {} is damaged ({damage}); moving it to {aside} and starting a fresh spool",
+        path.display()
+    );
+    for suffix in ["", "-wal", "-shm"] {
+        let from = format!("{}{suffix}", path.display());
+        if Path::new(&from).exists() {
+            std::fs::rename(&from, format!("{aside}{suffix}")).map_err(|e| {
+                OpenError::Refused(format!("cannot move damaged spool {from} aside: {e}"))
+            })?;
+        }
+    }
+    let _ = std::fs::remove_file(&marker);
+    let mut s = Spool::open(path, options)?;
+    s.count("spool_moved_aside_corrupt", 1)?;
+    Ok(s)
+}
 
 /// `<spool>.clean`: written at a clean stop.
 pub fn stamp_path(db: &Path) -> PathBuf {
@@ -182,7 +264,7 @@ mod tests {
         let mut bytes = std::fs::read(&db).unwrap();
         bytes[47] = 35;
         std::fs::write(&db, &bytes).unwrap();
-        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        let s = open_spool_at(&db, &opts).expect("moved aside, fresh spool");
         assert!(moved_aside(d.path()));
         let counted = s.counters().unwrap();
         assert!(
@@ -207,7 +289,7 @@ mod tests {
             "the fixture fails quick_check"
         );
         let opts = crate::spool::SpoolOptions::default();
-        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        let s = open_spool_at(&db, &opts).expect("moved aside, fresh spool");
         assert!(moved_aside(d.path()));
         assert!(s.stats(0).unwrap().by_stream_state.is_empty());
     }
@@ -252,7 +334,7 @@ mod tests {
         )
         .unwrap();
         drop(conn);
-        let s = crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        let s = open_spool_at(&db, &opts).expect("moved aside, fresh spool");
         assert!(moved_aside(d.path()));
         assert!(s.stats(0).unwrap().by_stream_state.is_empty());
     }
@@ -271,7 +353,7 @@ mod tests {
         bytes[47] = 35; // schema format number
         bytes[60..64].copy_from_slice(&50_331_648u32.to_be_bytes()); // user_version
         std::fs::write(&db, &bytes).unwrap();
-        crate::agent::open_spool_at(&db, &opts).expect("moved aside, fresh spool");
+        open_spool_at(&db, &opts).expect("moved aside, fresh spool");
         assert!(moved_aside(d.path()));
     }
 
@@ -287,7 +369,7 @@ mod tests {
             .unwrap();
         drop(conn);
         let opts = crate::spool::SpoolOptions::default();
-        let e = crate::agent::open_spool_at(&db, &opts).unwrap_err();
+        let e = open_spool_at(&db, &opts).unwrap_err();
         assert!(e.to_string().contains("no such table"), "{e}");
         assert!(!moved_aside(d.path()));
     }

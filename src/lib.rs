@@ -49,6 +49,7 @@ pub mod configfile;
 pub mod envelope;
 pub mod fsguard;
 pub mod health;
+pub mod hex;
 pub mod ingest;
 pub mod intake;
 pub mod integrity;

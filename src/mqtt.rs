@@ -1438,9 +1438,29 @@ mod tests {
     #[test]
     fn offers_wait_while_disconnected_and_stale_epochs_are_refused() {
         let (tx, _rx) = std::sync::mpsc::channel();
-        let cfg = crate::config::parse("device_id='d'\n[spool]\npath='/tmp/x'\n", "t", &[])
-            .unwrap()
-            .mqtt;
+        let cfg = MqttConfig {
+            tls: None,
+            credentials: None,
+            host: "127.0.0.1".into(),
+            port: 1,
+            client_id: "t".into(),
+            topic_prefix: "t".into(),
+            keep_alive: Duration::from_secs(30),
+            clean_session: false,
+            inflight_window: 16,
+            max_payload_bytes: 1024,
+            max_packet_bytes: PROTOCOL_MAX_PACKET,
+            payload_format: crate::envelope::Format::Json,
+            connect_timeout: Duration::from_secs(10),
+            reconnect_min: Duration::from_millis(500),
+            reconnect_max: Duration::from_secs(30),
+            ack_timeout: Duration::from_secs(60),
+            fail_after_disconnects: 3,
+            protocol: Protocol::V5,
+            session_expiry_secs: 0,
+            min_share_pct: 10,
+            status_topic: false,
+        };
         let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)), None);
         let ready = |row| Ready {
             row,

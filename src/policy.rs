@@ -80,7 +80,7 @@ pub fn check(base: &Config, text: &str, signature: Option<&str>) -> Result<Push,
 /// Verify an Ed25519 `signature_hex` (128 hex digits) over `message` with any
 /// of `keys` (32-byte public keys).
 pub fn verify(message: &[u8], signature_hex: &str, keys: &[[u8; 32]]) -> Result<(), Refused> {
-    let sig = decode_hex(signature_hex.trim())
+    let sig = crate::hex::decode(signature_hex.trim())
         .filter(|s| s.len() == 64)
         .ok_or("args.signature: must be 128 hex digits (an Ed25519 signature)")?;
     if keys.is_empty() {
@@ -98,17 +98,6 @@ pub fn verify(message: &[u8], signature_hex: &str, keys: &[[u8; 32]]) -> Result<
                 .to_owned(),
         )
     }
-}
-
-/// Hex text to bytes; `None` unless it is an even number of hex digits.
-pub fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| s.get(i..i + 2).and_then(|b| u8::from_str_radix(b, 16).ok()))
-        .collect()
 }
 
 /// The `--set` overrides an overlay stands for, after checking every key.
@@ -305,7 +294,7 @@ interval_ms = 1000
         let other =
             Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).unwrap().as_ref())
                 .unwrap();
-        let hex = |b: &[u8]| crate::commands::hex(b);
+        let hex = |b: &[u8]| crate::hex::encode(b);
         let b = base("signed", &[hex(kp.public_key().as_ref())]);
         let sig = hex(kp.sign(BASE.as_bytes()).as_ref());
         assert_eq!(

@@ -1,5 +1,5 @@
 //! Opening a spool file whose bytes the fuzzer mutates, through
-//! `agent::open_spool_at`, the whole decision `agent::open_spool` makes at
+//! `integrity::open_spool_at`, the whole decision `agent::open_spool` makes at
 //! start: open it, move it aside as damaged and start a fresh spool, or
 //! refuse a file that is not SQLite at all.
 //!
@@ -20,7 +20,7 @@
 //! and the whole run stays within libFuzzer's `-timeout` (no hang).
 #![no_main]
 
-use edgespool::agent::{open_spool_at, AgentError};
+use edgespool::integrity::{open_spool_at, OpenError};
 use edgespool::spool::priority::Lane;
 use edgespool::spool::{SpoolError, SpoolOptions};
 use libfuzzer_sys::fuzz_target;
@@ -66,15 +66,15 @@ fuzz_target!(|data: &[u8]| {
                 assert!(s.by_stream_state.is_empty(), "a fresh spool has rows");
             }
         }
-        Err(AgentError::Setup(msg)) if msg.contains("is not a SQLite database") => {
+        Err(OpenError::Refused(msg)) if msg.contains("is not a SQLite database") => {
             assert!(!moved, "moved aside and then refused");
             assert!(!data.starts_with(b"SQLite format 3\0"));
         }
-        Err(AgentError::Spool(SpoolError::NewerSchema { found, .. })) => {
+        Err(OpenError::Spool(SpoolError::NewerSchema { found, .. })) => {
             assert!(found > edgespool::spool::SCHEMA_VERSION);
             assert!(!moved);
         }
-        Err(AgentError::Spool(SpoolError::Other { source, .. }))
+        Err(OpenError::Spool(SpoolError::Other { source, .. }))
             if !moved && edgespool::integrity::confirm_damage(&path).is_none() =>
         {
             // A file SQLite's own check passes, with a schema that is not

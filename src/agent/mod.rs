@@ -26,7 +26,7 @@ use crate::intake::{Control, IngestMsg};
 use crate::mqtt::{self, DeliveryMsg};
 use crate::publisher::{self, DeliveryConfig, DeliveryStats};
 use crate::sampler::SamplerUpdate;
-use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError, SpoolOptions};
+use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
 use crate::stream::AGENT_STREAM;
 use crate::threads::join_within;
 use std::collections::HashMap;
@@ -68,78 +68,13 @@ pub enum AgentError {
     Damaged(String),
 }
 
-/// The first 16 bytes of every SQLite database file
-/// (<https://www.sqlite.org/fileformat.html#the_database_header>).
-const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
-
-/// Open the spool; a damaged spool is moved aside (never a silent wipe;
-/// F04): `spool.db` → `spool.db.corrupt-<unix ms>` (with its `-wal` and
-/// `-shm`), the move is counted, and a fresh spool is created. Damage is
-/// known from the open itself (SQLITE_CORRUPT/NOTADB, or a generic error
-/// that SQLite's own check of the file confirms, see
-/// [`crate::integrity::confirm_damage`]) or from the marker a background
-/// [`crate::integrity`] check left. A file that is not a SQLite
-/// database at all (a config file given as `spool.path` by mistake) is
-/// refused, never moved. No whole-file check runs here: startup work does
-/// not grow with the spool.
+/// Open the configured spool, moving a damaged one aside
+/// ([`crate::integrity::open_spool_at`]).
 pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
-    open_spool_at(&cfg.spool.path, &cfg.spool.options)
-}
-
-/// [`open_spool`] for a spool at `path` opened with `options`: the whole
-/// decision (open, move aside as damaged, or refuse a file that is not
-/// SQLite), without a full config. Public so the fuzz target that mutates
-/// spool files runs exactly this code.
-pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, AgentError> {
-    let marker = crate::integrity::damaged_marker(path);
-    let damage = match std::fs::read_to_string(&marker) {
-        Ok(reason) => reason,
-        Err(_) => match Spool::open(path, options) {
-            Ok(s) => return Ok(s),
-            Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
-            // SQLite reports some damage as a generic error (a mangled
-            // header: "unsupported file format"), damaged rows read back
-            // with the wrong type (NULL in a NOT NULL column), and a mangled
-            // schema as a missing column: whatever the error, a file its own
-            // check also fails is damaged, one it passes keeps the error
-            // (a bug of ours must never move a good spool aside).
-            Err(SpoolError::Other { path: p, source }) => {
-                match crate::integrity::confirm_damage(path) {
-                    Some(why) => format!("{source}; {why}"),
-                    None => return Err(SpoolError::Other { path: p, source }.into()),
-                }
-            }
-            Err(e) => return Err(e.into()),
-        },
-    };
-    let mut head = [0u8; 16];
-    let is_sqlite = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
-        .is_ok_and(|()| &head == SQLITE_MAGIC);
-    if !is_sqlite {
-        return Err(AgentError::Setup(format!(
-            "spool.path {} is not a SQLite database (no SQLite header); refusing to touch it",
-            path.display()
-        )));
-    }
-    let stamp = wall_clock_ms().0;
-    let aside = format!("{}.corrupt-{stamp}", path.display());
-    log::error!(
-        "spool {} is damaged ({damage}); moving it to {aside} and starting a fresh spool",
-        path.display()
-    );
-    for suffix in ["", "-wal", "-shm"] {
-        let from = format!("{}{suffix}", path.display());
-        if Path::new(&from).exists() {
-            std::fs::rename(&from, format!("{aside}{suffix}")).map_err(|e| {
-                AgentError::Setup(format!("cannot move damaged spool {from} aside: {e}"))
-            })?;
-        }
-    }
-    let _ = std::fs::remove_file(&marker);
-    let mut s = Spool::open(path, options)?;
-    s.count("spool_moved_aside_corrupt", 1)?;
-    Ok(s)
+    Ok(crate::integrity::open_spool_at(
+        &cfg.spool.path,
+        &cfg.spool.options,
+    )?)
 }
 
 /// The local config with the confirmed config push kept in the state
@@ -420,6 +355,15 @@ struct Threads {
     cmd_wake: Sender<CmdMsg>,
     /// Stops the network threads (mqtt, delivery, commands).
     net_stop: Arc<AtomicBool>,
+}
+
+impl From<crate::integrity::OpenError> for AgentError {
+    fn from(e: crate::integrity::OpenError) -> Self {
+        match e {
+            crate::integrity::OpenError::Spool(s) => AgentError::Spool(s),
+            crate::integrity::OpenError::Refused(m) => AgentError::Setup(m),
+        }
+    }
 }
 
 impl Ingest {

@@ -1168,38 +1168,4 @@ mod tests {
         );
         assert!(dir.path().join("ranx").exists());
     }
-
-    #[test]
-    fn a_handler_with_user_nobody_runs_as_nobody_with_only_its_group() {
-        if !crate::process::can_switch_user() {
-            eprintln!("skipped: switching users needs root");
-            return;
-        }
-        let Some((uid, gid)) = crate::process::lookup_user("nobody").unwrap() else {
-            panic!("this system has no user nobody");
-        };
-        let text = r#"
-device_id = "t"
-[spool]
-path = "/tmp/unused.db"
-[[commands.handlers]]
-name = "who"
-program = "/bin/sh"
-args = ["-c", "id -u; id -g; id -G; pwd"]
-user = "nobody"
-"#;
-        let config = crate::config::parse(text, "t.toml", &[]).unwrap();
-        let h = &config.commands.handlers[0];
-        assert_eq!(
-            h.credentials,
-            Some(crate::process::Credentials { uid, gid })
-        );
-        let outcome = run(h, &Map::new());
-        assert!(
-            matches!(outcome, HandlerOutcome::Completed(_)),
-            "{outcome:?}"
-        );
-        // No supplementary group of the agent (root's) is left.
-        assert_eq!(stdout(&outcome), format!("{uid}\n{gid}\n{gid}\n/\n"));
-    }
 }

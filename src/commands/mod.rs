@@ -29,6 +29,8 @@ pub mod worker;
 
 pub use settings::{CommandsConfig, ExecHandler, ParamKind, ParamSpec};
 
+pub use crate::hex::encode as hex;
+
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -227,11 +229,6 @@ pub fn canonical(name: &str, args: &serde_json::Map<String, serde_json::Value>) 
     // serde_json's Map keeps keys sorted (no preserve_order feature), and the
     // normalisation above sorts explicitly too.
     doc.to_string()
-}
-
-/// Hex form of a request hash.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

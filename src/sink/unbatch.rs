@@ -672,29 +672,4 @@ mod tests {
             assert_eq!(db.digest_of(&id).expect("query"), Some(digest(e).to_vec()));
         }
     }
-
-    #[test]
-    fn batch_filters_follow_the_events_filter() {
-        use crate::sink::consume::batches_filter;
-        let f = |s: &str| batches_filter(s);
-        assert_eq!(
-            f("edgespool/+/events/#").as_deref(),
-            Some("edgespool/+/batches/#")
-        );
-        assert_eq!(f("events/#").as_deref(), Some("batches/#"));
-        assert_eq!(
-            f("es/d1/events/system").as_deref(),
-            Some("es/d1/batches/system/#")
-        );
-        assert_eq!(f("es/+/events/+").as_deref(), Some("es/+/batches/+/#"));
-        assert_eq!(f("edgespool/#"), None);
-        assert_eq!(f("#"), None);
-        let mut o =
-            crate::sink::SinkOptions::new("h".into(), 1, "es/+/events/#".into(), "c".into());
-        o.shared_group = Some("g".into());
-        assert_eq!(
-            o.subscriptions(),
-            vec!["$share/g/es/+/events/#", "$share/g/es/+/batches/#"]
-        );
-    }
 }
