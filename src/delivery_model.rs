@@ -542,7 +542,7 @@ impl World {
     fn db_rows(&self) -> BTreeMap<i64, (String, String, String, Vec<u8>)> {
         let mut st = self
             .spool
-            .conn
+            .raw()
             .prepare("SELECT id, event_id, state, stream, payload FROM event_states ORDER BY id")
             .unwrap();
         st.query_map([], |r| {
@@ -609,7 +609,7 @@ impl World {
         }
         let mark: i64 = self
             .spool
-            .conn
+            .raw()
             .query_row("SELECT acked_through FROM delivery_mark", [], |r| r.get(0))
             .unwrap();
         if let Some(id) = self.unresolved().find(|id| *id <= mark) {

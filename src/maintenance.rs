@@ -17,7 +17,7 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CheckpointInputs {
     /// Bytes of WAL frames written since the last checkpoint copied them
-    /// back ([`crate::spool::wal_frames_since_checkpoint`] times the frame
+    /// back ([`crate::spool::WalWatch::frames_since_checkpoint`] times the frame
     /// size), never the `-wal` file's length: after a checkpoint SQLite keeps
     /// the file at `journal_size_limit`, so its length says nothing about
     /// what is new.

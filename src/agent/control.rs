@@ -306,7 +306,7 @@ impl Ingest {
             cs.capacity = ns.capacity;
             cs.checkpoint_wal_bytes = ns.checkpoint_wal_bytes;
             self.upkeep.capacity_checked = None;
-            crate::spool::set_wal_brake_frames(
+            self.spool.wal().set_brake_frames(
                 (3 * cs.checkpoint_wal_bytes / 2 / super::WAL_FRAME_BYTES) as i64,
             );
             applied.push("spool (capacity, checkpoint threshold)");

@@ -203,11 +203,11 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         std::process::id(),
         env!("CARGO_PKG_VERSION"),
     )?;
-    let delivery_spool = Spool::open(&cfg.spool.path, &cfg.spool.options)?;
+    let delivery_spool = ingest.open_sibling(&cfg.spool.options)?;
     let ids = EventIdGen::new()
         .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
 
-    let command_spool = open_full_durability(&cfg)?;
+    let command_spool = open_full_durability(&cfg, &ingest)?;
 
     let (to_delivery, delivery_rx) = mpsc::channel::<DeliveryMsg>();
     let net_stop = Arc::new(AtomicBool::new(false));
@@ -447,9 +447,9 @@ fn open_ingest_spool(
     // The brake fires after the commit that crosses it, so it sits below
     // twice the threshold by about the largest transaction (a retention
     // batch), which keeps the WAL within twice the threshold.
-    crate::spool::set_wal_brake_frames(
-        (3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64,
-    );
+    ingest
+        .wal()
+        .set_brake_frames((3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64);
     if let Some(p) = tuning {
         if let Ok(json) = serde_json::to_string(p) {
             let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
@@ -470,16 +470,16 @@ fn open_ingest_spool(
 
 /// A connection that fsyncs at every commit (synchronous FULL): commands
 /// and their results, and `durability = "full"` readings.
-fn open_full_durability(cfg: &Config) -> Result<Spool, AgentError> {
+fn open_full_durability(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
     let mut o = cfg.spool.options.clone();
     o.synchronous = crate::spool::Synchronous::Full;
-    Ok(Spool::open(&cfg.spool.path, &o)?)
+    Ok(ingest.open_sibling(&o)?)
 }
 
 /// The connection for `durability = "full"` readings, sharing the ingest
 /// connection's sequence counters.
 fn open_full_spool(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
-    let mut s = open_full_durability(cfg)?;
+    let mut s = open_full_durability(cfg, ingest)?;
     // One sequence counter per stream, whichever connection commits it.
     s.share_seqs(ingest);
     Ok(s)
@@ -1034,7 +1034,7 @@ impl Ingest {
     /// in memory (written to `agent_state` at the summary interval, not with
     /// a commit of its own each time).
     fn checkpoint_if_due(&mut self) {
-        let written = crate::spool::wal_frames_since_checkpoint() * WAL_FRAME_BYTES;
+        let written = self.spool.wal().frames_since_checkpoint() * WAL_FRAME_BYTES;
         let inputs = crate::maintenance::CheckpointInputs {
             written_bytes: written,
             threshold_bytes: self.cfg.spool.checkpoint_wal_bytes,
@@ -1431,7 +1431,7 @@ impl Ingest {
             .unwrap_or(bytes0)
             .saturating_sub(bytes0);
         let elapsed = since.elapsed();
-        let commits = crate::spool::commits_total();
+        let commits = self.spool.wal().commits();
         let checkpoints = self.upkeep.checkpoints;
         // synchronous=NORMAL fsyncs only at checkpoints (the WAL, then the
         // database: https://www.sqlite.org/wal.html#sync); FULL at every commit.

@@ -57,19 +57,8 @@ impl AgentClock {
     }
 }
 
-/// A finished record that may be deleted: old enough, or `rejected`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Candidate {
-    /// The record's rowid: receipt order (records are only ever appended,
-    /// and the newest is never deleted, so rowids only grow).
-    pub rowid: i64,
-    /// [`AgentClock`] reading at receipt (0 for records written before the
-    /// clock existed: they are older than anything stamped since).
-    pub received_clock_ms: i64,
-    /// `rejected`: nothing ran, so deleting the record cannot let anything
-    /// run twice (a redelivery is judged afresh).
-    pub rejected: bool,
-}
+/// A finished record that may be deleted (the spool reads them).
+pub use crate::spool::PurgeCandidate as Candidate;
 
 /// What [`select`] enforces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

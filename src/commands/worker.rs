@@ -41,7 +41,7 @@ use super::builtin::{self, Kind};
 use super::exec_handler::{self, HandlerOutcome};
 use super::rate::RateLimiter;
 use super::retention::{self, AgentClock, Policy};
-use super::store::{cstate, Admit, Claim, EventCtx, Receipt, Reply, ResultEvent};
+use super::store::{self, cstate, Admit, Claim, EventCtx, Receipt, Reply, ResultEvent};
 use super::{parse, Command};
 use crate::commands::{CommandsConfig, ExecHandler};
 use crate::envelope::{wall_clock_ms, EventIdGen, Format};
@@ -338,7 +338,7 @@ pub fn run(
             return;
         }
     };
-    let clock = match spool.command_clock_ms() {
+    let clock = match store::clock_ms(&spool) {
         Ok(ms) => AgentClock::resume(ms),
         Err(e) => {
             // Without it no record age can be judged: purging could delete a
@@ -520,7 +520,7 @@ impl Worker {
     fn purge(&mut self, spool: &mut Spool) {
         self.last_purge = Some(Instant::now());
         let policy = self.policy();
-        self.last_purge_freed = match spool.purge_commands(self.clock.now_ms(), &policy) {
+        self.last_purge_freed = match store::purge(spool, self.clock.now_ms(), &policy) {
             Ok(n) => {
                 if n > 0 {
                     log::debug!("commands: purged {n} command records");
@@ -905,7 +905,8 @@ impl Worker {
                 self.malformed_log
                     .warn(|| format!("commands: rejected message on {}: {e}", publish.topic));
                 let mut ctx = self.ctx(ids);
-                let res = spool.reject_unparsed(
+                let res = store::reject_unparsed(
+                    spool,
                     e.command_id(),
                     &e.to_string(),
                     &publish.payload,
@@ -979,7 +980,7 @@ impl Worker {
             admit,
         };
         let mut ctx = self.ctx(ids);
-        let claim = spool.claim_command(&cmd, publish.retain, &receipt, &mut ctx);
+        let claim = store::claim(spool, &cmd, publish.retain, &receipt, &mut ctx);
         let claim = match claim {
             Ok(c) => c,
             // Not acknowledged: kept and tried again, or redelivered by the
@@ -1213,7 +1214,7 @@ impl Worker {
             retry_safe,
         };
         let mut ctx = self.ctx(ids);
-        match spool.finish_command(&ev, &mut ctx) {
+        match store::finish(spool, &ev, &mut ctx) {
             Ok(_) => {
                 log::info!("command {scope}/{command_id} ({name}) {state}");
                 let _ = self.to_delivery.send(DeliveryMsg::NewRows);

@@ -13,14 +13,6 @@
 
 use rusqlite::{params, OptionalExtension, Transaction};
 
-/// Schema 7: the keyed event ids and the row each one is.
-pub(super) const MIGRATION_7: &str = "
-CREATE TABLE event_keys (
-    row_id   INTEGER PRIMARY KEY,
-    event_id TEXT    NOT NULL UNIQUE
-);
-";
-
 /// Whether `event_id` is a keyed event already in the spool (or appended
 /// earlier in `tx`).
 pub(super) fn spooled(tx: &Transaction<'_>, event_id: &str) -> rusqlite::Result<bool> {

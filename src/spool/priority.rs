@@ -22,18 +22,6 @@ use crate::stream::fallback_priority;
 use rusqlite::{params, OptionalExtension};
 use std::collections::HashMap;
 
-/// Schema 8: a priority per stream and per row, and the partial index of
-/// the rows above priority 0.
-pub(super) const MIGRATION_8: &str = "
-ALTER TABLE streams ADD COLUMN prio INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE events ADD COLUMN prio INTEGER NOT NULL DEFAULT 0;
-UPDATE streams SET prio = 200 WHERE name IN ('_commands', '_agent');
-UPDATE events SET prio = 200
-    WHERE stream_id IN (SELECT id FROM streams WHERE name IN ('_commands', '_agent'))
-      AND id > (SELECT acked_through FROM delivery_mark);
-CREATE INDEX events_priority ON events(id) WHERE prio > 0;
-";
-
 /// Which rows a delivery read returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lane {

@@ -1,0 +1,407 @@
+//! Appending readings: each becomes one row with its stream's next sequence
+//! number, an event id, its payload encoded once and a sha256 digest of it.
+//!
+//! One rule: a row's event id and bytes never change after the commit (I3);
+//! a producer is told "stored" only after the transaction holding its
+//! reading committed.
+
+use super::seqs::{stream_row, StreamSeq, PERSIST_SEQS_EVERY, SQL_SET_SEQ};
+use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD, SQL_GET_STATE, SQL_SET_STATE};
+use crate::envelope::{self, Envelope, EventIdGen, Format};
+use crate::reading::{Fields, ReplayPosition};
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::Path;
+
+pub(super) const SQL_INSERT_EVENT: &str = "INSERT INTO events
+    (stream_id, seq, event_id, created_ms, digest, payload, prio)
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+
+/// One reading to append.
+#[derive(Debug, Clone)]
+pub struct NewEvent {
+    /// Stream (source name).
+    pub stream: String,
+    /// Unix ms.
+    pub ts_ms: i64,
+    /// Whether the wall clock was trusted.
+    pub clock_trusted: bool,
+    /// The fields.
+    pub fields: Fields,
+    /// For a row of a replayed trace: where the replay stands after it.
+    /// The event id then derives from it ([`envelope::replay_event_id`]),
+    /// the append stores it with the row, and a row at or before the
+    /// position already stored for the same trace is not appended again.
+    pub replay: Option<ReplayPosition>,
+    /// Idempotency key from the producer (ingest socket `key`, bridged
+    /// message `id_field`). The event id then derives from (device id,
+    /// stream, key) ([`envelope::keyed_event_id`]); a keyed reading whose
+    /// id is already spooled is not appended again (counted under
+    /// `ingest_keys_already_spooled`) and its reply carries that id. Keys
+    /// are remembered while their row, or any older row, is in the spool.
+    pub key: Option<String>,
+    /// Told the outcome once: after the commit, or when refused.
+    pub reply: Option<Reply>,
+}
+
+impl NewEvent {
+    /// A reading with no replay position, key or reply.
+    pub fn new(stream: impl Into<String>, ts_ms: i64, clock_trusted: bool, fields: Fields) -> Self {
+        NewEvent {
+            stream: stream.into(),
+            ts_ms,
+            clock_trusted,
+            fields,
+            replay: None,
+            key: None,
+            reply: None,
+        }
+    }
+
+    /// Tell the producer this reading was refused (`why`, a sentence naming
+    /// the cause); nothing when no one waits.
+    pub fn refuse(&self, why: &str) {
+        if let Some(r) = &self.reply {
+            r.send(Err(why.to_owned()));
+        }
+    }
+}
+
+/// What a producer waiting on a reading learns: `Ok(event id)` (a
+/// hyphenated UUID) once the transaction holding it has committed, or
+/// `Err(why)` when it was refused (spool or disk full, the in-memory
+/// buffer full, not encodable). When the agent stops before committing,
+/// the sender is dropped and the receiver's `recv` fails: not stored.
+pub type CommitOutcome = Result<String, String>;
+
+/// Where a reading's [`CommitOutcome`] goes (one per reading).
+#[derive(Debug, Clone)]
+pub struct Reply(std::sync::mpsc::Sender<CommitOutcome>);
+
+impl Reply {
+    /// A reply into `tx`.
+    pub fn new(tx: std::sync::mpsc::Sender<CommitOutcome>) -> Self {
+        Reply(tx)
+    }
+
+    /// Send `outcome`; a producer that has gone away is ignored.
+    pub fn send(&self, outcome: CommitOutcome) {
+        let _ = self.0.send(outcome);
+    }
+}
+
+/// Replay positions met in one append transaction.
+#[derive(Default)]
+pub(super) struct ReplayMarks {
+    /// Per stream: the position stored (or appended in this transaction),
+    /// and whether this transaction moved it.
+    by_stream: HashMap<String, (Option<ReplayPosition>, bool)>,
+    /// Rows not appended because their position was already stored.
+    already: i64,
+}
+
+impl ReplayMarks {
+    /// Whether the row at `pos` is new: not at or before the position
+    /// stored for `stream` with the same trace identity. Two readers of one
+    /// trace (a config reload racing the old source thread) thus never
+    /// append one row twice.
+    fn admit(
+        &mut self,
+        tx: &rusqlite::Transaction<'_>,
+        stream: &str,
+        pos: &ReplayPosition,
+    ) -> rusqlite::Result<bool> {
+        if !self.by_stream.contains_key(stream) {
+            let stored = load_replay_position(tx, stream)?;
+            self.by_stream.insert(stream.to_owned(), (stored, false));
+        }
+        let seen = self.by_stream.get(stream).is_some_and(|(s, _)| {
+            s.as_ref().is_some_and(|s| {
+                s.trace_id == pos.trace_id && (pos.lap, pos.line) <= (s.lap, s.line)
+            })
+        });
+        if seen {
+            self.already += 1;
+        }
+        Ok(!seen)
+    }
+
+    /// The row at `pos` was appended.
+    fn appended(&mut self, stream: &str, pos: &ReplayPosition) {
+        self.by_stream
+            .insert(stream.to_owned(), (Some(pos.clone()), true));
+    }
+
+    /// Stores the moved positions (and the count of rows not appended
+    /// again) in `tx`.
+    fn store(&self, tx: &rusqlite::Transaction<'_>, now_ms: i64) -> rusqlite::Result<()> {
+        for (stream, (pos, moved)) in &self.by_stream {
+            let Some(pos) = pos.as_ref().filter(|_| *moved) else {
+                continue;
+            };
+            let json = serde_json::to_string(pos)
+                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+            tx.prepare_cached(SQL_SET_STATE)?
+                .execute(params![replay_key(stream), json, now_ms])?;
+        }
+        if self.already > 0 {
+            tx.execute(
+                SQL_COUNTER_ADD,
+                params!["replay_rows_already_spooled", self.already],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// `agent_state` key of a replayed stream's position.
+pub(super) fn replay_key(stream: &str) -> String {
+    format!("replay_position.{stream}")
+}
+
+/// The position stored for `stream`; a value that does not parse (written
+/// by hand, or by a later version) counts as none, with a warning.
+pub(super) fn load_replay_position(
+    conn: &Connection,
+    stream: &str,
+) -> rusqlite::Result<Option<ReplayPosition>> {
+    let text: Option<String> = conn
+        .prepare_cached(SQL_GET_STATE)?
+        .query_row(params![replay_key(stream)], |r| r.get(0))
+        .optional()?;
+    Ok(text.and_then(|t| match serde_json::from_str(&t) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            log::warn!("stream {stream}: stored replay position unreadable ({e}); ignored");
+            None
+        }
+    }))
+}
+
+/// Append one event inside the caller's transaction `tx`, reading and
+/// advancing its stream's sequence in the `streams` table at once (not the ingest
+/// connection's cache: used for streams only one other connection writes,
+/// such as command results). Returns the event id.
+pub(crate) fn insert_one(
+    tx: &rusqlite::Transaction<'_>,
+    path: &Path,
+    ev: &NewEvent,
+    ids: &mut EventIdGen,
+    device_id: &str,
+    format: Format,
+    now_ms: i64,
+) -> Result<String, SpoolError> {
+    let err = |e| SpoolError::classify(path, e);
+    let prio = crate::stream::fallback_priority(&ev.stream);
+    let stream = stream_row(tx, &ev.stream, prio).map_err(err)?;
+    let seq = stream.last_seq + 1;
+    let event_id = ids.next_id();
+    let env = Envelope {
+        event_id,
+        device_id,
+        stream: &ev.stream,
+        seq: seq as u64,
+        ts_ms: ev.ts_ms,
+        clock_trusted: ev.clock_trusted,
+        fields: &ev.fields,
+    };
+    let payload = envelope::encode(format, &env).map_err(|e| SpoolError::Encode {
+        path: path.to_path_buf(),
+        detail: e,
+    })?;
+    let digest = Sha256::digest(&payload);
+    let id = event_id.hyphenated();
+    tx.prepare_cached(SQL_INSERT_EVENT)
+        .map_err(err)?
+        .execute(params![
+            stream.id,
+            seq,
+            id,
+            now_ms,
+            digest.as_slice(),
+            payload,
+            stream.prio
+        ])
+        .map_err(err)?;
+    tx.prepare_cached(SQL_SET_SEQ)
+        .map_err(err)?
+        .execute(params![stream.id, seq])
+        .map_err(err)?;
+    Ok(id)
+}
+
+impl Spool {
+    /// Append `events` in one IMMEDIATE transaction: each gets the next
+    /// sequence number of its stream, an event id (fresh, or derived from
+    /// its replay position), its payload encoded once, and a sha256 digest
+    /// of that payload. All or nothing. The transaction writes the new rows
+    /// only (plus a `streams` row the first time a stream appears, and the
+    /// replay position of each replayed stream, see [`NewEvent::replay`]):
+    /// sequence numbers reach `streams` through [`Spool::persist_seqs`].
+    ///
+    /// Returns the number of rows appended. Errors: classified SQLite errors
+    /// (nothing is appended); an event whose encoding fails is skipped and
+    /// counted under `readings_unencodable`; a replayed row already in the
+    /// spool is skipped and counted under `replay_rows_already_spooled`.
+    pub fn append(
+        &mut self,
+        events: &[NewEvent],
+        ids: &mut EventIdGen,
+        device_id: &str,
+        format: Format,
+        now_ms: i64,
+    ) -> Result<usize, SpoolError> {
+        let path = self.path.clone();
+        let err = |e| SpoolError::classify(&path, e);
+        let seqs = self.seqs.clone();
+        let mut book = seqs.lock().unwrap_or_else(|p| p.into_inner());
+        // Issued in this transaction; into the book only after the commit,
+        // so a rolled-back batch does not advance any sequence.
+        let mut next: HashMap<String, StreamSeq> = HashMap::new();
+        let mut appended = 0usize;
+        let mut unencodable = 0i64;
+        let mut marks = ReplayMarks::default();
+        // What each reading's producer is told after the commit.
+        let mut outcomes: Vec<Option<CommitOutcome>> = vec![None; events.len()];
+        let mut keys_already = 0i64;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        {
+            let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
+            for (ev, outcome) in events.iter().zip(outcomes.iter_mut()) {
+                let known = next
+                    .get(&ev.stream)
+                    .or_else(|| book.streams.get(&ev.stream))
+                    .copied();
+                let stream = match known {
+                    Some(s) => s,
+                    None => {
+                        let prio = book.priorities.get(&ev.stream).copied();
+                        let prio =
+                            prio.unwrap_or_else(|| crate::stream::fallback_priority(&ev.stream));
+                        stream_row(&tx, &ev.stream, prio).map_err(err)?
+                    }
+                };
+                let event_id = match &ev.replay {
+                    Some(pos) => {
+                        if !marks.admit(&tx, &ev.stream, pos).map_err(err)? {
+                            continue;
+                        }
+                        envelope::replay_event_id(
+                            device_id,
+                            &ev.stream,
+                            &pos.id_trace(),
+                            pos.lap,
+                            pos.line,
+                        )
+                    }
+                    None => match &ev.key {
+                        Some(key) => {
+                            let id = envelope::keyed_event_id(device_id, &ev.stream, key);
+                            if keys::spooled(&tx, &id.hyphenated()).map_err(err)? {
+                                *outcome = Some(Ok(id.hyphenated()));
+                                keys_already += 1;
+                                continue;
+                            }
+                            id
+                        }
+                        None => ids.next_id(),
+                    },
+                };
+                let seq = stream.last_seq + 1;
+                let env = Envelope {
+                    event_id,
+                    device_id,
+                    stream: &ev.stream,
+                    seq: seq as u64,
+                    ts_ms: ev.ts_ms,
+                    clock_trusted: ev.clock_trusted,
+                    fields: &ev.fields,
+                };
+                let payload = match envelope::encode(format, &env) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        log::warn!("stream {}: reading not encodable, skipped: {e}", ev.stream);
+                        *outcome = Some(Err(format!(
+                            "not stored: the reading is not encodable ({e})"
+                        )));
+                        unencodable += 1;
+                        continue;
+                    }
+                };
+                let digest = Sha256::digest(&payload);
+                let hyphenated = event_id.hyphenated();
+                insert
+                    .execute(params![
+                        stream.id,
+                        seq,
+                        hyphenated,
+                        now_ms,
+                        digest.as_slice(),
+                        payload,
+                        stream.prio
+                    ])
+                    .map_err(err)?;
+                if ev.key.is_some() {
+                    keys::remember(&tx, tx.last_insert_rowid(), &hyphenated).map_err(err)?;
+                }
+                *outcome = Some(Ok(hyphenated));
+                next.insert(
+                    ev.stream.clone(),
+                    StreamSeq {
+                        last_seq: seq,
+                        ..stream
+                    },
+                );
+                if let Some(pos) = &ev.replay {
+                    marks.appended(&ev.stream, pos);
+                }
+                appended += 1;
+            }
+            marks.store(&tx, now_ms).map_err(err)?;
+            if unencodable > 0 {
+                tx.execute(
+                    SQL_COUNTER_ADD,
+                    params!["readings_unencodable", unencodable],
+                )
+                .map_err(err)?;
+            }
+            if keys_already > 0 {
+                tx.execute(
+                    SQL_COUNTER_ADD,
+                    params!["ingest_keys_already_spooled", keys_already],
+                )
+                .map_err(err)?;
+            }
+        }
+        tx.commit().map_err(err)?;
+        for (ev, outcome) in events.iter().zip(outcomes) {
+            if let (Some(reply), Some(outcome)) = (&ev.reply, outcome) {
+                reply.send(outcome);
+            }
+        }
+        book.dirty |= !next.is_empty();
+        book.appended_since_persist += appended as u64;
+        book.streams.extend(next);
+        let persist = book.appended_since_persist >= PERSIST_SEQS_EVERY;
+        drop(book);
+        if persist {
+            // Bounds what the next open reads to catch up, whoever appends.
+            self.persist_seqs()?;
+        }
+        Ok(appended)
+    }
+
+    /// The replay position stored with the last row appended to `stream`
+    /// (see [`NewEvent::replay`]), if any.
+    ///
+    /// # Errors
+    ///
+    /// Classified SQLite errors.
+    pub fn replay_position(&self, stream: &str) -> Result<Option<ReplayPosition>, SpoolError> {
+        load_replay_position(&self.conn, stream).map_err(|e| self.err(e))
+    }
+}

@@ -1,0 +1,287 @@
+//! Delivery state: the rows to publish, the acknowledged high-water mark
+//! and the rows acknowledged above it, FAILED rows and their requeue.
+//!
+//! One rule: a row leaves the unacknowledged set only through
+//! [`Spool::retire`] (or [`Spool::record_delivery`]), called with the
+//! acknowledgement of a publish that carried it (I2).
+
+use super::{priority, Spool, SpoolError, SQL_COUNTER_ADD};
+use rusqlite::{params, OptionalExtension};
+use sha2::{Digest, Sha256};
+
+/// The append time of the first row above the acknowledged mark that is
+/// neither acknowledged out of order nor FAILED.
+pub(super) const SQL_OLDEST_UNACKED: &str = "SELECT e.created_ms FROM events e
+    WHERE e.id > (SELECT acked_through FROM delivery_mark)
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT 1";
+
+/// Unresolved rows (not acknowledged, not FAILED) above `?1`, in id order.
+pub(super) const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio
+    FROM events e JOIN streams s ON s.id = e.stream_id
+    WHERE e.id > max(?1, (SELECT acked_through FROM delivery_mark))
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id LIMIT ?2";
+
+/// Rows above the mark with whether each is already resolved, for folding.
+pub(super) const SQL_ABOVE_MARK: &str = "SELECT e.id,
+    EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+    OR EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    FROM events e WHERE e.id > ?1 ORDER BY e.id LIMIT ?2";
+
+pub(super) const SQL_MARK: &str = "SELECT acked_through, sent_through FROM delivery_mark";
+
+pub(super) const SQL_SET_MARK: &str =
+    "UPDATE delivery_mark SET acked_through = ?1, sent_through = ?2";
+
+pub(super) const SQL_ACKED_ABOVE: &str = "INSERT OR IGNORE INTO acked_above (id) SELECT ?1
+    WHERE EXISTS (SELECT 1 FROM events WHERE id = ?1)";
+
+pub(super) const SQL_FAIL: &str =
+    "INSERT OR IGNORE INTO failed (id, reason, failed_ms) SELECT ?1, ?2, ?3
+    WHERE EXISTS (SELECT 1 FROM events WHERE id = ?1)
+      AND ?1 > (SELECT acked_through FROM delivery_mark)
+      AND NOT EXISTS (SELECT 1 FROM acked_above WHERE id = ?1)";
+
+/// Rows folded into the acknowledged mark per query while retiring.
+pub(super) const FOLD_STEP: i64 = 4096;
+
+/// A row to publish.
+#[derive(Debug, Clone)]
+pub struct OutRow {
+    /// Row id (spool-local).
+    pub id: i64,
+    /// Event id (string form).
+    pub event_id: String,
+    /// Stream.
+    pub stream: String,
+    /// The stored payload bytes, sent unchanged on every attempt.
+    pub payload: Vec<u8>,
+    /// sha256 of `payload` as stored at append.
+    pub digest: Vec<u8>,
+    /// Delivery priority of the row (its stream's, [`priority`]).
+    pub prio: u8,
+}
+
+impl OutRow {
+    /// True when the payload still hashes to the digest stored at append (I3).
+    pub fn digest_ok(&self) -> bool {
+        Sha256::digest(&self.payload).as_slice() == self.digest.as_slice()
+    }
+}
+
+/// A FAILED row, for `status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FailedRow {
+    /// Row id.
+    pub id: i64,
+    /// Event id.
+    pub event_id: String,
+    /// Stream.
+    pub stream: String,
+    /// Why it was marked FAILED.
+    pub reason: String,
+    /// When, Unix ms.
+    pub failed_ms: i64,
+}
+
+impl Spool {
+    /// Up to `limit` unresolved rows (not acknowledged, not FAILED) with row
+    /// id greater than `after_id`, in row-id order, which is sequence order
+    /// within each stream (I7). Holds no statement or transaction afterwards.
+    pub fn sendable(&self, after_id: i64, limit: usize) -> Result<Vec<OutRow>, SpoolError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(SQL_SENDABLE)
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(params![after_id, limit as i64], priority::out_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+    }
+
+    /// Record a publish attempt for `ids`: the highest becomes the sent mark
+    /// (rows at or below it that are not acknowledged show as SENT). One
+    /// IMMEDIATE transaction; nothing is retired.
+    pub fn mark_sent(&mut self, ids: &[i64]) -> Result<(), SpoolError> {
+        self.record_delivery(ids, &[]).map(|_| ())
+    }
+
+    /// Retire `ids`: call only with rows whose PUBACK arrived (I2). One
+    /// IMMEDIATE transaction. Returns how many rows changed state (a row
+    /// already acknowledged, FAILED or deleted is not counted).
+    pub fn retire(&mut self, ids: &[i64]) -> Result<usize, SpoolError> {
+        self.record_delivery(&[], ids)
+    }
+
+    /// Record publish attempts (`sent`) and acknowledgements (`acked`) in one
+    /// IMMEDIATE transaction (the delivery thread's group commit). The
+    /// acknowledged rows are folded into the `acked_through` mark while they
+    /// are contiguous with it (rows already acknowledged or FAILED count as
+    /// contiguous); the rest go to `acked_above`. Usually this writes one
+    /// small page. Returns the number of rows retired.
+    pub fn record_delivery(&mut self, sent: &[i64], acked: &[i64]) -> Result<usize, SpoolError> {
+        if sent.is_empty() && acked.is_empty() {
+            return Ok(0);
+        }
+        self.fold(sent, acked)
+    }
+
+    pub(super) fn fold(&mut self, sent: &[i64], acked: &[i64]) -> Result<usize, SpoolError> {
+        self.write(|tx, err| {
+            let (mark, old_sent): (i64, i64) = tx
+                .query_row(SQL_MARK, [], |r| Ok((r.get(0)?, r.get(1)?)))
+                .map_err(err)?;
+            let sent_mark = sent.iter().copied().fold(old_sent, i64::max);
+            let mut pending: std::collections::BTreeSet<i64> =
+                acked.iter().copied().filter(|id| *id > mark).collect();
+            let mut retired = 0usize;
+            let mut new_mark = mark;
+            // Fold: walk the rows above the mark in order while each one is
+            // acknowledged now, or was already resolved.
+            let mut step = tx.prepare_cached(SQL_ABOVE_MARK).map_err(err)?;
+            'fold: loop {
+                let mut rows = step.query(params![new_mark, FOLD_STEP]).map_err(err)?;
+                let mut seen = 0;
+                while let Some(r) = rows.next().map_err(err)? {
+                    seen += 1;
+                    let (id, resolved): (i64, bool) =
+                        (r.get(0).map_err(err)?, r.get(1).map_err(err)?);
+                    if pending.remove(&id) {
+                        if !resolved {
+                            retired += 1;
+                        }
+                    } else if !resolved {
+                        break 'fold;
+                    }
+                    new_mark = id;
+                }
+                if seen < FOLD_STEP {
+                    break;
+                }
+            }
+            drop(step);
+            {
+                let mut above = tx.prepare_cached(SQL_ACKED_ABOVE).map_err(err)?;
+                for id in &pending {
+                    retired += above.execute(params![id]).map_err(err)?;
+                }
+            }
+            if new_mark > mark {
+                tx.execute("DELETE FROM acked_above WHERE id <= ?1", params![new_mark])
+                    .map_err(err)?;
+            }
+            if new_mark != mark || sent_mark != old_sent {
+                tx.execute(SQL_SET_MARK, params![new_mark, sent_mark])
+                    .map_err(err)?;
+            }
+            Ok(retired)
+        })
+    }
+
+    /// Mark row `id` `FAILED` with `reason` and count it under
+    /// `events_failed_<counter>`. Terminal until an operator requeues it.
+    /// A row already acknowledged is left alone.
+    pub fn mark_failed(&mut self, id: i64, reason: &str, counter: &str) -> Result<(), SpoolError> {
+        let now = crate::envelope::wall_clock_ms().0;
+        self.write(|tx, err| {
+            tx.execute(SQL_FAIL, params![id, reason, now])
+                .map_err(err)?;
+            tx.execute(
+                SQL_COUNTER_ADD,
+                params![format!("events_failed_{counter}"), 1],
+            )
+            .map_err(err)?;
+            Ok(())
+        })?;
+        // A FAILED row no longer holds the acknowledged mark back.
+        self.fold(&[], &[]).map(|_| ())
+    }
+
+    /// Put `FAILED` rows (of `stream`, or all) back in the queue (operator
+    /// action): each is appended again as a new row with the same event id,
+    /// sequence number and payload bytes (I3), after every row there is now,
+    /// and the FAILED row is removed. Returns how many.
+    pub fn requeue_failed(&mut self, stream: Option<&str>) -> Result<usize, SpoolError> {
+        self.write(|tx, err| {
+            let ids: Vec<i64> = {
+                let mut st = tx
+                    .prepare(
+                        "SELECT f.id FROM failed f JOIN events e ON e.id = f.id
+                         JOIN streams s ON s.id = e.stream_id
+                         WHERE ?1 IS NULL OR s.name = ?1 ORDER BY f.id",
+                    )
+                    .map_err(err)?;
+                let rows = st
+                    .query_map(params![stream], |r| r.get(0))
+                    .map_err(err)?
+                    .collect::<Result<Vec<i64>, _>>()
+                    .map_err(err)?;
+                rows
+            };
+            for id in &ids {
+                tx.execute(
+                    "INSERT INTO events (stream_id, seq, event_id, created_ms, digest, payload, prio)
+                     SELECT e.stream_id, e.seq, e.event_id, e.created_ms, e.digest, e.payload, s.prio
+                     FROM events e JOIN streams s ON s.id = e.stream_id WHERE e.id = ?1",
+                    params![id],
+                )
+                .map_err(err)?;
+                tx.execute("DELETE FROM events WHERE id = ?1", params![id])
+                    .map_err(err)?;
+                tx.execute("DELETE FROM failed WHERE id = ?1", params![id])
+                    .map_err(err)?;
+            }
+            Ok(ids.len())
+        })
+    }
+
+    /// The newest `limit` FAILED rows: `(row id, event id, stream, reason,
+    /// failed Unix ms)`, newest first.
+    pub fn failed_rows(&self, limit: usize) -> Result<Vec<FailedRow>, SpoolError> {
+        self.query_all(
+            "SELECT f.id, e.event_id, s.name, f.reason, f.failed_ms FROM failed f
+             JOIN events e ON e.id = f.id JOIN streams s ON s.id = e.stream_id
+             ORDER BY f.id DESC LIMIT ?1",
+            params![limit as i64],
+            |r| {
+                Ok(FailedRow {
+                    id: r.get(0)?,
+                    event_id: r.get(1)?,
+                    stream: r.get(2)?,
+                    reason: r.get(3)?,
+                    failed_ms: r.get(4)?,
+                })
+            },
+        )
+    }
+
+    /// Rows not yet acknowledged, at most (the newest row id less the
+    /// acknowledged mark: FAILED rows and out-of-order acks above the mark
+    /// count too). Two index lookups, whatever the spool's size.
+    pub fn backlog_estimate(&self) -> Result<u64, SpoolError> {
+        self.conn
+            .query_row(
+                "SELECT coalesce((SELECT max(id) FROM events), 0)
+                      - (SELECT acked_through FROM delivery_mark)",
+                [],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n.max(0) as u64)
+            .map_err(|e| self.err(e))
+    }
+
+    /// Append wall time (Unix ms) of the oldest unacknowledged row: the
+    /// lowest row id above the acknowledged mark that is neither
+    /// acknowledged out of order nor FAILED; `None` when there is none. A
+    /// range read from the mark, whatever the spool's size (`stats` takes
+    /// the minimum over every row instead, a full scan).
+    pub fn oldest_unacked_ms(&self) -> Result<Option<i64>, SpoolError> {
+        self.conn
+            .prepare_cached(SQL_OLDEST_UNACKED)
+            .and_then(|mut st| st.query_row([], |r| r.get::<_, i64>(0)).optional())
+            .map_err(|e| self.err(e))
+    }
+}

@@ -1,0 +1,154 @@
+//! Opening a spool connection: flags, pragmas set and read back (WAL must
+//! take effect, field case F07), the WAL hook, then the schema.
+
+use super::wal::{self, WalWatch};
+use super::{EffectivePragmas, Spool, SpoolError, SpoolOptions, Synchronous, SCHEMA_VERSION};
+use rusqlite::{Connection, OpenFlags};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub(super) fn read_pragmas(conn: &Connection) -> rusqlite::Result<EffectivePragmas> {
+    let q = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0));
+    Ok(EffectivePragmas {
+        journal_mode: conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?,
+        synchronous: q("PRAGMA synchronous")?,
+        busy_timeout_ms: q("PRAGMA busy_timeout")?,
+        journal_size_limit: q("PRAGMA journal_size_limit")?,
+        wal_autocheckpoint: q("PRAGMA wal_autocheckpoint")?,
+    })
+}
+
+/// The `-wal` file beside a database.
+pub fn wal_path(db: &Path) -> PathBuf {
+    let mut s = db.as_os_str().to_owned();
+    s.push("-wal");
+    PathBuf::from(s)
+}
+
+pub(super) fn file_len(p: &Path) -> u64 {
+    std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+}
+
+impl Spool {
+    /// Open (creating if needed) the spool at `path`, set and verify pragmas,
+    /// and migrate the schema forward.
+    ///
+    /// Errors: [`SpoolError::WalNotInEffect`] if WAL did not take (F07),
+    /// [`SpoolError::NewerSchema`], [`SpoolError::Corrupt`], or another
+    /// classified SQLite error.
+    pub fn open(path: &Path, opts: &SpoolOptions) -> Result<Spool, SpoolError> {
+        let err = |e| SpoolError::classify(path, e);
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_CREATE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(err)?;
+        conn.busy_timeout(opts.busy_timeout).map_err(err)?;
+        // auto_vacuum can only be chosen before the first table exists
+        // (<https://www.sqlite.org/pragma.html#pragma_auto_vacuum>); older
+        // spools are converted once, by VACUUM, in `migrate`.
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
+            .map_err(err)?;
+        // journal_mode returns a row and is ignored inside a transaction
+        // (F07): set it alone, outside any transaction, and read the answer.
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .map_err(err)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(SpoolError::WalNotInEffect {
+                path: path.to_path_buf(),
+                effective: mode,
+            });
+        }
+        let sync = match opts.synchronous {
+            Synchronous::Normal => "NORMAL",
+            Synchronous::Full => "FULL",
+        };
+        conn.pragma_update(None, "synchronous", sync).map_err(err)?;
+        let _: i64 = conn
+            .query_row(
+                &format!(
+                    "PRAGMA journal_size_limit={}",
+                    opts.journal_size_limit_bytes
+                ),
+                [],
+                |r| r.get(0),
+            )
+            .map_err(err)?;
+        let _: i64 = conn
+            .query_row(
+                &format!(
+                    "PRAGMA wal_autocheckpoint={}",
+                    opts.wal_autocheckpoint_pages
+                ),
+                [],
+                |r| r.get(0),
+            )
+            .map_err(err)?;
+        let pragmas = read_pragmas(&conn).map_err(err)?;
+        if !pragmas.journal_mode.eq_ignore_ascii_case("wal") {
+            return Err(SpoolError::WalNotInEffect {
+                path: path.to_path_buf(),
+                effective: pragmas.journal_mode,
+            });
+        }
+        let wal = Arc::new(WalWatch::default());
+        wal::watch(&conn, &wal);
+        let mut spool = Spool {
+            conn,
+            path: path.to_path_buf(),
+            pragmas,
+            seqs: Arc::default(),
+            wal,
+        };
+        spool.migrate()?;
+        spool.load_seqs()?;
+        Ok(spool)
+    }
+
+    /// Open an existing spool read-only, for `status` beside a running agent:
+    /// no pragma is changed, nothing is migrated, nothing is written.
+    ///
+    /// Errors: the file cannot be opened, is damaged, or is from a newer build.
+    pub fn open_read_only(path: &Path) -> Result<Spool, SpoolError> {
+        let err = |e| SpoolError::classify(path, e);
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(err)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(err)?;
+        if version > SCHEMA_VERSION {
+            return Err(SpoolError::NewerSchema {
+                path: path.to_path_buf(),
+                found: version,
+            });
+        }
+        let pragmas = read_pragmas(&conn).map_err(err)?;
+        Ok(Spool {
+            conn,
+            path: path.to_path_buf(),
+            pragmas,
+            seqs: Arc::default(),
+            wal: Arc::default(),
+        })
+    }
+
+    /// Another connection on this spool's file with `opts` (its own
+    /// `synchronous`, say), counting its commits in this one's WAL watch
+    /// ([`Spool::wal`]). Sequence numbers are not shared (see
+    /// [`Spool::share_seqs`]).
+    ///
+    /// Errors: as [`Spool::open`].
+    pub fn open_sibling(&self, opts: &SpoolOptions) -> Result<Spool, SpoolError> {
+        let mut s = Spool::open(&self.path, opts)?;
+        s.share_wal(self);
+        Ok(s)
+    }
+}

@@ -1,0 +1,191 @@
+//! What `status` reads: counts by stream and state, persistent counters,
+//! agent state, and the record of each agent run.
+
+use super::open::{file_len, wal_path};
+use super::{Spool, SpoolError, SQL_COUNTER_ADD};
+use rusqlite::{params, OptionalExtension};
+
+/// Counts for `status`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Stats {
+    /// Rows by (stream, state).
+    pub by_stream_state: Vec<(String, String, i64)>,
+    /// Age of the oldest unacknowledged row, ms (by creation wall time).
+    pub oldest_unacked_age_ms: Option<i64>,
+    /// Size of the `-wal` file, bytes.
+    pub wal_bytes: u64,
+    /// Size of the database file, bytes.
+    pub db_bytes: u64,
+    /// Persistent counters (drops by reason and the like).
+    pub counters: Vec<(String, i64)>,
+}
+
+/// A recorded agent run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RunRecord {
+    /// Run id.
+    pub id: i64,
+    /// Unix ms.
+    pub started_ms: i64,
+    /// Unix ms; `None` while running or after a kill.
+    pub ended_ms: Option<i64>,
+    /// Process id.
+    pub pid: i64,
+    /// Agent version.
+    pub version: String,
+    /// `ok`, `error`, `killed (no clean stop recorded)`, or `None` while running.
+    pub exit_status: Option<String>,
+    /// Error text for a failed run.
+    pub error: Option<String>,
+}
+
+impl Spool {
+    /// Record one piece of agent state for `status` (health, last checkpoint, ...).
+    pub fn set_state(&mut self, key: &str, value: &str, now_ms: i64) -> Result<(), SpoolError> {
+        self.conn
+            .execute(
+                "INSERT INTO agent_state (key, value, updated_ms) VALUES (?1, ?2, ?3)
+                 ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_ms = excluded.updated_ms",
+                params![key, value, now_ms],
+            )
+            .map(|_| ())
+            .map_err(|e| self.err(e))
+    }
+
+    /// Record several pieces of agent state in one IMMEDIATE transaction.
+    pub fn set_states(&mut self, states: &[(&str, String)], now_ms: i64) -> Result<(), SpoolError> {
+        self.write(|tx, err| {
+            let mut st = tx
+                .prepare_cached(
+                    "INSERT INTO agent_state (key, value, updated_ms) VALUES (?1, ?2, ?3)
+                     ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_ms = excluded.updated_ms",
+                )
+                .map_err(err)?;
+            for (k, v) in states {
+                st.execute(params![k, v, now_ms]).map_err(err)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// All recorded agent state: `(key, value, updated_ms)`, by key.
+    pub fn states(&self) -> Result<Vec<(String, String, i64)>, SpoolError> {
+        self.query_all(
+            "SELECT key, value, updated_ms FROM agent_state ORDER BY key",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+    }
+
+    /// Add several counter increments in one IMMEDIATE transaction.
+    pub fn count_many(&mut self, counts: &[(String, i64)]) -> Result<(), SpoolError> {
+        self.write(|tx, err| {
+            {
+                let mut st = tx.prepare_cached(SQL_COUNTER_ADD).map_err(err)?;
+                for (name, by) in counts {
+                    st.execute(params![name, by]).map_err(err)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Add `by` to the persistent counter `name`.
+    pub fn count(&mut self, name: &str, by: i64) -> Result<(), SpoolError> {
+        self.conn
+            .execute(SQL_COUNTER_ADD, params![name, by])
+            .map(|_| ())
+            .map_err(|e| self.err(e))
+    }
+
+    /// Counts for `status`.
+    pub fn stats(&self, now_ms: i64) -> Result<Stats, SpoolError> {
+        let e = |e| SpoolError::classify(&self.path, e);
+        let by = self.query_all(
+            "SELECT stream, state, count(*) FROM event_states GROUP BY stream, state ORDER BY stream, state",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?;
+        let oldest: Option<i64> = self
+            .conn
+            .query_row(
+                "SELECT min(created_ms) FROM event_states WHERE state IN ('PENDING','SENT')",
+                [],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(e)?
+            .flatten();
+        let counters = self.counters()?;
+        Ok(Stats {
+            by_stream_state: by,
+            oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
+            wal_bytes: file_len(&wal_path(&self.path)),
+            db_bytes: file_len(&self.path),
+            counters,
+        })
+    }
+
+    /// The persistent counters `(name, value)`, by name (drops by reason,
+    /// FAILED by reason, command outcomes); one small table.
+    pub fn counters(&self) -> Result<Vec<(String, i64)>, SpoolError> {
+        self.query_all("SELECT name, value FROM counters ORDER BY name", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+    }
+
+    /// Record the start of an agent run; first marks any earlier run that has
+    /// no end as killed (the process died without a clean stop). Returns the run id.
+    pub fn begin_run(&mut self, now_ms: i64, pid: u32, version: &str) -> Result<i64, SpoolError> {
+        self.write(|tx, err| {
+            tx.execute(
+                "UPDATE runs SET exit_status = 'killed (no clean stop recorded)' WHERE ended_ms IS NULL AND exit_status IS NULL",
+                [],
+            )
+            .map_err(err)?;
+            tx.execute(
+                "INSERT INTO runs (started_ms, pid, version) VALUES (?1, ?2, ?3)",
+                params![now_ms, pid, version],
+            )
+            .map_err(err)?;
+            let id = tx.last_insert_rowid();
+            Ok(id)
+        })
+    }
+
+    /// Record the end of run `id` with `exit_status` (`ok` or `error`) and optional error text.
+    pub fn end_run(
+        &mut self,
+        id: i64,
+        now_ms: i64,
+        exit_status: &str,
+        error: Option<&str>,
+    ) -> Result<(), SpoolError> {
+        self.conn
+            .execute(
+                "UPDATE runs SET ended_ms = ?2, exit_status = ?3, error = ?4 WHERE id = ?1",
+                params![id, now_ms, exit_status, error],
+            )
+            .map(|_| ())
+            .map_err(|e| self.err(e))
+    }
+
+    /// The newest `limit` runs, newest first.
+    pub fn runs(&self, limit: usize) -> Result<Vec<RunRecord>, SpoolError> {
+        self.query_all(
+            "SELECT id, started_ms, ended_ms, pid, version, exit_status, error FROM runs ORDER BY id DESC LIMIT ?1",
+            params![limit as i64],
+            |r| {
+                Ok(RunRecord {
+                    id: r.get(0)?,
+                    started_ms: r.get(1)?,
+                    ended_ms: r.get(2)?,
+                    pid: r.get(3)?,
+                    version: r.get(4)?,
+                    exit_status: r.get(5)?,
+                    error: r.get(6)?,
+                })
+            },
+        )
+    }
+}

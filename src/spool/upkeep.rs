@@ -1,0 +1,156 @@
+//! Upkeep of the file: retention of acknowledged rows in bounded batches,
+//! giving free pages back, and checkpoints.
+//!
+//! One rule: retention deletes only acknowledged rows (never an
+//! unacknowledged or FAILED one, never the newest), a bounded batch per
+//! transaction (F02).
+
+use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD};
+use rusqlite::params;
+
+/// Acknowledged rows, oldest first, appended before `?1`; never the newest
+/// row (its id keeps new ids above every id ever used) nor a FAILED one.
+pub(super) const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
+    SELECT id FROM events
+    WHERE id <= (SELECT acked_through FROM delivery_mark)
+      AND id < (SELECT max(id) FROM events)
+      AND created_ms < ?1
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id)
+    ORDER BY id LIMIT ?2)";
+
+pub(super) const SQL_PURGE_ABOVE: &str = "DELETE FROM events WHERE id IN (
+    SELECT a.id FROM acked_above a JOIN events e ON e.id = a.id
+    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events)
+    ORDER BY a.id LIMIT ?2)";
+
+pub(super) const SQL_PURGE_ABOVE_INDEX: &str =
+    "DELETE FROM acked_above WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.id = acked_above.id)";
+
+/// Result of one `PRAGMA wal_checkpoint` (<https://www.sqlite.org/pragma.html#pragma_wal_checkpoint>).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointResult {
+    /// 1 when the checkpoint could not finish (a reader or writer was in the way).
+    pub busy: i64,
+    /// Frames in the WAL.
+    pub log_frames: i64,
+    /// Frames copied back into the database.
+    pub checkpointed_frames: i64,
+}
+
+/// Checkpoint modes the agent uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointMode {
+    /// Copy what it can without waiting for readers or writers.
+    Passive,
+    /// Copy everything and truncate the WAL to zero bytes; waits for writers.
+    Truncate,
+}
+
+impl Spool {
+    /// Delete at most `batch` acknowledged rows appended before `cutoff_ms`,
+    /// oldest first, in one IMMEDIATE transaction. Never touches an
+    /// unacknowledged or FAILED row, nor the newest row. Returns the number
+    /// deleted; call again until 0, with a checkpoint in between, so a large
+    /// purge never balloons the WAL (F02). Sequence numbers are persisted
+    /// first ([`Spool::persist_seqs`]).
+    pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
+        self.persist_seqs()?;
+        self.write(|tx, err| {
+            let mut n = tx
+                .execute(SQL_PURGE, params![cutoff_ms, batch as i64])
+                .map_err(err)?;
+            if n < batch {
+                let above = tx
+                    .execute(SQL_PURGE_ABOVE, params![cutoff_ms, (batch - n) as i64])
+                    .map_err(err)?;
+                if above > 0 {
+                    tx.execute(SQL_PURGE_ABOVE_INDEX, []).map_err(err)?;
+                }
+                n += above;
+            }
+            if n > 0 {
+                keys::forget_purged(tx).map_err(err)?;
+                tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
+                    .map_err(err)?;
+            }
+            Ok(n)
+        })
+    }
+
+    /// Give up to `max_pages` free pages back to the filesystem
+    /// (`PRAGMA incremental_vacuum`, <https://www.sqlite.org/pragma.html#pragma_incremental_vacuum>)
+    /// when the free pages inside the file exceed the live data plus
+    /// `slack_bytes`. One bounded step: call again at the next maintenance
+    /// pass. Returns the pages freed.
+    pub fn shrink_step(&mut self, slack_bytes: u64, max_pages: u64) -> Result<u64, SpoolError> {
+        let (live, free) = self.usage()?;
+        if free <= live.saturating_add(slack_bytes) {
+            return Ok(0);
+        }
+        let page = self
+            .conn
+            .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
+            .map_err(|e| self.err(e))?
+            .max(512) as u64;
+        let excess = (free - live - slack_bytes) / page;
+        let pages = excess.clamp(1, max_pages.max(1));
+        {
+            // Each step frees one page: step the pragma to its end.
+            let mut st = self
+                .conn
+                .prepare(&format!("PRAGMA incremental_vacuum({pages})"))
+                .map_err(|e| self.err(e))?;
+            let mut rows = st.query([]).map_err(|e| self.err(e))?;
+            while rows.next().map_err(|e| self.err(e))?.is_some() {}
+        }
+        let (_, after) = self.usage()?;
+        Ok(free.saturating_sub(after) / page)
+    }
+
+    /// Run `PRAGMA wal_checkpoint(mode)`. A busy result is reported, not an error.
+    pub fn checkpoint(&self, mode: CheckpointMode) -> Result<CheckpointResult, SpoolError> {
+        let sql = match mode {
+            CheckpointMode::Passive => "PRAGMA wal_checkpoint(PASSIVE)",
+            CheckpointMode::Truncate => "PRAGMA wal_checkpoint(TRUNCATE)",
+        };
+        self.conn
+            .query_row(sql, [], |r| {
+                Ok(CheckpointResult {
+                    busy: r.get(0)?,
+                    log_frames: r.get(1)?,
+                    checkpointed_frames: r.get(2)?,
+                })
+            })
+            .map_err(|e| self.err(e))
+            .inspect(|r| {
+                self.wal
+                    .note_checkpoint(r.log_frames, r.checkpointed_frames)
+            })
+    }
+
+    /// Live and free space inside the file, bytes: `(page_count -
+    /// freelist_count) * page_size` and `freelist_count * page_size`.
+    pub fn usage(&self) -> Result<(u64, u64), SpoolError> {
+        let q = |sql: &str| {
+            self.conn
+                .query_row(sql, [], |r| r.get::<_, i64>(0))
+                .map_err(|e| self.err(e))
+        };
+        let (pages, free, size) = (
+            q("PRAGMA page_count")?,
+            q("PRAGMA freelist_count")?,
+            q("PRAGMA page_size")?,
+        );
+        Ok((
+            ((pages - free).max(0) * size) as u64,
+            (free.max(0) * size) as u64,
+        ))
+    }
+
+    /// `PRAGMA quick_check` result (`ok` when healthy).
+    pub fn quick_check(&self) -> Result<String, SpoolError> {
+        self.conn
+            .query_row("PRAGMA quick_check", [], |r| r.get(0))
+            .map_err(|e| self.err(e))
+    }
+}
