@@ -276,15 +276,42 @@ impl Ingest {
         ) {
             restart.push("delivery (priority, live_first, batching, mqtt.min_share_pct)");
         }
-        let cur = &mut self.cfg;
-        if new.sources != cur.sources {
+        if new.sources != self.cfg.sources {
             let _ = self
                 .sampler
                 .send(SamplerUpdate::Sources(new.sources.clone()));
-            cur.sources = new.sources.clone();
+            self.cfg.sources = new.sources.clone();
             applied.push("sources");
         }
-        let (ns, cs) = (&new.spool, &mut cur.spool);
+        self.apply_spool(&new, &mut applied, &mut restart);
+        self.apply_rest(&new, &mut applied, &mut restart);
+        self.apply_mqtt(&new, &mut applied, &mut restart);
+        if !restart.is_empty() {
+            log::warn!(
+                "config: changes to {} take effect at the next restart",
+                restart.join(", ")
+            );
+        }
+        log::info!(
+            "config applied: {}",
+            if applied.is_empty() {
+                "no live changes".to_owned()
+            } else {
+                applied.join(", ")
+            }
+        );
+        serde_json::json!({"applied": applied, "restart_required": restart})
+    }
+
+    /// `[spool]`: the commit window, retention, checkpoints and capacity
+    /// apply live; the path and pragmas at the next start.
+    fn apply_spool(
+        &mut self,
+        new: &Config,
+        applied: &mut Vec<&'static str>,
+        restart: &mut Vec<&'static str>,
+    ) {
+        let (ns, cs) = (&new.spool, &mut self.cfg.spool);
         if (
             ns.commit_window,
             ns.acked_retention,
@@ -317,6 +344,18 @@ impl Ingest {
         {
             restart.push("spool.path/pragmas");
         }
+    }
+
+    /// `[agent]` and `metrics.textfile` apply live; the metrics listener,
+    /// the device id, `[ingest]` and `[commands]` (its config push policy
+    /// included) at the next start.
+    fn apply_rest(
+        &mut self,
+        new: &Config,
+        applied: &mut Vec<&'static str>,
+        restart: &mut Vec<&'static str>,
+    ) {
+        let cur = &mut self.cfg;
         if new.agent != cur.agent {
             cur.agent = new.agent.clone();
             applied.push("agent");
@@ -336,10 +375,21 @@ impl Ingest {
         if new.ingest != cur.ingest {
             restart.push("ingest");
         }
-        if new.commands != cur.commands {
+        if new.commands != cur.commands || new.config_push != cur.config_push {
             restart.push("commands");
         }
-        let (nm, cm) = (&new.mqtt, &cur.mqtt);
+    }
+
+    /// `[mqtt]`: the connection settings apply live (one reconnect); what
+    /// shapes publishes (topic prefix, window, sizes, format) at the next
+    /// start.
+    fn apply_mqtt(
+        &mut self,
+        new: &Config,
+        applied: &mut Vec<&'static str>,
+        restart: &mut Vec<&'static str>,
+    ) {
+        let (nm, cm) = (&new.mqtt, &self.cfg.mqtt);
         if (
             &nm.topic_prefix,
             nm.inflight_window,
@@ -365,24 +415,9 @@ impl Ingest {
         live.payload_format = cm.payload_format;
         if live != *cm {
             self.link.reconfigure(live.clone());
-            cur.mqtt = live;
+            self.cfg.mqtt = live;
             applied.push("mqtt (reconnecting once)");
         }
-        if !restart.is_empty() {
-            log::warn!(
-                "config: changes to {} take effect at the next restart",
-                restart.join(", ")
-            );
-        }
-        log::info!(
-            "config applied: {}",
-            if applied.is_empty() {
-                "no live changes".to_owned()
-            } else {
-                applied.join(", ")
-            }
-        );
-        serde_json::json!({"applied": applied, "restart_required": restart})
     }
 }
 

@@ -5,9 +5,10 @@
 //! a producer is told "stored" only after the transaction holding its
 //! reading committed.
 
+use super::seqs::SeqBook;
 use super::seqs::{stream_row, StreamSeq, PERSIST_SEQS_EVERY, SQL_SET_SEQ};
 use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD, SQL_GET_STATE, SQL_SET_STATE};
-use crate::envelope::{self, Envelope, EventIdGen, Format};
+use crate::envelope::{self, Envelope, EventId, EventIdGen, Format};
 use crate::reading::{Fields, ReplayPosition};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
@@ -88,6 +89,155 @@ impl Reply {
     /// Send `outcome`; a producer that has gone away is ignored.
     pub fn send(&self, outcome: CommitOutcome) {
         let _ = self.0.send(outcome);
+    }
+}
+
+/// Where one append transaction writes its rows.
+struct Target<'a, 't> {
+    tx: &'a rusqlite::Transaction<'t>,
+    insert: &'a mut rusqlite::CachedStatement<'t>,
+    device_id: &'a str,
+    format: Format,
+    now_ms: i64,
+    path: &'a Path,
+}
+
+/// What one append transaction has issued so far. Its sequence numbers
+/// reach the book only after the commit, so a rolled-back batch does not
+/// advance any sequence.
+#[derive(Default)]
+struct Issued {
+    /// The last sequence number issued per stream in this transaction.
+    next: HashMap<String, StreamSeq>,
+    appended: usize,
+    unencodable: i64,
+    keys_already: i64,
+    marks: ReplayMarks,
+}
+
+impl Issued {
+    /// Append `ev` as the next row of its stream; what its producer is told
+    /// (`None`: a replayed row already spooled, told nothing).
+    fn row(
+        &mut self,
+        to: &mut Target<'_, '_>,
+        book: &SeqBook,
+        ev: &NewEvent,
+        ids: &mut EventIdGen,
+    ) -> Result<Option<CommitOutcome>, SpoolError> {
+        let err = |e| SpoolError::classify(to.path, e);
+        let stream = self.stream(to.tx, book, &ev.stream).map_err(err)?;
+        let event_id = match self.event_id(to, ev, ids).map_err(err)? {
+            Ok(id) => id,
+            Err(told) => return Ok(told),
+        };
+        let seq = stream.last_seq + 1;
+        let env = Envelope {
+            event_id,
+            device_id: to.device_id,
+            stream: &ev.stream,
+            seq: seq as u64,
+            ts_ms: ev.ts_ms,
+            clock_trusted: ev.clock_trusted,
+            fields: &ev.fields,
+        };
+        let payload = match envelope::encode(to.format, &env) {
+            Ok(p) => p,
+            Err(e) => {
+                log::warn!("stream {}: reading not encodable, skipped: {e}", ev.stream);
+                self.unencodable += 1;
+                return Ok(Some(Err(format!(
+                    "not stored: the reading is not encodable ({e})"
+                ))));
+            }
+        };
+        let digest = Sha256::digest(&payload);
+        let hyphenated = event_id.hyphenated();
+        to.insert
+            .execute(params![
+                stream.id,
+                seq,
+                hyphenated,
+                to.now_ms,
+                digest.as_slice(),
+                payload,
+                stream.prio
+            ])
+            .map_err(err)?;
+        if ev.key.is_some() {
+            keys::remember(to.tx, to.tx.last_insert_rowid(), &hyphenated).map_err(err)?;
+        }
+        self.next.insert(
+            ev.stream.clone(),
+            StreamSeq {
+                last_seq: seq,
+                ..stream
+            },
+        );
+        if let Some(pos) = &ev.replay {
+            self.marks.appended(&ev.stream, pos);
+        }
+        self.appended += 1;
+        Ok(Some(Ok(hyphenated)))
+    }
+
+    /// The stream `name` as this transaction sees it (created with the
+    /// config's priority, or the fallback one, the first time).
+    fn stream(
+        &self,
+        tx: &rusqlite::Transaction<'_>,
+        book: &SeqBook,
+        name: &str,
+    ) -> rusqlite::Result<StreamSeq> {
+        if let Some(s) = self.next.get(name).or_else(|| book.streams.get(name)) {
+            return Ok(*s);
+        }
+        let prio = book.priorities.get(name).copied();
+        let prio = prio.unwrap_or_else(|| crate::stream::fallback_priority(name));
+        stream_row(tx, name, prio)
+    }
+
+    /// The event id of `ev`: derived from its replay position or its key,
+    /// else fresh. `Err(told)`: not appended (a replayed row or a keyed
+    /// reading already spooled), with what its producer is told.
+    fn event_id(
+        &mut self,
+        to: &Target<'_, '_>,
+        ev: &NewEvent,
+        ids: &mut EventIdGen,
+    ) -> rusqlite::Result<Result<EventId, Option<CommitOutcome>>> {
+        if let Some(pos) = &ev.replay {
+            if !self.marks.admit(to.tx, &ev.stream, pos)? {
+                return Ok(Err(None));
+            }
+            let trace = pos.id_trace();
+            let id = envelope::replay_event_id(to.device_id, &ev.stream, &trace, pos.lap, pos.line);
+            return Ok(Ok(id));
+        }
+        let Some(key) = &ev.key else {
+            return Ok(Ok(ids.next_id()));
+        };
+        let id = envelope::keyed_event_id(to.device_id, &ev.stream, key);
+        if keys::spooled(to.tx, &id.hyphenated())? {
+            self.keys_already += 1;
+            return Ok(Err(Some(Ok(id.hyphenated()))));
+        }
+        Ok(Ok(id))
+    }
+
+    /// The replay positions moved and the counts of readings not appended,
+    /// into `tx`.
+    fn store(&self, tx: &rusqlite::Transaction<'_>, now_ms: i64) -> rusqlite::Result<()> {
+        self.marks.store(tx, now_ms)?;
+        for (name, n) in [
+            ("readings_unencodable", self.unencodable),
+            ("ingest_keys_already_spooled", self.keys_already),
+        ] {
+            if n > 0 {
+                tx.execute(SQL_COUNTER_ADD, params![name, n])?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -256,126 +406,27 @@ impl Spool {
         let err = |e| SpoolError::classify(&path, e);
         let seqs = self.seqs.clone();
         let mut book = seqs.lock().unwrap_or_else(|p| p.into_inner());
-        // Issued in this transaction; into the book only after the commit,
-        // so a rolled-back batch does not advance any sequence.
-        let mut next: HashMap<String, StreamSeq> = HashMap::new();
-        let mut appended = 0usize;
-        let mut unencodable = 0i64;
-        let mut marks = ReplayMarks::default();
+        let mut issued = Issued::default();
         // What each reading's producer is told after the commit.
         let mut outcomes: Vec<Option<CommitOutcome>> = vec![None; events.len()];
-        let mut keys_already = 0i64;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(err)?;
         {
             let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
+            let mut to = Target {
+                tx: &tx,
+                insert: &mut insert,
+                device_id,
+                format,
+                now_ms,
+                path: &path,
+            };
             for (ev, outcome) in events.iter().zip(outcomes.iter_mut()) {
-                let known = next
-                    .get(&ev.stream)
-                    .or_else(|| book.streams.get(&ev.stream))
-                    .copied();
-                let stream = match known {
-                    Some(s) => s,
-                    None => {
-                        let prio = book.priorities.get(&ev.stream).copied();
-                        let prio =
-                            prio.unwrap_or_else(|| crate::stream::fallback_priority(&ev.stream));
-                        stream_row(&tx, &ev.stream, prio).map_err(err)?
-                    }
-                };
-                let event_id = match &ev.replay {
-                    Some(pos) => {
-                        if !marks.admit(&tx, &ev.stream, pos).map_err(err)? {
-                            continue;
-                        }
-                        envelope::replay_event_id(
-                            device_id,
-                            &ev.stream,
-                            &pos.id_trace(),
-                            pos.lap,
-                            pos.line,
-                        )
-                    }
-                    None => match &ev.key {
-                        Some(key) => {
-                            let id = envelope::keyed_event_id(device_id, &ev.stream, key);
-                            if keys::spooled(&tx, &id.hyphenated()).map_err(err)? {
-                                *outcome = Some(Ok(id.hyphenated()));
-                                keys_already += 1;
-                                continue;
-                            }
-                            id
-                        }
-                        None => ids.next_id(),
-                    },
-                };
-                let seq = stream.last_seq + 1;
-                let env = Envelope {
-                    event_id,
-                    device_id,
-                    stream: &ev.stream,
-                    seq: seq as u64,
-                    ts_ms: ev.ts_ms,
-                    clock_trusted: ev.clock_trusted,
-                    fields: &ev.fields,
-                };
-                let payload = match envelope::encode(format, &env) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        log::warn!("stream {}: reading not encodable, skipped: {e}", ev.stream);
-                        *outcome = Some(Err(format!(
-                            "not stored: the reading is not encodable ({e})"
-                        )));
-                        unencodable += 1;
-                        continue;
-                    }
-                };
-                let digest = Sha256::digest(&payload);
-                let hyphenated = event_id.hyphenated();
-                insert
-                    .execute(params![
-                        stream.id,
-                        seq,
-                        hyphenated,
-                        now_ms,
-                        digest.as_slice(),
-                        payload,
-                        stream.prio
-                    ])
-                    .map_err(err)?;
-                if ev.key.is_some() {
-                    keys::remember(&tx, tx.last_insert_rowid(), &hyphenated).map_err(err)?;
-                }
-                *outcome = Some(Ok(hyphenated));
-                next.insert(
-                    ev.stream.clone(),
-                    StreamSeq {
-                        last_seq: seq,
-                        ..stream
-                    },
-                );
-                if let Some(pos) = &ev.replay {
-                    marks.appended(&ev.stream, pos);
-                }
-                appended += 1;
+                *outcome = issued.row(&mut to, &book, ev, ids)?;
             }
-            marks.store(&tx, now_ms).map_err(err)?;
-            if unencodable > 0 {
-                tx.execute(
-                    SQL_COUNTER_ADD,
-                    params!["readings_unencodable", unencodable],
-                )
-                .map_err(err)?;
-            }
-            if keys_already > 0 {
-                tx.execute(
-                    SQL_COUNTER_ADD,
-                    params!["ingest_keys_already_spooled", keys_already],
-                )
-                .map_err(err)?;
-            }
+            issued.store(&tx, now_ms).map_err(err)?;
         }
         tx.commit().map_err(err)?;
         for (ev, outcome) in events.iter().zip(outcomes) {
@@ -383,9 +434,10 @@ impl Spool {
                 reply.send(outcome);
             }
         }
-        book.dirty |= !next.is_empty();
+        let appended = issued.appended;
+        book.dirty |= !issued.next.is_empty();
         book.appended_since_persist += appended as u64;
-        book.streams.extend(next);
+        book.streams.extend(issued.next);
         let persist = book.appended_since_persist >= PERSIST_SEQS_EVERY;
         drop(book);
         if persist {

@@ -1,0 +1,382 @@
+//! The ingest thread's commit loop: readings from every producer wait in a
+//! buffer for their commit window (or commit at once on the `synchronous =
+//! FULL` connection for `full` streams), and are refused by name when the
+//! spool or the disk is at its limit.
+//!
+//! One rule: a reading is reported stored only after the transaction holding
+//! it committed; a transient failure keeps it in memory and retries with
+//! backoff, a refusal by policy is counted per reason and stream.
+
+use super::upkeep::MAINTENANCE_AGAIN;
+use super::{spool_dir, Ingest, MAX_BUFFERED};
+use crate::envelope::wall_clock_ms;
+use crate::intake::IngestMsg;
+use crate::mqtt::DeliveryMsg;
+use crate::publisher::DeliveryStats;
+use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
+use crate::stream::AGENT_STREAM;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+impl Ingest {
+    pub(super) fn push(&mut self, ev: NewEvent) {
+        if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
+            ev.refuse("not stored: the agent's in-memory buffer is full (the spool is not keeping up); retry later");
+            self.dropped += 1;
+            self.metrics.dropped += 1;
+            self.upkeep.buffer_drops += 1;
+            return;
+        }
+        if self.cfg.stream_durability(&ev.stream) == crate::stream::Durability::Full {
+            self.full_buffer.push(ev);
+            self.commit_full();
+        } else {
+            self.buffer.push(ev);
+        }
+    }
+
+    /// Commit full-durability readings now, on the FULL connection. The same
+    /// commit path as the batched one, run with the two connections and
+    /// buffers exchanged for the call.
+    pub(super) fn commit_full(&mut self) {
+        if self.full_buffer.is_empty() {
+            return;
+        }
+        std::mem::swap(&mut self.spool, &mut self.full_spool);
+        std::mem::swap(&mut self.buffer, &mut self.full_buffer);
+        let retry_at = self.retry_at.take();
+        self.commit();
+        if self.buffer.is_empty() {
+            self.upkeep.full_commits += 1;
+        }
+        self.retry_at = retry_at;
+        std::mem::swap(&mut self.buffer, &mut self.full_buffer);
+        std::mem::swap(&mut self.spool, &mut self.full_spool);
+    }
+
+    /// Commit the buffer in one transaction; on a transient error keep it and
+    /// retry after a second.
+    /// Refuse the buffered readings if the spool or the disk is at its limit,
+    /// after dropping the oldest acknowledged rows first (I6: never an
+    /// unacknowledged one). Checked at most once a second.
+    pub(super) fn capacity_refusal(&mut self) -> Option<crate::maintenance::Refusal> {
+        let fresh = self
+            .upkeep
+            .capacity_checked
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+        if fresh {
+            return self.upkeep.refusal;
+        }
+        let cap = self.cfg.spool.capacity;
+        let dir = spool_dir(&self.cfg);
+        let check = |spool: &Spool| -> Option<crate::maintenance::Refusal> {
+            let (used, free_pages) = spool.usage().ok()?;
+            let fs_free = crate::maintenance::fs_free_bytes(&dir).ok()?;
+            crate::maintenance::capacity_check(&cap, used, free_pages, fs_free)
+        };
+        let mut refusal = check(&self.spool);
+        if refusal.is_some() {
+            // Policy: drop the oldest acknowledged rows first, in bounded batches.
+            let mut purged = 0;
+            for _ in 0..4 {
+                match self
+                    .spool
+                    .purge_acked(i64::MAX, self.cfg.spool.purge_batch_rows)
+                {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => purged += n,
+                }
+            }
+            if purged > 0 {
+                log::warn!("capacity: dropped the {purged} oldest acknowledged rows to make room");
+                let _ = self.spool.count("events_purged_for_space", purged as i64);
+                refusal = check(&self.spool);
+            }
+        }
+        self.upkeep.capacity_checked = Some(Instant::now());
+        if refusal.is_none() && self.upkeep.refusal.is_some() {
+            log::info!("capacity: space is back; taking readings again");
+        }
+        self.upkeep.refusal = refusal;
+        refusal
+    }
+
+    /// After SQLITE_FULL, ingest stays off until a TRUNCATE checkpoint has
+    /// emptied the WAL into the database and the filesystem has headroom
+    /// again (1 MiB, or the configured reserve if larger); otherwise new
+    /// appends would eat freed space before the checkpoint and delivery
+    /// records that need it.
+    pub(super) fn recovered_from_disk_full(&mut self) -> bool {
+        let headroom = self.cfg.spool.capacity.min_free_bytes.max(1024 * 1024);
+        let ok = matches!(self.spool.checkpoint(CheckpointMode::Truncate), Ok(r) if r.busy == 0)
+            && crate::maintenance::fs_free_bytes(&spool_dir(&self.cfg))
+                .is_ok_and(|f| f >= headroom);
+        if ok {
+            log::info!("disk has room again; taking readings again");
+            self.upkeep.disk_full = false;
+            self.upkeep.capacity_checked = None;
+        }
+        ok
+    }
+
+    /// Count `n` readings of the buffer as dropped for `reason`, per stream.
+    pub(super) fn drop_buffer(&mut self, reason: &str) -> usize {
+        let mut by_stream: HashMap<String, i64> = HashMap::new();
+        let why = format!("not stored: the spool refused new readings ({reason}); retry later");
+        for ev in &self.buffer {
+            *by_stream.entry(ev.stream.clone()).or_default() += 1;
+            ev.refuse(&why);
+        }
+        let n = self.buffer.len();
+        self.buffer.clear();
+        self.metrics.dropped += n as u64;
+        *self
+            .pending_counts
+            .entry(format!("readings_dropped_{reason}"))
+            .or_default() += n as i64;
+        for (stream, k) in by_stream {
+            *self
+                .pending_counts
+                .entry(format!("readings_dropped_{reason}.{stream}"))
+                .or_default() += k;
+        }
+        self.flush_counts();
+        n
+    }
+
+    /// Store pending counter increments in one transaction; kept on failure
+    /// (a full disk) and retried, so no drop goes uncounted.
+    pub(super) fn flush_counts(&mut self) {
+        if self.pending_counts.is_empty() {
+            return;
+        }
+        let counts: Vec<(String, i64)> = self
+            .pending_counts
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        if self.spool.count_many(&counts).is_ok() {
+            self.pending_counts.clear();
+        }
+    }
+
+    /// Commit the buffer in one transaction. Busy: keep it and retry after a
+    /// second. Disk full or over capacity: refuse these readings, counted.
+    pub(super) fn commit(&mut self) {
+        self.flush_counts();
+        if self.buffer.is_empty() || self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        if self.upkeep.disk_full && !self.recovered_from_disk_full() {
+            self.drop_buffer("disk_full");
+            return;
+        }
+        if let Some(r) = self.capacity_refusal() {
+            let n = self.drop_buffer(r.reason());
+            if self
+                .upkeep
+                .last_refusal_log
+                .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+            {
+                log::error!("capacity: refusing new readings ({r}); {n} dropped now, counted as readings_dropped_{} (repeats logged every 30 s)", r.reason());
+                self.upkeep.last_refusal_log = Some(Instant::now());
+            }
+            return;
+        }
+        let started = Instant::now();
+        match self.spool.append(
+            &self.buffer,
+            &mut self.ids,
+            &self.cfg.device_id,
+            self.cfg.mqtt.payload_format,
+            wall_clock_ms().0,
+        ) {
+            Ok(n) => {
+                self.observe_commit(started.elapsed());
+                self.appended += n as u64;
+                self.buffer.clear();
+                self.retry_at = None;
+                self.storage_backoff.reset();
+                let _ = self.to_delivery.send(DeliveryMsg::NewRows);
+                self.checkpoint_if_due();
+            }
+            Err(SpoolError::Full { source, .. }) => {
+                // A half-written transaction was rolled back; nothing partial stays.
+                self.upkeep.disk_full = true;
+                let n = self.drop_buffer("disk_full");
+                self.upkeep.capacity_checked = None;
+                if self
+                    .upkeep
+                    .last_refusal_log
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::error!("ingest: disk full ({source}); {n} readings refused, counted as readings_dropped_disk_full (repeats logged every 30 s)");
+                    self.upkeep.last_refusal_log = Some(Instant::now());
+                }
+            }
+            Err(e) => {
+                self.retry_at = Some(Instant::now() + self.storage_backoff.next_delay());
+                if self
+                    .last_error_log
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::error!(
+                        "ingest: commit of {} readings failed: {e}; kept in memory and retried (repeats logged every 30 s)",
+                        self.buffer.len()
+                    );
+                    self.last_error_log = Some(Instant::now());
+                }
+            }
+        }
+        if self.dropped > 0
+            && self
+                .spool
+                .count("readings_dropped_buffer_full", self.dropped as i64)
+                .is_ok()
+        {
+            let why = if self.retry_at.is_some() || self.upkeep.disk_full {
+                "while the spool refused writes"
+            } else {
+                "readings arrived faster than the spool could commit them"
+            };
+            log::error!(
+                "ingest: {} readings dropped, counted as readings_dropped_buffer_full: the in-memory buffer ({MAX_BUFFERED} readings) was full {why}",
+                self.dropped
+            );
+            self.dropped = 0;
+        }
+    }
+
+    /// The ingest loop: sleeps until a message or the nearest deadline
+    /// (the open commit window, maintenance, the summary), never on a
+    /// polling timer, so an idle agent wakes about once per maintenance pass.
+    pub(super) fn run_until_stopped(
+        &mut self,
+        rx: &Receiver<IngestMsg>,
+        stop: &AtomicBool,
+        hup: &AtomicBool,
+        stats: &DeliveryStats,
+    ) {
+        let mut commit_at: Option<Instant> = None;
+        let mut maint_at = Instant::now() + self.maintenance_period();
+        let mut summary_at = Instant::now() + self.cfg.agent.summary_interval;
+        while !stop.load(Ordering::Relaxed) {
+            self.heartbeat.beat();
+            let mut next = maint_at.min(summary_at);
+            if let Some(c) = commit_at {
+                next = next.min(c);
+            }
+            if !self.full_buffer.is_empty() || self.pending_push.is_some() {
+                // A full-durability commit that failed retries soon; a pushed
+                // config waits for its confirmation.
+                next = next.min(Instant::now() + Duration::from_millis(200));
+            }
+            match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                Ok(IngestMsg::Reading(ev)) => self.push(ev),
+                Ok(IngestMsg::Control(c)) => self.control(c),
+                Ok(IngestMsg::Count { name, by }) => {
+                    *self.pending_counts.entry(name).or_default() += by;
+                    // Stored by the next commit (which flushes counts first):
+                    // one write per window however many arrive.
+                    commit_at.get_or_insert_with(|| Instant::now() + self.cfg.spool.commit_window);
+                }
+                Ok(IngestMsg::Wake) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if hup.swap(false, Ordering::Relaxed) {
+                log::info!("SIGHUP: reloading {}", self.source.path.display());
+                match self.reload() {
+                    Ok(v) => log::info!("config reloaded: {v}"),
+                    Err(e) => log::error!("{e}"),
+                }
+            }
+            let now = Instant::now();
+            self.judge_pending_push();
+            // Full-durability readings that could not commit at once retry here.
+            self.commit_full();
+            if !self.buffer.is_empty() && commit_at.is_none() {
+                // The window opens with its first reading.
+                commit_at = Some(now + self.cfg.spool.commit_window);
+            }
+            if commit_at.is_some_and(|c| now >= c) {
+                self.commit();
+                commit_at = (!self.buffer.is_empty()).then(|| now + self.cfg.spool.commit_window);
+            }
+            if now >= maint_at {
+                self.maintain();
+                maint_at = now
+                    + if self.upkeep.more_work {
+                        MAINTENANCE_AGAIN
+                    } else {
+                        self.maintenance_period()
+                    };
+                if self.upkeep.fatal.is_some() {
+                    break;
+                }
+            }
+            if now >= summary_at {
+                self.summary(stats);
+                summary_at = now + self.cfg.agent.summary_interval;
+            }
+        }
+    }
+
+    /// Maintenance (retention, checkpoints, health) runs this often.
+    pub(super) fn maintenance_period(&self) -> Duration {
+        self.cfg
+            .spool
+            .checkpoint_interval
+            .min(Duration::from_secs(5))
+    }
+
+    /// Append an event on the `_agent` stream (config fallbacks and the like),
+    /// so operators see it on `<topic_prefix>/events/_agent`.
+    pub(super) fn agent_event(&mut self, kind: &str, detail: &str) {
+        let (ts_ms, clock_trusted) = wall_clock_ms();
+        self.push(NewEvent {
+            replay: None,
+            stream: AGENT_STREAM.into(),
+            ts_ms,
+            clock_trusted,
+            fields: vec![
+                (
+                    "event".into(),
+                    crate::reading::FieldValue::Text(kind.into()),
+                ),
+                (
+                    "detail".into(),
+                    crate::reading::FieldValue::Text(detail.into()),
+                ),
+            ],
+            key: None,
+            reply: None,
+        });
+    }
+
+    /// At the stop: commit what the sampler produced and what is buffered
+    /// (retrying for up to 10 s), and persist the sequence numbers.
+    pub(super) fn commit_what_is_left(&mut self, rx: &Receiver<IngestMsg>) {
+        while let Ok(m) = rx.try_recv() {
+            match m {
+                IngestMsg::Reading(r) => self.push(r),
+                IngestMsg::Count { name, by } => {
+                    *self.pending_counts.entry(name).or_default() += by;
+                }
+                IngestMsg::Control(_) | IngestMsg::Wake => {}
+            }
+        }
+        self.flush_counts();
+        self.commit_full();
+        let _ = self.spool.persist_seqs();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.buffer.is_empty() && Instant::now() < deadline {
+            self.retry_at = None;
+            self.commit();
+            if !self.buffer.is_empty() {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}

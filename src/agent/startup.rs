@@ -1,0 +1,328 @@
+//! Starting the agent: the spool claimed (directory, lock, local
+//! filesystem), the confirmed config push composed on the local config, the
+//! storage probe's knobs, the spool's connections opened, the settings each
+//! thread gets.
+//!
+//! One rule: nothing here starts delivery or takes a reading; a start that
+//! fails leaves the spool as it found it.
+
+use super::{AgentError, ConfigSource, IngestMsg, WAL_FRAME_BYTES};
+use crate::config::Config;
+use crate::envelope::wall_clock_ms;
+use crate::fsguard::SpoolLock;
+use crate::intake::Control;
+use crate::mqtt;
+use crate::publisher::DeliveryConfig;
+use crate::spool::Spool;
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Open the configured spool, moving a damaged one aside
+/// ([`crate::integrity::open_spool_at`]).
+pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
+    Ok(crate::integrity::open_spool_at(
+        &cfg.spool.path,
+        &cfg.spool.options,
+    )?)
+}
+
+/// The local config with the confirmed config push kept in the state
+/// directory on top, if there is one and the local policy still allows it
+/// (a push the local file no longer allows is ignored, loudly).
+pub(super) fn with_confirmed_push(
+    local: Config,
+    source: &ConfigSource,
+) -> (Config, Option<crate::push::Stored>) {
+    let Some(stored) = crate::push::load(&spool_dir(&local)) else {
+        return (local, None);
+    };
+    let text_path = if source.fallback.is_some() {
+        crate::configfile::last_good_path(&source.path)
+    } else {
+        source.path.clone()
+    };
+    let composed = std::fs::read_to_string(&text_path)
+        .map_err(|e| format!("cannot read {}: {e}", text_path.display()))
+        .and_then(|text| {
+            let push = crate::policy::check(&local, &stored.text, stored.signature.as_deref())?;
+            crate::push::compose(
+                &local,
+                &text,
+                &text_path.display().to_string(),
+                &source.sets,
+                &push,
+            )
+        });
+    match composed {
+        Ok(cfg) => {
+            log::info!(
+                "running the local config with the confirmed config push (sha256 {})",
+                crate::configfile::sha256_hex(stored.text.as_bytes())
+            );
+            (cfg, Some(stored))
+        }
+        Err(e) => {
+            log::warn!("the stored config push is ignored: {e}; running the local config alone");
+            (local, None)
+        }
+    }
+}
+
+/// SIGTERM/SIGINT set the first flag (stop), SIGHUP the second (reload).
+pub(super) fn signal_flags() -> Result<(Arc<AtomicBool>, Arc<AtomicBool>), AgentError> {
+    let setup =
+        |e: std::io::Error| AgentError::Setup(format!("cannot install signal handler: {e}"));
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stop.clone()).map_err(setup)?;
+    }
+    let hup = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, hup.clone()).map_err(setup)?;
+    Ok((stop, hup))
+}
+
+/// A thread that blocks on SIGTERM, SIGINT and SIGHUP and wakes the ingest
+/// thread (the flags themselves are set by the handlers registered in
+/// [`run`]). Close the returned handle to end it.
+pub(super) fn wake_on_signals(
+    tx: Sender<IngestMsg>,
+) -> Result<signal_hook::iterator::Handle, AgentError> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+        .map_err(|e| AgentError::Setup(format!("cannot install signal handler: {e}")))?;
+    let handle = signals.handle();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for _ in signals.forever() {
+                if tx.send(IngestMsg::Wake).is_err() {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| AgentError::Setup(format!("cannot start the signal thread: {e}")))?;
+    Ok(handle)
+}
+
+/// Forward the command thread's control requests into the ingest channel
+/// (a thread blocked on `ctl` until the command thread drops its sender).
+pub(super) fn forward_controls(ctl: Receiver<Control>, tx: Sender<IngestMsg>) {
+    let spawned = std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            for c in ctl {
+                if tx.send(IngestMsg::Control(c)).is_err() {
+                    return;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot start the control thread: {e}; live config changes are off");
+    }
+}
+
+/// Creates the spool's directory, takes the spool lock (held until the
+/// returned guard drops) and refuses a network filesystem.
+pub(super) fn claim_spool(cfg: &Config) -> Result<SpoolLock, AgentError> {
+    if let Some(dir) = cfg
+        .spool
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            AgentError::Setup(format!(
+                "cannot create spool directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+    }
+    let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
+    warn_loose_secrets(cfg);
+    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
+        .map_err(AgentError::Setup)?;
+    Ok(lock)
+}
+
+/// The ingest thread's connection: opened (migrated if needed), the WAL
+/// brake set, the storage profile stored and the pragmas logged.
+pub(super) fn open_ingest_spool(
+    cfg: &Config,
+    tuning: Option<&crate::probe::Profile>,
+) -> Result<Spool, AgentError> {
+    let mut ingest = open_spool(cfg)?;
+    for r in ingest.set_priorities(&cfg.stream_priorities())? {
+        log::info!(
+            "stream {}: delivery priority {} -> {} ({} unacknowledged rows moved with it)",
+            r.stream,
+            r.from,
+            r.to,
+            r.rows
+        );
+    }
+    // The brake fires after the commit that crosses it, so it sits below
+    // twice the threshold by about the largest transaction (a retention
+    // batch), which keeps the WAL within twice the threshold.
+    ingest
+        .wal()
+        .set_brake_frames((3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64);
+    if let Some(p) = tuning {
+        if let Ok(json) = serde_json::to_string(p) {
+            let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
+        }
+    }
+    let p = ingest.pragmas().clone();
+    log::info!(
+        "spool {}: journal_mode={} synchronous={} busy_timeout={}ms journal_size_limit={} wal_autocheckpoint={}",
+        cfg.spool.path.display(),
+        p.journal_mode,
+        p.synchronous,
+        p.busy_timeout_ms,
+        p.journal_size_limit,
+        p.wal_autocheckpoint
+    );
+    Ok(ingest)
+}
+
+/// A connection that fsyncs at every commit (synchronous FULL): commands
+/// and their results, and `durability = "full"` readings.
+pub(super) fn open_full_durability(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
+    let mut o = cfg.spool.options.clone();
+    o.synchronous = crate::spool::Synchronous::Full;
+    Ok(ingest.open_sibling(&o)?)
+}
+
+/// The connection for `durability = "full"` readings, sharing the ingest
+/// connection's sequence counters.
+pub(super) fn open_full_spool(cfg: &Config, ingest: &Spool) -> Result<Spool, AgentError> {
+    let mut s = open_full_durability(cfg, ingest)?;
+    // One sequence counter per stream, whichever connection commits it.
+    s.share_seqs(ingest);
+    Ok(s)
+}
+
+/// The command subscription the MQTT thread makes (`None` with commands
+/// off): each command publish goes to the command thread's inbox.
+pub(super) fn command_subscription(
+    cfg: &Config,
+    inbox: crate::commands::worker::Inbox,
+) -> Option<mqtt::CommandSub> {
+    cfg.commands.enabled.then(|| {
+        let sink: mqtt::CommandSink = Box::new(move |epoch, publish| inbox.offer(epoch, publish));
+        mqtt::CommandSub {
+            topic: format!("{}/commands", cfg.mqtt.topic_prefix),
+            max_payload_bytes: cfg.commands.max_payload_bytes,
+            sink,
+        }
+    })
+}
+
+/// The delivery thread's settings, from `[mqtt]`.
+pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
+    DeliveryConfig {
+        topic_prefix: cfg.mqtt.topic_prefix.clone(),
+        window: cfg.mqtt.inflight_window,
+        max_payload_bytes: cfg.mqtt.max_payload_bytes,
+        max_packet_bytes: cfg.mqtt.max_packet_bytes,
+        fail_after_disconnects: cfg.mqtt.fail_after_disconnects,
+        protocol: cfg.mqtt.protocol,
+        min_share_pct: cfg.mqtt.min_share_pct,
+        live_streams: cfg.live_first_streams(),
+        batching: cfg.stream_batching(),
+    }
+}
+
+/// Retry pacing for a spool that refuses writes, from the storage probe.
+pub(super) fn storage_backoff(tuning: Option<&crate::probe::Profile>) -> crate::backoff::Backoff {
+    let (lo, hi) = tuning
+        .map(|p| (p.derived.retry_min_ms, p.derived.retry_max_ms))
+        .unwrap_or((100, 5000));
+    crate::backoff::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
+}
+
+/// Measure the spool's device (or read its stored profile) and put the
+/// derived knobs into `cfg` where the config leaves them unset
+/// (`spool.tune_from_probe`).
+pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::probe::Profile> {
+    if cfg.spool.tune_from_probe {
+        let dir = spool_dir(cfg);
+        match crate::probe::load_or_probe(&dir) {
+            Ok((profile, fresh)) => {
+                let m = &profile.measurements;
+                let d = profile.derived;
+                log::info!(
+                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s -> commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes",
+                    if fresh { "measured now" } else { "stored profile" },
+                    m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us,
+                    m.write_bytes_per_sec as f64 / 1e6,
+                    d.commit_window_ms, d.checkpoint_wal_bytes, d.retry_min_ms, d.retry_max_ms, d.max_spool_bytes
+                );
+                apply_tuning(cfg, &d);
+                Some(profile)
+            }
+            Err(e) => {
+                log::warn!(
+                    "storage probe failed on {}: {e}; using the configured values",
+                    dir.display()
+                );
+                None
+            }
+        }
+    } else {
+        None
+    }
+}
+
+/// Put the probe's derived knobs into `cfg` (`spool.tune_from_probe`),
+/// except where the config set a key itself.
+pub(super) fn apply_tuning(cfg: &mut Config, d: &crate::probe::Derived) {
+    if !cfg.spool.explicit.commit_window {
+        cfg.spool.commit_window = Duration::from_millis(d.commit_window_ms);
+    }
+    if !cfg.spool.explicit.checkpoint_wal_bytes {
+        cfg.spool.checkpoint_wal_bytes = d.checkpoint_wal_bytes;
+    }
+    let cap = &mut cfg.spool.capacity;
+    cap.max_bytes = if cap.max_bytes == 0 {
+        d.max_spool_bytes
+    } else {
+        cap.max_bytes.min(d.max_spool_bytes)
+    };
+}
+
+pub(super) fn spool_dir(cfg: &Config) -> std::path::PathBuf {
+    cfg.spool
+        .path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| ".".into())
+}
+
+/// Warn about secrets files that group or others can read.
+pub(super) fn warn_loose_secrets(cfg: &Config) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut files = Vec::new();
+    if let Some(t) = &cfg.mqtt.tls {
+        if let Some((_, key)) = &t.client {
+            files.push(("mqtt.client_key_file", key.clone()));
+        }
+    }
+    if let Some((_, Some(p))) = &cfg.mqtt.credentials {
+        files.push(("mqtt.password_file", p.clone()));
+    }
+    for (key, path) in files {
+        match std::fs::metadata(&path) {
+            Ok(m) if m.permissions().mode() & 0o077 != 0 => log::warn!(
+                "{key} {} is readable by group or others (mode {:o}); chmod 600 it",
+                path.display(),
+                m.permissions().mode() & 0o777
+            ),
+            Ok(_) => {}
+            Err(e) => log::warn!("{key} {}: {e}", path.display()),
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! The summary each `agent.summary_interval_secs`: one log line (and
+//! systemd STATUS), the write budget and latencies stored for `status`, the
+//! metrics published.
+//!
+//! One rule: one line per interval, whatever the rate; nothing per reading.
+
+use super::Ingest;
+use crate::envelope::wall_clock_ms;
+use crate::publisher::DeliveryStats;
+use std::sync::atomic::Ordering;
+
+impl Ingest {
+    /// What this run has cost the flash so far, for `status`: bytes the
+    /// kernel sent to the block layer for this process (`/proc/self/io`),
+    /// commits on every connection, checkpoints, and what follows per hour,
+    /// per reading and per day.
+    pub(super) fn write_budget(&self) -> serde_json::Value {
+        let (since, bytes0) = self.upkeep.budget_since;
+        let bytes = crate::maintenance::proc_write_bytes()
+            .unwrap_or(bytes0)
+            .saturating_sub(bytes0);
+        let elapsed = since.elapsed();
+        let commits = self.spool.wal().commits();
+        let checkpoints = self.upkeep.checkpoints;
+        // synchronous=NORMAL fsyncs only at checkpoints (the WAL, then the
+        // database: https://www.sqlite.org/wal.html#sync); FULL at every commit.
+        let fsyncs = 2 * checkpoints + self.upkeep.full_commits;
+        let per_hour = |n: u64| crate::maintenance::per_hour(n, elapsed);
+        let readings = self.appended.max(1);
+        serde_json::json!({
+            "window_secs": elapsed.as_secs(),
+            "write_bytes_total": bytes,
+            "write_bytes_per_hour": per_hour(bytes),
+            "commits_total": commits,
+            "commits_per_hour": per_hour(commits),
+            "checkpoints_total": checkpoints,
+            "checkpoints_per_hour": per_hour(checkpoints),
+            "fsyncs_estimated_total": fsyncs,
+            "fsyncs_estimated_per_hour": per_hour(fsyncs),
+            "readings_total": self.appended,
+            "bytes_per_reading": bytes / readings,
+            "projected_mb_per_day": per_hour(bytes) as f64 * 24.0 / 1e6,
+            "wal_file_bytes": std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+                .map(|m| m.len())
+                .unwrap_or(0),
+        })
+    }
+
+    pub(super) fn summary(&mut self, stats: &DeliveryStats) {
+        let mut states = vec![
+            ("write_budget", self.write_budget().to_string()),
+            ("latency", self.latency_json().to_string()),
+        ];
+        if let Some(c) = &self.upkeep.last_checkpoint_json {
+            states.push(("last_checkpoint", c.to_string()));
+        }
+        let _ = self.spool.set_states(&states, wall_clock_ms().0);
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        let (backlog, age) = self.backlog_and_age();
+        let line = format!(
+            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal} backlog={backlog} oldest_unacked_secs={} connected={} dropped={}",
+            self.appended,
+            stats.submitted.load(Ordering::Relaxed),
+            stats.retired.load(Ordering::Relaxed),
+            stats.requeued.load(Ordering::Relaxed),
+            stats.failed.load(Ordering::Relaxed),
+            self.buffer.len(),
+            age.map_or(0, |a| a.as_secs()),
+            u8::from(self.link.connected()),
+            self.metrics.dropped,
+        );
+        log::info!("{line}");
+        self.notifier.status(&line);
+        self.store_socket_counts();
+        self.publish_metrics(true, true);
+    }
+}

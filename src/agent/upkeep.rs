@@ -1,0 +1,256 @@
+//! Upkeep between commits: retention of acknowledged rows in bounded
+//! batches with a checkpoint between them (F02), the checkpoint policy and
+//! its outcome (a reader pinning the WAL is noticed, F01), sequence numbers
+//! persisted, free pages given back, and the spool file's identity checked.
+//!
+//! One rule: a pass holds the write lock for a bounded time; what is left
+//! goes to the next pass, which then comes sooner.
+
+use super::{Ingest, Upkeep, WAL_FRAME_BYTES};
+use crate::envelope::wall_clock_ms;
+use crate::spool::CheckpointMode;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Longest a maintenance pass keeps deleting (each batch holds the write
+/// lock; the delivery thread's commits wait behind it).
+pub(super) const MAINTENANCE_BUDGET: Duration = Duration::from_millis(100);
+/// The next pass when the last one left work over.
+pub(super) const MAINTENANCE_AGAIN: Duration = Duration::from_millis(250);
+/// Free pages given back per pass (1 MiB of 4 KiB pages): one step is one
+/// transaction, so this also bounds what it adds to the WAL.
+pub(super) const SHRINK_STEP_PAGES: u64 = 256;
+
+impl Upkeep {
+    pub(super) fn new(spool: &Path, verdict: Option<crate::integrity::Verdict>) -> Upkeep {
+        Upkeep {
+            identity: crate::maintenance::file_identity(spool),
+            fatal: None,
+            verdict,
+            damaged: false,
+            last_checkpoint: Instant::now(),
+            last_checkpoint_json: None,
+            checkpoints: 0,
+            seqs_persisted: Instant::now(),
+            health_kinds: Vec::new(),
+            health_stored_at: None,
+            health_since: wall_clock_ms().0,
+            buffer_drops: 0,
+            failed_seen: (0, None),
+            more_work: false,
+            capacity_checked: None,
+            refusal: None,
+            checkpoint_blocked: false,
+            incomplete_run: None,
+            budget_since: (
+                Instant::now(),
+                crate::maintenance::proc_write_bytes().unwrap_or(0),
+            ),
+            full_commits: 0,
+            last_refusal_log: None,
+            last_checkpoint_error: None,
+            disk_full: false,
+            wall_anchor: (wall_clock_ms().0, Instant::now()),
+            clock_step_logged: false,
+        }
+    }
+}
+
+impl Ingest {
+    /// Retention in bounded batches with a checkpoint between them (F02), the
+    /// checkpoint policy, the spool-file identity check, and the health and
+    /// write-budget record for `status`.
+    pub(super) fn maintain(&mut self) {
+        let found = self
+            .upkeep
+            .verdict
+            .as_ref()
+            .and_then(|v| v.lock().unwrap_or_else(|p| p.into_inner()).clone());
+        if let Some(damage) = found {
+            let msg = format!(
+                "spool {} is damaged ({damage}); stopping to move it aside and start a fresh spool",
+                self.cfg.spool.path.display()
+            );
+            log::error!("{msg}");
+            self.upkeep.fatal = Some(msg);
+            self.upkeep.damaged = true;
+            return;
+        }
+        if let Some(id) = self.upkeep.identity {
+            if crate::maintenance::file_identity(&self.cfg.spool.path) != Some(id) {
+                let msg = format!(
+                    "spool {} was removed or replaced under the running agent; stopping without claiming durability (the supervisor restarts a clean process)",
+                    self.cfg.spool.path.display()
+                );
+                log::error!("{msg}");
+                self.upkeep.fatal = Some(msg);
+                return;
+            }
+        }
+        let retention_ms = self.cfg.spool.acked_retention.as_millis() as i64;
+        let (anchor_wall, anchor_mono) = self.upkeep.wall_anchor;
+        let expected = anchor_wall + anchor_mono.elapsed().as_millis() as i64;
+        let wall = wall_clock_ms().0;
+        let now = crate::maintenance::retention_now(wall, expected);
+        if now != wall && !self.upkeep.clock_step_logged {
+            log::warn!(
+                "wall clock stepped by {} s since start; retention keeps judging ages by monotonic time",
+                (wall - expected) / 1000
+            );
+            self.upkeep.clock_step_logged = true;
+        }
+        let cutoff = now - retention_ms;
+        let mut purged = 0;
+        // A pass holds the write lock for at most about MAINTENANCE_BUDGET
+        // (the delivery thread's commits wait behind it); what is left is
+        // done at the next pass, which then comes sooner.
+        let started = Instant::now();
+        self.upkeep.more_work = false;
+        loop {
+            if started.elapsed() >= MAINTENANCE_BUDGET {
+                self.upkeep.more_work = true;
+                break;
+            }
+            match self
+                .spool
+                .purge_acked(cutoff, self.cfg.spool.purge_batch_rows)
+            {
+                Ok(0) => break,
+                Ok(n) => {
+                    purged += n;
+                    self.run_checkpoint(CheckpointMode::Passive, 0);
+                }
+                Err(e) => {
+                    log::warn!("retention skipped: {e}");
+                    break;
+                }
+            }
+        }
+        if purged > 0 {
+            log::debug!("retention: deleted {purged} acknowledged rows");
+        }
+        self.persist_seqs_if_due();
+        if !self.upkeep.more_work {
+            self.shrink_step();
+        }
+        self.checkpoint_if_due();
+        self.record_health();
+    }
+
+    /// Run the checkpoint the policy asks for now, and record the outcome
+    /// in memory (written to `agent_state` at the summary interval, not with
+    /// a commit of its own each time).
+    pub(super) fn checkpoint_if_due(&mut self) {
+        let written = self.spool.wal().frames_since_checkpoint() * WAL_FRAME_BYTES;
+        let inputs = crate::maintenance::CheckpointInputs {
+            written_bytes: written,
+            threshold_bytes: self.cfg.spool.checkpoint_wal_bytes,
+            since_last: self.upkeep.last_checkpoint.elapsed(),
+            interval: self.cfg.spool.checkpoint_interval,
+        };
+        let Some(mode) = crate::maintenance::checkpoint_due(&inputs) else {
+            return;
+        };
+        self.run_checkpoint(mode, written);
+    }
+
+    pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) {
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        let t = Instant::now();
+        let res = self.spool.checkpoint(mode);
+        let took = t.elapsed();
+        self.upkeep.last_checkpoint = Instant::now();
+        self.upkeep.checkpoints += 1;
+        let now = wall_clock_ms().0;
+        match res {
+            Ok(r) => {
+                let incomplete = r.busy != 0 || r.checkpointed_frames < r.log_frames;
+                // One incomplete PASSIVE is routine (the delivery thread was
+                // mid-read); a reader pins the WAL when several in a row,
+                // over seconds, cannot finish.
+                let (first, n) = match (incomplete, self.upkeep.incomplete_run) {
+                    (false, _) => (Instant::now(), 0),
+                    (true, Some((t, n))) => (t, n + 1),
+                    (true, None) => (Instant::now(), 1),
+                };
+                self.upkeep.incomplete_run = incomplete.then_some((first, n));
+                let blocked = n >= 3 && first.elapsed() >= Duration::from_secs(2);
+                self.upkeep.last_checkpoint_json = Some(
+                    serde_json::json!({"mode": format!("{mode:?}").to_lowercase(), "busy": r.busy,
+                    "log_frames": r.log_frames, "checkpointed_frames": r.checkpointed_frames,
+                    "written_bytes_before": written, "wal_file_bytes_before": wal,
+                    "duration_ms": took.as_millis() as u64, "at_ms": now}),
+                );
+                if blocked {
+                    let _ = self.spool.count("wal_checkpoint_blocked", 1);
+                    if !self.upkeep.checkpoint_blocked {
+                        log::warn!("checkpoint {mode:?} blocked: busy={} log={} checkpointed={} wal_bytes={wal}: a reader is pinning the WAL; health degraded", r.busy, r.log_frames, r.checkpointed_frames);
+                    }
+                } else if self.upkeep.checkpoint_blocked {
+                    log::info!(
+                        "checkpoint {mode:?} completed again (log={}); WAL no longer pinned",
+                        r.log_frames
+                    );
+                } else {
+                    log::debug!(
+                        "checkpoint {mode:?}: log={} checkpointed={} in {} ms",
+                        r.log_frames,
+                        r.checkpointed_frames,
+                        took.as_millis()
+                    );
+                }
+                self.upkeep.checkpoint_blocked = blocked;
+            }
+            Err(e) => {
+                if self
+                    .upkeep
+                    .last_checkpoint_error
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::warn!(
+                        "checkpoint {mode:?} failed: {e} (skipped; repeats logged every 30 s)"
+                    );
+                    self.upkeep.last_checkpoint_error = Some(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Sequence numbers reach `streams` once a minute or every 10,000
+    /// readings (an append writes only its rows; a restart reads the rows
+    /// appended since the last persist, so this bounds startup work).
+    pub(super) fn persist_seqs_if_due(&mut self) {
+        let due = self.spool.appended_since_persist() >= 10_000
+            || self.upkeep.seqs_persisted.elapsed() >= Duration::from_secs(60);
+        if due && self.spool.persist_seqs().is_ok() {
+            self.upkeep.seqs_persisted = Instant::now();
+        }
+    }
+
+    /// Give free pages back in a bounded step (at most 4 MiB a pass) once
+    /// they exceed the live data plus 8 MiB, then let the checkpoint policy
+    /// copy the moved pages (issue: the spool gives space back).
+    pub(super) fn shrink_step(&mut self) {
+        match self.spool.shrink_step(8 * 1024 * 1024, SHRINK_STEP_PAGES) {
+            Ok(0) => {}
+            Ok(n) => {
+                log::debug!("spool: gave {n} free pages back to the filesystem");
+                self.upkeep.more_work = n >= SHRINK_STEP_PAGES;
+                // The moved pages go to the database now, one step at a time.
+                self.run_checkpoint(CheckpointMode::Passive, 0);
+            }
+            Err(e) => {
+                if self
+                    .upkeep
+                    .last_checkpoint_error
+                    .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+                {
+                    log::warn!("incremental vacuum skipped: {e}");
+                    self.upkeep.last_checkpoint_error = Some(Instant::now());
+                }
+            }
+        }
+    }
+}
