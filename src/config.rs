@@ -153,7 +153,7 @@ impl Config {
 pub enum PushMode {
     /// `apply-config` is refused.
     Off,
-    /// Overlays of [`OVERLAY_KEYS`] only.
+    /// Overlays of [`crate::policy::OVERLAY_KEYS`] only.
     #[default]
     Overlay,
     /// Overlays, and whole configs signed by a listed key.

@@ -12,32 +12,49 @@
 //! retired only when the PUBACK of the publish that carried it arrives.
 //! Delivery is at least once; consumers deduplicate on the event id.
 //!
-//! Modules, in the order a reading travels:
-//! - [`config`]: board config, raw TOML → validated [`config::Config`];
+//! Modules, in the order a reading travels, floor by floor from the
+//! ground up (a module imports only what lies below it; the test
+//! `tests/it/structure.rs` holds the floors):
+//!
+//! Shared vocabulary and leaves (import nothing above them):
+//! - [`reading`]: a reading's fields and, for a replayed row, its position;
+//! - [`stream`]: stream names, the agent's own streams, [`stream::StreamSettings`];
+//! - [`backoff`], [`threads`], [`hex`]: capped backoff, bounded joins, hex text;
+//! - [`process`]: running a program with a timeout and bounded output, no shell;
+//! - [`fsguard`], [`notify`]: lock file and local-filesystem check; systemd notifications;
+//! - [`ack`]: packet id ↔ row bookkeeping, pure;
+//! - [`batching`]: several events of one stream in one PUBLISH;
+//! - [`health`]: ok or degraded, with named reasons (pure).
+//!
+//! The wire format and the stores:
+//! - [`envelope`]: event ids and the wire format, encoded once at append;
+//! - [`spool`]: the SQLite spool, one file per job, every statement of the agent's store;
+//! - [`sink`]: the reference consumer (`edgespool sink`) and its stores.
+//!
+//! What sits on the spool:
+//! - [`intake`]: what the ingest thread receives from every producer;
+//! - [`lanes`]: which waiting row is offered next (priority, live-first);
+//! - [`integrity`]: opening a spool or moving a damaged one aside; when the whole-file check runs;
+//! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
+//! - [`metrics`]: Prometheus text, the textfile and the `/metrics` listener.
+//!
+//! The parts, each owning its settings:
+//! - [`source`]: one file per kind of reading source (system, file, exec, replay, bridge);
+//! - [`sampler`]: one thread per source, on its own deadline;
+//! - [`ingest`]: the local socket other programs put readings through;
+//! - [`mqtt`]: the rumqttc connection thread, backoff and watchdog;
+//! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
+//! - [`commands`]: commands over MQTT, at most once (receipts, handlers, results).
+//!
+//! Above the parts:
+//! - [`config`]: board config, raw TOML → validated [`config::Config`] of every part's settings;
+//! - [`policy`]: what a config push may change (overlay keys, signatures);
+//! - [`trial`]: `edgespool test`, one reading per source shown, nothing written;
 //! - [`configfile`]: atomic config writes and the last-known-good copy;
 //! - [`push`]: config pushes kept in the state directory, confirm or revert;
-//! - [`source`]: one file per kind of reading source;
-//! - [`sampler`]: one thread per source, on its own deadline;
-//! - [`ingest`]: the local socket other programs put readings through (JSON lines, replies after the commit);
-//! - [`envelope`]: event ids and the wire format, encoded once at append;
-//! - [`spool`]: the SQLite spool, its pragmas, schema and every statement;
-//! - [`publisher`]: the delivery thread, spool → in-flight window, ack → retire;
-//! - [`ack`]: packet id ↔ row bookkeeping, pure;
-//! - [`mqtt`]: the rumqttc connection thread, backoff and watchdog;
-//! - [`commands`]: commands over MQTT, at most once (receipts, handlers, results);
-//! - [`process`]: running a program with a timeout and bounded output, no shell;
-//! - [`fsguard`]: lock file and local-filesystem check;
-//! - [`health`]: ok or degraded, with named reasons (pure);
-//! - [`notify`]: systemd notifications (ready, status, watchdog while threads progress);
-//! - [`integrity`]: when the whole-file check runs (never before delivery);
-//! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
-//! - [`metrics`]: Prometheus text rendering, the textfile and the `/metrics` listener;
-//! - [`policy`]: what a config push may change (overlay keys, signatures);
 //! - [`probe`]: storage probe and the knobs derived from it;
-//! - [`agent`]: the threads, the run loop, maintenance and clean stop;
 //! - [`status`]: the `status` report;
-//! - [`trial`]: `edgespool test`, one reading per source shown, nothing written;
-//! - [`sink`]: the reference consumer (`edgespool sink`).
+//! - [`agent`]: the threads wired together, the run loop, upkeep and clean stop.
 
 pub mod ack;
 pub mod agent;

@@ -12,7 +12,7 @@
 //!   `events_priority` (<https://www.sqlite.org/partialindex.html>); rows of
 //!   priority 0, the bulk of telemetry, are not, so an append of one writes
 //!   no index page.
-//! - When the config gives a stream another priority, [`set_priorities`]
+//! - When the config gives a stream another priority, [`Spool::set_priorities`]
 //!   moves its unacknowledged rows too (one pass over the rows above the
 //!   acknowledged mark), so a stream's rows are never split between two
 //!   lanes and its first publishes stay in sequence order.
@@ -102,7 +102,7 @@ const SQL_BACKLOG: &str = "SELECT s.name, s.prio, coalesce(b.n, 0), b.oldest
 // rows too) on each call: 0.84 s on a 1,000,000-row spool with 10,000
 // unacknowledged, against 0.015 s for this range read from the mark.
 
-/// A stream whose priority [`set_priorities`] changed.
+/// A stream whose priority [`Spool::set_priorities`] changed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reranked {
     /// The stream.

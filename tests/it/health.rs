@@ -50,9 +50,7 @@ fn telemetry_flows_when_the_broker_closes_connections_on_the_command_subscriptio
         "{}",
         status(&db)
     );
-    assert!(agent
-        .log_text()
-        .contains("WARN  edgespool::agent] health degraded: commands unavailable"));
+    assert!(agent.logged("WARN", "agent", "] health degraded: commands unavailable"));
     agent.terminate(Duration::from_secs(15));
 }
 
@@ -174,9 +172,7 @@ fn an_unreachable_broker_degrades_health_within_the_bound_and_recovers() {
         after >= Duration::from_secs(25),
         "degraded before the bound: {after:?}"
     );
-    assert!(agent
-        .log_text()
-        .contains("WARN  edgespool::agent] health degraded: not connected"));
+    assert!(agent.logged("WARN", "agent", "] health degraded: not connected"));
     // For machines: health as an object, counts as objects.
     let json = run_cli(&["status", "--json", "--spool", db.to_str().expect("utf-8")]).1;
     let v: serde_json::Value = serde_json::from_str(&json).expect("status --json");

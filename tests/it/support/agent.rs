@@ -191,6 +191,23 @@ impl AgentProc {
         }
     }
 
+    /// Whether a log line at `level` (`WARN`, `ERROR`, ...) from the part
+    /// `part` of the agent (`agent`, `mqtt`: the target `edgespool::<part>`
+    /// or a module inside it) says `text`.
+    pub fn logged(&self, level: &str, part: &str, text: &str) -> bool {
+        let target = format!("edgespool::{part}");
+        self.log_text().lines().any(|l| {
+            let Some(at) = l.find(&format!("{level} ")) else {
+                return false;
+            };
+            let rest = l[at + level.len()..].trim_start();
+            let in_part = rest
+                .strip_prefix(&target)
+                .is_some_and(|r| r.starts_with(']') || r.starts_with("::") || r.starts_with(':'));
+            in_part && l.contains(text)
+        })
+    }
+
     /// The last `lines` lines of the log (for assertion messages).
     pub fn log_tail(&self, lines: usize) -> String {
         tail(&self.log_text(), lines)
