@@ -23,6 +23,7 @@
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`], [`notify`]: lock file and local-filesystem check; systemd notifications;
 //! - [`ack`]: packet id ↔ row bookkeeping, pure;
+//! - [`receipts`]: the fleet's receipts and the rows waiting for one, pure;
 //! - [`batching`]: several events of one stream in one PUBLISH;
 //! - [`health`]: ok or degraded, with named reasons (pure).
 //!
@@ -81,6 +82,7 @@ pub mod process;
 pub mod publisher;
 pub mod push;
 pub mod reading;
+pub mod receipts;
 pub mod sampler;
 pub mod sink;
 pub mod source;

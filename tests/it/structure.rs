@@ -32,6 +32,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("backoff", 11),
     ("threads", 11),
     ("ack", 11),
+    ("receipts", 11),
     ("batching", 11),
     ("process", 11),
     ("fsguard", 11),
