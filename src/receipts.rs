@@ -177,7 +177,6 @@ pub struct Matched {
 #[derive(Debug, Clone)]
 struct Entry {
     row: i64,
-    since: Instant,
 }
 
 /// Rows PUBACKed and waiting for their receipt, bounded by `cap`.
@@ -231,7 +230,7 @@ impl Awaiting {
             return;
         }
         let key = (stream, event_id);
-        if let Some(old) = self.by_key.insert(key.clone(), Entry { row, since: now }) {
+        if let Some(old) = self.by_key.insert(key.clone(), Entry { row }) {
             // One event id on two rows (a requeued FAILED row): the newer row
             // is the one the spool keeps; the older is forgotten here.
             self.by_row.remove(&old.row);
