@@ -50,30 +50,52 @@ impl fmt::Display for EventId {
     }
 }
 
-/// Issues [`EventId`]s for one agent process.
-#[derive(Debug)]
+/// Issues [`EventId`]s for one agent process: each id is the first 16
+/// bytes of sha256(a 256-bit key drawn from the OS when the generator is
+/// made, a counter), with the UUID version 4 and RFC 9562 variant bits set.
+///
+/// Unpredictable: an id observed on the wire says nothing about the next
+/// ones (the key never leaves the process), so no other publisher can
+/// pre-empt a board's future events. Unique: the counter never repeats
+/// under one key, and a new process draws a new key; nothing stored in the
+/// spool takes part, so a rolled-back spool cannot make an id come again.
 pub struct EventIdGen {
-    prefix: [u8; 8],
+    key: [u8; 32],
     counter: u64,
 }
 
+impl fmt::Debug for EventIdGen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The key stays out of logs.
+        f.debug_struct("EventIdGen")
+            .field("counter", &self.counter)
+            .finish_non_exhaustive()
+    }
+}
+
 impl EventIdGen {
-    /// A generator with a fresh random prefix from the OS (`getrandom(2)`).
+    /// A generator with a fresh key from the OS (`getrandom(2)`).
     ///
-    /// Errors: the OS random source failed; the agent cannot promise unique ids
-    /// without it and must not start.
+    /// Errors: the OS random source failed; the agent cannot promise
+    /// unpredictable, unique ids without it and must not start.
     pub fn new() -> Result<Self, getrandom::Error> {
-        let mut prefix = [0u8; 8];
-        getrandom::fill(&mut prefix)?;
-        Ok(EventIdGen { prefix, counter: 0 })
+        let mut key = [0u8; 32];
+        getrandom::fill(&mut key)?;
+        Ok(EventIdGen { key, counter: 0 })
     }
 
     /// The next id.
     pub fn next_id(&mut self) -> EventId {
+        use sha2::{Digest, Sha256};
         self.counter += 1;
+        let mut h = Sha256::new();
+        h.update(b"edgespool-event-v2");
+        h.update(self.key);
+        h.update(self.counter.to_be_bytes());
         let mut b = [0u8; 16];
-        b[..8].copy_from_slice(&self.prefix);
-        b[8..].copy_from_slice(&self.counter.to_be_bytes());
+        b.copy_from_slice(&h.finalize()[..16]);
+        b[6] = (b[6] & 0x0f) | 0x40;
+        b[8] = (b[8] & 0x3f) | 0x80;
         EventId(b)
     }
 }
@@ -286,19 +308,40 @@ mod tests {
     }
 
     #[test]
-    fn event_ids_from_one_generator_are_distinct_and_share_the_prefix() {
+    fn event_ids_of_one_generator_are_distinct_uuid_v4_and_follow_no_counter() {
+        // Issue 21: one observed id must not give the next ones (the old
+        // ids were a per-process prefix and a counter).
         let mut g = EventIdGen::new().unwrap();
-        let a = g.next_id();
-        let b = g.next_id();
-        assert_ne!(a, b);
-        assert_eq!(a.0[..8], b.0[..8]);
-        assert_eq!(a.to_string().len(), 36);
+        let ids: Vec<EventId> = (0..10_000).map(|_| g.next_id()).collect();
+        let mut halves = std::collections::HashSet::new();
+        for w in ids.windows(2) {
+            assert_ne!(
+                w[0].0[..8],
+                w[1].0[..8],
+                "consecutive ids share their first half"
+            );
+            assert_ne!(
+                w[0].0[8..],
+                w[1].0[8..],
+                "consecutive ids share their second half"
+            );
+        }
+        for id in &ids {
+            let s = id.to_string();
+            assert_eq!(s.len(), 36);
+            assert_eq!(&s[14..15], "4", "{s}");
+            assert!(matches!(&s[19..20], "8" | "9" | "a" | "b"), "{s}");
+            assert!(
+                halves.insert(id.0[..8].to_vec()),
+                "two ids share a first half"
+            );
+        }
     }
 
     #[test]
     fn two_generators_do_not_share_a_prefix() {
-        // A restarted process gets a new prefix, so a rolled-back counter
-        // cannot reissue an id.
+        // A restarted process draws a new key, so a rolled-back spool (or
+        // counter) cannot reissue an id.
         let a = EventIdGen::new().unwrap().next_id();
         let b = EventIdGen::new().unwrap().next_id();
         assert_ne!(a, b);
