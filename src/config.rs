@@ -91,6 +91,11 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// `[ingest]`: the local socket other programs put readings through.
     pub ingest: IngestConfig,
+    /// `[signed] serial`: the serial a signed whole config carries (1 or
+    /// more). A board accepts a signed config only with a serial above every
+    /// one it accepted before ([`crate::policy`]); in the local file it means
+    /// nothing.
+    pub signed_serial: Option<u64>,
 }
 
 impl Config {

@@ -13,8 +13,19 @@
 //!   sources' programs, handlers, the spool path, the push policy itself) is
 //!   refused, naming each key path.
 //! - `mode = "signed"`: additionally a whole config, accepted only with a
-//!   valid Ed25519 signature (RFC 8032) by one of `public_keys`; its
-//!   `[commands.config_push]` is ignored (the local file's stays in force).
+//!   valid Ed25519 signature (RFC 8032) by one of `public_keys`, only when
+//!   its `device_id` is this board's, and only with a `[signed] serial`
+//!   above every serial this board accepted before (kept in the spool, so
+//!   an older signed config cannot be replayed, nor one signed for another
+//!   board). What it may not change stays the local file's
+//!   ([`LOCAL_ONLY`]: the push policy, identity, and the paths and sockets
+//!   the agent writes or binds). While a signed config is in force an
+//!   overlay is refused (it would discard the signed config): send a
+//!   signed config instead.
+//!
+//! Pushed values are bounded tighter than the local file's
+//! ([`OVERLAY_BOUNDS`]): a push may tune the board, never make it slow to
+//! come back after an outage (an hour-long reconnect backoff) or flood it.
 //!
 //! Pure: parsing, flattening and checks, no I/O.
 
@@ -38,6 +49,81 @@ pub const OVERLAY_KEYS: &[&str] = &[
     "mqtt.ack_timeout_secs",
     "agent.summary_interval_secs",
 ];
+
+/// Bounds on the values an overlay may set (inclusive, in the key's unit),
+/// tighter than the local file's: a pushed `reconnect_min_ms =
+/// reconnect_max_ms = 3600000` with `keep_alive_secs = 3600` once kept a
+/// board away from its broker for 45-75 minutes after a broker restart.
+pub const OVERLAY_BOUNDS: &[(&str, u64, u64)] = &[
+    ("sources.*.interval_ms", 100, 86_400_000),
+    ("spool.commit_window_ms", 1, 60_000),
+    ("spool.acked_retention_secs", 60, 315_360_000),
+    ("spool.purge_batch_rows", 100, 100_000),
+    ("spool.checkpoint_interval_secs", 1, 3_600),
+    ("spool.checkpoint_wal_bytes", 65_536, 1_073_741_824),
+    ("mqtt.keep_alive_secs", 5, 600),
+    ("mqtt.connect_timeout_secs", 1, 60),
+    ("mqtt.reconnect_min_ms", 100, 60_000),
+    ("mqtt.reconnect_max_ms", 1_000, 300_000),
+    ("mqtt.ack_timeout_secs", 5, 600),
+    ("agent.summary_interval_secs", 10, 3_600),
+];
+
+/// What a signed whole config may not change: these keys keep the local
+/// file's values (the push policy itself, the board's identity, and every
+/// path or socket the agent writes or binds).
+pub const LOCAL_ONLY: &[&str] = &[
+    "commands.config_push",
+    "device_id",
+    "mqtt.client_id",
+    "mqtt.topic_prefix",
+    "spool.path",
+    "spool.allow_network_fs",
+    "metrics.textfile",
+    "metrics.listen",
+    "metrics.listen_public",
+    "ingest.socket",
+    "ingest.socket_group",
+    "ingest.socket_mode",
+    "ingest.tcp",
+    "ingest.tcp_public",
+];
+
+/// The serial of the newest signed config a board accepted (applied, kept
+/// or not), in the spool's `agent_state` table under this key: a signed
+/// config must carry a higher one.
+pub const SERIAL_STATE_KEY: &str = "config_push_serial";
+
+/// The serial of the signed config the board keeps for its next start
+/// (confirmed), under this key: a stored signed push with another serial
+/// (an older file put back in the state directory) is ignored.
+pub const KEPT_SERIAL_STATE_KEY: &str = "config_push_kept_serial";
+
+/// Check a signed whole config `pushed` (its signature already verified)
+/// against the local config and the newest serial this board accepted.
+///
+/// Errors: it is for another board (its `device_id` is not this one's), it
+/// carries no `[signed] serial`, or its serial is not above `highest`.
+pub fn check_signed(local: &Config, pushed: &Config, highest: u64) -> Result<u64, Refused> {
+    if pushed.device_id != local.device_id {
+        return Err(format!(
+            "the signed config is for device {:?}; this board is {:?}",
+            pushed.device_id, local.device_id
+        ));
+    }
+    let Some(serial) = pushed.signed_serial else {
+        return Err(
+            "a signed config must carry [signed] serial (above the last one this board accepted)"
+                .to_owned(),
+        );
+    };
+    if serial <= highest {
+        return Err(format!(
+            "signed.serial {serial} is not above {highest}, the newest this board accepted (an older or replayed config)"
+        ));
+    }
+    Ok(serial)
+}
 
 /// A push, checked and ready to apply.
 #[derive(Debug, Clone, PartialEq)]
@@ -123,7 +209,13 @@ fn overlay_sets(base: &Config, text: &str) -> Result<Vec<String>, Refused> {
                 None => refused.push(format!("{path} (no source named {source:?})")),
             },
             Some(None) => sets.push(format!("{path}={value}")),
-            None => refused.push(path),
+            None => {
+                refused.push(path);
+                continue;
+            }
+        }
+        if let Some(why) = out_of_bounds(&path, &value) {
+            refused.push(why);
         }
     }
     if refused.is_empty() {
@@ -140,6 +232,23 @@ fn overlay_sets(base: &Config, text: &str) -> Result<Vec<String>, Refused> {
         named.join(", "),
         OVERLAY_KEYS.join(", ")
     ))
+}
+
+/// Why `value` is outside [`OVERLAY_BOUNDS`] for `path`, if it is.
+fn out_of_bounds(path: &str, value: &str) -> Option<String> {
+    let pattern = if path.starts_with("sources.") {
+        "sources.*.interval_ms"
+    } else {
+        path
+    };
+    let (_, lo, hi) = OVERLAY_BOUNDS.iter().find(|(k, _, _)| *k == pattern)?;
+    match value.parse::<u64>() {
+        Ok(v) if (*lo..=*hi).contains(&v) => None,
+        _ => Some(format!(
+            "{path} = {} (a push may set {lo}..={hi})",
+            shorten(value)
+        )),
+    }
 }
 
 /// Refused keys named in one answer, at most.

@@ -71,9 +71,9 @@ pub fn save(dir: &Path, push: Option<&Stored>) -> std::io::Result<()> {
 
 /// The config a push makes of the local config: `local_text` (from
 /// `origin`) with `sets` (command-line overrides) and the push on top.
-/// A signed whole config keeps the local file's `[commands.config_push]`,
-/// `spool.path` and `spool.allow_network_fs`: the key that signs may not
-/// change who may push, nor move the state.
+/// A signed whole config keeps the local file's values of every key in
+/// [`crate::policy::LOCAL_ONLY`]: the key that signs may not change who may
+/// push, the board's identity, nor move what the agent writes or binds.
 ///
 /// Errors: the result does not validate (the message names the key).
 pub fn compose(
@@ -91,10 +91,27 @@ pub fn compose(
         Push::Signed(text) => crate::config::parse(text, "signed push", sets),
     }
     .map_err(|e| format!("config invalid: {e}"))?;
+    keep_local_only(&mut cfg, local);
+    Ok(cfg)
+}
+
+/// Put the local values of [`crate::policy::LOCAL_ONLY`] back into `cfg`.
+fn keep_local_only(cfg: &mut Config, local: &Config) {
     cfg.config_push = local.config_push.clone();
+    cfg.device_id = local.device_id.clone();
+    cfg.mqtt.client_id = local.mqtt.client_id.clone();
+    cfg.mqtt.topic_prefix = local.mqtt.topic_prefix.clone();
     cfg.spool.path = local.spool.path.clone();
     cfg.spool.allow_network_fs = local.spool.allow_network_fs;
-    Ok(cfg)
+    cfg.metrics.textfile = local.metrics.textfile.clone();
+    cfg.metrics.listen = local.metrics.listen;
+    cfg.metrics.listen_public = local.metrics.listen_public;
+    let (i, l) = (&mut cfg.ingest, &local.ingest);
+    i.socket = l.socket.clone();
+    i.socket_group = l.socket_group.clone();
+    i.socket_mode = l.socket_mode;
+    i.tcp = l.tcp;
+    i.tcp_public = l.tcp_public;
 }
 
 /// A push applied live and waiting for its connection to be confirmed.

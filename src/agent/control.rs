@@ -129,9 +129,23 @@ impl Ingest {
         }
         let (local, local_text) = self.load_local()?;
         let push = crate::policy::check(&local, text, signature.as_deref())?;
+        let serial = self.admit_push(&local, &push)?;
         let origin = self.source.path.display().to_string();
         let new = crate::push::compose(&local, &local_text, &origin, &self.source.sets, &push)
             .map_err(|e| format!("{e}; keeping the running config"))?;
+        if let Some(serial) = serial {
+            // Recorded before it applies: this serial is spent even if the
+            // push is reverted, so it can never be replayed.
+            self.spool
+                .set_state(
+                    crate::policy::SERIAL_STATE_KEY,
+                    &serial.to_string(),
+                    crate::envelope::wall_clock_ms().0,
+                )
+                .map_err(|e| {
+                    format!("cannot record the signed config's serial: {e}; keeping the running config")
+                })?;
+        }
         let stored = crate::push::Stored {
             text: text.to_owned(),
             signature,
@@ -146,6 +160,7 @@ impl Ingest {
                     dir.display()
                 )
             })?;
+            self.keep_serial(&stored);
             self.push = Some(stored);
             let mut v = self.apply_live(new);
             v["sha256"] = sha.into();
@@ -195,7 +210,11 @@ impl Ingest {
                             "config push confirmed by a new connection; kept in {}",
                             dir.display()
                         );
-                        self.push = self.pending_push.take().map(|p| p.push);
+                        let kept = self.pending_push.take().map(|p| p.push);
+                        if let Some(k) = &kept {
+                            self.keep_serial(k);
+                        }
+                        self.push = kept;
                         self.agent_event(
                             "config_push_confirmed",
                             "a new connection proved the pushed config",
@@ -216,6 +235,56 @@ impl Ingest {
             return;
         };
         self.revert_push(p.previous, &reason);
+    }
+
+    /// Whether this push may apply now: a signed config must be for this
+    /// board with a serial above every one accepted before (returned); an
+    /// overlay may not replace a signed config in force.
+    fn admit_push(
+        &self,
+        local: &Config,
+        push: &crate::policy::Push,
+    ) -> Result<Option<u64>, String> {
+        match push {
+            crate::policy::Push::Signed(text) => {
+                let pushed = crate::config::parse(text, "signed push", &self.source.sets)
+                    .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
+                let highest = self
+                    .spool
+                    .state(crate::policy::SERIAL_STATE_KEY)
+                    .map_err(|e| format!("cannot read the last signed serial: {e}"))?
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+                crate::policy::check_signed(local, &pushed, highest).map(Some)
+            }
+            crate::policy::Push::Overlay(_) => match &self.push {
+                Some(s) if s.signature.is_some() => Err(
+                    "a signed config is in force on this board: an overlay would discard it; push a signed config instead"
+                        .to_owned(),
+                ),
+                _ => Ok(None),
+            },
+        }
+    }
+
+    /// Record the serial of `kept` (a signed push kept for the next start).
+    fn keep_serial(&mut self, kept: &crate::push::Stored) {
+        if kept.signature.is_none() {
+            return;
+        }
+        let serial = crate::config::parse(&kept.text, "signed push", &self.source.sets)
+            .ok()
+            .and_then(|c| c.signed_serial);
+        if let Some(serial) = serial {
+            let now = crate::envelope::wall_clock_ms().0;
+            if let Err(e) = self.spool.set_state(
+                crate::policy::KEPT_SERIAL_STATE_KEY,
+                &serial.to_string(),
+                now,
+            ) {
+                log::error!("cannot record the kept signed config's serial ({e}); the next start runs the local config alone");
+            }
+        }
     }
 
     fn revert_push(&mut self, previous: Option<crate::push::Stored>, reason: &str) {

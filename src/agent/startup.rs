@@ -56,6 +56,7 @@ pub(super) fn with_confirmed_push(
                 &push,
             )
         });
+    let composed = composed.and_then(|cfg| kept_signed(&local, cfg, &stored));
     match composed {
         Ok(cfg) => {
             log::info!(
@@ -65,9 +66,37 @@ pub(super) fn with_confirmed_push(
             (cfg, Some(stored))
         }
         Err(e) => {
-            log::warn!("the stored config push is ignored: {e}; running the local config alone");
+            log::warn!(
+                "the stored config push {} is ignored: {e}; running the local config alone",
+                spool_dir(&local).join("config-push.toml").display()
+            );
             (local, None)
         }
+    }
+}
+
+/// `cfg` composed from `stored` when `stored` is unsigned, or signed with the
+/// serial the spool records as kept; a stored signed config with any other
+/// serial (an older file put back, one from before serials) is refused.
+fn kept_signed(
+    local: &Config,
+    cfg: Config,
+    stored: &crate::push::Stored,
+) -> Result<Config, String> {
+    if stored.signature.is_none() {
+        return Ok(cfg);
+    }
+    let kept = crate::spool::Spool::open_read_only(&local.spool.path)
+        .ok()
+        .and_then(|s| s.state(crate::policy::KEPT_SERIAL_STATE_KEY).ok().flatten())
+        .and_then(|v| v.parse::<u64>().ok());
+    match (cfg.signed_serial, kept) {
+        (Some(s), Some(k)) if s == k => Ok(cfg),
+        (s, k) => Err(format!(
+            "it is a signed config with serial {}, and the serial this board kept is {}",
+            s.map_or("none".to_owned(), |s| s.to_string()),
+            k.map_or("none".to_owned(), |k| k.to_string())
+        )),
     }
 }
 

@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `ping` | none | `{"pong":true}` |
 //! | `status` | none | spool counts, WAL size, command counts |
-//! | `set-interval` | `source`, `interval_ms` (>= 10) | changes one source's interval (not written to the config file) |
+//! | `set-interval` | `source`, `interval_ms` (100..=86400000, as a push may set: [`crate::policy::OVERLAY_BOUNDS`]) | changes one source's interval (not written to the config file) |
 //! | `flush` | none | commits the ingest buffer now |
 //! | `checkpoint` | `mode`: `passive` (default) or `truncate` | runs a WAL checkpoint, returns busy/log/checkpointed |
 //! | `requeue-failed` | optional `stream` | FAILED rows back to PENDING |
@@ -24,6 +24,10 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 use std::sync::mpsc::Sender;
 use std::time::Duration;
+
+/// The shortest interval a command may set (`sources.*.interval_ms` in
+/// [`crate::policy::OVERLAY_BOUNDS`]; the local file may go down to 10 ms).
+const MIN_PUSHED_INTERVAL_MS: f64 = 100.0;
 
 /// Where a built-in runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,8 +136,8 @@ pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &Sender<Control>) -
             let ms = args
                 .get("interval_ms")
                 .and_then(|v| v.as_f64())
-                .filter(|f| f.fract() == 0.0 && (10.0..=86_400_000.0).contains(f))
-                .ok_or("args.interval_ms: required, an integer 10..=86400000")?;
+                .filter(|f| f.fract() == 0.0 && (MIN_PUSHED_INTERVAL_MS..=86_400_000.0).contains(f))
+                .ok_or("args.interval_ms: required, an integer 100..=86400000 (a command may not make a source sample faster than every 100 ms; the local config may)")?;
             Ok(Control::SetInterval {
                 source,
                 interval: Duration::from_millis(ms as u64),

@@ -23,6 +23,14 @@ pub(super) struct RawConfig {
     pub(super) metrics: RawMetrics,
     #[serde(default)]
     pub(super) ingest: RawIngest,
+    pub(super) signed: Option<RawSigned>,
+}
+
+/// `[signed]`: what a signed whole config says of itself.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSigned {
+    pub(super) serial: u64,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -52,6 +52,10 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
     let metrics = metrics::validate_metrics(&raw.metrics, &mut bad);
     let ingest = ingest::validate_ingest(&raw.ingest, &sources, &mut bad);
     let handlers = handlers::validate_handlers(&rc.handlers, &mut bad);
+    let signed_serial = raw.signed.as_ref().map(|s| s.serial);
+    if signed_serial == Some(0) {
+        bad("signed.serial", "must be 1 or more (got 0)".to_owned());
+    }
 
     if !probs.is_empty() {
         return Err(ConfigError {
@@ -76,6 +80,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             handlers,
         },
         config_push,
+        signed_serial,
         metrics,
         ingest,
     })

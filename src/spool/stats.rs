@@ -52,6 +52,14 @@ impl Spool {
             .map_err(|e| self.err(e))
     }
 
+    /// The value recorded under `key`, if any.
+    pub fn state(&self, key: &str) -> Result<Option<String>, SpoolError> {
+        self.conn
+            .query_row(super::SQL_GET_STATE, params![key], |r| r.get(0))
+            .optional()
+            .map_err(|e| self.err(e))
+    }
+
     /// Record several pieces of agent state in one IMMEDIATE transaction.
     pub fn set_states(&mut self, states: &[(&str, String)], now_ms: i64) -> Result<(), SpoolError> {
         self.write(|tx, err| {
