@@ -128,9 +128,9 @@ fn outside(root: &Path, from: &Path, path: &str) -> bool {
     for c in rel.components().chain(Path::new(path).components()) {
         match c {
             Component::ParentDir => {
-                if depth.pop().is_none() {
+                let Some(_) = depth.pop() else {
                     return true;
-                }
+                };
             }
             Component::Normal(_) => depth.push(c),
             _ => {}
