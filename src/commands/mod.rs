@@ -13,15 +13,28 @@
 //! `command_id` and `name` are required, the rest optional (`scope` defaults
 //! to `default`). Unknown fields are rejected.
 //!
-//! Files: [`worker`] (the command thread: admission, dispatch to its lanes),
-//! [`store`] (records and result events), [`retention`] (how long records
-//! live, on the agent's monotonic clock), [`rate`] (per-scope rate limit),
-//! [`exec_handler`] (operator-declared programs), [`builtin`] (built-in
-//! handlers).
+//! Files: [`worker`] (the command thread: its loop, receipt, admission,
+//! dispatch), `inbox` (the bounded hand-off from the MQTT thread),
+//! `message` (what reaches the thread), `lanes` (where a command runs; the
+//! lane threads), `hold` (commands held back, unacknowledged), `results`
+//! (ending a command), `recovery` (commands left unfinished at start),
+//! `records` (when records are purged; the agent clock persisted), `quiet`
+//! (repeated log lines kept few), [`store`] (records and result events),
+//! [`retention`] (how long records live, on the agent's monotonic clock),
+//! [`rate`] (per-scope rate limit), [`exec_handler`] (operator-declared
+//! programs), [`builtin`] (built-in handlers).
 
 pub mod builtin;
 pub mod exec_handler;
+mod hold;
+mod inbox;
+mod lanes;
+mod message;
+mod quiet;
 pub mod rate;
+mod records;
+mod recovery;
+mod results;
 pub mod retention;
 pub mod settings;
 pub mod store;
