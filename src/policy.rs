@@ -58,7 +58,7 @@ pub const OVERLAY_BOUNDS: &[(&str, u64, u64)] = &[
     ("sources.*.interval_ms", 100, 86_400_000),
     ("spool.commit_window_ms", 1, 60_000),
     ("spool.acked_retention_secs", 60, 315_360_000),
-    ("spool.purge_batch_rows", 100, 100_000),
+    ("spool.purge_batch_rows", 1, 100_000),
     ("spool.checkpoint_interval_secs", 1, 3_600),
     ("spool.checkpoint_wal_bytes", 65_536, 1_073_741_824),
     ("mqtt.keep_alive_secs", 5, 600),
@@ -417,5 +417,72 @@ interval_ms = 1000
         let tampered = format!("{BASE}\n# more");
         assert!(check(&b, &tampered, Some(&sig)).is_err());
         assert!(check(&b, BASE, Some("zz")).is_err());
+    }
+
+    #[test]
+    fn a_signed_config_must_be_for_this_board_with_a_serial_above_the_last() {
+        let local = base("overlay", &[]);
+        let pushed = |extra: &str| {
+            crate::config::parse(&format!("{BASE}{extra}"), "signed push", &[]).unwrap()
+        };
+        assert_eq!(
+            check_signed(&local, &pushed("[signed]\nserial = 3\n"), 2),
+            Ok(3)
+        );
+        let e = check_signed(&local, &pushed("[signed]\nserial = 2\n"), 2).unwrap_err();
+        assert!(e.contains("not above 2"), "{e}");
+        let e = check_signed(&local, &pushed(""), 0).unwrap_err();
+        assert!(e.contains("[signed] serial"), "{e}");
+        let other = BASE.replace("device_id = \"d\"", "device_id = \"gw-victim\"");
+        let cfg =
+            crate::config::parse(&format!("{other}[signed]\nserial = 9\n"), "p", &[]).unwrap();
+        let e = check_signed(&local, &cfg, 0).unwrap_err();
+        assert!(
+            e.contains("for device \"gw-victim\"; this board is \"d\""),
+            "{e}"
+        );
+        let e =
+            crate::config::parse(&format!("{BASE}[signed]\nserial = 0\n"), "p", &[]).unwrap_err();
+        assert!(e.to_string().contains("signed.serial"), "{e}");
+    }
+
+    #[test]
+    fn pushed_tuning_stays_within_bounds_tighter_than_the_local_file() {
+        let b = base("overlay", &[]);
+        // An hour-long backoff and keep-alive once kept a board away for an hour.
+        let e = check(
+            &b,
+            "[mqtt]\nreconnect_min_ms = 3600000\nreconnect_max_ms = 3600000\nkeep_alive_secs = 3600\n",
+            None,
+        )
+        .unwrap_err();
+        for want in [
+            "mqtt.reconnect_min_ms = 3600000 (a push may set 100..=60000)",
+            "mqtt.reconnect_max_ms = 3600000 (a push may set 1000..=300000)",
+            "mqtt.keep_alive_secs = 3600 (a push may set 5..=600)",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        let e = check(&b, "[sources.temp]\ninterval_ms = 10\n", None).unwrap_err();
+        assert!(
+            e.contains("sources.temp.interval_ms = 10 (a push may set 100..=86400000)"),
+            "{e}"
+        );
+        let e = check(&b, "[mqtt]\nkeep_alive_secs = \"60\"\n", None).unwrap_err();
+        assert!(e.contains("keep_alive_secs"), "{e}");
+        // Within the bounds: applied.
+        assert!(check(
+            &b,
+            "[mqtt]\nreconnect_max_ms = 300000\nkeep_alive_secs = 600\n",
+            None
+        )
+        .is_ok());
+        // Every key an overlay may set has a bound.
+        for key in OVERLAY_KEYS {
+            assert!(
+                OVERLAY_BOUNDS.iter().any(|(k, _, _)| k == key),
+                "{key} has no bound"
+            );
+        }
     }
 }

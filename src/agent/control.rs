@@ -143,7 +143,9 @@ impl Ingest {
                     crate::envelope::wall_clock_ms().0,
                 )
                 .map_err(|e| {
-                    format!("cannot record the signed config's serial: {e}; keeping the running config")
+                    format!(
+                        "cannot record the signed config's serial: {e}; keeping the running config"
+                    )
                 })?;
         }
         let stored = crate::push::Stored {

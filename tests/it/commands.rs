@@ -837,7 +837,8 @@ fn a_signed_push_to_an_unreachable_broker_reverts_within_confirm_secs() {
     let mut agent = rig.spawn_ready();
     let dead = rig
         .config_text(30)
-        .replace(&rig.proxy.url(), "mqtt://127.0.0.1:9");
+        .replace(&rig.proxy.url(), "mqtt://127.0.0.1:9")
+        + "[signed]\nserial = 1\n";
     assert_ne!(dead, rig.config_text(30));
     let forged = hex(other.sign(dead.as_bytes()).as_ref());
     rig.send_json(json!({"command_id": "forged", "name": "apply-config", "args": {"config": dead, "sha256": sha(&dead), "signature": forged}}));
@@ -877,6 +878,166 @@ fn a_signed_push_to_an_unreachable_broker_reverts_within_confirm_secs() {
     assert_eq!(
         rig.wait_result("after", "result", &mut agent)["state"],
         "completed"
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// A signing key and a rig whose board accepts configs it signs.
+fn signed_rig(test: &str) -> (Rig, ring::signature::Ed25519KeyPair) {
+    use ring::signature::{Ed25519KeyPair, KeyPair};
+    let rig = Rig::new(test);
+    let rng = ring::rand::SystemRandom::new();
+    let key =
+        Ed25519KeyPair::from_pkcs8(Ed25519KeyPair::generate_pkcs8(&rng).expect("key").as_ref())
+            .expect("key");
+    let policy = format!(
+        "[commands.config_push]\nmode = \"signed\"\nconfirm_secs = 10\npublic_keys = [\"{}\"]\n",
+        hex(key.public_key().as_ref())
+    );
+    std::fs::write(&rig.cfg, format!("{}{policy}", rig.config_text(30))).expect("cfg");
+    (rig, key)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Push `text` signed by `key` as command `id`; the result event.
+fn push_signed(
+    rig: &Rig,
+    agent: &mut AgentProc,
+    key: &ring::signature::Ed25519KeyPair,
+    id: &str,
+    text: &str,
+) -> Value {
+    let sig = hex(key.sign(text.as_bytes()).as_ref());
+    rig.send_json(json!({"command_id": id, "name": "apply-config", "args": {"config": text, "sha256": sha(text), "signature": sig}}));
+    rig.wait_result(id, "result", agent)
+}
+
+/// Issue 21 (2, 9): a signed config replayed later (an older or the same
+/// serial), one signed for another board, and an unsigned overlay over a
+/// signed config in force are all refused, naming why; the serial survives a
+/// restart, and an older signed config put back in the state directory is
+/// not run at the next start.
+#[test]
+fn signed_configs_cannot_be_replayed_moved_to_another_board_or_discarded_by_an_overlay() {
+    let (rig, key) = signed_rig("signedreplay");
+    let mut agent = rig.spawn_ready();
+    // The policy the board's own file gives it, kept in every signed config.
+    let own = std::fs::read_to_string(&rig.cfg).expect("cfg");
+    let signed = |serial: u64, purge: u32| {
+        own.replace(
+            "commit_window_ms = 50",
+            &format!("commit_window_ms = 50\npurge_batch_rows = {purge}"),
+        ) + &format!("[signed]\nserial = {serial}\n")
+    };
+    let v2 = signed(2, 222);
+    let r = push_signed(&rig, &mut agent, &key, "s2", &v2);
+    assert_eq!(r["state"], "completed", "{r}");
+    assert_eq!(kept_push(&rig).as_deref(), Some(v2.as_str()));
+    let v1 = signed(1, 111);
+    for (id, text, want) in [
+        ("s1", v1.clone(), "signed.serial 1 is not above 2"),
+        ("s2-again", v2.clone(), "signed.serial 2 is not above 2"),
+        (
+            "victim",
+            signed(5, 555).replace("device_id = \"cmd-board\"", "device_id = \"gw-victim\""),
+            "the signed config is for device \"gw-victim\"; this board is \"cmd-board\"",
+        ),
+        ("noserial", own.clone(), "must carry [signed] serial"),
+    ] {
+        let r = push_signed(&rig, &mut agent, &key, id, &text);
+        assert_eq!(r["state"], "rejected", "{id}: {r}");
+        let err = r["result"]["error"].as_str().unwrap_or_default().to_owned();
+        assert!(err.contains(want), "{id}: {err}");
+    }
+    let overlay = "[spool]\npurge_batch_rows = 9\n";
+    rig.send_json(json!({"command_id": "ov", "name": "apply-config", "args": {"config": overlay, "sha256": sha(overlay)}}));
+    let r = rig.wait_result("ov", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    assert!(
+        r["result"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("a signed config is in force"),
+        "{r}"
+    );
+    assert_eq!(
+        kept_push(&rig).as_deref(),
+        Some(v2.as_str()),
+        "the overlay discarded the signed config"
+    );
+    // The serial is kept in the spool: a restart does not forget it.
+    agent.terminate(Duration::from_secs(15));
+    let mut agent = rig.spawn_ready();
+    assert!(
+        agent.log_text().contains("with the confirmed config push"),
+        "{}",
+        agent.log_tail(20)
+    );
+    let r = push_signed(&rig, &mut agent, &key, "s2-restart", &v2);
+    assert_eq!(r["state"], "rejected", "{r}");
+    agent.terminate(Duration::from_secs(15));
+    // An older signed config, validly signed, put back in the state directory.
+    std::fs::write(rig.dir.path().join("config-push.toml"), &v1).expect("plant");
+    std::fs::write(
+        rig.dir.path().join("config-push.sig"),
+        hex(key.sign(v1.as_bytes()).as_ref()),
+    )
+    .expect("plant");
+    let mut agent = rig.spawn_ready();
+    let log = agent.log_text();
+    assert!(
+        log.contains("config-push.toml is ignored")
+            && log.contains("serial 1, and the serial this board kept is 2"),
+        "{}",
+        agent.log_tail(20)
+    );
+    rig.send_json(json!({"command_id": "after", "name": "ping"}));
+    assert_eq!(
+        rig.wait_result("after", "result", &mut agent)["state"],
+        "completed"
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Issue 21 (7): pushed tuning is bounded tighter than the local file: an
+/// hour-long reconnect backoff and keep-alive, and a 10 ms sampling
+/// interval, are refused naming the bound; the connection is not touched.
+#[test]
+fn pushed_tuning_that_would_keep_the_board_away_or_flood_it_is_refused() {
+    let rig = Rig::new("pushbounds");
+    let mut agent = rig.spawn_ready();
+    let connects = agent.log_text().matches("mqtt: connected").count();
+    let away =
+        "[mqtt]\nreconnect_min_ms = 3600000\nreconnect_max_ms = 3600000\nkeep_alive_secs = 3600\n";
+    rig.send_json(json!({"command_id": "away", "name": "apply-config", "args": {"config": away, "sha256": sha(away)}}));
+    let r = rig.wait_result("away", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    let err = r["result"]["error"].as_str().unwrap_or_default().to_owned();
+    for want in [
+        "mqtt.reconnect_min_ms = 3600000 (a push may set 100..=60000)",
+        "mqtt.reconnect_max_ms = 3600000 (a push may set 1000..=300000)",
+        "mqtt.keep_alive_secs = 3600 (a push may set 5..=600)",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    rig.send_json(json!({"command_id": "fast", "name": "set-interval", "args": {"source": "system", "interval_ms": 10}}));
+    let r = rig.wait_result("fast", "result", &mut agent);
+    assert_eq!(r["state"], "rejected", "{r}");
+    assert!(
+        r["result"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("100..=86400000"),
+        "{r}"
+    );
+    assert_eq!(kept_push(&rig), None);
+    assert_eq!(
+        agent.log_text().matches("mqtt: connected").count(),
+        connects,
+        "a refused push reconnected"
     );
     agent.terminate(Duration::from_secs(15));
 }
