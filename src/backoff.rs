@@ -47,3 +47,19 @@ impl Backoff {
         self.current = self.min;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_with_bounded_jitter() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(1000));
+        let d: Vec<u128> = (0..8).map(|_| b.next_delay().as_millis()).collect();
+        assert!((75..=125).contains(&d[0]), "{d:?}");
+        assert!((150..=250).contains(&d[1]), "{d:?}");
+        assert!(d[5..].iter().all(|&x| (750..=1000).contains(&x)), "{d:?}");
+        b.reset();
+        assert!(b.next_delay().as_millis() <= 125);
+    }
+}

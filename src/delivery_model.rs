@@ -8,7 +8,7 @@
 //! requeue and retention, against a small reference model.
 //!
 //! The driver does what the MQTT thread and the delivery thread do
-//! (publisher.rs, mqtt.rs) in one thread: offer rows from the spool through
+//! (publisher.rs, mqtt/) in one thread: offer rows from the spool through
 //! the real delivery lanes ([`crate::lanes`]: stream `s0` at priority 100,
 //! the others 0, a 34% share for the lower priority, all reset at each new
 //! connection), gather stream `s1`'s rows into batches of up to three that

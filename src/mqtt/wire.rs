@@ -321,7 +321,7 @@ impl Conn {
         match self {
             Conn::V4(c) => match c.recv_timeout(wait)? {
                 Ok(e) => Ok(Ok(ev4(e))),
-                Err(e) => Ok(Err(super::failure_v4(&e, keep_alive))),
+                Err(e) => Ok(Err(failure_v4(&e, keep_alive))),
             },
             Conn::V5(c) => match c.recv_timeout(wait) {
                 Ok(Ok(e)) => Ok(Ok(ev5(e))),
@@ -500,6 +500,80 @@ fn refusal_v5(code: p5::ConnectReturnCode) -> String {
         }
         C::UseAnotherServer | C::ServerMoved => format!("the broker sent this client elsewhere: {code:?} (CONNACK); check mqtt.url"),
         other => format!("the broker refused the connection: {other:?} (CONNACK)"),
+    }
+}
+
+/// A connection error in words an operator can act on. `keep_alive` is
+/// the one this client asked for, named when a broker refuses with a code
+/// 3.1.1 does not define.
+fn classify(e: &rumqttc::ConnectionError, keep_alive: Duration) -> String {
+    use rumqttc::ConnectionError as E;
+    match e {
+        E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
+        E::ConnectionRefused(code) => refusal(*code),
+        E::NetworkTimeout => "connect timed out (broker unreachable?)".to_owned(),
+        E::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+        )) => format!("the broker sent a {n}-byte packet, over the incoming limit"),
+        E::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::InvalidConnectReturnCode(code),
+        )) => undefined_refusal(*code, keep_alive),
+        other => format!("connection error: {other}"),
+    }
+}
+
+/// A CONNACK refusal (MQTT 3.1.1 §3.2.2.3, return codes 1 to 5) in words
+/// an operator can act on. Not transient: the same config gets the same
+/// answer, so it is logged at ERROR.
+fn refusal(code: rumqttc::ConnectReturnCode) -> String {
+    use rumqttc::ConnectReturnCode as C;
+    match code {
+        C::BadUserNamePassword => "the broker refused the login: bad user name or password (CONNACK return code 4): check mqtt.username and mqtt.password_file".to_owned(),
+        C::NotAuthorized => "the broker refused the login: not authorized (CONNACK return code 5): check mqtt.username, mqtt.password_file and the broker's access rules for this client".to_owned(),
+        C::BadClientId => "the broker refused the client identifier (CONNACK return code 2): check mqtt.client_id".to_owned(),
+        C::RefusedProtocolVersion => "the broker refused protocol level 4, MQTT 3.1.1 (CONNACK return code 1)".to_owned(),
+        C::ServiceUnavailable => "the broker refused the connection: server unavailable (CONNACK return code 3)".to_owned(),
+        C::Success => "broker refused the connection with return code 0".to_owned(),
+    }
+}
+
+/// A CONNACK return code MQTT 3.1.1 does not define (§3.2.2.3 ends at 5).
+/// aedes answers 6 to a keep-alive above its `keepaliveLimit` (the MQTT 5
+/// meaning would be a refusal too), so the keep-alive is named.
+fn undefined_refusal(code: u8, keep_alive: Duration) -> String {
+    format!(
+        "the broker refused the connection with CONNACK return code {code}, which MQTT 3.1.1 does not define: \
+         some brokers (aedes) send 6 for a keep-alive above their limit; this client asks for a keep-alive of {} s \
+         (mqtt.keep_alive_secs): lower it, or check the broker's log for the cause",
+        keep_alive.as_secs()
+    )
+}
+
+/// Whether the broker answered the CONNECT and said no (a CONNACK refusal,
+/// or a return code outside 3.1.1): the same config gets the same answer.
+fn is_refusal(e: &rumqttc::ConnectionError) -> bool {
+    matches!(
+        e,
+        rumqttc::ConnectionError::ConnectionRefused(_)
+            | rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
+                rumqttc::mqttbytes::Error::InvalidConnectReturnCode(_),
+            ))
+    )
+}
+
+/// A 3.1.1 connection error as a [`Failure`].
+fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> Failure {
+    let oversize = match e {
+        rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+        )) => Some(*n),
+        _ => None,
+    };
+    Failure {
+        reason: classify(e, keep_alive),
+        refused: is_refusal(e),
+        oversize,
+        closed_by_peer: false,
     }
 }
 

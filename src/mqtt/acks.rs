@@ -1,0 +1,214 @@
+//! What the MQTT thread does with each acknowledgement the broker sends:
+//! CONNACK (size the window, subscribe to commands, announce the status,
+//! submit what is ready), PUBACK (retire what it acknowledges, refill the
+//! window), a refusing PUBACK (MQTT 5) and SUBACK.
+//!
+//! Its one rule: a PUBACK retires only what the ack map matched to its
+//! packet id on this connection; a PUBACK the map cannot match ends the
+//! connection (the map is dropped and the rows replayed), never a guess.
+
+use super::facts::SUB_RETRY_MIN;
+use super::handoff::DeliveryMsg;
+use super::settings::Protocol;
+use super::shared::lock;
+use super::status::{announce_online, STATUS_ROW};
+use super::thread::{ConnMode, MqttThread};
+use super::wire::{Granted, PubAckRefusal};
+use crate::backoff::Backoff;
+use rumqttc::QoS;
+use std::time::Instant;
+
+impl MqttThread {
+    /// CONNACK: subscribe to commands (unless the broker closes connections
+    /// on that), announce the retained status, submit what is ready.
+    /// Errors: why this connection must end.
+    pub(super) fn on_connack(&self, session_present: bool, granted: Granted) -> Result<(), String> {
+        if self.mode.get() == ConnMode::Discard {
+            // Messages published before the persistent session
+            // is back are not queued for us: be quick.
+            self.reconnect_now.set(true);
+            return Err("broker session discarded to drop an oversized packet; \
+                    reconnecting with a persistent session"
+                .into());
+        }
+        {
+            let mut s = lock(&self.shared);
+            s.connected = true;
+            s.connacks += 1;
+            s.conn.since = Instant::now();
+            s.conn.connacked_at = Some(Instant::now());
+            s.granted = granted;
+            // The broker's Receive Maximum bounds the window (MQTT 5
+            // §3.3.4: a client must not exceed it); rumqttc holds back
+            // whatever goes over, which would stall our watchdog's clock.
+            let window = granted.receive_max.map_or(self.cfg.inflight_window, |m| {
+                self.cfg.inflight_window.min(m.max(1) as usize)
+            });
+            s.window = if s.window == 1 { 1 } else { window };
+            s.full_window = window;
+            let skip = s.conn.skip_sub_until.is_some_and(|t| Instant::now() < t);
+            // Subscribe before any publish of this fresh client
+            // (rumqttc does not re-subscribe by itself), so the
+            // subscribe's packet id is never one a publish holds.
+            // Telemetry never waits on it: see `account_end`.
+            if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
+                if let Err(e) = client.try_subscribe(&c.topic, QoS::AtLeastOnce) {
+                    return Err(format!("cannot subscribe to {}: {e}", c.topic));
+                }
+                s.conn.awaiting_suback = true;
+            }
+            if self.cfg.status_topic {
+                announce_online(&mut s, &self.cfg);
+            }
+            s.pump();
+        }
+        let limits = match self.cfg.protocol {
+            Protocol::V311 => ", MQTT 3.1.1".to_owned(),
+            Protocol::V5 => format!(
+                ", MQTT 5, receive maximum {}, maximum packet size {}",
+                granted
+                    .receive_max
+                    .map_or("not set".to_owned(), |m| m.to_string()),
+                granted
+                    .max_packet
+                    .map_or("not set".to_owned(), |m| format!("{m} bytes")),
+            ),
+        };
+        log::info!(
+            "mqtt: connected to {}:{} (session_present={session_present}, keep_alive={} s{limits})",
+            self.cfg.host,
+            self.cfg.port,
+            // MQTT 3.1.1 has no server keep-alive (§3.1.2.10): this is the
+            // one in force, whatever the broker's own maximum; an MQTT 5
+            // broker may impose its own (Server Keep Alive, §3.2.2.3.14).
+            granted
+                .keep_alive
+                .map_or(self.cfg.keep_alive.as_secs(), u64::from)
+        );
+        let _ = self
+            .to_delivery
+            .send(DeliveryMsg::Connected { session_present });
+        Ok(())
+    }
+
+    /// PUBACK: the row it acknowledges is retired (through the delivery
+    /// thread); the window refills from here. Errors: an inconsistency that
+    /// ends the connection (the map is dropped, rows replayed).
+    pub(super) fn on_puback(
+        &self,
+        pkid: u16,
+        refused: Option<PubAckRefusal>,
+        backoff: &mut Backoff,
+    ) -> Result<(), String> {
+        if let Some(r) = refused {
+            return self.on_refused_puback(pkid, r);
+        }
+        let notify = {
+            let mut s = lock(&self.shared);
+            let sent = s
+                .sent_at
+                .iter()
+                .position(|(p, _)| *p == pkid)
+                .and_then(|i| s.sent_at.remove(i))
+                .map(|(_, t)| t.elapsed());
+            match s.ack.on_puback(pkid) {
+                Ok(STATUS_ROW) => {
+                    s.pump();
+                    false
+                }
+                Ok(row) => {
+                    if !s.conn.had_puback {
+                        // Backoff resets only once a connection
+                        // has carried data (or lived a keep-alive).
+                        s.conn.had_puback = true;
+                        backoff.reset();
+                    }
+                    let rows = s.members(row);
+                    s.acked.extend(rows);
+                    if let Some(d) = sent {
+                        s.puback_latency.observe(d);
+                    }
+                    s.progress_at = if s.ack.is_empty() {
+                        None
+                    } else {
+                        Some(Instant::now())
+                    };
+                    // Refill the window from here: no thread hop per PUBACK.
+                    s.pump();
+                    let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;
+                    let first = !s.notified;
+                    if wanted && first {
+                        s.notified = true;
+                    }
+                    wanted && first
+                }
+                Err(e) => return Err(format!("ack correlation: {e}")),
+            }
+        };
+        if notify {
+            let _ = self.to_delivery.send(DeliveryMsg::Progress);
+        }
+        Ok(())
+    }
+
+    /// A PUBACK with a reason code of 0x80 or more (MQTT 5.0 §3.4.2.1): the
+    /// row is not delivered. A refusal about the moment (quota exceeded,
+    /// packet id in use) ends the connection, so the row is sent again
+    /// after the backoff; any other goes to the delivery thread to be
+    /// marked FAILED with its reason, and the rows behind it flow.
+    /// Errors: why the connection must end.
+    fn on_refused_puback(&self, pkid: u16, r: PubAckRefusal) -> Result<(), String> {
+        let notify = {
+            let mut s = lock(&self.shared);
+            s.sent_at.retain(|(p, _)| *p != pkid);
+            let row = match s.ack.on_puback(pkid) {
+                Ok(row) => row,
+                Err(e) => return Err(format!("ack correlation: {e}")),
+            };
+            if r.transient() {
+                return Err(format!("{r}; sending it again after the backoff"));
+            }
+            s.pump();
+            if row == STATUS_ROW {
+                log::warn!("mqtt: the retained online status was refused: {r}");
+                return Ok(());
+            }
+            for row in s.members(row) {
+                s.refused.push((row, r));
+            }
+            let first = !s.notified;
+            s.notified = true;
+            first
+        };
+        if notify {
+            let _ = self.to_delivery.send(DeliveryMsg::Progress);
+        }
+        Ok(())
+    }
+
+    /// SUBACK of the command subscription: granted, or refused by the broker
+    /// (return code 0x80, MQTT 3.1.1 §3.9.3; mosquitto answers so when its
+    /// ACL denies the subscription). Telemetry never waits on it.
+    pub(super) fn on_suback(&self, refused: Option<String>) {
+        if let Some(code) = refused {
+            let topic = self.commands.as_ref().map_or("", |c| c.topic.as_str());
+            let mut s = lock(&self.shared);
+            s.conn.awaiting_suback = false;
+            if s.conn.commands_unavailable.is_none() {
+                log::error!("mqtt: the broker refused the command subscription to {topic} ({code}); commands will not arrive, telemetry keeps flowing: check the broker's ACL for this client");
+            }
+            s.conn.commands_unavailable = Some(format!(
+                "the broker refused the subscription to {topic} ({code}): check its ACL"
+            ));
+        } else {
+            let mut s = lock(&self.shared);
+            s.subacks += 1;
+            s.conn.awaiting_suback = false;
+            s.conn.sub_kills = 0;
+            s.conn.sub_retry = SUB_RETRY_MIN;
+            s.conn.commands_unavailable = None;
+            drop(s);
+            log::info!("mqtt: subscribed to commands");
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Polling one connection ([`MqttThread::drive`]): wait for the next event
+//! no longer than the watchdog allows, hand each event to its handler, and
+//! end the connection when it fails, when new settings or a redelivery ask
+//! for a fresh one, or when the watchdog expires.
+//!
+//! Its one rule: the poll is the thread's only clock (no timer thread).
+//! The wait is cut to the watchdog's deadline while rows are in flight, and
+//! a connection ends by returning its reason: the bookkeeping of the end is
+//! the caller's (`MqttThread::lose`), never done here.
+
+use super::link::Link;
+use super::settings::Protocol;
+use super::shared::{lock, SENT_AT_MAX};
+use super::thread::MqttThread;
+use super::wire::{Conn, Ev, Failure};
+use crate::backoff::Backoff;
+use rumqttc::RecvTimeoutError;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Longest poll while connected with nothing in flight (rumqttc sends its
+/// keep-alive pings from inside the poll, so this is only a safety net).
+const IDLE_WAIT: Duration = Duration::from_secs(30);
+
+impl MqttThread {
+    /// Poll one connection until it fails; returns why.
+    pub(super) fn drive(&self, connection: &mut Conn, backoff: &mut Backoff) -> String {
+        // Long enough to never cancel a connect attempt (rumqttc's poll is
+        // cancelled by the timeout), short enough to see the stop flag.
+        let connect_wait = self.cfg.connect_timeout + Duration::from_secs(2);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return "agent stopping".into();
+            }
+            // Event-driven: the poll wakes for packets, for requests the
+            // delivery thread submits, for rumqttc's own keep-alive pings and
+            // for the DISCONNECT that stop/reconfigure send; our only timer
+            // is the watchdog's deadline while rows are in flight.
+            let wait = {
+                let s = lock(&self.shared);
+                match s.progress_at.filter(|_| s.connected && !s.ack.is_empty()) {
+                    _ if !s.connected => connect_wait,
+                    Some(t) => self
+                        .cfg
+                        .ack_timeout
+                        .saturating_sub(t.elapsed())
+                        .max(Duration::from_millis(50)),
+                    None => IDLE_WAIT,
+                }
+            };
+            let event = connection.recv_timeout(wait, self.cfg.keep_alive);
+            if self.stop.load(Ordering::Relaxed) {
+                // Whatever woke us (the offline status, a DISCONNECT): stop
+                // without matching it to rows.
+                return "agent stopping".into();
+            }
+            match event {
+                Ok(Ok(Ev::ConnAck {
+                    session_present,
+                    granted,
+                })) => {
+                    if let Err(why) = self.on_connack(session_present, granted) {
+                        return why;
+                    }
+                }
+                Ok(Ok(Ev::OutgoingPublish(pkid))) => {
+                    let mut s = lock(&self.shared);
+                    if let Err(e) = s.ack.on_outgoing_publish(pkid) {
+                        return format!("ack correlation: {e}");
+                    }
+                    s.sent_at.retain(|(p, _)| *p != pkid);
+                    if s.sent_at.len() >= SENT_AT_MAX {
+                        s.sent_at.pop_front();
+                    }
+                    s.sent_at.push_back((pkid, Instant::now()));
+                }
+                Ok(Ok(Ev::PubAck { pkid, refused })) => {
+                    if let Err(why) = self.on_puback(pkid, refused, backoff) {
+                        return why;
+                    }
+                }
+                Ok(Ok(Ev::Publish(p))) => match &self.commands {
+                    Some(c) if p.topic == *c.topic => {
+                        let epoch = lock(&self.shared).epoch;
+                        (c.sink)(epoch, p);
+                    }
+                    _ => {
+                        // Not ours: acknowledge so the broker does not resend it.
+                        let epoch = lock(&self.shared).epoch;
+                        Link {
+                            shared: self.shared.clone(),
+                            wake: self.wake.clone(),
+                        }
+                        .ack(epoch, &p);
+                    }
+                },
+                Ok(Ok(Ev::SubAck { refused })) => self.on_suback(refused),
+                Ok(Ok(Ev::Other(ev))) => log::trace!("mqtt: {ev}"),
+                Ok(Err(f)) => return self.on_failure(f),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
+            }
+            if let Some(why) = self.why_end() {
+                return why;
+            }
+        }
+    }
+
+    /// After each event: why this connection must end now, if it must (new
+    /// settings, a redelivery asked for, or the watchdog).
+    fn why_end(&self) -> Option<String> {
+        if lock(&self.shared).reconfigure.is_some() {
+            return Some("configuration changed; reconnecting with the new settings".into());
+        }
+        if std::mem::take(&mut lock(&self.shared).redeliver) {
+            self.reconnect_now.set(true);
+            return Some("reconnecting so the broker redelivers the commands held back".into());
+        }
+        // Watchdog: connected, rows waiting, no acknowledgement for too
+        // long (rumqtt issues 1014/1056: a stall that looks healthy).
+        let stalled = {
+            let s = lock(&self.shared);
+            s.connected
+                && !s.ack.is_empty()
+                && s.progress_at
+                    .is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
+        };
+        stalled.then(|| {
+            format!(
+                "watchdog: no PUBACK for {} s with rows in flight; rebuilding the client",
+                self.cfg.ack_timeout.as_secs()
+            )
+        })
+    }
+
+    /// The connection failed: note what the next connection must know (a
+    /// refusal, an oversized packet) and return why, in an operator's words.
+    fn on_failure(&self, mut f: Failure) -> String {
+        let connected = {
+            let mut s = lock(&self.shared);
+            s.conn.peer_closed = true;
+            s.connected
+        };
+        if f.closed_by_peer && !connected && self.cfg.protocol == Protocol::V5 {
+            // No CONNACK: what a broker that does not speak
+            // MQTT 5 does with a level-5 CONNECT (aedes 1.2).
+            f.reason = "the broker closed the connection without answering the MQTT 5 CONNECT: a broker that does not speak MQTT 5 does this; if so, set mqtt.protocol = \"3.1.1\" (otherwise see the broker's log)".to_owned();
+            f.refused = true;
+        }
+        self.refused.set(f.refused);
+        if f.oversize.is_some() {
+            self.oversize.set(f.oversize);
+        }
+        f.reason
+    }
+}

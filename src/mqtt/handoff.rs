@@ -1,0 +1,82 @@
+//! What crosses between the MQTT thread and the threads it serves: the
+//! messages to the delivery thread ([`DeliveryMsg`]), the rows it offers
+//! ([`Ready`]), why an offer is refused ([`NotNow`]), and the command
+//! subscription the command thread hands in ([`CommandSub`]).
+//!
+//! Its one rule: these are plain values owned by whoever holds them; nothing
+//! here locks, blocks or reaches the network, so either side may pass them
+//! at any moment (the MQTT thread sends a [`DeliveryMsg`] without ever
+//! waiting on the delivery thread).
+
+use std::sync::Arc;
+
+/// Messages to the delivery thread.
+#[derive(Debug)]
+pub enum DeliveryMsg {
+    /// Acknowledgements or submissions are waiting in [`super::Link::take_progress`],
+    /// or the ready queue is running low.
+    Progress,
+    /// The connection was dropped or rebuilt: these rows are no longer in
+    /// flight and none was retired. From now on, offers must carry `epoch`.
+    Lost {
+        /// The new epoch.
+        epoch: u64,
+        /// Rows that were in flight.
+        rows: Vec<i64>,
+        /// Why (for the log).
+        reason: String,
+        /// The connection ended within a keep-alive of its CONNACK without
+        /// carrying a PUBACK (what a broker refusing a publish looks like).
+        quick: bool,
+    },
+    /// CONNACK accepted.
+    Connected {
+        /// The broker's `session_present` flag (MQTT 3.1.1 §3.2.2.2).
+        session_present: bool,
+    },
+    /// New rows were committed to the spool.
+    NewRows,
+    /// FAILED rows were requeued (appended again) by `requeue-failed`: an
+    /// operator retries them, so a packet limit learned from a dropped
+    /// connection is forgotten.
+    Requeued,
+    /// The agent is stopping: look at the stop flag now.
+    Stop,
+}
+
+/// A row read from the spool, ready to publish.
+#[derive(Debug, Clone)]
+pub struct Ready {
+    /// Spool row id.
+    pub row: i64,
+    /// `<topic_prefix>/events/<stream>`.
+    pub topic: Arc<str>,
+    /// The stored payload bytes.
+    pub payload: Vec<u8>,
+    /// The row's event id, sent as the `event_id` user property under MQTT 5
+    /// (empty for a batch: its events carry their own ids).
+    pub event_id: String,
+    /// A batch ([`crate::batching`]): every row it carries, `row` first, in
+    /// row-id order; one PUBACK retires them all. Empty for a single row.
+    pub members: Vec<i64>,
+}
+
+/// Why an offer was refused. The rows stay in the spool and are read again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotNow {
+    /// The caller's epoch is stale: process the pending [`DeliveryMsg::Lost`] first.
+    StaleEpoch,
+}
+
+/// Where PUBLISHes on the command topic go: `(connection epoch, publish)`.
+pub type CommandSink = Box<dyn Fn(u64, rumqttc::Publish) + Send>;
+
+/// The command subscription.
+pub struct CommandSub {
+    /// `<topic_prefix>/commands`.
+    pub topic: String,
+    /// `commands.max_payload_bytes`: sets the incoming packet limit.
+    pub max_payload_bytes: usize,
+    /// Where its messages go.
+    pub sink: CommandSink,
+}

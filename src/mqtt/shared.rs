@@ -1,0 +1,147 @@
+//! The state the MQTT thread shares with the delivery thread ([`Shared`])
+//! behind one mutex, and the pump that moves offered rows into the window.
+//!
+//! Its one rule: the lock is held for bookkeeping only — no I/O, no SQLite,
+//! no waiting under it — and the pump enters each row in the ack FIFO before
+//! its request can reach the event loop, under that same lock, so the FIFO's
+//! order and the request channel's order stay equal.
+
+use super::facts::ConnState;
+use super::handoff::Ready;
+use super::settings::MqttConfig;
+use super::wire::{Client, Granted, PubAckRefusal};
+use crate::ack::{AckMap, MAX_WINDOW};
+use crate::metrics::Histogram;
+use rumqttc::QoS;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+/// State shared by the MQTT thread and the delivery thread; locked only for
+/// non-blocking operations (no I/O, no SQLite under this lock).
+pub struct Shared {
+    pub(super) ack: AckMap<i64>,
+    pub(super) client: Option<Client>,
+    pub(super) connected: bool,
+    pub(super) epoch: u64,
+    pub(super) window: usize,
+    /// `mqtt.inflight_window`; `window` is 1 while delivery probes.
+    pub(super) full_window: usize,
+    /// Rows offered by the delivery thread, oldest first, not yet submitted.
+    pub(super) ready: VecDeque<Ready>,
+    /// Rows submitted since the delivery thread last looked (to mark SENT).
+    pub(super) submitted: Vec<i64>,
+    /// Rows whose PUBACK arrived since the delivery thread last looked.
+    pub(super) acked: Vec<i64>,
+    /// A [`super::DeliveryMsg::Progress`] is already on its way.
+    pub(super) notified: bool,
+    /// When the oldest unanswered publish was submitted, or the last PUBACK arrived.
+    pub(super) progress_at: Option<Instant>,
+    /// New connection settings to apply with one reconnect.
+    pub(super) reconfigure: Option<MqttConfig>,
+    /// Rebuild the connection now so the broker redelivers the commands
+    /// left unacknowledged while the command thread had no room.
+    pub(super) redeliver: bool,
+    /// CONNACKs accepted and command SUBACKs granted since start (a pushed
+    /// config that changes the connection is confirmed by new ones).
+    pub(super) connacks: u64,
+    pub(super) subacks: u64,
+    /// What health needs to know about the connection.
+    pub(super) conn: ConnState,
+    /// `<topic_prefix>/status` and what the agent last told for it, when
+    /// `mqtt.status_topic` is on.
+    pub(super) status: Option<(String, serde_json::Value)>,
+    /// When each packet id in flight left (`Outgoing::Publish`), for the
+    /// PUBACK latency; at most [`SENT_AT_MAX`] entries, cleared with the map.
+    pub(super) sent_at: VecDeque<(u16, Instant)>,
+    /// Time from a publish leaving to its PUBACK, rows only (this run).
+    pub(super) puback_latency: Histogram,
+    /// The online status was found over `mqtt.max_packet_bytes` (warned once).
+    pub(super) status_too_large_logged: bool,
+    /// What this connection's CONNACK granted (MQTT 5).
+    pub(super) granted: Granted,
+    /// Rows whose PUBACK refused them (MQTT 5 reason code 0x80 or more, not
+    /// transient), for the delivery thread to mark FAILED.
+    pub(super) refused: Vec<(i64, PubAckRefusal)>,
+    /// The rows of each batch submitted on this connection, by its first
+    /// row (the handle in the ack map); cleared with the map.
+    pub(super) batches: HashMap<i64, Vec<i64>>,
+}
+
+/// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
+/// is only ever dropped for a packet id that will get no PUBACK.
+pub(super) const SENT_AT_MAX: usize = 2 * MAX_WINDOW;
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("in_flight", &self.ack.len())
+            .field("ready", &self.ready.len())
+            .field("connected", &self.connected)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+impl Shared {
+    /// Submit ready rows while connected and the window has room, in order.
+    /// Each row enters the ack FIFO before its request can reach the event
+    /// loop; the lock held by the caller keeps FIFO and channel order equal.
+    pub(super) fn pump(&mut self) {
+        if !self.connected {
+            return;
+        }
+        let Some(client) = self.client.clone() else {
+            return;
+        };
+        while self.ack.len() < self.window {
+            let Some(r) = self.ready.front() else {
+                return;
+            };
+            if self.ack.submitted(r.row).is_err() {
+                return;
+            }
+            let event_id = (!r.event_id.is_empty()).then_some(r.event_id.as_str());
+            match client.try_publish(
+                &r.topic,
+                QoS::AtLeastOnce,
+                false,
+                r.payload.clone(),
+                event_id,
+            ) {
+                Ok(()) => {
+                    if self.progress_at.is_none() {
+                        // The watchdog's clock starts with the first row in
+                        // flight (the status publish may be ahead of it).
+                        self.progress_at = Some(Instant::now());
+                    }
+                    if r.members.is_empty() {
+                        self.submitted.push(r.row);
+                    } else {
+                        self.submitted.extend_from_slice(&r.members);
+                        self.batches.insert(r.row, r.members.clone());
+                    }
+                    self.ready.pop_front();
+                }
+                Err(_) => {
+                    // Channel full: it never entered rumqttc; try again later.
+                    self.ack.submit_failed();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The rows `row` stands for: a batch's members (forgotten here), else
+    /// the row itself.
+    pub(super) fn members(&mut self, row: i64) -> Vec<i64> {
+        self.batches.remove(&row).unwrap_or_else(|| vec![row])
+    }
+}
+
+/// The shared state, locked (poisoning is ignored: see the comment inside).
+pub(super) fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    // A panic elsewhere aborts the process (panic = "abort"), so a poisoned
+    // lock only occurs in tests; the data is still consistent there.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,320 @@
+//! The MQTT thread's body ([`MqttThread`]) and its constructor ([`new`]):
+//! one connection after another. Choose how to connect, read the setup,
+//! drive the connection until it ends, hand every row it had in flight back,
+//! wait out the backoff, and again.
+//!
+//! Its one rule: a connection ends in one place (`lose`), whatever ended it:
+//! the epoch moves on, the ack map is dropped and every row it held goes
+//! back to the delivery thread as replay-eligible; no packet id outlives
+//! the connection it was given on.
+
+use super::facts::{ConnState, SUB_RETRY_MAX};
+use super::handoff::{CommandSub, DeliveryMsg};
+use super::link::Link;
+use super::packet::{drain_limit, incoming_limit, INCOMING_WITHOUT_COMMANDS};
+use super::settings::MqttConfig;
+use super::setup::setup;
+use super::shared::{lock, Shared};
+use super::status::status_topic;
+use super::wire::{self, Granted};
+use crate::ack::AckMap;
+use crate::backoff::Backoff;
+use crate::metrics::Histogram;
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How a connection is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ConnMode {
+    /// The configured settings and the normal incoming limit.
+    Normal,
+    /// A larger incoming limit, once, to take an oversized packet the broker
+    /// keeps resending so it can be rejected and acknowledged.
+    Drain,
+    /// A clean session, once, closed right after CONNACK: drops a packet
+    /// too large to take at all, with everything else the broker queued.
+    Discard,
+}
+
+/// The connection thread's body.
+pub struct MqttThread {
+    pub(super) cfg: MqttConfig,
+    /// Command subscription; `None` when commands are off.
+    pub(super) commands: Option<CommandSub>,
+    /// Incoming packet limit of a normal connection.
+    pub(super) incoming_limit: usize,
+    /// Size of a packet that exceeded the last connection's limit.
+    pub(super) oversize: Cell<Option<usize>>,
+    /// The current connection's mode.
+    pub(super) mode: Cell<ConnMode>,
+    /// Reconnect without the backoff delay (a redelivery was asked for).
+    pub(super) reconnect_now: Cell<bool>,
+    /// The last attempt ended with a CONNACK refusal (logged at ERROR).
+    pub(super) refused: Cell<bool>,
+    /// Last disconnect reason and when it was logged (repeats are rate-limited).
+    pub(super) last_reason: Mutex<Option<(String, Instant)>>,
+    pub(super) shared: Arc<Mutex<Shared>>,
+    pub(super) wake: Arc<Condvar>,
+    pub(super) to_delivery: Sender<DeliveryMsg>,
+    pub(super) stop: Arc<AtomicBool>,
+}
+
+/// Create the shared state and the thread body. Run [`MqttThread::run`] on
+/// its own thread; give the [`Link`] to the delivery thread.
+pub fn new(
+    cfg: MqttConfig,
+    to_delivery: Sender<DeliveryMsg>,
+    stop: Arc<AtomicBool>,
+    commands: Option<CommandSub>,
+) -> (Link, MqttThread) {
+    let shared = Arc::new(Mutex::new(Shared {
+        ack: AckMap::new(),
+        client: None,
+        connected: false,
+        epoch: 0,
+        window: cfg.inflight_window,
+        full_window: cfg.inflight_window,
+        ready: VecDeque::new(),
+        submitted: Vec::new(),
+        acked: Vec::new(),
+        notified: false,
+        progress_at: None,
+        reconfigure: None,
+        connacks: 0,
+        subacks: 0,
+        conn: ConnState::new(),
+        status: cfg
+            .status_topic
+            .then(|| (status_topic(&cfg), serde_json::json!({}))),
+        redeliver: false,
+        sent_at: VecDeque::new(),
+        puback_latency: Histogram::new(),
+        status_too_large_logged: false,
+        granted: Granted::default(),
+        refused: Vec::new(),
+        batches: HashMap::new(),
+    }));
+    let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
+        incoming_limit(&c.topic, c.max_payload_bytes)
+    });
+    let wake = Arc::new(Condvar::new());
+    (
+        Link {
+            shared: shared.clone(),
+            wake: wake.clone(),
+        },
+        MqttThread {
+            cfg,
+            commands,
+            incoming_limit,
+            oversize: Cell::new(None),
+            mode: Cell::new(ConnMode::Normal),
+            reconnect_now: Cell::new(false),
+            refused: Cell::new(false),
+            last_reason: Mutex::new(None),
+            shared,
+            wake,
+            to_delivery,
+            stop,
+        },
+    )
+}
+
+impl MqttThread {
+    /// Drive connections until the stop flag is set.
+    pub fn run(mut self) {
+        // rumqttc's rustls needs a process-wide crypto provider: ring (see
+        // Cargo.toml). An error means one is installed already, which is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut backoff = Backoff::new(self.cfg.reconnect_min, self.cfg.reconnect_max);
+        let mut first = true;
+        while !self.stop.load(Ordering::Relaxed) {
+            let new_cfg = lock(&self.shared).reconfigure.take();
+            if let Some(c) = new_cfg {
+                backoff = Backoff::new(c.reconnect_min, c.reconnect_max);
+                self.cfg = c;
+                first = true; // reconnect at once with the new settings
+            }
+            if !first {
+                let delay = backoff.next_delay();
+                log::debug!("mqtt: reconnecting in {} ms", delay.as_millis());
+                self.sleep(delay);
+                if self.stop.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+            first = false;
+            let mode = self.next_mode();
+            self.mode.set(mode);
+            let limit = match mode {
+                ConnMode::Drain => drain_limit(self.incoming_limit),
+                ConnMode::Normal | ConnMode::Discard => self.incoming_limit,
+            };
+            let setup = match setup(&self.cfg, limit, mode == ConnMode::Discard) {
+                Ok(o) => o,
+                Err(e) => {
+                    self.lose(&e);
+                    continue;
+                }
+            };
+            let (client, mut connection) = wire::connect(&self.cfg, setup);
+            lock(&self.shared).client = Some(client.clone());
+            let reason = self.drive(&mut connection, &mut backoff);
+            let lived = lock(&self.shared)
+                .conn
+                .connacked_at
+                .is_some_and(|t| t.elapsed() >= self.cfg.keep_alive);
+            if lived {
+                // Up for a keep-alive: a healthy connection that ended.
+                backoff.reset();
+            }
+            client.try_disconnect();
+            self.lose(&reason);
+            if self.reconnect_now.take() {
+                first = true;
+            }
+        }
+        let _ = lock(&self.shared).client.take();
+    }
+
+    /// How to make the next connection, after what ended the last one.
+    fn next_mode(&self) -> ConnMode {
+        let Some(n) = self.oversize.take() else {
+            return ConnMode::Normal;
+        };
+        let drain = drain_limit(self.incoming_limit);
+        if n <= drain {
+            log::warn!(
+                "mqtt: the broker sent a {n}-byte packet, over the incoming limit of {} bytes \
+                 (commands.max_payload_bytes plus topic and header); taking it on one connection \
+                 with a {drain}-byte limit so it is rejected and acknowledged, not resent forever",
+                self.incoming_limit
+            );
+            ConnMode::Drain
+        } else if self.cfg.clean_session {
+            // A clean session drops it at every disconnect already.
+            ConnMode::Normal
+        } else {
+            log::error!(
+                "mqtt: the broker sent a {n}-byte packet, larger than this agent takes at all \
+                 ({drain} bytes); discarding the broker session once (clean session) to drop it: \
+                 commands queued at the broker for this board are lost. If it is a retained \
+                 command, clear it (an empty retained message) or set the broker's message size limit"
+            );
+            ConnMode::Discard
+        }
+    }
+
+    /// Sleep `d`, or less if [`Link::stop`] or [`Link::reconfigure`] wakes us.
+    fn sleep(&self, d: Duration) {
+        let until = Instant::now() + d;
+        let mut s = lock(&self.shared);
+        while !self.stop.load(Ordering::Relaxed) && s.reconfigure.is_none() {
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            s = self
+                .wake
+                .wait_timeout(s, until - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// Drop the connection's bookkeeping; every row in flight becomes replay-eligible.
+    fn lose(&self, reason: &str) {
+        let (epoch, rows, quick) = {
+            let mut s = lock(&self.shared);
+            let quick = self.account_end(&mut s, reason);
+            s.connected = false;
+            s.client = None;
+            s.epoch += 1;
+            s.progress_at = None;
+            s.sent_at.clear();
+            s.ready.clear();
+            // A new session redelivers by itself.
+            s.redeliver = false;
+            let handles: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
+            let rows: Vec<i64> = handles.into_iter().flat_map(|r| s.members(r)).collect();
+            s.batches.clear();
+            (s.epoch, rows, quick)
+        };
+        let repeat = {
+            let mut last = self.last_reason.lock().unwrap_or_else(|p| p.into_inner());
+            let same = last
+                .as_ref()
+                .is_some_and(|(r, t)| r == reason && t.elapsed() < Duration::from_secs(60));
+            if !same {
+                *last = Some((reason.to_owned(), Instant::now()));
+            }
+            same
+        };
+        let refused = self.refused.take();
+        if rows.is_empty() && repeat {
+            // The same failure again within a minute: no new information.
+            log::debug!("mqtt: disconnected: {reason}");
+        } else if refused {
+            // The broker answered and said no: retrying will not change
+            // that until the broker or this config does.
+            log::error!("mqtt: {reason}; retrying with backoff");
+        } else if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
+            // At a clean stop the rows in flight simply stay SENT for the next run.
+            log::info!(
+                "mqtt: disconnected: {reason} ({} rows in flight stay unacknowledged)",
+                rows.len()
+            );
+        } else {
+            log::warn!("mqtt: disconnected: {reason}; requeued {} unacknowledged rows for replay from the spool", rows.len());
+        }
+        let _ = self.to_delivery.send(DeliveryMsg::Lost {
+            epoch,
+            rows,
+            reason: reason.to_owned(),
+            quick,
+        });
+    }
+
+    /// Bookkeeping when a connection ends (or an attempt fails): backoff,
+    /// quick drops, and a command subscription the broker will not take.
+    fn account_end(&self, s: &mut Shared, reason: &str) -> bool {
+        let keep_alive = self.cfg.keep_alive;
+        let c = &mut s.conn;
+        if s.connected {
+            c.since = Instant::now();
+        }
+        c.last_error = Some(reason.to_owned());
+        let Some(at) = c.connacked_at.take() else {
+            return false;
+        };
+        let short = at.elapsed() < keep_alive;
+        let quick = short && !c.had_puback && std::mem::take(&mut c.peer_closed);
+        if quick {
+            c.quick_drops += 1;
+        } else {
+            c.quick_drops = 0;
+        }
+        if c.awaiting_suback && short && !self.stop.load(Ordering::Relaxed) {
+            c.sub_kills += 1;
+            if c.sub_kills >= 2 {
+                c.skip_sub_until = Some(Instant::now() + c.sub_retry);
+                let msg = format!(
+                    "the broker closed the connection on the command subscription {} times in a row (ACL?); connecting without it, trying again in {} min",
+                    c.sub_kills,
+                    c.sub_retry.as_secs() / 60
+                );
+                log::error!("mqtt: {msg}; telemetry keeps flowing");
+                c.commands_unavailable = Some(msg);
+                c.sub_retry = (c.sub_retry * 2).min(SUB_RETRY_MAX);
+                c.sub_kills = 0;
+            }
+        }
+        c.awaiting_suback = false;
+        c.had_puback = false;
+        quick
+    }
+}
