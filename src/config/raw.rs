@@ -234,6 +234,15 @@ pub(super) fn d_session_expiry() -> u32 {
 pub(super) fn d_min_share() -> u8 {
     10
 }
+pub(super) fn d_retire_on() -> String {
+    "puback".into()
+}
+pub(super) fn d_receipt_timeout() -> u64 {
+    300
+}
+pub(super) fn d_receipt_window() -> usize {
+    10_000
+}
 pub(super) fn d_true() -> bool {
     true
 }
@@ -358,6 +367,12 @@ pub(super) struct RawMqtt {
     pub(super) session_expiry_secs: u32,
     #[serde(default = "d_min_share")]
     pub(super) min_share_pct: u8,
+    #[serde(default = "d_retire_on")]
+    pub(super) retire_on: String,
+    #[serde(default = "d_receipt_timeout")]
+    pub(super) receipt_timeout_secs: u64,
+    #[serde(default = "d_receipt_window")]
+    pub(super) receipt_window: usize,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) client_cert_file: Option<PathBuf>,
     pub(super) client_key_file: Option<PathBuf>,
@@ -386,6 +401,9 @@ impl Default for RawMqtt {
             protocol: d_protocol(),
             session_expiry_secs: d_session_expiry(),
             min_share_pct: d_min_share(),
+            retire_on: d_retire_on(),
+            receipt_timeout_secs: d_receipt_timeout(),
+            receipt_window: d_receipt_window(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,

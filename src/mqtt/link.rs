@@ -229,6 +229,9 @@ mod tests {
             session_expiry_secs: 0,
             min_share_pct: 10,
             status_topic: false,
+            retire_on: super::RetireOn::Puback,
+            receipt_timeout: Duration::from_secs(300),
+            receipt_window: 10_000,
         };
         let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)), None);
         let ready = |row| Ready {

@@ -42,6 +42,6 @@ pub use facts::LinkFacts;
 pub use handoff::{CommandSink, CommandSub, DeliveryMsg, NotNow, Ready};
 pub use link::Link;
 pub use packet::{incoming_limit, publish_extra, publish_packet_size, PROTOCOL_MAX_PACKET};
-pub use settings::{MqttConfig, Protocol, TlsFiles};
+pub use settings::{MqttConfig, Protocol, RetireOn, TlsFiles};
 pub use shared::Shared;
 pub use thread::{new, MqttThread};

@@ -75,6 +75,30 @@ pub struct MqttConfig {
     /// connection ends without a DISCONNECT: a kill, a power cut, a lost
     /// link, and a clean stop too). Default true.
     pub status_topic: bool,
+    /// `retire_on`: `"puback"` (default) or `"receipt"` ([`RetireOn`]).
+    pub retire_on: RetireOn,
+    /// `receipt_timeout_secs`: a row PUBACKed and not covered by a receipt
+    /// within this is published again with the same event id and bytes
+    /// (10..=86400, default 300). Receipt mode only.
+    pub receipt_timeout: Duration,
+    /// `receipt_window`: rows PUBACKed and waiting for their receipt, at
+    /// most (100..=100000, default 10000); while it is full no new row is
+    /// sent. Receipt mode only.
+    pub receipt_window: usize,
+}
+
+/// `mqtt.retire_on`: what proves a row delivered, so that it may leave the
+/// unacknowledged set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RetireOn {
+    /// The broker's PUBACK (the default): the broker has the message, and
+    /// nothing more is known (brokers drop acknowledged QoS 1 messages:
+    /// queue caps, a local relay restarted, lossy persistence).
+    #[default]
+    Puback,
+    /// A receipt from the fleet's sink naming the row's event id (its
+    /// database stored it), after the PUBACK ([`crate::receipts`]).
+    Receipt,
 }
 
 /// `mqtt.protocol`: the MQTT version spoken to the broker.

@@ -4,7 +4,7 @@ use super::parse_url;
 use crate::ack::MAX_WINDOW;
 use crate::config::raw::RawMqtt;
 use crate::envelope::Format;
-use crate::mqtt::{MqttConfig, Protocol, TlsFiles};
+use crate::mqtt::{MqttConfig, Protocol, RetireOn, TlsFiles};
 use std::time::Duration;
 
 /// Smallest `mqtt.max_packet_bytes`: mosquitto refuses a `max_packet_size`
@@ -82,6 +82,29 @@ pub(super) fn validate_mqtt(
         }
     };
     check_timing(m, bad);
+    let retire_on = match m.retire_on.as_str() {
+        "puback" => RetireOn::Puback,
+        "receipt" => RetireOn::Receipt,
+        other => {
+            bad(
+                "mqtt.retire_on",
+                format!("must be \"puback\" or \"receipt\" (got {other:?})"),
+            );
+            RetireOn::Puback
+        }
+    };
+    if !(10..=86_400).contains(&m.receipt_timeout_secs) {
+        bad(
+            "mqtt.receipt_timeout_secs",
+            format!("must be 10..=86400 (got {})", m.receipt_timeout_secs),
+        );
+    }
+    if !(100..=100_000).contains(&m.receipt_window) {
+        bad(
+            "mqtt.receipt_window",
+            format!("must be 100..=100000 (got {})", m.receipt_window),
+        );
+    }
     MqttConfig {
         tls,
         credentials,
@@ -104,6 +127,9 @@ pub(super) fn validate_mqtt(
         protocol,
         session_expiry_secs: m.session_expiry_secs,
         min_share_pct: m.min_share_pct,
+        retire_on,
+        receipt_timeout: Duration::from_secs(m.receipt_timeout_secs),
+        receipt_window: m.receipt_window,
     }
 }
 
