@@ -229,7 +229,7 @@ mod tests {
             session_expiry_secs: 0,
             min_share_pct: 10,
             status_topic: false,
-            retire_on: super::RetireOn::Puback,
+            retire_on: crate::mqtt::RetireOn::Puback,
             receipt_timeout: Duration::from_secs(300),
             receipt_window: 10_000,
         };
