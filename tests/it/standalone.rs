@@ -127,11 +127,9 @@ fn outside(root: &Path, from: &Path, path: &str) -> bool {
     let rel = from.strip_prefix(root).unwrap_or(Path::new(""));
     for c in rel.components().chain(Path::new(path).components()) {
         match c {
-            Component::ParentDir => {
-                if depth.pop().is_none() {
-                    return true;
-                }
-            }
+            // Every `..` pops, in the guard; one with nothing left to pop
+            // climbs out of the clone.
+            Component::ParentDir if depth.pop().is_none() => return true,
             Component::Normal(_) => depth.push(c),
             _ => {}
         }
