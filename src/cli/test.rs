@@ -1,7 +1,7 @@
 //! `edgespool test --config FILE [--set k=v]...` (and its alias
 //! `check-config FILE --sample`): one reading from every source printed as
-//! it would be sent, every listener's bind checked, nothing written (part
-//! of the binary; the work is in [`edgespool::trial`]).
+//! it would be sent, every listener's bind checked, nothing written (the
+//! work is in [`edgespool::trial`]).
 //!
 //! Exit codes: 0 every source gave a reading (or takes none: an mqtt
 //! source; or has no rows yet: a followed replay) and every listener can
@@ -9,18 +9,23 @@
 //! 1 a source or listener failed (each named on stderr, then one summary
 //! line naming them all); 2 the config is invalid (the key named).
 
-use std::path::Path;
-use std::process::ExitCode;
+use super::{load_config, print_usage, usage, Args, Failure, Outcome, OwnFlags};
 
 /// Loads the config and runs [`report`].
-pub fn run(config: &Path, sets: &[String]) -> ExitCode {
-    match edgespool::config::load(config, sets) {
-        Ok(cfg) if report(&cfg) => ExitCode::SUCCESS,
-        Ok(_) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("config invalid: {e}");
-            ExitCode::from(2)
-        }
+pub fn main(p: &mut lexopt::Parser) -> Outcome {
+    let own = OwnFlags {
+        file: true,
+        ..OwnFlags::default()
+    };
+    let Some(a) = Args::read(p, own)? else {
+        return print_usage();
+    };
+    let config = a.config.ok_or_else(|| usage("test needs --config FILE"))?;
+    let cfg = load_config(&config, &a.sets)?;
+    if report(&cfg) {
+        Ok(())
+    } else {
+        Err(Failure::Failed)
     }
 }
 

@@ -1,0 +1,44 @@
+//! `edgespool check-config FILE`: the config, then the replay files it
+//! names, then (with `--sample`, the older spelling of `test`) what `test`
+//! does. Exit 2 for a bad config or file, 1 for a source that gave no
+//! reading.
+
+use std::path::Path;
+
+use super::{load_config, print_usage, usage, Args, Failure, Outcome, OwnFlags};
+
+pub fn main(p: &mut lexopt::Parser) -> Outcome {
+    let own = OwnFlags {
+        sample: true,
+        file: true,
+        ..OwnFlags::default()
+    };
+    let Some(a) = Args::read(p, own)? else {
+        return print_usage();
+    };
+    let config = a.config.ok_or_else(|| usage("check-config needs FILE"))?;
+    check(&config, &a.sets, a.sample)
+}
+
+fn check(config: &Path, sets: &[String], sample: bool) -> Outcome {
+    let c = load_config(config, sets)?;
+    let problems = edgespool::source::check_files(&c.sources);
+    for (key, msg) in &problems {
+        eprintln!("config invalid: {}: {key}: {msg}", config.display());
+    }
+    if !problems.is_empty() {
+        return Err(Failure::Invalid);
+    }
+    if sample && !super::test::report(&c) {
+        return Err(Failure::Failed);
+    }
+    println!(
+        "{}: ok (device {}, {} sources, broker {}:{})",
+        config.display(),
+        c.device_id,
+        c.sources.len(),
+        c.mqtt.host,
+        c.mqtt.port
+    );
+    Ok(())
+}

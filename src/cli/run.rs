@@ -1,0 +1,41 @@
+//! `edgespool run`: the agent, from its config (or the last-known-good copy
+//! of it) to a clean stop. The work is in [`edgespool::agent`].
+
+use super::{print_usage, usage, Args, Failure, Outcome, OwnFlags, LOG_TARGET};
+use edgespool::agent::{AgentError, ConfigSource};
+
+pub fn main(p: &mut lexopt::Parser) -> Outcome {
+    let own = OwnFlags {
+        check_spool: true,
+        ..OwnFlags::default()
+    };
+    let Some(a) = Args::read(p, own)? else {
+        return print_usage();
+    };
+    let config = a.config.ok_or_else(|| usage("run needs --config FILE"))?;
+    let loaded = edgespool::configfile::load_at_start(&config, &a.sets).map_err(|e| {
+        // Under systemd stderr is the journal: this goes through the log, as
+        // everything the agent says does, to carry its priority.
+        log::error!(target: LOG_TARGET, "config invalid: {e} (and no usable last-known-good copy)");
+        Failure::Invalid
+    })?;
+    let source = ConfigSource {
+        path: config,
+        sets: a.sets,
+        fallback: loaded.fallback,
+        check_spool: a.check_spool,
+    };
+    // A damaged spool found after start: once more, which moves it
+    // aside (in this process: no restart by the supervisor needed).
+    for _ in 0..2 {
+        match edgespool::agent::run(loaded.config.clone(), source.clone()) {
+            Ok(()) => return Ok(()),
+            Err(AgentError::Damaged(e)) => log::error!(target: LOG_TARGET, "{e}"),
+            Err(e) => {
+                log::error!(target: LOG_TARGET, "{e}");
+                return Err(Failure::Failed);
+            }
+        }
+    }
+    Err(Failure::Failed)
+}
