@@ -319,6 +319,9 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         min_share_pct: cfg.mqtt.min_share_pct,
         live_streams: Default::default(),
         batching: Default::default(),
+        retire_on: cfg.mqtt.retire_on,
+        receipt_timeout: cfg.mqtt.receipt_timeout,
+        receipt_window: cfg.mqtt.receipt_window,
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());

@@ -36,6 +36,17 @@
 //!   (none skipped); `live_first` (which reorders a stream on purpose) is
 //!   out of the model.
 //!
+//! Receipt mode (`mqtt.retire_on = "receipt"`, issue 22) runs the same
+//! steps with a simulated broker queue and sink: a PUBACKed row waits in the
+//! real [`crate::receipts::Awaiting`] book; the broker may lose what it
+//! acknowledged; the sink stores what reaches it and sends receipts, which
+//! arrive out of order, duplicated or never; forged receipts name rows that
+//! are not waiting; a receipt timeout sends rows again. Checked besides:
+//! - no row is retired without a receipt naming its own stream and event id
+//!   while it waited (PUBACKed), and a forged receipt retires nothing;
+//! - every row is eventually retired or sent again: the final drain ends
+//!   with every row not FAILED stored and ACKED, whatever the broker lost.
+//!
 //! Out of the model: a duplicate PUBACK delivered after its packet id was
 //! given to another publish. The client cannot tell it from that publish's
 //! own PUBACK; brokers send one PUBACK per PUBLISH, and the client sends each
@@ -85,6 +96,19 @@ enum Op {
     Fail(u8),
     Requeue,
     Retention(u8),
+    /// Receipt mode: the sink stores an event the broker holds.
+    SinkStores(u8),
+    /// Receipt mode: the broker loses an event it acknowledged.
+    BrokerLoses(u8),
+    /// Receipt mode: a receipt reaches the agent (again, if `duplicate`).
+    Receipt {
+        index: u8,
+        duplicate: bool,
+    },
+    /// Receipt mode: a receipt naming rows that are not waiting.
+    ForgedReceipt(u8),
+    /// Receipt mode: the receipt timeout passes.
+    Expire,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -103,6 +127,18 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::Fail),
         1 => Just(Op::Requeue),
         1 => (1u8..4).prop_map(Op::Retention),
+    ]
+}
+
+fn receipt_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => op(),
+        3 => any::<u8>().prop_map(Op::SinkStores),
+        1 => any::<u8>().prop_map(Op::BrokerLoses),
+        3 => (any::<u8>(), prop::bool::weighted(0.1))
+            .prop_map(|(index, duplicate)| Op::Receipt { index, duplicate }),
+        1 => any::<u8>().prop_map(Op::ForgedReceipt),
+        1 => Just(Op::Expire),
     ]
 }
 
@@ -160,7 +196,34 @@ struct World {
     transit: Vec<(u16, i64)>,
     /// Lost connections whose next CONNACK had a session.
     resumed_sessions: u32,
+    /// Receipt mode's simulated broker queue, sink and receipts.
+    receipts: Option<ReceiptSim>,
 }
+
+/// Receipt mode: what the delivery thread keeps, and the world behind the
+/// broker (its queue to the sink, the sink, the receipts on their way).
+struct ReceiptSim {
+    awaiting: crate::receipts::Awaiting,
+    base: std::time::Instant,
+    /// Virtual time since `base`.
+    t: std::time::Duration,
+    /// Events the broker acknowledged and holds for the sink.
+    queue: Vec<(String, String)>,
+    /// Receipts the sink sent, not yet at the agent.
+    in_flight: Vec<crate::receipts::Receipt>,
+    /// Rows a receipt matched while they waited (only these may retire).
+    matched: BTreeSet<i64>,
+    /// Rows to send again (their receipt did not come in time).
+    resend: VecDeque<i64>,
+    /// Rows sent again in this epoch (outside the lanes' order, I7 does
+    /// not apply to them).
+    resent: BTreeSet<i64>,
+}
+
+/// Rows waiting for their receipt, at most, in the model.
+const RECEIPT_WINDOW: usize = 5;
+/// The receipt timeout, in the model's virtual time.
+const RECEIPT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 impl World {
     fn new() -> World {
@@ -195,7 +258,45 @@ impl World {
             wire: BTreeMap::new(),
             transit: Vec::new(),
             resumed_sessions: 0,
+            receipts: None,
         }
+    }
+
+    /// A world in receipt mode.
+    fn with_receipts() -> World {
+        let mut w = World::new();
+        w.receipts = Some(ReceiptSim {
+            awaiting: crate::receipts::Awaiting::new(RECEIPT_WINDOW),
+            base: std::time::Instant::now(),
+            t: std::time::Duration::ZERO,
+            queue: Vec::new(),
+            in_flight: Vec::new(),
+            matched: BTreeSet::new(),
+            resend: VecDeque::new(),
+            resent: BTreeSet::new(),
+        });
+        w
+    }
+
+    /// Whether `row` waits for its receipt.
+    fn awaits(&self, row: i64) -> bool {
+        self.receipts
+            .as_ref()
+            .is_some_and(|r| r.awaiting.contains(row))
+    }
+
+    /// Whether `row` is out of the lanes' order: waiting for its receipt,
+    /// or to be (or already) sent again for a missing one.
+    fn outside_lanes(&self, row: i64) -> bool {
+        self.receipts.as_ref().is_some_and(|r| {
+            r.awaiting.contains(row) || r.resend.contains(&row) || r.resent.contains(&row)
+        })
+    }
+
+    /// The (stream, event id) of `row`.
+    fn key(&self, row: i64) -> (String, String) {
+        let m = &self.rows[&row];
+        (m.stream.clone(), m.event_id.clone().unwrap_or_default())
     }
 
     fn outstanding(&self, pkid: u16) -> bool {
@@ -278,6 +379,11 @@ impl World {
                     .unwrap();
                 let row = self.wire.remove(&pkid).unwrap();
                 self.transit.push((pkid, row));
+                let keys: Vec<(String, String)> =
+                    self.members(row).into_iter().map(|r| self.key(r)).collect();
+                if let Some(r) = self.receipts.as_mut() {
+                    r.queue.extend(keys);
+                }
             }
             Op::DeliverAck { index, duplicate } => {
                 if self.transit.is_empty() {
@@ -289,10 +395,21 @@ impl World {
                     Ok(row),
                     "PUBACK {pkid} matched to a wrong row"
                 );
-                // One PUBACK retires every row its publish carried.
+                // One PUBACK retires every row its publish carried (in
+                // receipt mode: they wait for their receipt instead).
                 let rows = self.members(row);
-                self.to_retire.extend(&rows);
-                self.retiring.extend(rows);
+                let keys: Vec<(i64, (String, String))> =
+                    rows.iter().map(|r| (*r, self.key(*r))).collect();
+                if let Some(r) = self.receipts.as_mut() {
+                    let now = r.base + r.t;
+                    for (row, (stream, id)) in keys {
+                        r.resent.remove(&row);
+                        r.awaiting.delivered(row, stream.into(), id, now);
+                    }
+                } else {
+                    self.to_retire.extend(&rows);
+                    self.retiring.extend(rows);
+                }
                 if duplicate {
                     assert_eq!(
                         self.map.on_puback(pkid),
@@ -329,6 +446,13 @@ impl World {
                 self.to_mark.clear();
                 self.to_retire.clear();
                 self.retiring.clear();
+                if let Some(r) = self.receipts.as_mut() {
+                    // The book is memory: its rows are unacknowledged rows
+                    // of the spool again, sent again after the restart.
+                    r.awaiting = crate::receipts::Awaiting::new(RECEIPT_WINDOW);
+                    r.matched.clear();
+                    r.resend.clear();
+                }
                 self.spool = Spool::open(&self.path, &SpoolOptions::default()).unwrap();
                 // What the agent does at every start.
                 self.spool
@@ -349,7 +473,9 @@ impl World {
                     .collect();
                 let candidates: Vec<i64> = self
                     .unresolved()
-                    .filter(|id| !in_flight.contains(id) && !self.retiring.contains(id))
+                    .filter(|id| {
+                        !in_flight.contains(id) && !self.retiring.contains(id) && !self.awaits(*id)
+                    })
                     .collect();
                 if candidates.is_empty() {
                     return;
@@ -401,6 +527,72 @@ impl World {
                     r.status = Status::Purged;
                 }
             }
+            Op::SinkStores(_)
+            | Op::BrokerLoses(_)
+            | Op::Receipt { .. }
+            | Op::ForgedReceipt(_)
+            | Op::Expire => self.receipt_step(op),
+        }
+    }
+
+    /// The receipt steps: the world behind the broker, and the agent's book.
+    fn receipt_step(&mut self, op: &Op) {
+        let forged: Vec<(String, String)> = match *op {
+            Op::ForgedReceipt(i) => {
+                // Rows that do not wait: unresolved ones not PUBACKed, and an
+                // id no row has.
+                let mut ids: Vec<(String, String)> = self
+                    .unresolved()
+                    .filter(|r| !self.awaits(*r) && self.rows[r].event_id.is_some())
+                    .take(usize::from(i % 4))
+                    .map(|r| self.key(r))
+                    .collect();
+                ids.push((
+                    "s0".to_owned(),
+                    format!("00000000-0000-4000-8000-{:012x}", i),
+                ));
+                ids
+            }
+            _ => Vec::new(),
+        };
+        let Some(r) = self.receipts.as_mut() else {
+            return;
+        };
+        match *op {
+            Op::SinkStores(i) if !r.queue.is_empty() => {
+                let (stream, id) = r.queue.remove(usize::from(i) % r.queue.len());
+                r.in_flight.push(crate::receipts::Receipt {
+                    stored: vec![(stream, vec![id])],
+                });
+            }
+            Op::BrokerLoses(i) if !r.queue.is_empty() => {
+                r.queue.remove(usize::from(i) % r.queue.len());
+            }
+            Op::Receipt { index, duplicate } if !r.in_flight.is_empty() => {
+                let at = usize::from(index) % r.in_flight.len();
+                let receipt = if duplicate {
+                    r.in_flight[at].clone()
+                } else {
+                    r.in_flight.remove(at)
+                };
+                let m = r.awaiting.receipt(&receipt);
+                r.matched.extend(m.rows.iter().copied());
+                self.retiring.extend(m.rows.iter().copied());
+                self.to_retire.extend(m.rows);
+            }
+            Op::ForgedReceipt(_) => {
+                let m = r.awaiting.receipt(&crate::receipts::Receipt {
+                    stored: forged.into_iter().map(|(s, id)| (s, vec![id])).collect(),
+                });
+                assert!(m.rows.is_empty(), "a forged receipt retired {:?}", m.rows);
+            }
+            Op::Expire => {
+                r.t += RECEIPT_TIMEOUT;
+                let now = r.base + r.t;
+                let expired = r.awaiting.expired(now, RECEIPT_TIMEOUT);
+                r.resend.extend(expired);
+            }
+            _ => {}
         }
     }
 
@@ -418,7 +610,7 @@ impl World {
         while self.map.len() < WINDOW {
             let handle = match self.ready.pop_front() {
                 Some(h) => h,
-                None => match self.next_publish() {
+                None => match self.resend_one().or_else(|| self.next_publish()) {
                     Some(h) => h,
                     None => return,
                 },
@@ -428,9 +620,35 @@ impl World {
         }
     }
 
+    /// Receipt mode: a row whose receipt did not come, read again from the
+    /// spool (by id, as the delivery thread does) and sent alone.
+    fn resend_one(&mut self) -> Option<i64> {
+        loop {
+            let id = self.receipts.as_mut()?.resend.pop_front()?;
+            let rows = self.spool.unresolved_rows(&[id]).unwrap();
+            if let Some(row) = rows.into_iter().next() {
+                assert_eq!(
+                    self.rows[&row.id].event_id.as_deref(),
+                    Some(row.event_id.as_str())
+                );
+                assert_eq!(
+                    self.payloads[&row.event_id], row.payload,
+                    "resent bytes changed"
+                );
+                if !self.retiring.contains(&row.id) {
+                    self.receipts.as_mut()?.resent.insert(row.id);
+                    return Some(row.id);
+                }
+            }
+        }
+    }
+
     /// The next publish: a row, or a batch of the batched stream (full, or
     /// what there is once no row is left to read).
     fn next_publish(&mut self) -> Option<i64> {
+        if self.receipts.as_ref().is_some_and(|r| r.awaiting.is_full()) {
+            return None;
+        }
         loop {
             let row = match self.lanes.pick() {
                 Some(r) => r,
@@ -456,7 +674,7 @@ impl World {
                 "payload of {} changed",
                 row.event_id
             );
-            if self.retiring.contains(&row.id) {
+            if self.retiring.contains(&row.id) || self.outside_lanes(row.id) {
                 continue;
             }
             // I7 per stream: first offers in order; the first after a
@@ -465,9 +683,10 @@ impl World {
                 Some(&last) => assert!(row.id > last, "row {} offered after {last}", row.id),
                 None => assert_eq!(
                     Some(row.id),
-                    self.unresolved().find(
-                        |id| self.rows[id].stream == row.stream && !self.retiring.contains(id)
-                    ),
+                    self.unresolved()
+                        .find(|id| self.rows[id].stream == row.stream
+                            && !self.retiring.contains(id)
+                            && !self.outside_lanes(*id)),
                     "the replay skipped a row of {}",
                     row.stream
                 ),
@@ -491,6 +710,14 @@ impl World {
     }
 
     fn flush(&mut self) {
+        if let Some(r) = &self.receipts {
+            for id in &self.to_retire {
+                assert!(
+                    r.matched.contains(id),
+                    "row {id} retired without a receipt naming its event id"
+                );
+            }
+        }
         let expect = self
             .to_retire
             .iter()
@@ -525,6 +752,12 @@ impl World {
     }
 
     fn new_epoch(&mut self) {
+        if let Some(r) = self.receipts.as_mut() {
+            // What was to be sent again, or was in flight again, is read
+            // by the lanes now like any unacknowledged row.
+            r.resent.clear();
+            r.resend.clear();
+        }
         self.map = AckMap::new();
         self.epoch += 1;
         self.lanes.reset();
@@ -625,7 +858,9 @@ impl World {
         }
     }
 
-    /// Reconnect and deliver until every row not FAILED is acknowledged.
+    /// Reconnect and deliver until every row not FAILED is acknowledged
+    /// (in receipt mode: stored by the sink and receipted, what the broker
+    /// lost sent again after the timeout).
     fn drain(&mut self) {
         self.lost();
         for _ in 0..1000 {
@@ -645,7 +880,27 @@ impl World {
                     duplicate: false,
                 });
             }
+            while self.receipts.as_ref().is_some_and(|r| !r.queue.is_empty()) {
+                self.step(&Op::SinkStores(0));
+            }
+            while self
+                .receipts
+                .as_ref()
+                .is_some_and(|r| !r.in_flight.is_empty())
+            {
+                self.step(&Op::Receipt {
+                    index: 0,
+                    duplicate: false,
+                });
+            }
             self.flush();
+            if self
+                .receipts
+                .as_ref()
+                .is_some_and(|r| !r.awaiting.is_empty())
+            {
+                self.step(&Op::Expire);
+            }
             self.check();
         }
         panic!(
@@ -667,6 +922,18 @@ proptest! {
         ops in prop::collection::vec(op(), 1..120)
     ) {
         let mut w = World::new();
+        for op in &ops {
+            w.step(op);
+            w.check();
+        }
+        w.drain();
+    }
+
+    #[test]
+    fn receipt_mode_retires_only_on_a_receipt_for_the_rows_own_event_id(
+        ops in prop::collection::vec(receipt_op(), 1..160)
+    ) {
+        let mut w = World::with_receipts();
         for op in &ops {
             w.step(op);
             w.check();

@@ -38,6 +38,14 @@ pub struct Facts {
     pub dropping: Option<String>,
     /// The config in force is the last-known-good copy.
     pub config_fallback: bool,
+    /// Receipt mode: why receipts cannot arrive (the broker refused the
+    /// subscription); rows are retired on their PUBACK meanwhile.
+    pub receipts_unavailable: Option<String>,
+    /// Receipt mode: rows PUBACKed and waiting for their receipt, and how
+    /// long the oldest has waited.
+    pub awaiting_receipt: (u64, Option<Duration>),
+    /// `mqtt.receipt_timeout_secs` in receipt mode; `None` otherwise.
+    pub receipt_timeout: Option<Duration>,
 }
 
 /// The verdict.
@@ -108,6 +116,19 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     if f.config_fallback {
         reasons.push("running the last-known-good config".to_owned());
     }
+    if let Some(why) = &f.receipts_unavailable {
+        reasons.push(format!("receipts unavailable: {why}"));
+    }
+    let (waiting, oldest) = f.awaiting_receipt;
+    if let (Some(timeout), Some(age)) = (f.receipt_timeout, oldest) {
+        if waiting > 0 && age >= timeout {
+            reasons.push(format!(
+                "receipts stopped: {waiting} rows the broker acknowledged wait for their receipt, the oldest {} s (mqtt.receipt_timeout_secs {}): is the sink running and publishing to <topic_prefix>/receipts?",
+                secs(age),
+                secs(timeout)
+            ));
+        }
+    }
     Health { reasons }
 }
 
@@ -177,5 +198,33 @@ mod tests {
     fn the_grace_is_twice_the_keep_alive_and_at_least_30_s() {
         assert_eq!(grace(Duration::from_secs(5)), Duration::from_secs(30));
         assert_eq!(grace(Duration::from_secs(60)), Duration::from_secs(120));
+    }
+
+    #[test]
+    fn receipts_that_stop_or_cannot_arrive_degrade_health_naming_the_cause() {
+        let t = Duration::from_secs(300);
+        let mut f = Facts {
+            connected: true,
+            receipt_timeout: Some(t),
+            awaiting_receipt: (12, Some(Duration::from_secs(299))),
+            ..Facts::default()
+        };
+        assert!(assess(&f, Duration::from_secs(30)).reasons.is_empty());
+        f.awaiting_receipt = (12, Some(Duration::from_secs(300)));
+        let h = assess(&f, Duration::from_secs(30));
+        assert!(
+            h.line().contains("receipts stopped: 12 rows"),
+            "{}",
+            h.line()
+        );
+        f.awaiting_receipt = (0, None);
+        f.receipts_unavailable = Some("the broker refused the subscription".into());
+        let h = assess(&f, Duration::from_secs(30));
+        assert!(
+            h.line()
+                .contains("receipts unavailable: the broker refused"),
+            "{}",
+            h.line()
+        );
     }
 }

@@ -200,6 +200,43 @@ pub struct Figures {
     pub acked: u64,
     /// Wall clock of the gathering, Unix seconds.
     pub at_unix_secs: f64,
+    /// Receipt mode's figures; `None` when rows retire on their PUBACK.
+    pub receipts: Option<ReceiptFigures>,
+}
+
+/// What receipt mode (`mqtt.retire_on = "receipt"`) shows.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReceiptFigures {
+    /// Rows PUBACKed and waiting for their receipt.
+    pub awaiting: u64,
+    /// How long the oldest of them has waited, seconds (0 when none).
+    pub oldest_awaiting_secs: f64,
+    /// Receipts read, this run.
+    pub received: u64,
+    /// Event ids receipts named that matched no waiting row, this run.
+    pub unmatched_ids: u64,
+    /// Receipts refused as malformed, this run.
+    pub malformed: u64,
+    /// Rows sent again because their receipt did not come in time, this run.
+    pub resent: u64,
+    /// The broker refuses the receipts subscription now.
+    pub unavailable: bool,
+}
+
+/// Receipt mode's families.
+fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
+    let families: [(&str, &str, &str, f64); 7] = [
+        ("edgespool_rows_awaiting_receipt", "gauge", "Rows the broker acknowledged that wait for a receipt from the fleet's database.", r.awaiting as f64),
+        ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row waiting for its receipt has waited since its PUBACK (0 when none).", r.oldest_awaiting_secs),
+        ("edgespool_receipts_total", "counter", "Receipts read, this run.", r.received as f64),
+        ("edgespool_receipt_unmatched_ids_total", "counter", "Event ids in receipts that matched no waiting row (nothing retired for them), this run.", r.unmatched_ids as f64),
+        ("edgespool_receipts_malformed_total", "counter", "Receipts refused as malformed (they retire nothing), this run.", r.malformed as f64),
+        ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
+        ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then retire on their PUBACK), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
+    ];
+    for (name, kind, help, v) in families {
+        o.single(name, kind, help, v);
+    }
 }
 
 /// The spool states, in the order rows flow.
@@ -420,9 +457,12 @@ pub fn render(f: &Figures) -> String {
     o.single(
         "edgespool_rows_acked_total",
         "counter",
-        "Rows retired on their PUBACK, this run.",
+        "Rows retired (on their PUBACK, or in receipt mode on their receipt), this run.",
         f.acked as f64,
     );
+    if let Some(r) = &f.receipts {
+        render_receipts(&mut o, r);
+    }
     let mut lost = f.clone();
     // `readings_lost_at_shutdown` is a drop by another name.
     for (k, _) in lost.counters.iter_mut() {
@@ -863,6 +903,7 @@ mod tests {
             appended: 43,
             acked: 40,
             at_unix_secs: 1_700_000_000.25,
+            receipts: None,
         }
     }
 

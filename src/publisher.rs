@@ -14,11 +14,13 @@
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 mod batcher;
+mod receipts;
 
 use crate::lanes::Lanes;
 use crate::mqtt::publish_packet_size;
 use crate::spool::{OutRow, Spool, SpoolError};
 use batcher::Batcher;
+use receipts::ReceiptMode;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -39,6 +41,24 @@ pub struct DeliveryStats {
     /// Stamped each time the delivery loop goes round (at least every
     /// `IDLE_POLL`), for the systemd watchdog.
     pub heartbeat: crate::notify::Heartbeat,
+    /// Receipt mode: rows PUBACKed and waiting for their receipt now.
+    pub awaiting_receipt: AtomicU64,
+    /// Receipt mode: how long the oldest waiting row has waited, ms.
+    pub oldest_awaiting_ms: AtomicU64,
+    /// Receipts read (well-formed).
+    pub receipts: AtomicU64,
+    /// Event ids receipts named that no waiting row has (not yet PUBACKed,
+    /// already retired, unknown, forged): nothing retired for them.
+    pub receipt_unmatched: AtomicU64,
+    /// Receipts refused as malformed (they retire nothing).
+    pub receipts_malformed: AtomicU64,
+    /// Rows published again because their receipt did not come in time.
+    pub resent_for_receipt: AtomicU64,
+    /// Wall clock of the last receipt, Unix ms (0: none yet).
+    pub last_receipt_ms: AtomicU64,
+    /// 1 while the broker refuses the receipts subscription (rows are then
+    /// retired on their PUBACK).
+    pub receipts_unavailable: AtomicU64,
 }
 
 /// Settings for the delivery thread.
@@ -63,6 +83,12 @@ pub struct DeliveryConfig {
     pub live_streams: HashSet<String>,
     /// Batched streams and their batching ([`crate::batching`]).
     pub batching: HashMap<String, crate::stream::BatchSpec>,
+    /// `mqtt.retire_on`: on the PUBACK, or on a receipt ([`receipts`]).
+    pub retire_on: crate::mqtt::RetireOn,
+    /// `mqtt.receipt_timeout_secs`.
+    pub receipt_timeout: Duration,
+    /// `mqtt.receipt_window`.
+    pub receipt_window: usize,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -93,7 +119,10 @@ pub fn run(
 ) {
     let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
     let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
+    let receipts = (cfg.retire_on == crate::mqtt::RetireOn::Receipt)
+        .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
     let mut d = Delivery {
+        receipts,
         batcher,
         cfg,
         link,
@@ -124,6 +153,9 @@ pub fn run(
         if let Some(due) = d.batcher.next_due() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
+        if let Some(due) = d.expire_receipts() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
         match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => d.handle(msg, &mut spool),
             Err(RecvTimeoutError::Timeout) => {}
@@ -145,6 +177,8 @@ pub fn run(
 
 struct Delivery {
     cfg: DeliveryConfig,
+    /// Receipt mode's bookkeeping; `None` when rows retire on the PUBACK.
+    receipts: Option<ReceiptMode>,
     link: Link,
     epoch: u64,
     /// Rows read from the spool in this epoch, not yet offered, by priority.
@@ -208,6 +242,7 @@ impl Delivery {
                 self.lanes.reset();
                 self.batcher.clear();
                 self.offered_size.clear();
+                self.receipts_lost();
             }
             DeliveryMsg::Connected { .. } => match spool.newest_id() {
                 Ok(newest) => self.lanes.connected(newest),
@@ -217,6 +252,10 @@ impl Delivery {
                 if self.learned_limit.take().is_some() {
                     log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
                 }
+            }
+            DeliveryMsg::Receipt(payload) => self.on_receipt(&payload),
+            DeliveryMsg::Receipts { available, why } => {
+                self.on_receipts_availability(available, why);
             }
             DeliveryMsg::Progress | DeliveryMsg::NewRows | DeliveryMsg::Stop => {}
         }
@@ -311,8 +350,9 @@ impl Delivery {
             .submitted
             .fetch_add(sent.len() as u64, Ordering::Relaxed);
         self.to_mark.extend(sent);
-        self.retiring.extend(acked.iter().copied());
-        self.to_retire.extend(acked);
+        let retire = self.after_pubacks(acked);
+        self.retiring.extend(retire.iter().copied());
+        self.to_retire.extend(retire);
         self.waiting_since.get_or_insert_with(Instant::now);
     }
 
@@ -365,7 +405,11 @@ impl Delivery {
         }
         let target = 2 * self.cfg.window;
         let mut room = target.saturating_sub(self.link.ready_len());
-        let mut batch = Vec::new();
+        let mut batch = self.resend_ready(spool);
+        room = room.saturating_sub(batch.len());
+        if self.receipts_full() {
+            room = 0;
+        }
         if let Err(e) = self.lanes.refill(spool) {
             self.log_error("read sendable rows", &e);
             return;
@@ -386,12 +430,13 @@ impl Delivery {
                     }
                 }
             };
-            if self.retiring.contains(&row.id) {
-                continue; // acknowledged (not yet committed), or already in flight
+            if self.retiring.contains(&row.id) || self.awaits_receipt(row.id) {
+                continue; // acknowledged (not yet committed), or waiting for its receipt
             }
             let Some((topic, size)) = self.admit(spool, &row) else {
                 continue;
             };
+            self.note_offered(&row);
             // While probing for a refused row, rows go one by one.
             match self
                 .batcher

@@ -124,6 +124,32 @@ fn health_line(stored: &str) -> String {
     }
 }
 
+/// The receipts record (receipt mode) as one line: rows delivered to the
+/// broker and not yet stored at the fleet, the oldest one's wait, and what
+/// receipts did.
+fn receipts_line(stored: &str) -> String {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(stored) else {
+        return stored.to_owned();
+    };
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    let oldest = v["oldest_awaiting_ms"]
+        .as_i64()
+        .map_or(String::new(), |ms| format!(" (oldest {} ago)", fmt_ms(ms)));
+    let unavailable = if v["unavailable"].as_bool() == Some(true) {
+        "; UNAVAILABLE: the broker refuses the receipts subscription, rows retire on their PUBACK"
+    } else {
+        ""
+    };
+    format!(
+        "{} rows delivered, not yet stored{oldest}; {} receipts received, {} ids matched no waiting row, {} malformed, {} rows sent again for a missing receipt{unavailable}",
+        n("awaiting"),
+        n("received"),
+        n("unmatched_ids"),
+        n("malformed"),
+        n("resent"),
+    )
+}
+
 /// The latency record (`{"puback": {...}, "commit": {...}}`, each with
 /// `count`, `p50_seconds`, `p99_seconds`, `max_seconds`) as one line:
 /// `PUBACK p50 12.0 ms, p99 40.0 ms, max 81.2 ms (n=1200); commit ...`.
@@ -213,6 +239,7 @@ pub fn render(r: &Report, now_ms: i64) -> String {
         let v = match k.as_str() {
             "health" => health_line(v),
             "latency" => latency_line(v),
+            "receipts" => receipts_line(v),
             k if k.starts_with("replay_position.") => replay_line(v),
             _ => v.clone(),
         };
@@ -344,5 +371,25 @@ mod tests {
         let stored = r#"{"trace_id":"fp:ab","fingerprint":"ab","lap":2,"line":41,"offset":900,"shift_ms":0,"pass":{"first":null,"prev":null,"max":null,"step":null}}"#;
         assert_eq!(replay_line(stored), "trace fp:ab, lap 2, line 41");
         assert_eq!(replay_line("junk"), "junk");
+    }
+
+    #[test]
+    fn the_receipts_record_reads_as_one_line() {
+        let rec = serde_json::json!({"awaiting": 7, "oldest_awaiting_ms": 65000, "received": 3,
+            "unmatched_ids": 1, "malformed": 2, "resent": 4, "unavailable": false});
+        let line = receipts_line(&rec.to_string());
+        assert!(
+            line.starts_with("7 rows delivered, not yet stored (oldest "),
+            "{line}"
+        );
+        assert!(
+            line.contains(
+                "3 receipts received, 1 ids matched no waiting row, 2 malformed, 4 rows sent again"
+            ),
+            "{line}"
+        );
+        assert!(!line.contains("UNAVAILABLE"));
+        let rec = serde_json::json!({"awaiting": 0, "unavailable": true});
+        assert!(receipts_line(&rec.to_string()).contains("UNAVAILABLE"));
     }
 }

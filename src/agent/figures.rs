@@ -98,6 +98,7 @@ impl Ingest {
             appended: self.appended,
             acked: self.delivery_stats.retired.load(Ordering::Relaxed),
             at_unix_secs: at_ms as f64 / 1000.0,
+            receipts: self.receipt_figures(),
         }
     }
 
@@ -179,5 +180,24 @@ impl Ingest {
             }
             None => {}
         }
+    }
+
+    /// Receipt mode's figures for the metrics.
+    fn receipt_figures(&self) -> Option<crate::metrics::ReceiptFigures> {
+        if self.cfg.mqtt.retire_on != crate::mqtt::RetireOn::Receipt {
+            return None;
+        }
+        let s = &self.delivery_stats;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let (awaiting, oldest) = self.awaiting_receipt();
+        Some(crate::metrics::ReceiptFigures {
+            awaiting,
+            oldest_awaiting_secs: oldest.map_or(0.0, |d| d.as_secs_f64()),
+            received: load(&s.receipts),
+            unmatched_ids: load(&s.receipt_unmatched),
+            malformed: load(&s.receipts_malformed),
+            resent: load(&s.resent_for_receipt),
+            unavailable: load(&s.receipts_unavailable) == 1,
+        })
     }
 }

@@ -46,6 +46,10 @@ impl Ingest {
             checkpoint_blocked: self.upkeep.checkpoint_blocked,
             dropping,
             config_fallback: self.source.fallback.is_some(),
+            receipts_unavailable: link.receipts_unavailable,
+            awaiting_receipt: self.awaiting_receipt(),
+            receipt_timeout: (self.cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt)
+                .then_some(self.cfg.mqtt.receipt_timeout),
         };
         // Judged once a maintenance pass: a pass early, so `degraded` is
         // recorded within the bound, not up to a pass after it.
@@ -102,5 +106,35 @@ impl Ingest {
             Some(t) if t.elapsed() < Duration::from_secs(600) => failed,
             _ => 0,
         }
+    }
+
+    /// Rows waiting for their receipt and the oldest one's wait.
+    pub(super) fn awaiting_receipt(&self) -> (u64, Option<Duration>) {
+        let s = &self.delivery_stats;
+        let n = s.awaiting_receipt.load(Ordering::Relaxed);
+        let age = Duration::from_millis(s.oldest_awaiting_ms.load(Ordering::Relaxed));
+        (n, (n > 0).then_some(age))
+    }
+
+    /// The receipts record for `status` (receipt mode only).
+    pub(super) fn receipts_json(&self) -> Option<serde_json::Value> {
+        if self.cfg.mqtt.retire_on != crate::mqtt::RetireOn::Receipt {
+            return None;
+        }
+        let s = &self.delivery_stats;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let (waiting, oldest) = self.awaiting_receipt();
+        let last = load(&s.last_receipt_ms);
+        Some(serde_json::json!({
+            "awaiting": waiting,
+            "oldest_awaiting_ms": oldest.map(|d| d.as_millis() as u64),
+            "received": load(&s.receipts),
+            "unmatched_ids": load(&s.receipt_unmatched),
+            "malformed": load(&s.receipts_malformed),
+            "resent": load(&s.resent_for_receipt),
+            "last_receipt_ms": (last > 0).then_some(last),
+            "unavailable": load(&s.receipts_unavailable) == 1,
+            "timeout_secs": self.cfg.mqtt.receipt_timeout.as_secs(),
+        }))
     }
 }

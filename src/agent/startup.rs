@@ -171,6 +171,7 @@ pub(super) fn claim_spool(cfg: &Config) -> Result<SpoolLock, AgentError> {
     }
     let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
     warn_loose_secrets(cfg);
+    warn_local_broker_pubacks(cfg);
     crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
     Ok(lock)
@@ -261,6 +262,9 @@ pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
         min_share_pct: cfg.mqtt.min_share_pct,
         live_streams: cfg.live_first_streams(),
         batching: cfg.stream_batching(),
+        retire_on: cfg.mqtt.retire_on,
+        receipt_timeout: cfg.mqtt.receipt_timeout,
+        receipt_window: cfg.mqtt.receipt_window,
     }
 }
 
@@ -329,6 +333,26 @@ pub(super) fn spool_dir(cfg: &Config) -> std::path::PathBuf {
         .filter(|d| !d.as_os_str().is_empty())
         .map(Path::to_path_buf)
         .unwrap_or_else(|| ".".into())
+}
+
+/// A broker on this board (a loopback address) acknowledges a row when it
+/// has it, not when the fleet stored it: say so once at start, naming
+/// `mqtt.retire_on`, unless rows already wait for receipts.
+fn warn_local_broker_pubacks(cfg: &Config) {
+    if cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt {
+        return;
+    }
+    let host = cfg.mqtt.host.trim_start_matches('[').trim_end_matches(']');
+    let local = host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if local {
+        log::warn!(
+            "mqtt.url points at a broker on this board ({}): its PUBACK proves only that the local broker holds a row, not that the fleet stored it (a local broker restarted, or its bridge queue full, loses rows it acknowledged); rows are retired on that PUBACK. Set mqtt.retire_on = \"receipt\" where a sink sends receipts",
+            cfg.mqtt.host
+        );
+    }
 }
 
 /// Warn about secrets files that group or others can read.

@@ -54,6 +54,9 @@ impl Ingest {
         if let Some(c) = &self.upkeep.last_checkpoint_json {
             states.push(("last_checkpoint", c.to_string()));
         }
+        if let Some(r) = self.receipts_json() {
+            states.push(("receipts", r.to_string()));
+        }
         let _ = self.spool.set_states(&states, wall_clock_ms().0);
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())

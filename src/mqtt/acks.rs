@@ -7,7 +7,7 @@
 //! packet id on this connection; a PUBACK the map cannot match ends the
 //! connection (the map is dropped and the rows replayed), never a guess.
 
-use super::facts::SUB_RETRY_MIN;
+use super::facts::{Sub, SUB_RETRY_MIN};
 use super::handoff::DeliveryMsg;
 use super::settings::Protocol;
 use super::shared::lock;
@@ -51,11 +51,21 @@ impl MqttThread {
             // (rumqttc does not re-subscribe by itself), so the
             // subscribe's packet id is never one a publish holds.
             // Telemetry never waits on it: see `account_end`.
+            s.conn.subacks_due.clear();
             if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
                 if let Err(e) = client.try_subscribe(&c.topic, QoS::AtLeastOnce) {
                     return Err(format!("cannot subscribe to {}: {e}", c.topic));
                 }
                 s.conn.awaiting_suback = true;
+                s.conn.subacks_due.push_back(Sub::Commands);
+            }
+            // Receipts on every connection (rumqttc does not re-subscribe);
+            // telemetry never waits on them either.
+            if let (Some(t), Some(client)) = (&self.receipts, &s.client) {
+                if let Err(e) = client.try_subscribe(t, QoS::AtLeastOnce) {
+                    return Err(format!("cannot subscribe to {t}: {e}"));
+                }
+                s.conn.subacks_due.push_back(Sub::Receipts);
             }
             if self.cfg.status_topic {
                 announce_online(&mut s, &self.cfg);
@@ -190,6 +200,10 @@ impl MqttThread {
     /// (return code 0x80, MQTT 3.1.1 §3.9.3; mosquitto answers so when its
     /// ACL denies the subscription). Telemetry never waits on it.
     pub(super) fn on_suback(&self, refused: Option<String>) {
+        let due = lock(&self.shared).conn.subacks_due.pop_front();
+        if due == Some(Sub::Receipts) {
+            return self.on_receipts_suback(refused);
+        }
         if let Some(code) = refused {
             let topic = self.commands.as_ref().map_or("", |c| c.topic.as_str());
             let mut s = lock(&self.shared);
@@ -210,5 +224,31 @@ impl MqttThread {
             drop(s);
             log::info!("mqtt: subscribed to commands");
         }
+    }
+
+    /// SUBACK of the receipts subscription: granted, or refused (an ACL
+    /// that does not let this board read its receipts). Refused, delivery
+    /// falls back to retiring rows on their PUBACK and health says so;
+    /// granted again on a later connection, receipts are back.
+    fn on_receipts_suback(&self, refused: Option<String>) {
+        let topic = self.receipts.as_deref().unwrap_or_default();
+        let why = refused.map(|code| {
+            format!("the broker refused the subscription to {topic} ({code}): check its ACL; rows are retired on their PUBACK until it is granted")
+        });
+        {
+            let mut s = lock(&self.shared);
+            if s.conn.receipts_unavailable == why {
+                return;
+            }
+            s.conn.receipts_unavailable = why.clone();
+        }
+        match &why {
+            Some(w) => log::error!("mqtt: {w}"),
+            None => log::info!("mqtt: subscribed to receipts"),
+        }
+        let _ = self.to_delivery.send(DeliveryMsg::Receipts {
+            available: why.is_none(),
+            why,
+        });
     }
 }

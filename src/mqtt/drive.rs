@@ -84,6 +84,9 @@ impl MqttThread {
                         let epoch = lock(&self.shared).epoch;
                         (c.sink)(epoch, p);
                     }
+                    _ if self.receipts.as_deref() == Some(p.topic.as_str()) => {
+                        self.on_receipt(p);
+                    }
                     _ => {
                         // Not ours: acknowledge so the broker does not resend it.
                         let epoch = lock(&self.shared).epoch;
@@ -152,5 +155,31 @@ impl MqttThread {
             self.oversize.set(f.oversize);
         }
         f.reason
+    }
+
+    /// A receipt: to the delivery thread (which alone may retire rows), and
+    /// acknowledged to the broker at once (a receipt lost in between only
+    /// delays retirement: the row is sent again and receipted again).
+    fn on_receipt(&self, p: rumqttc::Publish) {
+        let (epoch, room) = {
+            let mut s = lock(&self.shared);
+            let room = s.receipts_queued < super::RECEIPTS_QUEUED_MAX;
+            if room {
+                s.receipts_queued += 1;
+            } else {
+                s.receipts_dropped += 1;
+            }
+            (s.epoch, room)
+        };
+        if room {
+            let _ = self
+                .to_delivery
+                .send(super::DeliveryMsg::Receipt(p.payload.to_vec()));
+        }
+        Link {
+            shared: self.shared.clone(),
+            wake: self.wake.clone(),
+        }
+        .ack(epoch, &p);
     }
 }

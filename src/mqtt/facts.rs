@@ -33,6 +33,11 @@ pub(super) struct ConnState {
     pub(super) sub_retry: Duration,
     /// Why commands cannot arrive, if they cannot.
     pub(super) commands_unavailable: Option<String>,
+    /// Why receipts cannot arrive, if they cannot (receipt mode only).
+    pub(super) receipts_unavailable: Option<String>,
+    /// The SUBSCRIBEs of this connection whose SUBACK has not come, in the
+    /// order sent (a broker answers them in that order).
+    pub(super) subacks_due: std::collections::VecDeque<Sub>,
     /// This connection ended by an error from the peer or the network (not
     /// by our watchdog, a reconfigure or a stop).
     pub(super) peer_closed: bool,
@@ -52,9 +57,20 @@ impl ConnState {
             skip_sub_until: None,
             sub_retry: SUB_RETRY_MIN,
             commands_unavailable: None,
+            receipts_unavailable: None,
+            subacks_due: std::collections::VecDeque::new(),
             peer_closed: false,
         }
     }
+}
+
+/// What a SUBSCRIBE was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sub {
+    /// `<topic_prefix>/commands`.
+    Commands,
+    /// `<topic_prefix>/receipts`.
+    Receipts,
 }
 
 /// First wait before subscribing to commands again after the broker closed
@@ -80,4 +96,10 @@ pub struct LinkFacts {
     pub quick_drops: u32,
     /// Why commands cannot arrive.
     pub commands_unavailable: Option<String>,
+    /// Why receipts cannot arrive (receipt mode; delivery then retires rows
+    /// on their PUBACK).
+    pub receipts_unavailable: Option<String>,
+    /// Receipts dropped since start because [`super::RECEIPTS_QUEUED_MAX`]
+    /// were waiting.
+    pub receipts_dropped: u64,
 }

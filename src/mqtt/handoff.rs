@@ -42,7 +42,24 @@ pub enum DeliveryMsg {
     Requeued,
     /// The agent is stopping: look at the stop flag now.
     Stop,
+    /// A PUBLISH on `<topic_prefix>/receipts` (`mqtt.retire_on =
+    /// "receipt"`): its payload, unread ([`crate::receipts::parse`]). Already
+    /// acknowledged to the broker; at most [`RECEIPTS_QUEUED_MAX`] wait.
+    Receipt(Vec<u8>),
+    /// Whether receipts can arrive: the broker granted (`true`) or refused
+    /// the subscription to the receipts topic on this connection. Refused,
+    /// delivery falls back to retiring rows on their PUBACK.
+    Receipts {
+        /// Granted.
+        available: bool,
+        /// Why not, for the log and health.
+        why: Option<String>,
+    },
 }
+
+/// Receipts waiting for the delivery thread, at most; more are dropped and
+/// counted (a flood on the receipts topic cannot grow memory).
+pub const RECEIPTS_QUEUED_MAX: usize = 64;
 
 /// A row read from the spool, ready to publish.
 #[derive(Debug, Clone)]

@@ -114,7 +114,15 @@ impl Link {
                 .map(|t| t.elapsed()),
             quick_drops: s.conn.quick_drops,
             commands_unavailable: s.conn.commands_unavailable.clone(),
+            receipts_unavailable: s.conn.receipts_unavailable.clone(),
+            receipts_dropped: s.receipts_dropped,
         }
+    }
+
+    /// The delivery thread took one [`super::DeliveryMsg::Receipt`].
+    pub fn took_receipt(&self) {
+        let mut s = lock(&self.shared);
+        s.receipts_queued = s.receipts_queued.saturating_sub(1);
     }
 
     /// Submit one row at a time (`true`) to find a row the broker refuses

@@ -39,6 +39,7 @@ mod thread;
 pub mod wire;
 
 pub use facts::LinkFacts;
+pub use handoff::RECEIPTS_QUEUED_MAX;
 pub use handoff::{CommandSink, CommandSub, DeliveryMsg, NotNow, Ready};
 pub use link::Link;
 pub use packet::{incoming_limit, publish_extra, publish_packet_size, PROTOCOL_MAX_PACKET};

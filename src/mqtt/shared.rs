@@ -66,6 +66,10 @@ pub struct Shared {
     /// The rows of each batch submitted on this connection, by its first
     /// row (the handle in the ack map); cleared with the map.
     pub(super) batches: HashMap<i64, Vec<i64>>,
+    /// Receipts sent to the delivery thread and not yet taken.
+    pub(super) receipts_queued: usize,
+    /// Receipts dropped because too many waited.
+    pub(super) receipts_dropped: u64,
 }
 
 /// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry

@@ -12,7 +12,7 @@ use super::facts::{ConnState, SUB_RETRY_MAX};
 use super::handoff::{CommandSub, DeliveryMsg};
 use super::link::Link;
 use super::packet::{drain_limit, incoming_limit, INCOMING_WITHOUT_COMMANDS};
-use super::settings::MqttConfig;
+use super::settings::{MqttConfig, RetireOn};
 use super::setup::setup;
 use super::shared::{lock, Shared};
 use super::status::status_topic;
@@ -45,6 +45,8 @@ pub struct MqttThread {
     pub(super) cfg: MqttConfig,
     /// Command subscription; `None` when commands are off.
     pub(super) commands: Option<CommandSub>,
+    /// `<topic_prefix>/receipts` when rows are retired on receipts.
+    pub(super) receipts: Option<String>,
     /// Incoming packet limit of a normal connection.
     pub(super) incoming_limit: usize,
     /// Size of a packet that exceeded the last connection's limit.
@@ -97,10 +99,21 @@ pub fn new(
         granted: Granted::default(),
         refused: Vec::new(),
         batches: HashMap::new(),
+        receipts_queued: 0,
+        receipts_dropped: 0,
     }));
-    let incoming_limit = commands.as_ref().map_or(INCOMING_WITHOUT_COMMANDS, |c| {
-        incoming_limit(&c.topic, c.max_payload_bytes)
-    });
+    let receipts =
+        (cfg.retire_on == RetireOn::Receipt).then(|| format!("{}/receipts", cfg.topic_prefix));
+    let incoming_limit = commands
+        .as_ref()
+        .map_or(INCOMING_WITHOUT_COMMANDS, |c| {
+            incoming_limit(&c.topic, c.max_payload_bytes)
+        })
+        .max(
+            receipts
+                .as_ref()
+                .map_or(0, |t| incoming_limit(t, crate::receipts::MAX_RECEIPT_BYTES)),
+        );
     let wake = Arc::new(Condvar::new());
     (
         Link {
@@ -110,6 +123,7 @@ pub fn new(
         MqttThread {
             cfg,
             commands,
+            receipts,
             incoming_limit,
             oversize: Cell::new(None),
             mode: Cell::new(ConnMode::Normal),

@@ -87,6 +87,16 @@ pub struct FailedRow {
     pub failed_ms: i64,
 }
 
+/// Unresolved rows (not acknowledged, not FAILED) among the ids in the JSON
+/// array `?1`, in id order.
+const SQL_UNRESOLVED_OF: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio
+    FROM events e JOIN streams s ON s.id = e.stream_id
+    WHERE e.id IN (SELECT value FROM json_each(?1))
+      AND e.id > (SELECT acked_through FROM delivery_mark)
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
+    ORDER BY e.id";
+
 impl Spool {
     /// Up to `limit` unresolved rows (not acknowledged, not FAILED) with row
     /// id greater than `after_id`, in row-id order, which is sequence order
@@ -98,6 +108,24 @@ impl Spool {
             .map_err(|e| self.err(e))?;
         let rows = stmt
             .query_map(params![after_id, limit as i64], priority::out_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+    }
+
+    /// The rows among `ids` that are still unresolved (not acknowledged,
+    /// not FAILED), in row-id order: rows to publish again (a receipt that
+    /// did not come). Holds no statement afterwards.
+    pub fn unresolved_rows(&self, ids: &[i64]) -> Result<Vec<OutRow>, SpoolError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let list = serde_json::to_string(ids).unwrap_or_else(|_| "[]".to_owned());
+        let mut stmt = self
+            .conn
+            .prepare_cached(SQL_UNRESOLVED_OF)
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(params![list], priority::out_row)
             .map_err(|e| self.err(e))?;
         rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
