@@ -109,11 +109,12 @@ pub fn new(
         .map_or(INCOMING_WITHOUT_COMMANDS, |c| {
             incoming_limit(&c.topic, c.max_payload_bytes)
         })
-        .max(
-            receipts
-                .as_ref()
-                .map_or(0, |t| incoming_limit(t, crate::receipts::MAX_RECEIPT_BYTES)),
-        );
+        .max(receipts.as_ref().map_or(0, |t| {
+            // Room for a receipt over the limit to arrive and be refused
+            // as such (not dropped by the broker: MQTT 5 counts the whole
+            // packet, fixed header and properties too).
+            incoming_limit(t, crate::receipts::MAX_RECEIPT_BYTES + 64)
+        }));
     let wake = Arc::new(Condvar::new());
     (
         Link {

@@ -20,6 +20,7 @@ mod pgsink;
 #[cfg(feature = "pg-sink")]
 mod pgtls;
 mod priority;
+mod receipts;
 mod refusals;
 mod replay;
 mod sink_batches;

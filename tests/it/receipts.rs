@@ -1,0 +1,202 @@
+//! Receipt mode (`mqtt.retire_on = "receipt"`, issue 22) against a real
+//! mosquitto and the real agent, with the receipts published by the test
+//! as a sink (or an attacker) would: a PUBACK retires nothing; only a
+//! receipt naming a row's own stream and event id does; malformed and
+//! forged receipts retire nothing and are counted; a row without a receipt
+//! is published again after `mqtt.receipt_timeout_secs`, with the same id
+//! and bytes; a broker that refuses the receipts subscription makes the
+//! agent fall back to PUBACKs, with health saying so.
+
+use crate::commands::publish;
+use crate::refusals::{allow, broker_with_acl, status_json};
+use crate::support::agent::AgentProc;
+use crate::support::broker::Broker;
+use crate::support::spool::{count_in_state, rows};
+use crate::support::subscriber::Subscriber;
+use crate::support::wait_for;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// A test board config in receipt mode with a short receipt timeout.
+fn receipt_config(dir: &Path, url: &str, prefix: &str, timeout_secs: u64) -> std::path::PathBuf {
+    let cfg = crate::write_config(dir, url, prefix, 300);
+    let text = std::fs::read_to_string(&cfg).expect("read test config");
+    let text = text.replacen(
+        "[mqtt]\n",
+        &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
+        1,
+    );
+    std::fs::write(&cfg, text).expect("write test config");
+    cfg
+}
+
+/// The receipts record the agent stored for `status`.
+fn receipts_state(db: &Path) -> serde_json::Value {
+    status_json(db)["agent_state"]["receipts"]["value"].clone()
+}
+
+/// event id -> (stream, payloads seen) of what the subscriber received.
+fn received(sub: &Subscriber) -> HashMap<String, (String, Vec<Vec<u8>>)> {
+    let mut out: HashMap<String, (String, Vec<Vec<u8>>)> = HashMap::new();
+    for d in sub.deliveries() {
+        let v = d.json();
+        let id = v["event_id"].as_str().unwrap_or_default().to_owned();
+        let stream = v["stream"].as_str().unwrap_or_default().to_owned();
+        out.entry(id)
+            .or_insert_with(|| (stream, Vec::new()))
+            .1
+            .push(d.payload.clone());
+    }
+    out
+}
+
+#[test]
+fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("receipts");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = receipt_config(dir.path(), &broker.url(), &prefix, 10);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || sub.count() >= 6),
+        "nothing delivered: {}",
+        agent.log_tail(30)
+    );
+    // PUBACKed (the subscriber has them), and not one retired.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        count_in_state(&db, "ACKED"),
+        0,
+        "a PUBACK retired a row in receipt mode"
+    );
+    let topic = format!("{prefix}/receipts");
+    let got = received(&sub);
+    let id = got.keys().next().expect("one event");
+    // Malformed receipts and forged ones retire nothing.
+    let forged_ids = [
+        br#"not json"#.to_vec(),
+        br#"{"v":2,"stored":{}}"#.to_vec(),
+        br#"{"v":1,"stored":{"system":["not-an-id"]}}"#.to_vec(),
+        vec![b' '; edgespool::receipts::MAX_RECEIPT_BYTES + 1],
+        // Its id under another stream, and an id no row has.
+        format!(r#"{{"v":1,"stored":{{"other":["{id}"]}}}}"#).into_bytes(),
+        br#"{"v":1,"stored":{"system":["00000000-0000-4000-8000-000000000000"]}}"#.to_vec(),
+    ];
+    for p in &forged_ids {
+        publish(broker.port(), &topic, p, false);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        count_in_state(&db, "ACKED"),
+        0,
+        "a malformed or forged receipt retired a row"
+    );
+    // A receipt for three of them retires exactly those three.
+    let chosen: Vec<(String, String)> = got
+        .iter()
+        .take(3)
+        .map(|(id, (s, _))| (s.clone(), id.clone()))
+        .collect();
+    let pairs: Vec<(&str, &str)> = chosen
+        .iter()
+        .map(|(s, i)| (s.as_str(), i.as_str()))
+        .collect();
+    for p in edgespool::receipts::encode(&pairs) {
+        publish(broker.port(), &topic, &p, false);
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || count_in_state(&db, "ACKED")
+            == 3),
+        "ACKED {} after a receipt for 3 rows\n{}",
+        count_in_state(&db, "ACKED"),
+        agent.log_tail(30)
+    );
+    let acked: Vec<String> = rows(&db)
+        .into_iter()
+        .filter(|r| r.state == "ACKED")
+        .map(|r| r.event_id)
+        .collect();
+    for (_, id) in &chosen {
+        assert!(acked.contains(id), "{id} was receipted and not retired");
+    }
+    // Without a receipt, rows are sent again after the timeout, same bytes.
+    let t = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(60), || received(&sub)
+            .values()
+            .any(|(_, p)| p.len() >= 2)),
+        "nothing sent again for a missing receipt\n{}",
+        agent.log_tail(30)
+    );
+    println!(
+        "receipt timeout 10 s: the first row was sent again {} ms into the wait",
+        t.elapsed().as_millis()
+    );
+    for (id, (_, payloads)) in received(&sub) {
+        assert!(
+            payloads.windows(2).all(|w| w[0] == w[1]),
+            "event {id} sent again with other bytes"
+        );
+    }
+    assert!(agent
+        .log_text()
+        .contains("within 10 s of their PUBACK; sending them again"));
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let r = receipts_state(&db);
+            r["malformed"].as_u64() >= Some(4)
+                && r["unmatched_ids"].as_u64() >= Some(2)
+                && r["resent"].as_u64() >= Some(1)
+        }),
+        "receipt counts: {}",
+        receipts_state(&db)
+    );
+    let r = receipts_state(&db);
+    println!("receipts record: {r}");
+    assert!(r["awaiting"].as_u64() >= Some(1), "{r}");
+    agent.terminate(Duration::from_secs(15));
+}
+
+#[test]
+fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("receiptdeny");
+    let broker = broker_with_acl(
+        dir.path(),
+        serde_json::json!([
+            allow("publishClientSend", &format!("{prefix}/#")),
+            allow("subscribePattern", &format!("{prefix}/events/#")),
+            allow("subscribePattern", &format!("{prefix}/commands")),
+        ]),
+    );
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let cfg = receipt_config(dir.path(), &broker.url(), &prefix, 10);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    // Telemetry flows and is retired on its PUBACK meanwhile.
+    assert!(
+        wait_for(Duration::from_secs(60), || sub.count() >= 5
+            && db.exists()
+            && count_in_state(&db, "ACKED") >= 3),
+        "no fallback to PUBACKs: {} delivered\n{}",
+        sub.count(),
+        agent.log_tail(30)
+    );
+    assert!(
+        agent.logged("ERROR", "mqtt", "refused the subscription to"),
+        "{}",
+        agent.log_tail(30)
+    );
+    let health = || status_json(&db)["health"]["reasons"].to_string();
+    assert!(
+        wait_for(Duration::from_secs(30), || health()
+            .contains("receipts unavailable")),
+        "health: {}",
+        health()
+    );
+    println!("health: {}", health());
+    agent.terminate(Duration::from_secs(15));
+}
