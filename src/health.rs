@@ -29,9 +29,11 @@ pub struct Facts {
     /// §3.9.3), or
     /// closes the connection on it so the agent connects without it.
     pub commands_unavailable: Option<String>,
-    /// Rows marked FAILED since start, while the last failure is recent
-    /// (0 once it is not).
-    pub failed_since_start: u64,
+    /// FAILED rows in the spool now (kept and shown by `status` until an
+    /// operator requeues them).
+    pub failed_rows: u64,
+    /// Rows the broker refused on this connection, waiting for the next.
+    pub deferred: u64,
     /// A reader pins the WAL (checkpoints cannot finish).
     pub checkpoint_blocked: bool,
     /// Readings refused since the last pass, and why.
@@ -101,10 +103,16 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     if let Some(why) = &f.commands_unavailable {
         reasons.push(format!("commands unavailable: {why}"));
     }
-    if f.failed_since_start > 0 {
+    if f.failed_rows > 0 {
         reasons.push(format!(
-            "{} rows FAILED since start, the last within 10 min (status shows why; the requeue-failed command sends them again)",
-            f.failed_since_start
+            "{} rows FAILED in the spool (status shows why; the requeue-failed command sends them again)",
+            f.failed_rows
+        ));
+    }
+    if f.deferred > 0 {
+        reasons.push(format!(
+            "{} rows refused by the broker on this connection (PUBACK reason code, or its maximum packet size): tried again on the next connection",
+            f.deferred
         ));
     }
     if f.checkpoint_blocked {
@@ -184,14 +192,15 @@ mod tests {
         let f = Facts {
             quick_drops: 3,
             commands_unavailable: Some("SUBACK refused".into()),
-            failed_since_start: 2,
+            failed_rows: 2,
+            deferred: 1,
             checkpoint_blocked: true,
             dropping: Some("disk full".into()),
             config_fallback: true,
             ..healthy()
         };
         let h = assess(&f, G);
-        assert_eq!(h.reasons.len(), 6, "{h:?}");
+        assert_eq!(h.reasons.len(), 7, "{h:?}");
     }
 
     #[test]

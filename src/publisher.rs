@@ -14,6 +14,7 @@
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 mod batcher;
+mod defer;
 mod receipts;
 
 use crate::lanes::Lanes;
@@ -59,6 +60,9 @@ pub struct DeliveryStats {
     /// 1 while the broker refuses the receipts subscription (rows are then
     /// retired on their PUBACK).
     pub receipts_unavailable: AtomicU64,
+    /// Rows the broker refused on this connection, waiting for the next
+    /// one ([`defer`]).
+    pub deferred: AtomicU64,
 }
 
 /// Settings for the delivery thread.
@@ -123,6 +127,7 @@ pub fn run(
         .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
     let mut d = Delivery {
         receipts,
+        deferred: Default::default(),
         batcher,
         cfg,
         link,
@@ -179,6 +184,8 @@ struct Delivery {
     cfg: DeliveryConfig,
     /// Receipt mode's bookkeeping; `None` when rows retire on the PUBACK.
     receipts: Option<ReceiptMode>,
+    /// Rows a connection of this run refused ([`defer`]).
+    deferred: defer::Deferred,
     link: Link,
     epoch: u64,
     /// Rows read from the spool in this epoch, not yet offered, by priority.
@@ -238,6 +245,7 @@ impl Delivery {
                     rows.len()
                 );
                 self.epoch = epoch;
+                self.deferrals_expire();
                 // Replay from the oldest unacknowledged row, in order (I7).
                 self.lanes.reset();
                 self.batcher.clear();
@@ -333,6 +341,7 @@ impl Delivery {
             if let Some(size) = self.offered_size.remove(row) {
                 self.largest_acked = self.largest_acked.max(size);
             }
+            self.forget_deferral(*row);
         }
         if self.learned_limit.is_some_and(|l| self.largest_acked >= l) {
             log::info!("delivery: the broker acknowledged a packet as large as the learned limit; forgetting it");
@@ -430,8 +439,11 @@ impl Delivery {
                     }
                 }
             };
-            if self.retiring.contains(&row.id) || self.awaits_receipt(row.id) {
-                continue; // acknowledged (not yet committed), or waiting for its receipt
+            if self.retiring.contains(&row.id)
+                || self.awaits_receipt(row.id)
+                || self.deferred_now(row.id)
+            {
+                continue; // acknowledged (not yet committed), waiting for its receipt, or refused on this connection
             }
             let Some((topic, size)) = self.admit(spool, &row) else {
                 continue;
@@ -507,7 +519,13 @@ impl Delivery {
         let extra = crate::mqtt::publish_extra(self.cfg.protocol, true);
         let (limit, whose) = self.packet_limit();
         if let Some(why) = packet_too_large(&topic, row.payload.len(), extra, limit, whose) {
-            self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            if limit < self.cfg.max_packet_bytes {
+                // The broker's CONNACK limit: this connection's word, judged
+                // again on the next one.
+                self.defer(spool, (row.id, &row.event_id), &why, "packet_too_large");
+            } else {
+                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            }
             return None;
         }
         let size = publish_packet_size(topic.len(), row.payload.len() + extra);
@@ -572,16 +590,16 @@ impl Delivery {
         }
     }
 
-    /// Mark FAILED the rows whose PUBACK refused them (MQTT 5 reason code
-    /// 0x80 or more), counted per reason as
-    /// `events_failed_puback_<reason>`: the broker took the publish and
-    /// said no, so it is not delivered and sending it again would repeat.
+    /// Defer the rows whose PUBACK refused them (MQTT 5 reason code 0x80
+    /// or more) to the next connection; refused on
+    /// `mqtt.fail_after_disconnects` connections, they go FAILED, counted
+    /// per reason as `events_failed_puback_<reason>` ([`defer`]). The
+    /// broker took the publish and said no, so it is not delivered.
     fn fail_refused(&mut self, spool: &mut Spool) {
         for (row, r) in self.link.take_refused() {
-            self.fail(
+            self.defer(
                 spool,
-                row,
-                &format!("in row {row}"),
+                (row, &format!("in row {row}")),
                 &r.to_string(),
                 &format!("puback_{}", r.name),
             );

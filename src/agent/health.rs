@@ -42,7 +42,8 @@ impl Ingest {
             no_puback_for: link.no_puback_for,
             quick_drops: link.quick_drops,
             commands_unavailable: link.commands_unavailable,
-            failed_since_start: self.recent_failures(),
+            failed_rows: self.spool.failed_count().unwrap_or(0),
+            deferred: self.delivery_stats.deferred.load(Ordering::Relaxed),
             checkpoint_blocked: self.upkeep.checkpoint_blocked,
             dropping,
             config_fallback: self.source.fallback.is_some(),
@@ -92,19 +93,6 @@ impl Ingest {
             .is_ok()
         {
             self.upkeep.health_stored_at = Some(Instant::now());
-        }
-    }
-
-    /// Rows FAILED since start, while the last one is under 10 minutes old
-    /// (then health may be ok again; `status` keeps the rows and reasons).
-    pub(super) fn recent_failures(&mut self) -> u64 {
-        let failed = self.delivery_stats.failed.load(Ordering::Relaxed);
-        if failed > self.upkeep.failed_seen.0 {
-            self.upkeep.failed_seen = (failed, Some(Instant::now()));
-        }
-        match self.upkeep.failed_seen.1 {
-            Some(t) if t.elapsed() < Duration::from_secs(600) => failed,
-            _ => 0,
         }
     }
 

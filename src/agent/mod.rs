@@ -366,8 +366,6 @@ struct Upkeep {
     health_since: i64,
     /// Readings the in-memory buffer refused since the last health pass.
     buffer_drops: u64,
-    /// Rows FAILED as last seen by health, and when that count last grew.
-    failed_seen: (u64, Option<Instant>),
     /// The last pass left retention or space to give back for the next one.
     more_work: bool,
     /// Last capacity check and its answer (checked at most once a second).

@@ -36,7 +36,6 @@ impl Upkeep {
             health_stored_at: None,
             health_since: wall_clock_ms().0,
             buffer_drops: 0,
-            failed_seen: (0, None),
             more_work: false,
             capacity_checked: None,
             refusal: None,

@@ -266,6 +266,14 @@ impl Spool {
         })
     }
 
+    /// FAILED rows in the spool (a small table: one count).
+    pub fn failed_count(&self) -> Result<u64, SpoolError> {
+        self.conn
+            .query_row("SELECT count(*) FROM failed", [], |r| r.get::<_, i64>(0))
+            .map(|n| n.max(0) as u64)
+            .map_err(|e| self.err(e))
+    }
+
     /// The newest `limit` FAILED rows: `(row id, event id, stream, reason,
     /// failed Unix ms)`, newest first.
     pub fn failed_rows(&self, limit: usize) -> Result<Vec<FailedRow>, SpoolError> {

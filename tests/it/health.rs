@@ -107,7 +107,7 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
     assert!(proxy.closed_on_packet() >= 3);
     assert!(
         wait_for(Duration::from_secs(20), || status(&db)
-            .contains("rows FAILED since start")),
+            .contains("rows FAILED in the spool")),
         "{}",
         status(&db)
     );

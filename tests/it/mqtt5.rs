@@ -2,11 +2,13 @@
 //! `mqtt.protocol`: what it lets the agent see that 3.1.1 hides.
 //!
 //! - A publish the broker's ACL denies is answered with PUBACK reason code
-//!   0x87 (not authorized): the row goes FAILED with that reason, counted,
+//!   0x87 (not authorized): the row waits for the next connection, and goes
+//!   FAILED with that reason once three connections refused it, counted,
 //!   never retired as delivered (under 3.1.1 the same broker sends a plain
 //!   PUBACK; `refusals.rs` pins that).
-//! - The broker's Maximum Packet Size comes in CONNACK: a larger row goes
-//!   FAILED before it is sent, with no setting and no dropped connection.
+//! - The broker's Maximum Packet Size comes in CONNACK: a larger row is not
+//!   sent on that connection (no setting, no dropped connection), and goes
+//!   FAILED once three connections announced a limit below it.
 //! - Every event PUBLISH carries its event id as the user property
 //!   `event_id`.
 //! - A broker that does not speak MQTT 5 gets a refusal naming
@@ -18,14 +20,19 @@ use crate::refusals::{
 };
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
+use crate::support::proxy::Proxy;
 use crate::support::spool::{count_by_state, count_in_state, rows_in_state};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::time::{Duration, Instant};
 
-/// The ACL denies the events topic: each row's PUBACK carries 0x87, each
-/// row goes FAILED naming it, nothing is ACKED, health is degraded, and
-/// the status message (allowed) still gets through.
+/// The ACL denies the events topic: each row's PUBACK carries 0x87. One
+/// connection's refusal defers the rows to the next connection (health
+/// says so); refused on `mqtt.fail_after_disconnects` (3) connections, each
+/// row goes FAILED naming the reason; nothing is ACKED, health is degraded
+/// while the FAILED rows are there, and the status message (allowed) still
+/// gets through. Issue 21 (8): one hostile connection never fails a
+/// backlog for good.
 #[test]
 fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_reason() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -37,11 +44,45 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
             allow("subscribePattern", &format!("{prefix}/#")),
         ]),
     );
+    let proxy = Proxy::start(broker.port());
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 1000);
     let db = dir.path().join("spool.db");
     seed(&db, &(0..5).map(|i| format!("row {i}")).collect::<Vec<_>>());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    // The first connection refuses them: deferred, not FAILED.
+    wait_degraded_with(
+        &db,
+        &agent,
+        &["5 rows refused by the broker on this connection"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(
+        count_in_state(&db, "FAILED"),
+        0,
+        "one connection failed the rows"
+    );
+    assert_eq!(
+        log_lines(&agent, "WARN", "it waits for the next connection (1 of 3").len(),
+        5
+    );
+    // Two more connections refuse them too: FAILED.
+    for n in 2..=3 {
+        proxy.reset_all();
+        if n == 2 {
+            assert!(
+                wait_for(Duration::from_secs(30), || log_lines(
+                    &agent,
+                    "WARN",
+                    "it waits for the next connection (2 of 3"
+                )
+                .len()
+                    == 5),
+                "connection 2 did not refuse all five\n{}",
+                agent.log_tail(30)
+            );
+        }
+    }
     assert!(
         wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
             == 5),
@@ -54,7 +95,8 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
     let v = status_json(&db);
     let why = v["failed"][0]["reason"].as_str().unwrap_or_default();
     assert_eq!(
-        why, "the broker refused the publish: not authorized (PUBACK reason code 0x87)",
+        why,
+        "the broker refused the publish: not authorized (PUBACK reason code 0x87) (on 3 connections)",
         "{v}"
     );
     assert_eq!(
@@ -62,13 +104,18 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
         "{v}"
     );
     assert_eq!(
-        log_lines(&agent, "ERROR", "not authorized (PUBACK reason code 0x87)").len(),
+        log_lines(
+            &agent,
+            "ERROR",
+            "not authorized (PUBACK reason code 0x87) (on 3 connections)"
+        )
+        .len(),
         5
     );
     wait_degraded_with(
         &db,
         &agent,
-        &["5 rows FAILED since start"],
+        &["5 rows FAILED in the spool"],
         Duration::from_secs(30),
     );
     // The allowed retained status arrived; no event did.
@@ -81,27 +128,57 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
         .deliveries()
         .iter()
         .all(|d| !d.topic.contains("/events/")));
-    // One connection: a refusal is an answer, not a reason to reconnect.
-    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 1);
+    // A refusal is an answer, not a reason to reconnect: the three
+    // connections are the ones the test forced.
+    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 3);
 }
 
 /// mosquitto's `max_packet_size` reaches the agent as CONNACK's Maximum
-/// Packet Size: the one larger row goes FAILED before it is sent, with no
-/// `mqtt.max_packet_bytes` and no dropped connection; the rest are ACKED.
+/// Packet Size: the one larger row is not sent, with no
+/// `mqtt.max_packet_bytes` and no dropped connection, and the rest are
+/// ACKED. It is that connection's word: the row waits for the next one,
+/// and goes FAILED once three connections said the same (issue 21, 8).
 #[test]
 fn the_brokers_maximum_packet_size_from_connack_fails_a_larger_row_before_sending() {
     let broker = Broker::start_with_config("max_packet_size 2000\n");
+    let proxy = Proxy::start(broker.port());
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5pkt");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 1000);
     let db = dir.path().join("spool.db");
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
     assert!(
         wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 10
-            && count_in_state(&db, "FAILED") == 1),
+            == 10),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert_eq!(
+        count_in_state(&db, "FAILED"),
+        0,
+        "one CONNACK failed the row"
+    );
+    for n in 2..=3 {
+        proxy.reset_all();
+        if n == 2 {
+            assert!(
+                wait_for(Duration::from_secs(30), || !log_lines(
+                    &agent,
+                    "WARN",
+                    "it waits for the next connection (2 of 3"
+                )
+                .is_empty()),
+                "connection 2 did not defer the row\n{}",
+                agent.log_tail(30)
+            );
+        }
+    }
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
+            == 1),
         "{:?}\n{}",
         count_by_state(&db),
         agent.log_tail(30)
@@ -111,12 +188,12 @@ fn the_brokers_maximum_packet_size_from_connack_fails_a_larger_row_before_sendin
     let v = status_json(&db);
     let why = v["failed"][0]["reason"].as_str().unwrap_or_default();
     assert!(
-        why.ends_with("exceeds the broker's maximum packet size (CONNACK) 2000"),
+        why.ends_with("exceeds the broker's maximum packet size (CONNACK) 2000 (on 3 connections)"),
         "{v}"
     );
     assert!(!log_lines(&agent, "INFO", "maximum packet size 2000 bytes").is_empty());
     assert!(!broker.log_text().contains("oversize packet"));
-    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 1);
+    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 3);
     agent.terminate(Duration::from_secs(15));
     assert_eq!(crate::received(&sub.deliveries()).times.len(), 10);
     assert_acked_rows_were_received(&db, &sub);

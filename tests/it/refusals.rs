@@ -360,7 +360,7 @@ fn with_max_packet_bytes_set_the_oversized_row_fails_at_once_and_the_rest_are_ac
     wait_degraded_with(
         &db,
         &agent,
-        &["1 rows FAILED since start"],
+        &["1 rows FAILED in the spool"],
         Duration::from_secs(30),
     );
     // Never sent: no connection was dropped for it.
@@ -413,7 +413,7 @@ fn without_max_packet_bytes_the_broker_drops_the_connection_and_the_row_fails_af
     wait_degraded_with(
         &db,
         &agent,
-        &["1 rows FAILED since start"],
+        &["1 rows FAILED in the spool"],
         Duration::from_secs(30),
     );
     agent.terminate(Duration::from_secs(15));
