@@ -38,6 +38,8 @@ pub struct Facts {
     pub dropping: Option<String>,
     /// The config in force is the last-known-good copy.
     pub config_fallback: bool,
+    /// Another process listens on `ingest.socket`: who, and the fix.
+    pub ingest_socket_taken: Option<String>,
 }
 
 /// The verdict.
@@ -108,6 +110,9 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     if f.config_fallback {
         reasons.push("running the last-known-good config".to_owned());
     }
+    if let Some(why) = &f.ingest_socket_taken {
+        reasons.push(format!("ingest socket not ours: {why}"));
+    }
     Health { reasons }
 }
 
@@ -167,10 +172,11 @@ mod tests {
             checkpoint_blocked: true,
             dropping: Some("disk full".into()),
             config_fallback: true,
+            ingest_socket_taken: Some("pid 7 listens on it".into()),
             ..healthy()
         };
         let h = assess(&f, G);
-        assert_eq!(h.reasons.len(), 6, "{h:?}");
+        assert_eq!(h.reasons.len(), 7, "{h:?}");
     }
 
     #[test]

@@ -46,6 +46,7 @@ impl Ingest {
             checkpoint_blocked: self.upkeep.checkpoint_blocked,
             dropping,
             config_fallback: self.source.fallback.is_some(),
+            ingest_socket_taken: self.upkeep.ingest_socket_taken.clone(),
         };
         // Judged once a maintenance pass: a pass early, so `degraded` is
         // recorded within the bound, not up to a pass after it.
