@@ -149,12 +149,15 @@ fn a_probe_scratch_file_planted_as_a_symlink_never_reaches_its_target() {
     let log_path = dir.path().join("agent.log");
     let log = std::fs::File::create(&log_path).expect("log file");
     // The scratch file is named after the agent's pid: plant it from a
-    // shell that then becomes the agent (exec keeps the pid).
+    // shell that then becomes the agent (exec keeps the pid; so does a
+    // qemu-user runner, EDGESPOOL_AGENT_RUNNER).
+    let runner = std::env::var("EDGESPOOL_AGENT_RUNNER").unwrap_or_default();
     let mut child = std::process::Command::new("/bin/sh")
         .arg("-c")
         .arg(r#"ln -s "$0" "$1/.edgespool-probe-$$" || exit 99; shift; exec "$@""#)
         .arg(&victim.path)
         .arg(dir.path())
+        .args(runner.split_whitespace())
         .arg(bin())
         .args(["run", "--config"])
         .arg(&cfg)
