@@ -7,11 +7,15 @@
 //! beside the config, or in the service's state directory when systemd
 //! gives one (`$STATE_DIRECTORY`): under `ProtectSystem=strict` the agent
 //! cannot write to `/etc`.
+//!
+//! The copy is a config the agent would run, programs and all: it is
+//! believed only when the agent wrote it (a regular file owned by root or
+//! the agent's uid that no group or other user may write,
+//! [`crate::fsguard::files::read_trusted`]); any other file there is named
+//! in a WARN and never run.
 
 use crate::config::{self, Config, ConfigError};
 use sha2::{Digest, Sha256};
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Where the last-known-good copy of `config` is kept: `<config>.last-good`
@@ -45,54 +49,43 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 /// Replace `path` with `bytes` atomically: write `<path>.tmp-<pid>`, fsync it,
 /// rename over `path`, fsync the directory. On any error the old file is
 /// untouched and the temporary file removed. The temporary file is created
-/// exclusively and never through a symlink (`O_EXCL | O_NOFOLLOW`), with the
-/// old file's mode and owner (a new file gets mode 0640).
+/// exclusively and never through a symlink (`O_EXCL | O_NOFOLLOW`) and is
+/// the agent's own: never the old file's owner. Mode 0640; an old file of
+/// the agent's own keeps its group and, at most, its group-read bit
+/// ([`crate::fsguard::files::replace`]).
+///
+/// Errors: the directory is not writable, the disk is full, a symlink sits
+/// at the temporary name.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp-{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let old = std::fs::metadata(path).ok();
-    // A stale temporary file from a killed run is ours to replace.
-    if std::fs::symlink_metadata(&tmp).is_ok_and(|m| m.is_file()) {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    let res = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .mode(old.as_ref().map_or(0o640, |m| m.mode() & 0o7777))
-            .open(&tmp)?;
-        if let Some(m) = &old {
-            use std::os::unix::fs::PermissionsExt;
-            // The umask may have narrowed the mode; owner as before.
-            f.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
-            if (m.uid(), m.gid()) != (f.metadata()?.uid(), f.metadata()?.gid()) {
-                std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()))?;
-            }
-        }
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)?;
-        File::open(dir)?.sync_all()
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
+    crate::fsguard::files::replace(path, bytes, 0o640)
 }
 
-/// Keep `text` as the last-known-good copy (only when it differs).
+/// The text of the last-known-good copy of `config`, if the agent wrote it.
+///
+/// Errors: a sentence naming the copy and why it is not used (missing, not
+/// the agent's own file, not UTF-8).
+pub fn last_good_text(config: &Path) -> Result<String, String> {
+    let lg = last_good_path(config);
+    let shown = lg.display();
+    match crate::fsguard::files::read_trusted(&lg) {
+        Ok(Some(bytes)) => String::from_utf8(bytes)
+            .map_err(|e| format!("last-known-good copy {shown} is not UTF-8 text: {e}")),
+        Ok(None) => Err(format!("there is no last-known-good copy {shown}")),
+        Err(d) => Err(format!("last-known-good copy {shown} is ignored: {d}")),
+    }
+}
+
+/// Keep `text` as the last-known-good copy (only when it differs). A file
+/// there that the agent did not write is named in a WARN and replaced.
 pub fn save_last_good(config: &Path, text: &[u8]) {
     let lg = last_good_path(config);
-    if std::fs::read(&lg).is_ok_and(|old| old == text) {
-        return;
+    match crate::fsguard::files::read_trusted(&lg) {
+        Ok(Some(old)) if old == text => return,
+        Ok(_) => {}
+        Err(d) => log::warn!(
+            "last-known-good copy {} is not trusted ({d}); replacing it with the config that validated",
+            lg.display()
+        ),
     }
     match write_atomic(&lg, text) {
         Ok(()) => {}
@@ -126,8 +119,9 @@ pub struct Loaded {
 }
 
 /// Load the config at start. If the file is unusable (empty, truncated, NUL-
-/// filled, invalid), fall back to `<config>.last-good`, loudly. A good file
-/// becomes the new last-known-good copy.
+/// filled, invalid), fall back to `<config>.last-good`, loudly, if the agent
+/// wrote that copy (a copy it did not write is named in a WARN and never
+/// run). A good file becomes the new last-known-good copy.
 ///
 /// Errors: the file is unusable and there is no usable last-known-good copy.
 pub fn load_at_start(path: &Path, sets: &[String]) -> Result<Loaded, ConfigError> {
@@ -143,14 +137,23 @@ pub fn load_at_start(path: &Path, sets: &[String]) -> Result<Loaded, ConfigError
         }
         Err(e) => {
             let lg = last_good_path(path);
-            let text = std::fs::read(&lg).map_err(|_| e.clone())?;
-            let config = config::load(&lg, sets).map_err(|_| e.clone())?;
+            let text = match last_good_text(path) {
+                Ok(t) => t,
+                Err(why) => {
+                    if lg.symlink_metadata().is_ok() {
+                        log::warn!("{why}");
+                    }
+                    return Err(e);
+                }
+            };
+            let config =
+                config::parse(&text, &lg.display().to_string(), sets).map_err(|_| e.clone())?;
             Ok(Loaded {
                 config,
                 fallback: Some(format!(
                     "config invalid: {e}; running last-known-good {} (sha256 {})",
                     lg.display(),
-                    sha256_hex(&text)
+                    sha256_hex(text.as_bytes())
                 )),
             })
         }
@@ -247,6 +250,34 @@ mod tests {
         assert!(write_atomic(&p, b"newer").is_err());
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "new");
+    }
+
+    #[test]
+    fn a_last_good_copy_the_agent_did_not_write_is_never_run() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("board.toml");
+        let lg = last_good_path(&p);
+        std::fs::write(&p, "").unwrap();
+        // Writable by others: anyone could have put programs in it.
+        std::fs::write(&lg, GOOD).unwrap();
+        std::fs::set_permissions(&lg, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(load_at_start(&p, &[]).is_err());
+        // A symlink to a good config elsewhere.
+        let elsewhere = d.path().join("elsewhere.toml");
+        std::fs::write(&elsewhere, GOOD).unwrap();
+        std::fs::remove_file(&lg).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &lg).unwrap();
+        assert!(load_at_start(&p, &[]).is_err());
+        let e = last_good_text(&p).unwrap_err();
+        assert!(e.contains("symbolic link"), "{e}");
+        // A good config replaces the link with the agent's own copy.
+        std::fs::write(&p, GOOD).unwrap();
+        load_at_start(&p, &[]).unwrap();
+        assert!(std::fs::symlink_metadata(&lg).unwrap().is_file());
+        assert_eq!(last_good_text(&p).unwrap(), GOOD);
+        std::fs::write(&p, "").unwrap();
+        assert!(load_at_start(&p, &[]).unwrap().fallback.is_some());
     }
 
     #[test]

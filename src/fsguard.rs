@@ -1,13 +1,20 @@
-//! Filesystem guards for the spool: one agent per spool, and only on a local
-//! filesystem.
+//! Filesystem guards for the spool: one agent per spool, only on a local
+//! filesystem, and only in directories nobody else can write.
 //!
 //! Its one rule: **refuse rather than risk**. WAL needs shared memory and
 //! working POSIX locks on one host (<https://www.sqlite.org/wal.html>,
 //! "Disadvantages"); NFS, SMB/CIFS, 9p and FUSE do not reliably give them
 //! (field case F05), and two agents on one spool would both publish and retire.
+//! A directory another user can write is hostile ([`dirs`]); the files the
+//! agent keeps there are created exclusively and read back only when their
+//! owner and mode say the agent wrote them ([`files`]).
+
+pub mod dirs;
+pub mod files;
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -23,19 +30,47 @@ impl SpoolLock {
     /// Take the lock next to `spool`, or fail at once naming the pid that holds it.
     ///
     /// The lock file is named after the spool's resolved path (symlinks and
-    /// `..` followed), so two spellings of one spool share one lock.
+    /// `..` followed), so two spellings of one spool share one lock. It is
+    /// opened `O_NOFOLLOW` (mode 0600 when new) and must be a regular file
+    /// owned by root or this agent: a planted symlink or another user's file
+    /// there is refused by name, never written.
+    ///
+    /// Errors: a sentence naming the lock file (or the holder's pid).
     pub fn acquire(spool: &Path) -> Result<SpoolLock, String> {
         let resolved = resolve(spool);
         let mut p = resolved.as_os_str().to_owned();
         p.push(".lock");
         let path = PathBuf::from(p);
+        let shown = path.display();
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .mode(0o600)
             .open(&path)
-            .map_err(|e| format!("cannot open lock file {}: {e}", path.display()))?;
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => format!(
+                    "lock file {shown} is a symbolic link; refusing to write through it (someone planted it? check what it points to, then rm {shown})"
+                ),
+                _ => format!("cannot open lock file {shown}: {e}"),
+            })?;
+        let meta = file
+            .metadata()
+            .map_err(|e| format!("cannot stat lock file {shown}: {e}"))?;
+        let me = files::euid();
+        if !meta.is_file() {
+            return Err(format!(
+                "lock file {shown} is not a regular file; refusing it (remove it)"
+            ));
+        }
+        if meta.uid() != 0 && meta.uid() != me {
+            return Err(format!(
+                "lock file {shown} is owned by uid {}, not by root or this agent (uid {me}); refusing it (remove it: rm {shown})",
+                meta.uid()
+            ));
+        }
         // SAFETY: flock on a file descriptor we own; no memory is shared.
         let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         if rc != 0 {
@@ -69,7 +104,11 @@ impl SpoolLock {
 pub fn holder(spool: &Path) -> Option<String> {
     let mut p = resolve(spool).into_os_string();
     p.push(".lock");
-    let mut f = File::open(PathBuf::from(p)).ok()?;
+    let mut f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(PathBuf::from(p))
+        .ok()?;
     // SAFETY: flock on a descriptor we own.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
     if rc == 0 {
@@ -187,6 +226,20 @@ mod tests {
         assert_eq!(holder(&spool), Some(std::process::id().to_string()));
         drop(lock);
         assert_eq!(holder(&spool), None);
+    }
+
+    #[test]
+    fn a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched() {
+        let d = tempfile::tempdir().unwrap();
+        let spool = d.path().join("spool.db");
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let lock = resolve(&spool).with_file_name("spool.db.lock");
+        std::os::unix::fs::symlink(&victim, &lock).unwrap();
+        let err = SpoolLock::acquire(&spool).unwrap_err();
+        assert!(err.contains("is a symbolic link"), "{err}");
+        assert!(err.contains(&lock.display().to_string()), "{err}");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     }
 
     #[test]

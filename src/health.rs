@@ -48,6 +48,8 @@ pub struct Facts {
     pub awaiting_receipt: (u64, Option<Duration>),
     /// `mqtt.receipt_timeout_secs` in receipt mode; `None` otherwise.
     pub receipt_timeout: Option<Duration>,
+    /// Another process listens on `ingest.socket`: who, and the fix.
+    pub ingest_socket_taken: Option<String>,
 }
 
 /// The verdict.
@@ -137,6 +139,9 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
             ));
         }
     }
+    if let Some(why) = &f.ingest_socket_taken {
+        reasons.push(format!("ingest socket not ours: {why}"));
+    }
     Health { reasons }
 }
 
@@ -197,6 +202,7 @@ mod tests {
             checkpoint_blocked: true,
             dropping: Some("disk full".into()),
             config_fallback: true,
+            ingest_socket_taken: Some("pid 7 listens on it".into()),
             ..healthy()
         };
         let h = assess(&f, G);

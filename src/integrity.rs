@@ -11,8 +11,16 @@
 //! asked (`run --check-spool`). A clean stop writes the stamp
 //! `<spool>.clean` (length, mtime and inode of the database file after a
 //! final checkpoint); a start removes it, so a kill or a power cut leaves
-//! none. A check that finds damage writes `<spool>.damaged` with the reason;
-//! the next open moves the file aside ([`open_spool_at`]).
+//! none. A check that finds damage writes `<spool>.damaged` with the
+//! database file's inode and the reason; the next open moves the file aside
+//! ([`open_spool_at`]).
+//!
+//! Both files sit where another user might once have planted names: they
+//! are written only through new files of the agent's
+//! ([`crate::fsguard::files::replace`]) and believed only when the agent's
+//! own (owner, mode, [`crate::fsguard::files::read_trusted`]). A marker that
+//! does not name this spool's inode is ignored, by name, and removed: a
+//! marker alone never moves a spool aside.
 
 use crate::spool::{Spool, SpoolError, SpoolOptions};
 use std::os::unix::fs::MetadataExt;
@@ -52,9 +60,9 @@ const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 /// SQLite file, or it cannot be moved aside).
 pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, OpenError> {
     let marker = damaged_marker(path);
-    let damage = match std::fs::read_to_string(&marker) {
-        Ok(reason) => reason,
-        Err(_) => match Spool::open(path, options) {
+    let damage = match believed_marker(path) {
+        Some(reason) => reason,
+        None => match Spool::open(path, options) {
             Ok(s) => return Ok(s),
             Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
             // SQLite reports some damage as a generic error (a mangled
@@ -105,9 +113,61 @@ pub fn stamp_path(db: &Path) -> PathBuf {
     suffixed(db, ".clean")
 }
 
-/// `<spool>.damaged`: written when a check found damage; holds the reason.
+/// `<spool>.damaged`: written when a check found damage; its first line
+/// names the database file's inode (`ino=<n>`), the rest is the reason.
 pub fn damaged_marker(db: &Path) -> PathBuf {
     suffixed(db, ".damaged")
+}
+
+/// The marker's first line for the spool at `db` as it is now (`ino=<n>`),
+/// or `None` when there is no file.
+fn marker_identity(db: &Path) -> Option<String> {
+    std::fs::metadata(db)
+        .ok()
+        .map(|m| format!("ino={}", m.ino()))
+}
+
+/// Write the marker for the spool at `db`: its inode, then `reason`.
+///
+/// Errors: the marker could not be written (the reason is still returned
+/// to the agent, which stops; the next start then checks again).
+pub fn write_marker(db: &Path, reason: &str) -> std::io::Result<()> {
+    let id = marker_identity(db).ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "the spool file is gone")
+    })?;
+    crate::fsguard::files::replace(
+        &damaged_marker(db),
+        format!("{id}\n{reason}").as_bytes(),
+        0o600,
+    )
+}
+
+/// The damage a marker reports for the spool at `db`, if the agent wrote
+/// it (owner and mode) for this very file (its inode). Any other marker is
+/// named in a WARN with the reason and removed; `None` either way.
+fn believed_marker(db: &Path) -> Option<String> {
+    let marker = damaged_marker(db);
+    let why = match crate::fsguard::files::read_trusted(&marker) {
+        Ok(None) => return None,
+        Ok(Some(bytes)) => {
+            let text = String::from_utf8_lossy(&bytes).into_owned();
+            let (first, reason) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+            match marker_identity(db) {
+                Some(id) if first.trim() == id => return Some(reason.trim().to_owned()),
+                Some(id) => format!(
+                    "it does not name this spool's inode ({id}): written by someone else, or for a spool since replaced"
+                ),
+                None => "there is no spool file it could be about".to_owned(),
+            }
+        }
+        Err(d) => d.to_string(),
+    };
+    log::warn!(
+        "damage marker {} is ignored: {why}; removing it (the spool is opened as it is)",
+        marker.display()
+    );
+    let _ = std::fs::remove_file(&marker);
+    None
 }
 
 fn suffixed(db: &Path, suffix: &str) -> PathBuf {
@@ -129,10 +189,21 @@ fn fingerprint(db: &Path) -> Option<String> {
 }
 
 /// Why the spool at `db` needs a check before the agent can vouch for it,
-/// or `None`. Removes the stamp: from here on the file is in use.
+/// or `None`. Removes the stamp: from here on the file is in use. A stamp
+/// the agent did not write (a symlink, another owner, a loose mode) is
+/// named in a WARN and counts as none.
 pub fn take_stamp(db: &Path) -> Option<String> {
     let stamp = stamp_path(db);
-    let stored = std::fs::read_to_string(&stamp).ok();
+    let stored = match crate::fsguard::files::read_trusted(&stamp) {
+        Ok(s) => s.map(|b| String::from_utf8_lossy(&b).into_owned()),
+        Err(d) => {
+            log::warn!(
+                "clean-stop stamp {} is ignored: {d}; removing it (the spool's integrity is checked)",
+                stamp.display()
+            );
+            None
+        }
+    };
     let _ = std::fs::remove_file(&stamp);
     let now = fingerprint(db)?; // no file yet: nothing to check
     match stored {
@@ -142,10 +213,12 @@ pub fn take_stamp(db: &Path) -> Option<String> {
     }
 }
 
-/// Record that the spool at `db` was closed cleanly, as it is now.
+/// Record that the spool at `db` was closed cleanly, as it is now (a new
+/// file of the agent's renamed over the name: a symlink planted there is
+/// replaced, never followed).
 pub fn write_stamp(db: &Path) {
     if let Some(fp) = fingerprint(db) {
-        if let Err(e) = std::fs::write(stamp_path(db), fp) {
+        if let Err(e) = crate::fsguard::files::replace(&stamp_path(db), fp.as_bytes(), 0o600) {
             log::warn!(
                 "cannot write {}: {e}; the next start checks the spool's integrity",
                 stamp_path(db).display()
@@ -229,7 +302,12 @@ pub fn spawn_check(db: PathBuf, why: String) -> Verdict {
                     return;
                 }
             };
-            let _ = std::fs::write(damaged_marker(&db), &damage);
+            if let Err(e) = write_marker(&db, &damage) {
+                log::warn!(
+                    "cannot write the damage marker {}: {e}",
+                    damaged_marker(&db).display()
+                );
+            }
             *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(damage);
         });
     if let Err(e) = spawned {
@@ -372,6 +450,50 @@ mod tests {
         let e = open_spool_at(&db, &opts).unwrap_err();
         assert!(e.to_string().contains("no such table"), "{e}");
         assert!(!moved_aside(d.path()));
+    }
+
+    fn aside_and_fresh(d: &Path, db: &Path) -> bool {
+        let opts = crate::spool::SpoolOptions::default();
+        drop(open_spool_at(db, &opts).unwrap());
+        moved_aside(d)
+    }
+
+    #[test]
+    fn only_a_marker_naming_this_spools_inode_moves_it_aside() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        drop(crate::spool::Spool::open(&db, &Default::default()).unwrap());
+        let marker = damaged_marker(&db);
+        std::fs::write(&marker, "quick_check: planted").unwrap();
+        assert!(
+            !aside_and_fresh(d.path(), &db),
+            "a marker without the inode"
+        );
+        assert!(!marker.exists(), "the ignored marker is removed");
+        std::fs::write(&marker, "ino=1\nquick_check: planted").unwrap();
+        assert!(!aside_and_fresh(d.path(), &db), "another file's inode");
+        write_marker(&db, "quick_check: page 3 is never used").unwrap();
+        assert!(aside_and_fresh(d.path(), &db), "the agent's own marker");
+        assert!(!marker.exists());
+    }
+
+    #[test]
+    fn a_stamp_planted_as_a_symlink_is_replaced_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        std::fs::write(&db, b"x").unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        std::os::unix::fs::symlink(&victim, stamp_path(&db)).unwrap();
+        write_stamp(&db);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert_eq!(take_stamp(&db), None, "the stamp written is believed");
+        std::os::unix::fs::symlink(&victim, stamp_path(&db)).unwrap();
+        assert!(
+            take_stamp(&db).is_some(),
+            "a symlinked stamp vouches for nothing"
+        );
+        assert!(std::fs::symlink_metadata(stamp_path(&db)).is_err());
     }
 
     #[test]

@@ -21,7 +21,8 @@
 //! - [`stream`]: stream names, the agent's own streams, [`stream::StreamSettings`];
 //! - [`backoff`], [`threads`], [`hex`]: capped backoff, bounded joins, hex text;
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
-//! - [`fsguard`], [`notify`]: lock file and local-filesystem check; systemd notifications;
+//! - [`fsguard`], [`notify`]: lock file, local-filesystem check, directories and files
+//!   others could write (refused, created `O_EXCL | O_NOFOLLOW`); systemd notifications;
 //! - [`ack`]: packet id ↔ row bookkeeping, pure;
 //! - [`receipts`]: the fleet's receipts and the rows waiting for one, pure;
 //! - [`batching`]: several events of one stream in one PUBLISH;

@@ -7,10 +7,13 @@
 //! and longer retry backoff from the same rules.
 //!
 //! The profile is stored as `<spool dir>/storage-profile.json` and measured
-//! again when the device or filesystem under the spool changes.
+//! again when the device or filesystem under the spool changes. A profile
+//! the agent did not write (a symlink, another owner, a mode others may
+//! write) or a damaged one (empty, NUL-filled after a power cut) is named
+//! in a WARN with the reason and measured again; the scratch file of a
+//! measurement is a new file of the agent's (`O_EXCL | O_NOFOLLOW`).
 
 use serde::{Deserialize, Serialize};
-use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -99,12 +102,8 @@ pub fn measure(dir: &Path, samples: usize, bulk_bytes: usize) -> std::io::Result
         .and_then(|v| v.parse::<u64>().ok())
         .map(Duration::from_millis);
     let path = dir.join(format!(".edgespool-probe-{}", std::process::id()));
+    let mut f = scratch_file(&path)?;
     let res = (|| {
-        let mut f = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .open(&path)?;
         let block = vec![0x5au8; 4096];
         let mut lat = Vec::with_capacity(samples);
         for _ in 0..samples.max(1) {
@@ -141,6 +140,29 @@ pub fn measure(dir: &Path, samples: usize, bulk_bytes: usize) -> std::io::Result
     })();
     let _ = std::fs::remove_file(&path);
     res
+}
+
+/// Create the probe's scratch file `path` as a new file of the agent's
+/// (mode 0600). A name already there (a stale file of an earlier process
+/// with this pid, or one planted: a symlink to a file it would overwrite)
+/// is named in a WARN, removed (the name, never what it points to) and the
+/// file created once more.
+///
+/// Errors: the file cannot be created (twice).
+fn scratch_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use crate::fsguard::files;
+    match files::create_new(path, 0o600) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            log::warn!(
+                "storage probe scratch file {} already exists ({}); removing that name and creating a new file of ours",
+                path.display(),
+                files::describe(path)
+            );
+            std::fs::remove_file(path)?;
+            files::create_new(path, 0o600)
+        }
+        other => other,
+    }
 }
 
 /// Remove probe files left by a probe that was killed (`.edgespool-probe-<pid>`,
@@ -205,16 +227,37 @@ pub fn probe_and_store(dir: &Path, samples: usize, bulk_bytes: usize) -> std::io
     Ok(profile)
 }
 
-/// The stored profile of `dir` if it still belongs to the same device and
-/// filesystem; otherwise probe again (a short probe) and store it.
+/// The stored profile of `dir` if the agent wrote it
+/// ([`crate::fsguard::files::read_trusted`]) and it still belongs to the
+/// same device and filesystem; otherwise probe again (a short probe) and
+/// store it. A profile that is there and not used is named in a WARN with
+/// the reason. `(profile, true)` when measured now.
+///
+/// Errors: the directory cannot be measured or the profile not stored.
 pub fn load_or_probe(dir: &Path) -> std::io::Result<(Profile, bool)> {
     let (device, fs_type) = identity(dir)?;
-    if let Ok(bytes) = std::fs::read(profile_path(dir)) {
-        if let Ok(p) = serde_json::from_slice::<Profile>(&bytes) {
-            if p.device == device && p.fs_type == fs_type && std::env::var_os(DELAY_ENV).is_none() {
-                return Ok((p, false));
-            }
-        }
+    let path = profile_path(dir);
+    let why = match crate::fsguard::files::read_trusted(&path) {
+        Ok(None) => None,
+        Err(d) => Some(d.to_string()),
+        Ok(Some(bytes)) => match serde_json::from_slice::<Profile>(&bytes) {
+            Err(e) => Some(format!(
+                "it is damaged (empty, NUL-filled or not a profile: {e})"
+            )),
+            // The test hook measures at every start, silently.
+            Ok(_) if std::env::var_os(DELAY_ENV).is_some() => None,
+            Ok(p) if p.device == device && p.fs_type == fs_type => return Ok((p, false)),
+            Ok(p) => Some(format!(
+                "it was measured on another device or filesystem (device {}, type {:#x}; now device {device}, type {fs_type:#x})",
+                p.device, p.fs_type
+            )),
+        },
+    };
+    if let Some(why) = why {
+        log::warn!(
+            "storage profile {} is ignored: {why}; measuring the storage again",
+            path.display()
+        );
     }
     Ok((probe_and_store(dir, 32, 4 * 1024 * 1024)?, true))
 }
@@ -301,6 +344,45 @@ mod tests {
         assert!(!dead.exists());
         assert!(mine.exists());
         assert!(other.exists());
+    }
+
+    #[test]
+    fn a_scratch_file_planted_as_a_symlink_is_replaced_and_its_target_untouched() {
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let scratch = d
+            .path()
+            .join(format!(".edgespool-probe-{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &scratch).unwrap();
+        let m = measure(d.path(), 2, 4096).unwrap();
+        assert_eq!(m.samples, 2);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert!(
+            std::fs::symlink_metadata(&scratch).is_err(),
+            "removed after"
+        );
+    }
+
+    #[test]
+    fn a_profile_the_agent_did_not_write_or_a_damaged_one_is_measured_again() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let (p, _) = load_or_probe(d.path()).unwrap();
+        let path = profile_path(d.path());
+        // Others may write it: not believed, rewritten as the agent's own.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let (q, fresh) = load_or_probe(d.path()).unwrap();
+        assert!(fresh);
+        assert_eq!(q.device, p.device);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & 0o022, 0, "{mode:o}");
+        std::fs::write(&path, [0u8; 64]).unwrap();
+        assert!(load_or_probe(d.path()).unwrap().1);
+        assert!(
+            !load_or_probe(d.path()).unwrap().1,
+            "the new one is believed"
+        );
     }
 
     #[test]

@@ -10,7 +10,10 @@
 //! Files, in the state directory (the spool's directory, never `/etc`):
 //! `config-push.toml` (the confirmed push: an overlay, or a signed whole
 //! config) and `config-push.sig` (its signature, for a signed one). Both are
-//! replaced atomically ([`crate::configfile::write_atomic`]).
+//! replaced atomically ([`crate::configfile::write_atomic`]) and believed
+//! at the next start only when the agent wrote them (owner, mode:
+//! [`crate::fsguard::files::read_trusted`]); otherwise the push is named in
+//! a WARN and the local config runs alone.
 
 use crate::config::Config;
 use crate::policy::Push;
@@ -35,12 +38,28 @@ fn sig_path(dir: &Path) -> PathBuf {
     dir.join("config-push.sig")
 }
 
-/// The confirmed push kept in `dir`, if any.
+/// The confirmed push kept in `dir`, if any and if the agent wrote it. A
+/// push file there that it did not write (a symlink, another owner, a mode
+/// others may write) or that is not UTF-8 is named in a WARN with the
+/// reason, and the push is ignored as a whole.
 pub fn load(dir: &Path) -> Option<Stored> {
-    let text = std::fs::read_to_string(text_path(dir)).ok()?;
-    let signature = std::fs::read_to_string(sig_path(dir))
-        .ok()
-        .map(|s| s.trim().to_owned());
+    let read = |p: PathBuf| -> Result<Option<String>, ()> {
+        let why = match crate::fsguard::files::read_trusted(&p) {
+            Ok(None) => return Ok(None),
+            Ok(Some(bytes)) => match String::from_utf8(bytes) {
+                Ok(t) => return Ok(Some(t)),
+                Err(e) => format!("it is not UTF-8 text: {e}"),
+            },
+            Err(d) => d.to_string(),
+        };
+        log::warn!(
+            "the stored config push {} is ignored: {why}; running the local config alone",
+            p.display()
+        );
+        Err(())
+    };
+    let text = read(text_path(dir)).ok()??;
+    let signature = read(sig_path(dir)).ok()?.map(|s| s.trim().to_owned());
     Some(Stored { text, signature })
 }
 
@@ -193,6 +212,26 @@ mod tests {
         assert_eq!(p.judge((4, 2), false, now), Verdict::Confirmed);
         let late = now + Duration::from_secs(61);
         assert_eq!(p.judge((3, 2), true, late), Verdict::Revert);
+    }
+
+    #[test]
+    fn a_push_file_others_may_write_or_planted_as_a_symlink_is_ignored() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        save(d.path(), Some(&stored("[spool]\npurge_batch_rows = 7\n"))).unwrap();
+        assert!(load(d.path()).is_some());
+        let p = d.path().join("config-push.toml");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o646)).unwrap();
+        assert_eq!(load(d.path()), None);
+        std::fs::remove_file(&p).unwrap();
+        let elsewhere = d.path().join("theirs.toml");
+        std::fs::write(&elsewhere, "[spool]\n").unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &p).unwrap();
+        assert_eq!(load(d.path()), None);
+        // A good text with a signature file the agent did not write.
+        save(d.path(), Some(&stored("x"))).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, d.path().join("config-push.sig")).unwrap();
+        assert_eq!(load(d.path()), None);
     }
 
     #[test]

@@ -164,9 +164,15 @@ impl Ingest {
     }
 
     /// Record in `agent_state` (`ingest_listeners`, shown by `status`) what
-    /// the ingest socket listens on; "off" replaces an earlier entry.
+    /// the ingest socket listens on; "off" replaces an earlier entry. A
+    /// socket another process holds becomes an `_agent` event and a health
+    /// reason for the run.
     pub(super) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
         let now = crate::envelope::wall_clock_ms().0;
+        if let Some(why) = s.conflict() {
+            self.agent_event("ingest_socket_taken", &why);
+            self.upkeep.ingest_socket_taken = Some(why);
+        }
         let had = self
             .spool
             .states()

@@ -51,6 +51,7 @@ impl Ingest {
             awaiting_receipt: self.awaiting_receipt(),
             receipt_timeout: (self.cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt)
                 .then_some(self.cfg.mqtt.receipt_timeout),
+            ingest_socket_taken: self.upkeep.ingest_socket_taken.clone(),
         };
         // Judged once a maintenance pass: a pass early, so `degraded` is
         // recorded within the bound, not up to a pass after it.

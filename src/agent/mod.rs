@@ -102,7 +102,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     // sleeps until a reading, a control request, a signal or its next deadline.
     let (ingest_tx, ingest_rx) = mpsc::channel::<IngestMsg>();
     let signals = wake_on_signals(ingest_tx.clone())?;
-    let _lock = claim_spool(&cfg)?;
+    let _lock = claim_spool(&cfg, &source.path)?;
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
     // Clients' readings wait in the channel until the ingest loop runs.
     let socket_ingest =
@@ -386,6 +386,8 @@ struct Upkeep {
     /// Wall clock and monotonic clock at start, to notice clock steps.
     wall_anchor: (i64, Instant),
     clock_step_logged: bool,
+    /// Another process listens on `ingest.socket` (the agent runs without it).
+    ingest_socket_taken: Option<String>,
 }
 impl Ingest {
     fn new(p: Parts) -> Result<Ingest, AgentError> {

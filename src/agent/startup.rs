@@ -39,23 +39,26 @@ pub(super) fn with_confirmed_push(
     let Some(stored) = crate::push::load(&spool_dir(&local)) else {
         return (local, None);
     };
-    let text_path = if source.fallback.is_some() {
-        crate::configfile::last_good_path(&source.path)
+    let (text_path, text) = if source.fallback.is_some() {
+        (
+            crate::configfile::last_good_path(&source.path),
+            crate::configfile::last_good_text(&source.path),
+        )
     } else {
-        source.path.clone()
+        let text = std::fs::read_to_string(&source.path)
+            .map_err(|e| format!("cannot read {}: {e}", source.path.display()));
+        (source.path.clone(), text)
     };
-    let composed = std::fs::read_to_string(&text_path)
-        .map_err(|e| format!("cannot read {}: {e}", text_path.display()))
-        .and_then(|text| {
-            let push = crate::policy::check(&local, &stored.text, stored.signature.as_deref())?;
-            crate::push::compose(
-                &local,
-                &text,
-                &text_path.display().to_string(),
-                &source.sets,
-                &push,
-            )
-        });
+    let composed = text.and_then(|text| {
+        let push = crate::policy::check(&local, &stored.text, stored.signature.as_deref())?;
+        crate::push::compose(
+            &local,
+            &text,
+            &text_path.display().to_string(),
+            &source.sets,
+            &push,
+        )
+    });
     let composed = composed.and_then(|cfg| kept_signed(&local, cfg, &stored));
     match composed {
         Ok(cfg) => {
@@ -153,28 +156,70 @@ pub(super) fn forward_controls(ctl: Receiver<Control>, tx: Sender<IngestMsg>) {
     }
 }
 
-/// Creates the spool's directory, takes the spool lock (held until the
-/// returned guard drops) and refuses a network filesystem.
-pub(super) fn claim_spool(cfg: &Config) -> Result<SpoolLock, AgentError> {
-    if let Some(dir) = cfg
-        .spool
-        .path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-    {
-        std::fs::create_dir_all(dir).map_err(|e| {
+/// Refuses directories another user could write or owns (the config's,
+/// the state directory, the spool's: [`crate::fsguard::dirs`]), creates the
+/// spool's directory (mode 0750), refuses a spool file another user owns or
+/// may write, takes the spool lock (held until the returned guard drops)
+/// and refuses a network filesystem.
+pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock, AgentError> {
+    use crate::fsguard::dirs::{check, Role};
+    let parent = |p: &Path| {
+        p.parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf()
+    };
+    let config_dir = parent(config_file);
+    check(Role::Config, &config_dir).map_err(AgentError::Setup)?;
+    let state_dir = parent(&crate::configfile::last_good_path(config_file));
+    if state_dir != config_dir {
+        check(Role::State, &state_dir).map_err(AgentError::Setup)?;
+    }
+    let dir = spool_dir(cfg);
+    // Judged before it is made too: a parent others can write is refused
+    // before anything is created under it.
+    check(Role::Spool, &dir).map_err(AgentError::Setup)?;
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o750)
+        .create(&dir)
+        .map_err(|e| {
             AgentError::Setup(format!(
                 "cannot create spool directory {}: {e}",
                 dir.display()
             ))
         })?;
-    }
+    check(Role::Spool, &dir).map_err(AgentError::Setup)?;
+    check_spool_file(&cfg.spool.path)?;
     let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
     warn_loose_secrets(cfg);
     warn_local_broker_pubacks(cfg);
     crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
     Ok(lock)
+}
+
+/// Refuse an existing spool file that another user owns or may write:
+/// SQLite gives its `-wal` and `-shm` the database file's owner, and
+/// whoever may write it may write rows the board then publishes as its own.
+fn check_spool_file(path: &Path) -> Result<(), AgentError> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(m) = std::fs::metadata(path) else {
+        return Ok(()); // not there yet: created by the agent
+    };
+    let me = crate::fsguard::files::euid();
+    let shown = path.display();
+    if m.uid() != 0 && m.uid() != me {
+        return Err(AgentError::Setup(format!(
+            "spool {shown} is owned by uid {}, not by root or this agent (uid {me}): chown {me} {shown} (and its -wal and -shm)",
+            m.uid()
+        )));
+    }
+    if m.is_file() && m.mode() & 0o022 != 0 {
+        return Err(AgentError::Setup(format!(
+            "spool {shown} is writable by group or others (mode {:o}): chmod go-w {shown}",
+            m.mode() & 0o7777
+        )));
+    }
+    Ok(())
 }
 
 /// The ingest thread's connection: opened (migrated if needed), the WAL

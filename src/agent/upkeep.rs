@@ -51,6 +51,7 @@ impl Upkeep {
             disk_full: false,
             wall_anchor: (wall_clock_ms().0, Instant::now()),
             clock_step_logged: false,
+            ingest_socket_taken: None,
         }
     }
 }

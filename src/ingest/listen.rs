@@ -2,11 +2,14 @@
 //! (`ingest.tcp`), one accept thread each, one thread per connection
 //! ([`super::conn`]).
 //!
-//! Its one rule: **the socket path is ours only if it is a socket**: a
-//! stale socket left by a killed agent is removed at start (after checking
-//! nobody answers on it), anything else at that path (a regular file, a
-//! directory) is an error that names it and is never deleted; the socket
-//! is removed at a clean stop only if it is still the one we created.
+//! Its one rule: **the socket path is ours only if it is a socket nobody
+//! listens on**: a stale socket left by a killed agent is removed at start
+//! (after checking nobody answers on it); a socket another process listens
+//! on is a conflict, named with that process's pid (`SO_PEERCRED`), never
+//! removed nor answered for: the agent runs without it, its health
+//! degraded; anything else at that path (a regular file, a directory) is
+//! an error that names it and is never deleted; the socket is removed at a
+//! clean stop only if it is still the one we created.
 //!
 //! Bounds: at most `ingest.max_connections` connections over both
 //! listeners; one more gets one error line and is closed. The model is the
@@ -21,6 +24,7 @@ use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -42,6 +46,16 @@ struct Running {
     unix: Option<(PathBuf, (u64, u64), JoinHandle<()>)>,
     /// The bound address (the port chosen for 0) and the accept thread.
     tcp: Option<(SocketAddr, JoinHandle<()>)>,
+    /// Another process listens on `ingest.socket`: who, and what to do.
+    conflict: Option<String>,
+}
+
+/// Why [`bind_unix`] gave no listener.
+enum BindError {
+    /// Another process listens on the path: the agent runs without it.
+    Taken(String),
+    /// Anything else: the start fails with this sentence.
+    Failed(String),
 }
 
 /// What the accept threads and connection threads share.
@@ -66,10 +80,14 @@ type OpenConn = (Stream, Option<JoinHandle<()>>);
 /// Bind the configured listeners and start their threads; readings go to
 /// `ingest`. Nothing configured: an empty [`SocketIngest`].
 ///
+/// Another process listening on the socket path is no error: it is logged
+/// (ERROR, naming its pid), the other listeners start, and
+/// [`SocketIngest::conflict`] says so.
+///
 /// Errors (a sentence naming the key and path): the socket path holds
-/// something that is not a socket, another process answers on it, its
-/// directory cannot be made, the group is unknown, the mode or group cannot
-/// be set, the TCP address cannot be bound, a thread cannot start.
+/// something that is not a socket, its directory cannot be made, the group
+/// is unknown, the mode or group cannot be set, the TCP address cannot be
+/// bound, a thread cannot start.
 pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketIngest, String> {
     if !cfg.enabled() {
         return Ok(SocketIngest::default());
@@ -87,9 +105,21 @@ pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketInge
         shared: shared.clone(),
         unix: None,
         tcp: None,
+        conflict: None,
     };
-    if let Some(path) = &cfg.socket {
-        let listener = bind_unix(path, cfg)?;
+    let bound = match &cfg.socket {
+        None => None,
+        Some(path) => match bind_unix(path, cfg) {
+            Ok(l) => Some((path, l)),
+            Err(BindError::Failed(e)) => return Err(e),
+            Err(BindError::Taken(why)) => {
+                log::error!("{why}");
+                running.conflict = Some(why);
+                None
+            }
+        },
+    };
+    if let Some((path, listener)) = bound {
         let meta = std::fs::symlink_metadata(path)
             .map_err(|e| format!("ingest.socket {}: {e}", path.display()))?;
         let (sh, tx) = (shared.clone(), ingest.clone());
@@ -134,11 +164,24 @@ impl SocketIngest {
         self.running.as_ref().map(|r| r.shared.counters.clone())
     }
 
+    /// Set when another process listens on `ingest.socket` and the agent
+    /// runs without it: who listens, and the fix.
+    pub fn conflict(&self) -> Option<String> {
+        self.running.as_ref().and_then(|r| r.conflict.clone())
+    }
+
     /// What listens, for `status` (`unix <path> (mode 660, group g), tcp
-    /// <addr>`); `None` when nothing does.
+    /// <addr>`, or `unix <path> taken by pid N (name)`); `None` when
+    /// nothing is configured.
     pub fn describe(&self) -> Option<String> {
         let r = self.running.as_ref()?;
         let mut parts = Vec::new();
+        if let (Some(path), Some(_)) = (&r.shared.cfg.socket, &r.conflict) {
+            parts.push(format!(
+                "unix {} not listening: another process holds it",
+                path.display()
+            ));
+        }
         if let Some((path, _, _)) = &r.unix {
             let group = r
                 .shared
@@ -223,23 +266,62 @@ fn shut_reads(shared: &Shared) {
     }
 }
 
+/// Who listens on the Unix socket at `path`, or `None` when nobody
+/// answers (a stale socket). Connected once: `SO_PEERCRED` on the client
+/// end gives the pid and uid of the process that called listen(2)
+/// (unix(7)); its name comes from `/proc/<pid>/comm`.
+fn who_listens(path: &Path) -> Option<String> {
+    let s = UnixStream::connect(path).ok()?;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, ours.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || cred.pid <= 0 {
+        return Some("a process (its pid is not visible here)".into());
+    }
+    let comm = std::fs::read_to_string(format!("/proc/{}/comm", cred.pid))
+        .map(|c| c.trim().to_owned())
+        .unwrap_or_else(|_| "?".into());
+    Some(format!("pid {} ({comm}, uid {})", cred.pid, cred.uid))
+}
+
 /// Bind the Unix socket at `path`: make its directory, clear a stale
-/// socket (never anything else), then set its mode and group.
-fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
+/// socket (never anything else, never one another process listens on),
+/// then set its mode and group.
+fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, BindError> {
     let shown = path.display();
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("ingest.socket: cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            BindError::Failed(format!(
+                "ingest.socket: cannot create {}: {e}",
+                dir.display()
+            ))
+        })?;
     }
+    let failed = |m: String| BindError::Failed(m);
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
-            if UnixStream::connect(path).is_ok() {
-                return Err(format!(
-                    "ingest.socket {shown}: another process is listening on it (another agent?)"
-                ));
+            if let Some(who) = who_listens(path) {
+                return Err(BindError::Taken(format!(
+                    "ingest.socket {shown}: {who} is already listening on it; the agent neither removes it nor answers for it, and runs without this socket (clients connecting there reach that process, not the agent): stop that process or choose another ingest.socket, then restart the agent"
+                )));
             }
             std::fs::remove_file(path).map_err(|e| {
-                format!("ingest.socket {shown}: cannot remove the stale socket: {e}")
+                failed(format!(
+                    "ingest.socket {shown}: cannot remove the stale socket: {e}"
+                ))
             })?;
             log::info!("ingest: removed the stale socket {shown}");
         }
@@ -253,13 +335,19 @@ fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
             } else {
                 "not a socket"
             };
-            return Err(format!(
+            return Err(failed(format!(
                 "ingest.socket {shown} exists and is {kind}, not a socket; refusing to delete it (remove it or choose another path)"
-            ));
+            )));
         }
         Err(e) if e.kind() == ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("ingest.socket {shown}: {e}")),
+        Err(e) => return Err(failed(format!("ingest.socket {shown}: {e}"))),
     }
+    bind_fresh(path, cfg).map_err(failed)
+}
+
+/// Bind at `path` (free now), then give the socket its group and mode.
+fn bind_fresh(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
+    let shown = path.display();
     // The group is looked up before bind, so a bad group leaves no socket.
     let gid = match &cfg.socket_group {
         None => None,
@@ -276,27 +364,60 @@ fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
     // needs write permission, which a 022 or 077 umask gives only the
     // owner, so the window grants nobody else anything.
     let listener = UnixListener::bind(path).map_err(|e| format!("ingest.socket {shown}: {e}"))?;
-    let finish = || -> Result<(), String> {
-        if let (Some(g), Some(gid)) = (&cfg.socket_group, gid) {
-            std::os::unix::fs::chown(path, None, Some(gid)).map_err(|e| {
-                format!("ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}")
-            })?;
-        }
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.socket_mode)).map_err(
-            |e| {
-                format!(
-                    "ingest.socket_mode: cannot set {:o} on {shown}: {e}",
-                    cfg.socket_mode
-                )
-            },
-        )
-    };
-    if let Err(e) = finish() {
+    if let Err(e) = set_group_and_mode(path, cfg, gid) {
         // Never leave a socket behind with the umask's mode.
         let _ = std::fs::remove_file(path);
         return Err(e);
     }
     Ok(listener)
+}
+
+/// Give the socket file at `path` its group and mode without following a
+/// symlink: the name is opened `O_PATH | O_NOFOLLOW`, must be a socket, and
+/// is changed through that descriptor (`fchownat(AT_EMPTY_PATH)`, chmod
+/// through `/proc/self/fd`), so a name swapped for a symlink in between
+/// cannot make the agent chmod another file.
+fn set_group_and_mode(path: &Path, cfg: &IngestConfig, gid: Option<u32>) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let shown = path.display();
+    let fd = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| format!("ingest.socket {shown}: {e}"))?;
+    let is_socket = fd.metadata().is_ok_and(|m| m.file_type().is_socket());
+    if !is_socket {
+        return Err(format!(
+            "ingest.socket {shown} was replaced by something that is not a socket right after the bind; refusing to touch it"
+        ));
+    }
+    if let (Some(g), Some(gid)) = (&cfg.socket_group, gid) {
+        // SAFETY: fchownat on a descriptor we own with an empty C string.
+        let rc = unsafe {
+            libc::fchownat(
+                fd.as_raw_fd(),
+                c"".as_ptr(),
+                u32::MAX,
+                gid,
+                libc::AT_EMPTY_PATH,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!(
+                "ingest.socket_group {g:?}: cannot give {shown} to gid {gid}: {e}"
+            ));
+        }
+    }
+    let proc_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    std::fs::set_permissions(&proc_path, std::fs::Permissions::from_mode(cfg.socket_mode)).map_err(
+        |e| {
+            format!(
+                "ingest.socket_mode: cannot set {:o} on {shown}: {e}",
+                cfg.socket_mode
+            )
+        },
+    )
 }
 
 /// An accept thread: until the stop flag, admit each connection or refuse
@@ -402,5 +523,24 @@ fn stream_set_timeouts(s: &Stream) -> std::io::Result<()> {
             t.set_write_timeout(Some(Duration::from_millis(500)))?;
             t.set_read_timeout(Some(Duration::from_millis(20)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_process_listening_on_a_socket_is_named_by_pid_and_a_stale_one_by_none() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("s.sock");
+        let l = UnixListener::bind(&p).unwrap();
+        let who = who_listens(&p).unwrap();
+        assert!(
+            who.starts_with(&format!("pid {} (", std::process::id())),
+            "{who}"
+        );
+        drop(l);
+        assert_eq!(who_listens(&p), None, "nobody answers a stale socket");
     }
 }

@@ -12,6 +12,7 @@ mod config;
 mod delivery;
 mod faults;
 mod health;
+mod hostile_dirs;
 mod ingest;
 mod metrics;
 mod mqtt5;

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-/// A small tmpfs mounted for one test (the tests run as root, as CI does).
+/// A small tmpfs mounted for one test (the tests run as root, as CI does),
+/// mode 0755: a tmpfs's root is 1777 by default, and the agent refuses a
+/// spool directory others can write, sticky or not.
 pub(crate) struct SmallFs {
     pub(crate) dir: PathBuf,
 }
@@ -21,7 +23,13 @@ impl SmallFs {
         let dir = parent.join("small-fs");
         std::fs::create_dir_all(&dir).expect("mkdir");
         let st = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
             .arg(&dir)
             .status()
             .expect("run mount");
