@@ -206,7 +206,7 @@ mod tests {
             ..healthy()
         };
         let h = assess(&f, G);
-        assert_eq!(h.reasons.len(), 7, "{h:?}");
+        assert_eq!(h.reasons.len(), 8, "{h:?}");
     }
 
     #[test]
