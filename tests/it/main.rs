@@ -23,6 +23,7 @@ mod priority;
 mod refusals;
 mod replay;
 mod sink_batches;
+mod sink_identity;
 mod spool;
 mod standalone;
 mod storage;
