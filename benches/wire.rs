@@ -298,7 +298,8 @@ fn wire_run(
 ) -> Wire {
     let dir = base.join(format!("{}-{rate}", f.name));
     std::fs::create_dir_all(&dir).expect("run dir");
-    let prefix = format!("wire/{}-{rate}", f.name);
+    // Ends with the device id: the sink takes the device from the topic.
+    let prefix = format!("wire/{}-{rate}/wire-bench", f.name);
     let sink = Sink::start(agent, port, &prefix, &dir);
     let proxy = Proxy::start(port);
     let cfg = config(&dir, proxy.port, f, &prefix);

@@ -120,7 +120,8 @@ fn main() {
         dir.path().display()
     ));
     let proxy = Proxy::start(broker.port());
-    let prefix = format!("rig/{}", support::unique_suffix());
+    // Ends with the device id: the sink takes the device from the topic.
+    let prefix = format!("rig/{}/rig-board", support::unique_suffix());
     let sink_db = dir.path().join("sink.db");
     let mut sink = start_sink(broker.port(), &prefix, &sink_db, dir.path());
     std::thread::sleep(Duration::from_millis(500));

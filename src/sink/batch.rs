@@ -1,12 +1,18 @@
 //! What a batch is and what became of each delivery in it.
 //!
 //! Pure: no I/O, time passed in. Its one rule: within a batch and against
-//! the store, the first delivery of an event id is stored and every later one
-//! is compared by digest, never written over the first (I3 at the consumer).
+//! the store, the first delivery of an event id of a device is stored and
+//! every later one is compared by digest, never written over the first (I3
+//! at the consumer). The device is the one the topic names
+//! ([`super::identity`]): two devices never share a row, whatever ids they
+//! choose.
 
 use super::message::{Event, Unreadable};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
+
+/// What an event is stored under: (device id, event id).
+pub type Key = (String, String);
 
 /// One delivery in a batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -15,76 +21,100 @@ pub struct Item {
     pub topic: String,
     /// The bytes as delivered.
     pub payload: Vec<u8>,
-    /// The envelope, or why it is not one (kept aside and counted).
+    /// The envelope, or why it is not one of its topic's device and stream
+    /// (kept aside and counted).
     pub read: Result<Event, Unreadable>,
 }
 
 impl Item {
-    /// Read a delivery.
+    /// Read a delivery: decode it, then check its identity against the
+    /// topic ([`super::identity::check`]).
     pub fn new(topic: &str, payload: &[u8]) -> Item {
+        let read = super::message::decode(payload)
+            .and_then(|e| super::identity::check(topic, &e).map(|()| e));
         Item {
             topic: topic.to_owned(),
             payload: payload.to_vec(),
-            read: super::message::decode(payload),
+            read,
         }
     }
+}
+
+/// The key of an event.
+pub fn key(e: &Event) -> Key {
+    (e.device_id.clone(), e.event_id.clone())
 }
 
 /// What became of one delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fate {
-    /// The first delivery of its event id: its row was inserted by this batch.
+    /// The first delivery of its key: its row was inserted by this batch.
     First,
-    /// Its event id is stored with the same digest.
+    /// Its key is stored with the same digest.
     Duplicate,
-    /// Its event id is stored with another digest.
+    /// Its key is stored with another digest.
     Mismatch,
     /// Not an envelope.
     Unreadable,
+    /// An envelope of another device or stream than its topic's.
+    Forged,
 }
 
-/// Indices of the first delivery of each event id in `items`, ordered by
-/// event id. The order is the lock order of the insert: two sinks inserting
-/// overlapping ids in different orders could deadlock each other.
+impl Fate {
+    /// Whether the store now holds the delivery's row with its bytes: what
+    /// a receipt may say.
+    pub fn held(self) -> bool {
+        matches!(self, Fate::First | Fate::Duplicate)
+    }
+}
+
+/// Indices of the first delivery of each key in `items`, ordered by key.
+/// The order is the lock order of the insert: two sinks inserting
+/// overlapping keys in different orders could deadlock each other.
 pub fn candidates(items: &[Item]) -> Vec<usize> {
     let mut seen = HashSet::new();
     let mut out: Vec<usize> = items
         .iter()
         .enumerate()
         .filter_map(|(i, it)| match &it.read {
-            Ok(e) if seen.insert(e.event_id.as_str()) => Some(i),
+            Ok(e) if seen.insert((e.device_id.as_str(), e.event_id.as_str())) => Some(i),
             _ => None,
         })
         .collect();
-    out.sort_by(|&a, &b| event_id(&items[a]).cmp(event_id(&items[b])));
+    out.sort_by(|&a, &b| sort_key(&items[a]).cmp(&sort_key(&items[b])));
     out
 }
 
-fn event_id(it: &Item) -> &str {
-    it.read.as_ref().map(|e| e.event_id.as_str()).unwrap_or("")
+fn sort_key(it: &Item) -> (&str, &str) {
+    it.read
+        .as_ref()
+        .map(|e| (e.device_id.as_str(), e.event_id.as_str()))
+        .unwrap_or(("", ""))
 }
 
-/// The fate of every item, in order. `inserted`: the ids whose row this
-/// batch's insert created; `stored`: the digest stored for every event id of
+/// The fate of every item, in order. `inserted`: the keys whose row this
+/// batch's insert created; `stored`: the digest stored for every key of
 /// the batch after the insert (inserted or found).
 ///
-/// An id missing from `stored` (which a correct caller never produces) is a
+/// A key missing from `stored` (which a correct caller never produces) is a
 /// mismatch: it is kept aside rather than assumed equal.
 pub fn classify(
     items: &[Item],
-    inserted: &HashSet<String>,
-    stored: &HashMap<String, [u8; 32]>,
+    inserted: &HashSet<Key>,
+    stored: &HashMap<Key, [u8; 32]>,
 ) -> Vec<Fate> {
-    let mut claimed: HashSet<&str> = HashSet::new();
+    let mut claimed: HashSet<Key> = HashSet::new();
     items
         .iter()
         .map(|it| match &it.read {
+            Err(Unreadable::Forged(_)) => Fate::Forged,
             Err(_) => Fate::Unreadable,
             Ok(e) => {
-                let id = e.event_id.as_str();
-                if inserted.contains(id) && claimed.insert(id) {
+                let k = key(e);
+                if inserted.contains(&k) && !claimed.contains(&k) {
+                    claimed.insert(k);
                     Fate::First
-                } else if stored.get(id) == Some(&e.digest) {
+                } else if stored.get(&k) == Some(&e.digest) {
                     Fate::Duplicate
                 } else {
                     Fate::Mismatch
@@ -141,12 +171,16 @@ mod tests {
     use crate::sink::message::digest;
 
     fn ev(id: &str, payload: &[u8]) -> Item {
+        ev_of("d", id, payload)
+    }
+
+    fn ev_of(device: &str, id: &str, payload: &[u8]) -> Item {
         Item {
-            topic: "t".into(),
+            topic: format!("p/{device}/events/s"),
             payload: payload.to_vec(),
             read: Ok(Event {
                 event_id: id.into(),
-                device_id: "d".into(),
+                device_id: device.into(),
                 stream: "s".into(),
                 seq: 1,
                 ts_ms: 0,
@@ -155,6 +189,10 @@ mod tests {
                 digest: digest(payload),
             }),
         }
+    }
+
+    fn k(id: &str) -> Key {
+        ("d".to_owned(), id.to_owned())
     }
 
     #[test]
@@ -166,8 +204,8 @@ mod tests {
     #[test]
     fn a_repeat_in_the_same_batch_is_a_duplicate_or_a_mismatch() {
         let items = vec![ev("a", b"1"), ev("a", b"1"), ev("a", b"x")];
-        let inserted = HashSet::from(["a".to_owned()]);
-        let stored = HashMap::from([("a".to_owned(), digest(b"1"))]);
+        let inserted = HashSet::from([k("a")]);
+        let stored = HashMap::from([(k("a"), digest(b"1"))]);
         assert_eq!(
             classify(&items, &inserted, &stored),
             vec![Fate::First, Fate::Duplicate, Fate::Mismatch]
@@ -177,14 +215,42 @@ mod tests {
     #[test]
     fn an_id_stored_by_another_sink_is_never_first() {
         let items = vec![ev("a", b"1"), ev("b", b"2")];
-        let stored = HashMap::from([
-            ("a".to_owned(), digest(b"1")),
-            ("b".to_owned(), digest(b"other")),
-        ]);
+        let stored = HashMap::from([(k("a"), digest(b"1")), (k("b"), digest(b"other"))]);
         assert_eq!(
             classify(&items, &HashSet::new(), &stored),
             vec![Fate::Duplicate, Fate::Mismatch]
         );
+    }
+
+    #[test]
+    fn two_devices_with_one_event_id_are_two_events() {
+        let items = vec![ev_of("gw2", "a", b"2"), ev_of("gw1", "a", b"1")];
+        assert_eq!(candidates(&items), vec![1, 0], "ordered by (device, id)");
+        let inserted = HashSet::from([
+            ("gw1".to_owned(), "a".to_owned()),
+            ("gw2".to_owned(), "a".to_owned()),
+        ]);
+        assert_eq!(
+            classify(&items, &inserted, &HashMap::new()),
+            vec![Fate::First, Fate::First]
+        );
+    }
+
+    #[test]
+    fn a_forged_envelope_is_neither_a_candidate_nor_unreadable() {
+        let item = Item::new("p/evil/events/s", br#"{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"gw1","stream":"s","seq":1,"ts_ms":5,"clock_trusted":true}"#);
+        assert!(
+            matches!(item.read, Err(Unreadable::Forged(_))),
+            "{:?}",
+            item.read
+        );
+        let items = vec![item];
+        assert!(candidates(&items).is_empty());
+        assert_eq!(
+            classify(&items, &HashSet::new(), &HashMap::new()),
+            vec![Fate::Forged]
+        );
+        assert!(!Fate::Forged.held() && Fate::Duplicate.held() && !Fate::Mismatch.held());
     }
 
     #[test]

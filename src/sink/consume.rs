@@ -11,13 +11,22 @@
 //! starts from a new client with the same id and the persistent session, and
 //! the broker sends again every message it holds unacknowledged (§4.4),
 //! which the store then counts as a duplicate.
+//!
+//! After each commit the receipts the batch owes ([`super::outbox`]) are
+//! published at QoS 1 with `try_publish`, after that batch's PUBACKs; one
+//! the client cannot take now waits in the bounded outbox, across
+//! reconnects (what it says stays true), and at most
+//! [`super::outbox::MAX_IN_FLIGHT`] are out unacknowledged, so receipts
+//! never fill rumqttc's in-flight window that PUBACKs also wait behind.
 
 use super::batch::{BatchPolicy, Item};
+use super::outbox::Outbox;
 use super::{SinkStats, Store, StoreError};
 use rumqttc::{
     Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
     RecvTimeoutError, SubscribeFilter, SubscribeReasonCode,
 };
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -39,11 +48,16 @@ pub struct SinkOptions {
     pub batch: BatchPolicy,
     /// Interval of the summary log line.
     pub report: Duration,
+    /// Publish receipts after each commit (default on). Off for a broker
+    /// whose ACL does not let the sink write `<prefix>/receipts`: mosquitto
+    /// 2.0 closes the connection of a 3.1.1 client after a denied QoS 1
+    /// publish.
+    pub receipts: bool,
 }
 
 impl SinkOptions {
     /// Options with the default batch policy (500 deliveries, 100 ms window,
-    /// 2 ms pause) and a 10 s summary line.
+    /// 2 ms pause), a 10 s summary line, and receipts on.
     pub fn new(host: String, port: u16, filter: String, client_id: String) -> SinkOptions {
         SinkOptions {
             host,
@@ -57,6 +71,7 @@ impl SinkOptions {
                 idle: Duration::from_millis(2),
             },
             report: Duration::from_secs(10),
+            receipts: true,
         }
     }
 
@@ -100,7 +115,7 @@ enum End {
     Lost(String),
 }
 
-/// Run the sink until `stop`; returns what it stored.
+/// Run the sink until `stop`; returns what it stored and receipted.
 ///
 /// Errors: a fatal store error or a refused subscription (retrying cannot
 /// help; exit non-zero).
@@ -110,20 +125,27 @@ pub fn run<S: Store>(
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     let mut totals = SinkStats::default();
+    let mut outbox = Outbox::new();
     let mut backoff = Duration::from_millis(100);
     let mut last_report = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let (client, conn) = connect(opts);
+        outbox.new_connection();
         let began = Instant::now();
-        match session(
+        let mut s = Session {
             opts,
-            store,
-            &client,
+            client: &client,
             conn,
-            stop,
-            &mut totals,
-            &mut last_report,
-        )? {
+            pending: Vec::new(),
+            items: Vec::new(),
+            batch_bytes: 0,
+            acks: Default::default(),
+            first_at: Instant::now(),
+            last_at: Instant::now(),
+            totals: &mut totals,
+            outbox: &mut outbox,
+        };
+        match s.run(store, stop, &mut last_report)? {
             End::Stop => break,
             End::Lost(why) => {
                 log::warn!("sink: connection lost: {why}; reconnecting in {backoff:?}");
@@ -136,6 +158,8 @@ pub fn run<S: Store>(
             }
         }
     }
+    totals.receipts_dropped += outbox.take_dropped();
+    log::info!("sink: {totals}");
     Ok(totals)
 }
 
@@ -151,57 +175,113 @@ fn connect(opts: &SinkOptions) -> (Client, Connection) {
     o.set_manual_acks(true);
     o.set_keep_alive(Duration::from_secs(10));
     o.set_max_packet_size(16 << 20, 1 << 20);
-    // Room for every acknowledgement of a full batch, so `try_ack` does not
-    // find the request channel full in the common case.
-    Client::new(o, opts.batch.max.saturating_mul(2).max(64))
+    // Room for every acknowledgement of a full batch, and the receipts that
+    // follow them, so `try_ack` does not find the request channel full in
+    // the common case.
+    let cap = opts.batch.max.saturating_mul(2).max(64);
+    Client::new(o, cap.saturating_add(super::outbox::MAX_IN_FLIGHT))
 }
 
 /// One connection, from CONNECT to its loss or `stop`.
-fn session<S: Store>(
-    opts: &SinkOptions,
-    store: &mut S,
-    client: &Client,
-    mut conn: Connection,
-    stop: &AtomicBool,
-    totals: &mut SinkStats,
-    last_report: &mut Instant,
-) -> Result<End, String> {
-    let mut pending: Vec<Publish> = Vec::new();
-    let mut items: Vec<Item> = Vec::new();
-    // Payload bytes in `items`: a batch is also committed at MAX_BATCH_BYTES,
-    // so a few large messages never make one transaction too big to send.
-    let mut batch_bytes = 0usize;
-    // Committed, not yet handed to the client (its channel was full).
-    let mut acks: std::collections::VecDeque<Publish> = Default::default();
-    let (mut first_at, mut last_at) = (Instant::now(), Instant::now());
-    loop {
-        while let Some(p) = acks.front() {
-            if client.try_ack(p).is_err() {
-                break;
+struct Session<'a> {
+    opts: &'a SinkOptions,
+    client: &'a Client,
+    conn: Connection,
+    /// Deliveries of the open batch, in arrival order.
+    pending: Vec<Publish>,
+    items: Vec<Item>,
+    /// Payload bytes in `items`: a batch is also committed at
+    /// MAX_BATCH_BYTES, so a few large messages never make one transaction
+    /// too big to send.
+    batch_bytes: usize,
+    /// Committed, not yet handed to the client (its channel was full).
+    acks: VecDeque<Publish>,
+    first_at: Instant,
+    last_at: Instant,
+    totals: &'a mut SinkStats,
+    outbox: &'a mut Outbox,
+}
+
+impl Session<'_> {
+    fn run<S: Store>(
+        &mut self,
+        store: &mut S,
+        stop: &AtomicBool,
+        last_report: &mut Instant,
+    ) -> Result<End, String> {
+        loop {
+            self.hand_over();
+            if stop.load(Ordering::Relaxed) {
+                // The open batch is not acknowledged: the broker sends it again.
+                self.flush();
+                let _ = self.client.try_disconnect();
+                return Ok(End::Stop);
             }
-            acks.pop_front();
+            let wait = self.opts.batch.wait(
+                self.items.len(),
+                self.first_at.elapsed(),
+                self.last_at.elapsed(),
+                Duration::from_secs(1),
+            );
+            let got = self.conn.recv_timeout(wait);
+            if let Some(end) = self.on_event(got)? {
+                return Ok(end);
+            }
+            let full = !self.items.is_empty() && self.batch_bytes >= MAX_BATCH_BYTES;
+            let due = self.opts.batch.due(
+                self.items.len(),
+                self.first_at.elapsed(),
+                self.last_at.elapsed(),
+            );
+            if full || due {
+                if let Some(end) = self.commit(store)? {
+                    return Ok(end);
+                }
+            }
+            if last_report.elapsed() >= self.opts.report {
+                *last_report = Instant::now();
+                log::info!("sink: {}", self.totals);
+            }
         }
-        if stop.load(Ordering::Relaxed) {
-            // The open batch is not acknowledged: the broker sends it again.
-            flush_acks(client, &mut conn, &mut acks);
-            let _ = client.try_disconnect();
-            return Ok(End::Stop);
+    }
+
+    /// Hand committed PUBACKs to the client, then (only once they are all
+    /// out) receipts, while its request channel takes them.
+    fn hand_over(&mut self) {
+        while let Some(p) = self.acks.front() {
+            if self.client.try_ack(p).is_err() {
+                return;
+            }
+            self.acks.pop_front();
         }
-        let wait = opts.batch.wait(
-            items.len(),
-            first_at.elapsed(),
-            last_at.elapsed(),
-            Duration::from_secs(1),
-        );
-        match conn.recv_timeout(wait) {
+        while let Some((topic, payload)) = self.outbox.next() {
+            let (topic, payload) = (topic.to_owned(), payload.to_vec());
+            if self
+                .client
+                .try_publish(topic, QoS::AtLeastOnce, false, payload)
+                .is_err()
+            {
+                return;
+            }
+            self.outbox.sent();
+            self.totals.receipts += 1;
+        }
+    }
+
+    /// React to what the event loop gave; `Some` ends the session.
+    fn on_event(
+        &mut self,
+        got: Result<Result<Event, rumqttc::ConnectionError>, RecvTimeoutError>,
+    ) -> Result<Option<End>, String> {
+        match got {
             Ok(Ok(Event::Incoming(Incoming::ConnAck(c)))) => {
                 if c.code != ConnectReturnCode::Success {
-                    return Ok(End::Lost(format!("broker refused: {:?}", c.code)));
+                    return Ok(Some(End::Lost(format!("broker refused: {:?}", c.code))));
                 }
-                let subs = opts.subscriptions();
+                let subs = self.opts.subscriptions();
                 log::info!(
                     "sink: connected as {} (session_present {}), subscribing {}",
-                    opts.client_id,
+                    self.opts.client_id,
                     c.session_present,
                     subs.join(" ")
                 );
@@ -210,12 +290,12 @@ fn session<S: Store>(
                 let filters = subs
                     .into_iter()
                     .map(|f| SubscribeFilter::new(f, QoS::AtLeastOnce));
-                if let Err(e) = client.try_subscribe_many(filters) {
-                    return Ok(End::Lost(format!("subscribe request: {e}")));
+                if let Err(e) = self.client.try_subscribe_many(filters) {
+                    return Ok(Some(End::Lost(format!("subscribe request: {e}"))));
                 }
             }
             Ok(Ok(Event::Incoming(Incoming::SubAck(s)))) => {
-                let subs = opts.subscriptions();
+                let subs = self.opts.subscriptions();
                 // One return code per filter, in the order subscribed
                 // (MQTT 3.1.1 §3.9.3).
                 if let Some((f, _)) = subs
@@ -227,73 +307,75 @@ fn session<S: Store>(
                 }
                 log::info!("sink: subscribed {}", subs.join(" "));
             }
-            Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
-                if items.is_empty() {
-                    first_at = Instant::now();
-                }
-                last_at = Instant::now();
-                // A batched publish becomes one item per event, all in
-                // this transaction: its PUBACK waits for every one of them.
-                let new = super::unbatch::items(&p.topic, &p.payload);
-                let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
-                batch_bytes = batch_bytes.saturating_add(bytes);
-                items.extend(new);
-                pending.push(p);
-            }
+            Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => self.take(p),
+            // The broker has one of our receipts (we publish nothing else).
+            Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => self.outbox.acked(),
             Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
-            Ok(Err(e)) => return Ok(End::Lost(e.to_string())),
+            Ok(Err(e)) => return Ok(Some(End::Lost(e.to_string()))),
             Err(RecvTimeoutError::Disconnected) => {
-                return Ok(End::Lost("event loop closed".into()))
+                return Ok(Some(End::Lost("event loop closed".into())))
             }
         }
-        let full = !items.is_empty() && batch_bytes >= MAX_BATCH_BYTES;
-        if full
-            || opts
-                .batch
-                .due(items.len(), first_at.elapsed(), last_at.elapsed())
-        {
-            let now = crate::envelope::wall_clock_ms().0;
-            match store.store_batch(&items, now) {
-                Ok(s) => *totals += s,
-                Err(StoreError::Transient(e)) => return Ok(End::Lost(format!("store: {e}"))),
-                Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
-            }
-            items.clear();
-            batch_bytes = 0;
-            acks.extend(pending.drain(..));
-        }
-        if last_report.elapsed() >= opts.report {
-            *last_report = Instant::now();
-            log::info!(
-                "sink: first {} duplicates {} mismatches {} unreadable {}",
-                totals.first,
-                totals.duplicates,
-                totals.mismatches,
-                totals.unreadable
-            );
-        }
+        Ok(None)
     }
-}
 
-/// Give queued acknowledgements a moment to leave before a clean stop
-/// (one that does not go out is only a duplicate later).
-fn flush_acks(
-    client: &Client,
-    conn: &mut Connection,
-    acks: &mut std::collections::VecDeque<Publish>,
-) {
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < deadline {
-        while let Some(p) = acks.front() {
-            if client.try_ack(p).is_err() {
-                break;
-            }
-            acks.pop_front();
+    /// A delivery joins the open batch.
+    fn take(&mut self, p: Publish) {
+        if self.items.is_empty() {
+            self.first_at = Instant::now();
         }
-        match conn.recv_timeout(Duration::from_millis(50)) {
-            Err(RecvTimeoutError::Timeout) if acks.is_empty() => return,
-            Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => return,
-            _ => {}
+        self.last_at = Instant::now();
+        // A batched publish becomes one item per event, all in this
+        // transaction: its PUBACK waits for every one of them.
+        let new = super::unbatch::items(&p.topic, &p.payload);
+        let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
+        self.batch_bytes = self.batch_bytes.saturating_add(bytes);
+        self.items.extend(new);
+        self.pending.push(p);
+    }
+
+    /// Store the open batch; once committed, its PUBACKs and then its
+    /// receipts are queued. `Some` ends the session (the store is lost).
+    fn commit<S: Store>(&mut self, store: &mut S) -> Result<Option<End>, String> {
+        let now = crate::envelope::wall_clock_ms().0;
+        let stored = match store.commit(&self.items, now) {
+            Ok(s) => s,
+            Err(StoreError::Transient(e)) => return Ok(Some(End::Lost(format!("store: {e}")))),
+            Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
+        };
+        *self.totals += stored.stats;
+        let owed = match self.opts.receipts {
+            true => super::outbox::owed(&self.items, &stored.fates),
+            false => Vec::new(),
+        };
+        for (topic, payload) in owed {
+            // Built from a topic a PUBLISH came on: always valid; checked
+            // so that one that is not can never block the outbox.
+            if rumqttc::valid_topic(&topic) {
+                self.outbox.push(topic, payload);
+            }
+        }
+        self.totals.receipts_dropped += self.outbox.take_dropped();
+        self.items.clear();
+        self.batch_bytes = 0;
+        self.acks.extend(self.pending.drain(..));
+        Ok(None)
+    }
+
+    /// Give queued acknowledgements and receipts a moment to leave before a
+    /// clean stop (an acknowledgement that does not go out is only a
+    /// duplicate later, a receipt only a re-send from the agent).
+    fn flush(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            self.hand_over();
+            let idle = self.acks.is_empty() && self.outbox.is_empty();
+            match self.conn.recv_timeout(Duration::from_millis(50)) {
+                Err(RecvTimeoutError::Timeout) if idle && self.outbox.in_flight() == 0 => return,
+                Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => self.outbox.acked(),
+                Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => return,
+                _ => {}
+            }
         }
     }
 }

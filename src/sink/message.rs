@@ -29,7 +29,8 @@ pub struct Event {
     pub digest: [u8; 32],
 }
 
-/// Why a payload is not an edgespool envelope.
+/// Why a delivery cannot be stored as an event: not an edgespool envelope,
+/// or (`Forged`) an envelope of another device or stream than its topic's.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Unreadable {
     /// Neither a JSON envelope nor a postcard one. Kept aside and counted;
@@ -57,6 +58,11 @@ pub enum Unreadable {
     /// events is stored.
     #[error("unreadable batch: {0}")]
     Batch(String),
+    /// An envelope whose `device_id` or `stream` is not the one its topic
+    /// names, or a topic that names none (see [`super::identity`]): set
+    /// aside and counted as forged, never stored as an event.
+    #[error("forged: {0}")]
+    Forged(String),
 }
 
 /// The longest device id or stream name accepted: the agent's own limit on

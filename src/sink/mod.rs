@@ -7,10 +7,13 @@
 //! ```
 //!
 //! - [`message`]: payload → columns and digest (pure);
+//! - [`identity`]: the device and stream a topic names; an envelope that
+//!   claims another is forged (pure);
 //! - [`unbatch`]: a batched publish (`<prefix>/batches/...`, maybe lz4 or
 //!   zstd) into one delivery item per event (pure);
 //! - [`batch`]: what became of each delivery, and when a batch is due (pure);
-//! - [`consume`]: the MQTT session, batches, acknowledgements;
+//! - [`outbox`]: the receipts a committed batch owes its devices, queued (pure);
+//! - [`consume`]: the MQTT session, batches, acknowledgements, receipts;
 //! - [`sqlite`]: the single-machine store (rigs and tests);
 //! - `pg_schema`, `postgres`: the fleet store, its schema and migrations (feature `pg-sink`);
 //! - `stats`: `sink --stats` (feature `pg-sink` for PostgreSQL).
@@ -21,13 +24,19 @@
 //! client's session and sends it again, so a sink killed at any point loses
 //! nothing, and every event id keeps the digest of its first payload, so a
 //! second delivery is counted as a duplicate, or as a payload mismatch (which
-//! must be zero: I3) if its bytes differ. Shared subscriptions (MQTT 5
+//! must be zero: I3) if its bytes differ. Identity comes from the topic
+//! ([`identity`]), keys are (device, event id), and after each commit the
+//! devices get receipts naming what the database holds ([`outbox`]).
+//! Deliveries set aside (unreadable, forged, mismatches) go to side tables
+//! of bounded size ([`SideBounds`]). Shared subscriptions (MQTT 5
 //! §4.8.2) spread one filter over N sinks; each sink is stateless, the
 //! session lives in the broker under the sink's client id.
 
 pub mod batch;
 pub mod consume;
+pub mod identity;
 pub mod message;
+pub mod outbox;
 #[cfg(feature = "pg-sink")]
 pub mod pg_schema;
 #[cfg(feature = "pg-sink")]
@@ -52,6 +61,16 @@ pub struct SinkStats {
     pub mismatches: u64,
     /// Deliveries that were not an edgespool envelope.
     pub unreadable: u64,
+    /// Envelopes of another device or stream than their topic's (set aside).
+    pub forged: u64,
+    /// Rows dropped from a side table, oldest first, to keep it within
+    /// [`SideBounds`].
+    pub side_dropped: u64,
+    /// Receipts published (handed to the MQTT client, QoS 1).
+    pub receipts: u64,
+    /// Receipts given up because the queue they wait in was full (the agent
+    /// sends those rows again after its timeout, and gets a receipt then).
+    pub receipts_dropped: u64,
 }
 
 impl std::ops::AddAssign for SinkStats {
@@ -60,7 +79,74 @@ impl std::ops::AddAssign for SinkStats {
         self.duplicates += o.duplicates;
         self.mismatches += o.mismatches;
         self.unreadable += o.unreadable;
+        self.forged += o.forged;
+        self.side_dropped += o.side_dropped;
+        self.receipts += o.receipts;
+        self.receipts_dropped += o.receipts_dropped;
     }
+}
+
+/// The summary line's words: `first N duplicates N mismatches N unreadable
+/// N forged N side_dropped N receipts N receipts_dropped N`.
+impl std::fmt::Display for SinkStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "first {} duplicates {} mismatches {} unreadable {} forged {} side_dropped {} \
+             receipts {} receipts_dropped {}",
+            self.first,
+            self.duplicates,
+            self.mismatches,
+            self.unreadable,
+            self.forged,
+            self.side_dropped,
+            self.receipts,
+            self.receipts_dropped
+        )
+    }
+}
+
+/// How large a side table (`unreadable`, `forged`, `mismatches`) may grow:
+/// anyone with publish rights can fill one, so each has a row count and a
+/// byte bound, and the oldest rows go first (counted in `side_drops` and
+/// [`SinkStats::side_dropped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SideBounds {
+    /// Most rows kept per table.
+    pub rows: i64,
+    /// Most bytes of one payload kept (a longer one is cut there; its
+    /// digest and `payload_bytes` still describe the whole delivery).
+    pub payload_bytes: usize,
+    /// Most payload bytes kept per table, all rows.
+    pub table_bytes: i64,
+}
+
+impl Default for SideBounds {
+    /// 10,000 rows, 64 KiB per payload, 64 MiB per table.
+    fn default() -> SideBounds {
+        SideBounds {
+            rows: 10_000,
+            payload_bytes: 64 << 10,
+            table_bytes: 64 << 20,
+        }
+    }
+}
+
+impl SideBounds {
+    /// The part of `payload` a side table keeps.
+    pub fn cut<'a>(&self, payload: &'a [u8]) -> &'a [u8] {
+        &payload[..payload.len().min(self.payload_bytes)]
+    }
+}
+
+/// What a committed batch did: its counters, and the fate of each item in
+/// order (the receipts come from these).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stored {
+    /// Counters.
+    pub stats: SinkStats,
+    /// One per item, in order.
+    pub fates: Vec<batch::Fate>,
 }
 
 /// A store failure, by what the caller does.
@@ -79,9 +165,17 @@ pub enum StoreError {
 
 /// Where batches go. One transaction per call.
 pub trait Store {
-    /// Store `items` in one transaction and return what became of them.
-    /// `Ok` means committed; only then may they be acknowledged.
+    /// Store `items` in one transaction and return what became of each.
+    /// `Ok` means committed; only then may they be acknowledged, and only
+    /// the items whose fate is [`batch::Fate::held`] receipted.
     ///
     /// Errors: [`StoreError`]; nothing of the batch may be acknowledged.
-    fn store_batch(&mut self, items: &[batch::Item], now_ms: i64) -> Result<SinkStats, StoreError>;
+    fn commit(&mut self, items: &[batch::Item], now_ms: i64) -> Result<Stored, StoreError>;
+
+    /// As [`Store::commit`], the counters only.
+    ///
+    /// Errors: as [`Store::commit`].
+    fn store_batch(&mut self, items: &[batch::Item], now_ms: i64) -> Result<SinkStats, StoreError> {
+        self.commit(items, now_ms).map(|s| s.stats)
+    }
 }

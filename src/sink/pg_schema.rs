@@ -7,7 +7,7 @@
 use postgres::Client;
 
 /// Migrations in order; `schema_version` holds the numbers applied.
-const MIGRATIONS: &[(i32, &str)] = &[(1, V1)];
+const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2)];
 
 /// Version 1: events keyed by event id, and the deliveries kept aside.
 ///
@@ -63,6 +63,59 @@ CREATE TABLE unreadable (
 );
 ";
 
+/// Version 2: identity from the topic, dedup per device, bounded side tables.
+///
+/// - `events`: keyed by `(device_id, event_id)` (two devices never share a
+///   row, whatever ids they choose); `topic` is the topic the event came
+///   on (`NULL` for rows stored before version 2, whose `device_id` is the
+///   one their payload claimed).
+/// - `duplicates`: `device_id` (`NULL` before version 2).
+/// - `mismatches`: `device_id` (taken from the stored event for older
+///   rows), unique per `(device_id, event_id, digest)`; an `id` giving
+///   their age; `payload_bytes`, the delivered length (a kept payload is
+///   cut at the side-table bound, 64 KiB).
+/// - `unreadable`: `payload_bytes`, as above.
+/// - `forged`: envelopes whose `device_id` or `stream` is not the one their
+///   topic names, kept with the topic and the reason (never in `events`).
+/// - `side_drops`: rows dropped from a side table (oldest first) to keep
+///   it within its bounds, per table and sink.
+const V2: &str = "
+ALTER TABLE events ADD COLUMN topic text;
+ALTER TABLE events DROP CONSTRAINT events_pkey;
+ALTER TABLE events ADD PRIMARY KEY (device_id, event_id);
+ALTER TABLE duplicates ADD COLUMN device_id text;
+ALTER TABLE mismatches ADD COLUMN device_id text;
+UPDATE mismatches m SET device_id = e.device_id FROM events e WHERE e.event_id = m.event_id;
+UPDATE mismatches SET device_id = '' WHERE device_id IS NULL;
+ALTER TABLE mismatches ALTER COLUMN device_id SET NOT NULL;
+ALTER TABLE mismatches DROP CONSTRAINT mismatches_pkey;
+ALTER TABLE mismatches ADD COLUMN id bigserial PRIMARY KEY;
+CREATE UNIQUE INDEX mismatches_key ON mismatches (device_id, event_id, digest);
+ALTER TABLE mismatches ADD COLUMN payload_bytes bigint;
+UPDATE mismatches SET payload_bytes = octet_length(payload),
+                      payload = substring(payload FROM 1 FOR 65536);
+ALTER TABLE mismatches ALTER COLUMN payload_bytes SET NOT NULL;
+ALTER TABLE unreadable ADD COLUMN payload_bytes bigint;
+UPDATE unreadable SET payload_bytes = octet_length(payload),
+                      payload = substring(payload FROM 1 FOR 65536);
+ALTER TABLE unreadable ALTER COLUMN payload_bytes SET NOT NULL;
+CREATE TABLE forged (
+    id            bigserial PRIMARY KEY,
+    topic         text NOT NULL,
+    payload       bytea NOT NULL,
+    payload_bytes bigint NOT NULL,
+    reason        text NOT NULL,
+    received_ms   bigint NOT NULL,
+    sink          text NOT NULL
+);
+CREATE TABLE side_drops (
+    side    text NOT NULL,
+    sink    text NOT NULL,
+    dropped bigint NOT NULL,
+    PRIMARY KEY (side, sink)
+);
+";
+
 /// Any constant, the same in every sink: the key of the advisory lock.
 const MIGRATION_LOCK: i64 = 0x6564_6765_7370_6f6f; // "edgespoo"
 
@@ -75,8 +128,8 @@ pub fn latest() -> i32 {
 ///
 /// TimescaleDB: `events` stays a plain table even when the extension is
 /// present. A hypertable requires every unique index to include its time
-/// column, so `event_id` alone could no longer be the key that deduplicates;
-/// this is logged once.
+/// column, so `(device_id, event_id)` could no longer be the key that
+/// deduplicates; this is logged once.
 ///
 /// Errors: a database error, or a schema newer than this build (`Err` text
 /// names both versions: run a newer sink).
@@ -113,7 +166,7 @@ pub fn migrate(client: &mut Client) -> Result<i32, MigrateError> {
     if timescale {
         log::info!(
             "sink: TimescaleDB is installed; events stays a plain table \
-             (a hypertable cannot keep event_id alone unique)"
+             (a hypertable cannot keep (device_id, event_id) unique)"
         );
     }
     Ok(found)

@@ -1,58 +1,114 @@
 //! The sink's fleet store: PostgreSQL, through the synchronous `postgres` crate.
 //!
 //! Its one rule: a batch is one transaction, and nothing in it is written
-//! over what another delivery stored. Events go in with
-//! `INSERT .. ON CONFLICT (event_id) DO NOTHING .. RETURNING`
+//! over what another delivery stored. Events go in keyed by the device the
+//! topic names and the event id, with
+//! `INSERT .. ON CONFLICT (device_id, event_id) DO NOTHING .. RETURNING`
 //! (<https://www.postgresql.org/docs/current/sql-insert.html#SQL-ON-CONFLICT>):
 //! under READ COMMITTED a row another sink inserted but has not committed
 //! makes this insert wait for that commit, then skip the row, so two sinks
-//! holding the same event id never both count it first. Ids are inserted in
+//! holding the same event never both count it first. Keys are inserted in
 //! sorted order, the same lock order in every sink (no deadlock between
 //! overlapping batches). What was not inserted is compared by digest:
-//! duplicate or mismatch.
+//! duplicate or mismatch. What is set aside (mismatches, unreadable,
+//! forged) goes to side tables kept within [`SideBounds`], oldest first.
 
-use super::batch::{self, Fate, Item};
+use super::batch::{self, Fate, Item, Key};
 use super::pg_schema::{self, MigrateError};
 use super::pg_tls::{self, PgConnect, TlsFiles};
-use super::{SinkStats, Store, StoreError};
+use super::{SideBounds, SinkStats, Store, StoreError, Stored};
 use postgres::{Client, Transaction};
 use std::collections::{HashMap, HashSet};
 
 const INSERT_EVENTS: &str = "
 INSERT INTO events (event_id, device_id, stream, seq, ts_ms, clock_trusted,
-                    received_ms, fields, payload, digest)
+                    received_ms, fields, payload, digest, topic)
 SELECT u.id::uuid, u.device_id, u.stream, u.seq, u.ts_ms, u.clock_trusted,
-       $10, u.fields::jsonb, u.payload, u.digest
+       $10, u.fields::jsonb, u.payload, u.digest, u.topic
 FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[],
-            $6::bool[], $7::text[], $8::bytea[], $9::bytea[])
-     AS u(id, device_id, stream, seq, ts_ms, clock_trusted, fields, payload, digest)
-ON CONFLICT (event_id) DO NOTHING
-RETURNING event_id::text";
+            $6::bool[], $7::text[], $8::bytea[], $9::bytea[], $11::text[])
+     AS u(id, device_id, stream, seq, ts_ms, clock_trusted, fields, payload, digest, topic)
+ON CONFLICT (device_id, event_id) DO NOTHING
+RETURNING device_id, event_id::text";
 
-const SELECT_DIGESTS: &str =
-    "SELECT event_id::text, digest FROM events WHERE event_id = ANY($1::text[]::uuid[])";
+const SELECT_DIGESTS: &str = "
+SELECT e.device_id, e.event_id::text, e.digest
+FROM unnest($1::text[], $2::text[]) AS u(device_id, id)
+JOIN events e ON e.device_id = u.device_id AND e.event_id = u.id::uuid";
 
 const INSERT_DUPLICATES: &str = "
-INSERT INTO duplicates (event_id, received_ms, sink)
-SELECT unnest($1::text[])::uuid, $2, $3";
+INSERT INTO duplicates (device_id, event_id, received_ms, sink)
+SELECT u.device_id, u.id::uuid, $3, $4 FROM unnest($1::text[], $2::text[]) AS u(device_id, id)";
 
 const INSERT_MISMATCHES: &str = "
-INSERT INTO mismatches (event_id, digest, payload, topic, received_ms, sink)
-SELECT u.id::uuid, u.digest, u.payload, u.topic, $5, $6
-FROM unnest($1::text[], $2::bytea[], $3::bytea[], $4::text[]) AS u(id, digest, payload, topic)
-ON CONFLICT (event_id, digest) DO NOTHING
-RETURNING event_id::text, digest";
+INSERT INTO mismatches (device_id, event_id, digest, payload, payload_bytes, topic,
+                        received_ms, sink)
+SELECT u.device_id, u.id::uuid, u.digest, u.payload, u.bytes, u.topic, $7, $8
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[], $5::int8[], $6::text[])
+     AS u(device_id, id, digest, payload, bytes, topic)
+ON CONFLICT (device_id, event_id, digest) DO NOTHING
+RETURNING device_id, event_id::text, digest";
 
-const INSERT_UNREADABLE: &str = "
-INSERT INTO unreadable (topic, payload, reason, received_ms, sink)
-SELECT u.topic, u.payload, u.reason, $4, $5
-FROM unnest($1::text[], $2::bytea[], $3::text[]) AS u(topic, payload, reason)";
+const COUNT_DROPS: &str = "
+INSERT INTO side_drops (side, sink, dropped) VALUES ($1, $2, $3)
+ON CONFLICT (side, sink) DO UPDATE SET dropped = side_drops.dropped + EXCLUDED.dropped";
+
+/// A mismatch as `mismatches` keys it: (device, event id) and digest.
+type KeyDigest = (Key, Vec<u8>);
+
+/// A side table: where deliveries that are not stored as events are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Unreadable,
+    Forged,
+    Mismatches,
+}
+
+impl Side {
+    const ALL: [Side; 3] = [Side::Unreadable, Side::Forged, Side::Mismatches];
+
+    fn table(self) -> &'static str {
+        match self {
+            Side::Unreadable => "unreadable",
+            Side::Forged => "forged",
+            Side::Mismatches => "mismatches",
+        }
+    }
+}
+
+/// Drop the oldest rows of `side` beyond `b` (rows, payload bytes), count
+/// them in `side_drops`; returns how many went. One scan of a table that
+/// is at most a batch over its bounds; run only after rows were added.
+fn trim(
+    tx: &mut Transaction<'_>,
+    side: Side,
+    b: &SideBounds,
+    sink: &str,
+) -> Result<u64, postgres::Error> {
+    let t = side.table();
+    let sql = format!(
+        "DELETE FROM {t} WHERE id <= (
+             SELECT max(id) FROM (
+                 SELECT id, row_number() OVER w AS n, sum(octet_length(payload)) OVER w AS b
+                 FROM {t} WINDOW w AS (ORDER BY id DESC)
+             ) k WHERE n > $1 OR b > $2)"
+    );
+    let gone = tx.execute(sql.as_str(), &[&b.rows, &b.table_bytes])?;
+    if gone > 0 {
+        tx.execute(COUNT_DROPS, &[&t, &sink, &(gone as i64)])?;
+    }
+    Ok(gone)
+}
 
 /// A PostgreSQL connection that reconnects when lost, and the sink's name.
 pub struct PgStore {
     connect: PgConnect,
     client: Option<Client>,
     sink: String,
+    bounds: SideBounds,
+    /// Side-table rows dropped at connect (bounds applied to what an older
+    /// sink left), reported with the next batch.
+    dropped_at_connect: u64,
 }
 
 impl PgStore {
@@ -78,12 +134,21 @@ impl PgStore {
             connect,
             client: None,
             sink: sink.to_owned(),
+            bounds: SideBounds::default(),
+            dropped_at_connect: 0,
         };
         s.client()?;
         Ok(s)
     }
 
-    /// The live client, connecting (and migrating) if there is none.
+    /// Keep the side tables within `b` from now on (default:
+    /// [`SideBounds::default`]).
+    pub fn set_side_bounds(&mut self, b: SideBounds) {
+        self.bounds = b;
+    }
+
+    /// The live client, connecting (migrating, and trimming the side
+    /// tables to their bounds) if there is none.
     ///
     /// Errors: as [`PgStore::connect`].
     pub fn client(&mut self) -> Result<&mut Client, StoreError> {
@@ -96,6 +161,12 @@ impl PgStore {
                 MigrateError::Db(e) => classify(&e).into_error(e),
                 e @ MigrateError::Newer { .. } => StoreError::Fatal(e.to_string()),
             })?;
+            let dropped = trim_all(&mut c, &self.bounds, &self.sink)
+                .map_err(|e| classify(&e).into_error(e))?;
+            if dropped > 0 {
+                log::info!("sink: {dropped} side-table rows over their bounds dropped");
+            }
+            self.dropped_at_connect += dropped;
             self.client = Some(c);
         }
         self.client
@@ -105,10 +176,10 @@ impl PgStore {
 
     /// One item alone; an item the server refuses as data is kept aside in
     /// `unreadable` with the server's reason.
-    fn store_alone(&mut self, it: &Item, now_ms: i64) -> Result<SinkStats, StoreError> {
-        let sink = self.sink.clone();
+    fn store_alone(&mut self, it: &Item, now_ms: i64) -> Result<Stored, StoreError> {
+        let (sink, bounds) = (self.sink.clone(), self.bounds);
         let client = self.client()?;
-        match write_batch(client, std::slice::from_ref(it), now_ms, &sink) {
+        match write_batch(client, std::slice::from_ref(it), now_ms, &sink, &bounds) {
             Ok(s) => Ok(s),
             Err(e) if classify(&e) == Class::Data => {
                 log::warn!(
@@ -119,12 +190,22 @@ impl PgStore {
                     .transaction()
                     .map_err(|e| classify(&e).into_error(e))?;
                 let why = vec![format!("refused by PostgreSQL: {e}")];
-                insert_unreadable(&mut tx, &[it], why, now_ms, &sink)
-                    .and_then(|_| tx.commit())
+                let aside = Aside {
+                    now_ms,
+                    sink: &sink,
+                    bounds: &bounds,
+                };
+                let dropped = aside
+                    .insert(&mut tx, Side::Unreadable, &[it], why)
+                    .and_then(|d| tx.commit().map(|()| d))
                     .map_err(|e| classify(&e).into_error(e))?;
-                Ok(SinkStats {
-                    unreadable: 1,
-                    ..SinkStats::default()
+                Ok(Stored {
+                    stats: SinkStats {
+                        unreadable: 1,
+                        side_dropped: dropped,
+                        ..SinkStats::default()
+                    },
+                    fates: vec![Fate::Unreadable],
                 })
             }
             Err(e) => Err(self.fail(e)),
@@ -144,22 +225,37 @@ impl Store for PgStore {
     /// One transaction; if the server refuses the batch as data (a value it
     /// cannot hold), each item in its own transaction, so one bad delivery
     /// cannot hold back the rest nor come back forever.
-    fn store_batch(&mut self, items: &[Item], now_ms: i64) -> Result<SinkStats, StoreError> {
-        let sink = self.sink.clone();
+    fn commit(&mut self, items: &[Item], now_ms: i64) -> Result<Stored, StoreError> {
+        let (sink, bounds) = (self.sink.clone(), self.bounds);
         let client = self.client()?;
-        match write_batch(client, items, now_ms, &sink) {
-            Ok(s) => Ok(s),
+        let mut out = match write_batch(client, items, now_ms, &sink, &bounds) {
+            Ok(s) => s,
             Err(e) if classify(&e) == Class::Data => {
                 log::warn!("sink: batch refused as data ({e}); storing its items one by one");
-                let mut total = SinkStats::default();
+                let mut total = Stored::default();
                 for it in items {
-                    total += self.store_alone(it, now_ms)?;
+                    let one = self.store_alone(it, now_ms)?;
+                    total.stats += one.stats;
+                    total.fates.extend(one.fates);
                 }
-                Ok(total)
+                total
             }
-            Err(e) => Err(self.fail(e)),
-        }
+            Err(e) => return Err(self.fail(e)),
+        };
+        out.stats.side_dropped += std::mem::take(&mut self.dropped_at_connect);
+        Ok(out)
     }
+}
+
+/// Every side table within `b`, in one transaction; returns the rows dropped.
+fn trim_all(c: &mut Client, b: &SideBounds, sink: &str) -> Result<u64, postgres::Error> {
+    let mut tx = c.transaction()?;
+    let mut gone = 0;
+    for side in Side::ALL {
+        gone += trim(&mut tx, side, b, sink)?;
+    }
+    tx.commit()?;
+    Ok(gone)
 }
 
 /// What a PostgreSQL error means for the batch.
@@ -228,44 +324,53 @@ fn write_batch(
     items: &[Item],
     now_ms: i64,
     sink: &str,
-) -> Result<SinkStats, postgres::Error> {
+    bounds: &SideBounds,
+) -> Result<Stored, postgres::Error> {
     let mut tx = client.transaction()?;
     let cands = batch::candidates(items);
     let inserted = insert_events(&mut tx, items, &cands, now_ms)?;
-    let mut stored: HashMap<String, [u8; 32]> = HashMap::new();
-    let mut others = Vec::new();
+    let mut stored: HashMap<Key, [u8; 32]> = HashMap::new();
+    let (mut other_devs, mut other_ids) = (Vec::new(), Vec::new());
     for &i in &cands {
         if let Ok(e) = &items[i].read {
-            if inserted.contains(&e.event_id) {
-                stored.insert(e.event_id.clone(), e.digest);
+            let k = batch::key(e);
+            if inserted.contains(&k) {
+                stored.insert(k, e.digest);
             } else {
-                others.push(e.event_id.clone());
+                other_devs.push(e.device_id.as_str());
+                other_ids.push(e.event_id.as_str());
             }
         }
     }
-    if !others.is_empty() {
-        for row in tx.query(SELECT_DIGESTS, &[&others])? {
-            let d: Vec<u8> = row.get(1);
+    if !other_ids.is_empty() {
+        for row in tx.query(SELECT_DIGESTS, &[&other_devs, &other_ids])? {
+            let d: Vec<u8> = row.get(2);
             // A digest of another length matches nothing: a mismatch.
             if let Ok(d) = <[u8; 32]>::try_from(d.as_slice()) {
-                stored.insert(row.get(0), d);
+                stored.insert((row.get(0), row.get(1)), d);
             }
         }
     }
     let fates = batch::classify(items, &inserted, &stored);
-    let stats = keep_aside(&mut tx, items, &fates, now_ms, sink)?;
+    let aside = Aside {
+        now_ms,
+        sink,
+        bounds,
+    };
+    let stats = aside.keep(&mut tx, items, &fates)?;
     tx.commit()?;
-    Ok(stats)
+    Ok(Stored { stats, fates })
 }
 
-/// Insert the candidates (first delivery of each id, in id order); returns
-/// the ids whose row this transaction created.
+/// Insert the candidates (first delivery of each key, in key order), with
+/// the topic each came on; returns the keys whose row this transaction
+/// created.
 fn insert_events(
     tx: &mut Transaction<'_>,
     items: &[Item],
     cands: &[usize],
     now_ms: i64,
-) -> Result<HashSet<String>, postgres::Error> {
+) -> Result<HashSet<Key>, postgres::Error> {
     let n = cands.len();
     let (mut ids, mut devs, mut streams) = (
         Vec::with_capacity(n),
@@ -282,6 +387,7 @@ fn insert_events(
         Vec::with_capacity(n),
         Vec::with_capacity(n),
     );
+    let mut topics = Vec::with_capacity(n);
     for it in cands.iter().map(|&i| &items[i]) {
         if let Ok(e) = &it.read {
             ids.push(e.event_id.as_str());
@@ -293,6 +399,7 @@ fn insert_events(
             fields.push(e.fields_json.as_str());
             payloads.push(it.payload.as_slice());
             digests.push(&e.digest[..]);
+            topics.push(it.topic.as_str());
         }
     }
     if ids.is_empty() {
@@ -302,89 +409,144 @@ fn insert_events(
         INSERT_EVENTS,
         &[
             &ids, &devs, &streams, &seqs, &tss, &trusted, &fields, &payloads, &digests, &now_ms,
+            &topics,
         ],
     )?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// Record duplicates, mismatches and unreadable deliveries; count the batch.
-///
-/// A mismatch already recorded (the same id and digest, delivered again
-/// after a sink died before acknowledging it) counts as a duplicate.
-fn keep_aside(
-    tx: &mut Transaction<'_>,
-    items: &[Item],
-    fates: &[Fate],
+/// Where and when deliveries are set aside, and the bounds they are kept in.
+struct Aside<'a> {
     now_ms: i64,
-    sink: &str,
-) -> Result<SinkStats, postgres::Error> {
-    let mut s = SinkStats::default();
-    let mut dups: Vec<&str> = Vec::new();
-    let mut mism: Vec<&Item> = Vec::new();
-    let mut unread: Vec<&Item> = Vec::new();
-    for (it, fate) in items.iter().zip(fates) {
-        match (fate, &it.read) {
-            (Fate::First, _) => s.first += 1,
-            (Fate::Duplicate, Ok(e)) => dups.push(&e.event_id),
-            (Fate::Mismatch, Ok(_)) => mism.push(it),
-            _ => unread.push(it),
-        }
-    }
-    if !mism.is_empty() {
-        let (mut ids, mut ds, mut ps, mut ts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for it in &mism {
-            if let Ok(e) = &it.read {
-                ids.push(e.event_id.as_str());
-                ds.push(&e.digest[..]);
-                ps.push(it.payload.as_slice());
-                ts.push(it.topic.as_str());
+    sink: &'a str,
+    bounds: &'a SideBounds,
+}
+
+impl Aside<'_> {
+    /// Record duplicates, mismatches, unreadable and forged deliveries;
+    /// count the batch.
+    ///
+    /// A mismatch already recorded (the same key and digest, delivered
+    /// again after a sink died before acknowledging it) counts as a
+    /// duplicate.
+    fn keep(
+        &self,
+        tx: &mut Transaction<'_>,
+        items: &[Item],
+        fates: &[Fate],
+    ) -> Result<SinkStats, postgres::Error> {
+        let mut s = SinkStats::default();
+        let mut dups: Vec<&super::message::Event> = Vec::new();
+        let mut mism: Vec<&Item> = Vec::new();
+        let (mut unread, mut forged): (Vec<&Item>, Vec<&Item>) = (Vec::new(), Vec::new());
+        for (it, fate) in items.iter().zip(fates) {
+            match (fate, &it.read) {
+                (Fate::First, _) => s.first += 1,
+                (Fate::Duplicate, Ok(e)) => dups.push(e),
+                (Fate::Mismatch, Ok(_)) => mism.push(it),
+                (Fate::Forged, _) => forged.push(it),
+                _ => unread.push(it),
             }
         }
-        let mut new: HashSet<(String, Vec<u8>)> = tx
-            .query(INSERT_MISMATCHES, &[&ids, &ds, &ps, &ts, &now_ms, &sink])?
-            .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .collect();
-        for it in &mism {
-            if let Ok(e) = &it.read {
-                if new.remove(&(e.event_id.clone(), e.digest.to_vec())) {
-                    s.mismatches += 1;
-                } else {
-                    dups.push(&e.event_id);
+        if !mism.is_empty() {
+            let (mut new, dropped) = self.mismatches(tx, &mism)?;
+            s.side_dropped += dropped;
+            for it in &mism {
+                if let Ok(e) = &it.read {
+                    if new.remove(&(batch::key(e), e.digest.to_vec())) {
+                        s.mismatches += 1;
+                    } else {
+                        dups.push(e);
+                    }
                 }
             }
         }
-    }
-    if !dups.is_empty() {
-        s.duplicates += dups.len() as u64;
-        tx.execute(INSERT_DUPLICATES, &[&dups, &now_ms, &sink])?;
-    }
-    if !unread.is_empty() {
+        if !dups.is_empty() {
+            s.duplicates += dups.len() as u64;
+            let devs: Vec<&str> = dups.iter().map(|e| e.device_id.as_str()).collect();
+            let ids: Vec<&str> = dups.iter().map(|e| e.event_id.as_str()).collect();
+            tx.execute(INSERT_DUPLICATES, &[&devs, &ids, &self.now_ms, &self.sink])?;
+        }
+        for (side, list) in [(Side::Unreadable, &unread), (Side::Forged, &forged)] {
+            if list.is_empty() {
+                continue;
+            }
+            let why = list
+                .iter()
+                .map(|it| match &it.read {
+                    Err(super::message::Unreadable::Forged(w)) => w.clone(),
+                    Err(w) => w.to_string(),
+                    Ok(_) => "unreadable".to_owned(),
+                })
+                .collect();
+            s.side_dropped += self.insert(tx, side, list, why)?;
+        }
         s.unreadable += unread.len() as u64;
-        let why = unread
-            .iter()
-            .map(|it| match &it.read {
-                Err(w) => w.to_string(),
-                Ok(_) => "unreadable".to_owned(),
-            })
-            .collect();
-        insert_unreadable(tx, &unread, why, now_ms, sink)?;
+        s.forged += forged.len() as u64;
+        Ok(s)
     }
-    Ok(s)
-}
 
-fn insert_unreadable(
-    tx: &mut Transaction<'_>,
-    items: &[&Item],
-    why: Vec<String>,
-    now_ms: i64,
-    sink: &str,
-) -> Result<(), postgres::Error> {
-    let topics: Vec<&str> = items.iter().map(|it| it.topic.as_str()).collect();
-    let payloads: Vec<&[u8]> = items.iter().map(|it| it.payload.as_slice()).collect();
-    tx.execute(
-        INSERT_UNREADABLE,
-        &[&topics, &payloads, &why, &now_ms, &sink],
-    )?;
-    Ok(())
+    /// Insert mismatches (cut to the bounds); returns the (key, digest)
+    /// pairs new to the table and the rows the trim dropped.
+    fn mismatches(
+        &self,
+        tx: &mut Transaction<'_>,
+        mism: &[&Item],
+    ) -> Result<(HashSet<KeyDigest>, u64), postgres::Error> {
+        let (mut devs, mut ids, mut ds) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ps, mut lens, mut ts) = (Vec::new(), Vec::new(), Vec::new());
+        for it in mism {
+            if let Ok(e) = &it.read {
+                devs.push(e.device_id.as_str());
+                ids.push(e.event_id.as_str());
+                ds.push(&e.digest[..]);
+                ps.push(self.bounds.cut(&it.payload));
+                lens.push(it.payload.len() as i64);
+                ts.push(it.topic.as_str());
+            }
+        }
+        let new: HashSet<KeyDigest> = tx
+            .query(
+                INSERT_MISMATCHES,
+                &[&devs, &ids, &ds, &ps, &lens, &ts, &self.now_ms, &self.sink],
+            )?
+            .iter()
+            .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+            .collect();
+        let dropped = if new.is_empty() {
+            0
+        } else {
+            trim(tx, Side::Mismatches, self.bounds, self.sink)?
+        };
+        Ok((new, dropped))
+    }
+
+    /// Keep `items` in `side` (unreadable or forged) with their reasons,
+    /// payloads cut to the bounds; returns the rows the trim dropped.
+    fn insert(
+        &self,
+        tx: &mut Transaction<'_>,
+        side: Side,
+        items: &[&Item],
+        why: Vec<String>,
+    ) -> Result<u64, postgres::Error> {
+        let topics: Vec<&str> = items.iter().map(|it| it.topic.as_str()).collect();
+        let payloads: Vec<&[u8]> = items
+            .iter()
+            .map(|it| self.bounds.cut(&it.payload))
+            .collect();
+        let lens: Vec<i64> = items.iter().map(|it| it.payload.len() as i64).collect();
+        let sql = format!(
+            "INSERT INTO {} (topic, payload, payload_bytes, reason, received_ms, sink)
+             SELECT u.topic, u.payload, u.bytes, u.reason, $5, $6
+             FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::text[])
+                  AS u(topic, payload, bytes, reason)",
+            side.table()
+        );
+        tx.execute(
+            sql.as_str(),
+            &[&topics, &payloads, &lens, &why, &self.now_ms, &self.sink],
+        )?;
+        trim(tx, side, self.bounds, self.sink)
+    }
 }

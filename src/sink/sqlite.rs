@@ -1,65 +1,127 @@
 //! The sink's single-machine store: one SQLite file (rigs and tests).
 //!
-//! Stores each event keyed by event id with `INSERT .. ON CONFLICT DO
-//! NOTHING`; every event id keeps the digest of its first payload, so a
+//! Stores each event keyed by (device id, event id), the device being the
+//! one its topic names ([`super::identity`]), with `INSERT .. ON CONFLICT
+//! DO NOTHING`; every key keeps the digest of its first payload, so a
 //! second delivery is counted as a duplicate, or as a payload mismatch (kept
-//! in `mismatches`, never written over the first) if its bytes differ.
+//! in `mismatches`, never written over the first) if its bytes differ. An
+//! envelope claiming another device or stream than its topic's is kept in
+//! `forged`. Its one rule: the schema is changed only by [`migrate`], one
+//! version at a time (`PRAGMA user_version`), forward only, in the
+//! transaction that records it.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 use std::time::Duration;
 
-use super::batch::Item;
-use super::{SinkStats, Store, StoreError};
+use super::batch::{Fate, Item};
+use super::message::Unreadable;
+use super::{SideBounds, SinkStats, Store, StoreError, Stored};
 
-const SCHEMA: &str = "
-PRAGMA journal_mode = WAL;
-CREATE TABLE IF NOT EXISTS received (
-    event_id   TEXT PRIMARY KEY,
+/// The schema version this build writes (`PRAGMA user_version`). Version
+/// 1 is the file of older sinks, which had no version: `received` keyed
+/// by event id alone, `mismatches` without device or topic.
+pub const VERSION: i32 = 2;
+
+/// Version 2, created whole in a new file.
+const SCHEMA_V2: &str = "
+CREATE TABLE received (
+    device_id  TEXT NOT NULL,
+    event_id   TEXT NOT NULL,
+    stream     TEXT NOT NULL,
     topic      TEXT NOT NULL,
     digest     BLOB NOT NULL,
     payload    BLOB NOT NULL,
     ts_ms      INTEGER,
     first_ms   INTEGER NOT NULL,
-    deliveries INTEGER NOT NULL DEFAULT 1
+    deliveries INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (device_id, event_id)
 );
-CREATE TABLE IF NOT EXISTS mismatches (
-    event_id TEXT NOT NULL,
-    digest   BLOB NOT NULL,
-    payload  BLOB NOT NULL,
-    at_ms    INTEGER NOT NULL
+CREATE INDEX received_event ON received (event_id);
+CREATE TABLE mismatches (
+    device_id     TEXT NOT NULL,
+    event_id      TEXT NOT NULL,
+    digest        BLOB NOT NULL,
+    payload       BLOB NOT NULL,
+    payload_bytes INTEGER NOT NULL,
+    topic         TEXT NOT NULL,
+    at_ms         INTEGER NOT NULL
 );
+CREATE TABLE forged (
+    topic         TEXT NOT NULL,
+    payload       BLOB NOT NULL,
+    payload_bytes INTEGER NOT NULL,
+    reason        TEXT NOT NULL,
+    at_ms         INTEGER NOT NULL
+);
+CREATE TABLE side_drops (
+    side    TEXT PRIMARY KEY,
+    dropped INTEGER NOT NULL
+);
+PRAGMA user_version = 2;
 ";
+
+/// Why the sink's file cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// SQLite said no.
+    #[error(transparent)]
+    Db(#[from] rusqlite::Error),
+    /// A file written by a newer sink: run that version.
+    #[error(
+        "schema version {found} is newer than this sink knows ({known}); run a newer edgespool"
+    )]
+    Newer {
+        /// `user_version` in the file.
+        found: i32,
+        /// [`VERSION`].
+        known: i32,
+    },
+}
 
 /// The sink's store.
 pub struct SinkDb {
     conn: Connection,
+    bounds: SideBounds,
     /// Counters so far.
     pub stats: SinkStats,
 }
 
 impl SinkDb {
-    /// Open (create) the sink's SQLite file.
-    pub fn open(path: &Path) -> rusqlite::Result<SinkDb> {
-        let conn = Connection::open(path)?;
+    /// Open (create, or migrate to [`VERSION`]) the sink's SQLite file.
+    ///
+    /// Errors: SQLite's, or a file of a newer schema.
+    pub fn open(path: &Path) -> Result<SinkDb, OpenError> {
+        let mut conn = Connection::open(path)?;
         conn.busy_timeout(Duration::from_secs(5))?;
-        conn.execute_batch(SCHEMA)?;
+        conn.execute_batch("PRAGMA journal_mode = WAL;")?;
+        let bounds = SideBounds::default();
+        migrate(&mut conn, &bounds)?;
         Ok(SinkDb {
             conn,
+            bounds,
             stats: SinkStats::default(),
         })
     }
 
+    /// Keep the side tables within `b` from now on.
+    pub fn set_side_bounds(&mut self, b: SideBounds) {
+        self.bounds = b;
+    }
+
     /// Store one delivery in its own transaction. Returns the event id when
-    /// the payload was an edgespool envelope (JSON or postcard).
+    /// it was stored as an event (first or again).
     pub fn store(&mut self, topic: &str, payload: &[u8]) -> rusqlite::Result<Option<String>> {
         let now = crate::envelope::wall_clock_ms().0;
+        let it = Item::new(topic, payload);
         let tx = self.conn.transaction()?;
-        let (id, delta) = store_in(&tx, topic, payload, now)?;
+        let one = store_in(&tx, &it, now, &self.bounds)?;
+        let mut delta = one.stats;
+        delta.side_dropped += trim_sides(&tx, &self.bounds, one.side)?;
         tx.commit()?;
         self.stats += delta;
-        Ok(id)
+        Ok(one.event_id)
     }
 
     /// The slowest first delivery: max(first receipt - reading time), ms.
@@ -70,12 +132,12 @@ impl SinkDb {
             })
     }
 
-    /// Whether `event_id` was received, with its payload digest.
-    pub fn digest_of(&self, event_id: &str) -> rusqlite::Result<Option<Vec<u8>>> {
+    /// Whether `event_id` of `device_id` was received, with its payload digest.
+    pub fn digest_of(&self, device_id: &str, event_id: &str) -> rusqlite::Result<Option<Vec<u8>>> {
         self.conn
             .query_row(
-                "SELECT digest FROM received WHERE event_id = ?1",
-                params![event_id],
+                "SELECT digest FROM received WHERE device_id = ?1 AND event_id = ?2",
+                params![device_id, event_id],
                 |r| r.get(0),
             )
             .optional()
@@ -85,74 +147,279 @@ impl SinkDb {
 impl Store for SinkDb {
     /// One `IMMEDIATE` transaction for the batch. Every error is fatal: a
     /// file the sink cannot write will not heal by retrying.
-    fn store_batch(&mut self, items: &[Item], now_ms: i64) -> Result<SinkStats, StoreError> {
+    fn commit(&mut self, items: &[Item], now_ms: i64) -> Result<Stored, StoreError> {
         let fatal = |e: rusqlite::Error| StoreError::Fatal(format!("sink database: {e}"));
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
             .map_err(fatal)?;
-        let mut delta = SinkStats::default();
+        let mut out = Stored::default();
+        let mut sides = Sides::default();
         for it in items {
-            // A batch that could not be unpacked: its bytes are no envelope,
-            // whatever they happen to parse as.
-            if let Err(super::message::Unreadable::Batch(_)) = &it.read {
-                delta.unreadable += 1;
-                continue;
-            }
-            delta += store_in(&tx, &it.topic, &it.payload, now_ms)
-                .map_err(fatal)?
-                .1;
+            let one = store_in(&tx, it, now_ms, &self.bounds).map_err(fatal)?;
+            out.stats += one.stats;
+            out.fates.push(one.fate);
+            sides.add(one.side);
         }
+        out.stats.side_dropped += trim_sides(&tx, &self.bounds, sides).map_err(fatal)?;
         tx.commit().map_err(fatal)?;
-        self.stats += delta;
-        Ok(delta)
+        self.stats += out.stats;
+        Ok(out)
     }
 }
 
-/// Store one delivery inside `tx`: its event id (if an envelope) and what
-/// became of it.
-fn store_in(
-    tx: &rusqlite::Transaction<'_>,
-    topic: &str,
-    payload: &[u8],
-    now: i64,
-) -> rusqlite::Result<(Option<String>, SinkStats)> {
-    let mut d = SinkStats::default();
-    let Some((event_id, ts_ms)) = envelope_identity(payload) else {
-        d.unreadable = 1;
-        return Ok((None, d));
+/// Bring the file to [`VERSION`], in one `IMMEDIATE` transaction (a second
+/// sink opening the file meanwhile waits, then finds it done).
+///
+/// Errors: SQLite's, or a file of a newer schema.
+pub fn migrate(conn: &mut Connection, b: &SideBounds) -> Result<(), OpenError> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let found: i32 = tx.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if found > VERSION {
+        return Err(OpenError::Newer {
+            found,
+            known: VERSION,
+        });
+    }
+    if found < VERSION {
+        let old: bool = tx.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'received')",
+            [],
+            |r| r.get(0),
+        )?;
+        if old {
+            v1_to_v2(&tx, b)?;
+            log::info!("sink: SQLite schema migrated to version {VERSION}");
+        } else {
+            tx.execute_batch(SCHEMA_V2)?;
+        }
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// Version 1 (no version) to 2: `received` keyed by (device, event id),
+/// its device and stream taken from each row's topic (the payload's claim
+/// is not trusted; a topic naming none gives `''`); `mismatches` with the
+/// device of the stored event, payloads cut to the bound.
+fn v1_to_v2(tx: &Transaction<'_>, b: &SideBounds) -> rusqlite::Result<()> {
+    tx.execute_batch(
+        "ALTER TABLE received RENAME TO received_v1;
+         ALTER TABLE mismatches RENAME TO mismatches_v1;",
+    )?;
+    tx.execute_batch(SCHEMA_V2)?;
+    {
+        let mut read = tx.prepare(
+            "SELECT event_id, topic, digest, payload, ts_ms, first_ms, deliveries
+             FROM received_v1 ORDER BY rowid",
+        )?;
+        let mut write = tx.prepare(
+            "INSERT INTO received (device_id, event_id, stream, topic, digest, payload,
+                                   ts_ms, first_ms, deliveries)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        let mut rows = read.query([])?;
+        while let Some(r) = rows.next()? {
+            let topic: String = r.get(1)?;
+            let (device, stream) = super::identity::of_topic(&topic)
+                .map(|t| (t.device.to_owned(), t.stream.to_owned()))
+                .unwrap_or_default();
+            let (id, digest, payload): (String, Vec<u8>, Vec<u8>) =
+                (r.get(0)?, r.get(2)?, r.get(3)?);
+            let (ts, first, n): (Option<i64>, i64, i64) = (r.get(4)?, r.get(5)?, r.get(6)?);
+            write.execute(params![
+                device, id, stream, topic, digest, payload, ts, first, n
+            ])?;
+        }
+    }
+    tx.execute(
+        "INSERT INTO mismatches (device_id, event_id, digest, payload, payload_bytes, topic, at_ms)
+         SELECT coalesce((SELECT r.device_id FROM received r WHERE r.event_id = m.event_id
+                          LIMIT 1), ''),
+                m.event_id, m.digest, substr(m.payload, 1, ?1), length(m.payload), '', m.at_ms
+         FROM mismatches_v1 m ORDER BY m.rowid",
+        params![b.payload_bytes as i64],
+    )?;
+    tx.execute_batch("DROP TABLE received_v1; DROP TABLE mismatches_v1;")?;
+    trim_sides(
+        tx,
+        b,
+        Sides {
+            mismatches: true,
+            forged: false,
+        },
+    )?;
+    Ok(())
+}
+
+/// The side tables a batch added rows to.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sides {
+    mismatches: bool,
+    forged: bool,
+}
+
+impl Sides {
+    fn add(&mut self, o: Sides) {
+        self.mismatches |= o.mismatches;
+        self.forged |= o.forged;
+    }
+}
+
+/// Drop the oldest rows beyond the bounds of each side table in `sides`,
+/// counted in `side_drops`; returns how many went.
+fn trim_sides(tx: &Transaction<'_>, b: &SideBounds, sides: Sides) -> rusqlite::Result<u64> {
+    let mut gone = 0;
+    for (on, table) in [(sides.mismatches, "mismatches"), (sides.forged, "forged")] {
+        if !on {
+            continue;
+        }
+        let n = tx.execute(
+            &format!(
+                "DELETE FROM {table} WHERE rowid <= (
+                     SELECT max(r) FROM (
+                         SELECT rowid AS r, row_number() OVER w AS n,
+                                sum(length(payload)) OVER w AS b
+                         FROM {table} WINDOW w AS (ORDER BY rowid DESC)
+                     ) WHERE n > ?1 OR b > ?2)"
+            ),
+            params![b.rows, b.table_bytes],
+        )? as u64;
+        if n > 0 {
+            tx.execute(
+                "INSERT INTO side_drops (side, dropped) VALUES (?1, ?2)
+                 ON CONFLICT(side) DO UPDATE SET dropped = dropped + excluded.dropped",
+                params![table, n as i64],
+            )?;
+        }
+        gone += n;
+    }
+    Ok(gone)
+}
+
+/// What became of one delivery in [`store_in`].
+struct One {
+    event_id: Option<String>,
+    stats: SinkStats,
+    fate: Fate,
+    side: Sides,
+}
+
+impl One {
+    fn of(fate: Fate, event_id: Option<String>) -> One {
+        let mut stats = SinkStats::default();
+        match fate {
+            Fate::First => stats.first = 1,
+            Fate::Duplicate => stats.duplicates = 1,
+            Fate::Mismatch => stats.mismatches = 1,
+            Fate::Unreadable => stats.unreadable = 1,
+            Fate::Forged => stats.forged = 1,
+        }
+        let side = Sides {
+            mismatches: fate == Fate::Mismatch,
+            forged: fate == Fate::Forged,
+        };
+        One {
+            event_id,
+            stats,
+            fate,
+            side,
+        }
+    }
+}
+
+/// Store one delivery inside `tx`. This store reads envelopes leniently
+/// (an event id is enough, see [`envelope_identity`]); identity comes from
+/// the topic either way, and a device or stream the payload names must be
+/// the topic's.
+fn store_in(tx: &Transaction<'_>, it: &Item, now: i64, b: &SideBounds) -> rusqlite::Result<One> {
+    match &it.read {
+        // A batch that could not be unpacked: its bytes are no envelope,
+        // whatever they happen to parse as.
+        Err(Unreadable::Batch(_)) => return Ok(One::of(Fate::Unreadable, None)),
+        Err(Unreadable::Forged(why)) => return forged(tx, it, why, now, b),
+        _ => {}
+    }
+    let (event_id, ts_ms) = match &it.read {
+        Ok(e) => (e.event_id.clone(), Some(e.ts_ms)),
+        Err(_) => {
+            let Some(found) = envelope_identity(&it.payload) else {
+                return Ok(One::of(Fate::Unreadable, None));
+            };
+            let (dev, stream) = envelope_claims(&it.payload);
+            let claims = (dev.as_deref(), stream.as_deref());
+            if let Err(Unreadable::Forged(why)) =
+                super::identity::check_claims(&it.topic, claims.0, claims.1)
+            {
+                return forged(tx, it, &why, now, b);
+            }
+            found
+        }
     };
-    let digest = Sha256::digest(payload).to_vec();
+    let Some(t) = super::identity::of_topic(&it.topic) else {
+        return forged(tx, it, "topic names no device and stream", now, b);
+    };
+    let digest = Sha256::digest(&it.payload).to_vec();
     let inserted = tx.execute(
-        "INSERT INTO received (event_id, topic, digest, payload, ts_ms, first_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT(event_id) DO NOTHING",
-        params![event_id, topic, digest, payload, ts_ms, now],
+        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT(device_id, event_id) DO NOTHING",
+        params![t.device, event_id, t.stream, it.topic, digest, it.payload, ts_ms, now],
     )?;
     if inserted == 1 {
-        d.first = 1;
-        return Ok((Some(event_id), d));
+        return Ok(One::of(Fate::First, Some(event_id)));
     }
+    let key = params![t.device, event_id];
     let stored: Option<Vec<u8>> = tx
         .query_row(
-            "SELECT digest FROM received WHERE event_id = ?1",
-            params![event_id],
+            "SELECT digest FROM received WHERE device_id = ?1 AND event_id = ?2",
+            key,
             |r| r.get(0),
         )
         .optional()?;
     tx.execute(
-        "UPDATE received SET deliveries = deliveries + 1 WHERE event_id = ?1",
-        params![event_id],
+        "UPDATE received SET deliveries = deliveries + 1 WHERE device_id = ?1 AND event_id = ?2",
+        key,
     )?;
     if stored.as_deref() == Some(digest.as_slice()) {
-        d.duplicates = 1;
-    } else {
-        d.mismatches = 1;
-        tx.execute(
-            "INSERT INTO mismatches (event_id, digest, payload, at_ms) VALUES (?1, ?2, ?3, ?4)",
-            params![event_id, digest, payload, now],
-        )?;
+        return Ok(One::of(Fate::Duplicate, Some(event_id)));
     }
-    Ok((Some(event_id), d))
+    tx.execute(
+        "INSERT INTO mismatches (device_id, event_id, digest, payload, payload_bytes, topic, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            t.device,
+            event_id,
+            digest,
+            b.cut(&it.payload),
+            it.payload.len() as i64,
+            it.topic,
+            now
+        ],
+    )?;
+    Ok(One::of(Fate::Mismatch, Some(event_id)))
+}
+
+/// Keep a forged delivery in `forged`, cut to the bounds.
+fn forged(
+    tx: &Transaction<'_>,
+    it: &Item,
+    why: &str,
+    now: i64,
+    b: &SideBounds,
+) -> rusqlite::Result<One> {
+    log::warn!("sink: set aside a delivery on {}: {why}", it.topic);
+    tx.execute(
+        "INSERT INTO forged (topic, payload, payload_bytes, reason, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![
+            it.topic,
+            b.cut(&it.payload),
+            it.payload.len() as i64,
+            why,
+            now
+        ],
+    )?;
+    Ok(One::of(Fate::Forged, None))
 }
 
 /// Event id and reading time of an edgespool envelope (JSON, else postcard).
@@ -168,6 +435,18 @@ pub fn envelope_identity(payload: &[u8]) -> Option<(String, Option<i64>)> {
     ))
 }
 
+/// The device id and stream an envelope names, where it names them.
+fn envelope_claims(payload: &[u8]) -> (Option<String>, Option<String>) {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) {
+        let text = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_owned);
+        return (text("device_id"), text("stream"));
+    }
+    match postcard::from_bytes::<crate::envelope::CompactEnvelope>(payload) {
+        Ok(c) => (Some(c.device_id), Some(c.stream)),
+        Err(_) => (None, None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,19 +457,94 @@ mod tests {
         let mut db = SinkDb::open(&d.path().join("sink.db")).unwrap();
         let a = br#"{"event_id":"e-1","ts_ms":5,"fields":{}}"#;
         let b = br#"{"event_id":"e-1","ts_ms":5,"fields":{"x":1}}"#;
-        assert_eq!(db.store("t", a).unwrap().as_deref(), Some("e-1"));
-        db.store("t", a).unwrap();
-        db.store("t", b).unwrap();
-        db.store("t", b"not an envelope").unwrap();
+        let t = "p/d/events/s";
+        assert_eq!(db.store(t, a).unwrap().as_deref(), Some("e-1"));
+        db.store(t, a).unwrap();
+        db.store(t, b).unwrap();
+        db.store(t, b"not an envelope").unwrap();
         assert_eq!(
             db.stats,
             SinkStats {
                 first: 1,
                 duplicates: 1,
                 mismatches: 1,
-                unreadable: 1
+                unreadable: 1,
+                ..Default::default()
             }
         );
-        assert!(db.digest_of("e-1").unwrap().is_some());
+        assert!(db.digest_of("d", "e-1").unwrap().is_some());
+    }
+
+    #[test]
+    fn identity_is_the_topics_and_keys_are_per_device() {
+        let d = tempfile::tempdir().unwrap();
+        let mut db = SinkDb::open(&d.path().join("sink.db")).unwrap();
+        let env = |dev: &str| {
+            format!(r#"{{"event_id":"e-1","device_id":"{dev}","stream":"s","ts_ms":5}}"#)
+        };
+        // gw1's event, and evil's claiming to be gw1's: set aside.
+        assert!(db
+            .store("p/gw1/events/s", env("gw1").as_bytes())
+            .unwrap()
+            .is_some());
+        assert!(db
+            .store("p/evil/events/s", env("gw1").as_bytes())
+            .unwrap()
+            .is_none());
+        // A topic naming no device, and a stream that is not the topic's.
+        assert!(db
+            .store("elsewhere", env("gw1").as_bytes())
+            .unwrap()
+            .is_none());
+        assert!(db
+            .store("p/gw1/events/t", env("gw1").as_bytes())
+            .unwrap()
+            .is_none());
+        // The same event id from evil, as evil: its own event, not a mismatch.
+        assert!(db
+            .store("p/evil/events/s", env("evil").as_bytes())
+            .unwrap()
+            .is_some());
+        assert_eq!(
+            (db.stats.first, db.stats.forged, db.stats.mismatches),
+            (2, 3, 0)
+        );
+        let n: i64 = db
+            .conn
+            .query_row("SELECT count(*) FROM forged", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 3);
+    }
+
+    #[test]
+    fn side_tables_keep_the_newest_within_their_bounds() {
+        let d = tempfile::tempdir().unwrap();
+        let mut db = SinkDb::open(&d.path().join("sink.db")).unwrap();
+        db.set_side_bounds(SideBounds {
+            rows: 5,
+            payload_bytes: 100,
+            table_bytes: 350,
+        });
+        for i in 0..20 {
+            let p = format!(
+                r#"{{"event_id":"e-{i}","device_id":"gw1","pad":"{}"}}"#,
+                "x".repeat(200)
+            );
+            db.store("p/evil/events/s", p.as_bytes()).unwrap();
+        }
+        let kept: Vec<(i64, String)> = {
+            let mut st = db
+                .conn
+                .prepare("SELECT payload_bytes, CAST(payload AS TEXT) FROM forged ORDER BY rowid")
+                .unwrap();
+            let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+            rows.map(|r| r.unwrap()).collect()
+        };
+        // 100 bytes each, 350 per table: the newest three.
+        assert_eq!(kept.len(), 3, "{kept:?}");
+        assert!(kept.iter().all(|(n, p)| *n > 200 && p.len() == 100));
+        assert!(kept[2].1.contains("e-19"), "{kept:?}");
+        assert_eq!(db.stats.side_dropped, 17);
+        assert_eq!(db.stats.forged, 20);
     }
 }

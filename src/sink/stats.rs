@@ -32,10 +32,17 @@ pub struct Report {
     pub events: i64,
     /// Deliveries of a stored event id with the same payload.
     pub duplicates: i64,
-    /// (event id, payload) pairs that differ from the stored payload.
+    /// (device, event id, payload) triples that differ from the stored
+    /// payload (ever set aside: the rows kept and those dropped).
     pub mismatches: i64,
-    /// Deliveries that were not envelopes.
+    /// Deliveries that were not envelopes (ever set aside; PostgreSQL only).
     pub unreadable: i64,
+    /// Envelopes of another device or stream than their topic's (ever set
+    /// aside).
+    pub forged: i64,
+    /// Side-table rows dropped, oldest first, to keep the tables within
+    /// their bounds (`side_drops`).
+    pub side_dropped: i64,
     /// Events first stored in the last 60 s, per second.
     pub rate_last_minute: f64,
     /// Events per second between the first and last first receipt.
@@ -72,8 +79,17 @@ pub fn render(r: &Report) -> String {
     }
     let _ = writeln!(
         out,
-        "\nevents {}  duplicates {}  mismatches {}  unreadable {}",
-        r.events, r.duplicates, r.mismatches, r.unreadable
+        "\nevents {}  duplicates {}  mismatches {}  unreadable {}  forged {}",
+        r.events, r.duplicates, r.mismatches, r.unreadable, r.forged
+    );
+    let b = super::SideBounds::default();
+    let _ = writeln!(
+        out,
+        "side tables: {} rows dropped, oldest first (bounds: {} rows, {} KiB per payload, {} MiB per table)",
+        r.side_dropped,
+        b.rows,
+        b.payload_bytes >> 10,
+        b.table_bytes >> 20
     );
     let _ = writeln!(
         out,
@@ -111,8 +127,27 @@ pub fn from_postgres(c: &mut postgres::Client, now_ms: i64) -> Result<Report, po
     };
     let events = one(c, "SELECT count(*) FROM events")?;
     let duplicates = one(c, "SELECT count(*) FROM duplicates")?;
-    let mismatches = one(c, "SELECT count(*) FROM mismatches")?;
-    let unreadable = one(c, "SELECT count(*) FROM unreadable")?;
+    // `forged` and `side_drops` came with schema version 2.
+    let v2: bool = c
+        .query_one("SELECT to_regclass('side_drops') IS NOT NULL", &[])?
+        .get(0);
+    let mut dropped = std::collections::HashMap::new();
+    if v2 {
+        for r in c.query(
+            "SELECT side, sum(dropped)::int8 FROM side_drops GROUP BY side",
+            &[],
+        )? {
+            dropped.insert(r.get::<_, String>(0), r.get::<_, i64>(1));
+        }
+    }
+    let ever = |table: &str, kept: i64| kept + dropped.get(table).copied().unwrap_or(0);
+    let mismatches = ever("mismatches", one(c, "SELECT count(*) FROM mismatches")?);
+    let unreadable = ever("unreadable", one(c, "SELECT count(*) FROM unreadable")?);
+    let forged = match v2 {
+        true => ever("forged", one(c, "SELECT count(*) FROM forged")?),
+        false => 0,
+    };
+    let side_dropped = dropped.values().sum();
     let recent: i64 = c
         .query_one(
             "SELECT count(*) FROM events WHERE received_ms >= $1",
@@ -130,6 +165,8 @@ pub fn from_postgres(c: &mut postgres::Client, now_ms: i64) -> Result<Report, po
         duplicates,
         mismatches,
         unreadable,
+        forged,
+        side_dropped,
         rate_last_minute,
         rate_overall,
     })
@@ -162,7 +199,25 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
         .collect::<rusqlite::Result<Vec<_>>>()?;
     let one = |sql: &str| c.query_row(sql, [], |r| r.get::<_, i64>(0));
     let events = one("SELECT count(*) FROM received")?;
-    let mismatches = one("SELECT count(*) FROM mismatches")?;
+    // `forged` and `side_drops` came with schema version 2.
+    let v2 =
+        one("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'side_drops'")? > 0;
+    let dropped = |side: &str| -> rusqlite::Result<i64> {
+        match v2 {
+            true => c.query_row(
+                "SELECT coalesce(sum(dropped), 0) FROM side_drops WHERE side = ?1",
+                [side],
+                |r| r.get(0),
+            ),
+            false => Ok(0),
+        }
+    };
+    let (mismatches_dropped, forged_dropped) = (dropped("mismatches")?, dropped("forged")?);
+    let mismatches = one("SELECT count(*) FROM mismatches")? + mismatches_dropped;
+    let forged = match v2 {
+        true => one("SELECT count(*) FROM forged")? + forged_dropped,
+        false => 0,
+    };
     let redeliveries = one("SELECT coalesce(sum(deliveries - 1), 0) FROM received")?;
     let recent: i64 = c.query_row(
         "SELECT count(*) FROM received WHERE first_ms >= ?1",
@@ -177,6 +232,8 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
         duplicates: redeliveries - mismatches,
         mismatches,
         unreadable: 0,
+        forged,
+        side_dropped: mismatches_dropped + forged_dropped,
         rate_last_minute,
         rate_overall,
     })
@@ -220,7 +277,8 @@ mod tests {
             ("b", 2, 0),
             ("c", 5, 1),
         ] {
-            db.store("t", ev(id, seq, x).as_bytes()).unwrap();
+            db.store("p/dev/events/s", ev(id, seq, x).as_bytes())
+                .unwrap();
         }
         let r = from_sqlite(&path, crate::envelope::wall_clock_ms().0).unwrap();
         assert_eq!((r.events, r.duplicates, r.mismatches), (3, 1, 1));

@@ -25,6 +25,7 @@ mod receipts;
 mod refusals;
 mod replay;
 mod sink_batches;
+mod sink_identity;
 mod spool;
 mod standalone;
 mod storage;
