@@ -32,7 +32,7 @@ pub const USAGE: &str = "usage:
   edgespool status (--config FILE | --spool PATH) [--json]
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
   edgespool sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)
-                 [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS]
+                 [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS] [--no-receipts]
                  [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]
   edgespool sink --stats (--db FILE | --postgres CONNINFO) [--json]
                  [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]
@@ -156,6 +156,7 @@ pub struct Args {
     pub batch_max: Option<usize>,
     pub batch_ms: Option<u64>,
     pub pg_tls: PgTlsArgs,
+    pub no_receipts: bool,
 }
 
 impl Args {
@@ -185,6 +186,7 @@ impl Args {
                 Long("stats") if own.stats => a.stats = true,
                 Long("batch-max") => a.batch_max = Some(p.value()?.parse::<usize>()?),
                 Long("batch-ms") => a.batch_ms = Some(p.value()?.parse::<u64>()?),
+                Long("no-receipts") => a.no_receipts = true,
                 Long("help") | Short('h') => return Ok(None),
                 Value(v) if own.file && a.config.is_none() => a.config = Some(PathBuf::from(v)),
                 arg => return Err(arg.unexpected()),

@@ -33,6 +33,9 @@ struct SinkArgs {
     share: Option<String>,
     batch_max: usize,
     batch_ms: u64,
+    /// `--no-receipts`: publish no receipts (for boards that retire rows on
+    /// the PUBACK, or a broker ACL that does not let the sink write them).
+    no_receipts: bool,
 }
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
@@ -78,6 +81,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         share: a.share,
         batch_max: a.batch_max.filter(|&n| n > 0).unwrap_or(500),
         batch_ms: a.batch_ms.unwrap_or(100),
+        no_receipts: a.no_receipts,
     })
 }
 
@@ -102,6 +106,7 @@ fn run(a: SinkArgs) -> Outcome {
     }
     let mut opts = SinkOptions::new(host, port, a.topic, a.client_id);
     opts.shared_group = a.share;
+    opts.receipts = !a.no_receipts;
     opts.batch = BatchPolicy {
         max: a.batch_max,
         window: Duration::from_millis(a.batch_ms),
@@ -123,10 +128,7 @@ fn run(a: SinkArgs) -> Outcome {
 }
 
 fn print_totals(s: &SinkStats) {
-    println!(
-        "sink: first {} duplicates {} mismatches {} unreadable {}",
-        s.first, s.duplicates, s.mismatches, s.unreadable
-    );
+    println!("sink: {s}");
 }
 
 #[cfg(feature = "pg-sink")]
