@@ -90,13 +90,13 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(cfg.spool.capacity, base.spool.capacity);
     assert_eq!(cfg.spool.allow_network_fs, base.spool.allow_network_fs);
     assert_eq!(cfg.commands.handlers, base.commands.handlers);
-    assert_eq!(cfg.commands.config_push, base.commands.config_push);
+    assert_eq!(cfg.config_push, base.config_push);
     assert_eq!(cfg.commands.enabled, base.commands.enabled);
     assert_eq!(cfg.metrics, base.metrics);
     assert_eq!(cfg.sources.len(), base.sources.len());
     for (got, want) in cfg.sources.iter().zip(&base.sources) {
         assert_eq!(got.name, want.name);
         assert_eq!(format!("{:?}", got.kind), format!("{:?}", want.kind));
-        assert_eq!(got.durability, want.durability);
+        assert_eq!(got.settings, want.settings);
     }
 });

@@ -13,7 +13,7 @@
 
 use edgespool::envelope::{self, Envelope, EventId, Format};
 use edgespool::sink::envelope_identity;
-use edgespool::source::{FieldValue, Fields};
+use edgespool::reading::{FieldValue, Fields};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
