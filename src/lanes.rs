@@ -136,6 +136,24 @@ impl Lanes {
             .map(|r| r.id)
     }
 
+    /// Drop `rows` from what is read ahead (they were retired since they
+    /// were read: a receipt for a row that waited for it). The read
+    /// positions stay: those rows are resolved in the spool now.
+    pub fn discard(&mut self, rows: &HashSet<i64>) {
+        if rows.is_empty() {
+            return;
+        }
+        for (prio, level) in self.levels.iter_mut() {
+            let before = (level.live.len(), level.backlog.len());
+            level.live.retain(|r| !rows.contains(&r.id));
+            level.backlog.retain(|r| !rows.contains(&r.id));
+            self.live_buffered -= before.0 - level.live.len();
+            if *prio > 0 {
+                self.priority_buffered -= before.1 - level.backlog.len();
+            }
+        }
+    }
+
     /// Read ahead from `spool` what each lane lacks: priority 0 when its
     /// queue is empty, priorities above 0 and fresh rows up to
     /// [`PREFETCH`] each. One indexed query per lane at most.

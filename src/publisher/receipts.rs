@@ -138,6 +138,9 @@ impl Delivery {
                     crate::envelope::wall_clock_ms().0.max(0) as u64,
                     Ordering::Relaxed,
                 );
+                // A retired row may have been read ahead while it waited:
+                // it must not be offered again from there.
+                self.lanes.discard(&m.rows.iter().copied().collect());
                 self.retiring.extend(m.rows.iter().copied());
                 self.to_retire.extend(m.rows);
                 self.waiting_since.get_or_insert_with(Instant::now);
@@ -175,6 +178,7 @@ impl Delivery {
                 rows.len()
             );
             r.fallback = Some(why);
+            self.lanes.discard(&rows.iter().copied().collect());
             self.retiring.extend(rows.iter().copied());
             self.to_retire.extend(rows);
             self.waiting_since.get_or_insert_with(Instant::now);
