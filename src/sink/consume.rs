@@ -21,6 +21,7 @@
 
 use super::batch::{BatchPolicy, Item};
 use super::outbox::Outbox;
+use super::poller::{Polled, Poller};
 use super::{SinkStats, Store, StoreError};
 use rumqttc::{
     Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
@@ -130,12 +131,13 @@ pub fn run<S: Store>(
     let mut last_report = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let (client, conn) = connect(opts);
+        let poller = Poller::start(conn)?;
         outbox.new_connection();
         let began = Instant::now();
         let mut s = Session {
             opts,
             client: &client,
-            conn,
+            conn: &poller,
             pending: Vec::new(),
             items: Vec::new(),
             batch_bytes: 0,
@@ -145,7 +147,12 @@ pub fn run<S: Store>(
             totals: &mut totals,
             outbox: &mut outbox,
         };
-        match s.run(store, stop, &mut last_report)? {
+        let end = s.run(store, stop, &mut last_report);
+        // Whatever ended the session, this connection is done with (a dead
+        // one has already stopped its poller).
+        let _ = client.try_disconnect();
+        poller.finish();
+        match end? {
             End::Stop => break,
             End::Lost(why) => {
                 log::warn!("sink: connection lost: {why}; reconnecting in {backoff:?}");
@@ -186,7 +193,7 @@ fn connect(opts: &SinkOptions) -> (Client, Connection) {
 struct Session<'a> {
     opts: &'a SinkOptions,
     client: &'a Client,
-    conn: Connection,
+    conn: &'a Poller,
     /// Deliveries of the open batch, in arrival order.
     pending: Vec<Publish>,
     items: Vec<Item>,
@@ -214,7 +221,6 @@ impl Session<'_> {
             if stop.load(Ordering::Relaxed) {
                 // The open batch is not acknowledged: the broker sends it again.
                 self.flush();
-                let _ = self.client.try_disconnect();
                 return Ok(End::Stop);
             }
             let wait = self.opts.batch.wait(
@@ -269,10 +275,7 @@ impl Session<'_> {
     }
 
     /// React to what the event loop gave; `Some` ends the session.
-    fn on_event(
-        &mut self,
-        got: Result<Result<Event, rumqttc::ConnectionError>, RecvTimeoutError>,
-    ) -> Result<Option<End>, String> {
+    fn on_event(&mut self, got: Result<Polled, RecvTimeoutError>) -> Result<Option<End>, String> {
         match got {
             Ok(Ok(Event::Incoming(Incoming::ConnAck(c)))) => {
                 if c.code != ConnectReturnCode::Success {

@@ -13,6 +13,7 @@
 //!   zstd) into one delivery item per event (pure);
 //! - [`batch`]: what became of each delivery, and when a batch is due (pure);
 //! - [`outbox`]: the receipts a committed batch owes its devices, queued (pure);
+//! - [`poller`]: rumqttc's event loop polled to completion on its own thread;
 //! - [`consume`]: the MQTT session, batches, acknowledgements, receipts;
 //! - [`sqlite`]: the single-machine store (rigs and tests);
 //! - `pg_schema`, `postgres`: the fleet store, its schema and migrations (feature `pg-sink`);
@@ -41,6 +42,7 @@ pub mod outbox;
 pub mod pg_schema;
 #[cfg(feature = "pg-sink")]
 pub mod pg_tls;
+pub mod poller;
 #[cfg(feature = "pg-sink")]
 pub mod postgres;
 pub mod sqlite;
