@@ -19,7 +19,8 @@
 use edgespool::ingest::{IngestConfig, IngestStream};
 use edgespool::ingest::request::{error_line, MAX_KEY_BYTES, MAX_TEXT_BYTES, MAX_TS_MS};
 use edgespool::ingest::{parse_request, Request};
-use edgespool::source::{Durability, FieldValue};
+use edgespool::reading::FieldValue;
+use edgespool::stream::{Durability, StreamSettings};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
@@ -30,10 +31,12 @@ fn config() -> IngestConfig {
         socket: Some("/run/edgespool/ingest.sock".into()),
         streams: vec![IngestStream {
             name: "pump".into(),
-            durability: Durability::Full,
-            priority: 3,
-            live_first: false,
-            batch: None,
+            settings: StreamSettings {
+                durability: Durability::Full,
+                priority: 3,
+                live_first: false,
+                batch: None,
+            },
         }],
         stream_patterns: vec!["plant.*".into()],
         max_fields: 8,
@@ -111,10 +114,16 @@ fn line_of(req: &Request) -> String {
         .as_ref()
         .map(|k| format!(",\"key\":{}", Value::from(k.clone())))
         .unwrap_or_default();
+    // ts_ms only when the line gave one: a line without it is another
+    // request (its reading digest leaves the agent's clock out).
+    let ts = if req.ts_given {
+        format!(",\"ts_ms\":{}", req.ts_ms)
+    } else {
+        String::new()
+    };
     format!(
-        "{{\"stream\":{},\"fields\":{{{}}},\"ts_ms\":{}{key}}}",
+        "{{\"stream\":{},\"fields\":{{{}}}{ts}{key}}}",
         Value::from(req.stream.name.clone()),
-        fields.join(","),
-        req.ts_ms
+        fields.join(",")
     )
 }
