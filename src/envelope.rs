@@ -134,16 +134,21 @@ pub fn replay_event_id(
 
 /// The event id of a keyed reading (an idempotency key from a local
 /// producer: the ingest socket's `key`, a bridged message's `id_field`): the
-/// first 16 bytes of sha256(`"edgespool-key-v1"`, device id, stream, key),
-/// each length-prefixed, as a UUIDv8 like [`replay_event_id`].
+/// first 16 bytes of sha256(`"edgespool-key-v2"`, device id, stream, scope,
+/// key), each length-prefixed, as a UUIDv8 like [`replay_event_id`].
 ///
-/// A producer that sends the same key again (after its own crash, or a
-/// reply it never saw) gets the same id, so neither the spool nor a
-/// consumer sees a second event.
-pub fn keyed_event_id(device_id: &str, stream: &str, key: &str) -> EventId {
+/// `scope` is who gave the key (a listener and peer, a bridged topic: see
+/// [`crate::spool::ReadingKey::scope`]): the same key from two scopes is two
+/// readings, so one client can neither take another's event id nor have
+/// its reading dropped as a duplicate. A producer that sends the same key
+/// again in its scope (after its own crash, or a reply it never saw) gets
+/// the same id, so neither the spool nor a consumer sees a second event.
+/// (`v1`, before scopes, hashed no scope: a key sent before the upgrade and
+/// again after it gets a new id.)
+pub fn keyed_event_id(device_id: &str, stream: &str, scope: &str, key: &str) -> EventId {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    for part in ["edgespool-key-v1", device_id, stream, key] {
+    for part in ["edgespool-key-v2", device_id, stream, scope, key] {
         h.update((part.len() as u64).to_be_bytes());
         h.update(part.as_bytes());
     }

@@ -12,8 +12,15 @@
 //! (the ingest thread's reply); a reading the agent could not commit before
 //! it stopped is answered `agent stopping; not stored`, never ok. A client
 //! that got no reply retries with the same `key`: the event id derives from
-//! (device, stream, key), so a retry of a committed reading returns the same
-//! id and stores nothing new.
+//! (device, stream, the key's scope, key), so a retry of a committed
+//! reading returns the same id and stores nothing new. The scope is the
+//! listener, and on the Unix socket the peer's uid ([`KeyScope`]): another
+//! client can neither take my key's event id nor have my reading dropped
+//! as a duplicate of its own; the same key with another reading is refused.
+//!
+//! Memory: every request handed over holds room in the input budget
+//! ([`crate::intake::budget`]: per connection, per listener, in all) until
+//! its reply; a connection without room is not read (backpressure).
 //!
 //! Modules: [`request`] (one line → a validated request, pure; the fuzz
 //! target's entry), [`listen`] (sockets, accept, the connection bound),
@@ -25,6 +32,30 @@ pub mod request;
 pub mod settings;
 
 pub use listen::{start, SocketIngest};
+
+/// Who a connection's keys belong to: the TCP port's clients share one
+/// scope (nothing tells local users apart there), the Unix socket's have
+/// one per peer uid (`SO_PEERCRED`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyScope {
+    /// A client of `ingest.tcp`.
+    Tcp,
+    /// A client of `ingest.socket` running as this uid (`None`: the kernel
+    /// did not say; such clients share one scope).
+    Unix(Option<u32>),
+}
+
+impl KeyScope {
+    /// The scope as the event id hashes it: `tcp`, `unix:uid=<uid>`,
+    /// `unix:uid=unknown`.
+    pub fn as_text(&self) -> String {
+        match self {
+            KeyScope::Tcp => "tcp".to_owned(),
+            KeyScope::Unix(Some(uid)) => format!("unix:uid={uid}"),
+            KeyScope::Unix(None) => "unix:uid=unknown".to_owned(),
+        }
+    }
+}
 pub use request::{parse_request, Request, RequestError};
 pub use settings::{IngestConfig, IngestStream};
 
@@ -32,14 +63,17 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 /// Streams a stream pattern (`ingest.stream_patterns`) may create in one
-/// run of the agent. Each stream costs a `streams` row, a per-stream line
+/// run of the agent, per listener (the socket's clients and the TCP port's
+/// each have their own: a TCP client, any local user, cannot use up the
+/// socket's). Each stream costs a `streams` row, a per-stream line
 /// in `status` and the metrics, and a per-stream query at every summary:
 /// without a bound, one local client could create streams until the agent
 /// spends its time on them (measured: 20,000 streams made each summary
 /// hold the ingest thread for about 50 s).
 pub const MAX_PATTERN_STREAMS: usize = 64;
 
-/// The streams patterns have let in this run, shared by every connection.
+/// The streams patterns have let in this run, shared by every connection
+/// of one listener.
 #[derive(Debug, Default)]
 pub struct PatternStreams(Mutex<HashSet<String>>);
 
@@ -77,7 +111,9 @@ impl PatternStreams {
 /// `ingest_refused.<reason>` (`bad_request`, `bad_stream`,
 /// `unknown_stream`, `too_many_streams`, `bad_fields`, `bad_ts`, `bad_key`,
 /// `line_too_long`, `idle`, `too_many_connections`, `agent_stopping`),
-/// `ingest_connections`.
+/// `ingest_connections`, and `ingest_backpressure` and
+/// `ingest_backpressure.<level>` (`connection`, `listener`, `input`): times
+/// a connection waited for room in memory before its next request.
 #[derive(Debug, Default)]
 pub struct Counters(Mutex<HashMap<String, i64>>);
 

@@ -5,6 +5,11 @@
 //! It sits below every producer, so none of them imports the agent. One
 //! rule: a reading sent here is not stored until the ingest thread's commit
 //! says so (its [`crate::spool::Reply`] carries the outcome).
+//!
+//! [`budget`]: the room in memory the socket and the bridges take for each
+//! reading they hand over, so no client can fill the agent's memory.
+
+pub mod budget;
 
 use crate::spool::NewEvent;
 use serde_json::Value;

@@ -34,7 +34,8 @@
 //! - [`sink`]: the reference consumer (`edgespool sink`) and its stores.
 //!
 //! What sits on the spool:
-//! - [`intake`]: what the ingest thread receives from every producer;
+//! - [`intake`]: what the ingest thread receives from every producer, and the
+//!   memory budgets the socket and the bridges take room in for each reading;
 //! - [`lanes`]: which waiting row is offered next (priority, live-first);
 //! - [`integrity`]: opening a spool or moving a damaged one aside; when the whole-file check runs;
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);

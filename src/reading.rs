@@ -28,6 +28,19 @@ pub enum FieldValue {
 /// sample a name appears at most once.
 pub type Fields = Vec<(String, FieldValue)>;
 
+/// The rule for field names that come from outside the board (the ingest
+/// socket's `fields`, a bridged message's members): 1..=`max_len` bytes,
+/// each an ASCII letter or digit, `-`, `_` or `.`. So no NUL, no newline,
+/// no space, nothing a consumer's line-based tool or a database column
+/// could take for something else.
+pub fn field_name_ok(name: &str, max_len: usize) -> bool {
+    !name.is_empty()
+        && name.len() <= max_len
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
 /// Where a replay stands just after one row: stored by the spool with the
 /// row (key `replay_position.<stream>` in `agent_state`, as JSON) and given
 /// back to [`crate::source::replay::Replay::resume`] at the next start.

@@ -7,6 +7,7 @@
 //! hangs until its timeout delays only its own source.
 
 use crate::envelope::wall_clock_ms;
+use crate::intake::budget::Budget;
 use crate::intake::IngestMsg;
 use crate::reading::ReplayPosition;
 use crate::source::replay::{Replay, Resumed};
@@ -37,18 +38,22 @@ struct SourceThread {
     handle: std::thread::JoinHandle<()>,
 }
 
+/// What a source thread hands its readings to: the ingest thread, and
+/// the budget the bridges take room in for each message.
+type Intake = (Sender<IngestMsg>, Arc<Budget>);
+
 fn start_source(
     spec: source::SourceSpec,
     dir: PathBuf,
     spool: PathBuf,
-    tx: Sender<IngestMsg>,
+    intake: Intake,
     global: Arc<AtomicBool>,
 ) -> Option<SourceThread> {
     let (interval, ctl) = mpsc::channel();
     let name = spec.name.clone();
     let handle = std::thread::Builder::new()
         .name(format!("source-{}", spec.name))
-        .spawn(move || source_loop(spec, dir, spool, tx, ctl, global));
+        .spawn(move || source_loop(spec, dir, spool, intake, ctl, global));
     match handle {
         Ok(handle) => Some(SourceThread {
             name,
@@ -69,13 +74,13 @@ fn source_loop(
     spec: source::SourceSpec,
     dir: PathBuf,
     spool: PathBuf,
-    tx: Sender<IngestMsg>,
+    (tx, bridges): Intake,
     ctl: Receiver<Duration>,
     global: Arc<AtomicBool>,
 ) {
     if let source::SourceKind::Mqtt(b) = &spec.kind {
         // Readings arrive when local programs publish: no interval.
-        return source::bridge::run(&spec.name, b, tx, ctl, global);
+        return source::bridge::run(&spec.name, b, (tx, bridges), ctl, global);
     }
     let mut state = SourceState::default();
     let mut replay = None;
@@ -225,11 +230,12 @@ fn replay_due(r: &mut Replay, name: &str, now: Instant) -> Result<Vec<Due>, sour
 /// one the system source reports free space of, and a replay source reads
 /// its stored position from it at start (see [`Replay::resume`]). On stop it waits at most 2 s for the source
 /// threads; one stuck in a program (until its own timeout) is left behind
-/// rather than delaying the final commit.
+/// rather than delaying the final commit. Readings go to `intake`'s sender;
+/// a bridge takes room in its budget for each message it hands over.
 pub fn run(
     sources: Vec<source::SourceSpec>,
     spool: PathBuf,
-    tx: Sender<IngestMsg>,
+    intake: (Sender<IngestMsg>, Arc<Budget>),
     updates: Receiver<SamplerUpdate>,
     stop: Arc<AtomicBool>,
 ) {
@@ -241,7 +247,9 @@ pub fn run(
     let start_all = |sources: Vec<source::SourceSpec>| -> Vec<SourceThread> {
         sources
             .into_iter()
-            .filter_map(|s| start_source(s, dir.clone(), spool.clone(), tx.clone(), stop.clone()))
+            .filter_map(|s| {
+                start_source(s, dir.clone(), spool.clone(), intake.clone(), stop.clone())
+            })
             .collect()
     };
     let mut threads = start_all(sources);

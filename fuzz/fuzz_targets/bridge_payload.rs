@@ -54,6 +54,11 @@ fuzz_target!(|data: &[u8]| {
     let mut names = HashSet::new();
     for (name, value) in &d.fields {
         assert!(!name.is_empty() && name.len() <= MAX_NAME_BYTES, "name {name:?}");
+        // The ingest socket's field-name rule: no NUL, newline or space.
+        assert!(
+            name == TOPIC_FIELD || edgespool::reading::field_name_ok(name, MAX_NAME_BYTES),
+            "name {name:?}"
+        );
         assert!(names.insert(name.as_str()), "{name:?} twice");
         if let FieldValue::Num(v) = value {
             assert!(v.is_finite(), "{name} = {v}");

@@ -114,10 +114,16 @@ fn line_of(req: &Request) -> String {
         .as_ref()
         .map(|k| format!(",\"key\":{}", Value::from(k.clone())))
         .unwrap_or_default();
+    // ts_ms only when the line gave one: a line without it is another
+    // request (its reading digest leaves the agent's clock out).
+    let ts = if req.ts_given {
+        format!(",\"ts_ms\":{}", req.ts_ms)
+    } else {
+        String::new()
+    };
     format!(
-        "{{\"stream\":{},\"fields\":{{{}}},\"ts_ms\":{}{key}}}",
+        "{{\"stream\":{},\"fields\":{{{}}}{ts}{key}}}",
         Value::from(req.stream.name.clone()),
-        fields.join(","),
-        req.ts_ms
+        fields.join(",")
     )
 }

@@ -8,7 +8,7 @@
 //! backoff, a refusal by policy is counted per reason and stream.
 
 use super::upkeep::MAINTENANCE_AGAIN;
-use super::{spool_dir, Ingest, MAX_BUFFERED};
+use super::{spool_dir, Ingest, MAX_BUFFERED, OWN_RESERVED_BYTES};
 use crate::envelope::wall_clock_ms;
 use crate::intake::IngestMsg;
 use crate::mqtt::DeliveryMsg;
@@ -21,20 +21,47 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 impl Ingest {
+    /// Take a reading into the buffer (a full-durability one is committed
+    /// at once), or refuse it when the buffer holds [`MAX_BUFFERED`]
+    /// readings or its byte bound ([`Ingest::max_buffered_bytes`]). The
+    /// socket and the bridges never hold more than their budget of either
+    /// ([`crate::intake::budget`]), so the board's own sources always have
+    /// the rest: they are refused only when their own readings fill it.
     pub(super) fn push(&mut self, ev: NewEvent) {
-        if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED {
+        let bytes = ev.heap_bytes();
+        let over_bytes = self.buffered_bytes.saturating_add(bytes) > self.max_buffered_bytes()
+            && self.buffered_bytes > 0;
+        if self.buffer.len() + self.full_buffer.len() >= MAX_BUFFERED || over_bytes {
             ev.refuse("not stored: the agent's in-memory buffer is full (the spool is not keeping up); retry later");
             self.dropped += 1;
             self.metrics.dropped += 1;
             self.upkeep.buffer_drops += 1;
             return;
         }
+        self.buffered_bytes += bytes;
         if self.cfg.stream_durability(&ev.stream) == crate::stream::Durability::Full {
             self.full_buffer.push(ev);
             self.commit_full();
         } else {
             self.buffer.push(ev);
         }
+    }
+
+    /// The byte bound of the buffer: `ingest.max_buffered_bytes` for the
+    /// socket and the bridges and [`OWN_RESERVED_BYTES`] for the board's own
+    /// readings.
+    pub(super) fn max_buffered_bytes(&self) -> usize {
+        self.cfg
+            .ingest
+            .max_buffered_bytes
+            .saturating_add(OWN_RESERVED_BYTES)
+    }
+
+    /// Empty `buffer` (committed or refused), giving its bytes back.
+    pub(super) fn clear_buffer(&mut self) {
+        let freed: usize = self.buffer.iter().map(NewEvent::heap_bytes).sum();
+        self.buffered_bytes = self.buffered_bytes.saturating_sub(freed);
+        self.buffer.clear();
     }
 
     /// Commit full-durability readings now, on the FULL connection. The same
@@ -130,7 +157,7 @@ impl Ingest {
             ev.refuse(&why);
         }
         let n = self.buffer.len();
-        self.buffer.clear();
+        self.clear_buffer();
         self.metrics.dropped += n as u64;
         *self
             .pending_counts
@@ -196,7 +223,7 @@ impl Ingest {
             Ok(n) => {
                 self.observe_commit(started.elapsed());
                 self.appended += n as u64;
-                self.buffer.clear();
+                self.clear_buffer();
                 self.retry_at = None;
                 self.storage_backoff.reset();
                 let _ = self.to_delivery.send(DeliveryMsg::NewRows);
@@ -242,8 +269,9 @@ impl Ingest {
                 "readings arrived faster than the spool could commit them"
             };
             log::error!(
-                "ingest: {} readings dropped, counted as readings_dropped_buffer_full: the in-memory buffer ({MAX_BUFFERED} readings) was full {why}",
-                self.dropped
+                "ingest: {} readings dropped, counted as readings_dropped_buffer_full: the in-memory buffer ({MAX_BUFFERED} readings, {} bytes) was full {why}",
+                self.dropped,
+                self.max_buffered_bytes()
             );
             self.dropped = 0;
         }

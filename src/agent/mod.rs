@@ -56,9 +56,19 @@ use std::time::{Duration, Instant};
 /// Bytes one WAL frame takes: a 4096-byte page and its 24-byte frame header
 /// (<https://www.sqlite.org/fileformat.html#the_write_ahead_log>).
 const WAL_FRAME_BYTES: u64 = 4096 + 24;
+/// Readings of the board's own sources (`[[sources]]` other than bridges,
+/// the agent's events) the ingest thread's buffer always has room for: the
+/// socket and the bridges hold at most
+/// [`crate::intake::budget::INPUT_MAX_READINGS`] beside them.
+const OWN_RESERVED_READINGS: usize = 5_000;
 /// Readings held in memory while the spool refuses writes (busy, full); past
 /// this the newest are dropped and counted (`readings_dropped_buffer_full`).
-const MAX_BUFFERED: usize = 10_000;
+const MAX_BUFFERED: usize = OWN_RESERVED_READINGS + crate::intake::budget::INPUT_MAX_READINGS;
+/// Bytes ([`NewEvent::heap_bytes`]) of the board's own readings the buffer
+/// always has room for, beside `ingest.max_buffered_bytes` of socket and
+/// bridge input: 16 MiB, 5,000 readings of about 3 KiB (a `system` sample
+/// is about 2 KiB).
+const OWN_RESERVED_BYTES: usize = 16 * 1024 * 1024;
 /// Errors that stop the agent (exit non-zero; the supervisor restarts it).
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -104,9 +114,11 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let signals = wake_on_signals(ingest_tx.clone())?;
     let _lock = claim_spool(&cfg, &source.path)?;
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
-    // Clients' readings wait in the channel until the ingest loop runs.
+    // Clients' readings wait in the channel until the ingest loop runs,
+    // within the input budget.
+    let input = crate::intake::budget::InputBudget::new(cfg.ingest.max_buffered_bytes);
     let socket_ingest =
-        crate::ingest::start(&cfg.ingest, ingest_tx.clone()).map_err(AgentError::Setup)?;
+        crate::ingest::start(&cfg.ingest, ingest_tx.clone(), &input).map_err(AgentError::Setup)?;
     let tuning = tune_from_probe(&mut cfg);
     crate::probe::remove_stale_files(&spool_dir(&cfg));
     let check_reason = crate::integrity::take_stamp(&cfg.spool.path).or_else(|| {
@@ -128,9 +140,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let (sampler_tx, sampler_rx) = mpsc::channel::<SamplerUpdate>();
     let sampler = {
         let (stop, sources, path) = (stop.clone(), cfg.sources.clone(), cfg.spool.path.clone());
-        let readings_tx = ingest_tx;
+        let (readings_tx, bridges) = (ingest_tx, input.bridges.clone());
         spawn("sampler", move || {
-            crate::sampler::run(sources, path, readings_tx, sampler_rx, stop)
+            crate::sampler::run(sources, path, (readings_tx, bridges), sampler_rx, stop)
         })?
     };
     let mut ing = Ingest::new(Parts {
@@ -308,6 +320,8 @@ struct Ingest {
     spool: Spool,
     ids: EventIdGen,
     buffer: Vec<NewEvent>,
+    /// [`NewEvent::heap_bytes`] of `buffer` and `full_buffer` together.
+    buffered_bytes: usize,
     to_delivery: Sender<DeliveryMsg>,
     appended: u64,
     dropped: u64,
@@ -409,6 +423,7 @@ impl Ingest {
             spool: p.spool,
             ids,
             buffer: Vec::new(),
+            buffered_bytes: 0,
             to_delivery: p.to_delivery,
             appended: 0,
             dropped: 0,

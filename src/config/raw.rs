@@ -46,6 +46,8 @@ pub(super) struct RawIngest {
     pub(super) max_connections: Option<usize>,
     pub(super) max_rate_per_sec: Option<u32>,
     pub(super) max_fields: Option<usize>,
+    pub(super) max_buffered_bytes: Option<usize>,
+    pub(super) max_connection_bytes: Option<usize>,
     #[serde(default)]
     pub(super) streams: Vec<RawIngestStream>,
     #[serde(default)]

@@ -3,27 +3,31 @@
 //! Its one rule: **every bound holds whatever the client does**: a line is
 //! read up to `ingest.max_line_bytes` and never further (a longer one is
 //! answered with an error naming the limit, then the connection closes),
-//! at most [`MAX_PENDING`] requests wait for their commit per connection
-//! (past that the reader stops reading: backpressure), requests are taken at
-//! most `ingest.max_rate_per_sec` (token bucket; again by not reading), and
-//! a client that does not read its replies for [`WRITE_TIMEOUT`] is closed.
+//! at most [`MAX_PENDING`] requests and `ingest.max_connection_bytes` wait
+//! for their commit per connection, within the listener's share of
+//! `ingest.max_buffered_bytes` (past any of them the reader stops reading:
+//! backpressure), requests are taken at most `ingest.max_rate_per_sec`
+//! (token bucket; again by not reading), and a client that does not read
+//! its replies for [`WRITE_TIMEOUT`] is closed.
 //!
 //! Pipelining: the reader hands each request to the ingest thread at once
 //! with its own reply channel and queues that channel for the writer, which
 //! waits for the outcomes in request order. A client that sends many lines
 //! before reading gets them all committed in the same commit window.
 
-use super::request::{error_line, ok_line, parse_request};
-use super::Counters;
+use super::request::{error_line, ok_line, parse_request, Request};
+use super::{Counters, KeyScope, PatternStreams};
 use crate::envelope::wall_clock_ms;
 use crate::ingest::IngestConfig;
+use crate::intake::budget::{Budget, Hold};
 use crate::intake::IngestMsg;
-use crate::spool::{CommitOutcome, NewEvent, Reply};
+use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply};
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender, TryRecvError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Requests of one connection handed to the ingest thread and not yet
@@ -119,10 +123,24 @@ impl Drop for ReaderDone<'_> {
     }
 }
 
+/// Who is on the other end, as the bounds and the keys see it.
+#[derive(Debug)]
+pub struct Peer<'a> {
+    /// The listener's counters.
+    pub counters: &'a Counters,
+    /// The listener's pattern-stream budget.
+    pub patterns: &'a PatternStreams,
+    /// This connection's memory budget (inside its listener's).
+    pub budget: Arc<Budget>,
+    /// The scope of its keys.
+    pub scope: KeyScope,
+}
+
 /// What the writer answers next.
 enum Pending {
-    /// A request handed to the ingest thread: its outcome comes here.
-    Wait(Receiver<CommitOutcome>),
+    /// A request handed to the ingest thread: its outcome comes here; its
+    /// room in memory is given back once the outcome is in.
+    Wait(Receiver<CommitOutcome>, Hold),
     /// An answer known at once (a refusal), a whole reply line.
     Now(String),
 }
@@ -140,7 +158,7 @@ pub fn serve(
     stream: Stream,
     cfg: &IngestConfig,
     ingest: Sender<IngestMsg>,
-    (counters, patterns): (&Counters, &super::PatternStreams),
+    peer: &Peer<'_>,
     intake: (&AtomicBool, &AtomicUsize),
 ) {
     let reader_done = ReaderDone(intake.1);
@@ -162,14 +180,7 @@ pub fn serve(
         return;
     };
     let mut reader = BufReader::with_capacity(64 * 1024, stream);
-    let overlong = read_requests(
-        &mut reader,
-        cfg,
-        &ingest,
-        (counters, patterns),
-        &out,
-        intake.0,
-    );
+    let overlong = read_requests(&mut reader, cfg, &ingest, peer, &out, intake.0);
     drop(reader_done);
     drop(out);
     let _ = writer.join();
@@ -191,10 +202,11 @@ fn read_requests(
     reader: &mut BufReader<Stream>,
     cfg: &IngestConfig,
     ingest: &Sender<IngestMsg>,
-    (counters, patterns): (&Counters, &super::PatternStreams),
+    peer: &Peer<'_>,
     out: &SyncSender<Pending>,
     stop: &AtomicBool,
 ) -> bool {
+    let counters = peer.counters;
     let mut bucket = TokenBucket::new(cfg.max_rate_per_sec, Instant::now());
     let mut line = Vec::with_capacity(1024);
     loop {
@@ -232,22 +244,13 @@ fn read_requests(
             return false;
         }
         let parsed = parse_request(&line, cfg, wall_clock_ms())
-            .and_then(|req| patterns.admit(cfg, &req.stream.name).map(|()| req));
+            .and_then(|req| peer.patterns.admit(cfg, &req.stream.name).map(|()| req));
         let pending = match parsed {
-            Ok(req) => {
-                let (tx, rx) = mpsc::channel();
-                let mut ev =
-                    NewEvent::new(req.stream.name, req.ts_ms, req.clock_trusted, req.fields);
-                ev.key = req.key;
-                ev.reply = Some(Reply::new(tx));
-                if ingest.send(IngestMsg::Reading(ev)).is_ok() {
-                    counters.add("ingest_requests", 1);
-                    Pending::Wait(rx)
-                } else {
-                    counters.refused("agent_stopping");
-                    Pending::Now(error_line(STOPPING))
-                }
-            }
+            Ok(req) => match hand_over(req, peer, ingest, stop) {
+                Some(p) => p,
+                // Stopping while waiting for room: not handed over, no reply.
+                None => return false,
+            },
             Err(e) => {
                 counters.refused(e.reason());
                 Pending::Now(error_line(&e.to_string()))
@@ -256,6 +259,46 @@ fn read_requests(
         if out.send(pending).is_err() {
             return false;
         }
+    }
+}
+
+/// Take room in memory for `req` (waiting while the connection, its
+/// listener or the whole input is full: backpressure, counted once per
+/// wait), then hand it to the ingest thread. `None`: the stop came while
+/// waiting (nothing handed over).
+fn hand_over(
+    req: Request,
+    peer: &Peer<'_>,
+    ingest: &Sender<IngestMsg>,
+    stop: &AtomicBool,
+) -> Option<Pending> {
+    let (reply, rx) = Reply::channel();
+    let given_ts = req.ts_given.then_some(req.ts_ms);
+    let key = req.key.map(|k| {
+        ReadingKey::new(
+            peer.scope.as_text(),
+            k,
+            &req.stream.name,
+            &req.fields,
+            given_ts,
+        )
+    });
+    let mut ev = NewEvent::new(req.stream.name, req.ts_ms, req.clock_trusted, req.fields);
+    ev.key = key.map(Box::new);
+    ev.reply = Some(reply);
+    let stopping = || stop.load(Ordering::Relaxed);
+    let (hold, waited) = peer.budget.take(ev.heap_bytes(), None, &stopping).ok()?;
+    if let Some(full) = waited {
+        peer.counters.add("ingest_backpressure", 1);
+        peer.counters
+            .add(&format!("ingest_backpressure.{}", full.level), 1);
+    }
+    if ingest.send(IngestMsg::Reading(ev)).is_ok() {
+        peer.counters.add("ingest_requests", 1);
+        Some(Pending::Wait(rx, hold))
+    } else {
+        peer.counters.refused("agent_stopping");
+        Some(Pending::Now(error_line(STOPPING)))
     }
 }
 
@@ -268,11 +311,16 @@ fn write_replies(stream: Stream, pending: Receiver<Pending>) {
     while let Some(p) = next_or_flush(&pending, &mut w, &mut failed) {
         let line = match p {
             Pending::Now(l) => l,
-            Pending::Wait(rx) => match next_or_flush(&rx, &mut w, &mut failed) {
-                Some(Ok(id)) => ok_line(&id),
-                Some(Err(why)) => error_line(&why),
-                None => error_line(STOPPING),
-            },
+            Pending::Wait(rx, hold) => {
+                let line = match next_or_flush(&rx, &mut w, &mut failed) {
+                    Some(Ok(id)) => ok_line(&id),
+                    Some(Err(why)) => error_line(&why.why),
+                    None => error_line(STOPPING),
+                };
+                // The reading is committed or refused: its room is free.
+                drop(hold);
+                line
+            }
         };
         if failed || w.write_all(line.as_bytes()).is_err() {
             failed = true;
@@ -285,6 +333,15 @@ fn write_replies(stream: Stream, pending: Receiver<Pending>) {
     // The client is gone or not reading: wake the reader so the connection
     // ends (its next send to us would fail anyway).
     let _ = w.get_ref().shutdown(Shutdown::Both);
+    // The requests handed over still sit in the ingest thread's channel or
+    // buffer: their room is given back only as their outcomes come, or a
+    // client that hangs up at once could hand over without bound.
+    for p in pending {
+        if let Pending::Wait(rx, hold) = p {
+            let _ = rx.recv();
+            drop(hold);
+        }
+    }
 }
 
 /// The next message of `rx`; if none is there yet, flush `w` first, then

@@ -11,14 +11,18 @@
 //! an error that names it and is never deleted; the socket is removed at a
 //! clean stop only if it is still the one we created.
 //!
-//! Bounds: at most `ingest.max_connections` connections over both
-//! listeners; one more gets one error line and is closed. The model is the
-//! metrics listener ([`crate::metrics::listen`]).
+//! Bounds: at most `ingest.max_connections` connections per listener; one
+//! more gets one error line and is closed. Each listener has its own share
+//! of the input's memory budget, its own pattern-stream budget and its own
+//! key scope (the Unix socket one per peer uid), so the loopback TCP port,
+//! open to every local user, can take nothing of the socket's. The model
+//! is the metrics listener ([`crate::metrics::listen`]).
 
-use super::conn::{self, Stream};
+use super::conn::{self, Peer, Stream};
 use super::request::error_line;
-use super::Counters;
+use super::{Counters, KeyScope, PatternStreams};
 use crate::ingest::IngestConfig;
+use crate::intake::budget::{Budget, InputBudget};
 use crate::intake::IngestMsg;
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -63,8 +67,12 @@ enum BindError {
 struct Shared {
     cfg: IngestConfig,
     counters: Arc<Counters>,
-    /// Streams patterns let in during this run (bounded).
-    patterns: super::PatternStreams,
+    /// Streams patterns let in during this run (bounded), per listener.
+    patterns_unix: PatternStreams,
+    patterns_tcp: PatternStreams,
+    /// The listeners' shares of the input's memory budget.
+    budget_unix: Arc<Budget>,
+    budget_tcp: Arc<Budget>,
     stop: AtomicBool,
     /// Connection readers that may still hand a request over.
     readers: AtomicUsize,
@@ -78,7 +86,8 @@ struct Shared {
 type OpenConn = (Stream, Option<JoinHandle<()>>);
 
 /// Bind the configured listeners and start their threads; readings go to
-/// `ingest`. Nothing configured: an empty [`SocketIngest`].
+/// `ingest`, each holding room in `budget` (the listener's share) until its
+/// reply. Nothing configured: an empty [`SocketIngest`].
 ///
 /// Another process listening on the socket path is no error: it is logged
 /// (ERROR, naming its pid), the other listeners start, and
@@ -88,14 +97,21 @@ type OpenConn = (Stream, Option<JoinHandle<()>>);
 /// something that is not a socket, its directory cannot be made, the group
 /// is unknown, the mode or group cannot be set, the TCP address cannot be
 /// bound, a thread cannot start.
-pub fn start(cfg: &IngestConfig, ingest: Sender<IngestMsg>) -> Result<SocketIngest, String> {
+pub fn start(
+    cfg: &IngestConfig,
+    ingest: Sender<IngestMsg>,
+    budget: &InputBudget,
+) -> Result<SocketIngest, String> {
     if !cfg.enabled() {
         return Ok(SocketIngest::default());
     }
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
         counters: Arc::new(Counters::default()),
-        patterns: super::PatternStreams::default(),
+        patterns_unix: PatternStreams::default(),
+        patterns_tcp: PatternStreams::default(),
+        budget_unix: budget.unix.clone(),
+        budget_tcp: budget.tcp.clone(),
         stop: AtomicBool::new(false),
         readers: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
@@ -477,18 +493,32 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     };
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (sh, tx) = (shared.clone(), ingest.clone());
+    let scope = match &stream {
+        Stream::Unix(u) => KeyScope::Unix(peer_uid(u)),
+        Stream::Tcp(_) => KeyScope::Tcp,
+    };
     // Counted before the thread starts, so a stop beginning now waits for it.
     shared.readers.fetch_add(1, Ordering::Relaxed);
     let spawned = std::thread::Builder::new()
         .name("ingest-conn".into())
         .spawn(move || {
-            conn::serve(
-                stream,
-                &sh.cfg,
-                tx,
-                (&sh.counters, &sh.patterns),
-                (&sh.stop, &sh.readers),
-            );
+            let (patterns, listener) = if unix {
+                (&sh.patterns_unix, &sh.budget_unix)
+            } else {
+                (&sh.patterns_tcp, &sh.budget_tcp)
+            };
+            let peer = Peer {
+                counters: &sh.counters,
+                patterns,
+                budget: listener.child(
+                    "connection",
+                    "ingest.max_connection_bytes",
+                    conn::MAX_PENDING,
+                    sh.cfg.max_connection_bytes,
+                ),
+                scope,
+            };
+            conn::serve(stream, &sh.cfg, tx, &peer, (&sh.stop, &sh.readers));
         });
     match spawned {
         Ok(h) => {
@@ -500,6 +530,31 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
             log::warn!("ingest: cannot start a connection thread: {e}");
         }
     }
+}
+
+/// The uid of the process at the other end of `s` (`SO_PEERCRED`, unix(7):
+/// the credentials it had when it connected), or `None` if the kernel does
+/// not say.
+fn peer_uid(s: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) writes at most `len` bytes into `cred`, a
+    // ucred that lives for the call; the descriptor is open (we hold `s`).
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast::<libc::c_void>(),
+            &mut len,
+        )
+    };
+    let whole = usize::try_from(len).is_ok_and(|l| l == std::mem::size_of::<libc::ucred>());
+    (rc == 0 && whole).then_some(cred.uid)
 }
 
 /// Tell a client it was refused, in one line, and close.

@@ -39,6 +39,9 @@ pub struct Request {
     /// Whether `ts_ms` is past [`CLOCK_FLOOR_MS`] (a clock that was never
     /// set reads 1970), as for readings of sources.
     pub clock_trusted: bool,
+    /// Whether the line gave `ts_ms` (else it is the agent's clock, which
+    /// the key's reading digest leaves out).
+    pub ts_given: bool,
     /// The idempotency key: 1..=[`MAX_KEY_BYTES`] printable ASCII bytes.
     pub key: Option<String>,
 }
@@ -191,6 +194,7 @@ pub fn parse_request(
         fields,
         ts_ms,
         clock_trusted,
+        ts_given: raw.ts_ms.is_some(),
         key: raw.key,
     })
 }
@@ -224,12 +228,7 @@ fn fields(raw: Vec<(String, Value)>, max: usize) -> Result<Fields, RequestError>
     }
     let mut out: Fields = Vec::with_capacity(raw.len());
     for (name, v) in raw {
-        let name_ok = !name.is_empty()
-            && name.len() <= MAX_FIELD_NAME_BYTES
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-        if !name_ok {
+        if !crate::reading::field_name_ok(&name, MAX_FIELD_NAME_BYTES) {
             return Err(RequestError::BadFieldName(truncated(&name)));
         }
         if out.iter().any(|(n, _)| *n == name) {
@@ -387,6 +386,13 @@ mod tests {
             parse(r#"{"stream":"pump","fields":{"a b":1}}"#),
             Err(RequestError::BadFieldName("a b".into()))
         );
+        // The rule the bridge's member names follow too.
+        for (line, name) in [
+            (r#"{"stream":"pump","fields":{"a\u0000b":1}}"#, "a\0b"),
+            (r#"{"stream":"pump","fields":{"a\nb":1}}"#, "a\nb"),
+        ] {
+            assert_eq!(parse(line), Err(RequestError::BadFieldName(name.into())));
+        }
         let long = format!(
             r#"{{"stream":"pump","fields":{{"s":"{}"}}}}"#,
             "x".repeat(1025)

@@ -8,6 +8,16 @@
 use crate::stream::{pattern_matches, stream_name_ok, StreamSettings};
 use std::path::PathBuf;
 
+/// Default `ingest.max_buffered_bytes`: 8 MiB. A Pi Zero 2 has 512 MB; the
+/// agent runs in about 10 to 20 MB; 8 MiB of readings (about 500 lines of
+/// the longest kind, 16 KiB, or 10,000 small ones) keeps a flood of the
+/// socket within a few tens of MB of RSS and one commit window of it
+/// within a second of an SD card's writes.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 8 * 1024 * 1024;
+/// Default `ingest.max_connection_bytes`: 1 MiB, an eighth of the whole,
+/// room for about 60 pipelined lines of 16 KiB or over 1,000 small ones.
+pub const DEFAULT_MAX_CONNECTION_BYTES: usize = 1024 * 1024;
+
 /// `[ingest]`: the local socket ingest ([`crate::ingest`]). Off unless
 /// `socket` or `tcp` is set. Changes take effect at the next restart.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,13 +55,28 @@ pub struct IngestConfig {
     pub max_rate_per_sec: u32,
     /// `max_fields`: fields per request (1..=1024, default 64).
     pub max_fields: usize,
+    /// `max_buffered_bytes`: bytes of readings from the socket, the TCP
+    /// port and the bridges held in memory at once, from their parse until
+    /// their reply (262144..=268435456, default 8 MiB). Each listener and
+    /// the bridges may take half of it; past its share a connection waits
+    /// (the agent stops reading it: backpressure, counted
+    /// `ingest_backpressure`), a bridge leaves the message with its broker.
+    /// The board's own sources have room of their own beside it, so they
+    /// are never refused because this input filled memory
+    /// ([`crate::intake::budget`]).
+    pub max_buffered_bytes: usize,
+    /// `max_connection_bytes`: the same, per connection (65536..=
+    /// `max_buffered_bytes`, default 1 MiB): one connection past it waits
+    /// for its own replies. A reading larger than this alone is taken when
+    /// the connection holds nothing else.
+    pub max_connection_bytes: usize,
     /// `[[ingest.streams]]`: the streams clients may write, by name.
     pub streams: Vec<IngestStream>,
     /// `stream_patterns`: further streams allowed by prefix (`"plant.*"`
     /// allows every valid name starting with `plant.`); such streams are
     /// `durability = "batched"`, priority 0, and
     /// at most [`crate::ingest::MAX_PATTERN_STREAMS`] of them are let in
-    /// per run of the agent.
+    /// per listener (the socket and the TCP port each) per run of the agent.
     pub stream_patterns: Vec<String>,
 }
 
@@ -67,6 +92,8 @@ impl Default for IngestConfig {
             max_connections: 16,
             max_rate_per_sec: 5000,
             max_fields: 64,
+            max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+            max_connection_bytes: DEFAULT_MAX_CONNECTION_BYTES,
             streams: Vec::new(),
             stream_patterns: Vec::new(),
         }

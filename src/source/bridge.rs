@@ -36,14 +36,17 @@
 //! forever. It is not stored as an event with an error field: a consumer
 //! would have to filter such events out of every stream.
 
+pub mod loopguard;
 pub mod payload;
 
+pub use loopguard::LoopGuard;
 pub use payload::{decode, Decoded, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD};
 
 use crate::backoff::Backoff;
 use crate::envelope::wall_clock_ms;
+use crate::intake::budget::{Budget, Hold};
 use crate::intake::IngestMsg;
-use crate::spool::{CommitOutcome, NewEvent, Reply};
+use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply};
 use rumqttc::{Client, Connection, Event, Outgoing, Packet, Publish, QoS, RecvTimeoutError};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -68,6 +71,10 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 const LARGEST_DRAIN: usize = 64 * 1024 * 1024;
 /// Repeated warnings are logged at most once per this period.
 const LOG_EVERY: Duration = Duration::from_secs(60);
+/// How long a message waits for room in memory (the bridges' share of
+/// `ingest.max_buffered_bytes`) before the bridge gives up on it for now:
+/// well inside the keep-alive, which only a poll of the connection serves.
+const ROOM_WAIT: Duration = Duration::from_secs(10);
 
 /// A validated `kind = "mqtt"` source (built by the config module).
 #[derive(Debug, Clone, PartialEq)]
@@ -93,6 +100,11 @@ pub struct BridgeSpec {
     pub credentials: Option<(String, Option<PathBuf>)>,
     /// `payload`, `max_payload_bytes`, `id_field`.
     pub payload: PayloadSettings,
+    /// Set by the config when `topics` take the agent's own events and the
+    /// broker is not the main one as far as the config could tell without
+    /// a resolver: the bridge resolves both at its start and stays off if
+    /// they are one broker (a loop).
+    pub loop_guard: Option<LoopGuard>,
 }
 
 impl BridgeSpec {
@@ -250,6 +262,8 @@ struct Pending {
     /// and QoS matter).
     ack: Publish,
     outcome: Receiver<CommitOutcome>,
+    /// Its room in the bridges' memory budget, given back with the outcome.
+    hold: Hold,
 }
 
 /// A WARN logged at most once per [`LOG_EVERY`], with how many were held back.
@@ -282,12 +296,25 @@ impl RateLog {
 /// each reply, so this never waits past the agent's stop).
 fn acker(name: String, shared: Arc<Shared>, rx: Receiver<Pending>) {
     let mut log = RateLog::default();
+    let mut lasting_log = RateLog::default();
     let mut refused = 0u64;
     for p in rx {
-        match p.outcome.recv() {
+        let outcome = p.outcome.recv();
+        drop(p.hold);
+        match outcome {
             Ok(Ok(_event_id)) => {
                 shared.refused_before.store(false, Ordering::Relaxed);
                 shared.ack(p.epoch, &p.ack);
+            }
+            // Refused for good (a reused id, not encodable): sent again it
+            // would be refused again, so acknowledged like a bad payload.
+            Ok(Err(why)) if why.lasting => {
+                shared.ack(p.epoch, &p.ack);
+                if let Some(held) = lasting_log.due() {
+                    log::warn!(
+                        "bridge {name}: {why}; acknowledged and not stored (it would be refused again){held}"
+                    );
+                }
             }
             Ok(Err(why)) => {
                 refused += 1;
@@ -322,6 +349,12 @@ struct Bridge<'a> {
     name: &'a str,
     spec: &'a BridgeSpec,
     tx: Sender<IngestMsg>,
+    /// The bridges' share of the input's memory budget.
+    budget: Arc<Budget>,
+    /// The loop guard's resolution has found the two brokers apart (or
+    /// there is none to check).
+    loop_checked: bool,
+    room_log: RateLog,
     to_acker: Sender<Pending>,
     shared: Arc<Shared>,
     global: Arc<AtomicBool>,
@@ -336,12 +369,13 @@ struct Bridge<'a> {
 }
 
 /// Run the bridge of source `name` until `ctl` closes (config reload,
-/// agent stop) or `global` is set. `ctl` carries interval changes, which
-/// mean nothing here.
+/// agent stop) or `global` is set. Readings go to the ingest thread (`tx`),
+/// each holding room in `budget` until its outcome. `ctl` carries interval
+/// changes, which mean nothing here.
 pub fn run(
     name: &str,
     spec: &BridgeSpec,
-    tx: Sender<IngestMsg>,
+    (tx, budget): (Sender<IngestMsg>, Arc<Budget>),
     ctl: Receiver<Duration>,
     global: Arc<AtomicBool>,
 ) {
@@ -380,6 +414,9 @@ pub fn run(
         name,
         spec,
         tx,
+        budget,
+        loop_checked: spec.loop_guard.is_none(),
+        room_log: RateLog::default(),
         to_acker,
         shared,
         global,
@@ -409,6 +446,9 @@ impl Bridge<'_> {
                 }
             }
             first = false;
+            if !self.loop_checked && !self.check_loop() {
+                return;
+            }
             let opts = match self.options() {
                 Ok(o) => o,
                 Err(e) => {
@@ -452,6 +492,52 @@ impl Bridge<'_> {
                         log::debug!("bridge {}: connection ended: {why}", self.name);
                     }
                 }
+            }
+        }
+    }
+
+    /// The loop guard at the start: resolve this bridge's broker and the
+    /// main one; if they share an address, say so (ERROR, counted
+    /// `bridge_loop_refused`) and return false: the source stays off until
+    /// the config changes. A name that does not resolve yet is tried again
+    /// before the next connect.
+    fn check_loop(&mut self) -> bool {
+        let Some(g) = &self.spec.loop_guard else {
+            return true;
+        };
+        let main = (g.main_host.as_str(), g.main_port);
+        match loopguard::resolved_overlap((&self.spec.host, self.spec.port), main) {
+            Ok(None) => {
+                self.loop_checked = true;
+                true
+            }
+            Ok(Some((ours, theirs))) => {
+                log::error!(
+                    "bridge {}: {} reaches {ours}, and mqtt.url's broker {}:{} reaches {theirs}: one broker, and topic {:?} takes the agent's own events ({}) back: a loop; this source is off until the config changes",
+                    self.name,
+                    self.spec.url(),
+                    g.main_host,
+                    g.main_port,
+                    g.topic,
+                    g.own
+                );
+                for name in [
+                    "bridge_loop_refused".to_owned(),
+                    format!("bridge_loop_refused.{}", self.name),
+                ] {
+                    let _ = self.tx.send(IngestMsg::Count { name, by: 1 });
+                }
+                false
+            }
+            Err(e) => {
+                if self.lost_log.due().is_some() {
+                    log::warn!(
+                        "bridge {}: cannot check that {} is not mqtt.url's broker yet ({e}); tried again before the next connect",
+                        self.name,
+                        self.spec.url()
+                    );
+                }
+                true
             }
         }
     }
@@ -646,11 +732,20 @@ impl Bridge<'_> {
             Ok(d) => d,
             Err(e) => return self.refuse(&p, epoch, &e),
         };
-        let (reply_tx, outcome) = mpsc::channel();
+        let (reply, outcome) = Reply::channel();
         let (ts_ms, clock_trusted) = wall_clock_ms();
+        // The topic is the key's scope: one id on two topics is two messages.
+        let key = decoded.key.map(|k| {
+            let scope = format!("topic:{}", p.topic);
+            ReadingKey::new(scope, k, self.name, &decoded.fields, None)
+        });
         let mut ev = NewEvent::new(self.name, ts_ms, clock_trusted, decoded.fields);
-        ev.key = decoded.key;
-        ev.reply = Some(Reply::new(reply_tx));
+        ev.key = key.map(Box::new);
+        ev.reply = Some(reply);
+        let Some(hold) = self.room_for(&ev, epoch) else {
+            // Not handed over and not acknowledged: the broker keeps it.
+            return true;
+        };
         if self.tx.send(IngestMsg::Reading(ev)).is_err() {
             return false;
         }
@@ -661,8 +756,54 @@ impl Bridge<'_> {
             epoch,
             ack: p,
             outcome,
+            hold,
         });
         true
+    }
+
+    /// Room in memory for `ev`, waiting up to [`ROOM_WAIT`] (counted
+    /// `bridge_backpressure` when it waits). `None` when there is none by
+    /// then, or the source stops: this connection ends (as on a refused
+    /// commit) so the local broker redelivers the message later.
+    fn room_for(&mut self, ev: &NewEvent, epoch: u64) -> Option<Hold> {
+        if self.shared.refused.load(Ordering::Relaxed) == epoch + 1 {
+            // This connection is ending: the rest waits for the next one.
+            return None;
+        }
+        let deadline = Instant::now() + ROOM_WAIT;
+        let stopping = || self.shared.stopping(&self.global);
+        let taken = self.budget.take(ev.heap_bytes(), Some(deadline), &stopping);
+        let waited = match &taken {
+            Ok((_, w)) => w.is_some(),
+            Err(_) => true,
+        };
+        if waited {
+            for name in [
+                "bridge_backpressure".to_owned(),
+                format!("bridge_backpressure.{}", self.name),
+            ] {
+                let _ = self.tx.send(IngestMsg::Count { name, by: 1 });
+            }
+        }
+        match taken {
+            Ok((hold, _)) => Some(hold),
+            Err(full) => {
+                if !self.stopping() {
+                    if let Some(held) = self.room_log.due() {
+                        log::warn!(
+                            "bridge {}: no room in memory for its readings for {} s ({} bytes, {}, full: the spool is not keeping up); not acknowledged, so the local broker keeps the message and redelivers it after a reconnect{held}",
+                            self.name,
+                            ROOM_WAIT.as_secs(),
+                            full.max_bytes,
+                            full.key
+                        );
+                    }
+                    self.shared.refused.store(epoch + 1, Ordering::Relaxed);
+                    self.shared.interrupt(Some(epoch));
+                }
+                None
+            }
+        }
     }
 
     /// A payload that can never become a reading: acknowledged, counted,

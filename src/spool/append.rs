@@ -9,7 +9,7 @@ use super::seqs::SeqBook;
 use super::seqs::{stream_row, StreamSeq, PERSIST_SEQS_EVERY, SQL_SET_SEQ};
 use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD, SQL_GET_STATE, SQL_SET_STATE};
 use crate::envelope::{self, Envelope, EventId, EventIdGen, Format};
-use crate::reading::{Fields, ReplayPosition};
+use crate::reading::{FieldValue, Fields, ReplayPosition};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -36,12 +36,16 @@ pub struct NewEvent {
     /// position already stored for the same trace is not appended again.
     pub replay: Option<ReplayPosition>,
     /// Idempotency key from the producer (ingest socket `key`, bridged
-    /// message `id_field`). The event id then derives from (device id,
-    /// stream, key) ([`envelope::keyed_event_id`]); a keyed reading whose
-    /// id is already spooled is not appended again (counted under
-    /// `ingest_keys_already_spooled`) and its reply carries that id. Keys
-    /// are remembered while their row, or any older row, is in the spool.
-    pub key: Option<String>,
+    /// message `id_field`), scoped to who sent it ([`ReadingKey`]). The
+    /// event id then derives from (device id, stream, scope, key)
+    /// ([`envelope::keyed_event_id`]); a keyed reading whose id is already
+    /// spooled with the same reading is not appended again (counted under
+    /// `ingest_keys_already_spooled`) and its reply carries that id; with
+    /// another reading it is refused for good (counted under
+    /// `ingest_key_conflicts`). Keys are remembered while their row, or any
+    /// older row, is in the spool. Boxed: most readings have none, and
+    /// every reading in flight carries the field.
+    pub key: Option<Box<ReadingKey>>,
     /// Told the outcome once: after the commit, or when refused.
     pub reply: Option<Reply>,
 }
@@ -60,35 +64,188 @@ impl NewEvent {
         }
     }
 
-    /// Tell the producer this reading was refused (`why`, a sentence naming
-    /// the cause); nothing when no one waits.
+    /// Tell the producer this reading was refused for now (`why`, a
+    /// sentence naming the cause: the same reading may be taken later);
+    /// nothing when no one waits.
     pub fn refuse(&self, why: &str) {
         if let Some(r) = &self.reply {
-            r.send(Err(why.to_owned()));
+            r.send(Err(Refused::for_now(why)));
         }
+    }
+
+    /// What this reading holds on the heap, estimated in bytes: the struct,
+    /// its strings and field vector with the allocator's bookkeeping per
+    /// allocation, and its reply channel. Budgets of the ingest thread's
+    /// buffer and of the socket and bridge input count this
+    /// ([`crate::intake::budget`]); it is an estimate (within tens of bytes
+    /// per allocation), not a measurement.
+    pub fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let text = |t: &str| {
+            if t.is_empty() {
+                0
+            } else {
+                t.len() + ALLOC_BYTES
+            }
+        };
+        let fields: usize = self
+            .fields
+            .iter()
+            .map(|(n, v)| {
+                text(n)
+                    + match v {
+                        FieldValue::Text(t) => text(t),
+                        FieldValue::Num(_) | FieldValue::Bool(_) => 0,
+                    }
+            })
+            .sum();
+        let key = self.key.as_ref().map_or(0, |k| {
+            size_of::<ReadingKey>() + ALLOC_BYTES + text(&k.scope) + text(&k.key)
+        });
+        let replay = self.replay.as_ref().map_or(0, |p| {
+            text(&p.trace_id) + text(&p.fingerprint) + 256 * usize::from(p.segment.is_some())
+        });
+        size_of::<NewEvent>()
+            + text(&self.stream)
+            + self.fields.capacity() * size_of::<(String, FieldValue)>()
+            + ALLOC_BYTES
+            + fields
+            + key
+            + replay
+            + if self.reply.is_some() { REPLY_BYTES } else { 0 }
+    }
+}
+
+/// What one heap allocation costs beyond its bytes (glibc malloc: a header
+/// and rounding to 16), for [`NewEvent::heap_bytes`].
+const ALLOC_BYTES: usize = 16;
+/// A reply channel ([`Reply`]: a one-slot channel and its shared state).
+pub const REPLY_BYTES: usize = 256;
+
+/// An idempotency key as the spool sees it: the producer's key, the scope
+/// it was given in, and a digest of the reading it names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadingKey {
+    /// Who sent it: `unix:uid=<uid>` (the ingest socket, by peer uid),
+    /// `tcp` (the ingest TCP port), `topic:<topic>` (a bridge). The same
+    /// key in two scopes names two readings, with two event ids.
+    pub scope: String,
+    /// The producer's key.
+    pub key: String,
+    /// sha256 of what the reading says ([`ReadingKey::new`]): the same key
+    /// with another digest is another reading, refused.
+    pub digest: [u8; 32],
+}
+
+impl ReadingKey {
+    /// The key `key` in `scope` for a reading of `stream` with `fields` and,
+    /// if the producer gave one, its own time `ts_ms` (a time the agent
+    /// filled in differs at every retry, so it is left out). The digest
+    /// covers the stream, the fields sorted by name (so their order does
+    /// not matter) with their types and values, and that time; each part
+    /// length-prefixed.
+    pub fn new(
+        scope: String,
+        key: String,
+        stream: &str,
+        fields: &Fields,
+        ts_ms: Option<i64>,
+    ) -> Self {
+        let mut h = Sha256::new();
+        let mut part = |b: &[u8]| {
+            h.update((b.len() as u64).to_be_bytes());
+            h.update(b);
+        };
+        part(b"edgespool-reading-v1");
+        part(stream.as_bytes());
+        let mut sorted: Vec<&(String, FieldValue)> = fields.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, v) in sorted {
+            part(name.as_bytes());
+            match v {
+                FieldValue::Num(f) => {
+                    part(b"n");
+                    part(&f.to_bits().to_be_bytes());
+                }
+                FieldValue::Text(t) => {
+                    part(b"s");
+                    part(t.as_bytes());
+                }
+                FieldValue::Bool(b) => {
+                    part(b"b");
+                    part(&[u8::from(*b)]);
+                }
+            }
+        }
+        match ts_ms {
+            Some(t) => part(&t.to_be_bytes()),
+            None => part(b"-"),
+        }
+        ReadingKey {
+            scope,
+            key,
+            digest: h.finalize().into(),
+        }
+    }
+}
+
+/// Why a reading was not stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// A sentence naming the cause.
+    pub why: String,
+    /// The same reading would be refused again (a key reused for another
+    /// reading, a reading that cannot be encoded): a producer that can
+    /// resend (the bridge) must not. Otherwise (spool or disk full, the
+    /// buffer full) it may be taken later.
+    pub lasting: bool,
+}
+
+impl Refused {
+    /// A refusal that may not hold later (the spool, disk or buffer full).
+    pub fn for_now(why: &str) -> Refused {
+        Refused {
+            why: why.to_owned(),
+            lasting: false,
+        }
+    }
+
+    /// A refusal the same reading would get again.
+    pub fn lasting(why: String) -> Refused {
+        Refused { why, lasting: true }
+    }
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
     }
 }
 
 /// What a producer waiting on a reading learns: `Ok(event id)` (a
 /// hyphenated UUID) once the transaction holding it has committed, or
-/// `Err(why)` when it was refused (spool or disk full, the in-memory
-/// buffer full, not encodable). When the agent stops before committing,
-/// the sender is dropped and the receiver's `recv` fails: not stored.
-pub type CommitOutcome = Result<String, String>;
+/// `Err` when it was refused (spool or disk full, the in-memory buffer
+/// full, not encodable, a key reused for another reading). When the agent
+/// stops before committing, the sender is dropped and the receiver's
+/// `recv` fails: not stored.
+pub type CommitOutcome = Result<String, Refused>;
 
-/// Where a reading's [`CommitOutcome`] goes (one per reading).
+/// Where a reading's [`CommitOutcome`] goes (one per reading): a one-slot
+/// channel ([`Reply::channel`]), so a reading in flight costs little memory.
 #[derive(Debug, Clone)]
-pub struct Reply(std::sync::mpsc::Sender<CommitOutcome>);
+pub struct Reply(std::sync::mpsc::SyncSender<CommitOutcome>);
 
 impl Reply {
-    /// A reply into `tx`.
-    pub fn new(tx: std::sync::mpsc::Sender<CommitOutcome>) -> Self {
-        Reply(tx)
+    /// A reply and the receiver its producer waits on.
+    pub fn channel() -> (Reply, std::sync::mpsc::Receiver<CommitOutcome>) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        (Reply(tx), rx)
     }
 
-    /// Send `outcome`; a producer that has gone away is ignored.
+    /// Send `outcome`; a producer that has gone away is ignored (and a
+    /// second outcome for one reading never blocks the ingest thread).
     pub fn send(&self, outcome: CommitOutcome) {
-        let _ = self.0.send(outcome);
+        let _ = self.0.try_send(outcome);
     }
 }
 
@@ -112,6 +269,7 @@ struct Issued {
     appended: usize,
     unencodable: i64,
     keys_already: i64,
+    key_conflicts: i64,
     marks: ReplayMarks,
 }
 
@@ -146,9 +304,9 @@ impl Issued {
             Err(e) => {
                 log::warn!("stream {}: reading not encodable, skipped: {e}", ev.stream);
                 self.unencodable += 1;
-                return Ok(Some(Err(format!(
+                return Ok(Some(Err(Refused::lasting(format!(
                     "not stored: the reading is not encodable ({e})"
-                ))));
+                )))));
             }
         };
         let digest = Sha256::digest(&payload);
@@ -164,8 +322,9 @@ impl Issued {
                 stream.prio
             ])
             .map_err(err)?;
-        if ev.key.is_some() {
-            keys::remember(to.tx, to.tx.last_insert_rowid(), &hyphenated).map_err(err)?;
+        if let Some(k) = &ev.key {
+            keys::remember(to.tx, to.tx.last_insert_rowid(), &hyphenated, &k.digest)
+                .map_err(err)?;
         }
         self.next.insert(
             ev.stream.clone(),
@@ -217,12 +376,23 @@ impl Issued {
         let Some(key) = &ev.key else {
             return Ok(Ok(ids.next_id()));
         };
-        let id = envelope::keyed_event_id(to.device_id, &ev.stream, key);
-        if keys::spooled(to.tx, &id.hyphenated())? {
-            self.keys_already += 1;
-            return Ok(Err(Some(Ok(id.hyphenated()))));
+        let id = envelope::keyed_event_id(to.device_id, &ev.stream, &key.scope, &key.key);
+        let hyphenated = id.hyphenated();
+        match keys::spooled(to.tx, &hyphenated)? {
+            None => Ok(Ok(id)),
+            // A key stored before digests were (schema 8) counts as the same reading.
+            Some(stored) if stored.is_none_or(|d| d == key.digest) => {
+                self.keys_already += 1;
+                Ok(Err(Some(Ok(hyphenated))))
+            }
+            Some(_) => {
+                self.key_conflicts += 1;
+                Ok(Err(Some(Err(Refused::lasting(format!(
+                    "not stored: key {:?} was already used for another reading (event id {hyphenated}); a key names one reading: send this one under a new key",
+                    key.key
+                ))))))
+            }
         }
-        Ok(Ok(id))
     }
 
     /// The replay positions moved and the counts of readings not appended,
@@ -232,6 +402,7 @@ impl Issued {
         for (name, n) in [
             ("readings_unencodable", self.unencodable),
             ("ingest_keys_already_spooled", self.keys_already),
+            ("ingest_key_conflicts", self.key_conflicts),
         ] {
             if n > 0 {
                 tx.execute(SQL_COUNTER_ADD, params![name, n])?;

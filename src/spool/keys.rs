@@ -1,8 +1,10 @@
 //! Idempotency keys of keyed readings ([`super::NewEvent::key`]).
 //!
-//! One job: remember which keyed event ids are in the spool, so a producer
-//! that sends a key again gets the first event id back and the spool stores
-//! nothing new. Only keyed rows pay for it (a row in `event_keys` and its
+//! One job: remember which keyed event ids are in the spool, and the digest
+//! of the reading each one names, so a producer that sends a key again with
+//! the same reading gets the first event id back and the spool stores
+//! nothing new, and one that sends it with another reading is refused (one
+//! key, one event id, one payload: I3). Only keyed rows pay for it (a row in `event_keys` and its
 //! unique index); schema 5 keeps no index on `events.event_id`, because every
 //! reading would pay for one.
 //!
@@ -13,20 +15,33 @@
 
 use rusqlite::{params, OptionalExtension, Transaction};
 
-/// Whether `event_id` is a keyed event already in the spool (or appended
-/// earlier in `tx`).
-pub(super) fn spooled(tx: &Transaction<'_>, event_id: &str) -> rusqlite::Result<bool> {
-    Ok(tx
-        .prepare_cached("SELECT 1 FROM event_keys WHERE event_id = ?1")?
-        .query_row(params![event_id], |_| Ok(()))
-        .optional()?
-        .is_some())
+/// The digest of the reading stored under keyed event `event_id` (in the
+/// spool, or appended earlier in `tx`): `None` if the key is not spooled,
+/// `Some(None)` if it was stored before digests were (schema 8).
+pub(super) fn spooled(
+    tx: &Transaction<'_>,
+    event_id: &str,
+) -> rusqlite::Result<Option<Option<[u8; 32]>>> {
+    let stored: Option<Option<Vec<u8>>> = tx
+        .prepare_cached("SELECT digest FROM event_keys WHERE event_id = ?1")?
+        .query_row(params![event_id], |r| r.get(0))
+        .optional()?;
+    // A digest of another length was not written by this build: like none.
+    Ok(stored.map(|d| d.and_then(|d| <[u8; 32]>::try_from(d.as_slice()).ok())))
 }
 
-/// Remember that row `row_id` is keyed event `event_id`.
-pub(super) fn remember(tx: &Transaction<'_>, row_id: i64, event_id: &str) -> rusqlite::Result<()> {
-    tx.prepare_cached("INSERT OR IGNORE INTO event_keys (row_id, event_id) VALUES (?1, ?2)")?
-        .execute(params![row_id, event_id])?;
+/// Remember that row `row_id` is keyed event `event_id`, for the reading
+/// whose digest is `digest`.
+pub(super) fn remember(
+    tx: &Transaction<'_>,
+    row_id: i64,
+    event_id: &str,
+    digest: &[u8; 32],
+) -> rusqlite::Result<()> {
+    tx.prepare_cached(
+        "INSERT OR IGNORE INTO event_keys (row_id, event_id, digest) VALUES (?1, ?2, ?3)",
+    )?
+    .execute(params![row_id, event_id, digest.as_slice()])?;
     Ok(())
 }
 
@@ -43,14 +58,32 @@ pub(super) fn forget_purged(tx: &Transaction<'_>) -> rusqlite::Result<usize> {
 mod tests {
     use crate::envelope::{keyed_event_id, EventIdGen, Format};
     use crate::reading::FieldValue;
-    use crate::spool::{CommitOutcome, NewEvent, Reply, Spool, SpoolOptions};
-    use std::sync::mpsc::{channel, Receiver};
+    use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply, Spool, SpoolOptions};
+    use std::sync::mpsc::Receiver;
 
+    /// A reading of `x` under `key` in scope `tcp`.
     fn keyed(stream: &str, key: Option<&str>, x: f64) -> (NewEvent, Receiver<CommitOutcome>) {
-        let (tx, rx) = channel();
+        scoped(stream, "tcp", key, x)
+    }
+
+    fn scoped(
+        stream: &str,
+        scope: &str,
+        key: Option<&str>,
+        x: f64,
+    ) -> (NewEvent, Receiver<CommitOutcome>) {
+        let (reply, rx) = Reply::channel();
         let mut ev = NewEvent::new(stream, 1, true, vec![("x".into(), FieldValue::Num(x))]);
-        ev.key = key.map(str::to_owned);
-        ev.reply = Some(Reply::new(tx));
+        ev.key = key.map(|k| {
+            Box::new(ReadingKey::new(
+                scope.into(),
+                k.into(),
+                stream,
+                &ev.fields,
+                None,
+            ))
+        });
+        ev.reply = Some(reply);
         (ev, rx)
     }
 
@@ -74,8 +107,8 @@ mod tests {
         let mut s = Spool::open(&d.path().join("spool.db"), &SpoolOptions::default()).unwrap();
         let mut ids = EventIdGen::new().unwrap();
         let (a, ra) = keyed("pump", Some("pump-1"), 1.0);
-        // The same key twice in one batch, then once more in a later one.
-        let (b, rb) = keyed("pump", Some("pump-1"), 2.0);
+        // The same reading twice in one batch, then once more in a later one.
+        let (b, rb) = keyed("pump", Some("pump-1"), 1.0);
         let (c, rc) = keyed("pump", None, 3.0);
         assert_eq!(
             s.append(&[a, b, c], &mut ids, "dev", Format::Json, 5)
@@ -83,11 +116,14 @@ mod tests {
             2
         );
         let first = ra.recv().unwrap().unwrap();
-        assert_eq!(first, keyed_event_id("dev", "pump", "pump-1").hyphenated());
+        assert_eq!(
+            first,
+            keyed_event_id("dev", "pump", "tcp", "pump-1").hyphenated()
+        );
         assert_eq!(rb.recv().unwrap().unwrap(), first);
         let unkeyed = rc.recv().unwrap().unwrap();
         assert_ne!(unkeyed, first);
-        let (again, r2) = keyed("pump", Some("pump-1"), 9.0);
+        let (again, r2) = keyed("pump", Some("pump-1"), 1.0);
         assert_eq!(
             s.append(&[again], &mut ids, "dev", Format::Json, 6)
                 .unwrap(),
@@ -96,14 +132,77 @@ mod tests {
         assert_eq!(r2.recv().unwrap().unwrap(), first);
         assert_eq!(rows(&s), 2);
         assert_eq!(counter(&s, "ingest_keys_already_spooled"), 2);
-        // The same key on another stream is another event.
+        // The same key on another stream, or from another scope, is another event.
         let (other, ro) = keyed("valve", Some("pump-1"), 1.0);
+        let (theirs, rt) = scoped("pump", "unix:uid=1000", Some("pump-1"), 1.0);
         assert_eq!(
-            s.append(&[other], &mut ids, "dev", Format::Json, 7)
+            s.append(&[other, theirs], &mut ids, "dev", Format::Json, 7)
                 .unwrap(),
+            2
+        );
+        let (o, t) = (ro.recv().unwrap().unwrap(), rt.recv().unwrap().unwrap());
+        assert!(o != first && t != first && o != t);
+    }
+
+    #[test]
+    fn a_key_reused_for_another_reading_is_refused_for_good() {
+        let d = tempfile::tempdir().unwrap();
+        let mut s = Spool::open(&d.path().join("spool.db"), &SpoolOptions::default()).unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let (a, ra) = keyed("pump", Some("k"), 1.0);
+        // In the same batch, and in a later one.
+        let (b, rb) = keyed("pump", Some("k"), 2.0);
+        assert_eq!(
+            s.append(&[a, b], &mut ids, "dev", Format::Json, 5).unwrap(),
             1
         );
-        assert_ne!(ro.recv().unwrap().unwrap(), first);
+        let first = ra.recv().unwrap().unwrap();
+        let refused = rb.recv().unwrap().unwrap_err();
+        assert!(refused.lasting, "{refused:?}");
+        assert!(
+            refused.why.contains("another reading") && refused.why.contains(&first),
+            "{refused}"
+        );
+        let (c, rc) = keyed("pump", Some("k"), 3.0);
+        assert_eq!(s.append(&[c], &mut ids, "dev", Format::Json, 6).unwrap(), 0);
+        assert!(rc.recv().unwrap().is_err());
+        assert_eq!(counter(&s, "ingest_key_conflicts"), 2);
+        assert_eq!(rows(&s), 1);
+    }
+
+    #[test]
+    fn a_small_keyed_reading_costs_well_under_a_kilobyte_of_budget() {
+        // What `ingest.max_connection_bytes` (1 MiB) is sized against: over
+        // 1,000 pipelined small requests per connection.
+        let (ev, _rx) = scoped("pump", "unix:uid=1000", Some("pump-000123"), 2.5);
+        let n = ev.heap_bytes();
+        assert!((300..1000).contains(&n), "{n}");
+    }
+
+    #[test]
+    fn the_reading_digest_ignores_field_order_and_sees_types_values_and_a_given_time() {
+        let f = |v: Vec<(&str, FieldValue)>| -> crate::reading::Fields {
+            v.into_iter().map(|(n, v)| (n.to_owned(), v)).collect()
+        };
+        let k = |fields: &crate::reading::Fields, ts| {
+            ReadingKey::new("tcp".into(), "k".into(), "pump", fields, ts).digest
+        };
+        let ab = f(vec![
+            ("a", FieldValue::Num(1.0)),
+            ("b", FieldValue::Bool(true)),
+        ]);
+        let ba = f(vec![
+            ("b", FieldValue::Bool(true)),
+            ("a", FieldValue::Num(1.0)),
+        ]);
+        assert_eq!(k(&ab, None), k(&ba, None));
+        let text = f(vec![
+            ("a", FieldValue::Text("1".into())),
+            ("b", FieldValue::Bool(true)),
+        ]);
+        assert_ne!(k(&ab, None), k(&text, None));
+        assert_ne!(k(&ab, None), k(&ab, Some(5)));
+        assert_ne!(k(&ab, Some(5)), k(&ab, Some(6)));
     }
 
     #[test]
@@ -133,7 +232,7 @@ mod tests {
         a.fields = vec![("x".into(), FieldValue::Num(f64::NAN))];
         s.append(&[a], &mut ids, "dev", Format::Json, 5).unwrap();
         let why = ra.recv().unwrap().unwrap_err();
-        assert!(why.contains("not encodable"), "{why}");
+        assert!(why.lasting && why.why.contains("not encodable"), "{why}");
     }
 
     #[test]
@@ -156,7 +255,7 @@ mod tests {
         // The newest row always stays (its id keeps new ids above it).
         assert_eq!(s.purge_acked(i64::MAX, 100).unwrap(), 2);
         assert_eq!(keys(&s), 1);
-        let (e, rx) = keyed("pump", Some("k2"), 0.0);
+        let (e, rx) = keyed("pump", Some("k2"), 2.0);
         assert_eq!(s.append(&[e], &mut ids, "dev", Format::Json, 6).unwrap(), 0);
         assert!(rx.recv().unwrap().is_ok());
     }

@@ -9,7 +9,7 @@ use super::{CheckpointMode, Spool, SpoolError};
 use rusqlite::TransactionBehavior;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 8;
+pub const SCHEMA_VERSION: i64 = 9;
 
 pub(super) const MIGRATION_1: &str = "
 CREATE TABLE IF NOT EXISTS events (
@@ -200,7 +200,6 @@ ALTER TABLE commands ADD COLUMN received_clock_ms INTEGER;
 ";
 
 /// Schema 7: the keyed event ids and the row each one is.
-/// Schema 7: the keyed event ids and the row each one is.
 pub(super) const MIGRATION_7: &str = "
 CREATE TABLE event_keys (
     row_id   INTEGER PRIMARY KEY,
@@ -218,6 +217,13 @@ UPDATE events SET prio = 200
     WHERE stream_id IN (SELECT id FROM streams WHERE name IN ('_commands', '_agent'))
       AND id > (SELECT acked_through FROM delivery_mark);
 CREATE INDEX events_priority ON events(id) WHERE prio > 0;
+";
+
+/// Schema 9: the digest of the reading each key names
+/// ([`crate::spool::ReadingKey`]), so a key reused for another reading is
+/// refused. Keys stored before have NULL (taken as the same reading).
+pub(super) const MIGRATION_9: &str = "
+ALTER TABLE event_keys ADD COLUMN digest BLOB;
 ";
 
 impl Spool {
@@ -267,6 +273,9 @@ impl Spool {
         }
         if version < 8 {
             tx.execute_batch(MIGRATION_8).map_err(err)?;
+        }
+        if version < 9 {
+            tx.execute_batch(MIGRATION_9).map_err(err)?;
         }
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;

@@ -585,3 +585,181 @@ fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_roo
         started.elapsed().as_secs_f64()
     );
 }
+
+/// Issue 21, finding 10 (keys): `id_field` keys collided across topics: a
+/// second message with the same id on another topic was acknowledged and
+/// dropped. The key's scope is the topic: the same id on two topics is two
+/// events; the same message again on its topic stays one; the same id on
+/// the same topic with another payload is refused (acknowledged, counted),
+/// never stored under the first message's event id.
+#[test]
+fn the_same_id_on_two_topics_is_two_events_and_a_reused_id_is_refused() {
+    let local = Broker::start_with_options(LOCAL_EXTRA, false);
+    let upstream = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("bridge-idscope");
+    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let cfg = write_bridge_config(
+        dir.path(),
+        &local.url(),
+        &upstream.url(),
+        &prefix,
+        "payload = \"json\"\nid_field = \"msg_id\"",
+    );
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    wait_bridge_subscribed(&agent);
+    publish(local.port(), "plant/a", br#"{"msg_id":"m-1","v":1}"#);
+    publish(local.port(), "plant/b", br#"{"msg_id":"m-1","v":2}"#);
+    publish(local.port(), "plant/a", br#"{"msg_id":"m-1","v":1}"#);
+    publish(local.port(), "plant/a", br#"{"msg_id":"m-1","v":3}"#);
+    publish(local.port(), "plant/c", br#"{"msg_id":"m-9","v":9}"#);
+    assert!(
+        sub.wait_until(Duration::from_secs(20), |d| plant_fields(d)
+            .iter()
+            .any(|(_, f)| f["msg_id"] == "m-9")),
+        "m-9 did not arrive upstream:\n{}",
+        agent.log_tail(40)
+    );
+    let rows: Vec<(String, String, f64)> = spool::rows(&db)
+        .into_iter()
+        .filter(|r| r.stream == "plant")
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(&r.payload).expect("json");
+            (
+                r.event_id,
+                v["fields"]["source_topic"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_owned(),
+                v["fields"]["v"].as_f64().unwrap_or(-1.0),
+            )
+        })
+        .collect();
+    let topics: Vec<(&str, f64)> = rows.iter().map(|(_, t, v)| (t.as_str(), *v)).collect();
+    assert_eq!(
+        topics,
+        [("plant/a", 1.0), ("plant/b", 2.0), ("plant/c", 9.0)],
+        "rows: {rows:?}"
+    );
+    assert_ne!(rows[0].0, rows[1].0, "one event id for two topics");
+    assert!(
+        wait_for(Duration::from_secs(10), || counter(
+            &db,
+            "ingest_key_conflicts"
+        ) == 1),
+        "the reused id was not counted\n{}",
+        agent.log_tail(30)
+    );
+    assert!(
+        agent.logged("WARN", "source::bridge", "another reading"),
+        "{}",
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Issue 21, finding 10 (names): member names with NUL or a newline passed
+/// through into stored field names. They are checked like the ingest
+/// socket's field names: such a message is refused by name (acknowledged,
+/// counted), and the next one is stored.
+#[test]
+fn member_names_with_nul_or_newline_are_refused() {
+    let local = Broker::start_with_options(LOCAL_EXTRA, false);
+    let upstream = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("bridge-names");
+    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let cfg = write_bridge_config(
+        dir.path(),
+        &local.url(),
+        &upstream.url(),
+        &prefix,
+        "payload = \"json\"",
+    );
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    wait_bridge_subscribed(&agent);
+    publish(local.port(), "plant/x", br#"{"a\u0000b":1,"v":1}"#);
+    publish(local.port(), "plant/x", br#"{"a\nb":1,"v":2}"#);
+    publish(local.port(), "plant/x", br#"{"ok":{"in\nner":1},"v":3}"#);
+    publish(local.port(), "plant/x", br#"{"good_name":1,"v":4}"#);
+    assert!(
+        sub.wait_until(Duration::from_secs(20), |d| plant_fields(d)
+            .iter()
+            .any(|(_, f)| f["v"] == 4.0)),
+        "the good message did not arrive:\n{}",
+        agent.log_tail(40)
+    );
+    let stored: Vec<serde_json::Value> = spool::rows(&db)
+        .into_iter()
+        .filter(|r| r.stream == "plant")
+        .map(|r| {
+            serde_json::from_slice::<serde_json::Value>(&r.payload).expect("json")["fields"].clone()
+        })
+        .collect();
+    assert_eq!(stored.len(), 1, "stored: {stored:?}");
+    assert!(
+        wait_for(Duration::from_secs(10), || counter(
+            &db,
+            "bridge_payload_refused"
+        ) == 3),
+        "bridge_payload_refused = {}",
+        counter(&db, "bridge_payload_refused")
+    );
+    assert!(
+        agent.logged("WARN", "source::bridge", "bad field name"),
+        "{}",
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Issue 21, finding 11: the loop guard compared host text, so
+/// `mqtt://127.1:PORT`, `mqtt://2130706433:PORT` and
+/// `mqtt://[::ffff:127.0.0.1]:PORT` passed for a main broker at
+/// `mqtt://127.0.0.1:PORT` and looped (10 readings became 918 events in
+/// 10 s). Each spelling is refused by `check-config` and by `run`, naming
+/// the loop.
+#[test]
+fn the_loop_guard_sees_through_other_spellings_of_the_main_broker() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = crate::support::free_port();
+    let main = format!("mqtt://127.0.0.1:{port}");
+    let prefix = prefix("bridge-loop");
+    for spelling in ["127.1", "2130706433", "[::ffff:127.0.0.1]"] {
+        let sub = dir.path().join(spelling.replace([':', '[', ']', '.'], "_"));
+        std::fs::create_dir_all(&sub).expect("mkdir");
+        let cfg = write_bridge_config(
+            &sub,
+            &format!("mqtt://{spelling}:{port}"),
+            &main,
+            &prefix,
+            "",
+        );
+        let text = std::fs::read_to_string(&cfg).expect("read");
+        let text = text.replace(
+            "topics = [\"plant/#\"]",
+            &format!("topics = [\"{prefix}/events/#\"]"),
+        );
+        std::fs::write(&cfg, text).expect("write");
+        let (status, out, err) =
+            crate::support::agent::run_cli(&["check-config", cfg.to_str().expect("utf-8 path")]);
+        assert!(
+            !status.success() && err.contains("sources[0].topics") && err.contains("a loop"),
+            "{spelling}: check-config passed or did not name the loop: {out}{err}"
+        );
+        let mut agent = AgentProc::spawn(&cfg, &[], &sub);
+        let status = agent.wait(Duration::from_secs(20));
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "{spelling}: the agent ran with a looping bridge\n{}",
+            agent.log_tail(20)
+        );
+        assert!(
+            agent.log_text().contains("a loop"),
+            "{spelling}: {}",
+            agent.log_tail(20)
+        );
+    }
+}

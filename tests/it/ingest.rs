@@ -160,9 +160,15 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
     let ids: Vec<String> = (0..3).map(|_| ok_id(&c.reply().expect("reply"))).collect();
     assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 3, "{ids:?}");
 
-    let mut t = Client::tcp(port);
-    let again = ok_id(&t.ask(r#"{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}"#));
+    // The retry comes over a new connection of the same client (a key's
+    // scope is the listener and the peer's uid: a TCP client sending this
+    // key is another reading, see
+    // a_key_sent_first_over_tcp_neither_preempts_nor_drops_the_socket_clients_reading).
+    let mut again_c = Client::unix(&sock).expect("connect");
+    let again = ok_id(&again_c.ask(r#"{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}"#));
     assert_eq!(again, ids[0], "a retried key must get the same event id");
+    drop(again_c);
+    let mut t = Client::tcp(port);
     let tcp_id = ok_id(&t.ask(r#"{"stream":"plant.line2","fields":{"t_c":21.5},"key":"x-1"}"#));
 
     let mut want: HashSet<String> = ids.iter().cloned().collect();
@@ -484,7 +490,14 @@ fn kill_test_client(
         };
         let batch: Vec<String> = todo.iter().take(200).cloned().collect();
         let mut text = String::new();
-        for (n, k) in batch.iter().enumerate() {
+        for k in &batch {
+            // A retry is the same reading: its fields come from the key alone
+            // (a key sent again with other fields is refused as another reading).
+            let n: usize = k
+                .rsplit('-')
+                .next()
+                .and_then(|d| d.parse().ok())
+                .expect("keys end in their number");
             text.push_str(&format!(
                 "{{\"stream\":\"{stream}\",\"fields\":{{\"n\":{n},\"k\":\"{k}\"}},\"key\":\"{k}\"}}\n"
             ));
@@ -737,6 +750,285 @@ fn pattern_streams_idle_connections_and_tcp_clients_cannot_starve_the_ingest() {
         freed,
         "the TCP slots were not freed\n{}",
         agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// VmRSS of process `pid` in KiB, from `/proc/<pid>/status` (0 once it is gone).
+fn vm_rss_kb(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A persistent counter of the spool (0 when absent).
+fn counter(db: &Path, name: &str) -> i64 {
+    if !db.exists() {
+        return 0;
+    }
+    crate::support::spool::open(db)
+        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
+            r.get(0)
+        })
+        .unwrap_or(0)
+}
+
+/// Rows of stream `stream` in the spool.
+fn stream_rows(db: &Path, stream: &str) -> i64 {
+    if !db.exists() {
+        return 0;
+    }
+    crate::support::spool::open(db)
+        .query_row(
+            "SELECT count(*) FROM events e JOIN streams s ON s.id = e.stream_id WHERE s.name = ?1",
+            [stream],
+            |r| r.get(0),
+        )
+        .unwrap_or(0)
+}
+
+/// Issue 21, finding 5: one local user, 16 TCP connections, each pipelining
+/// ~15 KB lines as fast as the agent takes them (replies read on their own
+/// thread) for 9 s. Before the byte budgets the agent buffered every line
+/// it read (RSS 9 MB -> 360 MB in 9 s on the release binary, 256 MB stayed
+/// resident) and its in-memory buffer filled, dropping the board's own
+/// `system` readings with the rest. Now the socket input waits for room in
+/// a byte budget: RSS stays under the bound below (in the debug build,
+/// which runs these tests), the `system` source keeps appending, nothing
+/// is dropped, and the waits are counted.
+#[test]
+fn sixteen_tcp_connections_of_pipelined_15_kb_lines_keep_rss_bounded_and_the_boards_source_appending(
+) {
+    const CONNECTIONS: usize = 16;
+    const ATTACK: Duration = Duration::from_secs(9);
+    /// The agent's RSS under the attack stays below this (KiB): the
+    /// readings' budget (8 MiB by default) plus the agent without them,
+    /// with room for the allocator's arenas.
+    const RSS_BOUND_KB: u64 = 96 * 1024;
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pfx = prefix("ingest_flood");
+    let port = free_port();
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        &format!("tcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"flood\"\n"),
+    );
+    // The board's own source, every 200 ms.
+    let text = std::fs::read_to_string(&cfg).expect("read config");
+    std::fs::write(
+        &cfg,
+        text.replace("interval_ms = 1000", "interval_ms = 200"),
+    )
+    .expect("write config");
+    let sock = dir.path().join("run/ingest.sock");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    wait_socket(&sock, &agent);
+    assert!(
+        wait_for(Duration::from_secs(20), || stream_rows(&db, "system") >= 2),
+        "the system source never appended\n{}",
+        agent.log_tail(30)
+    );
+    let pid = agent.pid();
+    let rss_before = vm_rss_kb(pid);
+
+    // 14 text fields of 1,000 bytes: a line of about 14.3 KB.
+    let fields: Vec<String> = (0..14)
+        .map(|i| format!("\"f{i}\":\"{}\"", "x".repeat(1000)))
+        .collect();
+    let line = format!(
+        "{{\"stream\":\"flood\",\"fields\":{{{}}}}}\n",
+        fields.join(",")
+    );
+    assert!((14_000..16_000).contains(&line.len()), "{}", line.len());
+    let system_at_start = stream_rows(&db, "system");
+    let until = Instant::now() + ATTACK;
+    // Each connection: one thread writes lines as fast as the agent reads
+    // them, one reads the replies. At the end of the attack the write side
+    // is shut (a writer blocked by backpressure sees it), and the replies
+    // still owed are read to the end.
+    let conns: Vec<TcpStream> = (0..CONNECTIONS)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).expect("connect tcp"))
+        .collect();
+    let attackers: Vec<_> = conns
+        .iter()
+        .map(|s| {
+            let line = line.clone();
+            let (w, r) = (s.try_clone().expect("clone"), s.try_clone().expect("clone"));
+            r.set_read_timeout(Some(Duration::from_secs(60)))
+                .expect("timeout");
+            let reader = std::thread::spawn(move || {
+                let mut r = BufReader::new(r);
+                let (mut ok, mut refused) = (0usize, 0usize);
+                while let Some(v) = next_reply(&mut r) {
+                    if v["ok"] == true {
+                        ok += 1;
+                    } else {
+                        refused += 1;
+                    }
+                }
+                (ok, refused)
+            });
+            std::thread::spawn(move || {
+                let mut w = w;
+                let mut sent = 0usize;
+                while w.write_all(line.as_bytes()).is_ok() {
+                    sent += 1;
+                }
+                let (ok, refused) = reader.join().expect("reader");
+                (sent, ok, refused)
+            })
+        })
+        .collect();
+    let mut peak = rss_before;
+    while Instant::now() < until {
+        peak = peak.max(vm_rss_kb(pid));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let system_at_end = stream_rows(&db, "system");
+    for c in &conns {
+        let _ = c.shutdown(std::net::Shutdown::Write);
+    }
+    let mut totals = (0, 0, 0);
+    for a in attackers {
+        let (sent, ok, refused) = a.join().expect("attacker");
+        totals = (totals.0 + sent, totals.1 + ok, totals.2 + refused);
+        peak = peak.max(vm_rss_kb(pid));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let rss_after = vm_rss_kb(pid);
+    let waits = counter(&db, "ingest_backpressure");
+    let dropped = counter(&db, "readings_dropped_buffer_full");
+    println!(
+        "flood: {CONNECTIONS} connections, {} lines of {} bytes sent, {} ok, {} refused; VmRSS {rss_before} kB before, peak {peak} kB, {rss_after} kB 3 s after (bound {RSS_BOUND_KB} kB); system rows {system_at_start} -> {system_at_end} during the attack; {waits} backpressure waits, {dropped} readings dropped for a full buffer",
+        totals.0,
+        line.len(),
+        totals.1,
+        totals.2
+    );
+    assert!(agent.is_running(), "the agent died\n{}", agent.log_tail(30));
+    assert!(
+        peak < RSS_BOUND_KB,
+        "VmRSS peaked at {peak} kB (bound {RSS_BOUND_KB} kB)"
+    );
+    // 9 s at 200 ms: 45 readings; at least half of them appended during the attack.
+    assert!(
+        system_at_end - system_at_start >= 22,
+        "the board's own source stalled: {system_at_start} -> {system_at_end} rows\n{}",
+        agent.log_tail(30)
+    );
+    assert_eq!(dropped, 0, "readings were dropped for a full buffer");
+    // At most the line each connection was writing when its write side shut.
+    assert!(totals.2 <= CONNECTIONS, "{} refusals", totals.2);
+    assert!(
+        waits > 0,
+        "the budget was never reached: no backpressure counted"
+    );
+    assert!(agent
+        .terminate(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+}
+
+/// Issue 21, finding 6 (keys): a TCP user sent a key first, and the Unix
+/// socket client's real reading under the same key got `ok` and was
+/// dropped. Keys are scoped by listener (and by peer uid on the socket):
+/// the same key from two listeners is two readings with two event ids; a
+/// key sent again with the same reading gets its first id; a key sent
+/// again with another reading is refused by name, not answered `ok`.
+#[test]
+fn a_key_sent_first_over_tcp_neither_preempts_nor_drops_the_socket_clients_reading() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pfx = prefix("ingest_keyscope");
+    let port = free_port();
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        &format!("tcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"pump\"\n"),
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let db = dir.path().join("spool.db");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+
+    let mut t = Client::tcp(port);
+    let squatted =
+        ok_id(&t.ask(r#"{"stream":"pump","fields":{"pressure_bar":666},"key":"pump-000123"}"#));
+    let mut u = Client::unix(&sock).expect("connect");
+    let real = r#"{"stream":"pump","fields":{"pressure_bar":2.5},"key":"pump-000123"}"#;
+    let mine = ok_id(&u.ask(real));
+    assert_ne!(
+        mine, squatted,
+        "the socket client's reading was answered with the TCP client's event id"
+    );
+    // A retry of the same reading gets its first id, on each listener.
+    assert_eq!(ok_id(&u.ask(real)), mine);
+    assert_eq!(
+        ok_id(&t.ask(r#"{"stream":"pump","fields":{"pressure_bar":666},"key":"pump-000123"}"#)),
+        squatted
+    );
+    // The same key with another reading is refused, not ok'ed and dropped.
+    let e =
+        error_of(&u.ask(r#"{"stream":"pump","fields":{"pressure_bar":3.0},"key":"pump-000123"}"#));
+    assert!(e.contains("key") && e.contains("another reading"), "{e}");
+    let rows: Vec<_> = crate::support::spool::rows(&db)
+        .into_iter()
+        .filter(|r| r.stream == "pump")
+        .collect();
+    assert_eq!(rows.len(), 2, "rows: {rows:?}");
+    let stored = rows
+        .iter()
+        .find(|r| r.event_id == mine)
+        .expect("the socket client's row");
+    let v: Value = serde_json::from_slice(&stored.payload).expect("json payload");
+    assert_eq!(v["fields"]["pressure_bar"], 2.5, "{v}");
+    assert!(
+        wait_for(Duration::from_secs(10), || counter(
+            &db,
+            "ingest_key_conflicts"
+        ) == 1),
+        "the refused reuse was not counted\n{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Issue 21, finding 6 (patterns): 64 junk pattern streams over TCP used
+/// up the allowance of the socket's clients. Each listener has its own 64.
+#[test]
+fn junk_pattern_streams_over_tcp_leave_the_sockets_allowance() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pfx = prefix("ingest_patterns");
+    let port = free_port();
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        &format!("tcp = \"127.0.0.1:{port}\"\nstream_patterns = [\"plant.*\"]\n"),
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+    let mut t = Client::tcp(port);
+    for i in 0..64 {
+        ok_id(&t.ask(&format!(
+            r#"{{"stream":"plant.junk{i}","fields":{{"v":{i}}}}}"#
+        )));
+    }
+    let e = error_of(&t.ask(r#"{"stream":"plant.junk64","fields":{"v":1}}"#));
+    assert!(e.contains("64 streams"), "{e}");
+    let mut u = Client::unix(&sock).expect("connect");
+    let v = u.ask(r#"{"stream":"plant.line1","fields":{"count":7}}"#);
+    assert_eq!(
+        v["ok"], true,
+        "the socket's client was refused for TCP's streams: {v}"
     );
     agent.terminate(Duration::from_secs(15));
 }

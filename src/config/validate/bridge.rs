@@ -123,5 +123,7 @@ pub(super) fn validate_bridge(
             max_payload_bytes,
             id_field: rs.id_field.clone(),
         },
+        // Set against [mqtt] by the sources' validation.
+        loop_guard: None,
     })
 }

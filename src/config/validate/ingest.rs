@@ -7,8 +7,9 @@ use crate::source::SourceSpec;
 use crate::stream::{pattern_matches, stream_name_ok};
 
 /// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
-/// `tcp_public`), bounds in range, and the streams clients may write: valid
-/// names, not a source's stream, no duplicates; patterns `prefix*`.
+/// `tcp_public`), bounds in range (`max_connection_bytes` at most
+/// `max_buffered_bytes`), and the streams clients may write: valid names,
+/// not a source's stream, no duplicates; patterns `prefix*`.
 pub(super) fn validate_ingest(
     raw: &RawIngest,
     sources: &[SourceSpec],
@@ -77,6 +78,24 @@ pub(super) fn validate_ingest(
     if raw.tcp_public && raw.tcp.is_none() {
         bad("ingest.tcp_public", "only used with ingest.tcp".into());
     }
+    let mut cfg = IngestConfig {
+        socket: raw.socket.clone(),
+        socket_group: raw.socket_group.clone(),
+        socket_mode,
+        tcp,
+        tcp_public: raw.tcp_public,
+        stream_patterns: raw.stream_patterns.clone(),
+        ..IngestConfig::default()
+    };
+    validate_bounds(raw, &mut cfg, bad);
+    cfg.streams = validate_ingest_streams(raw, sources, bad);
+    cfg
+}
+
+/// The numeric bounds of `[ingest]`, each in its range, into `cfg` (a
+/// value out of range is named and the default kept).
+fn validate_bounds(raw: &RawIngest, cfg: &mut IngestConfig, bad: &mut impl FnMut(&str, String)) {
+    let d = IngestConfig::default();
     let mut range = |key: &str, got: Option<usize>, lo: usize, hi: usize, def: usize| match got {
         Some(v) if !(lo..=hi).contains(&v) => {
             bad(key, format!("must be {lo}..={hi} (got {v})"));
@@ -107,20 +126,26 @@ pub(super) fn validate_ingest(
         1_000_000,
         d.max_rate_per_sec as usize,
     ) as u32;
-    let streams = validate_ingest_streams(raw, sources, bad);
-    IngestConfig {
-        socket: raw.socket.clone(),
-        socket_group: raw.socket_group.clone(),
-        socket_mode,
-        tcp,
-        tcp_public: raw.tcp_public,
-        max_line_bytes,
-        max_connections,
-        max_rate_per_sec,
-        max_fields,
-        streams,
-        stream_patterns: raw.stream_patterns.clone(),
-    }
+    let max_buffered_bytes = range(
+        "ingest.max_buffered_bytes",
+        raw.max_buffered_bytes,
+        256 * 1024,
+        256 * 1024 * 1024,
+        d.max_buffered_bytes,
+    );
+    let max_connection_bytes = range(
+        "ingest.max_connection_bytes",
+        raw.max_connection_bytes,
+        64 * 1024,
+        max_buffered_bytes,
+        d.max_connection_bytes.min(max_buffered_bytes),
+    );
+    cfg.max_line_bytes = max_line_bytes;
+    cfg.max_connections = max_connections;
+    cfg.max_rate_per_sec = max_rate_per_sec;
+    cfg.max_fields = max_fields;
+    cfg.max_buffered_bytes = max_buffered_bytes;
+    cfg.max_connection_bytes = max_connection_bytes;
 }
 
 /// `[[ingest.streams]]` and `ingest.stream_patterns`: valid names, not a

@@ -6,7 +6,7 @@ use super::stream::stream_settings;
 use crate::config::raw::{d_interval, RawSource};
 use crate::config::read::did_you_mean;
 use crate::mqtt::MqttConfig;
-use crate::source::bridge::BridgeSpec;
+use crate::source::bridge::{BridgeSpec, LoopGuard};
 use crate::source::{SourceKind, SourceSpec};
 use crate::stream::stream_name_ok;
 use std::collections::HashSet;
@@ -40,9 +40,9 @@ pub(super) fn validate_sources(
             );
         }
         check_kind_keys(rs, &k, bad);
-        let kind = validate_kind(rs, device_id, &k, bad);
+        let mut kind = validate_kind(rs, device_id, &k, bad);
         let settings = stream_settings(rs.stream(), &k, bad);
-        if let Some(SourceKind::Mqtt(b)) = &kind {
+        if let Some(SourceKind::Mqtt(b)) = &mut kind {
             let streams: Vec<&str> = raw.iter().map(|r| r.name.as_str()).collect();
             check_bridge_against_main((b, &streams), mqtt, &mut bridge_ids, &k, bad);
         }
@@ -305,15 +305,22 @@ fn validate_exec(
 /// must not take any of the agent's events back (a loop: its own, another
 /// bridge's, which then takes these, or the agent's `_` streams). `streams`
 /// are the configured source names.
+///
+/// One broker is judged by address, not text
+/// ([`crate::source::bridge::loopguard::same_broker`]: `127.1`,
+/// `2130706433`, `[::ffff:127.0.0.1]`, `localhost` are `127.0.0.1`). Names
+/// only a resolver can answer are left to the bridge's start: a bridge
+/// whose topics would loop gets a [`LoopGuard`] to resolve both then.
 fn check_bridge_against_main(
-    (b, streams): (&BridgeSpec, &[&str]),
+    (b, streams): (&mut BridgeSpec, &[&str]),
     mqtt: &MqttConfig,
     bridge_ids: &mut HashSet<String>,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) {
     let topic_prefix = &mqtt.topic_prefix;
-    let same_broker = b.port == mqtt.port && same_host(&b.host, &mqtt.host);
+    let same_broker =
+        crate::source::bridge::loopguard::same_broker((&b.host, b.port), (&mqtt.host, mqtt.port));
     if !bridge_ids.insert(b.client_id.clone()) || (same_broker && b.client_id == mqtt.client_id) {
         // Two sessions under one client id take each other's place at every connect.
         bad(
@@ -330,30 +337,29 @@ fn check_bridge_against_main(
         .chain(["_agent", "_commands"])
         .map(|s| format!("{topic_prefix}/events/{s}"));
     for own in ours {
-        if let Some(t) = b
+        let Some(t) = b
             .topics
             .iter()
-            .find(|t| same_broker && crate::source::bridge::filter_matches(t, &own))
-        {
+            .find(|t| crate::source::bridge::filter_matches(t, &own))
+        else {
+            continue;
+        };
+        if same_broker {
             bad(
                 &k("topics"),
-                format!("{t:?} takes the agent's own events ({own}) back from mqtt.url: a loop"),
+                format!(
+                    "{t:?} takes the agent's own events ({own}) back from mqtt.url ({}:{} is mqtt://{}:{}): a loop",
+                    b.host, b.port, mqtt.host, mqtt.port
+                ),
             );
-            return;
+        } else {
+            b.loop_guard = Some(LoopGuard {
+                main_host: mqtt.host.clone(),
+                main_port: mqtt.port,
+                topic: t.clone(),
+                own,
+            });
         }
+        return;
     }
-}
-
-/// Whether two host names in URLs name the same broker host as far as the
-/// config can tell without resolving names: equal ignoring case, or both
-/// loopback (`localhost`, `127.0.0.0/8`, `::1`).
-fn same_host(a: &str, b: &str) -> bool {
-    let loopback = |h: &str| {
-        let h = h.trim_start_matches('[').trim_end_matches(']');
-        h.eq_ignore_ascii_case("localhost")
-            || h.eq_ignore_ascii_case("ip6-localhost")
-            || h.parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback())
-    };
-    a.eq_ignore_ascii_case(b) || (loopback(a) && loopback(b))
 }

@@ -12,7 +12,10 @@ use std::fmt;
 pub const TOPIC_FIELD: &str = "source_topic";
 
 /// Longest field name kept (a flattened name is `a.b.c`); a longer member is
-/// skipped. Bounds the envelope against keys built to be huge.
+/// skipped. Bounds the envelope against keys built to be huge. (The ingest
+/// socket's names are at most 64 bytes: a bridged name joins the levels of
+/// nested objects, so it gets more room; the characters are the same rule,
+/// [`crate::reading::field_name_ok`].)
 pub const MAX_NAME_BYTES: usize = 256;
 
 /// Longest idempotency key taken from `id_field` (bytes).
@@ -75,6 +78,11 @@ pub enum PayloadError {
     /// The `id_field` member is there but is not a usable key (a string or
     /// number of 1..=256 bytes).
     BadId(String),
+    /// A member name (flattened) with a character the field-name rule does
+    /// not allow: only ASCII letters, digits, `-`, `_` and `.`, as on the
+    /// ingest socket (so no NUL, newline, space or quote reaches a stored
+    /// name). The name, at most 64 bytes of it, escaped.
+    BadFieldName(String),
 }
 
 impl fmt::Display for PayloadError {
@@ -93,6 +101,10 @@ impl fmt::Display for PayloadError {
                 "JSON object has no number, bool or string member to store"
             ),
             PayloadError::BadId(d) => write!(f, "id_field: {d}"),
+            PayloadError::BadFieldName(n) => write!(
+                f,
+                "bad field name {n:?}: member names are ASCII letters, digits, '-', '_' or '.' (the ingest socket's rule)"
+            ),
         }
     }
 }
@@ -104,8 +116,8 @@ impl std::error::Error for PayloadError {}
 /// # Errors
 ///
 /// [`PayloadError`]: too large, not UTF-8, not the configured format (not
-/// JSON, not an object, not a finite number), no usable member, or an
-/// unusable `id_field` value.
+/// JSON, not an object, not a finite number), a member name outside the
+/// field-name rule, no usable member, or an unusable `id_field` value.
 pub fn decode(
     topic: &str,
     bytes: &[u8],
@@ -136,7 +148,7 @@ pub fn decode(
         fields.push(("value".to_owned(), FieldValue::Num(v)));
         return Ok(Decoded { fields, key: None });
     };
-    flatten(&map, "", &mut fields);
+    flatten(&map, "", &mut fields)?;
     if fields.len() == 1 {
         return Err(PayloadError::NoUsableFields);
     }
@@ -173,7 +185,14 @@ fn kind(v: &serde_json::Value) -> &'static str {
 /// is empty, too long, or already taken (`source_topic`, or `a.b` given both
 /// flat and nested: the first in sorted order wins). serde_json's recursion
 /// limit (128) bounds the depth.
-fn flatten(map: &serde_json::Map<String, serde_json::Value>, prefix: &str, out: &mut Fields) {
+///
+/// Errors: a member name with a character outside the field-name rule
+/// (whatever its value: a name is never half-kept).
+fn flatten(
+    map: &serde_json::Map<String, serde_json::Value>,
+    prefix: &str,
+    out: &mut Fields,
+) -> Result<(), PayloadError> {
     for (k, v) in map {
         if k.is_empty() {
             continue;
@@ -183,6 +202,9 @@ fn flatten(map: &serde_json::Map<String, serde_json::Value>, prefix: &str, out: 
         } else {
             format!("{prefix}.{k}")
         };
+        if !crate::reading::field_name_ok(k, usize::MAX) {
+            return Err(PayloadError::BadFieldName(super::super::excerpt(&name, 64)));
+        }
         if name.len() > MAX_NAME_BYTES {
             continue;
         }
@@ -193,7 +215,7 @@ fn flatten(map: &serde_json::Map<String, serde_json::Value>, prefix: &str, out: 
             serde_json::Value::String(s) => Some(FieldValue::Text(s.clone())),
             serde_json::Value::Bool(b) => Some(FieldValue::Bool(*b)),
             serde_json::Value::Object(inner) => {
-                flatten(inner, &name, out);
+                flatten(inner, &name, out)?;
                 None
             }
             serde_json::Value::Null | serde_json::Value::Array(_) => None,
@@ -204,6 +226,7 @@ fn flatten(map: &serde_json::Map<String, serde_json::Value>, prefix: &str, out: 
             }
         }
     }
+    Ok(())
 }
 
 /// The key named by `id_field`, found in the JSON itself (never in the
@@ -410,6 +433,27 @@ mod tests {
         ] {
             assert!(matches!(decode("t", bad, &s), Err(PayloadError::BadId(_))));
         }
+    }
+
+    #[test]
+    fn member_names_follow_the_ingest_field_name_rule() {
+        let j = settings(PayloadFormat::Json, None);
+        for bad in [
+            &br#"{"a\u0000b":1}"#[..],
+            br#"{"a\nb":1,"v":2}"#,
+            br#"{"v":1,"ok":{"in ner":1}}"#,
+            br#"{"v":1,"q\"":1}"#,
+            br#"{"v":1,"x":{"y":{"\r":1}}}"#,
+        ] {
+            let e = decode("t", bad, &j).unwrap_err();
+            assert!(matches!(e, PayloadError::BadFieldName(_)), "{bad:?}: {e}");
+        }
+        let e = decode("t", br#"{"ok":{"in\nner":1}}"#, &j).unwrap_err();
+        assert_eq!(e, PayloadError::BadFieldName("ok.in\nner".into()));
+        assert!(e.to_string().contains(r#""ok.in\nner""#), "{e}");
+        // Names of the rule pass, dots and all; an empty name is skipped.
+        let d = decode("t", br#"{"a-b_c.d":1,"":2}"#, &j).unwrap();
+        assert_eq!(d.fields.len(), 2);
     }
 
     #[test]
