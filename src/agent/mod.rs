@@ -224,6 +224,7 @@ fn start_network(
     let inbox = crate::commands::worker::Inbox::new(
         cmd_tx.clone(),
         crate::commands::worker::inbox_limit(cfg.commands.max_payload_bytes),
+        &cfg.commands.operator_scopes,
     );
     let inbox_meter = inbox.meter();
     let (link, mqtt_thread) = mqtt::new(

@@ -6,6 +6,7 @@
 //! broker keeps it whatever happens to the agent; an episode is logged once
 //! when it starts (a warning at most every 10 min) and once when it ends.
 
+use super::admission::Tier;
 use super::lanes::Route;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -21,6 +22,8 @@ pub(super) struct Parked {
     pub(super) publish: rumqttc::Publish,
     /// Where it runs (`None`: not parseable; only the spool's room matters).
     pub(super) route: Option<Route>,
+    /// Its share of the bounds.
+    pub(super) tier: Tier,
 }
 
 /// An episode of new commands left unacknowledged.
@@ -61,6 +64,14 @@ impl HeldBack {
         self.episode.is_some()
     }
 
+    /// Whether the episode under way ends with a reconnect (the inbox left
+    /// some PUBLISHes at the broker).
+    pub(super) fn redelivers(&self) -> bool {
+        self.episode
+            .as_ref()
+            .is_some_and(|h| h.dropped_epoch.is_some())
+    }
+
     /// End the episode, if one is under way.
     pub(super) fn end(&mut self) -> Option<Hold> {
         self.episode.take()
@@ -95,13 +106,14 @@ impl HeldBack {
         })
     }
 
-    /// Keep `publish` (of connection `epoch`, running on `route`)
-    /// unacknowledged, in memory, until it can be taken; `why` it cannot now.
+    /// Keep `publish` (of connection `epoch`, running on `route`, of
+    /// `tier`) unacknowledged, in memory, until it can be taken; `why` it
+    /// cannot now.
     pub(super) fn park(
         &mut self,
         epoch: u64,
         publish: rumqttc::Publish,
-        route: Option<Route>,
+        (route, tier): (Option<Route>, Tier),
         why: String,
     ) {
         self.hold(|| why).parked += 1;
@@ -109,6 +121,7 @@ impl HeldBack {
             epoch,
             publish,
             route,
+            tier,
         });
     }
 

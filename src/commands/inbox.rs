@@ -4,10 +4,16 @@
 //!
 //! Its one rule: **the inbox never holds more than its limit in bytes of
 //! payloads not yet taken** (one PUBLISH always passes when nothing is
-//! held). A PUBLISH that does not fit is not forwarded and not
-//! acknowledged, so the broker keeps it; the meter counts it, and the
+//! held) **beyond its tier's share**: the limit is what other commands may
+//! fill, `apply-config` from other scopes a sixth more, operator scopes a
+//! third more ([`Tier::headroom`]), the tier read from the message's
+//! `scope` and `name` ([`peek`]). So a quarter of the bytes is always the
+//! operator's, and the limit being at least four of the largest commands,
+//! that quarter holds one. A PUBLISH that does not fit is not forwarded and
+//! not acknowledged, so the broker keeps it; the meter counts it, and the
 //! command thread has the broker redeliver it once there is room.
 
+use super::admission::{peek, Tier};
 use super::message::CmdMsg;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
@@ -20,7 +26,8 @@ pub fn inbox_limit(max_payload_bytes: usize) -> usize {
 }
 
 /// The command thread's side of the [`Inbox`]: bytes held, and PUBLISHes
-/// the MQTT thread could not forward.
+/// the MQTT thread could not forward. Its limit is other commands' share;
+/// operator commands may take a third more ([`Tier::headroom`]).
 #[derive(Debug)]
 pub struct InboxMeter {
     bytes: AtomicUsize,
@@ -72,12 +79,15 @@ impl InboxMeter {
 pub struct Inbox {
     tx: Sender<CmdMsg>,
     meter: Arc<InboxMeter>,
+    /// `commands.operator_scopes`.
+    operator_scopes: Arc<[String]>,
 }
 
 impl Inbox {
     /// An inbox sending to the command thread's channel `tx`, holding at
-    /// most `limit` bytes.
-    pub fn new(tx: Sender<CmdMsg>, limit: usize) -> Inbox {
+    /// most `limit` bytes of other commands, and a third more for commands
+    /// in `operator_scopes` ([`Tier::headroom`]).
+    pub fn new(tx: Sender<CmdMsg>, limit: usize, operator_scopes: &[String]) -> Inbox {
         Inbox {
             tx,
             meter: Arc::new(InboxMeter {
@@ -85,6 +95,7 @@ impl Inbox {
                 limit,
                 dropped: Mutex::new(None),
             }),
+            operator_scopes: operator_scopes.into(),
         }
     }
 
@@ -93,16 +104,18 @@ impl Inbox {
         self.meter.clone()
     }
 
-    /// Forward a PUBLISH received on connection `epoch`, if it fits (one
-    /// always does when nothing is held). Called by the MQTT thread; never
-    /// blocks.
+    /// Forward a PUBLISH received on connection `epoch`, if it fits in its
+    /// tier's share (one always does when nothing is held). Called by the
+    /// MQTT thread; never blocks.
     pub fn offer(&self, epoch: u64, publish: rumqttc::Publish) {
         let n = InboxMeter::cost(&publish);
+        let tier: Tier = peek(&publish.payload, &self.operator_scopes);
         let m = &self.meter;
+        let cap = tier.headroom(m.limit);
         let fits = m
             .bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
-                (b == 0 || b + n <= m.limit).then_some(b + n)
+                (b == 0 || b + n <= cap).then_some(b + n)
             })
             .is_ok();
         if !fits {
@@ -111,7 +124,11 @@ impl Inbox {
             *d = Some((epoch, count + 1));
             return;
         }
-        if let Err(e) = self.tx.send(CmdMsg::Incoming { epoch, publish }) {
+        if let Err(e) = self.tx.send(CmdMsg::Incoming {
+            epoch,
+            publish,
+            tier,
+        }) {
             // The command thread is gone (stopping).
             if let CmdMsg::Incoming { publish, .. } = e.0 {
                 m.release(&publish);
@@ -131,7 +148,7 @@ mod tests {
     #[test]
     fn the_inbox_forwards_up_to_its_bytes_and_notes_what_it_left_at_the_broker() {
         let (tx, rx) = std::sync::mpsc::channel();
-        let inbox = Inbox::new(tx, 100);
+        let inbox = Inbox::new(tx, 100, &[]);
         let meter = inbox.meter();
         inbox.offer(1, publish(60));
         inbox.offer(1, publish(30));
@@ -147,10 +164,54 @@ mod tests {
         assert_eq!(meter.held(), 50);
     }
 
+    fn command(scope: &str, name: &str) -> rumqttc::Publish {
+        let payload = format!(
+            r#"{{"command_id":"c","scope":"{scope}","name":"{name}","pad":"{}"}}"#,
+            "x".repeat(40)
+        );
+        rumqttc::Publish::new("p/commands", rumqttc::QoS::AtLeastOnce, payload)
+    }
+
+    #[test]
+    fn other_scopes_fill_the_limit_and_the_operator_keeps_a_third_more() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let inbox = Inbox::new(tx, 900, &["ops".to_owned()]);
+        let meter = inbox.meter();
+        let junk = command("j1", "ping");
+        let n = junk.payload.len();
+        for _ in 0..20 {
+            inbox.offer(1, junk.clone());
+        }
+        let taken = rx.try_iter().count();
+        assert_eq!(taken, 900 / n, "other scopes: up to the limit");
+        assert_eq!(meter.take_dropped(), Some((1, (20 - taken) as u64)));
+        // A push fits in the next sixth, the operator's commands in the
+        // third, and arrive marked as such.
+        inbox.offer(1, command("j1", "apply-config"));
+        inbox.offer(1, command("ops", "ping"));
+        inbox.offer(1, command("ops", "ping"));
+        let tiers: Vec<Tier> = rx
+            .try_iter()
+            .filter_map(|m| match m {
+                CmdMsg::Incoming { tier, .. } => Some(tier),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tiers, [Tier::Push, Tier::Operator, Tier::Operator]);
+        assert!(meter.held() <= 1200);
+        assert_eq!(meter.take_dropped(), None);
+        // Full to the operator's share too: the next one stays at the broker.
+        for _ in 0..5 {
+            inbox.offer(1, command("ops", "ping"));
+        }
+        assert!(rx.try_iter().count() < 5);
+        assert!(meter.held() <= 1200);
+    }
+
     #[test]
     fn one_command_larger_than_the_inbox_still_passes_when_nothing_is_held() {
         let (tx, rx) = std::sync::mpsc::channel();
-        let inbox = Inbox::new(tx, 100);
+        let inbox = Inbox::new(tx, 100, &[]);
         inbox.offer(1, publish(500));
         assert_eq!(rx.try_iter().count(), 1);
         inbox.offer(1, publish(1));

@@ -6,6 +6,7 @@
 //! [`CmdMsg::Done`] arrives**, so each lane runs one command at a time; a
 //! `Done` therefore names the lane it ran on.
 
+use super::admission::Tier;
 use super::exec_handler::HandlerOutcome;
 use std::time::Duration;
 
@@ -21,6 +22,9 @@ pub enum CmdMsg {
         epoch: u64,
         /// The message.
         publish: rumqttc::Publish,
+        /// Its tier as the inbox judged it from `scope` and `name` alone
+        /// ([`super::admission::peek`]): the order it is taken in.
+        tier: Tier,
     },
     /// A lane's thread finished a job.
     Done {

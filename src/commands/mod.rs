@@ -15,15 +15,19 @@
 //!
 //! Files: [`worker`] (the command thread: its loop, receipt, admission,
 //! dispatch), `inbox` (the bounded hand-off from the MQTT thread),
+//! `backlog` (what the thread has taken and not yet handled, by tier),
 //! `message` (what reaches the thread), `lanes` (where a command runs; the
 //! lane threads), `hold` (commands held back, unacknowledged), `results`
 //! (ending a command), `recovery` (commands left unfinished at start),
 //! `records` (when records are purged; the agent clock persisted), `quiet`
 //! (repeated log lines kept few), [`store`] (records and result events),
 //! [`retention`] (how long records live, on the agent's monotonic clock),
-//! [`rate`] (per-scope rate limit), [`exec_handler`] (operator-declared
-//! programs), [`builtin`] (built-in handlers).
+//! [`rate`] (rate limits), [`admission`] (who gets room: the operator's
+//! reserved share of every bound, global budgets), [`exec_handler`]
+//! (operator-declared programs), [`builtin`] (built-in handlers).
 
+pub mod admission;
+mod backlog;
 pub mod builtin;
 pub mod exec_handler;
 mod hold;
@@ -130,6 +134,12 @@ impl ParseError {
             _ => None,
         }
     }
+}
+
+/// Whether `s` is a scope a command may name (1..=64 of
+/// `[A-Za-z0-9-_.:@]`).
+pub fn valid_scope(s: &str) -> bool {
+    ident_ok(s, 64)
 }
 
 fn ident_ok(s: &str, max: usize) -> bool {

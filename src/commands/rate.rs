@@ -1,4 +1,7 @@
-//! Per-scope rate limit on new commands (`commands.max_per_minute_per_scope`).
+//! Rate limits on new commands: per scope
+//! (`commands.max_per_minute_per_scope`, [`RateLimiter`]) and global
+//! budgets shared by a whole class of commands ([`Budget`]; which class
+//! draws from which is [`super::admission`]'s rule).
 //!
 //! Its one rule: **a scope gets a burst of `per_minute` new commands,
 //! refilled at `per_minute` per minute, and the limiter's memory stays
@@ -100,6 +103,48 @@ impl RateLimiter {
     }
 }
 
+/// One token bucket shared by every command it is asked for (a burst of
+/// `per_minute`, refilled at `per_minute` per minute): the global budget of
+/// a class of commands, whatever scopes they name.
+#[derive(Debug)]
+pub struct Budget {
+    per_minute: f64,
+    bucket: Option<Bucket>,
+}
+
+impl Budget {
+    /// A budget of `per_minute` new commands per minute.
+    pub fn new(per_minute: u32) -> Budget {
+        Budget {
+            per_minute: f64::from(per_minute.max(1)),
+            bucket: None,
+        }
+    }
+
+    fn at(&self, now: Duration) -> Bucket {
+        let mut b = self.bucket.unwrap_or(Bucket {
+            tokens: self.per_minute,
+            at: now,
+        });
+        let dt = now.saturating_sub(b.at).as_secs_f64();
+        b.tokens = (b.tokens + dt * self.per_minute / 60.0).min(self.per_minute);
+        b.at = now;
+        b
+    }
+
+    /// Whether one more fits at `now` (without taking it).
+    pub fn allows(&self, now: Duration) -> bool {
+        self.at(now).tokens >= 1.0
+    }
+
+    /// Take one at `now`.
+    pub fn take(&mut self, now: Duration) {
+        let mut b = self.at(now);
+        b.tokens = (b.tokens - 1.0).max(0.0);
+        self.bucket = Some(b);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,6 +193,21 @@ mod tests {
         }
         r.take("a", s(0.0));
         assert!(!r.allows("a", s(0.0)));
+    }
+
+    #[test]
+    fn a_budget_is_one_bucket_whatever_asks() {
+        let mut b = Budget::new(3);
+        for _ in 0..3 {
+            assert!(b.allows(s(0.0)));
+            b.take(s(0.0));
+        }
+        assert!(!b.allows(s(0.0)));
+        assert!(!b.allows(s(19.0)), "one token per 20 s at 3/min");
+        assert!(b.allows(s(20.0)));
+        b.take(s(20.0));
+        assert!(!b.allows(s(20.0)));
+        assert!(b.allows(s(200.0)));
     }
 
     #[test]

@@ -4,11 +4,13 @@
 //! only says when it runs.
 //!
 //! Its one rule: **a new command is refused for want of room only after a
-//! purge has had its chance**: at `commands.max_records` a purge runs at
-//! once if the last one freed something (rejected records go in batches),
-//! else at most every [`PURGE_AT_CAP_INTERVAL`]; otherwise every
-//! [`PURGE_INTERVAL`], each purge persisting the clock.
+//! purge has had its chance**: at its tier's share of `commands.max_records`
+//! ([`Tier::cap`]) a purge runs at once if the last one freed something
+//! (aged records, then droppable ones, in batches:
+//! [`store::make_room`]), else at most every [`PURGE_AT_CAP_INTERVAL`];
+//! otherwise every [`PURGE_INTERVAL`], each purge persisting the clock.
 
+use super::admission::Tier;
 use super::quiet::ErrorLog;
 use super::retention::{self, AgentClock, Policy};
 use super::store;
@@ -28,8 +30,10 @@ pub(super) struct Records {
     /// Command records in the spool (refreshed at every purge).
     count: usize,
     last_purge: Option<Instant>,
-    /// Records the last purge deleted.
+    /// Records the last purge (or the last making of room) deleted.
     last_purge_freed: usize,
+    /// When room was last made at a cap.
+    last_room: Option<Instant>,
 }
 
 impl Records {
@@ -42,6 +46,7 @@ impl Records {
             count: 0,
             last_purge: None,
             last_purge_freed: 0,
+            last_room: None,
         }
     }
 
@@ -53,6 +58,11 @@ impl Records {
     /// Records counted.
     pub(super) fn count(&self) -> usize {
         self.count
+    }
+
+    /// The records `tier` may fill ([`Tier::cap`] of `commands.max_records`).
+    pub(super) fn cap(&self, tier: Tier) -> usize {
+        tier.cap(self.policy.max_records)
     }
 
     /// A receipt was committed: one record more.
@@ -94,22 +104,46 @@ impl Records {
         self.persist_clock(spool, errors);
     }
 
-    /// Whether records are at `commands.max_records` even after a purge. A
-    /// purge is tried at once if the last one freed something (rejected
-    /// records go in batches down to the low-water mark), else at most every
-    /// [`PURGE_AT_CAP_INTERVAL`].
-    pub(super) fn full(&mut self, spool: &mut Spool, errors: &mut ErrorLog) -> bool {
-        if self.count < self.policy.max_records {
+    /// Whether records are at `tier`'s share of `commands.max_records` even
+    /// after room was made. Room is made at once if the last purge freed
+    /// something (records go in batches down to a tenth below the cap),
+    /// else at most every [`PURGE_AT_CAP_INTERVAL`].
+    pub(super) fn full(&mut self, tier: Tier, spool: &mut Spool, errors: &mut ErrorLog) -> bool {
+        let cap = self.cap(tier);
+        if self.count < cap {
             return false;
         }
         if self.last_purge_freed > 0
             || self
-                .last_purge
+                .last_room
                 .is_none_or(|t| t.elapsed() >= PURGE_AT_CAP_INTERVAL)
         {
-            self.purge(spool, errors);
+            self.make_room(cap, spool, errors);
         }
-        self.count >= self.policy.max_records
+        self.count >= cap
+    }
+
+    /// Purge what has aged, then delete droppable records down to a tenth
+    /// below `cap` ([`store::make_room`]); refresh the count.
+    fn make_room(&mut self, cap: usize, spool: &mut Spool, errors: &mut ErrorLog) {
+        self.last_room = Some(Instant::now());
+        self.purge(spool, errors);
+        if self.count < cap {
+            return;
+        }
+        match store::make_room(spool, cap) {
+            Ok(n) => {
+                if n > 0 {
+                    log::debug!("commands: deleted {n} droppable command records to make room");
+                }
+                self.last_purge_freed += n;
+            }
+            Err(e) => errors.log("making room among command records", &e),
+        }
+        match spool.command_count() {
+            Ok(n) => self.count = n,
+            Err(e) => errors.log("counting command records", &e),
+        }
     }
 
     /// Write the agent clock's reading to the spool, so the next run goes

@@ -43,11 +43,7 @@ impl Finished {
         duration: Duration,
         retry_safe: bool,
     ) -> Finished {
-        let (state, result) = match outcome {
-            HandlerOutcome::Completed(v) => (cstate::COMPLETED, v.to_string()),
-            HandlerOutcome::Failed(v) => (cstate::FAILED, v.to_string()),
-            HandlerOutcome::Rejected(e) => (cstate::REJECTED, json!({"error": e}).to_string()),
-        };
+        let (state, result) = settle(outcome);
         Finished {
             scope,
             command_id,
@@ -76,6 +72,15 @@ impl Finished {
             duration_ms: None,
             retry_safe: None,
         }
+    }
+}
+
+/// The final state and the result (JSON text) of a handler's `outcome`.
+pub(super) fn settle(outcome: HandlerOutcome) -> (&'static str, String) {
+    match outcome {
+        HandlerOutcome::Completed(v) => (cstate::COMPLETED, v.to_string()),
+        HandlerOutcome::Failed(v) => (cstate::FAILED, v.to_string()),
+        HandlerOutcome::Rejected(e) => (cstate::REJECTED, json!({"error": e}).to_string()),
     }
 }
 

@@ -120,6 +120,33 @@ pub fn select(
     out
 }
 
+/// Below this many records after room was made under a cap of `cap`, so
+/// the next eviction is not due at the very next command: a tenth below
+/// (at least one).
+pub fn low_water_of(cap: usize) -> usize {
+    cap.saturating_sub((cap / 10).max(1))
+}
+
+/// Which records to delete so that a tier whose share of the records is
+/// `cap` ([`super::admission::Tier::cap`]) finds room, oldest first.
+///
+/// - `droppable`: rowids of finished records whose deletion cannot let
+///   anything run twice (`rejected`, or a built-in without a side effect),
+///   older than the [`KEEP_NEWEST`] newest records, oldest first;
+/// - `total`: all records, unfinished ones included.
+///
+/// Nothing goes while `total` is below `cap`; at or above it, droppable
+/// records go until the total is down to [`low_water_of`] `cap`. Records of
+/// commands that ran with a side effect are never among `droppable`, so
+/// none of them is deleted here, whatever its age.
+pub fn evict(droppable: &[i64], total: usize, cap: usize) -> Vec<i64> {
+    if total < cap {
+        return Vec::new();
+    }
+    let excess = total - low_water_of(cap);
+    droppable.iter().copied().take(excess).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +205,21 @@ mod tests {
         let rejected: Vec<Candidate> = (1..=20).map(|r| c(r, 5 * HOUR, true)).collect();
         assert_eq!(select(&rejected, 10, 1000, 5 * HOUR, &policy()), vec![1]);
         assert!(select(&rejected, 9, 1000, 5 * HOUR, &policy()).is_empty());
+    }
+
+    #[test]
+    fn at_a_tiers_cap_droppable_records_go_oldest_first_to_a_tenth_below() {
+        let droppable: Vec<i64> = (1..=500).collect();
+        assert!(evict(&droppable, 749, 750).is_empty(), "below the cap");
+        // 750 records at a cap of 750: down to 675.
+        assert_eq!(evict(&droppable, 750, 750), (1..=75).collect::<Vec<_>>());
+        // Above the cap (another tier filled it): down to 675 as well.
+        assert_eq!(evict(&droppable, 1000, 750).len(), 325);
+        // Fewer droppable records than the excess: all of them, no more.
+        assert_eq!(evict(&[3, 9], 1000, 750), vec![3, 9]);
+        assert!(evict(&[], 1000, 750).is_empty());
+        assert_eq!(low_water_of(5), 4, "at least one below");
+        assert_eq!(low_water_of(0), 0);
     }
 
     #[test]

@@ -27,10 +27,13 @@ pub struct CommandsConfig {
     /// real age across restarts and reboots), never on the wall clock.
     pub record_retention: Duration,
     /// `max_records`: command records kept, a count (1000..=1000000, default
-    /// 10000). Over it, the oldest `rejected` records go first; records of
-    /// commands that ran are deleted only once outside the redelivery
-    /// window, and while none can go new commands are held back (not
-    /// acknowledged).
+    /// 10000); other scopes fill three quarters, `apply-config` from them
+    /// seven eighths, operator scopes all of it. At a share's end, the
+    /// oldest droppable records go first (`rejected` ones, `ping` and
+    /// `status`); records of commands that ran with a side effect are
+    /// deleted only once outside the redelivery window. While none can go,
+    /// a new command of another scope is answered `no_room` (not recorded),
+    /// an operator command or a push is held back (not acknowledged).
     pub max_records: usize,
     /// `max_queued`: commands waiting for their lane (exec handlers; agent
     /// requests), per lane, a count (1..=10000, default 100). When a lane is
@@ -42,8 +45,22 @@ pub struct CommandsConfig {
     /// `max_per_minute_per_scope`: new commands accepted per scope, per
     /// minute (a burst of this many, refilled at this rate; 1..=60000,
     /// default 60). Over it a command is answered `rejected` (rate limit),
-    /// not recorded, and counted `commands_rate_limited`.
+    /// not recorded, and counted `commands_rate_limited`. Also the budget
+    /// of `apply-config` commands from all non-operator scopes together.
     pub max_per_minute_per_scope: u32,
+    /// `max_per_minute`: new commands accepted to run per minute from all
+    /// scopes that are not operator scopes together (`apply-config` aside;
+    /// not `ping`, `status` or unknown names, whose records are droppable),
+    /// on top of each scope's own limit (1..=600000, default 600): inventing
+    /// scopes buys a sender nothing ([`super::admission`]).
+    pub max_per_minute: u32,
+    /// `operator_scopes`: the operator's scopes (default none). Their
+    /// commands are taken first, have a rate budget of their own and a
+    /// reserved quarter of the records, of each lane's queue and of the
+    /// command inbox that no other scope can fill ([`super::admission`]).
+    /// A scope is what a command claims: these names keep their room only
+    /// while other senders do not know them.
+    pub operator_scopes: Vec<String>,
     /// `default_ttl_secs`: time to live given to an exec-handler command
     /// that names none, seconds (1..=`record_retention_secs`, default 3600).
     /// Built-ins need none.

@@ -35,6 +35,24 @@ pub enum Admit<'a> {
     /// Answer `rejected` with this error and keep no record (rate limit):
     /// the same id may be sent again later.
     Refuse(&'a str),
+    /// Like [`Admit::Refuse`], for want of room among the records
+    /// (answered `no_room`, counted `commands_no_room`).
+    NoRoom(&'a str),
+    /// Record it finished at once, with the answer of a built-in without a
+    /// side effect ([`super::admission::SIDE_EFFECT_FREE`]) computed before
+    /// the receipt: the result is appended in the same transaction.
+    Answer(&'a Answered),
+}
+
+/// The answer of a built-in without a side effect, computed at receipt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answered {
+    /// Final state (`completed`, or `rejected` for bad arguments).
+    pub state: &'static str,
+    /// Result or error, JSON text.
+    pub result: String,
+    /// How long it took, ms.
+    pub duration_ms: i64,
 }
 
 /// How a receipt is stamped and admitted.
@@ -59,6 +77,10 @@ pub enum Claim {
     Rejected,
     /// First time seen, answered `rejected`, not recorded ([`Admit::Refuse`]).
     Refused,
+    /// First time seen, answered `no_room`, not recorded ([`Admit::NoRoom`]).
+    NoRoom,
+    /// First time seen, recorded finished with its answer ([`Admit::Answer`]).
+    Answered,
     /// Same id and hash, finished: the stored result was answered again
     /// (unless the delivery was a retained message).
     Duplicate {
@@ -84,6 +106,9 @@ pub enum Reply {
     InProgress,
     /// Not accepted now (rate limit) and not recorded: may be sent again.
     RateLimited,
+    /// Not accepted now (no room for its record) and not recorded: may be
+    /// sent again.
+    NoRoom,
 }
 
 impl Reply {
@@ -94,6 +119,7 @@ impl Reply {
             Reply::Conflict => "conflict",
             Reply::InProgress => "in_progress",
             Reply::RateLimited => "rate_limited",
+            Reply::NoRoom => "no_room",
         }
     }
 }
@@ -164,8 +190,8 @@ fn kept_request(canonical: &str) -> &str {
 }
 
 /// Claim the receipt of `cmd` atomically (`INSERT .. ON CONFLICT DO
-/// NOTHING`, never check-then-insert; under [`Admit::Refuse`] a lookup
-/// inside the same IMMEDIATE transaction). A new command is admitted as
+/// NOTHING`, never check-then-insert; under [`Admit::Refuse`] and
+/// [`Admit::NoRoom`] a lookup inside the same IMMEDIATE transaction). A new command is admitted as
 /// `receipt.admit` says. For anything but [`Claim::New`], the answer event
 /// (stored result, `conflict`, `in_progress`, rejection) is appended in the
 /// same transaction; a retained duplicate of a finished command is counted
@@ -188,7 +214,8 @@ pub fn claim(
 }
 
 /// The receipt's row, inserted unless the key is taken (or, under
-/// [`Admit::Refuse`], only looked up). True: the command is new.
+/// [`Admit::Refuse`] and [`Admit::NoRoom`], only looked up). True: the
+/// command is new.
 fn insert_receipt(
     tx: &CommandTx<'_>,
     cmd: &Command,
@@ -196,11 +223,17 @@ fn insert_receipt(
     now: i64,
 ) -> Result<bool, SpoolError> {
     let (state, request, result, finished) = match receipt.admit {
-        Admit::Refuse(_) => return Ok(!tx.exists(&cmd.scope, &cmd.command_id)?),
+        Admit::Refuse(_) | Admit::NoRoom(_) => return Ok(!tx.exists(&cmd.scope, &cmd.command_id)?),
         Admit::Reject(why) => (
             cstate::REJECTED,
             kept_request(&cmd.canonical),
             Some(serde_json::json!({ "error": why }).to_string()),
+            Some(now),
+        ),
+        Admit::Answer(a) => (
+            a.state,
+            kept_request(&cmd.canonical),
+            Some(a.result.clone()),
             Some(now),
         ),
         Admit::Accept => (cstate::RECEIVED, cmd.canonical.as_str(), None, None),
@@ -243,6 +276,18 @@ fn answer_new(
         Admit::Refuse(why) => {
             tx.count("commands_rate_limited")?;
             (why, Reply::RateLimited, Claim::Refused)
+        }
+        Admit::NoRoom(why) => {
+            tx.count("commands_no_room")?;
+            (why, Reply::NoRoom, Claim::NoRoom)
+        }
+        Admit::Answer(a) => {
+            tx.count("commands_received")?;
+            tx.count(&format!("commands_{}", a.state))?;
+            let mut ev = answer(cmd, a.state, &a.result, Some(a.duration_ms), Reply::Result);
+            ev.retry_safe = Some(true);
+            tx.append(&result_event(&ev), ctx, now)?;
+            return Ok(Claim::Answered);
         }
     };
     let result = serde_json::json!({ "error": why }).to_string();
@@ -396,6 +441,32 @@ pub fn purge(spool: &mut Spool, now_ms: i64, policy: &Policy) -> Result<usize, S
             )?;
             let doomed = retention::select(&cands, total, newest_kept_from, now_ms, policy);
             tx.delete(&doomed)
+        })?;
+        deleted += n;
+        if n < retention::PURGE_BATCH {
+            break;
+        }
+    }
+    Ok(deleted)
+}
+
+/// Make room for a tier whose share of the records is `cap`: delete
+/// droppable records (`rejected`, or of a built-in without a side effect)
+/// as [`retention::evict`] decides, oldest first, never one of the
+/// [`retention::KEEP_NEWEST`] newest, never a record of a command that ran
+/// with a side effect, whatever its age. Returns the number deleted.
+pub fn make_room(spool: &mut Spool, cap: usize) -> Result<usize, SpoolError> {
+    let names = serde_json::Value::from(super::admission::SIDE_EFFECT_FREE.to_vec()).to_string();
+    let mut deleted = 0;
+    for _ in 0..PURGE_MAX_BATCHES {
+        let n = spool.command_write(|tx| {
+            let total = tx.total()?;
+            if total < cap {
+                return Ok(0);
+            }
+            let newest_kept_from = tx.nth_newest_rowid(retention::KEEP_NEWEST)?;
+            let cands = tx.droppable(newest_kept_from, &names, retention::PURGE_BATCH)?;
+            tx.delete(&retention::evict(&cands, total, cap))
         })?;
         deleted += n;
         if n < retention::PURGE_BATCH {
@@ -599,6 +670,120 @@ mod tests {
             )
             .unwrap();
         assert_eq!(completed, 1200);
+    }
+
+    fn count_where(f: &Fixture, sql_where: &str) -> i64 {
+        f.spool
+            .raw()
+            .query_row(
+                &format!("SELECT count(*) FROM commands WHERE {sql_where}"),
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+    }
+
+    #[test]
+    fn a_ping_answered_at_receipt_is_recorded_finished_and_still_answers_duplicates_and_conflicts()
+    {
+        let mut f = Fixture::new();
+        let ping = r#"{"command_id":"p-1","name":"ping"}"#;
+        let a = Answered {
+            state: cstate::COMPLETED,
+            result: r#"{"pong":true}"#.into(),
+            duration_ms: 0,
+        };
+        assert_eq!(f.claim(ping, 0, Admit::Answer(&a)), Claim::Answered);
+        assert_eq!(
+            count_where(&f, "state = 'completed' AND finished_ms IS NOT NULL"),
+            1
+        );
+        // A redelivery gets the stored answer, another request a conflict.
+        assert_eq!(
+            f.claim(ping, 1, Admit::Answer(&a)),
+            Claim::Duplicate {
+                state: cstate::COMPLETED.into()
+            }
+        );
+        let other = r#"{"command_id":"p-1","name":"status"}"#;
+        assert_eq!(f.claim(other, 1, Admit::Accept), Claim::Conflict);
+        assert_eq!(counter(&f, "commands_completed"), 1);
+    }
+
+    fn counter(f: &Fixture, name: &str) -> i64 {
+        f.spool
+            .raw()
+            .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
+                r.get(0)
+            })
+            .optional()
+            .unwrap()
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn no_room_keeps_no_record_and_a_known_command_is_still_answered_from_the_store() {
+        let mut f = Fixture::new();
+        let cmd = r#"{"command_id":"n-1","name":"flush"}"#;
+        assert_eq!(f.claim(cmd, 0, Admit::NoRoom("no room")), Claim::NoRoom);
+        assert_eq!(f.request_len("n-1"), None, "no record");
+        assert_eq!(counter(&f, "commands_no_room"), 1);
+        assert_eq!(f.claim(cmd, 0, Admit::Accept), Claim::New);
+        f.finish("n-1", cstate::COMPLETED);
+        assert!(matches!(
+            f.claim(cmd, 0, Admit::NoRoom("no room")),
+            Claim::Duplicate { .. }
+        ));
+    }
+
+    /// The eviction rule: at a tier's cap, rejected records and records of
+    /// built-ins without a side effect go, oldest first; nothing that ran
+    /// with a side effect goes, however full the records are.
+    #[test]
+    fn making_room_drops_only_what_cannot_run_twice() {
+        let mut f = Fixture::new();
+        let ping = Answered {
+            state: cstate::COMPLETED,
+            result: "{}".into(),
+            duration_ms: 0,
+        };
+        for i in 0..300 {
+            let id = format!("ran-{i}");
+            f.claim(
+                &format!(r#"{{"command_id":"{id}","name":"count"}}"#),
+                0,
+                Admit::Accept,
+            );
+            let state = [
+                cstate::COMPLETED,
+                cstate::FAILED,
+                cstate::EXPIRED,
+                cstate::INTERRUPTED,
+            ][i % 4];
+            f.finish(&id, state);
+            let json = format!(r#"{{"command_id":"j-{i}","name":"junk"}}"#);
+            f.claim(&json, 0, Admit::Reject("unknown"));
+            let json = format!(r#"{{"command_id":"p-{i}","name":"ping"}}"#);
+            f.claim(&json, 0, Admit::Answer(&ping));
+        }
+        // One still running: never deleted either.
+        f.claim(r#"{"command_id":"live","name":"count"}"#, 0, Admit::Accept);
+        assert_eq!(f.spool.command_count().unwrap(), 901);
+        assert_eq!(make_room(&mut f.spool, 902).unwrap(), 0, "below the cap");
+        // A cap of 500: down to 450, junk and pings oldest first.
+        assert_eq!(make_room(&mut f.spool, 500).unwrap(), 451);
+        assert_eq!(f.spool.command_count().unwrap(), 450);
+        assert_eq!(count_where(&f, "command_id LIKE 'ran-%'"), 300);
+        assert_eq!(count_where(&f, "command_id = 'live'"), 1);
+        assert!(f.request_len("j-0").is_none() && f.request_len("p-0").is_none());
+        // However far over the cap: the records of commands that ran stay,
+        // and so do the newest 100.
+        let n = make_room(&mut f.spool, 10).unwrap();
+        assert_eq!(count_where(&f, "command_id LIKE 'ran-%'"), 300);
+        assert_eq!(count_where(&f, "command_id = 'live'"), 1);
+        let left = f.spool.command_count().unwrap();
+        assert_eq!(left, 450 - n);
+        assert!(left >= retention::KEEP_NEWEST);
     }
 
     #[test]

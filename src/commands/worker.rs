@@ -16,21 +16,32 @@
 //! So `ping` answers while a long exec handler runs, and a duplicate
 //! arriving meanwhile is answered `in_progress` at once.
 //!
-//! Admission, everything bounded:
+//! Admission, everything bounded, a quarter of every bound kept for the
+//! operator ([`super::admission`]: tiers, shares, budgets, and what a
+//! sender can and cannot do):
 //! - the [`Inbox`] from the MQTT thread holds at most [`inbox_limit`] bytes
-//!   of command payloads not yet taken (parked ones included);
-//! - each lane holds at most `commands.max_queued` claimed commands;
-//! - records at most `commands.max_records` ([`super::records`],
-//!   [`super::retention`]);
-//! - new commands per scope within `commands.max_per_minute_per_scope`
+//!   of other commands' payloads not yet taken (parked ones included), and
+//!   a third more for operator commands;
+//! - messages taken from the channel wait in a [`super::backlog`] by tier:
+//!   operator commands are handled first, then pushes, then the rest;
+//! - each lane holds at most `commands.max_queued` claimed commands (other
+//!   scopes three quarters), operator commands ahead in the queue;
+//! - records at most `commands.max_records` (other scopes three quarters;
+//!   [`super::records`], [`super::retention`]); `ping` and `status` are
+//!   answered at receipt with a droppable record;
+//! - new commands per scope within `commands.max_per_minute_per_scope`,
+//!   and those of all non-operator scopes within `commands.max_per_minute`
 //!   ([`super::rate`]).
 //!
 //! Result events are spool rows under the spool's capacity policy like any
 //! others ([`super::results`]); commands are not refused for it, so an
 //! operator can still reach a board whose disk is short.
 //!
-//! A command that cannot be taken now (its lane full, records at their
-//! cap, the spool refusing writes) is **held back** ([`super::hold`]): not
+//! A command of another scope over its rate or finding no room among the
+//! records is answered (`rate_limited`, `no_room`) and not recorded. A
+//! command that cannot be taken now (its lane full, an operator command or
+//! a push finding no room among the records, the spool refusing writes) is
+//! **held back** ([`super::hold`]): not
 //! acknowledged, so the broker keeps it. It is parked in memory, within the
 //! inbox's bytes, and taken when there is room; what does not fit in the
 //! inbox is not even forwarded, and once there is room again the connection
@@ -41,16 +52,17 @@
 pub use super::inbox::{inbox_limit, Inbox, InboxMeter};
 pub use super::message::{CmdMsg, Lane};
 
+use super::admission::{self, Budgets, Tier};
+use super::backlog::Backlog;
 use super::builtin;
 use super::hold::HeldBack;
 use super::lanes::{self, Job, LaneState, Pending, Route};
 use super::quiet::{ErrorLog, Quiet};
-use super::rate::RateLimiter;
 use super::records::Records;
 use super::recovery;
-use super::results::{Finished, Results};
+use super::results::{self, Finished, Results};
 use super::retention::{AgentClock, Policy};
-use super::store::{self, cstate, Admit, Claim, EventCtx, Receipt};
+use super::store::{self, cstate, Admit, Answered, Claim, EventCtx, Receipt};
 use super::{parse, Command, CommandsConfig, ExecHandler, ParseError};
 use crate::envelope::{wall_clock_ms, EventIdGen, Format};
 use crate::intake::Control;
@@ -66,8 +78,18 @@ use std::time::{Duration, Instant};
 const HOLD_POLL: Duration = Duration::from_millis(500);
 /// While a result waits to be committed again, it is retried this often.
 const UNSAVED_POLL: Duration = Duration::from_millis(200);
+/// Before the connection is rebuilt for a redelivery, no acknowledgement
+/// has been handed to the MQTT thread for this long (they leave first).
+const ACK_FLUSH: Duration = Duration::from_millis(500);
 /// Parked commands looked at per turn of the loop (keeps it responsive).
 const PARKED_PER_TURN: usize = 256;
+
+/// Whether `cmd`, routed to `route`, is to run if it is new: not an unknown
+/// name, not a built-in without a side effect (answered at receipt, its
+/// record droppable).
+fn runs(route: Route, cmd: &Command) -> bool {
+    route != Route::Unknown && !admission::side_effect_free(&cmd.name)
+}
 
 /// Settings for the command thread.
 #[derive(Debug, Clone)]
@@ -117,6 +139,16 @@ pub fn run(
     w.recover(&mut spool, &mut ids);
     w.purge(&mut spool);
     while !stop.load(Ordering::Relaxed) {
+        // Everything waiting is sorted by tier first (bounded by the
+        // inbox's bytes), then the highest tier's oldest is handled.
+        while let Ok(msg) = rx.try_recv() {
+            w.take(msg, &mut spool, &mut ids);
+        }
+        if let Some((epoch, publish)) = w.backlog.pop() {
+            w.incoming(epoch, publish, &mut spool, &mut ids);
+            w.turn(&mut spool, &mut ids);
+            continue;
+        }
         // Event-driven: wake for a message, a result to retry, room for held
         // commands, or the purge.
         let wait = if w.results.any_unsaved() {
@@ -127,7 +159,7 @@ pub fn run(
             w.records.until_purge()
         };
         match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
-            Ok(msg) => w.handle(msg, &mut spool, &mut ids),
+            Ok(msg) => w.take(msg, &mut spool, &mut ids),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
         }
@@ -148,6 +180,8 @@ struct Admission {
     deadline_wall: Option<i64>,
     /// The rate limiter's time at receipt (since the thread started).
     rate_now: Duration,
+    /// Its share of the bounds.
+    tier: Tier,
     verdict: Verdict,
 }
 
@@ -156,8 +190,13 @@ enum Verdict {
     Accept,
     /// Recorded `rejected` with this error.
     Reject(String),
-    /// Answered `rejected` with this error, not recorded.
+    /// Answered `rejected` with this error, not recorded (rate limit).
     Refuse(String),
+    /// Answered `no_room` with this error, not recorded.
+    NoRoom(String),
+    /// A built-in without a side effect, answered at receipt: recorded
+    /// finished with this answer.
+    Answer(Answered),
 }
 
 impl Verdict {
@@ -166,6 +205,8 @@ impl Verdict {
             Verdict::Accept => Admit::Accept,
             Verdict::Reject(why) => Admit::Reject(why),
             Verdict::Refuse(why) => Admit::Refuse(why),
+            Verdict::NoRoom(why) => Admit::NoRoom(why),
+            Verdict::Answer(a) => Admit::Answer(a),
         }
     }
 }
@@ -178,6 +219,8 @@ struct Worker {
     /// Indexed by [`Lane::index`].
     lanes: [LaneState; 2],
     inbox: Arc<InboxMeter>,
+    /// Messages taken from the channel, not yet handled, by tier.
+    backlog: Backlog,
     held: HeldBack,
     results: Results,
     to_delivery: Sender<DeliveryMsg>,
@@ -185,12 +228,15 @@ struct Worker {
     records: Records,
     /// Origin of the rate limiter's time.
     started: Instant,
-    limiter: RateLimiter,
+    budgets: Budgets,
     /// After a failed spool write: when to try again, and the delay that
     /// doubles on each failure in a row.
     write_retry: Option<(Instant, Duration)>,
+    /// When a PUBLISH was last acknowledged (handed to the MQTT thread).
+    last_ack: Option<Instant>,
     malformed_log: Quiet,
     refused_log: Quiet,
+    no_room_log: Quiet,
     rejected_log: Quiet,
 }
 
@@ -208,23 +254,29 @@ impl Worker {
             max_records: cfg.commands.max_records,
         };
         let results = Results::new(cfg.device_id.clone(), cfg.format, to_delivery.clone());
-        let limiter = RateLimiter::new(cfg.commands.max_per_minute_per_scope);
+        let budgets = Budgets::new(
+            cfg.commands.max_per_minute_per_scope,
+            cfg.commands.max_per_minute,
+        );
         Worker {
             cfg,
             link,
             local: VecDeque::new(),
             lanes,
             inbox,
+            backlog: Backlog::default(),
             held: HeldBack::default(),
             results,
             to_delivery,
             errors: ErrorLog::default(),
             records: Records::new(clock, policy),
             started: Instant::now(),
-            limiter,
+            budgets,
             write_retry: None,
+            last_ack: None,
             malformed_log: Quiet::default(),
             refused_log: Quiet::default(),
+            no_room_log: Quiet::default(),
             rejected_log: Quiet::default(),
         }
     }
@@ -258,9 +310,25 @@ impl Worker {
         lanes::handler(name, &self.cfg.commands.handlers)
     }
 
+    /// The tier of a command named `name` in `scope`.
+    fn tier(&self, scope: &str, name: &str) -> Tier {
+        Tier::of(scope, name, &self.cfg.commands.operator_scopes)
+    }
+
+    /// Queue `p` where it runs: in a lane, behind the commands of its tier
+    /// and higher ones, ahead of lower ones.
     fn enqueue(&mut self, p: Pending) {
         match self.route(&p.name) {
-            Route::Lane(l) => self.lanes[l.index()].queue.push_back(p),
+            Route::Lane(l) => {
+                let ops = &self.cfg.commands.operator_scopes;
+                let tier = Tier::of(&p.scope, &p.name, ops);
+                let queue = &mut self.lanes[l.index()].queue;
+                let at = queue
+                    .iter()
+                    .position(|q| Tier::of(&q.scope, &q.name, ops) < tier)
+                    .unwrap_or(queue.len());
+                queue.insert(at, p);
+            }
             // Unknown names (a handler removed from the config since) are
             // rejected where local built-ins run.
             Route::Local | Route::Unknown => self.local.push_back(p),
@@ -285,8 +353,21 @@ impl Worker {
         self.records.purge(spool, &mut self.errors);
     }
 
-    fn records_full(&mut self, spool: &mut Spool) -> bool {
-        self.records.full(spool, &mut self.errors)
+    fn records_full(&mut self, tier: Tier, spool: &mut Spool) -> bool {
+        self.records.full(tier, spool, &mut self.errors)
+    }
+
+    /// Why there is no room for a record of `tier`.
+    fn records_full_why(&self, tier: Tier) -> String {
+        format!(
+            "{} command records, the {} of commands.max_records ({}) that {} commands may fill, \
+             and none may be deleted yet: the commands ran within the redelivery window \
+             (commands.record_retention_secs)",
+            self.records.count(),
+            self.records.cap(tier),
+            self.cfg.commands.max_records,
+            tier.name()
+        )
     }
 
     /// Why the spool is not written to now, if it is not: a write failed
@@ -311,25 +392,35 @@ impl Worker {
         self.write_retry = Some((Instant::now() + delay, delay));
     }
 
-    /// Why a new command for `route` cannot be taken now, if it cannot.
-    fn admission_refusal(&mut self, route: Route, spool: &mut Spool) -> Option<String> {
+    /// Why a new command of `tier` for `route` has no room in its lane, if
+    /// it has none.
+    fn lane_refusal(&self, route: Route, tier: Tier) -> Option<String> {
+        let Route::Lane(l) = route else {
+            return None;
+        };
         let max_queued = self.cfg.commands.max_queued;
-        if let Route::Lane(l) = route {
-            if self.lanes[l.index()].queue.len() >= max_queued {
-                return Some(format!(
-                    "the {} queue is full ({max_queued} waiting, commands.max_queued)",
-                    l.name()
-                ));
-            }
+        let cap = tier.cap(max_queued);
+        let waiting = self.lanes[l.index()].queue.len();
+        (waiting >= cap).then(|| {
+            format!(
+                "the {} queue is full for {} commands ({waiting} waiting, {cap} of \
+                 commands.max_queued {max_queued})",
+                l.name(),
+                tier.name()
+            )
+        })
+    }
+
+    /// Why a command of `tier` for `route` is held back now, if it is: its
+    /// lane full, no room among the records (operator commands and pushes
+    /// only: other commands are answered `no_room`), or the spool refusing
+    /// writes.
+    fn hold_reason(&mut self, route: Route, tier: Tier, spool: &mut Spool) -> Option<String> {
+        if tier != Tier::Other && self.records_full(tier, spool) {
+            return Some(self.records_full_why(tier));
         }
-        if self.records_full(spool) {
-            return Some(format!(
-                "{} command records (commands.max_records) and none may be deleted yet: \
-                 the commands ran within the redelivery window (commands.record_retention_secs)",
-                self.records.count()
-            ));
-        }
-        self.write_refusal()
+        self.lane_refusal(route, tier)
+            .or_else(|| self.write_refusal())
     }
 
     /// Take parked commands that fit now, oldest first; drop those of an
@@ -355,7 +446,7 @@ impl Worker {
                 continue;
             }
             let fits = match p.route {
-                Some(route) => self.admission_refusal(route, spool).is_none(),
+                Some(route) => self.hold_reason(route, p.tier, spool).is_none(),
                 None => self.write_refusal().is_none(),
             };
             if !fits {
@@ -369,14 +460,26 @@ impl Worker {
         }
     }
 
-    /// With nothing parked and the inbox at most half full, end the episode
-    /// of held-back commands; if the inbox dropped some on the current
-    /// connection, rebuild it so the broker redelivers them.
+    /// With nothing parked or in the backlog and the inbox at most half
+    /// full, end the episode of held-back commands; if the inbox dropped
+    /// some, rebuild the connection so the broker redelivers them, once the
+    /// inbox is empty: the broker sends again everything not acknowledged,
+    /// so a command still on its way through would be answered twice.
     fn release_if_room(&mut self, spool: &mut Spool) {
         if !self.held.holding() {
             return;
         }
-        if !self.held.parked.is_empty() || self.inbox.held() > self.inbox.limit() / 2 {
+        let most = if self.held.redelivers() {
+            0
+        } else {
+            self.inbox.limit() / 2
+        };
+        if !self.held.parked.is_empty() || !self.backlog.is_empty() || self.inbox.held() > most {
+            return;
+        }
+        // The acknowledgements handed to the MQTT thread must leave on the
+        // connection before it is rebuilt, or those commands come back too.
+        if self.held.redelivers() && self.last_ack.is_some_and(|t| t.elapsed() < ACK_FLUSH) {
             return;
         }
         if let Some(why) = self.no_room(spool) {
@@ -409,16 +512,29 @@ impl Worker {
             // Redelivered commands would mostly be parked again.
             return Some(format!("{} commands waiting in a lane", l.queue.len()));
         }
-        if self.records_full(spool) {
+        if self.records_full(Tier::Push, spool) {
             return Some(format!("{} command records", self.records.count()));
         }
         self.write_refusal()
     }
 
+    /// A message from the channel: a PUBLISH waits in the backlog by tier,
+    /// the rest is handled now.
+    fn take(&mut self, msg: CmdMsg, spool: &mut Spool, ids: &mut EventIdGen) {
+        match msg {
+            CmdMsg::Incoming {
+                epoch,
+                publish,
+                tier,
+            } => self.backlog.push(tier, epoch, publish),
+            other => self.handle(other, spool, ids),
+        }
+    }
+
     fn handle(&mut self, msg: CmdMsg, spool: &mut Spool, ids: &mut EventIdGen) {
         match msg {
             CmdMsg::Wake => {}
-            CmdMsg::Incoming { epoch, publish } => self.incoming(epoch, publish, spool, ids),
+            CmdMsg::Incoming { epoch, publish, .. } => self.incoming(epoch, publish, spool, ids),
             CmdMsg::Done {
                 lane,
                 scope,
@@ -456,11 +572,16 @@ impl Worker {
             }
         };
         let route = self.route(&cmd.name);
-        if let Some(why) = self.admission_refusal(route, spool) {
-            self.held.park(epoch, publish, Some(route), why);
-            return;
-        }
-        let admission = self.admission(&cmd, route);
+        let tier = self.tier(&cmd.scope, &cmd.name);
+        let rate_now = self.started.elapsed();
+        let verdict = match self.verdict(&cmd, route, tier, rate_now, spool) {
+            Ok(v) => v,
+            Err(why) => {
+                self.held.park(epoch, publish, (Some(route), tier), why);
+                return;
+            }
+        };
+        let admission = self.admission(&cmd, route, tier, rate_now, verdict);
         let retained = publish.retain;
         if let Some(claim) = self.claim(epoch, publish, &cmd, &admission, spool, ids) {
             self.claimed(claim, cmd, &admission, retained);
@@ -495,7 +616,7 @@ impl Worker {
         ids: &mut EventIdGen,
     ) {
         if let Some(why) = self.write_refusal() {
-            self.held.park(epoch, publish, None, why);
+            self.held.park(epoch, publish, (None, Tier::Other), why);
             return;
         }
         self.malformed_log
@@ -519,15 +640,83 @@ impl Worker {
                 self.held.park(
                     epoch,
                     publish,
-                    None,
+                    (None, Tier::Other),
                     format!("the spool refused a write: {err}"),
                 );
             }
         }
     }
 
-    /// How `cmd`, running on `route`, is received.
-    fn admission(&mut self, cmd: &Command, route: Route) -> Admission {
+    /// What a new `cmd` of `tier`, running on `route`, gets at `now` (the
+    /// rate limiter's time), in this order: over its rate, answered
+    /// `rate_limited`; no room among the records, answered `no_room` (other
+    /// commands) or held back (`Err`); its lane full or the spool refusing
+    /// writes, held back; an unknown name, rejected; `ping` and `status`,
+    /// answered now; the rest, accepted to run. A command already recorded
+    /// gets its stored answer whatever this says ([`store::claim`]).
+    fn verdict(
+        &mut self,
+        cmd: &Command,
+        route: Route,
+        tier: Tier,
+        now: Duration,
+        spool: &mut Spool,
+    ) -> Result<Verdict, String> {
+        if let Some(why) = self
+            .budgets
+            .refusal(&cmd.scope, tier, runs(route, cmd), now)
+        {
+            return Ok(Verdict::Refuse(why));
+        }
+        if tier == Tier::Other && self.records_full(tier, spool) {
+            return Ok(Verdict::NoRoom(format!(
+                "no room: {}; not recorded: send it again later",
+                self.records_full_why(tier)
+            )));
+        }
+        if let Some(why) = self.hold_reason(route, tier, spool) {
+            return Err(why);
+        }
+        Ok(match route {
+            Route::Unknown => Verdict::Reject(lanes::unknown_command(
+                &cmd.name,
+                &self.cfg.commands.handlers,
+            )),
+            _ if admission::side_effect_free(&cmd.name) => self.answer_now(cmd, spool),
+            _ => Verdict::Accept,
+        })
+    }
+
+    /// The answer of `cmd`, a built-in without a side effect, computed now
+    /// (before its receipt: running it for a duplicate would change
+    /// nothing). A command already recorded is left to [`store::claim`].
+    fn answer_now(&mut self, cmd: &Command, spool: &mut Spool) -> Verdict {
+        match spool.command_exists(&cmd.scope, &cmd.command_id) {
+            Ok(false) => {}
+            Ok(true) => return Verdict::Accept,
+            Err(e) => {
+                self.errors.log("looking up a command record", &e);
+                return Verdict::Accept;
+            }
+        }
+        let t = Instant::now();
+        let (state, result) = results::settle(builtin::run_local(&cmd.name, &cmd.args, spool));
+        Verdict::Answer(Answered {
+            state,
+            result,
+            duration_ms: i64::try_from(t.elapsed().as_millis()).unwrap_or(i64::MAX),
+        })
+    }
+
+    /// How `cmd`, of `tier`, running on `route`, is received at `rate_now`.
+    fn admission(
+        &mut self,
+        cmd: &Command,
+        route: Route,
+        tier: Tier,
+        rate_now: Duration,
+        verdict: Verdict,
+    ) -> Admission {
         // Exec handlers get a time to live when the command names none;
         // built-ins need none.
         let ttl = cmd.ttl.or(match route {
@@ -538,26 +727,12 @@ impl Worker {
         let deadline_wall = ttl
             .filter(|_| trusted)
             .map(|t| cmd.issued_at_ms.unwrap_or(now) + t.as_millis() as i64);
-        let rate_now = self.started.elapsed();
-        let verdict = if !self.limiter.allows(&cmd.scope, rate_now) {
-            Verdict::Refuse(format!(
-                "rate limit: more than {} new commands per minute in scope {:?} \
-                 (commands.max_per_minute_per_scope); not recorded: send it again later",
-                self.cfg.commands.max_per_minute_per_scope, cmd.scope
-            ))
-        } else if route == Route::Unknown {
-            Verdict::Reject(lanes::unknown_command(
-                &cmd.name,
-                &self.cfg.commands.handlers,
-            ))
-        } else {
-            Verdict::Accept
-        };
         Admission {
             route,
             ttl,
             deadline_wall,
             rate_now,
+            tier,
             verdict,
         }
     }
@@ -594,7 +769,7 @@ impl Worker {
                 self.held.park(
                     epoch,
                     publish,
-                    Some(a.route),
+                    (Some(a.route), a.tier),
                     format!("the spool refused a write: {e}"),
                 );
                 None
@@ -607,6 +782,7 @@ impl Worker {
     fn committed(&mut self, epoch: u64, publish: &rumqttc::Publish) {
         self.write_retry = None;
         self.link.ack(epoch, publish);
+        self.last_ack = Some(Instant::now());
         self.inbox.release(publish);
         let _ = self.to_delivery.send(DeliveryMsg::NewRows);
     }
@@ -616,7 +792,8 @@ impl Worker {
     fn claimed(&mut self, claim: Claim, cmd: Command, a: &Admission, retained: bool) {
         match claim {
             Claim::New => {
-                self.limiter.take(&cmd.scope, a.rate_now);
+                let to_run = runs(a.route, &cmd);
+                self.budgets.take(&cmd.scope, a.tier, to_run, a.rate_now);
                 self.records.added();
                 log::info!(
                     "command {}/{} ({}) received",
@@ -634,8 +811,22 @@ impl Worker {
                     age_unknown: false,
                 });
             }
+            Claim::Answered => {
+                self.budgets.take(&cmd.scope, a.tier, false, a.rate_now);
+                self.records.added();
+                let state = match &a.verdict {
+                    Verdict::Answer(x) => x.state,
+                    _ => "answered",
+                };
+                log::info!(
+                    "command {}/{} ({}) {state} at receipt",
+                    cmd.scope,
+                    cmd.command_id,
+                    cmd.name
+                );
+            }
             Claim::Rejected => {
-                self.limiter.take(&cmd.scope, a.rate_now);
+                self.budgets.take(&cmd.scope, a.tier, false, a.rate_now);
                 self.records.added();
                 self.rejected_log.warn(|| {
                     format!(
@@ -645,10 +836,18 @@ impl Worker {
                 });
             }
             Claim::Refused => self.refused_log.warn(|| {
-                format!(
-                    "commands: {}/{} refused: over commands.max_per_minute_per_scope in scope {:?}",
-                    cmd.scope, cmd.command_id, cmd.scope
-                )
+                let why = match &a.verdict {
+                    Verdict::Refuse(why) => why.as_str(),
+                    _ => "rate limit",
+                };
+                format!("commands: {}/{} refused: {why}", cmd.scope, cmd.command_id)
+            }),
+            Claim::NoRoom => self.no_room_log.warn(|| {
+                let why = match &a.verdict {
+                    Verdict::NoRoom(why) => why.as_str(),
+                    _ => "no room",
+                };
+                format!("commands: {}/{} refused: {why}", cmd.scope, cmd.command_id)
             }),
             Claim::Duplicate { state } => log::info!(
                 "command {}/{}: duplicate delivery{}; answered from the store ({state}), not run again",

@@ -117,6 +117,10 @@ pub(super) struct RawCommands {
     pub(super) max_queued: usize,
     #[serde(default = "d_cmd_rate")]
     pub(super) max_per_minute_per_scope: u32,
+    #[serde(default = "d_cmd_global_rate")]
+    pub(super) max_per_minute: u32,
+    #[serde(default)]
+    pub(super) operator_scopes: Vec<String>,
     #[serde(default = "d_cmd_ttl")]
     pub(super) default_ttl_secs: u64,
     #[serde(default)]
@@ -134,6 +138,8 @@ impl Default for RawCommands {
             max_records: d_cmd_records(),
             max_queued: d_cmd_queued(),
             max_per_minute_per_scope: d_cmd_rate(),
+            max_per_minute: d_cmd_global_rate(),
+            operator_scopes: Vec::new(),
             default_ttl_secs: d_cmd_ttl(),
             handlers: Vec::new(),
             config_push: RawConfigPush::default(),
@@ -262,6 +268,9 @@ pub(super) fn d_cmd_queued() -> usize {
 }
 pub(super) fn d_cmd_rate() -> u32 {
     60
+}
+pub(super) fn d_cmd_global_rate() -> u32 {
+    600
 }
 pub(super) fn d_cmd_ttl() -> u64 {
     3600

@@ -485,6 +485,52 @@ fn command_bounds_are_range_checked_and_name_their_key() {
     assert_eq!(c.commands.default_ttl, Duration::from_secs(60));
 }
 
+/// `commands.operator_scopes` and `commands.max_per_minute`: local-only
+/// keys with their defaults (none; 600), as the example writes them, and
+/// range-checked naming the key (the entry, for a bad scope).
+#[test]
+fn operator_scopes_and_the_global_rate_are_read_checked_and_default() {
+    let with = |body: &str| format!("{GOOD}[commands]\n{body}\n");
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    assert!(c.commands.operator_scopes.is_empty());
+    assert_eq!(c.commands.max_per_minute, 600);
+    let example = parse(
+        include_str!("../../board-configs/example.toml"),
+        "example.toml",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(example.commands.operator_scopes, c.commands.operator_scopes);
+    assert_eq!(example.commands.max_per_minute, c.commands.max_per_minute);
+    let c = parse(
+        &with("operator_scopes = [\"ops\", \"noc@site-1\"]\nmax_per_minute = 1"),
+        "t.toml",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.commands.operator_scopes, ["ops", "noc@site-1"]);
+    assert_eq!(c.commands.max_per_minute, 1);
+    let many: Vec<String> = (0..65).map(|i| format!("\"s{i}\"")).collect();
+    let many = format!("operator_scopes = [{}]", many.join(", "));
+    for (body, key) in [
+        ("max_per_minute = 0", "commands.max_per_minute"),
+        ("max_per_minute = 600001", "commands.max_per_minute"),
+        (
+            "operator_scopes = [\"ops\", \"a b\"]",
+            "commands.operator_scopes.1",
+        ),
+        ("operator_scopes = [\"\"]", "commands.operator_scopes.0"),
+        (
+            "operator_scopes = [\"ops\", \"ops\"]",
+            "commands.operator_scopes.1",
+        ),
+        (many.as_str(), "commands.operator_scopes"),
+    ] {
+        let e = err(&with(body));
+        assert_eq!(e.problems[0].key, key, "{body}");
+    }
+}
+
 #[test]
 fn tls_urls_need_a_ca_and_both_client_files_or_none() {
     let e = err(&GOOD.replace("mqtt://broker.local:1884", "mqtts://b"));

@@ -76,6 +76,8 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             max_records: rc.max_records,
             max_queued: rc.max_queued,
             max_per_minute_per_scope: rc.max_per_minute_per_scope,
+            max_per_minute: rc.max_per_minute,
+            operator_scopes: rc.operator_scopes.clone(),
             default_ttl: Duration::from_secs(rc.default_ttl_secs),
             handlers,
         },

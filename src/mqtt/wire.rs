@@ -25,6 +25,20 @@ pub const EVENT_ID_PROPERTY: &str = "event_id";
 /// `"event_id"` (8) and a hyphenated UUID (36) (MQTT 5.0 §3.3.2.3.7, §1.5.7).
 pub const V5_EVENT_PROPERTIES: usize = 1 + 1 + 2 + EVENT_ID_PROPERTY.len() + 2 + 36;
 
+/// Receive Maximum the agent announces in CONNECT under MQTT 5: QoS 1
+/// PUBLISHes (commands, receipts) the broker may send before one is
+/// acknowledged (§3.1.2.11.3). 65535 is the protocol's own default for an
+/// absent property, said explicitly because mosquitto applies its
+/// `max_inflight_messages` (20) to a client that does not say it. With a
+/// window of 20 the broker holds everything behind the first 20
+/// unacknowledged commands (and drops what overflows its queue), so an
+/// operator command would wait behind every junk command queued before it;
+/// with this one the broker sends ahead and the command thread's tiers
+/// decide what is taken first (`commands::admission`). Memory stays
+/// bounded by the command inbox: what does not fit is left unacknowledged
+/// at the broker and redelivered after a reconnect.
+pub const RECEIVE_MAXIMUM: u16 = u16::MAX;
+
 /// A client of either version (cheap to clone: a channel sender).
 #[derive(Clone)]
 pub enum Client {
@@ -289,6 +303,7 @@ pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, Conn) {
             // expiry of 0, the default, ends it at the disconnect).
             o.set_session_expiry_interval((!clean).then_some(cfg.session_expiry_secs));
             o.set_outgoing_inflight_upper_limit(inflight);
+            o.set_receive_maximum(Some(RECEIVE_MAXIMUM));
             // Tells the broker our limit (CONNECT Maximum Packet Size) and
             // makes rumqttc refuse a larger incoming packet.
             o.set_max_packet_size(Some(u32::try_from(setup.max_incoming).unwrap_or(u32::MAX)));

@@ -62,6 +62,10 @@ const SQL_PURGE_CANDIDATES: &str = "SELECT rowid, coalesce(received_clock_ms, 0)
     WHERE state NOT IN ('received', 'running') AND rowid < ?1
       AND (coalesce(received_clock_ms, 0) <= ?2 OR state = 'rejected')
     ORDER BY rowid LIMIT ?3";
+const SQL_DROPPABLE: &str = "SELECT rowid FROM commands
+    WHERE rowid < ?1 AND state NOT IN ('received', 'running')
+      AND (state = 'rejected' OR name IN (SELECT value FROM json_each(?2)))
+    ORDER BY rowid LIMIT ?3";
 const SQL_DELETE: &str =
     "DELETE FROM commands WHERE rowid = ?1 AND state NOT IN ('received', 'running')";
 const SQL_BY_STATE: &str = "SELECT state, count(*) FROM commands GROUP BY state ORDER BY state";
@@ -340,6 +344,19 @@ impl CommandTx<'_> {
         Ok(rows)
     }
 
+    /// Finished records below rowid `below` that are `rejected` or named one
+    /// of `names` (a JSON array of strings), oldest first, at most `limit`.
+    pub fn droppable(&self, below: i64, names: &str, limit: usize) -> Result<Vec<i64>, SpoolError> {
+        let e = |e| self.err(e);
+        let mut st = self.tx.prepare_cached(SQL_DROPPABLE).map_err(e)?;
+        let rows = st
+            .query_map(params![below, names, limit as i64], |r| r.get(0))
+            .map_err(e)?
+            .collect::<Result<Vec<i64>, _>>()
+            .map_err(e)?;
+        Ok(rows)
+    }
+
     /// Delete the records `rowids` (never a `received` or `running` one);
     /// how many went.
     pub fn delete(&self, rowids: &[i64]) -> Result<usize, SpoolError> {
@@ -400,6 +417,16 @@ impl Spool {
                 ttl_ms: r.get(7)?,
             })
         })
+    }
+
+    /// Whether a record of (`scope`, `command_id`) exists (outside a
+    /// transaction: a hint only; [`CommandTx::claim`] decides).
+    pub fn command_exists(&self, scope: &str, command_id: &str) -> Result<bool, SpoolError> {
+        self.conn
+            .query_row(SQL_EXISTS, params![scope, command_id], |_| Ok(()))
+            .optional()
+            .map(|found| found.is_some())
+            .map_err(|e| self.err(e))
     }
 
     /// Command records, all states.

@@ -12,6 +12,8 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod flood;
+
 /// A broker, a proxy in front of it for the agent, a subscriber on the
 /// agent's events, and a config with exec handlers writing marker files.
 struct Rig {

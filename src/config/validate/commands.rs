@@ -7,7 +7,8 @@ use crate::config::ConfigPush;
 use std::time::Duration;
 
 /// `[commands]` bounds: payload size, record retention (3600 s..=ten years),
-/// records, queue, rate, and a `default_ttl_secs` within the retention.
+/// records, queue, rates, operator scopes, and a `default_ttl_secs` within
+/// the retention.
 pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, String)) {
     if !(256..=1024 * 1024).contains(&rc.max_payload_bytes) {
         bad(
@@ -51,6 +52,13 @@ pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, 
             format!("must be 1..=60000 (got {})", rc.max_per_minute_per_scope),
         );
     }
+    if !(1..=600_000).contains(&rc.max_per_minute) {
+        bad(
+            "commands.max_per_minute",
+            format!("must be 1..=600000 (got {})", rc.max_per_minute),
+        );
+    }
+    check_operator_scopes(&rc.operator_scopes, bad);
     if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
         // A command may still run only while its record is sure to exist:
         // past the redelivery window a redelivery could find no record.
@@ -61,6 +69,36 @@ pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, 
                 rc.record_retention_secs, rc.default_ttl_secs
             ),
         );
+    }
+}
+
+/// Operator scopes named at most (each gets a rate bucket of its own).
+const MAX_OPERATOR_SCOPES: usize = 64;
+
+/// `commands.operator_scopes`: at most [`MAX_OPERATOR_SCOPES`] scopes, each
+/// one a command could name (1..=64 of `[A-Za-z0-9-_.:@]`), none twice.
+fn check_operator_scopes(scopes: &[String], bad: &mut impl FnMut(&str, String)) {
+    if scopes.len() > MAX_OPERATOR_SCOPES {
+        bad(
+            "commands.operator_scopes",
+            format!(
+                "at most {MAX_OPERATOR_SCOPES} scopes (got {})",
+                scopes.len()
+            ),
+        );
+    }
+    for (i, s) in scopes.iter().enumerate() {
+        if !crate::commands::valid_scope(s) {
+            bad(
+                &format!("commands.operator_scopes.{i}"),
+                format!("must be 1..=64 of [A-Za-z0-9-_.:@], as a command's scope (got {s:?})"),
+            );
+        } else if scopes[..i].contains(s) {
+            bad(
+                &format!("commands.operator_scopes.{i}"),
+                format!("{s:?} is named twice"),
+            );
+        }
     }
 }
 
