@@ -141,11 +141,19 @@ pub fn run(
     while !stop.load(Ordering::Relaxed) {
         // Everything waiting is sorted by tier first (bounded by the
         // inbox's bytes), then the highest tier's oldest is handled.
+        let mut took = false;
         while let Ok(msg) = rx.try_recv() {
             w.take(msg, &mut spool, &mut ids);
+            took = true;
         }
         if let Some((epoch, publish)) = w.backlog.pop() {
             w.incoming(epoch, publish, &mut spool, &mut ids);
+            w.turn(&mut spool, &mut ids);
+            continue;
+        }
+        if took {
+            // A lane's `Done` taken above freed its lane: start what waits
+            // now, not at the next wake (up to a purge interval away).
             w.turn(&mut spool, &mut ids);
             continue;
         }
