@@ -15,12 +15,14 @@
 //! with it. (Enum values are written by the operator and passed as they are.)
 //!
 //! The program runs confined ([`process::run_confined`]): only the
-//! environment of [`child_env`], the handler's working directory (`/` by
-//! default), CPU, address-space and open-file limits, and the handler's
-//! `user`/`group` when the agent runs as root. Nothing of the agent's own
-//! environment (credentials, tokens, proxy settings) reaches it.
+//! environment of [`child_env`], no descriptor above 2, the handler's
+//! working directory (`/` by default), CPU, address-space and open-file
+//! limits, and the handler's `user`/`group` when the agent runs as root.
+//! Nothing of the agent's own environment (credentials, tokens, proxy
+//! settings) reaches it. It runs in a kill scope of its own: at the
+//! timeout, or once it has exited and its output is read, every process it
+//! started is killed, one that left its process group with `setsid` too.
 
-use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
@@ -31,12 +33,11 @@ use crate::commands::{ExecHandler, ParamKind, ParamSpec};
 use crate::process::{self, Confinement, RunError};
 
 /// `PATH` of a handler's program unless its `env` sets one: the system
-/// directories only, never the agent's own `PATH`.
-pub const HANDLER_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
-/// `LANG` of a handler's program unless its `env` sets one: UTF-8 without
-/// translated messages, so output is the same on every board. Where the
-/// C library has no `C.UTF-8` locale, programs fall back to `C`.
-pub const HANDLER_LANG: &str = "C.UTF-8";
+/// directories only, never the agent's own `PATH` ([`process::CHILD_PATH`]).
+pub const HANDLER_PATH: &str = process::CHILD_PATH;
+/// `LANG` of a handler's program unless its `env` sets one
+/// ([`process::CHILD_LANG`]): UTF-8 without translated messages.
+pub const HANDLER_LANG: &str = process::CHILD_LANG;
 
 /// Characters of an offending value shown in an error.
 const SHOWN_CHARS: usize = 64;
@@ -124,25 +125,18 @@ pub fn bind_args(h: &ExecHandler, args: &Map<String, Value>) -> Result<Vec<Strin
 
 /// The whole environment of handler `h`'s program: `PATH` =
 /// [`HANDLER_PATH`], `LANG` = [`HANDLER_LANG`], and the handler's `env`
-/// (which may replace either), sorted by name. Nothing is inherited.
+/// (which may replace either), sorted by name ([`process::child_env`]).
+/// Nothing is inherited.
 pub fn child_env(h: &ExecHandler) -> Vec<(String, String)> {
-    let mut env: BTreeMap<&str, &str> = BTreeMap::new();
-    env.insert("PATH", HANDLER_PATH);
-    env.insert("LANG", HANDLER_LANG);
-    for (name, value) in &h.env {
-        env.insert(name, value);
-    }
-    env.into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    process::child_env(&h.env)
 }
 
 /// How handler `h`'s program is confined.
 fn confinement(h: &ExecHandler) -> Confinement {
     Confinement {
         env: child_env(h),
-        cwd: h.cwd.clone(),
-        limits: h.limits,
+        cwd: Some(h.cwd.clone()),
+        limits: Some(h.limits),
         credentials: h.credentials,
     }
 }
@@ -466,6 +460,7 @@ mod tests {
     use super::*;
     use crate::process::Limits;
     use serde_json::json;
+    use std::collections::BTreeMap;
     use std::path::{Path, PathBuf};
 
     fn handler(program: &str, args: &[&str], params: Vec<ParamSpec>) -> ExecHandler {

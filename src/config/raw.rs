@@ -455,6 +455,12 @@ pub(super) struct RawSource {
     pub(super) args: Option<Vec<String>>,
     pub(super) timeout_ms: Option<u64>,
     pub(super) max_output_bytes: Option<usize>,
+    /// kind = "exec": variables besides `PATH` and `LANG`, as a handler's.
+    pub(super) env: Option<BTreeMap<String, String>>,
+    /// kind = "exec": run as this user (as a handler's `user`).
+    pub(super) user: Option<String>,
+    /// kind = "exec": with `user`, the program's one group.
+    pub(super) group: Option<String>,
     pub(super) delimiter: Option<String>,
     pub(super) decimal_comma: Option<bool>,
     pub(super) missing: Option<Vec<String>>,

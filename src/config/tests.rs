@@ -990,3 +990,98 @@ user = "nobody"
         format!("{uid}\n{gid}\n{gid}\n/\n")
     );
 }
+
+fn with_exec_source(extra: &str) -> String {
+    format!(
+        "{GOOD}[[sources]]\nname = \"probe\"\nkind = \"exec\"\nprogram = \"/bin/true\"\n{extra}\n"
+    )
+}
+
+#[test]
+fn an_exec_source_takes_env_user_and_group_checked_as_a_handlers() {
+    let c = parse(&with_exec_source(""), "t.toml", &[]).unwrap();
+    match &c.sources[1].kind {
+        SourceKind::Exec {
+            env, credentials, ..
+        } => assert!(env.is_empty() && credentials.is_none()),
+        other => panic!("{other:?}"),
+    }
+    let c = parse(
+        &with_exec_source("env = { SENSOR_BUS = \"i2c-1\", PATH = \"/opt/bin\" }"),
+        "t.toml",
+        &[],
+    )
+    .unwrap();
+    match &c.sources[1].kind {
+        SourceKind::Exec { env, .. } => assert_eq!(
+            env.iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect::<Vec<_>>(),
+            [("PATH", "/opt/bin"), ("SENSOR_BUS", "i2c-1")]
+        ),
+        other => panic!("{other:?}"),
+    }
+    let m = problem(
+        &with_exec_source("env = { lower = \"x\" }"),
+        "sources[1].env",
+    );
+    assert!(m.contains("(got \"lower\")"), "{m}");
+    let m = problem(&with_exec_source("group = \"nogroup\""), "sources[1].group");
+    assert!(m.starts_with("needs `user` as well"), "{m}");
+    let m = problem(
+        &with_exec_source("user = \"no-such-user-edgespool\""),
+        "sources[1].user",
+    );
+    assert!(m.contains("\"no-such-user-edgespool\""), "{m}");
+    // They belong to exec sources only.
+    for key in ["env = { A = \"1\" }", "user = \"root\"", "group = \"root\""] {
+        let text =
+            format!("{GOOD}[[sources]]\nname = \"f\"\nkind = \"file\"\npath = \"/x\"\n{key}\n");
+        let name = key.split(' ').next().unwrap_or_default();
+        let m = problem(&text, &format!("sources[1].{name}"));
+        assert_eq!(m, "not used by kind \"file\"", "{key}");
+    }
+}
+
+// The source the config resolved (user name to ids) runs as that user,
+// with only PATH, LANG and its env.
+#[test]
+fn an_exec_source_with_user_nobody_runs_as_nobody() {
+    if !crate::process::can_switch_user() {
+        eprintln!("skipped: switching users needs root");
+        return;
+    }
+    let Some((uid, gid)) = crate::process::lookup_user("nobody").unwrap() else {
+        panic!("this system has no user nobody");
+    };
+    let text = format!(
+        r#"{GOOD}[[sources]]
+name = "probe"
+kind = "exec"
+program = "/bin/sh"
+args = ["-c", "printf '{{\"uid\": %s, \"groups\": \"%s\", \"greeting\": \"%s\"}}' \"$(id -u)\" \"$(id -G)\" \"$GREETING\""]
+user = "nobody"
+env = {{ GREETING = "hi" }}
+"#
+    );
+    let config = crate::config::parse(&text, "t.toml", &[]).unwrap();
+    let spec = &config.sources[1];
+    match &spec.kind {
+        SourceKind::Exec { credentials, .. } => {
+            assert_eq!(*credentials, Some(Credentials { uid, gid }))
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut state = crate::source::SourceState::default();
+    let mut fields = crate::source::sample(spec, &mut state, std::path::Path::new("/")).unwrap();
+    fields.sort_by(|a, b| a.0.cmp(&b.0));
+    use crate::reading::FieldValue;
+    assert_eq!(
+        fields,
+        [
+            ("greeting".to_owned(), FieldValue::Text("hi".into())),
+            ("groups".to_owned(), FieldValue::Text(gid.to_string())),
+            ("uid".to_owned(), FieldValue::Num(f64::from(uid))),
+        ]
+    );
+}

@@ -2,12 +2,22 @@
 //! from the [`Snapshot`] the ingest thread publishes.
 //!
 //! Its one rule: **the listener is attack surface, so everything it accepts
-//! is bounded**: one connection at a time, request head at most
-//! [`MAX_HEAD_BYTES`], the whole request within [`REQUEST_DEADLINE`], no
-//! request body read, `Connection: close` on every answer. Anything but
-//! `GET`/`HEAD /metrics` gets 400, 404, 405, 408 or 431; it never panics on
-//! input and never touches the spool (loopback only unless
+//! is bounded, and no client waits on another.** One thread serves every
+//! connection as its bytes arrive (`poll(2)` over non-blocking sockets): a
+//! scrape is answered as soon as its request head is in, however many
+//! other clients trickle a byte at a time or say nothing. At most
+//! [`MAX_CONNECTIONS`] are held; one more closes the oldest (the slowest:
+//! a request that is answered leaves at once). Each connection must send
+//! its request head, at most [`MAX_HEAD_BYTES`], within
+//! [`REQUEST_DEADLINE`] and take its answer within [`WRITE_TIMEOUT`]; no
+//! request body is read; `Connection: close` on every answer. Anything but
+//! `GET`/`HEAD /metrics` gets 400, 404, 405, 408 or 431; it never panics
+//! on input and never touches the spool (loopback only unless
 //! `metrics.listen_public`, enforced by the config).
+//!
+//! Why not a thread per connection: on a small board, 64 stacks for
+//! clients that trickle is what a slow-client attack wants; a poll loop
+//! costs one thread and a buffer per connection.
 //!
 //! Why not a crate: tiny_http 0.12 (its last release, 2022) runs an accept
 //! thread and a pool of at least 4 worker threads with no bound on
@@ -17,6 +27,7 @@
 use super::{Snapshot, CONTENT_TYPE};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,11 +37,38 @@ use std::time::{Duration, Instant};
 pub const MAX_HEAD_BYTES: usize = 8 * 1024;
 
 /// The request head must arrive within this, whatever the pace of its
-/// bytes (a client that trickles keeps nobody else waiting longer).
+/// bytes; then it is answered 408 and closed.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(3);
 
+/// Connections held at once; one more closes the oldest. Each costs a
+/// descriptor and at most [`MAX_HEAD_BYTES`] plus one answer of memory.
+pub const MAX_CONNECTIONS: usize = 64;
+
 /// Writing the answer may take this long.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// After the answer, what the client still sends (a body we did not read)
+/// is read and dropped for this long, up to [`DRAIN_BYTES`]: closing with
+/// unread data makes the kernel send a reset that can destroy the answer
+/// before it is read.
+const DRAIN_TIME: Duration = Duration::from_millis(500);
+/// See [`DRAIN_TIME`].
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// New connections taken per round of the loop, so that the ones already
+/// in are read between bursts.
+const ACCEPT_BURST: usize = 8;
+
+/// The loop wakes at least this often (to see the stop flag without
+/// [`wake`]).
+const TICK: Duration = Duration::from_millis(250);
+
+/// After an accept error (a full descriptor table), new connections wait
+/// this long before the next try; the ones in are served meanwhile.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(200);
+
+/// Size of one read.
+const CHUNK: usize = 1024;
 
 /// A running listener (see [`start`]).
 #[derive(Debug)]
@@ -47,6 +85,7 @@ pub struct Listener {
 /// start; the caller runs on without a listener.
 pub fn start(addr: SocketAddr, snapshot: Snapshot) -> std::io::Result<Listener> {
     let listener = TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
     let mut addr = listener.local_addr()?;
     if addr.ip().is_unspecified() {
         // The wake-up connection goes to this host itself.
@@ -74,24 +113,54 @@ impl Listener {
     }
 }
 
-/// The listener thread: accept one connection at a time until `stop` is
-/// set (then wake it with [`wake`]). Accept errors (a full descriptor table)
-/// are logged at most once a minute and retried after a pause.
+/// The listener thread: serve every connection as its bytes come until
+/// `stop` is set (it is seen within [`TICK`], at once after [`wake`]).
+/// Accept errors (a full descriptor table) are logged at most once a
+/// minute and new connections wait [`ACCEPT_PAUSE`].
 pub fn serve(listener: TcpListener, snapshot: Snapshot, stop: Arc<AtomicBool>) {
+    if let Err(e) = listener.set_nonblocking(true) {
+        log::warn!("metrics.listen: cannot make the socket non-blocking: {e}; not serving");
+        return;
+    }
+    let mut conns: Vec<Conn> = Vec::with_capacity(MAX_CONNECTIONS);
+    let mut fds: Vec<libc::pollfd> = Vec::with_capacity(MAX_CONNECTIONS + 1);
     let mut last_error: Option<Instant> = None;
-    loop {
-        let accepted = listener.accept();
+    let mut paused_until: Option<Instant> = None;
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        for c in &mut conns {
+            c.check_deadline(now, &snapshot);
+        }
+        conns.retain(|c| !c.done());
+        let accepting = paused_until.is_none_or(|t| now >= t);
+        fds.clear();
+        fds.push(pollfd(&listener, if accepting { libc::POLLIN } else { 0 }));
+        fds.extend(conns.iter().map(|c| pollfd(&c.stream, c.interest())));
+        let next = conns
+            .iter()
+            .map(Conn::deadline)
+            .chain(paused_until)
+            .min()
+            .map_or(TICK, |t| t.saturating_duration_since(now).min(TICK));
+        wait_ready(&mut fds, next);
         if stop.load(Ordering::Relaxed) {
             return;
         }
-        match accepted {
-            Ok((stream, _)) => answer(stream, &snapshot),
-            Err(e) => {
+        for (c, fd) in conns.iter_mut().zip(fds.iter().skip(1)) {
+            if fd.revents != 0 {
+                c.advance(&snapshot);
+            }
+        }
+        conns.retain(|c| !c.done());
+        if fds.first().is_some_and(|fd| fd.revents != 0) {
+            if let Err(e) = accept_some(&listener, &mut conns, &snapshot) {
                 if last_error.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
                     log::warn!("metrics.listen: accept failed: {e} (repeats logged every 60 s)");
                     last_error = Some(Instant::now());
                 }
-                std::thread::sleep(Duration::from_millis(200));
+                paused_until = Some(Instant::now() + ACCEPT_PAUSE);
+            } else {
+                paused_until = None;
             }
         }
     }
@@ -103,6 +172,211 @@ pub fn wake(addr: SocketAddr) {
     let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(500));
 }
 
+fn pollfd(socket: &impl AsRawFd, events: libc::c_short) -> libc::pollfd {
+    libc::pollfd {
+        fd: socket.as_raw_fd(),
+        events,
+        revents: 0,
+    }
+}
+
+/// `poll(2)` on `fds` for at most `timeout`; an error (EINTR) counts as a
+/// timeout with nothing ready.
+fn wait_ready(fds: &mut [libc::pollfd], timeout: Duration) {
+    let ms =
+        libc::c_int::try_from(timeout.as_millis().saturating_add(1)).unwrap_or(libc::c_int::MAX);
+    let Ok(n) = libc::nfds_t::try_from(fds.len()) else {
+        return;
+    };
+    // SAFETY: poll reads and writes `n` pollfds, the length of `fds`.
+    if unsafe { libc::poll(fds.as_mut_ptr(), n, ms) } < 0 {
+        for fd in fds {
+            fd.revents = 0;
+        }
+    }
+}
+
+/// Takes up to [`ACCEPT_BURST`] new connections, closing the oldest held
+/// one for each beyond [`MAX_CONNECTIONS`], and reads each at once (a
+/// scrape's request is usually there with it). Errors: accept failed for a
+/// reason other than "none pending".
+fn accept_some(
+    listener: &TcpListener,
+    conns: &mut Vec<Conn>,
+    snapshot: &Snapshot,
+) -> std::io::Result<()> {
+    for _ in 0..ACCEPT_BURST {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Interrupted | ErrorKind::ConnectionAborted
+                ) =>
+            {
+                continue
+            }
+            Err(e) => return Err(e),
+        };
+        if stream.set_nonblocking(true).is_err() {
+            continue;
+        }
+        if conns.len() >= MAX_CONNECTIONS {
+            if let Some(oldest) = (0..conns.len()).min_by_key(|&i| conns[i].opened) {
+                conns.swap_remove(oldest);
+            }
+        }
+        let mut conn = Conn::new(stream, Instant::now());
+        conn.advance(snapshot);
+        if !conn.done() {
+            conns.push(conn);
+        }
+    }
+    Ok(())
+}
+
+/// One connection and how far it is.
+struct Conn {
+    stream: TcpStream,
+    opened: Instant,
+    phase: Phase,
+}
+
+enum Phase {
+    /// Reading the request head until `deadline`.
+    Head { buf: Vec<u8>, deadline: Instant },
+    /// Writing the answer from `sent` until `deadline`.
+    Answer {
+        out: Vec<u8>,
+        sent: usize,
+        deadline: Instant,
+    },
+    /// Answered and half-closed: reading and dropping up to `left` more
+    /// bytes until `deadline` (see [`DRAIN_TIME`]).
+    Drain { left: usize, deadline: Instant },
+    /// To be closed.
+    Done,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, now: Instant) -> Conn {
+        Conn {
+            stream,
+            opened: now,
+            phase: Phase::Head {
+                buf: Vec::with_capacity(CHUNK),
+                deadline: now + REQUEST_DEADLINE,
+            },
+        }
+    }
+
+    fn done(&self) -> bool {
+        matches!(self.phase, Phase::Done)
+    }
+
+    fn deadline(&self) -> Instant {
+        match &self.phase {
+            Phase::Head { deadline, .. }
+            | Phase::Answer { deadline, .. }
+            | Phase::Drain { deadline, .. } => *deadline,
+            Phase::Done => self.opened,
+        }
+    }
+
+    /// What to wait for on its socket.
+    fn interest(&self) -> libc::c_short {
+        match self.phase {
+            Phase::Answer { .. } => libc::POLLOUT,
+            _ => libc::POLLIN,
+        }
+    }
+
+    /// Past its deadline: a head not in yet is answered 408, anything else
+    /// is closed.
+    fn check_deadline(&mut self, now: Instant, snapshot: &Snapshot) {
+        if now < self.deadline() {
+            return;
+        }
+        match self.phase {
+            Phase::Head { .. } => self.answer(Verdict::Error(408, "Request Timeout"), snapshot),
+            _ => self.phase = Phase::Done,
+        }
+    }
+
+    /// Does what its socket allows now, without blocking.
+    fn advance(&mut self, snapshot: &Snapshot) {
+        let mut chunk = [0u8; CHUNK];
+        loop {
+            match &mut self.phase {
+                Phase::Head { buf, .. } => match self.stream.read(&mut chunk) {
+                    Ok(0) => self.answer(Verdict::Error(400, "Bad Request"), snapshot),
+                    Ok(n) => {
+                        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+                        match head_end(buf) {
+                            Some(end) if end <= MAX_HEAD_BYTES => {
+                                let verdict = judge(buf.get(..end).unwrap_or_default());
+                                self.answer(verdict, snapshot);
+                            }
+                            _ if buf.len() > MAX_HEAD_BYTES => self.answer(
+                                Verdict::Error(431, "Request Header Fields Too Large"),
+                                snapshot,
+                            ),
+                            _ => {}
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                    Err(_) => self.phase = Phase::Done,
+                },
+                Phase::Answer { out, sent, .. } => {
+                    match self.stream.write(out.get(*sent..).unwrap_or_default()) {
+                        Ok(n) if n > 0 => {
+                            *sent += n;
+                            if *sent >= out.len() {
+                                let _ = self.stream.shutdown(Shutdown::Write);
+                                self.phase = Phase::Drain {
+                                    left: DRAIN_BYTES,
+                                    deadline: Instant::now() + DRAIN_TIME,
+                                };
+                            }
+                        }
+                        Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                        Ok(_) | Err(_) => self.phase = Phase::Done,
+                    }
+                }
+                Phase::Drain { left, .. } => match self.stream.read(&mut chunk) {
+                    Ok(n) if n > 0 && n < *left => *left -= n,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                    Ok(_) | Err(_) => self.phase = Phase::Done,
+                },
+                Phase::Done => return,
+            }
+        }
+    }
+
+    /// Turns to answering `verdict` (the metrics come from `snapshot`).
+    fn answer(&mut self, verdict: Verdict, snapshot: &Snapshot) {
+        let out = match verdict {
+            Verdict::Metrics { head } => response(200, "OK", CONTENT_TYPE, &snapshot.text(), head),
+            Verdict::Error(code, reason) => response(
+                code,
+                reason,
+                "text/plain; charset=utf-8",
+                &format!("{code} {reason}\n"),
+                false,
+            ),
+        };
+        self.phase = Phase::Answer {
+            out,
+            sent: 0,
+            deadline: Instant::now() + WRITE_TIMEOUT,
+        };
+    }
+}
+
 /// What a request head asks for.
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
@@ -110,84 +384,6 @@ enum Verdict {
     Metrics { head: bool },
     /// An error status and its reason phrase.
     Error(u16, &'static str),
-}
-
-/// Read one request head from `stream` and answer it.
-fn answer(mut stream: TcpStream, snapshot: &Snapshot) {
-    let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-    let verdict = match read_head(&mut stream) {
-        Ok(head) => judge(&head),
-        Err(v) => v,
-    };
-    let res = match verdict {
-        Verdict::Metrics { head } => {
-            let body = snapshot.text();
-            respond(&mut stream, 200, "OK", CONTENT_TYPE, &body, head)
-        }
-        Verdict::Error(code, reason) => {
-            let body = format!("{code} {reason}\n");
-            respond(
-                &mut stream,
-                code,
-                reason,
-                "text/plain; charset=utf-8",
-                &body,
-                false,
-            )
-        }
-    };
-    if res.is_ok() {
-        // Half-close, then drain briefly what the client still sends (a
-        // body we did not read): closing with unread data makes the kernel
-        // send a reset that can destroy the answer before it is read.
-        let _ = stream.shutdown(Shutdown::Write);
-        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-        let mut sink = [0u8; 4096];
-        let mut drained = 0;
-        // One overall bound too: a client trickling a byte per read must
-        // not hold the only listener thread.
-        let give_up = Instant::now() + Duration::from_millis(500);
-        while drained < 64 * 1024 && Instant::now() < give_up {
-            match stream.read(&mut sink) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => drained += n,
-            }
-        }
-    }
-}
-
-/// Read until the blank line that ends the head. Errors: the status to
-/// answer (431 over [`MAX_HEAD_BYTES`], 408 past [`REQUEST_DEADLINE`], 400
-/// on a connection closed early).
-fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, Verdict> {
-    let deadline = Instant::now() + REQUEST_DEADLINE;
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    loop {
-        match head_end(&buf) {
-            Some(end) if end <= MAX_HEAD_BYTES => {
-                buf.truncate(end);
-                return Ok(buf);
-            }
-            _ => {}
-        }
-        if buf.len() > MAX_HEAD_BYTES {
-            return Err(Verdict::Error(431, "Request Header Fields Too Large"));
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
-            return Err(Verdict::Error(408, "Request Timeout"));
-        }
-        match stream.read(&mut chunk) {
-            Ok(0) => return Err(Verdict::Error(400, "Bad Request")),
-            Ok(n) => buf.extend_from_slice(chunk.get(..n).unwrap_or_default()),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(Verdict::Error(408, "Request Timeout"))
-            }
-            Err(_) => return Err(Verdict::Error(400, "Bad Request")),
-        }
-    }
 }
 
 /// Where the head ends (the index of its blank line), `\r\n\r\n` or a bare
@@ -228,15 +424,8 @@ fn judge(head: &[u8]) -> Verdict {
     }
 }
 
-/// Write a whole answer; `Connection: close`, `Allow` on 405.
-fn respond(
-    stream: &mut TcpStream,
-    code: u16,
-    reason: &str,
-    content_type: &str,
-    body: &str,
-    head_only: bool,
-) -> std::io::Result<()> {
+/// A whole answer: `Connection: close`, `Allow` on 405.
+fn response(code: u16, reason: &str, content_type: &str, body: &str, head_only: bool) -> Vec<u8> {
     let allow = if code == 405 {
         "Allow: GET, HEAD\r\n"
     } else {
@@ -250,8 +439,7 @@ fn respond(
     if !head_only {
         out.extend_from_slice(body.as_bytes());
     }
-    stream.write_all(&out)?;
-    stream.flush()
+    out
 }
 
 #[cfg(test)]
@@ -330,6 +518,84 @@ mod tests {
             ok.contains("version=0.0.4") && ok.ends_with("\r\n\r\na_total 1\n"),
             "{ok}"
         );
+        stop.store(true, Ordering::Relaxed);
+        wake(addr);
+        t.join().expect("listener thread");
+    }
+
+    /// A listener on a thread of its own, serving `a_total 1`.
+    fn listening() -> (SocketAddr, Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let snap = Snapshot::new();
+        snap.publish("a_total 1\n".into());
+        let stop = Arc::new(AtomicBool::new(false));
+        let t = {
+            let stop = stop.clone();
+            std::thread::spawn(move || serve(listener, snap, stop))
+        };
+        (addr, stop, t)
+    }
+
+    fn scrape(addr: SocketAddr) -> (String, Duration) {
+        let started = Instant::now();
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n");
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        (out, started.elapsed())
+    }
+
+    #[test]
+    fn clients_that_trickle_or_say_nothing_keep_no_scrape_waiting() {
+        let (addr, stop, t) = listening();
+        let mut slow: Vec<TcpStream> = (0..20)
+            .map(|_| TcpStream::connect(addr).expect("connect"))
+            .collect();
+        for s in &mut slow[..10] {
+            s.write_all(b"GET /metr").expect("trickle");
+        }
+        let (out, took) = scrape(addr);
+        assert!(out.ends_with("\r\n\r\na_total 1\n"), "{out}");
+        assert!(took < Duration::from_secs(1), "{took:?}");
+        // The slow ones are still served once their heads are whole.
+        slow[0].write_all(b"ics HTTP/1.1\r\n\r\n").expect("rest");
+        let mut out = String::new();
+        let _ = slow[0].read_to_string(&mut out);
+        assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+        stop.store(true, Ordering::Relaxed);
+        wake(addr);
+        t.join().expect("listener thread");
+    }
+
+    #[test]
+    fn a_connection_beyond_the_bound_closes_the_oldest() {
+        let (addr, stop, t) = listening();
+        let mut held: Vec<TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| TcpStream::connect(addr).expect("connect"))
+            .collect();
+        // Let the loop take them all before the one more.
+        std::thread::sleep(Duration::from_millis(300));
+        let (out, took) = scrape(addr);
+        assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+        assert!(took < Duration::from_secs(1), "{took:?}");
+        // The first one was closed without an answer to make room.
+        let first = &mut held[0];
+        first
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
+        let mut buf = [0u8; 64];
+        let closed = matches!(first.read(&mut buf), Ok(0) | Err(_));
+        assert!(closed, "the oldest connection is still held");
+        // An idle one is answered 408 at its deadline, not held for good.
+        let last = held.last_mut().expect("a connection");
+        last.set_read_timeout(Some(REQUEST_DEADLINE * 2))
+            .expect("timeout");
+        let mut out = String::new();
+        let _ = last.read_to_string(&mut out);
+        assert!(out.starts_with("HTTP/1.1 408 "), "{out}");
         stop.store(true, Ordering::Relaxed);
         wake(addr);
         t.join().expect("listener thread");

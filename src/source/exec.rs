@@ -2,16 +2,20 @@
 //! flat JSON object.
 //!
 //! Running it is [`crate::process`]'s job: no shell, so configured arguments
-//! can't inject commands; its own process group, so on timeout every helper
-//! it started dies with it; both pipes drained within limits. This file adds
-//! what an exec source means by success: a zero exit whose stdout, complete
-//! and within `max_output_bytes`, parses as a reading.
+//! can't inject commands; its own kill scope, so at the timeout or once it
+//! is done every helper it started dies with it (one that called `setsid`
+//! too); both pipes drained within limits; confined like a command handler:
+//! only `PATH`, `LANG` and the source's `env`, no descriptor above 2, and
+//! the source's `user`/`group` when given. This file adds what an exec
+//! source means by success: a zero exit whose stdout, complete and within
+//! `max_output_bytes`, parses as a reading.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
 use super::{excerpt, parse_finite, SourceError};
-use crate::process::{RunError, Running};
+use crate::process::{Confinement, Credentials, RunError, Running};
 use crate::reading::{FieldValue, Fields};
 
 /// Raw stderr kept; more than shown so trimming leaves enough.
@@ -21,12 +25,29 @@ const STDERR_SHOWN: usize = 200;
 /// Bad stdout shown in a `Parse` error.
 const STDOUT_SHOWN: usize = 80;
 
+/// How an exec source's program is confined: [`crate::process::child_env`]
+/// of its `env`, its user if given; the agent's working directory and
+/// limits.
+pub(super) fn confinement(
+    env: &BTreeMap<String, String>,
+    credentials: Option<Credentials>,
+) -> Confinement {
+    Confinement {
+        env: crate::process::child_env(env),
+        credentials,
+        ..Confinement::base()
+    }
+}
+
+/// Runs `program` with `args` as `confinement` says and parses its stdout
+/// as a reading (see the module doc).
 pub(super) fn run(
     program: &Path,
     args: &[String],
     timeout: Duration,
     field: &str,
     max_output_bytes: usize,
+    confinement: &Confinement,
 ) -> Result<Fields, SourceError> {
     let spawn_err = |source| SourceError::Spawn {
         program: program.to_path_buf(),
@@ -43,8 +64,14 @@ pub(super) fn run(
         RunError::Spawn { source, .. } | RunError::Io { source, .. } => spawn_err(source),
     };
 
-    let mut running =
-        Running::start(program, args, timeout, max_output_bytes, STDERR_KEEP).map_err(not_run)?;
+    let mut running = Running::start(
+        program,
+        args,
+        timeout,
+        (max_output_bytes, STDERR_KEEP),
+        confinement,
+    )
+    .map_err(not_run)?;
     let status = running.wait().map_err(not_run)?;
 
     // A failed program's stdout is ignored; its stderr explains the failure,
@@ -164,6 +191,17 @@ mod tests {
     use std::path::PathBuf;
     use std::thread;
     use std::time::Instant;
+
+    /// [`super::run`], confined as [`Confinement::base`] says.
+    fn run(
+        program: &Path,
+        args: &[String],
+        timeout: Duration,
+        field: &str,
+        max: usize,
+    ) -> Result<Fields, SourceError> {
+        super::run(program, args, timeout, field, max, &Confinement::base())
+    }
 
     fn sh(script: &str, timeout: Duration, max: usize) -> Result<Fields, SourceError> {
         run(
@@ -444,5 +482,62 @@ mod tests {
         assert_eq!(one_line(b"  a\nb\tc\r\n", 100), "a b c");
         assert_eq!(one_line(b"abcdef", 3), "abc…");
         assert_eq!(one_line(b"\xff", 10), "\u{fffd}");
+    }
+
+    #[test]
+    fn the_program_gets_path_lang_and_its_env_only() {
+        let mut env = BTreeMap::new();
+        env.insert("SENSOR_BUS".to_owned(), "i2c-1".to_owned());
+        // What sh adds itself (PWD) is left out.
+        let script = r#"printf '{"names": "%s", "bus": "%s"}' "$(env | cut -d= -f1 | grep -vx PWD | sort | tr '\n' ' ')" "$SENSOR_BUS""#;
+        let f = super::run(
+            Path::new("/bin/sh"),
+            &["-c".to_owned(), script.to_owned()],
+            Duration::from_secs(5),
+            "v",
+            4096,
+            &confinement(&env, None),
+        )
+        .unwrap();
+        assert_eq!(
+            sorted(f),
+            vec![
+                ("bus".to_owned(), FieldValue::Text("i2c-1".into())),
+                (
+                    "names".to_owned(),
+                    FieldValue::Text("LANG PATH SENSOR_BUS ".into())
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_program_runs_as_its_user() {
+        if !crate::process::can_switch_user() {
+            eprintln!("skipped: switching users needs root");
+            return;
+        }
+        let (uid, gid) = crate::process::lookup_user("nobody")
+            .unwrap()
+            .expect("user nobody");
+        let script =
+            r#"printf '{"uid": %s, "gid": %s, "groups": "%s"}' "$(id -u)" "$(id -g)" "$(id -G)""#;
+        let f = super::run(
+            Path::new("/bin/sh"),
+            &["-c".to_owned(), script.to_owned()],
+            Duration::from_secs(5),
+            "v",
+            4096,
+            &confinement(&BTreeMap::new(), Some(Credentials { uid, gid })),
+        )
+        .unwrap();
+        assert_eq!(
+            sorted(f),
+            vec![
+                ("gid".to_owned(), FieldValue::Num(f64::from(gid))),
+                ("groups".to_owned(), FieldValue::Text(gid.to_string())),
+                ("uid".to_owned(), FieldValue::Num(f64::from(uid))),
+            ]
+        );
     }
 }

@@ -18,8 +18,10 @@ pub mod replay;
 mod system;
 pub mod tail;
 
+use crate::process::Credentials;
 use crate::reading::Fields;
 use crate::stream::StreamSettings;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
@@ -67,6 +69,13 @@ pub enum SourceKind {
         field: String,
         /// Bytes of stdout kept; the rest is read and discarded.
         max_output_bytes: usize,
+        /// `env`: variables the program gets besides `PATH` and `LANG` (a
+        /// name given here replaces that default); nothing else of the
+        /// agent's environment reaches it ([`crate::process::child_env`]).
+        env: BTreeMap<String, String>,
+        /// `user` and `group`, resolved to ids when the config was
+        /// validated; `None`: the program runs as the agent's user.
+        credentials: Option<Credentials>,
     },
     /// A durable bridge from a local MQTT broker ([`bridge`]): messages on
     /// its topics become readings, each acknowledged to the local broker
@@ -227,7 +236,19 @@ pub fn sample(
             timeout,
             field,
             max_output_bytes,
-        } => exec::run(program, args, *timeout, field, *max_output_bytes),
+            env,
+            credentials,
+        } => {
+            let confinement = exec::confinement(env, *credentials);
+            exec::run(
+                program,
+                args,
+                *timeout,
+                field,
+                *max_output_bytes,
+                &confinement,
+            )
+        }
         SourceKind::Replay(r) => Err(SourceError::Parse {
             what: r.path.display().to_string(),
             detail: "a replay source is played with replay::Replay, not sampled".into(),
@@ -454,6 +475,8 @@ mod tests {
                 timeout: Duration::from_secs(5),
                 field: "level_pct".into(),
                 max_output_bytes: 1024,
+                env: BTreeMap::new(),
+                credentials: None,
             },
         };
         let mut state = SourceState::default();

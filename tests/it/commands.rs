@@ -1885,3 +1885,223 @@ fn an_oversized_command_under_mqtt_5_is_discarded_by_the_broker_and_the_board_ke
     );
     agent.terminate(Duration::from_secs(15));
 }
+
+/// Live processes that belong to a run: descendants of `agent` (by the
+/// parent chain), processes in session `sid`, and processes whose command
+/// line contains `text`; never this test process or the agent itself.
+fn processes_of(agent: u32, sid: u32, text: &str) -> Vec<(u32, String)> {
+    // pid -> (ppid, session, zombie, description)
+    let mut table = std::collections::HashMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default();
+        // Fields after "(comm)": state ppid pgrp session ...
+        let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let num = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|s| s.parse::<u32>().ok())
+                .unwrap_or(0)
+        };
+        let zombie = fields.first().is_none_or(|s| *s == "Z" || *s == "X");
+        table.insert(pid, (num(1), num(3), zombie, cmdline.trim().to_owned()));
+    }
+    let descends = |mut pid: u32| {
+        for _ in 0..64 {
+            match table.get(&pid) {
+                Some((ppid, ..)) if *ppid == agent => return true,
+                Some((ppid, ..)) if *ppid > 1 => pid = *ppid,
+                _ => return false,
+            }
+        }
+        false
+    };
+    let mut found: Vec<(u32, String)> = table
+        .iter()
+        .filter(|(pid, (_, session, zombie, cmdline))| {
+            **pid != std::process::id()
+                && **pid != agent
+                && !zombie
+                && (descends(**pid) || *session == sid || cmdline.contains(text))
+        })
+        .map(|(pid, (.., cmdline))| (*pid, cmdline.clone()))
+        .collect();
+    found.sort();
+    found
+}
+
+/// Finding 12: a handler helper that calls `setsid` left the process group
+/// the runner killed at the timeout and lived on. Now the run's whole tree
+/// dies at the timeout: the shell, the helper in its own session and its
+/// `sleep`; no process of the run is left in /proc and no marker is ever
+/// written. A process of the test's own (not the run's) lives on, and so
+/// does the broker.
+#[test]
+fn a_setsid_helper_of_a_timed_out_handler_dies_with_it() {
+    let rig = Rig::with(
+        "setsid",
+        Extra {
+            handlers: r#"[[commands.handlers]]
+name = "escape"
+program = "/bin/sh"
+args = ["-c", "echo $$ > {d}/top.pid; setsid sh -c 'echo $$ > {d}/helper.pid; sleep 60; touch {d}/MARKER' & setsid sh -c 'sleep 2; touch {d}/MARKER-SOON' & sleep 60"]
+timeout_ms = 1000
+"#,
+            ..Extra::default()
+        },
+    );
+    let mut bystander = std::process::Command::new("/bin/sleep")
+        .arg("60")
+        .spawn()
+        .expect("spawn a bystander");
+    let mut agent = rig.spawn_ready();
+    let started = Instant::now();
+    rig.send_json(json!({"command_id": "esc-1", "name": "escape"}));
+    let r = rig.wait_result("esc-1", "result", &mut agent);
+    println!("result after {:?}: {r}", started.elapsed());
+    assert_eq!(r["state"], "failed", "{r}");
+    let error = r["result"]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("timed out after 1s"), "{r}");
+
+    let pid_of = |name: &str| {
+        std::fs::read_to_string(rig.marker(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .trim()
+            .parse::<u32>()
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let (top, helper) = (pid_of("top.pid"), pid_of("helper.pid"));
+    let text = format!("{}/MARKER", rig.dir.path().display());
+    let agent_pid = agent.pid();
+    // The result is published once the run is over: a little grace only
+    // for /proc to catch up.
+    wait_for(Duration::from_secs(2), || {
+        processes_of(agent_pid, helper, &text).is_empty()
+    });
+    let left = processes_of(agent_pid, helper, &text);
+    println!("processes of the run left: {left:?}");
+    for (pid, _) in &left {
+        // Do not leave them behind for the other tests.
+        // SAFETY: kill(2) with SIGKILL on a pid just read from /proc.
+        unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+    }
+    assert!(
+        left.is_empty(),
+        "processes of the run left after the timeout: {left:?}"
+    );
+    for pid in [top, helper] {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(
+            stat.is_empty() || stat.contains(") Z"),
+            "{pid} is alive: {stat}"
+        );
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!rig.marker("MARKER-SOON").exists(), "a helper ran on");
+    assert!(!rig.marker("MARKER").exists(), "a helper ran on");
+
+    assert!(
+        matches!(bystander.try_wait(), Ok(None)),
+        "a process outside the run was killed"
+    );
+    let _ = bystander.kill();
+    let _ = bystander.wait();
+    // The broker (the test's child, not the agent's) still answers.
+    rig.send_json(json!({"command_id": "ping-after", "name": "ping"}));
+    let r = rig.wait_result("ping-after", "result", &mut agent);
+    assert_eq!(r["state"], "completed", "{r}");
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Finding 12: programs inherited every descriptor the agent was started
+/// with that was not close-on-exec. The test starts the agent with a file
+/// on descriptor 7; neither a handler's program nor an exec source's sees
+/// it (nor any descriptor above 2 but the one `ls` opens itself).
+#[test]
+fn a_descriptor_the_agent_was_started_with_reaches_no_handler_and_no_source() {
+    let rig = Rig::with(
+        "fds",
+        Extra {
+            handlers: r#"[[commands.handlers]]
+name = "fds"
+program = "/bin/ls"
+args = ["-l", "/proc/self/fd"]
+[[sources]]
+name = "fdprobe"
+kind = "exec"
+program = "/bin/sh"
+args = ["-c", "ls -l /proc/self/fd > {d}/source-fds.tmp && mv {d}/source-fds.tmp {d}/source-fds; echo 1"]
+interval_ms = 200
+"#,
+            ..Extra::default()
+        },
+    );
+    let inherited = rig.marker("inherited-by-the-agent");
+    let file = std::fs::File::create(&inherited).expect("create the file for fd 7");
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    let mut agent = AgentProc::spawn_customized(&rig.cfg, &[], rig.dir.path(), &[], |cmd| {
+        // SAFETY: dup2 and fcntl are async-signal-safe and touch only the
+        // child's descriptor table.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(cmd, move || {
+                if fd == 7 {
+                    if libc::fcntl(7, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, 7) != 7 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    drop(file);
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .log_text()
+            .contains("subscribed to commands")),
+        "{}",
+        agent.log_tail(20)
+    );
+    // The agent really holds it (else this test would prove nothing).
+    let held = std::fs::read_link(format!("/proc/{}/fd/7", agent.pid())).expect("agent fd 7");
+    assert_eq!(held, inherited, "the agent's fd 7");
+
+    rig.send_json(json!({"command_id": "fds-1", "name": "fds"}));
+    let r = rig.wait_result("fds-1", "result", &mut agent);
+    let listing = r["result"]["stdout"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    println!("the handler's descriptors:\n{listing}");
+    let source_fds = rig.marker("source-fds");
+    assert!(
+        wait_for(Duration::from_secs(20), || source_fds.exists()),
+        "{}",
+        agent.log_tail(20)
+    );
+    let source_listing = std::fs::read_to_string(&source_fds).expect("source listing");
+    println!("the source's descriptors:\n{source_listing}");
+    agent.terminate(Duration::from_secs(15));
+
+    assert_eq!(r["state"], "completed", "{r}");
+    for (who, text) in [("handler", &listing), ("source", &source_listing)] {
+        let inherited = inherited.display().to_string();
+        assert!(!text.contains(&inherited), "the {who} got fd 7:\n{text}");
+        let fds: Vec<u32> = text
+            .lines()
+            .filter_map(|l| l.split_once(" -> ")?.0.rsplit(' ').next()?.parse().ok())
+            .collect();
+        // 0-2, and 3: the directory `ls` itself opened to list.
+        assert_eq!(fds, [0, 1, 2, 3], "the {who}'s descriptors:\n{text}");
+    }
+}

@@ -247,3 +247,95 @@ fn a_textfile_that_cannot_be_written_is_a_warning_and_delivery_goes_on() {
     assert!(agent.is_running());
     agent.terminate(Duration::from_secs(15));
 }
+
+/// Finding 13: 20 trickling connections delayed a scrape to 65.6 s (one
+/// connection at a time, each allowed 3 s). With 100 clients trickling a
+/// byte at a time (reconnecting whenever they are dropped), a real
+/// `GET /metrics` is still answered within a second, every time.
+#[test]
+fn a_scrape_is_answered_within_a_second_while_100_slow_clients_hold_connections() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("metrics-slow");
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 100);
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    text.push_str(&format!("[metrics]\nlisten = \"{addr}\"\n"));
+    std::fs::write(&cfg, text).expect("write config");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || TcpStream::connect(addr).is_ok()),
+        "the listener never came up\n{}",
+        agent.log_tail(30)
+    );
+    assert_exposition(&get_metrics(addr));
+
+    // 100 slow clients: each sends the start of a request, then one byte
+    // of an endless header every 50 ms; one dropped is replaced at once.
+    const SLOW: usize = 100;
+    let stop = Arc::new(AtomicBool::new(false));
+    let trickler = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let prelude = b"GET /metrics HTTP/1.1\r\nX-Slow: ";
+            let mut clients: Vec<(Option<TcpStream>, usize)> =
+                (0..SLOW).map(|_| (None, 0)).collect();
+            let mut reconnects = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                for (stream, sent) in clients.iter_mut() {
+                    if stream.is_none() {
+                        *stream = TcpStream::connect(addr).ok();
+                        *sent = 0;
+                        reconnects += 1;
+                    }
+                    let Some(s) = stream.as_mut() else { continue };
+                    let byte = prelude.get(*sent).copied().unwrap_or(b'a');
+                    if s.write_all(&[byte]).is_err() {
+                        *stream = None;
+                    } else {
+                        *sent += 1;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            reconnects
+        })
+    };
+    // Let them all connect and start trickling.
+    std::thread::sleep(Duration::from_secs(2));
+
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        let mut s = TcpStream::connect(addr).expect("connect for the scrape");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("read timeout");
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n");
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let took = started.elapsed();
+        let answer = String::from_utf8_lossy(&out).into_owned();
+        println!(
+            "scrape with {SLOW} slow clients: {took:?}, {} bytes",
+            out.len()
+        );
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        times.push(took);
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reconnects = trickler.join().expect("trickler");
+    println!("scrape times: {times:?}; slow connections opened: {reconnects}");
+    let worst = times.iter().max().copied().unwrap_or_default();
+    assert!(
+        worst < Duration::from_secs(1),
+        "a scrape took {worst:?} with {SLOW} slow clients"
+    );
+    assert!(agent.is_running(), "{}", agent.log_tail(30));
+    agent.terminate(Duration::from_secs(15));
+}

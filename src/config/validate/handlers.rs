@@ -1,5 +1,7 @@
 //! `[[commands.handlers]]` validation: the programs a command may run and
-//! their confinement (environment, working directory, limits, user).
+//! their confinement (environment, working directory, limits, user). The
+//! `env` and `user`/`group` checks serve exec sources too
+//! ([`check_env`], [`credentials`]).
 
 use crate::commands::{ExecHandler, ParamKind, ParamSpec};
 use crate::config::raw::{default_cpu_secs, RawHandler, HANDLER_CWD};
@@ -96,7 +98,7 @@ fn validate_handler(
         bad(&k("cwd"), problem);
     }
     let limits = handler_limits(h, &k, bad);
-    let credentials = handler_credentials(h, &k, bad);
+    let credentials = credentials(h.user.as_deref(), h.group.as_deref(), &k, bad);
     ExecHandler {
         name: h.name.clone(),
         program: h.program.clone(),
@@ -213,16 +215,18 @@ fn handler_limits(
     }
 }
 
-/// A handler's `user` and `group` resolved on this system (see
-/// [`resolve_credentials`]); `None` after reporting a problem.
-fn handler_credentials(
-    h: &RawHandler,
+/// `user` and `group` (of a handler or an exec source) resolved on this
+/// system (see [`resolve_credentials`]), problems reported on `k(field)`;
+/// `None` after reporting one.
+pub(super) fn credentials(
+    user: Option<&str>,
+    group: Option<&str>,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<Credentials> {
     match resolve_credentials(
-        h.user.as_deref(),
-        h.group.as_deref(),
+        user,
+        group,
         crate::process::can_switch_user(),
         crate::process::lookup_user,
         crate::process::lookup_group,
@@ -243,8 +247,9 @@ const MIN_HANDLER_MEMORY: u64 = 16 * 1024 * 1024;
 /// Largest `max_memory_bytes` of a handler (1 TiB).
 const MAX_HANDLER_MEMORY: u64 = 1 << 40;
 
-/// Problems with a handler's `env` table, each naming the variable.
-fn check_env(env: &BTreeMap<String, String>) -> Vec<String> {
+/// Problems with a handler's (or an exec source's) `env` table, each
+/// naming the variable.
+pub(super) fn check_env(env: &BTreeMap<String, String>) -> Vec<String> {
     let mut problems = Vec::new();
     if env.len() > MAX_ENV_VARS {
         problems.push(format!(

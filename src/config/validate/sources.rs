@@ -2,6 +2,7 @@
 //! function per kind (replay, file, exec, mqtt bridge; system has no keys).
 
 use super::bridge::validate_bridge;
+use super::handlers::{check_env, credentials};
 use super::stream::stream_settings;
 use crate::config::raw::{d_interval, RawSource};
 use crate::config::read::did_you_mean;
@@ -72,7 +73,7 @@ fn check_kind_keys(
     const REPLAY: &[&str] = &["replay"];
     const MQTT: &[&str] = &["mqtt"];
     let all_but_mqtt: &[&str] = &["system", "file", "exec", "replay"];
-    let owners: [(&str, bool, &[&str]); 29] = [
+    let owners: [(&str, bool, &[&str]); 32] = [
         ("interval_ms", rs.interval_ms.is_some(), all_but_mqtt),
         ("url", rs.url.is_some(), MQTT),
         ("topics", rs.topics.is_some(), MQTT),
@@ -91,6 +92,9 @@ fn check_kind_keys(
         ("args", rs.args.is_some(), EXEC),
         ("timeout_ms", rs.timeout_ms.is_some(), EXEC),
         ("max_output_bytes", rs.max_output_bytes.is_some(), EXEC),
+        ("env", rs.env.is_some(), EXEC),
+        ("user", rs.user.is_some(), EXEC),
+        ("group", rs.group.is_some(), EXEC),
         ("delimiter", rs.delimiter.is_some(), REPLAY),
         ("decimal_comma", rs.decimal_comma.is_some(), REPLAY),
         ("missing", rs.missing.is_some(), REPLAY),
@@ -257,7 +261,8 @@ fn validate_file(
 }
 
 /// `kind = "exec"`: an absolute `program` (no shell, no PATH lookup);
-/// `timeout_ms` 10..=600000; `max_output_bytes` 16..=16 MiB.
+/// `timeout_ms` 10..=600000; `max_output_bytes` 16..=16 MiB; `env`,
+/// `user` and `group` as a handler's.
 fn validate_exec(
     rs: &RawSource,
     k: &impl Fn(&str) -> String,
@@ -277,6 +282,11 @@ fn validate_exec(
             format!("must be 16..=16777216 (got {max_out})"),
         );
     }
+    let env = rs.env.clone().unwrap_or_default();
+    for problem in check_env(&env) {
+        bad(&k("env"), problem);
+    }
+    let credentials = credentials(rs.user.as_deref(), rs.group.as_deref(), k, bad);
     match &rs.program {
         Some(p) if p.is_absolute() => Some(SourceKind::Exec {
             program: p.clone(),
@@ -284,6 +294,8 @@ fn validate_exec(
             timeout: Duration::from_millis(timeout),
             field: rs.field.clone().unwrap_or_else(|| "value".into()),
             max_output_bytes: max_out,
+            env,
+            credentials,
         }),
         Some(p) => {
             bad(

@@ -72,6 +72,19 @@ impl AgentProc {
         dir: &Path,
         envs: &[(&str, &str)],
     ) -> AgentProc {
+        AgentProc::spawn_customized(config_path, sets, dir, envs, |_| {})
+    }
+
+    /// Like [`AgentProc::spawn_with_env`], with `customize` applied to the
+    /// command last (a `pre_exec` hook that hands the agent a descriptor,
+    /// say).
+    pub fn spawn_customized(
+        config_path: &Path,
+        sets: &[String],
+        dir: &Path,
+        envs: &[(&str, &str)],
+        customize: impl FnOnce(&mut Command),
+    ) -> AgentProc {
         std::fs::create_dir_all(dir)
             .unwrap_or_else(|e| panic!("create agent dir {}: {e}", dir.display()));
         let (log_path, log) = claim_log_file(dir);
@@ -90,6 +103,7 @@ impl AgentProc {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
+        customize(&mut cmd);
         let child = cmd.spawn().unwrap_or_else(|e| {
             panic!(
                 "spawn {} run --config {}: {e}",

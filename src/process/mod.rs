@@ -1,46 +1,62 @@
 //! Bounded child processes: a program run with fixed arguments, its output
-//! captured within limits, killed if it runs too long.
+//! captured within limits, killed with everything it started if it runs
+//! too long.
 //!
 //! This module owns starting, draining, waiting for, killing and reaping the
 //! programs the agent runs (exec sources, exec command handlers). It does not
 //! interpret their output or decide what a failure means; callers do.
 //!
-//! Its one rule: **a child never outlives its timeout, its output is
-//! bounded, and it is never run through a shell.**
+//! Its one rule: **a run never outlives its timeout, nor its end: when the
+//! program has exited and its output is collected, or at the timeout, every
+//! process it started is killed; its output is bounded, it is never run
+//! through a shell, and it gets nothing of the agent it was not given.**
 //!
 //! - The program is executed directly (`execve`), so arguments are passed as
 //!   they are: no globbing, quoting, expansion or command separators.
-//! - It gets its own process group, so on timeout every helper it started is
-//!   killed with it; otherwise a helper still holding one of our pipes would
-//!   keep the reader waiting.
+//! - It runs in a kill scope of its own ([`scope`]): a supervisor forked
+//!   from the agent is a child subreaper and the program's parent, so every
+//!   process of the run, including one that calls `setsid` or double-forks,
+//!   stays under it; when the run ends or times out all of them are killed
+//!   and reaped, and no process outside the run is ever signalled.
 //! - Both pipes are drained by reader threads that keep at most a fixed
-//!   number of bytes and read and discard the rest, so a chatty child never
-//!   blocks on a full pipe and never grows our memory.
-//! - The timeout runs from start until the child has exited *and* both pipes
-//!   are closed. It is enforced by polling `try_wait`, which needs no
-//!   process-wide SIGCHLD handler.
-//! - A killed child is reaped; one that refuses to die (uninterruptible
-//!   sleep on a hung bus) is handed to a background thread after a short
+//!   number of bytes and read and discard the rest ([`pipes`]), so a chatty
+//!   child never blocks on a full pipe and never grows our memory.
+//! - The timeout runs from start until the program has exited *and* both
+//!   pipes are closed; a helper still holding one is killed at the timeout.
+//!   Waiting needs no process-wide SIGCHLD handler: the supervisor reports
+//!   the program's exit status on a pipe.
+//! - A killed run is reaped; a process that refuses to die (uninterruptible
+//!   sleep on a hung bus) is left to a background thread after a short
 //!   grace so the caller goes on.
-//! - A confined child ([`run_confined`], for command handlers) gets only the
-//!   environment it is given, its own working directory, resource limits and
-//!   optionally another user, all set between fork and exec; nothing of the
-//!   agent's environment reaches it.
+//! - Every child is confined ([`Confinement`]), all set between fork and
+//!   exec ([`spawn`]): its environment is only the one it is given (the
+//!   agent's never reaches it), every descriptor above 2 is closed whatever
+//!   the agent inherited, and it gets its working directory, resource
+//!   limits and user where the caller names them.
 
-use std::ffi::CString;
+mod fds;
+mod pipes;
+mod scope;
+mod spawn;
+mod users;
+
+pub(crate) use pipes::Captured;
+pub use users::{can_switch_user, lookup_group, lookup_user};
+
+use pipes::{start_readers, Pipe, Stream};
+use scope::Scope;
+use std::collections::BTreeMap;
 use std::fmt;
-use std::io::{self, Read};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::process::CommandExt;
+use std::io;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::process::ExitStatus;
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// How often the child is polled; short enough that a timeout overshoots
-/// by little, long enough to cost nothing on a small CPU.
+/// How often a killed run is looked at again; short enough that a kill
+/// takes little longer than needed, long enough to cost nothing on a small
+/// CPU.
 const POLL: Duration = Duration::from_millis(10);
 /// Caps the deadline so `Instant + timeout` cannot overflow however large the
 /// requested timeout.
@@ -49,16 +65,32 @@ const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 /// sleep (a hung bus) may not, and must not stall the caller.
 const REAP_GRACE: Duration = Duration::from_secs(2);
 /// After a kill, how long the readers get to pick up what was still in the
-/// pipes. Once the group is dead the pipes close at once; this only bounds
-/// the wait when something outside the group still holds one.
+/// pipes. Once the run is dead the pipes close at once; this only bounds
+/// the wait when something outside the run still holds one.
 const DRAIN_GRACE: Duration = Duration::from_millis(200);
-/// Size of one read from a pipe.
-const CHUNK: usize = 4096;
-/// First buffer for a user or group lookup when the system suggests none.
-const LOOKUP_BUF: usize = 16 * 1024;
-/// A lookup needing more than this is treated as failed: no sane user or
-/// group entry is this large.
-const LOOKUP_BUF_MAX: usize = 1024 * 1024;
+
+/// `PATH` of a child unless its environment names one: the system
+/// directories only, never the agent's own `PATH`.
+pub const CHILD_PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
+/// `LANG` of a child unless its environment names one: UTF-8 without
+/// translated messages, so output is the same on every board. Where the
+/// C library has no `C.UTF-8` locale, programs fall back to `C`.
+pub const CHILD_LANG: &str = "C.UTF-8";
+
+/// The whole environment of a child: `PATH` = [`CHILD_PATH`], `LANG` =
+/// [`CHILD_LANG`], and `extra` (which may replace either), sorted by name.
+/// Nothing is inherited from the agent.
+pub fn child_env(extra: &BTreeMap<String, String>) -> Vec<(String, String)> {
+    let mut env: BTreeMap<&str, &str> = BTreeMap::new();
+    env.insert("PATH", CHILD_PATH);
+    env.insert("LANG", CHILD_LANG);
+    for (name, value) in extra {
+        env.insert(name, value);
+    }
+    env.into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
 
 /// Resource limits a confined child gets before it execs (`setrlimit`).
 ///
@@ -93,18 +125,34 @@ pub struct Credentials {
     pub gid: libc::gid_t,
 }
 
-/// What a confined child gets instead of what the agent has.
+/// What a child gets instead of what the agent has. Whatever it says, a
+/// child keeps no descriptor above 2 and runs in its own kill scope.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Confinement {
-    /// Its whole environment, in this order; nothing is inherited.
+    /// Its whole environment, in this order; nothing is inherited (see
+    /// [`child_env`]).
     pub env: Vec<(String, String)>,
     /// Its working directory (absolute), entered after the switch to
-    /// [`Confinement::credentials`], so it must be reachable by that user.
-    pub cwd: PathBuf,
-    /// Its resource limits.
-    pub limits: Limits,
+    /// [`Confinement::credentials`], so it must be reachable by that user;
+    /// `None`: the agent's.
+    pub cwd: Option<PathBuf>,
+    /// Its resource limits; `None`: the agent's.
+    pub limits: Option<Limits>,
     /// The user it runs as; `None`: the agent's own.
     pub credentials: Option<Credentials>,
+}
+
+impl Confinement {
+    /// The least a child gets: [`child_env`] with nothing added, the
+    /// agent's working directory, limits and user.
+    pub fn base() -> Confinement {
+        Confinement {
+            env: child_env(&BTreeMap::new()),
+            cwd: None,
+            limits: None,
+            credentials: None,
+        }
+    }
 }
 
 /// What a program that ran to completion produced.
@@ -127,16 +175,17 @@ pub struct Output {
 /// Why a program did not run to completion.
 #[derive(Debug)]
 pub enum RunError {
-    /// It could not be started: not found, not executable, or the threads
-    /// draining its output could not be created.
+    /// It could not be started: not found, not executable, its set-up
+    /// (limits, user, working directory) failed, or the threads draining
+    /// its output could not be created.
     Spawn {
         /// The program that was to be run.
         program: PathBuf,
         /// The underlying error.
         source: io::Error,
     },
-    /// It had not exited and closed both pipes by the timeout. Its whole
-    /// process group was killed and it was reaped.
+    /// It had not exited and closed both pipes by the timeout. Every
+    /// process of the run was killed and reaped.
     Timeout {
         /// The program that was run.
         program: PathBuf,
@@ -178,10 +227,11 @@ impl fmt::Display for RunError {
 // left empty to keep error reporters from printing it twice.
 impl std::error::Error for RunError {}
 
-/// Run `program` with `args` (no shell), stdin null, killed (whole process
-/// group) after `timeout`; stdout and stderr each kept up to
-/// `max_output_bytes` (the rest drained and discarded, flagged truncated).
-/// It inherits the agent's environment, working directory, limits and user.
+/// Run `program` (an absolute path; no `PATH` lookup) with `args` (no
+/// shell), confined as [`Confinement::base`] says, stdin null, every
+/// process of the run killed after `timeout`; stdout and stderr each kept
+/// up to `max_output_bytes` (the rest drained and discarded, flagged
+/// truncated).
 ///
 /// Blocks for at most about `timeout`, plus up to ~2 s more only if a killed
 /// program refuses to die. A non-zero exit or a death by signal is not an
@@ -198,12 +248,18 @@ pub fn run_bounded(
     timeout: Duration,
     max_output_bytes: usize,
 ) -> Result<Output, RunError> {
-    run_child(program, args, timeout, max_output_bytes, None)
+    run_confined(
+        program,
+        args,
+        timeout,
+        max_output_bytes,
+        &Confinement::base(),
+    )
 }
 
 /// [`run_bounded`], with the child confined as `confinement` says: only its
-/// environment, its working directory, its resource limits and, if given,
-/// its user, all set between fork and exec.
+/// environment and, where given, its working directory, its resource
+/// limits and its user, all set between fork and exec.
 ///
 /// A death by the CPU limit shows in [`Output::status`] as signal SIGXCPU
 /// (or SIGKILL if the program handled SIGXCPU).
@@ -220,17 +276,7 @@ pub fn run_confined(
     max_output_bytes: usize,
     confinement: &Confinement,
 ) -> Result<Output, RunError> {
-    run_child(program, args, timeout, max_output_bytes, Some(confinement))
-}
-
-fn run_child(
-    program: &Path,
-    args: &[String],
-    timeout: Duration,
-    max_output_bytes: usize,
-    confinement: Option<&Confinement>,
-) -> Result<Output, RunError> {
-    let mut running = Running::start_with(
+    let mut running = Running::start(
         program,
         args,
         timeout,
@@ -240,67 +286,49 @@ fn run_child(
     let status = running.wait()?;
     let stdout = running.stdout()?;
     let stderr = running.stderr()?;
+    let duration = running.started.elapsed();
+    // Ends the run: a helper that holds neither pipe dies here.
+    drop(running);
     Ok(Output {
         status,
         stdout: stdout.bytes,
         stdout_truncated: stdout.truncated,
         stderr: stderr.bytes,
         stderr_truncated: stderr.truncated,
-        duration: running.started.elapsed(),
+        duration,
     })
 }
 
-/// What was kept from one pipe.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Captured {
-    /// The first bytes, up to the pipe's limit.
-    pub(crate) bytes: Vec<u8>,
-    /// More came than was kept.
-    pub(crate) truncated: bool,
-}
-
 /// A started program, for callers that need the steps of
-/// [`run_bounded`] separately (an exec source wants only stderr of a program
-/// that failed, and only stdout of one that succeeded, with separate limits).
+/// [`run_confined`] separately (an exec source wants only stderr of a
+/// program that failed, and only stdout of one that succeeded, with separate
+/// limits).
 ///
 /// Every step shares the deadline set at [`Running::start`]; a step that
-/// meets it kills the process group and returns [`RunError::Timeout`].
-/// Dropping a `Running` whose child has not been reaped kills and reaps it.
+/// meets it kills the run and returns [`RunError::Timeout`]. Dropping a
+/// `Running` ends the run: every process of it still there is killed and
+/// reaped.
 pub(crate) struct Running {
     program: PathBuf,
     timeout: Duration,
     started: Instant,
     deadline: Instant,
-    /// Also the process group id (the child leads its group).
-    pid: u32,
-    /// `None` once reaped, or once handed to [`kill_and_reap`].
-    child: Option<Child>,
+    scope: Scope,
     status: Option<ExitStatus>,
     stdout: Pipe,
     stderr: Pipe,
 }
 
 impl Running {
-    /// Start `program` in its own process group, stdin null, and begin
-    /// draining its stdout and stderr, keeping at most `stdout_keep` and
-    /// `stderr_keep` bytes.
+    /// Start `program` confined as `confinement` says, in its own kill
+    /// scope, stdin null, and begin draining its stdout and stderr, keeping
+    /// at most `stdout_keep` and `stderr_keep` bytes.
     pub(crate) fn start(
         program: &Path,
         args: &[String],
         timeout: Duration,
-        stdout_keep: usize,
-        stderr_keep: usize,
-    ) -> Result<Running, RunError> {
-        Running::start_with(program, args, timeout, (stdout_keep, stderr_keep), None)
-    }
-
-    /// [`Running::start`], confined if `confinement` is given.
-    fn start_with(
-        program: &Path,
-        args: &[String],
-        timeout: Duration,
         (stdout_keep, stderr_keep): (usize, usize),
-        confinement: Option<&Confinement>,
+        confinement: &Confinement,
     ) -> Result<Running, RunError> {
         let started = Instant::now();
         let deadline = started + timeout.min(MAX_TIMEOUT);
@@ -308,34 +336,21 @@ impl Running {
             program: program.to_path_buf(),
             source,
         };
-        let mut command = Command::new(program);
-        command
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        let mut child = match confinement {
-            Some(c) => {
-                confine(&mut command, c).map_err(spawn_err)?;
-                spawn_forked(command, deadline).map_err(spawn_err)?
-            }
-            None => command.spawn().map_err(spawn_err)?,
+        let plan = spawn::plan(program, args, confinement).map_err(spawn_err)?;
+        let mut scope =
+            start_in_thread(move || spawn::start(plan), drop, deadline).map_err(spawn_err)?;
+        let readers = match scope.supervisor() {
+            Some(child) => start_readers(child, stdout_keep, stderr_keep),
+            None => Err(io::Error::other("the run ended before it started")),
         };
-        let (stdout, stderr) = match start_readers(&mut child, stdout_keep, stderr_keep) {
-            Ok(pipes) => pipes,
-            Err(source) => {
-                kill_and_reap(child);
-                return Err(spawn_err(source));
-            }
-        };
+        // On an error, dropping `scope` ends the run.
+        let (stdout, stderr) = readers.map_err(spawn_err)?;
         Ok(Running {
             program: program.to_path_buf(),
             timeout,
             started,
             deadline,
-            pid: child.id(),
-            child: Some(child),
+            scope,
             status: None,
             stdout,
             stderr,
@@ -347,19 +362,18 @@ impl Running {
         if let Some(status) = self.status {
             return Ok(status);
         }
-        let Some(child) = self.child.as_mut() else {
+        if self.scope.ended() {
             // Already killed by an earlier step that timed out.
             return Err(self.timed_out());
-        };
-        match wait_until(child, self.deadline) {
+        }
+        match self.scope.wait(self.deadline) {
             Ok(Some(status)) => {
                 self.status = Some(status);
-                self.child = None;
                 Ok(status)
             }
             Ok(None) => Err(self.timed_out()),
             Err(source) => {
-                self.kill();
+                self.scope.end();
                 Err(RunError::Io {
                     program: self.program.clone(),
                     source,
@@ -399,10 +413,10 @@ impl Running {
         }
     }
 
-    /// Kills the group, gives the readers a moment to pick up what was left
+    /// Kills the run, gives the readers a moment to pick up what was left
     /// in the pipes, and returns the timeout error with what was captured.
     fn timed_out(&mut self) -> RunError {
-        self.kill();
+        self.scope.end();
         let grace = Instant::now() + DRAIN_GRACE;
         // Their results do not matter: whatever was kept is returned.
         let _ = self.stdout.finish(grace);
@@ -414,172 +428,35 @@ impl Running {
             stderr: self.stderr.snapshot().bytes,
         }
     }
-
-    /// Kills the process group, and the child if it is not yet reaped.
-    fn kill(&mut self) {
-        match self.child.take() {
-            Some(child) => kill_and_reap(child),
-            // The child is reaped but a helper in its group may live on.
-            None => kill_group(self.pid),
-        }
-    }
 }
 
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.take() {
-            kill_and_reap(child);
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Stream {
-    Stdout,
-    Stderr,
-}
-
-/// The bytes a reader thread keeps, shared so that what came before a kill
-/// can be returned even if the pipe never closes.
-struct Buffer {
-    kept: Captured,
-    /// Bytes still to keep; 0 once the owner has taken them.
-    room: usize,
-}
-
-impl Buffer {
-    fn push(&mut self, data: &[u8]) {
-        let take = data.len().min(self.room);
-        self.kept.bytes.extend_from_slice(&data[..take]);
-        self.room -= take;
-        if take < data.len() {
-            self.kept.truncated = true;
-        }
-    }
-}
-
-/// One pipe being drained by a reader thread.
-struct Pipe {
-    buffer: Arc<Mutex<Buffer>>,
-    /// The thread's end: `Ok` on EOF. It ends at the latest when the process
-    /// group is killed, so it is never joined; the result arrives here.
-    done: Receiver<io::Result<()>>,
-    finished: bool,
-}
-
-impl Pipe {
-    /// `None` if the deadline passed before EOF.
-    fn finish(&mut self, deadline: Instant) -> Option<io::Result<()>> {
-        if self.finished {
-            return Some(Ok(()));
-        }
-        let result = match self
-            .done
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-        {
-            Ok(r) => Some(r),
-            Err(RecvTimeoutError::Timeout) => None,
-            Err(RecvTimeoutError::Disconnected) => Some(Err(io::Error::other(
-                "output reader ended without a result",
-            ))),
-        };
-        if matches!(result, Some(Ok(()))) {
-            self.finished = true;
-        }
-        result
-    }
-
-    /// A copy of what was kept so far; the reader discards anything that
-    /// comes later. A copy, so that a timeout after one pipe was collected
-    /// still returns both.
-    fn snapshot(&self) -> Captured {
-        let mut buffer = lock(&self.buffer);
-        buffer.room = 0;
-        buffer.kept.clone()
-    }
-}
-
-/// A reader never panics while holding the lock, and the buffer is valid
-/// after any push anyway, so a poisoned lock is used as it is.
-fn lock(buffer: &Mutex<Buffer>) -> MutexGuard<'_, Buffer> {
-    buffer.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn start_readers(
-    child: &mut Child,
-    stdout_keep: usize,
-    stderr_keep: usize,
-) -> io::Result<(Pipe, Pipe)> {
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| io::Error::other("stdout was not captured"))?;
-    let stderr = child
-        .stderr
-        .take()
-        .ok_or_else(|| io::Error::other("stderr was not captured"))?;
-    let out = spawn_reader("proc-stdout", stdout, stdout_keep)?;
-    let err = spawn_reader("proc-stderr", stderr, stderr_keep)?;
-    Ok((out, err))
-}
-
-fn spawn_reader<R: Read + Send + 'static>(name: &str, stream: R, keep: usize) -> io::Result<Pipe> {
-    let buffer = Arc::new(Mutex::new(Buffer {
-        kept: Captured::default(),
-        room: keep,
-    }));
-    let (tx, done) = mpsc::channel();
-    let shared = Arc::clone(&buffer);
-    thread::Builder::new()
-        .name(name.to_owned())
-        .spawn(move || {
-            // The receiver may have given up already; nothing to do then.
-            let _ = tx.send(drain(stream, &shared));
-        })?;
-    Ok(Pipe {
-        buffer,
-        done,
-        finished: false,
-    })
-}
-
-/// Reads to EOF, keeping what the buffer has room for and discarding the
-/// rest so the writer is never blocked on a full pipe.
-fn drain<R: Read>(mut stream: R, buffer: &Mutex<Buffer>) -> io::Result<()> {
-    let mut chunk = [0u8; CHUNK];
-    loop {
-        match stream.read(&mut chunk) {
-            Ok(0) => return Ok(()),
-            Ok(n) => lock(buffer).push(&chunk[..n]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// Starts a command that forks (it has a `pre_exec` hook), giving up at
-/// `deadline`.
+/// Runs `start` (a fork, then the wait until the child has exec'd) on a
+/// thread of its own, giving up at `deadline`.
 ///
 /// `Command::spawn` returns only once the child has exec'd or failed: it
-/// reads a close-on-exec socket until every holder of its write end is
-/// gone. In a multi-threaded process another child forked in that moment
-/// holds it too, and a forked child that never reaches exec holds it for
-/// good. The spawn therefore runs on its own thread; if it has not returned
-/// by the deadline the caller gets an error and goes on, and the thread,
-/// should the spawn ever return, kills and reaps that child.
-fn spawn_forked(mut command: Command, deadline: Instant) -> io::Result<Child> {
+/// reads a close-on-exec pipe until every holder of its write end is
+/// gone, and [`spawn::start`] waits the same way on its exec probe. In a
+/// multi-threaded process another child forked in that moment holds them
+/// too, and a forked child that never reaches exec holds them for good.
+/// If `start` has not returned by the deadline the caller gets an error
+/// and goes on, and the thread, should it ever return, hands what it
+/// started to `abandon` (which must kill and reap it).
+fn start_in_thread<T: Send + 'static>(
+    start: impl FnOnce() -> io::Result<T> + Send + 'static,
+    abandon: impl FnOnce(T) + Send + 'static,
+    deadline: Instant,
+) -> io::Result<T> {
     let (tx, rx) = mpsc::channel();
     thread::Builder::new()
         .name("proc-spawn".to_owned())
         .spawn(move || {
-            let spawned = command.spawn();
-            if let Err(mpsc::SendError(Ok(child))) = tx.send(spawned) {
+            if let Err(mpsc::SendError(Ok(started))) = tx.send(start()) {
                 // The caller gave up: this child must not run unobserved.
-                kill_and_reap(child);
+                abandon(started);
             }
         })?;
     match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        Ok(spawned) => spawned,
+        Ok(started) => started,
         Err(RecvTimeoutError::Timeout) => Err(io::Error::new(
             io::ErrorKind::TimedOut,
             "the child did not start (fork without exec) before the timeout",
@@ -587,252 +464,6 @@ fn spawn_forked(mut command: Command, deadline: Instant) -> io::Result<Child> {
         Err(RecvTimeoutError::Disconnected) => Err(io::Error::other(
             "the spawning thread ended without a result",
         )),
-    }
-}
-
-/// `None` if the deadline passed first.
-fn wait_until(child: &mut Child, deadline: Instant) -> io::Result<Option<ExitStatus>> {
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(Some(status));
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
-        }
-        thread::sleep(POLL.min(deadline - now));
-    }
-}
-
-/// SIGKILL to the child's process group (the child leads it, see
-/// `process_group(0)`), reaching helpers it started.
-fn kill_group(pid: u32) {
-    let Ok(pgid) = libc::pid_t::try_from(pid) else {
-        return;
-    };
-    // kill(0) or kill(-1) would hit our own group or every process.
-    if pgid <= 1 {
-        return;
-    }
-    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
-    unsafe {
-        libc::kill(-pgid, libc::SIGKILL);
-    }
-}
-
-/// Kills the child and its group and reaps it so no zombie is left. A child
-/// that does not die within `REAP_GRACE` is handed to a thread that waits
-/// for it, so the caller goes on.
-fn kill_and_reap(mut child: Child) {
-    kill_group(child.id());
-    // In case the group signal could not be sent; an error only means the
-    // child has already exited.
-    let _ = child.kill();
-    let give_up = Instant::now() + REAP_GRACE;
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => return,
-            Ok(None) if Instant::now() < give_up => thread::sleep(POLL),
-            Ok(None) => break,
-            Err(e) => {
-                log::warn!("cannot reap killed child {}: {e}", child.id());
-                return;
-            }
-        }
-    }
-    let pid = child.id();
-    log::warn!("killed child {pid} has not exited; reaping it in the background");
-    let spawned = thread::Builder::new()
-        .name("proc-reaper".to_owned())
-        .spawn(move || {
-            let _ = child.wait();
-        });
-    if let Err(e) = spawned {
-        log::warn!("cannot start reaper thread for child {pid}: {e}; it may stay a zombie");
-    }
-}
-
-/// Sets up `command` to run confined: environment replaced, and a hook run
-/// in the child between fork and exec that sets the limits, switches user
-/// and enters the working directory.
-///
-/// Everything the hook needs is prepared here, before the fork: in the child
-/// of a threaded process only async-signal-safe calls are allowed (no
-/// allocation, no locks), and the hook makes only plain system calls.
-fn confine(command: &mut Command, c: &Confinement) -> io::Result<()> {
-    command.env_clear();
-    command.envs(c.env.iter().map(|(k, v)| (k, v)));
-    let cwd = CString::new(c.cwd.as_os_str().as_bytes()).map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "working directory contains a NUL byte",
-        )
-    })?;
-    let limits = [
-        child_limit(libc::RLIMIT_CPU, c.limits.cpu_secs, 1)?,
-        child_limit(libc::RLIMIT_AS, c.limits.max_memory_bytes, 0)?,
-        child_limit(libc::RLIMIT_NOFILE, c.limits.max_open_files, 0)?,
-    ];
-    let credentials = c.credentials;
-    // SAFETY: the closure runs in the forked child before exec. It only reads
-    // values prepared above and makes system calls that take no locks and
-    // allocate nothing (setrlimit, setgroups, setgid, setuid, chdir); std
-    // makes the same setgroups/setgid/setuid calls in the same place for
-    // `CommandExt::uid`. `last_os_error` builds an error from errno without
-    // allocating.
-    unsafe {
-        command.pre_exec(move || {
-            for (resource, limit) in &limits {
-                if libc::setrlimit(*resource, limit) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if let Some(Credentials { uid, gid }) = credentials {
-                if libc::setgroups(1, &gid) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if libc::chdir(cwd.as_ptr()) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    Ok(())
-}
-
-/// The resource id `setrlimit` takes: glibc declares its own enum type.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-type Resource = libc::__rlimit_resource_t;
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-type Resource = libc::c_int;
-
-/// The limit a confined child sets for `resource`: soft `want`, hard
-/// `want + extra_hard`, neither above the agent's own hard limit (which
-/// the child inherits and, unprivileged, could not raise).
-fn child_limit(
-    resource: Resource,
-    want: u64,
-    extra_hard: u64,
-) -> io::Result<(Resource, libc::rlimit)> {
-    let mut current = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit into the struct we pass.
-    if unsafe { libc::getrlimit(resource, &mut current) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // Beyond what rlim_t holds (a 32-bit board) is no limit in effect.
-    let as_rlim = |v: u64| libc::rlim_t::try_from(v).unwrap_or(libc::RLIM_INFINITY);
-    // RLIM_INFINITY is the largest rlim_t, so `min` keeps a finite limit.
-    let hard = as_rlim(want.saturating_add(extra_hard)).min(current.rlim_max);
-    let soft = as_rlim(want).min(hard);
-    Ok((
-        resource,
-        libc::rlimit {
-            rlim_cur: soft,
-            rlim_max: hard,
-        },
-    ))
-}
-
-/// Whether the agent can switch a child to another user: it runs as root.
-pub fn can_switch_user() -> bool {
-    // SAFETY: geteuid cannot fail and touches no memory of ours.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// The uid and primary gid of user `name` in the system's user database
-/// (`getpwnam_r`: /etc/passwd or whatever NSS is configured). `Ok(None)`:
-/// there is no such user.
-///
-/// # Errors
-///
-/// The database could not be read (the OS error). The caller reports it on
-/// the config key that named the user and keeps its config.
-pub fn lookup_user(name: &str) -> io::Result<Option<(libc::uid_t, libc::gid_t)>> {
-    let Ok(cname) = CString::new(name) else {
-        return Ok(None);
-    };
-    // SAFETY: an all-zero passwd (integers and null pointers) is valid.
-    let mut entry: libc::passwd = unsafe { std::mem::zeroed() };
-    let found = lookup(libc::_SC_GETPW_R_SIZE_MAX, |buf, found| {
-        let mut result: *mut libc::passwd = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call and `buf` is as long
-        // as the length given; the entry's strings point into `buf`, which
-        // is not read after this closure.
-        let rc = unsafe {
-            libc::getpwnam_r(
-                cname.as_ptr(),
-                &mut entry,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut result,
-            )
-        };
-        *found = !result.is_null();
-        rc
-    })?;
-    Ok(found.then_some((entry.pw_uid, entry.pw_gid)))
-}
-
-/// The gid of group `name` in the system's group database (`getgrnam_r`).
-/// `Ok(None)`: there is no such group.
-///
-/// # Errors
-///
-/// As [`lookup_user`].
-pub fn lookup_group(name: &str) -> io::Result<Option<libc::gid_t>> {
-    let Ok(cname) = CString::new(name) else {
-        return Ok(None);
-    };
-    // SAFETY: an all-zero group (integers and null pointers) is valid.
-    let mut entry: libc::group = unsafe { std::mem::zeroed() };
-    let found = lookup(libc::_SC_GETGR_R_SIZE_MAX, |buf, found| {
-        let mut result: *mut libc::group = std::ptr::null_mut();
-        // SAFETY: as in lookup_user.
-        let rc = unsafe {
-            libc::getgrnam_r(
-                cname.as_ptr(),
-                &mut entry,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut result,
-            )
-        };
-        *found = !result.is_null();
-        rc
-    })?;
-    Ok(found.then_some(entry.gr_gid))
-}
-
-/// Runs a `get*nam_r` call with a buffer that grows while the call says
-/// ERANGE. `call` returns the call's result code and sets whether an entry
-/// was found.
-fn lookup(
-    size_hint: libc::c_int,
-    mut call: impl FnMut(&mut [libc::c_char], &mut bool) -> libc::c_int,
-) -> io::Result<bool> {
-    // SAFETY: sysconf takes an integer; -1 means no suggestion.
-    let hint = unsafe { libc::sysconf(size_hint) };
-    let mut len = usize::try_from(hint)
-        .ok()
-        .filter(|&n| n > 0)
-        .unwrap_or(LOOKUP_BUF)
-        .min(LOOKUP_BUF_MAX);
-    loop {
-        let mut buf = vec![0; len];
-        let mut found = false;
-        match call(&mut buf, &mut found) {
-            0 => return Ok(found),
-            // Some C libraries say "not found" with an error code (see
-            // getpwnam_r(3), NOTES).
-            libc::ENOENT | libc::ESRCH => return Ok(false),
-            libc::ERANGE if len < LOOKUP_BUF_MAX => len = (len * 2).min(LOOKUP_BUF_MAX),
-            rc => return Err(io::Error::from_raw_os_error(rc)),
-        }
     }
 }
 
@@ -848,7 +479,8 @@ pub(crate) fn under_qemu() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::process::ExitStatusExt;
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    use std::process::Command;
 
     fn sh(script: &str, timeout: Duration, max: usize) -> Result<Output, RunError> {
         run_bounded(
@@ -1067,8 +699,12 @@ mod tests {
             });
         }
         let started = Instant::now();
-        let err = spawn_forked(command, Instant::now() + Duration::from_millis(300))
-            .expect_err("the child sleeps before exec");
+        let err = start_in_thread(
+            move || command.spawn(),
+            scope::kill_and_reap,
+            Instant::now() + Duration::from_millis(300),
+        )
+        .expect_err("the child sleeps before exec");
         assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
         assert!(
             started.elapsed() < Duration::from_secs(2),
@@ -1093,11 +729,11 @@ mod tests {
             Path::new("/bin/sh"),
             &["-c".to_owned(), script],
             Duration::from_secs(10),
-            64,
-            64,
+            (64, 64),
+            &Confinement::base(),
         )
         .unwrap();
-        let shell = running.pid;
+        let shell = running.scope.pid();
         let give_up = Instant::now() + Duration::from_secs(5);
         while !pid_file.exists() && Instant::now() < give_up {
             thread::sleep(Duration::from_millis(10));
@@ -1117,8 +753,8 @@ mod tests {
             Path::new("/bin/sleep"),
             &["5".to_owned()],
             Duration::from_millis(50),
-            64,
-            64,
+            (64, 64),
+            &Confinement::base(),
         )
         .unwrap();
         assert!(matches!(running.wait(), Err(RunError::Timeout { .. })));
@@ -1150,12 +786,12 @@ mod tests {
         };
         let confinement = Confinement {
             env: vec![("PATH".to_owned(), "/usr/bin:/bin".to_owned())],
-            cwd: PathBuf::from("/"),
-            limits: Limits {
+            cwd: Some(PathBuf::from("/")),
+            limits: Some(Limits {
                 cpu_secs: 5,
                 max_memory_bytes: 1 << 30,
                 max_open_files: 32,
-            },
+            }),
             credentials,
         };
         let out = run_confined(
@@ -1167,5 +803,175 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out.stdout, b"refused\n", "{out:?}");
+    }
+
+    /// Whether `pid` is gone or a zombie, waiting up to 2 s.
+    fn dead(pid: &str) -> bool {
+        let stat = format!("/proc/{}/stat", pid.trim());
+        let give_up = Instant::now() + Duration::from_secs(2);
+        loop {
+            let dead = match std::fs::read_to_string(&stat) {
+                Ok(s) => s
+                    .rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z')),
+                Err(_) => true,
+            };
+            if dead || Instant::now() >= give_up {
+                return dead;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits up to 5 s for `file` to hold a line.
+    fn read_pid(file: &Path) -> String {
+        let give_up = Instant::now() + Duration::from_secs(5);
+        loop {
+            match std::fs::read_to_string(file) {
+                Ok(s) if s.ends_with('\n') => return s.trim().to_owned(),
+                _ if Instant::now() >= give_up => panic!("{} never written", file.display()),
+                _ => thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+
+    #[test]
+    fn a_setsid_helper_dies_with_its_timed_out_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let (pid, marker) = (dir.path().join("pid"), dir.path().join("MARKER"));
+        let script = format!(
+            "setsid sh -c 'echo $$ > {}; sleep 1; touch {}' & sleep 60",
+            pid.display(),
+            marker.display()
+        );
+        let started = Instant::now();
+        let err = sh(&script, Duration::from_millis(300), 64).unwrap_err();
+        assert!(matches!(err, RunError::Timeout { .. }), "{err:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        let helper = read_pid(&pid);
+        // Reaped by the supervisor before the run returned.
+        assert!(
+            !Path::new(&format!("/proc/{helper}")).exists(),
+            "helper {helper} outlived the timeout"
+        );
+        thread::sleep(Duration::from_secs(2));
+        assert!(!marker.exists(), "the helper ran on");
+    }
+
+    #[test]
+    fn a_helper_left_behind_is_killed_when_the_run_ends() {
+        if under_qemu() {
+            // qemu-user has no PR_SET_CHILD_SUBREAPER: an orphan goes to init.
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (pid, marker) = (dir.path().join("pid"), dir.path().join("MARKER"));
+        // It holds neither pipe, so the run is complete at once: it used to
+        // live on unseen.
+        let script = format!(
+            "setsid sh -c 'echo $$ > {}; sleep 1; touch {}' >/dev/null 2>&1 & \
+             while [ ! -s {} ]; do sleep 0.01; done; echo done",
+            pid.display(),
+            marker.display(),
+            pid.display()
+        );
+        let out = sh(&script, Duration::from_secs(10), 64).unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(out.stdout, b"done\n");
+        let helper = read_pid(&pid);
+        assert!(
+            !Path::new(&format!("/proc/{helper}")).exists(),
+            "helper {helper} outlived its run"
+        );
+        thread::sleep(Duration::from_secs(2));
+        assert!(!marker.exists(), "the helper ran on");
+    }
+
+    #[test]
+    fn only_the_runs_own_processes_are_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        // A process of our own, and another run going on at the same time,
+        // each with a helper in a session of its own.
+        let mut bystander = Command::new("/bin/sleep").arg("30").spawn().unwrap();
+        let other_pid = dir.path().join("other");
+        let other_script = format!(
+            "setsid sleep 30 >/dev/null 2>&1 & echo $! > {}; sleep 1; echo other-ok",
+            other_pid.display()
+        );
+        let other = thread::spawn(move || sh(&other_script, Duration::from_secs(20), 64));
+        let other_helper = read_pid(&other_pid);
+        let err = sh(
+            "setsid sleep 30 & setsid sh -c 'sleep 30' & sleep 30",
+            Duration::from_millis(200),
+            64,
+        )
+        .unwrap_err();
+        assert!(matches!(err, RunError::Timeout { .. }), "{err:?}");
+        assert!(
+            matches!(bystander.try_wait(), Ok(None)),
+            "the bystander was killed"
+        );
+        // The other run's helper lives until its own run ends.
+        let stat = std::fs::read_to_string(format!("/proc/{other_helper}/stat")).unwrap();
+        assert!(!stat.contains(") Z"), "{stat}");
+        let out = other.join().unwrap().unwrap();
+        assert_eq!(out.stdout, b"other-ok\n");
+        // Under qemu-user (no subreaper) it went to init when its shell exited.
+        if !under_qemu() {
+            assert!(dead(&other_helper), "the other run's helper outlived it");
+        } else if let Ok(pid) = other_helper.parse::<libc::pid_t>() {
+            if pid > 1 && !dead(&other_helper) {
+                // SAFETY: kill(2) on the helper this test started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        let _ = bystander.kill();
+        let _ = bystander.wait();
+    }
+
+    #[test]
+    fn descriptors_above_2_are_never_inherited() {
+        // A descriptor that is not close-on-exec, as the agent may have been
+        // given one when started: high, so no descriptor `ls` opens takes it.
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(file.as_file());
+        // SAFETY: dup2 onto a number nothing in this test process uses.
+        assert_eq!(unsafe { libc::dup2(fd, 57) }, 57);
+        let out = run_bounded(
+            Path::new("/bin/ls"),
+            &["/proc/self/fd".to_owned()],
+            Duration::from_secs(5),
+            4096,
+        )
+        .unwrap();
+        // SAFETY: our own descriptor.
+        unsafe { libc::close(57) };
+        // 0-2, and 3: the directory ls opened to list itself.
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "0\n1\n2\n3\n");
+    }
+
+    #[test]
+    fn a_child_gets_only_the_environment_it_is_given() {
+        let out =
+            run_bounded(Path::new("/usr/bin/env"), &[], Duration::from_secs(5), 4096).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("LANG={CHILD_LANG}\nPATH={CHILD_PATH}\n")
+        );
+        let mut extra = BTreeMap::new();
+        extra.insert("PATH".to_owned(), "/bin".to_owned());
+        extra.insert("A_B".to_owned(), "x=y z".to_owned());
+        assert_eq!(
+            child_env(&extra),
+            [
+                ("A_B".to_owned(), "x=y z".to_owned()),
+                ("LANG".to_owned(), CHILD_LANG.to_owned()),
+                ("PATH".to_owned(), "/bin".to_owned()),
+            ]
+        );
     }
 }
