@@ -166,7 +166,7 @@ pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &Sender<Control>) -
                 .get("sha256")
                 .and_then(Value::as_str)
                 .ok_or("args.sha256: required, hex sha256 of args.config")?;
-            let got = super::hex(&Sha256::digest(text.as_bytes()));
+            let got = crate::hex::encode(&Sha256::digest(text.as_bytes()));
             if !want.eq_ignore_ascii_case(&got) {
                 return Err(format!(
                     "args.sha256: does not match the config text (computed {got})"

@@ -46,8 +46,6 @@ pub mod worker;
 
 pub use settings::{CommandsConfig, ExecHandler, ParamKind, ParamSpec};
 
-pub use crate::hex::encode as hex;
-
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -296,7 +294,7 @@ mod tests {
                     c.canonical,
                     "canonical form reads back as itself"
                 );
-                hex(&c.request_hash)
+                crate::hex::encode(&c.request_hash)
             })
             .collect();
         assert!(hashes.windows(2).all(|w| w[0] == w[1]), "{hashes:?}");

@@ -7,8 +7,9 @@
 //! duplicate, a conflict and an end mean is decided here.
 
 use super::retention::{self, Policy};
-use super::{hex, Command};
+use super::Command;
 use crate::envelope::wall_clock_ms;
+use crate::hex::encode as hex;
 use crate::reading::FieldValue;
 use crate::spool::{CommandTx, NewEvent, NewRecord, Spool, SpoolError, StoredCommand};
 use crate::stream::RESULTS_STREAM;
