@@ -596,6 +596,13 @@ fn behind_a_restarted_local_broker_puback_mode_retires_rows_the_cloud_never_got(
         print_bridge(&o);
         assert_eq!(o.acked, BRIDGE_ROWS, "puback mode retires on the PUBACK");
         assert_eq!(o.stored + o.lost, BRIDGE_ROWS, "{o:?}");
+        // Measured on mosquitto 2.0.11: a SIGTERM or a SIGKILL after an
+        // autosave loses nothing (the persistence file has the bridge's
+        // queue), so nothing is asserted for those; a SIGKILL before any
+        // save (checked above) loses every row, every time.
+        if restart == Restart::SigkillStockAutosave {
+            assert_eq!(o.lost, BRIDGE_ROWS, "{o:?}");
+        }
     }
 }
 
