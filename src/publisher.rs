@@ -121,31 +121,7 @@ pub fn run(
     stop: Arc<AtomicBool>,
     stats: Arc<DeliveryStats>,
 ) {
-    let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
-    let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
-    let receipts = (cfg.retire_on == crate::mqtt::RetireOn::Receipt)
-        .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
-    let mut d = Delivery {
-        receipts,
-        deferred: Default::default(),
-        batcher,
-        cfg,
-        link,
-        epoch: 0,
-        lanes,
-        topics: HashMap::new(),
-        to_retire: Vec::new(),
-        retiring: HashSet::new(),
-        to_mark: Vec::new(),
-        waiting_since: None,
-        stats,
-        last_error_log: None,
-        suspect: None,
-        offered_size: HashMap::new(),
-        largest_acked: 0,
-        learned_limit: None,
-        probing: None,
-    };
+    let mut d = Delivery::new(cfg, link, stats);
     while !stop.load(Ordering::Relaxed) {
         d.stats.heartbeat.beat();
         // Event-driven: the MQTT thread, ingest and the agent's stop send
@@ -220,6 +196,35 @@ struct Delivery {
 }
 
 impl Delivery {
+    /// The delivery thread's state for `cfg`: nothing read, nothing offered.
+    fn new(cfg: DeliveryConfig, link: Link, stats: Arc<DeliveryStats>) -> Delivery {
+        let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
+        let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
+        let receipts = (cfg.retire_on == crate::mqtt::RetireOn::Receipt)
+            .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
+        Delivery {
+            receipts,
+            deferred: Default::default(),
+            batcher,
+            cfg,
+            link,
+            epoch: 0,
+            lanes,
+            topics: HashMap::new(),
+            to_retire: Vec::new(),
+            retiring: HashSet::new(),
+            to_mark: Vec::new(),
+            waiting_since: None,
+            stats,
+            last_error_log: None,
+            suspect: None,
+            offered_size: HashMap::new(),
+            largest_acked: 0,
+            learned_limit: None,
+            probing: None,
+        }
+    }
+
     fn handle(&mut self, msg: DeliveryMsg, spool: &mut Spool) {
         match msg {
             DeliveryMsg::Lost {
@@ -261,7 +266,15 @@ impl Delivery {
                     log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
                 }
             }
-            DeliveryMsg::Receipt(payload) => self.on_receipt(&payload),
+            DeliveryMsg::Receipt(payload) => {
+                // The PUBACKs the MQTT thread took before this receipt come
+                // first: a receipt for a row whose PUBACK still waits in the
+                // link would match nothing, and the row would wait out its
+                // timeout for a receipt that already came (again after
+                // every re-send, with a sink quicker than this thread).
+                self.collect();
+                self.on_receipt(&payload);
+            }
             DeliveryMsg::Receipts { available, why } => {
                 self.on_receipts_availability(available, why);
             }
@@ -643,6 +656,82 @@ fn packet_too_large(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A link to a broker that is never connected, and a receipt-mode
+    /// delivery state on it (10 s timeout).
+    fn receipt_delivery() -> Delivery {
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mcfg = crate::mqtt::MqttConfig {
+            tls: None,
+            credentials: None,
+            host: "127.0.0.1".into(),
+            port: 1,
+            client_id: "t".into(),
+            topic_prefix: "t/dev".into(),
+            keep_alive: Duration::from_secs(30),
+            clean_session: false,
+            inflight_window: 16,
+            max_payload_bytes: 1024,
+            max_packet_bytes: crate::mqtt::PROTOCOL_MAX_PACKET,
+            payload_format: crate::envelope::Format::Json,
+            connect_timeout: Duration::from_secs(10),
+            reconnect_min: Duration::from_millis(500),
+            reconnect_max: Duration::from_secs(30),
+            ack_timeout: Duration::from_secs(60),
+            fail_after_disconnects: 3,
+            protocol: crate::mqtt::Protocol::V5,
+            session_expiry_secs: 0,
+            min_share_pct: 10,
+            status_topic: false,
+            retire_on: crate::mqtt::RetireOn::Receipt,
+            receipt_timeout: Duration::from_secs(10),
+            receipt_window: 100,
+        };
+        let (link, _thread) = crate::mqtt::new(mcfg, tx, Arc::new(AtomicBool::new(false)), None);
+        let cfg = DeliveryConfig {
+            topic_prefix: "t/dev".into(),
+            window: 16,
+            max_payload_bytes: 1024,
+            max_packet_bytes: crate::mqtt::PROTOCOL_MAX_PACKET,
+            fail_after_disconnects: 3,
+            protocol: crate::mqtt::Protocol::V5,
+            min_share_pct: 10,
+            live_streams: HashSet::new(),
+            batching: HashMap::new(),
+            retire_on: crate::mqtt::RetireOn::Receipt,
+            receipt_timeout: Duration::from_secs(10),
+            receipt_window: 100,
+        };
+        Delivery::new(cfg, link, Arc::new(DeliveryStats::default()))
+    }
+
+    #[test]
+    fn a_receipt_right_behind_its_rows_puback_retires_the_row() {
+        // Found end to end (tests/it/receipts_e2e.rs): the MQTT thread takes
+        // a row's PUBACK, then its receipt; the delivery thread handled the
+        // receipt before taking the PUBACK, matched nothing, and the row
+        // waited out its timeout for a receipt that had come.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut spool = Spool::open(&dir.path().join("s.db"), &Default::default()).expect("spool");
+        let mut d = receipt_delivery();
+        let id = "0123abcd-0000-4000-8000-00000000000a";
+        let payload = b"{}".to_vec();
+        let row = OutRow {
+            id: 7,
+            event_id: id.to_owned(),
+            stream: "s".to_owned(),
+            digest: <sha2::Sha256 as sha2::Digest>::digest(&payload).to_vec(),
+            payload,
+            prio: 0,
+        };
+        d.note_offered(&row);
+        d.link.acked_for_test(&[7]);
+        let receipt = crate::receipts::encode(&[("s", id)]).remove(0);
+        d.handle(DeliveryMsg::Receipt(receipt), &mut spool);
+        assert_eq!(d.to_retire, vec![7], "the receipt did not retire its row");
+        assert_eq!(d.stats.receipt_unmatched.load(Ordering::Relaxed), 0);
+        assert!(!d.awaits_receipt(7));
+    }
 
     #[test]
     fn a_packet_over_the_limit_is_named_with_its_size_and_the_limit() {

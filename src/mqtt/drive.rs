@@ -103,6 +103,15 @@ impl MqttThread {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
             }
+            {
+                // The request channel drains as the event loop runs: hand it
+                // the acknowledgements that found it full (then the rows
+                // they held back).
+                let mut s = lock(&self.shared);
+                if !s.acks_due.is_empty() {
+                    s.pump();
+                }
+            }
             if let Some(why) = self.why_end() {
                 return why;
             }

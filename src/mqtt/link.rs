@@ -66,15 +66,29 @@ impl Link {
     /// connection it arrived on (`epoch`) is still the current one: a packet
     /// id means nothing on another connection. Otherwise the broker
     /// redelivers it on the next session and the receipt store answers it.
+    /// An acknowledgement the client's request channel has no room for now
+    /// waits in [`Shared::acks_due`] and goes before the next publish.
     pub fn ack(&self, epoch: u64, publish: &rumqttc::Publish) {
-        let s = lock(&self.shared);
-        if s.epoch == epoch && s.connected {
-            if let Some(c) = &s.client {
-                if let Err(e) = c.try_ack(publish) {
-                    log::warn!("mqtt: could not acknowledge pkid {}: {e}", publish.pkid);
-                }
-            }
+        let mut s = lock(&self.shared);
+        if s.epoch != epoch || !s.connected {
+            return;
         }
+        let Some(c) = s.client.clone() else {
+            return;
+        };
+        if s.acks_due.is_empty() && c.try_ack(publish).is_ok() {
+            return;
+        }
+        if s.acks_due.len() >= super::shared::ACKS_DUE_MAX {
+            log::warn!(
+                "mqtt: could not acknowledge pkid {}: {} acknowledgements already wait for room",
+                publish.pkid,
+                s.acks_due.len()
+            );
+            return;
+        }
+        s.acks_due.push_back(publish.clone());
+        s.pump();
     }
 
     /// Rebuild the connection at once if it is still the one of `epoch`, so
@@ -191,6 +205,13 @@ impl Link {
     /// MQTT 5) since the last call, with the refusal.
     pub fn take_refused(&self) -> Vec<(i64, PubAckRefusal)> {
         std::mem::take(&mut lock(&self.shared).refused)
+    }
+
+    /// As the MQTT thread does on a PUBACK: `rows` acknowledged, not yet
+    /// taken by the delivery thread.
+    #[cfg(test)]
+    pub fn acked_for_test(&self, rows: &[i64]) {
+        lock(&self.shared).acked.extend_from_slice(rows);
     }
 
     /// Take the rows submitted and the rows acknowledged since the last call:

@@ -70,7 +70,17 @@ pub struct Shared {
     pub(super) receipts_queued: usize,
     /// Receipts dropped because too many waited.
     pub(super) receipts_dropped: u64,
+    /// Acknowledgements of incoming QoS 1 PUBLISHes (receipts, commands)
+    /// the client's request channel had no room for, oldest first; handed
+    /// to it before any new publish. One dropped instead would hold a slot
+    /// of the broker's in-flight window for this client until the session
+    /// ends. Cleared with the connection.
+    pub(super) acks_due: VecDeque<rumqttc::Publish>,
 }
+
+/// Bound of [`Shared::acks_due`]: above what a broker keeps unacknowledged
+/// for one client (mosquitto's `max_inflight_messages` is 20 by default).
+pub(super) const ACKS_DUE_MAX: usize = 1024;
 
 /// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
 /// is only ever dropped for a packet id that will get no PUBACK.
@@ -98,6 +108,13 @@ impl Shared {
         let Some(client) = self.client.clone() else {
             return;
         };
+        // Acknowledgements first: a publish can wait, a lost one cannot.
+        while let Some(p) = self.acks_due.front() {
+            if client.try_ack(p).is_err() {
+                return;
+            }
+            self.acks_due.pop_front();
+        }
         while self.ack.len() < self.window {
             let Some(r) = self.ready.front() else {
                 return;

@@ -101,6 +101,7 @@ pub fn new(
         batches: HashMap::new(),
         receipts_queued: 0,
         receipts_dropped: 0,
+        acks_due: VecDeque::new(),
     }));
     let receipts =
         (cfg.retire_on == RetireOn::Receipt).then(|| format!("{}/receipts", cfg.topic_prefix));
@@ -252,6 +253,7 @@ impl MqttThread {
             s.progress_at = None;
             s.sent_at.clear();
             s.ready.clear();
+            s.acks_due.clear();
             // A new session redelivers by itself.
             s.redeliver = false;
             let handles: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();

@@ -23,6 +23,7 @@ mod pgsink;
 mod pgtls;
 mod priority;
 mod receipts;
+mod receipts_e2e;
 mod refusals;
 mod replay;
 mod sink_batches;

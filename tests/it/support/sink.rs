@@ -48,8 +48,22 @@ impl SinkProc {
     /// persistent session: a sink started again with the same id gets what
     /// the broker holds unacknowledged).
     pub fn spawn_sqlite(port: u16, filter: &str, db: &Path, id: &str, dir: &Path) -> SinkProc {
+        SinkProc::spawn_sqlite_with(port, filter, db, id, dir, &[])
+    }
+
+    /// As [`SinkProc::spawn_sqlite`], with more arguments.
+    pub fn spawn_sqlite_with(
+        port: u16,
+        filter: &str,
+        db: &Path,
+        id: &str,
+        dir: &Path,
+        extra: &[&str],
+    ) -> SinkProc {
         let db = db.to_str().expect("UTF-8 path");
-        SinkProc::launch(port, filter, id, dir, &["--db", db, "--client-id", id])
+        let mut args = vec!["--db", db, "--client-id", id];
+        args.extend_from_slice(extra);
+        SinkProc::launch(port, filter, id, dir, &args)
     }
 
     /// `edgespool sink --url .. --topic FILTER ARGS..`, logging to
