@@ -131,9 +131,11 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     }
     let (waiting, oldest) = f.awaiting_receipt;
     if let (Some(timeout), Some(age)) = (f.receipt_timeout, oldest) {
-        if waiting > 0 && age >= timeout {
+        // Twice the timeout: a row sent again once for a lost receipt is
+        // not yet a stop; one still unstored after that is.
+        if waiting > 0 && age >= timeout.saturating_mul(2) {
             reasons.push(format!(
-                "receipts stopped: {waiting} rows the broker acknowledged wait for their receipt, the oldest {} s (mqtt.receipt_timeout_secs {}): is the sink running and publishing to <topic_prefix>/receipts?",
+                "receipts stopped: {waiting} rows the broker acknowledged wait for their receipt, the oldest {} s since its first PUBACK (over twice mqtt.receipt_timeout_secs {}): is the sink running and publishing to <topic_prefix>/receipts?",
                 secs(age),
                 secs(timeout)
             ));
@@ -221,11 +223,12 @@ mod tests {
         let mut f = Facts {
             connected: true,
             receipt_timeout: Some(t),
-            awaiting_receipt: (12, Some(Duration::from_secs(299))),
+            awaiting_receipt: (12, Some(Duration::from_secs(599))),
             ..Facts::default()
         };
+        // Sent again once and not yet receipted: not yet a stop.
         assert!(assess(&f, Duration::from_secs(30)).reasons.is_empty());
-        f.awaiting_receipt = (12, Some(Duration::from_secs(300)));
+        f.awaiting_receipt = (12, Some(Duration::from_secs(600)));
         let h = assess(&f, Duration::from_secs(30));
         assert!(
             h.line().contains("receipts stopped: 12 rows"),

@@ -219,19 +219,24 @@ pub struct ReceiptFigures {
     pub malformed: u64,
     /// Rows sent again because their receipt did not come in time, this run.
     pub resent: u64,
+    /// Receipts dropped unread, this run, because the MQTT thread's queue
+    /// to the delivery thread was full (64; their rows are sent again after
+    /// their timeout).
+    pub dropped: u64,
     /// The broker refuses the receipts subscription now.
     pub unavailable: bool,
 }
 
 /// Receipt mode's families.
 fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
-    let families: [(&str, &str, &str, f64); 7] = [
-        ("edgespool_rows_awaiting_receipt", "gauge", "Rows the broker acknowledged that wait for a receipt from the fleet's database.", r.awaiting as f64),
-        ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row waiting for its receipt has waited since its PUBACK (0 when none).", r.oldest_awaiting_secs),
+    let families: [(&str, &str, &str, f64); 8] = [
+        ("edgespool_rows_awaiting_receipt", "gauge", "Rows the broker acknowledged that the fleet's database has not yet receipted (waiting, or sent again).", r.awaiting as f64),
+        ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row not yet stored at the fleet has waited since its first PUBACK (re-sends do not reset it; 0 when none).", r.oldest_awaiting_secs),
         ("edgespool_receipts_total", "counter", "Receipts read, this run.", r.received as f64),
         ("edgespool_receipt_unmatched_ids_total", "counter", "Event ids in receipts that matched no waiting row (nothing retired for them), this run.", r.unmatched_ids as f64),
         ("edgespool_receipts_malformed_total", "counter", "Receipts refused as malformed (they retire nothing), this run.", r.malformed as f64),
         ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
+        ("edgespool_receipts_dropped_total", "counter", "Receipts dropped unread because the delivery thread had 64 waiting (their rows are sent again after their timeout), this run.", r.dropped as f64),
         ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then retire on their PUBACK), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
     ];
     for (name, kind, help, v) in families {

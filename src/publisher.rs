@@ -42,9 +42,11 @@ pub struct DeliveryStats {
     /// Stamped each time the delivery loop goes round (at least every
     /// `IDLE_POLL`), for the systemd watchdog.
     pub heartbeat: crate::notify::Heartbeat,
-    /// Receipt mode: rows PUBACKed and waiting for their receipt now.
+    /// Receipt mode: rows PUBACKed and not yet stored (waiting for their
+    /// receipt, or sent again for a missing one).
     pub awaiting_receipt: AtomicU64,
-    /// Receipt mode: how long the oldest waiting row has waited, ms.
+    /// Receipt mode: how long the oldest of them has waited since its
+    /// first PUBACK (re-sends do not reset it), ms.
     pub oldest_awaiting_ms: AtomicU64,
     /// Receipts read (well-formed).
     pub receipts: AtomicU64,

@@ -141,12 +141,13 @@ fn receipts_line(stored: &str) -> String {
         ""
     };
     format!(
-        "{} rows delivered, not yet stored{oldest}; {} receipts received, {} ids matched no waiting row, {} malformed, {} rows sent again for a missing receipt{unavailable}",
+        "{} rows delivered, not yet stored{oldest}; {} receipts received, {} ids matched no waiting row, {} malformed, {} rows sent again for a missing receipt, {} receipts dropped unread (queue full){unavailable}",
         n("awaiting"),
         n("received"),
         n("unmatched_ids"),
         n("malformed"),
         n("resent"),
+        n("dropped"),
     )
 }
 
@@ -376,7 +377,7 @@ mod tests {
     #[test]
     fn the_receipts_record_reads_as_one_line() {
         let rec = serde_json::json!({"awaiting": 7, "oldest_awaiting_ms": 65000, "received": 3,
-            "unmatched_ids": 1, "malformed": 2, "resent": 4, "unavailable": false});
+            "unmatched_ids": 1, "malformed": 2, "resent": 4, "dropped": 5, "unavailable": false});
         let line = receipts_line(&rec.to_string());
         assert!(
             line.starts_with("7 rows delivered, not yet stored (oldest "),
@@ -388,6 +389,7 @@ mod tests {
             ),
             "{line}"
         );
+        assert!(line.contains("5 receipts dropped unread"), "{line}");
         assert!(!line.contains("UNAVAILABLE"));
         let rec = serde_json::json!({"awaiting": 0, "unavailable": true});
         assert!(receipts_line(&rec.to_string()).contains("UNAVAILABLE"));

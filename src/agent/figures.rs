@@ -203,6 +203,7 @@ impl Ingest {
             unmatched_ids: load(&s.receipt_unmatched),
             malformed: load(&s.receipts_malformed),
             resent: load(&s.resent_for_receipt),
+            dropped: self.link.health_facts().receipts_dropped,
             unavailable: load(&s.receipts_unavailable) == 1,
         })
     }

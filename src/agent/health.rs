@@ -121,6 +121,7 @@ impl Ingest {
             "unmatched_ids": load(&s.receipt_unmatched),
             "malformed": load(&s.receipts_malformed),
             "resent": load(&s.resent_for_receipt),
+            "dropped": self.link.health_facts().receipts_dropped,
             "last_receipt_ms": (last > 0).then_some(last),
             "unavailable": load(&s.receipts_unavailable) == 1,
             "timeout_secs": self.cfg.mqtt.receipt_timeout.as_secs(),

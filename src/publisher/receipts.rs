@@ -16,13 +16,61 @@ use super::Delivery;
 use crate::mqtt::Ready;
 use crate::receipts::Awaiting;
 use crate::spool::{OutRow, Spool};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Rows read again for a missing receipt per fill, at most.
 const RESEND_BATCH: usize = 256;
+
+/// When each row delivered and not yet stored was first PUBACKed: unlike
+/// the book's own times it survives the row being sent again, so a row
+/// the fleet never stores ages (the health rule), oldest first.
+#[derive(Debug, Default)]
+struct FirstPubacks {
+    at: HashMap<i64, Instant>,
+    order: BTreeSet<(Instant, i64)>,
+    cap: usize,
+}
+
+impl FirstPubacks {
+    /// Noted at most `cap` rows (beyond that the age is a lower bound).
+    fn new(cap: usize) -> FirstPubacks {
+        FirstPubacks {
+            cap,
+            ..FirstPubacks::default()
+        }
+    }
+
+    /// `row` was PUBACKed at `now`; a row already noted keeps its time.
+    fn note(&mut self, row: i64, now: Instant) {
+        if self.at.len() >= self.cap || self.at.contains_key(&row) {
+            return;
+        }
+        self.at.insert(row, now);
+        self.order.insert((now, row));
+    }
+
+    /// `rows` are stored (retired).
+    fn forget(&mut self, rows: &[i64]) {
+        for row in rows {
+            if let Some(t) = self.at.remove(row) {
+                self.order.remove(&(t, *row));
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.at.len()
+    }
+
+    fn oldest_age(&self, now: Instant) -> Option<Duration> {
+        self.order
+            .first()
+            .map(|(t, _)| now.saturating_duration_since(*t))
+    }
+}
 
 /// What the delivery thread keeps in receipt mode.
 #[derive(Debug)]
@@ -43,6 +91,8 @@ pub(super) struct ReceiptMode {
     /// rows are retired on their PUBACK meanwhile.
     fallback: Option<String>,
     last_malformed_log: Option<Instant>,
+    /// Rows delivered and not yet stored, by their first PUBACK.
+    first: FirstPubacks,
 }
 
 impl ReceiptMode {
@@ -57,6 +107,7 @@ impl ReceiptMode {
             resent: std::collections::HashSet::new(),
             fallback: None,
             last_malformed_log: None,
+            first: FirstPubacks::new(4 * window.max(1)),
         }
     }
 }
@@ -105,10 +156,12 @@ impl Delivery {
             for row in &acked {
                 r.offered.remove(row);
             }
+            r.first.forget(&acked);
             return acked;
         }
         let now = Instant::now();
         for row in acked {
+            r.first.note(row, now);
             r.resent.remove(&row);
             match r.offered.remove(&row) {
                 Some((stream, id)) => r.awaiting.delivered(row, stream, id, now),
@@ -141,6 +194,7 @@ impl Delivery {
                 // A retired row may have been read ahead while it waited:
                 // it must not be offered again from there.
                 self.lanes.discard(&m.rows.iter().copied().collect());
+                r.first.forget(&m.rows);
                 self.retiring.extend(m.rows.iter().copied());
                 self.to_retire.extend(m.rows);
                 self.waiting_since.get_or_insert_with(Instant::now);
@@ -178,6 +232,7 @@ impl Delivery {
                 rows.len()
             );
             r.fallback = Some(why);
+            r.first.forget(&rows);
             self.lanes.discard(&rows.iter().copied().collect());
             self.retiring.extend(rows.iter().copied());
             self.to_retire.extend(rows);
@@ -278,9 +333,10 @@ impl Delivery {
             return;
         };
         let s = &self.stats;
+        // Delivered and not yet stored: waiting in the book, or sent again.
         s.awaiting_receipt
-            .store(r.awaiting.len() as u64, Ordering::Relaxed);
-        let age = r.awaiting.oldest_age(Instant::now());
+            .store(r.first.len() as u64, Ordering::Relaxed);
+        let age = r.first.oldest_age(Instant::now());
         s.oldest_awaiting_ms
             .store(age.map_or(0, |a| a.as_millis() as u64), Ordering::Relaxed);
     }

@@ -157,6 +157,17 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     let r = receipts_state(&db);
     println!("receipts record: {r}");
     assert!(r["awaiting"].as_u64() >= Some(1), "{r}");
+    // Sent again and still not stored: twice the timeout after their first
+    // PUBACK health says receipts stopped (a re-send does not reset the wait).
+    let health = || status_json(&db)["health"]["reasons"].to_string();
+    assert!(
+        wait_for(Duration::from_secs(45), || health()
+            .contains("receipts stopped")),
+        "health: {}\n{}",
+        health(),
+        agent.log_tail(20)
+    );
+    println!("health: {}", health());
     agent.terminate(Duration::from_secs(15));
 }
 
