@@ -134,8 +134,12 @@ pub fn replay_event_id(
 
 /// The event id of a keyed reading (an idempotency key from a local
 /// producer: the ingest socket's `key`, a bridged message's `id_field`): the
-/// first 16 bytes of sha256(`"edgespool-key-v2"`, device id, stream, scope,
-/// key), each length-prefixed, as a UUIDv8 like [`replay_event_id`].
+/// first 16 bytes of sha256(`"edgespool-key-v3"`, `secret`, device id,
+/// stream, scope, key), each length-prefixed, as a UUIDv8 like
+/// [`replay_event_id`]. `secret` is the spool's own (32 random bytes made
+/// with it, schema 10): whoever knows a key cannot compute its event id
+/// (issue 21: a receipt or an event naming another board's id), and it
+/// stays the same as long as the spool does.
 ///
 /// `scope` is who gave the key (a listener and peer, a bridged topic: see
 /// [`crate::spool::ReadingKey::scope`]): the same key from two scopes is two
@@ -143,14 +147,27 @@ pub fn replay_event_id(
 /// its reading dropped as a duplicate. A producer that sends the same key
 /// again in its scope (after its own crash, or a reply it never saw) gets
 /// the same id, so neither the spool nor a consumer sees a second event.
-/// (`v1`, before scopes, hashed no scope: a key sent before the upgrade and
-/// again after it gets a new id.)
-pub fn keyed_event_id(device_id: &str, stream: &str, scope: &str, key: &str) -> EventId {
+/// (`v1` hashed no scope, `v2` no secret: a key sent before the upgrade and
+/// again after it gets a new id, as it does after the spool is moved aside.)
+pub fn keyed_event_id(
+    secret: &[u8; 32],
+    device_id: &str,
+    stream: &str,
+    scope: &str,
+    key: &str,
+) -> EventId {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    for part in ["edgespool-key-v2", device_id, stream, scope, key] {
+    for part in [
+        b"edgespool-key-v3".as_slice(),
+        secret.as_slice(),
+        device_id.as_bytes(),
+        stream.as_bytes(),
+        scope.as_bytes(),
+        key.as_bytes(),
+    ] {
         h.update((part.len() as u64).to_be_bytes());
-        h.update(part.as_bytes());
+        h.update(part);
     }
     let mut b = [0u8; 16];
     b.copy_from_slice(&h.finalize()[..16]);

@@ -56,11 +56,14 @@ pub const OVERLAY_KEYS: &[&str] = &[
 /// board away from its broker for 45-75 minutes after a broker restart.
 pub const OVERLAY_BOUNDS: &[(&str, u64, u64)] = &[
     ("sources.*.interval_ms", 100, 86_400_000),
-    ("spool.commit_window_ms", 1, 60_000),
+    // What a power cut may cost (synchronous = NORMAL): at most 10 s of
+    // readings, not the local file's 60.
+    ("spool.commit_window_ms", 1, 10_000),
     ("spool.acked_retention_secs", 60, 315_360_000),
     ("spool.purge_batch_rows", 1, 100_000),
     ("spool.checkpoint_interval_secs", 1, 3_600),
-    ("spool.checkpoint_wal_bytes", 65_536, 1_073_741_824),
+    // A WAL that grows past 64 MiB before a checkpoint slows every read.
+    ("spool.checkpoint_wal_bytes", 65_536, 67_108_864),
     ("mqtt.keep_alive_secs", 5, 600),
     ("mqtt.connect_timeout_secs", 1, 60),
     ("mqtt.reconnect_min_ms", 100, 60_000),
@@ -74,6 +77,7 @@ pub const OVERLAY_BOUNDS: &[(&str, u64, u64)] = &[
 /// path or socket the agent writes or binds).
 pub const LOCAL_ONLY: &[&str] = &[
     "commands.config_push",
+    "commands.operator_scopes",
     "device_id",
     "mqtt.client_id",
     "mqtt.topic_prefix",
@@ -466,6 +470,19 @@ interval_ms = 1000
         let e = check(&b, "[sources.temp]\ninterval_ms = 10\n", None).unwrap_err();
         assert!(
             e.contains("sources.temp.interval_ms = 10 (a push may set 100..=86400000)"),
+            "{e}"
+        );
+        // A minute of readings lost to a power cut, a 1 GiB WAL: the local
+        // file may choose them, a push may not.
+        let e = check(
+            &b,
+            "[spool]\ncommit_window_ms = 60000\ncheckpoint_wal_bytes = 1073741824\n",
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("spool.commit_window_ms = 60000 (a push may set 1..=10000)")
+                && e.contains("spool.checkpoint_wal_bytes = 1073741824"),
             "{e}"
         );
         let e = check(&b, "[mqtt]\nkeep_alive_secs = \"60\"\n", None).unwrap_err();

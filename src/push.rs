@@ -117,6 +117,8 @@ pub fn compose(
 /// Put the local values of [`crate::policy::LOCAL_ONLY`] back into `cfg`.
 fn keep_local_only(cfg: &mut Config, local: &Config) {
     cfg.config_push = local.config_push.clone();
+    // Who the operator is: a push (from the command topic) may not say.
+    cfg.commands.operator_scopes = local.commands.operator_scopes.clone();
     cfg.device_id = local.device_id.clone();
     cfg.mqtt.client_id = local.mqtt.client_id.clone();
     cfg.mqtt.topic_prefix = local.mqtt.topic_prefix.clone();
@@ -248,5 +250,22 @@ mod tests {
         assert_eq!(load(d.path()), Some(stored("o")), "old signature removed");
         save(d.path(), None).unwrap();
         assert_eq!(load(d.path()), None);
+    }
+
+    #[test]
+    fn a_signed_config_keeps_the_local_operator_scopes() {
+        let base = "device_id = \"gw1\"\n[spool]\npath = \"/tmp/es-push-test/spool.db\"\n[mqtt]\nurl = \"mqtt://127.0.0.1:1883\"\n[[sources]]\nname = \"system\"\nkind = \"system\"\ninterval_ms = 1000\n";
+        let local_text = format!("{base}[commands]\nenabled = true\noperator_scopes = [\"ops\"]\n");
+        let local = crate::config::parse(&local_text, "local", &[]).expect("local config");
+        assert_eq!(local.commands.operator_scopes, vec!["ops".to_owned()]);
+        // A signed push that names none (or others) does not change them.
+        for pushed in [
+            format!("{base}[commands]\nenabled = true\n"),
+            format!("{base}[commands]\nenabled = true\noperator_scopes = [\"attacker\"]\n"),
+        ] {
+            let cfg = compose(&local, &local_text, "local", &[], &Push::Signed(pushed))
+                .expect("composed");
+            assert_eq!(cfg.commands.operator_scopes, vec!["ops".to_owned()]);
+        }
     }
 }

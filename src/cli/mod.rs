@@ -33,6 +33,7 @@ pub const USAGE: &str = "usage:
   edgespool probe-storage (--config FILE | --dir DIR) [--json]
   edgespool sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)
                  [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS] [--no-receipts]
+                 [--username USER --password-file FILE]
                  [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]
   edgespool sink --stats (--db FILE | --postgres CONNINFO) [--json]
                  [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]
@@ -157,6 +158,8 @@ pub struct Args {
     pub batch_ms: Option<u64>,
     pub pg_tls: PgTlsArgs,
     pub no_receipts: bool,
+    pub username: Option<String>,
+    pub password_file: Option<PathBuf>,
 }
 
 impl Args {
@@ -187,6 +190,8 @@ impl Args {
                 Long("batch-max") => a.batch_max = Some(p.value()?.parse::<usize>()?),
                 Long("batch-ms") => a.batch_ms = Some(p.value()?.parse::<u64>()?),
                 Long("no-receipts") => a.no_receipts = true,
+                Long("username") => a.username = Some(p.value()?.string()?),
+                Long("password-file") => a.password_file = Some(PathBuf::from(p.value()?)),
                 Long("help") | Short('h') => return Ok(None),
                 Value(v) if own.file && a.config.is_none() => a.config = Some(PathBuf::from(v)),
                 arg => return Err(arg.unexpected()),

@@ -36,6 +36,8 @@ struct SinkArgs {
     /// `--no-receipts`: publish no receipts (for boards that retire rows on
     /// the PUBACK, or a broker ACL that does not let the sink write them).
     no_receipts: bool,
+    /// `--username` and `--password-file`: the MQTT login.
+    credentials: Option<(String, PathBuf)>,
 }
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
@@ -61,6 +63,19 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         .url
         .ok_or_else(|| usage("sink needs --url mqtt://HOST:PORT"))?;
     let topic = a.topic.ok_or_else(|| usage("sink needs --topic FILTER"))?;
+    let credentials = match (a.username, a.password_file) {
+        (Some(u), Some(f)) => {
+            // Read once now, so a wrong path fails the start, not every
+            // connect in the background.
+            if let Err(why) = edgespool::sink::consume::read_password(&f) {
+                eprintln!("edgespool: {why}");
+                return Err(Failure::Invalid);
+            }
+            Some((u, f))
+        }
+        (None, None) => None,
+        _ => return Err(usage("--username and --password-file go together")),
+    };
     // A persistent session is found again by its client id: a PostgreSQL
     // sink (one of N) must be given a stable one.
     let client_id = match (a.client_id, &store) {
@@ -82,6 +97,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         batch_max: a.batch_max.filter(|&n| n > 0).unwrap_or(500),
         batch_ms: a.batch_ms.unwrap_or(100),
         no_receipts: a.no_receipts,
+        credentials,
     })
 }
 
@@ -107,6 +123,7 @@ fn run(a: SinkArgs) -> Outcome {
     let mut opts = SinkOptions::new(host, port, a.topic, a.client_id);
     opts.shared_group = a.share;
     opts.receipts = !a.no_receipts;
+    opts.credentials = a.credentials;
     opts.batch = BatchPolicy {
         max: a.batch_max,
         window: Duration::from_millis(a.batch_ms),

@@ -1085,3 +1085,20 @@ env = {{ GREETING = "hi" }}
         ]
     );
 }
+
+#[test]
+fn a_topic_prefix_with_an_events_or_batches_level_is_refused() {
+    for prefix in ["site/events/gw1", "batches/gw1", "edgespool/gw1/events"] {
+        let text = GOOD.replace(
+            "url = \"mqtt://broker.local:1884\"",
+            &format!("url = \"mqtt://broker.local:1884\"\ntopic_prefix = \"{prefix}\""),
+        );
+        let e = err(&text).to_string();
+        assert!(
+            e.contains("mqtt.topic_prefix: may not have a level named \"events\""),
+            "{prefix}: {e}"
+        );
+    }
+    let e = err(&GOOD.replace("pi4-lab", "events")).to_string();
+    assert!(e.contains("mqtt.topic_prefix"), "{e}");
+}

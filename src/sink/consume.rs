@@ -28,6 +28,7 @@ use rumqttc::{
     RecvTimeoutError, SubscribeFilter, SubscribeReasonCode,
 };
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -54,6 +55,27 @@ pub struct SinkOptions {
     /// 2.0 closes the connection of a 3.1.1 client after a denied QoS 1
     /// publish.
     pub receipts: bool,
+    /// MQTT login: a user name and the file holding its password (read
+    /// anew at every connect, so a rotated password needs no restart; one
+    /// trailing newline dropped). `None`: anonymous. A fleet broker should
+    /// refuse anonymous clients: the sink's user reads every device's events
+    /// and writes every device's receipts, and a receipt retires rows.
+    pub credentials: Option<(String, PathBuf)>,
+}
+
+/// The password in `path`, without one trailing newline.
+///
+/// Errors: the file cannot be read or is not UTF-8 (naming it).
+pub fn read_password(path: &Path) -> Result<String, String> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| format!("cannot read --password-file {}: {e}", path.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| format!("--password-file {} is not UTF-8", path.display()))?;
+    Ok(text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text)
+        .to_owned())
 }
 
 impl SinkOptions {
@@ -73,6 +95,7 @@ impl SinkOptions {
             },
             report: Duration::from_secs(10),
             receipts: true,
+            credentials: None,
         }
     }
 
@@ -130,7 +153,15 @@ pub fn run<S: Store>(
     let mut backoff = Duration::from_millis(100);
     let mut last_report = Instant::now();
     while !stop.load(Ordering::Relaxed) {
-        let (client, conn) = connect(opts);
+        let (client, conn) = match connect(opts) {
+            Ok(c) => c,
+            Err(why) => {
+                log::warn!("sink: {why}; trying again in {backoff:?}");
+                sleep_unless(stop, backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
         let poller = Poller::start(conn)?;
         outbox.new_connection();
         let began = Instant::now();
@@ -176,8 +207,14 @@ pub fn run<S: Store>(
 /// fail every time and be redelivered for ever.
 const MAX_BATCH_BYTES: usize = 16 << 20;
 
-fn connect(opts: &SinkOptions) -> (Client, Connection) {
+/// A client and its connection (not yet connected).
+///
+/// Errors: the password file cannot be read (the attempt is retried).
+fn connect(opts: &SinkOptions) -> Result<(Client, Connection), String> {
     let mut o = MqttOptions::new(opts.client_id.clone(), opts.host.clone(), opts.port);
+    if let Some((user, file)) = &opts.credentials {
+        o.set_credentials(user.clone(), read_password(file)?);
+    }
     o.set_clean_session(false);
     o.set_manual_acks(true);
     o.set_keep_alive(Duration::from_secs(10));
@@ -186,7 +223,10 @@ fn connect(opts: &SinkOptions) -> (Client, Connection) {
     // follow them, so `try_ack` does not find the request channel full in
     // the common case.
     let cap = opts.batch.max.saturating_mul(2).max(64);
-    Client::new(o, cap.saturating_add(super::outbox::MAX_IN_FLIGHT))
+    Ok(Client::new(
+        o,
+        cap.saturating_add(super::outbox::MAX_IN_FLIGHT),
+    ))
 }
 
 /// One connection, from CONNECT to its loss or `stop`.

@@ -13,7 +13,11 @@
 //! order of [`super::unbatch::topic_kind`]. The device is the last level of
 //! the prefix (a device's default prefix is `edgespool/<device_id>`), the
 //! stream the level after `events`/`batches`; receipts for the device go to
-//! `<topic_prefix>/receipts`.
+//! `<topic_prefix>/receipts`. A prefix with a level named `events` or
+//! `batches` names nobody: under `pattern write edgespool/%u/#` device
+//! `evil` may publish `edgespool/evil/events/gw1/events/load`, whose last
+//! `events` would otherwise make it `gw1` (the agent refuses such a
+//! `mqtt.topic_prefix`).
 
 use super::message::{Event, Unreadable};
 
@@ -42,7 +46,7 @@ pub fn of_topic(topic: &str) -> Option<TopicIdentity<'_>> {
         return None;
     };
     let (device, stream) = (lv[marker - 1], lv[marker + 1]);
-    if device.is_empty() || stream.is_empty() {
+    if device.is_empty() || stream.is_empty() || lv[..marker].iter().any(|l| reserved(l)) {
         return None;
     }
     // The prefix's bytes: its levels and the separators between them.
@@ -52,6 +56,12 @@ pub fn of_topic(topic: &str) -> Option<TopicIdentity<'_>> {
         device,
         stream,
     })
+}
+
+/// Whether a topic level is one the sink reads the identity by
+/// (`events`, `batches`): no prefix may contain one.
+pub fn reserved(level: &str) -> bool {
+    matches!(level, "events" | "batches")
 }
 
 /// Whether `e`, delivered on `topic`, is the event of the device and
@@ -126,10 +136,6 @@ mod tests {
         // As topic_kind reads them: the compressed form first, then events.
         assert_eq!(id("a/batches/batches/lz4"), Some(("a", "a", "batches")));
         assert_eq!(
-            id("site/batches/events/tele"),
-            Some(("site/batches", "batches", "tele"))
-        );
-        assert_eq!(
             receipts_topic("edgespool/gw1/batches/load/lz4").as_deref(),
             Some("edgespool/gw1/receipts")
         );
@@ -144,6 +150,12 @@ mod tests {
             "edgespool/gw1/events",
             "/events/load",
             "edgespool/gw1/events/",
+            // A prefix with an `events` or `batches` level: device `evil`
+            // may publish under edgespool/evil/#, and is not gw1.
+            "edgespool/evil/events/gw1/events/load",
+            "edgespool/evil/batches/gw1/events/load",
+            "edgespool/evil/events/gw1/batches/load/lz4",
+            "site/batches/events/tele",
             "load",
             "",
         ] {

@@ -257,6 +257,8 @@ struct Target<'a, 't> {
     format: Format,
     now_ms: i64,
     path: &'a Path,
+    /// The spool's secret for keyed event ids.
+    key_secret: &'a [u8; 32],
 }
 
 /// What one append transaction has issued so far. Its sequence numbers
@@ -376,7 +378,13 @@ impl Issued {
         let Some(key) = &ev.key else {
             return Ok(Ok(ids.next_id()));
         };
-        let id = envelope::keyed_event_id(to.device_id, &ev.stream, &key.scope, &key.key);
+        let id = envelope::keyed_event_id(
+            to.key_secret,
+            to.device_id,
+            &ev.stream,
+            &key.scope,
+            &key.key,
+        );
         let hyphenated = id.hyphenated();
         match keys::spooled(to.tx, &hyphenated)? {
             None => Ok(Ok(id)),
@@ -576,6 +584,7 @@ impl Spool {
         let path = self.path.clone();
         let err = |e| SpoolError::classify(&path, e);
         let seqs = self.seqs.clone();
+        let key_secret = self.key_secret;
         let mut book = seqs.lock().unwrap_or_else(|p| p.into_inner());
         let mut issued = Issued::default();
         // What each reading's producer is told after the commit.
@@ -593,6 +602,7 @@ impl Spool {
                 format,
                 now_ms,
                 path: &path,
+                key_secret: &key_secret,
             };
             for (ev, outcome) in events.iter().zip(outcomes.iter_mut()) {
                 *outcome = issued.row(&mut to, &book, ev, ids)?;

@@ -8,10 +8,14 @@
 //! unique index); schema 5 keeps no index on `events.event_id`, because every
 //! reading would pay for one.
 //!
-//! Keys are forgotten once every row up to theirs has left the spool
-//! ([`forget_purged`]), so the table stays bounded by the spool; a key
-//! re-sent after that is appended again under the same event id, which a
-//! consumer deduplicating on event ids drops.
+//! A key outlives its row: the newest [`KEYS_KEPT`] keys are remembered
+//! after their rows have left the spool ([`forget_purged`]), so a key sent
+//! again after retention deleted its row is still answered with its id
+//! (the same reading) or refused (another reading), never stored a second
+//! time under the same id with other bytes (which the fleet would hold as a
+//! mismatch, and, in receipt mode, never receipt). Older ones are forgotten,
+//! so the table stays bounded: by the spool, plus [`KEYS_KEPT`] rows of
+//! about 100 bytes.
 
 use rusqlite::{params, OptionalExtension, Transaction};
 
@@ -45,17 +49,25 @@ pub(super) fn remember(
     Ok(())
 }
 
-/// Forget keys of rows below the oldest row still in the spool (a range
-/// delete on the primary key). Returns how many.
+/// Keys remembered after their rows left the spool (about 1 MB with the
+/// unique index on `event_id`).
+pub const KEYS_KEPT: i64 = 10_000;
+
+/// Forget keys of rows below the oldest row still in the spool, but for the
+/// newest [`KEYS_KEPT`] (range deletes on the primary key). Returns how many.
 pub(super) fn forget_purged(tx: &Transaction<'_>) -> rusqlite::Result<usize> {
     tx.prepare_cached(
-        "DELETE FROM event_keys WHERE row_id < coalesce((SELECT min(id) FROM events), 0)",
+        "DELETE FROM event_keys
+          WHERE row_id < coalesce((SELECT min(id) FROM events), 0)
+            AND row_id < coalesce(
+                (SELECT row_id FROM event_keys ORDER BY row_id DESC LIMIT 1 OFFSET ?1), 0)",
     )?
-    .execute([])
+    .execute(params![KEYS_KEPT - 1])
 }
 
 #[cfg(test)]
 mod tests {
+    use super::KEYS_KEPT;
     use crate::envelope::{keyed_event_id, EventIdGen, Format};
     use crate::reading::FieldValue;
     use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply, Spool, SpoolOptions};
@@ -118,7 +130,7 @@ mod tests {
         let first = ra.recv().unwrap().unwrap();
         assert_eq!(
             first,
-            keyed_event_id("dev", "pump", "tcp", "pump-1").hyphenated()
+            keyed_event_id(&s.key_secret, "dev", "pump", "tcp", "pump-1").hyphenated()
         );
         assert_eq!(rb.recv().unwrap().unwrap(), first);
         let unkeyed = rc.recv().unwrap().unwrap();
@@ -236,27 +248,97 @@ mod tests {
     }
 
     #[test]
-    fn keys_are_forgotten_with_their_rows() {
+    fn keys_outlive_their_rows_up_to_keys_kept() {
         let d = tempfile::tempdir().unwrap();
         let mut s = Spool::open(&d.path().join("spool.db"), &SpoolOptions::default()).unwrap();
         let mut ids = EventIdGen::new().unwrap();
+        let mut first = String::new();
         for i in 0..3 {
-            let (e, _r) = keyed("pump", Some(&format!("k{i}")), i as f64);
+            let (e, r) = keyed("pump", Some(&format!("k{i}")), i as f64);
             s.append(&[e], &mut ids, "dev", Format::Json, 5).unwrap();
+            if i == 0 {
+                first = r.recv().unwrap().unwrap();
+            }
         }
         let keys = |s: &Spool| -> i64 {
             s.conn
                 .query_row("SELECT count(*) FROM event_keys", [], |r| r.get(0))
                 .unwrap()
         };
-        assert_eq!(keys(&s), 3);
-        let r: Vec<i64> = s.sendable(0, 10).unwrap().iter().map(|r| r.id).collect();
-        s.retire(&r).unwrap();
+        let retire_all = |s: &mut Spool| {
+            let r: Vec<i64> = s
+                .sendable(0, 100_000)
+                .unwrap()
+                .iter()
+                .map(|r| r.id)
+                .collect();
+            s.retire(&r).unwrap();
+        };
+        retire_all(&mut s);
         // The newest row always stays (its id keeps new ids above it).
         assert_eq!(s.purge_acked(i64::MAX, 100).unwrap(), 2);
-        assert_eq!(keys(&s), 1);
-        let (e, rx) = keyed("pump", Some("k2"), 2.0);
-        assert_eq!(s.append(&[e], &mut ids, "dev", Format::Json, 6).unwrap(), 0);
-        assert!(rx.recv().unwrap().is_ok());
+        assert_eq!(keys(&s), 3, "keys are kept after their rows");
+        // k0's row is gone: the same reading gets its id back, another
+        // reading under it is refused, and nothing is stored.
+        let (same, rs) = keyed("pump", Some("k0"), 0.0);
+        let (other, ro) = keyed("pump", Some("k0"), 9.0);
+        assert_eq!(
+            s.append(&[same, other], &mut ids, "dev", Format::Json, 6)
+                .unwrap(),
+            0
+        );
+        assert_eq!(rs.recv().unwrap().unwrap(), first);
+        assert!(ro.recv().unwrap().is_err());
+        // Bounded: past KEYS_KEPT keys of purged rows the oldest go.
+        let n = KEYS_KEPT as usize + 50;
+        for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+            let evs: Vec<NewEvent> = chunk
+                .iter()
+                .map(|i| keyed("pump", Some(&format!("m{i}")), 1.0).0)
+                .collect();
+            s.append(&evs, &mut ids, "dev", Format::Json, 7).unwrap();
+        }
+        retire_all(&mut s);
+        while s.purge_acked(i64::MAX, 5000).unwrap() > 0 {}
+        assert_eq!(keys(&s), KEYS_KEPT);
+        let (gone, rg) = keyed("pump", Some("k0"), 9.0);
+        assert_eq!(
+            s.append(&[gone], &mut ids, "dev", Format::Json, 8).unwrap(),
+            1
+        );
+        assert!(
+            rg.recv().unwrap().is_ok(),
+            "a key past the bound is forgotten"
+        );
+    }
+
+    #[test]
+    fn a_keyed_id_is_the_spools_own_and_outlives_a_reopen() {
+        let d = tempfile::tempdir().unwrap();
+        let id_in = |path: &std::path::Path| {
+            let mut s = Spool::open(path, &SpoolOptions::default()).unwrap();
+            let mut ids = EventIdGen::new().unwrap();
+            let (ev, rx) = keyed("pump", Some("pump-1"), 1.0);
+            s.append(&[ev], &mut ids, "dev", Format::Json, 5).unwrap();
+            rx.recv().unwrap().unwrap()
+        };
+        let a = d.path().join("a.db");
+        let first = id_in(&a);
+        // Another board (spool) with the same key: another id, which the
+        // first cannot compute from the key.
+        assert_ne!(id_in(&d.path().join("b.db")), first);
+        // The same spool reopened: the key's id again (stored, not re-made).
+        assert_eq!(id_in(&a), first);
+        let s = Spool::open(&a, &SpoolOptions::default()).unwrap();
+        let secret: Vec<u8> = s
+            .raw()
+            .query_row(
+                "SELECT value FROM secrets WHERE name = 'key_ids'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(secret.len(), 32);
+        assert_ne!(secret, vec![0u8; 32]);
     }
 }

@@ -214,6 +214,9 @@ pub struct Spool {
     /// WAL frames and commits of this file, shared by every connection of
     /// this process on it ([`Spool::open_sibling`]).
     wal: Arc<WalWatch>,
+    /// The secret of keyed event ids (schema 10's `secrets`); zeros on a
+    /// read-only spool, which appends nothing.
+    key_secret: [u8; 32],
 }
 
 impl Spool {

@@ -103,6 +103,7 @@ impl Spool {
             pragmas,
             seqs: Arc::default(),
             wal,
+            key_secret: [0; 32],
         };
         spool.migrate()?;
         spool.load_seqs()?;
@@ -137,6 +138,7 @@ impl Spool {
             pragmas,
             seqs: Arc::default(),
             wal: Arc::default(),
+            key_secret: [0; 32],
         })
     }
 

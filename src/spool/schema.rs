@@ -9,7 +9,7 @@ use super::{CheckpointMode, Spool, SpoolError};
 use rusqlite::TransactionBehavior;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 10;
 
 pub(super) const MIGRATION_1: &str = "
 CREATE TABLE IF NOT EXISTS events (
@@ -226,6 +226,21 @@ pub(super) const MIGRATION_9: &str = "
 ALTER TABLE event_keys ADD COLUMN digest BLOB;
 ";
 
+/// Schema 10: the board's secrets, never shown by `status` (unlike
+/// `agent_state`). `key_ids` keys the event ids of keyed readings
+/// ([`crate::envelope::keyed_event_id`]); SQLite's `randomblob` draws it
+/// from its ChaCha20 generator, seeded from the OS (`/dev/urandom`).
+pub(super) const MIGRATION_10: &str = "
+CREATE TABLE secrets (
+    name  TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+);
+";
+
+/// Made once per spool, the first time a build of schema 10 opens it.
+const SQL_MAKE_SECRETS: &str =
+    "INSERT OR IGNORE INTO secrets (name, value) VALUES ('key_ids', randomblob(32))";
+
 impl Spool {
     /// `PRAGMA user_version` of the open file.
     pub fn schema_version(&self) -> Result<i64, SpoolError> {
@@ -277,10 +292,38 @@ impl Spool {
         if version < 9 {
             tx.execute_batch(MIGRATION_9).map_err(err)?;
         }
+        if version < 10 {
+            tx.execute_batch(MIGRATION_10).map_err(err)?;
+        }
+        tx.execute(SQL_MAKE_SECRETS, []).map_err(err)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(err)?;
         tx.commit().map_err(err)?;
+        self.key_secret = self.read_key_secret()?;
         self.convert_to_incremental_vacuum()
+    }
+
+    /// The secret keyed event ids are made with.
+    ///
+    /// Errors: SQLite's; a secret of another length is damage
+    /// ([`SpoolError::Corrupt`] would move the spool aside, so it is told
+    /// as an error of its own kind instead: the file is kept).
+    fn read_key_secret(&self) -> Result<[u8; 32], SpoolError> {
+        let v: Vec<u8> = self
+            .conn
+            .query_row(
+                "SELECT value FROM secrets WHERE name = 'key_ids'",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(|e| self.err(e))?;
+        <[u8; 32]>::try_from(v.as_slice()).map_err(|_| SpoolError::Encode {
+            path: self.path.clone(),
+            detail: format!(
+                "the key_ids secret is {} bytes, not 32; the spool was edited by hand",
+                v.len()
+            ),
+        })
     }
 
     /// A spool created before schema 5 has `auto_vacuum = NONE` and never

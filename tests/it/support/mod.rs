@@ -5,6 +5,7 @@
 
 pub mod agent;
 pub mod broker;
+pub mod fleet;
 #[cfg(feature = "pg-sink")]
 pub mod postgres;
 pub mod proxy;

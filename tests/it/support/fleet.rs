@@ -1,0 +1,92 @@
+//! The README's fleet broker layout ("Identity, set-aside deliveries and
+//! receipts"), read from the README itself so the tests run what it tells
+//! operators to write: its mosquitto settings and ACL, with a password file
+//! holding the users [`USERS`], on a real mosquitto.
+
+use super::broker::Broker;
+use std::path::{Path, PathBuf};
+
+/// The users of the layout and their passwords: two devices, the sinks'
+/// user and the operator.
+pub const USERS: [(&str, &str); 4] = [
+    ("gw1", "gw1-secret"),
+    ("evil", "evil-secret"),
+    ("sink", "sink-secret"),
+    ("operator", "operator-secret"),
+];
+
+const README: &str = include_str!("../../../README.md");
+
+/// The lines of the README's here-document opened by `opening` (up to its
+/// closing `end` line).
+fn here_doc(opening: &str, end: &str) -> &'static str {
+    let start = README
+        .find(opening)
+        .unwrap_or_else(|| panic!("the README no longer has {opening:?}"))
+        + opening.len();
+    let len = README[start..]
+        .find(&format!("\n{end}\n"))
+        .unwrap_or_else(|| panic!("the README's {opening:?} has no closing {end}"));
+    &README[start..start + len + 1]
+}
+
+/// The README's `/etc/mosquitto/acl`.
+pub fn readme_acl() -> &'static str {
+    here_doc("cat > /etc/mosquitto/acl <<'ACL'\n", "ACL")
+}
+
+/// The README's `identity.conf`, its paths moved into `dir`.
+fn readme_conf(dir: &Path) -> String {
+    here_doc(
+        "cat > /etc/mosquitto/conf.d/identity.conf <<'CONF'\n",
+        "CONF",
+    )
+    .replace(
+        "/etc/mosquitto/passwd",
+        &dir.join("passwd").display().to_string(),
+    )
+    .replace("/etc/mosquitto/acl", &dir.join("acl").display().to_string())
+}
+
+/// A file in `dir` holding `user`'s password and a newline, for
+/// `mqtt.password_file` or `sink --password-file`.
+pub fn password_file(dir: &Path, user: &str) -> PathBuf {
+    let (_, password) = USERS
+        .iter()
+        .find(|(u, _)| *u == user)
+        .unwrap_or_else(|| panic!("no user {user} in the fleet layout"));
+    let path = dir.join(format!("{user}.password"));
+    std::fs::write(&path, format!("{password}\n")).expect("write a password file");
+    path
+}
+
+/// mosquitto with the README's settings and ACL (and `extra` before them),
+/// its password file and ACL written in `dir`.
+pub fn broker(dir: &Path, extra: &str) -> Broker {
+    let pw = dir.join("passwd");
+    for (i, (user, password)) in USERS.iter().enumerate() {
+        let mut c = std::process::Command::new("mosquitto_passwd");
+        c.arg("-b");
+        if i == 0 {
+            c.arg("-c");
+        }
+        let out = c
+            .arg(&pw)
+            .args([user, password])
+            .output()
+            .expect("run mosquitto_passwd (package mosquitto)");
+        assert!(out.status.success(), "mosquitto_passwd: {out:?}");
+    }
+    std::fs::write(dir.join("acl"), readme_acl()).expect("write the ACL file");
+    Broker::start_with_config(&format!("{extra}{}", readme_conf(dir)))
+}
+
+/// `sink` arguments that log in as the layout's sinks' user.
+pub fn sink_login(dir: &Path) -> Vec<String> {
+    vec![
+        "--username".into(),
+        "sink".into(),
+        "--password-file".into(),
+        password_file(dir, "sink").display().to_string(),
+    ]
+}
