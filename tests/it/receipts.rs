@@ -211,3 +211,131 @@ fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
     println!("health: {}", health());
     agent.terminate(Duration::from_secs(15));
 }
+
+/// `mosquitto_pub` as `login` (`None`: anonymous) publishing `payload` at
+/// QoS 1; whether it exited 0 (connected and published, or at least tried).
+fn mosquitto_pub(port: u16, login: Option<(&str, &str)>, topic: &str, payload: &[u8]) -> bool {
+    let mut c = std::process::Command::new("mosquitto_pub");
+    c.args([
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "-q",
+        "1",
+        "-t",
+        topic,
+        "-s",
+    ]);
+    if let Some((user, password)) = login {
+        c.args(["-u", user, "-P", password]);
+    }
+    let mut child = c
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run mosquitto_pub (package mosquitto-clients)");
+    if let Some(mut stdin) = child.stdin.take() {
+        use std::io::Write;
+        let _ = stdin.write_all(payload);
+    }
+    child.wait().map(|s| s.success()).unwrap_or(false)
+}
+
+/// The README's fleet layout against forged receipts (an attack from the
+/// review of issue 22). gw1 runs in receipt mode, logged in as gw1; no sink
+/// runs. Another device (`evil`) and an anonymous client publish receipts
+/// naming gw1's own event ids (read from its spool: a perfect guess) on
+/// `edgespool/gw1/receipts`: the broker refuses the anonymous client and
+/// denies evil's publish, and nothing is retired. Then a sink logged in as
+/// the sinks' user stores the events, and its receipts retire them.
+#[test]
+fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
+    use crate::support::fleet;
+    use crate::support::sink::SinkProc;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = fleet::broker(dir.path(), "");
+    let cfg = receipt_config(dir.path(), &broker.url(), "edgespool/gw1", 10);
+    let text = std::fs::read_to_string(&cfg).expect("read config");
+    let text = text.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1);
+    let text = text.replacen(
+        "[mqtt]\n",
+        &format!(
+            "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
+            fleet::password_file(dir.path(), "gw1").display()
+        ),
+        1,
+    );
+    std::fs::write(&cfg, text).expect("write config");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || agent.log_text().contains("connected")),
+        "the agent did not connect as gw1\n{}",
+        agent.log_tail(30)
+    );
+    // Delivered (PUBACKed by the broker), waiting for receipts.
+    assert!(
+        wait_for(Duration::from_secs(30), || receipts_state(&db)["awaiting"]
+            .as_u64()
+            >= Some(3)),
+        "no rows delivered: {}\n{}",
+        receipts_state(&db),
+        agent.log_tail(30)
+    );
+    let named: Vec<(String, String)> = rows(&db)
+        .into_iter()
+        .map(|r| (r.stream, r.event_id))
+        .collect();
+    let pairs: Vec<(&str, &str)> = named
+        .iter()
+        .map(|(s, i)| (s.as_str(), i.as_str()))
+        .collect();
+    let topic = "edgespool/gw1/receipts";
+    for p in edgespool::receipts::encode(&pairs) {
+        assert!(
+            !mosquitto_pub(broker.port(), None, topic, &p),
+            "an anonymous client was let in"
+        );
+        mosquitto_pub(broker.port(), Some(("evil", "evil-secret")), topic, &p);
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || broker
+            .log_text()
+            .contains("Denied PUBLISH")),
+        "the broker did not deny evil's receipt:\n{}",
+        crate::support::tail(&broker.log_text(), 20)
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        count_in_state(&db, "ACKED"),
+        0,
+        "a receipt from another device or an anonymous client retired a row"
+    );
+    // The sinks' user: its receipts retire them.
+    let login = fleet::sink_login(dir.path());
+    let mut args: Vec<&str> = login.iter().map(String::as_str).collect();
+    args.extend(["--client-id", "fleet-sink"]);
+    let sink_db = dir.path().join("fleet.db");
+    let sink_db = sink_db.to_str().expect("UTF-8 path");
+    args.extend(["--db", sink_db]);
+    let mut sink = SinkProc::launch_args(
+        broker.port(),
+        "edgespool/+/events/#",
+        "fleet-sink",
+        dir.path(),
+        &args,
+    );
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
+            >= named.len() as i64),
+        "ACKED {} of {} with the sink running\n{}\n{}",
+        count_in_state(&db, "ACKED"),
+        named.len(),
+        agent.log_tail(20),
+        crate::support::tail(&sink.log_text(), 20)
+    );
+    sink.terminate();
+    agent.terminate(Duration::from_secs(15));
+}

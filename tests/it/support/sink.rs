@@ -66,6 +66,12 @@ impl SinkProc {
         SinkProc::launch(port, filter, id, dir, &args)
     }
 
+    /// `edgespool sink --url .. --topic FILTER ARGS..` (the store and the
+    /// client id among `args`), logging to `dir/ID-N.log`.
+    pub fn launch_args(port: u16, filter: &str, id: &str, dir: &Path, args: &[&str]) -> SinkProc {
+        SinkProc::launch(port, filter, id, dir, args)
+    }
+
     /// `edgespool sink --url .. --topic FILTER ARGS..`, logging to
     /// `dir/ID-N.log` (the first N not taken).
     fn launch(port: u16, filter: &str, id: &str, dir: &Path, args: &[&str]) -> SinkProc {
