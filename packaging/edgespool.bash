@@ -8,13 +8,13 @@ _edgespool() {
         return
     fi
     case "$prev" in
-        --config|-c|--spool|--db)
+        --config|-c|--spool|--db|--password-file|--pg-ca|--pg-cert|--pg-key)
             _filedir
             return ;;
         --dir)
             _filedir -d
             return ;;
-        --set|--url|--topic|--client-id|--share)
+        --set|--url|--topic|--client-id|--share|--username|--postgres|--batch-max|--batch-ms)
             return ;;
     esac
     local opts
@@ -26,7 +26,7 @@ _edgespool() {
             if [[ "$cur" != -* ]]; then _filedir toml; return; fi ;;
         status) opts="--config --spool --json --help" ;;
         probe-storage) opts="--config --dir --json --help" ;;
-        sink) opts="--url --topic --db --client-id --share --help" ;;
+        sink) opts="--url --topic --db --postgres --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --pg-ca --pg-cert --pg-key --stats --json --help" ;;
     esac
     COMPREPLY=($(compgen -W "$opts" -- "$cur"))
 } &&
