@@ -256,7 +256,8 @@ impl Ingest {
                     .state(crate::policy::SERIAL_STATE_KEY)
                     .map_err(|e| format!("cannot read the last signed serial: {e}"))?
                     .and_then(|v| v.parse::<u64>().ok())
-                    .unwrap_or(0);
+                    .unwrap_or(0)
+                    .max(stored_signed_serial(local).unwrap_or(0));
                 crate::policy::check_signed(local, &pushed, highest).map(Some)
             }
             crate::policy::Push::Overlay(_) => match &self.push {
@@ -502,4 +503,21 @@ pub(super) fn config_identity(
         bytes.extend_from_slice(p.text.as_bytes());
     }
     crate::configfile::sha256_hex(&bytes)
+}
+
+/// The serial of the signed config kept in the state directory, if there is
+/// one whose signature the local key accepts: a floor for the next push
+/// beside the spool's record, so a spool moved aside (damaged, or reset by
+/// hand) does not let an older signed config back in.
+fn stored_signed_serial(local: &Config) -> Option<u64> {
+    let stored = crate::push::load(&spool_dir(local))?;
+    let signature = stored.signature.as_deref()?;
+    match crate::policy::check(local, &stored.text, Some(signature)).ok()? {
+        crate::policy::Push::Signed(text) => {
+            crate::config::parse(&text, "stored push", &[])
+                .ok()?
+                .signed_serial
+        }
+        crate::policy::Push::Overlay(_) => None,
+    }
 }

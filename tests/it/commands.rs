@@ -882,6 +882,7 @@ fn a_signed_push_to_an_unreachable_broker_reverts_within_confirm_secs() {
         "completed"
     );
     agent.terminate(Duration::from_secs(15));
+    agent.terminate(Duration::from_secs(15));
 }
 
 /// A signing key and a rig whose board accepts configs it signs.
@@ -1000,6 +1001,29 @@ fn signed_configs_cannot_be_replayed_moved_to_another_board_or_discarded_by_an_o
     assert_eq!(
         rig.wait_result("after", "result", &mut agent)["state"],
         "completed"
+    );
+    agent.terminate(Duration::from_secs(15));
+    // The spool moved aside (as a damaged one is): the kept push in the
+    // state directory still says serial 2, so serial 1 stays refused.
+    std::fs::write(rig.dir.path().join("config-push.toml"), &v2).expect("restore");
+    std::fs::write(
+        rig.dir.path().join("config-push.sig"),
+        hex(key.sign(v2.as_bytes()).as_ref()),
+    )
+    .expect("restore");
+    for ext in ["", "-wal", "-shm"] {
+        let f = format!("{}{ext}", rig.db().display());
+        let _ = std::fs::rename(&f, format!("{f}.aside"));
+    }
+    let mut agent = rig.spawn_ready();
+    let r = push_signed(&rig, &mut agent, &key, "s1-reset", &v1);
+    assert_eq!(r["state"], "rejected", "{r}");
+    assert!(
+        r["result"]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("signed.serial 1 is not above 2"),
+        "{r}"
     );
     agent.terminate(Duration::from_secs(15));
 }

@@ -271,7 +271,9 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent.log_text().contains("connected")),
+        wait_for(Duration::from_secs(30), || agent
+            .log_text()
+            .contains("connected")),
         "the agent did not connect as gw1\n{}",
         agent.log_tail(30)
     );
