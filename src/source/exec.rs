@@ -26,8 +26,9 @@ const STDERR_SHOWN: usize = 200;
 const STDOUT_SHOWN: usize = 80;
 
 /// How an exec source's program is confined: [`crate::process::child_env`]
-/// of its `env`, its user if given; the agent's working directory and
-/// limits.
+/// of its `env`, its user if given, started in `/` (as handlers are, and as
+/// the packaged service starts the agent: never in a directory the agent
+/// happened to be started from); the agent's limits.
 pub(super) fn confinement(
     env: &BTreeMap<String, String>,
     credentials: Option<Credentials>,
@@ -35,6 +36,7 @@ pub(super) fn confinement(
     Confinement {
         env: crate::process::child_env(env),
         credentials,
+        cwd: Some(std::path::PathBuf::from("/")),
         ..Confinement::base()
     }
 }

@@ -70,7 +70,7 @@ fn an_exec_source_sees_none_of_the_agents_environment() {
 name = "envprobe"
 kind = "exec"
 program = "/bin/sh"
-args = ["-c", "env > {o}/env.tmp && mv {o}/env.tmp {o}/env; echo 1"]
+args = ["-c", "{{ env; echo cwd=$(pwd -P); }} > {o}/env.tmp && mv {o}/env.tmp {o}/env; echo 1"]
 interval_ms = 200
 "#,
         o = out.display()
@@ -78,6 +78,13 @@ interval_ms = 200
     let env = run_until_written(dir.path(), &sources, &env_file);
     println!("the source's environment:\n{env}");
     assert!(!env.contains(SECRET), "the secret leaked:\n{env}");
+    // Started in /, not in the directory the agent was started from.
+    assert!(env.lines().any(|l| l == "cwd=/"), "{env}");
+    let env: String = env
+        .lines()
+        .filter(|l| !l.starts_with("cwd="))
+        .map(|l| format!("{l}\n"))
+        .collect();
     assert_eq!(names(&env), ["LANG", "PATH"], "{env}");
     assert!(
         env.lines()
