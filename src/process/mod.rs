@@ -837,6 +837,11 @@ mod tests {
 
     #[test]
     fn a_setsid_helper_dies_with_its_timed_out_run() {
+        if under_qemu() {
+            // qemu-user has no PR_SET_CHILD_SUBREAPER: a helper that left the
+            // group with setsid goes to init once its shell is killed first.
+            return;
+        }
         let dir = tempfile::tempdir().unwrap();
         let (pid, marker) = (dir.path().join("pid"), dir.path().join("MARKER"));
         let script = format!(

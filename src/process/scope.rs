@@ -30,8 +30,10 @@
 //! Limits: a program running as the agent's own user can kill its
 //! supervisor; its processes then go to init and only those still in the
 //! run's process group are killed (give the program a `user`: the
-//! supervisor keeps the agent's). A set-uid program the agent may not
-//! signal is logged and left.
+//! supervisor keeps the agent's). The same holds where the kernel or an
+//! emulator such as qemu-user refuses a subreaper: the run's group is
+//! signalled at every end for that reason. A set-uid program the agent may
+//! not signal is logged and left.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -130,6 +132,11 @@ impl Scope {
             return;
         };
         if self.reported && exits_within(self.pid, SETTLE) {
+            // Without a subreaper (qemu-user) a helper whose shell has
+            // exited went to init, out of the scan's reach; if it stayed in
+            // the run's group, this still ends it. With one, nothing of the
+            // run is left and the signal finds no process.
+            kill_group(self.pid);
             reap(&mut supervisor);
             return;
         }
@@ -163,12 +170,11 @@ impl Scope {
             kill_and_reap(supervisor);
             return;
         }
-        if !self.reported {
-            // It may have been killed before the program was done: what is
-            // left of the run is at least in its group. Its pid, still
-            // unreaped, cannot have been given to another group.
-            kill_group(self.pid);
-        }
+        // The supervisor may have been killed before the program was done,
+        // or a helper may have gone to init (no subreaper): what is left of
+        // the run is at least in its group. Its pid, still unreaped, cannot
+        // have been given to another group.
+        kill_group(self.pid);
         reap(&mut supervisor);
     }
 }
@@ -357,8 +363,8 @@ fn kill_verified(p: &Proc) -> bool {
     sent || errno() != Some(libc::EPERM)
 }
 
-/// SIGKILL to process group `pgid`: only for a supervisor that died before
-/// the program was done.
+/// SIGKILL to process group `pgid`, the run's own (its supervisor's pid,
+/// not yet reaped): what a scan of the supervisor's subtree cannot reach.
 fn kill_group(pgid: u32) {
     let Ok(pgid) = libc::pid_t::try_from(pgid) else {
         return;
