@@ -25,13 +25,20 @@
 //!   counts its own.
 //!
 //! Rates: 1, 10 and 100 readings/s with the default (batched) durability, and
-//! 1 reading/s with `durability = "full"` (`1full`).
+//! 1 reading/s with `durability = "full"` (`1full`). A rate ending in `r`
+//! (`1r`, `10r`, `100r`) runs the agent with `mqtt.retire_on = "receipt"`
+//! beside an `edgespool sink` (SQLite store, in the run's directory) that
+//! sends the receipts; the sink's own writes are the fleet's and are not
+//! counted. Each row also says how many of the agent's rows were not yet
+//! retired when the interval ended (receipt mode: rows waiting for a
+//! receipt, or in flight).
 //!
 //! Run: `cargo bench --bench flash` (needs mosquitto and strace;
 //! `cross/setup-debian.sh` installs mosquitto). Environment:
 //! - `FLASH_SECS` measurement seconds per rate (default 120);
 //! - `FLASH_WARMUP` warm-up seconds before it (default 30);
-//! - `FLASH_RATES` rates to run, e.g. `1,10` (default `1,10,100,1full`);
+//! - `FLASH_RATES` rates to run, e.g. `1,10r` (default
+//!   `1,1r,10,10r,100,100r,1full`);
 //! - `FLASH_DIR` where the per-rate directories go (default `/var/tmp`; must
 //!   not be tmpfs, where `write_bytes` stays 0).
 //!
@@ -107,27 +114,44 @@ fn main() {
 struct RateSpec {
     per_sec: u32,
     full: bool,
+    /// `mqtt.retire_on = "receipt"`, with a sink sending the receipts.
+    receipt: bool,
 }
 
 impl RateSpec {
     fn parse(s: &str) -> RateSpec {
         let s = s.trim();
+        let (s, receipt) = match s.strip_suffix('r') {
+            Some(rest) => (rest, true),
+            None => (s, false),
+        };
         let (num, full) = match s.strip_suffix("full") {
             Some(n) => (n, true),
             None => (s, false),
         };
         let per_sec: u32 = num
             .parse()
-            .unwrap_or_else(|_| panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full)"));
+            .unwrap_or_else(|_| {
+                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; an `r` after it for receipt mode)")
+            });
         assert!(
             (1..=100).contains(&per_sec),
             "FLASH_RATES: {s:?}: the agent's sources run at most every 10 ms (1..=100 readings/s)"
         );
-        RateSpec { per_sec, full }
+        RateSpec {
+            per_sec,
+            full,
+            receipt,
+        }
     }
 
     fn label(&self) -> String {
-        format!("{}{}", self.per_sec, if self.full { "full" } else { "" })
+        format!(
+            "{}{}{}",
+            self.per_sec,
+            if self.full { "full" } else { "" },
+            if self.receipt { "r" } else { "" }
+        )
     }
 
     fn interval_ms(&self) -> u64 {
@@ -153,7 +177,7 @@ impl Settings {
                 })
                 .unwrap_or(default)
         };
-        let rates = std::env::var("FLASH_RATES").unwrap_or_else(|_| "1,10,100,1full".into());
+        let rates = std::env::var("FLASH_RATES").unwrap_or_else(|_| "1,1r,10,10r,100,100r,1full".into());
         let base = PathBuf::from(std::env::var("FLASH_DIR").unwrap_or_else(|_| "/var/tmp".into()));
         assert!(
             !on_tmpfs(&base),
@@ -221,6 +245,8 @@ struct Row {
     minimal_wal: u64,
     minimal_db: u64,
     last_checkpoint: Option<String>,
+    /// Rows not ACKED when the interval ended, of all rows.
+    unretired: Option<(i64, i64)>,
     complaints: Vec<String>,
 }
 
@@ -241,6 +267,11 @@ fn measure_rate(
         &format!("edgespool/{device}/events/#"),
         &format!("edgespool/{device}/events/{STREAM}"),
     )?;
+    let mut sink = if spec.receipt {
+        Some(Sink::start(&run, port, &device)?)
+    } else {
+        None
+    };
     let agent_cmd = {
         let mut c = Command::new(env!("CARGO_BIN_EXE_edgespool"));
         c.args(["run", "--config"])
@@ -270,8 +301,12 @@ fn measure_rate(
     let (agent_wal, agent_db) = (size(&wal_of(&run.spool)), size(&run.spool));
     let (minimal_wal, minimal_db) = (size(&wal_of(&run.minimal_db)), size(&run.minimal_db));
     let last_checkpoint = status_state(&run, "last_checkpoint").map(|(v, _)| v.to_string());
+    let unretired = unretired_rows(&run.spool);
     agent.stop();
     minimal.stop();
+    if let Some(sink) = sink.as_mut() {
+        sink.stop();
+    }
     drop(sub);
     let count = |path: &Path| {
         tracer
@@ -294,6 +329,7 @@ fn measure_rate(
         minimal_wal,
         minimal_db,
         last_checkpoint,
+        unretired,
         complaints: log.complaints(),
     })
 }
@@ -402,11 +438,14 @@ struct RunDir {
     minimal_db: PathBuf,
     minimal_trace: PathBuf,
     status_out: PathBuf,
+    /// Receipt mode: the sink's SQLite store and its log.
+    sink_db: PathBuf,
+    sink_log: PathBuf,
 }
 
 impl RunDir {
     fn create(dir: &Path, spec: RateSpec, port: u16) -> RunDir {
-        for sub in ["agent", "minimal", "trace"] {
+        for sub in ["agent", "minimal", "trace", "sink"] {
             std::fs::create_dir(dir.join(sub)).expect("create a run subdirectory");
         }
         let value = dir.join("value");
@@ -418,8 +457,13 @@ impl RunDir {
         } else {
             ""
         };
+        let retire = if spec.receipt {
+            "retire_on = \"receipt\"\n"
+        } else {
+            ""
+        };
         let text = format!(
-            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
+            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n{retire}\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
             label = spec.label(),
             spool = spool.display(),
             value = value.display(),
@@ -433,7 +477,70 @@ impl RunDir {
             minimal_db: dir.join("minimal/minimal.db"),
             minimal_trace: dir.join("trace/minimal.txt"),
             status_out: dir.join("trace/status.json"),
+            sink_db: dir.join("sink/sink.db"),
+            sink_log: dir.join("sink/sink.log"),
         }
+    }
+}
+
+/// Rows not ACKED, and all rows, in the agent's spool (read beside it).
+fn unretired_rows(spool: &Path) -> Option<(i64, i64)> {
+    let conn = rusqlite::Connection::open(spool).ok()?;
+    conn.busy_timeout(Duration::from_secs(5)).ok()?;
+    conn.query_row(
+        "SELECT count(*) FILTER (WHERE state <> 'ACKED'), count(*) FROM event_states",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .ok()
+}
+
+/// Receipt mode: `edgespool sink` on the run's device, storing in SQLite and
+/// sending receipts.
+struct Sink {
+    child: Child,
+}
+
+impl Sink {
+    fn start(run: &RunDir, port: u16, device: &str) -> Result<Sink, String> {
+        let log = std::fs::File::create(&run.sink_log).map_err(|e| format!("sink log: {e}"))?;
+        let err = log.try_clone().map_err(|e| format!("sink log: {e}"))?;
+        let child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
+            .args(["sink", "--url", &format!("mqtt://127.0.0.1:{port}"), "--topic"])
+            .arg(format!("edgespool/{device}/events/#"))
+            .arg("--db")
+            .arg(&run.sink_db)
+            .args(["--client-id", &format!("{device}-sink")])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("start the sink: {e}"))?;
+        let mut sink = Sink { child };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = std::fs::read_to_string(&run.sink_log).unwrap_or_default();
+            if text.contains("sink: subscribed") {
+                return Ok(sink);
+            }
+            if Instant::now() >= deadline || sink.child.try_wait().ok().flatten().is_some() {
+                sink.stop();
+                return Err(format!("the sink did not subscribe:\n{text}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stop(&mut self) {
+        // SAFETY: kill(2) on the sink this bench started.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + STOP_GRACE;
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -1233,6 +1340,9 @@ impl Row {
         }
         if let Some(c) = &self.last_checkpoint {
             println!("-- {label}: agent's last_checkpoint record: {c}");
+        }
+        if let Some((left, all)) = self.unretired {
+            println!("-- {label}: rows not yet retired when the interval ended: {left} of {all}");
         }
         for c in &self.complaints {
             println!("-- {label}: agent log: {c}");
