@@ -177,7 +177,8 @@ impl Settings {
                 })
                 .unwrap_or(default)
         };
-        let rates = std::env::var("FLASH_RATES").unwrap_or_else(|_| "1,1r,10,10r,100,100r,1full".into());
+        let rates =
+            std::env::var("FLASH_RATES").unwrap_or_else(|_| "1,1r,10,10r,100,100r,1full".into());
         let base = PathBuf::from(std::env::var("FLASH_DIR").unwrap_or_else(|_| "/var/tmp".into()));
         assert!(
             !on_tmpfs(&base),
@@ -506,7 +507,12 @@ impl Sink {
         let log = std::fs::File::create(&run.sink_log).map_err(|e| format!("sink log: {e}"))?;
         let err = log.try_clone().map_err(|e| format!("sink log: {e}"))?;
         let child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
-            .args(["sink", "--url", &format!("mqtt://127.0.0.1:{port}"), "--topic"])
+            .args([
+                "sink",
+                "--url",
+                &format!("mqtt://127.0.0.1:{port}"),
+                "--topic",
+            ])
             .arg(format!("edgespool/{device}/events/#"))
             .arg("--db")
             .arg(&run.sink_db)

@@ -21,11 +21,20 @@
 //! running), then the agent started (through a counting proxy, for the
 //! bytes per row of a drain) and timed until no row is PENDING or SENT.
 //!
+//! Last, receipt mode against puback mode (issue 22): a backlog of
+//! `WIRE_RECEIPT_BACKLOG` rows (100,000) drained through a real `edgespool
+//! sink` (SQLite store, receipts on) in each mode, JSON single events and
+//! JSON batches, each pair run twice in turn (puback, receipt, puback,
+//! receipt), timed from the agent's start to no row PENDING or SENT (in
+//! receipt mode a row stays SENT until its receipt); the sink must have
+//! stored every row.
+//!
 //! Run: `cargo bench --bench wire` (needs /usr/sbin/mosquitto). The bench
 //! itself may be built in the dev profile (`--profile dev`): it still runs
 //! the release agent. Environment: `WIRE_AGENT` (the binary),
 //! `WIRE_SLOW_SECS` (60: the 1/s run), `WIRE_FAST_SECS` (20: the 100/s
-//! run), `WIRE_BACKLOG` (50000).
+//! run), `WIRE_BACKLOG` (50000), `WIRE_RECEIPT_BACKLOG` (100000),
+//! `WIRE_PARTS` (`rates,drain,receipts`: which parts to run).
 
 use edgespool::envelope::{EventIdGen, Format};
 use edgespool::reading::FieldValue;
@@ -95,6 +104,9 @@ fn main() {
     let slow = secs("WIRE_SLOW_SECS", 60).max(5);
     let fast = secs("WIRE_FAST_SECS", 20).max(2);
     let backlog = secs("WIRE_BACKLOG", 50_000).max(1) as usize;
+    let receipt_backlog = secs("WIRE_RECEIPT_BACKLOG", 100_000).max(1) as usize;
+    let parts = std::env::var("WIRE_PARTS").unwrap_or_else(|_| "rates,drain,receipts".into());
+    let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
     let dir = tempfile::Builder::new()
         .prefix("edgespool-wire-")
         .tempdir()
@@ -119,7 +131,12 @@ fn main() {
     println!("  counting starts after the connection is up (CONNECT/CONNACK, SUBSCRIBE, retained status) and stops when every reading is acknowledged; keep_alive 600 s (no PINGREQ inside)");
 
     let mut rows = Vec::new();
-    for (rate, interval, run_secs) in [(1u64, 1000u64, slow), (100, 10, fast)] {
+    let rates: &[(u64, u64, u64)] = if part("rates") {
+        &[(1, 1000, slow), (100, 10, fast)]
+    } else {
+        &[]
+    };
+    for &(rate, interval, run_secs) in rates {
         let n = (run_secs * 1000 / interval) as usize;
         println!("  running the six formats side by side at {rate}/s for {run_secs} s ({n} readings each)...");
         let results: Vec<Wire> = std::thread::scope(|s| {
@@ -140,8 +157,16 @@ fn main() {
         }
     }
     let mut drains = Vec::new();
-    for f in FORMATS {
-        let d = drain_run(&agent, dir.path(), broker.port, f, backlog);
+    let drain_formats: &[Fmt] = if part("drain") { &FORMATS } else { &[] };
+    for &f in drain_formats {
+        let d = drain_run(
+            &agent,
+            dir.path(),
+            broker.port,
+            f,
+            backlog,
+            DrainMode::NO_SINK,
+        );
         println!(
             "  drain {}: {backlog} rows in {:.2} s from spawn (first row acknowledged at {:.2} s)",
             f.name,
@@ -150,7 +175,95 @@ fn main() {
         );
         drains.push((f.name, d));
     }
-    print_table(&rows, &drains, backlog);
+    if !rows.is_empty() || !drains.is_empty() {
+        print_table(&rows, &drains, backlog);
+    }
+    if part("receipts") {
+        receipt_drains(&agent, dir.path(), broker.port, receipt_backlog);
+    }
+}
+
+/// How a drain runs: with a sink storing the rows, and which proof retires
+/// a row (`mqtt.retire_on`).
+#[derive(Clone, Copy)]
+struct DrainMode {
+    sink: bool,
+    receipt: bool,
+    /// Run number, to keep each run's directory and topics apart.
+    run: u32,
+}
+
+impl DrainMode {
+    const NO_SINK: DrainMode = DrainMode {
+        sink: false,
+        receipt: false,
+        run: 0,
+    };
+
+    fn tag(&self) -> String {
+        match (self.sink, self.receipt) {
+            (false, _) => "drain".into(),
+            (true, false) => format!("drain-puback-{}", self.run),
+            (true, true) => format!("drain-receipt-{}", self.run),
+        }
+    }
+}
+
+/// Receipt mode beside puback mode: the same backlog through a real sink,
+/// each pair twice in turn; prints rows/s and the receipt/puback ratio.
+fn receipt_drains(agent: &Path, base: &Path, port: u16, rows: usize) {
+    println!();
+    println!("  receipt mode against puback mode: a {rows}-row backlog drained through an edgespool sink (SQLite, receipts on), each mode twice in turn");
+    let formats = [FORMATS[0], FORMATS[2]];
+    let mut table = Vec::new();
+    for f in formats {
+        let mut figures = [Vec::new(), Vec::new()];
+        for run in 1..=2 {
+            for receipt in [false, true] {
+                let mode = DrainMode {
+                    sink: true,
+                    receipt,
+                    run,
+                };
+                let d = drain_run(agent, base, port, f, rows, mode);
+                println!(
+                    "  {} {}: {rows} rows in {:.2} s from spawn ({:.0} rows/s)",
+                    f.name,
+                    if receipt { "receipt" } else { "puback" },
+                    d.took.as_secs_f64(),
+                    d.rows_per_sec
+                );
+                figures[usize::from(receipt)].push(d.rows_per_sec);
+            }
+        }
+        table.push((f.name, figures));
+    }
+    println!();
+    println!(
+        "{:<12} {:>18} {:>18} {:>16}",
+        "format", "puback rows/s", "receipt rows/s", "receipt/puback"
+    );
+    for (name, [puback, receipt]) in table {
+        let show = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let ratios = puback
+            .iter()
+            .zip(&receipt)
+            .map(|(p, r)| format!("{:.2}", r / p))
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!(
+            "{name:<12} {:>18} {:>18} {:>16}",
+            show(&puback),
+            show(&receipt),
+            ratios
+        );
+    }
+    println!("(rows/s from the agent's spawn to no row PENDING or SENT; receipt/puback per pair of runs)");
 }
 
 /// What one rate run measured, over the counting window.
@@ -245,7 +358,7 @@ fn ingest_line(i: usize) -> String {
 
 // ----------------------------------------------------------------- the runs
 
-fn config(dir: &Path, port: u16, f: Fmt, prefix: &str) -> PathBuf {
+fn config(dir: &Path, port: u16, f: Fmt, prefix: &str, retire_on: &str) -> PathBuf {
     let d = dir.display();
     let batch = match f.batch {
         Some(c) => format!(
@@ -270,6 +383,7 @@ payload_format = "{}"
 keep_alive_secs = 600
 reconnect_min_ms = 100
 reconnect_max_ms = 500
+retire_on = "{retire_on}"
 [agent]
 summary_interval_secs = 3600
 [ingest]
@@ -302,7 +416,7 @@ fn wire_run(
     let prefix = format!("wire/{}-{rate}/wire-bench", f.name);
     let sink = Sink::start(agent, port, &prefix, &dir);
     let proxy = Proxy::start(port);
-    let cfg = config(&dir, proxy.port, f, &prefix);
+    let cfg = config(&dir, proxy.port, f, &prefix, "puback");
     let mut proc = spawn_agent(agent, &cfg, &dir);
     // The connection is up: CONNACK came back and nothing moved for 1 s
     // (SUBSCRIBE/SUBACK and the retained status are done).
@@ -362,8 +476,8 @@ fn wire_run(
 /// A backlog of `rows` readings in `f`'s format, then the agent started:
 /// rows/s from its start to no row PENDING or SENT, and client->broker
 /// bytes per row (counted through the proxy).
-fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize) -> Drain {
-    let dir = base.join(format!("{}-drain", f.name));
+fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: DrainMode) -> Drain {
+    let dir = base.join(format!("{}-{}", f.name, mode.tag()));
     std::fs::create_dir_all(&dir).expect("drain dir");
     let db = dir.join("spool.db");
     let format = if f.postcard {
@@ -391,9 +505,12 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize) -> Drain
                 .expect("append the backlog");
         }
     }
-    let prefix = format!("wire/{}-drain", f.name);
+    // Ends with the device id: the sink takes the device from the topic.
+    let prefix = format!("wire/{}-{}/wire-bench", f.name, mode.tag());
+    let sink = mode.sink.then(|| Sink::start(agent, port, &prefix, &dir));
     let proxy = Proxy::start(port);
-    let cfg = config(&dir, proxy.port, f, &prefix);
+    let retire = if mode.receipt { "receipt" } else { "puback" };
+    let cfg = config(&dir, proxy.port, f, &prefix, retire);
     let t = Instant::now();
     let mut proc = spawn_agent(agent, &cfg, &dir);
     let q = "SELECT count(*) FROM event_states WHERE state IN ('PENDING','SENT')";
@@ -419,6 +536,9 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize) -> Drain
     assert_eq!(acked, rows as i64, "{}: rows acknowledged", f.name);
     let bytes = proxy.snapshot().0;
     stop(&mut proc);
+    if let Some(sink) = sink {
+        sink.expect(rows, f.name);
+    }
     let first = first_ack.unwrap_or(took);
     Drain {
         rows_per_sec: rows as f64 / took.as_secs_f64(),
