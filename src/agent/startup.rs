@@ -192,6 +192,9 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
     let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
     warn_loose_secrets(cfg);
     warn_local_broker_pubacks(cfg);
+    if let Some(caution) = cfg.commands.caution() {
+        log::warn!("{caution}");
+    }
     crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
     Ok(lock)

@@ -29,6 +29,9 @@ fn check(config: &Path, sets: &[String], sample: bool) -> Outcome {
     if !problems.is_empty() {
         return Err(Failure::Invalid);
     }
+    if let Some(caution) = c.commands.caution() {
+        eprintln!("caution: {}: {caution}", config.display());
+    }
     if sample && !super::test::report(&c) {
         return Err(Failure::Failed);
     }

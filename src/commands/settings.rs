@@ -69,6 +69,26 @@ pub struct CommandsConfig {
     pub handlers: Vec<ExecHandler>,
 }
 
+impl CommandsConfig {
+    /// A caution for the operator when commands are on and no operator
+    /// scope is named: every command then shares the room of other scopes
+    /// ([`super::admission`]), so a sender on the command topic that fills
+    /// it with commands that ran (kept for the redelivery window) leaves the
+    /// operator's own commands answered `no_room`. `None` when commands are
+    /// off or operator scopes are named. Logged at start, printed by
+    /// `check-config`.
+    pub fn caution(&self) -> Option<String> {
+        if !self.enabled || !self.operator_scopes.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "commands.operator_scopes is empty: the operator's commands share the room of every other scope, so a sender on the command topic that fills commands.max_records ({}) with commands that ran gets the operator's commands answered no_room for up to commands.record_retention_secs ({}); name the operator's scope there (a scope other senders do not know) to reserve a quarter of the records, lanes and inbox for it",
+            self.max_records,
+            self.record_retention.as_secs()
+        ))
+    }
+}
+
 /// One `[[commands.handlers]]` entry: a program with fixed arguments, run
 /// without a shell; `{param}` in an argument is replaced by a validated value.
 #[derive(Debug, Clone, PartialEq)]

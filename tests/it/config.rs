@@ -52,6 +52,26 @@ fn each_bad_config_fixture_fails_with_its_key_path() {
 }
 
 #[test]
+fn commands_without_an_operator_scope_get_a_caution_naming_the_key() {
+    let cfg = root().join("board-configs/edgespool.toml");
+    let cfg = cfg.to_str().expect("utf-8");
+    let (status, _, err) = run_cli(&["check-config", cfg]);
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("caution: ") && err.contains("commands.operator_scopes is empty"),
+        "{err}"
+    );
+    for set in [
+        "commands.operator_scopes=[\"ops-7f3\"]",
+        "commands.enabled=false",
+    ] {
+        let (status, _, err) = run_cli(&["check-config", cfg, "--set", set]);
+        assert!(status.success(), "{set}: {err}");
+        assert!(!err.contains("caution"), "{set}: {err}");
+    }
+}
+
+#[test]
 fn a_bad_set_override_is_rejected_and_names_the_key() {
     let cfg = root().join("board-configs/local-demo.toml");
     let (status, _, err) = run_cli(&[
