@@ -269,7 +269,7 @@ const FAIL_REASONS: [&str; 4] = [
 const COMMAND_STATES: [&str; 5] = ["completed", "failed", "rejected", "expired", "interrupted"];
 
 /// Other command counters: (spool counter, metric, HELP).
-const COMMAND_COUNTERS: [(&str, &str, &str); 7] = [
+const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
     (
         "commands_received",
         "edgespool_commands_received_total",
@@ -304,6 +304,11 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 7] = [
         "commands_held_back",
         "edgespool_commands_held_back_total",
         "Command messages held back unacknowledged while their lane was full.",
+    ),
+    (
+        "commands_unanswered",
+        "edgespool_commands_unanswered_total",
+        "Command messages of scopes that are not operator scopes acknowledged and dropped unanswered over commands.max_answers_per_minute.",
     ),
 ];
 

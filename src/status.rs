@@ -302,7 +302,7 @@ pub fn render(r: &Report, now_ms: i64) -> String {
             .unwrap_or(0)
     };
     o.push_str(&format!(
-        "commands: {} | duplicates answered {} | conflicts {} | malformed {} | mean duration {}\n",
+        "commands: {} | duplicates answered {} | conflicts {} | malformed {} | unanswered {} | mean duration {}\n",
         if by.is_empty() {
             "none".to_owned()
         } else {
@@ -311,6 +311,7 @@ pub fn render(r: &Report, now_ms: i64) -> String {
         c.duplicates,
         counter("commands_conflicts"),
         counter("commands_malformed"),
+        counter("commands_unanswered"),
         c.mean_duration_ms
             .map(|m| format!("{m:.0} ms"))
             .unwrap_or_else(|| "-".into())

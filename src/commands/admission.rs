@@ -31,6 +31,18 @@
 //! overflow bucket), and no global budget. A command over its rate is
 //! answered `rate_limited`, not recorded.
 //!
+//! Answers: every answer is a spool commit (its record, its result event),
+//! so what other scopes can make the board write is bounded too. A message
+//! of another scope answered at receipt (anything not accepted to run:
+//! `ping`, `status`, unknown names, malformed messages, duplicates,
+//! `rate_limited` and `no_room` answers) takes a token from a budget all
+//! those scopes share (`commands.max_answers_per_minute`); one from a push
+//! of another scope from a budget of `max_per_minute_per_scope` shared by
+//! every such push. With none left the message is acknowledged and
+//! dropped unanswered: nothing is recorded, it is counted
+//! (`commands_unanswered`), and a sender that wants an answer sends it
+//! again later. Operator scopes spend neither.
+//!
 //! Records: `ping` and `status` ([`SIDE_EFFECT_FREE`]) are answered at
 //! receipt, their record written already finished in the same transaction,
 //! and such records are *droppable*, like `rejected` ones: nothing ran, so
@@ -187,13 +199,18 @@ pub struct Budgets {
     others: Budget,
     /// Shared by every new [`Tier::Push`] command.
     pushes: Budget,
+    /// Answers at receipt to [`Tier::Other`] messages.
+    answers: Budget,
+    /// Answers at receipt to [`Tier::Push`] messages.
+    push_answers: Budget,
 }
 
 impl Budgets {
     /// `per_scope` new commands per scope and minute; `per_minute` for all
     /// [`Tier::Other`] commands together; `per_scope` for all pushes
-    /// together.
-    pub fn new(per_scope: u32, per_minute: u32) -> Budgets {
+    /// together; `answers_per_minute` answers at receipt to all
+    /// [`Tier::Other`] messages together, `per_scope` to all pushes.
+    pub fn new(per_scope: u32, per_minute: u32, answers_per_minute: u32) -> Budgets {
         Budgets {
             per_scope,
             per_minute,
@@ -201,7 +218,25 @@ impl Budgets {
             operator: RateLimiter::new(per_scope),
             others: Budget::new(per_minute),
             pushes: Budget::new(per_scope),
+            answers: Budget::new(answers_per_minute),
+            push_answers: Budget::new(per_scope),
         }
+    }
+
+    /// Take a token for an answer at receipt to a message of `tier` at
+    /// `now`; false when its budget is spent (the message is then dropped
+    /// unanswered). Operator messages always get one.
+    pub fn answer(&mut self, tier: Tier, now: Duration) -> bool {
+        let budget = match tier {
+            Tier::Operator => return true,
+            Tier::Push => &mut self.push_answers,
+            Tier::Other => &mut self.answers,
+        };
+        if !budget.allows(now) {
+            return false;
+        }
+        budget.take(now);
+        true
     }
 
     /// Why a new command of `tier` in `scope`, that is to run (`runs`) or
@@ -332,7 +367,7 @@ mod tests {
 
     #[test]
     fn invented_scopes_share_one_global_budget_and_cannot_spend_the_operators() {
-        let mut b = Budgets::new(60, 100);
+        let mut b = Budgets::new(60, 100, 600_000);
         let mut other = 0;
         for i in 0..5000 {
             let scope = format!("j{i}");
@@ -380,7 +415,7 @@ mod tests {
 
     #[test]
     fn an_operator_scope_keeps_its_own_bucket_however_many_scopes_were_invented() {
-        let mut b = Budgets::new(5, 1_000_000);
+        let mut b = Budgets::new(5, 1_000_000, 600_000);
         for i in 0..3 * super::super::rate::MAX_SCOPES {
             let scope = format!("j{i}");
             if b.refusal(&scope, Tier::Other, true, s(0.0)).is_none() {
@@ -392,5 +427,20 @@ mod tests {
             b.take("ops", Tier::Operator, true, s(0.0));
         }
         assert!(b.refusal("ops", Tier::Operator, true, s(0.0)).is_some());
+    }
+
+    #[test]
+    fn answers_at_receipt_are_bounded_per_tier_and_the_operator_is_never_held_to_it() {
+        let mut b = Budgets::new(60, 600, 100);
+        let others = (0..1_000).filter(|_| b.answer(Tier::Other, s(0.0))).count();
+        assert_eq!(others, 100, "a burst of max_answers_per_minute");
+        // Pushes of other scopes have their own 60, which the flood above
+        // did not touch; the operator is never refused.
+        let pushes = (0..1_000).filter(|_| b.answer(Tier::Push, s(0.0))).count();
+        assert_eq!(pushes, 60);
+        assert!((0..1_000).all(|_| b.answer(Tier::Operator, s(0.0))));
+        // Refilled at the budget's rate: 100 a minute, so 10 in 6 s.
+        let later = (0..1_000).filter(|_| b.answer(Tier::Other, s(6.0))).count();
+        assert_eq!(later, 10);
     }
 }

@@ -54,6 +54,17 @@ pub struct CommandsConfig {
     /// on top of each scope's own limit (1..=600000, default 600): inventing
     /// scopes buys a sender nothing ([`super::admission`]).
     pub max_per_minute: u32,
+    /// `max_answers_per_minute`: messages from scopes that are not operator
+    /// scopes answered at receipt, per minute, all such scopes together
+    /// (1..=600000, default 600): `ping`, `status`, unknown names,
+    /// malformed messages, duplicates and every `rate_limited` or
+    /// `no_room` answer; `apply-config` from those scopes has a budget of
+    /// `max_per_minute_per_scope` of its own. Each answer is a spool
+    /// commit, so this bounds what a sender on the command topic can make
+    /// the board write. Over it a message is acknowledged and dropped
+    /// unanswered (nothing recorded), counted `commands_unanswered`
+    /// ([`super::admission`]).
+    pub max_answers_per_minute: u32,
     /// `operator_scopes`: the operator's scopes (default none). Their
     /// commands are taken first, have a rate budget of their own and a
     /// reserved quarter of the records, of each lane's queue and of the

@@ -83,6 +83,9 @@ const UNSAVED_POLL: Duration = Duration::from_millis(200);
 const ACK_FLUSH: Duration = Duration::from_millis(500);
 /// Parked commands looked at per turn of the loop (keeps it responsive).
 const PARKED_PER_TURN: usize = 256;
+/// Messages dropped unanswered are added to the spool's count at most this
+/// often.
+const UNANSWERED_COUNT_EVERY: Duration = Duration::from_secs(10);
 
 /// Whether `cmd`, routed to `route`, is to run if it is new: not an unknown
 /// name, not a built-in without a side effect (answered at receipt, its
@@ -163,6 +166,8 @@ pub fn run(
             UNSAVED_POLL
         } else if w.held.holding() {
             HOLD_POLL
+        } else if w.unanswered.0 > 0 {
+            UNANSWERED_COUNT_EVERY.min(w.records.until_purge())
         } else {
             w.records.until_purge()
         };
@@ -174,6 +179,8 @@ pub fn run(
         w.turn(&mut spool, &mut ids);
     }
     w.records.persist_clock(&mut spool, &mut w.errors);
+    w.unanswered.1 = None;
+    w.count_unanswered(&mut spool);
     // The lane threads end when their job channels close.
     drop(w);
 }
@@ -242,6 +249,10 @@ struct Worker {
     write_retry: Option<(Instant, Duration)>,
     /// When a PUBLISH was last acknowledged (handed to the MQTT thread).
     last_ack: Option<Instant>,
+    /// Messages dropped unanswered, not yet counted in the spool, and when
+    /// they were last counted ([`Worker::count_unanswered`]).
+    unanswered: (u64, Option<Instant>),
+    unanswered_log: Quiet,
     malformed_log: Quiet,
     refused_log: Quiet,
     no_room_log: Quiet,
@@ -265,6 +276,7 @@ impl Worker {
         let budgets = Budgets::new(
             cfg.commands.max_per_minute_per_scope,
             cfg.commands.max_per_minute,
+            cfg.commands.max_answers_per_minute,
         );
         Worker {
             cfg,
@@ -282,6 +294,8 @@ impl Worker {
             budgets,
             write_retry: None,
             last_ack: None,
+            unanswered: (0, None),
+            unanswered_log: Quiet::default(),
             malformed_log: Quiet::default(),
             refused_log: Quiet::default(),
             no_room_log: Quiet::default(),
@@ -292,6 +306,7 @@ impl Worker {
     /// One turn of the loop after a message (or none): results kept in
     /// memory, commands waiting, parked ones, the end of a hold, the purge.
     fn turn(&mut self, spool: &mut Spool, ids: &mut EventIdGen) {
+        self.count_unanswered(spool);
         self.results.retry(spool, ids, &mut self.errors);
         self.dispatch(spool, ids);
         self.unpark(spool, ids);
@@ -589,6 +604,10 @@ impl Worker {
                 return;
             }
         };
+        if !self.may_answer(&cmd, tier, &verdict, rate_now, spool) {
+            self.drop_unanswered(epoch, &publish);
+            return;
+        }
         let admission = self.admission(&cmd, route, tier, rate_now, verdict);
         let retained = publish.retain;
         if let Some(claim) = self.claim(epoch, publish, &cmd, &admission, spool, ids) {
@@ -627,6 +646,10 @@ impl Worker {
             self.held.park(epoch, publish, (None, Tier::Other), why);
             return;
         }
+        if !self.budgets.answer(Tier::Other, self.started.elapsed()) {
+            self.drop_unanswered(epoch, &publish);
+            return;
+        }
         self.malformed_log
             .warn(|| format!("commands: rejected message on {}: {e}", publish.topic));
         let mut ctx = self.ctx(ids);
@@ -651,6 +674,62 @@ impl Worker {
                     (None, Tier::Other),
                     format!("the spool refused a write: {err}"),
                 );
+            }
+        }
+    }
+
+    /// Whether `cmd`, of `tier`, given `verdict`, may be answered at
+    /// receipt: one accepted to run is (it was counted against its rate),
+    /// unless it is a duplicate; every other answer takes a token from its
+    /// tier's answer budget ([`Budgets::answer`]).
+    fn may_answer(
+        &mut self,
+        cmd: &Command,
+        tier: Tier,
+        verdict: &Verdict,
+        now: Duration,
+        spool: &mut Spool,
+    ) -> bool {
+        if matches!(verdict, Verdict::Accept)
+            && !spool
+                .command_exists(&cmd.scope, &cmd.command_id)
+                .unwrap_or(true)
+        {
+            return true;
+        }
+        self.budgets.answer(tier, now)
+    }
+
+    /// A message over the answer budget: acknowledged, nothing written, and
+    /// counted (in the spool within [`UNANSWERED_COUNT_EVERY`]).
+    fn drop_unanswered(&mut self, epoch: u64, publish: &rumqttc::Publish) {
+        self.unanswered.0 += 1;
+        self.unanswered_log.warn(|| {
+            format!(
+                "commands: more than {} answers per minute to scopes that are not operator scopes \
+                 (commands.max_answers_per_minute): a message on {} was acknowledged and dropped \
+                 unanswered, nothing recorded (counted commands_unanswered)",
+                self.cfg.commands.max_answers_per_minute, publish.topic
+            )
+        });
+        self.link.ack(epoch, publish);
+        self.last_ack = Some(Instant::now());
+        self.inbox.release(publish);
+    }
+
+    /// Add the messages dropped unanswered to `commands_unanswered`, at most
+    /// once per [`UNANSWERED_COUNT_EVERY`]: counting each would be the
+    /// write the budget saves.
+    fn count_unanswered(&mut self, spool: &mut Spool) {
+        let (n, last) = self.unanswered;
+        if n == 0 || last.is_some_and(|t| t.elapsed() < UNANSWERED_COUNT_EVERY) {
+            return;
+        }
+        match spool.count("commands_unanswered", i64::try_from(n).unwrap_or(i64::MAX)) {
+            Ok(()) => self.unanswered = (0, Some(Instant::now())),
+            Err(e) => {
+                self.errors.log("counting unanswered commands", &e);
+                self.unanswered.1 = Some(Instant::now());
             }
         }
     }

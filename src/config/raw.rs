@@ -119,6 +119,8 @@ pub(super) struct RawCommands {
     pub(super) max_per_minute_per_scope: u32,
     #[serde(default = "d_cmd_global_rate")]
     pub(super) max_per_minute: u32,
+    #[serde(default = "d_cmd_answer_rate")]
+    pub(super) max_answers_per_minute: u32,
     #[serde(default)]
     pub(super) operator_scopes: Vec<String>,
     #[serde(default = "d_cmd_ttl")]
@@ -139,6 +141,7 @@ impl Default for RawCommands {
             max_queued: d_cmd_queued(),
             max_per_minute_per_scope: d_cmd_rate(),
             max_per_minute: d_cmd_global_rate(),
+            max_answers_per_minute: d_cmd_answer_rate(),
             operator_scopes: Vec::new(),
             default_ttl_secs: d_cmd_ttl(),
             handlers: Vec::new(),
@@ -270,6 +273,9 @@ pub(super) fn d_cmd_rate() -> u32 {
     60
 }
 pub(super) fn d_cmd_global_rate() -> u32 {
+    600
+}
+fn d_cmd_answer_rate() -> u32 {
     600
 }
 pub(super) fn d_cmd_ttl() -> u64 {

@@ -502,6 +502,11 @@ fn operator_scopes_and_the_global_rate_are_read_checked_and_default() {
     .unwrap();
     assert_eq!(example.commands.operator_scopes, c.commands.operator_scopes);
     assert_eq!(example.commands.max_per_minute, c.commands.max_per_minute);
+    assert_eq!(c.commands.max_answers_per_minute, 600);
+    assert_eq!(
+        example.commands.max_answers_per_minute,
+        c.commands.max_answers_per_minute
+    );
     let c = parse(
         &with("operator_scopes = [\"ops\", \"noc@site-1\"]\nmax_per_minute = 1"),
         "t.toml",
@@ -515,6 +520,10 @@ fn operator_scopes_and_the_global_rate_are_read_checked_and_default() {
     for (body, key) in [
         ("max_per_minute = 0", "commands.max_per_minute"),
         ("max_per_minute = 600001", "commands.max_per_minute"),
+        (
+            "max_answers_per_minute = 0",
+            "commands.max_answers_per_minute",
+        ),
         (
             "operator_scopes = [\"ops\", \"a b\"]",
             "commands.operator_scopes.1",

@@ -77,6 +77,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             max_queued: rc.max_queued,
             max_per_minute_per_scope: rc.max_per_minute_per_scope,
             max_per_minute: rc.max_per_minute,
+            max_answers_per_minute: rc.max_answers_per_minute,
             operator_scopes: rc.operator_scopes.clone(),
             default_ttl: Duration::from_secs(rc.default_ttl_secs),
             handlers,

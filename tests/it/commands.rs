@@ -131,11 +131,13 @@ max_len = 32
         AgentProc::spawn(&self.cfg, &[], self.dir.path())
     }
 
-    /// Spawn the agent and wait until it has subscribed to the command topic.
+    /// Spawn the agent and wait until it has subscribed to the command topic
+    /// (up to 60 s: on a loaded machine the start-up storage probe's fsyncs
+    /// alone took over 20 s once).
     fn spawn_ready(&self) -> AgentProc {
         let agent = self.spawn();
         assert!(
-            wait_for(Duration::from_secs(20), || agent
+            wait_for(Duration::from_secs(60), || agent
                 .log_text()
                 .contains("subscribed to commands")),
             "{}",
@@ -1298,6 +1300,15 @@ fn result_count(rig: &Rig) -> usize {
         .count()
 }
 
+/// `write_bytes` of `/proc/<pid>/io`: what the process made the kernel
+/// write to storage; `None` where it cannot be read.
+fn proc_write_bytes(pid: u32) -> Option<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("write_bytes: "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// Live bytes in the spool: pages in use times the page size.
 fn live_bytes(db: &Path) -> i64 {
     let c = crate::support::spool::open(db);
@@ -1381,7 +1392,9 @@ timeout_ms = 60000
 /// 10,000 distinct junk commands, published as fast as the broker takes
 /// them: malformed, non-UTF-8, unknown names over 400 scopes, bad handler
 /// arguments (queued for the exec lane), a flood in one scope (rate limit)
-/// and 60 KB bodies. The spool stays within its cap, the records within
+/// and 60 KB bodies. Answers at receipt stay within
+/// `commands.max_answers_per_minute` (600: the rest are acknowledged,
+/// dropped and counted), the spool within its cap, the records within
 /// theirs, and `ping` still answers.
 #[test]
 fn ten_thousand_junk_commands_leave_the_spool_within_its_caps_and_ping_answering() {
@@ -1412,6 +1425,9 @@ fn ten_thousand_junk_commands_leave_the_spool_within_its_caps_and_ping_answering
             }
         })
         .collect();
+    let db = rig.db();
+    let written = |agent: &AgentProc| proc_write_bytes(agent.pid());
+    let before = written(&agent);
     let t = Instant::now();
     publish_all(
         rig.broker.port(),
@@ -1419,17 +1435,47 @@ fn ten_thousand_junk_commands_leave_the_spool_within_its_caps_and_ping_answering
         payloads,
     );
     let published = t.elapsed();
+    // Every message answered, or dropped unanswered and counted (the count
+    // reaches the spool within 10 s).
+    let settled = || result_count(&rig) as i64 + counter(&db, "commands_unanswered");
     let all = wait_for(Duration::from_secs(180), || {
         std::thread::sleep(Duration::from_millis(950));
-        result_count(&rig) >= 10_000
+        settled() >= 10_000
     });
     let answered = t.elapsed();
     assert!(
         all,
-        "only {} answers to 10,000 junk commands\n{}",
-        result_count(&rig),
+        "only {} of 10,000 junk commands answered or counted unanswered\n{}",
+        settled(),
         agent.log_tail(30)
     );
+    let (answers, unanswered) = (result_count(&rig), counter(&db, "commands_unanswered"));
+    let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+    for r in rig.results() {
+        *kinds
+            .entry(format!("{}/{}", r["reply"], r["state"]))
+            .or_default() += 1;
+    }
+    let flood_bytes = written(&agent).zip(before).map(|(b, a)| b - a);
+    println!(
+        "{answers} answers {kinds:?}, {unanswered} dropped unanswered in {answered:?}; \
+         the agent wrote {flood_bytes:?} bytes meanwhile"
+    );
+    // Each message answered or counted at least once (a message the broker
+    // delivered again after a reconnect is counted again).
+    assert!(answers as i64 + unanswered >= 10_000);
+    // Answers at receipt: a burst of commands.max_answers_per_minute (600),
+    // then 10 a second; and the commands accepted to run (here echo with
+    // arguments its handler then rejects) spend commands.max_per_minute
+    // instead: another 600, then 10 a second.
+    let per_budget = 600 + 10 * answered.as_secs() as usize + 10;
+    assert!(
+        answers <= 2 * per_budget,
+        "{answers} answers at receipt in {answered:?}: over commands.max_answers_per_minute \
+         and commands.max_per_minute together ({kinds:?})"
+    );
+    assert!(unanswered > 0, "the flood was never over the answer budget");
+    assert!(agent.log_text().contains("commands.max_answers_per_minute"));
     let (ping, latency) = round_trip(
         &rig,
         &mut agent,
@@ -1437,7 +1483,6 @@ fn ten_thousand_junk_commands_leave_the_spool_within_its_caps_and_ping_answering
     );
     assert_eq!(ping["state"], "completed");
     assert!(agent.is_running());
-    let db = rig.db();
     let (records, longest, file) = {
         let c = crate::support::spool::open(&db);
         let records: i64 = c
@@ -1483,7 +1528,11 @@ fn ten_thousand_junk_commands_leave_the_spool_within_its_caps_and_ping_answering
     let malformed = (0..10_000)
         .filter(|i| i % 97 != 0 && (i % 5 == 0 || i % 5 == 4))
         .count() as i64;
-    assert_eq!(counter(&db, "commands_malformed"), malformed);
+    let counted = counter(&db, "commands_malformed");
+    assert!(
+        counted > 0 && counted <= malformed,
+        "{counted} malformed answered of {malformed}"
+    );
     assert!(latency < Duration::from_secs(5), "ping took {latency:?}");
     agent.terminate(Duration::from_secs(15));
 }
@@ -1527,7 +1576,13 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
             std::fs::read_to_string(e.path())
                 .unwrap_or_default()
                 .lines()
-                .filter(|l| l.contains("WARN") && l.contains("command"))
+                // The start-up caution about an empty operator scope list
+                // is this rig's configuration, not the clear.
+                .filter(|l| {
+                    l.contains("WARN")
+                        && l.contains("command")
+                        && !l.contains("commands.operator_scopes is empty")
+                })
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
         })

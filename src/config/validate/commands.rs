@@ -58,6 +58,12 @@ pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, 
             format!("must be 1..=600000 (got {})", rc.max_per_minute),
         );
     }
+    if !(1..=600_000).contains(&rc.max_answers_per_minute) {
+        bad(
+            "commands.max_answers_per_minute",
+            format!("must be 1..=600000 (got {})", rc.max_answers_per_minute),
+        );
+    }
     check_operator_scopes(&rc.operator_scopes, bad);
     if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
         // A command may still run only while its record is sure to exist:
