@@ -226,44 +226,52 @@ fn receipt_drains(agent: &Path, base: &Path, port: u16, rows: usize) {
                     run,
                 };
                 let d = drain_run(agent, base, port, f, rows, mode);
+                let stored = d.stored_per_sec.unwrap_or(0.0);
                 println!(
-                    "  {} {}: {rows} rows in {:.2} s from spawn ({:.0} rows/s)",
+                    "  {} {}: {rows} rows retired in {:.2} s from spawn ({:.0} rows/s), all stored by the sink at {:.0} rows/s",
                     f.name,
                     if receipt { "receipt" } else { "puback" },
                     d.took.as_secs_f64(),
-                    d.rows_per_sec
+                    d.rows_per_sec,
+                    stored
                 );
-                figures[usize::from(receipt)].push(d.rows_per_sec);
+                println!("    sink: {}", d.sink_totals);
+                figures[usize::from(receipt)].push((d.rows_per_sec, stored));
             }
         }
         table.push((f.name, figures));
     }
     println!();
     println!(
-        "{:<12} {:>18} {:>18} {:>16}",
-        "format", "puback rows/s", "receipt rows/s", "receipt/puback"
+        "{:<12} {:<8} {:>18} {:>18} {:>16}",
+        "format", "counted", "puback rows/s", "receipt rows/s", "receipt/puback"
     );
     for (name, [puback, receipt]) in table {
-        let show = |v: &[f64]| {
-            v.iter()
-                .map(|x| format!("{x:.0}"))
+        for (what, pick) in [
+            ("retired", (|f: &(f64, f64)| f.0) as fn(&(f64, f64)) -> f64),
+            ("stored", |f: &(f64, f64)| f.1),
+        ] {
+            let show = |v: &[(f64, f64)]| {
+                v.iter()
+                    .map(|x| format!("{:.0}", pick(x)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let ratios = puback
+                .iter()
+                .zip(&receipt)
+                .map(|(p, r)| format!("{:.2}", pick(r) / pick(p)))
                 .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let ratios = puback
-            .iter()
-            .zip(&receipt)
-            .map(|(p, r)| format!("{:.2}", r / p))
-            .collect::<Vec<_>>()
-            .join(", ");
-        println!(
-            "{name:<12} {:>18} {:>18} {:>16}",
-            show(&puback),
-            show(&receipt),
-            ratios
-        );
+                .join(", ");
+            println!(
+                "{name:<12} {what:<8} {:>18} {:>18} {:>16}",
+                show(&puback),
+                show(&receipt),
+                ratios
+            );
+        }
     }
-    println!("(rows/s from the agent's spawn to no row PENDING or SENT; receipt/puback per pair of runs)");
+    println!("(retired: rows/s from the agent's spawn to no row PENDING or SENT; stored: to the sink's database holding every row; receipt/puback per pair of runs)");
 }
 
 /// What one rate run measured, over the counting window.
@@ -463,7 +471,7 @@ fn wire_run(
     std::thread::sleep(Duration::from_millis(300));
     let end = proxy.snapshot();
     stop(&mut proc);
-    sink.expect(n, f.name);
+    sink.expect(n, f.name, Instant::now());
     Wire {
         readings: n,
         c2b: end.0 - start.0,
@@ -535,13 +543,21 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
     );
     assert_eq!(acked, rows as i64, "{}: rows acknowledged", f.name);
     let bytes = proxy.snapshot().0;
+    // Stored: when the sink's database held every row (the agent may be
+    // done first in puback mode, never in receipt mode).
+    let (stored, sink_totals) = match sink {
+        Some(sink) => {
+            let (at, totals) = sink.expect(rows, f.name, t);
+            (Some(at.max(took)), totals)
+        }
+        None => (None, String::new()),
+    };
     stop(&mut proc);
-    if let Some(sink) = sink {
-        sink.expect(rows, f.name);
-    }
     let first = first_ack.unwrap_or(took);
     Drain {
         rows_per_sec: rows as f64 / took.as_secs_f64(),
+        stored_per_sec: stored.map(|s| rows as f64 / s.as_secs_f64()),
+        sink_totals,
         first_ack: first,
         took,
         bytes_per_row: bytes as f64 / rows as f64,
@@ -552,6 +568,11 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
 struct Drain {
     /// Rows over the time from the agent's spawn to the last acknowledgement.
     rows_per_sec: f64,
+    /// Rows over the time from the agent's spawn to the sink's database
+    /// holding every row (with a sink).
+    stored_per_sec: Option<f64>,
+    /// The sink's last totals line (with a sink).
+    sink_totals: String,
     /// From spawn to the first acknowledged row (as polled).
     first_ack: Duration,
     took: Duration,
@@ -686,10 +707,12 @@ impl Sink {
         sink
     }
 
-    /// Every reading stored (the bench's one assertion).
-    fn expect(mut self, n: usize, name: &str) {
+    /// Every reading stored (the bench's one assertion); returns when
+    /// that was first seen, from `since` (polled every 100 ms).
+    fn expect(mut self, n: usize, name: &str, since: Instant) -> (Duration, String) {
         let q = "SELECT count(*) FROM received";
         let ok = wait(Duration::from_secs(60), || count(&self.db, q) == n as i64);
+        let at = since.elapsed();
         assert!(
             ok,
             "{name}: the sink stored {} of {n} readings:\n{}",
@@ -697,6 +720,15 @@ impl Sink {
             tail(&self.log)
         );
         stop(&mut self.child);
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let totals = text
+            .lines()
+            .rev()
+            .find(|l| l.contains("receipts_dropped"))
+            .and_then(|l| l.split("sink: ").nth(1))
+            .unwrap_or("")
+            .to_owned();
+        (at, totals)
     }
 }
 

@@ -438,7 +438,9 @@ impl Delivery {
             self.log_error("read sendable rows", &e);
             return;
         }
-        while room > 0 {
+        // Rows offered beyond the book of offers could not be matched to
+        // their receipt (receipt mode): none is taken past it.
+        while room > 0 && !self.offers_full() {
             let row = match self.lanes.pick() {
                 Some(row) => row,
                 None => {
@@ -612,6 +614,7 @@ impl Delivery {
     /// broker took the publish and said no, so it is not delivered.
     fn fail_refused(&mut self, spool: &mut Spool) {
         for (row, r) in self.link.take_refused() {
+            self.forget_offered(row);
             self.defer(
                 spool,
                 (row, &format!("in row {row}")),
@@ -733,6 +736,36 @@ mod tests {
         assert_eq!(d.to_retire, vec![7], "the receipt did not retire its row");
         assert_eq!(d.stats.receipt_unmatched.load(Ordering::Relaxed), 0);
         assert!(!d.awaits_receipt(7));
+    }
+
+    #[test]
+    fn offers_stop_at_the_book_of_offers_and_a_refused_row_frees_its_place() {
+        // Found by the wire bench: with batches of 50, rows offered past a
+        // fixed cap of 2,024 were not remembered, and each such row was sent
+        // again alone after its PUBACK (batched drains in receipt mode ran
+        // at a tenth of puback mode). Now nothing is offered past the cap.
+        let mut d = receipt_delivery();
+        let cap = 100 + crate::stream::MAX_BATCH_EVENTS;
+        let row = |id: i64| OutRow {
+            id,
+            event_id: format!("0123abcd-0000-4000-8000-{id:012}"),
+            stream: "s".to_owned(),
+            digest: Vec::new(),
+            payload: Vec::new(),
+            prio: 0,
+        };
+        for id in 1..cap as i64 {
+            d.note_offered(&row(id));
+        }
+        assert!(!d.offers_full(), "full one row early");
+        d.note_offered(&row(cap as i64));
+        assert!(d.offers_full());
+        d.forget_offered(3);
+        assert!(!d.offers_full(), "a refused row kept its place");
+        // Once PUBACKed, offered rows move to the book of waiting rows.
+        d.link.acked_for_test(&[1, 2]);
+        d.collect();
+        assert!(d.awaits_receipt(1) && d.awaits_receipt(2));
     }
 
     #[test]

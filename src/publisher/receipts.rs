@@ -78,8 +78,9 @@ pub(super) struct ReceiptMode {
     awaiting: Awaiting,
     timeout: Duration,
     /// Stream and event id of each row offered in this epoch and not yet
-    /// PUBACKed (what a waiting row is matched by).
+    /// PUBACKed (what a waiting row is matched by), at most `offer_cap`.
     offered: HashMap<i64, (Arc<str>, String)>,
+    offer_cap: usize,
     /// Streams' names, shared by their rows.
     names: HashMap<String, Arc<str>>,
     /// Rows to publish again, in row order.
@@ -96,12 +97,15 @@ pub(super) struct ReceiptMode {
 }
 
 impl ReceiptMode {
-    /// Receipt mode with at most `window` rows waiting, each for `timeout`.
+    /// Receipt mode with at most `window` rows waiting, each for `timeout`,
+    /// and at most `window` plus one largest batch offered and not yet
+    /// PUBACKed.
     pub(super) fn new(window: usize, timeout: Duration) -> ReceiptMode {
         ReceiptMode {
             awaiting: Awaiting::new(window),
             timeout,
             offered: HashMap::new(),
+            offer_cap: window.max(1) + crate::stream::MAX_BATCH_EVENTS,
             names: HashMap::new(),
             resend: Vec::new(),
             resent: std::collections::HashSet::new(),
@@ -129,12 +133,22 @@ impl Delivery {
             .is_some_and(|r| r.fallback.is_none() && r.awaiting.is_full())
     }
 
-    /// Remember `row`'s stream and event id as it is offered.
+    /// Whether no new row may be offered because the book of rows offered
+    /// and not yet PUBACKed is at its cap: a row offered beyond it could
+    /// not be matched to its receipt and would be sent again.
+    pub(super) fn offers_full(&self) -> bool {
+        self.receipts
+            .as_ref()
+            .is_some_and(|r| r.fallback.is_none() && r.offered.len() >= r.offer_cap)
+    }
+
+    /// Remember `row`'s stream and event id as it is offered (not beyond
+    /// the cap: such a row is sent again after its PUBACK).
     pub(super) fn note_offered(&mut self, row: &OutRow) {
         let Some(r) = self.receipts.as_mut() else {
             return;
         };
-        if r.offered.len() >= 8 * crate::ack::MAX_WINDOW + crate::stream::MAX_BATCH_EVENTS {
+        if r.offered.len() >= r.offer_cap {
             return;
         }
         let stream = r
@@ -143,6 +157,14 @@ impl Delivery {
             .or_insert_with(|| Arc::from(row.stream.as_str()))
             .clone();
         r.offered.insert(row.id, (stream, row.event_id.clone()));
+    }
+
+    /// `row` was refused by its PUBACK: no receipt is to come for this
+    /// offer (it is offered again on another connection).
+    pub(super) fn forget_offered(&mut self, row: i64) {
+        if let Some(r) = self.receipts.as_mut() {
+            r.offered.remove(&row);
+        }
     }
 
     /// The rows `acked` PUBACKs acknowledged: those to retire now (all of
