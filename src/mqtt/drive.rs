@@ -9,10 +9,11 @@
 //! the caller's (`MqttThread::lose`), never done here.
 
 use super::link::Link;
+use super::poller::Conn;
 use super::settings::Protocol;
 use super::shared::{lock, SENT_AT_MAX};
 use super::thread::MqttThread;
-use super::wire::{Conn, Ev, Failure};
+use super::wire::{Ev, Failure};
 use crate::backoff::Backoff;
 use rumqttc::RecvTimeoutError;
 use std::sync::atomic::Ordering;
@@ -25,14 +26,16 @@ const IDLE_WAIT: Duration = Duration::from_secs(30);
 impl MqttThread {
     /// Poll one connection until it fails; returns why.
     pub(super) fn drive(&self, connection: &mut Conn, backoff: &mut Backoff) -> String {
-        // Long enough to never cancel a connect attempt (rumqttc's poll is
-        // cancelled by the timeout), short enough to see the stop flag.
+        // Long enough to see a connect attempt through, short enough to see
+        // the stop flag (the poll itself runs on, never cut short:
+        // [`super::poller`]).
         let connect_wait = self.cfg.connect_timeout + Duration::from_secs(2);
         loop {
             if self.stop.load(Ordering::Relaxed) {
+                self.take_queued_pubacks(connection, backoff);
                 return "agent stopping".into();
             }
-            // Event-driven: the poll wakes for packets, for requests the
+            // Event-driven: events come for packets, for requests the
             // delivery thread submits, for rumqttc's own keep-alive pings and
             // for the DISCONNECT that stop/reconfigure send; our only timer
             // is the watchdog's deadline while rows are in flight.
@@ -48,10 +51,15 @@ impl MqttThread {
                     None => IDLE_WAIT,
                 }
             };
-            let event = connection.recv_timeout(wait, self.cfg.keep_alive);
+            let event = connection.recv_timeout(wait);
             if self.stop.load(Ordering::Relaxed) {
                 // Whatever woke us (the offline status, a DISCONNECT): stop
-                // without matching it to rows.
+                // without matching it to rows; the PUBACKs already received
+                // still retire theirs.
+                if let Ok(Ok(Ev::PubAck { pkid, refused })) = event {
+                    let _ = self.on_puback(pkid, refused, backoff);
+                }
+                self.take_queued_pubacks(connection, backoff);
                 return "agent stopping".into();
             }
             match event {
@@ -114,6 +122,28 @@ impl MqttThread {
             }
             if let Some(why) = self.why_end() {
                 return why;
+            }
+        }
+    }
+
+    /// At a stop: the PUBACKs the poller has already received and queued
+    /// retire their rows (a clean stop re-sends nothing the broker
+    /// acknowledged); nothing else is taken.
+    fn take_queued_pubacks(&self, connection: &mut Conn, backoff: &mut Backoff) {
+        for _ in 0..super::poller::EVENTS_QUEUED {
+            match connection.recv_timeout(Duration::ZERO) {
+                Ok(Ok(Ev::PubAck { pkid, refused })) => {
+                    if self.on_puback(pkid, refused, backoff).is_err() {
+                        return;
+                    }
+                }
+                Ok(Ok(Ev::OutgoingPublish(pkid))) => {
+                    if lock(&self.shared).ack.on_outgoing_publish(pkid).is_err() {
+                        return;
+                    }
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) | Err(_) => return,
             }
         }
     }

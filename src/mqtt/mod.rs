@@ -21,8 +21,8 @@
 //! delivery and command threads' handle ([`Link`]); `thread` one connection
 //! after another ([`MqttThread`]); `drive` polling one connection and the
 //! watchdog; `acks` CONNACK, PUBACK and SUBACK; `status` the retained
-//! status; `facts` the connection's story for health; `packet` packet-size
-//! arithmetic; `setup` the files a connection reads; [`wire`] the two
+//! status; `facts` the connection's story for health; `poller` the event loop polled on its own thread, never cut short;
+//! `packet` packet-size arithmetic; `setup` the files a connection reads; [`wire`] the two
 //! protocol versions behind one face; [`settings`] the settings.
 
 mod acks;
@@ -31,6 +31,7 @@ mod facts;
 mod handoff;
 mod link;
 mod packet;
+mod poller;
 pub mod settings;
 mod setup;
 mod shared;

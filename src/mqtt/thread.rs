@@ -177,7 +177,8 @@ impl MqttThread {
                     continue;
                 }
             };
-            let (client, mut connection) = wire::connect(&self.cfg, setup);
+            let (client, raw) = wire::connect(&self.cfg, setup);
+            let mut connection = super::poller::Conn::start(raw, self.cfg.keep_alive);
             lock(&self.shared).client = Some(client.clone());
             let reason = self.drive(&mut connection, &mut backoff);
             let lived = lock(&self.shared)

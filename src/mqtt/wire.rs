@@ -13,7 +13,7 @@
 
 use crate::mqtt::{MqttConfig, Protocol};
 use rumqttc::v5::mqttbytes::v5 as p5;
-use rumqttc::{QoS, RecvTimeoutError};
+use rumqttc::QoS;
 use std::time::Duration;
 
 /// Name of the user property carrying a row's event id (MQTT 5 only).
@@ -49,7 +49,7 @@ pub enum Client {
 }
 
 /// The event loop of either version.
-pub enum Conn {
+pub enum RawConn {
     /// MQTT 3.1.1 (both boxed: one per connection, and large).
     V4(Box<rumqttc::Connection>),
     /// MQTT 5.
@@ -247,7 +247,7 @@ pub struct Setup {
 }
 
 /// A client and its event loop for `cfg.protocol`.
-pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, Conn) {
+pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, RawConn) {
     let cap = cfg.inflight_window + 8;
     // Above our window, so rumqttc's own flow control never holds a publish
     // we counted as in flight for long (packet ids cycle 1..=inflight).
@@ -286,7 +286,7 @@ pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, Conn) {
             }
             let (client, mut conn) = rumqttc::Client::new(o, cap);
             conn.eventloop.set_network_options(net);
-            (Client::V4(client), Conn::V4(Box::new(conn)))
+            (Client::V4(client), RawConn::V4(Box::new(conn)))
         }
         Protocol::V5 => {
             let mut o =
@@ -320,37 +320,12 @@ pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, Conn) {
             }
             o.set_network_options(net);
             let (client, conn) = rumqttc::v5::Client::new(o, cap);
-            (Client::V5(client), Conn::V5(Box::new(conn)))
+            (Client::V5(client), RawConn::V5(Box::new(conn)))
         }
     }
 }
 
-impl Conn {
-    /// The next event within `wait`: `Err(Timeout)` when none came,
-    /// `Ok(Err(_))` when the connection failed.
-    pub fn recv_timeout(
-        &mut self,
-        wait: Duration,
-        keep_alive: Duration,
-    ) -> Result<Result<Ev, Failure>, RecvTimeoutError> {
-        match self {
-            Conn::V4(c) => match c.recv_timeout(wait)? {
-                Ok(e) => Ok(Ok(ev4(e))),
-                Err(e) => Ok(Err(failure_v4(&e, keep_alive))),
-            },
-            Conn::V5(c) => match c.recv_timeout(wait) {
-                Ok(Ok(e)) => Ok(Ok(ev5(e))),
-                Ok(Err(e)) => Ok(Err(failure_v5(&e))),
-                Err(rumqttc::v5::RecvTimeoutError::Timeout) => Err(RecvTimeoutError::Timeout),
-                Err(rumqttc::v5::RecvTimeoutError::Disconnected) => {
-                    Err(RecvTimeoutError::Disconnected)
-                }
-            },
-        }
-    }
-}
-
-fn ev4(e: rumqttc::Event) -> Ev {
+pub(super) fn ev4(e: rumqttc::Event) -> Ev {
     use rumqttc::{Event, Incoming, Outgoing};
     match e {
         Event::Incoming(Incoming::ConnAck(a)) => Ev::ConnAck {
@@ -374,7 +349,7 @@ fn ev4(e: rumqttc::Event) -> Ev {
     }
 }
 
-fn ev5(e: rumqttc::v5::Event) -> Ev {
+pub(super) fn ev5(e: rumqttc::v5::Event) -> Ev {
     use rumqttc::v5::mqttbytes::v5::Packet;
     use rumqttc::v5::Event;
     match e {
@@ -446,7 +421,7 @@ fn suback_reason(c: &p5::SubscribeReasonCode) -> &'static str {
 }
 
 /// An MQTT 5 connection error in words an operator can act on.
-fn failure_v5(e: &rumqttc::v5::ConnectionError) -> Failure {
+pub(super) fn failure_v5(e: &rumqttc::v5::ConnectionError) -> Failure {
     use rumqttc::v5::{ConnectionError as E, StateError as S};
     let mut f = Failure {
         reason: String::new(),
@@ -577,7 +552,7 @@ fn is_refusal(e: &rumqttc::ConnectionError) -> bool {
 }
 
 /// A 3.1.1 connection error as a [`Failure`].
-fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> Failure {
+pub(super) fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> Failure {
     let oversize = match e {
         rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
