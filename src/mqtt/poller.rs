@@ -13,7 +13,9 @@
 //! same fault and the same cure (`crate::sink` polls on a thread too).
 //!
 //! The channel holds [`EVENTS_QUEUED`] events: an MQTT thread that falls
-//! behind stops the poller between two polls, never inside one.
+//! behind stops the poller between two polls, never inside one, and what
+//! waits is bounded: 64 packets of at most the incoming limit each (64 x
+//! 64 KiB = 4 MiB of commands at the default `commands.max_payload_bytes`).
 
 use super::wire::{ev4, ev5, failure_v4, failure_v5, Ev, Failure, RawConn};
 use crate::threads::join_within;
@@ -23,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Most events waiting for the MQTT thread.
-pub const EVENTS_QUEUED: usize = 1024;
+pub const EVENTS_QUEUED: usize = 64;
 
 /// How long dropping a [`Conn`] waits for its poller to end (it ends at the
 /// next event once nobody listens: the DISCONNECT going out, or the broker
