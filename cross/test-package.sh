@@ -141,7 +141,10 @@ unshare --mount --propagation private sh -c "
 check "the agent stopped cleanly on SIGTERM (exit 0)" bash -c "[ $rc = 0 ] && grep -q 'stopped cleanly' '$work/agent.log'"
 wait "$sub" || true
 check "the broker received an event from the packaged agent" grep -q event_id "$work/received"
-check "no WARN or ERROR from the packaged agent" bash -c "! grep -E ' (WARN|ERROR) ' '$work/agent.log'"
+# Two cautions are this rig's own set-up and expected: a broker on
+# 127.0.0.1 in puback mode, and the packaged config's commands with no
+# operator scope named.
+check "no WARN or ERROR from the packaged agent (but its two start-up cautions)" bash -c "! grep -E ' (WARN|ERROR) ' '$work/agent.log' | grep -v -e 'mqtt.url points at a broker on this board' -e 'commands.operator_scopes is empty' | grep -q ."
 check "the spool is in /var/lib/edgespool" test -f /var/lib/edgespool/spool.db
 check "the last-known-good config is in /var/lib/edgespool" \
   cmp -s /var/lib/edgespool/edgespool.toml.last-good /etc/edgespool/edgespool.toml
