@@ -16,14 +16,17 @@ use std::fmt;
 
 /// A 128-bit event id, unique forever (I3).
 ///
-/// Two kinds. Most ids: the first 8 bytes are random per agent process
-/// ([`EventIdGen::new`]), the last 8 a counter within that process. Nothing
-/// of it is stored in or derived from the spool, so a power-loss rollback or
-/// a lost `-wal` file that undoes the newest commits cannot make a later
-/// process issue the same id again for another reading. A replayed trace
-/// row's id is instead derived from the row itself ([`replay_event_id`]):
-/// the same row always gets the same id (that is its purpose), and another
-/// row never does.
+/// Three kinds. Most ids come from [`EventIdGen`] (a key drawn per agent
+/// process and a counter within it). Nothing of it is stored in or derived
+/// from the spool, so a power-loss rollback or a lost `-wal` file that
+/// undoes the newest commits cannot make a later process issue the same id
+/// again for another reading. A replayed trace row's id is instead derived
+/// from the row itself ([`replay_event_id`]): the same row always gets the
+/// same id (that is its purpose), and another row never does; everything
+/// in its payload (the trace's time, the row's cells) is a function of the
+/// same row, and its `seq` winds back with the rows a rollback undoes, so a
+/// row sent again after a rollback carries the same bytes. A keyed reading's id is derived from its key and its
+/// whole payload ([`keyed_event_id`]), so one id never names two payloads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EventId(pub [u8; 16]);
 
@@ -125,37 +128,27 @@ pub fn replay_event_id(
     }
     h.update(lap.to_be_bytes());
     h.update(line.to_be_bytes());
-    let mut b = [0u8; 16];
-    b.copy_from_slice(&h.finalize()[..16]);
-    b[6] = (b[6] & 0x0f) | 0x80;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    EventId(b)
+    uuid_v8(h)
 }
 
-/// The event id of a keyed reading (an idempotency key from a local
-/// producer: the ingest socket's `key`, a bridged message's `id_field`): the
-/// first 16 bytes of sha256(`"edgespool-key-v3"`, `secret`, device id,
-/// stream, scope, key), each length-prefixed, as a UUIDv8 like
-/// [`replay_event_id`]. `secret` is the spool's own (32 random bytes made
-/// with it, schema 10): whoever knows a key cannot compute its event id
+/// The spool's handle for an idempotency key from a local producer (the
+/// ingest socket's `key`, a bridged message's `id_field`): the first 16
+/// bytes of sha256(`"edgespool-key-v3"`, `secret`, device id, stream,
+/// scope, key), each length-prefixed, as a UUIDv8 like [`replay_event_id`].
+/// The spool looks a key up by it (`event_keys.event_id`) and finds the
+/// event id the key was published under; a key stored before schema 11 was
+/// published under this id itself. `secret` is the spool's own (32 random
+/// bytes made with it, schema 10): whoever knows a key cannot compute it
 /// (issue 21: a receipt or an event naming another board's id), and it
 /// stays the same as long as the spool does.
 ///
 /// `scope` is who gave the key (a listener and peer, a bridged topic: see
 /// [`crate::spool::ReadingKey::scope`]): the same key from two scopes is two
 /// readings, so one client can neither take another's event id nor have
-/// its reading dropped as a duplicate. A producer that sends the same key
-/// again in its scope (after its own crash, or a reply it never saw) gets
-/// the same id, so neither the spool nor a consumer sees a second event.
-/// (`v1` hashed no scope, `v2` no secret: a key sent before the upgrade and
-/// again after it gets a new id, as it does after the spool is moved aside.)
-pub fn keyed_event_id(
-    secret: &[u8; 32],
-    device_id: &str,
-    stream: &str,
-    scope: &str,
-    key: &str,
-) -> EventId {
+/// its reading dropped as a duplicate. (`v1` hashed no scope, `v2` no
+/// secret: a key sent before the upgrade and again after it gets a new id,
+/// as it does after the spool is moved aside.)
+pub fn key_id(secret: &[u8; 32], device_id: &str, stream: &str, scope: &str, key: &str) -> EventId {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for part in [
@@ -169,12 +162,48 @@ pub fn keyed_event_id(
         h.update((part.len() as u64).to_be_bytes());
         h.update(part);
     }
+    uuid_v8(h)
+}
+
+/// The event id a keyed reading is published under: the first 16 bytes of
+/// sha256(`"edgespool-keyed-event-v1"`, `key_id`, `body`), length-prefixed,
+/// as a UUIDv8. `key_id` is the key's [`key_id`] (so the id cannot be
+/// computed without the spool's secret); `body` is the event's payload as
+/// [`encode`] writes it with the all-zero event id: device, stream, `seq`,
+/// `ts_ms`, `clock_trusted` and fields, in the spool's payload format.
+///
+/// A payload is thus a function of its id (I3 even after a rollback): a
+/// key that the spool has forgotten (a power cut or a lost `-wal` rolled
+/// it back, or [`crate::spool::KEYS_KEPT`] passed) and is sent again gets
+/// this id back only if every byte of its payload comes out the same (the
+/// producer's own `ts_ms`, the same `seq`); with a time the agent filled
+/// in, or another `seq`, it is a new event under a new id, never a second
+/// payload under the first one. While the key is remembered the spool
+/// answers with the id stored beside it and stores nothing.
+pub fn keyed_event_id(key_id: &EventId, body: &[u8]) -> EventId {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [b"edgespool-keyed-event-v1".as_slice(), &key_id.0, body] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    uuid_v8(h)
+}
+
+/// The first 16 bytes of `h`'s digest with the UUID version nibble set to
+/// 8 and the RFC 9562 variant bits.
+fn uuid_v8(h: sha2::Sha256) -> EventId {
+    use sha2::Digest;
     let mut b = [0u8; 16];
     b.copy_from_slice(&h.finalize()[..16]);
     b[6] = (b[6] & 0x0f) | 0x80;
     b[8] = (b[8] & 0x3f) | 0x80;
     EventId(b)
 }
+
+/// The event id a keyed payload is first encoded with, to derive its real
+/// one from ([`keyed_event_id`]).
+pub const ZERO_EVENT_ID: EventId = EventId([0; 16]);
 
 /// Payload encoding, from `mqtt.payload_format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,8 +9,7 @@
 use crate::envelope::wall_clock_ms;
 use crate::intake::budget::Budget;
 use crate::intake::IngestMsg;
-use crate::reading::ReplayPosition;
-use crate::source::replay::{Replay, Resumed};
+use crate::source::replay::{DueRow, Replay, Resumed};
 use crate::source::{self, SourceState};
 use crate::spool::{NewEvent, Spool};
 use crate::threads::join_within;
@@ -119,21 +118,13 @@ fn source_loop(
                 // Only a followed file gets here: tried again every interval.
                 (None, source::SourceKind::Replay(r)) => open_replay(r, &spec.name, &spool)
                     .and_then(|p| replay_due(replay.insert(p), &spec.name, now)),
-                (None, _) => source::sample(&spec, &mut state, &dir).map(|f| vec![(f, None)]),
+                (None, _) => source::sample(&spec, &mut state, &dir).map(|f| vec![Due::Sampled(f)]),
             };
             match result {
                 Ok(list) => {
-                    let (ts_ms, trusted) = wall_clock_ms();
-                    for (fields, replay) in list.into_iter().filter(|(f, _)| !f.is_empty()) {
-                        let ev = NewEvent {
-                            replay,
-                            stream: spec.name.clone(),
-                            ts_ms,
-                            clock_trusted: trusted,
-                            fields,
-                            key: None,
-                            reply: None,
-                        };
+                    let clock = wall_clock_ms();
+                    for due in list.into_iter().filter(|d| !d.fields().is_empty()) {
+                        let ev = due.into_event(&spec.name, clock);
                         if tx.send(IngestMsg::Reading(ev)).is_err() {
                             return;
                         }
@@ -207,14 +198,47 @@ fn open_replay(
     Ok(replay)
 }
 
-/// One reading with, for a replayed row, its position.
-type Due = (crate::reading::Fields, Option<ReplayPosition>);
+/// One reading a source took.
+#[derive(Debug)]
+enum Due {
+    /// Sampled now: its time is the wall clock's.
+    Sampled(crate::reading::Fields),
+    /// A replayed row: its time is the trace's.
+    Replayed(DueRow),
+}
+
+impl Due {
+    fn fields(&self) -> &crate::reading::Fields {
+        match self {
+            Due::Sampled(f) => f,
+            Due::Replayed(r) => &r.fields,
+        }
+    }
+
+    /// The reading for `stream`. A sampled one carries `clock`, the wall
+    /// clock `(ms, trusted)` when it was taken. A replayed row carries its
+    /// own time ([`DueRow::ts_ms`]), marked trusted: it is the trace's
+    /// time, not a reading of the board's clock (which may still be in
+    /// 1970), and it comes out the same each time the row is read, so the
+    /// row's payload is a function of its id ((trace, lap, line): I3 after
+    /// a rollback) and of its `seq`, which the rollback winds back with it.
+    fn into_event(self, stream: &str, clock: (i64, bool)) -> NewEvent {
+        match self {
+            Due::Sampled(fields) => NewEvent::new(stream, clock.0, clock.1, fields),
+            Due::Replayed(row) => {
+                let mut ev = NewEvent::new(stream, row.ts_ms, true, row.fields);
+                ev.replay = Some(row.position);
+                ev
+            }
+        }
+    }
+}
 
 fn replay_due(r: &mut Replay, name: &str, now: Instant) -> Result<Vec<Due>, source::SourceError> {
     let was_done = r.stats().finished;
     let res = r
-        .due_at(now)
-        .map(|list| list.into_iter().map(|(f, p)| (f, Some(p))).collect());
+        .due_rows(now)
+        .map(|list| list.into_iter().map(Due::Replayed).collect());
     if !was_done && r.stats().finished {
         let st = r.stats();
         log::info!(

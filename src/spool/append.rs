@@ -36,15 +36,19 @@ pub struct NewEvent {
     /// position already stored for the same trace is not appended again.
     pub replay: Option<ReplayPosition>,
     /// Idempotency key from the producer (ingest socket `key`, bridged
-    /// message `id_field`), scoped to who sent it ([`ReadingKey`]). The
-    /// event id then derives from (device id, stream, scope, key)
-    /// ([`envelope::keyed_event_id`]); a keyed reading whose id is already
-    /// spooled with the same reading is not appended again (counted under
-    /// `ingest_keys_already_spooled`) and its reply carries that id; with
-    /// another reading it is refused for good (counted under
-    /// `ingest_key_conflicts`). Keys are remembered while their row, or any
-    /// older row, is in the spool. Boxed: most readings have none, and
-    /// every reading in flight carries the field.
+    /// message `id_field`), scoped to who sent it ([`ReadingKey`]). A key
+    /// already spooled with the same reading is not appended again (counted
+    /// under `ingest_keys_already_spooled`) and its reply carries the event
+    /// id stored with the key; with another reading it is refused for good
+    /// (counted under `ingest_key_conflicts`). A new key's event id derives
+    /// from the key and the whole payload, `seq` and `ts_ms` included
+    /// ([`envelope::keyed_event_id`]): a key the spool forgot (a rollback,
+    /// or past [`super::KEYS_KEPT`]) and sent again is byte-identical under
+    /// its first id, or a new event under a new id, never a second payload
+    /// under one id (I3). Keys are remembered while their row, or any
+    /// older row, is in the spool, and the newest [`super::KEYS_KEPT`]
+    /// after. Boxed: most readings have none, and every reading in flight
+    /// carries the field.
     pub key: Option<Box<ReadingKey>>,
     /// Told the outcome once: after the commit, or when refused.
     pub reply: Option<Reply>,
@@ -249,6 +253,16 @@ impl Reply {
     }
 }
 
+/// How a row's event id is made ([`Issued::event_id`]).
+#[derive(Clone, Copy)]
+enum IdFor {
+    /// Known before the payload: fresh, or a replayed row's.
+    Ready(EventId),
+    /// A keyed reading's, from the key's [`envelope::key_id`] and the
+    /// payload ([`envelope::keyed_event_id`]).
+    Keyed(EventId),
+}
+
 /// Where one append transaction writes its rows.
 struct Target<'a, 't> {
     tx: &'a rusqlite::Transaction<'t>,
@@ -287,13 +301,16 @@ impl Issued {
     ) -> Result<Option<CommitOutcome>, SpoolError> {
         let err = |e| SpoolError::classify(to.path, e);
         let stream = self.stream(to.tx, book, &ev.stream).map_err(err)?;
-        let event_id = match self.event_id(to, ev, ids).map_err(err)? {
+        let id = match self.event_id(to, ev, ids).map_err(err)? {
             Ok(id) => id,
             Err(told) => return Ok(told),
         };
         let seq = stream.last_seq + 1;
-        let env = Envelope {
-            event_id,
+        let mut env = Envelope {
+            event_id: match id {
+                IdFor::Ready(id) => id,
+                IdFor::Keyed(_) => envelope::ZERO_EVENT_ID,
+            },
             device_id: to.device_id,
             stream: &ev.stream,
             seq: seq as u64,
@@ -301,7 +318,13 @@ impl Issued {
             clock_trusted: ev.clock_trusted,
             fields: &ev.fields,
         };
-        let payload = match envelope::encode(to.format, &env) {
+        let mut encoded = envelope::encode(to.format, &env);
+        if let (IdFor::Keyed(key_id), Ok(body)) = (id, &encoded) {
+            // The id is derived from the payload it names (I3 after a rollback).
+            env.event_id = envelope::keyed_event_id(&key_id, body);
+            encoded = envelope::encode(to.format, &env);
+        }
+        let payload = match encoded {
             Ok(p) => p,
             Err(e) => {
                 log::warn!("stream {}: reading not encodable, skipped: {e}", ev.stream);
@@ -312,7 +335,7 @@ impl Issued {
             }
         };
         let digest = Sha256::digest(&payload);
-        let hyphenated = event_id.hyphenated();
+        let hyphenated = env.event_id.hyphenated();
         to.insert
             .execute(params![
                 stream.id,
@@ -324,8 +347,9 @@ impl Issued {
                 stream.prio
             ])
             .map_err(err)?;
-        if let Some(k) = &ev.key {
-            keys::remember(to.tx, to.tx.last_insert_rowid(), &hyphenated, &k.digest)
+        if let (Some(k), IdFor::Keyed(key_id)) = (&ev.key, id) {
+            let row_id = to.tx.last_insert_rowid();
+            keys::remember(to.tx, row_id, &key_id.hyphenated(), &hyphenated, &k.digest)
                 .map_err(err)?;
         }
         self.next.insert(
@@ -358,49 +382,47 @@ impl Issued {
         stream_row(tx, name, prio)
     }
 
-    /// The event id of `ev`: derived from its replay position or its key,
-    /// else fresh. `Err(told)`: not appended (a replayed row or a keyed
-    /// reading already spooled), with what its producer is told.
+    /// The event id of `ev`: derived from its replay position, fresh, or,
+    /// for a keyed reading, to be derived from its payload. `Err(told)`: not
+    /// appended (a replayed row or a keyed reading already spooled), with
+    /// what its producer is told.
     fn event_id(
         &mut self,
         to: &Target<'_, '_>,
         ev: &NewEvent,
         ids: &mut EventIdGen,
-    ) -> rusqlite::Result<Result<EventId, Option<CommitOutcome>>> {
+    ) -> rusqlite::Result<Result<IdFor, Option<CommitOutcome>>> {
         if let Some(pos) = &ev.replay {
             if !self.marks.admit(to.tx, &ev.stream, pos)? {
                 return Ok(Err(None));
             }
             let trace = pos.id_trace();
             let id = envelope::replay_event_id(to.device_id, &ev.stream, &trace, pos.lap, pos.line);
-            return Ok(Ok(id));
+            return Ok(Ok(IdFor::Ready(id)));
         }
         let Some(key) = &ev.key else {
-            return Ok(Ok(ids.next_id()));
+            return Ok(Ok(IdFor::Ready(ids.next_id())));
         };
-        let id = envelope::keyed_event_id(
+        let key_id = envelope::key_id(
             to.key_secret,
             to.device_id,
             &ev.stream,
             &key.scope,
             &key.key,
         );
-        let hyphenated = id.hyphenated();
-        match keys::spooled(to.tx, &hyphenated)? {
-            None => Ok(Ok(id)),
-            // A key stored before digests were (schema 8) counts as the same reading.
-            Some(stored) if stored.is_none_or(|d| d == key.digest) => {
-                self.keys_already += 1;
-                Ok(Err(Some(Ok(hyphenated))))
-            }
-            Some(_) => {
-                self.key_conflicts += 1;
-                Ok(Err(Some(Err(Refused::lasting(format!(
-                    "not stored: key {:?} was already used for another reading (event id {hyphenated}); a key names one reading: send this one under a new key",
-                    key.key
-                ))))))
-            }
+        let Some(stored) = keys::spooled(to.tx, &key_id.hyphenated())? else {
+            return Ok(Ok(IdFor::Keyed(key_id)));
+        };
+        // A key stored before digests were (schema 8) counts as the same reading.
+        if stored.digest.is_none_or(|d| d == key.digest) {
+            self.keys_already += 1;
+            return Ok(Err(Some(Ok(stored.event_id))));
         }
+        self.key_conflicts += 1;
+        Ok(Err(Some(Err(Refused::lasting(format!(
+            "not stored: key {:?} was already used for another reading (event id {}); a key names one reading: send this one under a new key",
+            key.key, stored.event_id
+        ))))))
     }
 
     /// The replay positions moved and the counts of readings not appended,

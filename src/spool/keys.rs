@@ -1,12 +1,17 @@
 //! Idempotency keys of keyed readings ([`super::NewEvent::key`]).
 //!
-//! One job: remember which keyed event ids are in the spool, and the digest
-//! of the reading each one names, so a producer that sends a key again with
-//! the same reading gets the first event id back and the spool stores
-//! nothing new, and one that sends it with another reading is refused (one
-//! key, one event id, one payload: I3). Only keyed rows pay for it (a row in `event_keys` and its
-//! unique index); schema 5 keeps no index on `events.event_id`, because every
-//! reading would pay for one.
+//! One job: remember which keys are in the spool (by their
+//! [`crate::envelope::key_id`], column `event_id`), the event id each one's
+//! reading was published under (`published_id`, schema 11: derived from the
+//! key and the payload, see [`crate::envelope::keyed_event_id`]; NULL for a
+//! key stored before, published under its key id) and the digest of that
+//! reading, so a producer that sends a key again with the same reading gets
+//! the first event id back and the spool stores nothing new, and one that
+//! sends it with another reading is refused (one key, one event id, one
+//! payload: I3). The lookup is by key, never by the published id: that one
+//! depends on the `seq` and time the first copy got. Only keyed rows pay
+//! for it (a row in `event_keys` and its unique index); schema 5 keeps no
+//! index on `events.event_id`, because every reading would pay for one.
 //!
 //! A key outlives its row: the newest [`KEYS_KEPT`] keys are remembered
 //! after their rows have left the spool ([`forget_purged`]), so a key sent
@@ -15,41 +20,55 @@
 //! time under the same id with other bytes (which the fleet would hold as a
 //! mismatch, and, in receipt mode, never receipt). Older ones are forgotten,
 //! so the table stays bounded: by the spool, plus [`KEYS_KEPT`] rows of
-//! about 100 bytes.
+//! about 140 bytes. A forgotten key (past the bound, or rolled back with
+//! the newest commits) sent again cannot give a second payload under its
+//! first id either: its id is derived from its whole payload.
 
 use rusqlite::{params, OptionalExtension, Transaction};
 
-/// The digest of the reading stored under keyed event `event_id` (in the
-/// spool, or appended earlier in `tx`): `None` if the key is not spooled,
-/// `Some(None)` if it was stored before digests were (schema 8).
-pub(super) fn spooled(
-    tx: &Transaction<'_>,
-    event_id: &str,
-) -> rusqlite::Result<Option<Option<[u8; 32]>>> {
-    let stored: Option<Option<Vec<u8>>> = tx
-        .prepare_cached("SELECT digest FROM event_keys WHERE event_id = ?1")?
-        .query_row(params![event_id], |r| r.get(0))
-        .optional()?;
-    // A digest of another length was not written by this build: like none.
-    Ok(stored.map(|d| d.and_then(|d| <[u8; 32]>::try_from(d.as_slice()).ok())))
+/// What the spool remembers of a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct StoredKey {
+    /// The event id the key's reading was published under (hyphenated).
+    pub(super) event_id: String,
+    /// The digest of that reading ([`super::ReadingKey::digest`]); `None`
+    /// if it was stored before digests were (schema 8).
+    pub(super) digest: Option<[u8; 32]>,
 }
 
-/// Remember that row `row_id` is keyed event `event_id`, for the reading
-/// whose digest is `digest`.
+/// The key whose [`crate::envelope::key_id`] is `key_id` (in the spool, or
+/// appended earlier in `tx`), if remembered. A key stored before schema 11
+/// was published under its key id itself.
+pub(super) fn spooled(tx: &Transaction<'_>, key_id: &str) -> rusqlite::Result<Option<StoredKey>> {
+    let stored: Option<(Option<String>, Option<Vec<u8>>)> = tx
+        .prepare_cached("SELECT published_id, digest FROM event_keys WHERE event_id = ?1")?
+        .query_row(params![key_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    Ok(stored.map(|(published, digest)| StoredKey {
+        event_id: published.unwrap_or_else(|| key_id.to_owned()),
+        // A digest of another length was not written by this build: like none.
+        digest: digest.and_then(|d| <[u8; 32]>::try_from(d.as_slice()).ok()),
+    }))
+}
+
+/// Remember that row `row_id` holds the reading of the key whose key id is
+/// `key_id`, published as `event_id`, with the reading's `digest`.
 pub(super) fn remember(
     tx: &Transaction<'_>,
     row_id: i64,
+    key_id: &str,
     event_id: &str,
     digest: &[u8; 32],
 ) -> rusqlite::Result<()> {
     tx.prepare_cached(
-        "INSERT OR IGNORE INTO event_keys (row_id, event_id, digest) VALUES (?1, ?2, ?3)",
+        "INSERT OR IGNORE INTO event_keys (row_id, event_id, published_id, digest)
+         VALUES (?1, ?2, ?3, ?4)",
     )?
-    .execute(params![row_id, event_id, digest.as_slice()])?;
+    .execute(params![row_id, key_id, event_id, digest.as_slice()])?;
     Ok(())
 }
 
-/// Keys remembered after their rows left the spool (about 1 MB with the
+/// Keys remembered after their rows left the spool (about 1.4 MB with the
 /// unique index on `event_id`).
 pub const KEYS_KEPT: i64 = 10_000;
 
@@ -68,7 +87,7 @@ pub(super) fn forget_purged(tx: &Transaction<'_>) -> rusqlite::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::KEYS_KEPT;
-    use crate::envelope::{keyed_event_id, EventIdGen, Format};
+    use crate::envelope::{key_id, EventIdGen, Format};
     use crate::reading::FieldValue;
     use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply, Spool, SpoolOptions};
     use std::sync::mpsc::Receiver;
@@ -97,6 +116,26 @@ mod tests {
         });
         ev.reply = Some(reply);
         (ev, rx)
+    }
+
+    /// `event_keys` as (key id, published id), by row.
+    fn stored_ids(s: &Spool) -> Vec<(String, Option<String>)> {
+        let mut q = s
+            .conn
+            .prepare("SELECT event_id, published_id FROM event_keys ORDER BY row_id")
+            .unwrap();
+        let rows = q.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.map(Result::unwrap).collect()
+    }
+
+    /// Every row as (event id, payload), in order.
+    fn payloads(s: &Spool) -> Vec<(String, Vec<u8>)> {
+        let mut q = s
+            .conn
+            .prepare("SELECT event_id, payload FROM events ORDER BY id")
+            .unwrap();
+        let rows = q.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.map(Result::unwrap).collect()
     }
 
     fn rows(s: &Spool) -> i64 {
@@ -128,10 +167,11 @@ mod tests {
             2
         );
         let first = ra.recv().unwrap().unwrap();
-        assert_eq!(
-            first,
-            keyed_event_id(&s.key_secret, "dev", "pump", "tcp", "pump-1").hyphenated()
-        );
+        // Looked up by the key's id, published under the id of its payload.
+        let kid = key_id(&s.key_secret, "dev", "pump", "tcp", "pump-1").hyphenated();
+        assert_ne!(first, kid);
+        assert_eq!(stored_ids(&s), vec![(kid, Some(first.clone()))]);
+        assert_eq!(payloads(&s)[0].0, first);
         assert_eq!(rb.recv().unwrap().unwrap(), first);
         let unkeyed = rc.recv().unwrap().unwrap();
         assert_ne!(unkeyed, first);
@@ -340,5 +380,133 @@ mod tests {
             .unwrap();
         assert_eq!(secret.len(), 32);
         assert_ne!(secret, vec![0u8; 32]);
+    }
+
+    /// `key` with its own time `ts` (`Some`: the producer's) or the agent's
+    /// (`None`: stamped `stamp`), fields `x`.
+    fn timed(
+        key: &str,
+        ts: Option<i64>,
+        stamp: i64,
+        x: f64,
+    ) -> (NewEvent, Receiver<CommitOutcome>) {
+        let (reply, rx) = Reply::channel();
+        let fields = vec![("x".into(), FieldValue::Num(x))];
+        let mut ev = NewEvent::new("pump", ts.unwrap_or(stamp), true, fields);
+        ev.key = Some(Box::new(ReadingKey::new(
+            "tcp".into(),
+            key.into(),
+            "pump",
+            &ev.fields,
+            ts,
+        )));
+        ev.reply = Some(reply);
+        (ev, rx)
+    }
+
+    /// Appends `evs` to `s` one batch each; the ids told.
+    fn ids_told(s: &mut Spool, evs: Vec<(NewEvent, Receiver<CommitOutcome>)>) -> Vec<String> {
+        let mut ids = EventIdGen::new().unwrap();
+        evs.into_iter()
+            .map(|(ev, rx)| {
+                s.append(&[ev], &mut ids, "dev", Format::Json, 9).unwrap();
+                rx.recv().unwrap().unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_key_forgotten_by_a_rollback_and_sent_again_is_the_same_bytes_or_a_new_event() {
+        // A rollback, modelled exactly: the spool file copied while closed
+        // (its WAL checkpointed into it), the newest commits made on the
+        // original only, then the same readings sent to the copy.
+        let d = tempfile::tempdir().unwrap();
+        let live = d.path().join("live.db");
+        let base = ids_told(
+            &mut Spool::open(&live, &SpoolOptions::default()).unwrap(),
+            vec![keyed("pump", Some("k0"), 0.0)],
+        );
+        for copy in ["same.db", "shifted.db"] {
+            std::fs::copy(&live, d.path().join(copy)).unwrap();
+        }
+        let mut s = Spool::open(&live, &SpoolOptions::default()).unwrap();
+        let sent = ids_told(
+            &mut s,
+            vec![
+                timed("given", Some(1_800_000_000_000), 0, 1.0),
+                timed("stamped", None, 1_800_000_000_500, 2.0),
+            ],
+        );
+        let before = payloads(&s);
+        // The same order: the producer's time gives the same id over the
+        // same bytes; the agent's time (another stamp) a new event.
+        let mut same = Spool::open(&d.path().join("same.db"), &SpoolOptions::default()).unwrap();
+        let again = ids_told(
+            &mut same,
+            vec![
+                timed("given", Some(1_800_000_000_000), 0, 1.0),
+                timed("stamped", None, 1_800_000_000_900, 2.0),
+            ],
+        );
+        assert_eq!(again[0], sent[0]);
+        assert_eq!(payloads(&same)[1], before[1], "byte-identical");
+        assert_ne!(again[1], sent[1]);
+        // Another reading first: the keyed one gets another seq, so another
+        // id (under the key's id alone it would be a second payload).
+        let mut shifted =
+            Spool::open(&d.path().join("shifted.db"), &SpoolOptions::default()).unwrap();
+        let moved = ids_told(
+            &mut shifted,
+            vec![
+                keyed("pump", None, 7.0),
+                timed("given", Some(1_800_000_000_000), 0, 1.0),
+            ],
+        );
+        assert_ne!(moved[1], sent[0]);
+        // No id names two payloads across the three spools.
+        let mut by_id: std::collections::HashMap<String, Vec<u8>> = Default::default();
+        for (id, p) in [before, payloads(&same), payloads(&shifted)].concat() {
+            let seen = by_id.entry(id.clone()).or_insert_with(|| p.clone());
+            assert_eq!(*seen, p, "two payloads under {id}");
+        }
+        assert!(by_id.contains_key(&base[0]));
+        // While remembered, a retry of the stamped reading (yet another
+        // stamp) gets its first id back and stores nothing.
+        let retry = ids_told(&mut s, vec![timed("stamped", None, 1_800_000_009_999, 2.0)]);
+        assert_eq!(retry[0], sent[1]);
+        assert_eq!(rows(&s), 3);
+    }
+
+    #[test]
+    fn a_schema_10_spool_keeps_answering_its_keys_with_their_first_ids() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("spool.db");
+        let old_id = {
+            let mut s = Spool::open(&path, &SpoolOptions::default()).unwrap();
+            ids_told(&mut s, vec![keyed("pump", Some("k"), 1.0)]);
+            // As schema 10 wrote it: the row published under the key's id,
+            // no published_id column.
+            let kid = key_id(&s.key_secret, "dev", "pump", "tcp", "k").hyphenated();
+            s.conn
+                .execute_batch(&format!(
+                    "UPDATE events SET event_id = '{kid}';
+                     ALTER TABLE event_keys DROP COLUMN published_id;
+                     PRAGMA user_version = 10;"
+                ))
+                .unwrap();
+            kid
+        };
+        let mut s = Spool::open(&path, &SpoolOptions::default()).unwrap();
+        assert_eq!(s.schema_version().unwrap(), 11);
+        assert_eq!(stored_ids(&s), vec![(old_id.clone(), None)]);
+        let told = ids_told(&mut s, vec![keyed("pump", Some("k"), 1.0)]);
+        assert_eq!(told[0], old_id);
+        assert_eq!(rows(&s), 1);
+        let (other, ro) = keyed("pump", Some("k"), 2.0);
+        let mut ids = EventIdGen::new().unwrap();
+        s.append(&[other], &mut ids, "dev", Format::Json, 9)
+            .unwrap();
+        let refused = ro.recv().unwrap().unwrap_err();
+        assert!(refused.why.contains(&old_id), "{refused}");
     }
 }

@@ -9,7 +9,7 @@ use super::{CheckpointMode, Spool, SpoolError};
 use rusqlite::TransactionBehavior;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 10;
+pub const SCHEMA_VERSION: i64 = 11;
 
 pub(super) const MIGRATION_1: &str = "
 CREATE TABLE IF NOT EXISTS events (
@@ -237,6 +237,14 @@ CREATE TABLE secrets (
 );
 ";
 
+/// Schema 11: the event id each key's reading was published under
+/// ([`crate::envelope::keyed_event_id`], derived from the key and the
+/// payload), beside the key's own id (`event_id`, the lookup). Keys stored
+/// before have NULL: they were published under the key's id itself.
+pub(super) const MIGRATION_11: &str = "
+ALTER TABLE event_keys ADD COLUMN published_id TEXT;
+";
+
 /// Made once per spool, the first time a build of schema 10 opens it.
 const SQL_MAKE_SECRETS: &str =
     "INSERT OR IGNORE INTO secrets (name, value) VALUES ('key_ids', randomblob(32))";
@@ -294,6 +302,9 @@ impl Spool {
         }
         if version < 10 {
             tx.execute_batch(MIGRATION_10).map_err(err)?;
+        }
+        if version < 11 {
+            tx.execute_batch(MIGRATION_11).map_err(err)?;
         }
         tx.execute(SQL_MAKE_SECRETS, []).map_err(err)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)

@@ -4,7 +4,8 @@
 //! decimal commas, CRLF, `-200` for missing values) is played back row by
 //! row, either paced against the clock (`speed` trace seconds per real
 //! second) or as fast as the caller asks (`speed == 0`). Each usable row
-//! becomes one reading: `trace_ts_ms` first, then the configured columns.
+//! becomes one reading: `trace_ts_ms` first, then the configured columns;
+//! its event's `ts_ms` is the same trace time ([`DueRow::ts_ms`]).
 //!
 //! Its one rule: **a row has one identity for ever.** Every reading carries
 //! a [`ReplayPosition`] (trace identity, lap, line); the spool derives the
@@ -175,6 +176,21 @@ struct Row {
     position: ReplayPosition,
 }
 
+/// One row due ([`Replay::due_rows`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DueRow {
+    /// The reading: `trace_ts_ms` first, then the configured columns.
+    pub fields: Fields,
+    /// Where the replay stands just after the row (stored with it).
+    pub position: ReplayPosition,
+    /// The row's time, unix ms (UTC): the trace's timestamp plus the lap's
+    /// shift, as in `trace_ts_ms`. A function of (trace, lap, line) and the
+    /// stored position alone, never of the clock at read time, so a row
+    /// read again after a resume (a rollback undid its commit) has the same
+    /// time; the event's `ts_ms` is this.
+    pub ts_ms: i64,
+}
+
 /// A paced replay waiting longer than this for its next row says so.
 const LONG_WAIT: Duration = Duration::from_secs(3600);
 
@@ -281,6 +297,20 @@ impl Replay {
     ///
     /// As [`Replay::due`].
     pub fn due_at(&mut self, now: Instant) -> Result<Vec<(Fields, ReplayPosition)>, SourceError> {
+        Ok(self
+            .due_rows(now)?
+            .into_iter()
+            .map(|r| (r.fields, r.position))
+            .collect())
+    }
+
+    /// Like [`Replay::due_at`], each reading with its row's time as well
+    /// ([`DueRow::ts_ms`]), the time its event carries.
+    ///
+    /// # Errors
+    ///
+    /// As [`Replay::due`].
+    pub fn due_rows(&mut self, now: Instant) -> Result<Vec<DueRow>, SourceError> {
         let mut out = Vec::new();
         if self.stats.finished {
             return Ok(out);
@@ -310,7 +340,11 @@ impl Replay {
                 break;
             }
             self.stats.readings += 1;
-            out.push((row.fields, row.position));
+            out.push(DueRow {
+                ts_ms: row.ts,
+                fields: row.fields,
+                position: row.position,
+            });
         }
         Ok(out)
     }
