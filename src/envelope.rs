@@ -417,6 +417,34 @@ mod tests {
     }
 
     #[test]
+    fn a_keyed_id_changes_with_every_byte_of_its_payload_and_with_its_key() {
+        let f = sample_fields();
+        let env = |seq, ts_ms| Envelope {
+            event_id: ZERO_EVENT_ID,
+            device_id: "dev",
+            stream: "pump",
+            seq,
+            ts_ms,
+            clock_trusted: true,
+            fields: &f,
+        };
+        let body = |seq, ts| encode(Format::Json, &env(seq, ts)).unwrap();
+        let k = key_id(&[7; 32], "dev", "pump", "tcp", "k1");
+        let id = keyed_event_id(&k, &body(1, 5));
+        assert_eq!(id, keyed_event_id(&k, &body(1, 5)));
+        assert_eq!(&id.to_string()[14..15], "8", "{id}");
+        for other in [
+            keyed_event_id(&k, &body(2, 5)),
+            keyed_event_id(&k, &body(1, 6)),
+            keyed_event_id(&key_id(&[7; 32], "dev", "pump", "tcp", "k2"), &body(1, 5)),
+            keyed_event_id(&key_id(&[8; 32], "dev", "pump", "tcp", "k1"), &body(1, 5)),
+        ] {
+            assert_ne!(id, other);
+        }
+        assert_ne!(id, k, "the published id is not the key's");
+    }
+
+    #[test]
     fn json_envelope_carries_identity_and_fields() {
         let f = sample_fields();
         let id = EventId([1; 16]);
