@@ -26,6 +26,7 @@ mod receipts;
 mod receipts_e2e;
 mod refusals;
 mod replay;
+mod rollback;
 mod sink_batches;
 mod sink_identity;
 mod spool;
