@@ -225,9 +225,11 @@ pub struct Envelope<'a> {
     pub stream: &'a str,
     /// Per-stream sequence number, from 1.
     pub seq: u64,
-    /// Wall-clock time of the reading, Unix milliseconds.
+    /// Time of the reading, Unix milliseconds: the wall clock when it was
+    /// taken, the producer's own, or a replayed row's trace time.
     pub ts_ms: i64,
-    /// False when the board's clock was not trusted when the reading was taken.
+    /// False when the board's clock was not trusted when the reading was
+    /// taken (a trace's time is trusted).
     pub clock_trusted: bool,
     /// The reading's fields.
     pub fields: &'a Fields,

@@ -733,6 +733,11 @@ impl Bridge<'_> {
             Err(e) => return self.refuse(&p, epoch, &e),
         };
         let (reply, outcome) = Reply::channel();
+        // The message carries no time of its own: the agent's clock. With an
+        // `id_field` the event id then derives from the key and this time
+        // (with the rest of the payload, [`crate::envelope::keyed_event_id`]),
+        // so a redelivery after a rollback made the spool forget the key is
+        // a new event, never a second payload under the first id.
         let (ts_ms, clock_trusted) = wall_clock_ms();
         // The topic is the key's scope: one id on two topics is two messages.
         let key = decoded.key.map(|k| {

@@ -24,9 +24,13 @@ pub(super) const SQL_INSERT_EVENT: &str = "INSERT INTO events
 pub struct NewEvent {
     /// Stream (source name).
     pub stream: String,
-    /// Unix ms.
+    /// The reading's time, Unix ms: the wall clock when it was taken, the
+    /// producer's own time, or, for a replayed row, the trace's
+    /// ([`crate::source::replay::DueRow::ts_ms`]).
     pub ts_ms: i64,
-    /// Whether the wall clock was trusted.
+    /// Whether `ts_ms` can be trusted: the wall clock was (not before
+    /// [`envelope::CLOCK_FLOOR_MS`]), a producer's time is past it; always
+    /// for a replayed row's trace time.
     pub clock_trusted: bool,
     /// The fields.
     pub fields: Fields,
@@ -584,9 +588,10 @@ pub(crate) fn insert_one(
 
 impl Spool {
     /// Append `events` in one IMMEDIATE transaction: each gets the next
-    /// sequence number of its stream, an event id (fresh, or derived from
-    /// its replay position), its payload encoded once, and a sha256 digest
-    /// of that payload. All or nothing. The transaction writes the new rows
+    /// sequence number of its stream, an event id (fresh, derived from its
+    /// replay position, or for a keyed reading from its key and payload,
+    /// see [`NewEvent::key`]), its payload encoded once, and a sha256
+    /// digest of that payload. All or nothing. The transaction writes the new rows
     /// only (plus a `streams` row the first time a stream appears, and the
     /// replay position of each replayed stream, see [`NewEvent::replay`]):
     /// sequence numbers reach `streams` through [`Spool::persist_seqs`].
