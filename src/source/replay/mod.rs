@@ -11,7 +11,11 @@
 //! a [`ReplayPosition`] (trace identity, lap, line); the spool derives the
 //! row's event id from it and stores the position in the same transaction
 //! as the row, and [`Replay::resume`] continues after the stored position.
-//! So a restart neither skips a row nor sends one again under a new id.
+//! So a restart neither skips a row nor sends one again under a new id. And
+//! a row has one payload: its time ([`DueRow::ts_ms`]) and cells come from
+//! the file and the stored position (the repeat shift included), never from
+//! the clock when it is read, so a row read again after a rollback of the
+//! spool's newest commits is encoded to the same bytes (I3).
 //!
 //! With `follow = true` the file is tailed instead (like `tail -F`, see
 //! [`super::tail`]): at its end the replay waits for more complete lines,
