@@ -176,3 +176,29 @@ fn check_config_sample_names_a_source_that_gives_no_reading() {
         "{err}"
     );
 }
+
+/// A 10 GB `spool.journal_size_limit_bytes` (an extra zero) is refused by
+/// both `check-config` and `run`, naming the key, the value and the range;
+/// `run` creates no spool.
+#[test]
+fn a_journal_size_limit_over_1_gib_is_refused_by_check_config_and_run() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let cfg = d.path().join("board.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\njournal_size_limit_bytes = 10737418240\n",
+            d.path().display()
+        ),
+    )
+    .expect("write");
+    let cfg = cfg.to_str().expect("utf-8");
+    let want = "spool.journal_size_limit_bytes: must be 0..=1073741824 (1 GiB) (got 10737418240)";
+    let (status, _, err) = run_cli(&["check-config", cfg]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains(want), "{err}");
+    let (status, _, err) = run_cli(&["run", "--config", cfg]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains(want), "{err}");
+    assert!(!d.path().join("spool.db").exists());
+}
