@@ -72,15 +72,9 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Ev::OutgoingPublish(pkid))) => {
-                    let mut s = lock(&self.shared);
-                    if let Err(e) = s.ack.on_outgoing_publish(pkid) {
-                        return format!("ack correlation: {e}");
+                    if let Err(why) = self.on_outgoing_publish(pkid) {
+                        return why;
                     }
-                    s.sent_at.retain(|(p, _)| *p != pkid);
-                    if s.sent_at.len() >= SENT_AT_MAX {
-                        s.sent_at.pop_front();
-                    }
-                    s.sent_at.push_back((pkid, Instant::now()));
                 }
                 Ok(Ok(Ev::PubAck { pkid, refused })) => {
                     if let Err(why) = self.on_puback(pkid, refused, backoff) {
@@ -138,7 +132,7 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Ev::OutgoingPublish(pkid))) => {
-                    if lock(&self.shared).ack.on_outgoing_publish(pkid).is_err() {
+                    if self.on_outgoing_publish(pkid).is_err() {
                         return;
                     }
                 }
@@ -146,6 +140,24 @@ impl MqttThread {
                 Ok(Err(_)) | Err(_) => return,
             }
         }
+    }
+
+    /// A PUBLISH left with `pkid`: the ack map matches it to the oldest
+    /// row submitted (or knows it as a re-send), and the time it left is
+    /// noted for the PUBACK latency. The one handler of the main loop and
+    /// of [`Self::take_queued_pubacks`]. Errors: an inconsistency that ends
+    /// the connection.
+    fn on_outgoing_publish(&self, pkid: u16) -> Result<(), String> {
+        let mut s = lock(&self.shared);
+        if let Err(e) = s.ack.on_outgoing_publish(pkid) {
+            return Err(format!("ack correlation: {e}"));
+        }
+        s.sent_at.retain(|(p, _)| *p != pkid);
+        if s.sent_at.len() >= SENT_AT_MAX {
+            s.sent_at.pop_front();
+        }
+        s.sent_at.push_back((pkid, Instant::now()));
+        Ok(())
     }
 
     /// After each event: why this connection must end now, if it must (new
