@@ -67,6 +67,9 @@ impl MqttThread {
                     session_present,
                     granted,
                 })) => {
+                    if self.cfg.protocol == Protocol::V5 {
+                        self.v5_answered.set(true);
+                    }
                     if let Err(why) = self.on_connack(session_present, granted) {
                         return why;
                     }
@@ -195,11 +198,21 @@ impl MqttThread {
             s.conn.peer_closed = true;
             s.connected
         };
-        if f.closed_by_peer && !connected && self.cfg.protocol == Protocol::V5 {
-            // No CONNACK: what a broker that does not speak
+        let v5 = self.cfg.protocol == Protocol::V5;
+        if f.closed_by_peer && !connected && v5 && self.v5_answered.get() {
+            // No CONNACK from a broker that has answered MQTT 5 before: a
+            // broker shutting down or starting (or a port forward with no
+            // broker behind it) does this; the protocol is not the cause.
+            f.reason = "the broker closed the connection without answering the CONNECT; it has accepted MQTT 5 before, so it is restarting or unreachable".to_owned();
+            self.broker_away.set(true);
+        } else if f.closed_by_peer && !connected && v5 {
+            // No CONNACK ever: what a broker that does not speak
             // MQTT 5 does with a level-5 CONNECT (aedes 1.2).
             f.reason = "the broker closed the connection without answering the MQTT 5 CONNECT: a broker that does not speak MQTT 5 does this; if so, set mqtt.protocol = \"3.1.1\" (otherwise see the broker's log)".to_owned();
             f.refused = true;
+        } else if f.refused && !f.protocol_refused && v5 {
+            // A CONNACK that refused for another reason is an MQTT 5 answer.
+            self.v5_answered.set(true);
         }
         self.refused.set(f.refused);
         if f.oversize.is_some() {
