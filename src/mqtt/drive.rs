@@ -183,6 +183,7 @@ impl MqttThread {
                     .is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
         };
         stalled.then(|| {
+            self.watchdog_fired.set(true);
             format!(
                 "watchdog: no PUBACK for {} s with rows in flight; rebuilding the client",
                 self.cfg.ack_timeout.as_secs()

@@ -57,6 +57,8 @@ pub struct MqttThread {
     pub(super) reconnect_now: Cell<bool>,
     /// The last attempt ended with a CONNACK refusal (logged at ERROR).
     pub(super) refused: Cell<bool>,
+    /// The watchdog ended the last connection (see [`DeliveryMsg::Lost`]).
+    pub(super) watchdog_fired: Cell<bool>,
     /// The last attempt ended with a broker that once answered going
     /// away before its CONNACK: restarting or unreachable (logged at WARN).
     pub(super) broker_away: Cell<bool>,
@@ -141,6 +143,7 @@ pub fn new(
             reconnect_now: Cell::new(false),
             refused: Cell::new(false),
             broker_away: Cell::new(false),
+            watchdog_fired: Cell::new(false),
             v5_answered: Cell::new(false),
             last_reason: Mutex::new(None),
             shared,
@@ -317,6 +320,7 @@ impl MqttThread {
             rows,
             reason: reason.to_owned(),
             quick,
+            watchdog: self.watchdog_fired.take(),
         });
     }
 
