@@ -45,7 +45,7 @@ mod wal;
 pub use append::{CommitOutcome, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTES};
 pub use commands::*;
 pub use delivery::{FailedRow, OutRow};
-pub use open::wal_path;
+pub use open::{shm_path, wal_path};
 pub use schema::SCHEMA_VERSION;
 pub use stats::{RunRecord, Stats};
 pub use upkeep::{CheckpointMode, CheckpointResult};
