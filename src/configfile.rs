@@ -81,7 +81,15 @@ pub fn save_last_good(config: &Path, text: &[u8]) {
     let lg = last_good_path(config);
     match crate::fsguard::files::read_trusted(&lg) {
         Ok(Some(old)) if old == text => return,
-        Ok(_) => {}
+        Ok(Some(old)) => {
+            if let Some(why) = damage(&old) {
+                log::warn!(
+                    "last-known-good copy {} is damaged ({why}); replacing it with the config that validated",
+                    lg.display()
+                );
+            }
+        }
+        Ok(None) => {}
         Err(d) => log::warn!(
             "last-known-good copy {} is not trusted ({d}); replacing it with the config that validated",
             lg.display()
@@ -106,6 +114,25 @@ pub fn save_last_good(config: &Path, text: &[u8]) {
         }
         Err(e) => log::warn!("cannot keep last-known-good config {}: {e}", lg.display()),
     }
+}
+
+/// Why `bytes` cannot be a config at all (empty, NUL-filled, not UTF-8,
+/// not TOML), if so; a copy that is TOML but no longer validates is not
+/// called damaged here.
+fn damage(bytes: &[u8]) -> Option<String> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Some("it is empty".to_owned());
+    }
+    if bytes.iter().all(|&b| b == 0) {
+        return Some(format!("it is NUL-filled ({} bytes of zeros)", bytes.len()));
+    }
+    let text = match std::str::from_utf8(bytes) {
+        Ok(t) => t,
+        Err(e) => return Some(format!("it is not UTF-8 text: {e}")),
+    };
+    text.parse::<toml::Table>()
+        .err()
+        .map(|e| format!("it is not TOML: {}", e.message()))
 }
 
 /// What [`load_at_start`] ran with.
@@ -146,8 +173,14 @@ pub fn load_at_start(path: &Path, sets: &[String]) -> Result<Loaded, ConfigError
                     return Err(e);
                 }
             };
-            let config =
-                config::parse(&text, &lg.display().to_string(), sets).map_err(|_| e.clone())?;
+            let config = config::parse(&text, &lg.display().to_string(), sets).map_err(|lg_e| {
+                log::warn!(
+                    "last-known-good copy {} is ignored: it is not a valid config either ({})",
+                    lg.display(),
+                    lg_e.to_string().lines().next().unwrap_or_default()
+                );
+                e.clone()
+            })?;
             Ok(Loaded {
                 config,
                 fallback: Some(format!(
@@ -206,6 +239,22 @@ mod tests {
         // Not absolute, or empty: beside the config.
         assert_eq!(at(Some("")), at(None));
         assert_eq!(at(Some("relative")), at(None));
+    }
+
+    #[test]
+    fn a_damaged_last_good_copy_is_named_by_what_is_wrong_with_it() {
+        assert_eq!(damage(b"").as_deref(), Some("it is empty"));
+        assert_eq!(
+            damage(&[0u8; 16]).as_deref(),
+            Some("it is NUL-filled (16 bytes of zeros)")
+        );
+        assert!(damage(b"\xff\xfe").is_some_and(|m| m.starts_with("it is not UTF-8")));
+        assert!(
+            damage(b"device_id = \"d\"\n[spool").is_some_and(|m| m.starts_with("it is not TOML"))
+        );
+        assert_eq!(damage(GOOD.as_bytes()), None);
+        // TOML that no longer validates is not damage: replaced quietly.
+        assert_eq!(damage(b"device_id = 3\n"), None);
     }
 
     #[test]

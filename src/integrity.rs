@@ -207,6 +207,14 @@ pub fn take_stamp(db: &Path) -> Option<String> {
     let _ = std::fs::remove_file(&stamp);
     let now = fingerprint(db)?; // no file yet: nothing to check
     match stored {
+        Some(s) if !s.starts_with("len=") => {
+            log::warn!(
+                "clean-stop stamp {} is ignored: it is damaged (not the fingerprint the agent writes: {:?}); the spool's integrity is checked",
+                stamp.display(),
+                s.chars().take(40).collect::<String>()
+            );
+            Some("the clean-stop stamp was damaged".into())
+        }
         None => Some("the last run did not stop cleanly".into()),
         Some(s) if s.trim() != now => Some("the file changed since the last clean stop".into()),
         Some(_) => None,
@@ -510,5 +518,14 @@ mod tests {
         write_stamp(&db);
         std::fs::write(&db, b"xy").unwrap();
         assert!(take_stamp(&db).unwrap().contains("changed"));
+        // A power cut left the stamp NUL-filled: damaged, so checked.
+        write_stamp(&db);
+        let stamp = stamp_path(&db);
+        crate::fsguard::files::replace(&stamp, &[0u8; 48], 0o600).unwrap();
+        assert_eq!(
+            take_stamp(&db).as_deref(),
+            Some("the clean-stop stamp was damaged")
+        );
+        assert!(!stamp.exists());
     }
 }

@@ -244,6 +244,12 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
     }
 }
 
+/// The spool counter of MQTT clients rebuilt by the watchdog (connected,
+/// rows in flight, no PUBACK for `mqtt.ack_timeout_secs`: the stall of
+/// rumqtt issues 1014/1056); the delivery thread adds to it, `status` and
+/// `edgespool_mqtt_watchdog_rebuilds_total` show it.
+pub const WATCHDOG_REBUILDS: &str = "mqtt_watchdog_rebuilds";
+
 /// The spool states, in the order rows flow.
 const STATES: [&str; 4] = ["PENDING", "SENT", "ACKED", "FAILED"];
 
@@ -447,6 +453,12 @@ pub fn render(f: &Figures) -> String {
         "counter",
         "Connections accepted by the broker after the first one of this run.",
         f.reconnects as f64,
+    );
+    o.single(
+        "edgespool_mqtt_watchdog_rebuilds_total",
+        "counter",
+        "MQTT clients rebuilt by the watchdog: connected, rows in flight and no PUBACK for mqtt.ack_timeout_secs (kept across restarts in the spool).",
+        counter(f, WATCHDOG_REBUILDS) as f64,
     );
     o.histogram(
         "edgespool_puback_latency_seconds",
@@ -907,6 +919,7 @@ mod tests {
                 ("commands_received".into(), 4),
                 ("commands_completed".into(), 3),
                 ("readings_lost_at_shutdown".into(), 2),
+                ("mqtt_watchdog_rebuilds".into(), 3),
             ],
             write_bytes: 4096,
             checkpoints: 5,
@@ -984,6 +997,16 @@ mod tests {
             2.0
         );
         assert_eq!(value_of(&f, "edgespool_mqtt_connected", &[]), 1.0);
+        assert_eq!(
+            value_of(&f, "edgespool_mqtt_watchdog_rebuilds_total", &[]),
+            3.0
+        );
+        // Shown as 0 before the first rebuild.
+        let none = check(&render(&Figures::default()));
+        assert_eq!(
+            value_of(&none, "edgespool_mqtt_watchdog_rebuilds_total", &[]),
+            0.0
+        );
         assert_eq!(
             value_of(
                 &f,

@@ -241,9 +241,7 @@ pub fn load_or_probe(dir: &Path) -> std::io::Result<(Profile, bool)> {
         Ok(None) => None,
         Err(d) => Some(d.to_string()),
         Ok(Some(bytes)) => match serde_json::from_slice::<Profile>(&bytes) {
-            Err(e) => Some(format!(
-                "it is damaged (empty, NUL-filled or not a profile: {e})"
-            )),
+            Err(e) => Some(damage(&bytes, &e)),
             // The test hook measures at every start, silently.
             Ok(_) if std::env::var_os(DELAY_ENV).is_some() => None,
             Ok(p) if p.device == device && p.fs_type == fs_type => return Ok((p, false)),
@@ -260,6 +258,23 @@ pub fn load_or_probe(dir: &Path) -> std::io::Result<(Profile, bool)> {
         );
     }
     Ok((probe_and_store(dir, 32, 4 * 1024 * 1024)?, true))
+}
+
+/// Why a stored profile that does not parse is damaged, in the words of
+/// what a power cut or a stray write leaves.
+fn damage(bytes: &[u8], e: &serde_json::Error) -> String {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        "it is damaged: empty (a write cut short?)".to_owned()
+    } else if bytes.iter().all(|&b| b == 0) {
+        format!(
+            "it is damaged: NUL-filled ({} bytes of zeros: blocks allocated, never written, before a power cut?)",
+            bytes.len()
+        )
+    } else if e.is_data() {
+        format!("it is damaged: JSON, but not a storage profile ({e})")
+    } else {
+        format!("it is damaged: not JSON ({e})")
+    }
 }
 
 #[cfg(test)]
@@ -379,6 +394,16 @@ mod tests {
         assert_eq!(mode & 0o022, 0, "{mode:o}");
         std::fs::write(&path, [0u8; 64]).unwrap();
         assert!(load_or_probe(d.path()).unwrap().1);
+        let why = |bytes: &[u8]| {
+            let e = serde_json::from_slice::<Profile>(bytes).unwrap_err();
+            damage(bytes, &e)
+        };
+        assert_eq!(why(b""), "it is damaged: empty (a write cut short?)");
+        assert!(why(&[0u8; 64]).starts_with("it is damaged: NUL-filled (64 bytes of zeros"));
+        assert!(why(b"{\"device\": 1, tr").starts_with("it is damaged: not JSON ("));
+        assert!(
+            why(b"{\"device\": 1}").starts_with("it is damaged: JSON, but not a storage profile (")
+        );
         assert!(
             !load_or_probe(d.path()).unwrap().1,
             "the new one is believed"

@@ -18,6 +18,7 @@ mod defer;
 mod receipts;
 
 use crate::lanes::Lanes;
+use crate::metrics::WATCHDOG_REBUILDS;
 use crate::mqtt::publish_packet_size;
 use crate::spool::{OutRow, Spool, SpoolError};
 use batcher::Batcher;
@@ -234,11 +235,17 @@ impl Delivery {
                 rows,
                 reason,
                 quick,
+                watchdog,
             } => {
                 // Acks received before the loss are real: commit them first.
                 self.collect();
                 self.fail_refused(spool);
                 self.flush(spool);
+                if watchdog {
+                    if let Err(e) = spool.count(WATCHDOG_REBUILDS, 1) {
+                        self.log_error("count a watchdog rebuild", &e);
+                    }
+                }
                 if quick {
                     self.suspect_row(spool, &rows);
                 } else {

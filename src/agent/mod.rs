@@ -360,6 +360,11 @@ struct Ingest {
 struct Upkeep {
     /// (device, inode) of the spool file at open.
     identity: Option<(u64, u64)>,
+    /// (device, inode) of the spool's `-shm` file (the WAL index) at open.
+    shm: Option<(u64, u64)>,
+    /// What the `-shm` path was (missing, or another inode) when that was
+    /// last warned about: one WARN per change, not one per pass.
+    shm_warned: Option<Option<(u64, u64)>>,
     /// Set when the agent must stop for its supervisor (spool replaced).
     fatal: Option<String>,
     /// The background integrity check, if one runs.

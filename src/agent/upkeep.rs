@@ -25,6 +25,8 @@ impl Upkeep {
     pub(super) fn new(spool: &Path, verdict: Option<crate::integrity::Verdict>) -> Upkeep {
         Upkeep {
             identity: crate::maintenance::file_identity(spool),
+            shm: crate::maintenance::file_identity(&crate::spool::shm_path(spool)),
+            shm_warned: None,
             fatal: None,
             verdict,
             damaged: false,
@@ -87,6 +89,7 @@ impl Ingest {
                 return;
             }
         }
+        self.check_shm();
         let retention_ms = self.cfg.spool.acked_retention.as_millis() as i64;
         let (anchor_wall, anchor_mono) = self.upkeep.wall_anchor;
         let expected = anchor_wall + anchor_mono.elapsed().as_millis() as i64;
@@ -135,6 +138,34 @@ impl Ingest {
         }
         self.checkpoint_if_due();
         self.record_health();
+    }
+
+    /// The `-shm` file still the one opened (same device and inode). Every
+    /// connection of this agent maps the WAL index it opened, unlinked or
+    /// not, so removing the file breaks nothing here at once; but the next
+    /// process to open the spool (`status`, a backup, a second agent) builds
+    /// a fresh index that knows nothing of this one's WAL frames, and reads
+    /// stale pages or, writing, damages the spool. A WARN names the file and
+    /// that, once per change of what is at the path.
+    fn check_shm(&mut self) {
+        let Some(opened) = self.upkeep.shm else {
+            return;
+        };
+        let shm = crate::spool::shm_path(&self.cfg.spool.path);
+        let now = crate::maintenance::file_identity(&shm);
+        if now == Some(opened) || self.upkeep.shm_warned == Some(now) {
+            return;
+        }
+        let what = if now.is_none() {
+            "was removed"
+        } else {
+            "was replaced by another file"
+        };
+        log::warn!(
+            "spool -shm file {} {what} under the running agent: this agent keeps the WAL index it mapped, but any other process that opens the spool now (status, a backup) builds a new one without this agent's WAL frames and can read stale data or, writing, damage the spool; stop the agent cleanly and start it again to rebuild the -shm safely",
+            shm.display()
+        );
+        self.upkeep.shm_warned = Some(now);
     }
 
     /// Run the checkpoint the policy asks for now, and record the outcome

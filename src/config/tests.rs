@@ -57,6 +57,26 @@ fn a_minimal_config_gets_documented_defaults() {
 }
 
 #[test]
+fn a_journal_size_limit_outside_0_to_1_gib_is_named_with_the_range() {
+    let with = |v: &str| {
+        GOOD.replace(
+            "[spool]\n",
+            &format!("[spool]\njournal_size_limit_bytes = {v}\n"),
+        )
+    };
+    let key = "spool.journal_size_limit_bytes";
+    // 10 GB: an extra zero, accepted without a word before.
+    let m = problem(&with("10737418240"), key);
+    assert_eq!(m, "must be 0..=1073741824 (1 GiB) (got 10737418240)");
+    let m = problem(&with("-1"), key);
+    assert_eq!(m, "must be 0..=1073741824 (1 GiB) (got -1)");
+    for ok in ["0", "1073741824"] {
+        let c = parse(&with(ok), "t.toml", &[]).unwrap();
+        assert_eq!(c.spool.options.journal_size_limit_bytes.to_string(), ok);
+    }
+}
+
+#[test]
 fn misspelt_key_names_the_path_the_line_and_a_suggestion() {
     // field case F16 (a)
     let e = err(&GOOD.replace("interval_ms = 1000", "intervall_ms = 1000"));

@@ -67,20 +67,17 @@ impl MqttThread {
                     session_present,
                     granted,
                 })) => {
+                    if self.cfg.protocol == Protocol::V5 {
+                        self.v5_answered.set(true);
+                    }
                     if let Err(why) = self.on_connack(session_present, granted) {
                         return why;
                     }
                 }
                 Ok(Ok(Ev::OutgoingPublish(pkid))) => {
-                    let mut s = lock(&self.shared);
-                    if let Err(e) = s.ack.on_outgoing_publish(pkid) {
-                        return format!("ack correlation: {e}");
+                    if let Err(why) = self.on_outgoing_publish(pkid) {
+                        return why;
                     }
-                    s.sent_at.retain(|(p, _)| *p != pkid);
-                    if s.sent_at.len() >= SENT_AT_MAX {
-                        s.sent_at.pop_front();
-                    }
-                    s.sent_at.push_back((pkid, Instant::now()));
                 }
                 Ok(Ok(Ev::PubAck { pkid, refused })) => {
                     if let Err(why) = self.on_puback(pkid, refused, backoff) {
@@ -138,7 +135,7 @@ impl MqttThread {
                     }
                 }
                 Ok(Ok(Ev::OutgoingPublish(pkid))) => {
-                    if lock(&self.shared).ack.on_outgoing_publish(pkid).is_err() {
+                    if self.on_outgoing_publish(pkid).is_err() {
                         return;
                     }
                 }
@@ -146,6 +143,24 @@ impl MqttThread {
                 Ok(Err(_)) | Err(_) => return,
             }
         }
+    }
+
+    /// A PUBLISH left with `pkid`: the ack map matches it to the oldest
+    /// row submitted (or knows it as a re-send), and the time it left is
+    /// noted for the PUBACK latency. The one handler of the main loop and
+    /// of [`Self::take_queued_pubacks`]. Errors: an inconsistency that ends
+    /// the connection.
+    fn on_outgoing_publish(&self, pkid: u16) -> Result<(), String> {
+        let mut s = lock(&self.shared);
+        if let Err(e) = s.ack.on_outgoing_publish(pkid) {
+            return Err(format!("ack correlation: {e}"));
+        }
+        s.sent_at.retain(|(p, _)| *p != pkid);
+        if s.sent_at.len() >= SENT_AT_MAX {
+            s.sent_at.pop_front();
+        }
+        s.sent_at.push_back((pkid, Instant::now()));
+        Ok(())
     }
 
     /// After each event: why this connection must end now, if it must (new
@@ -168,6 +183,7 @@ impl MqttThread {
                     .is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
         };
         stalled.then(|| {
+            self.watchdog_fired.set(true);
             format!(
                 "watchdog: no PUBACK for {} s with rows in flight; rebuilding the client",
                 self.cfg.ack_timeout.as_secs()
@@ -183,11 +199,21 @@ impl MqttThread {
             s.conn.peer_closed = true;
             s.connected
         };
-        if f.closed_by_peer && !connected && self.cfg.protocol == Protocol::V5 {
-            // No CONNACK: what a broker that does not speak
+        let v5 = self.cfg.protocol == Protocol::V5;
+        if f.closed_by_peer && !connected && v5 && self.v5_answered.get() {
+            // No CONNACK from a broker that has answered MQTT 5 before: a
+            // broker shutting down or starting (or a port forward with no
+            // broker behind it) does this; the protocol is not the cause.
+            f.reason = "the broker closed the connection without answering the CONNECT; it has accepted MQTT 5 before, so it is restarting or unreachable".to_owned();
+            self.broker_away.set(true);
+        } else if f.closed_by_peer && !connected && v5 {
+            // No CONNACK ever: what a broker that does not speak
             // MQTT 5 does with a level-5 CONNECT (aedes 1.2).
             f.reason = "the broker closed the connection without answering the MQTT 5 CONNECT: a broker that does not speak MQTT 5 does this; if so, set mqtt.protocol = \"3.1.1\" (otherwise see the broker's log)".to_owned();
             f.refused = true;
+        } else if f.refused && !f.protocol_refused && v5 {
+            // A CONNACK that refused for another reason is an MQTT 5 answer.
+            self.v5_answered.set(true);
         }
         self.refused.set(f.refused);
         if f.oversize.is_some() {

@@ -28,6 +28,10 @@ pub enum DeliveryMsg {
         /// The connection ended within a keep-alive of its CONNACK without
         /// carrying a PUBACK (what a broker refusing a publish looks like).
         quick: bool,
+        /// The watchdog ended it: connected, rows in flight and no PUBACK
+        /// for `mqtt.ack_timeout_secs`; the client is rebuilt (counted as
+        /// `mqtt_watchdog_rebuilds`).
+        watchdog: bool,
     },
     /// CONNACK accepted.
     Connected {

@@ -72,6 +72,7 @@ impl Conn {
                     refused: false,
                     oversize: None,
                     closed_by_peer: false,
+                    protocol_refused: false,
                 }));
                 None
             }

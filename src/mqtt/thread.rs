@@ -57,6 +57,17 @@ pub struct MqttThread {
     pub(super) reconnect_now: Cell<bool>,
     /// The last attempt ended with a CONNACK refusal (logged at ERROR).
     pub(super) refused: Cell<bool>,
+    /// The watchdog ended the last connection (see [`DeliveryMsg::Lost`]).
+    pub(super) watchdog_fired: Cell<bool>,
+    /// The last attempt ended with a broker that once answered going
+    /// away before its CONNACK: restarting or unreachable (logged at WARN).
+    pub(super) broker_away: Cell<bool>,
+    /// This broker has answered a level-5 CONNECT with a CONNACK (accepted,
+    /// or refused for a reason other than the protocol version) since start
+    /// or since the config named another broker or protocol: it speaks
+    /// MQTT 5, so a connection it closes before its CONNACK says nothing
+    /// about `mqtt.protocol`.
+    pub(super) v5_answered: Cell<bool>,
     /// Last disconnect reason and when it was logged (repeats are rate-limited).
     pub(super) last_reason: Mutex<Option<(String, Instant)>>,
     pub(super) shared: Arc<Mutex<Shared>>,
@@ -131,6 +142,9 @@ pub fn new(
             mode: Cell::new(ConnMode::Normal),
             reconnect_now: Cell::new(false),
             refused: Cell::new(false),
+            broker_away: Cell::new(false),
+            watchdog_fired: Cell::new(false),
+            v5_answered: Cell::new(false),
             last_reason: Mutex::new(None),
             shared,
             wake,
@@ -151,6 +165,13 @@ impl MqttThread {
         while !self.stop.load(Ordering::Relaxed) {
             let new_cfg = lock(&self.shared).reconfigure.take();
             if let Some(c) = new_cfg {
+                if (&c.host, c.port, c.protocol)
+                    != (&self.cfg.host, self.cfg.port, self.cfg.protocol)
+                {
+                    // Another broker (or protocol): what the last one
+                    // answered says nothing about this one.
+                    self.v5_answered.set(false);
+                }
                 backoff = Backoff::new(c.reconnect_min, c.reconnect_max);
                 self.cfg = c;
                 first = true; // reconnect at once with the new settings
@@ -273,6 +294,7 @@ impl MqttThread {
             same
         };
         let refused = self.refused.take();
+        let away = self.broker_away.take();
         if rows.is_empty() && repeat {
             // The same failure again within a minute: no new information.
             log::debug!("mqtt: disconnected: {reason}");
@@ -280,6 +302,10 @@ impl MqttThread {
             // The broker answered and said no: retrying will not change
             // that until the broker or this config does.
             log::error!("mqtt: {reason}; retrying with backoff");
+        } else if away {
+            // Nothing for the operator to change here; it passes when the
+            // broker is back.
+            log::warn!("mqtt: {reason}; retrying with backoff");
         } else if rows.is_empty() || self.stop.load(Ordering::Relaxed) {
             // At a clean stop the rows in flight simply stay SENT for the next run.
             log::info!(
@@ -294,6 +320,7 @@ impl MqttThread {
             rows,
             reason: reason.to_owned(),
             quick,
+            watchdog: self.watchdog_fired.take(),
         });
     }
 

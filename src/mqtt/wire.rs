@@ -144,6 +144,9 @@ pub struct Failure {
     pub oversize: Option<usize>,
     /// The peer closed the connection (no DISCONNECT, no answer).
     pub closed_by_peer: bool,
+    /// The CONNACK refused the protocol version (MQTT 5 reason code 0x84
+    /// "unsupported protocol version", or a 3.1.1 broker's return code 1).
+    pub protocol_refused: bool,
 }
 
 impl Client {
@@ -428,11 +431,17 @@ pub(super) fn failure_v5(e: &rumqttc::v5::ConnectionError) -> Failure {
         refused: false,
         oversize: None,
         closed_by_peer: false,
+        protocol_refused: false,
     };
     f.reason = match e {
         E::Tls(t) => format!("TLS failed: {t} (check mqtt.ca_file, the client certificate and key, their validity dates and the board's clock)"),
         E::ConnectionRefused(code) | E::MqttState(S::ConnFail { reason: code }) => {
             f.refused = true;
+            f.protocol_refused = matches!(
+                code,
+                p5::ConnectReturnCode::RefusedProtocolVersion
+                    | p5::ConnectReturnCode::UnsupportedProtocolVersion
+            );
             refusal_v5(*code)
         }
         E::Timeout(_) => "connect timed out (broker unreachable?)".to_owned(),
@@ -564,6 +573,12 @@ pub(super) fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> 
         refused: is_refusal(e),
         oversize,
         closed_by_peer: false,
+        protocol_refused: matches!(
+            e,
+            rumqttc::ConnectionError::ConnectionRefused(
+                rumqttc::ConnectReturnCode::RefusedProtocolVersion
+            )
+        ),
     }
 }
 

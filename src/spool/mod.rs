@@ -46,7 +46,7 @@ pub use append::{CommitOutcome, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTE
 pub use commands::*;
 pub use delivery::{FailedRow, OutRow};
 pub use keys::KEYS_KEPT;
-pub use open::wal_path;
+pub use open::{shm_path, wal_path};
 pub use schema::SCHEMA_VERSION;
 pub use stats::{RunRecord, Stats};
 pub use upkeep::{CheckpointMode, CheckpointResult};

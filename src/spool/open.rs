@@ -26,6 +26,13 @@ pub fn wal_path(db: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// The `-shm` file beside a database (the WAL index every connection maps).
+pub fn shm_path(db: &Path) -> PathBuf {
+    let mut s = db.as_os_str().to_owned();
+    s.push("-shm");
+    PathBuf::from(s)
+}
+
 pub(super) fn file_len(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
 }

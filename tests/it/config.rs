@@ -176,3 +176,86 @@ fn check_config_sample_names_a_source_that_gives_no_reading() {
         "{err}"
     );
 }
+
+/// A 10 GB `spool.journal_size_limit_bytes` (an extra zero) is refused by
+/// both `check-config` and `run`, naming the key, the value and the range;
+/// `run` creates no spool.
+#[test]
+fn a_journal_size_limit_over_1_gib_is_refused_by_check_config_and_run() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let cfg = d.path().join("board.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\njournal_size_limit_bytes = 10737418240\n",
+            d.path().display()
+        ),
+    )
+    .expect("write");
+    let cfg = cfg.to_str().expect("utf-8");
+    let want = "spool.journal_size_limit_bytes: must be 0..=1073741824 (1 GiB) (got 10737418240)";
+    let (status, _, err) = run_cli(&["check-config", cfg]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains(want), "{err}");
+    let (status, _, err) = run_cli(&["run", "--config", cfg]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains(want), "{err}");
+    assert!(!d.path().join("spool.db").exists());
+}
+
+/// The config file and its last-known-good copy both unusable (a power cut
+/// that took both: the file truncated, the copy NUL-filled): `run` exits 2
+/// with the config's error, and a WARN names the copy and why it was not
+/// run either. A start with a good config then replaces the copy, naming
+/// the damage it replaces.
+#[test]
+fn a_damaged_last_good_copy_is_named_when_it_cannot_stand_in_and_when_it_is_replaced() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let cfg = d.path().join("board.toml");
+    let lg = d.path().join("board.toml.last-good");
+    std::fs::write(&cfg, "device_id = \"x\"\n[spool").expect("write");
+    edgespool::configfile::write_atomic(&lg, &[0u8; 256]).expect("write last-good");
+    let cfg_s = cfg.to_str().expect("utf-8");
+    let (status, _, err) = run_cli(&["run", "--config", cfg_s]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    let named = format!(
+        "last-known-good copy {} is ignored: it is not a valid config either",
+        lg.display()
+    );
+    assert!(
+        err.lines()
+            .any(|l| l.contains(" WARN ") && l.contains(&named)),
+        "{err}"
+    );
+    // A good config: the copy is replaced, by name.
+    std::fs::write(
+        &cfg,
+        format!(
+            "device_id = \"x\"\n[spool]\npath = \"{}/spool.db\"\n[mqtt]\nurl = \"mqtt://127.0.0.1:9\"\n",
+            d.path().display()
+        ),
+    )
+    .expect("write");
+    let named = format!(
+        "last-known-good copy {} is damaged (it is NUL-filled (256 bytes of zeros)); replacing it",
+        lg.display()
+    );
+    let mut agent = crate::support::agent::AgentProc::spawn(&cfg, &[], d.path());
+    let seen = crate::support::wait_for(std::time::Duration::from_secs(30), || {
+        agent.log_text().contains("storage probe (")
+    });
+    agent.terminate(std::time::Duration::from_secs(15));
+    assert!(seen, "{}", agent.log_tail(20));
+    assert!(
+        agent
+            .log_text()
+            .lines()
+            .any(|l| l.contains(" WARN ") && l.contains(&named)),
+        "{}",
+        agent.log_tail(20)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&lg).expect("last-good"),
+        std::fs::read_to_string(&cfg).expect("config")
+    );
+}

@@ -109,6 +109,10 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
     let prefix = prefix("noacks");
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
     let cfg = write_config(dir.path(), &proxy.url(), &prefix, 200);
+    let prom = dir.path().join("edgespool.prom");
+    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    text.push_str(&format!("[metrics]\ntextfile = \"{}\"\n", prom.display()));
+    std::fs::write(&cfg, text).expect("write config");
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.ack_timeout_secs=2".into()], dir.path());
     // The watchdog (2 s without a PUBACK) rebuilds the client and replays:
@@ -129,9 +133,52 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
         "{}",
         agent.log_tail(40)
     );
+    // Each rebuild is counted: `status` (JSON and text) and the metrics.
+    let rebuilds = || {
+        crate::refusals::status_json(&db)["counters"]["mqtt_watchdog_rebuilds"]
+            .as_i64()
+            .unwrap_or(0)
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || rebuilds() >= 1),
+        "no watchdog rebuild counted\n{}",
+        agent.log_tail(40)
+    );
+    let human =
+        crate::support::agent::run_cli(&["status", "--spool", db.to_str().expect("utf-8")]).1;
+    assert!(
+        human
+            .lines()
+            .any(|l| l.trim().starts_with("mqtt_watchdog_rebuilds") && !l.trim().ends_with(" 0")),
+        "{human}"
+    );
+    let metric = || {
+        std::fs::read_to_string(&prom)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("edgespool_mqtt_watchdog_rebuilds_total "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || metric() >= 1.0),
+        "the metrics textfile shows no watchdog rebuild\n{}",
+        std::fs::read_to_string(&prom).unwrap_or_default()
+    );
     // Let the acknowledgements through: everything retires.
     proxy.set_mode(Mode::Forward);
     agent.terminate(Duration::from_secs(15));
+    // Never more counted than the rebuilds the log names.
+    let named = agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("watchdog: no PUBACK"))
+        .count() as i64;
+    assert!(
+        (1..=named).contains(&rebuilds()),
+        "{} counted, {named} logged",
+        rebuilds()
+    );
     crate::drain(&cfg, dir.path(), &db);
     assert_invariants(&db, &sub.deliveries());
 }

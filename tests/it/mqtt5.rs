@@ -329,3 +329,55 @@ fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
     assert_acked_rows_were_received(&db, &sub);
     assert_no_retirement_without_puback(&db, &broker);
 }
+
+/// A broker that accepted the agent's MQTT 5 CONNECT once, then restarts
+/// under the running agent. The proxy stands for what often lies between a
+/// board and its broker (a port forward, a container's published port, a
+/// load balancer): while mosquitto is down it takes each TCP connection and
+/// closes it before any CONNACK, which is also what a broker shutting down
+/// or starting does to a CONNECT it gets in that moment. That is not a
+/// broker without MQTT 5: the agent says "restarting or unreachable" at
+/// WARN, never the `mqtt.protocol = "3.1.1"` advice, and delivery resumes
+/// once mosquitto is back (issue 26, 2).
+#[test]
+fn a_restarting_mqtt_5_broker_gets_no_advice_to_switch_to_3_1_1_and_delivery_resumes() {
+    let mut broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("v5restart");
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 200);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(60), || db.exists()
+            && count_in_state(&db, "ACKED") >= 5),
+        "{:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    broker.kill();
+    let away = "it has accepted MQTT 5 before, so it is restarting or unreachable";
+    assert!(
+        wait_for(Duration::from_secs(30), || !log_lines(&agent, "WARN", away)
+            .is_empty()),
+        "no connection closed before its CONNACK was named\n{}",
+        agent.log_tail(30)
+    );
+    broker.restart();
+    let acked = count_in_state(&db, "ACKED");
+    assert!(
+        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
+            >= acked + 5),
+        "delivery did not resume: {:?}\n{}",
+        count_by_state(&db),
+        agent.log_tail(30)
+    );
+    assert!(log_lines(&agent, "INFO", "mqtt: connected to").len() >= 2);
+    assert_eq!(status_json(&db)["health"]["state"], "ok");
+    agent.terminate(Duration::from_secs(15));
+    let log = agent.log_text();
+    assert!(
+        !log.contains("mqtt.protocol"),
+        "the 3.1.1 advice was given to a restarting broker\n{log}"
+    );
+}

@@ -469,3 +469,114 @@ fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
     crate::drain(&cfg, dir.path(), &db);
     crate::assert_invariants(&db, &sub.deliveries());
 }
+
+/// What an operator's cleanup (`rm /var/lib/edgespool/*-shm`, a tmpfiles
+/// rule, a script that "clears lock files") does to a running agent: the
+/// spool's `-shm` file (the WAL index) is removed under it. The agent keeps
+/// running on the index it mapped, and says at WARN which file went and
+/// what that means for any other process that opens the spool. Issue 26, 4.
+#[test]
+fn a_shm_file_removed_under_the_agent_is_named_in_a_warning_and_the_agent_runs_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = crate::write_config(dir.path(), "mqtt://127.0.0.1:9", &crate::prefix("shm"), 50);
+    let db = dir.path().join("spool.db");
+    let shm = dir.path().join("spool.db-shm");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        // The first summary: the spool is open for good (the -shm of a
+        // connection closed during the start is gone with it).
+        wait_for(Duration::from_secs(10), || shm.exists()
+            && agent.log_text().contains("summary: ")),
+        "{}",
+        agent.log_tail(20)
+    );
+    std::fs::remove_file(&shm).expect("remove -shm");
+    // Not reading the spool here: that would build a new -shm.
+    let named = format!(
+        "spool -shm file {} was removed under the running agent",
+        shm.display()
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || agent
+            .logged("WARN", "agent", &named)),
+        "{}",
+        agent.log_tail(20)
+    );
+    let line = agent
+        .log_text()
+        .lines()
+        .find(|l| l.contains(&named))
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        line.contains("stop the agent cleanly and start it again"),
+        "{line}"
+    );
+    // Once, not at every upkeep pass (one a second here): two more
+    // summaries (one each 2 s) are four passes.
+    let summaries = || agent.log_text().matches("summary: ").count();
+    let seen = summaries();
+    assert!(
+        wait_for(Duration::from_secs(20), || summaries() >= seen + 2),
+        "{}",
+        agent.log_tail(20)
+    );
+    assert_eq!(agent.log_text().matches(&named).count(), 1);
+    assert!(agent.is_running(), "{}", agent.log_tail(20));
+    agent.terminate(Duration::from_secs(15));
+    assert!(total(&db) > 0);
+}
+
+/// A `storage-profile.json` a power cut or a stray write left damaged
+/// (empty, NUL-filled, not JSON, JSON of another shape) is not used: each
+/// start names the file and what is wrong with it in a WARN, measures the
+/// storage again and stores a good profile, which the next start uses.
+#[test]
+fn a_damaged_storage_profile_is_named_with_the_reason_and_measured_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = crate::write_config(
+        dir.path(),
+        "mqtt://127.0.0.1:9",
+        &crate::prefix("profile"),
+        200,
+    );
+    let profile = dir.path().join("storage-profile.json");
+    let start = || {
+        let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+        let seen = wait_for(Duration::from_secs(30), || {
+            agent.log_text().contains("storage probe (")
+        });
+        agent.terminate(Duration::from_secs(15));
+        assert!(seen, "no storage probe line\n{}", agent.log_tail(20));
+        agent.log_text()
+    };
+    start();
+    assert!(profile.exists());
+    let cases: [(&[u8], &str); 4] = [
+        (b"", "it is damaged: empty"),
+        (
+            &[0u8; 4096],
+            "it is damaged: NUL-filled (4096 bytes of zeros",
+        ),
+        (b"{\"device\": 2049, \"fs_ty", "it is damaged: not JSON ("),
+        (
+            b"{\"device\": 2049}",
+            "it is damaged: JSON, but not a storage profile (",
+        ),
+    ];
+    for (bytes, why) in cases {
+        std::fs::write(&profile, bytes).expect("write profile");
+        let log = start();
+        let named = format!("storage profile {} is ignored: {why}", profile.display());
+        assert!(
+            log.lines()
+                .any(|l| l.contains(" WARN ") && l.contains(&named)),
+            "{why:?} not named\n{log}"
+        );
+        assert!(log.contains("storage probe (measured now)"), "{log}");
+        // Stored again, and believed at the next start.
+        let log = start();
+        assert!(log.contains("storage probe (stored profile)"), "{log}");
+        assert!(!log.contains("is ignored"), "{log}");
+    }
+}

@@ -6,6 +6,12 @@ use crate::config::{ExplicitKeys, SpoolConfig};
 use crate::spool::{SpoolOptions, Synchronous};
 use std::time::Duration;
 
+/// Largest `spool.journal_size_limit_bytes`: 1 GiB, the top of
+/// `spool.checkpoint_wal_bytes` too. A `-wal` file kept at more than that
+/// after every checkpoint is disk a board never gets back, and a value
+/// past it is a typo (an extra zero), not a choice.
+pub(super) const JOURNAL_SIZE_LIMIT_MAX: i64 = 1024 * 1024 * 1024;
+
 /// `[spool]`: a path without NUL bytes, SQLite settings in their safe ranges
 /// (`synchronous` NORMAL or FULL, never OFF), retention and capacity bounds.
 pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -> SpoolConfig {
@@ -44,10 +50,13 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
             format!("must be at least 5000 (got {})", s.busy_timeout_ms),
         );
     }
-    if s.journal_size_limit_bytes < 0 {
+    if !(0..=JOURNAL_SIZE_LIMIT_MAX).contains(&s.journal_size_limit_bytes) {
         bad(
             "spool.journal_size_limit_bytes",
-            format!("must be >= 0 (got {})", s.journal_size_limit_bytes),
+            format!(
+                "must be 0..={JOURNAL_SIZE_LIMIT_MAX} (1 GiB) (got {})",
+                s.journal_size_limit_bytes
+            ),
         );
     }
     if s.wal_autocheckpoint_pages < 0 {
