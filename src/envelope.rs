@@ -20,13 +20,13 @@ use std::fmt;
 /// process and a counter within it). Nothing of it is stored in or derived
 /// from the spool, so a power-loss rollback or a lost `-wal` file that
 /// undoes the newest commits cannot make a later process issue the same id
-/// again for another reading. A replayed trace row's id is instead derived
-/// from the row itself ([`replay_event_id`]): the same row always gets the
-/// same id (that is its purpose), and another row never does; everything
-/// in its payload (the trace's time, the row's cells) is a function of the
-/// same row, and its `seq` winds back with the rows a rollback undoes, so a
-/// row sent again after a rollback carries the same bytes. A keyed reading's id is derived from its key and its
-/// whole payload ([`keyed_event_id`]), so one id never names two payloads.
+/// again for another reading. A replayed trace row's id and a keyed
+/// reading's are instead derived ([`derived_event_id`]) from a handle (the
+/// row's position, [`replay_row_id`]; the key, [`key_id`]) and the whole
+/// payload: the same row or key sent again with the same bytes gets the
+/// same id (that is their purpose), and one id never names two payloads,
+/// whatever a rollback, a dropped row, a truncated file or a config change
+/// did to `seq`, the cells or the payload format in between.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EventId(pub [u8; 16]);
 
@@ -103,17 +103,19 @@ impl EventIdGen {
     }
 }
 
-/// The event id of a replayed trace row: the first 16 bytes of
+/// The handle of a replayed trace row's position: the first 16 bytes of
 /// sha256(`"edgespool-replay-v1"`, device id, stream, trace identity, lap,
 /// line), each string length-prefixed, with the UUID version nibble set
 /// to 8 and the RFC 9562 variant bits (a UUIDv8, so it never looks like a
-/// random [`EventIdGen`] id).
+/// random [`EventIdGen`] id). The row's event id is
+/// [`derived_event_id`] of this handle and its payload.
 ///
-/// The same row of the same trace on the same device and stream gets the
-/// same id in every process, which is what lets a consumer drop a row that
-/// a restart (or a power-cut rollback of the newest commits) sends again.
-/// Another lap of a repeated trace is another row, so another id.
-pub fn replay_event_id(
+/// The same row of the same trace on the same device and stream, encoded
+/// to the same bytes, gets the same event id in every process, which is
+/// what lets a consumer drop a row that a restart (or a power-cut rollback
+/// of the newest commits) sends again. Another lap of a repeated trace is
+/// another row, so another id.
+pub fn replay_row_id(
     device_id: &str,
     stream: &str,
     trace_id: &str,
@@ -134,7 +136,7 @@ pub fn replay_event_id(
 /// The spool's handle for an idempotency key from a local producer (the
 /// ingest socket's `key`, a bridged message's `id_field`): the first 16
 /// bytes of sha256(`"edgespool-key-v3"`, `secret`, device id, stream,
-/// scope, key), each length-prefixed, as a UUIDv8 like [`replay_event_id`].
+/// scope, key), each length-prefixed, as a UUIDv8 like [`replay_row_id`].
 /// The spool looks a key up by it (`event_keys.event_id`) and finds the
 /// event id the key was published under; a key stored before schema 11 was
 /// published under this id itself. `secret` is the spool's own (32 random
@@ -165,10 +167,11 @@ pub fn key_id(secret: &[u8; 32], device_id: &str, stream: &str, scope: &str, key
     uuid_v8(h)
 }
 
-/// The event id a keyed reading is published under: the first 16 bytes of
-/// sha256(`"edgespool-keyed-event-v1"`, `key_id`, `body`), length-prefixed,
-/// as a UUIDv8. `key_id` is the key's [`key_id`] (so the id cannot be
-/// computed without the spool's secret); `body` is the event's payload as
+/// The event id a keyed reading or a replayed row is published under: the
+/// first 16 bytes of sha256(`"edgespool-keyed-event-v1"`, `key_id`, `body`),
+/// length-prefixed, as a UUIDv8. `key_id` is the handle: a key's
+/// [`key_id`] (so the id cannot be computed without the spool's secret) or
+/// a replayed row's [`replay_row_id`]; `body` is the event's payload as
 /// [`encode`] writes it with the all-zero event id: device, stream, `seq`,
 /// `ts_ms`, `clock_trusted` and fields, in the spool's payload format.
 ///
@@ -180,7 +183,7 @@ pub fn key_id(secret: &[u8; 32], device_id: &str, stream: &str, scope: &str, key
 /// in, or another `seq`, it is a new event under a new id, never a second
 /// payload under the first one. While the key is remembered the spool
 /// answers with the id stored beside it and stores nothing.
-pub fn keyed_event_id(key_id: &EventId, body: &[u8]) -> EventId {
+pub fn derived_event_id(key_id: &EventId, body: &[u8]) -> EventId {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for part in [b"edgespool-keyed-event-v1".as_slice(), &key_id.0, body] {
@@ -201,8 +204,8 @@ fn uuid_v8(h: sha2::Sha256) -> EventId {
     EventId(b)
 }
 
-/// The event id a keyed payload is first encoded with, to derive its real
-/// one from ([`keyed_event_id`]).
+/// The event id a keyed or replayed payload is first encoded with, to derive its real
+/// one from ([`derived_event_id`]).
 pub const ZERO_EVENT_ID: EventId = EventId([0; 16]);
 
 /// Payload encoding, from `mqtt.payload_format`.
@@ -402,17 +405,17 @@ mod tests {
 
     #[test]
     fn replay_ids_are_stable_and_differ_by_each_part() {
-        let id = replay_event_id("dev", "air", "fp:ab", 0, 2);
-        assert_eq!(id, replay_event_id("dev", "air", "fp:ab", 0, 2));
+        let id = replay_row_id("dev", "air", "fp:ab", 0, 2);
+        assert_eq!(id, replay_row_id("dev", "air", "fp:ab", 0, 2));
         assert_eq!(&id.to_string()[14..15], "8", "{id}");
         for other in [
-            replay_event_id("dev2", "air", "fp:ab", 0, 2),
-            replay_event_id("dev", "air2", "fp:ab", 0, 2),
-            replay_event_id("dev", "air", "fp:ac", 0, 2),
-            replay_event_id("dev", "air", "fp:ab", 1, 2),
-            replay_event_id("dev", "air", "fp:ab", 0, 3),
+            replay_row_id("dev2", "air", "fp:ab", 0, 2),
+            replay_row_id("dev", "air2", "fp:ab", 0, 2),
+            replay_row_id("dev", "air", "fp:ac", 0, 2),
+            replay_row_id("dev", "air", "fp:ab", 1, 2),
+            replay_row_id("dev", "air", "fp:ab", 0, 3),
             // Length prefixes: moving a character between parts changes it.
-            replay_event_id("de", "vair", "fp:ab", 0, 2),
+            replay_row_id("de", "vair", "fp:ab", 0, 2),
         ] {
             assert_ne!(id, other);
         }
@@ -432,14 +435,14 @@ mod tests {
         };
         let body = |seq, ts| encode(Format::Json, &env(seq, ts)).unwrap();
         let k = key_id(&[7; 32], "dev", "pump", "tcp", "k1");
-        let id = keyed_event_id(&k, &body(1, 5));
-        assert_eq!(id, keyed_event_id(&k, &body(1, 5)));
+        let id = derived_event_id(&k, &body(1, 5));
+        assert_eq!(id, derived_event_id(&k, &body(1, 5)));
         assert_eq!(&id.to_string()[14..15], "8", "{id}");
         for other in [
-            keyed_event_id(&k, &body(2, 5)),
-            keyed_event_id(&k, &body(1, 6)),
-            keyed_event_id(&key_id(&[7; 32], "dev", "pump", "tcp", "k2"), &body(1, 5)),
-            keyed_event_id(&key_id(&[8; 32], "dev", "pump", "tcp", "k1"), &body(1, 5)),
+            derived_event_id(&k, &body(2, 5)),
+            derived_event_id(&k, &body(1, 6)),
+            derived_event_id(&key_id(&[7; 32], "dev", "pump", "tcp", "k2"), &body(1, 5)),
+            derived_event_id(&key_id(&[8; 32], "dev", "pump", "tcp", "k1"), &body(1, 5)),
         ] {
             assert_ne!(id, other);
         }

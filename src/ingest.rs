@@ -11,9 +11,10 @@
 //! Its one rule: **`{"ok":true}` is written only after the reading's commit**
 //! (the ingest thread's reply); a reading the agent could not commit before
 //! it stopped is answered `agent stopping; not stored`, never ok. A client
-//! that got no reply retries with the same `key`: the event id derives from
-//! (device, stream, the key's scope, key), so a retry of a committed
-//! reading returns the same id and stores nothing new. The scope is the
+//! that got no reply retries with the same `key`: the spool remembers the
+//! key (device, stream, the key's scope, key) with the event id it was
+//! published under, so a retry of a committed reading returns the same id
+//! and stores nothing new. The scope is the
 //! listener, and on the Unix socket the peer's uid ([`KeyScope`]): another
 //! client can neither take my key's event id nor have my reading dropped
 //! as a duplicate of its own; the same key with another reading is refused.

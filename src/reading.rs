@@ -46,7 +46,8 @@ pub fn field_name_ok(name: &str, max_len: usize) -> bool {
 /// back to [`crate::source::replay::Replay::resume`] at the next start.
 ///
 /// `(trace_id, lap, line)` is the row's identity: the spool derives the
-/// event id from it ([`crate::envelope::replay_event_id`]).
+/// event id from it and the payload ([`crate::envelope::replay_row_id`],
+/// [`crate::envelope::derived_event_id`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplayPosition {
     /// The trace identity: the configured `trace_id`, else `fp:` and the
@@ -73,7 +74,7 @@ pub struct ReplayPosition {
 
 impl ReplayPosition {
     /// The trace identity the event id derives from
-    /// ([`crate::envelope::replay_event_id`]): `trace_id`, and for a
+    /// ([`crate::envelope::replay_row_id`]): `trace_id`, and for a
     /// followed file also the segment's inode and head digest
     /// (`trace_id#ino:head`), so rows of two different files never share an
     /// id even under one segment number.

@@ -219,9 +219,11 @@ impl Due {
     /// clock `(ms, trusted)` when it was taken. A replayed row carries its
     /// own time ([`DueRow::ts_ms`]), marked trusted: it is the trace's
     /// time, not a reading of the board's clock (which may still be in
-    /// 1970), and it comes out the same each time the row is read, so the
-    /// row's payload is a function of its id ((trace, lap, line): I3 after
-    /// a rollback) and of its `seq`, which the rollback winds back with it.
+    /// 1970), and it comes out the same each time the row is read. The
+    /// row's event id derives from its position and its payload, so a row
+    /// read again after a rollback is the same bytes under the same id, or,
+    /// if its `seq` or cells moved (a dropped row, a truncated file, a
+    /// config change), a new event: never a second payload under one id.
     fn into_event(self, stream: &str, clock: (i64, bool)) -> NewEvent {
         match self {
             Due::Sampled(fields) => NewEvent::new(stream, clock.0, clock.1, fields),
@@ -384,5 +386,127 @@ mod tests {
             .max_by_key(|v| v["seq"].as_i64())
             .unwrap();
         assert_eq!(last["ts_ms"], (1_714_550_400i64 + 20 + 3 * 40) * 1000);
+    }
+
+    /// A replayed row the ingest thread dropped (buffer full, capacity,
+    /// disk full: the replay is not told) shifts the seq of the rows after
+    /// it; a rollback then reads it again, and the later rows come again
+    /// with other seqs: under new ids, never a second payload under an old one.
+    #[test]
+    fn a_dropped_replay_row_then_a_rollback_gives_no_id_two_payloads() {
+        let d = tempfile::tempdir().unwrap();
+        let trace = d.path().join("trace.csv");
+        let lines: String = (0..6)
+            .map(|k| format!("{},{k}\n", 1_714_550_400 + 10 * k))
+            .collect();
+        std::fs::write(&trace, format!("ts,v\n{lines}")).unwrap();
+        let (live, rolled) = (d.path().join("live.db"), d.path().join("rolled.db"));
+        let mut sp = spec(&trace);
+        sp.repeat = false;
+        let mut r = open_replay(&sp, "trace", &live).unwrap();
+        play(&mut r, &live, 1, (1, false)); // rows 1..3 committed
+        std::fs::copy(&live, &rolled).unwrap(); // what a power cut rolls back to
+        {
+            // rows 4..6 read; row 4 refused by the ingest thread (dropped)
+            let mut s = Spool::open(&live, &SpoolOptions::default()).unwrap();
+            let mut ids = EventIdGen::new().unwrap();
+            let evs: Vec<NewEvent> = replay_due(&mut r, "trace", Instant::now())
+                .unwrap()
+                .into_iter()
+                .skip(1)
+                .map(|d| d.into_event("trace", (1, false)))
+                .collect();
+            s.append(&evs, &mut ids, "dev", Format::Json, 1).unwrap();
+        }
+        // After the rollback the replay resumes after row 3: rows 4..6 again.
+        let mut again = open_replay(&sp, "trace", &rolled).unwrap();
+        play(&mut again, &rolled, 1, (1, false));
+        let (a, b) = (payloads(&live), payloads(&rolled));
+        let two: Vec<_> = a
+            .iter()
+            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
+            .map(|(id, _)| id.clone())
+            .collect();
+        assert!(two.is_empty(), "ids with two payloads: {two:?}");
+    }
+
+    /// A row rolled back and read again after `mqtt.payload_format`
+    /// changed has other bytes, so another id (the id holds the payload).
+    #[test]
+    fn a_payload_format_change_then_a_rollback_gives_no_id_two_payloads() {
+        let d = tempfile::tempdir().unwrap();
+        let trace = d.path().join("trace.csv");
+        std::fs::write(&trace, "ts,v\n1714550400,1\n1714550410,2\n").unwrap();
+        let (live, rolled) = (d.path().join("live.db"), d.path().join("rolled.db"));
+        let mut sp = spec(&trace);
+        sp.repeat = false;
+        let run = |db: &Path, format: Format| {
+            let mut r = open_replay(&sp, "trace", db).unwrap();
+            let mut s = Spool::open(db, &SpoolOptions::default()).unwrap();
+            let mut ids = EventIdGen::new().unwrap();
+            let evs: Vec<NewEvent> = replay_due(&mut r, "trace", Instant::now())
+                .unwrap()
+                .into_iter()
+                .map(|d| d.into_event("trace", (1, false)))
+                .collect();
+            s.append(&evs, &mut ids, "dev", format, 1).unwrap();
+        };
+        Spool::open(&live, &SpoolOptions::default()).unwrap();
+        std::fs::copy(&live, &rolled).unwrap();
+        run(&live, Format::Json);
+        run(&rolled, Format::Postcard);
+        let (a, b) = (payloads(&live), payloads(&rolled));
+        let two: Vec<_> = a
+            .iter()
+            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
+            .map(|(id, _)| id.clone())
+            .collect();
+        assert!(two.is_empty(), "ids with two payloads: {two:?}");
+    }
+
+    /// A followed file truncated in place (copytruncate) after rows that a
+    /// rollback then undoes: the new segment's rows come again with other
+    /// seqs, so under other ids (same inode, same head: same position ids).
+    #[test]
+    fn a_followed_file_truncated_then_rolled_back_gives_no_id_two_payloads() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("log.csv");
+        let row = |k: i64| format!("{},{k}\n", 1_714_550_400 + 10 * k);
+        std::fs::write(&f, format!("ts,v\n{}{}{}", row(1), row(2), row(3))).unwrap();
+        let (live, rolled) = (d.path().join("live.db"), d.path().join("rolled.db"));
+        let mut sp = spec(&f);
+        sp.repeat = false;
+        sp.follow = true;
+        let mut r = open_replay(&sp, "trace", &live).unwrap();
+        play(&mut r, &live, 1, (1, false));
+        std::fs::copy(&live, &rolled).unwrap();
+        {
+            use std::io::Write;
+            let mut w = std::fs::OpenOptions::new().append(true).open(&f).unwrap();
+            w.write_all(format!("{}{}", row(4), row(5)).as_bytes())
+                .unwrap();
+        }
+        play(&mut r, &live, 1, (1, false));
+        // copytruncate: same inode, rewritten from its start.
+        {
+            use std::io::Write;
+            let mut w = std::fs::OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .open(&f)
+                .unwrap();
+            w.write_all(format!("ts,v\n{}{}", row(6), row(7)).as_bytes())
+                .unwrap();
+        }
+        play(&mut r, &live, 2, (1, false));
+        let mut again = open_replay(&sp, "trace", &rolled).unwrap();
+        play(&mut again, &rolled, 2, (1, false));
+        let (a, b) = (payloads(&live), payloads(&rolled));
+        let two: Vec<_> = a
+            .iter()
+            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
+            .map(|(id, _)| id.clone())
+            .collect();
+        assert!(two.is_empty(), "ids with two payloads: {two:?}");
     }
 }

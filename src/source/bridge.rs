@@ -735,7 +735,7 @@ impl Bridge<'_> {
         let (reply, outcome) = Reply::channel();
         // The message carries no time of its own: the agent's clock. With an
         // `id_field` the event id then derives from the key and this time
-        // (with the rest of the payload, [`crate::envelope::keyed_event_id`]),
+        // (with the rest of the payload, [`crate::envelope::derived_event_id`]),
         // so a redelivery after a rollback made the spool forget the key is
         // a new event, never a second payload under the first id.
         let (ts_ms, clock_trusted) = wall_clock_ms();

@@ -35,8 +35,10 @@ pub struct NewEvent {
     /// The fields.
     pub fields: Fields,
     /// For a row of a replayed trace: where the replay stands after it.
-    /// The event id then derives from it ([`envelope::replay_event_id`]),
-    /// the append stores it with the row, and a row at or before the
+    /// The event id then derives from it ([`envelope::replay_row_id`]) and
+    /// the whole payload ([`envelope::derived_event_id`]: a row read again
+    /// with other bytes is a new event, never a second payload under one
+    /// id), the append stores it with the row, and a row at or before the
     /// position already stored for the same trace is not appended again.
     pub replay: Option<ReplayPosition>,
     /// Idempotency key from the producer (ingest socket `key`, bridged
@@ -46,7 +48,7 @@ pub struct NewEvent {
     /// id stored with the key; with another reading it is refused for good
     /// (counted under `ingest_key_conflicts`). A new key's event id derives
     /// from the key and the whole payload, `seq` and `ts_ms` included
-    /// ([`envelope::keyed_event_id`]): a key the spool forgot (a rollback,
+    /// ([`envelope::derived_event_id`]): a key the spool forgot (a rollback,
     /// or past [`super::KEYS_KEPT`]) and sent again is byte-identical under
     /// its first id, or a new event under a new id, never a second payload
     /// under one id (I3). Keys are remembered while their row, or any
@@ -260,11 +262,12 @@ impl Reply {
 /// How a row's event id is made ([`Issued::event_id`]).
 #[derive(Clone, Copy)]
 enum IdFor {
-    /// Known before the payload: fresh, or a replayed row's.
+    /// Known before the payload: a fresh random id.
     Ready(EventId),
-    /// A keyed reading's, from the key's [`envelope::key_id`] and the
-    /// payload ([`envelope::keyed_event_id`]).
-    Keyed(EventId),
+    /// Derived from a handle and the payload ([`envelope::derived_event_id`]):
+    /// a keyed reading's key ([`envelope::key_id`]) or a replayed row's
+    /// position ([`envelope::replay_row_id`]).
+    Derived(EventId),
 }
 
 /// Where one append transaction writes its rows.
@@ -313,7 +316,7 @@ impl Issued {
         let mut env = Envelope {
             event_id: match id {
                 IdFor::Ready(id) => id,
-                IdFor::Keyed(_) => envelope::ZERO_EVENT_ID,
+                IdFor::Derived(_) => envelope::ZERO_EVENT_ID,
             },
             device_id: to.device_id,
             stream: &ev.stream,
@@ -323,9 +326,9 @@ impl Issued {
             fields: &ev.fields,
         };
         let mut encoded = envelope::encode(to.format, &env);
-        if let (IdFor::Keyed(key_id), Ok(body)) = (id, &encoded) {
+        if let (IdFor::Derived(handle), Ok(body)) = (id, &encoded) {
             // The id is derived from the payload it names (I3 after a rollback).
-            env.event_id = envelope::keyed_event_id(&key_id, body);
+            env.event_id = envelope::derived_event_id(&handle, body);
             encoded = envelope::encode(to.format, &env);
         }
         let payload = match encoded {
@@ -351,7 +354,7 @@ impl Issued {
                 stream.prio
             ])
             .map_err(err)?;
-        if let (Some(k), IdFor::Keyed(key_id)) = (&ev.key, id) {
+        if let (Some(k), IdFor::Derived(key_id)) = (&ev.key, id) {
             let row_id = to.tx.last_insert_rowid();
             keys::remember(to.tx, row_id, &key_id.hyphenated(), &hyphenated, &k.digest)
                 .map_err(err)?;
@@ -401,8 +404,8 @@ impl Issued {
                 return Ok(Err(None));
             }
             let trace = pos.id_trace();
-            let id = envelope::replay_event_id(to.device_id, &ev.stream, &trace, pos.lap, pos.line);
-            return Ok(Ok(IdFor::Ready(id)));
+            let row = envelope::replay_row_id(to.device_id, &ev.stream, &trace, pos.lap, pos.line);
+            return Ok(Ok(IdFor::Derived(row)));
         }
         let Some(key) = &ev.key else {
             return Ok(Ok(IdFor::Ready(ids.next_id())));
@@ -415,7 +418,7 @@ impl Issued {
             &key.key,
         );
         let Some(stored) = keys::spooled(to.tx, &key_id.hyphenated())? else {
-            return Ok(Ok(IdFor::Keyed(key_id)));
+            return Ok(Ok(IdFor::Derived(key_id)));
         };
         // A key stored before digests were (schema 8) counts as the same reading.
         if stored.digest.is_none_or(|d| d == key.digest) {

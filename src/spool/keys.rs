@@ -3,7 +3,7 @@
 //! One job: remember which keys are in the spool (by their
 //! [`crate::envelope::key_id`], column `event_id`), the event id each one's
 //! reading was published under (`published_id`, schema 11: derived from the
-//! key and the payload, see [`crate::envelope::keyed_event_id`]; NULL for a
+//! key and the payload, see [`crate::envelope::derived_event_id`]; NULL for a
 //! key stored before, published under its key id) and the digest of that
 //! reading, so a producer that sends a key again with the same reading gets
 //! the first event id back and the spool stores nothing new, and one that

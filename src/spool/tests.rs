@@ -53,8 +53,25 @@ fn replayed_rows_get_derived_ids_and_their_position_commits_with_them() {
         s.append(&batch, &mut ids, "dev", Format::Json, 0).unwrap(),
         3
     );
+    // Each id derives from the row's position and its payload as encoded
+    // with the all-zero id (the JSON names the id once, as its hyphenated text).
+    let rows: Vec<(String, Vec<u8>)> = s
+        .query_all(
+            "SELECT event_id, payload FROM events ORDER BY id",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    let zero = envelope::ZERO_EVENT_ID.hyphenated();
     let want: Vec<String> = (2..5)
-        .map(|l| envelope::replay_event_id("dev", "air", "fp:a", 0, l).hyphenated())
+        .zip(&rows)
+        .map(|(l, (id, payload))| {
+            let body = String::from_utf8(payload.clone())
+                .unwrap()
+                .replace(id, &zero);
+            let row = envelope::replay_row_id("dev", "air", "fp:a", 0, l);
+            envelope::derived_event_id(&row, body.as_bytes()).hyphenated()
+        })
         .collect();
     assert_eq!(event_ids(&s), want);
     assert_eq!(s.replay_position("air").unwrap(), batch[2].replay);

@@ -9,13 +9,16 @@
 //!
 //! Its one rule: **a row has one identity for ever.** Every reading carries
 //! a [`ReplayPosition`] (trace identity, lap, line); the spool derives the
-//! row's event id from it and stores the position in the same transaction
-//! as the row, and [`Replay::resume`] continues after the stored position.
-//! So a restart neither skips a row nor sends one again under a new id. And
-//! a row has one payload: its time ([`DueRow::ts_ms`]) and cells come from
-//! the file and the stored position (the repeat shift included), never from
-//! the clock when it is read, so a row read again after a rollback of the
-//! spool's newest commits is encoded to the same bytes (I3).
+//! row's event id from it and the row's payload, and stores the position in
+//! the same transaction as the row, and [`Replay::resume`] continues after
+//! the stored position. So a restart neither skips a row nor sends one
+//! again under a new id. A row's time ([`DueRow::ts_ms`]) and cells come
+//! from the file and the stored position (the repeat shift included), never
+//! from the clock when it is read, so a row read again after a rollback of
+//! the spool's newest commits is encoded to the same bytes under the same
+//! id; if anything moved its bytes meanwhile (its `seq` after a dropped row,
+//! a truncated file, a config change), it is a new event under a new id,
+//! never a second payload under one id (I3).
 //!
 //! With `follow = true` the file is tailed instead (like `tail -F`, see
 //! [`super::tail`]): at its end the replay waits for more complete lines,
@@ -188,8 +191,8 @@ pub struct DueRow {
     /// Where the replay stands just after the row (stored with it).
     pub position: ReplayPosition,
     /// The row's time, unix ms (UTC): the trace's timestamp plus the lap's
-    /// shift, as in `trace_ts_ms`. A function of (trace, lap, line) and the
-    /// stored position alone, never of the clock at read time, so a row
+    /// shift, as in `trace_ts_ms`. A function of the file, (trace, lap,
+    /// line) and the stored position, never of the clock at read time, so a row
     /// read again after a resume (a rollback undid its commit) has the same
     /// time; the event's `ts_ms` is this.
     pub ts_ms: i64,
