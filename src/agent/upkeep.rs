@@ -135,6 +135,7 @@ impl Ingest {
         }
         self.checkpoint_if_due();
         self.record_health();
+        self.sample_outage();
     }
 
     /// Run the checkpoint the policy asks for now, and record the outcome
