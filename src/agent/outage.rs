@@ -91,31 +91,33 @@ impl Ingest {
 
     /// The budget now: the meter's rates and the spool's room as the
     /// capacity policy judges it (`spool.max_bytes`, `spool.min_free_bytes`).
-    /// A figure that cannot be read now counts as 0 (never more room than
-    /// measured).
-    pub(super) fn outage_budget(&self) -> Budget {
-        let (used, free_pages) = self.spool.usage().unwrap_or((0, 0));
+    /// `None` when the spool's usage or the filesystem's free space cannot
+    /// be read now: no room is made up (the record of the last summary stays,
+    /// and `status` shows its age).
+    pub(super) fn outage_budget(&self) -> Option<Budget> {
+        let (used, free_pages) = self.spool.usage().ok()?;
         let fs_free =
-            crate::maintenance::fs_free_bytes(&super::startup::spool_dir(&self.cfg)).unwrap_or(0);
+            crate::maintenance::fs_free_bytes(&super::startup::spool_dir(&self.cfg)).ok()?;
         let cap = self.cfg.spool.capacity;
         let room = Room {
             used_bytes: used,
             max_bytes: cap.max_bytes,
             free_bytes: fs_free.saturating_add(free_pages),
             reserve_bytes: cap.min_free_bytes,
-            rows: self.spool.rows_estimate().unwrap_or(0),
-            backlog_rows: self.spool.backlog_estimate().unwrap_or(0),
+            rows: self.spool.rows_estimate().ok()?,
+            backlog_rows: self.spool.backlog_estimate().ok()?,
         };
-        crate::outage::budget(&self.outage.meter, room)
+        Some(crate::outage::budget(&self.outage.meter, room))
     }
 
     /// At the summary: a fresh sample, then the budget, kept for the
-    /// metrics and returned as JSON for `status` (`outage_budget`).
-    pub(super) fn outage_json(&mut self) -> String {
+    /// metrics and returned as JSON for `status` (`outage_budget`); `None`
+    /// when it cannot be judged now ([`Ingest::outage_budget`]).
+    pub(super) fn outage_json(&mut self) -> Option<String> {
         self.sample_outage();
-        let b = self.outage_budget();
-        let json = serde_json::to_string(&b).unwrap_or_else(|_| "null".to_owned());
+        let b = self.outage_budget()?;
+        let json = serde_json::to_string(&b).ok()?;
         self.outage.last = Some(b);
-        json
+        Some(json)
     }
 }

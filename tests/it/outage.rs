@@ -228,6 +228,7 @@ fn status_and_metrics_give_the_ingest_rate_and_hold_time_of_a_known_reading_rate
 
     let pump = &b["ingest"]["streams"]["pump"];
     let readings = pump["readings_per_sec"].as_f64().expect("pump readings/s");
+    eprintln!("ingest: agent {readings:.2} readings/s, sent {RATE}/s");
     assert!(
         near(readings, RATE, 0.15),
         "pump at {readings}/s, sent {RATE}/s: {b}"
@@ -366,6 +367,7 @@ fn status_keeps_the_last_delivery_rate_offline_and_drains_the_backlog_at_it() {
     let (b, _) = budget_after(dir.path(), now_ms() + 1000, &agent);
     let d = &b["delivery"];
     let rate = d["rows_per_sec"].as_f64().unwrap_or_else(|| panic!("{b}"));
+    eprintln!("delivery: agent {rate:.1} rows/s, the test counted {measured:.1} rows/s");
     assert!(
         near(rate, measured, 0.3),
         "agent {rate} rows/s, test {measured}: {b}"
