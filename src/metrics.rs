@@ -921,14 +921,14 @@ mod tests {
             acked: 40,
             at_unix_secs: 1_700_000_000.25,
             receipts: None,
-            // No readings in the window: the hold time is +Inf.
+            // Readings this run, none in the window: the hold time is +Inf.
             outage: Some(crate::outage::budget(
                 &{
                     let mut m = crate::outage::Meter::new(60.0);
                     for at in [0.0, 5.0] {
                         m.record(crate::outage::Sample {
                             at_secs: at,
-                            streams: [("we\"ird".to_owned(), (0, 0))].into(),
+                            streams: [("we\"ird".to_owned(), (3, 300))].into(),
                             ..Default::default()
                         });
                     }

@@ -189,6 +189,13 @@ impl Meter {
         })
     }
 
+    /// Readings counted since the meter began (every stream).
+    pub fn readings_total(&self) -> u64 {
+        self.samples
+            .back()
+            .map_or(0, |b| b.streams.values().map(|(r, _)| r).sum())
+    }
+
     /// Block-layer write bytes per second; `None` before the samples span
     /// [`MIN_SPAN_SECS`].
     pub fn write_bytes_per_sec(&self) -> Option<f64> {
@@ -337,7 +344,8 @@ pub fn drain_secs(backlog: u64, rows_per_sec: f64) -> Option<f64> {
 pub struct Budget {
     /// The rates' window, seconds (`agent.rate_window_secs`).
     pub window_secs: f64,
-    /// `None`: not measured yet (the agent has run under a second).
+    /// `None`: not measured yet (the samples span under a second, or no
+    /// reading has arrived this run).
     pub ingest: Option<IngestRate>,
     /// The room the hold time is judged on.
     pub spool: Room,
@@ -359,7 +367,8 @@ pub struct Budget {
 
 /// The budget from a meter's rates and the spool's room now.
 pub fn budget(m: &Meter, room: Room) -> Budget {
-    let ingest = m.ingest();
+    // No reading yet this run: a rate of 0 would claim the spool never fills.
+    let ingest = m.ingest().filter(|_| m.readings_total() > 0);
     let per_row = room.bytes_per_row().or_else(|| {
         ingest
             .as_ref()
@@ -426,6 +435,25 @@ mod tests {
         let b = budget(&m, Room::default());
         assert!(b.ingest.is_none() && b.hold.is_none() && b.flash_mb_per_day.is_none());
         assert_eq!(b.drain_secs, Some(0.0), "no backlog drains at once");
+    }
+
+    #[test]
+    fn no_reading_yet_this_run_is_not_measured_yet_rather_than_zero() {
+        let mut m = Meter::new(10.0);
+        for i in 0..20 {
+            m.record(sample(i as f64, (0, 0), 0, true));
+        }
+        assert_eq!(m.ingest().map(|r| r.readings_per_sec), Some(0.0));
+        let b = budget(&m, room());
+        assert!(b.ingest.is_none() && b.hold.is_none(), "{b:?}");
+        // Once readings came, a quiet spell is a measured 0: no growth.
+        m.record(sample(20.0, (5, 500), 0, true));
+        for i in 21..60 {
+            m.record(sample(i as f64, (5, 500), 0, true));
+        }
+        let b = budget(&m, room());
+        assert_eq!(b.ingest.map(|r| r.readings_per_sec), Some(0.0));
+        assert_eq!(b.hold.map(|h| h.secs), Some(None));
     }
 
     #[test]

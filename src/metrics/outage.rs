@@ -140,5 +140,22 @@ mod tests {
         );
         assert!(text.contains("\nedgespool_delivery_rows_per_second 10\n"));
         assert!(text.contains("\nedgespool_backlog_drain_seconds 10\n"));
+        // Readings came, none in the window: the spool does not grow.
+        let mut quiet = Meter::new(60.0);
+        for at in [0.0, 10.0] {
+            quiet.record(Sample {
+                at_secs: at,
+                streams: BTreeMap::from([("pump".to_owned(), (5, 250))]),
+                ..Sample::default()
+            });
+        }
+        let text = render(&Figures {
+            outage: Some(budget(&quiet, room)),
+            ..Figures::default()
+        });
+        assert!(
+            text.contains("\nedgespool_outage_hold_seconds{bound=\"max_bytes\"} +Inf\n"),
+            "{text}"
+        );
     }
 }
