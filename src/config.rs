@@ -223,6 +223,9 @@ pub struct ExplicitKeys {
 pub struct AgentConfig {
     /// `summary_interval_secs`: one summary log line per interval.
     pub summary_interval: Duration,
+    /// `rate_window_secs`: the window of the outage budget's moving
+    /// averages (ingest, delivery and flash write rates; [`crate::outage`]).
+    pub rate_window: Duration,
 }
 
 /// Read and validate the config file at `path`, applying `overrides`

@@ -26,7 +26,8 @@
 //! - [`ack`]: packet id ↔ row bookkeeping, pure;
 //! - [`receipts`]: the fleet's receipts and the rows waiting for one, pure;
 //! - [`batching`]: several events of one stream in one PUBLISH;
-//! - [`health`]: ok or degraded, with named reasons (pure).
+//! - [`health`]: ok or degraded, with named reasons (pure);
+//! - [`outage`]: ingest and delivery rates, hold and drain time (pure).
 //!
 //! The wire format and the stores:
 //! - [`envelope`]: event ids and the wire format, encoded once at append;
@@ -78,6 +79,7 @@ pub mod maintenance;
 pub mod metrics;
 pub mod mqtt;
 pub mod notify;
+pub mod outage;
 pub mod policy;
 pub mod probe;
 pub mod process;

@@ -22,6 +22,7 @@
 //! `_total` on counters, base units (seconds, bytes).
 
 pub mod listen;
+pub mod outage;
 
 /// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -202,6 +203,9 @@ pub struct Figures {
     pub at_unix_secs: f64,
     /// Receipt mode's figures; `None` when rows retire on their PUBACK.
     pub receipts: Option<ReceiptFigures>,
+    /// The outage budget of the last summary; `None` before the first
+    /// (the families are left out).
+    pub outage: Option<crate::outage::Budget>,
 }
 
 /// What receipt mode (`mqtt.retire_on = "receipt"`) shows.
@@ -525,6 +529,9 @@ pub fn render(f: &Figures) -> String {
         f.checkpoints as f64,
     );
     render_commands(&mut o, f);
+    if let Some(b) = &f.outage {
+        outage::render(&mut o, b);
+    }
     o.single(
         "edgespool_metrics_timestamp_seconds",
         "gauge",
@@ -927,6 +934,28 @@ mod tests {
             acked: 40,
             at_unix_secs: 1_700_000_000.25,
             receipts: None,
+            // Readings this run, none in the window: the hold time is +Inf.
+            outage: Some(crate::outage::budget(
+                &{
+                    let mut m = crate::outage::Meter::new(60.0);
+                    for at in [0.0, 5.0] {
+                        m.record(crate::outage::Sample {
+                            at_secs: at,
+                            streams: [("we\"ird".to_owned(), (3, 300))].into(),
+                            ..Default::default()
+                        });
+                    }
+                    m
+                },
+                crate::outage::Room {
+                    used_bytes: 4096,
+                    max_bytes: 8192,
+                    free_bytes: 1 << 30,
+                    rows: 2,
+                    backlog_rows: 2,
+                    ..Default::default()
+                },
+            )),
         }
     }
 

@@ -3,6 +3,9 @@
 //! Its one rule: **status never writes and never holds a read transaction
 //! longer than one query**, so it is safe beside a running agent (F01).
 
+mod outage;
+mod write_budget;
+
 use crate::spool::{FailedRow, RunRecord, Spool, Stats};
 use serde::Serialize;
 use std::path::Path;
@@ -182,7 +185,9 @@ fn latency_line(stored: &str) -> String {
 /// `r` as JSON for machines: health as `{"state", "reasons", "since_ms"}`,
 /// counts as objects (`totals` by state, `rows` by stream then state,
 /// `counters` by name), each `agent_state` entry as `{"value",
-/// "updated_ms"}` with its value parsed when it is JSON.
+/// "updated_ms"}` with its value parsed when it is JSON; `outage_budget`
+/// is that entry of `agent_state` again (null before an agent stored one;
+/// fields in the README, "Outage budget").
 pub fn to_json(r: &Report) -> serde_json::Value {
     use serde_json::{json, Map, Value};
     let parse =
@@ -226,6 +231,7 @@ pub fn to_json(r: &Report) -> serde_json::Value {
         "wal_bytes": r.stats.wal_bytes,
         "counters": obj(&r.stats.counters),
         "failed": r.failed,
+        "outage_budget": state.get("outage_budget").cloned().unwrap_or(Value::Null),
         "agent_state": state,
         "commands": r.commands,
         "runs": r.runs,
@@ -237,9 +243,14 @@ pub fn render(r: &Report, now_ms: i64) -> String {
     let mut o = String::new();
     o.push_str(&format!("spool: {}\n", r.spool));
     for (k, v, at) in &r.agent_state {
+        if k == "outage_budget" {
+            o.push_str(&outage::render(v, *at, now_ms));
+            continue;
+        }
         let v = match k.as_str() {
             "health" => health_line(v),
             "latency" => latency_line(v),
+            "write_budget" => write_budget::line(v),
             "receipts" => receipts_line(v),
             k if k.starts_with("replay_position.") => replay_line(v),
             _ => v.clone(),

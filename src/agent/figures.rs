@@ -99,6 +99,7 @@ impl Ingest {
             acked: self.delivery_stats.retired.load(Ordering::Relaxed),
             at_unix_secs: at_ms as f64 / 1000.0,
             receipts: self.receipt_figures(),
+            outage: self.outage.last.clone(),
         }
     }
 

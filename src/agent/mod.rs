@@ -25,6 +25,7 @@ mod commit;
 mod control;
 mod figures;
 mod health;
+mod outage;
 mod startup;
 mod summary;
 mod upkeep;
@@ -355,6 +356,8 @@ struct Ingest {
     config_sha: String,
     /// Metrics snapshot, textfile, commit latency, drops this run.
     metrics: figures::MetricsState,
+    /// Samples and the last budget of the outage budget.
+    outage: outage::OutageState,
 }
 /// What the ingest thread tracks about the spool between maintenance passes.
 struct Upkeep {
@@ -437,6 +440,7 @@ impl Ingest {
             last_error_log: None,
             retry_at: None,
             metrics: Default::default(),
+            outage: Default::default(),
             pending_counts: HashMap::new(),
             socket_counts: p.socket_counts,
             notifier: crate::notify::Notifier::from_env(),

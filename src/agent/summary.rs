@@ -51,6 +51,9 @@ impl Ingest {
             ("write_budget", self.write_budget().to_string()),
             ("latency", self.latency_json().to_string()),
         ];
+        if let Some(b) = self.outage_json() {
+            states.push(("outage_budget", b));
+        }
         if let Some(c) = &self.upkeep.last_checkpoint_json {
             states.push(("last_checkpoint", c.to_string()));
         }

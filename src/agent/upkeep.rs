@@ -138,6 +138,7 @@ impl Ingest {
         }
         self.checkpoint_if_due();
         self.record_health();
+        self.sample_outage();
     }
 
     /// The `-shm` file still the one opened (same device and inode). Every

@@ -435,12 +435,15 @@ impl Default for RawMqtt {
 pub(super) struct RawAgent {
     #[serde(default = "d_summary")]
     pub(super) summary_interval_secs: u64,
+    #[serde(default = "d_rate_window")]
+    pub(super) rate_window_secs: u64,
 }
 
 impl Default for RawAgent {
     fn default() -> Self {
         RawAgent {
             summary_interval_secs: d_summary(),
+            rate_window_secs: d_rate_window(),
         }
     }
 }
@@ -568,6 +571,12 @@ pub(super) fn d_rmax() -> u64 {
 pub(super) fn d_acktimeout() -> u64 {
     30
 }
+/// `agent.rate_window_secs`: the outage budget's moving averages
+/// ([`crate::outage`]) cover the last 5 minutes.
+pub(super) fn d_rate_window() -> u64 {
+    300
+}
+
 pub(super) fn d_summary() -> u64 {
     60
 }

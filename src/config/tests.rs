@@ -222,6 +222,15 @@ fn an_override_can_supply_a_key_the_file_lacks() {
 }
 
 #[test]
+fn the_rate_window_defaults_to_five_minutes_and_needs_two_seconds() {
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    assert_eq!(c.agent.rate_window, Duration::from_secs(300));
+    let e = err(&GOOD.replace("[mqtt]", "[agent]\nrate_window_secs = 1\n[mqtt]"));
+    assert_eq!(e.problems[0].key, "agent.rate_window_secs");
+    assert!(e.problems[0].message.contains("got 1"), "{e}");
+}
+
+#[test]
 fn huge_intervals_are_rejected_not_overflowed() {
     let e = err(&GOOD.replace(
         "[mqtt]",

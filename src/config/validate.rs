@@ -105,7 +105,8 @@ fn validate_device_id(raw: &str, bad: &mut impl FnMut(&str, String)) -> String {
     device_id
 }
 
-/// `[agent]`: `summary_interval_secs` 1..=86400.
+/// `[agent]`: `summary_interval_secs` 1..=86400, `rate_window_secs`
+/// 2..=86400 (a rate needs two samples a second apart).
 fn validate_agent(raw: &RawAgent, bad: &mut impl FnMut(&str, String)) -> AgentConfig {
     if !(1..=86_400).contains(&raw.summary_interval_secs) {
         bad(
@@ -113,8 +114,15 @@ fn validate_agent(raw: &RawAgent, bad: &mut impl FnMut(&str, String)) -> AgentCo
             format!("must be 1..=86400 (got {})", raw.summary_interval_secs),
         );
     }
+    if !(2..=86_400).contains(&raw.rate_window_secs) {
+        bad(
+            "agent.rate_window_secs",
+            format!("must be 2..=86400 (got {})", raw.rate_window_secs),
+        );
+    }
     AgentConfig {
         summary_interval: Duration::from_secs(raw.summary_interval_secs),
+        rate_window: Duration::from_secs(raw.rate_window_secs),
     }
 }
 

@@ -28,6 +28,7 @@
 //! - `commands`: command records (the idempotency keys of commands);
 //! - `keys`: idempotency keys of keyed readings;
 //! - `priority`: each row's delivery lane;
+//! - `rates`: rows appended since a row id and rows held, for the outage budget;
 //! - `stats`: counters, agent state and run records for `status`.
 
 mod append;
@@ -36,6 +37,7 @@ mod delivery;
 mod keys;
 mod open;
 pub mod priority;
+pub mod rates;
 mod schema;
 mod seqs;
 mod stats;

@@ -17,6 +17,7 @@ mod hostile_dirs;
 mod ingest;
 mod metrics;
 mod mqtt5;
+mod outage;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
 #[cfg(feature = "pg-sink")]

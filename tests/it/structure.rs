@@ -38,6 +38,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("fsguard", 11),
     ("notify", 11),
     ("health", 11),
+    ("outage", 11),
     ("hex", 11),
     ("envelope", 20),
     ("spool", 30),

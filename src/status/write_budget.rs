@@ -1,0 +1,61 @@
+//! The `write_budget` record (stored by the agent at each summary; its
+//! fields are in the README, "Write budget") as one line for people:
+//!
+//! ```text
+//! 12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB
+//! ```
+//!
+//! A record that does not parse is shown as it is.
+
+use super::outage::{bytes, duration, thousands};
+use serde_json::Value;
+
+/// The line for the stored record `stored`.
+pub(super) fn line(stored: &str) -> String {
+    let Ok(v) = serde_json::from_str::<Value>(stored) else {
+        return stored.to_owned();
+    };
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    let readings = n("readings_total");
+    let per_reading = if readings == 0 {
+        "no readings yet".to_owned()
+    } else {
+        format!(
+            "{} per reading over {} readings",
+            bytes(n("bytes_per_reading") as f64),
+            thousands(readings)
+        )
+    };
+    format!(
+        "{} written in {} ({}/h, {:.1} MB/day projected), {per_reading}; {} commits/h, {} checkpoints/h, about {} fsyncs/h; WAL file {}",
+        bytes(n("write_bytes_total") as f64),
+        duration(n("window_secs") as f64),
+        bytes(n("write_bytes_per_hour") as f64),
+        v["projected_mb_per_day"].as_f64().unwrap_or(0.0),
+        thousands(n("commits_per_hour")),
+        thousands(n("checkpoints_per_hour")),
+        thousands(n("fsyncs_estimated_per_hour")),
+        bytes(n("wal_file_bytes") as f64),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_write_budget_reads_as_one_line() {
+        let rec = serde_json::json!({"window_secs": 3720, "write_bytes_total": 12_300_000u64,
+            "write_bytes_per_hour": 11_900_000u64, "commits_total": 3720, "commits_per_hour": 3600,
+            "checkpoints_total": 12, "checkpoints_per_hour": 12, "fsyncs_estimated_total": 24,
+            "fsyncs_estimated_per_hour": 24, "readings_total": 30_000, "bytes_per_reading": 410,
+            "projected_mb_per_day": 285.6, "wal_file_bytes": 4_200_000});
+        assert_eq!(
+            line(&rec.to_string()),
+            "12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB"
+        );
+        let none = serde_json::json!({"readings_total": 0});
+        assert!(line(&none.to_string()).contains("no readings yet"));
+        assert_eq!(line("junk"), "junk");
+    }
+}
