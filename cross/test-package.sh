@@ -126,7 +126,14 @@ printf 'listener %s 127.0.0.1\nallow_anonymous true\nuser root\n' "$port" >"$wor
 "$(command -v mosquitto || echo /usr/sbin/mosquitto)" -c "$work/mosquitto.conf" >/dev/null 2>&1 &
 pids+=($!)
 for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
-timeout 20 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -C 1 -t 'edgespool/edgespool-gateway/events/#' >"$work/received" &
+# device_id = "@machine-id": this machine's own id, never the machine id.
+dev=$(/usr/bin/edgespool check-config /etc/edgespool/edgespool.toml 2>/dev/null | sed -n 's/.*: ok (device \([^ ]*\) from @machine-id: \/etc\/machine-id,.*/\1/p')
+check "the packaged config's device_id comes from /etc/machine-id" bash -c "[[ '$dev' =~ ^es-[0-9a-f]{12}\$ ]]"
+if command -v systemd-id128 >/dev/null; then
+  check "device_id is systemd's app-specific id of this machine" bash -c \
+    "[ '$dev' = \"es-\$(systemd-id128 machine-id --app-specific=59059745eaf64aef817b21555c34a3fb | cut -c1-12)\" ]"
+fi
+timeout 20 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -C 1 -t "edgespool/$dev/events/#" >"$work/received" &
 sub=$!
 pids+=($sub)
 sleep 0.5
@@ -141,6 +148,9 @@ unshare --mount --propagation private sh -c "
 check "the agent stopped cleanly on SIGTERM (exit 0)" bash -c "[ $rc = 0 ] && grep -q 'stopped cleanly' '$work/agent.log'"
 wait "$sub" || true
 check "the broker received an event from the packaged agent" grep -q event_id "$work/received"
+check "the agent's first log line names its device_id and where it came from" bash -c \
+  "head -1 '$work/agent.log' | grep -qF 'starting: device_id $dev (from @machine-id: /etc/machine-id)'"
+check "the raw machine id is in nothing published" bash -c "! grep -q \"\$(cat /etc/machine-id)\" '$work/received'"
 # Two cautions are this rig's own set-up and expected: a broker on
 # 127.0.0.1 in puback mode, and the packaged config's commands with no
 # operator scope named.

@@ -9,7 +9,8 @@
 #   DESTDIR=/tmp/root ./install.sh  only copy the files under DESTDIR (no user, no systemctl)
 #
 # Where systemd runs, the unit is enabled but not started: edit the config
-# (device_id, mqtt.url), then `systemctl start edgespool`.
+# (mqtt.url; device_id is "@machine-id": unique per board), then
+# `systemctl start edgespool`.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)

@@ -14,6 +14,7 @@ mod exec_sources;
 mod faults;
 mod health;
 mod hostile_dirs;
+mod identity;
 mod ingest;
 mod metrics;
 mod mqtt5;

@@ -39,6 +39,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("notify", 11),
     ("health", 11),
     ("hex", 11),
+    ("identity", 11),
     ("envelope", 20),
     ("spool", 30),
     ("sink", 30),
