@@ -17,6 +17,7 @@ mod hostile_dirs;
 mod identity;
 mod ingest;
 mod metrics;
+mod modes;
 mod mqtt5;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
