@@ -1,8 +1,9 @@
 //! The files the agent makes in its state directory are 0640 or stricter
 //! (directories 0750) whatever the umask it runs under: the spool, its
 //! `-wal` and `-shm` (SQLite gives them the database file's mode), the lock,
-//! the storage profile, the last-known-good config, the clean-stop stamp.
-//! Through the real binary, under umask 022 (a shell's) and 000.
+//! the storage profile, the last-known-good config, the clean-stop stamp;
+//! and the ingest socket's directory is 0755. Through the real binary,
+//! under umask 022 (a shell's) and 000.
 
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
@@ -66,9 +67,10 @@ fn state_files_are_0640_or_stricter_under_umask_022_and_000() {
         std::fs::write(
             &cfg,
             format!(
-                "device_id = \"modes\"\n[spool]\npath = \"{}/spool/spool.db\"\ncommit_window_ms = 50\n[mqtt]\nurl = \"{}\"\n[[sources]]\nname = \"system\"\nkind = \"system\"\ninterval_ms = 200\n",
+                "device_id = \"modes\"\n[spool]\npath = \"{}/spool/spool.db\"\ncommit_window_ms = 50\n[mqtt]\nurl = \"{}\"\n[[sources]]\nname = \"system\"\nkind = \"system\"\ninterval_ms = 200\n[ingest]\nsocket = \"{}/run/ingest.sock\"\nstream_patterns = [\"m.*\"]\n",
                 state.display(),
-                broker.url()
+                broker.url(),
+                dir.path().display()
             ),
         )
         .expect("config");
@@ -107,6 +109,14 @@ fn state_files_are_0640_or_stricter_under_umask_022_and_000() {
         );
         let (names, bad) = too_open(&state);
         assert!(bad.is_empty(), "umask {umask:03o}, running: {bad:?}");
+        // The socket's directory: 0755 (clients reach the socket, whose
+        // own mode, 0660, says who may connect); nobody else writes there.
+        let run = dir.path().join("run");
+        let sock = run.join("ingest.sock");
+        assert!(wait_for(Duration::from_secs(10), || sock.exists()));
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
+        assert_eq!(mode(&run), 0o755, "umask {umask:03o}: {}", run.display());
+        assert_eq!(mode(&sock) & 0o777, 0o660, "umask {umask:03o}: the socket");
         assert!(names.len() >= want.len(), "{names:?}");
         assert!(agent
             .terminate(Duration::from_secs(20))
