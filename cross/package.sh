@@ -124,6 +124,11 @@ stage() {
   rm -rf "$root"
   install -D -m 0755 "$bin" "$root/usr/bin/edgespool"
   install -D -m 0644 packaging/edgespool.service "$root/lib/systemd/system/edgespool.service"
+  # The user and the directories' modes for image builds, applied at boot
+  # by systemd-sysusers and systemd-tmpfiles (the .deb's postinst does the
+  # same at install time).
+  install -D -m 0644 packaging/edgespool.sysusers "$root/usr/lib/sysusers.d/edgespool.conf"
+  install -D -m 0644 packaging/edgespool.tmpfiles "$root/usr/lib/tmpfiles.d/edgespool.conf"
   install -d -m 0750 "$root/etc/edgespool"
   install -m 0640 board-configs/edgespool.toml "$root/etc/edgespool/edgespool.toml"
   install -d -m 0755 "$root/usr/share/man/man1"

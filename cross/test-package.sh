@@ -9,6 +9,9 @@
 #     `systemd-analyze verify` on the unit and on the drop-in examples; an
 #     upgrade keeps an edited conffile; dpkg -r keeps the state and the user,
 #     dpkg -P removes both; install.sh from the tarball lays the same files;
+#     a DESTDIR install (an image) carries the sysusers.d and tmpfiles.d
+#     snippets, which systemd-sysusers/systemd-tmpfiles --root turn into the
+#     user, group, owners and modes the .deb gives;
 #  3. runs the static ARM binaries under qemu-user: --version, then the
 #     delivery, crash and command integration tests with each of them as the
 #     agent (the ARMv6 one under `qemu-arm -cpu arm1176`, a Pi Zero/1's CPU:
@@ -54,7 +57,11 @@ passes=0
 ok() { echo "  ok: $*"; passes=$((passes + 1)); }
 bad() { echo "  FAIL: $*"; fails=$((fails + 1)); }
 check() { local what=$1; shift; if "$@"; then ok "$what"; else bad "$what"; fi; }
-mode_is() { [ "$(stat -c '%a %U:%G' "$1")" = "$2" ] || { echo "    $1: $(stat -c '%a %U:%G' "$1"), want $2"; return 1; }; }
+mode_is() {
+  local fmt='%a %U:%G'
+  [[ "$2" =~ ^[0-7]+\ [0-9]+:[0-9]+$ ]] && fmt='%a %u:%g' # numeric: an image's own ids
+  [ "$(stat -c "$fmt" "$1")" = "$2" ] || { echo "    $1: $(stat -c "$fmt" "$1"), want $2"; return 1; }
+}
 # No bit beyond 0640 for files, 0750 for directories.
 private() {
   local f m
@@ -63,6 +70,33 @@ private() {
     if [ -d "$f" ]; then (( (8#$m & ~8#750) == 0 )) || { echo "    $f: $m"; return 1; }
     else (( (8#$m & ~8#640) == 0 )) || { echo "    $f: $m"; return 1; }; fi
   done < <(find "$1")
+}
+
+# An image built with `DESTDIR=$1 install.sh`: the sysusers.d and tmpfiles.d
+# snippets are there and, applied to the tree by systemd-sysusers --root and
+# systemd-tmpfiles --root (what the first boot does; neither boots systemd),
+# give the user, group, owners and modes the .deb's postinst gives.
+image_checks() {
+  local r=$1
+  check "image: sysusers.d snippet" cmp -s "$r/usr/lib/sysusers.d/edgespool.conf" packaging/edgespool.sysusers
+  check "image: tmpfiles.d snippet" cmp -s "$r/usr/lib/tmpfiles.d/edgespool.conf" packaging/edgespool.tmpfiles
+  check "image: no user made at install time" test ! -e "$r/etc/passwd"
+  if ! command -v systemd-sysusers >/dev/null || ! command -v systemd-tmpfiles >/dev/null; then
+    echo "  (no systemd-sysusers/systemd-tmpfiles here: the first-boot checks are skipped)"
+    return 0
+  fi
+  check "image: systemd-sysusers --root accepts the snippet" \
+    systemd-sysusers --root="$r" "$r/usr/lib/sysusers.d/edgespool.conf"
+  local uid gid
+  IFS=: read -r _ _ uid gid _ _ _ < <(grep '^edgespool:' "$r/etc/passwd" 2>/dev/null) || true
+  check "image: first boot makes the system user edgespool, home /var/lib/edgespool, no login" bash -c \
+    "IFS=: read -r _ _ u _ _ home shell < <(grep '^edgespool:' '$r/etc/passwd') && [ \"\$u\" -lt 1000 ] && [ \"\$home\" = /var/lib/edgespool ] && [[ \"\$shell\" == */nologin ]]"
+  check "image: and the group edgespool" grep -q "^edgespool:x:$gid:" "$r/etc/group"
+  check "image: systemd-tmpfiles --root --create accepts the snippet" \
+    systemd-tmpfiles --root="$r" --create "$r/usr/lib/tmpfiles.d/edgespool.conf"
+  check "image: /var/lib/edgespool 750 edgespool:edgespool" mode_is "$r/var/lib/edgespool" "750 $uid:$gid"
+  check "image: /etc/edgespool 750 root:edgespool" mode_is "$r/etc/edgespool" "750 0:$gid"
+  check "image: /etc/edgespool/edgespool.toml 640 root:edgespool" mode_is "$r/etc/edgespool/edgespool.toml" "640 0:$gid"
 }
 
 echo "== the amd64 package: install"
@@ -86,6 +120,8 @@ check "group edgespool" bash -c 'getent group edgespool >/dev/null'
 check "/usr/bin/edgespool 755 root:root" mode_is /usr/bin/edgespool "755 root:root"
 check "/usr/bin/edgespool is static" bash -c 'file -b /usr/bin/edgespool | grep -Eq "statically linked|static-pie linked"'
 check "the unit 644 root:root" mode_is /lib/systemd/system/edgespool.service "644 root:root"
+check "sysusers.d and tmpfiles.d snippets 644 root:root" bash -c \
+  "$(declare -f mode_is); mode_is /usr/lib/sysusers.d/edgespool.conf '644 root:root' && mode_is /usr/lib/tmpfiles.d/edgespool.conf '644 root:root'"
 check "/etc/edgespool 750 root:edgespool" mode_is /etc/edgespool "750 root:edgespool"
 check "/etc/edgespool/edgespool.toml 640 root:edgespool" mode_is /etc/edgespool/edgespool.toml "640 root:edgespool"
 check "/var/lib/edgespool 750 edgespool:edgespool" mode_is /var/lib/edgespool "750 edgespool:edgespool"
@@ -126,7 +162,14 @@ printf 'listener %s 127.0.0.1\nallow_anonymous true\nuser root\n' "$port" >"$wor
 "$(command -v mosquitto || echo /usr/sbin/mosquitto)" -c "$work/mosquitto.conf" >/dev/null 2>&1 &
 pids+=($!)
 for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
-timeout 20 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -C 1 -t 'edgespool/edgespool-gateway/events/#' >"$work/received" &
+# device_id = "@machine-id": this machine's own id, never the machine id.
+dev=$(/usr/bin/edgespool check-config /etc/edgespool/edgespool.toml 2>/dev/null | sed -n 's/.*: ok (device \([^ ]*\) from @machine-id: \/etc\/machine-id,.*/\1/p')
+check "the packaged config's device_id comes from /etc/machine-id" bash -c "[[ '$dev' =~ ^es-[0-9a-f]{12}\$ ]]"
+if command -v systemd-id128 >/dev/null; then
+  check "device_id is systemd's app-specific id of this machine" bash -c \
+    "[ '$dev' = \"es-\$(systemd-id128 machine-id --app-specific=59059745eaf64aef817b21555c34a3fb | cut -c1-12)\" ]"
+fi
+timeout 20 mosquitto_sub -h 127.0.0.1 -p "$port" -q 1 -C 1 -t "edgespool/$dev/events/#" >"$work/received" &
 sub=$!
 pids+=($sub)
 sleep 0.5
@@ -141,6 +184,9 @@ unshare --mount --propagation private sh -c "
 check "the agent stopped cleanly on SIGTERM (exit 0)" bash -c "[ $rc = 0 ] && grep -q 'stopped cleanly' '$work/agent.log'"
 wait "$sub" || true
 check "the broker received an event from the packaged agent" grep -q event_id "$work/received"
+check "the agent's first log line names its device_id and where it came from" bash -c \
+  "head -1 '$work/agent.log' | grep -qF 'starting: device_id $dev (from @machine-id: /etc/machine-id)'"
+check "the raw machine id is in nothing published" bash -c "! grep -q \"\$(cat /etc/machine-id)\" '$work/received'"
 # Two cautions are this rig's own set-up and expected: a broker on
 # 127.0.0.1 in puback mode, and the packaged config's commands with no
 # operator scope named.
@@ -188,6 +234,10 @@ DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" >/d
 dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print substr($6, 2)}' | sort >"$work/deb-files"
 check "install.sh installs the files of the .deb" diff "$work/deb-files" "$work/tar-files"
 check "install.sh: config 0640" bash -c "[ \"\$(stat -c %a '$work/root/etc/edgespool/edgespool.toml')\" = 640 ]"
+check "the .deb ships the sysusers.d and tmpfiles.d snippets" bash -c \
+  "grep -qx /usr/lib/sysusers.d/edgespool.conf '$work/deb-files' && grep -qx /usr/lib/tmpfiles.d/edgespool.conf '$work/deb-files'"
+DESTDIR="$work/image" "$work/edgespool-$version-x86_64-linux-musl/install.sh" >/dev/null
+image_checks "$work/image"
 DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" --uninstall >/dev/null
 check "install.sh --uninstall keeps only the config and state" bash -c \
   "[ -z \"\$(cd '$work/root' && find . -type f ! -path './etc/edgespool/*')\" ]"

@@ -6,10 +6,14 @@
 #   sudo ./install.sh               install; an existing /etc/edgespool/edgespool.toml is kept
 #   sudo ./install.sh --uninstall   remove the files; keeps /var/lib/edgespool and the user
 #   sudo ./install.sh --purge       also the state (/var/lib/edgespool, the spool!) and the user
-#   DESTDIR=/tmp/root ./install.sh  only copy the files under DESTDIR (no user, no systemctl)
+#   DESTDIR=/tmp/root ./install.sh  only copy the files under DESTDIR (no user, no systemctl):
+#                                   an image; its first boot creates the user and group
+#                                   (sysusers.d) and sets the directories' owners and
+#                                   modes (tmpfiles.d), as the .deb's postinst does
 #
 # Where systemd runs, the unit is enabled but not started: edit the config
-# (device_id, mqtt.url), then `systemctl start edgespool`.
+# (mqtt.url; device_id is "@machine-id": unique per board), then
+# `systemctl start edgespool`.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,6 +34,8 @@ have_systemd() { [ -z "$D" ] && [ -d /run/systemd/system ] && command -v systemc
 # path in the tarball : installed mode
 files="usr/bin/edgespool:0755
 lib/systemd/system/edgespool.service:0644
+usr/lib/sysusers.d/edgespool.conf:0644
+usr/lib/tmpfiles.d/edgespool.conf:0644
 usr/share/man/man1/edgespool.1.gz:0644
 usr/share/bash-completion/completions/edgespool:0644
 usr/share/doc/edgespool/copyright:0644

@@ -72,8 +72,12 @@ impl std::error::Error for ConfigError {}
 /// The validated config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    /// `device_id`: the board's identity in topics and envelopes.
+    /// `device_id`: the board's identity in topics and envelopes, resolved
+    /// (`@machine-id` and `@hostname` are replaced by the id they name).
     pub device_id: String,
+    /// Where `device_id` came from: written as it is, or `@machine-id`,
+    /// `@hostname` ([`crate::identity`]).
+    pub device_id_source: crate::identity::DeviceIdSource,
     /// `[spool]`.
     pub spool: SpoolConfig,
     /// `[mqtt]`.

@@ -20,6 +20,7 @@
 //! - [`reading`]: a reading's fields and, for a replayed row, its position;
 //! - [`stream`]: stream names, the agent's own streams, [`stream::StreamSettings`];
 //! - [`backoff`], [`threads`], [`hex`]: capped backoff, bounded joins, hex text;
+//! - [`identity`]: a `device_id` derived from `/etc/machine-id` or the host name;
 //! - [`process`]: running a program with a timeout and bounded output, no shell;
 //! - [`fsguard`], [`notify`]: lock file, local-filesystem check, directories and files
 //!   others could write (refused, created `O_EXCL | O_NOFOLLOW`); systemd notifications;
@@ -71,6 +72,7 @@ pub mod envelope;
 pub mod fsguard;
 pub mod health;
 pub mod hex;
+pub mod identity;
 pub mod ingest;
 pub mod intake;
 pub mod integrity;

@@ -30,6 +30,7 @@
 //! Pure: parsing, flattening and checks, no I/O.
 
 use crate::config::{Config, PushMode};
+use crate::identity::DeviceIdSource;
 use ring::signature::{UnparsedPublicKey, ED25519};
 
 /// Key paths an overlay may set. `sources.*` stands for a source's name.
@@ -107,8 +108,17 @@ pub const KEPT_SERIAL_STATE_KEY: &str = "config_push_kept_serial";
 /// against the local config and the newest serial this board accepted.
 ///
 /// Errors: it is for another board (its `device_id` is not this one's), it
-/// carries no `[signed] serial`, or its serial is not above `highest`.
+/// names no board (`device_id = "@machine-id"` or `"@hostname"`: it would
+/// be every board's), it carries no `[signed] serial`, or its serial is not
+/// above `highest`.
 pub fn check_signed(local: &Config, pushed: &Config, highest: u64) -> Result<u64, Refused> {
+    if pushed.device_id_source != DeviceIdSource::Config {
+        return Err(format!(
+            "the signed config says device_id = \"@{}\", which every board resolves to its own id: a signed config names the board it is for (this board is {:?})",
+            pushed.device_id_source.kind(),
+            local.device_id
+        ));
+    }
     if pushed.device_id != local.device_id {
         return Err(format!(
             "the signed config is for device {:?}; this board is {:?}",
@@ -448,6 +458,23 @@ interval_ms = 1000
         let e =
             crate::config::parse(&format!("{BASE}[signed]\nserial = 0\n"), "p", &[]).unwrap_err();
         assert!(e.to_string().contains("signed.serial"), "{e}");
+    }
+
+    #[test]
+    fn a_signed_config_that_names_no_board_is_refused_even_if_it_resolves_to_this_one() {
+        let local = crate::config::parse(BASE, "local", &[]).unwrap();
+        // What `device_id = "@machine-id"` in the pushed text resolves to on
+        // this board: its own id, but it would be every board's.
+        let mut pushed =
+            crate::config::parse(&format!("{BASE}[signed]\nserial = 3\n"), "p", &[]).unwrap();
+        pushed.device_id_source = DeviceIdSource::MachineId("/etc/machine-id".into());
+        let e = check_signed(&local, &pushed, 0).unwrap_err();
+        assert!(
+            e.contains("\"@machine-id\"") && e.contains("names the board"),
+            "{e}"
+        );
+        pushed.device_id_source = DeviceIdSource::Hostname;
+        assert!(check_signed(&local, &pushed, 0).is_err());
     }
 
     #[test]

@@ -120,6 +120,7 @@ fn keep_local_only(cfg: &mut Config, local: &Config) {
     // Who the operator is: a push (from the command topic) may not say.
     cfg.commands.operator_scopes = local.commands.operator_scopes.clone();
     cfg.device_id = local.device_id.clone();
+    cfg.device_id_source = local.device_id_source.clone();
     cfg.mqtt.client_id = local.mqtt.client_id.clone();
     cfg.mqtt.topic_prefix = local.mqtt.topic_prefix.clone();
     cfg.spool.path = local.spool.path.clone();

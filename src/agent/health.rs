@@ -59,7 +59,11 @@ impl Ingest {
             .saturating_sub(self.maintenance_period());
         let health = crate::health::assess(&facts, bound);
         if let Ok(backlog) = self.spool.backlog_estimate() {
-            self.link.set_status(&self.config_sha, backlog);
+            let device = (
+                self.cfg.device_id.as_str(),
+                self.cfg.device_id_source.kind(),
+            );
+            self.link.set_status(device, &self.config_sha, backlog);
         }
         // Each reason is logged once when it appears (by its wording
         // without figures), and again only after it went away.

@@ -108,6 +108,15 @@ pub struct ConfigSource {
 }
 /// Run until SIGTERM/SIGINT. Returns Ok after a clean stop.
 pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
+    let identity_line = format!(
+        "{} (from {})",
+        cfg.device_id,
+        cfg.device_id_source.describe()
+    );
+    log::info!(
+        "edgespool {} starting: device_id {identity_line}",
+        env!("CARGO_PKG_VERSION")
+    );
     let (stop, hup) = signal_flags()?;
     // Everything the ingest thread reacts to arrives on one channel, so it
     // sleeps until a reading, a control request, a signal or its next deadline.
@@ -133,6 +142,10 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         std::process::id(),
         env!("CARGO_PKG_VERSION"),
     )?;
+    // `status` shows it: which board this spool's rows are published as.
+    if let Err(e) = ingest.set_state("device_id", &identity_line, wall_clock_ms().0) {
+        log::warn!("cannot record the device id in the spool: {e}");
+    }
     let identity = control::config_identity(&source.path, confirmed_push.as_ref());
     let net = start_network(&cfg, &ingest, &identity, ingest_tx.clone())?;
     // Delivery is running: now the whole-file check, if the file needs one.
@@ -235,7 +248,11 @@ fn start_network(
         command_subscription(cfg, inbox),
     );
     // The retained `online` status at the first connect already tells these.
-    link.set_status(config_identity, ingest.backlog_estimate().unwrap_or(0));
+    link.set_status(
+        (&cfg.device_id, cfg.device_id_source.kind()),
+        config_identity,
+        ingest.backlog_estimate().unwrap_or(0),
+    );
     let stats = Arc::new(DeliveryStats::default());
     let mqtt = spawn("mqtt", move || mqtt_thread.run())?;
     let delivery = {

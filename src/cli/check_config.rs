@@ -36,9 +36,10 @@ fn check(config: &Path, sets: &[String], sample: bool) -> Outcome {
         return Err(Failure::Failed);
     }
     println!(
-        "{}: ok (device {}, {} sources, broker {}:{})",
+        "{}: ok (device {} from {}, {} sources, broker {}:{})",
         config.display(),
         c.device_id,
+        c.device_id_source.describe(),
         c.sources.len(),
         c.mqtt.host,
         c.mqtt.port

@@ -19,6 +19,7 @@ pub(super) use handlers::resolve_credentials;
 
 use super::raw::{RawAgent, RawConfig};
 use super::{AgentConfig, CommandsConfig, Config, ConfigError, Problem};
+use crate::identity::{self, DeviceIdSource};
 use crate::stream::topic_safe;
 use std::time::Duration;
 
@@ -39,7 +40,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
         })
     };
 
-    let device_id = validate_device_id(&raw.device_id, &mut bad);
+    let (device_id, device_id_source) = validate_device_id(&raw.device_id, &mut bad);
     let spool = spool::validate_spool(&raw.spool, &mut bad);
     let mqtt = mqtt::validate_mqtt(&raw.mqtt, &device_id, &mut bad);
     let agent = validate_agent(&raw.agent, &mut bad);
@@ -65,6 +66,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
     }
     Ok(Config {
         device_id,
+        device_id_source,
         spool,
         mqtt,
         agent,
@@ -90,9 +92,36 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
 }
 
 /// `device_id`: trimmed, 1..=64 letters, digits, '-', '_' or '.' (it is a
-/// topic level). Returns the trimmed id.
-fn validate_device_id(raw: &str, bad: &mut impl FnMut(&str, String)) -> String {
-    let device_id = raw.trim().to_owned();
+/// topic level), or `@machine-id` / `@hostname`, replaced by the id they
+/// name ([`crate::identity`]). Returns the id and where it came from.
+fn validate_device_id(raw: &str, bad: &mut impl FnMut(&str, String)) -> (String, DeviceIdSource) {
+    let trimmed = raw.trim();
+    let (resolved, source) = match trimmed {
+        "@machine-id" => {
+            let path = identity::machine_id_path();
+            (
+                identity::from_machine_id(&path),
+                DeviceIdSource::MachineId(path),
+            )
+        }
+        "@hostname" => (identity::from_hostname(), DeviceIdSource::Hostname),
+        t if t.starts_with('@') => (
+            Err(format!(
+                "names no known source: \"@machine-id\" or \"@hostname\", or a name of its own (got {raw:?})"
+            )),
+            DeviceIdSource::Config,
+        ),
+        t => (Ok(t.to_owned()), DeviceIdSource::Config),
+    };
+    let device_id = match resolved {
+        Ok(id) => id,
+        Err(e) => {
+            bad("device_id", format!("{trimmed}: {e}"));
+            // A stand-in, so the defaults built from it (client id, topic
+            // prefix) add no problems of their own.
+            return ("unresolved".to_owned(), source);
+        }
+    };
     if device_id.is_empty() || device_id.len() > 64 || !device_id.chars().all(topic_safe) {
         bad(
             "device_id",
@@ -102,7 +131,7 @@ fn validate_device_id(raw: &str, bad: &mut impl FnMut(&str, String)) -> String {
             ),
         );
     }
-    device_id
+    (device_id, source)
 }
 
 /// `[agent]`: `summary_interval_secs` 1..=86400, `rate_window_secs`

@@ -319,7 +319,11 @@ fn who_listens(path: &Path) -> Option<String> {
 fn bind_unix(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, BindError> {
     let shown = path.display();
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| {
+        // 0755 whatever the umask: clients must reach the socket (its own
+        // mode decides who may connect), nobody else may write beside it.
+        let mut mk = std::fs::DirBuilder::new();
+        std::os::unix::fs::DirBuilderExt::mode(mk.recursive(true), 0o755);
+        mk.create(dir).map_err(|e| {
             BindError::Failed(format!(
                 "ingest.socket: cannot create {}: {e}",
                 dir.display()

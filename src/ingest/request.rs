@@ -261,9 +261,18 @@ fn truncated(s: &str) -> String {
     s[..cut].to_owned()
 }
 
-/// The reply line for a committed reading: `{"ok":true,"event_id":"..."}\n`.
-pub fn ok_line(event_id: &str) -> String {
-    format!("{{\"ok\":true,\"event_id\":{}}}\n", Value::from(event_id))
+/// The reply line for a committed reading:
+/// `{"ok":true,"event_id":"...","durable":true}\n`. `durable` says what the
+/// `ok` promises: `true`, the commit was synced (a `durability = "full"`
+/// stream, or `spool.synchronous = "full"`), a power cut cannot undo it;
+/// `false`, committed but not yet synced (a `batched` stream under
+/// `synchronous = "normal"`): a power cut before the next checkpoint may
+/// roll the reading back.
+pub fn ok_line(event_id: &str, durable: bool) -> String {
+    format!(
+        "{{\"ok\":true,\"event_id\":{},\"durable\":{durable}}}\n",
+        Value::from(event_id)
+    )
 }
 
 /// The reply line for a refusal: `{"ok":false,"error":"..."}\n`.
@@ -432,7 +441,14 @@ mod tests {
 
     #[test]
     fn reply_lines_are_one_json_object_each() {
-        assert_eq!(ok_line("abc"), "{\"ok\":true,\"event_id\":\"abc\"}\n");
+        assert_eq!(
+            ok_line("abc", false),
+            "{\"ok\":true,\"event_id\":\"abc\",\"durable\":false}\n"
+        );
+        assert_eq!(
+            ok_line("abc", true),
+            "{\"ok\":true,\"event_id\":\"abc\",\"durable\":true}\n"
+        );
         let e = error_line("unknown stream \"x\"\n");
         assert_eq!(e.matches('\n').count(), 1);
         let v: Value = serde_json::from_str(&e).expect("json");

@@ -178,12 +178,19 @@ impl Link {
         self.wake.notify_all();
     }
 
-    /// What the retained `online` status tells: the config's sha256 and the
-    /// backlog (rows not yet acknowledged, at most), sent at each connect.
-    pub fn set_status(&self, config_sha256: &str, backlog: u64) {
+    /// What the retained `online` status tells: the board's `device_id` and
+    /// where it came from ([`crate::identity::DeviceIdSource::kind`]), the
+    /// config's sha256 and the backlog (rows not yet acknowledged, at most),
+    /// sent at each connect.
+    pub fn set_status(&self, device: (&str, &str), config_sha256: &str, backlog: u64) {
         let mut s = lock(&self.shared);
         if let Some(st) = s.status.as_mut() {
-            st.1 = serde_json::json!({"config_sha256": config_sha256, "backlog": backlog});
+            st.1 = serde_json::json!({
+                "device_id": device.0,
+                "device_id_source": device.1,
+                "config_sha256": config_sha256,
+                "backlog": backlog,
+            });
         }
     }
 

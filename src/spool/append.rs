@@ -232,13 +232,30 @@ impl std::fmt::Display for Refused {
     }
 }
 
-/// What a producer waiting on a reading learns: `Ok(event id)` (a
-/// hyphenated UUID) once the transaction holding it has committed, or
-/// `Err` when it was refused (spool or disk full, the in-memory buffer
-/// full, not encodable, a key reused for another reading). When the agent
-/// stops before committing, the sender is dropped and the receiver's
-/// `recv` fails: not stored.
-pub type CommitOutcome = Result<String, Refused>;
+/// What a producer waiting on a reading learns: `Ok` ([`Committed`]) once
+/// the transaction holding it has committed, or `Err` when it was refused
+/// (spool or disk full, the in-memory buffer full, not encodable, a key
+/// reused for another reading). When the agent stops before committing, the
+/// sender is dropped and the receiver's `recv` fails: not stored.
+pub type CommitOutcome = Result<Committed, Refused>;
+
+/// A reading's commit, as its producer is told it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Committed {
+    /// Its event id, a hyphenated UUID (for a keyed reading already
+    /// spooled, the stored one's).
+    pub event_id: String,
+    /// Whether the commit was synced to the disk (the connection's
+    /// `PRAGMA synchronous` read back as FULL): then a power cut cannot roll
+    /// it back. Under NORMAL it is durable only from the next checkpoint;
+    /// a power cut before it may roll the reading back (the `batched`
+    /// contract).
+    pub synced: bool,
+}
+
+/// What [`Spool::append`] tells a reading's producer before it knows the
+/// commit: its event id, or why it was refused.
+type Told = Result<String, Refused>;
 
 /// Where a reading's [`CommitOutcome`] goes (one per reading): a one-slot
 /// channel ([`Reply::channel`]), so a reading in flight costs little memory.
@@ -305,7 +322,7 @@ impl Issued {
         book: &SeqBook,
         ev: &NewEvent,
         ids: &mut EventIdGen,
-    ) -> Result<Option<CommitOutcome>, SpoolError> {
+    ) -> Result<Option<Told>, SpoolError> {
         let err = |e| SpoolError::classify(to.path, e);
         let stream = self.stream(to.tx, book, &ev.stream).map_err(err)?;
         let id = match self.event_id(to, ev, ids).map_err(err)? {
@@ -398,7 +415,7 @@ impl Issued {
         to: &Target<'_, '_>,
         ev: &NewEvent,
         ids: &mut EventIdGen,
-    ) -> rusqlite::Result<Result<IdFor, Option<CommitOutcome>>> {
+    ) -> rusqlite::Result<Result<IdFor, Option<Told>>> {
         if let Some(pos) = &ev.replay {
             if !self.marks.admit(to.tx, &ev.stream, pos)? {
                 return Ok(Err(None));
@@ -618,7 +635,7 @@ impl Spool {
         let mut book = seqs.lock().unwrap_or_else(|p| p.into_inner());
         let mut issued = Issued::default();
         // What each reading's producer is told after the commit.
-        let mut outcomes: Vec<Option<CommitOutcome>> = vec![None; events.len()];
+        let mut outcomes: Vec<Option<Told>> = vec![None; events.len()];
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -640,9 +657,10 @@ impl Spool {
             issued.store(&tx, now_ms).map_err(err)?;
         }
         tx.commit().map_err(err)?;
+        let synced = self.pragmas.synchronous >= 2;
         for (ev, outcome) in events.iter().zip(outcomes) {
             if let (Some(reply), Some(outcome)) = (&ev.reply, outcome) {
-                reply.send(outcome);
+                reply.send(outcome.map(|event_id| Committed { event_id, synced }));
             }
         }
         let appended = issued.appended;

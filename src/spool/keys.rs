@@ -166,14 +166,14 @@ mod tests {
                 .unwrap(),
             2
         );
-        let first = ra.recv().unwrap().unwrap();
+        let first = ra.recv().unwrap().unwrap().event_id;
         // Looked up by the key's id, published under the id of its payload.
         let kid = key_id(&s.key_secret, "dev", "pump", "tcp", "pump-1").hyphenated();
         assert_ne!(first, kid);
         assert_eq!(stored_ids(&s), vec![(kid, Some(first.clone()))]);
         assert_eq!(payloads(&s)[0].0, first);
-        assert_eq!(rb.recv().unwrap().unwrap(), first);
-        let unkeyed = rc.recv().unwrap().unwrap();
+        assert_eq!(rb.recv().unwrap().unwrap().event_id, first);
+        let unkeyed = rc.recv().unwrap().unwrap().event_id;
         assert_ne!(unkeyed, first);
         let (again, r2) = keyed("pump", Some("pump-1"), 1.0);
         assert_eq!(
@@ -181,7 +181,7 @@ mod tests {
                 .unwrap(),
             0
         );
-        assert_eq!(r2.recv().unwrap().unwrap(), first);
+        assert_eq!(r2.recv().unwrap().unwrap().event_id, first);
         assert_eq!(rows(&s), 2);
         assert_eq!(counter(&s, "ingest_keys_already_spooled"), 2);
         // The same key on another stream, or from another scope, is another event.
@@ -192,7 +192,10 @@ mod tests {
                 .unwrap(),
             2
         );
-        let (o, t) = (ro.recv().unwrap().unwrap(), rt.recv().unwrap().unwrap());
+        let (o, t) = (
+            ro.recv().unwrap().unwrap().event_id,
+            rt.recv().unwrap().unwrap().event_id,
+        );
         assert!(o != first && t != first && o != t);
     }
 
@@ -208,7 +211,7 @@ mod tests {
             s.append(&[a, b], &mut ids, "dev", Format::Json, 5).unwrap(),
             1
         );
-        let first = ra.recv().unwrap().unwrap();
+        let first = ra.recv().unwrap().unwrap().event_id;
         let refused = rb.recv().unwrap().unwrap_err();
         assert!(refused.lasting, "{refused:?}");
         assert!(
@@ -297,7 +300,7 @@ mod tests {
             let (e, r) = keyed("pump", Some(&format!("k{i}")), i as f64);
             s.append(&[e], &mut ids, "dev", Format::Json, 5).unwrap();
             if i == 0 {
-                first = r.recv().unwrap().unwrap();
+                first = r.recv().unwrap().unwrap().event_id;
             }
         }
         let keys = |s: &Spool| -> i64 {
@@ -327,7 +330,7 @@ mod tests {
                 .unwrap(),
             0
         );
-        assert_eq!(rs.recv().unwrap().unwrap(), first);
+        assert_eq!(rs.recv().unwrap().unwrap().event_id, first);
         assert!(ro.recv().unwrap().is_err());
         // Bounded: past KEYS_KEPT keys of purged rows the oldest go.
         let n = KEYS_KEPT as usize + 50;
@@ -360,7 +363,7 @@ mod tests {
             let mut ids = EventIdGen::new().unwrap();
             let (ev, rx) = keyed("pump", Some("pump-1"), 1.0);
             s.append(&[ev], &mut ids, "dev", Format::Json, 5).unwrap();
-            rx.recv().unwrap().unwrap()
+            rx.recv().unwrap().unwrap().event_id
         };
         let a = d.path().join("a.db");
         let first = id_in(&a);
@@ -410,7 +413,7 @@ mod tests {
         evs.into_iter()
             .map(|(ev, rx)| {
                 s.append(&[ev], &mut ids, "dev", Format::Json, 9).unwrap();
-                rx.recv().unwrap().unwrap()
+                rx.recv().unwrap().unwrap().event_id
             })
             .collect()
     }

@@ -44,7 +44,7 @@ mod stats;
 mod upkeep;
 mod wal;
 
-pub use append::{CommitOutcome, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTES};
+pub use append::{CommitOutcome, Committed, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTES};
 pub use commands::*;
 pub use delivery::{FailedRow, OutRow};
 pub use keys::KEYS_KEPT;

@@ -46,6 +46,7 @@ impl Spool {
     /// classified SQLite error.
     pub fn open(path: &Path, opts: &SpoolOptions) -> Result<Spool, SpoolError> {
         let err = |e| SpoolError::classify(path, e);
+        create_private(path);
         let conn = Connection::open_with_flags(
             path,
             OpenFlags::SQLITE_OPEN_READ_WRITE
@@ -160,4 +161,15 @@ impl Spool {
         s.share_wal(self);
         Ok(s)
     }
+}
+
+/// A new spool file is created here, empty (SQLite takes an empty file as a
+/// new database), mode 0640 whatever the umask: SQLite would create it 0644
+/// less the umask (`SQLITE_DEFAULT_FILE_PERMISSIONS`), and it gives the
+/// `-wal` and `-shm` it creates the database file's own mode (`fchmod` in
+/// `robust_open`, the mode taken from the database file), so all three
+/// end up 0640 (or stricter, under a umask such as 077). An existing file
+/// is left as it is; any other failure is SQLite's own open to report.
+fn create_private(path: &Path) {
+    let _ = crate::fsguard::files::create_new(path, 0o640);
 }

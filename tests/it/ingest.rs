@@ -1032,3 +1032,51 @@ fn junk_pattern_streams_over_tcp_leave_the_sockets_allowance() {
     );
     agent.terminate(Duration::from_secs(15));
 }
+
+/// What an `ok` promises is in the reply: `"durable":true` for a commit
+/// synced to the disk (a `full` stream, or every stream under
+/// `spool.synchronous = "full"`), `"durable":false` for a `batched` stream's
+/// commit under `synchronous = "normal"`, which a power cut before the next
+/// checkpoint may roll back. A retried key answers as its stream does.
+#[test]
+fn a_reply_says_whether_a_power_cut_can_undo_the_commit() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &prefix("ingest_durable"),
+        "stream_patterns = [\"plant.*\"]\n[[ingest.streams]]\nname = \"pump\"\ndurability = \"full\"\n[[ingest.streams]]\nname = \"meter\"\n",
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let ask = |c: &mut Client, line: &str| -> (String, Value) {
+        let v = c.ask(line);
+        (ok_id(&v), v["durable"].clone())
+    };
+    let pump = r#"{"stream":"pump","fields":{"bar":2.5},"ts_ms":1796000000000,"key":"p-1"}"#;
+    for (sync, batched_durable) in [("normal", false), ("full", true)] {
+        let mut agent = AgentProc::spawn(
+            &cfg,
+            &["sources=[]".into(), format!("spool.synchronous=\"{sync}\"")],
+            dir.path(),
+        );
+        wait_socket(&sock, &agent);
+        let mut c = Client::unix(&sock).expect("connect");
+        let (first, d) = ask(&mut c, pump);
+        assert_eq!(d, true, "{sync}: a full stream's ok");
+        let (again, d) = ask(&mut c, pump);
+        assert_eq!(
+            (again, d),
+            (first, Value::Bool(true)),
+            "{sync}: the retried key"
+        );
+        let (_, d) = ask(&mut c, r#"{"stream":"meter","fields":{"kwh":1}}"#);
+        assert_eq!(d, batched_durable, "{sync}: a batched stream's ok");
+        let (_, d) = ask(&mut c, r#"{"stream":"plant.a","fields":{"n":1}}"#);
+        assert_eq!(d, batched_durable, "{sync}: a pattern stream's ok");
+        drop(c);
+        assert!(agent
+            .terminate(Duration::from_secs(15))
+            .is_some_and(|s| s.success()));
+    }
+}

@@ -14,8 +14,10 @@ mod exec_sources;
 mod faults;
 mod health;
 mod hostile_dirs;
+mod identity;
 mod ingest;
 mod metrics;
+mod modes;
 mod mqtt5;
 mod outage;
 #[cfg(feature = "pg-sink")]

@@ -40,6 +40,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("health", 11),
     ("outage", 11),
     ("hex", 11),
+    ("identity", 11),
     ("envelope", 20),
     ("spool", 30),
     ("sink", 30),

@@ -19,6 +19,21 @@ fn board_configs() -> Vec<PathBuf> {
     out
 }
 
+/// A shipped config loaded here as the binary under test loads it: its
+/// `device_id = "@machine-id"` from `tests/fixtures/machine-id`
+/// ([`crate::support::agent::command`]), not this machine's.
+fn load_shipped(cfg: &Path) -> edgespool::config::Config {
+    let text = std::fs::read_to_string(cfg).expect("shipped config");
+    let sets = if text.contains("\ndevice_id = \"@machine-id\"") {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/machine-id");
+        let id = edgespool::identity::from_machine_id(&fixture).expect("fixture machine id");
+        vec![format!("device_id=\"{id}\"")]
+    } else {
+        Vec::new()
+    };
+    edgespool::config::load(cfg, &sets).expect("shipped config is valid")
+}
+
 /// Every file in `dir`, sorted (to show nothing was created there).
 fn listing(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
@@ -60,7 +75,7 @@ fn run_test(cfg: &Path, extra: &[String]) -> (Option<i32>, String, String) {
 /// 1-Wire sensor). Every other kind reads anywhere (the `exec` examples use
 /// coreutils, the replay example the shared trace).
 fn unreadable_here(cfg: &Path) -> Vec<(usize, String)> {
-    let c = edgespool::config::load(cfg, &[]).expect("shipped config is valid");
+    let c = load_shipped(cfg);
     c.sources
         .iter()
         .enumerate()
@@ -77,7 +92,7 @@ fn unreadable_here(cfg: &Path) -> Vec<(usize, String)> {
 fn test_names_exactly_the_sources_of_each_shipped_config_this_machine_cannot_read() {
     let mut failing_configs = 0;
     for cfg in board_configs() {
-        let c = edgespool::config::load(&cfg, &[]).expect("valid");
+        let c = load_shipped(&cfg);
         let bad = unreadable_here(&cfg);
         let (code, out, err) = run_test(&cfg, &[]);
         let named: BTreeSet<String> = err
@@ -131,7 +146,7 @@ fn test_reads_every_source_of_every_shipped_config_given_fixtures() {
     let sensor = fixtures.path().join("sensor");
     std::fs::write(&sensor, "21500\n").expect("fixture");
     for cfg in board_configs() {
-        let c = edgespool::config::load(&cfg, &[]).expect("valid");
+        let c = load_shipped(&cfg);
         let sets: Vec<String> = unreadable_here(&cfg)
             .iter()
             .map(|(i, _)| format!("sources.{i}.path={}", sensor.display()))

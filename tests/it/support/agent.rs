@@ -29,8 +29,13 @@ pub fn bin() -> PathBuf {
 /// (e.g. `qemu-arm -L /usr/arm-linux-gnueabihf`) in front of it when set.
 /// Signals sent to the runner reach the emulated agent (qemu-user forwards
 /// them; SIGKILL kills both, as one process).
+///
+/// `device_id = "@machine-id"` reads `tests/fixtures/machine-id`
+/// (`EDGESPOOL_MACHINE_ID_FILE`), not this machine's: the shipped config
+/// validates where `/etc/machine-id` is missing (a container). A test that
+/// makes boards of its own sets the variable again.
 pub fn command() -> Command {
-    match std::env::var("EDGESPOOL_AGENT_RUNNER") {
+    let mut cmd = match std::env::var("EDGESPOOL_AGENT_RUNNER") {
         Ok(r) if !r.trim().is_empty() => {
             let mut parts = r.split_whitespace();
             let mut cmd = Command::new(parts.next().unwrap_or("env"));
@@ -38,7 +43,12 @@ pub fn command() -> Command {
             cmd
         }
         _ => Command::new(bin()),
-    }
+    };
+    cmd.env(
+        edgespool::identity::MACHINE_ID_ENV,
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/machine-id"),
+    );
+    cmd
 }
 
 /// The RUST_LOG given to spawned agents: EDGESPOOL_TEST_LOG if set, else debug.
