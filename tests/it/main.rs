@@ -9,6 +9,7 @@ mod batches;
 mod bridge;
 mod commands;
 mod config;
+mod dashboards;
 mod delivery;
 mod exec_sources;
 mod faults;
