@@ -28,9 +28,11 @@
 //! - `commands`: command records (the idempotency keys of commands);
 //! - `keys`: idempotency keys of keyed readings;
 //! - `priority`: each row's delivery lane;
-//! - `stats`: counters, agent state and run records for `status`.
+//! - `stats`: counters, agent state and run records for `status`;
+//! - `backup`: a consistent copy of the live spool (`edgespool export`).
 
 mod append;
+pub mod backup;
 mod commands;
 mod delivery;
 mod keys;

@@ -12,6 +12,7 @@ mod config;
 mod dashboards;
 mod delivery;
 mod exec_sources;
+mod export;
 mod faults;
 mod health;
 mod hostile_dirs;
