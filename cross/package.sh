@@ -140,6 +140,9 @@ stage() {
   install -D -m 0644 README.md "$doc/README.md"
   install -D -m 0644 board-configs/example.toml "$doc/examples/example.toml"
   install -D -m 0644 -t "$doc/examples/edgespool.service.d" packaging/edgespool.service.d/*.conf
+  # The Grafana dashboard and the Prometheus alert rules (README, "Dashboard and alerts").
+  install -D -m 0644 packaging/grafana/edgespool.json "$doc/examples/grafana/edgespool.json"
+  install -D -m 0644 packaging/prometheus/edgespool-alerts.yml "$doc/examples/prometheus/edgespool-alerts.yml"
   find "$root" -type d -exec chmod go-w {} +
 }
 

@@ -5,7 +5,9 @@
 #                                  tests and bench; the service is not started: tests run
 #                                  their own server), rustfmt, clippy,
 #                                  nodejs/npm and aedes (a second broker for the tests),
-#                                  socat (the README's ingest socket client)
+#                                  socat (the README's ingest socket client),
+#                                  prometheus (promtool; the dashboard and alert tests
+#                                  run their own server: the service is not started)
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
@@ -28,7 +30,8 @@ sudo_if_needed() {
 # faketime: libfaketime steps the agent's wall clock in the command tests.
 # postgresql: initdb/pg_ctl under /usr/lib/postgresql/*/bin and the `postgres` user.
 # socat: the README's shell client of the ingest socket.
-pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime postgresql socat)
+# prometheus: the server and promtool for tests/it/dashboards.rs.
+pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime postgresql socat prometheus)
 if [ "$want_arm" = 1 ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)
 fi

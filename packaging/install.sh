@@ -42,7 +42,9 @@ usr/share/doc/edgespool/copyright:0644
 usr/share/doc/edgespool/README.md:0644
 usr/share/doc/edgespool/examples/example.toml:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf:0644
-usr/share/doc/edgespool/examples/edgespool.service.d/metrics-textfile.conf:0644"
+usr/share/doc/edgespool/examples/edgespool.service.d/metrics-textfile.conf:0644
+usr/share/doc/edgespool/examples/grafana/edgespool.json:0644
+usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml:0644"
 
 if [ "$mode" != install ]; then
     if have_systemd; then
@@ -50,6 +52,8 @@ if [ "$mode" != install ]; then
     fi
     for f in $files; do rm -f "$D/${f%:*}"; done
     rmdir "$D/usr/share/doc/edgespool/examples/edgespool.service.d" \
+        "$D/usr/share/doc/edgespool/examples/grafana" \
+        "$D/usr/share/doc/edgespool/examples/prometheus" \
         "$D/usr/share/doc/edgespool/examples" "$D/usr/share/doc/edgespool" 2>/dev/null || true
     have_systemd && systemctl daemon-reload || true
     if [ "$mode" = purge ]; then

@@ -22,6 +22,8 @@
 //! does not name this spool's inode is ignored, by name, and removed: a
 //! marker alone never moves a spool aside.
 
+mod wal_lost;
+
 use crate::spool::{Spool, SpoolError, SpoolOptions};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -44,7 +46,9 @@ pub enum OpenError {
 /// (<https://www.sqlite.org/fileformat.html#the_database_header>).
 const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 
-/// Open the spool at `path` with `options`; a damaged spool is moved aside
+/// Open the spool at `path` with `options`; a file that lost its `-wal` is
+/// named at ERROR, and moved aside when its schema was only in it
+/// ([`wal_lost`]); a damaged spool is moved aside
 /// (never a silent wipe; F04): `spool.db` → `spool.db.corrupt-<unix ms>`
 /// (with its `-wal` and `-shm`), the move is counted, and a fresh spool is
 /// created. Damage is known from the open itself (SQLITE_CORRUPT/NOTADB, or
@@ -59,11 +63,23 @@ const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 /// damaged, or the fresh spool failed), [`OpenError::Refused`] (not a
 /// SQLite file, or it cannot be moved aside).
 pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, OpenError> {
+    let before = wal_lost::look(path);
+    if before.schema_only_in_wal {
+        wal_lost::move_aside(path).map_err(OpenError::Refused)?;
+        let mut s = Spool::open(path, options)?;
+        s.count("spool_moved_aside_without_wal", 1)?;
+        return Ok(s);
+    }
     let marker = damaged_marker(path);
     let damage = match believed_marker(path) {
         Some(reason) => reason,
         None => match Spool::open(path, options) {
-            Ok(s) => return Ok(s),
+            Ok(mut s) => {
+                if before.wal_missing {
+                    wal_lost::report_unended_run(&mut s);
+                }
+                return Ok(s);
+            }
             Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
             // SQLite reports some damage as a generic error (a mangled
             // header: "unsupported file format"), damaged rows read back

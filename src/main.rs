@@ -18,6 +18,7 @@ fn main() -> ExitCode {
             "test" => cli::test::main(&mut line),
             "status" => cli::status::main(&mut line),
             "probe-storage" => cli::probe_storage::main(&mut line),
+            "export" => cli::export::main(&mut line),
             "sink" => cli::sink::main(&mut line),
             "help" => cli::help(&mut line),
             other => cli::unknown(other, &mut line),

@@ -146,8 +146,18 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     if let Err(e) = ingest.set_state("device_id", &identity_line, wall_clock_ms().0) {
         log::warn!("cannot record the device id in the spool: {e}");
     }
+    // The run's start reaches the database file now, not at the first
+    // timed checkpoint: a copy of the file alone, taken while this run goes
+    // on, then shows a run that never ended (integrity::wal_lost).
+    let _ = ingest.checkpoint(CheckpointMode::Passive);
     let identity = control::config_identity(&source.path, confirmed_push.as_ref());
-    let net = start_network(&cfg, &ingest, &identity, ingest_tx.clone())?;
+    let net = match start_network(&cfg, &ingest, &identity, ingest_tx.clone()) {
+        Ok(net) => net,
+        Err(e) => {
+            let _ = ingest.end_run(run_id, wall_clock_ms().0, "error", Some(&e.to_string()));
+            return Err(e);
+        }
+    };
     // Delivery is running: now the whole-file check, if the file needs one.
     let verdict =
         check_reason.map(|why| crate::integrity::spawn_check(cfg.spool.path.clone(), why));

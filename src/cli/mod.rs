@@ -9,6 +9,7 @@
 //! lacks a configured column).
 
 pub mod check_config;
+pub mod export;
 pub mod probe_storage;
 pub mod run;
 pub mod sink;

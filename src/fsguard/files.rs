@@ -198,6 +198,42 @@ pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     res
 }
 
+/// Rename `from` to `to` only if `to` does not exist, atomically:
+/// `renameat2(RENAME_NOREPLACE)` (Linux 3.15; renameat2(2)), or, on a
+/// filesystem that does not support that flag (EINVAL), a hard link to `to`
+/// (link(2) fails with EEXIST on an existing name) and `from` unlinked.
+///
+/// Errors: `to` exists (`AlreadyExists`), or the rename, link or unlink
+/// failed; `to` is never replaced.
+pub fn rename_noreplace(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(ErrorKind::InvalidInput, e))
+    };
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: two NUL-terminated paths that outlive the call; no memory is shared.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if !matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+        return Err(e);
+    }
+    std::fs::hard_link(from, to)?;
+    std::fs::remove_file(from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,9 +29,11 @@
 //! - `keys`: idempotency keys of keyed readings;
 //! - `priority`: each row's delivery lane;
 //! - `rates`: rows appended since a row id and rows held, for the outage budget;
-//! - `stats`: counters, agent state and run records for `status`.
+//! - `stats`: counters, agent state and run records for `status`;
+//! - `backup`: a consistent copy of the live spool (`edgespool export`).
 
 mod append;
+pub mod backup;
 mod commands;
 mod delivery;
 mod keys;
