@@ -389,6 +389,8 @@ impl Ingest {
             self.budget.reconfigure(settings);
             self.window.set(self.budget.window());
         }
+        self.cfg.spool.write_budget_bytes_per_day = new.spool.write_budget_bytes_per_day;
+        self.cfg.spool.max_commit_window = new.spool.max_commit_window;
     }
 
     /// `[spool]`: the commit window, retention, checkpoints and capacity

@@ -423,9 +423,10 @@ struct Upkeep {
 /// The write budget's settings from `[spool]`.
 fn budget_settings(cfg: &Config) -> crate::write_budget::BudgetSettings {
     crate::write_budget::BudgetSettings {
-        bytes_per_day: None,
+        bytes_per_day: cfg.spool.write_budget_bytes_per_day,
         base_window: cfg.spool.commit_window,
-        max_window: cfg.spool.commit_window,
+        // The probe may derive a base above it: the base wins.
+        max_window: cfg.spool.max_commit_window.max(cfg.spool.commit_window),
     }
 }
 

@@ -43,6 +43,7 @@ impl Ingest {
             "commit_window_ms": self.window.get().as_millis() as u64,
             "commit_window_max_ms": self.budget.largest().as_millis() as u64,
             "checkpoint_interval_secs": self.checkpoint_interval().as_secs(),
+            "budget_mb_per_day": self.cfg.spool.write_budget_bytes_per_day.map(|b| b / 1_000_000),
             "budget_projected_mb_per_day": self.budget.projected_mb_per_day(),
             "over_budget": self.budget.verdict() != &crate::write_budget::Verdict::Within,
             "wal_file_bytes": std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))

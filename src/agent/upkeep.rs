@@ -187,7 +187,7 @@ impl Ingest {
             "write budget: projected {:.0} MB/day at a {} ms commit window (budget {} MB/day): commit window now {} ms, time-driven checkpoints every {} s",
             self.budget.projected_mb_per_day().unwrap_or(0.0),
             before.as_millis(),
-            0,
+            self.cfg.spool.write_budget_bytes_per_day.unwrap_or(0) / 1_000_000,
             after.as_millis(),
             self.checkpoint_interval().as_secs()
         );
