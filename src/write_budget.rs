@@ -127,7 +127,7 @@ impl Verdict {
                 limit,
                 limit_ms,
             } => Some(format!(
-                "write budget exceeded: projected {projected_mb_per_day:.0} MB/day at a {limit_ms} ms commit window (stopped by {limit}), spool.write_budget_mb_per_day is {budget_mb_per_day:.0}: a window of about {needed_window_ms} ms, or a budget of {:.0} MB/day, would meet it",
+                "write budget exceeded: projected {projected_mb_per_day:.0} MB/day at a {limit_ms} ms commit window, the widest allowed (stopped by {limit}), spool.write_budget_mb_per_day is {budget_mb_per_day:.0}: a window of about {needed_window_ms} ms, or a budget of {:.0} MB/day, would meet it",
                 projected_mb_per_day.ceil()
             )),
         }
@@ -233,7 +233,9 @@ impl Controller {
             self.settings.base_window,
             bound.max(self.settings.base_window),
         );
-        self.verdict = if per_day > budget && chosen < needed {
+        // Over only as measured at the widest window: while it still widens,
+        // the next span tells.
+        self.verdict = if per_day > budget && chosen < needed && chosen == self.window {
             Verdict::Over {
                 projected_mb_per_day: per_day / 1e6,
                 budget_mb_per_day: budget / 1e6,
@@ -356,8 +358,14 @@ mod tests {
         c.observe(t, &measured(0, 0));
         span(&mut c, &mut t, &mut total, 8_000, 100, &mut n);
         assert_eq!(c.window(), Duration::from_secs(10));
+        // Not yet measured at the ceiling: no verdict yet.
+        assert_eq!(c.verdict(), &Verdict::Within);
+        span(&mut c, &mut t, &mut total, 160, 100, &mut n);
         let why = c.verdict().reason().expect("over the budget");
-        assert!(why.contains("projected 8000 MB/day"), "{why}");
+        assert!(
+            why.contains("projected 160 MB/day at a 10000 ms commit window"),
+            "{why}"
+        );
         assert!(
             why.contains("stopped by spool.max_commit_window_ms"),
             "{why}"
@@ -379,6 +387,7 @@ mod tests {
         // 1,000 readings/s: 15,000 readings hold 15 s, half of it is 7.5 s.
         span(&mut c, &mut t, &mut total, 50_000, 1_000, &mut n);
         assert_eq!(c.window(), Duration::from_millis(7500));
+        span(&mut c, &mut t, &mut total, 1_000, 1_000, &mut n);
         let why = c.verdict().reason().expect("over the budget");
         assert!(why.contains("the in-memory buffer's bound"), "{why}");
     }

@@ -270,7 +270,7 @@ fn a_write_budget_out_of_reach_widens_the_window_to_its_ceiling_and_degrades_hea
     let reasons = v["health"]["reasons"].to_string();
     assert!(
         reasons
-            .contains("MB/day at a 200 ms commit window (stopped by spool.max_commit_window_ms)"),
+            .contains("MB/day at a 200 ms commit window, the widest allowed (stopped by spool.max_commit_window_ms)"),
         "{reasons}"
     );
     assert!(
