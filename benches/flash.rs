@@ -25,7 +25,12 @@
 //!   counts its own.
 //!
 //! Rates: 1, 10 and 100 readings/s with the default (batched) durability, and
-//! 1 reading/s with `durability = "full"` (`1full`). A rate ending in `r`
+//! 1 reading/s with `durability = "full"` (`1full`). A `w` after the rate
+//! (`10w`) runs the agent with `spool.commit_window_ms = 10000`, a `b`
+//! (`10b`) with `spool.write_budget_mb_per_day = 100` (the agent widens its
+//! window up to `spool.max_commit_window_ms`, 10 s by default); beside both
+//! the minimal writer commits every 10 s, and the second table says the
+//! largest window the agent chose. A rate ending in `r`
 //! (`1r`, `10r`, `100r`) runs the agent with `mqtt.retire_on = "receipt"`
 //! beside an `edgespool sink` (SQLite store, in the run's directory) that
 //! sends the receipts; the sink's own writes are the fleet's and are not
@@ -38,7 +43,7 @@
 //! - `FLASH_SECS` measurement seconds per rate (default 120);
 //! - `FLASH_WARMUP` warm-up seconds before it (default 30);
 //! - `FLASH_RATES` rates to run, e.g. `1,10r` (default
-//!   `1,1r,10,10r,100,100r,1full`);
+//!   `1,1r,10,10r,100,100r,1full,1w,10w,100w,1b,10b,100b`);
 //! - `FLASH_DIR` where the per-rate directories go (default `/var/tmp`; must
 //!   not be tmpfs, where `write_bytes` stays 0).
 //!
@@ -62,6 +67,10 @@ const STREAM: &str = "temperature";
 const FALLBACK_WINDOW_MS: u64 = 50;
 /// The minimal writer's PASSIVE checkpoint cadence.
 const MINIMAL_CHECKPOINT: Duration = Duration::from_secs(30);
+/// The loss window of the `w` and `b` rows, ms.
+const LOSS_WINDOW_MS: u64 = 10_000;
+/// The write budget of the `b` rows, MB/day.
+const BUDGET_MB_PER_DAY: u64 = 100;
 /// How long a child gets to stop after being asked.
 const STOP_GRACE: Duration = Duration::from_secs(20);
 /// `statfs` magic of tmpfs.
@@ -116,14 +125,25 @@ struct RateSpec {
     full: bool,
     /// `mqtt.retire_on = "receipt"`, with a sink sending the receipts.
     receipt: bool,
+    /// Default, fixed 10 s or budgeted commit window.
+    window: Window,
 }
 
 impl RateSpec {
+    /// `<n>[full][w|b][r]`: `w` runs the agent with `spool.commit_window_ms
+    /// = 10000`, `b` with `spool.write_budget_mb_per_day = 100` (and the
+    /// default `spool.max_commit_window_ms`, 10 s); both put the minimal
+    /// writer on a 10 s window.
     fn parse(s: &str) -> RateSpec {
         let s = s.trim();
         let (s, receipt) = match s.strip_suffix('r') {
             Some(rest) => (rest, true),
             None => (s, false),
+        };
+        let (s, window) = match (s.strip_suffix('w'), s.strip_suffix('b')) {
+            (Some(rest), _) => (rest, Window::Fixed),
+            (_, Some(rest)) => (rest, Window::Budget),
+            _ => (s, Window::Default),
         };
         let (num, full) = match s.strip_suffix("full") {
             Some(n) => (n, true),
@@ -132,7 +152,7 @@ impl RateSpec {
         let per_sec: u32 = num
             .parse()
             .unwrap_or_else(|_| {
-                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; an `r` after it for receipt mode)")
+                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; then `w` for a 10 s window or `b` for a 100 MB/day budget; an `r` last for receipt mode)")
             });
         assert!(
             (1..=100).contains(&per_sec),
@@ -142,14 +162,20 @@ impl RateSpec {
             per_sec,
             full,
             receipt,
+            window,
         }
     }
 
     fn label(&self) -> String {
         format!(
-            "{}{}{}",
+            "{}{}{}{}",
             self.per_sec,
             if self.full { "full" } else { "" },
+            match self.window {
+                Window::Default => "",
+                Window::Fixed => "w",
+                Window::Budget => "b",
+            },
             if self.receipt { "r" } else { "" }
         )
     }
@@ -157,6 +183,36 @@ impl RateSpec {
     fn interval_ms(&self) -> u64 {
         1000 / u64::from(self.per_sec)
     }
+
+    /// The `[spool]` lines of the agent's config for this row.
+    fn spool_keys(&self) -> String {
+        match self.window {
+            Window::Default => String::new(),
+            Window::Fixed => format!("commit_window_ms = {LOSS_WINDOW_MS}\n"),
+            Window::Budget => format!("write_budget_mb_per_day = {BUDGET_MB_PER_DAY}\n"),
+        }
+    }
+
+    /// The minimal writer's window: the row's loss window, else the
+    /// agent's own (from its log).
+    fn minimal_window_ms(&self, agent_ms: u64) -> u64 {
+        match self.window {
+            Window::Default => agent_ms,
+            Window::Fixed | Window::Budget => LOSS_WINDOW_MS,
+        }
+    }
+}
+
+/// How a row sets the agent's commit window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Window {
+    /// The storage probe's (the default settings).
+    Default,
+    /// `spool.commit_window_ms = LOSS_WINDOW_MS`.
+    Fixed,
+    /// `spool.write_budget_mb_per_day = BUDGET_MB_PER_DAY`, the window chosen
+    /// by the agent up to its default `spool.max_commit_window_ms`.
+    Budget,
 }
 
 struct Settings {
@@ -177,8 +233,8 @@ impl Settings {
                 })
                 .unwrap_or(default)
         };
-        let rates =
-            std::env::var("FLASH_RATES").unwrap_or_else(|_| "1,1r,10,10r,100,100r,1full".into());
+        let rates = std::env::var("FLASH_RATES")
+            .unwrap_or_else(|_| "1,1r,10,10r,100,100r,1full,1w,10w,100w,1b,10b,100b".into());
         let base = PathBuf::from(std::env::var("FLASH_DIR").unwrap_or_else(|_| "/var/tmp".into()));
         assert!(
             !on_tmpfs(&base),
@@ -233,6 +289,11 @@ struct Row {
     spec: RateSpec,
     window_ms: u64,
     window_from_log: bool,
+    /// The minimal writer's commit window, ms.
+    minimal_window_ms: u64,
+    /// `commit_window_max_ms` of the agent's last `write_budget` record:
+    /// the largest commit window it chose in the run (budget rows widen it).
+    chosen_max_ms: Option<u64>,
     payload_len: usize,
     stored_payload_len: Option<f64>,
     a: Snapshot,
@@ -290,7 +351,13 @@ fn measure_rate(
     let payload_len = sub
         .first_payload_len(&mut agent, Duration::from_secs(30))
         .map_err(|e| format!("{e}; agent log:\n{}", log.tail()))?;
-    let mut minimal = Minimal::spawn(tracer, &run, spec, window_ms, payload_len)?;
+    let mut minimal = Minimal::spawn(
+        tracer,
+        &run,
+        spec,
+        spec.minimal_window_ms(window_ms),
+        payload_len,
+    )?;
     let mut budget = Budget::default();
     watch(s.warmup, &mut agent, &mut minimal, &mut budget, &run)?;
     let a = snapshot(&agent, &mut minimal, &sub)?;
@@ -302,6 +369,8 @@ fn measure_rate(
     let (agent_wal, agent_db) = (size(&wal_of(&run.spool)), size(&run.spool));
     let (minimal_wal, minimal_db) = (size(&wal_of(&run.minimal_db)), size(&run.minimal_db));
     let last_checkpoint = status_state(&run, "last_checkpoint").map(|(v, _)| v.to_string());
+    let chosen_max_ms = status_state(&run, "write_budget")
+        .and_then(|(v, _)| v.get("commit_window_max_ms")?.as_u64());
     let unretired = unretired_rows(&run.spool);
     agent.stop();
     minimal.stop();
@@ -316,8 +385,13 @@ fn measure_rate(
     };
     Ok(Row {
         spec,
-        window_ms,
+        window_ms: match spec.window {
+            Window::Fixed => LOSS_WINDOW_MS,
+            Window::Default | Window::Budget => window_ms,
+        },
         window_from_log,
+        minimal_window_ms: spec.minimal_window_ms(window_ms),
+        chosen_max_ms,
         payload_len,
         stored_payload_len: stored_payload_len(&run.spool),
         a,
@@ -464,9 +538,10 @@ impl RunDir {
             ""
         };
         let text = format!(
-            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n{retire}\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
+            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n{spool_keys}\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n{retire}\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
             label = spec.label(),
             spool = spool.display(),
+            spool_keys = spec.spool_keys(),
             value = value.display(),
             interval = spec.interval_ms(),
         );
@@ -632,17 +707,21 @@ fn find_state(states: &serde_json::Value, key: &str) -> Option<(serde_json::Valu
     Some((value, at))
 }
 
-/// Mean stored payload length in the agent's spool, if its schema has a
-/// `payloads(payload)` table.
+/// Mean stored payload length in the agent's spool: `events.payload`
+/// (schema 5 on), else an older schema's `payloads(payload)` table.
 fn stored_payload_len(spool: &Path) -> Option<f64> {
     let conn =
         rusqlite::Connection::open_with_flags(spool, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .ok()?;
-    conn.query_row("SELECT avg(length(payload)) FROM payloads", [], |r| {
-        r.get(0)
+    ["events", "payloads"].iter().find_map(|table| {
+        conn.query_row(
+            &format!("SELECT avg(length(payload)) FROM {table}"),
+            [],
+            |r| r.get(0),
+        )
+        .ok()
+        .flatten()
     })
-    .ok()
-    .flatten()
 }
 
 // ---------------------------------------------------------------- processes
@@ -1414,9 +1493,11 @@ fn print_tables(rows: &[Row]) {
     }
     println!();
     println!(
-        "{:<6} {:>7} {:>9} | {:>11} {:>11} {:>9} | {:>11} {:>11} {:>9}",
+        "{:<6} {:>8} {:>8} {:>8} {:>9} | {:>11} {:>11} {:>9} | {:>11} {:>11} {:>9}",
         "rate",
         "window",
+        "chosen",
+        "minimal",
         "payload",
         "agent wal",
         "agent db",
@@ -1428,9 +1509,11 @@ fn print_tables(rows: &[Row]) {
     for r in rows {
         let secs = r.secs();
         println!(
-            "{:<6} {:>5}ms {:>7} B | {:>11} {:>11} {:>9.1} | {:>11} {:>11} {:>9.1}",
+            "{:<6} {:>6}ms {:>8} {:>6}ms {:>7} B | {:>11} {:>11} {:>9.1} | {:>11} {:>11} {:>9.1}",
             r.spec.label(),
             r.window_ms,
+            r.chosen_max_ms.map_or("n/a".into(), |ms| format!("{ms}ms")),
+            r.minimal_window_ms,
             r.payload_len,
             r.agent_wal,
             r.agent_db,
@@ -1440,5 +1523,5 @@ fn print_tables(rows: &[Row]) {
             (r.b.minimal_ctxsw.saturating_sub(r.a.minimal_ctxsw)) as f64 / secs,
         );
     }
-    println!("(file sizes in bytes at the end of the interval; ctxsw/s: context switches per second over all threads, several times higher under strace)");
+    println!("(window: the agent's commit window at start (w rows: spool.commit_window_ms); chosen: the largest window the agent chose in the run, from its write_budget record (n/a before the agent records it); minimal: the minimal writer's window; file sizes in bytes at the end of the interval; ctxsw/s: context switches per second over all threads, several times higher under strace)");
 }

@@ -322,6 +322,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
+        record_window: edgespool::write_budget::SharedWindow::new(cfg.spool.commit_window),
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());

@@ -192,6 +192,15 @@ pub struct SpoolConfig {
     pub options: SpoolOptions,
     /// `commit_window_ms`: readings are grouped into one transaction per window.
     pub commit_window: Duration,
+    /// `write_budget_mb_per_day`, in bytes a day (1 MB = 10^6 bytes): with
+    /// it the agent widens its commit window (and so its checkpoint cadence)
+    /// from the measured writes to stay within it, up to
+    /// `max_commit_window`; `None` keeps `commit_window` ([`crate::write_budget`]).
+    pub write_budget_bytes_per_day: Option<u64>,
+    /// `max_commit_window_ms`: the widest commit window (the largest loss
+    /// window of `batched` streams) a write budget may choose; 1..=60000 ms,
+    /// default 10,000.
+    pub max_commit_window: Duration,
     /// `acked_retention_secs`: ACKED rows appended longer ago than this are deleted.
     pub acked_retention: Duration,
     /// `purge_batch_rows`: rows deleted per retention transaction.

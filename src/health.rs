@@ -50,6 +50,10 @@ pub struct Facts {
     pub receipt_timeout: Option<Duration>,
     /// Another process listens on `ingest.socket`: who, and the fix.
     pub ingest_socket_taken: Option<String>,
+    /// The write budget cannot be met within the widest commit window
+    /// allowed: the projection and what would meet it
+    /// ([`crate::write_budget::Verdict::reason`], worded by the caller).
+    pub write_budget: Option<String>,
 }
 
 /// The verdict.
@@ -116,6 +120,9 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
             "{} rows refused by the broker on this connection (PUBACK reason code, or its maximum packet size): tried again on the next connection",
             f.deferred
         ));
+    }
+    if let Some(why) = &f.write_budget {
+        reasons.push(why.clone());
     }
     if f.checkpoint_blocked {
         reasons.push("checkpoint blocked: a reader is pinning the WAL".to_owned());
@@ -205,10 +212,11 @@ mod tests {
             dropping: Some("disk full".into()),
             config_fallback: true,
             ingest_socket_taken: Some("pid 7 listens on it".into()),
+            write_budget: Some("write budget exceeded: projected 300 MB/day".into()),
             ..healthy()
         };
         let h = assess(&f, G);
-        assert_eq!(h.reasons.len(), 8, "{h:?}");
+        assert_eq!(h.reasons.len(), 9, "{h:?}");
     }
 
     #[test]

@@ -41,6 +41,8 @@
 //! - [`lanes`]: which waiting row is offered next (priority, live-first);
 //! - [`integrity`]: opening a spool or moving a damaged one aside; when the whole-file check runs;
 //! - [`maintenance`]: checkpoint policy, capacity, write budget (pure decisions);
+//! - [`write_budget`]: the commit window a write budget chooses, and the
+//!   handle every committing thread reads it from;
 //! - [`metrics`]: Prometheus text, the textfile and the `/metrics` listener.
 //!
 //! The parts, each owning its settings:
@@ -97,6 +99,7 @@ pub mod status;
 pub mod stream;
 pub mod threads;
 pub mod trial;
+pub mod write_budget;
 
 /// The model check of [`ack`] and [`spool`] delivery bookkeeping (tests only).
 #[cfg(test)]

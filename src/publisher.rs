@@ -9,8 +9,11 @@
 //! The delivery thread reads rows ahead and offers them to a bounded ready
 //! queue; the MQTT thread submits from that queue as PUBACKs free the window,
 //! so the window refills without a thread hop per acknowledgement. Attempts
-//! and retirements are group-committed every 20 ms or 256 rows. It never
-//! blocks the MQTT thread and is never waited on by ingest.
+//! and retirements are group-committed once per commit window (the spool's
+//! `commit_window_ms`, or the window a write budget chose:
+//! [`DeliveryConfig::record_window`]), or sooner at [`RECORD_BATCH`]
+//! retirements. It never blocks the MQTT thread and is never waited on by
+//! ingest.
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 mod batcher;
@@ -96,23 +99,33 @@ pub struct DeliveryConfig {
     pub receipt_timeout: Duration,
     /// `mqtt.receipt_window`.
     pub receipt_window: usize,
+    /// The commit window in force (`spool.commit_window_ms`, or the one a
+    /// write budget chose): delivery records wait at most this long for
+    /// their commit, so acknowledgements cost at most one commit per window
+    /// (issue 23: a fixed 1 s cadence of their own was most of the flash
+    /// writes at a 10 s window).
+    pub record_window: crate::write_budget::SharedWindow,
 }
 
 /// With nothing to record, look at the spool this often even without a
 /// message (a safety net: every change that makes rows sendable sends one).
 const IDLE_POLL: Duration = Duration::from_secs(10);
 
-/// Uncommitted delivery records past which no new row is offered.
-const MAX_UNRECORDED: usize = 4096;
+/// Uncommitted retirements past which no new row is offered (a full disk:
+/// acknowledgements would pile up in memory). Twice [`RECORD_BATCH`].
+const MAX_UNRECORDED: usize = 2 * RECORD_BATCH;
 
-/// Group commit for delivery records: commit when this many ids are waiting...
-const RECORD_BATCH: usize = 2048;
-/// ...or when the oldest has waited this long. A record is one small page
-/// (the acknowledged mark), so at board rates this is about one commit a
-/// second instead of one per reading. A crash (SIGKILL, power cut) loses at
-/// most this window of acknowledgements, whose rows are then re-sent with the
-/// same event id and bytes (duplicates, never loss); a clean stop commits them.
-const RECORD_WINDOW: Duration = Duration::from_millis(1000);
+/// Group commit for delivery records: commit when this many retirements are
+/// waiting, or when the oldest record has waited the commit window
+/// ([`DeliveryConfig::record_window`]). A record is one small page (the
+/// acknowledged mark), so this is at most one commit per window, and at 100
+/// readings a second a 60 s window (the widest `spool.commit_window_ms`)
+/// still fits one batch. A crash (SIGKILL, power cut) loses the records not
+/// yet committed: at most one window of acknowledgements (and at most this
+/// many), whose rows are then re-sent with the same event id and bytes
+/// (duplicates, never loss); a clean stop commits them. Attempt marks are
+/// one number (the highest row submitted), not counted here.
+pub const RECORD_BATCH: usize = 8192;
 
 /// The delivery loop. Returns when `stop` is set, after committing the
 /// retirements it has received.
@@ -131,7 +144,7 @@ pub fn run(
         // messages; the only timer is the group commit of delivery records
         // (and a slow safety poll).
         let mut wait = match d.waiting_since {
-            Some(t) => RECORD_WINDOW.saturating_sub(t.elapsed()),
+            Some(t) => d.cfg.record_window.get().saturating_sub(t.elapsed()),
             None => IDLE_POLL,
         };
         if let Some(due) = d.batcher.next_due() {
@@ -380,7 +393,10 @@ impl Delivery {
         self.stats
             .submitted
             .fetch_add(sent.len() as u64, Ordering::Relaxed);
-        self.to_mark.extend(sent);
+        // Only the highest row ever submitted is recorded (the SENT mark).
+        if let Some(high) = sent.iter().chain(self.to_mark.iter()).copied().max() {
+            self.to_mark = vec![high];
+        }
         let retire = self.after_pubacks(acked);
         self.retiring.extend(retire.iter().copied());
         self.to_retire.extend(retire);
@@ -398,10 +414,9 @@ impl Delivery {
     }
 
     fn maybe_flush(&mut self, spool: &mut Spool) {
-        let due = self.to_retire.len() + self.to_mark.len() >= RECORD_BATCH
-            || self
-                .waiting_since
-                .is_some_and(|t| t.elapsed() >= RECORD_WINDOW);
+        let window = self.cfg.record_window.get();
+        let due = self.to_retire.len() >= RECORD_BATCH
+            || self.waiting_since.is_some_and(|t| t.elapsed() >= window);
         if due {
             self.flush(spool);
         }
@@ -431,7 +446,7 @@ impl Delivery {
     fn fill(&mut self, spool: &mut Spool) {
         // While delivery records cannot be committed (a full disk), send
         // nothing new: acknowledgements would pile up in memory.
-        if !self.link.connected() || self.to_retire.len() + self.to_mark.len() > MAX_UNRECORDED {
+        if !self.link.connected() || self.to_retire.len() > MAX_UNRECORDED {
             return;
         }
         let target = 2 * self.cfg.window;
@@ -713,6 +728,7 @@ mod tests {
             retire_on: crate::mqtt::RetireOn::Receipt,
             receipt_timeout: Duration::from_secs(10),
             receipt_window: 100,
+            record_window: crate::write_budget::SharedWindow::new(Duration::from_millis(200)),
         };
         Delivery::new(cfg, link, Arc::new(DeliveryStats::default()))
     }

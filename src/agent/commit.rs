@@ -47,6 +47,13 @@ impl Ingest {
         }
     }
 
+    /// The buffer holds half its bound (readings or bytes): commit now,
+    /// whatever the window (a budget's wide window stops at the bound).
+    pub(super) fn buffer_half_full(&self) -> bool {
+        self.buffer.len() >= MAX_BUFFERED / 2
+            || self.buffered_bytes >= self.max_buffered_bytes() / 2
+    }
+
     /// The byte bound of the buffer: `ingest.max_buffered_bytes` for the
     /// socket and the bridges and [`OWN_RESERVED_BYTES`] for the board's own
     /// readings.
@@ -213,13 +220,29 @@ impl Ingest {
             return;
         }
         let started = Instant::now();
-        match self.spool.append(
+        // A wide window stretches the checkpoint interval (the WAL's only
+        // sync under `synchronous = NORMAL`): the window's commit then syncs
+        // the WAL itself, on the FULL connection, so a power cut still loses
+        // at most the open window, not the commits since the last
+        // checkpoint. A sync adds no bytes; the pages are written once either
+        // way.
+        let sync_here = self.spool.pragmas().synchronous < 2
+            && self.checkpoint_interval() > self.cfg.spool.checkpoint_interval;
+        if sync_here {
+            std::mem::swap(&mut self.spool, &mut self.full_spool);
+        }
+        let appended = self.spool.append(
             &self.buffer,
             &mut self.ids,
             &self.cfg.device_id,
             self.cfg.mqtt.payload_format,
             wall_clock_ms().0,
-        ) {
+        );
+        if sync_here {
+            std::mem::swap(&mut self.spool, &mut self.full_spool);
+            self.upkeep.full_commits += u64::from(appended.is_ok());
+        }
+        match appended {
             Ok(n) => {
                 self.observe_commit(started.elapsed());
                 self.appended += n as u64;
@@ -308,7 +331,7 @@ impl Ingest {
                     *self.pending_counts.entry(name).or_default() += by;
                     // Stored by the next commit (which flushes counts first):
                     // one write per window however many arrive.
-                    commit_at.get_or_insert_with(|| Instant::now() + self.cfg.spool.commit_window);
+                    commit_at.get_or_insert_with(|| Instant::now() + self.window.get());
                 }
                 Ok(IngestMsg::Wake) | Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
@@ -326,11 +349,16 @@ impl Ingest {
             self.commit_full();
             if !self.buffer.is_empty() && commit_at.is_none() {
                 // The window opens with its first reading.
-                commit_at = Some(now + self.cfg.spool.commit_window);
+                commit_at = Some(now + self.window.get());
+            }
+            if self.buffer_half_full() && self.retry_at.is_none_or(|t| now >= t) {
+                // A wide window never holds the buffer past half its bound:
+                // the rest is room for a commit that fails and retries.
+                commit_at = Some(now);
             }
             if commit_at.is_some_and(|c| now >= c) {
                 self.commit();
-                commit_at = (!self.buffer.is_empty()).then(|| now + self.cfg.spool.commit_window);
+                commit_at = (!self.buffer.is_empty()).then(|| now + self.window.get());
             }
             if now >= maint_at {
                 self.maintain();

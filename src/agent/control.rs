@@ -356,6 +356,7 @@ impl Ingest {
             applied.push("sources");
         }
         self.apply_spool(&new, &mut applied, &mut restart);
+        self.apply_budget(&new, &mut applied);
         self.apply_rest(&new, &mut applied, &mut restart);
         self.apply_mqtt(&new, &mut applied, &mut restart);
         if !restart.is_empty() {
@@ -373,6 +374,23 @@ impl Ingest {
             }
         );
         serde_json::json!({"applied": applied, "restart_required": restart})
+    }
+
+    /// The commit window and the write budget, live: the window starts
+    /// again from the configured one when either changes.
+    fn apply_budget(&mut self, new: &Config, applied: &mut Vec<&'static str>) {
+        let settings = super::budget_settings(new);
+        if settings != self.budget.settings() {
+            if settings.bytes_per_day != self.budget.settings().bytes_per_day
+                || settings.max_window != self.budget.settings().max_window
+            {
+                applied.push("spool (write budget)");
+            }
+            self.budget.reconfigure(settings);
+            self.window.set(self.budget.window());
+        }
+        self.cfg.spool.write_budget_bytes_per_day = new.spool.write_budget_bytes_per_day;
+        self.cfg.spool.max_commit_window = new.spool.max_commit_window;
     }
 
     /// `[spool]`: the commit window, retention, checkpoints and capacity

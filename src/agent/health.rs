@@ -52,6 +52,7 @@ impl Ingest {
             receipt_timeout: (self.cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt)
                 .then_some(self.cfg.mqtt.receipt_timeout),
             ingest_socket_taken: self.upkeep.ingest_socket_taken.clone(),
+            write_budget: self.budget.verdict().reason(),
         };
         // Judged once a maintenance pass: a pass early, so `degraded` is
         // recorded within the bound, not up to a pass after it.
@@ -84,17 +85,19 @@ impl Ingest {
             "reasons": health.reasons,
             "since_ms": self.upkeep.health_since,
         });
-        let stale = self
-            .upkeep
-            .health_stored_at
-            .is_none_or(|t| t.elapsed() >= self.cfg.agent.summary_interval);
-        if self.upkeep.health_kinds == kinds && !stale {
+        let record = record.to_string();
+        // Stored when the reasons change; the summary refreshes it once an
+        // interval in its own transaction (issue 23: agent state is written
+        // only when it changes and at the summary interval).
+        let changed = self.upkeep.health_kinds != kinds || self.upkeep.health_stored_at.is_none();
+        self.upkeep.health_record = Some(record.clone());
+        if !changed {
             return;
         }
         self.upkeep.health_kinds = kinds;
         if self
             .spool
-            .set_state("health", &record.to_string(), wall_clock_ms().0)
+            .set_state("health", &record, wall_clock_ms().0)
             .is_ok()
         {
             self.upkeep.health_stored_at = Some(Instant::now());

@@ -151,7 +151,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     // on, then shows a run that never ended (integrity::wal_lost).
     let _ = ingest.checkpoint(CheckpointMode::Passive);
     let identity = control::config_identity(&source.path, confirmed_push.as_ref());
-    let net = match start_network(&cfg, &ingest, &identity, ingest_tx.clone()) {
+    // The commit window every committing thread reads (a write budget widens it).
+    let window = crate::write_budget::SharedWindow::new(cfg.spool.commit_window);
+    let net = match start_network(&cfg, &ingest, &identity, ingest_tx.clone(), &window) {
         Ok(net) => net,
         Err(e) => {
             let _ = ingest.end_run(run_id, wall_clock_ms().0, "error", Some(&e.to_string()));
@@ -183,6 +185,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         verdict,
         socket_counts: socket_ingest.counters(),
         tuning,
+        window,
     })?;
     ing.note_socket_ingest(&socket_ingest);
     if let Some(msg) = ing.source.fallback.clone() {
@@ -239,6 +242,7 @@ fn start_network(
     ingest: &Spool,
     config_identity: &str,
     ingest_tx: Sender<IngestMsg>,
+    window: &crate::write_budget::SharedWindow,
 ) -> Result<Network, AgentError> {
     let delivery_spool = ingest.open_sibling(&cfg.spool.options)?;
     let command_spool = open_full_durability(cfg, ingest)?;
@@ -270,7 +274,7 @@ fn start_network(
             net_stop.clone(),
             stats.clone(),
             link.clone(),
-            delivery_config(cfg),
+            delivery_config(cfg, window.clone()),
         );
         spawn("delivery", move || {
             publisher::run(delivery_spool, dcfg, link, delivery_rx, stop, stats)
@@ -331,6 +335,7 @@ struct Parts {
     verdict: Option<crate::integrity::Verdict>,
     socket_counts: Option<Arc<crate::ingest::Counters>>,
     tuning: Option<crate::probe::Profile>,
+    window: crate::write_budget::SharedWindow,
 }
 
 /// The ingest thread's state: the spool connections, the buffers, upkeep
@@ -385,6 +390,12 @@ struct Ingest {
     metrics: figures::MetricsState,
     /// Samples and the last budget of the outage budget.
     outage: outage::OutageState,
+    /// The commit window in force, shared with the delivery thread.
+    window: crate::write_budget::SharedWindow,
+    /// Chooses the window from the measured writes (`spool.write_budget_mb_per_day`).
+    budget: crate::write_budget::Controller,
+    /// When retention last ran (it runs with the checkpoint cadence).
+    retention_at: Option<Instant>,
 }
 /// What the ingest thread tracks about the spool between maintenance passes.
 struct Upkeep {
@@ -412,6 +423,8 @@ struct Upkeep {
     /// written when they change or at the summary interval, not each pass.
     health_kinds: Vec<String>,
     health_stored_at: Option<Instant>,
+    /// The health record of the last pass, refreshed by the summary.
+    health_record: Option<String>,
     /// Wall ms when the current set of health reasons began.
     health_since: i64,
     /// Readings the in-memory buffer refused since the last health pass.
@@ -438,11 +451,25 @@ struct Upkeep {
     clock_step_logged: bool,
     /// Another process listens on `ingest.socket` (the agent runs without it).
     ingest_socket_taken: Option<String>,
+    /// Mean bytes of a buffered reading when last seen (for the budget's
+    /// buffer bound).
+    reading_bytes: usize,
 }
+/// The write budget's settings from `[spool]`.
+fn budget_settings(cfg: &Config) -> crate::write_budget::BudgetSettings {
+    crate::write_budget::BudgetSettings {
+        bytes_per_day: cfg.spool.write_budget_bytes_per_day,
+        base_window: cfg.spool.commit_window,
+        // The probe may derive a base above it: the base wins.
+        max_window: cfg.spool.max_commit_window.max(cfg.spool.commit_window),
+    }
+}
+
 impl Ingest {
     fn new(p: Parts) -> Result<Ingest, AgentError> {
         let ids = EventIdGen::new()
             .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
+        let budget = crate::write_budget::Controller::new(budget_settings(&p.cfg));
         let mut ing = Ingest {
             run_id: p.run_id,
             upkeep: Upkeep::new(&p.cfg.spool.path, p.verdict),
@@ -474,6 +501,9 @@ impl Ingest {
             heartbeat: crate::notify::Heartbeat::default(),
             tuning: p.tuning.as_ref().map(|t| t.derived),
             storage_backoff: storage_backoff(p.tuning.as_ref()),
+            window: p.window,
+            retention_at: None,
+            budget,
         };
         ing.config_sha = ing.config_identity();
         Ok(ing)

@@ -298,8 +298,12 @@ pub(super) fn command_subscription(
     })
 }
 
-/// The delivery thread's settings, from `[mqtt]`.
-pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
+/// The delivery thread's settings, from `[mqtt]`, committing its records
+/// on `window`.
+pub(super) fn delivery_config(
+    cfg: &Config,
+    window: crate::write_budget::SharedWindow,
+) -> DeliveryConfig {
     DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: cfg.mqtt.inflight_window,
@@ -313,6 +317,7 @@ pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
+        record_window: window,
     }
 }
 

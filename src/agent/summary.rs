@@ -40,6 +40,12 @@ impl Ingest {
             "readings_total": self.appended,
             "bytes_per_reading": bytes / readings,
             "projected_mb_per_day": per_hour(bytes) as f64 * 24.0 / 1e6,
+            "commit_window_ms": self.window.get().as_millis() as u64,
+            "commit_window_max_ms": self.budget.largest().as_millis() as u64,
+            "checkpoint_interval_secs": self.checkpoint_interval().as_secs(),
+            "budget_mb_per_day": self.cfg.spool.write_budget_bytes_per_day.map(|b| b / 1_000_000),
+            "budget_projected_mb_per_day": self.budget.projected_mb_per_day(),
+            "over_budget": self.budget.verdict() != &crate::write_budget::Verdict::Within,
             "wal_file_bytes": std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
                 .map(|m| m.len())
                 .unwrap_or(0),
@@ -60,7 +66,19 @@ impl Ingest {
         if let Some(r) = self.receipts_json() {
             states.push(("receipts", r.to_string()));
         }
-        let _ = self.spool.set_states(&states, wall_clock_ms().0);
+        if let Some(h) = &self.upkeep.health_record {
+            states.push(("health", h.clone()));
+        }
+        // Sequence numbers reach the file at the summary interval (and
+        // every 10,000 readings: `persist_seqs_if_due`).
+        if self.spool.persist_seqs().is_ok() {
+            self.upkeep.seqs_persisted = std::time::Instant::now();
+        }
+        if self.spool.set_states(&states, wall_clock_ms().0).is_ok()
+            && self.upkeep.health_record.is_some()
+        {
+            self.upkeep.health_stored_at = Some(std::time::Instant::now());
+        }
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);

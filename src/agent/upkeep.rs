@@ -36,6 +36,7 @@ impl Upkeep {
             seqs_persisted: Instant::now(),
             health_kinds: Vec::new(),
             health_stored_at: None,
+            health_record: None,
             health_since: wall_clock_ms().0,
             buffer_drops: 0,
             more_work: false,
@@ -54,6 +55,7 @@ impl Upkeep {
             wall_anchor: (wall_clock_ms().0, Instant::now()),
             clock_step_logged: false,
             ingest_socket_taken: None,
+            reading_bytes: 512,
         }
     }
 }
@@ -103,32 +105,20 @@ impl Ingest {
             self.upkeep.clock_step_logged = true;
         }
         let cutoff = now - retention_ms;
-        let mut purged = 0;
-        // A pass holds the write lock for at most about MAINTENANCE_BUDGET
-        // (the delivery thread's commits wait behind it); what is left is
-        // done at the next pass, which then comes sooner.
-        let started = Instant::now();
+        // Retention rides with the checkpoint cadence (issue 23: at every
+        // pass it was a commit, and a checkpoint, every 5 s once rows began
+        // to age out), sooner only while a pass left work over.
+        let retention_due = self.upkeep.more_work
+            || self
+                .retention_at
+                .is_none_or(|t| t.elapsed() >= self.checkpoint_interval());
         self.upkeep.more_work = false;
-        loop {
-            if started.elapsed() >= MAINTENANCE_BUDGET {
-                self.upkeep.more_work = true;
-                break;
-            }
-            match self
-                .spool
-                .purge_acked(cutoff, self.cfg.spool.purge_batch_rows)
-            {
-                Ok(0) => break,
-                Ok(n) => {
-                    purged += n;
-                    self.run_checkpoint(CheckpointMode::Passive, 0);
-                }
-                Err(e) => {
-                    log::warn!("retention skipped: {e}");
-                    break;
-                }
-            }
-        }
+        let purged = if retention_due {
+            self.retention_at = Some(Instant::now());
+            self.retain(cutoff)
+        } else {
+            0
+        };
         if purged > 0 {
             log::debug!("retention: deleted {purged} acknowledged rows");
         }
@@ -137,6 +127,7 @@ impl Ingest {
             self.shrink_step();
         }
         self.checkpoint_if_due();
+        self.observe_budget();
         self.record_health();
         self.sample_outage();
     }
@@ -169,6 +160,71 @@ impl Ingest {
         self.upkeep.shm_warned = Some(now);
     }
 
+    /// Delete acknowledged rows appended before `cutoff` in batches, a
+    /// checkpoint between full batches (F02). A pass holds the write lock
+    /// for at most about [`MAINTENANCE_BUDGET`] (the delivery thread's
+    /// commits wait behind it); what is left is done at the next pass,
+    /// which then comes sooner. Returns the rows deleted.
+    fn retain(&mut self, cutoff: i64) -> usize {
+        let started = Instant::now();
+        let mut purged = 0;
+        loop {
+            if started.elapsed() >= MAINTENANCE_BUDGET {
+                self.upkeep.more_work = true;
+                return purged;
+            }
+            let batch = self.cfg.spool.purge_batch_rows;
+            match self.spool.purge_acked(cutoff, batch) {
+                Ok(n) => {
+                    purged += n;
+                    if n < batch {
+                        // The last batch: the checkpoint policy copies it.
+                        return purged;
+                    }
+                    // More may follow: copy this batch back first (F02).
+                    self.run_checkpoint(CheckpointMode::Passive, 0);
+                }
+                Err(e) => {
+                    log::warn!("retention skipped: {e}");
+                    return purged;
+                }
+            }
+        }
+    }
+
+    /// Feed the write budget what this process wrote and appended, and put
+    /// the window it chooses in force for the next commit window of every
+    /// thread ([`crate::write_budget`]). Without a budget the window stays.
+    pub(super) fn observe_budget(&mut self) {
+        let Some(write_bytes) = crate::maintenance::proc_write_bytes() else {
+            return;
+        };
+        if !self.buffer.is_empty() {
+            self.upkeep.reading_bytes = self.buffered_bytes / self.buffer.len();
+        }
+        let m = crate::write_budget::Measured {
+            write_bytes,
+            readings: self.appended,
+            bound_readings: super::MAX_BUFFERED,
+            bound_bytes: self.max_buffered_bytes(),
+            bytes_per_reading: self.upkeep.reading_bytes,
+        };
+        let before = self.budget.window();
+        if !self.budget.observe(Instant::now(), &m) {
+            return;
+        }
+        let after = self.budget.window();
+        self.window.set(after);
+        log::info!(
+            "write budget: projected {:.0} MB/day at a {} ms commit window (budget {} MB/day): commit window now {} ms, time-driven checkpoints every {} s",
+            self.budget.projected_mb_per_day().unwrap_or(0.0),
+            before.as_millis(),
+            self.cfg.spool.write_budget_bytes_per_day.unwrap_or(0) / 1_000_000,
+            after.as_millis(),
+            self.checkpoint_interval().as_secs()
+        );
+    }
+
     /// Run the checkpoint the policy asks for now, and record the outcome
     /// in memory (written to `agent_state` at the summary interval, not with
     /// a commit of its own each time).
@@ -178,12 +234,22 @@ impl Ingest {
             written_bytes: written,
             threshold_bytes: self.cfg.spool.checkpoint_wal_bytes,
             since_last: self.upkeep.last_checkpoint.elapsed(),
-            interval: self.cfg.spool.checkpoint_interval,
+            interval: self.checkpoint_interval(),
         };
         let Some(mode) = crate::maintenance::checkpoint_due(&inputs) else {
             return;
         };
         self.run_checkpoint(mode, written);
+    }
+
+    /// The time-driven checkpoint interval now: `spool.checkpoint_interval_secs`,
+    /// stretched to follow a wide commit window
+    /// ([`crate::write_budget::checkpoint_interval`]).
+    pub(super) fn checkpoint_interval(&self) -> Duration {
+        crate::write_budget::checkpoint_interval(
+            self.cfg.spool.checkpoint_interval,
+            self.window.get(),
+        )
     }
 
     pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) {
@@ -250,12 +316,12 @@ impl Ingest {
         }
     }
 
-    /// Sequence numbers reach `streams` once a minute or every 10,000
-    /// readings (an append writes only its rows; a restart reads the rows
-    /// appended since the last persist, so this bounds startup work).
+    /// Sequence numbers reach `streams` every 10,000 readings here, and at
+    /// the summary interval ([`Ingest::summary`]) (an append writes only its
+    /// rows; a restart reads the rows appended since the last persist, so
+    /// this bounds startup work).
     pub(super) fn persist_seqs_if_due(&mut self) {
-        let due = self.spool.appended_since_persist() >= 10_000
-            || self.upkeep.seqs_persisted.elapsed() >= Duration::from_secs(60);
+        let due = self.spool.appended_since_persist() >= 10_000;
         if due && self.spool.persist_seqs().is_ok() {
             self.upkeep.seqs_persisted = Instant::now();
         }

@@ -319,6 +319,9 @@ pub(super) struct RawSpool {
     #[serde(default = "d_autockpt")]
     pub(super) wal_autocheckpoint_pages: i64,
     pub(super) commit_window_ms: Option<u64>,
+    pub(super) write_budget_mb_per_day: Option<u64>,
+    #[serde(default = "d_max_commit")]
+    pub(super) max_commit_window_ms: u64,
     #[serde(default = "d_retention")]
     pub(super) acked_retention_secs: u64,
     #[serde(default = "d_purge")]
@@ -528,6 +531,9 @@ pub(super) fn d_autockpt() -> i64 {
 }
 pub(super) fn d_commit() -> u64 {
     200
+}
+pub(super) fn d_max_commit() -> u64 {
+    10_000
 }
 pub(super) fn d_retention() -> u64 {
     86_400

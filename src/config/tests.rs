@@ -1140,3 +1140,51 @@ fn a_topic_prefix_with_an_events_or_batches_level_is_refused() {
     let e = err(&GOOD.replace("pi4-lab", "events")).to_string();
     assert!(e.contains("mqtt.topic_prefix"), "{e}");
 }
+
+#[test]
+fn the_write_budget_keys_are_range_checked_by_name() {
+    let set = |sets: &[&str]| {
+        parse(
+            GOOD,
+            "t.toml",
+            &sets.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>(),
+        )
+    };
+    let c = set(&[]).unwrap();
+    assert_eq!(c.spool.write_budget_bytes_per_day, None);
+    assert_eq!(c.spool.max_commit_window, Duration::from_secs(10));
+    let c = set(&[
+        "spool.write_budget_mb_per_day=100",
+        "spool.max_commit_window_ms=20000",
+    ])
+    .unwrap();
+    assert_eq!(c.spool.write_budget_bytes_per_day, Some(100_000_000));
+    assert_eq!(c.spool.max_commit_window, Duration::from_secs(20));
+    let e = set(&["spool.write_budget_mb_per_day=0"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("spool.write_budget_mb_per_day: must be 1..=1000000 MB a day (got 0)"),
+        "{e}"
+    );
+    let e = set(&["spool.max_commit_window_ms=60001"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("spool.max_commit_window_ms: must be 1..=60000 (got 60001)"),
+        "{e}"
+    );
+    // A budget widens the window from commit_window_ms: the ceiling must be above it.
+    let e = set(&[
+        "spool.write_budget_mb_per_day=100",
+        "spool.commit_window_ms=20000",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("spool.max_commit_window_ms: must be at least spool.commit_window_ms (20000)"),
+        "{e}"
+    );
+    // Without a budget the ceiling is not used.
+    assert!(set(&["spool.commit_window_ms=20000"]).is_ok());
+}

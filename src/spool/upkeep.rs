@@ -18,6 +18,19 @@ pub(super) const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id)
     ORDER BY id LIMIT ?2)";
 
+/// Whether [`SQL_PURGE`] or [`SQL_PURGE_ABOVE`] would delete a row
+/// appended before `?1` (read only: a pass with nothing to delete writes
+/// nothing, not even the sequence numbers).
+pub(super) const SQL_PURGE_ANY: &str = "SELECT EXISTS (
+    SELECT 1 FROM events
+    WHERE id <= (SELECT acked_through FROM delivery_mark)
+      AND id < (SELECT max(id) FROM events)
+      AND created_ms < ?1
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id))
+ OR EXISTS (
+    SELECT 1 FROM acked_above a JOIN events e ON e.id = a.id
+    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events))";
+
 pub(super) const SQL_PURGE_ABOVE: &str = "DELETE FROM events WHERE id IN (
     SELECT a.id FROM acked_above a JOIN events e ON e.id = a.id
     WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events)
@@ -52,8 +65,18 @@ impl Spool {
     /// unacknowledged or FAILED row, nor the newest row. Returns the number
     /// deleted; call again until 0, with a checkpoint in between, so a large
     /// purge never balloons the WAL (F02). Sequence numbers are persisted
-    /// first ([`Spool::persist_seqs`]).
+    /// first ([`Spool::persist_seqs`]), and only when a row is to go: with
+    /// nothing to delete this writes nothing (issue 23: persisting them at
+    /// every maintenance pass was a commit every 5 s).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
+        let any: bool = self
+            .conn
+            .prepare_cached(SQL_PURGE_ANY)
+            .and_then(|mut st| st.query_row(params![cutoff_ms], |r| r.get(0)))
+            .map_err(|e| self.err(e))?;
+        if !any {
+            return Ok(0);
+        }
         self.persist_seqs()?;
         self.write(|tx, err| {
             let mut n = tx

@@ -149,3 +149,122 @@ fn broker_killed_and_restarted_without_persistence_loses_nothing_with_a_clean_se
     // field case F08
     broker_restart_without_persistence_loses_nothing(true);
 }
+
+/// With a commit window of W, a SIGKILL re-sends at most what the README
+/// states ("Crash behaviour"): the rows in flight (`mqtt.inflight_window`)
+/// plus the acknowledgements of the last record interval (rows acknowledged
+/// within one window, whose record had not committed yet), each with the
+/// same event id and bytes; a row whose acknowledgement was committed is
+/// never sent again. This is a process kill, not a power cut: the page
+/// cache survives, so every committed transaction does (a power cut may
+/// also roll back the newest commits of `synchronous = NORMAL`).
+///
+/// The readings are `full`, so each commits at once and is published at
+/// once, while its acknowledgement waits for the window like any other:
+/// the first record commit comes about W after the first PUBACK, and the
+/// kill lands well inside the next window, with acknowledgements received
+/// and not yet recorded.
+#[test]
+fn a_sigkill_resends_at_most_the_inflight_window_and_one_windows_acks_and_never_a_recorded_one() {
+    const WINDOW_MS: i64 = 8_000;
+    const INFLIGHT: i64 = 16;
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = prefix("ackwindow");
+    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let value = dir.path().join("value");
+    std::fs::write(&value, "21.5\n").expect("write the value file");
+    let cfg = dir.path().join("board.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"device_id = "it-board"
+[spool]
+path = "{spool}"
+commit_window_ms = {WINDOW_MS}
+tune_from_probe = false
+[mqtt]
+url = "{url}"
+topic_prefix = "{prefix}"
+reconnect_min_ms = 100
+reconnect_max_ms = 800
+connect_timeout_secs = 2
+inflight_window = {INFLIGHT}
+[[sources]]
+name = "temp"
+kind = "file"
+path = "{value}"
+field = "temp_c"
+interval_ms = 100
+durability = "full"
+"#,
+            spool = dir.path().join("spool.db").display(),
+            url = broker.url(),
+            value = value.display(),
+        ),
+    )
+    .expect("write the config");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    // A record commit has happened: some acknowledgements are on file.
+    assert!(
+        wait_for(Duration::from_secs(60), || db.exists()
+            && count_in_state(&db, "ACKED") > 0),
+        "no acknowledgement was recorded\n{}",
+        agent.log_tail(30)
+    );
+    // Then rows acknowledged after it (not yet recorded): the subscriber
+    // has ten more than the spool records as acknowledged.
+    let recorded = count_in_state(&db, "ACKED") as usize;
+    assert!(
+        sub.wait_count(Duration::from_secs(30), recorded + 10),
+        "{}",
+        agent.log_tail(30)
+    );
+    agent.kill9();
+    let killed_ms = crate::support::spool::open(&db)
+        .query_row("SELECT max(created_ms) FROM events", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .expect("newest row");
+    // What was on file at the kill: the recorded acknowledgements, and the
+    // rows appended within one window before it.
+    let acked: std::collections::HashSet<String> =
+        crate::support::spool::rows_in_state(&db, "ACKED")
+            .into_iter()
+            .map(|r| r.event_id)
+            .collect();
+    let last_window: i64 = crate::support::spool::open(&db)
+        .query_row(
+            "SELECT count(*) FROM events WHERE created_ms > ?1",
+            [killed_ms - WINDOW_MS],
+            |r| r.get(0),
+        )
+        .expect("count the last window's rows");
+    assert!(!acked.is_empty());
+    crate::drain(&cfg, dir.path(), &db);
+    let deliveries = sub.deliveries();
+    assert_invariants(&db, &deliveries);
+    let r = received(&deliveries);
+    let resent: Vec<&String> = r
+        .times
+        .iter()
+        .filter(|(_, &n)| n >= 2)
+        .map(|(id, _)| id)
+        .collect();
+    let again: Vec<&&String> = resent.iter().filter(|id| acked.contains(**id)).collect();
+    assert!(
+        again.is_empty(),
+        "rows whose acknowledgement was committed were sent again: {again:?}"
+    );
+    // Acknowledged and not recorded at the kill: these were sent again.
+    assert!(
+        !resent.is_empty(),
+        "nothing was re-sent: the kill found no acknowledgement waiting for its record"
+    );
+    assert!(
+        resent.len() as i64 <= INFLIGHT + last_window,
+        "{} rows re-sent; the bound is the in-flight window ({INFLIGHT}) plus the {last_window} rows of the last window",
+        resent.len()
+    );
+}

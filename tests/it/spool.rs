@@ -228,3 +228,68 @@ fn full_durability_readings_commit_at_once_without_waiting_for_the_window() {
     // What was committed is there after a kill; the batched window was lost.
     assert!(total(&db) >= 5);
 }
+
+/// A write budget the agent cannot meet within `spool.max_commit_window_ms`:
+/// the commit window widens to that ceiling and no further, and health is
+/// `degraded`, naming the projected MB/day and the window that would meet
+/// it (issue 23, item 2).
+#[test]
+fn a_write_budget_out_of_reach_widens_the_window_to_its_ceiling_and_degrades_health() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = write_config(dir.path(), &broker.url(), &prefix("budget"), 20);
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(
+        &cfg,
+        &[
+            "spool.write_budget_mb_per_day=1".into(),
+            "spool.max_commit_window_ms=200".into(),
+        ],
+        dir.path(),
+    );
+    let report = || -> serde_json::Value {
+        let out = run_cli(&["status", "--json", "--spool", db.to_str().expect("utf-8")]).1;
+        serde_json::from_str(&out).unwrap_or_default()
+    };
+    let over = |v: &serde_json::Value| {
+        v["health"]["reasons"].as_array().is_some_and(|r| {
+            r.iter().any(|r| {
+                r.as_str()
+                    .is_some_and(|r| r.starts_with("write budget exceeded"))
+            })
+        })
+    };
+    assert!(
+        wait_for(Duration::from_secs(90), || db.exists() && over(&report())),
+        "{}\n{}",
+        report(),
+        agent.log_tail(20)
+    );
+    let v = report();
+    assert_eq!(v["health"]["state"], "degraded");
+    let reasons = v["health"]["reasons"].to_string();
+    assert!(
+        reasons
+            .contains("MB/day at a 200 ms commit window, the widest allowed (stopped by spool.max_commit_window_ms)"),
+        "{reasons}"
+    );
+    assert!(
+        reasons.contains("spool.write_budget_mb_per_day is 1: a window of about"),
+        "{reasons}"
+    );
+    assert!(
+        agent.logged("INFO", "agent", "write budget: projected"),
+        "{}",
+        agent.log_tail(20)
+    );
+    // The summary's record says which window is in force and the widest chosen.
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            let b = &report()["agent_state"]["write_budget"]["value"];
+            b["commit_window_ms"] == 200 && b["commit_window_max_ms"] == 200
+        }),
+        "{}",
+        report()["agent_state"]["write_budget"]
+    );
+    agent.terminate(Duration::from_secs(15));
+}

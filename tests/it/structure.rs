@@ -48,6 +48,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("lanes", 40),
     ("integrity", 40),
     ("maintenance", 40),
+    ("write_budget", 40),
     ("metrics", 40),
     ("source", 50),
     ("sampler", 50),

@@ -72,6 +72,31 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
             format!("must be 1..=60000 (got {commit_window_ms})"),
         );
     }
+    if !(1..=60_000).contains(&s.max_commit_window_ms) {
+        bad(
+            "spool.max_commit_window_ms",
+            format!("must be 1..=60000 (got {})", s.max_commit_window_ms),
+        );
+    }
+    if let Some(mb) = s.write_budget_mb_per_day {
+        if !(1..=1_000_000).contains(&mb) {
+            bad(
+                "spool.write_budget_mb_per_day",
+                format!("must be 1..=1000000 MB a day (got {mb})"),
+            );
+        }
+        if s.commit_window_ms
+            .is_some_and(|w| w > s.max_commit_window_ms)
+        {
+            bad(
+                "spool.max_commit_window_ms",
+                format!(
+                    "must be at least spool.commit_window_ms ({}) when spool.write_budget_mb_per_day is set (got {}): a budget widens the window from commit_window_ms up to max_commit_window_ms",
+                    commit_window_ms, s.max_commit_window_ms
+                ),
+            );
+        }
+    }
     if !(1..=100_000).contains(&s.purge_batch_rows) {
         bad(
             "spool.purge_batch_rows",
@@ -109,6 +134,10 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
             wal_autocheckpoint_pages: s.wal_autocheckpoint_pages,
         },
         commit_window: Duration::from_millis(commit_window_ms),
+        write_budget_bytes_per_day: s
+            .write_budget_mb_per_day
+            .map(|mb| mb.saturating_mul(1_000_000)),
+        max_commit_window: Duration::from_millis(s.max_commit_window_ms),
         acked_retention: Duration::from_secs(s.acked_retention_secs),
         purge_batch_rows: s.purge_batch_rows,
         checkpoint_interval: Duration::from_secs(s.checkpoint_interval_secs),
