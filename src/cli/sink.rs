@@ -7,7 +7,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{failed, print_json, print_usage, usage, Args, Failure, Outcome, OwnFlags, PgTlsArgs};
+use super::args::{self, PgTlsArgs};
+use super::spec::SINK;
+use super::{failed, help, print_json, Failure, Outcome};
 use edgespool::sink::batch::BatchPolicy;
 use edgespool::sink::{SinkOptions, SinkStats};
 
@@ -21,6 +23,11 @@ const LOG_TARGET: &str = "edgespool::sink_cmd";
 enum Store {
     Sqlite(PathBuf),
     Postgres(String),
+}
+
+/// A usage error of `sink`.
+fn usage(msg: &str) -> Failure {
+    Failure::usage_of(&SINK, msg)
 }
 
 /// `sink` arguments, checked.
@@ -41,17 +48,17 @@ struct SinkArgs {
 }
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let own = OwnFlags {
-        stats: true,
-        ..OwnFlags::default()
-    };
-    let Some(a) = Args::read(p, own)? else {
-        return print_usage();
+    let Some(a) = args::read(p, &SINK)? else {
+        return help::print(&SINK);
     };
     let store = match (a.db, a.postgres) {
         (Some(db), None) => Store::Sqlite(db),
         (None, Some(conninfo)) => Store::Postgres(conninfo),
-        _ => return Err(usage("sink needs one of --db FILE or --postgres CONNINFO")),
+        _ => {
+            return Err(usage(
+                "one of --db FILE and --postgres CONNINFO is required",
+            ))
+        }
     };
     if matches!(store, Store::Sqlite(_)) && a.pg_tls.any() {
         return Err(usage("--pg-ca, --pg-cert and --pg-key go with --postgres"));
@@ -61,8 +68,8 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     }
     let url = a
         .url
-        .ok_or_else(|| usage("sink needs --url mqtt://HOST:PORT"))?;
-    let topic = a.topic.ok_or_else(|| usage("sink needs --topic FILTER"))?;
+        .ok_or_else(|| usage("--url mqtt://HOST:PORT is required"))?;
+    let topic = a.topic.ok_or_else(|| usage("--topic FILTER is required"))?;
     let credentials = match (a.username, a.password_file) {
         (Some(u), Some(f)) => {
             // Read once now, so a wrong path fails the start, not every
@@ -82,9 +89,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         (Some(id), _) => id,
         (None, Store::Sqlite(_)) => format!("edgespool-sink-{}", std::process::id()),
         (None, Store::Postgres(_)) => {
-            return Err(usage(
-                "sink --postgres needs --client-id ID (stable per sink)",
-            ))
+            return Err(usage("--postgres needs --client-id ID (stable per sink)"))
         }
     };
     run(SinkArgs {

@@ -7,6 +7,7 @@ mod support;
 mod aedes;
 mod batches;
 mod bridge;
+mod cli;
 mod commands;
 mod config;
 mod delivery;
