@@ -10,7 +10,7 @@ _edgespool() {
     fi
     # Options that take a value: complete the value, not an option.
     case "$prev" in
-        --config|-c|--spool|--db|--password-file|--pg-ca|--pg-cert|--pg-key)
+        --config|-c|--spool|--db|--password-file|--pg-password-file|--pg-ca|--pg-cert|--pg-key)
             _filedir
             return ;;
         --dir)
@@ -26,7 +26,7 @@ _edgespool() {
         test) opts="--config --set --help" ;;
         status) opts="--config --spool --json --help" ;;
         probe-storage) opts="--config --dir --json --help" ;;
-        sink) opts="--url --topic --db --postgres --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --stats --json --help" ;;
+        sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --stats --json --help" ;;
         help)
             [ "$cword" -eq 2 ] && COMPREPLY=($(compgen -W "run check-config test status probe-storage sink" -- "$cur"))
             return ;;

@@ -154,7 +154,9 @@ mod tests {
             let t = tag(o);
             assert_eq!(h.matches(&format!("{t} ")).count(), 1, "{t} in\n{h}");
         }
-        assert!(h.contains("\nexample:\n  edgespool sink --"), "{h}");
+        assert!(h.contains("-c, --config FILE"), "{h}");
+        assert!(h.contains("--pg-password-file FILE"), "{h}");
+        assert!(h.contains("\nexample:\n  edgespool sink --config "), "{h}");
         assert!(h.contains("-h, --help"), "{h}");
     }
 

@@ -19,6 +19,7 @@ pub enum Flag {
     Topic,
     Db,
     Postgres,
+    PgPasswordFile,
     PgCa,
     PgCert,
     PgKey,
@@ -210,18 +211,29 @@ pub static SINK: Command = Command {
         name: "sink",
         about: "the reference consumer: store each event once (SQLite or PostgreSQL), acknowledge after commit",
         usage: &[
+            "sink --config FILE [OPTIONS]",
             "sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)",
             "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS] [--no-receipts]",
-            "     [--username USER --password-file FILE]",
+            "     [--username USER --password-file FILE] [--pg-password-file FILE]",
             "     [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]",
-            "sink --stats (--db FILE | --postgres CONNINFO) [--json]",
+            "sink --stats (--config FILE | --db FILE | --postgres CONNINFO) [--json]",
         ],
         operand: None,
         opts: &[
+            Opt {
+                help: "the sink's settings, a [sink] section; options given here override it",
+                ..CONFIG_BOARD
+            },
             opt(Flag::Url, "url", Some("mqtt://HOST:PORT"), "the broker"),
             opt(Flag::Topic, "topic", Some("FILTER"), "the events filter, e.g. edgespool/+/events/#"),
             opt(Flag::Db, "db", Some("FILE"), "store in this SQLite file"),
             opt(Flag::Postgres, "postgres", Some("CONNINFO"), "store in PostgreSQL (libpq keywords or URL; no password here)"),
+            opt(
+                Flag::PgPasswordFile,
+                "pg-password-file",
+                Some("FILE"),
+                "the PostgreSQL password (mode 0600 or stricter)",
+            ),
             opt(Flag::PgCa, "pg-ca", Some("FILE"), "PEM CA bundle a PostgreSQL server certificate must lead to"),
             opt(Flag::PgCert, "pg-cert", Some("FILE"), "PEM client certificate for PostgreSQL (with --pg-key)"),
             opt(Flag::PgKey, "pg-key", Some("FILE"), "PEM private key of --pg-cert"),
@@ -235,7 +247,7 @@ pub static SINK: Command = Command {
             opt(Flag::Stats, "stats", None, "print the store's report and exit"),
             JSON,
         ],
-        example: "sink --url mqtt://127.0.0.1:1883 --topic 'edgespool/+/events/#' --db sink.db",
+        example: "sink --config /etc/edgespool/sink-fleet.toml",
 };
 
 /// `help` itself: not in [`COMMANDS`] (it has no options), but listed.

@@ -21,6 +21,8 @@ mod mqtt5;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
 #[cfg(feature = "pg-sink")]
+mod pgsink_config;
+#[cfg(feature = "pg-sink")]
 mod pgtls;
 mod priority;
 mod receipts;
