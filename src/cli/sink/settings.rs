@@ -28,20 +28,12 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use toml::{Table, Value};
 
 use super::super::args::{Args, PgTlsArgs};
 
-/// The file: one `[sink]` table.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SinkFile {
-    sink: SinkSection,
-}
-
 /// `[sink]`: the flags' settings, by the same names (`_` for `-`).
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
+#[derive(Default)]
 pub struct SinkSection {
     url: Option<String>,
     topic: Option<String>,
@@ -57,14 +49,74 @@ pub struct SinkSection {
 }
 
 /// `[sink.postgres]`.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct PgSection {
     conninfo: String,
     password_file: Option<PathBuf>,
     ca: Option<PathBuf>,
     cert: Option<PathBuf>,
     key: Option<PathBuf>,
+}
+
+const SINK_KEYS: &str = "url, topic, client_id, share, batch_max, batch_ms, receipts, username, \
+                         password_file, db, postgres";
+const PG_KEYS: &str = "conninfo, password_file, ca, cert, key";
+
+/// One table's keys taken out one by one, each checked for its type; what
+/// is left at the end is an unknown key. (Read from a `toml::Table`, which
+/// the config's `--set` already parses, rather than by a derived
+/// `Deserialize`: the armv7 binary has no room for another.)
+struct Keys {
+    table: Table,
+    at: &'static str,
+}
+
+impl Keys {
+    fn take(&mut self, key: &str) -> Option<Value> {
+        self.table.remove(key)
+    }
+
+    fn bad(&self, key: &str, want: &str, got: &Value) -> String {
+        format!("{}.{key}: expected {want}, got {}", self.at, got.type_str())
+    }
+
+    fn string(&mut self, key: &str) -> Result<Option<String>, String> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.bad(key, "a string", &v)),
+        }
+    }
+
+    fn path(&mut self, key: &str) -> Result<Option<PathBuf>, String> {
+        Ok(self.string(key)?.map(PathBuf::from))
+    }
+
+    fn number(&mut self, key: &str) -> Result<Option<u64>, String> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::Integer(n)) if n >= 0 => Ok(Some(n as u64)),
+            Some(v) => Err(self.bad(key, "a non-negative integer", &v)),
+        }
+    }
+
+    fn boolean(&mut self, key: &str) -> Result<Option<bool>, String> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(Value::Boolean(b)) => Ok(Some(b)),
+            Some(v) => Err(self.bad(key, "true or false", &v)),
+        }
+    }
+
+    /// Errors: the first key left, as unknown.
+    fn done(self, known: &str) -> Result<(), String> {
+        match self.table.keys().next() {
+            None => Ok(()),
+            Some(k) => Err(format!(
+                "{}.{k}: unknown key (known keys: {known})",
+                self.at
+            )),
+        }
+    }
 }
 
 /// Where the sink keeps what it takes.
@@ -98,31 +150,87 @@ pub struct Merged {
     pub json: bool,
 }
 
-/// Why the file cannot be used (told as `config invalid: FILE: ...`).
+/// The `[sink]` section of the file at `path`.
+///
+/// Errors: why the file cannot be used, naming the key (told as `config
+/// invalid: ...`).
 pub fn read(path: &Path) -> Result<SinkSection, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| format!("{shown}: cannot read: {e}"))?;
-    let de =
-        toml::Deserializer::parse(&text).map_err(|e| format!("{shown}: {}", e.message().trim()))?;
-    let file: SinkFile = serde_path_to_error::deserialize(de).map_err(|e| {
-        let key = e.path().to_string();
-        format!("{shown}: {key}: {}", e.inner().message().trim())
-    })?;
-    let s = file.sink;
-    if s.db.is_some() && s.postgres.is_some() {
+    parse(&text).map_err(|e| format!("{shown}: {e}"))
+}
+
+fn parse(text: &str) -> Result<SinkSection, String> {
+    let mut root: Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| e.message().trim().to_owned())?;
+    let sink = match root.remove("sink") {
+        Some(Value::Table(t)) => t,
+        Some(v) => return Err(format!("sink: expected a table, got {}", v.type_str())),
+        None => return Err("no [sink] section".into()),
+    };
+    if let Some(k) = root.keys().next() {
         return Err(format!(
-            "{shown}: sink: db and [sink.postgres] exclude each other"
+            "{k}: unknown key (the file has one [sink] section)"
         ));
     }
-    if let Some(pg) = &s.postgres {
-        if edgespool::sink::conninfo::has_password(&pg.conninfo) {
-            return Err(format!(
-                "{shown}: sink.postgres.conninfo holds a password: put it in a file named by \
-                 sink.postgres.password_file (mode 0600)"
-            ));
-        }
+    let mut k = Keys {
+        table: sink,
+        at: "sink",
+    };
+    let batch_max = match k.number("batch_max")? {
+        Some(n) => Some(usize::try_from(n).map_err(|e| format!("sink.batch_max: {e}"))?),
+        None => None,
+    };
+    let postgres = match k.take("postgres") {
+        None => None,
+        Some(Value::Table(t)) => Some(postgres(t)?),
+        Some(v) => return Err(k.bad("postgres", "a table", &v)),
+    };
+    let s = SinkSection {
+        url: k.string("url")?,
+        topic: k.string("topic")?,
+        client_id: k.string("client_id")?,
+        share: k.string("share")?,
+        batch_max,
+        batch_ms: k.number("batch_ms")?,
+        receipts: k.boolean("receipts")?,
+        username: k.string("username")?,
+        password_file: k.path("password_file")?,
+        db: k.path("db")?,
+        postgres,
+    };
+    k.done(SINK_KEYS)?;
+    if s.db.is_some() && s.postgres.is_some() {
+        return Err("sink: db and [sink.postgres] exclude each other".into());
     }
     Ok(s)
+}
+
+fn postgres(t: Table) -> Result<PgSection, String> {
+    let mut k = Keys {
+        table: t,
+        at: "sink.postgres",
+    };
+    let conninfo = k
+        .string("conninfo")?
+        .ok_or("sink.postgres.conninfo: required (libpq keywords or a URL)")?;
+    if edgespool::sink::conninfo::has_password(&conninfo) {
+        return Err(
+            "sink.postgres.conninfo holds a password: put it in a file named by \
+                    sink.postgres.password_file (mode 0600)"
+                .into(),
+        );
+    }
+    let pg = PgSection {
+        conninfo,
+        password_file: k.path("password_file")?,
+        ca: k.path("ca")?,
+        cert: k.path("cert")?,
+        key: k.path("key")?,
+    };
+    k.done(PG_KEYS)?;
+    Ok(pg)
 }
 
 /// `a` over `file`, key by key.
@@ -255,8 +363,12 @@ mod tests {
             .unwrap_or_default();
         assert!(e.contains("sink.batch_max"), "{e}");
         let e = file("[sink]\nurll = \"x\"\n").err().unwrap_or_default();
-        assert!(e.contains("urll"), "{e}");
-        let e = file("[other]\n").err().unwrap_or_default();
+        assert!(e.contains("sink.urll: unknown key"), "{e}");
+        let e = file("[sink]\n[sink.postgres]\nconninfo = \"h\"\nca = 1\n")
+            .err()
+            .unwrap_or_default();
+        assert!(e.contains("sink.postgres.ca: expected a string"), "{e}");
+        let e = file("[sink]\n[other]\nx = 1\n").err().unwrap_or_default();
         assert!(e.contains("other"), "{e}");
         let e = file("[sink]\n[sink.postgres]\nconninfo = \"host=db password=s3cret\"\n")
             .err()
