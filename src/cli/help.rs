@@ -61,10 +61,17 @@ fn names() -> String {
 /// `usage:` and the command's usage lines, indented.
 pub fn usage_lines(cmd: &Command) -> String {
     let mut out = String::from("usage:\n");
-    for l in cmd.usage {
-        let _ = writeln!(out, "  edgespool {l}");
-    }
+    push_usage(&mut out, cmd);
     out
+}
+
+/// Each usage line after `  edgespool `; a line that starts with a blank
+/// continues the one before, under it.
+fn push_usage(out: &mut String, cmd: &Command) {
+    for l in cmd.usage {
+        let lead = if l.starts_with(' ') { "" } else { "edgespool " };
+        let _ = writeln!(out, "  {lead:10}{l}");
+    }
 }
 
 /// A command's help: what it does, its usage, its options, an example.
@@ -102,9 +109,7 @@ pub fn overview() -> String {
         env!("CARGO_PKG_VERSION")
     );
     for cmd in COMMANDS {
-        for l in cmd.usage {
-            let _ = writeln!(out, "  edgespool {l}");
-        }
+        push_usage(&mut out, cmd);
     }
     out.push_str("  edgespool help [COMMAND]\n  edgespool --version\n\ncommands:\n");
     for cmd in COMMANDS {
@@ -158,6 +163,13 @@ mod tests {
         assert!(h.contains("--pg-password-file FILE"), "{h}");
         assert!(h.contains("\nexample:\n  edgespool sink --config "), "{h}");
         assert!(h.contains("-h, --help"), "{h}");
+    }
+
+    #[test]
+    fn a_continued_usage_line_sits_under_the_one_before() {
+        let u = usage_lines(&spec::SINK);
+        assert!(u.contains("\n                 [--client-id ID]"), "{u}");
+        assert_eq!(u.matches("edgespool sink ").count(), 3, "{u}");
     }
 
     #[test]
