@@ -86,7 +86,7 @@ pub enum TlsSetupError {
     #[error("--postgres: sslmode={0:?} is not one of disable, allow, prefer, require, verify-ca, verify-full")]
     UnknownMode(String),
     /// Give `--pg-ca FILE`: no mode trusts a server certificate by itself.
-    #[error("sslmode={mode} needs --pg-ca FILE (the CA that signed the server's certificate); without it no server certificate can be trusted")]
+    #[error("sslmode={mode} needs --pg-ca FILE (or ca in [sink.postgres]: the CA that signed the server's certificate); without it no server certificate can be trusted")]
     NoCa {
         /// The mode asked for.
         mode: &'static str,
