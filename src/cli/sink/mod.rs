@@ -105,7 +105,8 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
 }
 
 /// Run the sink until SIGTERM/SIGINT. Exit 0; 1 on a store failure or if
-/// any payload mismatch was seen; 2 for a bad `--url`.
+/// any payload mismatch was seen; 2 for a bad `--url`, or PostgreSQL
+/// settings that cannot work (conninfo, TLS files, password file).
 fn run(a: SinkArgs) -> Outcome {
     let Some((host, port)) = a
         .url
