@@ -129,6 +129,9 @@ stage() {
   # same at install time).
   install -D -m 0644 packaging/edgespool.sysusers "$root/usr/lib/sysusers.d/edgespool.conf"
   install -D -m 0644 packaging/edgespool.tmpfiles "$root/usr/lib/tmpfiles.d/edgespool.conf"
+  # The sink as a service, one instance per /etc/edgespool/sink-NAME.toml
+  # (not enabled: a board runs the agent; a fleet host enables instances).
+  install -D -m 0644 packaging/edgespool-sink@.service "$root/lib/systemd/system/edgespool-sink@.service"
   install -d -m 0750 "$root/etc/edgespool"
   install -m 0640 board-configs/edgespool.toml "$root/etc/edgespool/edgespool.toml"
   install -d -m 0755 "$root/usr/share/man/man1"
@@ -139,6 +142,7 @@ stage() {
   install -D -m 0644 packaging/copyright "$doc/copyright"
   install -D -m 0644 README.md "$doc/README.md"
   install -D -m 0644 board-configs/example.toml "$doc/examples/example.toml"
+  install -D -m 0644 packaging/sink.toml "$doc/examples/sink.toml"
   install -D -m 0644 -t "$doc/examples/edgespool.service.d" packaging/edgespool.service.d/*.conf
   # The Grafana dashboard and the Prometheus alert rules (README, "Dashboard and alerts").
   install -D -m 0644 packaging/grafana/edgespool.json "$doc/examples/grafana/edgespool.json"

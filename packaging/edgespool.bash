@@ -1,14 +1,16 @@
-# bash completion for edgespool(1)
+# bash completion for edgespool(1). Each command's options are the ones
+# `edgespool help COMMAND` lists (a test holds this file against them).
 _edgespool() {
     local cur prev words cword
     _init_completion || return
-    local cmds="run check-config test status probe-storage sink help --version --help"
+    local cmds="run check-config test status probe-storage export sink help --version --help"
     if [ "$cword" -eq 1 ]; then
         COMPREPLY=($(compgen -W "$cmds" -- "$cur"))
         return
     fi
+    # Options that take a value: complete the value, not an option.
     case "$prev" in
-        --config|-c|--spool|--db|--password-file|--pg-ca|--pg-cert|--pg-key)
+        --config|-c|--spool|--to|--db|--password-file|--pg-password-file|--pg-ca|--pg-cert|--pg-key)
             _filedir
             return ;;
         --dir)
@@ -17,17 +19,23 @@ _edgespool() {
         --set|--url|--topic|--client-id|--share|--username|--postgres|--batch-max|--batch-ms)
             return ;;
     esac
-    local opts
+    local opts=""
     case "${words[1]}" in
         run) opts="--config --set --check-spool --help" ;;
+        check-config) opts="--config --set --sample --help" ;;
         test) opts="--config --set --help" ;;
-        check-config)
-            opts="--set --sample --help"
-            if [[ "$cur" != -* ]]; then _filedir toml; return; fi ;;
         status) opts="--config --spool --json --help" ;;
         probe-storage) opts="--config --dir --json --help" ;;
-        sink) opts="--url --topic --db --postgres --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --pg-ca --pg-cert --pg-key --stats --json --help" ;;
+        export) opts="--config --spool --to --help" ;;
+        sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --stats --json --help" ;;
+        help)
+            [ "$cword" -eq 2 ] && COMPREPLY=($(compgen -W "run check-config test status probe-storage export sink" -- "$cur"))
+            return ;;
     esac
+    if [[ "$cur" != -* ]] && [[ "${words[1]}" == check-config || "${words[1]}" == test ]]; then
+        _filedir toml
+        return
+    fi
     COMPREPLY=($(compgen -W "$opts" -- "$cur"))
 } &&
 complete -F _edgespool edgespool

@@ -36,11 +36,13 @@ files="usr/bin/edgespool:0755
 lib/systemd/system/edgespool.service:0644
 usr/lib/sysusers.d/edgespool.conf:0644
 usr/lib/tmpfiles.d/edgespool.conf:0644
+lib/systemd/system/edgespool-sink@.service:0644
 usr/share/man/man1/edgespool.1.gz:0644
 usr/share/bash-completion/completions/edgespool:0644
 usr/share/doc/edgespool/copyright:0644
 usr/share/doc/edgespool/README.md:0644
 usr/share/doc/edgespool/examples/example.toml:0644
+usr/share/doc/edgespool/examples/sink.toml:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/metrics-textfile.conf:0644
 usr/share/doc/edgespool/examples/grafana/edgespool.json:0644
@@ -49,6 +51,8 @@ usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml:0644"
 if [ "$mode" != install ]; then
     if have_systemd; then
         systemctl disable --now edgespool.service >/dev/null 2>&1 || true
+        # Running sink instances (enabled ones are the operator's to disable).
+        systemctl stop 'edgespool-sink@*.service' >/dev/null 2>&1 || true
     fi
     for f in $files; do rm -f "$D/${f%:*}"; done
     rmdir "$D/usr/share/doc/edgespool/examples/edgespool.service.d" \

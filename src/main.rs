@@ -20,18 +20,21 @@ fn main() -> ExitCode {
             "probe-storage" => cli::probe_storage::main(&mut line),
             "export" => cli::export::main(&mut line),
             "sink" => cli::sink::main(&mut line),
-            "help" => cli::help(&mut line),
-            other => cli::unknown(other, &mut line),
+            "help" => cli::help::main(&mut line),
+            other => cli::unknown(other),
         },
-        Ok(First::Help) => cli::print_usage(),
+        Ok(First::Help) => {
+            print!("{}", cli::help::overview());
+            Ok(())
+        }
         Ok(First::Version) => cli::print_version(),
-        Err(e) => Err(Failure::Usage(e)),
+        Err(f) => Err(f),
     };
     ExitCode::from(match result {
         Ok(()) => cli::EXIT_OK,
         Err(f) => {
-            if let Failure::Usage(e) = &f {
-                eprintln!("edgespool: {e}\n{}", cli::USAGE);
+            if let Failure::Usage { command, msg } = &f {
+                cli::help::tell_usage_error(*command, msg);
             }
             f.exit_code()
         }

@@ -5,18 +5,16 @@
 
 use std::path::Path;
 
-use super::{load_config, print_usage, usage, Args, Failure, Outcome, OwnFlags};
+use super::spec::CHECK_CONFIG;
+use super::{args, help, load_config, Failure, Outcome};
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let own = OwnFlags {
-        sample: true,
-        file: true,
-        ..OwnFlags::default()
+    let Some(a) = args::read(p, &CHECK_CONFIG)? else {
+        return help::print(&CHECK_CONFIG);
     };
-    let Some(a) = Args::read(p, own)? else {
-        return print_usage();
-    };
-    let config = a.config.ok_or_else(|| usage("check-config needs FILE"))?;
+    let config = a
+        .config
+        .ok_or_else(|| Failure::usage_of(&CHECK_CONFIG, "FILE is required"))?;
     check(&config, &a.sets, a.sample)
 }
 

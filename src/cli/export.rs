@@ -1,56 +1,32 @@
 //! `edgespool export (--config FILE | --spool PATH) --to PATH`: a
 //! consistent copy of the spool, taken while the agent runs, for a backup or
 //! a move to another board. The work is in [`edgespool::spool::backup`].
-//! It reads its own flags (`--to` belongs to it alone).
+//! Its options are its entry in the command table ([`super::spec::EXPORT`]).
 
-use super::{failed, load_config, Failure, Outcome};
-use std::path::PathBuf;
+use super::spec::EXPORT;
+use super::{args, failed, help, load_config, Failure, Outcome};
 
-/// This subcommand's usage line.
-pub const USAGE: &str = "usage: edgespool export (--config FILE | --spool PATH) --to PATH";
-
-/// What the line asks for: (config, spool, to), or `None` for `--help`.
-type Line = Option<(Option<PathBuf>, Option<PathBuf>, Option<PathBuf>)>;
-
-fn read_line(p: &mut lexopt::Parser) -> Result<Line, lexopt::Error> {
-    use lexopt::prelude::*;
-    let (mut config, mut spool, mut to) = (None, None, None);
-    while let Some(arg) = p.next()? {
-        match arg {
-            Long("config") | Short('c') => config = Some(PathBuf::from(p.value()?)),
-            Long("spool") => spool = Some(PathBuf::from(p.value()?)),
-            Long("to") => to = Some(PathBuf::from(p.value()?)),
-            Long("help") | Short('h') => return Ok(None),
-            arg => return Err(arg.unexpected()),
-        }
-    }
-    Ok(Some((config, spool, to)))
-}
-
-/// A usage error, told with this subcommand's usage line (exit 2).
-fn bad_usage(why: impl std::fmt::Display) -> Failure {
-    eprintln!("edgespool: {why}\n{USAGE}");
-    Failure::Invalid
-}
-
-/// Runs `export` with the rest of the line.
+/// Runs `export` with the rest of the line (its options: [`EXPORT`]).
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let (config, spool, to) = match read_line(p) {
-        Ok(Some(line)) => line,
-        Ok(None) => {
-            println!("{USAGE}");
-            return Ok(());
-        }
-        Err(e) => return Err(bad_usage(e)),
+    let Some(a) = args::read(p, &EXPORT)? else {
+        return help::print(&EXPORT);
     };
-    let Some(to) = to else {
-        return Err(bad_usage("export needs --to PATH (a new file)"));
+    let Some(to) = a.to else {
+        return Err(Failure::usage_of(
+            &EXPORT,
+            "--to PATH (a new file) is required",
+        ));
     };
     // `--spool` wins over `--config`: no config is read when both are given.
-    let path = match (spool, config) {
+    let path = match (a.spool, a.config) {
         (Some(s), _) => s,
         (None, Some(c)) => load_config(&c, &[])?.spool.path,
-        (None, None) => return Err(bad_usage("export needs --config FILE or --spool PATH")),
+        (None, None) => {
+            return Err(Failure::usage_of(
+                &EXPORT,
+                "--config FILE or --spool PATH is required",
+            ))
+        }
     };
     // A backup is background work beside the agent: under CPU contention
     // (a board's one or two cores) the agent's commits go first.

@@ -4,18 +4,24 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{failed, load_config, print_usage, usage, Args, Outcome, OwnFlags};
+use super::spec::PROBE_STORAGE;
+use super::{args, failed, help, load_config, Failure, Outcome};
 use edgespool::probe::Profile;
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let Some(a) = Args::read(p, OwnFlags::default())? else {
-        return print_usage();
+    let Some(a) = args::read(p, &PROBE_STORAGE)? else {
+        return help::print(&PROBE_STORAGE);
     };
     // `--dir` wins over `--config`: no config is read when both are given.
     let dir = match (a.dir, a.config) {
         (Some(d), _) => d,
         (None, Some(c)) => spool_dir(&load_config(&c, &[])?),
-        (None, None) => return Err(usage("probe-storage needs --config FILE or --dir DIR")),
+        (None, None) => {
+            return Err(Failure::usage_of(
+                &PROBE_STORAGE,
+                "--config FILE or --dir DIR is required",
+            ))
+        }
     };
     std::fs::create_dir_all(&dir)
         .map_err(|e| failed(format_args!("cannot create {}: {e}", dir.display())))?;

@@ -1,18 +1,17 @@
 //! `edgespool run`: the agent, from its config (or the last-known-good copy
 //! of it) to a clean stop. The work is in [`edgespool::agent`].
 
-use super::{print_usage, usage, Args, Failure, Outcome, OwnFlags, LOG_TARGET};
+use super::spec::RUN;
+use super::{args, help, Failure, Outcome, LOG_TARGET};
 use edgespool::agent::{AgentError, ConfigSource};
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let own = OwnFlags {
-        check_spool: true,
-        ..OwnFlags::default()
+    let Some(a) = args::read(p, &RUN)? else {
+        return help::print(&RUN);
     };
-    let Some(a) = Args::read(p, own)? else {
-        return print_usage();
-    };
-    let config = a.config.ok_or_else(|| usage("run needs --config FILE"))?;
+    let config = a
+        .config
+        .ok_or_else(|| Failure::usage_of(&RUN, "--config FILE is required"))?;
     let loaded = edgespool::configfile::load_at_start(&config, &a.sets).map_err(|e| {
         // Under systemd stderr is the journal: this goes through the log, as
         // everything the agent says does, to carry its priority.

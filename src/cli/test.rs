@@ -9,18 +9,17 @@
 //! 1 a source or listener failed (each named on stderr, then one summary
 //! line naming them all); 2 the config is invalid (the key named).
 
-use super::{load_config, print_usage, usage, Args, Failure, Outcome, OwnFlags};
+use super::spec::TEST;
+use super::{args, help, load_config, Failure, Outcome};
 
 /// Loads the config and runs [`report`].
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let own = OwnFlags {
-        file: true,
-        ..OwnFlags::default()
+    let Some(a) = args::read(p, &TEST)? else {
+        return help::print(&TEST);
     };
-    let Some(a) = Args::read(p, own)? else {
-        return print_usage();
-    };
-    let config = a.config.ok_or_else(|| usage("test needs --config FILE"))?;
+    let config = a
+        .config
+        .ok_or_else(|| Failure::usage_of(&TEST, "--config FILE is required"))?;
     let cfg = load_config(&config, &a.sets)?;
     if report(&cfg) {
         Ok(())

@@ -17,6 +17,9 @@
 //! - [`consume`]: the MQTT session, batches, acknowledgements, receipts;
 //! - [`sqlite`]: the single-machine store (rigs and tests);
 //! - `pg_schema`, `postgres`: the fleet store, its schema and migrations (feature `pg-sink`);
+//! - [`conninfo`]: a conninfo shown without its passwords (pure);
+//! - `pg_password`, `pg_tls`: where the PostgreSQL password comes from,
+//!   TLS (feature `pg-sink`);
 //! - `stats`: `sink --stats` (feature `pg-sink` for PostgreSQL).
 //!
 //! The one rule: **a delivery is acknowledged only after the transaction
@@ -34,10 +37,13 @@
 //! session lives in the broker under the sink's client id.
 
 pub mod batch;
+pub mod conninfo;
 pub mod consume;
 pub mod identity;
 pub mod message;
 pub mod outbox;
+#[cfg(feature = "pg-sink")]
+pub mod pg_password;
 #[cfg(feature = "pg-sink")]
 pub mod pg_schema;
 #[cfg(feature = "pg-sink")]

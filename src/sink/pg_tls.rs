@@ -22,6 +22,7 @@
 //! is read out of the conninfo here and the connection asks it for
 //! `require` (TLS or no connection).
 
+use super::{conninfo, pg_password};
 use postgres::config::SslMode as PgSslMode;
 use postgres::Config;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -85,7 +86,7 @@ pub enum TlsSetupError {
     #[error("--postgres: sslmode={0:?} is not one of disable, allow, prefer, require, verify-ca, verify-full")]
     UnknownMode(String),
     /// Give `--pg-ca FILE`: no mode trusts a server certificate by itself.
-    #[error("sslmode={mode} needs --pg-ca FILE (the CA that signed the server's certificate); without it no server certificate can be trusted")]
+    #[error("sslmode={mode} needs --pg-ca FILE (or ca in [sink.postgres]: the CA that signed the server's certificate); without it no server certificate can be trusted")]
     NoCa {
         /// The mode asked for.
         mode: &'static str,
@@ -128,6 +129,7 @@ pub enum TlsSetupError {
 }
 
 /// How to connect: plaintext or rustls.
+#[derive(Clone)]
 pub enum Connector {
     /// No TLS (sslmode absent, `disable`, `allow` or `prefer`).
     Plain,
@@ -136,6 +138,7 @@ pub enum Connector {
 }
 
 /// The conninfo parsed, with what its `sslmode` asks for.
+#[derive(Clone)]
 pub struct PgConnect {
     /// The connection settings (sslmode `require` when TLS is asked for).
     pub config: Config,
@@ -143,19 +146,55 @@ pub struct PgConnect {
     pub mode: SslMode,
     /// Plaintext or TLS.
     pub connector: Connector,
+    /// Where its password came from.
+    pub password_from: pg_password::PasswordFrom,
+}
+
+/// Why `conninfo` does not parse, told without its passwords: the error
+/// of parsing the redacted text (which holds no secret), or, when only the
+/// original fails, that the password's value is malformed.
+fn parse_error(conninfo: &str) -> String {
+    let shown = conninfo::redact(conninfo);
+    let (_, redacted) = match split_sslmode(&shown) {
+        Ok(r) => r,
+        Err(e) => return e.to_string(),
+    };
+    match redacted.parse::<Config>() {
+        Err(e) => format!("--postgres {shown:?}: {e}"),
+        Ok(_) => format!(
+            "--postgres {shown:?}: invalid connection string: the password value is malformed \
+             (quote it: password='...', with \\' and \\\\ inside)"
+        ),
+    }
 }
 
 impl PgConnect {
     /// Parse `conninfo` (libpq keyword/value or URL form) and build the
-    /// connector its `sslmode` and `files` ask for.
+    /// connector its `sslmode` and `files` ask for; a password it lacks is
+    /// looked for as [`pg_password::fill`] says (no explicit file).
     ///
-    /// Errors: a conninfo tokio-postgres refuses (as text, for
-    /// [`crate::sink::StoreError::Fatal`]), or a [`TlsSetupError`].
+    /// Errors: as [`PgConnect::new_with`].
     pub fn new(conninfo: &str, files: &TlsFiles) -> Result<PgConnect, String> {
+        PgConnect::new_with(conninfo, files, None)
+    }
+
+    /// As [`PgConnect::new`], with the password from `password_file` when
+    /// the conninfo has none.
+    ///
+    /// Errors: a conninfo tokio-postgres refuses (told with its passwords
+    /// hidden, see [`super::conninfo`]), a [`TlsSetupError`] or a
+    /// [`pg_password::PasswordError`], as text for
+    /// [`crate::sink::StoreError::Fatal`].
+    pub fn new_with(
+        conninfo: &str,
+        files: &TlsFiles,
+        password_file: Option<&Path>,
+    ) -> Result<PgConnect, String> {
         let (mode, rest) = split_sslmode(conninfo).map_err(|e| e.to_string())?;
-        let mut config: Config = rest
-            .parse()
-            .map_err(|e| format!("--postgres {conninfo:?}: {e}"))?;
+        let mut config: Config = rest.parse().map_err(|_| parse_error(conninfo))?;
+        let password_from =
+            pg_password::fill(&mut config, password_file, |k| std::env::var(k).ok())
+                .map_err(|e| e.to_string())?;
         let connector = connector(mode, files).map_err(|e| e.to_string())?;
         config.ssl_mode(if mode.wants_tls() {
             PgSslMode::Require
@@ -166,6 +205,7 @@ impl PgConnect {
             config,
             mode,
             connector,
+            password_from,
         })
     }
 
@@ -455,6 +495,28 @@ fn split_pairs(s: &str) -> (Option<String>, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_conninfo_that_fails_to_parse_is_told_without_its_password() {
+        for bad in [
+            "host=db password=s3cret port=notaport",
+            "host=db password=s3cret bogus_key=1",
+            "host=db password='s3cret",
+            "host=db password=s3cret trailing",
+            "postgresql://sink:s3cret@db:notaport/fleet",
+        ] {
+            let e = PgConnect::new(bad, &TlsFiles::default())
+                .err()
+                .unwrap_or_default();
+            assert!(!e.is_empty(), "{bad} parsed");
+            assert!(!e.contains("s3cret"), "{bad}: {e}");
+            assert!(e.contains("***") && e.contains("--postgres"), "{bad}: {e}");
+        }
+        let e = PgConnect::new("host=db port=x", &TlsFiles::default())
+            .err()
+            .unwrap_or_default();
+        assert!(e.contains("host=db port=x") && e.contains("port"), "{e}");
+    }
 
     fn split(s: &str) -> (SslMode, String) {
         match split_sslmode(s) {

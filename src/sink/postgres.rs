@@ -122,7 +122,17 @@ impl PgStore {
     /// [`StoreError::Transient`] when the server cannot be reached (the
     /// caller may retry).
     pub fn connect(conninfo: &str, sink: &str, tls: &TlsFiles) -> Result<PgStore, StoreError> {
-        let mut connect = PgConnect::new(conninfo, tls).map_err(StoreError::Fatal)?;
+        PgStore::connect_with(
+            PgConnect::new(conninfo, tls).map_err(StoreError::Fatal)?,
+            sink,
+        )
+    }
+
+    /// As [`PgStore::connect`], from a conninfo already parsed (with its
+    /// password, see [`PgConnect::new_with`]).
+    ///
+    /// Errors: as [`PgStore::connect`].
+    pub fn connect_with(mut connect: PgConnect, sink: &str) -> Result<PgStore, StoreError> {
         let config = &mut connect.config;
         if config.get_application_name().is_none() {
             config.application_name(sink);
@@ -302,6 +312,13 @@ pub fn connect_client(conninfo: &str, tls: &TlsFiles) -> Result<Client, StoreErr
         .map_err(StoreError::Fatal)?
         .connect()
         .map_err(connect_error)
+}
+
+/// As [`connect_client`], from a conninfo already parsed.
+///
+/// Errors: as [`PgStore::connect`].
+pub fn connect_client_with(connect: &PgConnect) -> Result<Client, StoreError> {
+    connect.connect().map_err(connect_error)
 }
 
 fn classify(e: &postgres::Error) -> Class {

@@ -7,6 +7,7 @@ mod support;
 mod aedes;
 mod batches;
 mod bridge;
+mod cli;
 mod commands;
 mod config;
 mod dashboards;
@@ -24,6 +25,8 @@ mod mqtt5;
 mod outage;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
+#[cfg(feature = "pg-sink")]
+mod pgsink_config;
 #[cfg(feature = "pg-sink")]
 mod pgtls;
 mod priority;

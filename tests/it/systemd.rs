@@ -165,3 +165,57 @@ fn ready_then_watchdog_pings_that_stop_while_the_spool_disk_is_frozen_and_resume
     );
     drop(fs);
 }
+
+/// The sink's template unit as `systemd-analyze verify` sees an instance of
+/// it (with the binary under test in `ExecStart`: the packaged path is not
+/// installed here, and no man page is), and shipped by both package kinds.
+#[test]
+fn sink_unit_template_passes_systemd_analyze_verify_and_is_packaged() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let unit = std::fs::read_to_string(root.join("packaging/edgespool-sink@.service"))
+        .expect("read the sink unit");
+    assert!(
+        unit.lines()
+            .any(|l| l == "ExecStart=/usr/bin/edgespool sink --config /etc/edgespool/sink-%i.toml"),
+        "{unit}"
+    );
+    for k in [
+        "RestartPreventExitStatus=2",
+        "User=edgespool",
+        "NoNewPrivileges=yes",
+    ] {
+        assert!(unit.lines().any(|l| l == k), "unit lacks {k}");
+    }
+    let bin = crate::support::agent::bin();
+    let local: String = unit
+        .lines()
+        .filter(|l| !l.starts_with("Documentation="))
+        .map(|l| l.replace("/usr/bin/edgespool", &bin.display().to_string()) + "\n")
+        .collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("edgespool-sink@.service"), local).expect("write unit");
+    std::os::unix::fs::symlink(
+        "edgespool-sink@.service",
+        dir.path().join("edgespool-sink@fleet.service"),
+    )
+    .expect("instance link");
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(dir.path().join("edgespool-sink@fleet.service"))
+        .output()
+        .expect("systemd-analyze (package systemd) must be installed");
+    let said =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {said}"
+    );
+    let package = std::fs::read_to_string(root.join("cross/package.sh")).expect("package.sh");
+    assert!(package.contains(
+        "packaging/edgespool-sink@.service \"$root/lib/systemd/system/edgespool-sink@.service\""
+    ));
+    assert!(package.contains("packaging/sink.toml \"$doc/examples/sink.toml\""));
+    let install = std::fs::read_to_string(root.join("packaging/install.sh")).expect("install.sh");
+    assert!(install.contains("\nlib/systemd/system/edgespool-sink@.service:0644\n"));
+    assert!(install.contains("\nusr/share/doc/edgespool/examples/sink.toml:0644\n"));
+}

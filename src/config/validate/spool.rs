@@ -65,38 +65,7 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
             format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages),
         );
     }
-    let commit_window_ms = s.commit_window_ms.unwrap_or_else(d_commit);
-    if !(1..=60_000).contains(&commit_window_ms) {
-        bad(
-            "spool.commit_window_ms",
-            format!("must be 1..=60000 (got {commit_window_ms})"),
-        );
-    }
-    if !(1..=60_000).contains(&s.max_commit_window_ms) {
-        bad(
-            "spool.max_commit_window_ms",
-            format!("must be 1..=60000 (got {})", s.max_commit_window_ms),
-        );
-    }
-    if let Some(mb) = s.write_budget_mb_per_day {
-        if !(1..=1_000_000).contains(&mb) {
-            bad(
-                "spool.write_budget_mb_per_day",
-                format!("must be 1..=1000000 MB a day (got {mb})"),
-            );
-        }
-        if s.commit_window_ms
-            .is_some_and(|w| w > s.max_commit_window_ms)
-        {
-            bad(
-                "spool.max_commit_window_ms",
-                format!(
-                    "must be at least spool.commit_window_ms ({}) when spool.write_budget_mb_per_day is set (got {}): a budget widens the window from commit_window_ms up to max_commit_window_ms",
-                    commit_window_ms, s.max_commit_window_ms
-                ),
-            );
-        }
-    }
+    let commit_window_ms = validate_windows(s, bad);
     if !(1..=100_000).contains(&s.purge_batch_rows) {
         bad(
             "spool.purge_batch_rows",
@@ -153,4 +122,44 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
             checkpoint_wal_bytes: s.checkpoint_wal_bytes.is_some(),
         },
     }
+}
+
+/// The commit windows and the write budget: `spool.commit_window_ms` and
+/// `spool.max_commit_window_ms` in 1..=60000 ms, the budget in
+/// 1..=1000000 MB a day, and a budget's ceiling at least the window it
+/// widens from. Returns the commit window in ms (the default if unset).
+fn validate_windows(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -> u64 {
+    let commit_window_ms = s.commit_window_ms.unwrap_or_else(d_commit);
+    if !(1..=60_000).contains(&commit_window_ms) {
+        bad(
+            "spool.commit_window_ms",
+            format!("must be 1..=60000 (got {commit_window_ms})"),
+        );
+    }
+    if !(1..=60_000).contains(&s.max_commit_window_ms) {
+        bad(
+            "spool.max_commit_window_ms",
+            format!("must be 1..=60000 (got {})", s.max_commit_window_ms),
+        );
+    }
+    if let Some(mb) = s.write_budget_mb_per_day {
+        if !(1..=1_000_000).contains(&mb) {
+            bad(
+                "spool.write_budget_mb_per_day",
+                format!("must be 1..=1000000 MB a day (got {mb})"),
+            );
+        }
+        if s.commit_window_ms
+            .is_some_and(|w| w > s.max_commit_window_ms)
+        {
+            bad(
+                "spool.max_commit_window_ms",
+                format!(
+                    "must be at least spool.commit_window_ms ({}) when spool.write_budget_mb_per_day is set (got {}): a budget widens the window from commit_window_ms up to max_commit_window_ms",
+                    commit_window_ms, s.max_commit_window_ms
+                ),
+            );
+        }
+    }
+    commit_window_ms
 }

@@ -75,20 +75,24 @@ impl SinkProc {
     /// `edgespool sink --url .. --topic FILTER ARGS..`, logging to
     /// `dir/ID-N.log` (the first N not taken).
     fn launch(port: u16, filter: &str, id: &str, dir: &Path, args: &[&str]) -> SinkProc {
+        let url = format!("mqtt://127.0.0.1:{port}");
+        let mut all = vec!["--url", &url, "--topic", filter];
+        all.extend_from_slice(args);
+        SinkProc::launch_only(id, dir, &all, &[])
+    }
+
+    /// `edgespool sink ARGS..` and nothing else (a `--config` run), with
+    /// `envs` set, logging to `dir/ID-N.log` (the first N not taken).
+    pub fn launch_only(id: &str, dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> SinkProc {
         let n = (1..)
             .find(|n| !dir.join(format!("{id}-{n}.log")).exists())
             .expect("a free log name");
         let log = dir.join(format!("{id}-{n}.log"));
         let f = std::fs::File::create(&log).expect("sink log");
         let child = Command::new(super::agent::bin())
-            .args([
-                "sink",
-                "--url",
-                &format!("mqtt://127.0.0.1:{port}"),
-                "--topic",
-                filter,
-            ])
+            .arg("sink")
             .args(args)
+            .envs(envs.iter().copied())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(f.try_clone().expect("clone log"))

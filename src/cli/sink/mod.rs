@@ -1,26 +1,29 @@
 //! `edgespool sink` and `edgespool sink --stats`: the reference consumer's
-//! arguments to a store, a run until stopped (or a report), and an exit
-//! code. The work is in [`edgespool::sink`].
+//! flags and settings file ([`settings`]) to a store, a run until stopped
+//! (or a report), and an exit code. The work is in [`edgespool::sink`].
+
+mod settings;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{failed, print_json, print_usage, usage, Args, Failure, Outcome, OwnFlags, PgTlsArgs};
+use super::args::{self, PgTlsArgs};
+use super::spec::SINK;
+use super::{failed, help, print_json, Failure, Outcome};
 use edgespool::sink::batch::BatchPolicy;
 use edgespool::sink::{SinkOptions, SinkStats};
+use settings::Store;
 
 /// The target of this file's log lines: the module they were written in
 /// before the split, which journal searches and `RUST_LOG` filters name.
 #[cfg(feature = "pg-sink")]
 const LOG_TARGET: &str = "edgespool::sink_cmd";
 
-/// Where the sink keeps what it takes: exactly one of `--db` and
-/// `--postgres`.
-enum Store {
-    Sqlite(PathBuf),
-    Postgres(String),
+/// A usage error of `sink`.
+fn usage(msg: &str) -> Failure {
+    Failure::usage_of(&SINK, msg)
 }
 
 /// `sink` arguments, checked.
@@ -28,42 +31,45 @@ struct SinkArgs {
     url: String,
     topic: String,
     store: Store,
-    pg_tls: PgTlsArgs,
     client_id: String,
     share: Option<String>,
     batch_max: usize,
     batch_ms: u64,
-    /// `--no-receipts`: publish no receipts (for boards that retire rows on
-    /// the PUBACK, or a broker ACL that does not let the sink write them).
+    /// `--no-receipts` or `receipts = false`: publish no receipts (for
+    /// boards that retire rows on the PUBACK, or a broker ACL that does not
+    /// let the sink write them).
     no_receipts: bool,
     /// `--username` and `--password-file`: the MQTT login.
     credentials: Option<(String, PathBuf)>,
 }
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
-    let own = OwnFlags {
-        stats: true,
-        ..OwnFlags::default()
+    let Some(mut a) = args::read(p, &SINK)? else {
+        return help::print(&SINK);
     };
-    let Some(a) = Args::read(p, own)? else {
-        return print_usage();
+    let file = match a.config.take() {
+        Some(path) => settings::read(&path).map_err(|e| {
+            eprintln!("config invalid: {e}");
+            Failure::Invalid
+        })?,
+        None => settings::SinkSection::default(),
     };
-    let store = match (a.db, a.postgres) {
-        (Some(db), None) => Store::Sqlite(db),
-        (None, Some(conninfo)) => Store::Postgres(conninfo),
-        _ => return Err(usage("sink needs one of --db FILE or --postgres CONNINFO")),
+    let m = settings::merge(a, file).map_err(|e| usage(&e))?;
+    let Some(store) = m.store else {
+        return Err(usage(
+            "a store is required: --db FILE or --postgres CONNINFO (or db / [sink.postgres] in --config)",
+        ));
     };
-    if matches!(store, Store::Sqlite(_)) && a.pg_tls.any() {
-        return Err(usage("--pg-ca, --pg-cert and --pg-key go with --postgres"));
+    if m.stats {
+        return stats(&store, m.json);
     }
-    if a.stats {
-        return stats(&store, &a.pg_tls, a.json);
-    }
-    let url = a
+    let url = m
         .url
-        .ok_or_else(|| usage("sink needs --url mqtt://HOST:PORT"))?;
-    let topic = a.topic.ok_or_else(|| usage("sink needs --topic FILTER"))?;
-    let credentials = match (a.username, a.password_file) {
+        .ok_or_else(|| usage("--url mqtt://HOST:PORT (or url in --config) is required"))?;
+    let topic = m
+        .topic
+        .ok_or_else(|| usage("--topic FILTER (or topic in --config) is required"))?;
+    let credentials = match (m.username, m.password_file) {
         (Some(u), Some(f)) => {
             // Read once now, so a wrong path fails the start, not every
             // connect in the background.
@@ -78,31 +84,29 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     };
     // A persistent session is found again by its client id: a PostgreSQL
     // sink (one of N) must be given a stable one.
-    let client_id = match (a.client_id, &store) {
+    let client_id = match (m.client_id, &store) {
         (Some(id), _) => id,
         (None, Store::Sqlite(_)) => format!("edgespool-sink-{}", std::process::id()),
-        (None, Store::Postgres(_)) => {
-            return Err(usage(
-                "sink --postgres needs --client-id ID (stable per sink)",
-            ))
+        (None, Store::Postgres { .. }) => {
+            return Err(usage("PostgreSQL needs --client-id ID (stable per sink)"))
         }
     };
     run(SinkArgs {
         url,
         topic,
         store,
-        pg_tls: a.pg_tls,
         client_id,
-        share: a.share,
-        batch_max: a.batch_max.filter(|&n| n > 0).unwrap_or(500),
-        batch_ms: a.batch_ms.unwrap_or(100),
-        no_receipts: a.no_receipts,
+        share: m.share,
+        batch_max: m.batch_max.filter(|&n| n > 0).unwrap_or(500),
+        batch_ms: m.batch_ms.unwrap_or(100),
+        no_receipts: !m.receipts,
         credentials,
     })
 }
 
 /// Run the sink until SIGTERM/SIGINT. Exit 0; 1 on a store failure or if
-/// any payload mismatch was seen; 2 for a bad `--url`.
+/// any payload mismatch was seen; 2 for a bad `--url`, or PostgreSQL
+/// settings that cannot work (conninfo, TLS files, password file).
 fn run(a: SinkArgs) -> Outcome {
     let Some((host, port)) = a
         .url
@@ -134,7 +138,11 @@ fn run(a: SinkArgs) -> Outcome {
             Ok(mut store) => edgespool::sink::run(&opts, &mut store, &stop),
             Err(e) => Err(format!("sink database {}: {e}", db.display())),
         },
-        Store::Postgres(conninfo) => run_postgres(&opts, &conninfo, &a.pg_tls, &stop),
+        Store::Postgres {
+            conninfo,
+            password_file,
+            tls,
+        } => run_postgres(&opts, &pg_connect(&conninfo, &tls, password_file)?, &stop),
     };
     let s = result.map_err(failed)?;
     print_totals(&s);
@@ -148,28 +156,57 @@ fn print_totals(s: &SinkStats) {
     println!("sink: {s}");
 }
 
+/// The conninfo parsed with its password and TLS files; one that cannot
+/// work is told here (exit 2), its passwords hidden.
 #[cfg(feature = "pg-sink")]
-fn tls_files(tls: &PgTlsArgs) -> edgespool::sink::pg_tls::TlsFiles {
-    edgespool::sink::pg_tls::TlsFiles {
+fn pg_connect(
+    conninfo: &str,
+    tls: &PgTlsArgs,
+    password_file: Option<PathBuf>,
+) -> Result<edgespool::sink::pg_tls::PgConnect, Failure> {
+    use edgespool::sink::{conninfo as ci, pg_password::PasswordFrom, pg_tls};
+    if ci::has_password(conninfo) {
+        log::warn!(target: LOG_TARGET, "sink: the password in --postgres is visible to every local user (/proc/PID/cmdline); use --pg-password-file or --config with password_file");
+    }
+    let files = pg_tls::TlsFiles {
         ca: tls.ca.clone(),
         cert: tls.cert.clone(),
         key: tls.key.clone(),
-    }
+    };
+    let c =
+        pg_tls::PgConnect::new_with(conninfo, &files, password_file.as_deref()).map_err(|e| {
+            eprintln!("edgespool: {e}");
+            Failure::Invalid
+        })?;
+    let from = match &c.password_from {
+        PasswordFrom::Conninfo => "the conninfo".to_owned(),
+        PasswordFrom::File(p) => format!("password file {}", p.display()),
+        PasswordFrom::Env => "PGPASSWORD".to_owned(),
+        PasswordFrom::Passfile(p) => format!("PGPASSFILE {}", p.display()),
+        PasswordFrom::None => "none".to_owned(),
+    };
+    log::info!(target: LOG_TARGET, "sink: PostgreSQL {}, password from {from}", ci::redact(conninfo));
+    Ok(c)
+}
+
+#[cfg(not(feature = "pg-sink"))]
+fn pg_connect(_: &str, _: &PgTlsArgs, _: Option<PathBuf>) -> Result<(), Failure> {
+    Err(failed(
+        "this edgespool was built without the pg-sink feature",
+    ))
 }
 
 #[cfg(feature = "pg-sink")]
 fn run_postgres(
     opts: &SinkOptions,
-    conninfo: &str,
-    tls: &PgTlsArgs,
+    connect: &edgespool::sink::pg_tls::PgConnect,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     use edgespool::sink::StoreError;
-    let files = tls_files(tls);
     // The server may come up after the sink: wait for it, as for the broker.
     let mut backoff = Duration::from_millis(200);
     let mut store = loop {
-        match edgespool::sink::postgres::PgStore::connect(conninfo, &opts.client_id, &files) {
+        match edgespool::sink::postgres::PgStore::connect_with(connect.clone(), &opts.client_id) {
             Ok(s) => break s,
             Err(StoreError::Transient(e)) if !stop.load(std::sync::atomic::Ordering::Relaxed) => {
                 log::warn!(target: LOG_TARGET, "sink: PostgreSQL not reachable ({e}); retrying in {backoff:?}");
@@ -183,22 +220,21 @@ fn run_postgres(
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn run_postgres(
-    _: &SinkOptions,
-    _: &str,
-    _: &PgTlsArgs,
-    _: &AtomicBool,
-) -> Result<SinkStats, String> {
+fn run_postgres(_: &SinkOptions, _: &(), _: &AtomicBool) -> Result<SinkStats, String> {
     Err("this edgespool was built without the pg-sink feature".into())
 }
 
 /// `sink --stats`: print the store's report (text, or JSON with `json`).
-fn stats(store: &Store, tls: &PgTlsArgs, json: bool) -> Outcome {
+fn stats(store: &Store, json: bool) -> Outcome {
     let now = edgespool::envelope::wall_clock_ms().0;
     let report = match store {
         Store::Sqlite(db) => edgespool::sink::stats::from_sqlite(db, now)
             .map_err(|e| format!("sink database {}: {e}", db.display())),
-        Store::Postgres(conninfo) => postgres_report(conninfo, tls, now),
+        Store::Postgres {
+            conninfo,
+            password_file,
+            tls,
+        } => postgres_report(&pg_connect(conninfo, tls, password_file.clone())?, now),
     };
     let r = report.map_err(failed)?;
     if json {
@@ -210,20 +246,15 @@ fn stats(store: &Store, tls: &PgTlsArgs, json: bool) -> Outcome {
 
 #[cfg(feature = "pg-sink")]
 fn postgres_report(
-    conninfo: &str,
-    tls: &PgTlsArgs,
+    connect: &edgespool::sink::pg_tls::PgConnect,
     now: i64,
 ) -> Result<edgespool::sink::stats::Report, String> {
-    let mut c = edgespool::sink::postgres::connect_client(conninfo, &tls_files(tls))
+    let mut c = edgespool::sink::postgres::connect_client_with(connect)
         .map_err(|e| format!("PostgreSQL: {e}"))?;
     edgespool::sink::stats::from_postgres(&mut c, now).map_err(|e| format!("PostgreSQL: {e}"))
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn postgres_report(
-    _: &str,
-    _: &PgTlsArgs,
-    _: i64,
-) -> Result<edgespool::sink::stats::Report, String> {
+fn postgres_report(_: &(), _: i64) -> Result<edgespool::sink::stats::Report, String> {
     Err("this edgespool was built without the pg-sink feature".into())
 }

@@ -1,0 +1,161 @@
+//! The command line of the real binary: per-command help three ways, the
+//! overview, and usage errors that name the option and the command (exit 2).
+
+use crate::support::agent::run_cli;
+
+/// (command, options its help must list, an option of another command).
+const COMMANDS: &[(&str, &[&str], &str)] = &[
+    (
+        "run",
+        &["--config FILE", "--set KEY=VALUE", "--check-spool"],
+        "--json",
+    ),
+    (
+        "check-config",
+        &["--config FILE", "--set KEY=VALUE", "--sample"],
+        "--spool",
+    ),
+    (
+        "test",
+        &["--config FILE", "--set KEY=VALUE"],
+        "--check-spool",
+    ),
+    (
+        "status",
+        &["--config FILE", "--spool PATH", "--json"],
+        "--url",
+    ),
+    (
+        "probe-storage",
+        &["--config FILE", "--dir DIR", "--json"],
+        "--spool",
+    ),
+    (
+        "sink",
+        &[
+            "--url mqtt://HOST:PORT",
+            "--postgres CONNINFO",
+            "--pg-ca FILE",
+            "--pg-key FILE",
+            "--stats",
+        ],
+        "--check-spool",
+    ),
+];
+
+fn ok_stdout(args: &[&str]) -> String {
+    let (status, out, err) = run_cli(args);
+    assert_eq!(status.code(), Some(0), "edgespool {args:?}: {err}");
+    assert!(err.is_empty(), "edgespool {args:?} wrote to stderr: {err}");
+    out
+}
+
+#[test]
+fn cli_help_of_each_command_is_the_same_three_ways_and_its_own() {
+    let mut seen = Vec::new();
+    for (name, opts, foreign) in COMMANDS {
+        let long = ok_stdout(&[name, "--help"]);
+        assert_eq!(ok_stdout(&[name, "-h"]), long, "{name} -h");
+        assert_eq!(ok_stdout(&["help", name]), long, "help {name}");
+        assert!(long.starts_with(&format!("edgespool {name}: ")), "{long}");
+        assert!(
+            long.contains(&format!("usage:\n  edgespool {name} ")),
+            "{long}"
+        );
+        assert!(
+            long.contains(&format!("example:\n  edgespool {name} ")),
+            "{long}"
+        );
+        for o in *opts {
+            assert!(long.contains(o), "{name} --help lacks {o}:\n{long}");
+        }
+        assert!(
+            !long.contains(&format!("{foreign} ")),
+            "{name} --help lists {foreign}:\n{long}"
+        );
+        seen.push(long);
+    }
+    seen.dedup();
+    assert_eq!(seen.len(), COMMANDS.len(), "two commands share a help text");
+}
+
+#[test]
+fn cli_help_alone_is_the_overview_of_every_command() {
+    let overview = ok_stdout(&["help"]);
+    assert_eq!(ok_stdout(&["--help"]), overview);
+    assert_eq!(ok_stdout(&["-h"]), overview);
+    for (name, _, _) in COMMANDS {
+        assert!(
+            overview.contains(&format!("\n  edgespool {name} ")),
+            "{name}:\n{overview}"
+        );
+    }
+    assert!(overview.contains("edgespool help [COMMAND]"), "{overview}");
+}
+
+#[test]
+fn cli_unknown_option_names_itself_and_the_command_and_exits_2() {
+    let (status, out, err) = run_cli(&["status", "--jsn"]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.starts_with("edgespool status: unknown option --jsn\n"),
+        "{err}"
+    );
+    assert!(
+        err.contains("usage:\n  edgespool status (--config FILE | --spool PATH)"),
+        "{err}"
+    );
+    assert!(err.contains("edgespool help status"), "{err}");
+    // An option of another command has no effect here: refused as well.
+    for (name, _, foreign) in COMMANDS {
+        let (status, _, err) = run_cli(&[name, foreign, "x"]);
+        assert_eq!(status.code(), Some(2), "{name} {foreign}: {err}");
+        assert!(
+            err.starts_with(&format!("edgespool {name}: unknown option {foreign}\n")),
+            "{err}"
+        );
+    }
+    let (status, _, err) = run_cli(&["run", "-x"]);
+    assert_eq!(status.code(), Some(2));
+    assert!(
+        err.starts_with("edgespool run: unknown option -x\n"),
+        "{err}"
+    );
+    let (status, _, err) = run_cli(&["status", "--spool"]);
+    assert_eq!(status.code(), Some(2));
+    assert!(
+        err.starts_with("edgespool status: --spool needs a value (PATH)\n"),
+        "{err}"
+    );
+    let (status, _, err) = run_cli(&["sink", "--db", "x.db", "--batch-max", "lots"]);
+    assert_eq!(status.code(), Some(2));
+    assert!(
+        err.starts_with("edgespool sink: --batch-max: \"lots\" is not a number"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cli_unknown_command_is_a_usage_error_and_help_says_so_too() {
+    let (status, out, err) = run_cli(&["frobnicate", "--json"]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.starts_with("edgespool: unknown command \"frobnicate\"\n"),
+        "{err}"
+    );
+    assert!(err.contains("edgespool help"), "{err}");
+    let (status, _, err) = run_cli(&["help", "frobnicate"]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("help: unknown command \"frobnicate\""),
+        "{err}"
+    );
+    let (status, _, err) = run_cli(&[]);
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.starts_with("edgespool: missing command\n"), "{err}");
+    let (status, out, _) = run_cli(&["--version"]);
+    assert_eq!(status.code(), Some(0));
+    assert!(out.starts_with("edgespool "), "{out}");
+}
