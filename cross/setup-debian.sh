@@ -5,7 +5,7 @@
 #                                  tests and bench; the service is not started: tests run
 #                                  their own server), rustfmt, clippy,
 #                                  nodejs/npm and aedes (a second broker for the tests),
-#                                  socat (the README's ingest socket client)
+#                                  socat (the ingest socket client of docs/local-programs.md)
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
@@ -27,7 +27,7 @@ sudo_if_needed() {
 
 # faketime: libfaketime steps the agent's wall clock in the command tests.
 # postgresql: initdb/pg_ctl under /usr/lib/postgresql/*/bin and the `postgres` user.
-# socat: the README's shell client of the ingest socket.
+# socat: the shell client of the ingest socket (docs/local-programs.md).
 pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime postgresql socat)
 if [ "$want_arm" = 1 ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)

@@ -10,6 +10,7 @@ mod bridge;
 mod commands;
 mod config;
 mod delivery;
+mod docs;
 mod exec_sources;
 mod faults;
 mod health;
