@@ -141,6 +141,7 @@ stage() {
   local doc="$root/usr/share/doc/edgespool"
   install -D -m 0644 packaging/copyright "$doc/copyright"
   install -D -m 0644 README.md "$doc/README.md"
+  install -D -m 0644 -t "$doc/docs" docs/*.md   # the README links to them
   install -D -m 0644 board-configs/example.toml "$doc/examples/example.toml"
   install -D -m 0644 packaging/sink.toml "$doc/examples/sink.toml"
   install -D -m 0644 -t "$doc/examples/edgespool.service.d" packaging/edgespool.service.d/*.conf

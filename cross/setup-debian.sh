@@ -5,7 +5,7 @@
 #                                  tests and bench; the service is not started: tests run
 #                                  their own server), rustfmt, clippy,
 #                                  nodejs/npm and aedes (a second broker for the tests),
-#                                  socat (the README's ingest socket client),
+#                                  socat (the ingest socket client of docs/local-programs.md),
 #                                  prometheus (promtool; the dashboard and alert tests
 #                                  run their own server: the service is not started)
 #   cross/setup-debian.sh --arm    also the ARM cross toolchains and qemu-user
@@ -29,7 +29,7 @@ sudo_if_needed() {
 
 # faketime: libfaketime steps the agent's wall clock in the command tests.
 # postgresql: initdb/pg_ctl under /usr/lib/postgresql/*/bin and the `postgres` user.
-# socat: the README's shell client of the ingest socket.
+# socat: the shell client of the ingest socket (docs/local-programs.md).
 # prometheus: the server and promtool for tests/it/dashboards.rs.
 pkgs=(mosquitto mosquitto-clients sqlite3 gcc libc6-dev openssl strace faketime postgresql socat prometheus)
 if [ "$want_arm" = 1 ]; then

@@ -41,6 +41,16 @@ usr/share/man/man1/edgespool.1.gz:0644
 usr/share/bash-completion/completions/edgespool:0644
 usr/share/doc/edgespool/copyright:0644
 usr/share/doc/edgespool/README.md:0644
+usr/share/doc/edgespool/docs/benchmarks.md:0644
+usr/share/doc/edgespool/docs/commands.md:0644
+usr/share/doc/edgespool/docs/config.md:0644
+usr/share/doc/edgespool/docs/delivery.md:0644
+usr/share/doc/edgespool/docs/development.md:0644
+usr/share/doc/edgespool/docs/flash.md:0644
+usr/share/doc/edgespool/docs/fleet.md:0644
+usr/share/doc/edgespool/docs/install.md:0644
+usr/share/doc/edgespool/docs/local-programs.md:0644
+usr/share/doc/edgespool/docs/operations.md:0644
 usr/share/doc/edgespool/examples/example.toml:0644
 usr/share/doc/edgespool/examples/sink.toml:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf:0644
@@ -58,7 +68,8 @@ if [ "$mode" != install ]; then
     rmdir "$D/usr/share/doc/edgespool/examples/edgespool.service.d" \
         "$D/usr/share/doc/edgespool/examples/grafana" \
         "$D/usr/share/doc/edgespool/examples/prometheus" \
-        "$D/usr/share/doc/edgespool/examples" "$D/usr/share/doc/edgespool" 2>/dev/null || true
+        "$D/usr/share/doc/edgespool/examples" "$D/usr/share/doc/edgespool/docs" \
+        "$D/usr/share/doc/edgespool" 2>/dev/null || true
     have_systemd && systemctl daemon-reload || true
     if [ "$mode" = purge ]; then
         rm -rf "$D/var/lib/edgespool" "$D/etc/edgespool"

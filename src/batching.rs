@@ -8,7 +8,7 @@
 //! lost connection the rows are read again and batches may be rebuilt with
 //! other members, so a consumer deduplicates per event id.
 //!
-//! Wire format (README "Batched and compressed publishes"):
+//! Wire format (docs/fleet.md, "Batched and compressed publishes"):
 //! - topic `<topic_prefix>/batches/<stream>`, or with `/lz4` or `/zstd`
 //!   appended when compressed (a stream name holds no `/`);
 //! - JSON events: `{"batch":[` + each event's JSON bytes joined by `,` +

@@ -8,10 +8,12 @@
 //!
 //! `board-configs/example.toml` mirrors the defaults here, key by key.
 
+mod keys;
 mod raw;
 mod read;
 mod validate;
 
+pub use keys::accepted_keys;
 pub use validate::placeholders;
 
 use crate::commands::CommandsConfig;

@@ -187,7 +187,7 @@ fn latency_line(stored: &str) -> String {
 /// `counters` by name), each `agent_state` entry as `{"value",
 /// "updated_ms"}` with its value parsed when it is JSON; `outage_budget`
 /// is that entry of `agent_state` again (null before an agent stored one;
-/// fields in the README, "Outage budget").
+/// fields in docs/operations.md, "Outage budget").
 pub fn to_json(r: &Report) -> serde_json::Value {
     use serde_json::{json, Map, Value};
     let parse =

@@ -1,7 +1,7 @@
 //! Batched publishes: one MQTT PUBLISH holding several events, unpacked into
 //! one [`Item`] per event.
 //!
-//! Pure: no I/O. The wire format (README, "Batched and compressed
+//! Pure: no I/O. The wire format (docs/fleet.md, "Batched and compressed
 //! publishes"):
 //!
 //! - topic `<prefix>/batches/<stream>` (uncompressed), `.../<stream>/lz4`

@@ -25,7 +25,7 @@
 //!   the replay was opened with (the column positions depend on it).
 //!   A new file without a complete header line yet is waited for.
 //!
-//! Limits (documented in the README): a file truncated and rewritten
+//! Limits (documented in docs/local-programs.md): a file truncated and rewritten
 //! between two polls to at least the length read, with the same first
 //! [`HEAD_BYTES`] bytes, is taken for the same file; lines a writer still
 //! appends to a rotated file after this module moved to the new one are not

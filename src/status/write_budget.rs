@@ -1,5 +1,5 @@
 //! The `write_budget` record (stored by the agent at each summary; its
-//! fields are in the README, "Write budget") as one line for people:
+//! fields are in docs/flash.md, "Write budget") as one line for people:
 //!
 //! ```text
 //! 12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB

@@ -86,7 +86,7 @@ compression = "{compression}"
 }
 
 /// The event ids in one delivery: a single event, or every event of a
-/// batch (plain, lz4 or zstd, per the README's format). Panics on a
+/// batch (plain, lz4 or zstd, per docs/fleet.md's format). Panics on a
 /// payload that does not follow it.
 fn unpack(d: &Delivery) -> Vec<String> {
     if d.topic.contains("/events/") {

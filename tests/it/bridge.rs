@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 const MOSQUITTO_PUB: &str = "/usr/bin/mosquitto_pub";
 
-/// The local broker's settings the README asks for: no limit on what is
+/// The local broker's settings docs/local-programs.md asks for: no limit on what is
 /// queued for the bridge while the agent is down (mosquitto's default,
 /// 1000, drops QoS 1 messages beyond it), and QoS 0 not queued.
 const LOCAL_EXTRA: &str = "max_queued_messages 0\nqueue_qos0_messages false\n";

@@ -12,6 +12,7 @@ mod commands;
 mod config;
 mod dashboards;
 mod delivery;
+mod docs;
 mod exec_sources;
 mod export;
 mod faults;

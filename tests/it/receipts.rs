@@ -243,7 +243,7 @@ fn mosquitto_pub(port: u16, login: Option<(&str, &str)>, topic: &str, payload: &
     child.wait().map(|s| s.success()).unwrap_or(false)
 }
 
-/// The README's fleet layout against forged receipts (an attack from the
+/// docs/fleet.md's fleet layout against forged receipts (an attack from the
 /// review of issue 22). gw1 runs in receipt mode, logged in as gw1; no sink
 /// runs. Another device (`evil`) and an anonymous client publish receipts
 /// naming gw1's own event ids (read from its spool: a perfect guess) on

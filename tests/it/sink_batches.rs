@@ -37,8 +37,8 @@ fn event(i: u32) -> (String, Vec<u8>) {
     )
 }
 
-/// `{"batch":[` + envelopes joined by `,` + `]}` (README, "Batched and
-/// compressed publishes").
+/// `{"batch":[` + envelopes joined by `,` + `]}` (docs/fleet.md,
+/// "Batched and compressed publishes").
 fn json_batch(range: std::ops::Range<u32>) -> Vec<u8> {
     let events: Vec<Vec<u8>> = range.map(|i| event(i).1).collect();
     let mut out = br#"{"batch":["#.to_vec();
@@ -119,7 +119,7 @@ fn batches_plain_and_lz4_and_singles_are_stored_once_per_event() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("sink.db");
     let prefix = crate::prefix("sink_batches");
-    // The README's filter form; the sink subscribes the batches twin itself.
+    // docs/fleet.md's filter form; the sink subscribes the batches twin itself.
     let filter = format!("{prefix}/+/events/#");
     let mut sink = SinkProc::spawn_sqlite(broker.port(), &filter, &db, "batch-sink", dir.path());
     sink.wait_subscribed();

@@ -380,7 +380,7 @@ fn receipts_from_postgres_name_exactly_the_stored_events_and_a_duplicate() {
     receipts_name_exactly_what_the_store_holds(Db::Postgres(pg));
 }
 
-/// mosquitto in the README's fleet layout (its ACL read from the README):
+/// mosquitto in docs/fleet.md's fleet layout (its ACL read from that page):
 /// each device writes only under `edgespool/<its name>/` and reads its own
 /// receipts; the sinks' user reads events and batches and writes receipts;
 /// no anonymous client.

@@ -1,12 +1,14 @@
 //! The repository stands alone: a clone with nothing beside it builds,
-//! checks its shipped configs and passes its tests. Nothing in the README's
-//! commands, the tests, the shipped configs, the benches, the scripts or CI
-//! names a path that leaves the clone (a `../` that climbs out of it).
+//! checks its shipped configs and passes its tests. Nothing in the commands
+//! of the README and docs/, the tests, the shipped configs, the benches, the
+//! scripts or CI names a path that leaves the clone (a `../` that climbs out
+//! of it).
 //!
 //! Each `../` path is resolved from where it is used: a script's and Rust's
-//! own file paths (`#[path]`, `include_str!`) from the file's folder, every
-//! other path (configs, README commands, what tests and benches open) from
-//! the repository root, where they run. A line
+//! own file paths (`#[path]`, `include_str!`) and a Markdown link's target
+//! (`[text](target)`) from the file's folder, every other path (configs, README
+//! commands, what tests and benches open) from the repository root, where
+//! they run. A line
 //! that names such a path on purpose, as an attacker's input the code must
 //! refuse, says so with the words `hostile input` on the same line.
 
@@ -52,6 +54,7 @@ fn no_path_in_the_repository_leaves_the_clone() {
         };
         let dir = file.parent().unwrap_or(root);
         let script = file.extension().is_some_and(|e| e == "sh");
+        let markdown = file.extension().is_some_and(|e| e == "md");
         for (n, line) in text.lines().enumerate() {
             if line.contains("hostile input") {
                 continue;
@@ -64,8 +67,10 @@ fn no_path_in_the_repository_leaves_the_clone() {
                 || ["#[path", "include_str!(", "include_bytes!("]
                     .iter()
                     .any(|k| line.contains(k));
-            let base = if from_file { dir } else { root };
             for path in parent_paths(line) {
+                // A Markdown link's target is relative to the page.
+                let link = markdown && line.contains(&format!("]({path}"));
+                let base = if from_file || link { dir } else { root };
                 if outside(root, base, &path) {
                     let rel = file.strip_prefix(root).unwrap_or(file);
                     escapes.push(format!("{}:{}: {path}", rel.display(), n + 1));

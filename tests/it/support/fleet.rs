@@ -1,5 +1,5 @@
-//! The README's fleet broker layout ("Identity, set-aside deliveries and
-//! receipts"), read from the README itself so the tests run what it tells
+//! The fleet broker layout of docs/fleet.md ("Identity, set-aside deliveries
+//! and receipts"), read from that page itself so the tests run what it tells
 //! operators to write: its mosquitto settings and ACL, with a password file
 //! holding the users [`USERS`], on a real mosquitto.
 
@@ -15,27 +15,27 @@ pub const USERS: [(&str, &str); 4] = [
     ("operator", "operator-secret"),
 ];
 
-const README: &str = include_str!("../../../README.md");
+const FLEET_DOC: &str = include_str!("../../../docs/fleet.md");
 
-/// The lines of the README's here-document opened by `opening` (up to its
+/// The lines of docs/fleet.md's here-document opened by `opening` (up to its
 /// closing `end` line).
 fn here_doc(opening: &str, end: &str) -> &'static str {
-    let start = README
+    let start = FLEET_DOC
         .find(opening)
-        .unwrap_or_else(|| panic!("the README no longer has {opening:?}"))
+        .unwrap_or_else(|| panic!("docs/fleet.md no longer has {opening:?}"))
         + opening.len();
-    let len = README[start..]
+    let len = FLEET_DOC[start..]
         .find(&format!("\n{end}\n"))
-        .unwrap_or_else(|| panic!("the README's {opening:?} has no closing {end}"));
-    &README[start..start + len + 1]
+        .unwrap_or_else(|| panic!("docs/fleet.md's {opening:?} has no closing {end}"));
+    &FLEET_DOC[start..start + len + 1]
 }
 
-/// The README's `/etc/mosquitto/acl`.
+/// docs/fleet.md's `/etc/mosquitto/acl`.
 pub fn readme_acl() -> &'static str {
     here_doc("cat > /etc/mosquitto/acl <<'ACL'\n", "ACL")
 }
 
-/// The README's `identity.conf`, its paths moved into `dir`.
+/// docs/fleet.md's `identity.conf`, its paths moved into `dir`.
 fn readme_conf(dir: &Path) -> String {
     here_doc(
         "cat > /etc/mosquitto/conf.d/identity.conf <<'CONF'\n",
@@ -60,7 +60,7 @@ pub fn password_file(dir: &Path, user: &str) -> PathBuf {
     path
 }
 
-/// mosquitto with the README's settings and ACL (and `extra` before them),
+/// mosquitto with docs/fleet.md's settings and ACL (and `extra` before them),
 /// its password file and ACL written in `dir`.
 pub fn broker(dir: &Path, extra: &str) -> Broker {
     let pw = dir.join("passwd");

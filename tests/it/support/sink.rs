@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The broker settings the README's fleet layout asks for: room for a
+/// The broker settings docs/fleet.md's fleet layout asks for: room for a
 /// whole batch in flight per sink, and no limit on what is queued for a
 /// sink that is down (mosquitto's default, 1000, drops QoS 1 beyond it).
 pub const BROKER_EXTRA: &str = "max_inflight_messages 1000\nmax_queued_messages 0\n";
