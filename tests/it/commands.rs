@@ -1205,8 +1205,16 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
         "{}",
         agent.log_tail(20)
     );
-    // Let the WAL grow, then checkpoint so later commits reuse its blocks.
-    std::thread::sleep(Duration::from_secs(3));
+    // Grow the WAL by what the commands below write (a command's receipt
+    // and its result, four times over), then checkpoint, so that their
+    // commits reuse its blocks once the disk is full. (Readings cannot grow
+    // it: the 8 MB filesystem is under the free-space reserve, so they are
+    // refused from the start.)
+    for k in 0..4 {
+        let id = format!("grow-{k}");
+        rig.send_json(json!({"command_id": id, "name": "ping"}));
+        rig.wait_result(&id, "result", &mut agent);
+    }
     rig.send_json(json!({"command_id": "ck", "name": "checkpoint"}));
     rig.wait_result("ck", "result", &mut agent);
     let mut n = 0;
