@@ -33,7 +33,33 @@ pub const APP_ID: [u8; 16] = [
 
 /// Host names every unconfigured image has: as device ids they would make
 /// every board the same board.
-const SHARED_HOSTNAMES: &[&str] = &["localhost", "localhost.localdomain", "(none)"];
+const SHARED_HOSTNAMES: &[&str] = &[
+    "localhost",
+    "localhost.localdomain",
+    "(none)",
+    // The names board images ship with: every board flashed from the image
+    // has it until someone renames it.
+    "raspberrypi",
+    "raspberry",
+    "pi",
+    "debian",
+    "ubuntu",
+    "armbian",
+    "dietpi",
+    "orangepi",
+    "bananapi",
+    "rockpi",
+    "radxa",
+    "beaglebone",
+    "odroid",
+    "alarm",
+    "alarmpi",
+    "openwrt",
+    "yocto",
+    "buildroot",
+    "raspberrypi4-64",
+    "qemux86-64",
+];
 
 /// Where the running `device_id` came from.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -229,5 +255,20 @@ mod tests {
         assert!(sanitize_hostname("localhost").is_err());
         assert!(sanitize_hostname("LOCALHOST.localdomain").is_err());
         assert!(sanitize_hostname("+++").is_err());
+        // Stock image names: two boards flashed from one image share them.
+        for stock in [
+            "raspberrypi",
+            "RaspberryPi",
+            "debian",
+            "orangepi",
+            "beaglebone",
+        ] {
+            let e = sanitize_hostname(stock).expect_err(stock);
+            assert!(e.contains("every unconfigured board"), "{e}");
+        }
+        assert_eq!(
+            sanitize_hostname("raspberrypi-07").unwrap(),
+            "raspberrypi-07"
+        );
     }
 }

@@ -106,6 +106,24 @@ pub struct ConfigSource {
     /// stop was clean (`run --check-spool`).
     pub check_spool: bool,
 }
+/// Records which board this spool's rows are published as (`status` shows
+/// it), with a WARN when the spool was last run under another device id: a
+/// spool moved to another board, or a `@hostname` that changed. Its rows
+/// carry the old id in their payloads but go out under this board's topic
+/// prefix, which a sink checking identities sets aside as forged; set
+/// `device_id` to the old id to deliver them.
+fn record_device_id(spool: &mut Spool, device_id: &str, identity_line: &str) {
+    let before = spool.state("device_id").ok().flatten();
+    if let Some(before) = before.filter(|b| b.split(' ').next() != Some(device_id)) {
+        log::warn!(
+            "this spool was last run as device_id {before}, now {identity_line}: the rows it holds carry the old id in their payloads but are published under this board's topic prefix, and a sink that checks identities sets them aside; to deliver them, set device_id to the old id"
+        );
+    }
+    if let Err(e) = spool.set_state("device_id", identity_line, wall_clock_ms().0) {
+        log::warn!("cannot record the device id in the spool: {e}");
+    }
+}
+
 /// Run until SIGTERM/SIGINT. Returns Ok after a clean stop.
 pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let identity_line = format!(
@@ -142,10 +160,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         std::process::id(),
         env!("CARGO_PKG_VERSION"),
     )?;
-    // `status` shows it: which board this spool's rows are published as.
-    if let Err(e) = ingest.set_state("device_id", &identity_line, wall_clock_ms().0) {
-        log::warn!("cannot record the device id in the spool: {e}");
-    }
+    record_device_id(&mut ingest, &cfg.device_id, &identity_line);
     // The run's start reaches the database file now, not at the first
     // timed checkpoint: a copy of the file alone, taken while this run goes
     // on, then shows a run that never ended (integrity::wal_lost).

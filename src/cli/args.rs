@@ -75,7 +75,7 @@ fn read_line(p: &mut lexopt::Parser, cmd: &'static Command) -> Result<Option<Arg
                 a.config = Some(PathBuf::from(v));
                 continue;
             }
-            Value(v) => return Err(format!("unexpected argument {:?}", v.to_string_lossy())),
+            Value(v) => return Err(unexpected(&v.to_string_lossy())),
         };
         let value = match opt.value {
             Some(what) => p
@@ -86,6 +86,18 @@ fn read_line(p: &mut lexopt::Parser, cmd: &'static Command) -> Result<Option<Arg
         a.apply(opt, value)?;
     }
     Ok(Some(a))
+}
+
+/// The error for a stray argument, naming it unless it may hold a secret
+/// (`password=x`, a shell-quoting slip in a `--postgres` conninfo): no
+/// text of a password reaches a message.
+fn unexpected(arg: &str) -> String {
+    if arg.to_ascii_lowercase().contains("pass") {
+        "unexpected argument (not shown: it may hold a password; quote a conninfo as one argument)"
+            .to_owned()
+    } else {
+        format!("unexpected argument {arg:?}")
+    }
 }
 
 impl Args {
@@ -245,5 +257,17 @@ mod tests {
         assert!(read(&spec::STATUS, &["--json=yes"]).is_err());
         let a = read(&spec::SINK, &["--batch-ms=7"]).ok().flatten();
         assert_eq!(a.and_then(|a| a.batch_ms), Some(7));
+    }
+
+    #[test]
+    fn a_stray_argument_that_may_hold_a_password_is_not_echoed() {
+        let e = read(&spec::SINK, &["--postgres", "host=db", "password=s3cret"])
+            .expect_err("stray argument");
+        assert!(
+            !e.contains("s3cret") && e.contains("unexpected argument"),
+            "{e}"
+        );
+        let e = read(&spec::SINK, &["stray"]).expect_err("stray argument");
+        assert!(e.contains("\"stray\""), "{e}");
     }
 }

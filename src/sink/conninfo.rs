@@ -8,8 +8,9 @@
 
 /// `conninfo` with the value of every `password` replaced by `***`:
 /// keyword/value pairs (a quoted value, `\` escapes, or a word), or a
-/// `postgres://` / `postgresql://` URL (the user info's password, through
-/// its last `@`, and any `password=` query parameter).
+/// `postgres://` / `postgresql://` URL (the user info's password, and any
+/// query parameter named `password`, in any case or percent-encoded; a URL
+/// with an `@` outside its user info is hidden whole but for its scheme).
 pub fn redact(conninfo: &str) -> String {
     if conninfo.starts_with("postgres://") || conninfo.starts_with("postgresql://") {
         redact_url(conninfo)
@@ -25,32 +26,34 @@ pub fn has_password(conninfo: &str) -> bool {
 
 fn redact_url(url: &str) -> String {
     let scheme_end = url.find("://").map(|i| i + 3).unwrap_or(0);
-    let mut out = String::with_capacity(url.len());
-    let mut rest = &url[scheme_end..];
-    out.push_str(&url[..scheme_end]);
-    // The last `@` may sit inside a password that holds one: cut through it
-    // (more is hidden than needed when a later `@` is in the query; safe).
-    if let Some(at) = rest.rfind('@') {
-        let creds = &rest[..at];
-        match creds.find(':') {
-            Some(colon) => {
-                out.push_str(&creds[..colon]);
-                out.push_str(":***");
-            }
-            None => out.push_str(creds),
+    let (scheme, rest) = url.split_at(scheme_end);
+    // The user info is what precedes one `@` that comes before the path,
+    // query and fragment. Any other `@` (two of them, or one after a `/`,
+    // `?` or `#`) makes the split ambiguous (libpq and tokio-postgres cut
+    // at different ones), so all but the scheme is hidden.
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let ats: Vec<usize> = rest.match_indices('@').map(|(i, _)| i).collect();
+    let (mut out, tail) = match ats.as_slice() {
+        [] => (scheme.to_owned(), rest),
+        [at] if *at < authority_end => {
+            let creds = &rest[..*at];
+            let shown = match creds.find(':') {
+                Some(colon) => format!("{}:***", &creds[..colon]),
+                None => creds.to_owned(),
+            };
+            (format!("{scheme}{shown}@"), &rest[at + 1..])
         }
-        out.push('@');
-        rest = &rest[at + 1..];
-    }
-    match rest.split_once('?') {
-        None => out.push_str(rest),
+        _ => return format!("{scheme}***"),
+    };
+    match tail.split_once('?') {
+        None => out.push_str(tail),
         Some((base, query)) => {
             out.push_str(base);
             out.push('?');
             let pairs: Vec<String> = query
                 .split('&')
                 .map(|p| match p.split_once('=') {
-                    Some((k, _)) if k == "password" => format!("{k}=***"),
+                    Some((k, _)) if names_password(k) => format!("{k}=***"),
                     _ => p.to_owned(),
                 })
                 .collect();
@@ -58,6 +61,29 @@ fn redact_url(url: &str) -> String {
         }
     }
     out
+}
+
+/// Whether a URL query key names the password: `password` in any case,
+/// percent-encoded or not; a key whose `%` escapes do not decode counts
+/// too (hiding more than needed is safe).
+fn names_password(key: &str) -> bool {
+    let b = key.as_bytes();
+    let mut decoded = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = key
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            let Some(byte) = hex else { return true };
+            decoded.push(byte);
+            i += 3;
+        } else {
+            decoded.push(b[i]);
+            i += 1;
+        }
+    }
+    decoded.eq_ignore_ascii_case(b"password")
 }
 
 /// Keyword/value pairs as libpq reads them: `key = value`, the value
@@ -156,10 +182,8 @@ mod tests {
             redact("postgresql://sink:s3cret@db:5432/fleet?sslmode=require"),
             "postgresql://sink:***@db:5432/fleet?sslmode=require"
         );
-        assert_eq!(
-            redact("postgres://sink:p@ss@db/fleet"),
-            "postgres://sink:***@db/fleet"
-        );
+        // Two `@`: which one ends the user info is ambiguous, so all of it goes.
+        assert_eq!(redact("postgres://sink:p@ss@db/fleet"), "postgres://***");
         assert_eq!(
             redact("postgres://db/fleet?password=s3cret&connect_timeout=3"),
             "postgres://db/fleet?password=***&connect_timeout=3"
@@ -168,5 +192,29 @@ mod tests {
             redact("postgres://sink@db/fleet"),
             "postgres://sink@db/fleet"
         );
+    }
+
+    #[test]
+    fn an_at_sign_outside_the_user_info_or_an_encoded_key_hides_the_password() {
+        for url in [
+            "postgres://db/fleet?password=p@ss",
+            "postgres://u@db:5432/fleet?password=p@ss",
+            "postgres://u:p@ss@db/fleet",
+            "postgres://db/fleet?PassWord=pss",
+            "postgres://db/fleet?pass%77ord=pss",
+            "postgres://db/fleet?pass%7word=pss",
+        ] {
+            let shown = redact(url);
+            assert!(
+                !shown.contains("ss@") && !shown.contains("=pss"),
+                "{url} -> {shown}"
+            );
+            assert!(has_password(url), "{url}");
+        }
+        assert_eq!(
+            redact("postgres://u:secret@db/fleet?sslmode=require&password=x"),
+            "postgres://u:***@db/fleet?sslmode=require&password=***"
+        );
+        assert_eq!(redact("postgres://db/fleet"), "postgres://db/fleet");
     }
 }

@@ -50,8 +50,8 @@ pub enum PasswordError {
         /// What reading said.
         source: std::io::Error,
     },
-    /// `chmod 600` the file (owned by the sink's user).
-    #[error("{what} {}: mode {mode:04o} lets group or others read it; chmod 600 it (owned by the sink's user)", path.display())]
+    /// `chmod 600` the file.
+    #[error("{what} {}: mode {mode:04o} lets group or others read it; chmod 600 it", path.display())]
     TooOpen {
         /// Which setting named it.
         what: &'static str,
@@ -88,7 +88,15 @@ pub fn read_private(what: &'static str, path: &Path) -> Result<String, PasswordE
         path: path.to_owned(),
         source,
     };
-    let mut f = std::fs::File::open(path).map_err(unreadable)?;
+    // O_NONBLOCK: a FIFO planted at the path is told as not a file at
+    // once instead of hanging the sink's start on its open (the flag does
+    // not change reads of a regular file).
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(unreadable)?;
     let meta = f.metadata().map_err(unreadable)?;
     if !meta.is_file() {
         return Err(PasswordError::NotAFile {
@@ -330,5 +338,16 @@ mod tests {
             fill(&mut c, None, only_passfile),
             Err(PasswordError::TooOpen { .. })
         ));
+    }
+
+    #[test]
+    fn a_fifo_at_the_password_path_is_refused_at_once_not_waited_on() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let fifo = d.path().join("pw");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("path");
+        // SAFETY: mkfifo(3) on a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = read_private("password_file", &fifo).expect_err("a FIFO is no password file");
+        assert!(matches!(e, PasswordError::NotAFile { .. }), "{e}");
     }
 }

@@ -214,3 +214,46 @@ fn hostname_gives_the_host_name_sanitized_or_refuses_localhost() {
     assert_eq!(st.code(), Some(2));
     assert!(err.contains("\"@machine-id\" or \"@hostname\""), "{err}");
 }
+
+/// A spool moved to another board (or a board whose machine id changed)
+/// keeps rows that carry the old device id: the start says so at WARN,
+/// naming both ids, and says nothing when the id is the one the spool knew.
+#[test]
+fn a_spool_last_run_under_another_device_id_is_named_at_start() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = shipped_config();
+    let root = dir.path().join("board");
+    let mut said = Vec::new();
+    // Board 0, board 0 again, then the spool under board 1's machine id.
+    for machine_id in [BOARDS[0].0, BOARDS[0].0, BOARDS[1].0] {
+        let (mid, sets) = board(&root, machine_id, &broker.url());
+        let mid_s = mid.to_str().expect("utf-8");
+        let mut agent = AgentProc::spawn_with_env(&cfg, &sets, &root, &[(MACHINE_ID_ENV, mid_s)]);
+        assert!(
+            wait_for(Duration::from_secs(20), || agent
+                .log_text()
+                .contains("mqtt: connected")),
+            "{}",
+            agent.log_tail(20)
+        );
+        said.push(
+            agent
+                .log_text()
+                .contains("this spool was last run as device_id"),
+        );
+        let log = agent.log_text();
+        agent.terminate(Duration::from_secs(15));
+        if machine_id == BOARDS[1].0 {
+            let line = log
+                .lines()
+                .find(|l| l.contains("this spool was last run as device_id"))
+                .unwrap_or_default();
+            assert!(
+                line.contains(BOARDS[0].1) && line.contains(BOARDS[1].1),
+                "{line}"
+            );
+        }
+    }
+    assert_eq!(said, [false, false, true]);
+}
