@@ -79,28 +79,76 @@ pub fn look(db: &Path) -> Before {
     }
 }
 
-/// Move `db` (and an empty `-wal`, a `-shm`) aside as `<db>.no-wal-<unix ms>`, at ERROR with
-/// what to do. Returns the new name.
+/// Move `db` (and an empty `-wal`, a `-shm`) aside as
+/// `<db>.no-wal-<unix ms>`, at ERROR with what to do. Returns the new name.
+/// Nothing moved aside before is ever replaced: a board without a real-time
+/// clock can come back to the same wall-clock name, which then takes a
+/// suffix (`-1`, `-2`, ...), and every move is a rename that fails on an
+/// existing name ([`crate::fsguard::files::rename_noreplace`]).
 ///
-/// Errors: the rename failed (the agent then refuses to start, naming it).
+/// Errors: no free name, or a rename failed (the agent then refuses to
+/// start, naming it).
 pub(super) fn move_aside(db: &Path) -> Result<String, String> {
-    let aside = format!(
+    let base = format!(
         "{}.no-wal-{}",
         db.display(),
         crate::envelope::wall_clock_ms().0
     );
+    let aside = move_to_free_name(db, &base)?;
     log::error!(
-        "spool {} has no {}-wal and no table of its own: it is a WAL-mode database whose every commit was in the -wal (a copy of the file alone, taken while an agent ran, or a -wal removed); opened, it would become an empty spool. Moving it to {aside} untouched and starting a fresh spool. If you have the -wal taken at the same moment: stop the agent, put {aside} back as {} with that file as {}-wal, and start it. To back up a running spool use `edgespool export --config FILE --to PATH`",
+        "spool {} has no {}-wal and no table of its own: it is a WAL-mode database whose every commit was in the -wal (a copy of the file alone, taken while an agent ran, or a -wal removed); opened, it would become an empty spool. Moved it to {aside} untouched; starting a fresh spool. If you have the -wal taken at the same moment: stop the agent, put {aside} back as {} with that file as {}-wal, and start it. To back up a running spool use `edgespool export --config FILE --to PATH`",
         db.display(),
         db.display(),
         db.display(),
         db.display()
     );
-    for suffix in ["", "-wal", "-shm"] {
+    Ok(aside)
+}
+
+/// Most suffixes [`move_to_free_name`] tries before it gives up.
+const MAX_ASIDE_SUFFIX: u32 = 1000;
+
+/// Rename `db` to `base`, or `base-1`, `base-2`, ... (the first name free
+/// with its `-wal` and `-shm`), then its `-wal` and `-shm` beside it; never
+/// over an existing name. Returns the name taken.
+fn move_to_free_name(db: &Path, base: &str) -> Result<String, String> {
+    use crate::fsguard::files::rename_noreplace;
+    let taken = |name: &str| {
+        ["", "-wal", "-shm"]
+            .iter()
+            .any(|s| std::fs::symlink_metadata(format!("{name}{s}")).is_ok())
+    };
+    let mut aside = None;
+    for n in 0..=MAX_ASIDE_SUFFIX {
+        let name = if n == 0 {
+            base.to_owned()
+        } else {
+            format!("{base}-{n}")
+        };
+        if taken(&name) {
+            continue;
+        }
+        match rename_noreplace(db, Path::new(&name)) {
+            Ok(()) => {
+                aside = Some(name);
+                break;
+            }
+            // Taken between the look and the rename: the next one.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(format!("cannot move spool {} aside: {e}", db.display())),
+        }
+    }
+    let aside = aside.ok_or_else(|| {
+        format!(
+            "cannot move spool {} aside: {base} and its {MAX_ASIDE_SUFFIX} suffixed names are taken",
+            db.display()
+        )
+    })?;
+    for suffix in ["-wal", "-shm"] {
         let from = format!("{}{suffix}", db.display());
-        if Path::new(&from).exists() {
-            std::fs::rename(&from, format!("{aside}{suffix}"))
-                .map_err(|e| format!("cannot move spool {from} aside: {e}"))?;
+        if std::fs::symlink_metadata(&from).is_ok() {
+            rename_noreplace(Path::new(&from), Path::new(&format!("{aside}{suffix}")))
+                .map_err(|e| format!("cannot move {from} aside: {e}"))?;
         }
     }
     Ok(aside)
@@ -238,6 +286,24 @@ mod tests {
         drop(opened);
         let o = open_spool_at(&live, &SpoolOptions::default()).unwrap();
         assert_eq!(counter(&o, "spool_opened_without_wal"), 0);
+    }
+
+    #[test]
+    fn a_file_moved_aside_under_a_name_already_taken_takes_a_suffix_and_replaces_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let base = format!("{}.no-wal-5", db.display());
+        std::fs::write(&base, b"first").unwrap();
+        std::fs::write(format!("{base}-1-shm"), b"stale").unwrap();
+        std::fs::write(&db, b"second").unwrap();
+        std::fs::write(format!("{}-shm", db.display()), b"shm").unwrap();
+        let aside = super::move_to_free_name(&db, &base).unwrap();
+        assert_eq!(aside, format!("{base}-2"));
+        assert_eq!(std::fs::read(&base).unwrap(), b"first");
+        assert_eq!(std::fs::read(format!("{base}-1-shm")).unwrap(), b"stale");
+        assert_eq!(std::fs::read(&aside).unwrap(), b"second");
+        assert_eq!(std::fs::read(format!("{aside}-shm")).unwrap(), b"shm");
+        assert!(!db.exists());
     }
 
     #[test]
