@@ -306,6 +306,27 @@ mod tests {
         assert!(!db.exists());
     }
 
+    /// A board without a real-time clock comes back to the wall-clock names
+    /// of earlier moves: every name of the next two seconds is taken.
+    #[test]
+    fn a_spool_moved_aside_at_a_wall_clock_name_already_used_replaces_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let now = crate::envelope::wall_clock_ms().0;
+        for t in now..now + 2000 {
+            std::fs::write(format!("{}.no-wal-{t}", db.display()), b"earlier").unwrap();
+        }
+        std::fs::write(&db, b"this one").unwrap();
+        let aside = super::move_aside(&db).unwrap();
+        assert_eq!(std::fs::read(&aside).unwrap(), b"this one");
+        assert!(aside.ends_with("-1"), "{aside}");
+        let earlier = std::fs::read_dir(d.path())
+            .unwrap()
+            .filter(|e| std::fs::read(e.as_ref().unwrap().path()).unwrap() == b"earlier")
+            .count();
+        assert_eq!(earlier, 2000, "an earlier file was replaced");
+    }
+
     #[test]
     fn a_bare_copy_given_an_empty_wal_by_a_read_only_open_is_still_counted() {
         let d = tempfile::tempdir().unwrap();
