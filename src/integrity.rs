@@ -24,6 +24,8 @@
 
 mod wal_lost;
 
+pub use wal_lost::{look as look_before_open, Before};
+
 use crate::spool::{Spool, SpoolError, SpoolOptions};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -63,7 +65,25 @@ const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
 /// damaged, or the fresh spool failed), [`OpenError::Refused`] (not a
 /// SQLite file, or it cannot be moved aside).
 pub fn open_spool_at(path: &Path, options: &SpoolOptions) -> Result<Spool, OpenError> {
-    let before = wal_lost::look(path);
+    open_spool_seen(path, options, wal_lost::look(path))
+}
+
+/// [`open_spool_at`] judged on `before`, what [`look_before_open`] saw
+/// before anything opened the file (the agent looks before its read-only
+/// opens, which create an empty `-wal`). A `before` of another path is
+/// ignored and the file looked at now.
+///
+/// Errors: as [`open_spool_at`].
+pub fn open_spool_seen(
+    path: &Path,
+    options: &SpoolOptions,
+    before: Before,
+) -> Result<Spool, OpenError> {
+    let before = if before.path == path {
+        before
+    } else {
+        wal_lost::look(path)
+    };
     if before.schema_only_in_wal {
         wal_lost::move_aside(path).map_err(OpenError::Refused)?;
         let mut s = Spool::open(path, options)?;

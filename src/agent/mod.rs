@@ -141,6 +141,9 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let (ingest_tx, ingest_rx) = mpsc::channel::<IngestMsg>();
     let signals = wake_on_signals(ingest_tx.clone())?;
     let _lock = claim_spool(&cfg, &source.path)?;
+    // Before any open: reading the kept serial for a signed push opens the
+    // spool read-only, which leaves an empty -wal beside a bare copy.
+    let before = crate::integrity::look_before_open(&cfg.spool.path);
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
     // Clients' readings wait in the channel until the ingest loop runs,
     // within the input budget.
@@ -154,7 +157,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .check_spool
             .then(|| "asked for (--check-spool)".to_owned())
     });
-    let mut ingest = open_ingest_spool(&cfg, tuning.as_ref())?;
+    let mut ingest = open_ingest_spool(&cfg, tuning.as_ref(), before)?;
     let run_id = ingest.begin_run(
         wall_clock_ms().0,
         std::process::id(),

@@ -21,11 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Open the configured spool, moving a damaged one aside
-/// ([`crate::integrity::open_spool_at`]).
-pub fn open_spool(cfg: &Config) -> Result<Spool, AgentError> {
-    Ok(crate::integrity::open_spool_at(
+/// ([`crate::integrity::open_spool_seen`]), judged on `before`: what its
+/// directory showed before anything opened it.
+pub fn open_spool(cfg: &Config, before: crate::integrity::Before) -> Result<Spool, AgentError> {
+    Ok(crate::integrity::open_spool_seen(
         &cfg.spool.path,
         &cfg.spool.options,
+        before,
     )?)
 }
 
@@ -230,8 +232,9 @@ fn check_spool_file(path: &Path) -> Result<(), AgentError> {
 pub(super) fn open_ingest_spool(
     cfg: &Config,
     tuning: Option<&crate::probe::Profile>,
+    before: crate::integrity::Before,
 ) -> Result<Spool, AgentError> {
-    let mut ingest = open_spool(cfg)?;
+    let mut ingest = open_spool(cfg, before)?;
     for r in ingest.set_priorities(&cfg.stream_priorities())? {
         log::info!(
             "stream {}: delivery priority {} -> {} ({} unacknowledged rows moved with it)",

@@ -46,7 +46,10 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
             );
             Ok(())
         }
-        Err(e @ edgespool::spool::backup::ExportError::Exists(_)) => {
+        Err(
+            e @ (edgespool::spool::backup::ExportError::Exists(_)
+            | edgespool::spool::backup::ExportError::NotUtf8(_)),
+        ) => {
             eprintln!("edgespool: {e}");
             Err(Failure::Invalid)
         }

@@ -369,8 +369,25 @@ fn an_export_of_a_100k_row_spool_never_holds_ingest_up_for_its_read() {
 
 #[test]
 fn a_bare_copy_of_spool_db_taken_while_the_agent_ran_is_named_at_error_when_opened() {
+    bare_copy_is_named_at_error(false);
+}
+
+/// `edgespool status` opens the copy read-only first, and SQLite then
+/// creates an empty `-wal` beside it: a `-wal` with no frames is no `-wal`.
+#[test]
+fn a_bare_copy_looked_at_with_status_first_is_still_named_at_error_when_opened() {
+    bare_copy_is_named_at_error(true);
+}
+
+/// A copy of `spool.db` alone, taken while an agent ran (`status --spool`
+/// run on it first when `status_first`), opened by an agent: named at ERROR.
+fn bare_copy_is_named_at_error(status_first: bool) {
     let live = tempfile::tempdir().expect("tempdir");
-    let pfx = prefix("bare-copy");
+    let pfx = prefix(if status_first {
+        "bare-copy-status"
+    } else {
+        "bare-copy"
+    });
     let cfg = board(live.path(), &nowhere(), &pfx);
     let agent = spawn(&cfg, live.path());
     let load = Load::start(&live.path().join("run/ingest.sock"), &agent);
@@ -380,6 +397,16 @@ fn a_bare_copy_of_spool_db_taken_while_the_agent_ran_is_named_at_error_when_open
     std::fs::copy(live.path().join("spool.db"), &db).expect("copy spool.db alone");
     let answered = load.finish();
     drop(agent);
+    if status_first {
+        let (st, out, err) = run_cli(&["status", "--spool", &db.display().to_string()]);
+        assert!(st.success(), "{out}{err}");
+        let wal = moved.path().join("spool.db-wal");
+        assert_eq!(
+            std::fs::metadata(&wal).map(|m| m.len()).ok(),
+            Some(0),
+            "status left an empty -wal beside the copy"
+        );
+    }
     let cfg2 = board(moved.path(), &nowhere(), &pfx);
     let agent2 = spawn(&cfg2, moved.path());
     let named = format!("spool {} has no -wal", db.display());
