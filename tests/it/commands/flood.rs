@@ -258,7 +258,10 @@ fn with_the_other_scopes_share_of_records_full_the_operator_still_has_room() {
         .collect();
     let t = Instant::now();
     publish_all(rig.broker.port(), &topic, flushes);
-    let all = wait_for(Duration::from_secs(180), || {
+    // A liveness bound, not a speed target: under qemu-arm a static armv7
+    // agent answered 798 of the 800 in 180 s on a loaded machine and all in
+    // 126 s on the retry; the time taken is printed below.
+    let all = wait_for(Duration::from_secs(400), || {
         std::thread::sleep(Duration::from_millis(450));
         super::result_count(&rig) >= 800
     });
