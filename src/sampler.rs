@@ -388,6 +388,15 @@ mod tests {
         assert_eq!(last["ts_ms"], (1_714_550_400i64 + 20 + 3 * 40) * 1000);
     }
 
+    /// The event ids both spools hold with different payloads.
+    fn two_payloads(live: &Path, rolled: &Path) -> Vec<String> {
+        let (a, b) = (payloads(live), payloads(rolled));
+        a.iter()
+            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// A replayed row the ingest thread dropped (buffer full, capacity,
     /// disk full: the replay is not told) shifts the seq of the rows after
     /// it; a rollback then reads it again, and the later rows come again
@@ -421,12 +430,7 @@ mod tests {
         // After the rollback the replay resumes after row 3: rows 4..6 again.
         let mut again = open_replay(&sp, "trace", &rolled).unwrap();
         play(&mut again, &rolled, 1, (1, false));
-        let (a, b) = (payloads(&live), payloads(&rolled));
-        let two: Vec<_> = a
-            .iter()
-            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
-            .map(|(id, _)| id.clone())
-            .collect();
+        let two = two_payloads(&live, &rolled);
         assert!(two.is_empty(), "ids with two payloads: {two:?}");
     }
 
@@ -455,12 +459,7 @@ mod tests {
         std::fs::copy(&live, &rolled).unwrap();
         run(&live, Format::Json);
         run(&rolled, Format::Postcard);
-        let (a, b) = (payloads(&live), payloads(&rolled));
-        let two: Vec<_> = a
-            .iter()
-            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
-            .map(|(id, _)| id.clone())
-            .collect();
+        let two = two_payloads(&live, &rolled);
         assert!(two.is_empty(), "ids with two payloads: {two:?}");
     }
 
@@ -501,12 +500,7 @@ mod tests {
         play(&mut r, &live, 2, (1, false));
         let mut again = open_replay(&sp, "trace", &rolled).unwrap();
         play(&mut again, &rolled, 2, (1, false));
-        let (a, b) = (payloads(&live), payloads(&rolled));
-        let two: Vec<_> = a
-            .iter()
-            .filter(|(id, p)| b.get(*id).is_some_and(|q| q != *p))
-            .map(|(id, _)| id.clone())
-            .collect();
+        let two = two_payloads(&live, &rolled);
         assert!(two.is_empty(), "ids with two payloads: {two:?}");
     }
 }

@@ -115,6 +115,12 @@ const SET: Opt = opt(
     Some("KEY=VALUE"),
     "override one config key (repeatable), e.g. mqtt.url=mqtt://10.0.0.5:1883",
 );
+const SPOOL: Opt = opt(
+    Flag::Spool,
+    "spool",
+    Some("PATH"),
+    "the spool file (wins over --config)",
+);
 const JSON: Opt = opt(Flag::Json, "json", None, "print JSON instead of text");
 
 /// Every command, in the order the overview lists them.
@@ -183,16 +189,7 @@ pub static STATUS: Command = Command {
     about: "the spool's health, rows by state and stream, sizes and counters (read-only)",
     usage: &["status (--config FILE | --spool PATH) [--json]"],
     operand: None,
-    opts: &[
-        CONFIG_SPOOL,
-        opt(
-            Flag::Spool,
-            "spool",
-            Some("PATH"),
-            "the spool file (wins over --config)",
-        ),
-        JSON,
-    ],
+    opts: &[CONFIG_SPOOL, SPOOL, JSON],
     example: "status --spool /var/lib/edgespool/spool.db",
 };
 
@@ -204,12 +201,7 @@ pub static EXPORT: Command = Command {
     operand: None,
     opts: &[
         CONFIG_SPOOL,
-        opt(
-            Flag::Spool,
-            "spool",
-            Some("PATH"),
-            "the spool file (wins over --config)",
-        ),
+        SPOOL,
         opt(
             Flag::To,
             "to",
