@@ -129,7 +129,10 @@ fn ten_thousand_junk_commands_never_lock_the_operator_out_even_across_a_restart(
     // counted: within 10 s, and at each clean stop.)
     let db = rig.db();
     let settled = || super::result_count(&rig) as i64 + counter(&db, "commands_unanswered");
-    let drained = wait_for(Duration::from_secs(300), || {
+    // A liveness bound (the time taken is printed): a debug aarch64 agent
+    // under qemu, beside the other flood test, had settled 9,934 of the
+    // 10,004 at 300 s on a loaded machine.
+    let drained = wait_for(Duration::from_secs(450), || {
         std::thread::sleep(Duration::from_millis(950));
         settled() >= 10_004
     });
