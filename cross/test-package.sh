@@ -163,6 +163,11 @@ printf 'listener %s 127.0.0.1\nallow_anonymous true\nuser root\n' "$port" >"$wor
 "$(command -v mosquitto || echo /usr/sbin/mosquitto)" -c "$work/mosquitto.conf" >/dev/null 2>&1 &
 pids+=($!)
 for _ in $(seq 50); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+# A machine without /etc/machine-id (a container image, a chroot) gets one
+# the way a board's first boot does, so the packaged config has an id to use.
+if [ ! -s /etc/machine-id ] || grep -qx uninitialized /etc/machine-id; then
+  systemd-machine-id-setup >/dev/null 2>&1 || tr -d '-' </proc/sys/kernel/random/uuid >/etc/machine-id
+fi
 # device_id = "@machine-id": this machine's own id, never the machine id.
 dev=$(/usr/bin/edgespool check-config /etc/edgespool/edgespool.toml 2>/dev/null | sed -n 's/.*: ok (device \([^ ]*\) from @machine-id: \/etc\/machine-id,.*/\1/p')
 check "the packaged config's device_id comes from /etc/machine-id" bash -c "[[ '$dev' =~ ^es-[0-9a-f]{12}\$ ]]"
