@@ -26,8 +26,24 @@ pub(super) fn line(stored: &str) -> String {
             thousands(readings)
         )
     };
+    // The window the agent chose (written by builds with the write budget);
+    // a record from an older build has none.
+    let window = match v["commit_window_ms"].as_u64() {
+        None => String::new(),
+        Some(w) => {
+            let budget = match v["budget_mb_per_day"].as_u64() {
+                Some(b) => format!(", budget {b} MB/day"),
+                None => String::new(),
+            };
+            format!(
+                "; commit window {w} ms (widest so far {} ms), checkpoints every {} s{budget}",
+                n("commit_window_max_ms"),
+                n("checkpoint_interval_secs")
+            )
+        }
+    };
     format!(
-        "{} written in {} ({}/h, {:.1} MB/day projected), {per_reading}; {} commits/h, {} checkpoints/h, about {} fsyncs/h; WAL file {}",
+        "{} written in {} ({}/h, {:.1} MB/day projected), {per_reading}; {} commits/h, {} checkpoints/h, about {} fsyncs/h; WAL file {}{window}",
         bytes(n("write_bytes_total") as f64),
         duration(n("window_secs") as f64),
         bytes(n("write_bytes_per_hour") as f64),
@@ -53,6 +69,19 @@ mod tests {
         assert_eq!(
             line(&rec.to_string()),
             "12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB"
+        );
+        // With the window a write budget chose.
+        let mut chosen = rec.clone();
+        chosen["commit_window_ms"] = 10_000.into();
+        chosen["commit_window_max_ms"] = 10_000.into();
+        chosen["checkpoint_interval_secs"] = 120.into();
+        chosen["budget_mb_per_day"] = 100.into();
+        assert!(
+            line(&chosen.to_string()).ends_with(
+                "WAL file 4.2 MB; commit window 10000 ms (widest so far 10000 ms), checkpoints every 120 s, budget 100 MB/day"
+            ),
+            "{}",
+            line(&chosen.to_string())
         );
         let none = serde_json::json!({"readings_total": 0});
         assert!(line(&none.to_string()).contains("no readings yet"));
