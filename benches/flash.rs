@@ -296,6 +296,8 @@ struct Row {
     chosen_max_ms: Option<u64>,
     payload_len: usize,
     stored_payload_len: Option<f64>,
+    /// Spool bytes per stored row at the end (`events` and its indexes).
+    spool_bytes_per_row: Option<f64>,
     a: Snapshot,
     b: Snapshot,
     /// Commits in the interval and the span of the records they come from.
@@ -394,6 +396,7 @@ fn measure_rate(
         chosen_max_ms,
         payload_len,
         stored_payload_len: stored_payload_len(&run.spool),
+        spool_bytes_per_row: spool_bytes_per_row(&run.spool),
         a,
         b,
         agent_commits: budget.commits_in(a.wall, b.wall),
@@ -722,6 +725,24 @@ fn stored_payload_len(spool: &Path) -> Option<f64> {
         .ok()
         .flatten()
     })
+}
+
+/// Bytes of spool per stored row at the end: the pages of the `events`
+/// table and its indexes (SQLite's `dbstat` table; the bundled build has
+/// it), over the row count, so the planning table can say how long a GB of
+/// spool holds an outage. The fixed tables (state, commands) are left out:
+/// on a short run they would outweigh the rows.
+fn spool_bytes_per_row(spool: &Path) -> Option<f64> {
+    let conn =
+        rusqlite::Connection::open_with_flags(spool, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .ok()?;
+    let q = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).ok();
+    let bytes = q(
+        "SELECT sum(pgsize) FROM dbstat WHERE name = 'events' \
+         OR name IN (SELECT name FROM sqlite_master WHERE tbl_name = 'events' AND type = 'index')",
+    )?;
+    let rows = q("SELECT count(*) FROM events")?;
+    (rows > 0).then(|| bytes as f64 / rows as f64)
 }
 
 // ---------------------------------------------------------------- processes
@@ -1524,4 +1545,34 @@ fn print_tables(rows: &[Row]) {
         );
     }
     println!("(window: the agent's commit window at start (w rows: spool.commit_window_ms); chosen: the largest window the agent chose in the run, from its write_budget record (n/a before the agent records it); minimal: the minimal writer's window; file sizes in bytes at the end of the interval; ctxsw/s: context switches per second over all threads, several times higher under strace)");
+    print_planning(rows);
+}
+
+/// The planning table (docs/flash.md, README): MB/day, the loss window and
+/// hours of outage a GB of spool holds, at each row's rate.
+fn print_planning(rows: &[Row]) {
+    println!();
+    println!("planning: | readings/s | settings | loss window | MB/day | spool B/row | outage h per GB |");
+    for r in rows {
+        let secs = r.secs();
+        let mb_day = (r.b.agent_bytes - r.a.agent_bytes) as f64 / secs * 86_400.0 / 1e6;
+        let settings = match r.spec.window {
+            Window::Default => "default",
+            Window::Fixed => "commit_window_ms = 10000",
+            Window::Budget => "write_budget_mb_per_day = 100",
+        };
+        let window = r.chosen_max_ms.unwrap_or(r.window_ms);
+        let (per_row, hours) = match r.spool_bytes_per_row {
+            Some(b) if b > 0.0 => (
+                format!("{b:.0}"),
+                format!("{:.1}", 1e9 / (b * f64::from(r.spec.per_sec)) / 3600.0),
+            ),
+            _ => ("n/a".into(), "n/a".into()),
+        };
+        println!(
+            "planning: | {}{} | {settings} | {window} ms | {mb_day:.0} | {per_row} | {hours} |",
+            r.spec.per_sec,
+            if r.spec.full { " full" } else { "" },
+        );
+    }
 }

@@ -8,13 +8,15 @@
 //! Bounds asserted:
 //! - validation is deterministic (same text, same overrides: same result);
 //! - a config that validates is unchanged by an override setting
-//!   `device_id` to its own value: that takes the `--set` path, which prints
+//!   `device_id` to its own value as written (`@machine-id` and `@hostname`
+//!   as themselves, so the recorded source of the id stays the same): that takes the `--set` path, which prints
 //!   the merged TOML document and validates the printed text, so the
 //!   printed form re-validates to the same `Config` (there is no printer of
 //!   `Config` itself).
 #![no_main]
 
 use edgespool::config;
+use edgespool::identity::DeviceIdSource;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -34,7 +36,14 @@ fuzz_target!(|data: &[u8]| {
     );
     if let Ok(cfg) = first {
         let mut with_self = sets.clone();
-        let quoted = toml::Value::String(cfg.device_id.clone()).to_string();
+        // The id as the config wrote it: `@machine-id` and `@hostname`
+        // resolve again, so the source recorded beside the id is unchanged.
+        let written = match &cfg.device_id_source {
+            DeviceIdSource::Config => cfg.device_id.clone(),
+            DeviceIdSource::MachineId(_) => "@machine-id".to_owned(),
+            DeviceIdSource::Hostname => "@hostname".to_owned(),
+        };
+        let quoted = toml::Value::String(written).to_string();
         with_self.push(format!("device_id={quoted}"));
         match config::parse(text, "fuzz.toml", &with_self) {
             Ok(printed) => assert_eq!(
