@@ -4,7 +4,8 @@
 //!
 //! ```text
 //!  client ──line──▶ conn reader ──parse_request──▶ IngestMsg::Reading(NewEvent{key, reply})
-//!                                                    │ (ingest thread: commit window, or FULL at once)
+//!                                                    │ (ingest thread: commit window, or FULL at once,
+//!                                                    │  grouped with the FULL readings queued meanwhile)
 //!  client ◀──line── conn writer ◀── CommitOutcome ◀──┘ in request order
 //! ```
 //!

@@ -1,7 +1,13 @@
 //! The ingest thread's commit loop: readings from every producer wait in a
-//! buffer for their commit window (or commit at once on the `synchronous =
-//! FULL` connection for `full` streams), and are refused by name when the
-//! spool or the disk is at its limit.
+//! buffer for their commit window (or, for `full` streams, commit on the
+//! `synchronous = FULL` connection as soon as the loop comes round), and are
+//! refused by name when the spool or the disk is at its limit.
+//!
+//! Group commit of `full` streams: each pass takes one message, then every
+//! message already queued behind it (those that arrived while the previous
+//! commit's fsync ran), and commits the `full` readings among them in one
+//! transaction: one fsync for the group, and each reading's reply only
+//! after it. No timer waits for more: a lone reading commits at once.
 //!
 //! One rule: a reading is reported stored only after the transaction holding
 //! it committed; a transient failure keeps it in memory and retries with
@@ -17,12 +23,13 @@ use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
 use crate::stream::AGENT_STREAM;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 impl Ingest {
-    /// Take a reading into the buffer (a full-durability one is committed
-    /// at once), or refuse it when the buffer holds [`MAX_BUFFERED`]
+    /// Take a reading into the buffer (a full-durability one into
+    /// `full_buffer`, committed by the loop's next [`Ingest::commit_full`]
+    /// with whatever else is queued), or refuse it when the buffer holds [`MAX_BUFFERED`]
     /// readings or its byte bound ([`Ingest::max_buffered_bytes`]). The
     /// socket and the bridges never hold more than their budget of either
     /// ([`crate::intake::budget`]), so the board's own sources always have
@@ -41,7 +48,6 @@ impl Ingest {
         self.buffered_bytes += bytes;
         if self.cfg.stream_durability(&ev.stream) == crate::stream::Durability::Full {
             self.full_buffer.push(ev);
-            self.commit_full();
         } else {
             self.buffer.push(ev);
         }
@@ -52,6 +58,53 @@ impl Ingest {
     pub(super) fn buffer_half_full(&self) -> bool {
         self.buffer.len() >= MAX_BUFFERED / 2
             || self.buffered_bytes >= self.max_buffered_bytes() / 2
+    }
+
+    /// Whether the loop stops taking queued messages and commits: either
+    /// buffer at half its bound, so the group never makes [`Ingest::push`]
+    /// refuse a reading that a commit now would have had room for.
+    fn group_is_full(&self) -> bool {
+        self.buffer_half_full() || self.full_buffer.len() >= MAX_BUFFERED / 2
+    }
+
+    /// Handle one message of the ingest channel. A count opens the commit
+    /// window (`commit_at`) if none is open.
+    fn take(&mut self, msg: IngestMsg, commit_at: &mut Option<Instant>) {
+        match msg {
+            IngestMsg::Reading(ev) => self.push(ev),
+            IngestMsg::Control(c) => {
+                // A control request sees every `full` reading queued before
+                // it committed (a reload may change a stream's durability;
+                // a flush reports what is stored), as when each committed
+                // on arrival.
+                self.commit_full();
+                self.control(c);
+            }
+            IngestMsg::Count { name, by } => {
+                *self.pending_counts.entry(name).or_default() += by;
+                // Stored by the next commit (which flushes counts first):
+                // one write per window however many arrive.
+                commit_at.get_or_insert_with(|| Instant::now() + self.window.get());
+            }
+            IngestMsg::Wake => {}
+        }
+    }
+
+    /// Take every message already queued (without waiting), until the
+    /// channel is empty or a buffer is at half its bound: the group the
+    /// next [`Ingest::commit_full`] commits with one fsync. What a client
+    /// sent while the last fsync ran is queued here, so concurrent
+    /// clients share commits without any timer. Returns false when the
+    /// channel is closed.
+    fn take_queued(&mut self, rx: &Receiver<IngestMsg>, commit_at: &mut Option<Instant>) -> bool {
+        while !self.group_is_full() {
+            match rx.try_recv() {
+                Ok(m) => self.take(m, commit_at),
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        }
+        true
     }
 
     /// The byte bound of the buffer: `ingest.max_buffered_bytes` for the
@@ -71,9 +124,10 @@ impl Ingest {
         self.buffer.clear();
     }
 
-    /// Commit full-durability readings now, on the FULL connection. The same
-    /// commit path as the batched one, run with the two connections and
-    /// buffers exchanged for the call.
+    /// Commit the full-durability readings taken so far, in one transaction
+    /// on the FULL connection (one fsync for the group; each reply is sent
+    /// after it). The same commit path as the batched one, run with the two
+    /// connections and buffers exchanged for the call.
     pub(super) fn commit_full(&mut self) {
         if self.full_buffer.is_empty() {
             return;
@@ -325,15 +379,14 @@ impl Ingest {
                 next = next.min(Instant::now() + Duration::from_millis(200));
             }
             match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
-                Ok(IngestMsg::Reading(ev)) => self.push(ev),
-                Ok(IngestMsg::Control(c)) => self.control(c),
-                Ok(IngestMsg::Count { name, by }) => {
-                    *self.pending_counts.entry(name).or_default() += by;
-                    // Stored by the next commit (which flushes counts first):
-                    // one write per window however many arrive.
-                    commit_at.get_or_insert_with(|| Instant::now() + self.window.get());
+                Ok(m) => {
+                    self.take(m, &mut commit_at);
+                    // Group commit: what queued behind it joins its commit.
+                    if !self.take_queued(rx, &mut commit_at) {
+                        break;
+                    }
                 }
-                Ok(IngestMsg::Wake) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
             if hup.swap(false, Ordering::Relaxed) {
@@ -345,7 +398,8 @@ impl Ingest {
             }
             let now = Instant::now();
             self.judge_pending_push();
-            // Full-durability readings that could not commit at once retry here.
+            // The `full` readings of this pass, in one commit (and those
+            // whose commit failed, retried).
             self.commit_full();
             if !self.buffer.is_empty() && commit_at.is_none() {
                 // The window opens with its first reading.

@@ -30,6 +30,7 @@ mod pgsink;
 mod pgsink_config;
 #[cfg(feature = "pg-sink")]
 mod pgtls;
+mod powercut;
 mod priority;
 mod receipts;
 mod receipts_e2e;

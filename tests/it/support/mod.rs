@@ -8,6 +8,7 @@ pub mod broker;
 pub mod fleet;
 #[cfg(feature = "pg-sink")]
 pub mod postgres;
+pub mod powercut;
 pub mod proxy;
 pub mod publisher;
 pub mod sink;
