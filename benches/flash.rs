@@ -296,7 +296,7 @@ struct Row {
     chosen_max_ms: Option<u64>,
     payload_len: usize,
     stored_payload_len: Option<f64>,
-    /// Spool bytes per stored row at the end (`events` and its indexes).
+    /// Spool bytes each row added in the interval cost (pages in use).
     spool_bytes_per_row: Option<f64>,
     a: Snapshot,
     b: Snapshot,
@@ -363,9 +363,11 @@ fn measure_rate(
     let mut budget = Budget::default();
     watch(s.warmup, &mut agent, &mut minimal, &mut budget, &run)?;
     let a = snapshot(&agent, &mut minimal, &sub)?;
+    let use_a = spool_use(&run.spool);
     budget.poll(&run);
     watch(s.measure, &mut agent, &mut minimal, &mut budget, &run)?;
     let b = snapshot(&agent, &mut minimal, &sub)?;
+    let use_b = spool_use(&run.spool);
     budget.poll(&run);
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
     let (agent_wal, agent_db) = (size(&wal_of(&run.spool)), size(&run.spool));
@@ -396,7 +398,7 @@ fn measure_rate(
         chosen_max_ms,
         payload_len,
         stored_payload_len: stored_payload_len(&run.spool),
-        spool_bytes_per_row: spool_bytes_per_row(&run.spool),
+        spool_bytes_per_row: bytes_per_row(use_a, use_b),
         a,
         b,
         agent_commits: budget.commits_in(a.wall, b.wall),
@@ -727,22 +729,26 @@ fn stored_payload_len(spool: &Path) -> Option<f64> {
     })
 }
 
-/// Bytes of spool per stored row at the end: the pages of the `events`
-/// table and its indexes (SQLite's `dbstat` table; the bundled build has
-/// it), over the row count, so the planning table can say how long a GB of
-/// spool holds an outage. The fixed tables (state, commands) are left out:
-/// on a short run they would outweigh the rows.
-fn spool_bytes_per_row(spool: &Path) -> Option<f64> {
+/// The spool's pages in use (`page_count - freelist_count`, in bytes) and
+/// its row count, at one moment: two of them give the spool bytes one more
+/// row costs, for the planning table's hours of outage per GB. (The bundled
+/// SQLite is built without the `dbstat` table, see .cargo/config.toml.)
+fn spool_use(spool: &Path) -> Option<(i64, i64)> {
     let conn =
         rusqlite::Connection::open_with_flags(spool, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .ok()?;
     let q = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).ok();
-    let bytes = q(
-        "SELECT sum(pgsize) FROM dbstat WHERE name = 'events' \
-         OR name IN (SELECT name FROM sqlite_master WHERE tbl_name = 'events' AND type = 'index')",
-    )?;
-    let rows = q("SELECT count(*) FROM events")?;
-    (rows > 0).then(|| bytes as f64 / rows as f64)
+    let pages = q("PRAGMA page_count")? - q("PRAGMA freelist_count")?;
+    Some((
+        pages * q("PRAGMA page_size")?,
+        q("SELECT count(*) FROM events")?,
+    ))
+}
+
+/// Spool bytes per row added between two [`spool_use`] readings.
+fn bytes_per_row(a: Option<(i64, i64)>, b: Option<(i64, i64)>) -> Option<f64> {
+    let ((ba, ra), (bb, rb)) = (a?, b?);
+    (rb > ra).then(|| (bb - ba) as f64 / (rb - ra) as f64)
 }
 
 // ---------------------------------------------------------------- processes
