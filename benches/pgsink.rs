@@ -20,7 +20,9 @@
 //!
 //! Run: `cargo bench --bench pgsink` (needs mosquitto and postgresql:
 //! `cross/setup-debian.sh`). `BENCH_EVENTS` sets the event count (default
-//! 50000); `BENCH_SINKS=1,2` picks sink counts.
+//! 50000); `BENCH_SINKS=1,2` picks sink counts. `store alone` runs the
+//! sink's store without MQTT (batches of 500), to tell the database side
+//! from the MQTT side.
 
 #[path = "../tests/it/support/mod.rs"]
 #[allow(unused_imports)]
@@ -72,6 +74,7 @@ fn main() {
             one = Some(b.0);
         }
     }
+    row("store alone (no MQTT)", store_rate(&pg, plan));
     let copy = copy_rate(&pg, plan);
     row("bare COPY (ceiling)", copy);
     if let Some(one) = one {
@@ -240,6 +243,29 @@ fn backlog_rate(
     );
     let span = ((last - first) as f64 / 1000.0).max(0.001);
     ((plan.events as f64 - at_first as f64) / span, secs)
+}
+
+/// The sink's store alone: the same events, decoded as the sink decodes
+/// them, in batches of 500 through [`PgStore`](edgespool::sink::postgres::PgStore)
+/// (what the sink adds to `COPY` on the database's side, without MQTT).
+fn store_rate(pg: &Postgres, plan: publisher::Plan) -> (f64, f64) {
+    use edgespool::sink::{batch::Item, Store};
+    let conninfo = database(pg, "bench_store");
+    let mut store =
+        edgespool::sink::postgres::PgStore::connect(&conninfo, "bench", &Default::default())
+            .expect("store");
+    let items: Vec<Item> = (0..plan.events)
+        .map(|i| {
+            let (dev, body) = publisher::envelope(&plan, i, 0);
+            Item::new(&format!("bench/store/{dev}/events/load"), &body)
+        })
+        .collect();
+    let started = Instant::now();
+    for b in items.chunks(500) {
+        store.store_batch(b, wall_ms()).expect("batch");
+    }
+    let secs = started.elapsed().as_secs_f64();
+    (plan.events as f64 / secs, secs)
 }
 
 /// COPY of the same rows (decoded as the sink decodes them) in one go.
