@@ -16,7 +16,8 @@
 //! - [`poller`]: rumqttc's event loop polled to completion on its own thread;
 //! - [`consume`]: the MQTT session, batches, acknowledgements, receipts;
 //! - [`sqlite`]: the single-machine store (rigs and tests);
-//! - `pg_schema`, `postgres`: the fleet store, its schema and migrations (feature `pg-sink`);
+//! - `pg_schema`, `postgres`, `pg_copy`: the fleet store, its schema and migrations, its
+//!   fast path (a binary `COPY` of a batch whose keys are all new) (feature `pg-sink`);
 //! - [`conninfo`]: a conninfo shown without its passwords (pure);
 //! - `pg_password`, `pg_tls`: where the PostgreSQL password comes from,
 //!   TLS (feature `pg-sink`);
@@ -42,6 +43,8 @@ pub mod consume;
 pub mod identity;
 pub mod message;
 pub mod outbox;
+#[cfg(feature = "pg-sink")]
+pub mod pg_copy;
 #[cfg(feature = "pg-sink")]
 pub mod pg_password;
 #[cfg(feature = "pg-sink")]

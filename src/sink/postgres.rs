@@ -12,12 +12,16 @@
 //! overlapping batches). What was not inserted is compared by digest:
 //! duplicate or mismatch. What is set aside (mismatches, unreadable,
 //! forged) goes to side tables kept within [`SideBounds`], oldest first.
+//! A batch is first tried as a binary `COPY` ([`super::pg_copy`]), which
+//! succeeds only when every key is new; a stored key fails it, and the
+//! batch is rolled back and stored again the way above.
 
 use super::batch::{self, Fate, Item, Key};
+use super::pg_copy;
 use super::pg_schema::{self, MigrateError};
 use super::pg_tls::{self, PgConnect, TlsFiles};
 use super::{SideBounds, SinkStats, Store, StoreError, Stored};
-use postgres::{Client, Transaction};
+use postgres::{Client, Statement, Transaction};
 use std::collections::{HashMap, HashSet};
 
 const INSERT_EVENTS: &str = "
@@ -52,6 +56,10 @@ RETURNING device_id, event_id::text, digest";
 const COUNT_DROPS: &str = "
 INSERT INTO side_drops (side, sink, dropped) VALUES ($1, $2, $3)
 ON CONFLICT (side, sink) DO UPDATE SET dropped = side_drops.dropped + EXCLUDED.dropped";
+
+/// Batches stored with `INSERT .. ON CONFLICT` after a `COPY` met a key
+/// already stored, before `COPY` is tried again.
+const CAREFUL_BATCHES: u32 = 8;
 
 /// A mismatch as `mismatches` keys it: (device, event id) and digest.
 type KeyDigest = (Key, Vec<u8>);
@@ -104,8 +112,15 @@ fn trim(
 pub struct PgStore {
     connect: PgConnect,
     client: Option<Client>,
+    /// `INSERT_EVENTS`, prepared on `client` when it connected: every
+    /// batch then costs one round trip for its insert, not a parse and plan
+    /// of its own (`None` with no client).
+    insert: Option<Statement>,
     sink: String,
     bounds: SideBounds,
+    /// Batches still to store with `INSERT .. ON CONFLICT` (a `COPY` met
+    /// a stored key: redeliveries come in runs).
+    careful: u32,
     /// Side-table rows dropped at connect (bounds applied to what an older
     /// sink left), reported with the next batch.
     dropped_at_connect: u64,
@@ -143,6 +158,8 @@ impl PgStore {
         let mut s = PgStore {
             connect,
             client: None,
+            insert: None,
+            careful: 0,
             sink: sink.to_owned(),
             bounds: SideBounds::default(),
             dropped_at_connect: 0,
@@ -166,6 +183,9 @@ impl PgStore {
             self.client = None;
         }
         if self.client.is_none() {
+            self.insert = None;
+        }
+        if self.client.is_none() {
             let mut c = self.connect.connect().map_err(connect_error)?;
             pg_schema::migrate(&mut c).map_err(|e| match e {
                 MigrateError::Db(e) => classify(&e).into_error(e),
@@ -177,6 +197,10 @@ impl PgStore {
                 log::info!("sink: {dropped} side-table rows over their bounds dropped");
             }
             self.dropped_at_connect += dropped;
+            let insert = c
+                .prepare(INSERT_EVENTS)
+                .map_err(|e| classify(&e).into_error(e))?;
+            self.insert = Some(insert);
             self.client = Some(c);
         }
         self.client
@@ -188,8 +212,14 @@ impl PgStore {
     /// `unreadable` with the server's reason.
     fn store_alone(&mut self, it: &Item, now_ms: i64) -> Result<Stored, StoreError> {
         let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let client = self.client()?;
-        match write_batch(client, std::slice::from_ref(it), now_ms, &sink, &bounds) {
+        let (client, insert) = self.connection()?;
+        let at = At {
+            now_ms,
+            sink: &sink,
+            bounds: &bounds,
+            insert: &insert,
+        };
+        match write_batch(client, std::slice::from_ref(it), &at, false) {
             Ok(s) => Ok(s),
             Err(e) if classify(&e) == Class::Data => {
                 log::warn!(
@@ -200,12 +230,7 @@ impl PgStore {
                     .transaction()
                     .map_err(|e| classify(&e).into_error(e))?;
                 let why = vec![format!("refused by PostgreSQL: {e}")];
-                let aside = Aside {
-                    now_ms,
-                    sink: &sink,
-                    bounds: &bounds,
-                };
-                let dropped = aside
+                let dropped = at
                     .insert(&mut tx, Side::Unreadable, &[it], why)
                     .and_then(|d| tx.commit().map(|()| d))
                     .map_err(|e| classify(&e).into_error(e))?;
@@ -222,10 +247,43 @@ impl PgStore {
         }
     }
 
+    /// The live client and its prepared insert (see [`PgStore::client`]).
+    fn connection(&mut self) -> Result<(&mut Client, Statement), StoreError> {
+        self.client()?;
+        match (self.client.as_mut(), &self.insert) {
+            (Some(c), Some(s)) => Ok((c, s.clone())),
+            _ => Err(StoreError::Transient("no connection".into())),
+        }
+    }
+
+    /// The batch by `COPY` ([`super::pg_copy`]); `None` when some key
+    /// was already stored or the server refused a value (rolled back, and
+    /// the next [`CAREFUL_BATCHES`] batches go the careful way).
+    fn try_copy(&mut self, items: &[Item], now_ms: i64) -> Result<Option<Stored>, StoreError> {
+        let (sink, bounds) = (self.sink.clone(), self.bounds);
+        let (client, insert) = self.connection()?;
+        let at = At {
+            now_ms,
+            sink: &sink,
+            bounds: &bounds,
+            insert: &insert,
+        };
+        match write_batch(client, items, &at, true) {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if classify(&e) == Class::Data => {
+                log::debug!("sink: COPY refused ({e}); storing the batch with ON CONFLICT");
+                self.careful = CAREFUL_BATCHES;
+                Ok(None)
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
     fn fail(&mut self, e: postgres::Error) -> StoreError {
         let c = classify(&e);
         if c == Class::Transient {
             self.client = None;
+            self.insert = None;
         }
         c.into_error(e)
     }
@@ -236,9 +294,23 @@ impl Store for PgStore {
     /// cannot hold), each item in its own transaction, so one bad delivery
     /// cannot hold back the rest nor come back forever.
     fn commit(&mut self, items: &[Item], now_ms: i64) -> Result<Stored, StoreError> {
+        if self.careful == 0 {
+            if let Some(mut out) = self.try_copy(items, now_ms)? {
+                out.stats.side_dropped += std::mem::take(&mut self.dropped_at_connect);
+                return Ok(out);
+            }
+        } else {
+            self.careful -= 1;
+        }
         let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let client = self.client()?;
-        let mut out = match write_batch(client, items, now_ms, &sink, &bounds) {
+        let (client, insert) = self.connection()?;
+        let at = At {
+            now_ms,
+            sink: &sink,
+            bounds: &bounds,
+            insert: &insert,
+        };
+        let mut out = match write_batch(client, items, &at, false) {
             Ok(s) => s,
             Err(e) if classify(&e) == Class::Data => {
                 log::warn!("sink: batch refused as data ({e}); storing its items one by one");
@@ -335,17 +407,24 @@ fn classify(e: &postgres::Error) -> Class {
     }
 }
 
-/// The batch in one transaction: insert, compare, keep aside, commit.
+/// The batch in one transaction: insert (by `COPY` if `copy`, see
+/// [`super::pg_copy`]), compare, keep aside, commit.
 fn write_batch(
     client: &mut Client,
     items: &[Item],
-    now_ms: i64,
-    sink: &str,
-    bounds: &SideBounds,
+    at: &At<'_>,
+    copy: bool,
 ) -> Result<Stored, postgres::Error> {
     let mut tx = client.transaction()?;
     let cands = batch::candidates(items);
-    let inserted = insert_events(&mut tx, items, &cands, now_ms)?;
+    let copied = match copy {
+        true => pg_copy::copy_events(&mut tx, items, &cands, at.now_ms)?,
+        false => None,
+    };
+    let inserted = match copied {
+        Some(keys) => keys,
+        None => insert_events(&mut tx, at.insert, items, &cands, at.now_ms)?,
+    };
     let mut stored: HashMap<Key, [u8; 32]> = HashMap::new();
     let (mut other_devs, mut other_ids) = (Vec::new(), Vec::new());
     for &i in &cands {
@@ -369,12 +448,7 @@ fn write_batch(
         }
     }
     let fates = batch::classify(items, &inserted, &stored);
-    let aside = Aside {
-        now_ms,
-        sink,
-        bounds,
-    };
-    let stats = aside.keep(&mut tx, items, &fates)?;
+    let stats = at.keep(&mut tx, items, &fates)?;
     tx.commit()?;
     Ok(Stored { stats, fates })
 }
@@ -384,6 +458,7 @@ fn write_batch(
 /// created.
 fn insert_events(
     tx: &mut Transaction<'_>,
+    insert: &Statement,
     items: &[Item],
     cands: &[usize],
     now_ms: i64,
@@ -423,7 +498,7 @@ fn insert_events(
         return Ok(HashSet::new());
     }
     let rows = tx.query(
-        INSERT_EVENTS,
+        insert,
         &[
             &ids, &devs, &streams, &seqs, &tss, &trusted, &fields, &payloads, &digests, &now_ms,
             &topics,
@@ -432,14 +507,16 @@ fn insert_events(
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// Where and when deliveries are set aside, and the bounds they are kept in.
-struct Aside<'a> {
+/// When a batch is stored, by which sink, the bounds its side tables are
+/// kept in, and the connection's prepared `INSERT_EVENTS`.
+struct At<'a> {
     now_ms: i64,
     sink: &'a str,
     bounds: &'a SideBounds,
+    insert: &'a Statement,
 }
 
-impl Aside<'_> {
+impl At<'_> {
     /// Record duplicates, mismatches, unreadable and forged deliveries;
     /// count the batch.
     ///

@@ -248,3 +248,65 @@ fn store_keeps_unreadable_and_mismatches_aside_and_refuses_a_newer_schema() {
         Ok(_) => panic!("a newer schema was accepted"),
     }
 }
+
+/// A batch holding a key another sink already stored cannot go in by
+/// `COPY` (it stores only batches whose keys are all new): it is rolled
+/// back and stored with `ON CONFLICT`, and counts what a batch without the
+/// fast path would (the new events first, the stored one a duplicate, a
+/// stored id with other bytes a mismatch), and stores nothing twice.
+#[test]
+fn a_batch_with_a_key_already_stored_falls_back_and_counts_the_same() {
+    use edgespool::sink::batch::Item;
+    use edgespool::sink::postgres::PgStore;
+    use edgespool::sink::Store;
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let connect = |name: &str| {
+        PgStore::connect(&pg.conninfo(), name, &Default::default()).expect("connect and migrate")
+    };
+    let (mut a, mut b) = (connect("a"), connect("b"));
+    let plan = publisher::Plan {
+        events: 10,
+        devices: 1,
+        dup_every: 0,
+        conflicts: 1,
+    };
+    let item = |i: usize, variant: u32| {
+        let (_, p) = publisher::envelope(&plan, i, variant);
+        Item::new("t/dev-00/events/load", &p)
+    };
+    // Sink a stores events 0 and 1 (all new: the fast path).
+    let s = a.store_batch(&[item(0, 0), item(1, 0)], 1).expect("a");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (2, 0, 0));
+    // Sink b gets 1 again, 2 and 3 new, and 0 with other bytes.
+    let batch = [item(2, 0), item(1, 0), item(3, 0), item(0, 1)];
+    let s = b.store_batch(&batch, 2).expect("b");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (2, 1, 1));
+    // And b goes on storing new events.
+    let s = b
+        .store_batch(&[item(4, 0), item(5, 0)], 3)
+        .expect("b again");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (2, 0, 0));
+    let mut db = pg.client();
+    assert_eq!(count(&mut db, "SELECT count(*) FROM events"), 6);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM duplicates"), 1);
+    assert_eq!(count(&mut db, "SELECT count(*) FROM mismatches"), 1);
+    // Every row holds the bytes of its first delivery, its digest, its
+    // topic and the commit that stored it.
+    for i in 0..6 {
+        let (_, p) = publisher::envelope(&plan, i, 0);
+        let e = edgespool::sink::message::decode(&p).expect("envelope");
+        let row = db
+            .query_one(
+                "SELECT payload, digest, topic, fields::text FROM events WHERE event_id = $1::text::uuid",
+                &[&e.event_id],
+            )
+            .expect("row");
+        assert_eq!(row.get::<_, Vec<u8>>(0), p, "event {i}");
+        assert_eq!(row.get::<_, Vec<u8>>(1), digest(&p), "event {i}");
+        assert_eq!(row.get::<_, String>(2), "t/dev-00/events/load");
+        let fields: serde_json::Value =
+            serde_json::from_str(&row.get::<_, String>(3)).expect("json");
+        let want: serde_json::Value = serde_json::from_str(&e.fields_json).expect("json");
+        assert_eq!(fields, want, "event {i}");
+    }
+}
