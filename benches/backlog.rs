@@ -26,13 +26,22 @@
 //! only from outside (its process, its files, the broker and `edgespool
 //! status --json`), so the figures survive changes to the spool schema.
 //!
+//! 7. the drain comparison of `common/drains.rs` on a backlog of
+//!    `COMPARE_ROWS` rows: the bare rumqttc client and the agent's
+//!    single-event drain in both protocols, the agent's batched drain (50,
+//!    plain and lz4), rows/s, the ratio to the bare client and agent CPU
+//!    seconds per 100,000 rows.
+//!
 //! Run: `cargo bench --bench backlog` (needs /usr/sbin/mosquitto). A quick
 //! run: `BACKLOG_ROWS=20000 RETAIN_SECS=20 IDLE_SECS=5 FRESH_SECS=5 cargo bench
 //! --bench backlog --profile dev`.
 //! Environment: `BACKLOG_ROWS` (1000000), `RETAIN_SECS` (300), `IDLE_SECS` (30),
-//! `FRESH_SECS` (20), `FRESH_SOURCES` (10 sources at 10 ms: 1,000 readings/s),
+//! `FRESH_SECS` (20), `COMPARE_ROWS` (`BACKLOG_ROWS`; 0 skips (7)), `FRESH_SOURCES` (10 sources at 10 ms: 1,000 readings/s),
 //! `DRAIN_TIMEOUT_SECS` (60 + rows / 500), `BACKLOG_DIR` (/var/tmp; must be
 //! on disk, not tmpfs).
+
+#[path = "common/drains.rs"]
+mod drains;
 
 use edgespool::envelope::{EventIdGen, Format};
 use edgespool::reading::FieldValue;
@@ -103,8 +112,22 @@ fn main() {
     let bare = bare_backlog(broker.port, s.rows, backlog.drain.payload_len);
     let idle = idle_wakeups(&s, dir.path(), broker.port, &one);
     let fresh = fresh_stream(&s, dir.path(), broker.port, &one);
+    let compared = (s.compare_rows > 0).then(|| {
+        let base = wall_ms() as i64 - s.compare_rows as i64 * 10;
+        drains::compare(&drains::Setup {
+            agent: Path::new(AGENT),
+            dir: dir.path(),
+            port: broker.port,
+            rows: s.compare_rows,
+            stream: "bench",
+            reading: &|i| reading(i, base),
+        })
+    });
     println!();
     print_summary(&s, &backlog, &bare, &idle, &fresh);
+    if let Some(figs) = compared {
+        drains::print(s.compare_rows, &figs);
+    }
 }
 
 struct Settings {
@@ -114,6 +137,7 @@ struct Settings {
     fresh: Duration,
     fresh_sources: usize,
     drain_timeout: Duration,
+    compare_rows: usize,
 }
 
 impl Settings {
@@ -133,6 +157,7 @@ impl Settings {
             fresh: Duration::from_secs(num("FRESH_SECS", 20).max(1)),
             fresh_sources: num("FRESH_SOURCES", 10).clamp(1, 100) as usize,
             drain_timeout: Duration::from_secs(num("DRAIN_TIMEOUT_SECS", 60 + rows as u64 / 500)),
+            compare_rows: num("COMPARE_ROWS", rows as u64) as usize,
         }
     }
 }

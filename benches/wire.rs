@@ -29,12 +29,21 @@
 //! receipt mode a row stays SENT until its receipt); the sink must have
 //! stored every row.
 //!
+//! Then (part `compare`) the drain comparison of `common/drains.rs` on a
+//! backlog of `WIRE_BACKLOG` rows: the bare rumqttc client and the agent's
+//! single-event drain in both protocols, the agent's batched drain (50,
+//! plain and lz4), rows/s, the ratio to the bare client and agent CPU
+//! seconds per 100,000 rows.
+//!
 //! Run: `cargo bench --bench wire` (needs /usr/sbin/mosquitto). The bench
 //! itself may be built in the dev profile (`--profile dev`): it still runs
 //! the release agent. Environment: `WIRE_AGENT` (the binary),
 //! `WIRE_SLOW_SECS` (60: the 1/s run), `WIRE_FAST_SECS` (20: the 100/s
 //! run), `WIRE_BACKLOG` (50000), `WIRE_RECEIPT_BACKLOG` (100000),
-//! `WIRE_PARTS` (`rates,drain,receipts`: which parts to run).
+//! `WIRE_PARTS` (`rates,drain,receipts,compare`: which parts to run).
+
+#[path = "common/drains.rs"]
+mod drains;
 
 use edgespool::envelope::{EventIdGen, Format};
 use edgespool::reading::FieldValue;
@@ -105,7 +114,8 @@ fn main() {
     let fast = secs("WIRE_FAST_SECS", 20).max(2);
     let backlog = secs("WIRE_BACKLOG", 50_000).max(1) as usize;
     let receipt_backlog = secs("WIRE_RECEIPT_BACKLOG", 100_000).max(1) as usize;
-    let parts = std::env::var("WIRE_PARTS").unwrap_or_else(|_| "rates,drain,receipts".into());
+    let parts =
+        std::env::var("WIRE_PARTS").unwrap_or_else(|_| "rates,drain,receipts,compare".into());
     let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
     let dir = tempfile::Builder::new()
         .prefix("edgespool-wire-")
@@ -180,6 +190,24 @@ fn main() {
     }
     if part("receipts") {
         receipt_drains(&agent, dir.path(), broker.port, receipt_backlog);
+    }
+    if part("compare") {
+        println!();
+        let figs = drains::compare(&drains::Setup {
+            agent: &agent,
+            dir: dir.path(),
+            port: broker.port,
+            rows: backlog,
+            stream: "tele",
+            reading: &|i| {
+                let fields = reading(i)
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), FieldValue::Num(v)))
+                    .collect();
+                NewEvent::new("tele", 1_800_000_000_000 + i as i64 * 1000, true, fields)
+            },
+        });
+        drains::print(backlog, &figs);
     }
 }
 

@@ -232,22 +232,25 @@ impl Lanes {
     /// rows waiting (its fresh rows first), except on share turns, which go
     /// to the lower priorities in turn. `None` when nothing is read ahead.
     pub fn pick(&mut self) -> Option<OutRow> {
-        let waiting: Vec<u8> = self
-            .levels
-            .iter()
-            .rev()
-            .filter(|(_, l)| !l.is_empty())
-            .map(|(p, _)| *p)
-            .collect();
-        let top = *waiting.first()?;
+        // The priorities with rows waiting, highest first, without a list
+        // of them (this runs once per row offered).
+        let waiting = || {
+            self.levels
+                .iter()
+                .rev()
+                .filter(|(_, l)| !l.is_empty())
+                .map(|(p, _)| *p)
+        };
+        let top = waiting().next()?;
         self.picks += 1;
         let share_turn = self.share_every > 0 && self.picks.is_multiple_of(self.share_every);
-        let prio = match &waiting[1..] {
-            lower if share_turn && !lower.is_empty() => {
-                self.share_turn = self.share_turn.wrapping_add(1);
-                lower[self.share_turn % lower.len()]
-            }
-            _ => top,
+        let lower = if share_turn { waiting().count() - 1 } else { 0 };
+        let prio = if lower > 0 {
+            let turn = self.share_turn.wrapping_add(1);
+            self.share_turn = turn;
+            waiting().nth(1 + turn % lower).unwrap_or(top)
+        } else {
+            top
         };
         let level = self.levels.get_mut(&prio)?;
         // Fresh rows and the backlog take turns while both wait, so neither

@@ -474,6 +474,10 @@ impl Delivery {
             self.log_error("read sendable rows", &e);
             return;
         }
+        // The limits hold for the whole fill (a CONNACK or a dropped
+        // connection changes them, never a row offered): looked up once,
+        // not per row (the broker's limit is behind the shared lock).
+        let limits = self.packet_limit();
         // Rows offered beyond the book of offers could not be matched to
         // their receipt (receipt mode): none is taken past it.
         while room > 0 && !self.offers_full() {
@@ -498,7 +502,7 @@ impl Delivery {
             {
                 continue; // acknowledged (not yet committed), waiting for its receipt, or refused on this connection
             }
-            let Some((topic, size)) = self.admit(spool, &row) else {
+            let Some((topic, size)) = self.admit(spool, &row, limits) else {
                 continue;
             };
             self.note_offered(&row);
@@ -509,7 +513,7 @@ impl Delivery {
                 .filter(|_| self.probing.is_none())
             {
                 Some(spec) => {
-                    let limit = self.batch_limit(&row.stream);
+                    let limit = self.batch_limit(&row.stream, limits.0);
                     for r in self.batcher.add(row, spec, limit) {
                         self.note_size(&r);
                         batch.push(r);
@@ -548,7 +552,13 @@ impl Delivery {
     /// and packet limits as a single PUBLISH. Returns its single-event
     /// topic and packet size; a row that may not is marked FAILED (and the
     /// rows behind it flow).
-    fn admit(&mut self, spool: &mut Spool, row: &OutRow) -> Option<(Arc<str>, usize)> {
+    /// `limits`: [`Delivery::packet_limit`].
+    fn admit(
+        &mut self,
+        spool: &mut Spool,
+        row: &OutRow,
+        (limit, whose): (usize, &'static str),
+    ) -> Option<(Arc<str>, usize)> {
         if !row.digest_ok() {
             let why = "payload does not match its stored digest";
             self.fail(spool, row.id, &row.event_id, why, "digest_mismatch");
@@ -563,14 +573,8 @@ impl Delivery {
             self.fail(spool, row.id, &row.event_id, &why, "oversized");
             return None;
         }
-        let prefix = &self.cfg.topic_prefix;
-        let topic = self
-            .topics
-            .entry(row.stream.clone())
-            .or_insert_with(|| Arc::from(format!("{prefix}/events/{}", row.stream)))
-            .clone();
+        let topic = self.topic(&row.stream);
         let extra = crate::mqtt::publish_extra(self.cfg.protocol, true);
-        let (limit, whose) = self.packet_limit();
         if let Some(why) = packet_too_large(&topic, row.payload.len(), extra, limit, whose) {
             if limit < self.cfg.max_packet_bytes {
                 // The broker's CONNACK limit: this connection's word, judged
@@ -592,6 +596,16 @@ impl Delivery {
         Some((topic, size))
     }
 
+    /// The single-event topic of `stream` (built once per stream).
+    fn topic(&mut self, stream: &str) -> Arc<str> {
+        if let Some(t) = self.topics.get(stream) {
+            return t.clone();
+        }
+        let t: Arc<str> = Arc::from(format!("{}/events/{stream}", self.cfg.topic_prefix));
+        self.topics.insert(stream.to_owned(), t.clone());
+        t
+    }
+
     /// The whole-packet limit in force and whose it is.
     fn packet_limit(&self) -> (usize, &'static str) {
         match self.link.broker_max_packet() {
@@ -604,9 +618,9 @@ impl Delivery {
 
     /// The largest uncompressed batch payload of `stream` that fits
     /// `mqtt.max_payload_bytes` and the packet limit (with a learned limit
-    /// below it, under that too).
-    fn batch_limit(&self, stream: &str) -> usize {
-        let (mut packet, _) = self.packet_limit();
+    /// below it, under that too). `packet`: the limit of
+    /// [`Delivery::packet_limit`].
+    fn batch_limit(&self, stream: &str, mut packet: usize) -> usize {
         if let Some(l) = self.learned_limit {
             packet = packet.min(l.saturating_sub(1));
         }

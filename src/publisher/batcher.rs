@@ -100,32 +100,38 @@ impl Batcher {
         let json = batching::is_json(&row.payload);
         let len = row.payload.len();
         let mut out = Vec::new();
-        let fits = self
-            .pending
-            .get(&row.stream)
-            .is_some_and(|p| p.json == json && p.size_with(len) <= limit);
-        if !fits {
-            if let Some(p) = self.pending.remove(&row.stream) {
-                out.extend(self.build(&row.stream, p, spec));
-            }
-        }
-        let stream = row.stream.clone();
-        let entry = (row.id, row.event_id, row.payload);
-        match self.pending.get_mut(&stream) {
-            Some(p) => {
+        let OutRow {
+            id,
+            event_id,
+            stream,
+            payload,
+            ..
+        } = row;
+        let entry = (id, event_id, payload);
+        // One lookup per row in the common case: the row joins its
+        // stream's batch, which is not full yet.
+        let full = match self.pending.get_mut(&stream) {
+            Some(p) if p.json == json && p.size_with(len) <= limit => {
                 p.rows.push(entry);
                 p.bytes += len;
+                p.rows.len() >= spec.max_events
             }
-            None => {
-                self.pending
-                    .insert(stream.clone(), Pending::new(entry, json, len));
+            other => {
+                // The batch it could not join leaves first (I7).
+                let fresh = Pending::new(entry, json, len);
+                match other {
+                    Some(p) => {
+                        let closed = std::mem::replace(p, fresh);
+                        out.extend(self.build(&stream, closed, spec));
+                    }
+                    None => {
+                        self.pending.insert(stream.clone(), fresh);
+                    }
+                }
+                spec.max_events <= 1
             }
-        }
-        if self
-            .pending
-            .get(&stream)
-            .is_some_and(|p| p.rows.len() >= spec.max_events)
-        {
+        };
+        if full {
             if let Some(p) = self.pending.remove(&stream) {
                 out.extend(self.build(&stream, p, spec));
             }

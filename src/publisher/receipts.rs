@@ -311,11 +311,12 @@ impl Delivery {
             }
         };
         let mut out = Vec::with_capacity(rows.len());
+        let limits = self.packet_limit();
         for row in rows {
             if self.retiring.contains(&row.id) {
                 continue;
             }
-            let Some((topic, _)) = self.admit(spool, &row) else {
+            let Some((topic, _)) = self.admit(spool, &row, limits) else {
                 continue;
             };
             self.note_offered(&row);

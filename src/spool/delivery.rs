@@ -25,11 +25,26 @@ pub(super) const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payloa
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
     ORDER BY e.id LIMIT ?2";
 
-/// Rows above the mark with whether each is already resolved, for folding.
+/// Rows above the mark with whether each is already resolved, for folding
+/// ([`FOLD_STEP`] at a time: the LIMIT is written out, as a bound one has
+/// SQLite plan the statement again at every bind, see
+/// [`super::priority::LANE_READ_MAX`]).
 pub(super) const SQL_ABOVE_MARK: &str = "SELECT e.id,
     EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
     OR EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
-    FROM events e WHERE e.id > ?1 ORDER BY e.id LIMIT ?2";
+    FROM events e WHERE e.id > ?1 ORDER BY e.id LIMIT 4096";
+
+/// For a run `(?1, ?2]` of row ids all acknowledged now: the highest row
+/// id in it, the rows in it, and those of them already resolved
+/// (acknowledged out of order, or FAILED). Index range reads: the two small
+/// tables and the row ids, no row's record is decoded.
+const SQL_RUN: &str = "SELECT
+    (SELECT max(id) FROM events WHERE id > ?1 AND id <= ?2),
+    (SELECT count(*) FROM events WHERE id > ?1 AND id <= ?2),
+    (SELECT count(*) FROM (
+        SELECT id FROM acked_above WHERE id > ?1 AND id <= ?2
+        UNION SELECT id FROM failed WHERE id > ?1 AND id <= ?2) r
+     WHERE EXISTS (SELECT 1 FROM events e WHERE e.id = r.id))";
 
 pub(super) const SQL_MARK: &str = "SELECT acked_through, sent_through FROM delivery_mark";
 
@@ -167,11 +182,38 @@ impl Spool {
                 acked.iter().copied().filter(|id| *id > mark).collect();
             let mut retired = 0usize;
             let mut new_mark = mark;
+            // The acknowledgements that continue the mark without a gap
+            // (the usual case: PUBACKs come in order) fold in one step: every
+            // row id in the run is acknowledged now, so the walk below would
+            // pass all of its rows.
+            let run_end = pending
+                .iter()
+                .zip(mark + 1..)
+                .take_while(|(id, want)| **id == *want)
+                .last()
+                .map(|(id, _)| *id);
+            if let Some(end) = run_end {
+                let (top, rows, resolved): (Option<i64>, i64, i64) = tx
+                    .prepare_cached(SQL_RUN)
+                    .and_then(|mut st| {
+                        st.query_row(params![mark, end], |r| {
+                            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                        })
+                    })
+                    .map_err(err)?;
+                // The mark stops at the highest row that exists: a row id
+                // above every row is never taken as acknowledged.
+                if let Some(top) = top {
+                    retired += (rows - resolved).max(0) as usize;
+                    new_mark = top;
+                    pending = pending.split_off(&(top + 1));
+                }
+            }
             // Fold: walk the rows above the mark in order while each one is
             // acknowledged now, or was already resolved.
             let mut step = tx.prepare_cached(SQL_ABOVE_MARK).map_err(err)?;
             'fold: loop {
-                let mut rows = step.query(params![new_mark, FOLD_STEP]).map_err(err)?;
+                let mut rows = step.query(params![new_mark]).map_err(err)?;
                 let mut seen = 0;
                 while let Some(r) = rows.next().map_err(err)? {
                     seen += 1;
