@@ -221,14 +221,22 @@ fn a_garbage_payload_is_acknowledged_counted_and_does_not_block_later_messages()
         wait_for(Duration::from_secs(10), || counter(
             &db,
             "bridge_payload_refused"
-        ) == 4),
+        ) >= 4),
         "bridge_payload_refused = {}",
         counter(&db, "bridge_payload_refused")
     );
-    assert_eq!(counter(&db, "bridge_payload_refused.plant"), 4);
+    // Four refusals, and at most one more for each small one: the oversized
+    // message drops the connection, and a refused message whose PUBACK was
+    // still unsent then is delivered again (DUP) and refused again.
+    let refused = counter(&db, "bridge_payload_refused");
+    assert!(
+        (4..=7).contains(&refused),
+        "bridge_payload_refused = {refused}"
+    );
+    assert_eq!(counter(&db, "bridge_payload_refused.plant"), refused);
 
     // The garbage was acknowledged: a new connection of the same persistent
-    // session gets no redelivery of it (the count stays at 4).
+    // session gets no redelivery of it (the count stays where it was).
     agent.terminate(Duration::from_secs(15));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     wait_for(Duration::from_secs(20), || {
@@ -243,7 +251,7 @@ fn a_garbage_payload_is_acknowledged_counted_and_does_not_block_later_messages()
         agent.log_tail(40)
     );
     agent.terminate(Duration::from_secs(15));
-    assert_eq!(counter(&db, "bridge_payload_refused"), 4);
+    assert_eq!(counter(&db, "bridge_payload_refused"), refused);
     let bad: Vec<_> = plant_fields(&sub.deliveries())
         .into_iter()
         .filter(|(_, f)| f["source_topic"] == "plant/bad")
