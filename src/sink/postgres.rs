@@ -21,7 +21,7 @@ use super::pg_copy;
 use super::pg_schema::{self, MigrateError};
 use super::pg_tls::{self, PgConnect, TlsFiles};
 use super::{SideBounds, SinkStats, Store, StoreError, Stored};
-use postgres::{Client, Statement, Transaction};
+use postgres::{Client, Transaction};
 use std::collections::{HashMap, HashSet};
 
 const INSERT_EVENTS: &str = "
@@ -112,15 +112,16 @@ fn trim(
 pub struct PgStore {
     connect: PgConnect,
     client: Option<Client>,
-    /// `INSERT_EVENTS`, prepared on `client` when it connected: every
-    /// batch then costs one round trip for its insert, not a parse and plan
-    /// of its own (`None` with no client).
-    insert: Option<Statement>,
     sink: String,
     bounds: SideBounds,
     /// Batches still to store with `INSERT .. ON CONFLICT` (a `COPY` met
     /// a stored key: redeliveries come in runs).
     careful: u32,
+    /// Set when the server refused `COPY` itself, not a key or a value
+    /// (row-level security on `events`, `events` a view, a privilege):
+    /// every later batch of this process goes the `ON CONFLICT` way, which
+    /// that database still takes.
+    copy_refused: bool,
     /// Side-table rows dropped at connect (bounds applied to what an older
     /// sink left), reported with the next batch.
     dropped_at_connect: u64,
@@ -158,8 +159,8 @@ impl PgStore {
         let mut s = PgStore {
             connect,
             client: None,
-            insert: None,
             careful: 0,
+            copy_refused: false,
             sink: sink.to_owned(),
             bounds: SideBounds::default(),
             dropped_at_connect: 0,
@@ -183,9 +184,6 @@ impl PgStore {
             self.client = None;
         }
         if self.client.is_none() {
-            self.insert = None;
-        }
-        if self.client.is_none() {
             let mut c = self.connect.connect().map_err(connect_error)?;
             pg_schema::migrate(&mut c).map_err(|e| match e {
                 MigrateError::Db(e) => classify(&e).into_error(e),
@@ -197,10 +195,6 @@ impl PgStore {
                 log::info!("sink: {dropped} side-table rows over their bounds dropped");
             }
             self.dropped_at_connect += dropped;
-            let insert = c
-                .prepare(INSERT_EVENTS)
-                .map_err(|e| classify(&e).into_error(e))?;
-            self.insert = Some(insert);
             self.client = Some(c);
         }
         self.client
@@ -212,12 +206,11 @@ impl PgStore {
     /// `unreadable` with the server's reason.
     fn store_alone(&mut self, it: &Item, now_ms: i64) -> Result<Stored, StoreError> {
         let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let (client, insert) = self.connection()?;
+        let client = self.client()?;
         let at = At {
             now_ms,
             sink: &sink,
             bounds: &bounds,
-            insert: &insert,
         };
         match write_batch(client, std::slice::from_ref(it), &at, false) {
             Ok(s) => Ok(s),
@@ -247,35 +240,37 @@ impl PgStore {
         }
     }
 
-    /// The live client and its prepared insert (see [`PgStore::client`]).
-    fn connection(&mut self) -> Result<(&mut Client, Statement), StoreError> {
-        self.client()?;
-        match (self.client.as_mut(), &self.insert) {
-            (Some(c), Some(s)) => Ok((c, s.clone())),
-            _ => Err(StoreError::Transient("no connection".into())),
-        }
-    }
-
     /// The batch by `COPY` ([`super::pg_copy`]); `None` when some key
     /// was already stored or the server refused a value (rolled back, and
-    /// the next [`CAREFUL_BATCHES`] batches go the careful way).
+    /// the next [`CAREFUL_BATCHES`] batches go the careful way), or when
+    /// the server refused `COPY` itself (rolled back, and `COPY` is not
+    /// tried again by this process: [`PgStore::copy_refused`]). A lost
+    /// connection is transient, as on the careful path.
     fn try_copy(&mut self, items: &[Item], now_ms: i64) -> Result<Option<Stored>, StoreError> {
         let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let (client, insert) = self.connection()?;
+        let client = self.client()?;
         let at = At {
             now_ms,
             sink: &sink,
             bounds: &bounds,
-            insert: &insert,
         };
         match write_batch(client, items, &at, true) {
             Ok(s) => Ok(Some(s)),
-            Err(e) if classify(&e) == Class::Data => {
-                log::debug!("sink: COPY refused ({e}); storing the batch with ON CONFLICT");
-                self.careful = CAREFUL_BATCHES;
-                Ok(None)
-            }
-            Err(e) => Err(self.fail(e)),
+            Err(e) => match classify(&e) {
+                Class::Data => {
+                    log::debug!("sink: COPY refused ({e}); storing the batch with ON CONFLICT");
+                    self.careful = CAREFUL_BATCHES;
+                    Ok(None)
+                }
+                Class::Fatal => {
+                    log::warn!(
+                        "sink: PostgreSQL refused COPY into events ({e}); storing every batch with INSERT .. ON CONFLICT from now on (slower)"
+                    );
+                    self.copy_refused = true;
+                    Ok(None)
+                }
+                Class::Transient => Err(self.fail(e)),
+            },
         }
     }
 
@@ -283,7 +278,6 @@ impl PgStore {
         let c = classify(&e);
         if c == Class::Transient {
             self.client = None;
-            self.insert = None;
         }
         c.into_error(e)
     }
@@ -294,21 +288,20 @@ impl Store for PgStore {
     /// cannot hold), each item in its own transaction, so one bad delivery
     /// cannot hold back the rest nor come back forever.
     fn commit(&mut self, items: &[Item], now_ms: i64) -> Result<Stored, StoreError> {
-        if self.careful == 0 {
+        if self.careful == 0 && !self.copy_refused {
             if let Some(mut out) = self.try_copy(items, now_ms)? {
                 out.stats.side_dropped += std::mem::take(&mut self.dropped_at_connect);
                 return Ok(out);
             }
         } else {
-            self.careful -= 1;
+            self.careful = self.careful.saturating_sub(1);
         }
         let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let (client, insert) = self.connection()?;
+        let client = self.client()?;
         let at = At {
             now_ms,
             sink: &sink,
             bounds: &bounds,
-            insert: &insert,
         };
         let mut out = match write_batch(client, items, &at, false) {
             Ok(s) => s,
@@ -423,7 +416,7 @@ fn write_batch(
     };
     let inserted = match copied {
         Some(keys) => keys,
-        None => insert_events(&mut tx, at.insert, items, &cands, at.now_ms)?,
+        None => insert_events(&mut tx, items, &cands, at.now_ms)?,
     };
     let mut stored: HashMap<Key, [u8; 32]> = HashMap::new();
     let (mut other_devs, mut other_ids) = (Vec::new(), Vec::new());
@@ -458,7 +451,6 @@ fn write_batch(
 /// created.
 fn insert_events(
     tx: &mut Transaction<'_>,
-    insert: &Statement,
     items: &[Item],
     cands: &[usize],
     now_ms: i64,
@@ -497,8 +489,12 @@ fn insert_events(
     if ids.is_empty() {
         return Ok(HashSet::new());
     }
+    // Parsed in this transaction, not prepared once per connection: a
+    // transaction-mode pooler (PgBouncer) may run the next transaction on
+    // another server connection, where a statement prepared before would
+    // not exist (26000). Only batches `COPY` cannot take come here.
     let rows = tx.query(
-        insert,
+        INSERT_EVENTS,
         &[
             &ids, &devs, &streams, &seqs, &tss, &trusted, &fields, &payloads, &digests, &now_ms,
             &topics,
@@ -507,13 +503,12 @@ fn insert_events(
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
-/// When a batch is stored, by which sink, the bounds its side tables are
-/// kept in, and the connection's prepared `INSERT_EVENTS`.
+/// When a batch is stored, by which sink, and the bounds its side tables
+/// are kept in.
 struct At<'a> {
     now_ms: i64,
     sink: &'a str,
     bounds: &'a SideBounds,
-    insert: &'a Statement,
 }
 
 impl At<'_> {

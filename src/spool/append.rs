@@ -671,7 +671,18 @@ impl Spool {
         drop(book);
         if persist {
             // Bounds what the next open reads to catch up, whoever appends.
-            self.persist_seqs()?;
+            // The rows above are committed and their replies sent: a failure
+            // here (disk full, busy) must not read as a failed append, or
+            // the caller would refuse or append again readings already
+            // stored. It is tried again after as many rows more (or at the
+            // summary interval), so it logs at most once per
+            // PERSIST_SEQS_EVERY rows.
+            if let Err(e) = self.persist_seqs() {
+                log::warn!(
+                    "spool: storing the sequence numbers after {appended} appended rows failed ({e}); the rows are stored, the next start reads a little further to catch up"
+                );
+                self.book().appended_since_persist = 0;
+            }
         }
         Ok(appended)
     }

@@ -310,3 +310,48 @@ fn a_batch_with_a_key_already_stored_falls_back_and_counts_the_same() {
         assert_eq!(fields, want, "event {i}");
     }
 }
+
+/// A database that refuses `COPY` itself (here row-level security forced on
+/// `events`: "COPY FROM not supported with row-level security", SQLSTATE
+/// 0A000) still gets every batch, by `INSERT .. ON CONFLICT`, which it
+/// takes: the fast path must not stop the sink where the careful one
+/// works.
+#[test]
+fn a_database_that_refuses_copy_still_gets_every_batch_by_insert() {
+    use edgespool::sink::batch::Item;
+    use edgespool::sink::postgres::PgStore;
+    use edgespool::sink::Store;
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let mut db = pg.client();
+    // A role of its own that owns the sink's tables (a superuser bypasses
+    // row-level security, so the test cannot run as `postgres`).
+    db.batch_execute("CREATE ROLE fleet LOGIN; GRANT USAGE, CREATE ON SCHEMA public TO fleet;")
+        .expect("role");
+    let conninfo = pg.conninfo().replace("user=postgres", "user=fleet");
+    let mut store = PgStore::connect(&conninfo, "rls", &Default::default()).expect("connect");
+    db.batch_execute(
+        "ALTER TABLE events ENABLE ROW LEVEL SECURITY;
+         ALTER TABLE events FORCE ROW LEVEL SECURITY;
+         CREATE POLICY everyone ON events USING (true) WITH CHECK (true);",
+    )
+    .expect("row-level security on events");
+    let plan = publisher::Plan {
+        events: 10,
+        devices: 1,
+        dup_every: 0,
+        conflicts: 0,
+    };
+    let item = |i: usize| {
+        let (_, p) = publisher::envelope(&plan, i, 0);
+        Item::new("t/dev-00/events/load", &p)
+    };
+    let s = store
+        .store_batch(&[item(0), item(1)], 1)
+        .expect("a batch on a database that refuses COPY");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (2, 0, 0));
+    let s = store
+        .store_batch(&[item(2), item(1)], 2)
+        .expect("the next batch");
+    assert_eq!((s.first, s.duplicates, s.mismatches), (1, 1, 0));
+    assert_eq!(count(&mut db, "SELECT count(*) FROM events"), 3);
+}
