@@ -240,6 +240,24 @@ impl PgStore {
         }
     }
 
+    /// [`write_batch`] on the live connection (connecting first); the
+    /// outer error is the connection's, the inner the batch's, for the
+    /// caller to classify.
+    fn write(
+        &mut self,
+        items: &[Item],
+        now_ms: i64,
+        copy: bool,
+    ) -> Result<Result<Stored, postgres::Error>, StoreError> {
+        let (sink, bounds) = (self.sink.clone(), self.bounds);
+        let at = At {
+            now_ms,
+            sink: &sink,
+            bounds: &bounds,
+        };
+        Ok(write_batch(self.client()?, items, &at, copy))
+    }
+
     /// The batch by `COPY` ([`super::pg_copy`]); `None` when some key
     /// was already stored or the server refused a value (rolled back, and
     /// the next [`CAREFUL_BATCHES`] batches go the careful way), or when
@@ -247,14 +265,7 @@ impl PgStore {
     /// tried again by this process: [`PgStore::copy_refused`]). A lost
     /// connection is transient, as on the careful path.
     fn try_copy(&mut self, items: &[Item], now_ms: i64) -> Result<Option<Stored>, StoreError> {
-        let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let client = self.client()?;
-        let at = At {
-            now_ms,
-            sink: &sink,
-            bounds: &bounds,
-        };
-        match write_batch(client, items, &at, true) {
+        match self.write(items, now_ms, true)? {
             Ok(s) => Ok(Some(s)),
             Err(e) => match classify(&e) {
                 Class::Data => {
@@ -296,14 +307,7 @@ impl Store for PgStore {
         } else {
             self.careful = self.careful.saturating_sub(1);
         }
-        let (sink, bounds) = (self.sink.clone(), self.bounds);
-        let client = self.client()?;
-        let at = At {
-            now_ms,
-            sink: &sink,
-            bounds: &bounds,
-        };
-        let mut out = match write_batch(client, items, &at, false) {
+        let mut out = match self.write(items, now_ms, false)? {
             Ok(s) => s,
             Err(e) if classify(&e) == Class::Data => {
                 log::warn!("sink: batch refused as data ({e}); storing its items one by one");
