@@ -380,6 +380,55 @@ fn a_start_reads_at_most_ten_thousand_rows_to_catch_up_sequences() {
 }
 
 #[test]
+fn a_failed_sequence_save_after_a_committed_append_is_not_a_failed_append() {
+    // The save of the sequence numbers that follows every
+    // PERSIST_SEQS_EVERY rows runs after the append's commit. A trigger
+    // makes that save (and only it: it is the one writer of
+    // `seq_through_id`) fail as a full disk would.
+    let d = tempfile::tempdir().unwrap();
+    let mut ids = EventIdGen::new().unwrap();
+    let mut s = open(d.path());
+    s.conn
+        .execute_batch(
+            "CREATE TRIGGER refuse_seq_save BEFORE INSERT ON spool_meta
+             WHEN NEW.key = 'seq_through_id'
+             BEGIN SELECT RAISE(ABORT, 'disk full (test)'); END;
+             CREATE TRIGGER refuse_seq_update BEFORE UPDATE ON spool_meta
+             WHEN NEW.key = 'seq_through_id'
+             BEGIN SELECT RAISE(ABORT, 'disk full (test)'); END;",
+        )
+        .unwrap();
+    let evs: Vec<NewEvent> = (0..10_000).map(|i| ev("a", i as f64)).collect();
+    let appended = s.append(&evs, &mut ids, "d", Format::Json, 0);
+    assert_eq!(appended.ok(), Some(10_000), "the rows are committed");
+    let rows: i64 = s
+        .conn
+        .query_row("SELECT count(*) FROM events", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(rows, 10_000);
+    assert_eq!(
+        s.appended_since_persist(),
+        0,
+        "tried again only after as many rows"
+    );
+    assert!(s.persist_seqs().is_err(), "the trigger refuses the save");
+    s.conn
+        .execute_batch("DROP TRIGGER refuse_seq_save; DROP TRIGGER refuse_seq_update")
+        .unwrap();
+    s.persist_seqs().unwrap();
+    drop(s);
+    // The next start catches up from the rows: the stream goes on at 10,001.
+    let mut s = open(d.path());
+    s.append(&[ev("a", 0.5)], &mut ids, "d", Format::Json, 0)
+        .unwrap();
+    let last: i64 = s
+        .conn
+        .query_row("SELECT max(seq) FROM events", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(last, 10_001);
+}
+
+#[test]
 fn free_pages_are_given_back_in_bounded_steps() {
     let d = tempfile::tempdir().unwrap();
     let mut ids = EventIdGen::new().unwrap();
