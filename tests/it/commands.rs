@@ -1206,11 +1206,14 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
         agent.log_tail(20)
     );
     // Grow the WAL by what the commands below write (a command's receipt
-    // and its result, four times over), then checkpoint, so that their
+    // and its result) many times over, then checkpoint, so that their
     // commits reuse its blocks once the disk is full. (Readings cannot grow
     // it: the 8 MB filesystem is under the free-space reserve, so they are
-    // refused from the start.)
-    for k in 0..4 {
+    // refused from the start.) Four times over was not enough under qemu:
+    // the agent's own records between the fill and the push (the
+    // checkpoint's result, its state) took the reused blocks first, so the
+    // push's receipt found no room and the push waited unacknowledged.
+    for k in 0..12 {
         let id = format!("grow-{k}");
         rig.send_json(json!({"command_id": id, "name": "ping"}));
         rig.wait_result(&id, "result", &mut agent);
