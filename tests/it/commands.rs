@@ -1209,17 +1209,28 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     // and its result) many times over, then checkpoint, so that their
     // commits reuse its blocks once the disk is full. (Readings cannot grow
     // it: the 8 MB filesystem is under the free-space reserve, so they are
-    // refused from the start.) Four times over was not enough under qemu:
-    // the agent's own records between the fill and the push (the
-    // checkpoint's result, its state) took the reused blocks first, so the
-    // push's receipt found no room and the push waited unacknowledged.
+    // refused from the start.)
     for k in 0..12 {
         let id = format!("grow-{k}");
         rig.send_json(json!({"command_id": id, "name": "ping"}));
         rig.wait_result(&id, "result", &mut agent);
     }
-    rig.send_json(json!({"command_id": "ck", "name": "checkpoint"}));
-    rig.wait_result("ck", "result", &mut agent);
+    // The blocks are reused only after a checkpoint that copied the whole
+    // WAL: one that a delivery read overlapped (busy, or fewer frames
+    // checkpointed than logged) leaves the next commits appending to the
+    // WAL's end, which the full disk then refuses (seen under qemu).
+    let mut whole = false;
+    for k in 0..20 {
+        let id = format!("ck-{k}");
+        rig.send_json(json!({"command_id": id, "name": "checkpoint"}));
+        let r = rig.wait_result(&id, "result", &mut agent);
+        let res = &r["result"];
+        if res["busy"] == 0 && res["log_frames"] == res["checkpointed_frames"] {
+            whole = true;
+            break;
+        }
+    }
+    assert!(whole, "no whole checkpoint in 20 tries");
     let mut n = 0;
     while std::fs::write(fs.dir.join(format!("filler-{n}")), vec![0u8; 4096]).is_ok() && n < 4096 {
         n += 1;
