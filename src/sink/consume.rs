@@ -18,8 +18,16 @@
 //! reconnects (what it says stays true), and at most
 //! [`super::outbox::MAX_IN_FLIGHT`] are out unacknowledged, so receipts
 //! never fill rumqttc's in-flight window that PUBACKs also wait behind.
+//!
+//! The store runs on its own thread ([`super::committer`]): batch N+1 is
+//! received and decoded here while batch N commits there, one batch with
+//! the store at most. PUBACKs and receipts are queued, and sent, only from
+//! this thread and only once the store's `Ok` for their batch is back; a
+//! batch that fails ends the session with neither it nor the batch
+//! gathered behind it acknowledged.
 
 use super::batch::{BatchPolicy, Item};
+use super::committer::{Committer, Done};
 use super::outbox::Outbox;
 use super::poller::{Polled, Poller};
 use super::{SinkStats, Store, StoreError};
@@ -141,11 +149,29 @@ enum End {
 
 /// Run the sink until `stop`; returns what it stored and receipted.
 ///
+/// The store runs on a thread of its own ([`Committer`]): while one batch
+/// commits, the next is gathered and decoded here; at most one is with the
+/// store, and its PUBACKs are queued only once it is back committed.
+///
 /// Errors: a fatal store error or a refused subscription (retrying cannot
-/// help; exit non-zero).
-pub fn run<S: Store>(
+/// help; exit non-zero), or the store thread could not be started.
+pub fn run<S: Store + Send>(
     opts: &SinkOptions,
     store: &mut S,
+    stop: &AtomicBool,
+) -> Result<SinkStats, String> {
+    std::thread::scope(|scope| {
+        let mut committer = Committer::start(scope, store, opts.receipts)?;
+        sessions(opts, &mut committer, stop)
+        // The committer is dropped here, idle (every session waits for its
+        // batch), and the scope joins the store thread.
+    })
+}
+
+/// Connections, one after the other, until `stop`.
+fn sessions(
+    opts: &SinkOptions,
+    committer: &mut Committer<Vec<Publish>>,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     let mut totals = SinkStats::default();
@@ -169,6 +195,7 @@ pub fn run<S: Store>(
             opts,
             client: &client,
             conn: &poller,
+            committer: &mut *committer,
             pending: Vec::new(),
             items: Vec::new(),
             batch_bytes: 0,
@@ -178,7 +205,7 @@ pub fn run<S: Store>(
             totals: &mut totals,
             outbox: &mut outbox,
         };
-        let end = s.run(store, stop, &mut last_report);
+        let end = s.run(stop, &mut last_report);
         // Whatever ended the session, this connection is done with (a dead
         // one has already stopped its poller).
         let _ = client.try_disconnect();
@@ -200,6 +227,10 @@ pub fn run<S: Store>(
     log::info!("sink: {totals}");
     Ok(totals)
 }
+
+/// While a batch is with the store, how long to wait for it before taking
+/// the deliveries that arrived meanwhile.
+const BUSY_POLL: Duration = Duration::from_millis(2);
 
 /// A batch is committed once its payloads reach this many bytes, whatever
 /// `--batch-max` says: with incoming packets of up to 16 MiB, 500 of them
@@ -234,6 +265,8 @@ struct Session<'a> {
     opts: &'a SinkOptions,
     client: &'a Client,
     conn: &'a Poller,
+    /// The store thread; the batch with it is acknowledged when it is back.
+    committer: &'a mut Committer<Vec<Publish>>,
     /// Deliveries of the open batch, in arrival order.
     pending: Vec<Publish>,
     items: Vec<Item>,
@@ -250,18 +283,51 @@ struct Session<'a> {
 }
 
 impl Session<'_> {
-    fn run<S: Store>(
-        &mut self,
-        store: &mut S,
-        stop: &AtomicBool,
-        last_report: &mut Instant,
-    ) -> Result<End, String> {
-        loop {
-            self.hand_over();
-            if stop.load(Ordering::Relaxed) {
-                // The open batch is not acknowledged: the broker sends it again.
+    /// Gather and hand over batches until the connection ends or `stop`;
+    /// then wait for the batch with the store. On a clean stop its PUBACKs
+    /// (and receipts) get a moment to leave; on a lost connection they go
+    /// with the client, and its receipts wait in the outbox. The open
+    /// batch, never handed to the store, is not acknowledged: the broker
+    /// sends it again.
+    fn run(&mut self, stop: &AtomicBool, last_report: &mut Instant) -> Result<End, String> {
+        let end = self.gather(stop, last_report);
+        let settled = match self.committer.wait() {
+            Some(d) => self.settle(d),
+            None => Ok(None),
+        };
+        match (end?, settled?) {
+            // What was committed before (and this batch, if it was) may go.
+            (End::Stop, _) => {
                 self.flush();
+                Ok(End::Stop)
+            }
+            (End::Lost(why), _) => Ok(End::Lost(why)),
+        }
+    }
+
+    /// Receive, batch, and hand batches to the store, one at a time: a due
+    /// batch waits (and grows) while the last one is with the store, until
+    /// it is full. A batch back from the store is followed at once by the
+    /// next (the store is never left waiting for PUBACKs to be queued).
+    fn gather(&mut self, stop: &AtomicBool, last_report: &mut Instant) -> Result<End, String> {
+        loop {
+            if let Some(d) = self.committer.try_done() {
+                if let Some(end) = self.settle(d)? {
+                    return Ok(end);
+                }
+            }
+            if stop.load(Ordering::Relaxed) {
                 return Ok(End::Stop);
+            }
+            if !self.committer.busy() && (self.full() || self.due()) {
+                self.submit()?;
+            }
+            self.hand_over();
+            if self.committer.busy() && !self.full() {
+                if let Some(end) = self.gather_while_busy()? {
+                    return Ok(end);
+                }
+                continue;
             }
             let wait = self.opts.batch.wait(
                 self.items.len(),
@@ -273,15 +339,11 @@ impl Session<'_> {
             if let Some(end) = self.on_event(got)? {
                 return Ok(end);
             }
-            let full = !self.items.is_empty() && self.batch_bytes >= MAX_BATCH_BYTES;
-            let due = self.opts.batch.due(
-                self.items.len(),
-                self.first_at.elapsed(),
-                self.last_at.elapsed(),
-            );
-            if full || due {
-                if let Some(end) = self.commit(store)? {
-                    return Ok(end);
+            if self.full() && self.committer.busy() {
+                if let Some(d) = self.committer.wait() {
+                    if let Some(end) = self.settle(d)? {
+                        return Ok(end);
+                    }
                 }
             }
             if last_report.elapsed() >= self.opts.report {
@@ -289,6 +351,45 @@ impl Session<'_> {
                 log::info!("sink: {}", self.totals);
             }
         }
+    }
+
+    /// While a batch is with the store: wait on the store up to
+    /// [`BUSY_POLL`], then take every delivery that has arrived meanwhile
+    /// (until the open batch is full). Waiting on the store rather than on
+    /// each delivery keeps this thread from waking once per PUBLISH, which
+    /// on a small machine costs the database the CPU it commits with.
+    /// `Some` ends the session.
+    fn gather_while_busy(&mut self) -> Result<Option<End>, String> {
+        if let Some(d) = self.committer.wait_for(BUSY_POLL) {
+            return self.settle(d);
+        }
+        while !self.full() {
+            match self.conn.recv_timeout(Duration::ZERO) {
+                Err(RecvTimeoutError::Timeout) => break,
+                got => {
+                    if let Some(end) = self.on_event(got)? {
+                        return Ok(Some(end));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether the open batch can take no more: `--batch-max` deliveries,
+    /// or [`MAX_BATCH_BYTES`].
+    fn full(&self) -> bool {
+        !self.items.is_empty()
+            && (self.batch_bytes >= MAX_BATCH_BYTES || self.items.len() >= self.opts.batch.max)
+    }
+
+    /// Whether the open batch is due by the batch policy.
+    fn due(&self) -> bool {
+        self.opts.batch.due(
+            self.items.len(),
+            self.first_at.elapsed(),
+            self.last_at.elapsed(),
+        )
     }
 
     /// Hand committed PUBACKs to the client, then (only once they are all
@@ -377,21 +478,29 @@ impl Session<'_> {
         self.pending.push(p);
     }
 
-    /// Store the open batch; once committed, its PUBACKs and then its
-    /// receipts are queued. `Some` ends the session (the store is lost).
-    fn commit<S: Store>(&mut self, store: &mut S) -> Result<Option<End>, String> {
-        let now = crate::envelope::wall_clock_ms().0;
-        let stored = match store.commit(&self.items, now) {
-            Ok(s) => s,
+    /// Hand the open batch to the store thread (which is free).
+    ///
+    /// Errors: the store thread is gone.
+    fn submit(&mut self) -> Result<(), String> {
+        let items = std::mem::take(&mut self.items);
+        let deliveries = std::mem::take(&mut self.pending);
+        self.batch_bytes = 0;
+        self.committer.submit(items, deliveries)
+    }
+
+    /// A batch back from the store: once committed, its PUBACKs and then
+    /// its receipts are queued. `Some` ends the session (the store is
+    /// lost; the batch is not acknowledged).
+    ///
+    /// Errors: a fatal store error.
+    fn settle(&mut self, d: Done<Vec<Publish>>) -> Result<Option<End>, String> {
+        let committed = match d.result {
+            Ok(c) => c,
             Err(StoreError::Transient(e)) => return Ok(Some(End::Lost(format!("store: {e}")))),
             Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
         };
-        *self.totals += stored.stats;
-        let owed = match self.opts.receipts {
-            true => super::outbox::owed(&self.items, &stored.fates),
-            false => Vec::new(),
-        };
-        for (topic, payload) in owed {
+        *self.totals += committed.stats;
+        for (topic, payload) in committed.owed {
             // Built from a topic a PUBLISH came on: always valid; checked
             // so that one that is not can never block the outbox.
             if rumqttc::valid_topic(&topic) {
@@ -399,9 +508,7 @@ impl Session<'_> {
             }
         }
         self.totals.receipts_dropped += self.outbox.take_dropped();
-        self.items.clear();
-        self.batch_bytes = 0;
-        self.acks.extend(self.pending.drain(..));
+        self.acks.extend(d.tag);
         Ok(None)
     }
 

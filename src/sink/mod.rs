@@ -14,6 +14,7 @@
 //! - [`batch`]: what became of each delivery, and when a batch is due (pure);
 //! - [`outbox`]: the receipts a committed batch owes its devices, queued (pure);
 //! - [`poller`]: rumqttc's event loop polled to completion on its own thread;
+//! - [`committer`]: the store on a thread of its own, one batch with it at most;
 //! - [`consume`]: the MQTT session, batches, acknowledgements, receipts;
 //! - [`sqlite`]: the single-machine store (rigs and tests);
 //! - `pg_schema`, `postgres`, `pg_copy`: the fleet store, its schema and migrations, its
@@ -38,6 +39,7 @@
 //! session lives in the broker under the sink's client id.
 
 pub mod batch;
+pub mod committer;
 pub mod conninfo;
 pub mod consume;
 pub mod identity;

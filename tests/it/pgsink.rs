@@ -355,3 +355,96 @@ fn a_database_that_refuses_copy_still_gets_every_batch_by_insert() {
     assert_eq!((s.first, s.duplicates, s.mismatches), (1, 1, 0));
     assert_eq!(count(&mut db, "SELECT count(*) FROM events"), 3);
 }
+
+/// A deferred constraint trigger that fails `COMMIT` (SQLSTATE 40001, a
+/// serialization failure: transient) for every other transaction while
+/// `fail_commits.failing` is set.
+const FAIL_COMMITS: &str = "
+CREATE TABLE fail_commits (failing boolean NOT NULL);
+INSERT INTO fail_commits VALUES (true);
+CREATE FUNCTION fail_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF (SELECT bool_or(failing) FROM fail_commits) AND txid_current() % 2 = 0 THEN
+    RAISE EXCEPTION 'commit refused by the test' USING ERRCODE = '40001';
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER fail_commit AFTER INSERT ON events
+  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_commit();";
+
+/// The store runs on its own thread while the next batch is gathered: if a
+/// PUBACK ever left before the commit holding its event, a commit that then
+/// failed would lose that event (the broker would not send it again). Here
+/// half the commits fail at `COMMIT` while a backlog drains in full batches
+/// (one with the store, the next gathered), then the sink is stopped
+/// mid-drain and started again: every event must end up stored, once.
+#[test]
+fn commits_that_fail_and_a_stop_mid_drain_lose_nothing_acknowledged() {
+    let total = 6_000;
+    let plan = publisher::Plan {
+        events: total,
+        devices: 3,
+        dup_every: 0,
+        conflicts: 0,
+    };
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let broker = Broker::start_with_options(support::sink::BROKER_EXTRA, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("pgsink-fail");
+    let filter = format!("{prefix}/+/events/#");
+    let spawn = || {
+        SinkProc::spawn(
+            broker.port(),
+            &filter,
+            &pg.conninfo(),
+            "pg-fail",
+            "g",
+            dir.path(),
+        )
+    };
+    // Subscribe (the session persists, the schema is made), leave, and let
+    // the broker hold the whole backlog.
+    let mut s = spawn();
+    s.wait_subscribed();
+    s.terminate();
+    publisher::publish(broker.port(), &prefix, plan, Duration::from_secs(120));
+    let mut db = pg.client();
+    db.batch_execute(FAIL_COMMITS).expect("failing commits");
+    let mut s = spawn();
+    let failed = |s: &SinkProc| s.log_text().matches("commit refused by the test").count();
+    assert!(
+        support::wait_for(Duration::from_secs(60), || failed(&s) >= 3),
+        "the sink met no failing commits:\n{}",
+        support::tail(&s.log_text(), 30)
+    );
+    let stored_while_failing = events(&mut db);
+    db.batch_execute("UPDATE fail_commits SET failing = false")
+        .expect("commits succeed again");
+    // A stop while batches are with the store: what it acknowledged must
+    // be committed, what it did not the broker sends again.
+    support::wait_for(Duration::from_secs(60), || {
+        events(&mut db) >= stored_while_failing + 1_000
+    });
+    s.terminate();
+    let mut s = spawn();
+    let all = support::wait_for(Duration::from_secs(120), || events(&mut db) >= total as i64);
+    s.terminate();
+    assert!(
+        all,
+        "{} of {total} events stored: a PUBACK left before its commit\n{}",
+        events(&mut db),
+        support::tail(&s.log_text(), 30)
+    );
+    assert_eq!(
+        count(
+            &mut db,
+            "SELECT count(DISTINCT (device_id, event_id)) FROM events"
+        ),
+        total as i64
+    );
+    assert_eq!(count(&mut db, "SELECT count(*) FROM mismatches"), 0);
+    assert!(
+        failed(&s) == 0,
+        "the last run met no failing commit (the trigger is off)"
+    );
+}

@@ -1,0 +1,174 @@
+//! The store on a thread of its own, so that the MQTT side gathers and
+//! decodes batch N+1 while batch N commits.
+//!
+//! Its one rule: **at most one batch is with the store, and what it did
+//! comes back whole, in submission order**: a caller hands over batch N+1
+//! only after it has taken batch N's [`Done`], so acknowledgements can go
+//! out in arrival order and only for a batch whose `Ok` it holds (the
+//! caller's tag, e.g. the deliveries to acknowledge, travels with the batch
+//! and comes back beside the store's answer). A batch that fails comes
+//! back with its error and is never retried here; nothing after it is in
+//! the store's hands.
+//!
+//! The thread lives in a [`std::thread::scope`] of the caller (it borrows
+//! the store); it ends when the [`Committer`] is dropped, after the batch it
+//! holds has committed or failed, so a stop drains the batch with the store
+//! and drops nothing the store has already been given.
+
+use super::batch::Item;
+use super::{SinkStats, Store, StoreError};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
+use std::thread::Scope;
+
+/// What a committed batch left to do: its counters and the receipts it
+/// owes (`(topic, payload)`, see [`super::outbox::owed`]).
+#[derive(Debug, Default)]
+pub struct Committed {
+    /// The batch's counters.
+    pub stats: SinkStats,
+    /// Receipts owed, empty when receipts are off.
+    pub owed: Vec<(String, Vec<u8>)>,
+}
+
+/// A batch back from the store: the caller's tag, and `Ok` only if it
+/// committed.
+pub struct Done<T> {
+    /// What was handed over with the batch, untouched.
+    pub tag: T,
+    /// [`Store::commit`]'s answer.
+    pub result: Result<Committed, StoreError>,
+}
+
+/// A batch and its tag, on its way to the store thread.
+struct Job<T> {
+    items: Vec<Item>,
+    tag: T,
+}
+
+/// The handle of the store thread.
+pub struct Committer<T> {
+    jobs: Option<SyncSender<Job<T>>>,
+    done: Receiver<Done<T>>,
+    busy: bool,
+}
+
+impl<T: Send + Default> Committer<T> {
+    /// Start the store thread in `scope`; with `receipts` it also works out
+    /// the receipts each committed batch owes.
+    ///
+    /// Errors: the thread could not be started (named in the message).
+    pub fn start<'scope, 'env, S: Store + Send>(
+        scope: &'scope Scope<'scope, 'env>,
+        store: &'scope mut S,
+        receipts: bool,
+    ) -> Result<Committer<T>, String>
+    where
+        T: 'scope,
+    {
+        // Rendezvous both ways: a batch is handed over only to a thread
+        // that is waiting for one, and one answer at most waits.
+        let (jobs, job_rx) = mpsc::sync_channel::<Job<T>>(0);
+        let (done_tx, done) = mpsc::sync_channel::<Done<T>>(1);
+        std::thread::Builder::new()
+            .name("sink-store".into())
+            .spawn_scoped(scope, move || {
+                for Job { items, tag } in job_rx {
+                    let now = crate::envelope::wall_clock_ms().0;
+                    let result = store.commit(&items, now).map(|s| Committed {
+                        owed: match receipts {
+                            true => super::outbox::owed(&items, &s.fates),
+                            false => Vec::new(),
+                        },
+                        stats: s.stats,
+                    });
+                    drop(items);
+                    if done_tx.send(Done { tag, result }).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| format!("starting the sink's store thread: {e}"))?;
+        Ok(Committer {
+            jobs: Some(jobs),
+            done,
+            busy: false,
+        })
+    }
+
+    /// Whether a batch is with the store (its [`Done`] not yet taken).
+    pub fn busy(&self) -> bool {
+        self.busy
+    }
+
+    /// Hand `items` to the store. Call only when not [`Committer::busy`]:
+    /// the last batch's [`Done`] has been taken.
+    ///
+    /// Errors: the store thread is gone (it panicked; the scope re-raises
+    /// that panic when it ends).
+    pub fn submit(&mut self, items: Vec<Item>, tag: T) -> Result<(), String> {
+        debug_assert!(!self.busy, "one batch with the store at most");
+        let gone = || "the sink's store thread ended".to_owned();
+        let jobs = self.jobs.as_ref().ok_or_else(gone)?;
+        jobs.send(Job { items, tag }).map_err(|_| gone())?;
+        self.busy = true;
+        Ok(())
+    }
+
+    /// The batch with the store if it is back; `None` while it is not, or
+    /// when none is out.
+    pub fn try_done(&mut self) -> Option<Done<T>> {
+        if !self.busy {
+            return None;
+        }
+        match self.done.try_recv() {
+            Ok(d) => {
+                self.busy = false;
+                Some(d)
+            }
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => {
+                self.busy = false;
+                Some(self.lost())
+            }
+        }
+    }
+
+    /// The batch with the store if it is back within `within`; `None`
+    /// when it is not, or when none is out.
+    pub fn wait_for(&mut self, within: std::time::Duration) -> Option<Done<T>> {
+        if !self.busy {
+            return None;
+        }
+        match self.done.recv_timeout(within) {
+            Ok(d) => {
+                self.busy = false;
+                Some(d)
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                self.busy = false;
+                Some(self.lost())
+            }
+        }
+    }
+
+    /// The batch with the store, once it is back (`None` when none is out).
+    pub fn wait(&mut self) -> Option<Done<T>> {
+        if !self.busy {
+            return None;
+        }
+        self.busy = false;
+        Some(self.done.recv().unwrap_or_else(|_| self.lost()))
+    }
+
+    /// A store thread gone without an answer (it panicked): its batch is
+    /// not committed (its tag is lost, an empty one comes back), and
+    /// nothing more can be.
+    fn lost(&mut self) -> Done<T> {
+        self.jobs = None;
+        Done {
+            tag: T::default(),
+            result: Err(StoreError::Fatal("the sink's store thread ended".into())),
+        }
+    }
+}
