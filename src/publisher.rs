@@ -776,7 +776,7 @@ mod tests {
             id: 7,
             event_id: id.to_owned(),
             stream: "s".to_owned(),
-            digest: <sha2::Sha256 as sha2::Digest>::digest(&payload).to_vec(),
+            digest: Some(<sha2::Sha256 as sha2::Digest>::digest(&payload).into()),
             payload,
             prio: 0,
         };
@@ -801,7 +801,7 @@ mod tests {
             id,
             event_id: format!("0123abcd-0000-4000-8000-{id:012}"),
             stream: "s".to_owned(),
-            digest: Vec::new(),
+            digest: None,
             payload: Vec::new(),
             prio: 0,
         };

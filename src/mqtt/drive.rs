@@ -11,7 +11,7 @@
 use super::link::Link;
 use super::poller::Conn;
 use super::settings::Protocol;
-use super::shared::{lock, SENT_AT_MAX};
+use super::shared::{lock, Shared, SENT_AT_MAX};
 use super::thread::MqttThread;
 use super::wire::{Ev, Failure};
 use crate::backoff::Backoff;
@@ -30,27 +30,12 @@ impl MqttThread {
         // the stop flag (the poll itself runs on, never cut short:
         // [`super::poller`]).
         let connect_wait = self.cfg.connect_timeout + Duration::from_secs(2);
+        let mut wait = self.wait(&lock(&self.shared), connect_wait);
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 self.take_queued_pubacks(connection, backoff);
                 return "agent stopping".into();
             }
-            // Event-driven: events come for packets, for requests the
-            // delivery thread submits, for rumqttc's own keep-alive pings and
-            // for the DISCONNECT that stop/reconfigure send; our only timer
-            // is the watchdog's deadline while rows are in flight.
-            let wait = {
-                let s = lock(&self.shared);
-                match s.progress_at.filter(|_| s.connected && !s.ack.is_empty()) {
-                    _ if !s.connected => connect_wait,
-                    Some(t) => self
-                        .cfg
-                        .ack_timeout
-                        .saturating_sub(t.elapsed())
-                        .max(Duration::from_millis(50)),
-                    None => IDLE_WAIT,
-                }
-            };
             let event = connection.recv_timeout(wait);
             if self.stop.load(Ordering::Relaxed) {
                 // Whatever woke us (the offline status, a DISCONNECT): stop
@@ -108,18 +93,39 @@ impl MqttThread {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
             }
-            {
+            // One lock after each event (two events per row in a
+            // single-event drain): the acknowledgements held back, whether
+            // the connection ends, and how long the next wait may be.
+            let end = {
+                let mut s = lock(&self.shared);
                 // The request channel drains as the event loop runs: hand it
                 // the acknowledgements that found it full (then the rows
                 // they held back).
-                let mut s = lock(&self.shared);
                 if !s.acks_due.is_empty() {
                     s.pump();
                 }
-            }
-            if let Some(why) = self.why_end() {
+                wait = self.wait(&s, connect_wait);
+                self.why_end(&mut s)
+            };
+            if let Some(why) = end {
                 return why;
             }
+        }
+    }
+
+    /// How long the next poll may wait. Event-driven: events come for
+    /// packets, for requests the delivery thread submits, for rumqttc's own
+    /// keep-alive pings and for the DISCONNECT that stop/reconfigure send;
+    /// our only timer is the watchdog's deadline while rows are in flight.
+    fn wait(&self, s: &Shared, connect_wait: Duration) -> Duration {
+        match s.progress_at.filter(|_| s.connected && !s.ack.is_empty()) {
+            _ if !s.connected => connect_wait,
+            Some(t) => self
+                .cfg
+                .ack_timeout
+                .saturating_sub(t.elapsed())
+                .max(Duration::from_millis(50)),
+            None => IDLE_WAIT,
         }
     }
 
@@ -165,23 +171,20 @@ impl MqttThread {
 
     /// After each event: why this connection must end now, if it must (new
     /// settings, a redelivery asked for, or the watchdog).
-    fn why_end(&self) -> Option<String> {
-        if lock(&self.shared).reconfigure.is_some() {
+    fn why_end(&self, s: &mut Shared) -> Option<String> {
+        if s.reconfigure.is_some() {
             return Some("configuration changed; reconnecting with the new settings".into());
         }
-        if std::mem::take(&mut lock(&self.shared).redeliver) {
+        if std::mem::take(&mut s.redeliver) {
             self.reconnect_now.set(true);
             return Some("reconnecting so the broker redelivers the commands held back".into());
         }
         // Watchdog: connected, rows waiting, no acknowledgement for too
         // long (rumqtt issues 1014/1056: a stall that looks healthy).
-        let stalled = {
-            let s = lock(&self.shared);
-            s.connected
-                && !s.ack.is_empty()
-                && s.progress_at
-                    .is_some_and(|t| t.elapsed() > self.cfg.ack_timeout)
-        };
+        let stalled = s.connected
+            && !s.ack.is_empty()
+            && s.progress_at
+                .is_some_and(|t| t.elapsed() > self.cfg.ack_timeout);
         stalled.then(|| {
             self.watchdog_fired.set(true);
             format!(

@@ -12,7 +12,6 @@ use super::settings::MqttConfig;
 use super::wire::{Client, Granted, PubAckRefusal};
 use crate::ack::{AckMap, MAX_WINDOW};
 use crate::metrics::Histogram;
-use rumqttc::QoS;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
@@ -116,20 +115,18 @@ impl Shared {
             self.acks_due.pop_front();
         }
         while self.ack.len() < self.window {
-            let Some(r) = self.ready.front() else {
+            let Some(mut r) = self.ready.pop_front() else {
                 return;
             };
             if self.ack.submitted(r.row).is_err() {
+                self.ready.push_front(r);
                 return;
             }
-            let event_id = (!r.event_id.is_empty()).then_some(r.event_id.as_str());
-            match client.try_publish(
-                &r.topic,
-                QoS::AtLeastOnce,
-                false,
-                r.payload.clone(),
-                event_id,
-            ) {
+            // The payload and event id move into the request (no copy per
+            // publish); a full channel hands them back.
+            let payload = std::mem::take(&mut r.payload);
+            let event_id = std::mem::take(&mut r.event_id);
+            match client.try_publish_row(&r.topic, payload, event_id) {
                 Ok(()) => {
                     if self.progress_at.is_none() {
                         // The watchdog's clock starts with the first row in
@@ -140,13 +137,24 @@ impl Shared {
                         self.submitted.push(r.row);
                     } else {
                         self.submitted.extend_from_slice(&r.members);
-                        self.batches.insert(r.row, r.members.clone());
+                        self.batches.insert(r.row, r.members);
                     }
-                    self.ready.pop_front();
                 }
-                Err(_) => {
+                Err(Some((payload, event_id))) => {
                     // Channel full: it never entered rumqttc; try again later.
                     self.ack.submit_failed();
+                    r.payload = payload;
+                    r.event_id = event_id;
+                    self.ready.push_front(r);
+                    return;
+                }
+                Err(None) => {
+                    // Refused without its bytes back (rumqttc gives them
+                    // back on every refusal it has): the row never entered
+                    // rumqttc and cannot wait here unchanged (I3), so this
+                    // connection ends and the spool offers it again.
+                    self.ack.submit_failed();
+                    client.try_disconnect();
                     return;
                 }
             }

@@ -184,6 +184,57 @@ impl Client {
         }
     }
 
+    /// Queue a row's QoS 1 PUBLISH without blocking, taking its payload and
+    /// event id (under MQTT 5 the `event_id` user property, unless empty)
+    /// instead of copying them.
+    ///
+    /// Errors: the request channel is full or closed (the publish never
+    /// reached the event loop); the payload and the event id come back, so
+    /// the row can wait for room unchanged (`None`: rumqttc refused it
+    /// without them, which 0.25.1 never does).
+    pub fn try_publish_row(
+        &self,
+        topic: &str,
+        payload: Vec<u8>,
+        event_id: String,
+    ) -> Result<(), Option<(Vec<u8>, String)>> {
+        match self {
+            Client::V4(c) => match c.try_publish(topic, QoS::AtLeastOnce, false, payload) {
+                Ok(()) => Ok(()),
+                Err(rumqttc::ClientError::TryRequest(rumqttc::Request::Publish(p)))
+                | Err(rumqttc::ClientError::Request(rumqttc::Request::Publish(p))) => {
+                    Err(Some((Vec::from(p.payload), event_id)))
+                }
+                Err(_) => Err(None),
+            },
+            Client::V5(c) => {
+                let qos = qos5(QoS::AtLeastOnce);
+                let sent = if event_id.is_empty() {
+                    c.try_publish(topic, qos, false, payload)
+                } else {
+                    let props = p5::PublishProperties {
+                        user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), event_id)],
+                        ..Default::default()
+                    };
+                    c.try_publish_with_properties(topic, qos, false, payload, props)
+                };
+                match sent {
+                    Ok(()) => Ok(()),
+                    Err(rumqttc::v5::ClientError::TryRequest(rumqttc::v5::Request::Publish(p)))
+                    | Err(rumqttc::v5::ClientError::Request(rumqttc::v5::Request::Publish(p))) => {
+                        let id = p
+                            .properties
+                            .and_then(|mut pr| pr.user_properties.pop())
+                            .map(|(_, v)| v)
+                            .unwrap_or_default();
+                        Err(Some((Vec::from(p.payload), id)))
+                    }
+                    Err(_) => Err(None),
+                }
+            }
+        }
+    }
+
     /// Queue a SUBSCRIBE without blocking. Errors: the channel is full or closed.
     pub fn try_subscribe(&self, topic: &str, qos: QoS) -> Result<(), String> {
         match self {

@@ -227,7 +227,7 @@ mod tests {
             event_id: format!("e{id}"),
             stream: stream.to_owned(),
             payload: payload.as_bytes().to_vec(),
-            digest: Vec::new(),
+            digest: None,
             prio: 0,
         }
     }

@@ -74,8 +74,9 @@ pub struct OutRow {
     pub stream: String,
     /// The stored payload bytes, sent unchanged on every attempt.
     pub payload: Vec<u8>,
-    /// sha256 of `payload` as stored at append.
-    pub digest: Vec<u8>,
+    /// sha256 of `payload` as stored at append; `None` when the stored
+    /// digest is not 32 bytes (the row then fails its check).
+    pub digest: Option<[u8; 32]>,
     /// Delivery priority of the row (its stream's, [`priority`]).
     pub prio: u8,
 }
@@ -83,7 +84,8 @@ pub struct OutRow {
 impl OutRow {
     /// True when the payload still hashes to the digest stored at append (I3).
     pub fn digest_ok(&self) -> bool {
-        Sha256::digest(&self.payload).as_slice() == self.digest.as_slice()
+        self.digest
+            .is_some_and(|d| Sha256::digest(&self.payload).as_slice() == d.as_slice())
     }
 }
 
