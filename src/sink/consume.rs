@@ -323,6 +323,16 @@ impl Session<'_> {
                 self.submit()?;
             }
             self.hand_over();
+            if self.committer.busy() && self.full() {
+                // Full while the store holds the last batch: take nothing
+                // more (a batch never passes --batch-max) until it answers.
+                if let Some(d) = self.committer.wait() {
+                    if let Some(end) = self.settle(d)? {
+                        return Ok(end);
+                    }
+                }
+                continue;
+            }
             if self.committer.busy() && !self.full() {
                 if let Some(end) = self.gather_while_busy()? {
                     return Ok(end);
@@ -338,13 +348,6 @@ impl Session<'_> {
             let got = self.conn.recv_timeout(wait);
             if let Some(end) = self.on_event(got)? {
                 return Ok(end);
-            }
-            if self.full() && self.committer.busy() {
-                if let Some(d) = self.committer.wait() {
-                    if let Some(end) = self.settle(d)? {
-                        return Ok(end);
-                    }
-                }
             }
             if last_report.elapsed() >= self.opts.report {
                 *last_report = Instant::now();
@@ -464,7 +467,7 @@ impl Session<'_> {
     }
 
     /// A delivery joins the open batch.
-    fn take(&mut self, p: Publish) {
+    fn take(&mut self, mut p: Publish) {
         if self.items.is_empty() {
             self.first_at = Instant::now();
         }
@@ -475,6 +478,10 @@ impl Session<'_> {
         let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
         self.batch_bytes = self.batch_bytes.saturating_add(bytes);
         self.items.extend(new);
+        // The PUBACK needs only the packet id and QoS (rumqttc's
+        // `get_ack_req`): the payload, copied into the items, is not
+        // kept twice until the commit.
+        p.payload = Default::default();
         self.pending.push(p);
     }
 
