@@ -17,7 +17,7 @@
 
 use super::batch::Item;
 use super::{SinkStats, Store, StoreError};
-use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::Scope;
 
 /// What a committed batch left to do: its counters and the receipts it
@@ -117,20 +117,7 @@ impl<T: Send + Default> Committer<T> {
     /// The batch with the store if it is back; `None` while it is not, or
     /// when none is out.
     pub fn try_done(&mut self) -> Option<Done<T>> {
-        if !self.busy {
-            return None;
-        }
-        match self.done.try_recv() {
-            Ok(d) => {
-                self.busy = false;
-                Some(d)
-            }
-            Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => {
-                self.busy = false;
-                Some(self.lost())
-            }
-        }
+        self.wait_for(std::time::Duration::ZERO)
     }
 
     /// The batch with the store if it is back within `within`; `None`

@@ -323,18 +323,14 @@ impl Session<'_> {
                 self.submit()?;
             }
             self.hand_over();
-            if self.committer.busy() && self.full() {
+            if self.committer.busy() {
                 // Full while the store holds the last batch: take nothing
                 // more (a batch never passes --batch-max) until it answers.
-                if let Some(d) = self.committer.wait() {
-                    if let Some(end) = self.settle(d)? {
-                        return Ok(end);
-                    }
-                }
-                continue;
-            }
-            if self.committer.busy() && !self.full() {
-                if let Some(end) = self.gather_while_busy()? {
+                let end = match self.full() {
+                    true => self.committer.wait().map_or(Ok(None), |d| self.settle(d))?,
+                    false => self.gather_while_busy()?,
+                };
+                if let Some(end) = end {
                     return Ok(end);
                 }
                 continue;
@@ -379,8 +375,8 @@ impl Session<'_> {
         Ok(None)
     }
 
-    /// Whether the open batch can take no more: `--batch-max` deliveries,
-    /// or [`MAX_BATCH_BYTES`].
+    /// Whether the open batch can take no more: `--batch-max` events (a
+    /// batched publish counts as all it carries), or [`MAX_BATCH_BYTES`].
     fn full(&self) -> bool {
         !self.items.is_empty()
             && (self.batch_bytes >= MAX_BATCH_BYTES || self.items.len() >= self.opts.batch.max)
