@@ -21,6 +21,7 @@ use super::pg_copy;
 use super::pg_schema::{self, MigrateError};
 use super::pg_tls::{self, PgConnect, TlsFiles};
 use super::{SideBounds, SinkStats, Store, StoreError, Stored};
+use postgres::error::SqlState;
 use postgres::{Client, Transaction};
 use std::collections::{HashMap, HashSet};
 
@@ -264,24 +265,38 @@ impl PgStore {
     /// the server refused `COPY` itself (rolled back, and `COPY` is not
     /// tried again by this process: [`PgStore::copy_refused`]). A lost
     /// connection is transient, as on the careful path.
+    ///
+    /// Any failure but a key already stored (23505) also drops the
+    /// connection: a `COPY` the server refuses before it enters copy mode
+    /// leaves the client one `ReadyForQuery` ahead (rust-postgres sends a
+    /// `Sync` after the `Execute` and another after the `CopyFail`; its
+    /// issue 789), and the next statement on that connection fails with
+    /// "unexpected message from server".
     fn try_copy(&mut self, items: &[Item], now_ms: i64) -> Result<Option<Stored>, StoreError> {
-        match self.write(items, now_ms, true)? {
-            Ok(s) => Ok(Some(s)),
-            Err(e) => match classify(&e) {
-                Class::Data => {
-                    log::debug!("sink: COPY refused ({e}); storing the batch with ON CONFLICT");
-                    self.careful = CAREFUL_BATCHES;
-                    Ok(None)
-                }
-                Class::Fatal => {
-                    log::warn!(
-                        "sink: PostgreSQL refused COPY into events ({e}); storing every batch with INSERT .. ON CONFLICT from now on (slower)"
-                    );
-                    self.copy_refused = true;
-                    Ok(None)
-                }
-                Class::Transient => Err(self.fail(e)),
-            },
+        let e = match self.write(items, now_ms, true)? {
+            Ok(s) => return Ok(Some(s)),
+            Err(e) => e,
+        };
+        if !e
+            .as_db_error()
+            .is_some_and(|d| *d.code() == SqlState::UNIQUE_VIOLATION)
+        {
+            self.client = None;
+        }
+        match classify(&e) {
+            Class::Data => {
+                log::debug!("sink: COPY refused ({e}); storing the batch with ON CONFLICT");
+                self.careful = CAREFUL_BATCHES;
+                Ok(None)
+            }
+            Class::Fatal => {
+                log::warn!(
+                    "sink: PostgreSQL refused COPY into events ({e}); storing every batch with INSERT .. ON CONFLICT from now on (slower)"
+                );
+                self.copy_refused = true;
+                Ok(None)
+            }
+            Class::Transient => Err(self.fail(e)),
         }
     }
 
