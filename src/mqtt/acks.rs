@@ -1,20 +1,18 @@
-//! What the MQTT thread does with each acknowledgement the broker sends:
-//! CONNACK (size the window, subscribe to commands, announce the status,
-//! submit what is ready), PUBACK (retire what it acknowledges, refill the
-//! window), a refusing PUBACK (MQTT 5) and SUBACK.
+//! What the MQTT thread does with the broker's acknowledgements of the
+//! connection itself: CONNACK (size the window, subscribe to commands,
+//! announce the status, submit what is ready) and SUBACK. A row's PUBACK is
+//! handled on the poller thread ([`super::rowacks`]).
 //!
-//! Its one rule: a PUBACK retires only what the ack map matched to its
-//! packet id on this connection; a PUBACK the map cannot match ends the
-//! connection (the map is dropped and the rows replayed), never a guess.
+//! Its one rule: a SUBACK answers the oldest subscription still due on this
+//! connection (`conn.subacks_due`), in the order they were sent.
 
 use super::facts::{Sub, SUB_RETRY_MIN};
 use super::handoff::DeliveryMsg;
 use super::settings::Protocol;
 use super::shared::lock;
-use super::status::{announce_online, STATUS_ROW};
+use super::status::announce_online;
 use super::thread::{ConnMode, MqttThread};
-use super::wire::{Granted, PubAckRefusal};
-use crate::backoff::Backoff;
+use super::wire::Granted;
 use rumqttc::QoS;
 use std::time::Instant;
 
@@ -98,101 +96,6 @@ impl MqttThread {
         let _ = self
             .to_delivery
             .send(DeliveryMsg::Connected { session_present });
-        Ok(())
-    }
-
-    /// PUBACK: the row it acknowledges is retired (through the delivery
-    /// thread); the window refills from here. Errors: an inconsistency that
-    /// ends the connection (the map is dropped, rows replayed).
-    pub(super) fn on_puback(
-        &self,
-        pkid: u16,
-        refused: Option<PubAckRefusal>,
-        backoff: &mut Backoff,
-    ) -> Result<(), String> {
-        if let Some(r) = refused {
-            return self.on_refused_puback(pkid, r);
-        }
-        let notify = {
-            let mut s = lock(&self.shared);
-            let sent = s
-                .sent_at
-                .iter()
-                .position(|(p, _)| *p == pkid)
-                .and_then(|i| s.sent_at.remove(i))
-                .map(|(_, t)| t.elapsed());
-            match s.ack.on_puback(pkid) {
-                Ok(STATUS_ROW) => {
-                    s.pump();
-                    false
-                }
-                Ok(row) => {
-                    if !s.conn.had_puback {
-                        // Backoff resets only once a connection
-                        // has carried data (or lived a keep-alive).
-                        s.conn.had_puback = true;
-                        backoff.reset();
-                    }
-                    let rows = s.members(row);
-                    s.acked.extend(rows);
-                    if let Some(d) = sent {
-                        s.puback_latency.observe(d);
-                    }
-                    s.progress_at = if s.ack.is_empty() {
-                        None
-                    } else {
-                        Some(Instant::now())
-                    };
-                    // Refill the window from here: no thread hop per PUBACK.
-                    s.pump();
-                    let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;
-                    let first = !s.notified;
-                    if wanted && first {
-                        s.notified = true;
-                    }
-                    wanted && first
-                }
-                Err(e) => return Err(format!("ack correlation: {e}")),
-            }
-        };
-        if notify {
-            let _ = self.to_delivery.send(DeliveryMsg::Progress);
-        }
-        Ok(())
-    }
-
-    /// A PUBACK with a reason code of 0x80 or more (MQTT 5.0 §3.4.2.1): the
-    /// row is not delivered. A refusal about the moment (quota exceeded,
-    /// packet id in use) ends the connection, so the row is sent again
-    /// after the backoff; any other goes to the delivery thread to be
-    /// marked FAILED with its reason, and the rows behind it flow.
-    /// Errors: why the connection must end.
-    fn on_refused_puback(&self, pkid: u16, r: PubAckRefusal) -> Result<(), String> {
-        let notify = {
-            let mut s = lock(&self.shared);
-            s.sent_at.retain(|(p, _)| *p != pkid);
-            let row = match s.ack.on_puback(pkid) {
-                Ok(row) => row,
-                Err(e) => return Err(format!("ack correlation: {e}")),
-            };
-            if r.transient() {
-                return Err(format!("{r}; sending it again after the backoff"));
-            }
-            s.pump();
-            if row == STATUS_ROW {
-                log::warn!("mqtt: the retained online status was refused: {r}");
-                return Ok(());
-            }
-            for row in s.members(row) {
-                s.refused.push((row, r));
-            }
-            let first = !s.notified;
-            s.notified = true;
-            first
-        };
-        if notify {
-            let _ = self.to_delivery.send(DeliveryMsg::Progress);
-        }
         Ok(())
     }
 

@@ -11,13 +11,12 @@
 use super::link::Link;
 use super::poller::Conn;
 use super::settings::Protocol;
-use super::shared::{lock, Shared, SENT_AT_MAX};
+use super::shared::{lock, Shared};
 use super::thread::MqttThread;
 use super::wire::{Ev, Failure};
-use crate::backoff::Backoff;
 use rumqttc::RecvTimeoutError;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Longest poll while connected with nothing in flight (rumqttc sends its
 /// keep-alive pings from inside the poll, so this is only a safety net).
@@ -25,7 +24,7 @@ const IDLE_WAIT: Duration = Duration::from_secs(30);
 
 impl MqttThread {
     /// Poll one connection until it fails; returns why.
-    pub(super) fn drive(&self, connection: &mut Conn, backoff: &mut Backoff) -> String {
+    pub(super) fn drive(&self, connection: &mut Conn) -> String {
         // Long enough to see a connect attempt through, short enough to see
         // the stop flag (the poll itself runs on, never cut short:
         // [`super::poller`]).
@@ -33,18 +32,13 @@ impl MqttThread {
         let mut wait = self.wait(&lock(&self.shared), connect_wait);
         loop {
             if self.stop.load(Ordering::Relaxed) {
-                self.take_queued_pubacks(connection, backoff);
                 return "agent stopping".into();
             }
             let event = connection.recv_timeout(wait);
             if self.stop.load(Ordering::Relaxed) {
-                // Whatever woke us (the offline status, a DISCONNECT): stop
-                // without matching it to rows; the PUBACKs already received
-                // still retire theirs.
-                if let Ok(Ok(Ev::PubAck { pkid, refused })) = event {
-                    let _ = self.on_puback(pkid, refused, backoff);
-                }
-                self.take_queued_pubacks(connection, backoff);
+                // Whatever woke us (the offline status, a DISCONNECT): stop.
+                // The PUBACKs the poller receives until the connection is
+                // lost still retire theirs (`super::rowacks`).
                 return "agent stopping".into();
             }
             match event {
@@ -59,16 +53,10 @@ impl MqttThread {
                         return why;
                     }
                 }
-                Ok(Ok(Ev::OutgoingPublish(pkid))) => {
-                    if let Err(why) = self.on_outgoing_publish(pkid) {
-                        return why;
-                    }
-                }
-                Ok(Ok(Ev::PubAck { pkid, refused })) => {
-                    if let Err(why) = self.on_puback(pkid, refused, backoff) {
-                        return why;
-                    }
-                }
+                // Handled on the poller thread (`super::rowacks`); not
+                // forwarded here.
+                Ok(Ok(Ev::OutgoingPublish(_) | Ev::PubAck { .. })) => {}
+                Ok(Ok(Ev::End(why))) => return why,
                 Ok(Ok(Ev::Publish(p))) => match &self.commands {
                     Some(c) if p.topic == *c.topic => {
                         let epoch = lock(&self.shared).epoch;
@@ -114,9 +102,13 @@ impl MqttThread {
     }
 
     /// How long the next poll may wait. Event-driven: events come for
-    /// packets, for requests the delivery thread submits, for rumqttc's own
-    /// keep-alive pings and for the DISCONNECT that stop/reconfigure send;
-    /// our only timer is the watchdog's deadline while rows are in flight.
+    /// CONNACK, SUBACKs and incoming PUBLISHes, for rumqttc's own keep-alive
+    /// pings and for the DISCONNECT that stop/reconfigure send; our only
+    /// timer is the watchdog's deadline while rows are in flight. A row's
+    /// own events do not come here ([`super::rowacks`]), so with nothing in
+    /// flight the wait is at most `ack_timeout`: a row submitted meanwhile
+    /// starts the watchdog's clock (`progress_at`) after this wait began,
+    /// so its deadline is still ahead when the wait ends.
     fn wait(&self, s: &Shared, connect_wait: Duration) -> Duration {
         match s.progress_at.filter(|_| s.connected && !s.ack.is_empty()) {
             _ if !s.connected => connect_wait,
@@ -125,48 +117,8 @@ impl MqttThread {
                 .ack_timeout
                 .saturating_sub(t.elapsed())
                 .max(Duration::from_millis(50)),
-            None => IDLE_WAIT,
+            None => IDLE_WAIT.min(self.cfg.ack_timeout),
         }
-    }
-
-    /// At a stop: the PUBACKs the poller has already received and queued
-    /// retire their rows (a clean stop re-sends nothing the broker
-    /// acknowledged); nothing else is taken.
-    fn take_queued_pubacks(&self, connection: &mut Conn, backoff: &mut Backoff) {
-        for _ in 0..super::poller::EVENTS_QUEUED {
-            match connection.recv_timeout(Duration::ZERO) {
-                Ok(Ok(Ev::PubAck { pkid, refused })) => {
-                    if self.on_puback(pkid, refused, backoff).is_err() {
-                        return;
-                    }
-                }
-                Ok(Ok(Ev::OutgoingPublish(pkid))) => {
-                    if self.on_outgoing_publish(pkid).is_err() {
-                        return;
-                    }
-                }
-                Ok(Ok(_)) => {}
-                Ok(Err(_)) | Err(_) => return,
-            }
-        }
-    }
-
-    /// A PUBLISH left with `pkid`: the ack map matches it to the oldest
-    /// row submitted (or knows it as a re-send), and the time it left is
-    /// noted for the PUBACK latency. The one handler of the main loop and
-    /// of [`Self::take_queued_pubacks`]. Errors: an inconsistency that ends
-    /// the connection.
-    fn on_outgoing_publish(&self, pkid: u16) -> Result<(), String> {
-        let mut s = lock(&self.shared);
-        if let Err(e) = s.ack.on_outgoing_publish(pkid) {
-            return Err(format!("ack correlation: {e}"));
-        }
-        s.sent_at.retain(|(p, _)| *p != pkid);
-        if s.sent_at.len() >= SENT_AT_MAX {
-            s.sent_at.pop_front();
-        }
-        s.sent_at.push_back((pkid, Instant::now()));
-        Ok(())
     }
 
     /// After each event: why this connection must end now, if it must (new

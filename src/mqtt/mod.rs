@@ -1,6 +1,6 @@
-//! The MQTT connection thread: owns the rumqttc event loop, turns PUBACKs into
-//! retirements through [`crate::ack::AckMap`], and rebuilds the client after every
-//! disconnect.
+//! The MQTT connection thread: owns the rumqttc event loop (polled on a
+//! thread of its own, which turns PUBACKs into retirements through
+//! [`crate::ack::AckMap`]), and rebuilds the client after every disconnect.
 //!
 //! Its one rule: **this thread never touches SQLite and never waits on it**;
 //! it reports to the delivery thread over a channel, so a slow SD-card fsync
@@ -20,7 +20,7 @@
 //! state both sides lock and the pump that fills the window; `link` the
 //! delivery and command threads' handle ([`Link`]); `thread` one connection
 //! after another ([`MqttThread`]); `drive` polling one connection and the
-//! watchdog; `acks` CONNACK, PUBACK and SUBACK; `status` the retained
+//! watchdog; `acks` CONNACK and SUBACK; `rowacks` each row's outgoing PUBLISH and PUBACK, on the poller thread; `status` the retained
 //! status; `facts` the connection's story for health; `poller` the event loop polled on its own thread, never cut short;
 //! `packet` packet-size arithmetic; `setup` the files a connection reads; [`wire`] the two
 //! protocol versions behind one face; [`settings`] the settings.
@@ -32,6 +32,7 @@ mod handoff;
 mod link;
 mod packet;
 mod poller;
+mod rowacks;
 pub mod settings;
 mod setup;
 mod shared;

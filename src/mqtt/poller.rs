@@ -1,5 +1,6 @@
 //! One connection's rumqttc event loop, polled to completion on a thread of
-//! its own ([`Conn`]); its events reach the MQTT thread through a bounded
+//! its own ([`Conn`]); a row's events are handled there
+//! ([`super::rowacks`]), the others reach the MQTT thread through a bounded
 //! channel, which the MQTT thread waits on with its own timeouts.
 //!
 //! Its one rule: **a poll is never cut short.** rumqttc's
@@ -17,6 +18,7 @@
 //! waits is bounded: 64 packets of at most the incoming limit each (64 x
 //! 64 KiB = 4 MiB of commands at the default `commands.max_payload_bytes`).
 
+use super::rowacks::RowAcks;
 use super::wire::{ev4, ev5, failure_v4, failure_v5, Ev, Failure, RawConn};
 use crate::threads::join_within;
 use rumqttc::RecvTimeoutError;
@@ -47,7 +49,11 @@ impl Conn {
     /// 3.1.1 ping timeout ([`failure_v4`]).
     ///
     /// A thread that cannot be started gives one failure naming why.
-    pub fn start(raw: RawConn, keep_alive: Duration) -> Conn {
+    ///
+    /// Each event goes through `rows` first, on the poller thread
+    /// ([`RowAcks::take`]): a row's outgoing PUBLISH and PUBACK are handled
+    /// there and never queued for the MQTT thread.
+    pub fn start(raw: RawConn, keep_alive: Duration, rows: RowAcks) -> Conn {
         let (tx, events) = mpsc::sync_channel(EVENTS_QUEUED);
         let fail = tx.clone();
         let spawned =
@@ -58,10 +64,12 @@ impl Conn {
                         c.iter()
                             .map(|e| e.map(ev4).map_err(|e| failure_v4(&e, keep_alive))),
                         &tx,
+                        rows,
                     ),
                     RawConn::V5(mut c) => forward(
                         c.iter().map(|e| e.map(ev5).map_err(|e| failure_v5(&e))),
                         &tx,
+                        rows,
                     ),
                 });
         let thread = match spawned {
@@ -97,9 +105,17 @@ impl Conn {
     }
 }
 
-/// Hand each event over until the first failure or until nobody listens.
-fn forward(events: impl Iterator<Item = Polled>, tx: &SyncSender<Polled>) {
+/// Hand each event over (those `rows` does not take) until the first
+/// failure or until nobody listens.
+fn forward(events: impl Iterator<Item = Polled>, tx: &SyncSender<Polled>, mut rows: RowAcks) {
     for ev in events {
+        let ev = match ev {
+            Ok(e) => match rows.take(e) {
+                Some(e) => Ok(e),
+                None => continue,
+            },
+            Err(f) => Err(f),
+        };
         let failed = ev.is_err();
         if tx.send(ev).is_err() || failed {
             return;

@@ -12,6 +12,7 @@ use super::facts::{ConnState, SUB_RETRY_MAX};
 use super::handoff::{CommandSub, DeliveryMsg};
 use super::link::Link;
 use super::packet::{drain_limit, incoming_limit, INCOMING_WITHOUT_COMMANDS};
+use super::rowacks::RowAcks;
 use super::settings::{MqttConfig, RetireOn};
 use super::setup::setup;
 use super::shared::{lock, Shared};
@@ -199,15 +200,21 @@ impl MqttThread {
                 }
             };
             let (client, raw) = wire::connect(&self.cfg, setup);
-            let mut connection = super::poller::Conn::start(raw, self.cfg.keep_alive);
+            let rows = RowAcks::new(self.shared.clone(), self.to_delivery.clone());
+            let mut connection = super::poller::Conn::start(raw, self.cfg.keep_alive, rows);
             lock(&self.shared).client = Some(client.clone());
-            let reason = self.drive(&mut connection, &mut backoff);
-            let lived = lock(&self.shared)
-                .conn
-                .connacked_at
-                .is_some_and(|t| t.elapsed() >= self.cfg.keep_alive);
-            if lived {
-                // Up for a keep-alive: a healthy connection that ended.
+            let reason = self.drive(&mut connection);
+            let (carried, lived) = {
+                let s = lock(&self.shared);
+                let lived = s.conn.connacked_at.map(|t| t.elapsed());
+                (
+                    s.conn.had_puback,
+                    lived.is_some_and(|t| t >= self.cfg.keep_alive),
+                )
+            };
+            if carried || lived {
+                // A connection that carried data (a PUBACK), or was up for
+                // a keep-alive: a healthy connection that ended.
                 backoff.reset();
             }
             client.try_disconnect();

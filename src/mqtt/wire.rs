@@ -130,6 +130,10 @@ pub enum Ev {
     },
     /// Anything else (pings, the outgoing side of acks), for trace logs.
     Other(String),
+    /// Not the broker's: the row bookkeeping on the poller thread
+    /// ([`super::rowacks`]) found an inconsistency; the connection ends
+    /// for this reason.
+    End(String),
 }
 
 /// Why a connection ended or an attempt failed.
