@@ -2,17 +2,17 @@
 //! rows whose PUBACK arrived.
 //!
 //! Owns the delivery connection to the spool. Its one rule: **a row is retired
-//! only when the MQTT thread reports its PUBACK ([`Link::take_progress`], I2),
+//! only when the MQTT poller thread reports its PUBACK ([`Link::take_progress`], I2),
 //! and after a [`DeliveryMsg::Lost`] rows are offered again from the oldest
 //! unacknowledged one, in row-id order (I7)**.
 //!
 //! The delivery thread reads rows ahead and offers them to a bounded ready
-//! queue; the MQTT thread submits from that queue as PUBACKs free the window,
+//! queue; the MQTT poller thread submits from that queue as PUBACKs free the window,
 //! so the window refills without a thread hop per acknowledgement. Attempts
 //! and retirements are group-committed once per commit window (the spool's
 //! `commit_window_ms`, or the window a write budget chose:
 //! [`DeliveryConfig::record_window`]), or sooner at [`RECORD_BATCH`]
-//! retirements. It never blocks the MQTT thread and is never waited on by
+//! retirements. It never blocks the MQTT threads and is never waited on by
 //! ingest.
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
@@ -297,7 +297,7 @@ impl Delivery {
                 }
             }
             DeliveryMsg::Receipt(payload) => {
-                // The PUBACKs the MQTT thread took before this receipt come
+                // The PUBACKs the poller thread took before this receipt come
                 // first: a receipt for a row whose PUBACK still waits in the
                 // link would match nothing, and the row would wait out its
                 // timeout for a receipt that already came (again after
@@ -370,7 +370,7 @@ impl Delivery {
         );
     }
 
-    /// Move what the MQTT thread submitted and saw acknowledged into the
+    /// Move what the MQTT side submitted and saw acknowledged into the
     /// pending delivery records.
     fn collect(&mut self) {
         let (sent, acked) = self.link.take_progress();

@@ -39,6 +39,9 @@ impl MqttThread {
                 // Whatever woke us (the offline status, a DISCONNECT): stop.
                 // The PUBACKs the poller receives until the connection is
                 // lost still retire theirs (`super::rowacks`).
+                if let Ok(Ok(Ev::End(why))) = &event {
+                    log::warn!("mqtt: at the stop: {why}");
+                }
                 return "agent stopping".into();
             }
             match event {
@@ -81,9 +84,9 @@ impl MqttThread {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return "event loop closed".into(),
             }
-            // One lock after each event (two events per row in a
-            // single-event drain): the acknowledgements held back, whether
-            // the connection ends, and how long the next wait may be.
+            // One lock after each event (a row's own events do not come
+            // here: `super::rowacks`): the acknowledgements held back,
+            // whether the connection ends, and how long the next wait may be.
             let end = {
                 let mut s = lock(&self.shared);
                 // The request channel drains as the event loop runs: hand it

@@ -214,7 +214,7 @@ impl Link {
         std::mem::take(&mut lock(&self.shared).refused)
     }
 
-    /// As the MQTT thread does on a PUBACK: `rows` acknowledged, not yet
+    /// As the poller thread does on a PUBACK: `rows` acknowledged, not yet
     /// taken by the delivery thread.
     #[cfg(test)]
     pub fn acked_for_test(&self, rows: &[i64]) {
@@ -236,39 +236,13 @@ impl Link {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mqtt::{new, Protocol, PROTOCOL_MAX_PACKET};
+    use crate::mqtt::new;
     use std::sync::atomic::AtomicBool;
-    use std::time::Duration;
 
     #[test]
     fn offers_wait_while_disconnected_and_stale_epochs_are_refused() {
         let (tx, _rx) = std::sync::mpsc::channel();
-        let cfg = MqttConfig {
-            tls: None,
-            credentials: None,
-            host: "127.0.0.1".into(),
-            port: 1,
-            client_id: "t".into(),
-            topic_prefix: "t".into(),
-            keep_alive: Duration::from_secs(30),
-            clean_session: false,
-            inflight_window: 16,
-            max_payload_bytes: 1024,
-            max_packet_bytes: PROTOCOL_MAX_PACKET,
-            payload_format: crate::envelope::Format::Json,
-            connect_timeout: Duration::from_secs(10),
-            reconnect_min: Duration::from_millis(500),
-            reconnect_max: Duration::from_secs(30),
-            ack_timeout: Duration::from_secs(60),
-            fail_after_disconnects: 3,
-            protocol: Protocol::V5,
-            session_expiry_secs: 0,
-            min_share_pct: 10,
-            status_topic: false,
-            retire_on: crate::mqtt::RetireOn::Puback,
-            receipt_timeout: Duration::from_secs(300),
-            receipt_window: 10_000,
-        };
+        let cfg = crate::mqtt::settings::test_config();
         let (link, _t) = new(cfg, tx, Arc::new(AtomicBool::new(false)), None);
         let ready = |row| Ready {
             row,

@@ -18,7 +18,7 @@
 //! waits is bounded: 64 packets of at most the incoming limit each (64 x
 //! 64 KiB = 4 MiB of commands at the default `commands.max_payload_bytes`).
 
-use super::rowacks::RowAcks;
+use super::rowacks::{RowAcks, Take};
 use super::wire::{ev4, ev5, failure_v4, failure_v5, Ev, Failure, RawConn};
 use crate::threads::join_within;
 use rumqttc::RecvTimeoutError;
@@ -106,13 +106,14 @@ impl Conn {
 }
 
 /// Hand each event over (those `rows` does not take) until the first
-/// failure or until nobody listens.
+/// failure, until nobody listens, or until `rows` finds the connection lost.
 fn forward(events: impl Iterator<Item = Polled>, tx: &SyncSender<Polled>, mut rows: RowAcks) {
     for ev in events {
         let ev = match ev {
             Ok(e) => match rows.take(e) {
-                Some(e) => Ok(e),
-                None => continue,
+                Take::Forward(e) => Ok(e),
+                Take::Handled => continue,
+                Take::Gone => return,
             },
             Err(f) => Err(f),
         };

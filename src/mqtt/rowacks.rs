@@ -10,9 +10,14 @@
 //! [`RowAcks`] is made for one connection before its poller starts; once
 //! the MQTT thread has ended that connection (`MqttThread::lose`: the epoch
 //! moves on, the ack map is dropped and its rows replayed), a late event of
-//! the old poller changes nothing. A PUBACK the map cannot match ends the
-//! connection ([`Ev::End`] to the MQTT thread), never a guess, and nothing
-//! after it is applied.
+//! the old poller changes nothing and ends that poller ([`Take::Gone`]).
+//! Until then what arrives is real: a PUBACK that comes after the MQTT
+//! thread decided to end the connection (a stop, new settings) still
+//! retires its row. A PUBACK the map cannot match ends the connection
+//! ([`Ev::End`] to the MQTT thread), never a guess, and nothing after it is
+//! applied. A publish with packet id 0 is QoS 0 (the retained `offline`
+//! status at a stop), never a row's: it goes to the MQTT thread, whose wake
+//! it is.
 
 use super::handoff::DeliveryMsg;
 use super::shared::{lock, Shared, SENT_AT_MAX};
@@ -45,12 +50,14 @@ impl RowAcks {
         }
     }
 
-    /// Take `ev` if it is a row's (an outgoing PUBLISH, a PUBACK): `None`
-    /// when it was handled here, else `ev` for the MQTT thread. A handled
-    /// event that must end the connection comes back as [`Ev::End`].
-    pub(super) fn take(&mut self, ev: Ev) -> Option<Ev> {
+    /// Take `ev` if it is a row's (an outgoing QoS 1 PUBLISH, a PUBACK).
+    /// A handled event that must end the connection comes back as
+    /// [`Ev::End`] to forward.
+    pub(super) fn take(&mut self, ev: Ev) -> Take {
         let done = match ev {
-            Ev::OutgoingPublish(pkid) => self.apply(|s, _| on_outgoing_publish(s, pkid)),
+            Ev::OutgoingPublish(pkid) if pkid != 0 => {
+                self.apply(|s, _| on_outgoing_publish(s, pkid))
+            }
             Ev::PubAck {
                 pkid,
                 refused: None,
@@ -59,36 +66,67 @@ impl RowAcks {
                 pkid,
                 refused: Some(r),
             } => self.apply(|s, notify| on_refused_puback(s, pkid, r, notify)),
-            other => return Some(other),
+            other => return Take::Forward(other),
         };
         match done {
-            Ok(()) => None,
+            Ok(true) => Take::Handled,
+            Ok(false) => Take::Gone,
             Err(why) => {
                 self.ended = true;
-                Some(Ev::End(why))
+                Take::Forward(Ev::End(why))
             }
         }
     }
 
-    /// `f` under the lock if the connection is still this one; then the
-    /// delivery thread is told if `f` asked for it (outside the lock).
+    /// `f` under the lock if the connection is still this one (`Ok(false)`
+    /// once it is not); then the delivery thread is told if `f` asked for
+    /// it (outside the lock). Acknowledgements of incoming PUBLISHes that
+    /// found the request channel full are handed to it again after each
+    /// row event (the channel drains as the event loop runs).
     fn apply(
         &mut self,
         f: impl FnOnce(&mut Shared, &mut bool) -> Result<(), String>,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let mut notify = false;
         {
             let mut s = lock(&self.shared);
-            if self.ended || s.epoch != self.epoch {
-                return Ok(());
+            if s.epoch != self.epoch {
+                return Ok(false);
+            }
+            if self.ended {
+                return Ok(true);
             }
             f(&mut s, &mut notify)?;
+            if !s.acks_due.is_empty() {
+                s.pump();
+            }
         }
         if notify {
             let _ = self.to_delivery.send(DeliveryMsg::Progress);
         }
-        Ok(())
+        Ok(true)
     }
+}
+
+/// What became of one event ([`RowAcks::take`]).
+#[derive(Debug)]
+pub(super) enum Take {
+    /// A row's, handled.
+    Handled,
+    /// Not a row's (or an [`Ev::End`]): for the MQTT thread.
+    Forward(Ev),
+    /// The connection was lost: this poller has nothing left to do.
+    Gone,
+}
+
+/// The watchdog's clock after the map changed: none while nothing is in
+/// flight (the next submit starts it), else from now.
+fn progressed(s: &mut Shared) {
+    s.progress_at = if s.ack.is_empty() {
+        None
+    } else {
+        Some(Instant::now())
+    };
 }
 
 /// A PUBLISH left with `pkid`: the ack map matches it to the oldest row
@@ -119,7 +157,10 @@ fn on_puback(s: &mut Shared, pkid: u16, notify: &mut bool) -> Result<(), String>
         .and_then(|i| s.sent_at.remove(i))
         .map(|(_, t)| t.elapsed());
     match s.ack.on_puback(pkid) {
-        Ok(STATUS_ROW) => s.pump(),
+        Ok(STATUS_ROW) => {
+            progressed(s);
+            s.pump();
+        }
         Ok(row) => {
             s.conn.had_puback = true;
             match s.batches.remove(&row) {
@@ -129,11 +170,7 @@ fn on_puback(s: &mut Shared, pkid: u16, notify: &mut bool) -> Result<(), String>
             if let Some(d) = sent {
                 s.puback_latency.observe(d);
             }
-            s.progress_at = if s.ack.is_empty() {
-                None
-            } else {
-                Some(Instant::now())
-            };
+            progressed(s);
             // Refill the window from here: no thread hop per PUBACK.
             s.pump();
             let wanted = s.acked.len() >= 64 || s.ready.len() < s.window;
@@ -165,6 +202,7 @@ fn on_refused_puback(
     if r.transient() {
         return Err(format!("{r}; sending it again after the backoff"));
     }
+    progressed(s);
     s.pump();
     if row == STATUS_ROW {
         log::warn!("mqtt: the retained online status was refused: {r}");
@@ -176,4 +214,114 @@ fn on_refused_puback(
     *notify = !s.notified;
     s.notified = true;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mqtt::new;
+    use std::sync::atomic::AtomicBool;
+
+    type ToDelivery = std::sync::mpsc::Receiver<DeliveryMsg>;
+
+    /// A connected link with `rows` in the ack FIFO, submitted in order
+    /// (no client: nothing is pumped), its row bookkeeping, and what the
+    /// delivery thread would receive.
+    fn connected(rows: &[i64]) -> (Arc<Mutex<Shared>>, RowAcks, ToDelivery) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cfg = crate::mqtt::settings::test_config();
+        let (link, _thread) = new(cfg, tx.clone(), Arc::new(AtomicBool::new(false)), None);
+        let shared = link.shared.clone();
+        {
+            let mut s = lock(&shared);
+            s.connected = true;
+            for &r in rows {
+                s.ack.submitted(r).expect("room in the map");
+            }
+        }
+        let acks = RowAcks::new(shared.clone(), tx);
+        (shared, acks, rx)
+    }
+
+    fn puback(pkid: u16) -> Ev {
+        Ev::PubAck {
+            pkid,
+            refused: None,
+        }
+    }
+
+    #[test]
+    fn a_qos_0_publish_is_the_mqtt_threads_and_takes_no_row() {
+        // The retained `offline` status at a stop goes out at QoS 0 as
+        // packet id 0 while rows wait in the FIFO: matched, it would give
+        // row 5 packet id 0 and row 6 the packet id of row 5.
+        let (shared, mut acks, _to_delivery) = connected(&[5, 6]);
+        assert!(matches!(
+            acks.take(Ev::OutgoingPublish(0)),
+            Take::Forward(Ev::OutgoingPublish(0))
+        ));
+        assert!(matches!(acks.take(Ev::OutgoingPublish(1)), Take::Handled));
+        assert!(matches!(acks.take(Ev::OutgoingPublish(2)), Take::Handled));
+        assert!(matches!(acks.take(puback(1)), Take::Handled));
+        assert_eq!(lock(&shared).acked, vec![5]);
+        assert!(matches!(acks.take(puback(2)), Take::Handled));
+        let s = lock(&shared);
+        assert_eq!(s.acked, vec![5, 6]);
+        assert!(s.ack.is_empty() && s.progress_at.is_none());
+        assert!(s.conn.had_puback);
+    }
+
+    #[test]
+    fn after_the_connection_is_lost_nothing_is_applied_and_the_poller_ends() {
+        let (shared, mut acks, _to_delivery) = connected(&[5]);
+        assert!(matches!(acks.take(Ev::OutgoingPublish(1)), Take::Handled));
+        {
+            // What `MqttThread::lose` does: a new epoch, the map dropped.
+            let mut s = lock(&shared);
+            s.epoch += 1;
+            s.ack.reset();
+            s.ack.submitted(9).expect("room");
+        }
+        assert!(matches!(acks.take(puback(1)), Take::Gone));
+        assert!(matches!(acks.take(Ev::OutgoingPublish(1)), Take::Gone));
+        let s = lock(&shared);
+        assert!(s.acked.is_empty());
+        assert_eq!(s.ack.len(), 1, "the new connection's row is untouched");
+    }
+
+    #[test]
+    fn a_puback_the_map_cannot_match_ends_the_connection_and_nothing_after_it_counts() {
+        let (shared, mut acks, _to_delivery) = connected(&[5, 6]);
+        assert!(matches!(acks.take(Ev::OutgoingPublish(1)), Take::Handled));
+        assert!(matches!(acks.take(Ev::OutgoingPublish(2)), Take::Handled));
+        match acks.take(puback(7)) {
+            Take::Forward(Ev::End(why)) => assert!(why.contains("ack correlation"), "{why}"),
+            other => panic!("an unknown packet id was taken as {other:?}"),
+        }
+        assert!(matches!(acks.take(puback(1)), Take::Handled));
+        assert!(
+            lock(&shared).acked.is_empty(),
+            "a PUBACK applied after the end"
+        );
+    }
+
+    #[test]
+    fn a_refused_puback_hands_its_row_over_as_refused_and_restarts_the_clock() {
+        let (shared, mut acks, _to_delivery) = connected(&[5, 6]);
+        assert!(matches!(acks.take(Ev::OutgoingPublish(1)), Take::Handled));
+        assert!(matches!(acks.take(Ev::OutgoingPublish(2)), Take::Handled));
+        let refusal = PubAckRefusal {
+            code: 0x87,
+            name: "not_authorized",
+        };
+        let ev = Ev::PubAck {
+            pkid: 1,
+            refused: Some(refusal),
+        };
+        assert!(matches!(acks.take(ev), Take::Handled));
+        let s = lock(&shared);
+        assert_eq!(s.refused, vec![(5, refusal)]);
+        assert!(s.acked.is_empty());
+        assert!(s.progress_at.is_some(), "row 6 is still in flight");
+    }
 }

@@ -122,3 +122,35 @@ pub struct TlsFiles {
     /// key for mutual TLS (AWS IoT Core and similar).
     pub client: Option<(PathBuf, PathBuf)>,
 }
+
+/// Settings for unit tests: a broker on 127.0.0.1:1 (nothing listens),
+/// MQTT 5, a window of 16, everything else at plain defaults.
+#[cfg(test)]
+pub(crate) fn test_config() -> MqttConfig {
+    MqttConfig {
+        tls: None,
+        credentials: None,
+        host: "127.0.0.1".into(),
+        port: 1,
+        client_id: "t".into(),
+        topic_prefix: "t".into(),
+        keep_alive: Duration::from_secs(30),
+        clean_session: false,
+        inflight_window: 16,
+        max_payload_bytes: 1024,
+        max_packet_bytes: super::packet::PROTOCOL_MAX_PACKET,
+        payload_format: crate::envelope::Format::Json,
+        connect_timeout: Duration::from_secs(10),
+        reconnect_min: Duration::from_millis(500),
+        reconnect_max: Duration::from_secs(30),
+        ack_timeout: Duration::from_secs(60),
+        fail_after_disconnects: 3,
+        protocol: Protocol::V5,
+        session_expiry_secs: 0,
+        min_share_pct: 10,
+        status_topic: false,
+        retire_on: crate::mqtt::RetireOn::Puback,
+        receipt_timeout: Duration::from_secs(300),
+        receipt_window: 10_000,
+    }
+}

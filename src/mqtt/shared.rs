@@ -1,5 +1,6 @@
-//! The state the MQTT thread shares with the delivery thread ([`Shared`])
-//! behind one mutex, and the pump that moves offered rows into the window.
+//! The state the MQTT thread, its poller thread ([`super::rowacks`]) and
+//! the delivery thread share ([`Shared`]) behind one mutex, and the pump
+//! that moves offered rows into the window.
 //!
 //! Its one rule: the lock is held for bookkeeping only — no I/O, no SQLite,
 //! no waiting under it — and the pump enters each row in the ack FIFO before
