@@ -195,13 +195,15 @@ fn on_refused_puback(
     notify: &mut bool,
 ) -> Result<(), String> {
     s.sent_at.retain(|(p, _)| *p != pkid);
+    if r.transient() {
+        // The row stays in the map: the connection ends for it, and the
+        // map's reset hands it back with the rest in flight (`Lost.rows`).
+        return Err(format!("{r}; sending it again after the backoff"));
+    }
     let row = match s.ack.on_puback(pkid) {
         Ok(row) => row,
         Err(e) => return Err(format!("ack correlation: {e}")),
     };
-    if r.transient() {
-        return Err(format!("{r}; sending it again after the backoff"));
-    }
     progressed(s);
     s.pump();
     if row == STATUS_ROW {
@@ -323,5 +325,29 @@ mod tests {
         assert_eq!(s.refused, vec![(5, refusal)]);
         assert!(s.acked.is_empty());
         assert!(s.progress_at.is_some(), "row 6 is still in flight");
+    }
+
+    #[test]
+    fn a_refusal_about_the_moment_ends_the_connection_with_its_row_still_in_flight() {
+        let (shared, mut acks, _to_delivery) = connected(&[5, 6]);
+        assert!(matches!(acks.take(Ev::OutgoingPublish(1)), Take::Handled));
+        assert!(matches!(acks.take(Ev::OutgoingPublish(2)), Take::Handled));
+        let ev = Ev::PubAck {
+            pkid: 1,
+            refused: Some(PubAckRefusal {
+                code: 0x97,
+                name: "quota_exceeded",
+            }),
+        };
+        match acks.take(ev) {
+            Take::Forward(Ev::End(why)) => assert!(why.contains("0x97"), "{why}"),
+            other => panic!("a quota refusal was taken as {other:?}"),
+        }
+        let mut s = lock(&shared);
+        assert!(s.refused.is_empty() && s.acked.is_empty());
+        // What `MqttThread::lose` hands back for replay: both rows.
+        let mut back = s.ack.reset();
+        back.sort_unstable();
+        assert_eq!(back, vec![5, 6]);
     }
 }

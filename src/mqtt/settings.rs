@@ -138,7 +138,7 @@ pub(crate) fn test_config() -> MqttConfig {
         clean_session: false,
         inflight_window: 16,
         max_payload_bytes: 1024,
-        max_packet_bytes: super::packet::PROTOCOL_MAX_PACKET,
+        max_packet_bytes: 1 << 20, // more than any packet these tests build
         payload_format: crate::envelope::Format::Json,
         connect_timeout: Duration::from_secs(10),
         reconnect_min: Duration::from_millis(500),
