@@ -35,6 +35,8 @@ pub(super) struct RowAcks {
     epoch: u64,
     /// An inconsistency ended the connection: apply nothing more.
     ended: bool,
+    /// The MQTT thread was woken for a request to end the connection.
+    woke: bool,
 }
 
 impl RowAcks {
@@ -47,6 +49,7 @@ impl RowAcks {
             to_delivery,
             epoch,
             ended: false,
+            woke: false,
         }
     }
 
@@ -69,6 +72,9 @@ impl RowAcks {
             other => return Take::Forward(other),
         };
         match done {
+            Ok(true) if self.woke_now() => {
+                Take::Forward(Ev::Other("a request to reconnect".into()))
+            }
             Ok(true) => Take::Handled,
             Ok(false) => Take::Gone,
             Err(why) => {
@@ -76,6 +82,19 @@ impl RowAcks {
                 Take::Forward(Ev::End(why))
             }
         }
+    }
+
+    /// Once per connection: a redelivery or new settings wait for the MQTT
+    /// thread, which row events no longer wake. They wake it with the
+    /// DISCONNECT they queue, but a full request channel can refuse that
+    /// DISCONNECT; the next row event wakes it then.
+    fn woke_now(&mut self) -> bool {
+        if self.woke {
+            return false;
+        }
+        let s = lock(&self.shared);
+        self.woke = s.redeliver || s.reconfigure.is_some();
+        self.woke
     }
 
     /// `f` under the lock if the connection is still this one (`Ok(false)`
