@@ -37,6 +37,8 @@ pub(super) struct RowAcks {
     ended: bool,
     /// The MQTT thread was woken for a request to end the connection.
     woke: bool,
+    /// ... and is to be woken now (seen under the lock in `apply`).
+    wake_due: bool,
 }
 
 impl RowAcks {
@@ -50,6 +52,7 @@ impl RowAcks {
             epoch,
             ended: false,
             woke: false,
+            wake_due: false,
         }
     }
 
@@ -89,12 +92,7 @@ impl RowAcks {
     /// DISCONNECT they queue, but a full request channel can refuse that
     /// DISCONNECT; the next row event wakes it then.
     fn woke_now(&mut self) -> bool {
-        if self.woke {
-            return false;
-        }
-        let s = lock(&self.shared);
-        self.woke = s.redeliver || s.reconfigure.is_some();
-        self.woke
+        std::mem::take(&mut self.wake_due)
     }
 
     /// `f` under the lock if the connection is still this one (`Ok(false)`
@@ -118,6 +116,10 @@ impl RowAcks {
             f(&mut s, &mut notify)?;
             if !s.acks_due.is_empty() {
                 s.pump();
+            }
+            if !self.woke && (s.redeliver || s.reconfigure.is_some()) {
+                self.woke = true;
+                self.wake_due = true;
             }
         }
         if notify {
