@@ -717,30 +717,12 @@ mod tests {
     fn receipt_delivery() -> Delivery {
         let (tx, _rx) = std::sync::mpsc::channel();
         let mcfg = crate::mqtt::MqttConfig {
-            tls: None,
-            credentials: None,
-            host: "127.0.0.1".into(),
-            port: 1,
-            client_id: "t".into(),
             topic_prefix: "t/dev".into(),
-            keep_alive: Duration::from_secs(30),
-            clean_session: false,
-            inflight_window: 16,
-            max_payload_bytes: 1024,
             max_packet_bytes: crate::mqtt::PROTOCOL_MAX_PACKET,
-            payload_format: crate::envelope::Format::Json,
-            connect_timeout: Duration::from_secs(10),
-            reconnect_min: Duration::from_millis(500),
-            reconnect_max: Duration::from_secs(30),
-            ack_timeout: Duration::from_secs(60),
-            fail_after_disconnects: 3,
-            protocol: crate::mqtt::Protocol::V5,
-            session_expiry_secs: 0,
-            min_share_pct: 10,
-            status_topic: false,
             retire_on: crate::mqtt::RetireOn::Receipt,
             receipt_timeout: Duration::from_secs(10),
             receipt_window: 100,
+            ..crate::mqtt::settings::test_config()
         };
         let (link, _thread) = crate::mqtt::new(mcfg, tx, Arc::new(AtomicBool::new(false)), None);
         let cfg = DeliveryConfig {
