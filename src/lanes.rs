@@ -156,17 +156,23 @@ impl Lanes {
 
     /// Read ahead from `spool` what each lane lacks: priority 0 when its
     /// queue is empty, priorities above 0 and fresh rows up to
-    /// [`PREFETCH`] each. One indexed query per lane at most.
+    /// [`PREFETCH`] each. One indexed query per lane at most, none for a
+    /// lane that has read up to the newest row.
+    ///
+    /// The newest row id is read first. Row ids are handed out in commit
+    /// order and never reused ([`crate::spool`]), so every row at or below
+    /// it is visible to the reads that follow: a read that returns fewer
+    /// rows than it asked for has seen all of them, and its lane's cursor
+    /// moves up to it. Without that, the priority-0 lane of a spool whose
+    /// rows are all of higher priority (a `full` stream's) walked every row
+    /// above the acknowledged mark at each read, up to [`crate::publisher::RECORD_BATCH`]
+    /// rows per read.
     pub fn refill(&mut self, spool: &Spool) -> Result<(), SpoolError> {
-        if self.priority_buffered < PREFETCH {
-            let rows = spool.sendable_lane(
-                Lane::Priority,
-                self.priority_cursor,
-                PREFETCH - self.priority_buffered,
-            )?;
-            if let Some(last) = rows.last() {
-                self.priority_cursor = last.id;
-            }
+        let newest = spool.newest_id()?;
+        if self.priority_buffered < PREFETCH && newest > self.priority_cursor {
+            let limit = PREFETCH - self.priority_buffered;
+            let rows = spool.sendable_lane(Lane::Priority, self.priority_cursor, limit)?;
+            self.priority_cursor = read_through(self.priority_cursor, &rows, limit, newest);
             for row in rows {
                 if !self.live_taken.remove(&row.id) {
                     self.priority_buffered += 1;
@@ -174,28 +180,26 @@ impl Lanes {
                 }
             }
         }
-        if self.levels.get(&0).is_none_or(|l| l.backlog.is_empty()) {
+        let normal_empty = self.levels.get(&0).is_none_or(|l| l.backlog.is_empty());
+        if normal_empty && newest > self.normal_cursor {
             let rows = spool.sendable_lane(Lane::Normal, self.normal_cursor, PREFETCH)?;
-            if let Some(last) = rows.last() {
-                self.normal_cursor = last.id;
-            }
+            self.normal_cursor = read_through(self.normal_cursor, &rows, PREFETCH, newest);
             for row in rows {
                 if !self.live_taken.remove(&row.id) {
                     self.level(0).backlog.push_back(row);
                 }
             }
         }
-        self.refill_live(spool)
+        self.refill_live(spool, newest)
     }
 
-    fn refill_live(&mut self, spool: &Spool) -> Result<(), SpoolError> {
+    fn refill_live(&mut self, spool: &Spool, through: i64) -> Result<(), SpoolError> {
         if self.live_streams.is_empty()
             || self.live_boundary == i64::MAX
             || self.live_buffered >= PREFETCH
         {
             return Ok(());
         }
-        let through = spool.newest_id()?;
         let after = self.live_cursor.max(self.live_boundary);
         if through <= after {
             return Ok(());
@@ -274,6 +278,19 @@ impl Lanes {
     }
 }
 
+/// A lane's cursor after a read from `cursor` that asked for `limit` rows
+/// and got `rows`, with `newest` the newest row id read before it: the last
+/// row returned, or `newest` when the read came back short (it saw every
+/// row up to `newest`; see [`Lanes::refill`]).
+fn read_through(cursor: i64, rows: &[OutRow], limit: usize, newest: i64) -> i64 {
+    let last = rows.last().map_or(cursor, |r| r.id);
+    if rows.len() < limit {
+        last.max(newest)
+    } else {
+        last
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -343,6 +360,35 @@ mod tests {
                 .collect();
             assert!(ids.windows(2).all(|w| w[0] < w[1]), "{name}: {ids:?}");
         }
+    }
+
+    #[test]
+    fn a_lane_with_none_of_its_rows_reads_past_the_others_and_still_gets_later_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spool(dir.path(), &[("alarm", 100), ("tele", 0)]);
+        append(&mut s, "alarm", 3);
+        let mut l = Lanes::new(0, HashSet::new());
+        assert_eq!(streams(&drain(&mut l, &s)), "aaa");
+        // The priority-0 lane found none of its rows up to the newest, so
+        // its next read starts past them, not at the acknowledged mark.
+        let newest = s.newest_id().unwrap();
+        assert_eq!((l.normal_cursor, l.priority_cursor), (newest, newest));
+        // More than one read's worth of priority-0 rows, then one alarm:
+        // the full read keeps its cursor at its last row, and none is lost.
+        append(&mut s, "tele", PREFETCH + 4);
+        append(&mut s, "alarm", 1);
+        let order = drain(&mut l, &s);
+        assert_eq!(order.len(), PREFETCH + 5, "{order:?}");
+        assert_eq!(order.iter().filter(|(n, _)| n == "alarm").count(), 1);
+        let tele: Vec<i64> = order
+            .iter()
+            .filter(|(n, _)| n == "tele")
+            .map(|r| r.1)
+            .collect();
+        assert!(tele.windows(2).all(|w| w[1] == w[0] + 1), "{tele:?}");
+        // After a reset everything unacknowledged is read again.
+        l.reset();
+        assert_eq!(drain(&mut l, &s).len(), PREFETCH + 8);
     }
 
     #[test]

@@ -227,10 +227,14 @@ impl Spool {
         rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
-    /// The highest row id in the spool (0 when empty).
+    /// The highest row id in the spool (0 when empty). Row ids are handed
+    /// out in commit order (one writer at a time takes one more than the
+    /// largest) and never reused, so every row at or below it is visible to
+    /// any later read on any connection.
     pub fn newest_id(&self) -> Result<i64, SpoolError> {
         self.conn
-            .query_row("SELECT coalesce(max(id), 0) FROM events", [], |r| r.get(0))
+            .prepare_cached("SELECT coalesce(max(id), 0) FROM events")
+            .and_then(|mut st| st.query_row([], |r| r.get(0)))
             .map_err(|e| self.err(e))
     }
 
