@@ -1,6 +1,7 @@
 //! Ingest socket throughput, printed (no pass/fail): requests/s answered
 //! `ok` for 1 and 8 concurrent clients on a `batched` and on a `full`
-//! stream, and the ratio 8/1.
+//! stream, and the ratio 8/1; the `full` stream once more with every sync
+//! made slower, as on slow flash.
 //!
 //! Each client sends one request at a time over the Unix socket and waits
 //! for its reply (the way a sensor script writes), so a client's rate is
@@ -14,7 +15,18 @@
 //! `INGEST_SECS` (default 5) is how long each run counts replies after a
 //! half-second warm-up, `INGEST_RUNS` (default 3) how many runs each
 //! figure is the median of, `INGEST_WINDOW_MS` (default 200, the default
-//! commit window) the `batched` stream's window.
+//! commit window) the `batched` stream's window, `INGEST_STREAMS` (default
+//! `batched,full,full-slow`) which rows run, `INGEST_SYNC_DELAY_US` (default
+//! 1000) what `full-slow` adds to each `fsync`/`fdatasync` of the agent.
+//!
+//! Why `full-slow`: group commit pays where a sync costs more than the CPU
+//! of a request. On a disk whose sync takes about 0.1 ms (a virtio disk,
+//! an SSD) eight clients are bound by the CPU of two cores (the agent's
+//! threads, the broker, the clients), not by syncs; on an SD card or eMMC a
+//! sync takes 1-10 ms. The delay comes from the power-cut simulator's
+//! `LD_PRELOAD` wrapper (`tests/it/support/powercut.rs`): the syncing
+//! thread sleeps after the real sync, blocked as on a slow device, so the
+//! agent's own CPU cost is unchanged.
 //!
 //! Run: `cargo bench --bench ingest` (needs mosquitto: `cross/setup-debian.sh`).
 
@@ -28,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{agent::AgentProc, broker::Broker, wait_for};
+use support::{agent::AgentProc, broker::Broker, powercut::PowerCut, wait_for};
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -41,9 +53,13 @@ fn main() {
     let secs = env_num("INGEST_SECS", 5);
     let runs = env_num("INGEST_RUNS", 3).max(1);
     let window = env_num("INGEST_WINDOW_MS", 200);
+    let delay_us = env_num("INGEST_SYNC_DELAY_US", 1000);
     let broker = Broker::start();
+    let shim_dir = tempfile::tempdir().expect("tempdir");
+    let shim = PowerCut::new(shim_dir.path(), &shim_dir.path().join("unused.db"));
+    let slow_env = shim.slow_sync_env(delay_us);
     println!(
-        "edgespool ingest bench: socket requests/s, one request at a time per client, {secs} s per run, median of {runs}; batched window {window} ms; {} cores; agent {}",
+        "edgespool ingest bench: socket requests/s, one request at a time per client, {secs} s per run, median of {runs}; batched window {window} ms; full-slow: +{delay_us} us per sync; {} cores; agent {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         support::agent::bin().display()
     );
@@ -51,10 +67,20 @@ fn main() {
         "{:<10} {:>12} {:>12} {:>8}",
         "stream", "1 client", "8 clients", "8/1"
     );
-    for stream in ["batched", "full"] {
+    let rows = std::env::var("INGEST_STREAMS").unwrap_or_else(|_| "batched,full,full-slow".into());
+    for row in rows.split(',') {
+        let (stream, env): (&str, &[(&str, String)]) = match row {
+            "batched" => ("batched", &[]),
+            "full" => ("full", &[]),
+            "full-slow" => ("full", &slow_env),
+            other => {
+                println!("{other:<10} (unknown row: batched, full or full-slow)");
+                continue;
+            }
+        };
         let rate = |clients: usize| {
             let mut all: Vec<f64> = (0..runs)
-                .map(|_| run(&broker, stream, clients, secs, window))
+                .map(|_| run(&broker, (stream, env), clients, secs, window))
                 .collect();
             all.sort_by(f64::total_cmp);
             all[all.len() / 2]
@@ -62,7 +88,7 @@ fn main() {
         let one = rate(1);
         let eight = rate(8);
         println!(
-            "{stream:<10} {one:>12.0} {eight:>12.0} {:>8.2}",
+            "{row:<10} {one:>12.0} {eight:>12.0} {:>8.2}",
             eight / one.max(f64::MIN_POSITIVE)
         );
     }
@@ -97,13 +123,20 @@ durability = "full"
     path
 }
 
-/// One run: a fresh agent, `clients` clients on `stream` for `secs`
-/// seconds after a warm-up; the replies counted per second.
-fn run(broker: &Broker, stream: &str, clients: usize, secs: u64, window_ms: u64) -> f64 {
+/// One run: a fresh agent (with `env`), `clients` clients on `stream` for
+/// `secs` seconds after a warm-up; the replies counted per second.
+fn run(
+    broker: &Broker,
+    (stream, env): (&str, &[(&str, String)]),
+    clients: usize,
+    secs: u64,
+    window_ms: u64,
+) -> f64 {
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = board(dir.path(), &broker.url(), window_ms);
     let sock = dir.path().join("ingest.sock");
-    let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut agent = AgentProc::spawn_with_env(&cfg, &["sources=[]".into()], dir.path(), &env);
     let up = wait_for(Duration::from_secs(30), || {
         UnixStream::connect(&sock).is_ok()
     });

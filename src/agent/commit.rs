@@ -7,7 +7,12 @@
 //! message already queued behind it (those that arrived while the previous
 //! commit's fsync ran), and commits the `full` readings among them in one
 //! transaction: one fsync for the group, and each reading's reply only
-//! after it. No timer waits for more: a lone reading commits at once.
+//! after it. A lone reading commits at once. After a group of two or more,
+//! the next group waits a quarter of that commit's time (at most
+//! [`MAX_STRAGGLER_WAIT`]) for the clients just answered to send again:
+//! without it, clients that each wait for their reply split into two
+//! halves that commit in turn, half the clients per fsync (PostgreSQL's
+//! `commit_delay` does the same, for the same reason).
 //!
 //! One rule: a reading is reported stored only after the transaction holding
 //! it committed; a transient failure keeps it in memory and retries with
@@ -25,6 +30,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
+
+/// The longest a `full` group waits for stragglers, however slow its
+/// commits ([`Ingest::gather_stragglers`]).
+pub(super) const MAX_STRAGGLER_WAIT: Duration = Duration::from_millis(2);
 
 impl Ingest {
     /// Take a reading into the buffer (a full-durability one into
@@ -107,6 +116,40 @@ impl Ingest {
         true
     }
 
+    /// Wait for stragglers: when `full` readings are taken and the last
+    /// `full` commit held two or more, take what arrives within a quarter
+    /// of that commit's time (at most [`MAX_STRAGGLER_WAIT`]) into this
+    /// group too, so clients answered by that commit join this one. Returns
+    /// false when the channel is closed.
+    fn gather_stragglers(
+        &mut self,
+        rx: &Receiver<IngestMsg>,
+        commit_at: &mut Option<Instant>,
+    ) -> bool {
+        let (last_group, took) = self.last_full_group;
+        if self.full_buffer.is_empty() || last_group < 2 {
+            return true;
+        }
+        let until = Instant::now() + (took / 4).min(MAX_STRAGGLER_WAIT);
+        while !self.group_is_full() && !self.full_buffer.is_empty() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match rx.recv_timeout(left) {
+                Ok(m) => {
+                    self.take(m, commit_at);
+                    if !self.take_queued(rx, commit_at) {
+                        return false;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => return false,
+            }
+        }
+        true
+    }
+
     /// The byte bound of the buffer: `ingest.max_buffered_bytes` for the
     /// socket and the bridges and [`OWN_RESERVED_BYTES`] for the board's own
     /// readings.
@@ -135,9 +178,11 @@ impl Ingest {
         std::mem::swap(&mut self.spool, &mut self.full_spool);
         std::mem::swap(&mut self.buffer, &mut self.full_buffer);
         let retry_at = self.retry_at.take();
+        let (group, started) = (self.buffer.len(), Instant::now());
         self.commit();
         if self.buffer.is_empty() {
             self.upkeep.full_commits += 1;
+            self.last_full_group = (group, started.elapsed());
         }
         self.retry_at = retry_at;
         std::mem::swap(&mut self.buffer, &mut self.full_buffer);
@@ -381,8 +426,11 @@ impl Ingest {
             match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
                 Ok(m) => {
                     self.take(m, &mut commit_at);
-                    // Group commit: what queued behind it joins its commit.
-                    if !self.take_queued(rx, &mut commit_at) {
+                    // Group commit: what queued behind it joins its commit,
+                    // and what the last group's clients send next.
+                    if !self.take_queued(rx, &mut commit_at)
+                        || !self.gather_stragglers(rx, &mut commit_at)
+                    {
                         break;
                     }
                 }

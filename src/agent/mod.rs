@@ -395,6 +395,9 @@ struct Ingest {
     full_spool: Spool,
     /// Readings of full-durability streams waiting for their (immediate) commit.
     full_buffer: Vec<NewEvent>,
+    /// The last `full` group commit: readings it held and how long it took
+    /// (for the wait for stragglers, [`Ingest::gather_stragglers`]).
+    last_full_group: (usize, std::time::Duration),
     /// The confirmed config push in force (kept in the state directory).
     push: Option<crate::push::Stored>,
     /// A push applied live, waiting for a connection to confirm it.
@@ -493,6 +496,7 @@ impl Ingest {
             upkeep: Upkeep::new(&p.cfg.spool.path, p.verdict),
             full_spool: p.full_spool,
             full_buffer: Vec::new(),
+            last_full_group: (0, std::time::Duration::ZERO),
             push: p.push,
             pending_push: None,
             delivery_stats: p.delivery_stats,

@@ -10,6 +10,10 @@
 //! agent sends after its commit's sync returned therefore finds that
 //! sync's line in the log already.
 //!
+//! With `POWERCUT_SYNC_DELAY_US` set, each successful sync also sleeps that
+//! long ([`PowerCut::slow_sync_env`]): a slow card's flush latency on a
+//! fast disk, for the benchmarks.
+//!
 //! The cut ([`PowerCut::cut`]): SIGKILL (the page cache, which still
 //! holds every write, survives a kill), then the spool's `-wal` is cut
 //! back to the size of its last logged sync (removed if it never synced)
@@ -56,6 +60,13 @@ static void note(int fd, long long size) {
     close(lfd);
 }
 
+/* POWERCUT_SYNC_DELAY_US: each successful sync also takes this long (a
+   slow card's flush), with the thread blocked as on a real device. */
+static void slow_down(void) {
+    const char *us = getenv("POWERCUT_SYNC_DELAY_US");
+    if (us) usleep((useconds_t)strtoul(us, NULL, 10));
+}
+
 static long long size_of(int fd) {
     struct stat st;
     return fstat(fd, &st) == 0 ? (long long)st.st_size : -1;
@@ -66,6 +77,7 @@ int fsync(int fd) {
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
     long long size = size_of(fd);
     int rc = real(fd);
+    if (rc == 0) slow_down();
     if (rc == 0 && size >= 0) note(fd, size);
     return rc;
 }
@@ -75,6 +87,7 @@ int fdatasync(int fd) {
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
     long long size = size_of(fd);
     int rc = real(fd);
+    if (rc == 0) slow_down();
     if (rc == 0 && size >= 0) note(fd, size);
     return rc;
 }
@@ -122,6 +135,16 @@ impl PowerCut {
             log: dir.join("syncs.log"),
             db: db.to_path_buf(),
         }
+    }
+
+    /// The environment that only slows every sync of the agent by
+    /// `delay_us` microseconds (no log, no cut): slow flash's sync latency
+    /// on a fast disk, for benchmarks.
+    pub fn slow_sync_env(&self, delay_us: u64) -> Vec<(&'static str, String)> {
+        vec![
+            ("LD_PRELOAD", self.lib.display().to_string()),
+            ("POWERCUT_SYNC_DELAY_US", delay_us.to_string()),
+        ]
     }
 
     /// The environment that puts the agent under the simulator.
