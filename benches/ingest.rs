@@ -17,7 +17,8 @@
 //! figure is the median of, `INGEST_WINDOW_MS` (default 200, the default
 //! commit window) the `batched` stream's window, `INGEST_STREAMS` (default
 //! `batched,full,full-slow`) which rows run, `INGEST_SYNC_DELAY_US` (default
-//! 1000) what `full-slow` adds to each `fsync`/`fdatasync` of the agent.
+//! 5000: an SD card's sync; 1000 for eMMC) what `full-slow` adds to each
+//! `fsync`/`fdatasync` of the agent.
 //!
 //! Why `full-slow`: group commit pays where a sync costs more than the CPU
 //! of a request. On a disk whose sync takes about 0.1 ms (a virtio disk,
@@ -28,7 +29,8 @@
 //! thread sleeps after the real sync, blocked as on a slow device, so the
 //! agent's own CPU cost is unchanged.
 //!
-//! Run: `cargo bench --bench ingest` (needs mosquitto: `cross/setup-debian.sh`).
+//! Run: `cargo bench --bench ingest` (needs mosquitto, and `cc` for the
+//! full-slow row: `cross/setup-debian.sh`).
 
 #[path = "../tests/it/support/mod.rs"]
 #[allow(unused_imports)]
@@ -53,11 +55,16 @@ fn main() {
     let secs = env_num("INGEST_SECS", 5);
     let runs = env_num("INGEST_RUNS", 3).max(1);
     let window = env_num("INGEST_WINDOW_MS", 200);
-    let delay_us = env_num("INGEST_SYNC_DELAY_US", 1000);
+    let delay_us = env_num("INGEST_SYNC_DELAY_US", 5000);
     let broker = Broker::start();
+    let rows = std::env::var("INGEST_STREAMS").unwrap_or_else(|_| "batched,full,full-slow".into());
+    // The sync wrapper is built (with `cc`) only for a full-slow row.
     let shim_dir = tempfile::tempdir().expect("tempdir");
-    let shim = PowerCut::new(shim_dir.path(), &shim_dir.path().join("unused.db"));
-    let slow_env = shim.slow_sync_env(delay_us);
+    let slow_env = if rows.split(',').any(|r| r == "full-slow") {
+        PowerCut::new(shim_dir.path(), &shim_dir.path().join("unused.db")).slow_sync_env(delay_us)
+    } else {
+        Vec::new()
+    };
     println!(
         "edgespool ingest bench: socket requests/s, one request at a time per client, {secs} s per run, median of {runs}; batched window {window} ms; full-slow: +{delay_us} us per sync; {} cores; agent {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -67,7 +74,6 @@ fn main() {
         "{:<10} {:>12} {:>12} {:>8}",
         "stream", "1 client", "8 clients", "8/1"
     );
-    let rows = std::env::var("INGEST_STREAMS").unwrap_or_else(|_| "batched,full,full-slow".into());
     for row in rows.split(',') {
         let (stream, env): (&str, &[(&str, String)]) = match row {
             "batched" => ("batched", &[]),

@@ -37,6 +37,10 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 /// three times this many payloads are held, whatever the backlog.
 pub const PREFETCH: usize = 256;
 
+// A read of PREFETCH rows is never cut short by the spool's own cap, so a
+// read that returns fewer saw every row up to the newest ([`Lanes::refill`]).
+const _: () = assert!(PREFETCH <= crate::spool::priority::LANE_READ_MAX);
+
 #[derive(Debug, Default)]
 struct Level {
     /// Fresh rows of `live_first` streams, in row-id order.

@@ -7,12 +7,14 @@
 //! message already queued behind it (those that arrived while the previous
 //! commit's fsync ran), and commits the `full` readings among them in one
 //! transaction: one fsync for the group, and each reading's reply only
-//! after it. A lone reading commits at once. After a group of two or more,
-//! the next group waits a quarter of that commit's time (at most
-//! [`MAX_STRAGGLER_WAIT`]) for the clients just answered to send again:
-//! without it, clients that each wait for their reply split into two
-//! halves that commit in turn, half the clients per fsync (PostgreSQL's
-//! `commit_delay` does the same, for the same reason).
+//! after it. After a commit of two or more readings, the next group waits
+//! for the clients that commit answered to send again (as many readings as
+//! it held, beyond those already waiting), until that commit's time has
+//! passed since it ended (at most [`MAX_STRAGGLER_WAIT`]): without it,
+//! clients that each wait for their reply split into two halves that
+//! commit in turn, half the clients per fsync (PostgreSQL's `commit_delay`
+//! waits for the same reason). A reading after a commit of one, or after
+//! that moment, commits at once.
 //!
 //! One rule: a reading is reported stored only after the transaction holding
 //! it committed; a transient failure keeps it in memory and retries with
@@ -117,21 +119,30 @@ impl Ingest {
     }
 
     /// Wait for stragglers: when `full` readings are taken and the last
-    /// `full` commit held two or more, take what arrives within a quarter
-    /// of that commit's time (at most [`MAX_STRAGGLER_WAIT`]) into this
-    /// group too, so clients answered by that commit join this one. Returns
-    /// false when the channel is closed.
+    /// `full` commit stored two or more, take what arrives into this group
+    /// too, until it holds the last group's readings more than `queued`
+    /// (the `full` readings that were waiting when the pass began: sent
+    /// during the last commit, so not by the clients it answered), or
+    /// until that commit's transaction time has passed since it ended (and
+    /// at most [`MAX_STRAGGLER_WAIT`] from now). So the clients answered by
+    /// the last commit join this one. Returns false when the channel is
+    /// closed.
     fn gather_stragglers(
         &mut self,
         rx: &Receiver<IngestMsg>,
         commit_at: &mut Option<Instant>,
+        queued: usize,
     ) -> bool {
-        let (last_group, took) = self.last_full_group;
+        let Some((last_group, took, ended)) = self.last_full_group else {
+            return true;
+        };
         if self.full_buffer.is_empty() || last_group < 2 {
             return true;
         }
-        let until = Instant::now() + (took / 4).min(MAX_STRAGGLER_WAIT);
-        while !self.group_is_full() && !self.full_buffer.is_empty() {
+        let want = queued.saturating_add(last_group);
+        let until = (ended + took).min(Instant::now() + MAX_STRAGGLER_WAIT);
+        while !self.group_is_full() && !self.full_buffer.is_empty() && self.full_buffer.len() < want
+        {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -178,11 +189,15 @@ impl Ingest {
         std::mem::swap(&mut self.spool, &mut self.full_spool);
         std::mem::swap(&mut self.buffer, &mut self.full_buffer);
         let retry_at = self.retry_at.take();
-        let (group, started) = (self.buffer.len(), Instant::now());
+        let (group, appended) = (self.buffer.len(), self.appended);
         self.commit();
         if self.buffer.is_empty() {
             self.upkeep.full_commits += 1;
-            self.last_full_group = (group, started.elapsed());
+        }
+        if self.appended > appended {
+            // Stored (not refused by policy): its clients will send again.
+            let (took, ended) = self.last_commit;
+            self.last_full_group = Some((group, took, ended));
         }
         self.retry_at = retry_at;
         std::mem::swap(&mut self.buffer, &mut self.full_buffer);
@@ -343,7 +358,8 @@ impl Ingest {
         }
         match appended {
             Ok(n) => {
-                self.observe_commit(started.elapsed());
+                self.last_commit = (started.elapsed(), Instant::now());
+                self.observe_commit(self.last_commit.0);
                 self.appended += n as u64;
                 self.clear_buffer();
                 self.retry_at = None;
@@ -423,14 +439,30 @@ impl Ingest {
                 // config waits for its confirmation.
                 next = next.min(Instant::now() + Duration::from_millis(200));
             }
-            match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
-                Ok(m) => {
+            // A message already waiting was sent during the last pass; one
+            // waited for came after it (from a client it answered, say).
+            let first = match rx.try_recv() {
+                Ok(m) => Ok((m, true)),
+                Err(TryRecvError::Empty) => rx
+                    .recv_timeout(next.saturating_duration_since(Instant::now()))
+                    .map(|m| (m, false)),
+                Err(TryRecvError::Disconnected) => Err(RecvTimeoutError::Disconnected),
+            };
+            match first {
+                Ok((m, waiting)) => {
+                    let before = self.full_buffer.len();
                     self.take(m, &mut commit_at);
                     // Group commit: what queued behind it joins its commit,
                     // and what the last group's clients send next.
-                    if !self.take_queued(rx, &mut commit_at)
-                        || !self.gather_stragglers(rx, &mut commit_at)
-                    {
+                    if !self.take_queued(rx, &mut commit_at) {
+                        break;
+                    }
+                    let queued = if waiting {
+                        self.full_buffer.len().saturating_sub(before)
+                    } else {
+                        0
+                    };
+                    if !self.gather_stragglers(rx, &mut commit_at, queued) {
                         break;
                     }
                 }

@@ -395,9 +395,13 @@ struct Ingest {
     full_spool: Spool,
     /// Readings of full-durability streams waiting for their (immediate) commit.
     full_buffer: Vec<NewEvent>,
-    /// The last `full` group commit: readings it held and how long it took
-    /// (for the wait for stragglers, [`Ingest::gather_stragglers`]).
-    last_full_group: (usize, std::time::Duration),
+    /// The last `full` group commit that stored its readings: how many it
+    /// held, how long its transaction took and when it ended (for the wait
+    /// for stragglers, [`Ingest::gather_stragglers`]).
+    last_full_group: Option<(usize, std::time::Duration, std::time::Instant)>,
+    /// How long the last successful commit's transaction took (append to
+    /// commit, no checkpoint or capacity check), and when it ended.
+    last_commit: (std::time::Duration, std::time::Instant),
     /// The confirmed config push in force (kept in the state directory).
     push: Option<crate::push::Stored>,
     /// A push applied live, waiting for a connection to confirm it.
@@ -496,7 +500,8 @@ impl Ingest {
             upkeep: Upkeep::new(&p.cfg.spool.path, p.verdict),
             full_spool: p.full_spool,
             full_buffer: Vec::new(),
-            last_full_group: (0, std::time::Duration::ZERO),
+            last_full_group: None,
+            last_commit: (std::time::Duration::ZERO, std::time::Instant::now()),
             push: p.push,
             pending_push: None,
             delivery_stats: p.delivery_stats,
