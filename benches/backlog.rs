@@ -38,7 +38,10 @@
 //! Environment: `BACKLOG_ROWS` (1000000), `RETAIN_SECS` (300), `IDLE_SECS` (30),
 //! `FRESH_SECS` (20), `COMPARE_ROWS` (`BACKLOG_ROWS`; 0 skips (7)), `FRESH_SOURCES` (10 sources at 10 ms: 1,000 readings/s),
 //! `DRAIN_TIMEOUT_SECS` (60 + rows / 500), `BACKLOG_DIR` (/var/tmp; must be
-//! on disk, not tmpfs).
+//! on disk, not tmpfs), `BACKLOG_RUST_LOG` (the agents' `RUST_LOG`, `info`;
+//! `info,edgespool::agent=debug` logs every checkpoint's outcome),
+//! `BACKLOG_LOG_OUT` (a path prefix: each agent's log, seconds since its
+//! spawn on every line, is written to `PREFIX.PID` when it stops).
 
 #[path = "common/drains.rs"]
 mod drains;
@@ -228,7 +231,10 @@ impl Agent {
         let mut child = Command::new(AGENT)
             .args(["run", "--config"])
             .arg(config)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("BACKLOG_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -322,6 +328,13 @@ impl Drop for Agent {
             if h.is_finished() {
                 let _ = h.join();
             }
+        }
+        if let Ok(p) = std::env::var("BACKLOG_LOG_OUT") {
+            let text: String = lock(&self.log)
+                .iter()
+                .map(|(t, l)| format!("{:.3} {l}\n", t.as_secs_f64()))
+                .collect();
+            let _ = std::fs::write(format!("{p}.{}", self.child.id()), text);
         }
     }
 }

@@ -463,6 +463,10 @@ struct Upkeep {
     checkpoint_blocked: bool,
     /// Consecutive incomplete checkpoints: since when, how many.
     incomplete_run: Option<(Instant, u32)>,
+    /// Since when a reader has kept the WAL a bulk step (a retention
+    /// batch, a shrink step) left from starting over; further bulk steps
+    /// wait ([`Ingest::bulk_step_allowed`]).
+    bulk_pinned: Option<Instant>,
     /// Write budget baseline: (when, /proc/self/io write_bytes).
     budget_since: (Instant, u64),
     /// Commits on the `synchronous = FULL` ingest connection.

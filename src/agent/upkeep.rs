@@ -17,6 +17,14 @@ use std::time::{Duration, Instant};
 pub(super) const MAINTENANCE_BUDGET: Duration = Duration::from_millis(100);
 /// The next pass when the last one left work over.
 pub(super) const MAINTENANCE_AGAIN: Duration = Duration::from_millis(250);
+/// Longest the checkpoint after a bulk step (a retention batch, a shrink
+/// step) waits for readers to leave the WAL, so the next step writes it
+/// from its beginning (RESTART); the delivery thread's reads take a few ms.
+pub(super) const RESET_WAIT: Duration = Duration::from_millis(50);
+/// Longest the check whether a reader still pins the WAL a bulk step left
+/// waits ([`Ingest::bulk_step_allowed`]; it runs every pass while one
+/// does, and holds writers off while it waits).
+pub(super) const PIN_CHECK_WAIT: Duration = Duration::from_millis(10);
 /// Free pages given back per pass (1 MiB of 4 KiB pages): one step is one
 /// transaction, so this also bounds what it adds to the WAL.
 pub(super) const SHRINK_STEP_PAGES: u64 = 256;
@@ -44,6 +52,7 @@ impl Upkeep {
             refusal: None,
             checkpoint_blocked: false,
             incomplete_run: None,
+            bulk_pinned: None,
             budget_since: (
                 Instant::now(),
                 crate::maintenance::proc_write_bytes().unwrap_or(0),
@@ -161,15 +170,16 @@ impl Ingest {
     }
 
     /// Delete acknowledged rows appended before `cutoff` in batches, a
-    /// checkpoint between full batches (F02). A pass holds the write lock
-    /// for at most about [`MAINTENANCE_BUDGET`] (the delivery thread's
-    /// commits wait behind it); what is left is done at the next pass,
-    /// which then comes sooner. Returns the rows deleted.
+    /// checkpoint between full batches that starts the WAL over (F02;
+    /// [`Ingest::bulk_step_allowed`]). A pass holds the write lock for at
+    /// most about [`MAINTENANCE_BUDGET`] (the delivery thread's commits wait
+    /// behind it); what is left is done at the next pass, which then comes
+    /// sooner. Returns the rows deleted.
     fn retain(&mut self, cutoff: i64) -> usize {
         let started = Instant::now();
         let mut purged = 0;
         loop {
-            if started.elapsed() >= MAINTENANCE_BUDGET {
+            if started.elapsed() >= MAINTENANCE_BUDGET || !self.bulk_step_allowed() {
                 self.upkeep.more_work = true;
                 return purged;
             }
@@ -181,8 +191,9 @@ impl Ingest {
                         // The last batch: the checkpoint policy copies it.
                         return purged;
                     }
-                    // More may follow: copy this batch back first (F02).
-                    self.run_checkpoint(CheckpointMode::Passive, 0);
+                    // More may follow: copy this batch back and start the
+                    // WAL over before the next one (F02).
+                    self.reset_after_bulk_step();
                 }
                 Err(e) => {
                     log::warn!("retention skipped: {e}");
@@ -252,12 +263,59 @@ impl Ingest {
         )
     }
 
-    pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) {
+    /// Whether a bulk step (a retention batch, a shrink step) may write now.
+    /// After one whose checkpoint could not start the WAL over (a reader was
+    /// still in it), the next waits until a RESTART that waits at most
+    /// [`PIN_CHECK_WAIT`] does (the reader has left), or one checkpoint
+    /// interval: a
+    /// pinned WAL then grows by one step per interval, not by every step a
+    /// pass has time for (F01's bound: the limit plus one interval of
+    /// writes; F02).
+    pub(super) fn bulk_step_allowed(&mut self) -> bool {
+        let Some(since) = self.upkeep.bulk_pinned else {
+            return true;
+        };
+        if since.elapsed() >= self.checkpoint_interval()
+            || self.run_checkpoint_within(CheckpointMode::Restart, 0, Some(PIN_CHECK_WAIT))
+        {
+            self.upkeep.bulk_pinned = None;
+            return true;
+        }
+        false
+    }
+
+    /// After a bulk step: copy it back and have the next write start the
+    /// WAL from its beginning (RESTART, waiting at most [`RESET_WAIT`] for
+    /// readers). A reader still in the WAL after that pins it, noted for
+    /// [`Ingest::bulk_step_allowed`].
+    fn reset_after_bulk_step(&mut self) {
+        if !self.run_checkpoint_within(CheckpointMode::Restart, 0, Some(RESET_WAIT)) {
+            self.upkeep.bulk_pinned = Some(Instant::now());
+        }
+    }
+
+    /// [`Ingest::run_checkpoint_within`] with the spool's busy timeout.
+    pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) -> bool {
+        self.run_checkpoint_within(mode, written, None)
+    }
+
+    /// Run a checkpoint (waiting at most `wait` for readers and writers, or
+    /// the busy timeout) and record its outcome; true when it copied every
+    /// frame and nothing was busy.
+    pub(super) fn run_checkpoint_within(
+        &mut self,
+        mode: CheckpointMode,
+        written: u64,
+        wait: Option<Duration>,
+    ) -> bool {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
         let t = Instant::now();
-        let res = self.spool.checkpoint(mode);
+        let res = match wait {
+            Some(w) => self.spool.checkpoint_within(mode, w),
+            None => self.spool.checkpoint(mode),
+        };
         let took = t.elapsed();
         self.upkeep.last_checkpoint = Instant::now();
         self.upkeep.checkpoints += 1;
@@ -300,6 +358,7 @@ impl Ingest {
                     );
                 }
                 self.upkeep.checkpoint_blocked = blocked;
+                !incomplete
             }
             Err(e) => {
                 if self
@@ -312,6 +371,7 @@ impl Ingest {
                     );
                     self.upkeep.last_checkpoint_error = Some(Instant::now());
                 }
+                false
             }
         }
     }
@@ -328,16 +388,20 @@ impl Ingest {
     }
 
     /// Give free pages back in a bounded step (at most 4 MiB a pass) once
-    /// they exceed the live data plus 8 MiB, then let the checkpoint policy
-    /// copy the moved pages (issue: the spool gives space back).
+    /// they exceed the live data plus 8 MiB, then copy the moved pages back
+    /// and start the WAL over (issue: the spool gives space back); not while
+    /// the last bulk step's WAL is pinned ([`Ingest::bulk_step_allowed`]).
     pub(super) fn shrink_step(&mut self) {
+        if !self.bulk_step_allowed() {
+            return;
+        }
         match self.spool.shrink_step(8 * 1024 * 1024, SHRINK_STEP_PAGES) {
             Ok(0) => {}
             Ok(n) => {
                 log::debug!("spool: gave {n} free pages back to the filesystem");
                 self.upkeep.more_work = n >= SHRINK_STEP_PAGES;
                 // The moved pages go to the database now, one step at a time.
-                self.run_checkpoint(CheckpointMode::Passive, 0);
+                self.reset_after_bulk_step();
             }
             Err(e) => {
                 if self

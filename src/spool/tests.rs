@@ -609,6 +609,59 @@ fn a_second_connection_writes_while_the_first_holds_no_transaction() {
 }
 
 #[test]
+fn a_restart_checkpoint_starts_the_wal_over_and_its_wait_for_a_reader_is_bounded() {
+    // Real connections on one file: the spool, and a reader holding a snapshot.
+    let d = tempfile::tempdir().unwrap();
+    let mut ids = EventIdGen::new().unwrap();
+    let mut s = open(d.path());
+    let evs: Vec<NewEvent> = (0..2000).map(|i| ev("a", i as f64)).collect();
+    s.append(&evs, &mut ids, "d", Format::Json, 0).unwrap();
+    let filled = s.wal().frames_since_checkpoint();
+    assert!(filled > 10, "the append wrote {filled} frames");
+    let reader = Connection::open(d.path().join("spool.db")).unwrap();
+    reader
+        .execute_batch("BEGIN; SELECT count(*) FROM events;")
+        .unwrap();
+    // A reader in the WAL: the RESTART gives up at its bound, not the 5 s
+    // busy timeout, reports busy and copies nothing the reader still needs.
+    let t = std::time::Instant::now();
+    let r = s
+        .checkpoint_within(CheckpointMode::Restart, Duration::from_millis(30))
+        .unwrap();
+    assert_eq!(r.busy, 1, "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let timeout: i64 = s
+        .raw()
+        .query_row("PRAGMA busy_timeout", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(timeout, 5000, "the busy timeout is put back");
+    // The next write goes on at the WAL's end.
+    s.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0)
+        .unwrap();
+    let (_, pinned): (i64, i64) = s
+        .raw()
+        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })
+        .unwrap();
+    assert!(pinned as u64 > filled, "{pinned} frames after {filled}");
+    // Reader gone: the RESTART completes and the next write starts the WAL
+    // from its beginning.
+    reader.execute_batch("COMMIT").unwrap();
+    let r = s
+        .checkpoint_within(CheckpointMode::Restart, Duration::ZERO)
+        .unwrap();
+    assert_eq!((r.busy, r.checkpointed_frames), (0, r.log_frames), "{r:?}");
+    s.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
+        .unwrap();
+    let frames = s.wal().frames_since_checkpoint();
+    assert!(
+        frames < 10,
+        "{frames} frames after a restart and one append"
+    );
+}
+
+#[test]
 fn immediate_write_waits_for_another_writer_instead_of_failing_busy() {
     // field case F03: an external writer holds the write lock for a while.
     let d = tempfile::tempdir().unwrap();

@@ -55,6 +55,13 @@ pub struct CheckpointResult {
 pub enum CheckpointMode {
     /// Copy what it can without waiting for readers or writers.
     Passive,
+    /// Copy everything, then wait for every reader to read from the
+    /// database file alone, so the next write starts the WAL from its
+    /// beginning (<https://www.sqlite.org/c3ref/wal_checkpoint_v2.html>);
+    /// waits for writers and readers as long as the busy timeout allows,
+    /// holding new writers off meanwhile ([`Spool::checkpoint_within`]
+    /// bounds the wait).
+    Restart,
     /// Copy everything and truncate the WAL to zero bytes; waits for writers.
     Truncate,
 }
@@ -134,6 +141,7 @@ impl Spool {
     pub fn checkpoint(&self, mode: CheckpointMode) -> Result<CheckpointResult, SpoolError> {
         let sql = match mode {
             CheckpointMode::Passive => "PRAGMA wal_checkpoint(PASSIVE)",
+            CheckpointMode::Restart => "PRAGMA wal_checkpoint(RESTART)",
             CheckpointMode::Truncate => "PRAGMA wal_checkpoint(TRUNCATE)",
         };
         self.conn
@@ -149,6 +157,22 @@ impl Spool {
                 self.wal
                     .note_checkpoint(r.log_frames, r.checkpointed_frames)
             })
+    }
+
+    /// [`Spool::checkpoint`] waiting at most `wait` (instead of the busy
+    /// timeout) for writers and readers; zero waits for none. A checkpoint
+    /// that ran out of time reports `busy = 1` after copying what it could,
+    /// as PASSIVE would. The connection's busy timeout is put back after.
+    pub fn checkpoint_within(
+        &self,
+        mode: CheckpointMode,
+        wait: std::time::Duration,
+    ) -> Result<CheckpointResult, SpoolError> {
+        self.conn.busy_timeout(wait).map_err(|e| self.err(e))?;
+        let res = self.checkpoint(mode);
+        let timeout = std::time::Duration::from_millis(self.pragmas.busy_timeout_ms.max(0) as u64);
+        self.conn.busy_timeout(timeout).map_err(|e| self.err(e))?;
+        res
     }
 
     /// Live and free space inside the file, bytes: `(page_count -

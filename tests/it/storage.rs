@@ -1,5 +1,6 @@
 //! Storage under pressure: a full disk (F06), the spool size limit (I6), a
-//! reader pinning the WAL (F01), the spool file replaced under the agent.
+//! reader pinning the WAL (F01), with a large purge to do (F02), the spool
+//! file replaced under the agent.
 
 use crate::support::agent::{run_cli, AgentProc};
 use crate::support::broker::Broker;
@@ -323,61 +324,12 @@ fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
 /// delete transaction writes, and exactly the old acknowledged rows go.
 #[test]
 fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_rows() {
-    use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::reading::FieldValue;
-    use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     const OLD: usize = 40_000;
     const KEEP: usize = 2_000;
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("spool.db");
-    {
-        let mut s = Spool::open(&db, &SpoolOptions::default()).expect("open");
-        let mut ids = EventIdGen::new().expect("ids");
-        let ev = |i: usize| NewEvent {
-            replay: None,
-            stream: "old".into(),
-            ts_ms: i as i64,
-            clock_trusted: true,
-            fields: vec![
-                ("x".into(), FieldValue::Num(i as f64)),
-                ("pad".into(), FieldValue::Text("p".repeat(200))),
-            ],
-            key: None,
-            reply: None,
-        };
-        // The first OLD rows were appended long ago (retention counts from
-        // the append), the rest just now.
-        let now = edgespool::envelope::wall_clock_ms().0;
-        for chunk in 0..(OLD + KEEP) / 1000 {
-            let batch: Vec<NewEvent> = (0..1000).map(|i| ev(chunk * 1000 + i)).collect();
-            let at = if chunk * 1000 < OLD { 1_000 } else { now };
-            s.append(&batch, &mut ids, "d", Format::Json, at)
-                .expect("append");
-        }
-        let all: Vec<i64> = s
-            .sendable(0, OLD + KEEP)
-            .expect("rows")
-            .iter()
-            .map(|r| r.id)
-            .collect();
-        s.retire(&all).expect("retire");
-        s.checkpoint(edgespool::spool::CheckpointMode::Truncate)
-            .expect("checkpoint");
-    }
-    // The naive way, on a copy: one transaction deleting every old row.
-    let naive = dir.path().join("naive.db");
-    std::fs::copy(&db, &naive).expect("copy");
-    let naive_wal = {
-        let c = rusqlite::Connection::open(&naive).expect("open copy");
-        let _: String = c
-            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
-            .expect("wal");
-        c.execute_batch("PRAGMA wal_autocheckpoint=0; BEGIN IMMEDIATE; DELETE FROM events WHERE created_ms < 2000; COMMIT;")
-            .expect("naive delete");
-        std::fs::metadata(dir.path().join("naive.db-wal"))
-            .map(|m| m.len())
-            .unwrap_or(0)
-    };
+    old_acked_rows(&db, OLD, KEEP);
+    let naive_wal = one_transaction_purge_wal(&db);
     let cfg = crate::write_config(
         dir.path(),
         "mqtt://127.0.0.1:9",
@@ -417,6 +369,142 @@ fn a_large_retention_purge_keeps_the_wal_bounded_and_removes_exactly_the_old_row
         peak * 3 < naive_wal,
         "peak WAL {peak} is not well below the single-transaction {naive_wal}"
     );
+}
+
+/// F01 meeting F02: a reader that pins the WAL while retention has a large
+/// purge to do holds the purge at one batch (the WAL grows by one batch,
+/// not by every batch a pass has time for); once it leaves, the purge
+/// finishes, each batch starting the WAL over.
+#[test]
+fn a_reader_pinning_the_wal_holds_a_large_purge_at_one_batch_until_it_leaves() {
+    const OLD: usize = 40_000;
+    const KEEP: usize = 2_000;
+    const BATCH: i64 = 5_000;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("spool.db");
+    old_acked_rows(&db, OLD, KEEP);
+    let naive_wal = one_transaction_purge_wal(&db);
+    let reader = rusqlite::Connection::open(&db).expect("reader");
+    reader
+        .execute_batch("BEGIN; SELECT count(*) FROM events;")
+        .expect("hold a read snapshot");
+    let cfg = crate::write_config(
+        dir.path(),
+        "mqtt://127.0.0.1:9",
+        &crate::prefix("pinpurge"),
+        1000,
+    );
+    let wal = dir.path().join("spool.db-wal");
+    let wal_len = || std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+    // A long checkpoint interval: the one batch per interval a pinned WAL
+    // still gets does not come during the test.
+    let mut agent = AgentProc::spawn(
+        &cfg,
+        &[
+            "sources=[]".into(),
+            "spool.acked_retention_secs=3600".into(),
+            "spool.purge_batch_rows=5000".into(),
+            "spool.checkpoint_interval_secs=3600".into(),
+        ],
+        dir.path(),
+    );
+    let status = || {
+        let (_, out, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
+        out
+    };
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            counter(&db, "events_purged_acked") >= BATCH && status().contains("checkpoint blocked")
+        }),
+        "purged {}\n{}",
+        counter(&db, "events_purged_acked"),
+        agent.log_tail(30)
+    );
+    let pinned_wal = wal_len();
+    assert_eq!(
+        counter(&db, "events_purged_acked"),
+        BATCH,
+        "batches kept coming into a WAL a reader pins (WAL {pinned_wal} bytes)\n{}",
+        agent.log_tail(30)
+    );
+    assert!(
+        pinned_wal * 3 < naive_wal,
+        "pinned WAL {pinned_wal} bytes against {naive_wal} for the whole purge"
+    );
+    reader.execute_batch("COMMIT").expect("release");
+    drop(reader);
+    let mut peak = 0u64;
+    assert!(
+        wait_for(Duration::from_secs(60), || {
+            peak = peak.max(wal_len());
+            counter(&db, "events_purged_acked") >= OLD as i64
+        }),
+        "purge did not resume: {}\n{}",
+        counter(&db, "events_purged_acked"),
+        agent.log_tail(30)
+    );
+    agent.terminate(Duration::from_secs(15));
+    println!("pinned: WAL {pinned_wal} bytes after one batch; after the reader left, peak WAL {peak} bytes; one big delete wrote {naive_wal}");
+    assert_eq!(total(&db), KEEP as i64, "exactly the old rows are gone");
+    assert!(
+        peak * 3 < naive_wal,
+        "peak WAL {peak} bytes after the reader left, against {naive_wal}"
+    );
+}
+
+/// A spool of `old + keep` acknowledged rows of about 250 bytes, the first
+/// `old` appended long ago (retention counts from the append), the rest
+/// just now; the WAL checkpointed away.
+fn old_acked_rows(db: &Path, old: usize, keep: usize) {
+    use edgespool::envelope::{EventIdGen, Format};
+    use edgespool::reading::FieldValue;
+    use edgespool::spool::{NewEvent, Spool, SpoolOptions};
+    let mut s = Spool::open(db, &SpoolOptions::default()).expect("open");
+    let mut ids = EventIdGen::new().expect("ids");
+    let ev = |i: usize| NewEvent {
+        replay: None,
+        stream: "old".into(),
+        ts_ms: i as i64,
+        clock_trusted: true,
+        fields: vec![
+            ("x".into(), FieldValue::Num(i as f64)),
+            ("pad".into(), FieldValue::Text("p".repeat(200))),
+        ],
+        key: None,
+        reply: None,
+    };
+    let now = edgespool::envelope::wall_clock_ms().0;
+    for chunk in 0..(old + keep) / 1000 {
+        let batch: Vec<NewEvent> = (0..1000).map(|i| ev(chunk * 1000 + i)).collect();
+        let at = if chunk * 1000 < old { 1_000 } else { now };
+        s.append(&batch, &mut ids, "d", Format::Json, at)
+            .expect("append");
+    }
+    let all: Vec<i64> = s
+        .sendable(0, old + keep)
+        .expect("rows")
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    s.retire(&all).expect("retire");
+    s.checkpoint(edgespool::spool::CheckpointMode::Truncate)
+        .expect("checkpoint");
+}
+
+/// The naive purge, on a copy of `db`: one transaction deleting every row
+/// `old_acked_rows` made old. Returns the WAL bytes it wrote.
+fn one_transaction_purge_wal(db: &Path) -> u64 {
+    let naive = db.with_file_name("naive.db");
+    std::fs::copy(db, &naive).expect("copy");
+    let c = rusqlite::Connection::open(&naive).expect("open copy");
+    let _: String = c
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .expect("wal");
+    c.execute_batch("PRAGMA wal_autocheckpoint=0; BEGIN IMMEDIATE; DELETE FROM events WHERE created_ms < 2000; COMMIT;")
+        .expect("naive delete");
+    std::fs::metadata(db.with_file_name("naive.db-wal"))
+        .map(|m| m.len())
+        .unwrap_or(0)
 }
 
 /// A deliberately slowed spool device (an injected fsync delay in the storage
