@@ -48,6 +48,33 @@ pub fn checkpoint_due(i: &CheckpointInputs) -> Option<CheckpointMode> {
     None
 }
 
+/// Whether a bulk step (a retention batch, a free-page step) may write
+/// now, given how long a reader has kept the WAL the last one left from
+/// starting over (`None`: it started over). Bulk steps write a batch's worth
+/// of pages each; into a WAL that cannot start over they pile up (F02 on
+/// top of F01), so after a pin they wait for the reader to leave, and one
+/// goes ahead anyway once per checkpoint `interval` (F01's bound: the limit
+/// plus one interval of writes; retention still progresses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BulkGate {
+    /// No pin: write.
+    Go,
+    /// Pinned for less than an interval: write only if the reader has left.
+    IfReaderLeft,
+    /// Pinned for an interval or more: write one step regardless.
+    Anyway,
+}
+
+/// [`BulkGate`] for a pin held `pinned_for` (`None`: none) and the
+/// time-driven checkpoint `interval`.
+pub fn bulk_gate(pinned_for: Option<Duration>, interval: Duration) -> BulkGate {
+    match pinned_for {
+        None => BulkGate::Go,
+        Some(d) if d >= interval => BulkGate::Anyway,
+        Some(_) => BulkGate::IfReaderLeft,
+    }
+}
+
 /// Capacity limits from `[spool]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capacity {
@@ -186,6 +213,25 @@ mod tests {
             since_last: Duration::from_secs(1),
             interval: Duration::from_secs(30),
         }
+    }
+
+    #[test]
+    fn a_bulk_step_after_a_pin_waits_for_the_reader_or_one_interval() {
+        let interval = Duration::from_secs(30);
+        assert_eq!(bulk_gate(None, interval), BulkGate::Go);
+        assert_eq!(
+            bulk_gate(Some(Duration::ZERO), interval),
+            BulkGate::IfReaderLeft
+        );
+        assert_eq!(
+            bulk_gate(Some(Duration::from_millis(29_999)), interval),
+            BulkGate::IfReaderLeft
+        );
+        assert_eq!(bulk_gate(Some(interval), interval), BulkGate::Anyway);
+        assert_eq!(
+            bulk_gate(Some(Duration::from_secs(3600)), interval),
+            BulkGate::Anyway
+        );
     }
 
     #[test]

@@ -464,9 +464,9 @@ struct Upkeep {
     /// Consecutive incomplete checkpoints: since when, how many.
     incomplete_run: Option<(Instant, u32)>,
     /// Since when a reader has kept the WAL a bulk step (a retention
-    /// batch, a shrink step) left from starting over; further bulk steps
-    /// wait ([`Ingest::bulk_step_allowed`]).
-    bulk_pinned: Option<Instant>,
+    /// batch, a shrink step) left from starting over, and whether that was
+    /// logged; further bulk steps wait ([`Ingest::bulk_step_allowed`]).
+    bulk_pinned: Option<(Instant, bool)>,
     /// Write budget baseline: (when, /proc/self/io write_bytes).
     budget_since: (Instant, u64),
     /// Commits on the `synchronous = FULL` ingest connection.

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 pub(super) const MAINTENANCE_BUDGET: Duration = Duration::from_millis(100);
 /// The next pass when the last one left work over.
 pub(super) const MAINTENANCE_AGAIN: Duration = Duration::from_millis(250);
-/// Longest the checkpoint after a bulk step (a retention batch, a shrink
-/// step) waits for readers to leave the WAL, so the next step writes it
-/// from its beginning (RESTART); the delivery thread's reads take a few ms.
+/// Longest the RESTART after a bulk step (a retention batch, a free-page
+/// step) waits for readers to leave the WAL, holding new writers off
+/// meanwhile, so the next step writes the WAL from its beginning. The copy
+/// itself is done before, by a PASSIVE checkpoint that holds nobody off.
 pub(super) const RESET_WAIT: Duration = Duration::from_millis(50);
-/// Longest the check whether a reader still pins the WAL a bulk step left
-/// waits ([`Ingest::bulk_step_allowed`]; it runs every pass while one
-/// does, and holds writers off while it waits).
+/// The same wait when a pass checks whether the reader that pinned the WAL
+/// a bulk step left has gone ([`Ingest::bulk_step_allowed`]).
 pub(super) const PIN_CHECK_WAIT: Duration = Duration::from_millis(10);
 /// Free pages given back per pass (1 MiB of 4 KiB pages): one step is one
 /// transaction, so this also bounds what it adds to the WAL.
@@ -117,12 +117,15 @@ impl Ingest {
         // Retention rides with the checkpoint cadence (issue 23: at every
         // pass it was a commit, and a checkpoint, every 5 s once rows began
         // to age out), sooner only while a pass left work over.
+        // While a reader pins the WAL the last bulk step left, every pass
+        // (at the normal period) checks whether it has gone.
         let retention_due = self.upkeep.more_work
+            || self.upkeep.bulk_pinned.is_some()
             || self
                 .retention_at
                 .is_none_or(|t| t.elapsed() >= self.checkpoint_interval());
         self.upkeep.more_work = false;
-        let purged = if retention_due {
+        let purged = if retention_due && self.bulk_step_allowed() {
             self.retention_at = Some(Instant::now());
             self.retain(cutoff)
         } else {
@@ -132,7 +135,7 @@ impl Ingest {
             log::debug!("retention: deleted {purged} acknowledged rows");
         }
         self.persist_seqs_if_due();
-        if !self.upkeep.more_work {
+        if !self.upkeep.more_work && self.upkeep.bulk_pinned.is_none() {
             self.shrink_step();
         }
         self.checkpoint_if_due();
@@ -171,15 +174,17 @@ impl Ingest {
 
     /// Delete acknowledged rows appended before `cutoff` in batches, a
     /// checkpoint between full batches that starts the WAL over (F02;
-    /// [`Ingest::bulk_step_allowed`]). A pass holds the write lock for at
-    /// most about [`MAINTENANCE_BUDGET`] (the delivery thread's commits wait
-    /// behind it); what is left is done at the next pass, which then comes
-    /// sooner. Returns the rows deleted.
+    /// [`Ingest::reset_after_bulk_step`]); a reader still in the WAL stops
+    /// the pass there. A pass starts batches for at most about
+    /// [`MAINTENANCE_BUDGET`] (each holds the write lock, and so does the
+    /// wait for readers after it, up to [`RESET_WAIT`]; the delivery
+    /// thread's commits wait behind both); what is left is done at the next
+    /// pass, which then comes sooner. Returns the rows deleted.
     fn retain(&mut self, cutoff: i64) -> usize {
         let started = Instant::now();
         let mut purged = 0;
         loop {
-            if started.elapsed() >= MAINTENANCE_BUDGET || !self.bulk_step_allowed() {
+            if started.elapsed() >= MAINTENANCE_BUDGET {
                 self.upkeep.more_work = true;
                 return purged;
             }
@@ -192,8 +197,11 @@ impl Ingest {
                         return purged;
                     }
                     // More may follow: copy this batch back and start the
-                    // WAL over before the next one (F02).
-                    self.reset_after_bulk_step();
+                    // WAL over before the next one (F02); a reader still in
+                    // it holds the rest until it leaves.
+                    if !self.reset_after_bulk_step() {
+                        return purged;
+                    }
                 }
                 Err(e) => {
                     log::warn!("retention skipped: {e}");
@@ -263,59 +271,73 @@ impl Ingest {
         )
     }
 
-    /// Whether a bulk step (a retention batch, a shrink step) may write now.
-    /// After one whose checkpoint could not start the WAL over (a reader was
-    /// still in it), the next waits until a RESTART that waits at most
-    /// [`PIN_CHECK_WAIT`] does (the reader has left), or one checkpoint
-    /// interval: a
-    /// pinned WAL then grows by one step per interval, not by every step a
-    /// pass has time for (F01's bound: the limit plus one interval of
-    /// writes; F02).
+    /// Whether a bulk step (a retention batch, a free-page step) may write
+    /// now ([`crate::maintenance::bulk_gate`]). While a reader pins the WAL
+    /// the last one left, a check copies what it can (PASSIVE) and, if that
+    /// was everything, waits at most [`PIN_CHECK_WAIT`] for readers to leave
+    /// (RESTART). Neither is recorded as a checkpoint outcome: health and
+    /// `wal_checkpoint_blocked` keep judging the policy's own checkpoints.
     pub(super) fn bulk_step_allowed(&mut self) -> bool {
-        let Some(since) = self.upkeep.bulk_pinned else {
-            return true;
+        let pinned_for = self.upkeep.bulk_pinned.map(|(t, _)| t.elapsed());
+        let interval = self.checkpoint_interval();
+        let go = match crate::maintenance::bulk_gate(pinned_for, interval) {
+            crate::maintenance::BulkGate::Go => return true,
+            crate::maintenance::BulkGate::Anyway => true,
+            crate::maintenance::BulkGate::IfReaderLeft => {
+                let copied = matches!(
+                    self.spool.checkpoint(CheckpointMode::Passive),
+                    Ok(r) if r.busy == 0 && r.checkpointed_frames == r.log_frames
+                );
+                copied && self.readers_left_wal(PIN_CHECK_WAIT)
+            }
         };
-        if since.elapsed() >= self.checkpoint_interval()
-            || self.run_checkpoint_within(CheckpointMode::Restart, 0, Some(PIN_CHECK_WAIT))
-        {
-            self.upkeep.bulk_pinned = None;
-            return true;
+        match self.upkeep.bulk_pinned {
+            _ if go => self.upkeep.bulk_pinned = None,
+            Some((since, false)) => {
+                log::info!(
+                    "retention held: a reader keeps the spool's WAL from starting over (another process's read transaction: status, a backup, the sqlite3 shell); batches resume when it leaves, or one every {} s",
+                    interval.as_secs()
+                );
+                self.upkeep.bulk_pinned = Some((since, true));
+            }
+            _ => {}
         }
-        false
+        go
     }
 
-    /// After a bulk step: copy it back and have the next write start the
-    /// WAL from its beginning (RESTART, waiting at most [`RESET_WAIT`] for
-    /// readers). A reader still in the WAL after that pins it, noted for
-    /// [`Ingest::bulk_step_allowed`].
-    fn reset_after_bulk_step(&mut self) {
-        if !self.run_checkpoint_within(CheckpointMode::Restart, 0, Some(RESET_WAIT)) {
-            self.upkeep.bulk_pinned = Some(Instant::now());
+    /// After a bulk step: copy it back (PASSIVE, recorded like every policy
+    /// checkpoint), then wait at most [`RESET_WAIT`] for readers to leave
+    /// the WAL so the next write starts it from its beginning. False, and
+    /// the pin noted for [`Ingest::bulk_step_allowed`], when a reader kept
+    /// either from finishing.
+    fn reset_after_bulk_step(&mut self) -> bool {
+        let reset =
+            self.run_checkpoint(CheckpointMode::Passive, 0) && self.readers_left_wal(RESET_WAIT);
+        if !reset {
+            self.upkeep.bulk_pinned = Some((Instant::now(), false));
         }
+        reset
     }
 
-    /// [`Ingest::run_checkpoint_within`] with the spool's busy timeout.
+    /// A RESTART checkpoint waiting at most `wait`: true when every reader
+    /// has left the WAL, so the next write starts it from its beginning.
+    /// Not recorded as a checkpoint outcome.
+    fn readers_left_wal(&self, wait: Duration) -> bool {
+        matches!(
+            self.spool.checkpoint_within(CheckpointMode::Restart, wait),
+            Ok(r) if r.busy == 0 && r.checkpointed_frames == r.log_frames
+        )
+    }
+
+    /// Run the checkpoint `mode` and record its outcome (in memory, for
+    /// `status` and health); true when it copied every frame and nothing was
+    /// busy.
     pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) -> bool {
-        self.run_checkpoint_within(mode, written, None)
-    }
-
-    /// Run a checkpoint (waiting at most `wait` for readers and writers, or
-    /// the busy timeout) and record its outcome; true when it copied every
-    /// frame and nothing was busy.
-    pub(super) fn run_checkpoint_within(
-        &mut self,
-        mode: CheckpointMode,
-        written: u64,
-        wait: Option<Duration>,
-    ) -> bool {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
         let t = Instant::now();
-        let res = match wait {
-            Some(w) => self.spool.checkpoint_within(mode, w),
-            None => self.spool.checkpoint(mode),
-        };
+        let res = self.spool.checkpoint(mode);
         let took = t.elapsed();
         self.upkeep.last_checkpoint = Instant::now();
         self.upkeep.checkpoints += 1;
@@ -387,14 +409,12 @@ impl Ingest {
         }
     }
 
-    /// Give free pages back in a bounded step (at most 4 MiB a pass) once
+    /// Give free pages back in a bounded step (at most [`SHRINK_STEP_PAGES`] a pass) once
     /// they exceed the live data plus 8 MiB, then copy the moved pages back
-    /// and start the WAL over (issue: the spool gives space back); not while
-    /// the last bulk step's WAL is pinned ([`Ingest::bulk_step_allowed`]).
+    /// and start the WAL over (issue: the spool gives space back). The
+    /// caller skips it while the last bulk step's WAL is pinned
+    /// ([`Ingest::bulk_step_allowed`]).
     pub(super) fn shrink_step(&mut self) {
-        if !self.bulk_step_allowed() {
-            return;
-        }
         match self.spool.shrink_step(8 * 1024 * 1024, SHRINK_STEP_PAGES) {
             Ok(0) => {}
             Ok(n) => {

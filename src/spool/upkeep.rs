@@ -162,16 +162,23 @@ impl Spool {
     /// [`Spool::checkpoint`] waiting at most `wait` (instead of the busy
     /// timeout) for writers and readers; zero waits for none. A checkpoint
     /// that ran out of time reports `busy = 1` after copying what it could,
-    /// as PASSIVE would. The connection's busy timeout is put back after.
+    /// as PASSIVE would. The connection's busy timeout (read before) is put
+    /// back after, whatever the checkpoint returned.
     pub fn checkpoint_within(
         &self,
         mode: CheckpointMode,
         wait: std::time::Duration,
     ) -> Result<CheckpointResult, SpoolError> {
+        let before: i64 = self
+            .conn
+            .query_row("PRAGMA busy_timeout", [], |r| r.get(0))
+            .map_err(|e| self.err(e))?;
         self.conn.busy_timeout(wait).map_err(|e| self.err(e))?;
         let res = self.checkpoint(mode);
-        let timeout = std::time::Duration::from_millis(self.pragmas.busy_timeout_ms.max(0) as u64);
-        self.conn.busy_timeout(timeout).map_err(|e| self.err(e))?;
+        // `sqlite3_busy_timeout` cannot fail on an open connection; were it
+        // to, the error says so rather than leaving the short wait unnoticed.
+        let before = std::time::Duration::from_millis(before.max(0) as u64);
+        self.conn.busy_timeout(before).map_err(|e| self.err(e))?;
         res
     }
 
