@@ -25,6 +25,9 @@ pub(super) const RESET_WAIT: Duration = Duration::from_millis(50);
 /// The same wait when a pass checks whether the reader that pinned the WAL
 /// a bulk step left has gone ([`Ingest::bulk_step_allowed`]).
 pub(super) const PIN_CHECK_WAIT: Duration = Duration::from_millis(10);
+/// For this long after a pin began, the check runs at every quick pass
+/// ([`MAINTENANCE_AGAIN`]); past it, at the normal period, with one log line.
+pub(super) const PIN_QUICK_CHECKS: Duration = Duration::from_secs(2);
 /// Free pages given back per pass (1 MiB of 4 KiB pages): one step is one
 /// transaction, so this also bounds what it adds to the WAL.
 pub(super) const SHRINK_STEP_PAGES: u64 = 256;
@@ -200,6 +203,8 @@ impl Ingest {
                     // WAL over before the next one (F02); a reader still in
                     // it holds the rest until it leaves.
                     if !self.reset_after_bulk_step() {
+                        // Checked again soon: most pins are a read ending.
+                        self.upkeep.more_work = true;
                         return purged;
                     }
                 }
@@ -273,9 +278,9 @@ impl Ingest {
 
     /// Whether a bulk step (a retention batch, a free-page step) may write
     /// now ([`crate::maintenance::bulk_gate`]). While a reader pins the WAL
-    /// the last one left, a check copies what it can (PASSIVE) and, if that
-    /// was everything, waits at most [`PIN_CHECK_WAIT`] for readers to leave
-    /// (RESTART). Neither is recorded as a checkpoint outcome: health and
+    /// the last one left, a check copies what it can (PASSIVE), then waits
+    /// at most [`PIN_CHECK_WAIT`] for readers to leave (RESTART), at every
+    /// quick pass for [`PIN_QUICK_CHECKS`], then at the normal period. Neither is recorded as a checkpoint outcome: health and
     /// `wal_checkpoint_blocked` keep judging the policy's own checkpoints.
     pub(super) fn bulk_step_allowed(&mut self) -> bool {
         let pinned_for = self.upkeep.bulk_pinned.map(|(t, _)| t.elapsed());
@@ -284,15 +289,18 @@ impl Ingest {
             crate::maintenance::BulkGate::Go => return true,
             crate::maintenance::BulkGate::Anyway => true,
             crate::maintenance::BulkGate::IfReaderLeft => {
-                let copied = matches!(
-                    self.spool.checkpoint(CheckpointMode::Passive),
-                    Ok(r) if r.busy == 0 && r.checkpointed_frames == r.log_frames
-                );
-                copied && self.readers_left_wal(PIN_CHECK_WAIT)
+                // The copy without holding writers off first; the RESTART
+                // judges (it also waits for a reader on an older snapshot).
+                let _ = self.spool.checkpoint(CheckpointMode::Passive);
+                self.readers_left_wal(PIN_CHECK_WAIT)
             }
         };
+        let long = pinned_for.is_some_and(|d| d >= PIN_QUICK_CHECKS);
         match self.upkeep.bulk_pinned {
             _ if go => self.upkeep.bulk_pinned = None,
+            // A short read (status, a one-off query) ends soon: look again
+            // at the next quick pass.
+            Some(_) if !long => self.upkeep.more_work = true,
             Some((since, false)) => {
                 log::info!(
                     "retention held: a reader keeps the spool's WAL from starting over (another process's read transaction: status, a backup, the sqlite3 shell); batches resume when it leaves, or one every {} s",
@@ -307,12 +315,14 @@ impl Ingest {
 
     /// After a bulk step: copy it back (PASSIVE, recorded like every policy
     /// checkpoint), then wait at most [`RESET_WAIT`] for readers to leave
-    /// the WAL so the next write starts it from its beginning. False, and
-    /// the pin noted for [`Ingest::bulk_step_allowed`], when a reader kept
-    /// either from finishing.
+    /// the WAL (RESTART, which first copies what the PASSIVE could not) so
+    /// the next write starts it from its beginning. False, and the pin
+    /// noted for [`Ingest::bulk_step_allowed`], when a reader stayed.
     fn reset_after_bulk_step(&mut self) -> bool {
-        let reset =
-            self.run_checkpoint(CheckpointMode::Passive, 0) && self.readers_left_wal(RESET_WAIT);
+        // A reader on an older snapshot leaves the PASSIVE short; the
+        // RESTART waits for it too, then copies the rest.
+        self.run_checkpoint(CheckpointMode::Passive, 0);
+        let reset = self.readers_left_wal(RESET_WAIT);
         if !reset {
             self.upkeep.bulk_pinned = Some((Instant::now(), false));
         }
