@@ -654,7 +654,7 @@ fn a_thousand_redeliveries_with_kills_in_between_run_the_command_once() {
     let acks = pump.join().expect("pump");
     assert_eq!(acks, 1000);
     let mut agent = rig.spawn();
-    rig.wait_result("k-1", "result", &mut agent);
+    let r = rig.wait_result("k-1", "result", &mut agent);
     std::thread::sleep(Duration::from_secs(2));
     agent.terminate(Duration::from_secs(15));
     let conn = crate::support::spool::open(&rig.db());
@@ -665,12 +665,16 @@ fn a_thousand_redeliveries_with_kills_in_between_run_the_command_once() {
             |r| r.get(0),
         )
         .expect("record");
-    println!("1000 deliveries sent: {delivered}; duplicates answered from the store: {dups}; executions: {}", lines(&rig.marker("counter-fast")));
-    assert_eq!(
-        lines(&rig.marker("counter-fast")),
-        1,
-        "executed more than once"
-    );
+    let runs = lines(&rig.marker("counter-fast"));
+    println!("1000 deliveries sent: {delivered}; duplicates answered from the store: {dups}; executions: {runs}; outcome {}", r["state"]);
+    // A kill can land while the one run is under way (on a loaded or slow
+    // board it does): the command is then answered interrupted and never run
+    // again, and its handler may or may not have got as far as its mark.
+    match r["state"].as_str() {
+        Some("completed") => assert_eq!(runs, 1, "completed, run {runs} times: {r}"),
+        Some("interrupted") => assert!(runs <= 1, "interrupted, run {runs} times: {r}"),
+        _ => panic!("unexpected outcome: {r}"),
+    }
     assert!(dups >= 1);
 }
 
