@@ -303,7 +303,7 @@ impl Ingest {
             Some(_) if !long => self.upkeep.more_work = true,
             Some((since, false)) => {
                 log::info!(
-                    "retention held: a reader keeps the spool's WAL from starting over (another process's read transaction: status, a backup, the sqlite3 shell); batches resume when it leaves, or one every {} s",
+                    "retention and free-page steps held: the spool's WAL cannot start over (most often another process's read transaction: status, a backup, the sqlite3 shell); they resume when it can, or one step every {} s",
                     interval.as_secs()
                 );
                 self.upkeep.bulk_pinned = Some((since, true));
@@ -431,7 +431,10 @@ impl Ingest {
                 log::debug!("spool: gave {n} free pages back to the filesystem");
                 self.upkeep.more_work = n >= SHRINK_STEP_PAGES;
                 // The moved pages go to the database now, one step at a time.
-                self.reset_after_bulk_step();
+                if !self.reset_after_bulk_step() {
+                    // The check comes at the quick pass, as after a batch.
+                    self.upkeep.more_work = true;
+                }
             }
             Err(e) => {
                 if self

@@ -411,7 +411,7 @@ fn a_reader_pinning_the_wal_holds_a_large_purge_at_one_batch_until_it_leaves() {
     // The first batch, then a later pass finding the reader still there.
     assert!(
         wait_for(Duration::from_secs(30), || {
-            agent.logged("INFO", "agent", "retention held: a reader keeps")
+            agent.logged("INFO", "agent", "retention and free-page steps held")
         }),
         "purged {}\n{}",
         counter(&db, "events_purged_acked"),
