@@ -280,7 +280,8 @@ impl Ingest {
     /// now ([`crate::maintenance::bulk_gate`]). While a reader pins the WAL
     /// the last one left, a check copies what it can (PASSIVE), then waits
     /// at most [`PIN_CHECK_WAIT`] for readers to leave (RESTART), at every
-    /// quick pass for [`PIN_QUICK_CHECKS`], then at the normal period. Neither is recorded as a checkpoint outcome: health and
+    /// quick pass for [`PIN_QUICK_CHECKS`], then at the normal period.
+    /// Neither is recorded as a checkpoint outcome: health and
     /// `wal_checkpoint_blocked` keep judging the policy's own checkpoints.
     pub(super) fn bulk_step_allowed(&mut self) -> bool {
         let pinned_for = self.upkeep.bulk_pinned.map(|(t, _)| t.elapsed());
@@ -340,9 +341,8 @@ impl Ingest {
     }
 
     /// Run the checkpoint `mode` and record its outcome (in memory, for
-    /// `status` and health); true when it copied every frame and nothing was
-    /// busy.
-    pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) -> bool {
+    /// `status` and health).
+    pub(super) fn run_checkpoint(&mut self, mode: CheckpointMode, written: u64) {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
@@ -390,7 +390,6 @@ impl Ingest {
                     );
                 }
                 self.upkeep.checkpoint_blocked = blocked;
-                !incomplete
             }
             Err(e) => {
                 if self
@@ -403,7 +402,6 @@ impl Ingest {
                     );
                     self.upkeep.last_checkpoint_error = Some(Instant::now());
                 }
-                false
             }
         }
     }
@@ -419,8 +417,8 @@ impl Ingest {
         }
     }
 
-    /// Give free pages back in a bounded step (at most [`SHRINK_STEP_PAGES`] a pass) once
-    /// they exceed the live data plus 8 MiB, then copy the moved pages back
+    /// Give free pages back in a bounded step (at most
+    /// [`SHRINK_STEP_PAGES`] a pass) once they exceed the live data plus 8 MiB, then copy the moved pages back
     /// and start the WAL over (issue: the spool gives space back). The
     /// caller skips it while the last bulk step's WAL is pinned
     /// ([`Ingest::bulk_step_allowed`]).

@@ -608,6 +608,13 @@ fn a_second_connection_writes_while_the_first_holds_no_transaction() {
     assert_eq!(c.busy, 0);
 }
 
+/// Frames in the WAL now, as a PASSIVE checkpoint reports them.
+fn wal_log_frames(s: &Spool) -> i64 {
+    s.raw()
+        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get(1))
+        .unwrap()
+}
+
 #[test]
 fn a_restart_checkpoint_starts_the_wal_over_and_its_wait_for_a_reader_is_bounded() {
     // Real connections on one file: the spool, and a reader holding a snapshot.
@@ -639,12 +646,7 @@ fn a_restart_checkpoint_starts_the_wal_over_and_its_wait_for_a_reader_is_bounded
     // The next write goes on at the WAL's end.
     s.append(&[ev("a", 1.0)], &mut ids, "d", Format::Json, 0)
         .unwrap();
-    let (_, pinned): (i64, i64) = s
-        .raw()
-        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
-            Ok((row.get(0)?, row.get(1)?))
-        })
-        .unwrap();
+    let pinned = wal_log_frames(&s);
     assert!(pinned as u64 > filled, "{pinned} frames after {filled}");
     // Reader gone: the RESTART completes and the next write starts the WAL
     // from its beginning.
@@ -655,12 +657,7 @@ fn a_restart_checkpoint_starts_the_wal_over_and_its_wait_for_a_reader_is_bounded
     assert_eq!((r.busy, r.checkpointed_frames), (0, r.log_frames), "{r:?}");
     s.append(&[ev("a", 2.0)], &mut ids, "d", Format::Json, 0)
         .unwrap();
-    let (_, log): (i64, i64) = s
-        .raw()
-        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
-            Ok((row.get(0)?, row.get(1)?))
-        })
-        .unwrap();
+    let log = wal_log_frames(&s);
     assert!(
         log < 10,
         "{log} frames in the WAL after a restart and one append"
