@@ -46,8 +46,8 @@
 #[path = "common/drains.rs"]
 mod drains;
 
-use edgespool::envelope::{EventIdGen, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{EventIdGen, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use rumqttc::{Client, Connection, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::collections::{HashMap, HashSet};
@@ -62,7 +62,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const AGENT: &str = env!("CARGO_BIN_EXE_edgespool");
 /// Readings per `append` call while building the backlog.
 const BATCH: usize = 1000;
-/// The agent's default `mqtt.inflight_window` (src/config.rs).
+/// The agent's default `mqtt.inflight_window` (src/config/mod.rs).
 const WINDOW: usize = 32;
 /// The agent's default `mqtt.keep_alive_secs`.
 const KEEP_ALIVE: Duration = Duration::from_secs(30);

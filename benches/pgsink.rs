@@ -172,7 +172,7 @@ fn commit_times(db: &mut postgres::Client) -> (i64, i64, i64) {
 }
 
 fn wall_ms() -> i64 {
-    edgespool::envelope::wall_clock_ms().0
+    edgespool::event::envelope::wall_clock_ms().0
 }
 
 /// The clock runs from the first publish to the last commit

@@ -11,8 +11,8 @@
 //! Run: `cargo bench --bench throughput` (needs mosquitto; `cross/setup-debian.sh`).
 //! `BENCH_ROWS` sets the row count (default 20000).
 
-use edgespool::envelope::{EventIdGen, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{EventIdGen, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::process::{Child, Command, Stdio};
@@ -308,8 +308,8 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = std::sync::mpsc::channel();
     let (link, mqtt) = edgespool::mqtt::new(cfg.mqtt.clone(), tx, stop.clone(), None);
-    let stats = Arc::new(edgespool::publisher::DeliveryStats::default());
-    let dcfg = edgespool::publisher::DeliveryConfig {
+    let stats = Arc::new(edgespool::delivery::DeliveryStats::default());
+    let dcfg = edgespool::delivery::DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: WINDOW,
         max_payload_bytes: cfg.mqtt.max_payload_bytes,
@@ -322,13 +322,13 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
-        record_window: edgespool::write_budget::SharedWindow::new(cfg.spool.commit_window),
+        record_window: edgespool::flash::write_budget::SharedWindow::new(cfg.spool.commit_window),
     };
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());
     let h2 = {
         let (stop, stats) = (stop.clone(), stats.clone());
-        std::thread::spawn(move || edgespool::publisher::run(spool, dcfg, link, rx, stop, stats))
+        std::thread::spawn(move || edgespool::delivery::run(spool, dcfg, link, rx, stop, stats))
     };
     while (stats.retired.load(Ordering::Relaxed) as usize) < rows {
         assert!(t.elapsed() < Duration::from_secs(300), "delivery stalled");

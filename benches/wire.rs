@@ -45,8 +45,8 @@
 #[path = "common/drains.rs"]
 mod drains;
 
-use edgespool::envelope::{EventIdGen, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{EventIdGen, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -2,7 +2,7 @@
 //! the line to that subcommand (one module each, under `cli/`), and turns
 //! what it returns into an exit code (the codes: [`cli`]).
 
-mod cli;
+use edgespool::cli;
 
 use std::process::ExitCode;
 

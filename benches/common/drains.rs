@@ -16,7 +16,7 @@
 //! the whole process from spawn to the last arrival) per 100,000 rows.
 //! Each agent case drains its own copy of one spool filled once.
 
-use edgespool::envelope::{EventIdGen, Format};
+use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::sink::unbatch::{decompress, split, topic_kind, TopicKind};
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::path::Path;
@@ -149,7 +149,7 @@ pub fn print(rows: usize, figs: &[Figure]) {
 fn fill(path: &Path, s: &Setup) -> usize {
     let mut spool = Spool::open(path, &SpoolOptions::default()).expect("open the template spool");
     let mut ids = EventIdGen::new().expect("event ids");
-    let now = edgespool::envelope::wall_clock_ms().0;
+    let now = edgespool::event::envelope::wall_clock_ms().0;
     let mut done = 0;
     while done < s.rows {
         let n = 1000.min(s.rows - done);

@@ -14,10 +14,10 @@
 //! encodes in both wire formats.
 #![no_main]
 
-use edgespool::envelope::{self, Envelope, EventId, Format};
+use edgespool::event::envelope::{self, Envelope, EventId, Format};
 use edgespool::source::bridge::payload::{MAX_KEY_BYTES, MAX_NAME_BYTES};
 use edgespool::source::bridge::{decode, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD};
-use edgespool::reading::FieldValue;
+use edgespool::event::reading::FieldValue;
 use libfuzzer_sys::fuzz_target;
 use std::collections::HashSet;
 
@@ -56,7 +56,7 @@ fuzz_target!(|data: &[u8]| {
         assert!(!name.is_empty() && name.len() <= MAX_NAME_BYTES, "name {name:?}");
         // The ingest socket's field-name rule: no NUL, newline or space.
         assert!(
-            name == TOPIC_FIELD || edgespool::reading::field_name_ok(name, MAX_NAME_BYTES),
+            name == TOPIC_FIELD || edgespool::event::reading::field_name_ok(name, MAX_NAME_BYTES),
             "name {name:?}"
         );
         assert!(names.insert(name.as_str()), "{name:?} twice");

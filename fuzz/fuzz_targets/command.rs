@@ -42,8 +42,8 @@ fuzz_target!(|data: &[u8]| {
     let again = commands::parse(respelt.as_bytes(), usize::MAX)
         .unwrap_or_else(|e| panic!("re-spelt message refused: {e}\n{respelt}"));
     assert_eq!(
-        edgespool::hex::encode(&again.request_hash),
-        edgespool::hex::encode(&cmd.request_hash),
+        edgespool::event::hex::encode(&again.request_hash),
+        edgespool::event::hex::encode(&cmd.request_hash),
         "request hash changed by key order or number spelling:\n{}\n{}",
         cmd.canonical,
         again.canonical

@@ -16,7 +16,7 @@
 #![no_main]
 
 use edgespool::config;
-use edgespool::identity::DeviceIdSource;
+use edgespool::os::identity::DeviceIdSource;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -19,8 +19,8 @@
 use edgespool::ingest::{IngestConfig, IngestStream};
 use edgespool::ingest::request::{error_line, MAX_KEY_BYTES, MAX_TEXT_BYTES, MAX_TS_MS};
 use edgespool::ingest::{parse_request, Request};
-use edgespool::reading::FieldValue;
-use edgespool::stream::{Durability, StreamSettings};
+use edgespool::event::reading::FieldValue;
+use edgespool::event::stream::{Durability, StreamSettings};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
@@ -65,7 +65,7 @@ fuzz_target!(|data: &[u8]| {
 fn check(req: &Request, cfg: &IngestConfig, data: &[u8]) {
     let name = &req.stream.name;
     assert!(!name.starts_with('_') && !name.is_empty() && name.len() <= 64, "{name:?}");
-    assert!(edgespool::stream::stream_name_ok(name));
+    assert!(edgespool::event::stream::stream_name_ok(name));
     assert_eq!(cfg.stream(name).as_ref(), Some(&req.stream));
     assert!(!req.fields.is_empty() && req.fields.len() <= cfg.max_fields);
     for (i, (n, v)) in req.fields.iter().enumerate() {

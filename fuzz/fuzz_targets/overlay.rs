@@ -16,7 +16,7 @@
 #![no_main]
 
 use edgespool::config::{self, Config};
-use edgespool::policy;
+use edgespool::push::policy;
 use edgespool::push;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;

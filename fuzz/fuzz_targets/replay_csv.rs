@@ -18,7 +18,7 @@
 #![no_main]
 
 use edgespool::source::replay::{Replay, ReplaySpec, TRACE_TS_FIELD};
-use edgespool::reading::FieldValue;
+use edgespool::event::reading::FieldValue;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use std::time::Instant;

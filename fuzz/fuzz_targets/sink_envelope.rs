@@ -11,9 +11,9 @@
 //! reading time.
 #![no_main]
 
-use edgespool::envelope::{self, Envelope, EventId, Format};
+use edgespool::event::envelope::{self, Envelope, EventId, Format};
 use edgespool::sink::envelope_identity;
-use edgespool::reading::{FieldValue, Fields};
+use edgespool::event::reading::{FieldValue, Fields};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

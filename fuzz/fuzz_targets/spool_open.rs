@@ -20,7 +20,7 @@
 //! and the whole run stays within libFuzzer's `-timeout` (no hang).
 #![no_main]
 
-use edgespool::integrity::{open_spool_at, OpenError};
+use edgespool::spool::integrity::{open_spool_at, OpenError};
 use edgespool::spool::priority::Lane;
 use edgespool::spool::{SpoolError, SpoolOptions};
 use libfuzzer_sys::fuzz_target;
@@ -75,7 +75,7 @@ fuzz_target!(|data: &[u8]| {
             assert!(!moved);
         }
         Err(OpenError::Spool(SpoolError::Other { source, .. }))
-            if !moved && edgespool::integrity::confirm_damage(&path).is_none() =>
+            if !moved && edgespool::spool::integrity::confirm_damage(&path).is_none() =>
         {
             // A file SQLite's own check passes, with a schema that is not
             // this spool's (the fuzzer edits the CREATE text): refused with

@@ -22,12 +22,12 @@
 
 use super::upkeep::MAINTENANCE_AGAIN;
 use super::{spool_dir, Ingest, MAX_BUFFERED, OWN_RESERVED_BYTES};
-use crate::envelope::wall_clock_ms;
+use crate::delivery::DeliveryStats;
+use crate::event::envelope::wall_clock_ms;
+use crate::event::stream::AGENT_STREAM;
 use crate::intake::IngestMsg;
 use crate::mqtt::DeliveryMsg;
-use crate::publisher::DeliveryStats;
 use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
-use crate::stream::AGENT_STREAM;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -64,7 +64,7 @@ impl Ingest {
             return;
         }
         self.buffered_bytes += bytes;
-        if self.cfg.stream_durability(&ev.stream) == crate::stream::Durability::Full {
+        if self.cfg.stream_durability(&ev.stream) == crate::event::stream::Durability::Full {
             self.full_buffer.push(ev);
         } else {
             self.buffer.push(ev);
@@ -216,7 +216,7 @@ impl Ingest {
     /// Refuse the buffered readings if the spool or the disk is at its limit,
     /// after dropping the oldest acknowledged rows first (I6: never an
     /// unacknowledged one). Checked at most once a second.
-    pub(super) fn capacity_refusal(&mut self) -> Option<crate::maintenance::Refusal> {
+    pub(super) fn capacity_refusal(&mut self) -> Option<crate::flash::maintenance::Refusal> {
         let fresh = self
             .upkeep
             .capacity_checked
@@ -226,10 +226,10 @@ impl Ingest {
         }
         let cap = self.cfg.spool.capacity;
         let dir = spool_dir(&self.cfg);
-        let check = |spool: &Spool| -> Option<crate::maintenance::Refusal> {
+        let check = |spool: &Spool| -> Option<crate::flash::maintenance::Refusal> {
             let (used, free_pages) = spool.usage().ok()?;
-            let fs_free = crate::maintenance::fs_free_bytes(&dir).ok()?;
-            crate::maintenance::capacity_check(&cap, used, free_pages, fs_free)
+            let fs_free = crate::flash::maintenance::fs_free_bytes(&dir).ok()?;
+            crate::flash::maintenance::capacity_check(&cap, used, free_pages, fs_free)
         };
         let mut refusal = check(&self.spool);
         if refusal.is_some() {
@@ -266,7 +266,7 @@ impl Ingest {
     pub(super) fn recovered_from_disk_full(&mut self) -> bool {
         let headroom = self.cfg.spool.capacity.min_free_bytes.max(1024 * 1024);
         let ok = matches!(self.spool.checkpoint(CheckpointMode::Truncate), Ok(r) if r.busy == 0)
-            && crate::maintenance::fs_free_bytes(&spool_dir(&self.cfg))
+            && crate::flash::maintenance::fs_free_bytes(&spool_dir(&self.cfg))
                 .is_ok_and(|f| f >= headroom);
         if ok {
             log::info!("disk has room again; taking readings again");
@@ -540,11 +540,11 @@ impl Ingest {
             fields: vec![
                 (
                     "event".into(),
-                    crate::reading::FieldValue::Text(kind.into()),
+                    crate::event::reading::FieldValue::Text(kind.into()),
                 ),
                 (
                     "detail".into(),
-                    crate::reading::FieldValue::Text(detail.into()),
+                    crate::event::reading::FieldValue::Text(detail.into()),
                 ),
             ],
             key: None,

@@ -2,7 +2,7 @@
 //! reverted) and the other control requests of the command thread.
 //!
 //! Its one rule: **a push never writes the board's local config file and
-//! never widens what it allows** ([`crate::policy`]); what is kept for the
+//! never widens what it allows** ([`crate::push::policy`]); what is kept for the
 //! next start is the last push a connection confirmed ([`crate::push`]).
 
 use super::{apply_tuning, spool_dir, Ingest, SamplerUpdate};
@@ -75,12 +75,12 @@ impl Ingest {
     /// any problem the running config stays.
     pub(super) fn reload(&mut self) -> Result<serde_json::Value, String> {
         let (local, text) = self.load_local()?;
-        crate::configfile::save_last_good(&self.source.path, text.as_bytes());
+        crate::config::file::save_last_good(&self.source.path, text.as_bytes());
         let path = self.source.path.display().to_string();
         let new = match self.push.clone() {
             None => local,
             Some(stored) => {
-                match crate::policy::check(&local, &stored.text, stored.signature.as_deref())
+                match crate::push::policy::check(&local, &stored.text, stored.signature.as_deref())
                     .and_then(|p| crate::push::compose(&local, &text, &path, &self.source.sets, &p))
                 {
                     Ok(c) => c,
@@ -111,7 +111,7 @@ impl Ingest {
     }
 
     /// A config push (`apply-config`): checked against the local file's
-    /// `[commands.config_push]` ([`crate::policy`]), composed on the local
+    /// `[commands.config_push]` ([`crate::push::policy`]), composed on the local
     /// config, applied live. A push that leaves the MQTT connection alone is
     /// kept at once; one that changes it is kept only once a CONNACK (and the
     /// command SUBACK) proves it, else the previous config comes back
@@ -128,7 +128,7 @@ impl Ingest {
             );
         }
         let (local, local_text) = self.load_local()?;
-        let push = crate::policy::check(&local, text, signature.as_deref())?;
+        let push = crate::push::policy::check(&local, text, signature.as_deref())?;
         let serial = self.admit_push(&local, &push)?;
         let origin = self.source.path.display().to_string();
         let new = crate::push::compose(&local, &local_text, &origin, &self.source.sets, &push)
@@ -138,9 +138,9 @@ impl Ingest {
             // push is reverted, so it can never be replayed.
             self.spool
                 .set_state(
-                    crate::policy::SERIAL_STATE_KEY,
+                    crate::push::policy::SERIAL_STATE_KEY,
                     &serial.to_string(),
-                    crate::envelope::wall_clock_ms().0,
+                    crate::event::envelope::wall_clock_ms().0,
                 )
                 .map_err(|e| {
                     format!(
@@ -152,8 +152,8 @@ impl Ingest {
             text: text.to_owned(),
             signature,
         };
-        let sha = crate::configfile::sha256_hex(text.as_bytes());
-        if !crate::policy::touches_connection(&self.cfg, &new) {
+        let sha = crate::config::file::sha256_hex(text.as_bytes());
+        if !crate::push::policy::touches_connection(&self.cfg, &new) {
             // Kept first: a push that cannot be kept is not applied either.
             let dir = spool_dir(&self.cfg);
             crate::push::save(&dir, Some(&stored)).map_err(|e| {
@@ -245,22 +245,22 @@ impl Ingest {
     fn admit_push(
         &self,
         local: &Config,
-        push: &crate::policy::Push,
+        push: &crate::push::policy::Push,
     ) -> Result<Option<u64>, String> {
         match push {
-            crate::policy::Push::Signed(text) => {
+            crate::push::policy::Push::Signed(text) => {
                 let pushed = crate::config::parse(text, "signed push", &self.source.sets)
                     .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
                 let highest = self
                     .spool
-                    .state(crate::policy::SERIAL_STATE_KEY)
+                    .state(crate::push::policy::SERIAL_STATE_KEY)
                     .map_err(|e| format!("cannot read the last signed serial: {e}"))?
                     .and_then(|v| v.parse::<u64>().ok())
                     .unwrap_or(0)
                     .max(stored_signed_serial(local).unwrap_or(0));
-                crate::policy::check_signed(local, &pushed, highest).map(Some)
+                crate::push::policy::check_signed(local, &pushed, highest).map(Some)
             }
-            crate::policy::Push::Overlay(_) => match &self.push {
+            crate::push::policy::Push::Overlay(_) => match &self.push {
                 Some(s) if s.signature.is_some() => Err(
                     "a signed config is in force on this board: an overlay would discard it; push a signed config instead"
                         .to_owned(),
@@ -279,9 +279,9 @@ impl Ingest {
             .ok()
             .and_then(|c| c.signed_serial);
         if let Some(serial) = serial {
-            let now = crate::envelope::wall_clock_ms().0;
+            let now = crate::event::envelope::wall_clock_ms().0;
             if let Err(e) = self.spool.set_state(
-                crate::policy::KEPT_SERIAL_STATE_KEY,
+                crate::push::policy::KEPT_SERIAL_STATE_KEY,
                 &serial.to_string(),
                 now,
             ) {
@@ -295,7 +295,7 @@ impl Ingest {
             None => Ok(local),
             Some(s) => {
                 let origin = self.source.path.display().to_string();
-                crate::policy::check(&local, &s.text, s.signature.as_deref()).and_then(|p| {
+                crate::push::policy::check(&local, &s.text, s.signature.as_deref()).and_then(|p| {
                     crate::push::compose(&local, &text, &origin, &self.source.sets, &p)
                 })
             }
@@ -520,7 +520,7 @@ pub(super) fn config_identity(
     if let Some(p) = push {
         bytes.extend_from_slice(p.text.as_bytes());
     }
-    crate::configfile::sha256_hex(&bytes)
+    crate::config::file::sha256_hex(&bytes)
 }
 
 /// The serial of the signed config kept in the state directory, if there is
@@ -530,12 +530,12 @@ pub(super) fn config_identity(
 fn stored_signed_serial(local: &Config) -> Option<u64> {
     let stored = crate::push::load(&spool_dir(local))?;
     let signature = stored.signature.as_deref()?;
-    match crate::policy::check(local, &stored.text, Some(signature)).ok()? {
-        crate::policy::Push::Signed(text) => {
+    match crate::push::policy::check(local, &stored.text, Some(signature)).ok()? {
+        crate::push::policy::Push::Signed(text) => {
             crate::config::parse(&text, "stored push", &[])
                 .ok()?
                 .signed_serial
         }
-        crate::policy::Push::Overlay(_) => None,
+        crate::push::policy::Push::Overlay(_) => None,
     }
 }

@@ -9,7 +9,7 @@
 //! still are.
 
 use super::Ingest;
-use crate::envelope::wall_clock_ms;
+use crate::event::envelope::wall_clock_ms;
 use crate::metrics::{Figures, Histogram, Snapshot, Textfile};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -93,7 +93,7 @@ impl Ingest {
             puback: self.link.puback_latency(),
             commit: self.metrics.commit,
             counters: self.spool.counters().unwrap_or_default(),
-            write_bytes: crate::maintenance::proc_write_bytes().unwrap_or(0),
+            write_bytes: crate::flash::maintenance::proc_write_bytes().unwrap_or(0),
             checkpoints: self.upkeep.checkpoints,
             appended: self.appended,
             acked: self.delivery_stats.retired.load(Ordering::Relaxed),
@@ -150,7 +150,7 @@ impl Ingest {
         self.publish_metrics(true, true);
         if let Some(l) = listener {
             let deadline = Instant::now() + Duration::from_secs(1);
-            crate::threads::join_within(l.stop(), deadline, "the metrics listener");
+            crate::os::threads::join_within(l.stop(), deadline, "the metrics listener");
         }
     }
 
@@ -169,7 +169,7 @@ impl Ingest {
     /// socket another process holds becomes an `_agent` event and a health
     /// reason for the run.
     pub(super) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
-        let now = crate::envelope::wall_clock_ms().0;
+        let now = crate::event::envelope::wall_clock_ms().0;
         if let Some(why) = s.conflict() {
             self.agent_event("ingest_socket_taken", &why);
             self.upkeep.ingest_socket_taken = Some(why);

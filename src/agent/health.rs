@@ -1,137 +1,256 @@
-//! The agent's health, judged once a maintenance pass from what every
-//! thread reports (the link, delivery's FAILED rows, checkpoints, refusals),
-//! logged once per reason and stored when it changes.
+//! The agent's health: `ok`, or `degraded` with named reasons.
 //!
-//! One rule: a degraded state names its reasons; health is written to the
-//! spool when its reasons change or at the summary interval, never each pass.
+//! Its one rule: **health says `ok` only while data can flow**: connected,
+//! acknowledged when rows wait, storage taking readings. Each reason names
+//! what to check. Pure: the agent gathers [`Facts`] and stores the
+//! [`Health`] this returns (only when it changes).
 
-use super::Ingest;
-use crate::envelope::wall_clock_ms;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// `s` without its digits: a health reason's kind, whatever its figures.
-pub(super) fn without_digits(s: &str) -> String {
-    s.chars().filter(|c| !c.is_ascii_digit()).collect()
+/// What the agent knows at a maintenance pass.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Facts {
+    /// Connected now (CONNACK accepted, not yet lost).
+    pub connected: bool,
+    /// How long the connection has been in its current state (up or down).
+    pub state_for: Duration,
+    /// Why the last connection ended (or the last connect failed).
+    pub last_error: Option<String>,
+    /// `host:port` of the broker, for the messages.
+    pub broker: String,
+    /// Rows submitted and not acknowledged.
+    pub in_flight: usize,
+    /// Time since the oldest of them was submitted or the last PUBACK.
+    pub no_puback_for: Option<Duration>,
+    /// Connections in a row that ended soon after their CONNACK (within a
+    /// keep-alive, without a PUBACK).
+    pub quick_drops: u32,
+    /// The broker refused the command subscription (SUBACK 0x80, MQTT 3.1.1
+    /// §3.9.3), or
+    /// closes the connection on it so the agent connects without it.
+    pub commands_unavailable: Option<String>,
+    /// FAILED rows in the spool now (kept and shown by `status` until an
+    /// operator requeues them).
+    pub failed_rows: u64,
+    /// Rows the broker refused on this connection, waiting for the next.
+    pub deferred: u64,
+    /// A reader pins the WAL (checkpoints cannot finish).
+    pub checkpoint_blocked: bool,
+    /// Readings refused since the last pass, and why.
+    pub dropping: Option<String>,
+    /// The config in force is the last-known-good copy.
+    pub config_fallback: bool,
+    /// Receipt mode: why receipts cannot arrive (the broker refused the
+    /// subscription); rows are retired on their PUBACK meanwhile.
+    pub receipts_unavailable: Option<String>,
+    /// Receipt mode: rows PUBACKed and waiting for their receipt, and how
+    /// long the oldest has waited.
+    pub awaiting_receipt: (u64, Option<Duration>),
+    /// `mqtt.receipt_timeout_secs` in receipt mode; `None` otherwise.
+    pub receipt_timeout: Option<Duration>,
+    /// Another process listens on `ingest.socket`: who, and the fix.
+    pub ingest_socket_taken: Option<String>,
+    /// The write budget cannot be met within the widest commit window
+    /// allowed: the projection and what would meet it
+    /// ([`crate::flash::write_budget::Verdict::reason`], worded by the caller).
+    pub write_budget: Option<String>,
 }
 
-impl Ingest {
-    /// Health and write budget into `agent_state`, for `status`.
-    /// The health line, stored only when it changes (a commit twice a
-    /// second whatever the rate was a large share of the flash writes).
-    pub(super) fn record_health(&mut self) {
-        let link = self.link.health_facts();
-        let dropping = if let Some(r) = self.upkeep.refusal {
-            Some(r.to_string())
-        } else if self.upkeep.disk_full {
-            Some("disk full".to_owned())
-        } else if std::mem::take(&mut self.upkeep.buffer_drops) > 0 {
-            Some(
-                "the in-memory buffer overflowed (readings arrive faster than they commit)"
-                    .to_owned(),
-            )
+/// The verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Every reason it is not ok; empty when ok.
+    pub reasons: Vec<String>,
+}
+
+impl Health {
+    /// `ok`, or `degraded: <reason>; <reason>`.
+    pub fn line(&self) -> String {
+        if self.reasons.is_empty() {
+            "ok".to_owned()
         } else {
-            None
-        };
-        let facts = crate::health::Facts {
-            connected: link.connected,
-            state_for: link.state_for,
-            last_error: link.last_error,
-            broker: format!("{}:{}", self.cfg.mqtt.host, self.cfg.mqtt.port),
-            in_flight: link.in_flight,
-            no_puback_for: link.no_puback_for,
-            quick_drops: link.quick_drops,
-            commands_unavailable: link.commands_unavailable,
-            failed_rows: self.spool.failed_count().unwrap_or(0),
-            deferred: self.delivery_stats.deferred.load(Ordering::Relaxed),
-            checkpoint_blocked: self.upkeep.checkpoint_blocked,
-            dropping,
-            config_fallback: self.source.fallback.is_some(),
-            receipts_unavailable: link.receipts_unavailable,
-            awaiting_receipt: self.awaiting_receipt(),
-            receipt_timeout: (self.cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt)
-                .then_some(self.cfg.mqtt.receipt_timeout),
-            ingest_socket_taken: self.upkeep.ingest_socket_taken.clone(),
-            write_budget: self.budget.verdict().reason(),
-        };
-        // Judged once a maintenance pass: a pass early, so `degraded` is
-        // recorded within the bound, not up to a pass after it.
-        let bound = crate::health::grace(self.cfg.mqtt.keep_alive)
-            .saturating_sub(self.maintenance_period());
-        let health = crate::health::assess(&facts, bound);
-        if let Ok(backlog) = self.spool.backlog_estimate() {
-            let device = (
-                self.cfg.device_id.as_str(),
-                self.cfg.device_id_source.kind(),
-            );
-            self.link.set_status(device, &self.config_sha, backlog);
+            format!("degraded: {}", self.reasons.join("; "))
         }
-        // Each reason is logged once when it appears (by its wording
-        // without figures), and again only after it went away.
-        let kinds: Vec<String> = health.reasons.iter().map(|r| without_digits(r)).collect();
-        for (reason, kind) in health.reasons.iter().zip(&kinds) {
-            if !self.upkeep.health_kinds.contains(kind) {
-                log::warn!("health degraded: {reason}");
-            }
+    }
+}
+
+/// How long a connection problem may last before it counts:
+/// `mqtt.keep_alive_secs` x 2, or 30 s, whichever is larger.
+pub fn grace(keep_alive: Duration) -> Duration {
+    (keep_alive * 2).max(Duration::from_secs(30))
+}
+
+/// Judge `f` with the connection `grace` (see [`grace`]).
+pub fn assess(f: &Facts, grace: Duration) -> Health {
+    let mut reasons = Vec::new();
+    let secs = |d: Duration| d.as_secs();
+    if !f.connected && f.state_for >= grace {
+        reasons.push(format!(
+            "not connected to {} for {} s ({}): check the broker, the network and the credentials",
+            f.broker,
+            secs(f.state_for),
+            f.last_error.as_deref().unwrap_or("no connection yet")
+        ));
+    }
+    if f.connected && f.in_flight > 0 && f.no_puback_for.is_some_and(|d| d >= grace) {
+        reasons.push(format!(
+            "connected but no PUBACK for {} s with {} rows in flight: the broker accepts the connection and not the publishes (limits, ACL?)",
+            f.no_puback_for.map_or(0, secs),
+            f.in_flight
+        ));
+    }
+    if f.quick_drops >= 3 {
+        reasons.push(format!(
+            "{} connections in a row ended soon after CONNACK ({}): check the broker's log, ACL and limits",
+            f.quick_drops,
+            f.last_error.as_deref().unwrap_or("closed")
+        ));
+    }
+    if let Some(why) = &f.commands_unavailable {
+        reasons.push(format!("commands unavailable: {why}"));
+    }
+    if f.failed_rows > 0 {
+        reasons.push(format!(
+            "{} rows FAILED in the spool (status shows why; the requeue-failed command sends them again)",
+            f.failed_rows
+        ));
+    }
+    if f.deferred > 0 {
+        reasons.push(format!(
+            "{} rows refused by the broker on this connection (PUBACK reason code, or its maximum packet size): tried again on the next connection",
+            f.deferred
+        ));
+    }
+    if let Some(why) = &f.write_budget {
+        reasons.push(why.clone());
+    }
+    if f.checkpoint_blocked {
+        reasons.push("checkpoint blocked: a reader is pinning the WAL".to_owned());
+    }
+    if let Some(d) = &f.dropping {
+        reasons.push(format!("refusing readings: {d}"));
+    }
+    if f.config_fallback {
+        reasons.push("running the last-known-good config".to_owned());
+    }
+    if let Some(why) = &f.receipts_unavailable {
+        reasons.push(format!("receipts unavailable: {why}"));
+    }
+    let (waiting, oldest) = f.awaiting_receipt;
+    if let (Some(timeout), Some(age)) = (f.receipt_timeout, oldest) {
+        // Twice the timeout: a row sent again once for a lost receipt is
+        // not yet a stop; one still unstored after that is.
+        if waiting > 0 && age >= timeout.saturating_mul(2) {
+            reasons.push(format!(
+                "receipts stopped: {waiting} rows the broker acknowledged wait for their receipt, the oldest {} s since its first PUBACK (over twice mqtt.receipt_timeout_secs {}): is the sink running and publishing to <topic_prefix>/receipts?",
+                secs(age),
+                secs(timeout)
+            ));
         }
-        if health.reasons.is_empty() && !self.upkeep.health_kinds.is_empty() {
-            log::info!("health ok again");
-        }
-        if kinds != self.upkeep.health_kinds {
-            self.upkeep.health_since = wall_clock_ms().0;
-        }
-        let record = serde_json::json!({
-            "state": if health.reasons.is_empty() { "ok" } else { "degraded" },
-            "reasons": health.reasons,
-            "since_ms": self.upkeep.health_since,
-        });
-        let record = record.to_string();
-        // Stored when the reasons change; the summary refreshes it once an
-        // interval in its own transaction (issue 23: agent state is written
-        // only when it changes and at the summary interval).
-        let changed = self.upkeep.health_kinds != kinds || self.upkeep.health_stored_at.is_none();
-        self.upkeep.health_record = Some(record.clone());
-        if !changed {
-            return;
-        }
-        self.upkeep.health_kinds = kinds;
-        if self
-            .spool
-            .set_state("health", &record, wall_clock_ms().0)
-            .is_ok()
-        {
-            self.upkeep.health_stored_at = Some(Instant::now());
+    }
+    if let Some(why) = &f.ingest_socket_taken {
+        reasons.push(format!("ingest socket not ours: {why}"));
+    }
+    Health { reasons }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn healthy() -> Facts {
+        Facts {
+            connected: true,
+            state_for: Duration::from_secs(600),
+            broker: "b:1883".into(),
+            ..Facts::default()
         }
     }
 
-    /// Rows waiting for their receipt and the oldest one's wait.
-    pub(super) fn awaiting_receipt(&self) -> (u64, Option<Duration>) {
-        let s = &self.delivery_stats;
-        let n = s.awaiting_receipt.load(Ordering::Relaxed);
-        let age = Duration::from_millis(s.oldest_awaiting_ms.load(Ordering::Relaxed));
-        (n, (n > 0).then_some(age))
+    const G: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn connected_and_acknowledged_is_ok() {
+        assert_eq!(assess(&healthy(), G).line(), "ok");
     }
 
-    /// The receipts record for `status` (receipt mode only).
-    pub(super) fn receipts_json(&self) -> Option<serde_json::Value> {
-        if self.cfg.mqtt.retire_on != crate::mqtt::RetireOn::Receipt {
-            return None;
-        }
-        let s = &self.delivery_stats;
-        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        let (waiting, oldest) = self.awaiting_receipt();
-        let last = load(&s.last_receipt_ms);
-        Some(serde_json::json!({
-            "awaiting": waiting,
-            "oldest_awaiting_ms": oldest.map(|d| d.as_millis() as u64),
-            "received": load(&s.receipts),
-            "unmatched_ids": load(&s.receipt_unmatched),
-            "malformed": load(&s.receipts_malformed),
-            "resent": load(&s.resent_for_receipt),
-            "dropped": self.link.health_facts().receipts_dropped,
-            "last_receipt_ms": (last > 0).then_some(last),
-            "unavailable": load(&s.receipts_unavailable) == 1,
-            "timeout_secs": self.cfg.mqtt.receipt_timeout.as_secs(),
-        }))
+    #[test]
+    fn a_short_outage_is_ok_and_a_long_one_is_named_with_its_cause() {
+        let mut f = healthy();
+        f.connected = false;
+        f.state_for = Duration::from_secs(10);
+        f.last_error = Some("connection refused".into());
+        assert_eq!(assess(&f, G).line(), "ok");
+        f.state_for = Duration::from_secs(61);
+        let l = assess(&f, G).line();
+        assert!(
+            l.starts_with("degraded: not connected to b:1883 for 61 s (connection refused)"),
+            "{l}"
+        );
+    }
+
+    #[test]
+    fn rows_in_flight_without_puback_past_the_grace_degrade() {
+        let mut f = healthy();
+        f.in_flight = 5;
+        f.no_puback_for = Some(Duration::from_secs(59));
+        assert_eq!(assess(&f, G).line(), "ok");
+        f.no_puback_for = Some(Duration::from_secs(60));
+        assert!(assess(&f, G)
+            .line()
+            .contains("no PUBACK for 60 s with 5 rows"));
+    }
+
+    #[test]
+    fn every_reason_is_listed() {
+        let f = Facts {
+            quick_drops: 3,
+            commands_unavailable: Some("SUBACK refused".into()),
+            failed_rows: 2,
+            deferred: 1,
+            checkpoint_blocked: true,
+            dropping: Some("disk full".into()),
+            config_fallback: true,
+            ingest_socket_taken: Some("pid 7 listens on it".into()),
+            write_budget: Some("write budget exceeded: projected 300 MB/day".into()),
+            ..healthy()
+        };
+        let h = assess(&f, G);
+        assert_eq!(h.reasons.len(), 9, "{h:?}");
+    }
+
+    #[test]
+    fn the_grace_is_twice_the_keep_alive_and_at_least_30_s() {
+        assert_eq!(grace(Duration::from_secs(5)), Duration::from_secs(30));
+        assert_eq!(grace(Duration::from_secs(60)), Duration::from_secs(120));
+    }
+
+    #[test]
+    fn receipts_that_stop_or_cannot_arrive_degrade_health_naming_the_cause() {
+        let t = Duration::from_secs(300);
+        let mut f = Facts {
+            connected: true,
+            receipt_timeout: Some(t),
+            awaiting_receipt: (12, Some(Duration::from_secs(599))),
+            ..Facts::default()
+        };
+        // Sent again once and not yet receipted: not yet a stop.
+        assert!(assess(&f, Duration::from_secs(30)).reasons.is_empty());
+        f.awaiting_receipt = (12, Some(Duration::from_secs(600)));
+        let h = assess(&f, Duration::from_secs(30));
+        assert!(
+            h.line().contains("receipts stopped: 12 rows"),
+            "{}",
+            h.line()
+        );
+        f.awaiting_receipt = (0, None);
+        f.receipts_unavailable = Some("the broker refused the subscription".into());
+        let h = assess(&f, Duration::from_secs(30));
+        assert!(
+            h.line()
+                .contains("receipts unavailable: the broker refused"),
+            "{}",
+            h.line()
+        );
     }
 }

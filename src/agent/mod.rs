@@ -8,7 +8,7 @@
 //! - **ingest** (the calling thread): group-commits readings into the spool
 //!   every `spool.commit_window_ms`, runs maintenance (checkpoints, retention)
 //!   and the summary line;
-//! - **delivery** ([`crate::publisher`]): spool → in-flight window, PUBACK → retire;
+//! - **delivery** ([`crate::delivery`]): spool → in-flight window, PUBACK → retire;
 //! - **mqtt** ([`crate::mqtt`]): the rumqttc event loop, no SQLite.
 //!
 //! One file per job: `startup` (the spool claimed and opened, the
@@ -24,7 +24,8 @@
 mod commit;
 mod control;
 mod figures;
-mod health;
+pub mod health;
+mod health_record;
 mod outage;
 mod startup;
 mod summary;
@@ -34,13 +35,13 @@ pub use startup::open_spool;
 
 use crate::commands::worker::{CmdMsg, WorkerConfig};
 use crate::config::Config;
-use crate::envelope::{wall_clock_ms, EventIdGen};
+use crate::delivery::{self, DeliveryStats};
+use crate::event::envelope::{wall_clock_ms, EventIdGen};
 use crate::intake::{Control, IngestMsg};
 use crate::mqtt::{self, DeliveryMsg};
-use crate::publisher::{self, DeliveryStats};
-use crate::sampler::SamplerUpdate;
+use crate::os::threads::join_within;
+use crate::source::sampler::SamplerUpdate;
 use crate::spool::{CheckpointMode, NewEvent, Spool, SpoolError};
-use crate::threads::join_within;
 use startup::{
     apply_tuning, claim_spool, command_subscription, delivery_config, forward_controls,
     open_full_durability, open_full_spool, open_ingest_spool, signal_flags, spool_dir,
@@ -84,11 +85,11 @@ pub enum AgentError {
     #[error("{0}")]
     Damaged(String),
 }
-impl From<crate::integrity::OpenError> for AgentError {
-    fn from(e: crate::integrity::OpenError) -> Self {
+impl From<crate::spool::integrity::OpenError> for AgentError {
+    fn from(e: crate::spool::integrity::OpenError) -> Self {
         match e {
-            crate::integrity::OpenError::Spool(s) => AgentError::Spool(s),
-            crate::integrity::OpenError::Refused(m) => AgentError::Setup(m),
+            crate::spool::integrity::OpenError::Spool(s) => AgentError::Spool(s),
+            crate::spool::integrity::OpenError::Refused(m) => AgentError::Setup(m),
         }
     }
 }
@@ -143,7 +144,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let _lock = claim_spool(&cfg, &source.path)?;
     // Before any open: reading the kept serial for a signed push opens the
     // spool read-only, which leaves an empty -wal beside a bare copy.
-    let before = crate::integrity::look_before_open(&cfg.spool.path);
+    let before = crate::spool::integrity::look_before_open(&cfg.spool.path);
     let (mut cfg, confirmed_push) = with_confirmed_push(cfg, &source);
     // Clients' readings wait in the channel until the ingest loop runs,
     // within the input budget.
@@ -151,8 +152,8 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let socket_ingest =
         crate::ingest::start(&cfg.ingest, ingest_tx.clone(), &input).map_err(AgentError::Setup)?;
     let tuning = tune_from_probe(&mut cfg);
-    crate::probe::remove_stale_files(&spool_dir(&cfg));
-    let check_reason = crate::integrity::take_stamp(&cfg.spool.path).or_else(|| {
+    crate::flash::probe::remove_stale_files(&spool_dir(&cfg));
+    let check_reason = crate::spool::integrity::take_stamp(&cfg.spool.path).or_else(|| {
         source
             .check_spool
             .then(|| "asked for (--check-spool)".to_owned())
@@ -170,7 +171,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     let _ = ingest.checkpoint(CheckpointMode::Passive);
     let identity = control::config_identity(&source.path, confirmed_push.as_ref());
     // The commit window every committing thread reads (a write budget widens it).
-    let window = crate::write_budget::SharedWindow::new(cfg.spool.commit_window);
+    let window = crate::flash::write_budget::SharedWindow::new(cfg.spool.commit_window);
     let net = match start_network(&cfg, &ingest, &identity, ingest_tx.clone(), &window) {
         Ok(net) => net,
         Err(e) => {
@@ -180,13 +181,13 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
     };
     // Delivery is running: now the whole-file check, if the file needs one.
     let verdict =
-        check_reason.map(|why| crate::integrity::spawn_check(cfg.spool.path.clone(), why));
+        check_reason.map(|why| crate::spool::integrity::spawn_check(cfg.spool.path.clone(), why));
     let (sampler_tx, sampler_rx) = mpsc::channel::<SamplerUpdate>();
     let sampler = {
         let (stop, sources, path) = (stop.clone(), cfg.sources.clone(), cfg.spool.path.clone());
         let (readings_tx, bridges) = (ingest_tx, input.bridges.clone());
         spawn("sampler", move || {
-            crate::sampler::run(sources, path, (readings_tx, bridges), sampler_rx, stop)
+            crate::source::sampler::run(sources, path, (readings_tx, bridges), sampler_rx, stop)
         })?
     };
     let mut ing = Ingest::new(Parts {
@@ -260,7 +261,7 @@ fn start_network(
     ingest: &Spool,
     config_identity: &str,
     ingest_tx: Sender<IngestMsg>,
-    window: &crate::write_budget::SharedWindow,
+    window: &crate::flash::write_budget::SharedWindow,
 ) -> Result<Network, AgentError> {
     let delivery_spool = ingest.open_sibling(&cfg.spool.options)?;
     let command_spool = open_full_durability(cfg, ingest)?;
@@ -295,7 +296,7 @@ fn start_network(
             delivery_config(cfg, window.clone()),
         );
         spawn("delivery", move || {
-            publisher::run(delivery_spool, dcfg, link, delivery_rx, stop, stats)
+            delivery::run(delivery_spool, dcfg, link, delivery_rx, stop, stats)
         })?
     };
     let (ctl_tx, ctl_rx) = mpsc::channel::<Control>();
@@ -350,10 +351,10 @@ struct Parts {
     to_delivery: Sender<DeliveryMsg>,
     delivery_stats: Arc<DeliveryStats>,
     sampler: Sender<SamplerUpdate>,
-    verdict: Option<crate::integrity::Verdict>,
+    verdict: Option<crate::spool::integrity::Verdict>,
     socket_counts: Option<Arc<crate::ingest::Counters>>,
-    tuning: Option<crate::probe::Profile>,
-    window: crate::write_budget::SharedWindow,
+    tuning: Option<crate::flash::probe::Profile>,
+    window: crate::flash::write_budget::SharedWindow,
 }
 
 /// The ingest thread's state: the spool connections, the buffers, upkeep
@@ -362,9 +363,9 @@ struct Ingest {
     /// This run's record in the spool (`runs`).
     run_id: i64,
     /// systemd's notification socket (READY, STATUS, STOPPING, WATCHDOG).
-    notifier: crate::notify::Notifier,
+    notifier: crate::os::notify::Notifier,
     /// Stamped each time the ingest loop goes round, for the watchdog.
-    heartbeat: crate::notify::Heartbeat,
+    heartbeat: crate::os::notify::Heartbeat,
     cfg: Config,
     source: ConfigSource,
     link: mqtt::Link,
@@ -388,9 +389,9 @@ struct Ingest {
     /// The ingest socket's counters, moved into the spool's at each summary.
     socket_counts: Option<Arc<crate::ingest::Counters>>,
     /// What the storage probe derived, re-applied over every reloaded config.
-    tuning: Option<crate::probe::Derived>,
+    tuning: Option<crate::flash::probe::Derived>,
     /// Backoff for storage writes that failed transiently (busy, I/O).
-    storage_backoff: crate::backoff::Backoff,
+    storage_backoff: crate::os::backoff::Backoff,
     /// Connection with `synchronous = FULL` for `durability = "full"` streams.
     full_spool: Spool,
     /// Readings of full-durability streams waiting for their (immediate) commit.
@@ -416,9 +417,9 @@ struct Ingest {
     /// Samples and the last budget of the outage budget.
     outage: outage::OutageState,
     /// The commit window in force, shared with the delivery thread.
-    window: crate::write_budget::SharedWindow,
+    window: crate::flash::write_budget::SharedWindow,
     /// Chooses the window from the measured writes (`spool.write_budget_mb_per_day`).
-    budget: crate::write_budget::Controller,
+    budget: crate::flash::write_budget::Controller,
     /// When retention last ran (it runs with the checkpoint cadence).
     retention_at: Option<Instant>,
 }
@@ -434,7 +435,7 @@ struct Upkeep {
     /// Set when the agent must stop for its supervisor (spool replaced).
     fatal: Option<String>,
     /// The background integrity check, if one runs.
-    verdict: Option<crate::integrity::Verdict>,
+    verdict: Option<crate::spool::integrity::Verdict>,
     /// The fatal condition is a damaged spool (run again to move it aside).
     damaged: bool,
     last_checkpoint: Instant,
@@ -458,7 +459,7 @@ struct Upkeep {
     more_work: bool,
     /// Last capacity check and its answer (checked at most once a second).
     capacity_checked: Option<Instant>,
-    refusal: Option<crate::maintenance::Refusal>,
+    refusal: Option<crate::flash::maintenance::Refusal>,
     /// A checkpoint found the WAL pinned by a reader.
     checkpoint_blocked: bool,
     /// Consecutive incomplete checkpoints: since when, how many.
@@ -485,8 +486,8 @@ struct Upkeep {
     reading_bytes: usize,
 }
 /// The write budget's settings from `[spool]`.
-fn budget_settings(cfg: &Config) -> crate::write_budget::BudgetSettings {
-    crate::write_budget::BudgetSettings {
+fn budget_settings(cfg: &Config) -> crate::flash::write_budget::BudgetSettings {
+    crate::flash::write_budget::BudgetSettings {
         bytes_per_day: cfg.spool.write_budget_bytes_per_day,
         base_window: cfg.spool.commit_window,
         // The probe may derive a base above it: the base wins.
@@ -498,7 +499,7 @@ impl Ingest {
     fn new(p: Parts) -> Result<Ingest, AgentError> {
         let ids = EventIdGen::new()
             .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
-        let budget = crate::write_budget::Controller::new(budget_settings(&p.cfg));
+        let budget = crate::flash::write_budget::Controller::new(budget_settings(&p.cfg));
         let mut ing = Ingest {
             run_id: p.run_id,
             upkeep: Upkeep::new(&p.cfg.spool.path, p.verdict),
@@ -528,8 +529,8 @@ impl Ingest {
             outage: Default::default(),
             pending_counts: HashMap::new(),
             socket_counts: p.socket_counts,
-            notifier: crate::notify::Notifier::from_env(),
-            heartbeat: crate::notify::Heartbeat::default(),
+            notifier: crate::os::notify::Notifier::from_env(),
+            heartbeat: crate::os::notify::Heartbeat::default(),
             tuning: p.tuning.as_ref().map(|t| t.derived),
             storage_backoff: storage_backoff(p.tuning.as_ref()),
             window: p.window,
@@ -602,7 +603,7 @@ impl Ingest {
         drop(ing);
         if settled && lost == 0 {
             // The next start can trust this file without reading all of it.
-            crate::integrity::write_stamp(&path);
+            crate::spool::integrity::write_stamp(&path);
         }
         log::info!("stopped cleanly; {appended} readings appended this run");
         Ok(())

@@ -1,4 +1,4 @@
-//! The agent's side of [`crate::outage`]: a sample of what was appended,
+//! The agent's side of [`crate::flash::outage`]: a sample of what was appended,
 //! retired and written at each maintenance pass and summary, and the
 //! outage budget built from them at the summary (stored for `status` as
 //! `outage_budget`, rendered into the metrics).
@@ -8,8 +8,8 @@
 //! two index reads and the `/proc/self/io` counter, whatever the spool's size.
 
 use super::Ingest;
-use crate::envelope::wall_clock_ms;
-use crate::outage::{Budget, Meter, Room, Sample};
+use crate::event::envelope::wall_clock_ms;
+use crate::flash::outage::{Budget, Meter, Room, Sample};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -75,7 +75,7 @@ impl Ingest {
             t.1 += a.bytes;
             o.after_id = o.after_id.max(Some(a.newest_id));
         }
-        let write = crate::maintenance::proc_write_bytes().unwrap_or(0);
+        let write = crate::flash::maintenance::proc_write_bytes().unwrap_or(0);
         let write0 = *o.write0.get_or_insert(write);
         let sample = Sample {
             at_secs: o.origin.elapsed().as_secs_f64(),
@@ -97,7 +97,7 @@ impl Ingest {
     pub(super) fn outage_budget(&self) -> Option<Budget> {
         let (used, free_pages) = self.spool.usage().ok()?;
         let fs_free =
-            crate::maintenance::fs_free_bytes(&super::startup::spool_dir(&self.cfg)).ok()?;
+            crate::flash::maintenance::fs_free_bytes(&super::startup::spool_dir(&self.cfg)).ok()?;
         let cap = self.cfg.spool.capacity;
         let room = Room {
             used_bytes: used,
@@ -107,7 +107,7 @@ impl Ingest {
             rows: self.spool.rows_estimate().ok()?,
             backlog_rows: self.spool.backlog_estimate().ok()?,
         };
-        Some(crate::outage::budget(&self.outage.meter, room))
+        Some(crate::flash::outage::budget(&self.outage.meter, room))
     }
 
     /// At the summary: a fresh sample, then the budget, kept for the

@@ -8,11 +8,11 @@
 
 use super::{AgentError, ConfigSource, IngestMsg, WAL_FRAME_BYTES};
 use crate::config::Config;
-use crate::envelope::wall_clock_ms;
-use crate::fsguard::SpoolLock;
+use crate::delivery::DeliveryConfig;
+use crate::event::envelope::wall_clock_ms;
 use crate::intake::Control;
 use crate::mqtt;
-use crate::publisher::DeliveryConfig;
+use crate::os::fsguard::SpoolLock;
 use crate::spool::Spool;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -21,10 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Open the configured spool, moving a damaged one aside
-/// ([`crate::integrity::open_spool_seen`]), judged on `before`: what its
+/// ([`crate::spool::integrity::open_spool_seen`]), judged on `before`: what its
 /// directory showed before anything opened it.
-pub fn open_spool(cfg: &Config, before: crate::integrity::Before) -> Result<Spool, AgentError> {
-    Ok(crate::integrity::open_spool_seen(
+pub fn open_spool(
+    cfg: &Config,
+    before: crate::spool::integrity::Before,
+) -> Result<Spool, AgentError> {
+    Ok(crate::spool::integrity::open_spool_seen(
         &cfg.spool.path,
         &cfg.spool.options,
         before,
@@ -43,8 +46,8 @@ pub(super) fn with_confirmed_push(
     };
     let (text_path, text) = if source.fallback.is_some() {
         (
-            crate::configfile::last_good_path(&source.path),
-            crate::configfile::last_good_text(&source.path),
+            crate::config::file::last_good_path(&source.path),
+            crate::config::file::last_good_text(&source.path),
         )
     } else {
         let text = std::fs::read_to_string(&source.path)
@@ -52,7 +55,7 @@ pub(super) fn with_confirmed_push(
         (source.path.clone(), text)
     };
     let composed = text.and_then(|text| {
-        let push = crate::policy::check(&local, &stored.text, stored.signature.as_deref())?;
+        let push = crate::push::policy::check(&local, &stored.text, stored.signature.as_deref())?;
         crate::push::compose(
             &local,
             &text,
@@ -66,7 +69,7 @@ pub(super) fn with_confirmed_push(
         Ok(cfg) => {
             log::info!(
                 "running the local config with the confirmed config push (sha256 {})",
-                crate::configfile::sha256_hex(stored.text.as_bytes())
+                crate::config::file::sha256_hex(stored.text.as_bytes())
             );
             (cfg, Some(stored))
         }
@@ -93,7 +96,11 @@ fn kept_signed(
     }
     let kept = crate::spool::Spool::open_read_only(&local.spool.path)
         .ok()
-        .and_then(|s| s.state(crate::policy::KEPT_SERIAL_STATE_KEY).ok().flatten())
+        .and_then(|s| {
+            s.state(crate::push::policy::KEPT_SERIAL_STATE_KEY)
+                .ok()
+                .flatten()
+        })
         .and_then(|v| v.parse::<u64>().ok());
     match (cfg.signed_serial, kept) {
         (Some(s), Some(k)) if s == k => Ok(cfg),
@@ -159,12 +166,12 @@ pub(super) fn forward_controls(ctl: Receiver<Control>, tx: Sender<IngestMsg>) {
 }
 
 /// Refuses directories another user could write or owns (the config's,
-/// the state directory, the spool's: [`crate::fsguard::dirs`]), creates the
+/// the state directory, the spool's: [`crate::os::fsguard::dirs`]), creates the
 /// spool's directory (mode 0750), refuses a spool file another user owns or
 /// may write, takes the spool lock (held until the returned guard drops)
 /// and refuses a network filesystem.
 pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock, AgentError> {
-    use crate::fsguard::dirs::{check, Role};
+    use crate::os::fsguard::dirs::{check, Role};
     let parent = |p: &Path| {
         p.parent()
             .filter(|d| !d.as_os_str().is_empty())
@@ -173,7 +180,7 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
     };
     let config_dir = parent(config_file);
     check(Role::Config, &config_dir).map_err(AgentError::Setup)?;
-    let state_dir = parent(&crate::configfile::last_good_path(config_file));
+    let state_dir = parent(&crate::config::file::last_good_path(config_file));
     if state_dir != config_dir {
         check(Role::State, &state_dir).map_err(AgentError::Setup)?;
     }
@@ -197,7 +204,7 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
     if let Some(caution) = cfg.commands.caution() {
         log::warn!("{caution}");
     }
-    crate::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
+    crate::os::fsguard::check_local_fs(&cfg.spool.path, cfg.spool.allow_network_fs)
         .map_err(AgentError::Setup)?;
     Ok(lock)
 }
@@ -210,7 +217,7 @@ fn check_spool_file(path: &Path) -> Result<(), AgentError> {
     let Ok(m) = std::fs::metadata(path) else {
         return Ok(()); // not there yet: created by the agent
     };
-    let me = crate::fsguard::files::euid();
+    let me = crate::os::fsguard::files::euid();
     let shown = path.display();
     if m.uid() != 0 && m.uid() != me {
         return Err(AgentError::Setup(format!(
@@ -231,8 +238,8 @@ fn check_spool_file(path: &Path) -> Result<(), AgentError> {
 /// brake set, the storage profile stored and the pragmas logged.
 pub(super) fn open_ingest_spool(
     cfg: &Config,
-    tuning: Option<&crate::probe::Profile>,
-    before: crate::integrity::Before,
+    tuning: Option<&crate::flash::probe::Profile>,
+    before: crate::spool::integrity::Before,
 ) -> Result<Spool, AgentError> {
     let mut ingest = open_spool(cfg, before)?;
     for r in ingest.set_priorities(&cfg.stream_priorities())? {
@@ -305,7 +312,7 @@ pub(super) fn command_subscription(
 /// on `window`.
 pub(super) fn delivery_config(
     cfg: &Config,
-    window: crate::write_budget::SharedWindow,
+    window: crate::flash::write_budget::SharedWindow,
 ) -> DeliveryConfig {
     DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
@@ -325,20 +332,22 @@ pub(super) fn delivery_config(
 }
 
 /// Retry pacing for a spool that refuses writes, from the storage probe.
-pub(super) fn storage_backoff(tuning: Option<&crate::probe::Profile>) -> crate::backoff::Backoff {
+pub(super) fn storage_backoff(
+    tuning: Option<&crate::flash::probe::Profile>,
+) -> crate::os::backoff::Backoff {
     let (lo, hi) = tuning
         .map(|p| (p.derived.retry_min_ms, p.derived.retry_max_ms))
         .unwrap_or((100, 5000));
-    crate::backoff::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
+    crate::os::backoff::Backoff::new(Duration::from_millis(lo), Duration::from_millis(hi))
 }
 
 /// Measure the spool's device (or read its stored profile) and put the
 /// derived knobs into `cfg` where the config leaves them unset
 /// (`spool.tune_from_probe`).
-pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::probe::Profile> {
+pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::flash::probe::Profile> {
     if cfg.spool.tune_from_probe {
         let dir = spool_dir(cfg);
-        match crate::probe::load_or_probe(&dir) {
+        match crate::flash::probe::load_or_probe(&dir) {
             Ok((profile, fresh)) => {
                 let m = &profile.measurements;
                 let d = profile.derived;
@@ -367,7 +376,7 @@ pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::probe::Profile>
 
 /// Put the probe's derived knobs into `cfg` (`spool.tune_from_probe`),
 /// except where the config set a key itself.
-pub(super) fn apply_tuning(cfg: &mut Config, d: &crate::probe::Derived) {
+pub(super) fn apply_tuning(cfg: &mut Config, d: &crate::flash::probe::Derived) {
     if !cfg.spool.explicit.commit_window {
         cfg.spool.commit_window = Duration::from_millis(d.commit_window_ms);
     }

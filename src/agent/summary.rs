@@ -5,8 +5,8 @@
 //! One rule: one line per interval, whatever the rate; nothing per reading.
 
 use super::Ingest;
-use crate::envelope::wall_clock_ms;
-use crate::publisher::DeliveryStats;
+use crate::delivery::DeliveryStats;
+use crate::event::envelope::wall_clock_ms;
 use std::sync::atomic::Ordering;
 
 impl Ingest {
@@ -16,7 +16,7 @@ impl Ingest {
     /// per reading and per day.
     pub(super) fn write_budget(&self) -> serde_json::Value {
         let (since, bytes0) = self.upkeep.budget_since;
-        let bytes = crate::maintenance::proc_write_bytes()
+        let bytes = crate::flash::maintenance::proc_write_bytes()
             .unwrap_or(bytes0)
             .saturating_sub(bytes0);
         let elapsed = since.elapsed();
@@ -25,7 +25,7 @@ impl Ingest {
         // synchronous=NORMAL fsyncs only at checkpoints (the WAL, then the
         // database: https://www.sqlite.org/wal.html#sync); FULL at every commit.
         let fsyncs = 2 * checkpoints + self.upkeep.full_commits;
-        let per_hour = |n: u64| crate::maintenance::per_hour(n, elapsed);
+        let per_hour = |n: u64| crate::flash::maintenance::per_hour(n, elapsed);
         let readings = self.appended.max(1);
         serde_json::json!({
             "window_secs": elapsed.as_secs(),
@@ -45,7 +45,7 @@ impl Ingest {
             "checkpoint_interval_secs": self.checkpoint_interval().as_secs(),
             "budget_mb_per_day": self.cfg.spool.write_budget_bytes_per_day.map(|b| b / 1_000_000),
             "budget_projected_mb_per_day": self.budget.projected_mb_per_day(),
-            "over_budget": self.budget.verdict() != &crate::write_budget::Verdict::Within,
+            "over_budget": self.budget.verdict() != &crate::flash::write_budget::Verdict::Within,
             "wal_file_bytes": std::fs::metadata(crate::spool::wal_path(&self.cfg.spool.path))
                 .map(|m| m.len())
                 .unwrap_or(0),

@@ -7,7 +7,7 @@
 //! goes to the next pass, which then comes sooner.
 
 use super::{Ingest, Upkeep, WAL_FRAME_BYTES};
-use crate::envelope::wall_clock_ms;
+use crate::event::envelope::wall_clock_ms;
 use crate::spool::CheckpointMode;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -33,10 +33,10 @@ pub(super) const PIN_QUICK_CHECKS: Duration = Duration::from_secs(2);
 pub(super) const SHRINK_STEP_PAGES: u64 = 256;
 
 impl Upkeep {
-    pub(super) fn new(spool: &Path, verdict: Option<crate::integrity::Verdict>) -> Upkeep {
+    pub(super) fn new(spool: &Path, verdict: Option<crate::spool::integrity::Verdict>) -> Upkeep {
         Upkeep {
-            identity: crate::maintenance::file_identity(spool),
-            shm: crate::maintenance::file_identity(&crate::spool::shm_path(spool)),
+            identity: crate::flash::maintenance::file_identity(spool),
+            shm: crate::flash::maintenance::file_identity(&crate::spool::shm_path(spool)),
             shm_warned: None,
             fatal: None,
             verdict,
@@ -58,7 +58,7 @@ impl Upkeep {
             bulk_pinned: None,
             budget_since: (
                 Instant::now(),
-                crate::maintenance::proc_write_bytes().unwrap_or(0),
+                crate::flash::maintenance::proc_write_bytes().unwrap_or(0),
             ),
             full_commits: 0,
             last_refusal_log: None,
@@ -93,7 +93,7 @@ impl Ingest {
             return;
         }
         if let Some(id) = self.upkeep.identity {
-            if crate::maintenance::file_identity(&self.cfg.spool.path) != Some(id) {
+            if crate::flash::maintenance::file_identity(&self.cfg.spool.path) != Some(id) {
                 let msg = format!(
                     "spool {} was removed or replaced under the running agent; stopping without claiming durability (the supervisor restarts a clean process)",
                     self.cfg.spool.path.display()
@@ -108,7 +108,7 @@ impl Ingest {
         let (anchor_wall, anchor_mono) = self.upkeep.wall_anchor;
         let expected = anchor_wall + anchor_mono.elapsed().as_millis() as i64;
         let wall = wall_clock_ms().0;
-        let now = crate::maintenance::retention_now(wall, expected);
+        let now = crate::flash::maintenance::retention_now(wall, expected);
         if now != wall && !self.upkeep.clock_step_logged {
             log::warn!(
                 "wall clock stepped by {} s since start; retention keeps judging ages by monotonic time",
@@ -159,7 +159,7 @@ impl Ingest {
             return;
         };
         let shm = crate::spool::shm_path(&self.cfg.spool.path);
-        let now = crate::maintenance::file_identity(&shm);
+        let now = crate::flash::maintenance::file_identity(&shm);
         if now == Some(opened) || self.upkeep.shm_warned == Some(now) {
             return;
         }
@@ -218,15 +218,15 @@ impl Ingest {
 
     /// Feed the write budget what this process wrote and appended, and put
     /// the window it chooses in force for the next commit window of every
-    /// thread ([`crate::write_budget`]). Without a budget the window stays.
+    /// thread ([`crate::flash::write_budget`]). Without a budget the window stays.
     pub(super) fn observe_budget(&mut self) {
-        let Some(write_bytes) = crate::maintenance::proc_write_bytes() else {
+        let Some(write_bytes) = crate::flash::maintenance::proc_write_bytes() else {
             return;
         };
         if !self.buffer.is_empty() {
             self.upkeep.reading_bytes = self.buffered_bytes / self.buffer.len();
         }
-        let m = crate::write_budget::Measured {
+        let m = crate::flash::write_budget::Measured {
             write_bytes,
             readings: self.appended,
             bound_readings: super::MAX_BUFFERED,
@@ -254,13 +254,13 @@ impl Ingest {
     /// a commit of its own each time).
     pub(super) fn checkpoint_if_due(&mut self) {
         let written = self.spool.wal().frames_since_checkpoint() * WAL_FRAME_BYTES;
-        let inputs = crate::maintenance::CheckpointInputs {
+        let inputs = crate::flash::maintenance::CheckpointInputs {
             written_bytes: written,
             threshold_bytes: self.cfg.spool.checkpoint_wal_bytes,
             since_last: self.upkeep.last_checkpoint.elapsed(),
             interval: self.checkpoint_interval(),
         };
-        let Some(mode) = crate::maintenance::checkpoint_due(&inputs) else {
+        let Some(mode) = crate::flash::maintenance::checkpoint_due(&inputs) else {
             return;
         };
         self.run_checkpoint(mode, written);
@@ -268,16 +268,16 @@ impl Ingest {
 
     /// The time-driven checkpoint interval now: `spool.checkpoint_interval_secs`,
     /// stretched to follow a wide commit window
-    /// ([`crate::write_budget::checkpoint_interval`]).
+    /// ([`crate::flash::write_budget::checkpoint_interval`]).
     pub(super) fn checkpoint_interval(&self) -> Duration {
-        crate::write_budget::checkpoint_interval(
+        crate::flash::write_budget::checkpoint_interval(
             self.cfg.spool.checkpoint_interval,
             self.window.get(),
         )
     }
 
     /// Whether a bulk step (a retention batch, a free-page step) may write
-    /// now ([`crate::maintenance::bulk_gate`]). While a reader pins the WAL
+    /// now ([`crate::flash::maintenance::bulk_gate`]). While a reader pins the WAL
     /// the last one left, a check copies what it can (PASSIVE), then waits
     /// at most [`PIN_CHECK_WAIT`] for readers to leave (RESTART), at every
     /// quick pass for [`PIN_QUICK_CHECKS`], then at the normal period.
@@ -286,10 +286,10 @@ impl Ingest {
     pub(super) fn bulk_step_allowed(&mut self) -> bool {
         let pinned_for = self.upkeep.bulk_pinned.map(|(t, _)| t.elapsed());
         let interval = self.checkpoint_interval();
-        let go = match crate::maintenance::bulk_gate(pinned_for, interval) {
-            crate::maintenance::BulkGate::Go => return true,
-            crate::maintenance::BulkGate::Anyway => true,
-            crate::maintenance::BulkGate::IfReaderLeft => {
+        let go = match crate::flash::maintenance::bulk_gate(pinned_for, interval) {
+            crate::flash::maintenance::BulkGate::Go => return true,
+            crate::flash::maintenance::BulkGate::Anyway => true,
+            crate::flash::maintenance::BulkGate::IfReaderLeft => {
                 // The copy without holding writers off first; the RESTART
                 // judges (it also waits for a reader on an older snapshot).
                 let _ = self.spool.checkpoint(CheckpointMode::Passive);

@@ -20,7 +20,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
 
 fn check(config: &Path, sets: &[String], sample: bool) -> Outcome {
     let c = load_config(config, sets)?;
-    let problems = edgespool::source::check_files(&c.sources);
+    let problems = crate::source::check_files(&c.sources);
     for (key, msg) in &problems {
         eprintln!("config invalid: {}: {key}: {msg}", config.display());
     }

@@ -1,6 +1,6 @@
 //! `edgespool export (--config FILE | --spool PATH) --to PATH`: a
 //! consistent copy of the spool, taken while the agent runs, for a backup or
-//! a move to another board. The work is in [`edgespool::spool::backup`].
+//! a move to another board. The work is in [`crate::spool::backup`].
 //! Its options are its entry in the command table ([`super::spec::EXPORT`]).
 
 use super::spec::EXPORT;
@@ -32,7 +32,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     // (a board's one or two cores) the agent's commits go first.
     // SAFETY: setpriority(2) on this process only; no memory is shared.
     unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
-    match edgespool::spool::backup::export(&path, &to) {
+    match crate::spool::backup::export(&path, &to) {
         Ok(e) => {
             println!(
                 "exported {} to {}: {} rows ({} not yet acknowledged), {} bytes, quick_check ok; read {} ms, {} ms in all",
@@ -47,8 +47,8 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
             Ok(())
         }
         Err(
-            e @ (edgespool::spool::backup::ExportError::Exists(_)
-            | edgespool::spool::backup::ExportError::NotUtf8(_)),
+            e @ (crate::spool::backup::ExportError::Exists(_)
+            | crate::spool::backup::ExportError::NotUtf8(_)),
         ) => {
             eprintln!("edgespool: {e}");
             Err(Failure::Invalid)

@@ -16,11 +16,13 @@ mod docs_check;
 pub mod export;
 pub mod help;
 pub mod probe_storage;
+pub mod report;
 pub mod run;
 pub mod sink;
 pub mod spec;
 pub mod status;
 pub mod test;
+pub mod trial;
 
 use std::fmt::Display;
 use std::path::Path;
@@ -125,8 +127,8 @@ pub fn print_version() -> Outcome {
 
 /// The config at `path` with `sets` applied; an invalid one is told on
 /// stderr as `config invalid: ...` (the key and line named).
-pub fn load_config(path: &Path, sets: &[String]) -> Result<edgespool::config::Config, Failure> {
-    edgespool::config::load(path, sets).map_err(|e| {
+pub fn load_config(path: &Path, sets: &[String]) -> Result<crate::config::Config, Failure> {
+    crate::config::load(path, sets).map_err(|e| {
         eprintln!("config invalid: {e}");
         Failure::Invalid
     })

@@ -1,12 +1,12 @@
 //! `edgespool probe-storage`: measures the spool's filesystem, stores the
 //! profile beside the spool and prints it with the knobs derived from it.
-//! The work is in [`edgespool::probe`].
+//! The work is in [`crate::flash::probe`].
 
 use std::path::{Path, PathBuf};
 
 use super::spec::PROBE_STORAGE;
 use super::{args, failed, help, load_config, Failure, Outcome};
-use edgespool::probe::Profile;
+use crate::flash::probe::Profile;
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
     let Some(a) = args::read(p, &PROBE_STORAGE)? else {
@@ -25,7 +25,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     };
     std::fs::create_dir_all(&dir)
         .map_err(|e| failed(format_args!("cannot create {}: {e}", dir.display())))?;
-    let profile = edgespool::probe::probe_and_store(&dir, 64, 16 * 1024 * 1024)
+    let profile = crate::flash::probe::probe_and_store(&dir, 64, 16 * 1024 * 1024)
         .map_err(|e| failed(format_args!("probe of {} failed: {e}", dir.display())))?;
     if a.json {
         println!(
@@ -39,7 +39,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
 }
 
 /// The directory the config's spool file lives in (`.` for a bare name).
-fn spool_dir(cfg: &edgespool::config::Config) -> PathBuf {
+fn spool_dir(cfg: &crate::config::Config) -> PathBuf {
     cfg.spool
         .path
         .parent()
@@ -74,6 +74,6 @@ fn print_profile(dir: &Path, p: &Profile) {
     println!("  spool size bound           {} bytes", d.max_spool_bytes);
     println!(
         "stored in {}",
-        edgespool::probe::profile_path(dir).display()
+        crate::flash::probe::profile_path(dir).display()
     );
 }

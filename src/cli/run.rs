@@ -1,9 +1,9 @@
 //! `edgespool run`: the agent, from its config (or the last-known-good copy
-//! of it) to a clean stop. The work is in [`edgespool::agent`].
+//! of it) to a clean stop. The work is in [`crate::agent`].
 
 use super::spec::RUN;
 use super::{args, help, Failure, Outcome, LOG_TARGET};
-use edgespool::agent::{AgentError, ConfigSource};
+use crate::agent::{AgentError, ConfigSource};
 
 pub fn main(p: &mut lexopt::Parser) -> Outcome {
     let Some(a) = args::read(p, &RUN)? else {
@@ -12,7 +12,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     let config = a
         .config
         .ok_or_else(|| Failure::usage_of(&RUN, "--config FILE is required"))?;
-    let loaded = edgespool::configfile::load_at_start(&config, &a.sets).map_err(|e| {
+    let loaded = crate::config::file::load_at_start(&config, &a.sets).map_err(|e| {
         // Under systemd stderr is the journal: this goes through the log, as
         // everything the agent says does, to carry its priority.
         log::error!(target: LOG_TARGET, "config invalid: {e} (and no usable last-known-good copy)");
@@ -27,7 +27,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     // A damaged spool found after start: once more, which moves it
     // aside (in this process: no restart by the supervisor needed).
     for _ in 0..2 {
-        match edgespool::agent::run(loaded.config.clone(), source.clone()) {
+        match crate::agent::run(loaded.config.clone(), source.clone()) {
             Ok(()) => return Ok(()),
             Err(AgentError::Damaged(e)) => log::error!(target: LOG_TARGET, "{e}"),
             Err(e) => {

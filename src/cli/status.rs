@@ -1,5 +1,5 @@
 //! `edgespool status`: the spool's report, read-only, as text or JSON. The
-//! work is in [`edgespool::status`].
+//! work is in [`crate::cli::report`].
 
 use super::spec::STATUS;
 use super::{args, failed, help, load_config, print_json, Failure, Outcome};
@@ -19,11 +19,11 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
             ))
         }
     };
-    let now = edgespool::envelope::wall_clock_ms().0;
-    let r = edgespool::status::report(&path, now).map_err(failed)?;
+    let now = crate::event::envelope::wall_clock_ms().0;
+    let r = crate::cli::report::report(&path, now).map_err(failed)?;
     if a.json {
-        return print_json(&edgespool::status::to_json(&r));
+        return print_json(&crate::cli::report::to_json(&r));
     }
-    print!("{}", edgespool::status::render(&r, now));
+    print!("{}", crate::cli::report::render(&r, now));
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `edgespool test --config FILE [--set k=v]...` (and its alias
 //! `check-config FILE --sample`): one reading from every source printed as
 //! it would be sent, every listener's bind checked, nothing written (the
-//! work is in [`edgespool::trial`]).
+//! work is in [`crate::cli::trial`]).
 //!
 //! Exit codes: 0 every source gave a reading (or takes none: an mqtt
 //! source; or has no rows yet: a followed replay) and every listener can
@@ -34,19 +34,20 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
 /// `source NAME (sources[N]): no reading: ERROR`, and each listener that
 /// cannot bind as `listener KEY: ERROR`. Ends with one line on stderr
 /// naming every failure. True if nothing failed.
-pub fn report(cfg: &edgespool::config::Config) -> bool {
+pub fn report(cfg: &crate::config::Config) -> bool {
     let mut failed = Vec::new();
-    let results = edgespool::trial::sample_sources(cfg);
+    let results = crate::cli::trial::sample_sources(cfg);
     for r in &results {
         match &r.outcome {
-            Ok(edgespool::trial::Taken::Reading(shown)) => {
+            Ok(crate::cli::trial::Taken::Reading(shown)) => {
                 println!(
                     "source {} ({}) -> {} ({} bytes)\n  {}",
                     r.name, r.key, shown.topic, shown.payload_bytes, shown.json
                 );
             }
             Ok(
-                edgespool::trial::Taken::NoSample(what) | edgespool::trial::Taken::NoRowsYet(what),
+                crate::cli::trial::Taken::NoSample(what)
+                | crate::cli::trial::Taken::NoRowsYet(what),
             ) => {
                 println!("source {} ({}): {what}", r.name, r.key);
             }
@@ -56,8 +57,8 @@ pub fn report(cfg: &edgespool::config::Config) -> bool {
             }
         }
     }
-    for l in edgespool::trial::listeners(cfg) {
-        match edgespool::trial::try_bind(&l) {
+    for l in crate::cli::trial::listeners(cfg) {
+        match crate::cli::trial::try_bind(&l) {
             Ok(()) => println!("listener {}: can bind", l.key()),
             Err(e) => {
                 eprintln!("listener {}: {e}", l.key());
@@ -75,8 +76,8 @@ pub fn report(cfg: &edgespool::config::Config) -> bool {
 
 /// `N sources gave a reading`, then `, M take none (mqtt)` and `, K have no
 /// rows yet (follow)` when there are such sources.
-fn counts(results: &[edgespool::trial::SourceResult]) -> String {
-    use edgespool::trial::Taken;
+fn counts(results: &[crate::cli::trial::SourceResult]) -> String {
+    use crate::cli::trial::Taken;
     let count = |f: fn(&Taken) -> bool| {
         results
             .iter()

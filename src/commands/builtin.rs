@@ -8,11 +8,11 @@
 //! |---|---|---|
 //! | `ping` | none | `{"pong":true}` |
 //! | `status` | none | spool counts, WAL size, command counts |
-//! | `set-interval` | `source`, `interval_ms` (100..=86400000, as a push may set: [`crate::policy::OVERLAY_BOUNDS`]) | changes one source's interval (not written to the config file) |
+//! | `set-interval` | `source`, `interval_ms` (100..=86400000, as a push may set: [`crate::push::policy::OVERLAY_BOUNDS`]) | changes one source's interval (not written to the config file) |
 //! | `flush` | none | commits the ingest buffer now |
 //! | `checkpoint` | `mode`: `passive` (default) or `truncate` | runs a WAL checkpoint, returns busy/log/checkpointed |
 //! | `requeue-failed` | optional `stream` | FAILED rows back to PENDING |
-//! | `apply-config` | `config` (TOML text), `sha256` (hex of it), optional `signature` | a push, as the local `[commands.config_push]` allows: an overlay of tuning keys, or a signed whole config; applied live, kept in the state directory once confirmed (see [`crate::policy`], [`crate::push`]) |
+//! | `apply-config` | `config` (TOML text), `sha256` (hex of it), optional `signature` | a push, as the local `[commands.config_push]` allows: an overlay of tuning keys, or a signed whole config; applied live, kept in the state directory once confirmed (see [`crate::push::policy`], [`crate::push`]) |
 //! | `reload-config` | none | re-read the config file (as SIGHUP) |
 //!
 //! All built-ins are safe to re-run after an interruption.
@@ -26,7 +26,7 @@ use std::sync::mpsc::Sender;
 use std::time::Duration;
 
 /// The shortest interval a command may set (`sources.*.interval_ms` in
-/// [`crate::policy::OVERLAY_BOUNDS`]; the local file may go down to 10 ms).
+/// [`crate::push::policy::OVERLAY_BOUNDS`]; the local file may go down to 10 ms).
 const MIN_PUSHED_INTERVAL_MS: f64 = 100.0;
 
 /// Where a built-in runs.
@@ -73,11 +73,11 @@ pub fn run_local(name: &str, args: &Map<String, Value>, spool: &mut Spool) -> Ha
     let res: Result<Value, String> = (|| match name {
         "ping" => {
             no_args(args)?;
-            Ok(json!({"pong": true, "ts_ms": crate::envelope::wall_clock_ms().0}))
+            Ok(json!({"pong": true, "ts_ms": crate::event::envelope::wall_clock_ms().0}))
         }
         "status" => {
             no_args(args)?;
-            let now = crate::envelope::wall_clock_ms().0;
+            let now = crate::event::envelope::wall_clock_ms().0;
             let stats = spool.stats(now).map_err(|e| e.to_string())?;
             let cmds = spool.command_stats().map_err(|e| e.to_string())?;
             Ok(json!({"spool": stats, "commands": cmds}))
@@ -166,7 +166,7 @@ pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &Sender<Control>) -
                 .get("sha256")
                 .and_then(Value::as_str)
                 .ok_or("args.sha256: required, hex sha256 of args.config")?;
-            let got = crate::hex::encode(&Sha256::digest(text.as_bytes()));
+            let got = crate::event::hex::encode(&Sha256::digest(text.as_bytes()));
             if !want.eq_ignore_ascii_case(&got) {
                 return Err(format!(
                     "args.sha256: does not match the config text (computed {got})"

@@ -2,7 +2,7 @@
 //! program run with typed, validated arguments.
 //!
 //! This file owns turning a command's JSON `args` into an argv
-//! ([`bind_args`]) and running the program through [`crate::process`]
+//! ([`bind_args`]) and running the program through [`crate::os::process`]
 //! ([`run`]). It does not decide whether a command may run (deduplication,
 //! TTL) or record its result; the command worker does.
 //!
@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 
 use crate::commands::{ExecHandler, ParamKind, ParamSpec};
-use crate::process::{self, Confinement, RunError};
+use crate::os::process::{self, Confinement, RunError};
 
 /// `PATH` of a handler's program unless its `env` sets one: the system
 /// directories only, never the agent's own `PATH` ([`process::CHILD_PATH`]).
@@ -458,7 +458,7 @@ fn shown_key(k: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::process::Limits;
+    use crate::os::process::Limits;
     use serde_json::json;
     use std::collections::BTreeMap;
     use std::path::{Path, PathBuf};
@@ -969,7 +969,7 @@ mod tests {
 
     #[test]
     fn missing_program_is_failed() {
-        if crate::process::under_qemu() {
+        if crate::os::process::under_qemu() {
             return; // see process::under_qemu
         }
         let outcome = run(&handler("/nonexistent/tool", &["x"], vec![]), &Map::new());
@@ -1077,7 +1077,7 @@ mod tests {
         // SIGKILL a second later for a program that ignores it.
         assert_eq!(lines[..4], ["20", "20", "7", "8"], "{outcome:?}");
         // qemu-user keeps address-space limits to itself.
-        if !crate::process::under_qemu() {
+        if !crate::os::process::under_qemu() {
             assert_eq!(lines[4], (64 * 1024).to_string(), "{outcome:?}");
         }
     }

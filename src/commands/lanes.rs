@@ -11,7 +11,7 @@ use super::builtin::{self, Kind};
 use super::exec_handler;
 use super::message::{CmdMsg, Lane};
 use super::ExecHandler;
-use crate::envelope::wall_clock_ms;
+use crate::event::envelope::wall_clock_ms;
 use crate::intake::Control;
 use serde_json::{Map, Value};
 use std::collections::VecDeque;

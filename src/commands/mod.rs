@@ -294,7 +294,7 @@ mod tests {
                     c.canonical,
                     "canonical form reads back as itself"
                 );
-                crate::hex::encode(&c.request_hash)
+                crate::event::hex::encode(&c.request_hash)
             })
             .collect();
         assert!(hashes.windows(2).all(|w| w[0] == w[1]), "{hashes:?}");

@@ -14,7 +14,7 @@ use super::admission::Tier;
 use super::quiet::ErrorLog;
 use super::retention::{self, AgentClock, Policy};
 use super::store;
-use crate::envelope::wall_clock_ms;
+use crate::event::envelope::wall_clock_ms;
 use crate::spool::Spool;
 use std::time::{Duration, Instant};
 

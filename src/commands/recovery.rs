@@ -11,7 +11,7 @@ use super::quiet::ErrorLog;
 use super::results::{Finished, Results};
 use super::store::{cstate, Unfinished};
 use super::ExecHandler;
-use crate::envelope::{wall_clock_ms, EventIdGen, CLOCK_FLOOR_MS};
+use crate::event::envelope::{wall_clock_ms, EventIdGen, CLOCK_FLOOR_MS};
 use crate::spool::Spool;
 use serde_json::Value;
 

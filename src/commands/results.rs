@@ -11,7 +11,7 @@
 use super::exec_handler::HandlerOutcome;
 use super::quiet::ErrorLog;
 use super::store::{self, cstate, EventCtx, Reply, ResultEvent};
-use crate::envelope::{EventIdGen, Format};
+use crate::event::envelope::{EventIdGen, Format};
 use crate::mqtt::DeliveryMsg;
 use crate::spool::Spool;
 use serde_json::json;

@@ -6,7 +6,7 @@
 //! (program, fixed arguments, typed parameters); nothing a command sends can
 //! widen it.
 
-use crate::process::{Credentials, Limits};
+use crate::os::process::{Credentials, Limits};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;

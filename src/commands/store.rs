@@ -8,11 +8,11 @@
 
 use super::retention::{self, Policy};
 use super::Command;
-use crate::envelope::wall_clock_ms;
-use crate::hex::encode as hex;
-use crate::reading::FieldValue;
+use crate::event::envelope::wall_clock_ms;
+use crate::event::hex::encode as hex;
+use crate::event::reading::FieldValue;
+use crate::event::stream::RESULTS_STREAM;
 use crate::spool::{CommandTx, NewEvent, NewRecord, Spool, SpoolError, StoredCommand};
-use crate::stream::RESULTS_STREAM;
 use std::time::Duration;
 
 pub use crate::spool::{cstate, CommandStats, EventCtx, Unfinished};
@@ -481,7 +481,7 @@ pub fn make_room(spool: &mut Spool, cap: usize) -> Result<usize, SpoolError> {
 mod tests {
     use super::*;
     use crate::commands::parse;
-    use crate::envelope::{EventIdGen, Format};
+    use crate::event::envelope::{EventIdGen, Format};
     use crate::spool::SpoolOptions;
     use rusqlite::{params, OptionalExtension};
 

@@ -64,7 +64,7 @@ use super::results::{self, Finished, Results};
 use super::retention::{AgentClock, Policy};
 use super::store::{self, cstate, Admit, Answered, Claim, EventCtx, Receipt};
 use super::{parse, Command, CommandsConfig, ExecHandler, ParseError};
-use crate::envelope::{wall_clock_ms, EventIdGen, Format};
+use crate::event::envelope::{wall_clock_ms, EventIdGen, Format};
 use crate::intake::Control;
 use crate::mqtt::{DeliveryMsg, Link};
 use crate::spool::Spool;

@@ -578,7 +578,7 @@ pub(super) fn d_acktimeout() -> u64 {
     30
 }
 /// `agent.rate_window_secs`: the outage budget's moving averages
-/// ([`crate::outage`]) cover the last 5 minutes.
+/// ([`crate::flash::outage`]) cover the last 5 minutes.
 pub(super) fn d_rate_window() -> u64 {
     300
 }

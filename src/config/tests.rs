@@ -1,6 +1,6 @@
 use super::validate::resolve_credentials;
 use super::*;
-use crate::process::{Credentials, Limits};
+use crate::os::process::{Credentials, Limits};
 use crate::source::SourceKind;
 use std::io;
 
@@ -357,12 +357,15 @@ fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
     let pump = c.ingest.stream("pump").unwrap();
     assert_eq!(
         (pump.settings.durability, pump.settings.priority),
-        (crate::stream::Durability::Full, 9)
+        (crate::event::stream::Durability::Full, 9)
     );
-    assert_eq!(c.stream_durability("pump"), crate::stream::Durability::Full);
+    assert_eq!(
+        c.stream_durability("pump"),
+        crate::event::stream::Durability::Full
+    );
     assert_eq!(
         c.stream_durability("plant.a"),
-        crate::stream::Durability::Batched
+        crate::event::stream::Durability::Batched
     );
     assert!(c.ingest.stream("plant.a").is_some());
     assert!(c.ingest.stream("plant.").is_none());
@@ -842,7 +845,7 @@ fn an_unknown_user_or_group_is_named_with_its_key_and_value() {
         "commands.handlers[0].user",
     );
     assert!(m.contains("\"no-such-user-edgespool\""), "{m}");
-    if crate::process::can_switch_user() {
+    if crate::os::process::can_switch_user() {
         assert_eq!(m, "no such user (got \"no-such-user-edgespool\")");
         let m = problem(
             &with_handler("user = \"root\"\ngroup = \"no-such-group-edgespool\""),
@@ -958,7 +961,7 @@ fn batching_keys_are_checked_by_name() {
     let b = c.stream_batching()["tele"];
     assert_eq!(
         (b.max_events, b.max_wait.as_millis(), b.compression),
-        (50, 30000, crate::stream::Compression::Lz4)
+        (50, 30000, crate::event::stream::Compression::Lz4)
     );
     assert!(!c.stream_batching().contains_key("system"));
     for (extra, want) in [
@@ -995,11 +998,11 @@ fn batching_keys_are_checked_by_name() {
 // The handler the config resolved (user name to ids) runs as that user.
 #[test]
 fn a_handler_with_user_nobody_runs_as_nobody_with_only_its_group() {
-    if !crate::process::can_switch_user() {
+    if !crate::os::process::can_switch_user() {
         eprintln!("skipped: switching users needs root");
         return;
     }
-    let Some((uid, gid)) = crate::process::lookup_user("nobody").unwrap() else {
+    let Some((uid, gid)) = crate::os::process::lookup_user("nobody").unwrap() else {
         panic!("this system has no user nobody");
     };
     let text = r#"
@@ -1016,7 +1019,7 @@ user = "nobody"
     let h = &config.commands.handlers[0];
     assert_eq!(
         h.credentials,
-        Some(crate::process::Credentials { uid, gid })
+        Some(crate::os::process::Credentials { uid, gid })
     );
     let outcome = crate::commands::exec_handler::run(h, &serde_json::Map::new());
     let crate::commands::exec_handler::HandlerOutcome::Completed(result) = &outcome else {
@@ -1085,11 +1088,11 @@ fn an_exec_source_takes_env_user_and_group_checked_as_a_handlers() {
 // with only PATH, LANG and its env.
 #[test]
 fn an_exec_source_with_user_nobody_runs_as_nobody() {
-    if !crate::process::can_switch_user() {
+    if !crate::os::process::can_switch_user() {
         eprintln!("skipped: switching users needs root");
         return;
     }
-    let Some((uid, gid)) = crate::process::lookup_user("nobody").unwrap() else {
+    let Some((uid, gid)) = crate::os::process::lookup_user("nobody").unwrap() else {
         panic!("this system has no user nobody");
     };
     let text = format!(
@@ -1113,7 +1116,7 @@ env = {{ GREETING = "hi" }}
     let mut state = crate::source::SourceState::default();
     let mut fields = crate::source::sample(spec, &mut state, std::path::Path::new("/")).unwrap();
     fields.sort_by(|a, b| a.0.cmp(&b.0));
-    use crate::reading::FieldValue;
+    use crate::event::reading::FieldValue;
     assert_eq!(
         fields,
         [

@@ -17,7 +17,7 @@
 
 use super::request::{error_line, ok_line, parse_request, Request};
 use super::{Counters, KeyScope, PatternStreams};
-use crate::envelope::wall_clock_ms;
+use crate::event::envelope::wall_clock_ms;
 use crate::ingest::IngestConfig;
 use crate::intake::budget::{Budget, Hold};
 use crate::intake::IngestMsg;
@@ -275,7 +275,7 @@ fn hand_over(
     let (reply, rx) = Reply::channel();
     // The key's digest holds the time only if the client gave it; the event
     // id holds the time the payload carries either way
-    // ([`crate::envelope::derived_event_id`]), so only a client's own `ts_ms`
+    // ([`crate::event::envelope::derived_event_id`]), so only a client's own `ts_ms`
     // makes a resend after a rollback byte-identical under its first id.
     let given_ts = req.ts_given.then_some(req.ts_ms);
     let key = req.key.map(|k| {

@@ -255,10 +255,10 @@ impl SocketIngest {
             Err(_) => Vec::new(),
         };
         for h in threads {
-            crate::threads::join_within(h, deadline, "an ingest connection");
+            crate::os::threads::join_within(h, deadline, "an ingest connection");
         }
         if let Some((path, id, h)) = r.unix {
-            crate::threads::join_within(h, deadline, "the ingest socket thread");
+            crate::os::threads::join_within(h, deadline, "the ingest socket thread");
             let still_ours = std::fs::symlink_metadata(&path)
                 .is_ok_and(|m| m.file_type().is_socket() && (m.dev(), m.ino()) == id);
             if still_ours {
@@ -266,7 +266,7 @@ impl SocketIngest {
             }
         }
         if let Some((_, h)) = r.tcp {
-            crate::threads::join_within(h, deadline, "the ingest tcp thread");
+            crate::os::threads::join_within(h, deadline, "the ingest tcp thread");
         }
     }
 }
@@ -373,7 +373,7 @@ fn bind_fresh(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
         None => None,
         Some(g) => Some(match g.parse::<u32>() {
             Ok(n) => n,
-            Err(_) => crate::process::lookup_group(g)
+            Err(_) => crate::os::process::lookup_group(g)
                 .map_err(|e| {
                     format!("ingest.socket_group {g:?}: cannot read the group database: {e}")
                 })?

@@ -9,9 +9,9 @@
 //! `{"stream":"pump","fields":{"pressure_bar":2.5},"ts_ms":1796000000000,"key":"pump-000123"}`
 //! (`ts_ms` and `key` optional, no other members).
 
-use crate::envelope::CLOCK_FLOOR_MS;
+use crate::event::envelope::CLOCK_FLOOR_MS;
+use crate::event::reading::{FieldValue, Fields};
 use crate::ingest::{IngestConfig, IngestStream};
-use crate::reading::{FieldValue, Fields};
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
@@ -159,7 +159,7 @@ impl<'de> Deserialize<'de> for RawFields {
 
 /// Judge one request line (without its newline; a trailing `\r` is
 /// allowed). `now` is the wall clock `(ms, trusted)` as
-/// [`crate::envelope::wall_clock_ms`] gives it, used when the line has no
+/// [`crate::event::envelope::wall_clock_ms`] gives it, used when the line has no
 /// `ts_ms`.
 ///
 /// Errors: see [`RequestError`]; the first problem found.
@@ -171,7 +171,7 @@ pub fn parse_request(
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let raw: RawRequest =
         serde_json::from_slice(line).map_err(|e| RequestError::Json(json_problem(&e)))?;
-    if !crate::stream::stream_name_ok(&raw.stream) {
+    if !crate::event::stream::stream_name_ok(&raw.stream) {
         return Err(RequestError::BadStream(raw.stream));
     }
     let stream = cfg
@@ -228,7 +228,7 @@ fn fields(raw: Vec<(String, Value)>, max: usize) -> Result<Fields, RequestError>
     }
     let mut out: Fields = Vec::with_capacity(raw.len());
     for (name, v) in raw {
-        if !crate::reading::field_name_ok(&name, MAX_FIELD_NAME_BYTES) {
+        if !crate::event::reading::field_name_ok(&name, MAX_FIELD_NAME_BYTES) {
             return Err(RequestError::BadFieldName(truncated(&name)));
         }
         if out.iter().any(|(n, _)| *n == name) {
@@ -283,14 +283,14 @@ pub fn error_line(why: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stream::Durability;
+    use crate::event::stream::Durability;
 
     fn cfg() -> IngestConfig {
         IngestConfig {
             socket: Some("/tmp/x.sock".into()),
             streams: vec![IngestStream {
                 name: "pump".into(),
-                settings: crate::stream::StreamSettings {
+                settings: crate::event::stream::StreamSettings {
                     durability: Durability::Full,
                     priority: 7,
                     live_first: false,

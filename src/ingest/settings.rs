@@ -5,7 +5,7 @@
 //! Its one rule: a client writes only a stream the local config declares
 //! or a pattern allows, with that stream's settings, never its own.
 
-use crate::stream::{pattern_matches, stream_name_ok, StreamSettings};
+use crate::event::stream::{pattern_matches, stream_name_ok, StreamSettings};
 use std::path::PathBuf;
 
 /// Default `ingest.max_buffered_bytes`: 8 MiB. A Pi Zero 2 has 512 MB; the

@@ -1,4 +1,4 @@
-//! The outage budget's families ([`crate::outage`]): ingest rates per
+//! The outage budget's families ([`crate::flash::outage`]): ingest rates per
 //! stream, hold time, the last measured delivery rate, drain time and the
 //! projected flash writes, as the last summary computed them.
 //!
@@ -7,7 +7,7 @@
 //! `+Inf` seconds.
 
 use super::Out;
-use crate::outage::{Bound, Budget};
+use crate::flash::outage::{Bound, Budget};
 
 /// Label value of a bound.
 fn bound_label(b: Bound) -> &'static str {
@@ -91,8 +91,8 @@ pub(super) fn render(o: &mut Out, b: &Budget) {
 
 #[cfg(test)]
 mod tests {
+    use crate::flash::outage::{budget, Meter, Room, Sample};
     use crate::metrics::{render, Figures};
-    use crate::outage::{budget, Meter, Room, Sample};
     use std::collections::BTreeMap;
 
     #[test]

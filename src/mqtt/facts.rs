@@ -92,7 +92,7 @@ pub struct LinkFacts {
     pub in_flight: usize,
     /// Since the oldest in-flight row was submitted or the last PUBACK.
     pub no_puback_for: Option<Duration>,
-    /// See [`crate::health::Facts::quick_drops`].
+    /// See [`crate::agent::health::Facts::quick_drops`].
     pub quick_drops: u32,
     /// Why commands cannot arrive.
     pub commands_unavailable: Option<String>,

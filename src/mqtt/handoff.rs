@@ -47,7 +47,7 @@ pub enum DeliveryMsg {
     /// The agent is stopping: look at the stop flag now.
     Stop,
     /// A PUBLISH on `<topic_prefix>/receipts` (`mqtt.retire_on =
-    /// "receipt"`): its payload, unread ([`crate::receipts::parse`]). Already
+    /// "receipt"`): its payload, unread ([`crate::event::receipts::parse`]). Already
     /// acknowledged to the broker; at most [`RECEIPTS_QUEUED_MAX`] wait.
     Receipt(Vec<u8>),
     /// Whether receipts can arrive: the broker granted (`true`) or refused
@@ -77,7 +77,7 @@ pub struct Ready {
     /// The row's event id, sent as the `event_id` user property under MQTT 5
     /// (empty for a batch: its events carry their own ids).
     pub event_id: String,
-    /// A batch ([`crate::batching`]): every row it carries, `row` first, in
+    /// A batch ([`crate::event::batching`]): every row it carries, `row` first, in
     /// row-id order; one PUBACK retires them all. Empty for a single row.
     pub members: Vec<i64>,
 }

@@ -179,7 +179,7 @@ impl Link {
     }
 
     /// What the retained `online` status tells: the board's `device_id` and
-    /// where it came from ([`crate::identity::DeviceIdSource::kind`]), the
+    /// where it came from ([`crate::os::identity::DeviceIdSource::kind`]), the
     /// config's sha256 and the backlog (rows not yet acknowledged, at most),
     /// sent at each connect.
     pub fn set_status(&self, device: (&str, &str), config_sha256: &str, backlog: u64) {

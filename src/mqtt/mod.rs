@@ -1,6 +1,6 @@
 //! The MQTT connection thread: owns the rumqttc event loop (polled on a
 //! thread of its own, which turns PUBACKs into retirements through
-//! [`crate::ack::AckMap`]), and rebuilds the client after every disconnect.
+//! [`crate::mqtt::ackmap::AckMap`]), and rebuilds the client after every disconnect.
 //!
 //! Its one rule: **this thread never touches SQLite and never waits on it**;
 //! it reports to the delivery thread over a channel, so a slow SD-card fsync
@@ -25,6 +25,7 @@
 //! `packet` packet-size arithmetic; `setup` the files a connection reads; [`wire`] the two
 //! protocol versions behind one face; [`settings`] the settings.
 
+pub mod ackmap;
 mod acks;
 mod drive;
 mod facts;

@@ -20,7 +20,7 @@
 
 use super::rowacks::{RowAcks, Take};
 use super::wire::{ev4, ev5, failure_v4, failure_v5, Ev, Failure, RawConn};
-use crate::threads::join_within;
+use crate::os::threads::join_within;
 use rumqttc::RecvTimeoutError;
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::JoinHandle;

@@ -5,7 +5,7 @@
 //! Its one rule: every limit here is the local config's; what a broker
 //! announces on one connection is judged per connection, never stored here.
 
-use crate::envelope::Format;
+use crate::event::envelope::Format;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -66,7 +66,7 @@ pub struct MqttConfig {
     /// a persistent session lasts until the broker drops it.
     pub session_expiry_secs: u32,
     /// `min_share_pct`: the starvation bound of delivery priority
-    /// ([`crate::lanes`]): while streams of a higher priority have rows
+    /// ([`crate::delivery::lanes`]): while streams of a higher priority have rows
     /// waiting, lower priorities still get this share of the publishes
     /// offered, in percent (0..=50, default 10; 0 is strict priority).
     pub min_share_pct: u8,
@@ -97,7 +97,7 @@ pub enum RetireOn {
     #[default]
     Puback,
     /// A receipt from the fleet's sink naming the row's event id (its
-    /// database stored it), after the PUBACK ([`crate::receipts`]).
+    /// database stored it), after the PUBACK ([`crate::event::receipts`]).
     Receipt,
 }
 
@@ -139,7 +139,7 @@ pub(crate) fn test_config() -> MqttConfig {
         inflight_window: 16,
         max_payload_bytes: 1024,
         max_packet_bytes: 1 << 20, // more than any packet these tests build
-        payload_format: crate::envelope::Format::Json,
+        payload_format: crate::event::envelope::Format::Json,
         connect_timeout: Duration::from_secs(10),
         reconnect_min: Duration::from_millis(500),
         reconnect_max: Duration::from_secs(30),

@@ -10,7 +10,7 @@
 use super::packet::{packet_limit, publish_extra, publish_packet_size};
 use super::settings::MqttConfig;
 use super::shared::Shared;
-use crate::envelope::wall_clock_ms;
+use crate::event::envelope::wall_clock_ms;
 use rumqttc::QoS;
 
 /// The retained `offline` status: the will's payload, and what a clean stop

@@ -18,9 +18,9 @@ use super::setup::setup;
 use super::shared::{lock, Shared};
 use super::status::status_topic;
 use super::wire::{self, Granted};
-use crate::ack::AckMap;
-use crate::backoff::Backoff;
 use crate::metrics::Histogram;
+use crate::mqtt::ackmap::AckMap;
+use crate::os::backoff::Backoff;
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -126,7 +126,7 @@ pub fn new(
             // Room for a receipt over the limit to arrive and be refused
             // as such (not dropped by the broker: MQTT 5 counts the whole
             // packet, fixed header and properties too).
-            incoming_limit(t, crate::receipts::MAX_RECEIPT_BYTES + 64)
+            incoming_limit(t, crate::event::receipts::MAX_RECEIPT_BYTES + 64)
         }));
     let wake = Arc::new(Condvar::new());
     (

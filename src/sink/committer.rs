@@ -73,7 +73,7 @@ impl<T: Send + Default> Committer<T> {
             .name("sink-store".into())
             .spawn_scoped(scope, move || {
                 for Job { items, tag } in job_rx {
-                    let now = crate::envelope::wall_clock_ms().0;
+                    let now = crate::event::envelope::wall_clock_ms().0;
                     let result = store.commit(&items, now).map(|s| Committed {
                         owed: match receipts {
                             true => super::outbox::owed(&items, &s.fates),

@@ -4,8 +4,8 @@
 //! exactly as delivered (JSON or postcard), so two deliveries of one event id
 //! are the same event only if every byte is the same (I3).
 
-use crate::envelope::{CompactEnvelope, EventId};
-use crate::reading::FieldValue;
+use crate::event::envelope::{CompactEnvelope, EventId};
+use crate::event::reading::FieldValue;
 use sha2::{Digest, Sha256};
 
 /// An edgespool envelope, decoded.
@@ -193,16 +193,16 @@ pub fn parse_event_id(s: &str) -> Option<EventId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::{encode, Envelope, Format};
+    use crate::event::envelope::{encode, Envelope, Format};
 
-    fn fields() -> crate::reading::Fields {
+    fn fields() -> crate::event::reading::Fields {
         vec![
             ("load1".into(), FieldValue::Num(0.5)),
             ("iface".into(), FieldValue::Text("eth0".into())),
         ]
     }
 
-    fn envelope(f: &crate::reading::Fields) -> Envelope<'_> {
+    fn envelope(f: &crate::event::reading::Fields) -> Envelope<'_> {
         Envelope {
             event_id: EventId([0xab; 16]),
             device_id: "dev-1",

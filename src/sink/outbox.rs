@@ -49,7 +49,7 @@ pub fn owed(items: &[Item], fates: &[Fate]) -> Vec<(String, Vec<u8>)> {
     topics
         .into_iter()
         .flat_map(|(topic, ids)| {
-            crate::receipts::encode(&ids)
+            crate::event::receipts::encode(&ids)
                 .into_iter()
                 .map(move |p| (topic.clone(), p))
         })
@@ -57,14 +57,14 @@ pub fn owed(items: &[Item], fates: &[Fate]) -> Vec<(String, Vec<u8>)> {
 }
 
 /// Whether a receipt can name `e`: a stream and id of the forms
-/// [`crate::receipts::parse`] accepts (one it refuses would cost the
+/// [`crate::event::receipts::parse`] accepts (one it refuses would cost the
 /// whole receipt).
 fn receiptable(e: &Event) -> bool {
     let s = &e.stream;
     !s.is_empty()
         && s.len() <= 64
-        && s.chars().all(crate::stream::topic_safe)
-        && crate::receipts::event_id_ok(&e.event_id)
+        && s.chars().all(crate::event::stream::topic_safe)
+        && crate::event::receipts::event_id_ok(&e.event_id)
 }
 
 /// Receipts waiting for the client, and those it has not had acknowledged.
@@ -147,7 +147,7 @@ impl Outbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::receipts::parse;
+    use crate::event::receipts::parse;
 
     fn env(device: &str, stream: &str, n: u8) -> Vec<u8> {
         format!(

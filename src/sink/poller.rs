@@ -16,7 +16,7 @@
 //! stops the poller, and the broker's in-flight window (not our memory)
 //! holds the rest.
 
-use crate::threads::join_within;
+use crate::os::threads::join_within;
 use rumqttc::{Connection, ConnectionError, Event};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread::JoinHandle;

@@ -113,7 +113,7 @@ impl SinkDb {
     /// Store one delivery in its own transaction. Returns the event id when
     /// it was stored as an event (first or again).
     pub fn store(&mut self, topic: &str, payload: &[u8]) -> rusqlite::Result<Option<String>> {
-        let now = crate::envelope::wall_clock_ms().0;
+        let now = crate::event::envelope::wall_clock_ms().0;
         let it = Item::new(topic, payload);
         let tx = self.conn.transaction()?;
         let one = store_in(&tx, &it, now, &self.bounds)?;
@@ -428,9 +428,9 @@ pub fn envelope_identity(payload: &[u8]) -> Option<(String, Option<i64>)> {
         let id = v.get("event_id")?.as_str()?.to_owned();
         return Some((id, v.get("ts_ms").and_then(|t| t.as_i64())));
     }
-    let c: crate::envelope::CompactEnvelope = postcard::from_bytes(payload).ok()?;
+    let c: crate::event::envelope::CompactEnvelope = postcard::from_bytes(payload).ok()?;
     Some((
-        crate::envelope::EventId(c.event_id).hyphenated(),
+        crate::event::envelope::EventId(c.event_id).hyphenated(),
         Some(c.ts_ms),
     ))
 }
@@ -441,7 +441,7 @@ fn envelope_claims(payload: &[u8]) -> (Option<String>, Option<String>) {
         let text = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_owned);
         return (text("device_id"), text("stream"));
     }
-    match postcard::from_bytes::<crate::envelope::CompactEnvelope>(payload) {
+    match postcard::from_bytes::<crate::event::envelope::CompactEnvelope>(payload) {
         Ok(c) => (Some(c.device_id), Some(c.stream)),
         Err(_) => (None, None),
     }

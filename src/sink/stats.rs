@@ -280,7 +280,7 @@ mod tests {
             db.store("p/dev/events/s", ev(id, seq, x).as_bytes())
                 .unwrap();
         }
-        let r = from_sqlite(&path, crate::envelope::wall_clock_ms().0).unwrap();
+        let r = from_sqlite(&path, crate::event::envelope::wall_clock_ms().0).unwrap();
         assert_eq!((r.events, r.duplicates, r.mismatches), (3, 1, 1));
         assert_eq!(r.streams.len(), 1);
         assert_eq!(

@@ -309,8 +309,8 @@ fn split_postcard(plain: &[u8]) -> Result<Vec<&[u8]>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::{encode, Envelope, EventId, Format};
-    use crate::reading::FieldValue;
+    use crate::event::envelope::{encode, Envelope, EventId, Format};
+    use crate::event::reading::FieldValue;
     use crate::sink::message::digest;
     use crate::sink::{SinkDb, SinkStats, Store};
     use std::io::Write;

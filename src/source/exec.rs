@@ -1,7 +1,7 @@
 //! A program run with fixed arguments, its stdout parsed as a number or a
 //! flat JSON object.
 //!
-//! Running it is [`crate::process`]'s job: no shell, so configured arguments
+//! Running it is [`crate::os::process`]'s job: no shell, so configured arguments
 //! can't inject commands; its own kill scope, so at the timeout or once it
 //! is done every helper it started dies with it (one that called `setsid`
 //! too); both pipes drained within limits; confined like a command handler:
@@ -15,8 +15,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{excerpt, parse_finite, SourceError};
-use crate::process::{Confinement, Credentials, RunError, Running};
-use crate::reading::{FieldValue, Fields};
+use crate::event::reading::{FieldValue, Fields};
+use crate::os::process::{Confinement, Credentials, RunError, Running};
 
 /// Raw stderr kept; more than shown so trimming leaves enough.
 const STDERR_KEEP: usize = 512;
@@ -25,7 +25,7 @@ const STDERR_SHOWN: usize = 200;
 /// Bad stdout shown in a `Parse` error.
 const STDOUT_SHOWN: usize = 80;
 
-/// How an exec source's program is confined: [`crate::process::child_env`]
+/// How an exec source's program is confined: [`crate::os::process::child_env`]
 /// of its `env`, its user if given, started in `/` (as handlers are, and as
 /// the packaged service starts the agent: never in a directory the agent
 /// happened to be started from); the agent's limits.
@@ -34,7 +34,7 @@ pub(super) fn confinement(
     credentials: Option<Credentials>,
 ) -> Confinement {
     Confinement {
-        env: crate::process::child_env(env),
+        env: crate::os::process::child_env(env),
         credentials,
         cwd: Some(std::path::PathBuf::from("/")),
         ..Confinement::base()
@@ -392,7 +392,7 @@ mod tests {
 
     #[test]
     fn missing_program_is_spawn_error() {
-        if crate::process::under_qemu() {
+        if crate::os::process::under_qemu() {
             return; // see process::under_qemu
         }
         let err = run(
@@ -515,11 +515,11 @@ mod tests {
 
     #[test]
     fn the_program_runs_as_its_user() {
-        if !crate::process::can_switch_user() {
+        if !crate::os::process::can_switch_user() {
             eprintln!("skipped: switching users needs root");
             return;
         }
-        let (uid, gid) = crate::process::lookup_user("nobody")
+        let (uid, gid) = crate::os::process::lookup_user("nobody")
             .unwrap()
             .expect("user nobody");
         let script =

@@ -6,7 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use super::{excerpt, parse_finite, read_limited, SourceError};
-use crate::reading::{FieldValue, Fields};
+use crate::event::reading::{FieldValue, Fields};
 
 /// One number never needs more; a longer file is the wrong file.
 const MAX_FILE_BYTES: usize = 4096;

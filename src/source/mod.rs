@@ -15,12 +15,13 @@ pub mod bridge;
 mod exec;
 mod file;
 pub mod replay;
+pub mod sampler;
 mod system;
 pub mod tail;
 
-use crate::process::Credentials;
-use crate::reading::Fields;
-use crate::stream::StreamSettings;
+use crate::event::reading::Fields;
+use crate::event::stream::StreamSettings;
+use crate::os::process::Credentials;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io::{self, Read};
@@ -71,7 +72,7 @@ pub enum SourceKind {
         max_output_bytes: usize,
         /// `env`: variables the program gets besides `PATH` and `LANG` (a
         /// name given here replaces that default); nothing else of the
-        /// agent's environment reaches it ([`crate::process::child_env`]).
+        /// agent's environment reaches it ([`crate::os::process::child_env`]).
         env: BTreeMap<String, String>,
         /// `user` and `group`, resolved to ids when the config was
         /// validated; `None`: the program runs as the agent's user.
@@ -355,7 +356,7 @@ fn read_limited<R: Read>(reader: R, limit: usize) -> io::Result<(Vec<u8>, bool)>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reading::FieldValue;
+    use crate::event::reading::FieldValue;
 
     #[test]
     fn parse_finite_accepts_plain_numbers_only() {

@@ -11,7 +11,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use super::{excerpt, parse_finite, read_limited, SourceError, SourceState};
-use crate::reading::{FieldValue, Fields};
+use crate::event::reading::{FieldValue, Fields};
 
 /// /proc files are generated on read and small, but /proc/net/dev grows with
 /// the number of interfaces; this only guards against a runaway read.

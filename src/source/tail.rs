@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use crate::reading::SegmentMark;
+use crate::event::reading::SegmentMark;
 
 /// Longest line kept; a longer one is consumed without being buffered and
 /// counted as a skipped row (by a replay).

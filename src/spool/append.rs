@@ -8,8 +8,8 @@
 use super::seqs::SeqBook;
 use super::seqs::{stream_row, StreamSeq, PERSIST_SEQS_EVERY, SQL_SET_SEQ};
 use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD, SQL_GET_STATE, SQL_SET_STATE};
-use crate::envelope::{self, Envelope, EventId, EventIdGen, Format};
-use crate::reading::{FieldValue, Fields, ReplayPosition};
+use crate::event::envelope::{self, Envelope, EventId, EventIdGen, Format};
+use crate::event::reading::{FieldValue, Fields, ReplayPosition};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -402,7 +402,7 @@ impl Issued {
             return Ok(*s);
         }
         let prio = book.priorities.get(name).copied();
-        let prio = prio.unwrap_or_else(|| crate::stream::fallback_priority(name));
+        let prio = prio.unwrap_or_else(|| crate::event::stream::fallback_priority(name));
         stream_row(tx, name, prio)
     }
 
@@ -568,7 +568,7 @@ pub(crate) fn insert_one(
     now_ms: i64,
 ) -> Result<String, SpoolError> {
     let err = |e| SpoolError::classify(path, e);
-    let prio = crate::stream::fallback_priority(&ev.stream);
+    let prio = crate::event::stream::fallback_priority(&ev.stream);
     let stream = stream_row(tx, &ev.stream, prio).map_err(err)?;
     let seq = stream.last_seq + 1;
     let event_id = ids.next_id();

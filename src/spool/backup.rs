@@ -145,7 +145,7 @@ pub fn export(spool: &Path, to: &Path) -> Result<Exported, ExportError> {
         .ok_or_else(|| ExportError::NotUtf8(copy.clone()))?
         .to_owned();
     let src = Spool::open_read_only(spool)?;
-    let file = crate::fsguard::files::create_new(&copy, 0o640).map_err(io(&copy))?;
+    let file = crate::os::fsguard::files::create_new(&copy, 0o640).map_err(io(&copy))?;
     // The umask narrows the mode at create; the copy is 0640 whatever it is.
     file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o640))
         .map_err(io(&copy))?;
@@ -160,7 +160,7 @@ pub fn export(spool: &Path, to: &Path) -> Result<Exported, ExportError> {
     file.sync_all().map_err(io(&copy))?;
     drop(file);
     let bytes = std::fs::metadata(&copy).map_err(io(&copy))?.len();
-    crate::fsguard::files::rename_noreplace(&copy, to).map_err(|e| {
+    crate::os::fsguard::files::rename_noreplace(&copy, to).map_err(|e| {
         if e.kind() == std::io::ErrorKind::AlreadyExists {
             ExportError::Exists(to.to_path_buf())
         } else {

@@ -9,7 +9,7 @@
 
 use super::append::{insert_one, NewEvent};
 use super::{Spool, SpoolError};
-use crate::envelope::{EventIdGen, Format};
+use crate::event::envelope::{EventIdGen, Format};
 use rusqlite::{params, OptionalExtension, Transaction};
 use std::path::Path;
 
@@ -387,7 +387,7 @@ impl Spool {
     /// Move a command from `received` to `running`, committed before its
     /// handler starts. Returns false if it was not `received`.
     pub fn start_command(&mut self, scope: &str, command_id: &str) -> Result<bool, SpoolError> {
-        let now_ms = crate::envelope::wall_clock_ms().0;
+        let now_ms = crate::event::envelope::wall_clock_ms().0;
         let n = self
             .conn
             .execute(SQL_START, params![scope, command_id, now_ms])

@@ -257,7 +257,7 @@ impl Spool {
     /// `events_failed_<counter>`. Terminal until an operator requeues it.
     /// A row already acknowledged is left alone.
     pub fn mark_failed(&mut self, id: i64, reason: &str, counter: &str) -> Result<(), SpoolError> {
-        let now = crate::envelope::wall_clock_ms().0;
+        let now = crate::event::envelope::wall_clock_ms().0;
         self.write(|tx, err| {
             tx.execute(SQL_FAIL, params![id, reason, now])
                 .map_err(err)?;

@@ -1,9 +1,9 @@
 //! Idempotency keys of keyed readings ([`super::NewEvent::key`]).
 //!
 //! One job: remember which keys are in the spool (by their
-//! [`crate::envelope::key_id`], column `event_id`), the event id each one's
+//! [`crate::event::envelope::key_id`], column `event_id`), the event id each one's
 //! reading was published under (`published_id`, schema 11: derived from the
-//! key and the payload, see [`crate::envelope::derived_event_id`]; NULL for a
+//! key and the payload, see [`crate::event::envelope::derived_event_id`]; NULL for a
 //! key stored before, published under its key id) and the digest of that
 //! reading, so a producer that sends a key again with the same reading gets
 //! the first event id back and the spool stores nothing new, and one that
@@ -36,7 +36,7 @@ pub(super) struct StoredKey {
     pub(super) digest: Option<[u8; 32]>,
 }
 
-/// The key whose [`crate::envelope::key_id`] is `key_id` (in the spool, or
+/// The key whose [`crate::event::envelope::key_id`] is `key_id` (in the spool, or
 /// appended earlier in `tx`), if remembered. A key stored before schema 11
 /// was published under its key id itself.
 pub(super) fn spooled(tx: &Transaction<'_>, key_id: &str) -> rusqlite::Result<Option<StoredKey>> {
@@ -87,8 +87,8 @@ pub(super) fn forget_purged(tx: &Transaction<'_>) -> rusqlite::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::KEYS_KEPT;
-    use crate::envelope::{key_id, EventIdGen, Format};
-    use crate::reading::FieldValue;
+    use crate::event::envelope::{key_id, EventIdGen, Format};
+    use crate::event::reading::FieldValue;
     use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply, Spool, SpoolOptions};
     use std::sync::mpsc::Receiver;
 
@@ -236,10 +236,10 @@ mod tests {
 
     #[test]
     fn the_reading_digest_ignores_field_order_and_sees_types_values_and_a_given_time() {
-        let f = |v: Vec<(&str, FieldValue)>| -> crate::reading::Fields {
+        let f = |v: Vec<(&str, FieldValue)>| -> crate::event::reading::Fields {
             v.into_iter().map(|(n, v)| (n.to_owned(), v)).collect()
         };
-        let k = |fields: &crate::reading::Fields, ts| {
+        let k = |fields: &crate::event::reading::Fields, ts| {
             ReadingKey::new("tcp".into(), "k".into(), "pump", fields, ts).digest
         };
         let ab = f(vec![

@@ -36,6 +36,7 @@ mod append;
 pub mod backup;
 mod commands;
 mod delivery;
+pub mod integrity;
 mod keys;
 mod open;
 pub mod priority;

@@ -171,5 +171,5 @@ impl Spool {
 /// end up 0640 (or stricter, under a umask such as 077). An existing file
 /// is left as it is; any other failure is SQLite's own open to report.
 fn create_private(path: &Path) {
-    let _ = crate::fsguard::files::create_new(path, 0o640);
+    let _ = crate::os::fsguard::files::create_new(path, 0o640);
 }

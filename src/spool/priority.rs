@@ -1,5 +1,5 @@
 //! Delivery priority in the spool: which rows the delivery thread reads for
-//! each lane of [`crate::lanes`].
+//! each lane of [`crate::delivery::lanes`].
 //!
 //! One job: keep each row's priority next to it and read the unresolved
 //! rows of one lane in row-id order without scanning the others.
@@ -18,7 +18,7 @@
 //!   lanes and its first publishes stay in sequence order.
 
 use super::{OutRow, Spool, SpoolError};
-use crate::stream::fallback_priority;
+use crate::event::stream::fallback_priority;
 use rusqlite::{params, OptionalExtension};
 use std::collections::HashMap;
 

@@ -1,4 +1,4 @@
-//! What the outage budget ([`crate::outage`]) reads from the spool: the rows
+//! What the outage budget ([`crate::flash::outage`]) reads from the spool: the rows
 //! appended since a row id, by stream, and how many rows the spool holds.
 //!
 //! One job: both are range reads on the row id (the table's primary key),
@@ -70,8 +70,8 @@ impl Spool {
 #[cfg(test)]
 mod tests {
     use super::super::{NewEvent, Spool, SpoolOptions};
-    use crate::envelope::{EventIdGen, Format};
-    use crate::reading::FieldValue;
+    use crate::event::envelope::{EventIdGen, Format};
+    use crate::event::reading::FieldValue;
 
     fn ev(stream: &str) -> NewEvent {
         NewEvent::new(stream, 1, true, vec![("x".into(), FieldValue::Num(1.0))])

@@ -228,7 +228,7 @@ ALTER TABLE event_keys ADD COLUMN digest BLOB;
 
 /// Schema 10: the board's secrets, never shown by `status` (unlike
 /// `agent_state`). `key_ids` keys the handles of keyed readings
-/// ([`crate::envelope::key_id`]); SQLite's `randomblob` draws it
+/// ([`crate::event::envelope::key_id`]); SQLite's `randomblob` draws it
 /// from its ChaCha20 generator, seeded from the OS (`/dev/urandom`).
 pub(super) const MIGRATION_10: &str = "
 CREATE TABLE secrets (
@@ -238,7 +238,7 @@ CREATE TABLE secrets (
 ";
 
 /// Schema 11: the event id each key's reading was published under
-/// ([`crate::envelope::derived_event_id`], derived from the key and the
+/// ([`crate::event::envelope::derived_event_id`], derived from the key and the
 /// payload), beside the key's own id (`event_id`, the lookup). Keys stored
 /// before have NULL: they were published under the key's id itself.
 pub(super) const MIGRATION_11: &str = "

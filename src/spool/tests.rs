@@ -3,8 +3,8 @@
 use super::delivery::SQL_MARK;
 use super::schema::{MIGRATION_1, MIGRATION_2, MIGRATION_3, MIGRATION_4};
 use super::*;
-use crate::envelope::{self, EventIdGen, Format};
-use crate::reading::{FieldValue, ReplayPosition};
+use crate::event::envelope::{self, EventIdGen, Format};
+use crate::event::reading::{FieldValue, ReplayPosition};
 use rusqlite::params;
 
 fn ev(stream: &str, x: f64) -> NewEvent {

@@ -214,7 +214,7 @@ fn a_damaged_last_good_copy_is_named_when_it_cannot_stand_in_and_when_it_is_repl
     let cfg = d.path().join("board.toml");
     let lg = d.path().join("board.toml.last-good");
     std::fs::write(&cfg, "device_id = \"x\"\n[spool").expect("write");
-    edgespool::configfile::write_atomic(&lg, &[0u8; 256]).expect("write last-good");
+    edgespool::config::file::write_atomic(&lg, &[0u8; 256]).expect("write last-good");
     let cfg_s = cfg.to_str().expect("utf-8");
     let (status, _, err) = run_cli(&["run", "--config", cfg_s]);
     assert_eq!(status.code(), Some(2), "{err}");

@@ -280,8 +280,8 @@ fn an_export_under_ingest_load_restored_in_a_new_spool_directory_delivers_every_
 
 /// 100,000 rows written with the agent's own spool code.
 fn hundred_thousand_rows(db: &Path) {
-    use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::reading::FieldValue;
+    use edgespool::event::envelope::{EventIdGen, Format};
+    use edgespool::event::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     let mut s = Spool::open(db, &SpoolOptions::default()).expect("spool");
     let mut ids = EventIdGen::new().expect("ids");
@@ -420,7 +420,7 @@ fn bare_copy_is_named_at_error(status_first: bool) {
     assert!(
         wait_for(Duration::from_secs(30), || agent2.logged(
             "ERROR",
-            "integrity",
+            "spool",
             &named
         )),
         "no ERROR naming the copy\n{}",

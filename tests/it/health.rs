@@ -59,8 +59,8 @@ fn telemetry_flows_when_the_broker_closes_connections_on_the_command_subscriptio
 /// rows behind it are delivered, and health names the FAILED row.
 #[test]
 fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() {
-    use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::reading::FieldValue;
+    use edgespool::event::envelope::{EventIdGen, Format};
+    use edgespool::event::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());

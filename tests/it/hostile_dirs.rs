@@ -209,7 +209,7 @@ fn a_last_good_copy_planted_as_a_symlink_is_never_run_nor_written_through() {
     assert!(!marker.exists(), "the planted last-good copy ran\n{log}");
     assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
     assert!(
-        agent.logged("WARN", "configfile", &last_good.display().to_string())
+        agent.logged("WARN", "config", &last_good.display().to_string())
             && log.contains("symbolic link"),
         "the planted copy is not named in a warning\n{log}"
     );
@@ -248,7 +248,7 @@ fn a_last_good_copy_owned_by_another_user_is_not_run() {
     );
     assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
     assert!(
-        agent.logged("WARN", "configfile", &last_good.display().to_string())
+        agent.logged("WARN", "config", &last_good.display().to_string())
             && log.contains("owned by uid 65534"),
         "the untrusted copy is not named in a warning with its owner\n{log}"
     );
@@ -432,7 +432,7 @@ fn a_damaged_marker_the_agent_did_not_write_is_ignored_by_name_and_the_spool_kep
     assert!(!aside, "a planted marker moved the spool aside\n{log}");
     assert!(total(&db) >= rows, "rows lost\n{log}");
     assert!(
-        agent.logged("WARN", "integrity", &marker.display().to_string()),
+        agent.logged("WARN", "spool", &marker.display().to_string()),
         "the planted marker is not named in a warning\n{log}"
     );
 }

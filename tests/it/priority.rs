@@ -7,8 +7,8 @@ use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
-use edgespool::envelope::{EventIdGen, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{EventIdGen, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
@@ -177,7 +177,7 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     );
     std::thread::sleep(Duration::from_secs(1));
     proxy.set_mode(Mode::Forward);
-    let drain_start_ms = edgespool::envelope::wall_clock_ms().0;
+    let drain_start_ms = edgespool::event::envelope::wall_clock_ms().0;
     let drain_start = Instant::now();
     assert!(
         sub.wait_count(Duration::from_secs(60), 5_000),

@@ -80,7 +80,7 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
         br#"not json"#.to_vec(),
         br#"{"v":2,"stored":{}}"#.to_vec(),
         br#"{"v":1,"stored":{"system":["not-an-id"]}}"#.to_vec(),
-        vec![b' '; edgespool::receipts::MAX_RECEIPT_BYTES + 1],
+        vec![b' '; edgespool::event::receipts::MAX_RECEIPT_BYTES + 1],
         // Its id under another stream, and an id no row has.
         format!(r#"{{"v":1,"stored":{{"other":["{id}"]}}}}"#).into_bytes(),
         br#"{"v":1,"stored":{"system":["00000000-0000-4000-8000-000000000000"]}}"#.to_vec(),
@@ -104,7 +104,7 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
         .iter()
         .map(|(s, i)| (s.as_str(), i.as_str()))
         .collect();
-    for p in edgespool::receipts::encode(&pairs) {
+    for p in edgespool::event::receipts::encode(&pairs) {
         publish(broker.port(), &topic, &p, false);
     }
     assert!(
@@ -295,7 +295,7 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         .map(|(s, i)| (s.as_str(), i.as_str()))
         .collect();
     let topic = "edgespool/gw1/receipts";
-    for p in edgespool::receipts::encode(&pairs) {
+    for p in edgespool::event::receipts::encode(&pairs) {
         assert!(
             !mosquitto_pub(broker.port(), None, topic, &p),
             "an anonymous client was let in"

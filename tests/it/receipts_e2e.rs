@@ -27,8 +27,8 @@ use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
 use crate::support::{spool, tail, unique_suffix, wait_for};
-use edgespool::envelope::{EventIdGen, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{EventIdGen, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -94,7 +94,7 @@ summary_interval_secs = 2
 fn seed(db: &Path, device: &str, n: usize) {
     let mut s = Spool::open(db, &SpoolOptions::default()).expect("open the spool to seed it");
     let mut ids = EventIdGen::new().expect("event ids");
-    let now = edgespool::envelope::wall_clock_ms().0;
+    let now = edgespool::event::envelope::wall_clock_ms().0;
     let mut done = 0;
     while done < n {
         let end = (done + 1000).min(n);

@@ -114,8 +114,8 @@ pub(crate) fn log_lines(agent: &AgentProc, level: &str, text: &str) -> Vec<Strin
 /// Append one event per entry of `texts` to stream `s` before the agent
 /// starts (payload size follows the text's length).
 pub(crate) fn seed(db: &Path, texts: &[String]) {
-    use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::reading::FieldValue;
+    use edgespool::event::envelope::{EventIdGen, Format};
+    use edgespool::event::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     let mut s = Spool::open(db, &SpoolOptions::default()).expect("spool");
     let mut ids = EventIdGen::new().expect("ids");
@@ -132,7 +132,7 @@ pub(crate) fn seed(db: &Path, texts: &[String]) {
         })
         .collect();
     // Appended now: retention deletes ACKED rows by their append time.
-    let now = edgespool::envelope::wall_clock_ms().0;
+    let now = edgespool::event::envelope::wall_clock_ms().0;
     s.append(&evs, &mut ids, "it-board", Format::Json, now)
         .expect("append");
 }

@@ -5,8 +5,8 @@
 use crate::support::broker::Broker;
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
 use crate::support::{tail, wait_for};
-use edgespool::envelope::{encode, Envelope, EventId, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{encode, Envelope, EventId, Format};
+use edgespool::event::reading::FieldValue;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
 use std::collections::HashMap;
 use std::io::Write;

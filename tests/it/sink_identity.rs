@@ -16,8 +16,8 @@
 use crate::support::broker::Broker;
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
 use crate::support::{tail, unique_suffix, wait_for};
-use edgespool::envelope::{encode, Envelope, EventId, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{encode, Envelope, EventId, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::sink::batch::{Fate, Item};
 use edgespool::sink::{SideBounds, SinkDb, Store};
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
@@ -178,7 +178,7 @@ fn receipts(peer: &Peer, from: usize) -> Vec<(String, Vec<(String, String)>)> {
         .into_iter()
         .skip(from)
         .map(|(topic, payload)| {
-            let r = edgespool::receipts::parse(&payload).unwrap_or_else(|e| {
+            let r = edgespool::event::receipts::parse(&payload).unwrap_or_else(|e| {
                 panic!(
                     "receipt on {topic} does not parse ({e}): {}",
                     String::from_utf8_lossy(&payload)

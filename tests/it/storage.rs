@@ -453,8 +453,8 @@ fn a_reader_pinning_the_wal_holds_a_large_purge_at_one_batch_until_it_leaves() {
 /// `old` appended long ago (retention counts from the append), the rest
 /// just now; the WAL checkpointed away.
 fn old_acked_rows(db: &Path, old: usize, keep: usize) {
-    use edgespool::envelope::{EventIdGen, Format};
-    use edgespool::reading::FieldValue;
+    use edgespool::event::envelope::{EventIdGen, Format};
+    use edgespool::event::reading::FieldValue;
     use edgespool::spool::{NewEvent, Spool, SpoolOptions};
     let mut s = Spool::open(db, &SpoolOptions::default()).expect("open");
     let mut ids = EventIdGen::new().expect("ids");
@@ -470,7 +470,7 @@ fn old_acked_rows(db: &Path, old: usize, keep: usize) {
         key: None,
         reply: None,
     };
-    let now = edgespool::envelope::wall_clock_ms().0;
+    let now = edgespool::event::envelope::wall_clock_ms().0;
     for chunk in 0..(old + keep) / 1000 {
         let batch: Vec<NewEvent> = (0..1000).map(|i| ev(chunk * 1000 + i)).collect();
         let at = if chunk * 1000 < old { 1_000 } else { now };
@@ -523,7 +523,7 @@ fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
         &cfg,
         &[],
         dir.path(),
-        &[(edgespool::probe::DELAY_ENV, "20")],
+        &[(edgespool::flash::probe::DELAY_ENV, "20")],
     );
     assert!(
         wait_for(Duration::from_secs(20), || agent

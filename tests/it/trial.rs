@@ -26,7 +26,7 @@ fn load_shipped(cfg: &Path) -> edgespool::config::Config {
     let text = std::fs::read_to_string(cfg).expect("shipped config");
     let sets = if text.contains("\ndevice_id = \"@machine-id\"") {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/machine-id");
-        let id = edgespool::identity::from_machine_id(&fixture).expect("fixture machine id");
+        let id = edgespool::os::identity::from_machine_id(&fixture).expect("fixture machine id");
         vec![format!("device_id=\"{id}\"")]
     } else {
         Vec::new()

@@ -6,8 +6,8 @@
 //!
 //! Usage: make_spool_seed <output directory>
 
-use edgespool::envelope::{EventIdGen, Format};
-use edgespool::reading::FieldValue;
+use edgespool::event::envelope::{EventIdGen, Format};
+use edgespool::event::reading::FieldValue;
 use edgespool::spool::{CheckpointMode, NewEvent, Spool, SpoolOptions};
 use std::path::Path;
 

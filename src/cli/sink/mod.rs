@@ -1,6 +1,6 @@
 //! `edgespool sink` and `edgespool sink --stats`: the reference consumer's
 //! flags and settings file ([`settings`]) to a store, a run until stopped
-//! (or a report), and an exit code. The work is in [`edgespool::sink`].
+//! (or a report), and an exit code. The work is in [`crate::sink`].
 
 mod settings;
 
@@ -12,8 +12,8 @@ use std::time::Duration;
 use super::args::{self, PgTlsArgs};
 use super::spec::SINK;
 use super::{failed, help, print_json, Failure, Outcome};
-use edgespool::sink::batch::BatchPolicy;
-use edgespool::sink::{SinkOptions, SinkStats};
+use crate::sink::batch::BatchPolicy;
+use crate::sink::{SinkOptions, SinkStats};
 use settings::Store;
 
 /// The target of this file's log lines: the module they were written in
@@ -73,7 +73,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         (Some(u), Some(f)) => {
             // Read once now, so a wrong path fails the start, not every
             // connect in the background.
-            if let Err(why) = edgespool::sink::consume::read_password(&f) {
+            if let Err(why) = crate::sink::consume::read_password(&f) {
                 eprintln!("edgespool: {why}");
                 return Err(Failure::Invalid);
             }
@@ -134,8 +134,8 @@ fn run(a: SinkArgs) -> Outcome {
         idle: Duration::from_millis(2),
     };
     let result = match a.store {
-        Store::Sqlite(db) => match edgespool::sink::SinkDb::open(&db) {
-            Ok(mut store) => edgespool::sink::run(&opts, &mut store, &stop),
+        Store::Sqlite(db) => match crate::sink::SinkDb::open(&db) {
+            Ok(mut store) => crate::sink::run(&opts, &mut store, &stop),
             Err(e) => Err(format!("sink database {}: {e}", db.display())),
         },
         Store::Postgres {
@@ -163,8 +163,8 @@ fn pg_connect(
     conninfo: &str,
     tls: &PgTlsArgs,
     password_file: Option<PathBuf>,
-) -> Result<edgespool::sink::pg_tls::PgConnect, Failure> {
-    use edgespool::sink::{conninfo as ci, pg_password::PasswordFrom, pg_tls};
+) -> Result<crate::sink::pg_tls::PgConnect, Failure> {
+    use crate::sink::{conninfo as ci, pg_password::PasswordFrom, pg_tls};
     if ci::has_password(conninfo) {
         log::warn!(target: LOG_TARGET, "sink: the password in --postgres is visible to every local user (/proc/PID/cmdline); use --pg-password-file or --config with password_file");
     }
@@ -199,14 +199,14 @@ fn pg_connect(_: &str, _: &PgTlsArgs, _: Option<PathBuf>) -> Result<(), Failure>
 #[cfg(feature = "pg-sink")]
 fn run_postgres(
     opts: &SinkOptions,
-    connect: &edgespool::sink::pg_tls::PgConnect,
+    connect: &crate::sink::pg_tls::PgConnect,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
-    use edgespool::sink::StoreError;
+    use crate::sink::StoreError;
     // The server may come up after the sink: wait for it, as for the broker.
     let mut backoff = Duration::from_millis(200);
     let mut store = loop {
-        match edgespool::sink::postgres::PgStore::connect_with(connect.clone(), &opts.client_id) {
+        match crate::sink::postgres::PgStore::connect_with(connect.clone(), &opts.client_id) {
             Ok(s) => break s,
             Err(StoreError::Transient(e)) if !stop.load(std::sync::atomic::Ordering::Relaxed) => {
                 log::warn!(target: LOG_TARGET, "sink: PostgreSQL not reachable ({e}); retrying in {backoff:?}");
@@ -216,7 +216,7 @@ fn run_postgres(
             Err(e) => return Err(e.to_string()),
         }
     };
-    edgespool::sink::run(opts, &mut store, stop)
+    crate::sink::run(opts, &mut store, stop)
 }
 
 #[cfg(not(feature = "pg-sink"))]
@@ -226,9 +226,9 @@ fn run_postgres(_: &SinkOptions, _: &(), _: &AtomicBool) -> Result<SinkStats, St
 
 /// `sink --stats`: print the store's report (text, or JSON with `json`).
 fn stats(store: &Store, json: bool) -> Outcome {
-    let now = edgespool::envelope::wall_clock_ms().0;
+    let now = crate::event::envelope::wall_clock_ms().0;
     let report = match store {
-        Store::Sqlite(db) => edgespool::sink::stats::from_sqlite(db, now)
+        Store::Sqlite(db) => crate::sink::stats::from_sqlite(db, now)
             .map_err(|e| format!("sink database {}: {e}", db.display())),
         Store::Postgres {
             conninfo,
@@ -240,21 +240,21 @@ fn stats(store: &Store, json: bool) -> Outcome {
     if json {
         return print_json(&r);
     }
-    print!("{}", edgespool::sink::stats::render(&r));
+    print!("{}", crate::sink::stats::render(&r));
     Ok(())
 }
 
 #[cfg(feature = "pg-sink")]
 fn postgres_report(
-    connect: &edgespool::sink::pg_tls::PgConnect,
+    connect: &crate::sink::pg_tls::PgConnect,
     now: i64,
-) -> Result<edgespool::sink::stats::Report, String> {
-    let mut c = edgespool::sink::postgres::connect_client_with(connect)
+) -> Result<crate::sink::stats::Report, String> {
+    let mut c = crate::sink::postgres::connect_client_with(connect)
         .map_err(|e| format!("PostgreSQL: {e}"))?;
-    edgespool::sink::stats::from_postgres(&mut c, now).map_err(|e| format!("PostgreSQL: {e}"))
+    crate::sink::stats::from_postgres(&mut c, now).map_err(|e| format!("PostgreSQL: {e}"))
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn postgres_report(_: &(), _: i64) -> Result<edgespool::sink::stats::Report, String> {
+fn postgres_report(_: &(), _: i64) -> Result<crate::sink::stats::Report, String> {
     Err("this edgespool was built without the pg-sink feature".into())
 }

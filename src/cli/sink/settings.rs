@@ -215,7 +215,7 @@ fn postgres(t: Table) -> Result<PgSection, String> {
     let conninfo = k
         .string("conninfo")?
         .ok_or("sink.postgres.conninfo: required (libpq keywords or a URL)")?;
-    if edgespool::sink::conninfo::has_password(&conninfo) {
+    if crate::sink::conninfo::has_password(&conninfo) {
         return Err(
             "sink.postgres.conninfo holds a password: put it in a file named by \
                     sink.postgres.password_file (mode 0600)"

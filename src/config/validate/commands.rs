@@ -131,7 +131,7 @@ pub(super) fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, Stri
     }
     let mut keys = Vec::new();
     for (i, k) in raw.public_keys.iter().enumerate() {
-        match crate::hex::decode(k.trim()).and_then(|b| <[u8; 32]>::try_from(b).ok()) {
+        match crate::event::hex::decode(k.trim()).and_then(|b| <[u8; 32]>::try_from(b).ok()) {
             Some(key) => keys.push(key),
             None => bad(
                 &format!("commands.config_push.public_keys.{i}"),

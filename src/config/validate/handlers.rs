@@ -5,8 +5,8 @@
 
 use crate::commands::{ExecHandler, ParamKind, ParamSpec};
 use crate::config::raw::{default_cpu_secs, RawHandler, HANDLER_CWD};
-use crate::process::{Credentials, Limits};
-use crate::stream::topic_safe;
+use crate::event::stream::topic_safe;
+use crate::os::process::{Credentials, Limits};
 use std::collections::{BTreeMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -227,9 +227,9 @@ pub(super) fn credentials(
     match resolve_credentials(
         user,
         group,
-        crate::process::can_switch_user(),
-        crate::process::lookup_user,
-        crate::process::lookup_group,
+        crate::os::process::can_switch_user(),
+        crate::os::process::lookup_user,
+        crate::os::process::lookup_group,
     ) {
         Ok(c) => c,
         Err(problems) => {
@@ -300,7 +300,7 @@ fn check_cwd(cwd: &Path) -> Result<(), String> {
 
 /// A handler's `user` and `group` as ids, or a problem per key (`"user"`,
 /// `"group"`). `is_root`: the agent can switch users; the lookups are
-/// [`crate::process::lookup_user`] and [`crate::process::lookup_group`] outside
+/// [`crate::os::process::lookup_user`] and [`crate::os::process::lookup_group`] outside
 /// tests.
 ///
 /// `group` alone is refused (a program still running as root is not

@@ -2,9 +2,9 @@
 
 use super::stream::stream_settings;
 use crate::config::raw::RawIngest;
+use crate::event::stream::{pattern_matches, stream_name_ok};
 use crate::ingest::{IngestConfig, IngestStream};
 use crate::source::SourceSpec;
-use crate::stream::{pattern_matches, stream_name_ok};
 
 /// `[ingest]`: listeners (a socket path, a loopback `IP:port` unless
 /// `tcp_public`), bounds in range (`max_connection_bytes` at most

@@ -1,9 +1,9 @@
 //! `[mqtt]` validation: URL, TLS files, credentials, limits, protocol.
 
 use super::parse_url;
-use crate::ack::MAX_WINDOW;
 use crate::config::raw::RawMqtt;
-use crate::envelope::Format;
+use crate::event::envelope::Format;
+use crate::mqtt::ackmap::MAX_WINDOW;
 use crate::mqtt::{MqttConfig, Protocol, RetireOn, TlsFiles};
 use std::time::Duration;
 

@@ -6,10 +6,10 @@ use super::handlers::{check_env, credentials};
 use super::stream::stream_settings;
 use crate::config::raw::{d_interval, RawSource};
 use crate::config::read::did_you_mean;
+use crate::event::stream::stream_name_ok;
 use crate::mqtt::MqttConfig;
 use crate::source::bridge::{BridgeSpec, LoopGuard};
 use crate::source::{SourceKind, SourceSpec};
-use crate::stream::stream_name_ok;
 use std::collections::HashSet;
 use std::time::Duration;
 

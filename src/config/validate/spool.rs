@@ -111,7 +111,7 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
         purge_batch_rows: s.purge_batch_rows,
         checkpoint_interval: Duration::from_secs(s.checkpoint_interval_secs),
         allow_network_fs: s.allow_network_fs,
-        capacity: crate::maintenance::Capacity {
+        capacity: crate::flash::maintenance::Capacity {
             max_bytes: s.max_bytes,
             min_free_bytes: s.min_free_bytes,
         },

@@ -3,9 +3,9 @@
 //! `priority`, `live_first`, `batch_max_events`, `batch_max_ms`,
 //! `compression` ([`StreamSettings`]).
 
-use crate::batching::supported;
 use crate::config::raw::RawStream;
-use crate::stream::{
+use crate::event::batching::supported;
+use crate::event::stream::{
     default_priority, BatchSpec, Compression, Durability, StreamSettings, MAX_BATCH_EVENTS,
 };
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! Its one rule: **a payload either becomes a complete reading or a named
 //! refusal**; nothing is guessed from half a message, and no input panics.
 
-use crate::reading::{FieldValue, Fields};
+use crate::event::reading::{FieldValue, Fields};
 use std::fmt;
 
 /// The field every bridged reading carries: the topic its message came on.
@@ -15,7 +15,7 @@ pub const TOPIC_FIELD: &str = "source_topic";
 /// skipped. Bounds the envelope against keys built to be huge. (The ingest
 /// socket's names are at most 64 bytes: a bridged name joins the levels of
 /// nested objects, so it gets more room; the characters are the same rule,
-/// [`crate::reading::field_name_ok`].)
+/// [`crate::event::reading::field_name_ok`].)
 pub const MAX_NAME_BYTES: usize = 256;
 
 /// Longest idempotency key taken from `id_field` (bytes).
@@ -202,7 +202,7 @@ fn flatten(
         } else {
             format!("{prefix}.{k}")
         };
-        if !crate::reading::field_name_ok(k, usize::MAX) {
+        if !crate::event::reading::field_name_ok(k, usize::MAX) {
             return Err(PayloadError::BadFieldName(super::super::excerpt(&name, 64)));
         }
         if name.len() > MAX_NAME_BYTES {

@@ -72,7 +72,7 @@ use std::fs::File;
 use std::io::BufReader;
 use std::time::{Duration, Instant};
 
-use crate::reading::{Fields, PassInfo, ReplayPosition};
+use crate::event::reading::{Fields, PassInfo, ReplayPosition};
 use crate::source::tail::{Tail, TailError, TailLine, MAX_LINE_BYTES};
 use crate::source::{excerpt, SourceError};
 

@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 
 use super::lines::{read_line, LineRead};
 use super::{tail_err, Replay};
-use crate::reading::{PassInfo, ReplayPosition};
+use crate::event::reading::{PassInfo, ReplayPosition};
 use crate::source::tail::TailResumed;
 use crate::source::SourceError;
 

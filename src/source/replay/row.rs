@@ -10,7 +10,7 @@
 use super::spec::ReplaySpec;
 use super::timestamp::TsFormat;
 use super::{ReplayStats, SHOWN_BYTES, TRACE_TS_FIELD};
-use crate::reading::{FieldValue, Fields};
+use crate::event::reading::{FieldValue, Fields};
 use crate::source::excerpt;
 
 /// How to turn a line into a reading; fixed at open.

@@ -3,7 +3,7 @@
 //! UCI trace in `data/`. Tests of one job's pure helpers sit in its file.
 
 use super::*;
-use crate::reading::FieldValue;
+use crate::event::reading::FieldValue;
 use std::fs;
 use std::path::{Path, PathBuf};
 

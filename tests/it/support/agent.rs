@@ -45,7 +45,7 @@ pub fn command() -> Command {
         _ => Command::new(bin()),
     };
     cmd.env(
-        edgespool::identity::MACHINE_ID_ENV,
+        edgespool::os::identity::MACHINE_ID_ENV,
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/machine-id"),
     );
     cmd

@@ -1,0 +1,824 @@
+//! The delivery thread: fills the in-flight window from the spool and retires
+//! rows whose PUBACK arrived.
+//!
+//! Owns the delivery connection to the spool. Its one rule: **a row is retired
+//! only when the MQTT poller thread reports its PUBACK ([`Link::take_progress`], I2),
+//! and after a [`DeliveryMsg::Lost`] rows are offered again from the oldest
+//! unacknowledged one, in row-id order (I7)**.
+//!
+//! The delivery thread reads rows ahead and offers them to a bounded ready
+//! queue; the MQTT poller thread submits from that queue as PUBACKs free the window,
+//! so the window refills without a thread hop per acknowledgement. Attempts
+//! and retirements are group-committed once per commit window (the spool's
+//! `commit_window_ms`, or the window a write budget chose:
+//! [`DeliveryConfig::record_window`]), or sooner at [`RECORD_BATCH`]
+//! retirements. It never blocks the MQTT threads and is never waited on by
+//! ingest.
+
+use crate::mqtt::{DeliveryMsg, Link, Ready};
+pub mod awaiting;
+mod batcher;
+mod defer;
+pub mod lanes;
+#[cfg(test)]
+mod model;
+mod receipts;
+
+use crate::delivery::lanes::Lanes;
+use crate::metrics::WATCHDOG_REBUILDS;
+use crate::mqtt::publish_packet_size;
+use crate::spool::{OutRow, Spool, SpoolError};
+use batcher::Batcher;
+use receipts::ReceiptMode;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Delivery counters, shared with the agent's summary line.
+#[derive(Debug, Default)]
+pub struct DeliveryStats {
+    /// Rows submitted (each attempt counts).
+    pub submitted: AtomicU64,
+    /// Rows retired on PUBACK.
+    pub retired: AtomicU64,
+    /// Rows handed back for replay after a lost connection.
+    pub requeued: AtomicU64,
+    /// Rows marked FAILED (oversized, damaged payload).
+    pub failed: AtomicU64,
+    /// Stamped each time the delivery loop goes round (at least every
+    /// `IDLE_POLL`), for the systemd watchdog.
+    pub heartbeat: crate::os::notify::Heartbeat,
+    /// Receipt mode: rows PUBACKed and not yet stored (waiting for their
+    /// receipt, or sent again for a missing one).
+    pub awaiting_receipt: AtomicU64,
+    /// Receipt mode: how long the oldest of them has waited since its
+    /// first PUBACK (re-sends do not reset it), ms.
+    pub oldest_awaiting_ms: AtomicU64,
+    /// Receipts read (well-formed).
+    pub receipts: AtomicU64,
+    /// Event ids receipts named that no waiting row has (not yet PUBACKed,
+    /// already retired, unknown, forged): nothing retired for them.
+    pub receipt_unmatched: AtomicU64,
+    /// Receipts refused as malformed (they retire nothing).
+    pub receipts_malformed: AtomicU64,
+    /// Rows published again because their receipt did not come in time.
+    pub resent_for_receipt: AtomicU64,
+    /// Wall clock of the last receipt, Unix ms (0: none yet).
+    pub last_receipt_ms: AtomicU64,
+    /// 1 while the broker refuses the receipts subscription (rows are then
+    /// retired on their PUBACK).
+    pub receipts_unavailable: AtomicU64,
+    /// Rows the broker refused on this connection, waiting for the next
+    /// one ([`defer`]).
+    pub deferred: AtomicU64,
+}
+
+/// Settings for the delivery thread.
+#[derive(Debug, Clone)]
+pub struct DeliveryConfig {
+    /// `mqtt.topic_prefix`.
+    pub topic_prefix: String,
+    /// `mqtt.inflight_window`.
+    pub window: usize,
+    /// `mqtt.max_payload_bytes`.
+    pub max_payload_bytes: usize,
+    /// `mqtt.max_packet_bytes`: the broker's limit on a whole PUBLISH.
+    pub max_packet_bytes: usize,
+    /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
+    /// disconnects in a row is marked FAILED.
+    pub fail_after_disconnects: u32,
+    /// `mqtt.protocol`: what a PUBLISH carries beyond topic and payload.
+    pub protocol: crate::mqtt::Protocol,
+    /// `mqtt.min_share_pct`: the starvation bound of [`crate::delivery::lanes`].
+    pub min_share_pct: u8,
+    /// Streams with `live_first = true` ([`crate::delivery::lanes`]).
+    pub live_streams: HashSet<String>,
+    /// Batched streams and their batching ([`crate::event::batching`]).
+    pub batching: HashMap<String, crate::event::stream::BatchSpec>,
+    /// `mqtt.retire_on`: on the PUBACK, or on a receipt ([`receipts`]).
+    pub retire_on: crate::mqtt::RetireOn,
+    /// `mqtt.receipt_timeout_secs`.
+    pub receipt_timeout: Duration,
+    /// `mqtt.receipt_window`.
+    pub receipt_window: usize,
+    /// The commit window in force (`spool.commit_window_ms`, or the one a
+    /// write budget chose): delivery records wait at most this long for
+    /// their commit, so acknowledgements cost at most one commit per window
+    /// (issue 23: a fixed 1 s cadence of their own was most of the flash
+    /// writes at a 10 s window).
+    pub record_window: crate::flash::write_budget::SharedWindow,
+}
+
+/// With nothing to record, look at the spool this often even without a
+/// message (a safety net: every change that makes rows sendable sends one).
+const IDLE_POLL: Duration = Duration::from_secs(10);
+
+/// Uncommitted retirements past which no new row is offered (a full disk:
+/// acknowledgements would pile up in memory). Twice [`RECORD_BATCH`].
+const MAX_UNRECORDED: usize = 2 * RECORD_BATCH;
+
+/// Group commit for delivery records: commit when this many retirements are
+/// waiting, or when the oldest record has waited the commit window
+/// ([`DeliveryConfig::record_window`]). A record is one small page (the
+/// acknowledged mark), so this is at most one commit per window, and at 100
+/// readings a second a 60 s window (the widest `spool.commit_window_ms`)
+/// still fits one batch. A crash (SIGKILL, power cut) loses the records not
+/// yet committed: at most one window of acknowledgements (and at most this
+/// many), whose rows are then re-sent with the same event id and bytes
+/// (duplicates, never loss); a clean stop commits them. Attempt marks are
+/// one number (the highest row submitted), not counted here.
+pub const RECORD_BATCH: usize = 8192;
+
+/// The shortest wait of delivery records for their group commit: a
+/// window narrower than this (the default `spool.commit_window_ms` is 200
+/// ms) would commit acknowledgements more often than the 1 s they were
+/// committed at before windows applied to them, for more flash writes and
+/// no fewer duplicates worth having (a crash re-sends them, never loses
+/// them).
+const MIN_RECORD_INTERVAL: Duration = Duration::from_millis(1000);
+
+/// The delivery loop. Returns when `stop` is set, after committing the
+/// retirements it has received.
+pub fn run(
+    mut spool: Spool,
+    cfg: DeliveryConfig,
+    link: Link,
+    rx: Receiver<DeliveryMsg>,
+    stop: Arc<AtomicBool>,
+    stats: Arc<DeliveryStats>,
+) {
+    let mut d = Delivery::new(cfg, link, stats);
+    while !stop.load(Ordering::Relaxed) {
+        d.stats.heartbeat.beat();
+        // Event-driven: the MQTT thread, ingest and the agent's stop send
+        // messages; the only timer is the group commit of delivery records
+        // (and a slow safety poll).
+        let mut wait = match d.waiting_since {
+            Some(t) => d.record_interval().saturating_sub(t.elapsed()),
+            None => IDLE_POLL,
+        };
+        if let Some(due) = d.batcher.next_due() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
+        if let Some(due) = d.expire_receipts() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
+        match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
+            Ok(msg) => d.handle(msg, &mut spool),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        while let Ok(msg) = rx.try_recv() {
+            d.handle(msg, &mut spool);
+        }
+        d.collect();
+        d.fail_refused(&mut spool);
+        d.fill(&mut spool);
+        d.maybe_flush(&mut spool);
+    }
+    // Acks already received are committed before exit; nothing else is.
+    d.collect();
+    d.fail_refused(&mut spool);
+    d.flush(&mut spool);
+}
+
+struct Delivery {
+    cfg: DeliveryConfig,
+    /// Receipt mode's bookkeeping; `None` when rows retire on the PUBACK.
+    receipts: Option<ReceiptMode>,
+    /// Rows a connection of this run refused ([`defer`]).
+    deferred: defer::Deferred,
+    link: Link,
+    epoch: u64,
+    /// Rows read from the spool in this epoch, not yet offered, by priority.
+    lanes: Lanes,
+    /// Rows of batched streams waiting for their batch to fill.
+    batcher: Batcher,
+    /// Topic per stream, built once.
+    topics: HashMap<String, Arc<str>>,
+    to_retire: Vec<i64>,
+    /// `to_retire` as a set, to skip those rows when reading ahead.
+    retiring: HashSet<i64>,
+    to_mark: Vec<i64>,
+    /// When the oldest uncommitted delivery record was queued.
+    waiting_since: Option<Instant>,
+    stats: Arc<DeliveryStats>,
+    last_error_log: Option<Instant>,
+    /// The row alone in flight at the last quick disconnects, and how many in a row.
+    suspect: Option<(i64, u32)>,
+    /// Whole-packet size of each row offered in this epoch and not yet
+    /// acknowledged (at most the ready queue plus the window).
+    offered_size: HashMap<i64, usize>,
+    /// The largest PUBLISH the broker has acknowledged in this run.
+    largest_acked: usize,
+    /// A packet size the broker dropped the connection on, learned from a
+    /// row FAILED after quick disconnects while larger than any packet it
+    /// acknowledged: rows at least this large fail at once instead of
+    /// costing `fail_after_disconnects` reconnects each.
+    learned_limit: Option<usize>,
+    /// Sending one row at a time to find a row the broker refuses; acks
+    /// counted since.
+    probing: Option<usize>,
+}
+
+impl Delivery {
+    /// The delivery thread's state for `cfg`: nothing read, nothing offered.
+    fn new(cfg: DeliveryConfig, link: Link, stats: Arc<DeliveryStats>) -> Delivery {
+        let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
+        let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
+        let receipts = (cfg.retire_on == crate::mqtt::RetireOn::Receipt)
+            .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
+        Delivery {
+            receipts,
+            deferred: Default::default(),
+            batcher,
+            cfg,
+            link,
+            epoch: 0,
+            lanes,
+            topics: HashMap::new(),
+            to_retire: Vec::new(),
+            retiring: HashSet::new(),
+            to_mark: Vec::new(),
+            waiting_since: None,
+            stats,
+            last_error_log: None,
+            suspect: None,
+            offered_size: HashMap::new(),
+            largest_acked: 0,
+            learned_limit: None,
+            probing: None,
+        }
+    }
+
+    fn handle(&mut self, msg: DeliveryMsg, spool: &mut Spool) {
+        match msg {
+            DeliveryMsg::Lost {
+                epoch,
+                rows,
+                reason,
+                quick,
+                watchdog,
+            } => {
+                // Acks received before the loss are real: commit them first.
+                self.collect();
+                self.fail_refused(spool);
+                self.flush(spool);
+                if watchdog {
+                    if let Err(e) = spool.count(WATCHDOG_REBUILDS, 1) {
+                        self.log_error("count a watchdog rebuild", &e);
+                    }
+                }
+                if quick {
+                    self.suspect_row(spool, &rows);
+                } else {
+                    self.suspect = None;
+                }
+                self.stats
+                    .requeued
+                    .fetch_add(rows.len() as u64, Ordering::Relaxed);
+                log::debug!(
+                    "delivery: epoch {epoch}: {} rows back to replay ({reason})",
+                    rows.len()
+                );
+                self.epoch = epoch;
+                self.deferrals_expire();
+                // Replay from the oldest unacknowledged row, in order (I7).
+                self.lanes.reset();
+                self.batcher.clear();
+                self.offered_size.clear();
+                self.receipts_lost();
+            }
+            DeliveryMsg::Connected { .. } => match spool.newest_id() {
+                Ok(newest) => self.lanes.connected(newest),
+                Err(e) => self.log_error("read the newest row id", &e),
+            },
+            DeliveryMsg::Requeued => {
+                if self.learned_limit.take().is_some() {
+                    log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
+                }
+            }
+            DeliveryMsg::Receipt(payload) => {
+                // The PUBACKs the poller thread took before this receipt come
+                // first: a receipt for a row whose PUBACK still waits in the
+                // link would match nothing, and the row would wait out its
+                // timeout for a receipt that already came (again after
+                // every re-send, with a sink quicker than this thread).
+                self.collect();
+                self.on_receipt(&payload);
+            }
+            DeliveryMsg::Receipts { available, why } => {
+                self.on_receipts_availability(available, why);
+            }
+            DeliveryMsg::Progress | DeliveryMsg::NewRows | DeliveryMsg::Stop => {}
+        }
+    }
+
+    /// A publish the broker answers by closing the connection never gets a
+    /// PUBACK, and each replay would start with it again: after a quick
+    /// disconnect (within a keep-alive of CONNACK, no PUBACK, closed by the
+    /// peer) with several rows in flight, rows go one at a time; a row alone
+    /// in flight at `fail_after_disconnects` quick disconnects in a row goes
+    /// FAILED, so the rows behind it flow. Never a guess between rows.
+    fn suspect_row(&mut self, spool: &mut Spool, in_flight: &[i64]) {
+        let row = match in_flight {
+            [] => return,
+            [one] => *one,
+            _ => {
+                if let Some(cap) = self.batcher.quick_loss(in_flight, self.largest_acked) {
+                    log::warn!("delivery: the connection dropped with a batch larger than any packet the broker acknowledged in flight: batches now at most {cap} bytes per PUBLISH; set mqtt.max_packet_bytes to the broker's limit");
+                }
+                if self.probing.is_none() {
+                    log::warn!("delivery: connections drop soon after CONNACK with rows in flight; sending one row at a time to find a row the broker refuses");
+                    self.link.probe(true);
+                    self.probing = Some(0);
+                }
+                self.suspect = None;
+                return;
+            }
+        };
+        let n = match self.suspect {
+            Some((r, n)) if r == row => n + 1,
+            _ => 1,
+        };
+        self.suspect = Some((row, n));
+        if n < self.cfg.fail_after_disconnects {
+            return;
+        }
+        self.suspect = None;
+        let oldest = row;
+        let why = format!(
+            "the connection dropped {n} times in a row with this row the oldest in flight (larger than the broker accepts? denied? see the broker's log)"
+        );
+        self.fail(spool, oldest, &format!("row {oldest}"), &why, "disconnects");
+        self.learn_limit(self.offered_size.get(&oldest).copied());
+    }
+
+    /// After a row alone in flight cost the connection: if its packet was
+    /// larger than every packet the broker acknowledged, its size is taken
+    /// as the broker's limit (3.1.1 has no other way to learn it) until a
+    /// packet that large is acknowledged.
+    fn learn_limit(&mut self, size: Option<usize>) {
+        let Some(size) = size.filter(|&s| s > self.largest_acked) else {
+            return;
+        };
+        if self.learned_limit.is_some_and(|l| l <= size) {
+            return;
+        }
+        self.learned_limit = Some(size);
+        log::warn!(
+            "delivery: the broker dropped the connection on a {size}-byte PUBLISH (the largest it acknowledged is {} bytes): rows of {size} bytes or more now go FAILED at once; set mqtt.max_packet_bytes to the broker's limit",
+            self.largest_acked
+        );
+    }
+
+    /// Move what the MQTT side submitted and saw acknowledged into the
+    /// pending delivery records.
+    fn collect(&mut self) {
+        let (sent, acked) = self.link.take_progress();
+        if sent.is_empty() && acked.is_empty() {
+            return;
+        }
+        if self.suspect.is_some_and(|(row, _)| acked.contains(&row)) {
+            self.suspect = None;
+        }
+        for row in &acked {
+            if let Some(size) = self.offered_size.remove(row) {
+                self.largest_acked = self.largest_acked.max(size);
+            }
+            self.forget_deferral(*row);
+        }
+        if self.learned_limit.is_some_and(|l| self.largest_acked >= l) {
+            log::info!("delivery: the broker acknowledged a packet as large as the learned limit; forgetting it");
+            self.learned_limit = None;
+        }
+        if let Some(n) = self.probing.as_mut() {
+            *n += acked.len();
+            if *n >= 2 * self.cfg.window {
+                log::info!("delivery: rows flow again; back to the full in-flight window");
+                self.link.probe(false);
+                self.probing = None;
+            }
+        }
+        self.stats
+            .submitted
+            .fetch_add(sent.len() as u64, Ordering::Relaxed);
+        // Only the highest row ever submitted is recorded (the SENT mark).
+        if let Some(high) = sent.iter().chain(self.to_mark.iter()).copied().max() {
+            self.to_mark = vec![high];
+        }
+        let retire = self.after_pubacks(acked);
+        self.retiring.extend(retire.iter().copied());
+        self.to_retire.extend(retire);
+        self.waiting_since.get_or_insert_with(Instant::now);
+    }
+
+    fn log_error(&mut self, what: &str, e: &SpoolError) {
+        let quiet = self
+            .last_error_log
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(30));
+        if !quiet {
+            log::error!("delivery: {what}: {e} (will retry; repeats are logged every 30 s)");
+            self.last_error_log = Some(Instant::now());
+        }
+    }
+
+    /// How long delivery records wait for their group commit: the commit
+    /// window, but never under [`MIN_RECORD_INTERVAL`].
+    fn record_interval(&self) -> Duration {
+        self.cfg.record_window.get().max(MIN_RECORD_INTERVAL)
+    }
+
+    fn maybe_flush(&mut self, spool: &mut Spool) {
+        let window = self.record_interval();
+        let due = self.to_retire.len() >= RECORD_BATCH
+            || self.waiting_since.is_some_and(|t| t.elapsed() >= window);
+        if due {
+            self.flush(spool);
+        }
+    }
+
+    /// Commit pending attempt marks and retirements in one transaction. On an
+    /// error the ids stay queued and are retried; nothing is dropped.
+    fn flush(&mut self, spool: &mut Spool) {
+        if self.to_retire.is_empty() && self.to_mark.is_empty() {
+            self.waiting_since = None;
+            return;
+        }
+        match spool.record_delivery(&self.to_mark, &self.to_retire) {
+            Ok(n) => {
+                self.stats.retired.fetch_add(n as u64, Ordering::Relaxed);
+                self.to_retire.clear();
+                self.retiring.clear();
+                self.to_mark.clear();
+                self.waiting_since = None;
+            }
+            Err(e) => self.log_error("recording deliveries", &e),
+        }
+    }
+
+    /// Keep the ready queue at two windows' worth, reading ahead from the
+    /// spool, highest priority first ([`crate::delivery::lanes`]).
+    fn fill(&mut self, spool: &mut Spool) {
+        // While delivery records cannot be committed (a full disk), send
+        // nothing new: acknowledgements would pile up in memory.
+        if !self.link.connected() || self.to_retire.len() > MAX_UNRECORDED {
+            return;
+        }
+        let target = 2 * self.cfg.window;
+        let mut room = target.saturating_sub(self.link.ready_len());
+        let mut batch = self.resend_ready(spool);
+        room = room.saturating_sub(batch.len());
+        if self.receipts_full() {
+            room = 0;
+        }
+        if let Err(e) = self.lanes.refill(spool) {
+            self.log_error("read sendable rows", &e);
+            return;
+        }
+        // The limits hold for the whole fill (a CONNACK or a dropped
+        // connection changes them, never a row offered): looked up once,
+        // not per row (the broker's limit is behind the shared lock).
+        let limits = self.packet_limit();
+        // Rows offered beyond the book of offers could not be matched to
+        // their receipt (receipt mode): none is taken past it.
+        while room > 0 && !self.offers_full() {
+            let row = match self.lanes.pick() {
+                Some(row) => row,
+                None => {
+                    // The read-ahead ran dry within this fill (a backlog
+                    // larger than it): read on.
+                    if let Err(e) = self.lanes.refill(spool) {
+                        self.log_error("read sendable rows", &e);
+                        break;
+                    }
+                    match self.lanes.pick() {
+                        Some(row) => row,
+                        None => break,
+                    }
+                }
+            };
+            if self.retiring.contains(&row.id)
+                || self.awaits_receipt(row.id)
+                || self.deferred_now(row.id)
+            {
+                continue; // acknowledged (not yet committed), waiting for its receipt, or refused on this connection
+            }
+            let Some((topic, size)) = self.admit(spool, &row, limits) else {
+                continue;
+            };
+            self.note_offered(&row);
+            // While probing for a refused row, rows go one by one.
+            match self
+                .batcher
+                .spec(&row.stream)
+                .filter(|_| self.probing.is_none())
+            {
+                Some(spec) => {
+                    let limit = self.batch_limit(&row.stream, limits.0);
+                    for r in self.batcher.add(row, spec, limit) {
+                        self.note_size(&r);
+                        batch.push(r);
+                        room = room.saturating_sub(1);
+                    }
+                }
+                None => {
+                    if self.offered_size.len() < 4 * crate::mqtt::ackmap::MAX_WINDOW {
+                        self.offered_size.insert(row.id, size);
+                    }
+                    batch.push(Ready {
+                        row: row.id,
+                        topic,
+                        payload: row.payload,
+                        event_id: row.event_id,
+                        members: Vec::new(),
+                    });
+                    room -= 1;
+                }
+            }
+        }
+        for r in self.batcher.due(Instant::now()) {
+            self.note_size(&r);
+            batch.push(r);
+        }
+        if batch.is_empty() {
+            return;
+        }
+        if self.link.offer(self.epoch, batch).is_err() {
+            // Stale epoch: a Lost message is on its way and resets the read-ahead.
+            self.lanes.reset();
+        }
+    }
+
+    /// Whether `row` may be sent: its digest holds and it fits the payload
+    /// and packet limits as a single PUBLISH. Returns its single-event
+    /// topic and packet size; a row that may not is marked FAILED (and the
+    /// rows behind it flow).
+    /// `limits`: [`Delivery::packet_limit`].
+    fn admit(
+        &mut self,
+        spool: &mut Spool,
+        row: &OutRow,
+        (limit, whose): (usize, &'static str),
+    ) -> Option<(Arc<str>, usize)> {
+        if !row.digest_ok() {
+            let why = "payload does not match its stored digest";
+            self.fail(spool, row.id, &row.event_id, why, "digest_mismatch");
+            return None;
+        }
+        if row.payload.len() > self.cfg.max_payload_bytes {
+            let why = format!(
+                "payload of {} bytes exceeds mqtt.max_payload_bytes {}",
+                row.payload.len(),
+                self.cfg.max_payload_bytes
+            );
+            self.fail(spool, row.id, &row.event_id, &why, "oversized");
+            return None;
+        }
+        let topic = self.topic(&row.stream);
+        let extra = crate::mqtt::publish_extra(self.cfg.protocol, true);
+        if let Some(why) = packet_too_large(&topic, row.payload.len(), extra, limit, whose) {
+            if limit < self.cfg.max_packet_bytes {
+                // The broker's CONNACK limit: this connection's word, judged
+                // again on the next one.
+                self.defer(spool, (row.id, &row.event_id), &why, "packet_too_large");
+            } else {
+                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            }
+            return None;
+        }
+        let size = publish_packet_size(topic.len(), row.payload.len() + extra);
+        if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
+            let why = format!(
+                "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
+            );
+            self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            return None;
+        }
+        Some((topic, size))
+    }
+
+    /// The single-event topic of `stream` (built once per stream).
+    fn topic(&mut self, stream: &str) -> Arc<str> {
+        if let Some(t) = self.topics.get(stream) {
+            return t.clone();
+        }
+        let t: Arc<str> = Arc::from(format!("{}/events/{stream}", self.cfg.topic_prefix));
+        self.topics.insert(stream.to_owned(), t.clone());
+        t
+    }
+
+    /// The whole-packet limit in force and whose it is.
+    fn packet_limit(&self) -> (usize, &'static str) {
+        match self.link.broker_max_packet() {
+            Some(m) if m < self.cfg.max_packet_bytes => {
+                (m, "the broker's maximum packet size (CONNACK)")
+            }
+            _ => (self.cfg.max_packet_bytes, "mqtt.max_packet_bytes"),
+        }
+    }
+
+    /// The largest uncompressed batch payload of `stream` that fits
+    /// `mqtt.max_payload_bytes` and the packet limit (with a learned limit
+    /// below it, under that too). `packet`: the limit of
+    /// [`Delivery::packet_limit`].
+    fn batch_limit(&self, stream: &str, mut packet: usize) -> usize {
+        if let Some(l) = self.learned_limit {
+            packet = packet.min(l.saturating_sub(1));
+        }
+        if let Some(c) = self.batcher.cap() {
+            packet = packet.min(c);
+        }
+        // Fixed header and Remaining Length: at most 5 bytes.
+        let overhead = publish_packet_size(self.batcher.topic_len(stream), 0)
+            + crate::mqtt::publish_extra(self.cfg.protocol, false)
+            + 4;
+        let limit = self
+            .cfg
+            .max_payload_bytes
+            .min(packet.saturating_sub(overhead));
+        // Incompressible bytes grow a little in a frame (LZ4 worst case
+        // about 0.4% plus its 19-byte header and end mark; zstd's raw
+        // blocks 3 bytes per 128 KiB plus an 18-byte header): keep room.
+        match self.batcher.spec(stream).map(|s| s.compression) {
+            Some(crate::event::stream::Compression::None) | None => limit,
+            Some(_) => limit.saturating_sub(limit / 128 + 64),
+        }
+    }
+
+    /// Remember the packet size of an offered publish (for a limit learned
+    /// from a dropped connection).
+    fn note_size(&mut self, r: &Ready) {
+        let extra = crate::mqtt::publish_extra(self.cfg.protocol, r.members.is_empty());
+        let size = publish_packet_size(r.topic.len(), r.payload.len() + extra);
+        if !r.members.is_empty() {
+            self.batcher.offered(r.row, size);
+        }
+        if self.offered_size.len() < 4 * crate::mqtt::ackmap::MAX_WINDOW {
+            self.offered_size.insert(r.row, size);
+        }
+    }
+
+    /// Defer the rows whose PUBACK refused them (MQTT 5 reason code 0x80
+    /// or more) to the next connection; refused on
+    /// `mqtt.fail_after_disconnects` connections, they go FAILED, counted
+    /// per reason as `events_failed_puback_<reason>` ([`defer`]). The
+    /// broker took the publish and said no, so it is not delivered.
+    fn fail_refused(&mut self, spool: &mut Spool) {
+        for (row, r) in self.link.take_refused() {
+            self.forget_offered(row);
+            self.defer(
+                spool,
+                (row, &format!("in row {row}")),
+                &r.to_string(),
+                &format!("puback_{}", r.name),
+            );
+        }
+    }
+
+    /// Mark one row FAILED (kept, shown by `status`, counted as
+    /// `events_failed_<counter>`); the rows behind it flow.
+    fn fail(&mut self, spool: &mut Spool, id: i64, event_id: &str, why: &str, counter: &str) {
+        log::error!("delivery: event {event_id} marked FAILED: {why}");
+        match spool.mark_failed(id, why, counter) {
+            Ok(()) => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => self.log_error("mark failed", &e),
+        }
+    }
+}
+
+/// Why a row cannot be sent under the broker's whole-packet limit, if it
+/// cannot: the QoS 1 PUBLISH carrying `payload_len` bytes on `topic` is
+/// larger than `max_packet_bytes` (MQTT 3.1.1 §2.2, §3.3; see
+/// [`crate::mqtt::publish_packet_size`]). A broker drops the connection on
+/// such a packet (3.1.1 has no way to refuse one publish), so it must never
+/// leave.
+fn packet_too_large(
+    topic: &str,
+    payload_len: usize,
+    extra: usize,
+    max_packet_bytes: usize,
+    whose: &str,
+) -> Option<String> {
+    let size = crate::mqtt::publish_packet_size(topic.len(), payload_len + extra);
+    (size > max_packet_bytes).then(|| {
+        format!(
+            "PUBLISH packet of {size} bytes (payload {payload_len} bytes on {topic}) exceeds {whose} {max_packet_bytes}"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A link to a broker that is never connected, and a receipt-mode
+    /// delivery state on it (10 s timeout).
+    fn receipt_delivery() -> Delivery {
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mcfg = crate::mqtt::MqttConfig {
+            topic_prefix: "t/dev".into(),
+            max_packet_bytes: crate::mqtt::PROTOCOL_MAX_PACKET,
+            retire_on: crate::mqtt::RetireOn::Receipt,
+            receipt_timeout: Duration::from_secs(10),
+            receipt_window: 100,
+            ..crate::mqtt::settings::test_config()
+        };
+        let (link, _thread) = crate::mqtt::new(mcfg, tx, Arc::new(AtomicBool::new(false)), None);
+        let cfg = DeliveryConfig {
+            topic_prefix: "t/dev".into(),
+            window: 16,
+            max_payload_bytes: 1024,
+            max_packet_bytes: crate::mqtt::PROTOCOL_MAX_PACKET,
+            fail_after_disconnects: 3,
+            protocol: crate::mqtt::Protocol::V5,
+            min_share_pct: 10,
+            live_streams: HashSet::new(),
+            batching: HashMap::new(),
+            retire_on: crate::mqtt::RetireOn::Receipt,
+            receipt_timeout: Duration::from_secs(10),
+            receipt_window: 100,
+            record_window: crate::flash::write_budget::SharedWindow::new(Duration::from_millis(
+                200,
+            )),
+        };
+        Delivery::new(cfg, link, Arc::new(DeliveryStats::default()))
+    }
+
+    #[test]
+    fn a_receipt_right_behind_its_rows_puback_retires_the_row() {
+        // Found end to end (tests/it/receipts_e2e.rs): the MQTT thread takes
+        // a row's PUBACK, then its receipt; the delivery thread handled the
+        // receipt before taking the PUBACK, matched nothing, and the row
+        // waited out its timeout for a receipt that had come.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut spool = Spool::open(&dir.path().join("s.db"), &Default::default()).expect("spool");
+        let mut d = receipt_delivery();
+        let id = "0123abcd-0000-4000-8000-00000000000a";
+        let payload = b"{}".to_vec();
+        let row = OutRow {
+            id: 7,
+            event_id: id.to_owned(),
+            stream: "s".to_owned(),
+            digest: Some(<sha2::Sha256 as sha2::Digest>::digest(&payload).into()),
+            payload,
+            prio: 0,
+        };
+        d.note_offered(&row);
+        d.link.acked_for_test(&[7]);
+        let receipt = crate::event::receipts::encode(&[("s", id)]).remove(0);
+        d.handle(DeliveryMsg::Receipt(receipt), &mut spool);
+        assert_eq!(d.to_retire, vec![7], "the receipt did not retire its row");
+        assert_eq!(d.stats.receipt_unmatched.load(Ordering::Relaxed), 0);
+        assert!(!d.awaits_receipt(7));
+    }
+
+    #[test]
+    fn offers_stop_at_the_book_of_offers_and_a_refused_row_frees_its_place() {
+        // Found by the wire bench: with batches of 50, rows offered past a
+        // fixed cap of 2,024 were not remembered, and each such row was sent
+        // again alone after its PUBACK (batched drains in receipt mode ran
+        // at a tenth of puback mode). Now nothing is offered past the cap.
+        let mut d = receipt_delivery();
+        let cap = 100 + crate::event::stream::MAX_BATCH_EVENTS;
+        let row = |id: i64| OutRow {
+            id,
+            event_id: format!("0123abcd-0000-4000-8000-{id:012}"),
+            stream: "s".to_owned(),
+            digest: None,
+            payload: Vec::new(),
+            prio: 0,
+        };
+        for id in 1..cap as i64 {
+            d.note_offered(&row(id));
+        }
+        assert!(!d.offers_full(), "full one row early");
+        d.note_offered(&row(cap as i64));
+        assert!(d.offers_full());
+        d.forget_offered(3);
+        assert!(!d.offers_full(), "a refused row kept its place");
+        // Once PUBACKed, offered rows move to the book of waiting rows.
+        d.link.acked_for_test(&[1, 2]);
+        d.collect();
+        assert!(d.awaits_receipt(1) && d.awaits_receipt(2));
+    }
+
+    #[test]
+    fn a_packet_over_the_limit_is_named_with_its_size_and_the_limit() {
+        // 1 + 2 + (2 + 10 + 2 + 1000) = 1017 bytes on the wire.
+        let topic = "p/events/s";
+        assert_eq!(
+            packet_too_large(topic, 1000, 0, 1017, "mqtt.max_packet_bytes"),
+            None
+        );
+        let why = packet_too_large(topic, 1000, 0, 1016, "mqtt.max_packet_bytes").expect("over");
+        assert_eq!(
+            why,
+            "PUBLISH packet of 1017 bytes (payload 1000 bytes on p/events/s) exceeds mqtt.max_packet_bytes 1016"
+        );
+    }
+}

@@ -1,0 +1,366 @@
+//! Receipt mode in the delivery thread (`mqtt.retire_on = "receipt"`): a
+//! PUBACKed row waits in [`crate::delivery::awaiting::Awaiting`] until a receipt from
+//! the fleet's sink names its event id; only then is it retired. A row whose
+//! receipt has not come within `mqtt.receipt_timeout_secs` of its PUBACK is
+//! read again from the spool and published again, with the same event id
+//! and bytes.
+//!
+//! Its one rule: **in receipt mode a PUBACK retires nothing**; only a
+//! receipt naming a waiting row's own stream and event id does, or, while
+//! the broker refuses the receipts subscription, the PUBACK again (the
+//! fallback, reported by health). After a restart the waiting rows are
+//! simply unacknowledged rows of the spool: they are sent again and the
+//! sink receipts the duplicates.
+
+use super::Delivery;
+use crate::delivery::awaiting::Awaiting;
+use crate::mqtt::Ready;
+use crate::spool::{OutRow, Spool};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Rows read again for a missing receipt per fill, at most.
+const RESEND_BATCH: usize = 256;
+
+/// When each row delivered and not yet stored was first PUBACKed: unlike
+/// the book's own times it survives the row being sent again, so a row
+/// the fleet never stores ages (the health rule), oldest first.
+#[derive(Debug, Default)]
+struct FirstPubacks {
+    at: HashMap<i64, Instant>,
+    order: BTreeSet<(Instant, i64)>,
+    cap: usize,
+}
+
+impl FirstPubacks {
+    /// Noted at most `cap` rows (beyond that the age is a lower bound).
+    fn new(cap: usize) -> FirstPubacks {
+        FirstPubacks {
+            cap,
+            ..FirstPubacks::default()
+        }
+    }
+
+    /// `row` was PUBACKed at `now`; a row already noted keeps its time.
+    fn note(&mut self, row: i64, now: Instant) {
+        if self.at.len() >= self.cap || self.at.contains_key(&row) {
+            return;
+        }
+        self.at.insert(row, now);
+        self.order.insert((now, row));
+    }
+
+    /// `rows` are stored (retired).
+    fn forget(&mut self, rows: &[i64]) {
+        for row in rows {
+            if let Some(t) = self.at.remove(row) {
+                self.order.remove(&(t, *row));
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.at.len()
+    }
+
+    fn oldest_age(&self, now: Instant) -> Option<Duration> {
+        self.order
+            .first()
+            .map(|(t, _)| now.saturating_duration_since(*t))
+    }
+}
+
+/// What the delivery thread keeps in receipt mode.
+#[derive(Debug)]
+pub(super) struct ReceiptMode {
+    awaiting: Awaiting,
+    timeout: Duration,
+    /// Stream and event id of each row offered in this epoch and not yet
+    /// PUBACKed (what a waiting row is matched by), at most `offer_cap`.
+    offered: HashMap<i64, (Arc<str>, String)>,
+    offer_cap: usize,
+    /// Streams' names, shared by their rows.
+    names: HashMap<String, Arc<str>>,
+    /// Rows to publish again, in row order.
+    resend: Vec<i64>,
+    /// Rows published again in this epoch and not yet PUBACKed: the lanes
+    /// skip them (they are out of the lanes' order, and once in flight).
+    resent: std::collections::HashSet<i64>,
+    /// Why the broker refused the receipts subscription, while it does:
+    /// rows are retired on their PUBACK meanwhile.
+    fallback: Option<String>,
+    last_malformed_log: Option<Instant>,
+    /// Rows delivered and not yet stored, by their first PUBACK.
+    first: FirstPubacks,
+}
+
+impl ReceiptMode {
+    /// Receipt mode with at most `window` rows waiting, each for `timeout`,
+    /// and at most `window` plus one largest batch offered and not yet
+    /// PUBACKed.
+    pub(super) fn new(window: usize, timeout: Duration) -> ReceiptMode {
+        ReceiptMode {
+            awaiting: Awaiting::new(window),
+            timeout,
+            offered: HashMap::new(),
+            offer_cap: window.max(1) + crate::event::stream::MAX_BATCH_EVENTS,
+            names: HashMap::new(),
+            resend: Vec::new(),
+            resent: std::collections::HashSet::new(),
+            fallback: None,
+            last_malformed_log: None,
+            first: FirstPubacks::new(4 * window.max(1)),
+        }
+    }
+}
+
+impl Delivery {
+    /// Whether the lanes must not offer `row`: it waits for its receipt,
+    /// or it was published again for a missing one and is in flight.
+    pub(super) fn awaits_receipt(&self, row: i64) -> bool {
+        self.receipts
+            .as_ref()
+            .is_some_and(|r| r.awaiting.contains(row) || r.resent.contains(&row))
+    }
+
+    /// Whether no new row may be offered: the book of rows waiting for a
+    /// receipt is full (rows to send again still go).
+    pub(super) fn receipts_full(&self) -> bool {
+        self.receipts
+            .as_ref()
+            .is_some_and(|r| r.fallback.is_none() && r.awaiting.is_full())
+    }
+
+    /// Whether no new row may be offered because the book of rows offered
+    /// and not yet PUBACKed is at its cap: a row offered beyond it could
+    /// not be matched to its receipt and would be sent again.
+    pub(super) fn offers_full(&self) -> bool {
+        self.receipts
+            .as_ref()
+            .is_some_and(|r| r.fallback.is_none() && r.offered.len() >= r.offer_cap)
+    }
+
+    /// Remember `row`'s stream and event id as it is offered (not beyond
+    /// the cap: such a row is sent again after its PUBACK).
+    pub(super) fn note_offered(&mut self, row: &OutRow) {
+        let Some(r) = self.receipts.as_mut() else {
+            return;
+        };
+        if r.offered.len() >= r.offer_cap {
+            return;
+        }
+        let stream = r
+            .names
+            .entry(row.stream.clone())
+            .or_insert_with(|| Arc::from(row.stream.as_str()))
+            .clone();
+        r.offered.insert(row.id, (stream, row.event_id.clone()));
+    }
+
+    /// `row` was refused by its PUBACK: no receipt is to come for this
+    /// offer (it is offered again on another connection).
+    pub(super) fn forget_offered(&mut self, row: i64) {
+        if let Some(r) = self.receipts.as_mut() {
+            r.offered.remove(&row);
+        }
+    }
+
+    /// The rows `acked` PUBACKs acknowledged: those to retire now (all of
+    /// them without receipt mode, or in its fallback); in receipt mode they
+    /// wait for their receipt instead.
+    pub(super) fn after_pubacks(&mut self, acked: Vec<i64>) -> Vec<i64> {
+        let Some(r) = self.receipts.as_mut() else {
+            return acked;
+        };
+        if r.fallback.is_some() {
+            for row in &acked {
+                r.offered.remove(row);
+            }
+            r.first.forget(&acked);
+            return acked;
+        }
+        let now = Instant::now();
+        for row in acked {
+            r.first.note(row, now);
+            r.resent.remove(&row);
+            match r.offered.remove(&row) {
+                Some((stream, id)) => r.awaiting.delivered(row, stream, id, now),
+                // Not remembered (the book of offers overflowed): sent
+                // again later rather than retired without its receipt.
+                None => r.resend.push(row),
+            }
+        }
+        self.publish_receipt_stats();
+        Vec::new()
+    }
+
+    /// A receipt arrived: the waiting rows it names are retired.
+    pub(super) fn on_receipt(&mut self, payload: &[u8]) {
+        self.link.took_receipt();
+        let Some(r) = self.receipts.as_mut() else {
+            return;
+        };
+        let s = &self.stats;
+        match crate::event::receipts::parse(payload) {
+            Ok(receipt) => {
+                let m = r.awaiting.receipt(&receipt);
+                s.receipts.fetch_add(1, Ordering::Relaxed);
+                s.receipt_unmatched
+                    .fetch_add(m.unmatched as u64, Ordering::Relaxed);
+                s.last_receipt_ms.store(
+                    crate::event::envelope::wall_clock_ms().0.max(0) as u64,
+                    Ordering::Relaxed,
+                );
+                // A retired row may have been read ahead while it waited:
+                // it must not be offered again from there.
+                self.lanes.discard(&m.rows.iter().copied().collect());
+                r.first.forget(&m.rows);
+                self.retiring.extend(m.rows.iter().copied());
+                self.to_retire.extend(m.rows);
+                self.waiting_since.get_or_insert_with(Instant::now);
+            }
+            Err(e) => {
+                s.receipts_malformed.fetch_add(1, Ordering::Relaxed);
+                let quiet = r
+                    .last_malformed_log
+                    .is_some_and(|t| t.elapsed() < Duration::from_secs(30));
+                if !quiet {
+                    log::warn!("delivery: {e}; it retires nothing (repeats are logged every 30 s)");
+                    r.last_malformed_log = Some(Instant::now());
+                }
+            }
+        }
+        self.publish_receipt_stats();
+    }
+
+    /// The broker granted or refused the receipts subscription. Refused:
+    /// every waiting row is retired on the PUBACK it already had, and so
+    /// are the rows after it, until a connection is granted it again.
+    pub(super) fn on_receipts_availability(&mut self, available: bool, why: Option<String>) {
+        let Some(r) = self.receipts.as_mut() else {
+            return;
+        };
+        if available {
+            if r.fallback.take().is_some() {
+                log::info!("delivery: receipts can arrive again; rows wait for their receipt");
+            }
+        } else {
+            let why = why.unwrap_or_else(|| "the receipts subscription was refused".into());
+            let rows = r.awaiting.drain();
+            log::error!(
+                "delivery: {why}; retiring {} rows on their PUBACK instead (health degraded)",
+                rows.len()
+            );
+            r.fallback = Some(why);
+            r.first.forget(&rows);
+            self.lanes.discard(&rows.iter().copied().collect());
+            self.retiring.extend(rows.iter().copied());
+            self.to_retire.extend(rows);
+            self.waiting_since.get_or_insert_with(Instant::now);
+        }
+        self.stats
+            .receipts_unavailable
+            .store(u64::from(!available), Ordering::Relaxed);
+        self.publish_receipt_stats();
+    }
+
+    /// Rows whose receipt did not come in time join the rows to send again;
+    /// returns when the next one is due, if any waits.
+    pub(super) fn expire_receipts(&mut self) -> Option<Instant> {
+        let r = self.receipts.as_mut()?;
+        let now = Instant::now();
+        let expired = r.awaiting.expired(now, r.timeout);
+        if !expired.is_empty() {
+            log::warn!(
+                "delivery: no receipt for {} rows within {} s of their PUBACK; sending them again",
+                expired.len(),
+                r.timeout.as_secs()
+            );
+            r.resend.extend(expired);
+            r.resend.sort_unstable();
+            r.resend.dedup();
+        }
+        let next = r
+            .awaiting
+            .oldest_age(now)
+            .map(|age| now + r.timeout.saturating_sub(age));
+        self.publish_receipt_stats();
+        next
+    }
+
+    /// The rows to send again, read from the spool (at most
+    /// [`RESEND_BATCH`] a call), as single publishes.
+    pub(super) fn resend_ready(&mut self, spool: &mut Spool) -> Vec<Ready> {
+        let ids: Vec<i64> = match self.receipts.as_mut() {
+            Some(r) if !r.resend.is_empty() => {
+                let n = r.resend.len().min(RESEND_BATCH);
+                r.resend.drain(..n).collect()
+            }
+            _ => return Vec::new(),
+        };
+        let rows = match spool.unresolved_rows(&ids) {
+            Ok(rows) => rows,
+            Err(e) => {
+                self.log_error("read rows to send again", &e);
+                if let Some(r) = self.receipts.as_mut() {
+                    r.resend.splice(0..0, ids);
+                }
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::with_capacity(rows.len());
+        let limits = self.packet_limit();
+        for row in rows {
+            if self.retiring.contains(&row.id) {
+                continue;
+            }
+            let Some((topic, _)) = self.admit(spool, &row, limits) else {
+                continue;
+            };
+            self.note_offered(&row);
+            if let Some(r) = self.receipts.as_mut() {
+                r.resent.insert(row.id);
+            }
+            out.push(Ready {
+                row: row.id,
+                topic,
+                payload: row.payload,
+                event_id: row.event_id,
+                members: Vec::new(),
+            });
+        }
+        self.stats
+            .resent_for_receipt
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// A lost connection: what was offered on it is no longer in flight
+    /// (its rows are read again by the lanes, those to send again for a
+    /// missing receipt too); the waiting rows keep waiting.
+    pub(super) fn receipts_lost(&mut self) {
+        if let Some(r) = self.receipts.as_mut() {
+            // The lanes read every unacknowledged row that does not wait
+            // again: rows to send again, or in flight again, among them.
+            r.offered.clear();
+            r.resend.clear();
+            r.resent.clear();
+        }
+    }
+
+    /// The waiting rows' gauges, for status and the metrics.
+    fn publish_receipt_stats(&mut self) {
+        let Some(r) = self.receipts.as_mut() else {
+            return;
+        };
+        let s = &self.stats;
+        // Delivered and not yet stored: waiting in the book, or sent again.
+        s.awaiting_receipt
+            .store(r.first.len() as u64, Ordering::Relaxed);
+        let age = r.first.oldest_age(Instant::now());
+        s.oldest_awaiting_ms
+            .store(age.map_or(0, |a| a.as_millis() as u64), Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,15 @@
+//! Thin wrappers over Linux: child processes with bounds, filesystem
+//! guards (lock file, local filesystem, hostile directories), systemd's
+//! notification socket, bounded thread joins, capped backoff and the
+//! board's identity.
+//!
+//! Its one rule: **each wrapper says what the OS said.** An errno becomes a
+//! named error kind with its source cited; no policy of the agent lives
+//! here. Imports only [`crate::event`].
+
+pub mod backoff;
+pub mod fsguard;
+pub mod identity;
+pub mod notify;
+pub mod process;
+pub mod threads;
