@@ -15,9 +15,11 @@
 #![no_main]
 
 use edgespool::event::envelope::{self, Envelope, EventId, Format};
-use edgespool::source::bridge::payload::{MAX_KEY_BYTES, MAX_NAME_BYTES};
-use edgespool::source::bridge::{decode, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD};
 use edgespool::event::reading::FieldValue;
+use edgespool::source::bridge::payload::{MAX_KEY_BYTES, MAX_NAME_BYTES};
+use edgespool::source::bridge::{
+    decode, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD,
+};
 use libfuzzer_sys::fuzz_target;
 use std::collections::HashSet;
 
@@ -26,7 +28,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let (topic, payload) = match rest.iter().position(|b| *b == 0) {
-        Some(i) => (String::from_utf8_lossy(&rest[..i]).into_owned(), &rest[i + 1..]),
+        Some(i) => (
+            String::from_utf8_lossy(&rest[..i]).into_owned(),
+            &rest[i + 1..],
+        ),
         None => ("plant/x".to_owned(), rest),
     };
     let settings = PayloadSettings {
@@ -53,7 +58,10 @@ fuzz_target!(|data: &[u8]| {
     assert!(d.fields.len() >= 2, "a reading with no field of its own");
     let mut names = HashSet::new();
     for (name, value) in &d.fields {
-        assert!(!name.is_empty() && name.len() <= MAX_NAME_BYTES, "name {name:?}");
+        assert!(
+            !name.is_empty() && name.len() <= MAX_NAME_BYTES,
+            "name {name:?}"
+        );
         // The ingest socket's field-name rule: no NUL, newline or space.
         assert!(
             name == TOPIC_FIELD || edgespool::event::reading::field_name_ok(name, MAX_NAME_BYTES),

@@ -16,11 +16,11 @@
 //! For a line that is refused: the reply line is one JSON object on one line.
 #![no_main]
 
-use edgespool::ingest::{IngestConfig, IngestStream};
-use edgespool::ingest::request::{error_line, MAX_KEY_BYTES, MAX_TEXT_BYTES, MAX_TS_MS};
-use edgespool::ingest::{parse_request, Request};
 use edgespool::event::reading::FieldValue;
 use edgespool::event::stream::{Durability, StreamSettings};
+use edgespool::ingest::request::{error_line, MAX_KEY_BYTES, MAX_TEXT_BYTES, MAX_TS_MS};
+use edgespool::ingest::{parse_request, Request};
+use edgespool::ingest::{IngestConfig, IngestStream};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
@@ -55,7 +55,10 @@ fuzz_target!(|data: &[u8]| {
         }
         Err(e) => {
             let line = error_line(&e.to_string());
-            assert!(line.ends_with('\n') && line.matches('\n').count() == 1, "{line:?}");
+            assert!(
+                line.ends_with('\n') && line.matches('\n').count() == 1,
+                "{line:?}"
+            );
             let v: Value = serde_json::from_str(&line).expect("the reply is JSON");
             assert_eq!(v["ok"], false);
         }
@@ -64,7 +67,10 @@ fuzz_target!(|data: &[u8]| {
 
 fn check(req: &Request, cfg: &IngestConfig, data: &[u8]) {
     let name = &req.stream.name;
-    assert!(!name.starts_with('_') && !name.is_empty() && name.len() <= 64, "{name:?}");
+    assert!(
+        !name.starts_with('_') && !name.is_empty() && name.len() <= 64,
+        "{name:?}"
+    );
     assert!(edgespool::event::stream::stream_name_ok(name));
     assert_eq!(cfg.stream(name).as_ref(), Some(&req.stream));
     assert!(!req.fields.is_empty() && req.fields.len() <= cfg.max_fields);
@@ -81,7 +87,9 @@ fn check(req: &Request, cfg: &IngestConfig, data: &[u8]) {
         }
     }
     if let Some(k) = &req.key {
-        assert!(!k.is_empty() && k.len() <= MAX_KEY_BYTES && k.bytes().all(|b| b.is_ascii_graphic()));
+        assert!(
+            !k.is_empty() && k.len() <= MAX_KEY_BYTES && k.bytes().all(|b| b.is_ascii_graphic())
+        );
     }
     assert!((0..=MAX_TS_MS).contains(&req.ts_ms));
     let has_ts = serde_json::from_slice::<Value>(data.strip_suffix(b"\r").unwrap_or(data))

@@ -16,8 +16,8 @@
 #![no_main]
 
 use edgespool::config::{self, Config};
-use edgespool::push::policy;
 use edgespool::push;
+use edgespool::push::policy;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 

@@ -17,8 +17,8 @@
 //! - a bounded number of calls ends a trace that does not repeat.
 #![no_main]
 
-use edgespool::source::replay::{Replay, ReplaySpec, TRACE_TS_FIELD};
 use edgespool::event::reading::FieldValue;
+use edgespool::source::replay::{Replay, ReplaySpec, TRACE_TS_FIELD};
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use std::time::Instant;

@@ -12,8 +12,8 @@
 #![no_main]
 
 use edgespool::event::envelope::{self, Envelope, EventId, Format};
-use edgespool::sink::envelope_identity;
 use edgespool::event::reading::{FieldValue, Fields};
+use edgespool::sink::envelope_identity;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

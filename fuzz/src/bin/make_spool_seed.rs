@@ -50,7 +50,10 @@ fn make(path: &Path) {
                 ("load1".to_owned(), FieldValue::Num(0.25 * i as f64)),
                 ("ok".to_owned(), FieldValue::Bool(true)),
             ],
-            replay: None, key: None, reply: None, })
+            replay: None,
+            key: None,
+            reply: None,
+        })
         .collect();
     spool
         .append(
