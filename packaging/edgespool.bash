@@ -3,14 +3,14 @@
 _edgespool() {
     local cur prev words cword
     _init_completion || return
-    local cmds="run check-config test status probe-storage export sink help --version --help"
+    local cmds="run check-config test status probe-storage export sink keygen help --version --help"
     if [ "$cword" -eq 1 ]; then
         COMPREPLY=($(compgen -W "$cmds" -- "$cur"))
         return
     fi
     # Options that take a value: complete the value, not an option.
     case "$prev" in
-        --config|-c|--spool|--to|--db|--password-file|--pg-password-file|--pg-ca|--pg-cert|--pg-key)
+        --config|-c|--spool|--to|--out|--db|--password-file|--pg-password-file|--pg-ca|--pg-cert|--pg-key)
             _filedir
             return ;;
         --dir)
@@ -28,8 +28,9 @@ _edgespool() {
         probe-storage) opts="--config --dir --json --help" ;;
         export) opts="--config --spool --to --help" ;;
         sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --stats --json --help" ;;
+        keygen) opts="--out --help" ;;
         help)
-            [ "$cword" -eq 2 ] && COMPREPLY=($(compgen -W "run check-config test status probe-storage export sink" -- "$cur"))
+            [ "$cword" -eq 2 ] && COMPREPLY=($(compgen -W "run check-config test status probe-storage export sink keygen" -- "$cur"))
             return ;;
     esac
     if [[ "$cur" != -* ]] && [[ "${words[1]}" == check-config || "${words[1]}" == test ]]; then

@@ -20,6 +20,7 @@ fn main() -> ExitCode {
             "probe-storage" => cli::probe_storage::main(&mut line),
             "export" => cli::export::main(&mut line),
             "sink" => cli::sink::main(&mut line),
+            "keygen" => cli::keygen::main(&mut line),
             "help" => cli::help::main(&mut line),
             other => cli::unknown(other),
         },

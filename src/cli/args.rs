@@ -50,6 +50,7 @@ pub struct Args {
     pub username: Option<String>,
     pub password_file: Option<PathBuf>,
     pub to: Option<PathBuf>,
+    pub out: Option<PathBuf>,
 }
 
 /// Reads the rest of the line for `cmd`. `Ok(None)`: `-h` or `--help` was
@@ -140,6 +141,7 @@ impl Args {
             Flag::PasswordFile => self.password_file = Some(v.into()),
             Flag::Stats => self.stats = true,
             Flag::To => self.to = Some(v.into()),
+            Flag::Out => self.out = Some(v.into()),
         }
         Ok(())
     }

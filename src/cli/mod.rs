@@ -15,6 +15,7 @@ pub mod check_config;
 mod docs_check;
 pub mod export;
 pub mod help;
+pub mod keygen;
 pub mod probe_storage;
 pub mod report;
 pub mod run;

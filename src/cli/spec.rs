@@ -32,6 +32,7 @@ pub enum Flag {
     PasswordFile,
     Stats,
     To,
+    Out,
 }
 
 /// One option of one command.
@@ -124,7 +125,7 @@ const SPOOL: Opt = opt(
 const JSON: Opt = opt(Flag::Json, "json", None, "print JSON instead of text");
 
 /// Every command, in the order the overview lists them.
-pub static COMMANDS: [&Command; 7] = [
+pub static COMMANDS: [&Command; 8] = [
     &RUN,
     &CHECK_CONFIG,
     &TEST,
@@ -132,6 +133,7 @@ pub static COMMANDS: [&Command; 7] = [
     &PROBE_STORAGE,
     &EXPORT,
     &SINK,
+    &KEYGEN,
 ];
 
 /// `edgespool run`.
@@ -273,6 +275,21 @@ pub static SINK: Command = Command {
             JSON,
         ],
         example: "sink --config /etc/edgespool/sink-fleet.toml",
+};
+
+/// `edgespool keygen`.
+pub static KEYGEN: Command = Command {
+    name: "keygen",
+    about: "write a new Ed25519 private key (mode 0600) and print its public key",
+    usage: &["keygen --out FILE"],
+    operand: None,
+    opts: &[opt(
+        Flag::Out,
+        "out",
+        Some("FILE"),
+        "the new private key (PEM, PKCS#8); FILE.pub gets the public key",
+    )],
+    example: "keygen --out /etc/edgespool/receipt.key",
 };
 
 /// `help` itself: not in [`COMMANDS`] (it has no options), but listed.

@@ -11,4 +11,5 @@ pub mod envelope;
 pub mod hex;
 pub mod reading;
 pub mod receipts;
+pub mod signature;
 pub mod stream;

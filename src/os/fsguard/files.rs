@@ -120,6 +120,68 @@ pub fn read_trusted(path: &Path) -> Result<Option<Vec<u8>>, Distrust> {
     Ok(Some(bytes))
 }
 
+/// Largest secret [`read_secret`] reads: 64 KiB (a password, a PEM key).
+pub const MAX_SECRET_BYTES: u64 = 64 * 1024;
+
+/// Why a secret (a password file, a private key) is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    /// There is no such file.
+    #[error("no such file")]
+    Missing,
+    /// Not believed as ours ([`trusted`]: a symlink, not a regular file,
+    /// another owner, writable by others, too large, unreadable).
+    #[error("{0}")]
+    Distrust(Distrust),
+    /// Group or others may read it: the secret is not secret.
+    #[error("it is readable by group or others (mode {mode:o}); run chmod 600 on it")]
+    Readable {
+        /// The permission bits.
+        mode: u32,
+    },
+}
+
+/// Read a secret whole: opened `O_NOFOLLOW` (a symlink planted to
+/// `/etc/shadow` is never followed), believed only as [`trusted`] says,
+/// and only with no group or other permission bits (mode 0600 or 0400,
+/// as ssh and libpq ask of their keys).
+///
+/// Errors: [`SecretError`], naming the rule broken; the caller names the
+/// path and the option it came from.
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, SecretError> {
+    let f = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Err(SecretError::Missing),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(SecretError::Distrust(Distrust::Symlink))
+        }
+        Err(e) => return Err(SecretError::Distrust(Distrust::Unreadable(e.to_string()))),
+    };
+    let m = f
+        .metadata()
+        .map_err(|e| SecretError::Distrust(Distrust::Unreadable(e.to_string())))?;
+    trusted(&m).map_err(SecretError::Distrust)?;
+    if m.mode() & 0o077 != 0 {
+        return Err(SecretError::Readable {
+            mode: m.mode() & 0o7777,
+        });
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_SECRET_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| SecretError::Distrust(Distrust::Unreadable(e.to_string())))?;
+    if bytes.len() as u64 > MAX_SECRET_BYTES {
+        return Err(SecretError::Distrust(Distrust::TooLarge {
+            bytes: bytes.len() as u64,
+        }));
+    }
+    Ok(bytes)
+}
+
 /// Create `path` as a new file of the agent's with `mode` (narrowed by the
 /// umask): `O_CREAT | O_EXCL | O_NOFOLLOW`, so an existing name (a planted
 /// symlink or file) is an error, never opened.
@@ -241,6 +303,41 @@ mod tests {
 
     fn chmod(p: &Path, mode: u32) {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn a_secret_is_read_only_from_a_private_regular_file_never_through_a_symlink() {
+        let d = tempfile::tempdir().unwrap();
+        let key = d.path().join("key");
+        std::fs::write(&key, b"s3cret").unwrap();
+        chmod(&key, 0o600);
+        assert_eq!(read_secret(&key).unwrap(), b"s3cret");
+        chmod(&key, 0o640);
+        assert_eq!(
+            read_secret(&key),
+            Err(SecretError::Readable { mode: 0o640 })
+        );
+        let msg = read_secret(&key).unwrap_err().to_string();
+        assert!(
+            msg.contains("mode 640") && msg.contains("chmod 600"),
+            "{msg}"
+        );
+        chmod(&key, 0o604);
+        assert!(matches!(
+            read_secret(&key),
+            Err(SecretError::Readable { .. })
+        ));
+        chmod(&key, 0o600);
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&key, &link).unwrap();
+        assert_eq!(
+            read_secret(&link),
+            Err(SecretError::Distrust(Distrust::Symlink))
+        );
+        assert_eq!(
+            read_secret(&d.path().join("none")),
+            Err(SecretError::Missing)
+        );
     }
 
     #[test]
