@@ -7,7 +7,7 @@
 #   DEMO_SECS=0 cross/demo.sh  run until Ctrl-C
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cross/setup-debian.sh
+cross/setup-debian.sh --demo
 cargo build --release
 bin="${CARGO_TARGET_DIR:-target}/release/edgespool"
 cfg=board-configs/local-demo.toml

@@ -397,3 +397,49 @@ fn the_checks_catch_a_broken_link_and_a_missing_key() {
     let (_, unknown) = key_mismatches("`spool.pth` and `sources.1.follow`", &accepted);
     assert_eq!(unknown, vec!["docs/config.md:1: `spool.pth`".to_owned()]);
 }
+
+/// Issue 36: the demo sets up what the demo needs and nothing of the test
+/// stack; the test command installs the rest. Read from the set-up script
+/// itself (`SETUP_LIST=1` prints a mode's packages and installs nothing).
+#[test]
+fn the_demo_installs_only_what_the_demo_needs() {
+    let list = |mode: &[&str]| -> BTreeSet<String> {
+        let out = std::process::Command::new(root().join("cross/setup-debian.sh"))
+            .args(mode)
+            .env("SETUP_LIST", "1")
+            .output()
+            .expect("run cross/setup-debian.sh");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    let demo = list(&["--demo"]);
+    let want: BTreeSet<String> = ["gcc", "libc6-dev", "mosquitto", "mosquitto-clients"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(demo, want, "the demo's packages");
+    let tests = list(&[]);
+    for p in ["postgresql", "prometheus", "faketime", "strace", "nodejs"] {
+        assert!(tests.contains(p), "the test stack installs {p}");
+        assert!(!demo.contains(p), "the demo does not install {p}");
+    }
+    let demo_sh = std::fs::read_to_string(root().join("cross/demo.sh")).expect("demo.sh");
+    assert!(
+        demo_sh
+            .lines()
+            .any(|l| l.trim() == "cross/setup-debian.sh --demo"),
+        "cross/demo.sh sets up with --demo"
+    );
+    // No command of the README starts (or enables) a system service.
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README");
+    for bad in [
+        "systemctl start",
+        "systemctl enable",
+        "service mosquitto start",
+    ] {
+        assert!(!readme.contains(bad), "README.md runs `{bad}`");
+    }
+}
