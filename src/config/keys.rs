@@ -9,12 +9,17 @@
 //! `deserialize_struct`), an array with one element (`[N]`), a map with one
 //! entry (`<name>`), and records the path of each value that is not a table.
 //! An array or map of plain values (`args`, `env`, `columns`) is one key.
+//! `[[sources]]` is the exception: an entry is read by its kind
+//! ([`super::raw::source_keys`] lists the keys of every kind).
 
-use super::raw::RawConfig;
+use super::raw::{source_keys, RawConfig};
 use serde::de::value::{Error, StrDeserializer};
 use serde::de::{DeserializeSeed, Deserializer, IntoDeserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use std::cell::RefCell;
+
+/// The array of tables whose entries are read by kind.
+const SOURCES: &str = "sources";
 
 /// Every accepted key, sorted. `[N]` stands for an entry of an array of
 /// tables, `<name>` for a key of the operator's choosing.
@@ -27,6 +32,7 @@ pub fn accepted_keys() -> Vec<String> {
     };
     RawConfig::deserialize(walker).expect("the config's own definitions walk");
     let mut keys = out.into_inner();
+    keys.extend(source_keys().iter().map(|k| format!("{SOURCES}[N].{k}")));
     keys.sort();
     keys.dedup();
     keys
@@ -124,9 +130,10 @@ impl<'de> Deserializer<'de> for Walker<'_> {
     }
 
     fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
-        visitor.visit_seq(One {
-            walker: Some(self.element("[N]")),
-        })
+        // A source is read by its kind (raw::source), which no one walk can
+        // take every kind of: its keys are listed from there instead.
+        let walker = (self.path != SOURCES).then(|| self.element("[N]"));
+        visitor.visit_seq(One { walker })
     }
 
     fn deserialize_tuple<V: Visitor<'de>>(

@@ -12,6 +12,7 @@ pub mod file;
 mod keys;
 mod raw;
 mod read;
+mod suggest;
 mod validate;
 
 pub use keys::accepted_keys;

@@ -1,7 +1,8 @@
 //! TOML text → [`RawConfig`]: `--set` overrides, deserialization with the
 //! key path, line and did-you-mean of a problem (field case F16).
 
-use super::raw::RawConfig;
+use super::raw::{split_keyed, RawConfig};
+use super::suggest::unknown_key;
 use super::{ConfigError, Problem};
 
 pub(super) fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) -> ConfigError {
@@ -33,51 +34,53 @@ pub(super) fn deserialize(
         single(origin, "(syntax)", line, e.message().trim())
     })?;
     serde_path_to_error::deserialize(de).map_err(|e| {
-        let inner = e.inner();
-        let line = if with_lines {
-            line_of(text, inner.span().map(|s| s.start))
-        } else {
-            None
-        };
-        let msg = inner.message().trim().to_owned();
-        let mut key = path_string(e.path());
-        // serde_path_to_error already ends the path with the unknown key;
-        // make sure it is there even if a future version stops at the table.
-        let msg = match unknown_field(&msg) {
-            Some((field, expected)) => {
-                if key.is_empty() {
-                    key = field.clone();
-                } else if !key.ends_with(&field) {
-                    key = format!("{key}.{field}");
-                }
-                match did_you_mean(&field, &expected) {
-                    Some(s) => format!(
-                        "unknown key; did you mean `{s}`? (known keys: {})",
-                        expected.join(", ")
-                    ),
-                    None => format!("unknown key (known keys: {})", expected.join(", ")),
-                }
-            }
-            None => {
-                if let Some(field) = msg
-                    .strip_prefix("missing field `")
-                    .and_then(|r| r.split_once('`'))
-                    .map(|(f, _)| f.to_owned())
-                {
-                    key = if key.is_empty() {
-                        field
-                    } else {
-                        format!("{key}.{field}")
-                    };
-                    "required key is missing".to_owned()
-                } else {
-                    msg
-                }
-            }
-        };
-        single(origin, &key, line, &msg)
+        let (key, line, msg) = refusal(&e, text);
+        single(origin, &key, line.filter(|_| with_lines), &msg)
     })
 }
+
+/// The key path, line and message of a deserialization error: serde's
+/// "unknown field" and "missing field" reworded with the key in the path,
+/// and a source's refusal ([`split_keyed`]) with its key joined to the
+/// entry's path and the line where that key is written.
+fn refusal(
+    e: &serde_path_to_error::Error<toml::de::Error>,
+    text: &str,
+) -> (String, Option<usize>, String) {
+    let inner = e.inner();
+    let line = line_of(text, inner.span().map(|s| s.start));
+    let msg = inner.message().trim();
+    let key = path_string(e.path());
+    if let Some((within, msg)) = split_keyed(msg) {
+        // The line of the entry's own key (`columns` for `columns.x`): the
+        // error's span is the whole entry's.
+        let top = within.split(['.', '[']).next().unwrap_or(within);
+        let line = locate(text, &format!("{key}.{top}")).or(line);
+        return (format!("{key}.{within}"), line, msg.to_owned());
+    }
+    // serde_path_to_error already ends the path with the unknown key;
+    // make sure it is there even if a future version stops at the table.
+    if let Some((field, expected)) = unknown_field(msg) {
+        let msg = unknown_key(&field, "", &expected);
+        let key = match key {
+            k if k.is_empty() => field,
+            k if k.ends_with(&field) => k,
+            k => format!("{k}.{field}"),
+        };
+        return (key, line, msg);
+    }
+    match msg
+        .strip_prefix("missing field `")
+        .and_then(|r| r.split_once('`'))
+    {
+        Some((field, _)) if key.is_empty() => (field.to_owned(), line, MISSING.to_owned()),
+        Some((field, _)) => (format!("{key}.{field}"), line, MISSING.to_owned()),
+        None => (key, line, msg.to_owned()),
+    }
+}
+
+/// The message of a required key that is not written.
+const MISSING: &str = "required key is missing";
 
 /// The line (1-based) where `key` (`a.b`, `sources[2].c`, `device_id`) is
 /// written in `text`, found by following table headers. `None` when the key
@@ -156,30 +159,6 @@ pub(super) fn unknown_field(msg: &str) -> Option<(String, Vec<String>)> {
         .map(|(_, s)| s.to_owned())
         .collect();
     Some((field.to_owned(), expected))
-}
-
-/// The closest known key within a small edit distance, if any.
-pub(super) fn did_you_mean(got: &str, known: &[String]) -> Option<String> {
-    known
-        .iter()
-        .map(|k| (edit_distance(got, k), k))
-        .filter(|(d, k)| *d <= 2.max(k.len() / 4))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, k)| k.clone())
-}
-
-pub(super) fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != *cb);
-            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 /// Set `key.path=value` in `table`. Path segments are table keys or array

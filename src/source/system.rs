@@ -105,19 +105,7 @@ pub(super) fn sample_at(
         push_num(&mut out, "uptime_secs", up);
     }
 
-    match fs_space(spool_dir) {
-        Ok((free, total)) => {
-            push_num(&mut out, "spool_fs_free_bytes", free as f64);
-            push_num(&mut out, "spool_fs_total_bytes", total as f64);
-        }
-        Err(source) => note(
-            &mut first_err,
-            SourceError::Io {
-                path: spool_dir.to_path_buf(),
-                source,
-            },
-        ),
-    }
+    spool_fs_fields(spool_dir, &mut out, &mut first_err);
 
     if let Some(devs) = read_parsed(
         &proc_dir.join("net/dev"),
@@ -125,29 +113,7 @@ pub(super) fn sample_at(
         |t| Some(parse_net_dev(t)),
         &mut first_err,
     ) {
-        // Two names can sanitize to the same field; the first one wins so
-        // that field names stay unique within a sample.
-        let mut seen = HashSet::new();
-        for dev in devs.into_iter().filter(|d| d.name != "lo") {
-            let iface = sanitize(&dev.name);
-            if !seen.insert(iface.clone()) {
-                log::debug!(
-                    "network interface {:?} clashes with another as {iface:?}; skipped",
-                    dev.name
-                );
-                continue;
-            }
-            push_num(
-                &mut out,
-                &format!("net_{iface}_rx_bytes"),
-                dev.rx_bytes as f64,
-            );
-            push_num(
-                &mut out,
-                &format!("net_{iface}_tx_bytes"),
-                dev.tx_bytes as f64,
-            );
-        }
+        net_dev_fields(devs, &mut out);
     }
 
     thermal_fields(root, &mut out);
@@ -277,6 +243,43 @@ pub(crate) fn sanitize(name: &str) -> String {
             }
         })
         .collect()
+}
+
+/// Free and total bytes of the spool's filesystem; a failed statvfs(2) is
+/// noted in `first_err`.
+fn spool_fs_fields(spool_dir: &Path, out: &mut Fields, first_err: &mut Option<SourceError>) {
+    match fs_space(spool_dir) {
+        Ok((free, total)) => {
+            push_num(out, "spool_fs_free_bytes", free as f64);
+            push_num(out, "spool_fs_total_bytes", total as f64);
+        }
+        Err(source) => note(
+            first_err,
+            SourceError::Io {
+                path: spool_dir.to_path_buf(),
+                source,
+            },
+        ),
+    }
+}
+
+/// Bytes received and sent by each interface but `lo`, named after it.
+fn net_dev_fields(devs: Vec<NetDev>, out: &mut Fields) {
+    // Two names can sanitize to the same field; the first one wins so
+    // that field names stay unique within a sample.
+    let mut seen = HashSet::new();
+    for dev in devs.into_iter().filter(|d| d.name != "lo") {
+        let iface = sanitize(&dev.name);
+        if !seen.insert(iface.clone()) {
+            log::debug!(
+                "network interface {:?} clashes with another as {iface:?}; skipped",
+                dev.name
+            );
+            continue;
+        }
+        push_num(out, &format!("net_{iface}_rx_bytes"), dev.rx_bytes as f64);
+        push_num(out, &format!("net_{iface}_tx_bytes"), dev.tx_bytes as f64);
+    }
 }
 
 fn thermal_fields(root: &Path, out: &mut Fields) {

@@ -1,6 +1,7 @@
 //! `[commands]` validation: the bounds of the command channel and
 //! `[commands.config_push]`. Handlers are in `handlers.rs`.
 
+use super::bounds::{check_range, Bounds};
 use super::TEN_YEARS_SECS;
 use crate::config::raw::{RawCommands, RawConfigPush};
 use crate::config::ConfigPush;
@@ -10,60 +11,42 @@ use std::time::Duration;
 /// records, queue, rates, operator scopes, and a `default_ttl_secs` within
 /// the retention.
 pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, String)) {
-    if !(256..=1024 * 1024).contains(&rc.max_payload_bytes) {
-        bad(
-            "commands.max_payload_bytes",
-            format!("must be 256..=1048576 (got {})", rc.max_payload_bytes),
-        );
-    }
-    if rc.record_retention_secs > TEN_YEARS_SECS {
-        bad(
-            "commands.record_retention_secs",
-            format!(
-                "must be at most {TEN_YEARS_SECS} (got {})",
-                rc.record_retention_secs
-            ),
-        );
-    }
-    if rc.record_retention_secs < 3600 {
-        bad(
-            "commands.record_retention_secs",
-            format!(
-                "must be at least 3600, longer than any redelivery window (got {})",
-                rc.record_retention_secs
-            ),
-        );
-    }
-    if !(1000..=1_000_000).contains(&rc.max_records) {
-        bad(
-            "commands.max_records",
-            format!("must be 1000..=1000000 (got {})", rc.max_records),
-        );
-    }
-    if !(1..=10_000).contains(&rc.max_queued) {
-        bad(
-            "commands.max_queued",
-            format!("must be 1..=10000 (got {})", rc.max_queued),
-        );
-    }
-    if !(1..=60_000).contains(&rc.max_per_minute_per_scope) {
-        bad(
-            "commands.max_per_minute_per_scope",
-            format!("must be 1..=60000 (got {})", rc.max_per_minute_per_scope),
-        );
-    }
-    if !(1..=600_000).contains(&rc.max_per_minute) {
-        bad(
-            "commands.max_per_minute",
-            format!("must be 1..=600000 (got {})", rc.max_per_minute),
-        );
-    }
-    if !(1..=600_000).contains(&rc.max_answers_per_minute) {
-        bad(
-            "commands.max_answers_per_minute",
-            format!("must be 1..=600000 (got {})", rc.max_answers_per_minute),
-        );
-    }
+    check_range(
+        "commands.max_payload_bytes",
+        rc.max_payload_bytes,
+        256..=1024 * 1024,
+        bad,
+    );
+    let retention = rc.record_retention_secs;
+    let key = "commands.record_retention_secs";
+    check_range(key, retention, Bounds::at_most(TEN_YEARS_SECS), bad);
+    let redelivery = Bounds::at_least(3600).note(", longer than any redelivery window");
+    check_range(key, retention, redelivery, bad);
+    check_range(
+        "commands.max_records",
+        rc.max_records,
+        1000..=1_000_000,
+        bad,
+    );
+    check_range("commands.max_queued", rc.max_queued, 1..=10_000, bad);
+    check_range(
+        "commands.max_per_minute_per_scope",
+        rc.max_per_minute_per_scope,
+        1..=60_000,
+        bad,
+    );
+    check_range(
+        "commands.max_per_minute",
+        rc.max_per_minute,
+        1..=600_000,
+        bad,
+    );
+    check_range(
+        "commands.max_answers_per_minute",
+        rc.max_answers_per_minute,
+        1..=600_000,
+        bad,
+    );
     check_operator_scopes(&rc.operator_scopes, bad);
     if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
         // A command may still run only while its record is sure to exist:
@@ -123,12 +106,12 @@ pub(super) fn validate_push(raw: &RawConfigPush, bad: &mut impl FnMut(&str, Stri
             PushMode::Off
         }
     };
-    if !(5..=3600).contains(&raw.confirm_secs) {
-        bad(
-            "commands.config_push.confirm_secs",
-            format!("must be 5..=3600 (got {})", raw.confirm_secs),
-        );
-    }
+    check_range(
+        "commands.config_push.confirm_secs",
+        raw.confirm_secs,
+        5..=3600,
+        bad,
+    );
     let mut keys = Vec::new();
     for (i, k) in raw.public_keys.iter().enumerate() {
         match crate::event::hex::decode(k.trim()).and_then(|b| <[u8; 32]>::try_from(b).ok()) {

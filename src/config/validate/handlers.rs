@@ -3,6 +3,7 @@
 //! `env` and `user`/`group` checks serve exec sources too
 //! ([`check_env`], [`credentials`]).
 
+use super::bounds::{check_range, Bounds};
 use crate::commands::{ExecHandler, ParamKind, ParamSpec};
 use crate::config::raw::{default_cpu_secs, RawHandler, HANDLER_CWD};
 use crate::event::stream::topic_safe;
@@ -67,18 +68,13 @@ fn validate_handler(
             ),
         );
     }
-    if !(10..=3_600_000).contains(&h.timeout_ms) {
-        bad(
-            &k("timeout_ms"),
-            format!("must be 10..=3600000 (got {})", h.timeout_ms),
-        );
-    }
-    if !(16..=1024 * 1024).contains(&h.max_output_bytes) {
-        bad(
-            &k("max_output_bytes"),
-            format!("must be 16..=1048576 (got {})", h.max_output_bytes),
-        );
-    }
+    check_range(&k("timeout_ms"), h.timeout_ms, 10..=3_600_000, bad);
+    check_range(
+        &k("max_output_bytes"),
+        h.max_output_bytes,
+        16..=1024 * 1024,
+        bad,
+    );
     let params = validate_params(i, h, bad);
     for a in &h.args {
         for placeholder in placeholders(a) {
@@ -187,27 +183,17 @@ fn handler_limits(
 ) -> Limits {
     // The default follows the timeout, whose own range is checked above.
     let cpu_secs = h.cpu_secs.unwrap_or_else(|| default_cpu_secs(h.timeout_ms));
-    if h.cpu_secs.is_some() && !(1..=86_400).contains(&cpu_secs) {
-        bad(
-            &k("cpu_secs"),
-            format!("must be 1..=86400 seconds (got {cpu_secs})"),
-        );
+    if h.cpu_secs.is_some() {
+        let seconds = Bounds::from(1..=86_400).note(" seconds");
+        check_range(&k("cpu_secs"), cpu_secs, seconds, bad);
     }
-    if !(MIN_HANDLER_MEMORY..=MAX_HANDLER_MEMORY).contains(&h.max_memory_bytes) {
-        bad(
-            &k("max_memory_bytes"),
-            format!(
-                "must be {MIN_HANDLER_MEMORY}..={MAX_HANDLER_MEMORY} bytes (got {})",
-                h.max_memory_bytes
-            ),
-        );
-    }
-    if !(8..=1_048_576).contains(&h.max_open_files) {
-        bad(
-            &k("max_open_files"),
-            format!("must be 8..=1048576 (got {})", h.max_open_files),
-        );
-    }
+    check_range(
+        &k("max_memory_bytes"),
+        h.max_memory_bytes,
+        Bounds::from(MIN_HANDLER_MEMORY..=MAX_HANDLER_MEMORY).note(" bytes"),
+        bad,
+    );
+    check_range(&k("max_open_files"), h.max_open_files, 8..=1_048_576, bad);
     Limits {
         cpu_secs,
         max_memory_bytes: h.max_memory_bytes,

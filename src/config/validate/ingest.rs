@@ -1,5 +1,6 @@
 //! `[ingest]` validation: listeners, bounds and the streams clients may write.
 
+use super::bounds::check_range;
 use super::stream::stream_settings;
 use crate::config::raw::RawIngest;
 use crate::event::stream::{pattern_matches, stream_name_ok};
@@ -96,13 +97,10 @@ pub(super) fn validate_ingest(
 /// value out of range is named and the default kept).
 fn validate_bounds(raw: &RawIngest, cfg: &mut IngestConfig, bad: &mut impl FnMut(&str, String)) {
     let d = IngestConfig::default();
+    // A value out of range is named and the default kept.
     let mut range = |key: &str, got: Option<usize>, lo: usize, hi: usize, def: usize| match got {
-        Some(v) if !(lo..=hi).contains(&v) => {
-            bad(key, format!("must be {lo}..={hi} (got {v})"));
-            def
-        }
-        Some(v) => v,
-        None => def,
+        Some(v) if check_range(key, v, lo..=hi, bad) => v,
+        _ => def,
     };
     let max_line_bytes = range(
         "ingest.max_line_bytes",
@@ -179,7 +177,7 @@ fn validate_ingest_streams(
         }
         streams.push(IngestStream {
             name: rs.name.clone(),
-            settings: stream_settings(rs.stream(), &k, bad),
+            settings: stream_settings(rs, &k, bad),
         });
     }
     for (i, p) in raw.stream_patterns.iter().enumerate() {

@@ -3,6 +3,7 @@
 //! under `validate/`; this one wires them together in the order problems are
 //! reported and holds the rules several sections share.
 
+mod bounds;
 mod bridge;
 mod commands;
 mod handlers;
@@ -21,6 +22,7 @@ use super::raw::{RawAgent, RawConfig};
 use super::{AgentConfig, CommandsConfig, Config, ConfigError, Problem};
 use crate::event::stream::topic_safe;
 use crate::os::identity::{self, DeviceIdSource};
+use bounds::check_range;
 use std::time::Duration;
 
 /// Validate every section of `raw` (from `origin`, used in the error).
@@ -137,18 +139,18 @@ fn validate_device_id(raw: &str, bad: &mut impl FnMut(&str, String)) -> (String,
 /// `[agent]`: `summary_interval_secs` 1..=86400, `rate_window_secs`
 /// 2..=86400 (a rate needs two samples a second apart).
 fn validate_agent(raw: &RawAgent, bad: &mut impl FnMut(&str, String)) -> AgentConfig {
-    if !(1..=86_400).contains(&raw.summary_interval_secs) {
-        bad(
-            "agent.summary_interval_secs",
-            format!("must be 1..=86400 (got {})", raw.summary_interval_secs),
-        );
-    }
-    if !(2..=86_400).contains(&raw.rate_window_secs) {
-        bad(
-            "agent.rate_window_secs",
-            format!("must be 2..=86400 (got {})", raw.rate_window_secs),
-        );
-    }
+    check_range(
+        "agent.summary_interval_secs",
+        raw.summary_interval_secs,
+        1..=86_400,
+        bad,
+    );
+    check_range(
+        "agent.rate_window_secs",
+        raw.rate_window_secs,
+        2..=86_400,
+        bad,
+    );
     AgentConfig {
         summary_interval: Duration::from_secs(raw.summary_interval_secs),
         rate_window: Duration::from_secs(raw.rate_window_secs),

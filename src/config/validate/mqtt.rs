@@ -1,5 +1,6 @@
 //! `[mqtt]` validation: URL, TLS files, credentials, limits, protocol.
 
+use super::bounds::{check_range, Bounds};
 use super::parse_url;
 use crate::config::raw::RawMqtt;
 use crate::event::envelope::Format;
@@ -38,31 +39,7 @@ pub(super) fn validate_mqtt(
         }
         (None, None) => None,
     };
-    let client_id = m
-        .client_id
-        .clone()
-        .unwrap_or_else(|| format!("edgespool-{device_id}"));
-    if client_id.is_empty() || client_id.len() > 128 {
-        bad(
-            "mqtt.client_id",
-            format!("must be 1..=128 bytes (got {client_id:?})"),
-        );
-    }
-    let topic_prefix = m
-        .topic_prefix
-        .clone()
-        .unwrap_or_else(|| format!("edgespool/{device_id}"));
-    if topic_prefix.is_empty()
-        || topic_prefix.contains(['#', '+', '\0'])
-        || topic_prefix.starts_with('/')
-        || topic_prefix.ends_with('/')
-    {
-        bad("mqtt.topic_prefix", format!("must be a non-empty topic without wildcards or leading/trailing '/' (got {topic_prefix:?})"));
-    } else if topic_prefix.split('/').any(crate::sink::identity::reserved) {
-        // The sink reads the device from the level before `events` or
-        // `batches`: a prefix holding one would name no device there.
-        bad("mqtt.topic_prefix", format!("may not have a level named \"events\" or \"batches\": the fleet's sink reads the device id from the level before them (got {topic_prefix:?})"));
-    }
+    let (client_id, topic_prefix) = validate_names(m, device_id, bad);
     check_limits(m, bad);
     let protocol = match m.protocol.as_str() {
         "5" | "5.0" => Protocol::V5,
@@ -98,18 +75,13 @@ pub(super) fn validate_mqtt(
             RetireOn::Puback
         }
     };
-    if !(10..=86_400).contains(&m.receipt_timeout_secs) {
-        bad(
-            "mqtt.receipt_timeout_secs",
-            format!("must be 10..=86400 (got {})", m.receipt_timeout_secs),
-        );
-    }
-    if !(100..=100_000).contains(&m.receipt_window) {
-        bad(
-            "mqtt.receipt_window",
-            format!("must be 100..=100000 (got {})", m.receipt_window),
-        );
-    }
+    check_range(
+        "mqtt.receipt_timeout_secs",
+        m.receipt_timeout_secs,
+        10..=86_400,
+        bad,
+    );
+    check_range("mqtt.receipt_window", m.receipt_window, 100..=100_000, bad);
     MqttConfig {
         tls,
         credentials,
@@ -136,6 +108,42 @@ pub(super) fn validate_mqtt(
         receipt_timeout: Duration::from_secs(m.receipt_timeout_secs),
         receipt_window: m.receipt_window,
     }
+}
+
+/// `client_id` (default `edgespool-<device_id>`) 1..=128 bytes;
+/// `topic_prefix` (default `edgespool/<device_id>`) a topic without
+/// wildcards, outer `/` or a level the sink reserves. Returns both.
+fn validate_names(
+    m: &RawMqtt,
+    device_id: &str,
+    bad: &mut impl FnMut(&str, String),
+) -> (String, String) {
+    let client_id = m
+        .client_id
+        .clone()
+        .unwrap_or_else(|| format!("edgespool-{device_id}"));
+    if client_id.is_empty() || client_id.len() > 128 {
+        bad(
+            "mqtt.client_id",
+            format!("must be 1..=128 bytes (got {client_id:?})"),
+        );
+    }
+    let topic_prefix = m
+        .topic_prefix
+        .clone()
+        .unwrap_or_else(|| format!("edgespool/{device_id}"));
+    if topic_prefix.is_empty()
+        || topic_prefix.contains(['#', '+', '\0'])
+        || topic_prefix.starts_with('/')
+        || topic_prefix.ends_with('/')
+    {
+        bad("mqtt.topic_prefix", format!("must be a non-empty topic without wildcards or leading/trailing '/' (got {topic_prefix:?})"));
+    } else if topic_prefix.split('/').any(crate::sink::identity::reserved) {
+        // The sink reads the device from the level before `events` or
+        // `batches`: a prefix holding one would name no device there.
+        bad("mqtt.topic_prefix", format!("may not have a level named \"events\" or \"batches\": the fleet's sink reads the device id from the level before them (got {topic_prefix:?})"));
+    }
+    (client_id, topic_prefix)
 }
 
 /// The TLS files: with mqtts:// a CA, and client cert and key both or
@@ -194,51 +202,37 @@ fn validate_tls(
 
 /// Keep-alive, in-flight window, payload and packet size.
 fn check_limits(m: &RawMqtt, bad: &mut impl FnMut(&str, String)) {
-    if !(5..=3600).contains(&m.keep_alive_secs) {
-        bad(
-            "mqtt.keep_alive_secs",
-            format!("must be 5..=3600 (got {})", m.keep_alive_secs),
-        );
-    }
-    if m.min_share_pct > 50 {
-        bad(
-            "mqtt.min_share_pct",
-            format!("must be 0..=50 (got {})", m.min_share_pct),
-        );
-    }
-    if !(1..MAX_WINDOW).contains(&m.inflight_window) {
-        bad(
-            "mqtt.inflight_window",
-            format!("must be 1..={} (got {})", MAX_WINDOW - 1, m.inflight_window),
-        );
-    }
-    if !(1024..=256 * 1024 * 1024).contains(&m.max_payload_bytes) {
-        bad(
-            "mqtt.max_payload_bytes",
-            format!("must be 1024..=268435456 (got {})", m.max_payload_bytes),
-        );
-    }
-    if !(MIN_PACKET_BYTES..=crate::mqtt::PROTOCOL_MAX_PACKET).contains(&m.max_packet_bytes) {
-        bad(
-            "mqtt.max_packet_bytes",
-            format!(
-                "must be {MIN_PACKET_BYTES}..={} (got {})",
-                crate::mqtt::PROTOCOL_MAX_PACKET,
-                m.max_packet_bytes
-            ),
-        );
-    }
+    check_range("mqtt.keep_alive_secs", m.keep_alive_secs, 5..=3600, bad);
+    check_range("mqtt.min_share_pct", m.min_share_pct, 0..=50, bad);
+    check_range(
+        "mqtt.inflight_window",
+        m.inflight_window,
+        1..=MAX_WINDOW - 1,
+        bad,
+    );
+    check_range(
+        "mqtt.max_payload_bytes",
+        m.max_payload_bytes,
+        1024..=256 * 1024 * 1024,
+        bad,
+    );
+    check_range(
+        "mqtt.max_packet_bytes",
+        m.max_packet_bytes,
+        MIN_PACKET_BYTES..=crate::mqtt::PROTOCOL_MAX_PACKET,
+        bad,
+    );
 }
 
 /// Connect and acknowledgement timeouts, reconnect backoff, disconnects
 /// before failing.
 fn check_timing(m: &RawMqtt, bad: &mut impl FnMut(&str, String)) {
-    if !(1..=300).contains(&m.connect_timeout_secs) {
-        bad(
-            "mqtt.connect_timeout_secs",
-            format!("must be 1..=300 (got {})", m.connect_timeout_secs),
-        );
-    }
+    check_range(
+        "mqtt.connect_timeout_secs",
+        m.connect_timeout_secs,
+        1..=300,
+        bad,
+    );
     if m.reconnect_min_ms == 0 || m.reconnect_min_ms > m.reconnect_max_ms {
         bad(
             "mqtt.reconnect_min_ms",
@@ -248,22 +242,17 @@ fn check_timing(m: &RawMqtt, bad: &mut impl FnMut(&str, String)) {
             ),
         );
     }
-    if m.reconnect_max_ms > 3_600_000 {
-        bad(
-            "mqtt.reconnect_max_ms",
-            format!("must be <= 3600000 (got {})", m.reconnect_max_ms),
-        );
-    }
-    if !(1..=100).contains(&m.fail_after_disconnects) {
-        bad(
-            "mqtt.fail_after_disconnects",
-            format!("must be 1..=100 (got {})", m.fail_after_disconnects),
-        );
-    }
-    if !(1..=3600).contains(&m.ack_timeout_secs) {
-        bad(
-            "mqtt.ack_timeout_secs",
-            format!("must be 1..=3600 (got {})", m.ack_timeout_secs),
-        );
-    }
+    check_range(
+        "mqtt.reconnect_max_ms",
+        m.reconnect_max_ms,
+        Bounds::le(3_600_000),
+        bad,
+    );
+    check_range(
+        "mqtt.fail_after_disconnects",
+        m.fail_after_disconnects,
+        1..=100,
+        bad,
+    );
+    check_range("mqtt.ack_timeout_secs", m.ack_timeout_secs, 1..=3600, bad);
 }

@@ -1,11 +1,14 @@
 //! `[[sources]]` validation: the keys common to every source, then one
-//! function per kind (replay, file, exec, mqtt bridge; system has no keys).
+//! function per kind (replay, file, exec, mqtt bridge; system has no keys
+//! of its own).
 
+use super::bounds::check_range;
 use super::bridge::validate_bridge;
 use super::handlers::{check_env, credentials};
 use super::stream::stream_settings;
-use crate::config::raw::{d_interval, RawSource};
-use crate::config::read::did_you_mean;
+use crate::config::raw::{
+    d_interval, RawExecSource, RawFileSource, RawReplaySource, RawSource, RawSourceKind,
+};
 use crate::event::stream::stream_name_ok;
 use crate::mqtt::MqttConfig;
 use crate::source::bridge::{BridgeSpec, LoopGuard};
@@ -13,10 +16,11 @@ use crate::source::{SourceKind, SourceSpec};
 use std::collections::HashSet;
 use std::time::Duration;
 
-/// `[[sources]]`: names valid and unique, `interval_ms` 10..=86400000, no
-/// key of another kind, the kind's own keys, `durability` batched|full; a
-/// bridge is also checked against `[mqtt]` (`mqtt`, already validated).
-/// A source with a problem is left out (the caller sees the problem).
+/// `[[sources]]`: names valid and unique, `interval_ms` 10..=86400000, the
+/// kind's own keys (a key of another kind was refused when the file was
+/// read, [`crate::config::raw`]), the stream keys; a bridge is also checked
+/// against `[mqtt]` (`mqtt`, already validated). A source with a problem is
+/// left out (the caller sees the problem).
 pub(super) fn validate_sources(
     raw: &[RawSource],
     device_id: &str,
@@ -28,28 +32,23 @@ pub(super) fn validate_sources(
     let mut bridge_ids = HashSet::new();
     for (i, rs) in raw.iter().enumerate() {
         let k = |f: &str| format!("sources[{i}].{f}");
-        if !stream_name_ok(&rs.name) {
-            bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {:?})", rs.name));
-        } else if !names.insert(rs.name.clone()) {
-            bad(&k("name"), format!("duplicate source name {:?}", rs.name));
+        let name = &rs.stream.name;
+        if !stream_name_ok(name) {
+            bad(&k("name"), format!("must be 1..=64 letters, digits, '-', '_' or '.', not starting with '_' (got {name:?})"));
+        } else if !names.insert(name.clone()) {
+            bad(&k("name"), format!("duplicate source name {name:?}"));
         }
-        let interval_ms = rs.interval_ms.unwrap_or_else(d_interval);
-        if !(10..=86_400_000).contains(&interval_ms) {
-            bad(
-                &k("interval_ms"),
-                format!("must be 10..=86400000 (got {interval_ms})"),
-            );
-        }
-        check_kind_keys(rs, &k, bad);
-        let mut kind = validate_kind(rs, device_id, &k, bad);
-        let settings = stream_settings(rs.stream(), &k, bad);
+        let interval_ms = rs.kind.interval_ms().unwrap_or_else(d_interval);
+        check_range(&k("interval_ms"), interval_ms, 10..=86_400_000, bad);
+        let mut kind = validate_kind(&rs.kind, name, device_id, &k, bad);
+        let settings = stream_settings(&rs.stream, &k, bad);
         if let Some(SourceKind::Mqtt(b)) = &mut kind {
-            let streams: Vec<&str> = raw.iter().map(|r| r.name.as_str()).collect();
+            let streams: Vec<&str> = raw.iter().map(|r| r.stream.name.as_str()).collect();
             check_bridge_against_main((b, &streams), mqtt, &mut bridge_ids, &k, bad);
         }
         if let Some(kind) = kind {
             sources.push(SourceSpec {
-                name: rs.name.clone(),
+                name: name.clone(),
                 interval: Duration::from_millis(interval_ms),
                 kind,
                 settings,
@@ -59,93 +58,23 @@ pub(super) fn validate_sources(
     sources
 }
 
-/// Every optional key set on a source must belong to its kind. `k` makes
-/// the key path of a member.
-fn check_kind_keys(
-    rs: &RawSource,
-    k: &impl Fn(&str) -> String,
-    bad: &mut impl FnMut(&str, String),
-) {
-    // Which kinds each optional key belongs to; a key set for another
-    // kind is an error naming it, never silently ignored (F16).
-    const FILE: &[&str] = &["file"];
-    const EXEC: &[&str] = &["exec"];
-    const REPLAY: &[&str] = &["replay"];
-    const MQTT: &[&str] = &["mqtt"];
-    let all_but_mqtt: &[&str] = &["system", "file", "exec", "replay"];
-    let owners: [(&str, bool, &[&str]); 32] = [
-        ("interval_ms", rs.interval_ms.is_some(), all_but_mqtt),
-        ("url", rs.url.is_some(), MQTT),
-        ("topics", rs.topics.is_some(), MQTT),
-        ("qos", rs.qos.is_some(), MQTT),
-        ("client_id", rs.client_id.is_some(), MQTT),
-        ("username", rs.username.is_some(), MQTT),
-        ("password_file", rs.password_file.is_some(), MQTT),
-        ("payload", rs.payload.is_some(), MQTT),
-        ("id_field", rs.id_field.is_some(), MQTT),
-        ("max_payload_bytes", rs.max_payload_bytes.is_some(), MQTT),
-        ("path", rs.path.is_some(), &["file", "replay"]),
-        ("scale", rs.scale.is_some(), FILE),
-        ("offset", rs.offset.is_some(), FILE),
-        ("field", rs.field.is_some(), &["file", "exec"]),
-        ("program", rs.program.is_some(), EXEC),
-        ("args", rs.args.is_some(), EXEC),
-        ("timeout_ms", rs.timeout_ms.is_some(), EXEC),
-        ("max_output_bytes", rs.max_output_bytes.is_some(), EXEC),
-        ("env", rs.env.is_some(), EXEC),
-        ("user", rs.user.is_some(), EXEC),
-        ("group", rs.group.is_some(), EXEC),
-        ("delimiter", rs.delimiter.is_some(), REPLAY),
-        ("decimal_comma", rs.decimal_comma.is_some(), REPLAY),
-        ("missing", rs.missing.is_some(), REPLAY),
-        ("timestamp_columns", rs.timestamp_columns.is_some(), REPLAY),
-        ("timestamp_format", rs.timestamp_format.is_some(), REPLAY),
-        ("columns", rs.columns.is_some(), REPLAY),
-        ("speed", rs.speed.is_some(), REPLAY),
-        ("repeat", rs.repeat.is_some(), REPLAY),
-        ("follow", rs.follow.is_some(), REPLAY),
-        ("timezone", rs.timezone.is_some(), REPLAY),
-        ("trace_id", rs.trace_id.is_some(), REPLAY),
-    ];
-    if ["system", "file", "exec", "replay", "mqtt"].contains(&rs.kind.as_str()) {
-        for (f, present, kinds) in owners {
-            if present && !kinds.contains(&rs.kind.as_str()) {
-                bad(&k(f), format!("not used by kind {:?}", rs.kind));
-            }
-        }
-    }
-}
-
-/// The kind-specific part of a source, or `None` after reporting a problem.
+/// The kind-specific part of source `name`, or `None` after reporting a
+/// problem.
 fn validate_kind(
-    rs: &RawSource,
+    kind: &RawSourceKind,
+    name: &str,
     device_id: &str,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<SourceKind> {
-    match rs.kind.as_str() {
-        "replay" => validate_replay(rs, k, bad),
-        "system" => Some(SourceKind::System),
-        "mqtt" => validate_bridge(rs, device_id, k, bad).map(SourceKind::Mqtt),
-        "file" => validate_file(rs, k, bad),
-        "exec" => validate_exec(rs, k, bad),
-        other => {
-            let known = [
-                "system".to_owned(),
-                "file".to_owned(),
-                "exec".to_owned(),
-                "replay".to_owned(),
-                "mqtt".to_owned(),
-            ];
-            let hint = did_you_mean(other, &known)
-                .map(|s| format!("; did you mean {s:?}?"))
-                .unwrap_or_default();
-            bad(
-                    &k("kind"),
-                    format!("must be \"system\", \"file\", \"exec\", \"replay\" or \"mqtt\" (got {other:?}){hint}"),
-                );
-            None
+    match kind {
+        RawSourceKind::Replay(r) => validate_replay(r, k, bad),
+        RawSourceKind::System(_) => Some(SourceKind::System),
+        RawSourceKind::Mqtt(b) => {
+            validate_bridge((b, name), device_id, k, bad).map(SourceKind::Mqtt)
         }
+        RawSourceKind::File(f) => validate_file(f, k, bad),
+        RawSourceKind::Exec(x) => validate_exec(x, k, bad),
     }
 }
 
@@ -153,7 +82,7 @@ fn validate_kind(
 /// `delimiter`; `follow` without `repeat` or `speed`; `speed` >= 0; a known
 /// `timezone` and a `timestamp_format` that compiles; a printable `trace_id`.
 fn validate_replay(
-    rs: &RawSource,
+    rs: &RawReplaySource,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<SourceKind> {
@@ -202,8 +131,7 @@ fn validate_replay(
             );
         }
     }
-    let ts_cols = rs.timestamp_columns.clone().unwrap_or_default();
-    if ts_cols.is_empty() {
+    if rs.timestamp_columns.is_empty() {
         bad(
             &k("timestamp_columns"),
             "required for kind \"replay\": the column(s) holding each row's time".into(),
@@ -214,12 +142,12 @@ fn validate_replay(
             path: p.clone(),
             delimiter: delim,
             decimal_comma: rs.decimal_comma.unwrap_or(false),
-            missing: rs.missing.clone().unwrap_or_default(),
-            timestamp_columns: ts_cols,
+            missing: rs.missing.clone(),
+            timestamp_columns: rs.timestamp_columns.clone(),
             timestamp_format: format,
             timezone,
             trace_id: rs.trace_id.clone(),
-            columns: rs.columns.clone().unwrap_or_default().into_iter().collect(),
+            columns: rs.columns.clone().into_iter().collect(),
             speed,
             max_rows_per_call: 1000,
             repeat: rs.repeat.unwrap_or(false),
@@ -234,7 +162,7 @@ fn validate_replay(
 
 /// `kind = "file"`: `path` required; finite `scale` and `offset`.
 fn validate_file(
-    rs: &RawSource,
+    rs: &RawFileSource,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<SourceKind> {
@@ -264,25 +192,15 @@ fn validate_file(
 /// `timeout_ms` 10..=600000; `max_output_bytes` 16..=16 MiB; `env`,
 /// `user` and `group` as a handler's.
 fn validate_exec(
-    rs: &RawSource,
+    rs: &RawExecSource,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) -> Option<SourceKind> {
     let timeout = rs.timeout_ms.unwrap_or(5000);
-    if !(10..=600_000).contains(&timeout) {
-        bad(
-            &k("timeout_ms"),
-            format!("must be 10..=600000 (got {timeout})"),
-        );
-    }
+    check_range(&k("timeout_ms"), timeout, 10..=600_000, bad);
     let max_out = rs.max_output_bytes.unwrap_or(64 * 1024);
-    if !(16..=16 * 1024 * 1024).contains(&max_out) {
-        bad(
-            &k("max_output_bytes"),
-            format!("must be 16..=16777216 (got {max_out})"),
-        );
-    }
-    let env = rs.env.clone().unwrap_or_default();
+    check_range(&k("max_output_bytes"), max_out, 16..=16 * 1024 * 1024, bad);
+    let env = rs.env.clone();
     for problem in check_env(&env) {
         bad(&k("env"), problem);
     }
@@ -290,7 +208,7 @@ fn validate_exec(
     match &rs.program {
         Some(p) if p.is_absolute() => Some(SourceKind::Exec {
             program: p.clone(),
-            args: rs.args.clone().unwrap_or_default(),
+            args: rs.args.clone(),
             timeout: Duration::from_millis(timeout),
             field: rs.field.clone().unwrap_or_else(|| "value".into()),
             max_output_bytes: max_out,

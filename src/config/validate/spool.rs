@@ -1,5 +1,6 @@
 //! `[spool]` validation.
 
+use super::bounds::{check_range, Bounds};
 use super::TEN_YEARS_SECS;
 use crate::config::raw::{d_ckpt_wal, d_commit, RawSpool};
 use crate::config::{ExplicitKeys, SpoolConfig};
@@ -24,54 +25,20 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
             ),
         );
     }
-    if s.acked_retention_secs > TEN_YEARS_SECS {
-        bad(
-            "spool.acked_retention_secs",
-            format!(
-                "must be at most {TEN_YEARS_SECS} (ten years) (got {})",
-                s.acked_retention_secs
-            ),
-        );
-    }
-    let synchronous = match s.synchronous.to_ascii_lowercase().as_str() {
-        "normal" => Synchronous::Normal,
-        "full" => Synchronous::Full,
-        other => {
-            bad(
-                "spool.synchronous",
-                format!("must be \"normal\" or \"full\" (got {other:?}); OFF is never allowed"),
-            );
-            Synchronous::Normal
-        }
-    };
-    if s.busy_timeout_ms < 5000 {
-        bad(
-            "spool.busy_timeout_ms",
-            format!("must be at least 5000 (got {})", s.busy_timeout_ms),
-        );
-    }
-    if !(0..=JOURNAL_SIZE_LIMIT_MAX).contains(&s.journal_size_limit_bytes) {
-        bad(
-            "spool.journal_size_limit_bytes",
-            format!(
-                "must be 0..={JOURNAL_SIZE_LIMIT_MAX} (1 GiB) (got {})",
-                s.journal_size_limit_bytes
-            ),
-        );
-    }
-    if s.wal_autocheckpoint_pages < 0 {
-        bad(
-            "spool.wal_autocheckpoint_pages",
-            format!("must be >= 0 (got {})", s.wal_autocheckpoint_pages),
-        );
-    }
+    check_range(
+        "spool.acked_retention_secs",
+        s.acked_retention_secs,
+        Bounds::at_most(TEN_YEARS_SECS).note(" (ten years)"),
+        bad,
+    );
+    let options = validate_pragmas(s, bad);
     let commit_window_ms = validate_windows(s, bad);
-    if !(1..=100_000).contains(&s.purge_batch_rows) {
-        bad(
-            "spool.purge_batch_rows",
-            format!("must be 1..=100000 (got {})", s.purge_batch_rows),
-        );
-    }
+    check_range(
+        "spool.purge_batch_rows",
+        s.purge_batch_rows,
+        1..=100_000,
+        bad,
+    );
     if s.max_bytes != 0 && s.max_bytes < 1024 * 1024 {
         bad(
             "spool.max_bytes",
@@ -82,26 +49,21 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
         );
     }
     let checkpoint_wal_bytes = s.checkpoint_wal_bytes.unwrap_or_else(d_ckpt_wal);
-    if !(64 * 1024..=1024 * 1024 * 1024).contains(&checkpoint_wal_bytes) {
-        bad(
-            "spool.checkpoint_wal_bytes",
-            format!("must be 65536..=1073741824 (got {checkpoint_wal_bytes})"),
-        );
-    }
-    if !(1..=86_400).contains(&s.checkpoint_interval_secs) {
-        bad(
-            "spool.checkpoint_interval_secs",
-            format!("must be 1..=86400 (got {})", s.checkpoint_interval_secs),
-        );
-    }
+    check_range(
+        "spool.checkpoint_wal_bytes",
+        checkpoint_wal_bytes,
+        64 * 1024..=1024 * 1024 * 1024,
+        bad,
+    );
+    check_range(
+        "spool.checkpoint_interval_secs",
+        s.checkpoint_interval_secs,
+        1..=86_400,
+        bad,
+    );
     SpoolConfig {
         path: s.path.clone(),
-        options: SpoolOptions {
-            synchronous,
-            busy_timeout: Duration::from_millis(s.busy_timeout_ms),
-            journal_size_limit_bytes: s.journal_size_limit_bytes,
-            wal_autocheckpoint_pages: s.wal_autocheckpoint_pages,
-        },
+        options,
         commit_window: Duration::from_millis(commit_window_ms),
         write_budget_bytes_per_day: s
             .write_budget_mb_per_day
@@ -124,31 +86,67 @@ pub(super) fn validate_spool(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -
     }
 }
 
+/// The SQLite settings: `synchronous` NORMAL or FULL (never OFF),
+/// `busy_timeout_ms` at least 5000, `journal_size_limit_bytes` 0..=1 GiB,
+/// `wal_autocheckpoint_pages` >= 0.
+fn validate_pragmas(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -> SpoolOptions {
+    let synchronous = match s.synchronous.to_ascii_lowercase().as_str() {
+        "normal" => Synchronous::Normal,
+        "full" => Synchronous::Full,
+        other => {
+            bad(
+                "spool.synchronous",
+                format!("must be \"normal\" or \"full\" (got {other:?}); OFF is never allowed"),
+            );
+            Synchronous::Normal
+        }
+    };
+    check_range(
+        "spool.busy_timeout_ms",
+        s.busy_timeout_ms,
+        Bounds::at_least(5000),
+        bad,
+    );
+    check_range(
+        "spool.journal_size_limit_bytes",
+        s.journal_size_limit_bytes,
+        Bounds::from(0..=JOURNAL_SIZE_LIMIT_MAX).note(" (1 GiB)"),
+        bad,
+    );
+    check_range(
+        "spool.wal_autocheckpoint_pages",
+        s.wal_autocheckpoint_pages,
+        Bounds::ge(0),
+        bad,
+    );
+    SpoolOptions {
+        synchronous,
+        busy_timeout: Duration::from_millis(s.busy_timeout_ms),
+        journal_size_limit_bytes: s.journal_size_limit_bytes,
+        wal_autocheckpoint_pages: s.wal_autocheckpoint_pages,
+    }
+}
+
 /// The commit windows and the write budget: `spool.commit_window_ms` and
 /// `spool.max_commit_window_ms` in 1..=60000 ms, the budget in
 /// 1..=1000000 MB a day, and a budget's ceiling at least the window it
 /// widens from. Returns the commit window in ms (the default if unset).
 fn validate_windows(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -> u64 {
     let commit_window_ms = s.commit_window_ms.unwrap_or_else(d_commit);
-    if !(1..=60_000).contains(&commit_window_ms) {
-        bad(
-            "spool.commit_window_ms",
-            format!("must be 1..=60000 (got {commit_window_ms})"),
-        );
-    }
-    if !(1..=60_000).contains(&s.max_commit_window_ms) {
-        bad(
-            "spool.max_commit_window_ms",
-            format!("must be 1..=60000 (got {})", s.max_commit_window_ms),
-        );
-    }
+    check_range("spool.commit_window_ms", commit_window_ms, 1..=60_000, bad);
+    check_range(
+        "spool.max_commit_window_ms",
+        s.max_commit_window_ms,
+        1..=60_000,
+        bad,
+    );
     if let Some(mb) = s.write_budget_mb_per_day {
-        if !(1..=1_000_000).contains(&mb) {
-            bad(
-                "spool.write_budget_mb_per_day",
-                format!("must be 1..=1000000 MB a day (got {mb})"),
-            );
-        }
+        check_range(
+            "spool.write_budget_mb_per_day",
+            mb,
+            Bounds::from(1..=1_000_000).note(" MB a day"),
+            bad,
+        );
         if s.commit_window_ms
             .is_some_and(|w| w > s.max_commit_window_ms)
         {

@@ -3,7 +3,8 @@
 //! `priority`, `live_first`, `batch_max_events`, `batch_max_ms`,
 //! `compression` ([`StreamSettings`]).
 
-use crate::config::raw::RawStream;
+use super::bounds::check_range;
+use crate::config::raw::RawStreamDecl;
 use crate::event::batching::supported;
 use crate::event::stream::{
     default_priority, BatchSpec, Compression, Durability, StreamSettings, MAX_BATCH_EVENTS,
@@ -14,13 +15,17 @@ use std::time::Duration;
 /// records a problem (a bad value is reported and its default assumed, so
 /// every problem of a config is found in one pass).
 pub(super) fn stream_settings(
-    raw: RawStream<'_>,
+    raw: &RawStreamDecl,
     k: &impl Fn(&str) -> String,
     bad: &mut impl FnMut(&str, String),
 ) -> StreamSettings {
-    let durability = durability(raw.durability, &k("durability"), bad);
+    let durability = durability(raw.durability.as_deref(), &k("durability"), bad);
     let batch = batching(
-        (raw.batch_max_events, raw.batch_max_ms, raw.compression),
+        (
+            raw.batch_max_events,
+            raw.batch_max_ms,
+            raw.compression.as_deref(),
+        ),
         k,
         bad,
     );
@@ -43,16 +48,9 @@ fn batching(
     bad: &mut impl FnMut(&str, String),
 ) -> Option<BatchSpec> {
     let events = max_events.unwrap_or(1);
-    if !(1..=MAX_BATCH_EVENTS).contains(&events) {
-        bad(
-            &k("batch_max_events"),
-            format!("must be 1..={MAX_BATCH_EVENTS} (got {events})"),
-        );
-    }
+    check_range(&k("batch_max_events"), events, 1..=MAX_BATCH_EVENTS, bad);
     let ms = max_ms.unwrap_or(1000);
-    if ms > 600_000 {
-        bad(&k("batch_max_ms"), format!("must be 0..=600000 (got {ms})"));
-    }
+    check_range(&k("batch_max_ms"), ms, 0..=600_000, bad);
     let compression = match compression {
         None | Some("none") => Compression::None,
         Some("lz4") => Compression::Lz4,

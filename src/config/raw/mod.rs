@@ -1,6 +1,14 @@
 //! The serde layer of the config: `Raw*` structs read from TOML (unknown
-//! keys denied) and the `d_*` functions giving each key its default.
+//! keys denied; a source's by its kind, in `source.rs`) and the `d_*`
+//! functions giving each key its default.
 //! `board-configs/example.toml` mirrors these defaults, key by key.
+
+mod source;
+
+pub(super) use source::{
+    all_keys as source_keys, split_keyed, RawBridgeSource, RawExecSource, RawFileSource,
+    RawReplaySource, RawSource, RawSourceKind,
+};
 
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -49,27 +57,17 @@ pub(super) struct RawIngest {
     pub(super) max_buffered_bytes: Option<usize>,
     pub(super) max_connection_bytes: Option<usize>,
     #[serde(default)]
-    pub(super) streams: Vec<RawIngestStream>,
+    pub(super) streams: Vec<RawStreamDecl>,
     #[serde(default)]
     pub(super) stream_patterns: Vec<String>,
 }
 
-/// The keys every stream declaration has (`[[sources]]`,
-/// `[[ingest.streams]]`), as written; [`RawSource::stream`] and
-/// [`RawIngestStream::stream`] lend them to the one validation of them.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct RawStream<'a> {
-    pub(super) durability: Option<&'a str>,
-    pub(super) priority: Option<u8>,
-    pub(super) live_first: Option<bool>,
-    pub(super) batch_max_events: Option<usize>,
-    pub(super) batch_max_ms: Option<u64>,
-    pub(super) compression: Option<&'a str>,
-}
-
+/// A declared stream: its `name` and the keys every stream declaration has,
+/// as an `[[ingest.streams]]` entry and each `[[sources]]` entry (besides
+/// its kind's keys, [`source`]) write them; validated once for both.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct RawIngestStream {
+pub(super) struct RawStreamDecl {
     pub(super) name: String,
     pub(super) durability: Option<String>,
     pub(super) priority: Option<u8>,
@@ -77,20 +75,6 @@ pub(super) struct RawIngestStream {
     pub(super) batch_max_events: Option<usize>,
     pub(super) batch_max_ms: Option<u64>,
     pub(super) compression: Option<String>,
-}
-
-impl RawIngestStream {
-    /// Its stream keys.
-    pub(super) fn stream(&self) -> RawStream<'_> {
-        RawStream {
-            durability: self.durability.as_deref(),
-            priority: self.priority,
-            live_first: self.live_first,
-            batch_max_events: self.batch_max_events,
-            batch_max_ms: self.batch_max_ms,
-            compression: self.compression.as_deref(),
-        }
-    }
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -447,71 +431,6 @@ impl Default for RawAgent {
         RawAgent {
             summary_interval_secs: d_summary(),
             rate_window_secs: d_rate_window(),
-        }
-    }
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawSource {
-    pub(super) name: String,
-    pub(super) kind: String,
-    /// Not used by kind "mqtt" (readings arrive when published); defaults
-    /// to [`d_interval`] for the others.
-    pub(super) interval_ms: Option<u64>,
-    pub(super) path: Option<PathBuf>,
-    pub(super) scale: Option<f64>,
-    pub(super) offset: Option<f64>,
-    pub(super) field: Option<String>,
-    pub(super) program: Option<PathBuf>,
-    pub(super) args: Option<Vec<String>>,
-    pub(super) timeout_ms: Option<u64>,
-    pub(super) max_output_bytes: Option<usize>,
-    /// kind = "exec": variables besides `PATH` and `LANG`, as a handler's.
-    pub(super) env: Option<BTreeMap<String, String>>,
-    /// kind = "exec": run as this user (as a handler's `user`).
-    pub(super) user: Option<String>,
-    /// kind = "exec": with `user`, the program's one group.
-    pub(super) group: Option<String>,
-    pub(super) delimiter: Option<String>,
-    pub(super) decimal_comma: Option<bool>,
-    pub(super) missing: Option<Vec<String>>,
-    pub(super) timestamp_columns: Option<Vec<String>>,
-    pub(super) timestamp_format: Option<String>,
-    pub(super) columns: Option<std::collections::BTreeMap<String, String>>,
-    pub(super) speed: Option<f64>,
-    pub(super) repeat: Option<bool>,
-    pub(super) follow: Option<bool>,
-    pub(super) timezone: Option<String>,
-    pub(super) trace_id: Option<String>,
-    pub(super) durability: Option<String>,
-    pub(super) priority: Option<u8>,
-    pub(super) live_first: Option<bool>,
-    pub(super) batch_max_events: Option<usize>,
-    pub(super) batch_max_ms: Option<u64>,
-    pub(super) compression: Option<String>,
-    // kind = "mqtt" (the local-broker bridge).
-    pub(super) url: Option<String>,
-    pub(super) topics: Option<Vec<String>>,
-    pub(super) qos: Option<u8>,
-    pub(super) client_id: Option<String>,
-    pub(super) username: Option<String>,
-    pub(super) password_file: Option<PathBuf>,
-    pub(super) payload: Option<String>,
-    pub(super) id_field: Option<String>,
-    pub(super) max_payload_bytes: Option<usize>,
-}
-
-impl RawSource {
-    /// Its stream keys.
-    pub(super) fn stream(&self) -> RawStream<'_> {
-        RawStream {
-            durability: self.durability.as_deref(),
-            priority: self.priority,
-            live_first: self.live_first,
-            batch_max_events: self.batch_max_events,
-            batch_max_ms: self.batch_max_ms,
-            compression: self.compression.as_deref(),
         }
     }
 }
