@@ -15,14 +15,18 @@
 //! more gets one error line and is closed. Each listener has its own share
 //! of the input's memory budget, its own pattern-stream budget and its own
 //! key scope (the Unix socket one per peer uid), so the loopback TCP port,
-//! open to every local user, can take nothing of the socket's. The model
-//! is the metrics listener ([`crate::metrics::listen`]).
+//! open to every local user, can take nothing of the socket's. Each peer
+//! (a socket client's uid, a TCP client's IP address) has its byte rate and
+//! its share of the spool ([`crate::intake::share`]), the credentials read
+//! once, on accept. The model is the metrics listener
+//! ([`crate::metrics::listen`]).
 
 use super::conn::{self, Peer, Stream};
 use super::request::error_line;
 use super::{Counters, KeyScope, PatternStreams};
 use crate::ingest::IngestConfig;
 use crate::intake::budget::{Budget, InputBudget};
+use crate::intake::share::{PeerId, Shares};
 use crate::intake::IngestMsg;
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -41,6 +45,9 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 pub struct SocketIngest {
     running: Option<Running>,
+    /// The peers' shares of the spool (made from `[ingest]` even with no
+    /// listener: the writer charges the mqtt bridges to it).
+    shares: Option<Arc<Shares>>,
 }
 
 #[derive(Debug)]
@@ -73,6 +80,8 @@ struct Shared {
     /// The listeners' shares of the input's memory budget.
     budget_unix: Arc<Budget>,
     budget_tcp: Arc<Budget>,
+    /// Every peer's rate and share of the spool.
+    shares: Arc<Shares>,
     stop: AtomicBool,
     /// Connection readers that may still hand a request over.
     readers: AtomicUsize,
@@ -102,8 +111,12 @@ pub fn start(
     ingest: Sender<IngestMsg>,
     budget: &InputBudget,
 ) -> Result<SocketIngest, String> {
+    let shares = Arc::new(Shares::new(cfg.share_settings()));
     if !cfg.enabled() {
-        return Ok(SocketIngest::default());
+        return Ok(SocketIngest {
+            running: None,
+            shares: Some(shares),
+        });
     }
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
@@ -112,6 +125,7 @@ pub fn start(
         patterns_tcp: PatternStreams::default(),
         budget_unix: budget.unix.clone(),
         budget_tcp: budget.tcp.clone(),
+        shares: shares.clone(),
         stop: AtomicBool::new(false),
         readers: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
@@ -171,6 +185,7 @@ pub fn start(
     }
     Ok(SocketIngest {
         running: Some(running),
+        shares: Some(shares),
     })
 }
 
@@ -178,6 +193,12 @@ impl SocketIngest {
     /// The counters the listeners keep (drain them into the spool's).
     pub fn counters(&self) -> Option<Arc<Counters>> {
         self.running.as_ref().map(|r| r.shared.counters.clone())
+    }
+
+    /// The peers' shares of the spool: the writer tells it the spool's
+    /// capacity and row marks, and charges the bridges to it.
+    pub fn shares(&self) -> Option<Arc<Shares>> {
+        self.shares.clone()
     }
 
     /// Set when another process listens on `ingest.socket` and the agent
@@ -497,9 +518,17 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     };
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (sh, tx) = (shared.clone(), ingest.clone());
-    let scope = match &stream {
-        Stream::Unix(u) => KeyScope::Unix(peer_uid(u)),
-        Stream::Tcp(_) => KeyScope::Tcp,
+    let (scope, who) = match &stream {
+        Stream::Unix(u) => {
+            let uid = peer_uid(u);
+            (KeyScope::Unix(uid), PeerId::Uid(uid))
+        }
+        Stream::Tcp(t) => {
+            let ip = t
+                .peer_addr()
+                .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
+            (KeyScope::Tcp, PeerId::ip(ip))
+        }
     };
     // Counted before the thread starts, so a stop beginning now waits for it.
     shared.readers.fetch_add(1, Ordering::Relaxed);
@@ -521,6 +550,8 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
                     sh.cfg.max_connection_bytes,
                 ),
                 scope,
+                shares: &sh.shares,
+                who,
             };
             conn::serve(stream, &sh.cfg, tx, &peer, (&sh.stop, &sh.readers));
         });

@@ -267,6 +267,10 @@ const DROP_REASONS: [&str; 5] = [
     "lost_at_shutdown",
 ];
 
+/// Why a local peer's reading is refused before it is stored
+/// (`readings_refused_<reason>`, [`crate::intake::share`]).
+const PEER_REFUSALS: [&str; 3] = ["peer_rate", "peer_share", "input_share"];
+
 /// Why the delivery thread marks a row FAILED (`events_failed_<reason>`).
 const FAIL_REASONS: [&str; 4] = [
     "disconnects",
@@ -505,6 +509,16 @@ pub fn render(f: &Figures) -> String {
         ),
         "readings_dropped_",
         &DROP_REASONS,
+    );
+    o.counter_by(
+        f,
+        (
+            "edgespool_readings_refused_total",
+            "Readings of local peers (ingest socket, TCP port, mqtt bridges) refused over their byte rate or share of the spool, by reason (kept in the spool across restarts).",
+            "reason",
+        ),
+        "readings_refused_",
+        &PEER_REFUSALS,
     );
     o.counter_by(
         f,

@@ -24,6 +24,7 @@ mod metrics;
 mod modes;
 mod mqtt5;
 mod outage;
+mod peers;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
 #[cfg(feature = "pg-sink")]

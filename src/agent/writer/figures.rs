@@ -170,11 +170,13 @@ impl Writer {
         self.store.flush_counts(Durability::Batched);
     }
 
-    /// Record in `agent_state` (`ingest_listeners`, shown by `status`) what
+    /// Take the peers' shares of the spool ([`super::shares`]), and record
+    /// in `agent_state` (`ingest_listeners`, shown by `status`) what
     /// the ingest socket listens on; "off" replaces an earlier entry. A
     /// socket another process holds becomes an `_agent` event and a health
     /// reason for the run.
     pub(in crate::agent) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
+        self.take_shares(s.shares());
         let now = crate::event::envelope::wall_clock_ms().0;
         if let Some(why) = s.conflict() {
             self.agent_event("ingest_socket_taken", &why);

@@ -10,7 +10,8 @@
 //! that decide when to commit, to run upkeep and to summarise
 //! ([`schedule`]), the config in force and its pushes ([`control`]), health
 //! ([`health_record`]), metrics ([`figures`]), the outage budget
-//! ([`outage`]), the summary line ([`summary`]). The storage upkeep is
+//! ([`outage`]), local input's shares of the spool ([`shares`]), the
+//! summary line ([`summary`]). The storage upkeep is
 //! [`crate::flash::upkeep::Upkeep`]'s.
 //!
 //! Its one rule: **a reading is reported stored only after the transaction
@@ -25,6 +26,7 @@ mod group;
 mod health_record;
 mod outage;
 mod schedule;
+mod shares;
 mod summary;
 
 pub(super) use control::config_identity;
@@ -78,6 +80,8 @@ struct Peers {
     delivery_stats: Arc<DeliveryStats>,
     /// The ingest socket's counters, moved into the spool's at each summary.
     socket_counts: Option<Arc<crate::ingest::Counters>>,
+    /// Local input's shares of the spool (the socket's peers, the bridges).
+    shares: Option<Arc<crate::intake::share::Shares>>,
 }
 
 /// This run: its record in the spool, systemd, and how it ends.
@@ -126,6 +130,7 @@ impl Writer {
                 to_delivery: p.to_delivery,
                 delivery_stats: p.delivery_stats,
                 socket_counts: p.socket_counts,
+                shares: None,
             },
             run: RunRecord {
                 id: p.run_id,
@@ -242,6 +247,7 @@ impl Writer {
             &load,
         );
         if pass.fatal.is_none() {
+            self.refresh_shares();
             self.record_health();
             self.sample_outage();
         }
@@ -249,8 +255,12 @@ impl Writer {
     }
 
     /// Take a reading into the buffer of its stream's durability, or refuse
-    /// it when the buffer is at its bound ([`buffer::Buffer::push`]).
+    /// it when the buffer is at its bound ([`buffer::Buffer::push`]) or a
+    /// bridge's reading past its share of the spool ([`shares`]).
     fn push(&mut self, ev: NewEvent) {
+        if !self.bridge_admits(&ev) {
+            return;
+        }
         let durability = self.conf.cfg.stream_durability(&ev.stream);
         if !self.buffer.push(ev, durability) {
             self.metrics.dropped += 1;
