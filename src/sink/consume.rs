@@ -31,6 +31,7 @@ use super::committer::{Committer, Done};
 use super::outbox::Outbox;
 use super::poller::{Polled, Poller};
 use super::{SinkStats, Store, StoreError};
+use crate::os::fsguard::files::read_secret;
 use rumqttc::{
     Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
     RecvTimeoutError, SubscribeFilter, SubscribeReasonCode,
@@ -71,14 +72,20 @@ pub struct SinkOptions {
     pub credentials: Option<(String, PathBuf)>,
 }
 
-/// The password in `path`, without one trailing newline.
+/// The password in `path`, without one trailing newline: read only from a
+/// regular file named itself (a symlink is refused, never followed) that
+/// group and others cannot read ([`read_secret`]).
 ///
-/// Errors: the file cannot be read or is not UTF-8 (naming it).
+/// Errors: the file is a symlink, not a regular file, readable by group
+/// or others (the message names the path, the mode and `chmod 600`),
+/// cannot be read, or is not UTF-8.
 pub fn read_password(path: &Path) -> Result<String, String> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| format!("cannot read --password-file {}: {e}", path.display()))?;
-    let text = String::from_utf8(bytes)
-        .map_err(|_| format!("--password-file {} is not UTF-8", path.display()))?;
+    let shown = path.display();
+    let bytes = read_secret(path).map_err(|e| {
+        format!("MQTT password file {shown} (--password-file, or password_file in --config): {e}")
+    })?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| format!("MQTT password file {shown} is not UTF-8"))?;
     Ok(text
         .strip_suffix('\n')
         .map(|t| t.strip_suffix('\r').unwrap_or(t))
