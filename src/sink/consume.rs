@@ -33,8 +33,8 @@ use super::poller::{Polled, Poller};
 use super::{SinkStats, Store, StoreError};
 use crate::os::fsguard::files::read_secret;
 use rumqttc::{
-    Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
-    RecvTimeoutError, SubscribeFilter, SubscribeReasonCode,
+    Client, ConnectReturnCode, Connection, ConnectionError, Event, Incoming, MqttOptions, Outgoing,
+    Publish, QoS, RecvTimeoutError, StateError, SubscribeFilter, SubscribeReasonCode,
 };
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -152,6 +152,14 @@ enum End {
     Stop,
     /// Connection or store lost; reconnect after a pause.
     Lost(String),
+    /// The broker sent a PUBLISH of this remaining length, over the
+    /// session's incoming limit (rumqttc closed the connection before
+    /// reading it): reconnect with a limit that takes it, to set it aside.
+    Oversized(usize),
+    /// A session with a raised limit has set its oversized deliveries
+    /// aside and acknowledged them (or waited [`DRAIN_WAIT`] for none):
+    /// reconnect at once with the normal limit.
+    Drained,
 }
 
 /// Run the sink until `stop`; returns what it stored and receipted.
@@ -185,8 +193,10 @@ fn sessions(
     let mut outbox = Outbox::new();
     let mut backoff = Duration::from_millis(100);
     let mut last_report = Instant::now();
+    let mut oversize: Option<usize> = None;
     while !stop.load(Ordering::Relaxed) {
-        let (client, conn) = match connect(opts) {
+        let limit = incoming_limit(oversize.take());
+        let (client, conn) = match connect(opts, limit) {
             Ok(c) => c,
             Err(why) => {
                 log::warn!("sink: {why}; trying again in {backoff:?}");
@@ -211,6 +221,7 @@ fn sessions(
             last_at: Instant::now(),
             totals: &mut totals,
             outbox: &mut outbox,
+            drain: (limit > MAX_INCOMING).then(|| Drain::new(limit)),
         };
         let end = s.run(stop, &mut last_report);
         // Whatever ended the session, this connection is done with (a dead
@@ -219,6 +230,21 @@ fn sessions(
         poller.finish();
         match end? {
             End::Stop => break,
+            End::Oversized(n) => {
+                log::warn!(
+                    "sink: the broker sent a PUBLISH of {n} bytes, over the incoming limit of \
+                     {MAX_INCOMING} bytes; reading it on the next session with a {n}-byte limit \
+                     to set it aside (unreadable) and acknowledge it, not have it sent again \
+                     for ever"
+                );
+                oversize = Some(n);
+                // A pause, not a growing one: each such session sets at
+                // least one message aside.
+                sleep_unless(stop, Duration::from_millis(100));
+            }
+            End::Drained => {
+                log::info!("sink: back to the incoming limit of {MAX_INCOMING} bytes");
+            }
             End::Lost(why) => {
                 log::warn!("sink: connection lost: {why}; reconnecting in {backoff:?}");
                 // A session that lasted is not a failure streak.
@@ -239,16 +265,84 @@ fn sessions(
 /// the deliveries that arrived meanwhile.
 const BUSY_POLL: Duration = Duration::from_millis(2);
 
+/// The largest PUBLISH a session takes (its remaining length: topic, packet
+/// id and payload; rumqttc's `max_incoming_packet_size`). A larger one
+/// ends the session before it is read ([`End::Oversized`]); the next
+/// session takes it with a limit of its size, sets it aside and
+/// acknowledges it, then the limit returns to this ([`Drain`]).
+pub const MAX_INCOMING: usize = 16 << 20;
+
+/// The largest remaining length MQTT can encode (3.1.1 §2.2.3, v5 §1.5.5:
+/// four bytes of variable byte integer): no PUBLISH is larger.
+pub const MQTT_MAX_REMAINING: usize = 268_435_455;
+
+/// How long a session with a raised limit waits for an oversized delivery
+/// before it goes back to the normal limit (the broker may have dropped
+/// the message meanwhile: expired, or removed with its publisher's session).
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
+
+/// The incoming limit of the next session: [`MAX_INCOMING`], or the size
+/// of the oversized PUBLISH the last one ended on (logged at WARN).
+fn incoming_limit(oversize: Option<usize>) -> usize {
+    match oversize {
+        Some(n) if n > MAX_INCOMING && n <= MQTT_MAX_REMAINING => n,
+        Some(n) => {
+            // rumqttc reads at most MQTT's largest length, so this is a
+            // broker that speaks something else; nothing to raise.
+            log::error!("sink: a PUBLISH of {n} bytes cannot be read at all; keeping the limit");
+            MAX_INCOMING
+        }
+        None => MAX_INCOMING,
+    }
+}
+
+/// A session with a raised incoming limit: the oversized deliveries taken
+/// (by packet id) whose PUBACK has not yet gone out.
+struct Drain {
+    limit: usize,
+    until: Instant,
+    seen: bool,
+    unacked: Vec<u16>,
+}
+
+impl Drain {
+    fn new(limit: usize) -> Drain {
+        Drain {
+            limit,
+            until: Instant::now() + DRAIN_WAIT,
+            seen: false,
+            unacked: Vec::new(),
+        }
+    }
+
+    /// Whether the session has done its job: every oversized delivery it
+    /// took acknowledged, or none came within [`DRAIN_WAIT`].
+    fn done(&self) -> bool {
+        match self.seen {
+            true => self.unacked.is_empty(),
+            false => Instant::now() >= self.until,
+        }
+    }
+}
+
+/// The remaining length of `p` as rumqttc checks it against the limit:
+/// topic (with its length), packet id (QoS 1 and 2), payload.
+fn remaining_length(p: &Publish) -> usize {
+    let pkid = if p.qos == QoS::AtMostOnce { 0 } else { 2 };
+    2 + p.topic.len() + pkid + p.payload.len()
+}
+
 /// A batch is committed once its payloads reach this many bytes, whatever
 /// `--batch-max` says: with incoming packets of up to 16 MiB, 500 of them
 /// would make one transaction too large for PostgreSQL (1 GiB per message),
 /// fail every time and be redelivered for ever.
 const MAX_BATCH_BYTES: usize = 16 << 20;
 
-/// A client and its connection (not yet connected).
+/// A client and its connection (not yet connected), taking PUBLISH packets
+/// of up to `incoming` bytes.
 ///
 /// Errors: the password file cannot be read (the attempt is retried).
-fn connect(opts: &SinkOptions) -> Result<(Client, Connection), String> {
+fn connect(opts: &SinkOptions, incoming: usize) -> Result<(Client, Connection), String> {
     let mut o = MqttOptions::new(opts.client_id.clone(), opts.host.clone(), opts.port);
     if let Some((user, file)) = &opts.credentials {
         o.set_credentials(user.clone(), read_password(file)?);
@@ -256,7 +350,7 @@ fn connect(opts: &SinkOptions) -> Result<(Client, Connection), String> {
     o.set_clean_session(false);
     o.set_manual_acks(true);
     o.set_keep_alive(Duration::from_secs(10));
-    o.set_max_packet_size(16 << 20, 1 << 20);
+    o.set_max_packet_size(incoming, 1 << 20);
     // Room for every acknowledgement of a full batch, and the receipts that
     // follow them, so `try_ack` does not find the request channel full in
     // the common case.
@@ -287,6 +381,8 @@ struct Session<'a> {
     last_at: Instant,
     totals: &'a mut SinkStats,
     outbox: &'a mut Outbox,
+    /// Set on a session with a raised incoming limit.
+    drain: Option<Drain>,
 }
 
 impl Session<'_> {
@@ -304,11 +400,11 @@ impl Session<'_> {
         };
         match (end?, settled?) {
             // What was committed before (and this batch, if it was) may go.
-            (End::Stop, _) => {
+            (e @ (End::Stop | End::Drained), _) => {
                 self.flush();
-                Ok(End::Stop)
+                Ok(e)
             }
-            (End::Lost(why), _) => Ok(End::Lost(why)),
+            (e @ (End::Lost(_) | End::Oversized(_)), _) => Ok(e),
         }
     }
 
@@ -325,6 +421,9 @@ impl Session<'_> {
             }
             if stop.load(Ordering::Relaxed) {
                 return Ok(End::Stop);
+            }
+            if self.drain.as_ref().is_some_and(Drain::done) {
+                return Ok(End::Drained);
             }
             if !self.committer.busy() && (self.full() || self.due()) {
                 self.submit()?;
@@ -460,7 +559,16 @@ impl Session<'_> {
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => self.take(p),
             // The broker has one of our receipts (we publish nothing else).
             Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => self.outbox.acked(),
+            // Written and flushed: an oversized delivery is acknowledged.
+            Ok(Ok(Event::Outgoing(Outgoing::PubAck(pkid)))) => {
+                if let Some(d) = &mut self.drain {
+                    d.unacked.retain(|&p| p != pkid);
+                }
+            }
             Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
+            Ok(Err(ConnectionError::MqttState(StateError::Deserialization(
+                rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+            )))) => return Ok(Some(End::Oversized(n))),
             Ok(Err(e)) => return Ok(Some(End::Lost(e.to_string()))),
             Err(RecvTimeoutError::Disconnected) => {
                 return Ok(Some(End::Lost("event loop closed".into())))
@@ -469,15 +577,34 @@ impl Session<'_> {
         Ok(None)
     }
 
-    /// A delivery joins the open batch.
+    /// A delivery joins the open batch; one over [`MAX_INCOMING`] (read on
+    /// a session with a raised limit) is set aside unread.
     fn take(&mut self, mut p: Publish) {
         if self.items.is_empty() {
             self.first_at = Instant::now();
         }
         self.last_at = Instant::now();
-        // A batched publish becomes one item per event, all in this
-        // transaction: its PUBACK waits for every one of them.
-        let new = super::unbatch::items(&p.topic, &p.payload);
+        let packet = remaining_length(&p);
+        let new = match &mut self.drain {
+            Some(d) if packet > MAX_INCOMING => {
+                log::warn!(
+                    "sink: setting aside a PUBLISH of {packet} bytes on {} (over the incoming \
+                     limit of {MAX_INCOMING} bytes; read with a {}-byte limit): kept in \
+                     unreadable with its topic, size and first bytes, then acknowledged",
+                    p.topic,
+                    d.limit
+                );
+                d.seen = true;
+                // QoS 0 has no PUBACK to wait for.
+                if p.qos != QoS::AtMostOnce {
+                    d.unacked.push(p.pkid);
+                }
+                vec![Item::oversized(&p.topic, &p.payload, packet, MAX_INCOMING)]
+            }
+            // A batched publish becomes one item per event, all in this
+            // transaction: its PUBACK waits for every one of them.
+            _ => super::unbatch::items(&p.topic, &p.payload),
+        };
         let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
         self.batch_bytes = self.batch_bytes.saturating_add(bytes);
         self.items.extend(new);

@@ -277,6 +277,13 @@ fn a_17_mib_publish_does_not_stall(db: Db) {
         "no WARN naming the size:\n{}",
         tail(&sink.log_text(), 20)
     );
+    for l in sink
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("incoming limit"))
+    {
+        println!("{l}");
+    }
     // Acknowledged: a sink started again under the same id gets nothing more.
     sink.terminate();
     assert_eq!(summary(&sink.log_text(), "oversized"), 1);
