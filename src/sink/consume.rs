@@ -19,6 +19,14 @@
 //! [`super::outbox::MAX_IN_FLIGHT`] are out unacknowledged, so receipts
 //! never fill rumqttc's in-flight window that PUBACKs also wait behind.
 //!
+//! One message never stalls the session: a PUBLISH over the incoming limit
+//! ([`MAX_INCOMING`]) ends the connection before rumqttc reads it, and the
+//! persistent session would send it again, first, at every reconnect. The
+//! next session takes it with a limit of its size, sets it aside unread
+//! (an [`Unreadable::Oversized`](super::message::Unreadable) item) and
+//! acknowledges it after the commit like any other delivery; then the limit
+//! returns to normal ([`Drain`]).
+//!
 //! The store runs on its own thread ([`super::committer`]): batch N+1 is
 //! received and decoded here while batch N commits there, one batch with
 //! the store at most. PUBACKs and receipts are queued, and sent, only from
@@ -221,7 +229,7 @@ fn sessions(
             last_at: Instant::now(),
             totals: &mut totals,
             outbox: &mut outbox,
-            drain: (limit > MAX_INCOMING).then(|| Drain::new(limit)),
+            drain: (limit > MAX_INCOMING).then(|| Drain::new(limit, Instant::now())),
         };
         let end = s.run(stop, &mut last_report);
         // Whatever ended the session, this connection is done with (a dead
@@ -306,21 +314,36 @@ struct Drain {
 }
 
 impl Drain {
-    fn new(limit: usize) -> Drain {
+    /// A session with incoming limit `limit`, begun at `now`.
+    fn new(limit: usize, now: Instant) -> Drain {
         Drain {
             limit,
-            until: Instant::now() + DRAIN_WAIT,
+            until: now + DRAIN_WAIT,
             seen: false,
             unacked: Vec::new(),
         }
     }
 
-    /// Whether the session has done its job: every oversized delivery it
-    /// took acknowledged, or none came within [`DRAIN_WAIT`].
-    fn done(&self) -> bool {
+    /// An oversized delivery taken (`pkid`: its packet id, `None` for QoS
+    /// 0, which has no PUBACK to wait for and is not sent again).
+    fn took(&mut self, pkid: Option<u16>) {
+        if let Some(p) = pkid {
+            self.seen = true;
+            self.unacked.push(p);
+        }
+    }
+
+    /// The PUBACK of `pkid` has been written out.
+    fn acked(&mut self, pkid: u16) {
+        self.unacked.retain(|&p| p != pkid);
+    }
+
+    /// Whether the session has done its job at `now`: every oversized
+    /// delivery it took acknowledged, or none came within [`DRAIN_WAIT`].
+    fn done(&self, now: Instant) -> bool {
         match self.seen {
             true => self.unacked.is_empty(),
-            false => Instant::now() >= self.until,
+            false => now >= self.until,
         }
     }
 }
@@ -422,7 +445,7 @@ impl Session<'_> {
             if stop.load(Ordering::Relaxed) {
                 return Ok(End::Stop);
             }
-            if self.drain.as_ref().is_some_and(Drain::done) {
+            if self.drain.as_ref().is_some_and(|d| d.done(Instant::now())) {
                 return Ok(End::Drained);
             }
             if !self.committer.busy() && (self.full() || self.due()) {
@@ -562,7 +585,7 @@ impl Session<'_> {
             // Written and flushed: an oversized delivery is acknowledged.
             Ok(Ok(Event::Outgoing(Outgoing::PubAck(pkid)))) => {
                 if let Some(d) = &mut self.drain {
-                    d.unacked.retain(|&p| p != pkid);
+                    d.acked(pkid);
                 }
             }
             Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
@@ -594,11 +617,8 @@ impl Session<'_> {
                     p.topic,
                     d.limit
                 );
-                d.seen = true;
-                // QoS 0 has no PUBACK to wait for.
-                if p.qos != QoS::AtMostOnce {
-                    d.unacked.push(p.pkid);
-                }
+                // QoS 0 is stored with its batch while the session runs on.
+                d.took((p.qos != QoS::AtMostOnce).then_some(p.pkid));
                 vec![Item::oversized(&p.topic, &p.payload, packet, MAX_INCOMING)]
             }
             // A batched publish becomes one item per event, all in this
@@ -677,6 +697,32 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_raised_limit_lasts_until_the_oversized_deliveries_are_acknowledged() {
+        assert_eq!(incoming_limit(None), MAX_INCOMING);
+        assert_eq!(incoming_limit(Some(17 << 20)), 17 << 20);
+        assert_eq!(incoming_limit(Some(MQTT_MAX_REMAINING)), MQTT_MAX_REMAINING);
+        assert_eq!(incoming_limit(Some(MQTT_MAX_REMAINING + 1)), MAX_INCOMING);
+        let t0 = Instant::now();
+        let mut d = Drain::new(17 << 20, t0);
+        assert!(!d.done(t0));
+        assert!(d.done(t0 + DRAIN_WAIT), "none came: back to normal");
+        d.took(None);
+        assert!(d.done(t0 + DRAIN_WAIT), "QoS 0 holds nothing open");
+        d.took(Some(3));
+        d.took(Some(4));
+        assert!(!d.done(t0 + DRAIN_WAIT * 10), "waits for its PUBACKs");
+        d.acked(3);
+        d.acked(9);
+        assert!(!d.done(t0));
+        d.acked(4);
+        assert!(d.done(t0));
+        let p = Publish::new("a/b", QoS::AtLeastOnce, vec![0u8; 10]);
+        assert_eq!(remaining_length(&p), 2 + 3 + 2 + 10);
+        let p = Publish::new("a/b", QoS::AtMostOnce, vec![0u8; 10]);
+        assert_eq!(remaining_length(&p), 2 + 3 + 10);
+    }
 
     #[test]
     fn batch_filters_follow_the_events_filter() {

@@ -632,6 +632,63 @@ fn postgres_side_tables_keep_the_newest_within_their_bounds() {
     assert!(text.contains("side tables: 200 rows dropped"), "{text}");
 }
 
+/// Bounds per device, then per table, in PostgreSQL: one device's 20 forged
+/// envelopes leave a and b theirs (the junk keeps its own 4); with six
+/// more devices the table's 10 rows go evenly, a and b keeping theirs.
+#[cfg(feature = "pg-sink")]
+#[test]
+fn postgres_side_tables_bound_each_device_and_take_from_the_largest() {
+    use crate::support::postgres::Postgres;
+    use edgespool::sink::postgres::PgStore;
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let mut store =
+        PgStore::connect(&pg.conninfo(), "fair", &Default::default()).expect("connect and migrate");
+    store.set_side_bounds(SideBounds {
+        rows: 10,
+        payload_bytes: 1024,
+        table_bytes: 1 << 20,
+        device_rows: 4,
+        device_bytes: 1 << 20,
+    });
+    let forged = |dev: &str, n: u32| {
+        Item::new(
+            &format!("edgespool/{dev}/events/load"),
+            &envelope("gw1", n, 0).1,
+        )
+    };
+    let mut items = vec![forged("a", 0), forged("b", 1)];
+    items.extend((0..20).map(|n| forged("junk", 100 + n)));
+    store.commit(&items, 1).expect("store");
+    let mut db = pg.client();
+    let per_device = |db: &mut postgres::Client| -> Vec<(String, i64)> {
+        db.query(
+            "SELECT device_id, count(*) FROM forged GROUP BY device_id ORDER BY device_id",
+            &[],
+        )
+        .expect("forged")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+    };
+    assert_eq!(
+        per_device(&mut db),
+        vec![("a".into(), 1), ("b".into(), 1), ("junk".into(), 4)]
+    );
+    let more: Vec<Item> = (0..6)
+        .flat_map(|d| (0..2).map(move |n| (d, n)))
+        .map(|(d, n)| forged(&format!("d{d}"), 200 + n))
+        .collect();
+    store.commit(&more, 2).expect("store");
+    let v = per_device(&mut db);
+    assert_eq!(v.iter().map(|(_, n)| n).sum::<i64>(), 10, "{v:?}");
+    assert_eq!(
+        (&v[0], &v[1]),
+        (&("a".into(), 1), &("b".into(), 1)),
+        "{v:?}"
+    );
+    assert!(v.iter().all(|(_, n)| (1..=2).contains(n)), "{v:?}");
+}
+
 /// The measurement behind the bound, through the real sink with its
 /// default bounds: 20 junk deliveries of 1 MiB (incompressible) grew
 /// `unreadable` by 21.8 MB; now each keeps its first 64 KiB.
@@ -803,7 +860,7 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(versions, vec![1, 2, 3]);
     let pkey: String = db
         .query_one(
             "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'events_pkey'",
@@ -812,16 +869,20 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .expect("events key")
         .get(0);
     assert_eq!(pkey, "PRIMARY KEY (device_id, event_id)");
-    let (cut, whole, device): (i32, i64, Option<String>) = {
+    let (cut, whole, device, publisher): (i32, i64, Option<String>, String) = {
         let r = db
             .query_one(
-                "SELECT octet_length(u.payload), u.payload_bytes, m.device_id
+                "SELECT octet_length(u.payload), u.payload_bytes, m.device_id, u.device_id
                  FROM unreadable u, mismatches m",
                 &[],
             )
             .expect("old rows");
-        (r.get(0), r.get(1), r.get(2))
+        (r.get(0), r.get(1), r.get(2), r.get(3))
     };
+    assert_eq!(
+        publisher, "gw1",
+        "the old junk has its publisher (version 3)"
+    );
     assert_eq!(
         (cut, whole),
         (64 << 10, 100 << 10),
@@ -873,7 +934,7 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .query_one("SELECT count(*) FROM schema_version", &[])
         .expect("count")
         .get(0);
-    assert_eq!(n, 2);
+    assert_eq!(n, 3);
 }
 
 /// The SQLite file older sinks wrote (no `user_version`).
