@@ -37,6 +37,7 @@ mod receipts_e2e;
 mod refusals;
 mod replay;
 mod rollback;
+mod sink_attacks;
 mod sink_batches;
 mod sink_identity;
 mod spool;
