@@ -11,6 +11,7 @@
 //! §3.2.2.3.6), the session expiry interval (§3.1.2.11.2) and the `event_id`
 //! user property on every event PUBLISH (§3.3.2.3.7).
 
+use crate::event::envelope::EventId;
 use crate::mqtt::{MqttConfig, Protocol};
 use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::QoS;
@@ -185,8 +186,8 @@ pub struct Failure {
 }
 
 impl Client {
-    /// Queue a PUBLISH without blocking; `event_id`, when given, goes out as
-    /// the `event_id` user property under MQTT 5 (3.1.1 has no properties).
+    /// Queue a PUBLISH without blocking (no properties: the retained
+    /// status).
     ///
     /// Errors: the request channel is full or closed (the publish never
     /// reached the event loop).
@@ -196,73 +197,59 @@ impl Client {
         qos: QoS,
         retain: bool,
         payload: Vec<u8>,
-        event_id: Option<&str>,
     ) -> Result<(), String> {
         match self {
             Client::V4(c) => c
                 .try_publish(topic, qos, retain, payload)
                 .map_err(|e| e.to_string()),
-            Client::V5(c) => {
-                let qos = qos5(qos);
-                match event_id {
-                    Some(id) => {
-                        let props = p5::PublishProperties {
-                            user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), id.to_owned())],
-                            ..Default::default()
-                        };
-                        c.try_publish_with_properties(topic, qos, retain, payload, props)
-                    }
-                    None => c.try_publish(topic, qos, retain, payload),
-                }
-                .map_err(|e| e.to_string())
-            }
+            Client::V5(c) => c
+                .try_publish(topic, qos5(qos), retain, payload)
+                .map_err(|e| e.to_string()),
         }
     }
 
-    /// Queue a row's QoS 1 PUBLISH without blocking, taking its payload and
-    /// event id (under MQTT 5 the `event_id` user property, unless empty)
-    /// instead of copying them.
+    /// Queue a row's QoS 1 PUBLISH without blocking, taking its payload
+    /// instead of copying it. Under MQTT 5 `event_id`, when given, goes out
+    /// as the `event_id` user property in its hyphenated text: the one place
+    /// a row's id becomes text on its way out (the payload carries its own,
+    /// written at append).
     ///
     /// Errors: the request channel is full or closed (the publish never
-    /// reached the event loop); the payload and the event id come back, so
-    /// the row can wait for room unchanged (`None`: rumqttc refused it
-    /// without them, which 0.25.1 never does).
+    /// reached the event loop); the payload comes back, so the row can wait
+    /// for room unchanged (`None`: rumqttc refused it without it, which
+    /// 0.25.1 never does).
     pub fn try_publish_row(
         &self,
         topic: &str,
         payload: Vec<u8>,
-        event_id: String,
-    ) -> Result<(), Option<(Vec<u8>, String)>> {
+        event_id: Option<EventId>,
+    ) -> Result<(), Option<Vec<u8>>> {
         match self {
             Client::V4(c) => match c.try_publish(topic, QoS::AtLeastOnce, false, payload) {
                 Ok(()) => Ok(()),
                 Err(rumqttc::ClientError::TryRequest(rumqttc::Request::Publish(p)))
                 | Err(rumqttc::ClientError::Request(rumqttc::Request::Publish(p))) => {
-                    Err(Some((Vec::from(p.payload), event_id)))
+                    Err(Some(Vec::from(p.payload)))
                 }
                 Err(_) => Err(None),
             },
             Client::V5(c) => {
                 let qos = qos5(QoS::AtLeastOnce);
-                let sent = if event_id.is_empty() {
-                    c.try_publish(topic, qos, false, payload)
-                } else {
-                    let props = p5::PublishProperties {
-                        user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), event_id)],
-                        ..Default::default()
-                    };
-                    c.try_publish_with_properties(topic, qos, false, payload, props)
+                let sent = match event_id {
+                    None => c.try_publish(topic, qos, false, payload),
+                    Some(id) => {
+                        let props = p5::PublishProperties {
+                            user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), id.hyphenated())],
+                            ..Default::default()
+                        };
+                        c.try_publish_with_properties(topic, qos, false, payload, props)
+                    }
                 };
                 match sent {
                     Ok(()) => Ok(()),
                     Err(rumqttc::v5::ClientError::TryRequest(rumqttc::v5::Request::Publish(p)))
                     | Err(rumqttc::v5::ClientError::Request(rumqttc::v5::Request::Publish(p))) => {
-                        let id = p
-                            .properties
-                            .and_then(|mut pr| pr.user_properties.pop())
-                            .map(|(_, v)| v)
-                            .unwrap_or_default();
-                        Err(Some((Vec::from(p.payload), id)))
+                        Err(Some(Vec::from(p.payload)))
                     }
                     Err(_) => Err(None),
                 }
