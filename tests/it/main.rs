@@ -32,6 +32,7 @@ mod pgsink_config;
 mod pgtls;
 mod powercut;
 mod priority;
+mod rebuilds;
 mod receipts;
 mod receipts_e2e;
 mod refusals;

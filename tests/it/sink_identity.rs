@@ -187,7 +187,7 @@ fn receipts(peer: &Peer, from: usize) -> Vec<(String, Vec<(String, String)>)> {
             let ids = r
                 .stored
                 .into_iter()
-                .flat_map(|(s, ids)| ids.into_iter().map(move |id| (s.clone(), id)))
+                .flat_map(|(s, ids)| ids.into_iter().map(move |id| (s.clone(), id.hyphenated())))
                 .collect();
             (topic, ids)
         })
