@@ -6,8 +6,9 @@ use crate::prefix;
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::{self, counter};
 use crate::support::subscriber::{Delivery, Subscriber};
-use crate::support::{spool, tail, wait_for};
+use crate::support::{tail, wait_for};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -89,9 +90,7 @@ fn publish(port: u16, topic: &str, payload: &[u8]) {
 /// session now exists at the local broker).
 fn wait_bridge_subscribed(agent: &AgentProc) {
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("bridge plant: subscribed")),
+        agent.wait_log(Duration::from_secs(20), "bridge plant: subscribed"),
         "bridge did not subscribe:\n{}",
         agent.log_tail(40)
     );
@@ -110,15 +109,6 @@ fn plant_fields(deliveries: &[Delivery]) -> Vec<(String, serde_json::Value)> {
             )
         })
         .collect()
-}
-
-/// A persistent counter of the spool (0 when absent).
-fn counter(db: &Path, name: &str) -> i64 {
-    let conn = spool::open(db);
-    conn.query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
-        r.get(0)
-    })
-    .unwrap_or(0)
 }
 
 #[test]
@@ -239,9 +229,7 @@ fn a_garbage_payload_is_acknowledged_counted_and_does_not_block_later_messages()
     // session gets no redelivery of it (the count stays where it was).
     agent.terminate(Duration::from_secs(15));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    wait_for(Duration::from_secs(20), || {
-        agent.log_text().contains("bridge plant: connected")
-    });
+    agent.wait_log(Duration::from_secs(20), "bridge plant: connected");
     publish(local.port(), "plant/good", br#"{"n":2}"#);
     assert!(
         sub.wait_until(Duration::from_secs(20), |d| plant_fields(d)
@@ -555,9 +543,10 @@ fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_roo
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        wait_for(Duration::from_secs(60), || agent
-            .log_text()
-            .contains("bridge plant: the spool refused a reading")),
+        agent.wait_log(
+            Duration::from_secs(60),
+            "bridge plant: the spool refused a reading"
+        ),
         "no refusal:\n{}",
         agent.log_tail(40)
     );

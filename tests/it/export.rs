@@ -418,11 +418,8 @@ fn bare_copy_is_named_at_error(status_first: bool) {
     let agent2 = spawn(&cfg2, moved.path());
     let named = format!("spool {} has no -wal", db.display());
     assert!(
-        wait_for(Duration::from_secs(30), || agent2.logged(
-            "ERROR",
-            "spool",
-            &named
-        )),
+        wait_for(Duration::from_secs(30), || agent2
+            .logged("ERROR", "spool", &named)),
         "no ERROR naming the copy\n{}",
         agent2.log_tail(30)
     );

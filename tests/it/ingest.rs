@@ -6,6 +6,7 @@
 
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
+use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
 use crate::support::{free_port, wait_for};
 use crate::{prefix, write_config};
@@ -761,18 +762,6 @@ fn vm_rss_kb(pid: u32) -> u64 {
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// A persistent counter of the spool (0 when absent).
-fn counter(db: &Path, name: &str) -> i64 {
-    if !db.exists() {
-        return 0;
-    }
-    crate::support::spool::open(db)
-        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
-            r.get(0)
-        })
         .unwrap_or(0)
 }
 

@@ -169,9 +169,7 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     // The agent starts with the broker unreachable, then the link comes back.
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("spool ")),
+        agent.wait_log(Duration::from_secs(30), "spool "),
         "{}",
         agent.log_tail(30)
     );
@@ -198,9 +196,7 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     agent.kill9();
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(30), "subscribed to commands"),
         "{}",
         agent.log_tail(30)
     );

@@ -271,9 +271,7 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("connected")),
+        agent.wait_log(Duration::from_secs(30), "connected"),
         "the agent did not connect as gw1\n{}",
         agent.log_tail(30)
     );
@@ -303,9 +301,7 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         mosquitto_pub(broker.port(), Some(("evil", "evil-secret")), topic, &p);
     }
     assert!(
-        wait_for(Duration::from_secs(10), || broker
-            .log_text()
-            .contains("Denied PUBLISH")),
+        broker.wait_log(Duration::from_secs(10), "Denied PUBLISH"),
         "the broker did not deny evil's receipt:\n{}",
         crate::support::tail(&broker.log_text(), 20)
     );

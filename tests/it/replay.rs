@@ -3,7 +3,7 @@
 
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
-use crate::support::spool::{count_by_state, count_in_state, total};
+use crate::support::spool::{await_states, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::collections::{BTreeMap, BTreeSet};
@@ -32,9 +32,7 @@ fn the_whole_air_quality_trace_is_replayed_and_delivered() {
     let cfg = root.join("board-configs/airquality-replay.toml");
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
     assert!(
-        wait_for(Duration::from_secs(120), || agent
-            .log_text()
-            .contains("replay finished")),
+        agent.wait_log(Duration::from_secs(120), "replay finished"),
         "{}",
         agent.log_tail(20)
     );
@@ -49,13 +47,12 @@ fn the_whole_air_quality_trace_is_replayed_and_delivered() {
         line.contains("9471 rows read, 9326 readings, 16701 cells skipped, 145 rows skipped"),
         "{line}"
     );
-    assert!(
-        wait_for(Duration::from_secs(120), || total(&db) == 9326
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(20)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(120),
+        "total == 9326 && PENDING + SENT == 0",
+        |s| total(&db) == 9326 && s.n("PENDING") + s.n("SENT") == 0,
     );
     agent.terminate(Duration::from_secs(15));
     let deliveries = sub.deliveries();
@@ -204,15 +201,12 @@ interval_ms = 50
     }
     println!("{resumed} of 5 runs resumed after a stored row");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(180), || agent
-            .log_text()
-            .contains("replay finished")
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(180),
+        "replay finished && PENDING + SENT == 0",
+        |s| agent.log_text().contains("replay finished") && s.n("PENDING") + s.n("SENT") == 0,
     );
     assert!(
         sub.wait_until(Duration::from_secs(60), |d| ids_by_row(d).len() >= ROWS),
@@ -379,13 +373,12 @@ fn a_followed_log_rotated_truncated_and_killed_delivers_every_line_once() {
         std::thread::sleep(Duration::from_millis(20));
         append(&mut second, &log_lines(k, k + 5));
     }
-    assert!(
-        wait_for(Duration::from_secs(60), || total(&db) >= LINES as i64
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "total >= LINES as i64 && PENDING + SENT == 0",
+        |s| total(&db) >= LINES as i64 && s.n("PENDING") + s.n("SENT") == 0,
     );
     assert!(
         sub.wait_until(Duration::from_secs(60), |d| ids_by_seq(d).len() as u64
@@ -465,13 +458,12 @@ fn a_log_rotated_while_the_agent_is_down_is_finished_then_the_new_file_followed(
     let mut new = open(&log);
     append(&mut new, &format!("ts,seq\n{}", log_lines(70, 100)));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || total(&db) >= 100
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "total >= 100 && PENDING + SENT == 0",
+        |s| total(&db) >= 100 && s.n("PENDING") + s.n("SENT") == 0,
     );
     assert!(
         sub.wait_until(Duration::from_secs(60), |d| ids_by_seq(d).len() >= 100),

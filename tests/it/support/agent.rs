@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::tail;
+use super::{tail, wait_for};
 
 /// How long `run_cli` lets a command run before killing it and panicking.
 pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
@@ -230,6 +230,23 @@ impl AgentProc {
                 .is_some_and(|r| r.starts_with(']') || r.starts_with("::") || r.starts_with(':'));
             in_part && l.contains(text)
         })
+    }
+
+    /// Wait up to `timeout` until the log holds `text`.
+    pub fn wait_log(&self, timeout: Duration, text: &str) -> bool {
+        wait_for(timeout, || self.log_text().contains(text))
+    }
+
+    /// SIGTERM, then assert the agent stopped by itself within `timeout`
+    /// and exited 0 (panics with the log tail otherwise).
+    pub fn terminate_clean(&mut self, timeout: Duration) {
+        let status = self.terminate(timeout);
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(0),
+            "{}",
+            self.log_tail(40)
+        );
     }
 
     /// The last `lines` lines of the log (for assertion messages).

@@ -155,3 +155,21 @@ impl Drop for SinkProc {
         }
     }
 }
+
+/// `edgespool sink --stats ARGS..` (ARGS name the store): its report;
+/// panics with stderr unless it exits 0.
+pub fn stats(args: &[&str]) -> String {
+    let mut all = vec!["sink", "--stats"];
+    all.extend_from_slice(args);
+    let (status, out, err) = super::agent::run_cli(&all);
+    assert_eq!(status.code(), Some(0), "sink --stats {args:?}: {err}");
+    out
+}
+
+/// [`stats`] with `--json`, parsed.
+pub fn stats_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = stats(&all);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("sink --stats JSON ({e}): {out}"))
+}
