@@ -4,6 +4,7 @@
 
 use crate::prefix;
 use crate::support::agent::AgentProc;
+use crate::support::board::edit_config;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{self, counter};
@@ -734,12 +735,12 @@ fn the_loop_guard_sees_through_other_spellings_of_the_main_broker() {
             &prefix,
             "",
         );
-        let text = std::fs::read_to_string(&cfg).expect("read");
-        let text = text.replace(
-            "topics = [\"plant/#\"]",
-            &format!("topics = [\"{prefix}/events/#\"]"),
-        );
-        std::fs::write(&cfg, text).expect("write");
+        edit_config(&cfg, |t| {
+            t.replace(
+                "topics = [\"plant/#\"]",
+                &format!("topics = [\"{prefix}/events/#\"]"),
+            )
+        });
         let (status, out, err) =
             crate::support::agent::run_cli(&["check-config", cfg.to_str().expect("utf-8 path")]);
         assert!(

@@ -2,7 +2,7 @@
 //! retirement only on PUBACK.
 
 use crate::support::agent::AgentProc;
-use crate::support::board::Board;
+use crate::support::board::{append_config, edit_config, Board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{await_states, count_by_state, count_in_state, rows, total};
@@ -100,9 +100,10 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
     let Board { dir, cfg, .. } = Board::new(&proxy.url(), &prefix, 200);
     let sub = Subscriber::events(broker.port(), &prefix);
     let prom = dir.path().join("edgespool.prom");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\ntextfile = \"{}\"\n", prom.display()));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(
+        &cfg,
+        &format!("[metrics]\ntextfile = \"{}\"\n", prom.display()),
+    );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.ack_timeout_secs=2".into()], dir.path());
     // The watchdog (2 s without a PUBACK) rebuilds the client and replays:
@@ -182,16 +183,14 @@ fn oversized_payload_is_marked_failed_and_never_published() {
     // 1024 bytes is the smallest limit the config allows: a small exec
     // source stays under it, one printing a 2 KB JSON object does not.
     let big = format!("{{\"blob\":\"{}\"}}", "x".repeat(2000));
-    let text = std::fs::read_to_string(&cfg)
-        .expect("read cfg")
-        .replace(
+    edit_config(&cfg, |t| {
+        t.replace(
             "name = \"system\"\nkind = \"system\"",
             "name = \"small\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"42\"]",
-        )
-        + &format!(
+        ) + &format!(
             "[[sources]]\nname = \"big\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [{big:?}]\ninterval_ms = 200\n"
-        );
-    std::fs::write(&cfg, text).expect("write cfg");
+        )
+    });
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.max_payload_bytes=1024".into()], dir.path());
     await_states(&db, &agent, Duration::from_secs(20), "FAILED >= 2", |s| {
         s.n("FAILED") >= 2

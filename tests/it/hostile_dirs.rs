@@ -10,7 +10,7 @@
 //! ran it is unchanged, or the agent refused to start naming the path.
 
 use crate::support::agent::{bin, AgentProc};
-use crate::support::board::{Board, NO_BROKER};
+use crate::support::board::{add_ingest, edit_config, Board, NO_BROKER};
 use crate::support::spool::total;
 use crate::support::wait_for;
 use crate::{prefix, write_config};
@@ -283,10 +283,7 @@ fn a_storage_profile_planted_as_a_symlink_is_measured_again_by_name_and_its_targ
     chown(&theirs, NOBODY);
     let cfg = write_config(dir.path(), NO_BROKER, &prefix("profile_link"), 200);
     // No commit_window_ms: the profile decides it.
-    let text = std::fs::read_to_string(&cfg)
-        .expect("cfg")
-        .replace("commit_window_ms = 50\n", "");
-    std::fs::write(&cfg, text).expect("cfg");
+    edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
     let profile = dir.path().join("storage-profile.json");
     symlink(&theirs, &profile);
     let (line, log) = probe_line(&cfg, dir.path());
@@ -307,10 +304,7 @@ fn a_storage_profile_planted_as_a_symlink_is_measured_again_by_name_and_its_targ
 #[test]
 fn a_storage_profile_owned_by_another_user_or_damaged_is_measured_again_by_name() {
     let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("profile_owner"), 200);
-    let text = std::fs::read_to_string(&cfg)
-        .expect("cfg")
-        .replace("commit_window_ms = 50\n", "");
-    std::fs::write(&cfg, text).expect("cfg");
+    edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
     let profile = dir.path().join("storage-profile.json");
     std::fs::write(&profile, tuned_profile(dir.path())).expect("write");
     chmod(&profile, 0o644);
@@ -423,13 +417,7 @@ fn a_damaged_marker_the_agent_did_not_write_is_ignored_by_name_and_the_spool_kep
 #[test]
 fn a_process_already_listening_on_the_ingest_socket_is_named_and_keeps_its_clients() {
     let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("squat"), 1000);
-    let sock = dir.path().join("run/ingest.sock");
-    let mut text = std::fs::read_to_string(&cfg).expect("cfg");
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n[[ingest.streams]]\nname = \"pump\"\n",
-        sock.display()
-    ));
-    std::fs::write(&cfg, text).expect("cfg");
+    let sock = add_ingest(&cfg, "[[ingest.streams]]\nname = \"pump\"\n");
     std::fs::create_dir_all(sock.parent().expect("dir")).expect("mkdir");
     // Someone else got there first (this test process plays them).
     let squatter = UnixListener::bind(&sock).expect("bind");

@@ -5,6 +5,7 @@
 //! every `ok` delivered and no key stored twice.
 
 use crate::support::agent::AgentProc;
+use crate::support::board::{add_ingest, edit_config};
 use crate::support::broker::Broker;
 use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
@@ -25,12 +26,7 @@ use std::time::{Duration, Instant};
 /// an `[ingest]` section: `ingest` is its body, `streams` what follows.
 fn ingest_config(dir: &Path, url: &str, prefix: &str, ingest: &str) -> PathBuf {
     let path = write_config(dir, url, prefix, 1000);
-    let mut text = std::fs::read_to_string(&path).expect("read config");
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n{ingest}",
-        dir.join("run/ingest.sock").display()
-    ));
-    std::fs::write(&path, text).expect("write config");
+    add_ingest(&path, ingest);
     path
 }
 
@@ -808,12 +804,9 @@ fn sixteen_tcp_connections_of_pipelined_15_kb_lines_keep_rss_bounded_and_the_boa
         &format!("tcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"flood\"\n"),
     );
     // The board's own source, every 200 ms.
-    let text = std::fs::read_to_string(&cfg).expect("read config");
-    std::fs::write(
-        &cfg,
-        text.replace("interval_ms = 1000", "interval_ms = 200"),
-    )
-    .expect("write config");
+    edit_config(&cfg, |t| {
+        t.replace("interval_ms = 1000", "interval_ms = 200")
+    });
     let sock = dir.path().join("run/ingest.sock");
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());

@@ -2,7 +2,7 @@
 //! listener's answers to requests it must refuse, and the summary line.
 
 use crate::support::agent::{run_cli, AgentProc};
-use crate::support::board::Board;
+use crate::support::board::{append_config, Board};
 use crate::support::broker::Broker;
 use crate::support::{free_port, wait_for};
 use std::io::{Read, Write};
@@ -104,12 +104,13 @@ fn metrics_are_served_and_written_and_bad_requests_are_refused() {
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
     let prom = dir.path().join("edgespool.prom");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!(
-        "[metrics]\ntextfile = \"{}\"\nlisten = \"{addr}\"\n",
-        prom.display()
-    ));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(
+        &cfg,
+        &format!(
+            "[metrics]\ntextfile = \"{}\"\nlisten = \"{addr}\"\n",
+            prom.display()
+        ),
+    );
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     let acked = |body: &str| sample(body, "edgespool_spool_rows_by_state{state=\"ACKED\"}");
     let mut first = 0.0;
@@ -218,9 +219,10 @@ fn a_textfile_that_cannot_be_written_is_a_warning_and_delivery_goes_on() {
     let prefix = crate::prefix("metrics-nodir");
     let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 100);
     let prom = dir.path().join("missing-dir/edgespool.prom");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\ntextfile = \"{}\"\n", prom.display()));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(
+        &cfg,
+        &format!("[metrics]\ntextfile = \"{}\"\n", prom.display()),
+    );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
@@ -260,9 +262,7 @@ fn a_scrape_is_answered_within_a_second_while_100_slow_clients_hold_connections(
     let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 100);
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\nlisten = \"{addr}\"\n"));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(&cfg, &format!("[metrics]\nlisten = \"{addr}\"\n"));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(30), || TcpStream::connect(addr).is_ok()),

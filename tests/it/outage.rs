@@ -6,6 +6,7 @@
 //! backlog's drain time following from it.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::{add_ingest, edit_config};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::{free_port, wait_for};
@@ -26,17 +27,17 @@ const WINDOW_SECS: u64 = 6;
 /// and the metrics listener on `metrics`.
 fn config(dir: &Path, url: &str, name: &str, metrics: SocketAddr) -> PathBuf {
     let path = write_config(dir, url, &prefix(name), 1000);
-    let mut text = std::fs::read_to_string(&path).expect("read config");
-    text = text.replacen(
-        "[agent]\n",
-        &format!("[agent]\nrate_window_secs = {WINDOW_SECS}\n"),
-        1,
+    edit_config(&path, |t| {
+        t.replacen(
+            "[agent]\n",
+            &format!("[agent]\nrate_window_secs = {WINDOW_SECS}\n"),
+            1,
+        )
+    });
+    add_ingest(
+        &path,
+        &format!("[[ingest.streams]]\nname = \"pump\"\n[metrics]\nlisten = \"{metrics}\"\n"),
     );
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n[[ingest.streams]]\nname = \"pump\"\n[metrics]\nlisten = \"{metrics}\"\n",
-        dir.join("run/ingest.sock").display()
-    ));
-    std::fs::write(&path, text).expect("write config");
     path
 }
 

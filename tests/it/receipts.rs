@@ -10,6 +10,7 @@
 use crate::commands::publish;
 use crate::refusals::{allow, broker_with_acl, status_json};
 use crate::support::agent::AgentProc;
+use crate::support::board::edit_config;
 use crate::support::broker::Broker;
 use crate::support::spool::{count_in_state, rows};
 use crate::support::subscriber::Subscriber;
@@ -21,13 +22,13 @@ use std::time::{Duration, Instant};
 /// A test board config in receipt mode with a short receipt timeout.
 fn receipt_config(dir: &Path, url: &str, prefix: &str, timeout_secs: u64) -> std::path::PathBuf {
     let cfg = crate::write_config(dir, url, prefix, 300);
-    let text = std::fs::read_to_string(&cfg).expect("read test config");
-    let text = text.replacen(
-        "[mqtt]\n",
-        &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
-        1,
-    );
-    std::fs::write(&cfg, text).expect("write test config");
+    edit_config(&cfg, |t| {
+        t.replacen(
+            "[mqtt]\n",
+            &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
+            1,
+        )
+    });
     cfg
 }
 
@@ -257,17 +258,18 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = fleet::broker(dir.path(), "");
     let cfg = receipt_config(dir.path(), &broker.url(), "edgespool/gw1", 10);
-    let text = std::fs::read_to_string(&cfg).expect("read config");
-    let text = text.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1);
-    let text = text.replacen(
-        "[mqtt]\n",
-        &format!(
-            "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
-            fleet::password_file(dir.path(), "gw1").display()
-        ),
-        1,
-    );
-    std::fs::write(&cfg, text).expect("write config");
+    let password_file = fleet::password_file(dir.path(), "gw1");
+    edit_config(&cfg, |t| {
+        t.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1)
+            .replacen(
+                "[mqtt]\n",
+                &format!(
+                    "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
+                    password_file.display()
+                ),
+                1,
+            )
+    });
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(

@@ -26,7 +26,7 @@ use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
-use crate::support::{spool, tail, unique_suffix, wait_for};
+use crate::support::{poll, spool, tail, unique_suffix, wait_for};
 use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
@@ -183,21 +183,6 @@ fn resend_rounds(dir: &Path) -> Vec<u64> {
 /// Rows sent again for a missing receipt, in all (see [`resend_rounds`]).
 fn resent_logged(dir: &Path) -> u64 {
     resend_rounds(dir).iter().sum()
-}
-
-/// Poll `f` every `every` until it holds or `timeout` passed (for checks
-/// that start a process, such as `status`).
-fn poll(timeout: Duration, every: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(every.min(deadline.saturating_duration_since(Instant::now())));
-    }
 }
 
 /// event id -> digest of what the SQLite sink at `db` holds for `device`

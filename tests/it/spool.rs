@@ -2,7 +2,7 @@
 //! one agent per spool, damaged files moved aside, an external writer.
 
 use crate::support::agent::{run_cli, AgentProc};
-use crate::support::board::{Board, NO_BROKER};
+use crate::support::board::{append_config, Board, NO_BROKER};
 use crate::support::broker::Broker;
 use crate::support::spool::{open, total};
 use crate::support::wait_for;
@@ -196,9 +196,7 @@ fn full_durability_readings_commit_at_once_without_waiting_for_the_window() {
     // durability = "full": each reading is committed (fsynced) when taken,
     // even with a 60 s group-commit window for the batched streams.
     let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("full"), 100);
-    let text = std::fs::read_to_string(&cfg).expect("read")
-        + "[[sources]]\nname = \"alarm\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"1\"]\ninterval_ms = 100\ndurability = \"full\"\n";
-    std::fs::write(&cfg, text).expect("write");
+    append_config(&cfg, "[[sources]]\nname = \"alarm\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"1\"]\ninterval_ms = 100\ndurability = \"full\"\n");
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &["spool.commit_window_ms=60000".into()], dir.path());
     assert!(

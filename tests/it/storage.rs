@@ -3,7 +3,7 @@
 //! file replaced under the agent.
 
 use crate::support::agent::{run_cli, AgentProc};
-use crate::support::board::{Board, NO_BROKER};
+use crate::support::board::{edit_config, Board, NO_BROKER};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{count_by_state, total};
@@ -504,10 +504,7 @@ fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
     let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
     // No commit_window_ms in this config: the probe decides it.
     let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 50);
-    let text = std::fs::read_to_string(&cfg)
-        .expect("read")
-        .replace("commit_window_ms = 50\n", "");
-    std::fs::write(&cfg, text).expect("write");
+    edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn_with_env(
         &cfg,

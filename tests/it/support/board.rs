@@ -73,6 +73,21 @@ pub fn append_config(cfg: &Path, more: &str) {
     edit_config(cfg, |text| text + more);
 }
 
+/// Append an `[ingest]` table to the config file `cfg`: its socket at
+/// `run/ingest.sock` beside `cfg`, then `more` (more keys of the table,
+/// then its `[[ingest.streams]]`). Returns the socket's path.
+pub fn add_ingest(cfg: &Path, more: &str) -> PathBuf {
+    let sock = cfg
+        .parent()
+        .expect("a config file in a directory")
+        .join("run/ingest.sock");
+    append_config(
+        cfg,
+        &format!("[ingest]\nsocket = \"{}\"\n{more}", sock.display()),
+    );
+    sock
+}
+
 /// One test's board, as [`write_config`] writes it. Its fields are meant
 /// to be taken apart (`let Board { dir, cfg, db } = ...`): the temp dir
 /// lives as long as the binding `dir`.
