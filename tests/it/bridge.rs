@@ -4,12 +4,12 @@
 
 use crate::prefix;
 use crate::support::agent::AgentProc;
-use crate::support::board::edit_config;
+use crate::support::board::{edit_config, write_board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{self, counter};
 use crate::support::subscriber::{Delivery, Subscriber};
-use crate::support::{tail, wait_for};
+use crate::support::{run_ok, tail, wait_for};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -32,34 +32,10 @@ fn write_bridge_config(
     prefix: &str,
     extra: &str,
 ) -> PathBuf {
-    let path = dir.join("board.toml");
-    let text = format!(
-        r#"device_id = "it-board"
-[spool]
-path = "{spool}"
-commit_window_ms = 50
-checkpoint_interval_secs = 1
-[mqtt]
-url = "{upstream_url}"
-topic_prefix = "{prefix}"
-reconnect_min_ms = 100
-reconnect_max_ms = 800
-connect_timeout_secs = 2
-ack_timeout_secs = 3
-inflight_window = 16
-[agent]
-summary_interval_secs = 2
-[[sources]]
-name = "plant"
-kind = "mqtt"
-url = "{local}"
-topics = ["plant/#"]
-{extra}
-"#,
-        spool = dir.join("spool.db").display()
+    let source = format!(
+        "[[sources]]\nname = \"plant\"\nkind = \"mqtt\"\nurl = \"{local}\"\ntopics = [\"plant/#\"]\n{extra}\n"
     );
-    std::fs::write(&path, text).expect("write test config");
-    path
+    write_board(dir, upstream_url, prefix, &source)
 }
 
 /// Publish `payload` on `topic` to the broker on `port` at QoS 1 and wait
@@ -532,17 +508,12 @@ fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_roo
         .collect();
     let input = dir.path().join("lines.txt");
     std::fs::write(&input, text).expect("write lines");
-    let out = Command::new(MOSQUITTO_PUB)
+    let mut publisher = Command::new(MOSQUITTO_PUB);
+    publisher
         .args(["-h", "127.0.0.1", "-p", &local.port().to_string()])
         .args(["-q", "1", "-t", "plant/big", "-l"])
-        .stdin(std::fs::File::open(&input).expect("open lines"))
-        .output()
-        .expect("run mosquitto_pub -l");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .stdin(std::fs::File::open(&input).expect("open lines"));
+    run_ok(&mut publisher, "mosquitto_pub -l");
     assert!(
         agent.wait_log(
             Duration::from_secs(60),

@@ -24,7 +24,7 @@ fn ask(addr: SocketAddr, request: &[u8]) -> String {
 
 /// The value of the first sample line starting with `prefix` (name and
 /// labels, as rendered).
-fn sample(text: &str, prefix: &str) -> Option<f64> {
+pub(crate) fn sample(text: &str, prefix: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find(|l| l.starts_with(prefix))

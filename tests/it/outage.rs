@@ -5,6 +5,7 @@
 //! the fault proxy is kept, with its time, once the link goes down, the
 //! backlog's drain time following from it.
 
+use crate::metrics::sample;
 use crate::support::agent::{run_cli, AgentProc};
 use crate::support::board::{add_ingest, edit_config};
 use crate::support::broker::Broker;
@@ -145,15 +146,6 @@ fn metrics(addr: SocketAddr) -> String {
     out.split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default()
-}
-
-/// The value of the sample line starting with `prefix`.
-fn sample(text: &str, prefix: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit_once(' '))
-        .and_then(|(_, v)| v.parse().ok())
 }
 
 /// `got` within `tol` (a fraction) of `want`.

@@ -23,6 +23,7 @@
 
 use crate::refusals::status_json;
 use crate::support::agent::AgentProc;
+use crate::support::board::{edit_config, write_board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
@@ -61,31 +62,22 @@ fn board_config(dir: &Path, url: &str, prefix: &str, device: &str, retire_on: Re
         prefix.ends_with(&format!("/{device}")),
         "the sink takes the device from the prefix's last level: {prefix} for {device}"
     );
-    let path = dir.join("board.toml");
-    let text = format!(
-        r#"device_id = "{device}"
-sources = []
-[spool]
-path = "{spool}"
-commit_window_ms = 50
-checkpoint_interval_secs = 1
-[mqtt]
-url = "{url}"
-topic_prefix = "{prefix}"
-retire_on = "{retire_on}"
-receipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}
-reconnect_min_ms = 100
-reconnect_max_ms = 800
-connect_timeout_secs = 2
-ack_timeout_secs = 3
-inflight_window = 16
-[agent]
-summary_interval_secs = 2
-"#,
-        spool = dir.join("spool.db").display(),
-        retire_on = retire_on.key(),
-    );
-    std::fs::write(&path, text).expect("write the board config");
+    let path = write_board(dir, url, prefix, "");
+    edit_config(&path, |t| {
+        t.replacen(
+            "device_id = \"it-board\"\n",
+            &format!("device_id = \"{device}\"\nsources = []\n"),
+            1,
+        )
+        .replacen(
+            &format!("topic_prefix = \"{prefix}\"\n"),
+            &format!(
+                "topic_prefix = \"{prefix}\"\nretire_on = \"{}\"\nreceipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}\n",
+                retire_on.key()
+            ),
+            1,
+        )
+    });
     path
 }
 

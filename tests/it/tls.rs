@@ -5,27 +5,21 @@
 use crate::support::agent::AgentProc;
 use crate::support::broker::{password_file, Broker};
 use crate::support::spool::{count_in_state, total};
-use crate::support::wait_for;
+use crate::support::{run_ok, wait_for};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run openssl (Debian package openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        Command::new("openssl").args(args).current_dir(dir),
+        &format!("openssl {args:?} (Debian package openssl)"),
     );
 }
 
-/// A CA (`<name>-ca.pem`), and certificates it signs.
-pub(crate) fn make_ca(dir: &Path, name: &str) {
-    let key = format!("{name}-ca.key");
+/// A P-256 private key in `dir/key`.
+fn ec_key(dir: &Path, key: &str) {
+    let curve = "ec_paramgen_curve:P-256";
     openssl(
         dir,
         &[
@@ -33,11 +27,17 @@ pub(crate) fn make_ca(dir: &Path, name: &str) {
             "-algorithm",
             "EC",
             "-pkeyopt",
-            "ec_paramgen_curve:P-256",
+            curve,
             "-out",
-            &key,
+            key,
         ],
     );
+}
+
+/// A CA (`<name>-ca.pem`), and certificates it signs.
+pub(crate) fn make_ca(dir: &Path, name: &str) {
+    let key = format!("{name}-ca.key");
+    ec_key(dir, &key);
     openssl(
         dir,
         &[
@@ -63,18 +63,7 @@ pub(crate) fn make_cert(dir: &Path, ca: &str, name: &str, san: Option<&str>) {
 /// `days` "-1" gives a certificate whose validity ended yesterday.
 fn make_cert_days(dir: &Path, ca: &str, name: &str, san: Option<&str>, days: &str) {
     let key = format!("{name}.key");
-    openssl(
-        dir,
-        &[
-            "genpkey",
-            "-algorithm",
-            "EC",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-out",
-            &key,
-        ],
-    );
+    ec_key(dir, &key);
     openssl(
         dir,
         &[

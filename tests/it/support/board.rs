@@ -21,6 +21,19 @@ pub fn prefix(test: &str) -> String {
 /// Write a test board config into `dir`: a fast `system` source (every
 /// `interval_ms`), short commit window, fast reconnects, a short watchdog.
 pub fn write_config(dir: &Path, url: &str, prefix: &str, interval_ms: u64) -> PathBuf {
+    write_board(
+        dir,
+        url,
+        prefix,
+        &format!(
+            "[[sources]]\nname = \"system\"\nkind = \"system\"\ninterval_ms = {interval_ms}\n"
+        ),
+    )
+}
+
+/// [`write_config`] with `sources` (its `[[sources]]` tables) instead of
+/// the `system` source.
+pub fn write_board(dir: &Path, url: &str, prefix: &str, sources: &str) -> PathBuf {
     let path = dir.join("board.toml");
     let text = format!(
         r#"device_id = "it-board"
@@ -38,11 +51,7 @@ ack_timeout_secs = 3
 inflight_window = 16
 [agent]
 summary_interval_secs = 2
-[[sources]]
-name = "system"
-kind = "system"
-interval_ms = {interval_ms}
-"#,
+{sources}"#,
         spool = dir.join("spool.db").display()
     );
     std::fs::write(&path, text).expect("write test config");

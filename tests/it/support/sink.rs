@@ -173,3 +173,19 @@ pub fn stats_json(args: &[&str]) -> serde_json::Value {
     let out = stats(&all);
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("sink --stats JSON ({e}): {out}"))
 }
+
+/// event id -> (payload, deliveries) in the SQLite store of a sink at
+/// `db` (empty before the sink has created it).
+pub fn sqlite_received(db: &Path) -> std::collections::HashMap<String, (Vec<u8>, i64)> {
+    let Ok(c) =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    else {
+        return Default::default();
+    };
+    let Ok(mut st) = c.prepare("SELECT event_id, payload, deliveries FROM received") else {
+        return Default::default();
+    };
+    st.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
+        .and_then(|rows| rows.collect())
+        .unwrap_or_default()
+}
