@@ -95,13 +95,32 @@ impl AgentProc {
         envs: &[(&str, &str)],
         customize: impl FnOnce(&mut Command),
     ) -> AgentProc {
+        let log = agent_log_filter();
+        AgentProc::launch(command(), config_path, sets, dir, envs, &log, customize)
+    }
+
+    /// The binary `bin` (a bench's release build, say) run as the agent
+    /// with RUST_LOG=`log`, no runner in front, otherwise as
+    /// [`AgentProc::spawn`].
+    pub fn spawn_bin(bin: &Path, config_path: &Path, dir: &Path, log: &str) -> AgentProc {
+        AgentProc::launch(Command::new(bin), config_path, &[], dir, &[], log, |_| {})
+    }
+
+    fn launch(
+        mut cmd: Command,
+        config_path: &Path,
+        sets: &[String],
+        dir: &Path,
+        envs: &[(&str, &str)],
+        log_filter: &str,
+        customize: impl FnOnce(&mut Command),
+    ) -> AgentProc {
         std::fs::create_dir_all(dir)
             .unwrap_or_else(|e| panic!("create agent dir {}: {e}", dir.display()));
         let (log_path, log) = claim_log_file(dir);
         let log_err = log
             .try_clone()
             .unwrap_or_else(|e| panic!("clone handle of {}: {e}", log_path.display()));
-        let mut cmd = command();
         cmd.arg("run").arg("--config").arg(config_path);
         for set in sets {
             cmd.arg("--set").arg(set);
@@ -109,15 +128,16 @@ impl AgentProc {
         for (k, v) in envs {
             cmd.env(k, v);
         }
-        cmd.env("RUST_LOG", agent_log_filter())
+        cmd.env("RUST_LOG", log_filter)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
         customize(&mut cmd);
+        let program = cmd.get_program().to_owned();
         let child = cmd.spawn().unwrap_or_else(|e| {
             panic!(
                 "spawn {} run --config {}: {e}",
-                bin().display(),
+                program.to_string_lossy(),
                 config_path.display()
             )
         });

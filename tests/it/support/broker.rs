@@ -139,25 +139,16 @@ impl Broker {
         }
     }
 
-    /// SIGKILL the broker (no clean shutdown, no goodbye to clients) and
-    /// reap it. A no-op if it is not running.
-    /// SIGTERM (mosquitto saves its persistence file on the way out) and reap.
+    /// SIGTERM (mosquitto saves its persistence file on the way out) and
+    /// reap; SIGKILL after 10 s. A no-op if it is not running.
     pub fn stop_graceful(&mut self) {
         if let Some(mut child) = self.child.take() {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while std::time::Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            super::terminate(&mut child, Duration::from_secs(10));
         }
     }
 
+    /// SIGKILL the broker (no clean shutdown, no goodbye to clients) and
+    /// reap it. A no-op if it is not running.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             // Child::kill sends SIGKILL on Unix; an error only means it has

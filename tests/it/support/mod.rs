@@ -19,7 +19,7 @@ pub mod spool;
 pub mod subscriber;
 
 use std::net::TcpListener;
-use std::process::{Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -58,6 +58,30 @@ pub fn run_ok(cmd: &mut Command, what: &str) -> Output {
         String::from_utf8_lossy(&out.stderr)
     );
     out
+}
+
+/// SIGTERM `child`, give it `grace` to exit by itself, then SIGKILL it;
+/// reaps it either way. Returns its exit status if it stopped in time
+/// (or had already exited), None if it had to be killed.
+pub fn terminate(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
+    if let Ok(Some(status)) = child.try_wait() {
+        return Some(status);
+    }
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill(2) on our own child, not reaped yet (try_wait above
+        // saw it running), so the pid cannot name another process.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let mut status = None;
+    if wait_for(grace, || {
+        status = child.try_wait().ok().flatten();
+        status.is_some()
+    }) {
+        return status;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago: bind to port 0, read
