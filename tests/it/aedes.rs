@@ -98,7 +98,7 @@ fn status(db: &Path) -> String {
 fn aedes_closing_on_the_command_subscription_does_not_stop_telemetry() {
     let prefix = crate::prefix("aedes-deny");
     let aedes = Aedes::start(&[&format!("deny-subscribe={prefix}/commands")]);
-    let sub = Subscriber::start(aedes.port, &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(aedes.port, &prefix);
     let Board { dir, cfg, db } = Board::new(&aedes.url(), &prefix, 200).v311();
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
@@ -157,7 +157,7 @@ fn aedes_refusing_the_keep_alive_is_named_and_nothing_is_retired() {
     assert_eq!(count_in_state(&db, "ACKED"), 0, "{}", status(&db));
     agent.terminate(Duration::from_secs(15));
 
-    let sub = Subscriber::start(aedes.port, &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(aedes.port, &prefix);
     let sets = ["mqtt.keep_alive_secs=10".to_owned()];
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
     assert!(

@@ -94,7 +94,7 @@ fn json_messages_arrive_flattened_with_their_topic_and_an_id_field_keeps_one_eve
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-basic");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -152,7 +152,7 @@ fn a_garbage_payload_is_acknowledged_counted_and_does_not_block_later_messages()
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-garbage");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -404,7 +404,7 @@ fn two_thousand_through_kills(id_field: Option<&str>) {
 
     // Drain: upstream back, the subscriber on it first, then the agent.
     upstream.restart();
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     // About 200 events a second (some 250 bytes each), so the kills below
     // land mid-drain however fast the machine is.
     proxy.set_rate(50_000);
@@ -491,7 +491,7 @@ fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_roo
     proxy.set_mode(Mode::Refuse);
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-full");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     // About 400 messages of 1 KB a second reach the bridge, so the capacity
     // check (once a second) sees the spool pass 1 MiB well before all N are in.
     let local_proxy = Proxy::start(local.port());
@@ -567,7 +567,7 @@ fn the_same_id_on_two_topics_is_two_events_and_a_reused_id_is_refused() {
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-idscope");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -638,7 +638,7 @@ fn member_names_with_nul_or_newline_are_refused() {
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-names");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),

@@ -51,7 +51,7 @@ impl Rig {
         let proxy = Proxy::start(broker.port());
         let dir = tempfile::tempdir().expect("tempdir");
         let prefix = crate::prefix(test);
-        let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+        let sub = Subscriber::events(broker.port(), &prefix);
         let cfg = dir.path().join("board.toml");
         let rig = Rig {
             broker,

@@ -231,7 +231,7 @@ fn an_export_under_ingest_load_restored_in_a_new_spool_directory_delivers_every_
 
     // Restored: the file alone, as spool.db, in a new spool directory.
     let broker = Broker::start();
-    let sub = Subscriber::start(broker.port(), &format!("{pfx}/events/#"));
+    let sub = Subscriber::events(broker.port(), &pfx);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let restored = tempfile::tempdir().expect("tempdir");
     std::fs::copy(&copy, restored.path().join("spool.db")).expect("restore the copy");

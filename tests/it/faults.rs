@@ -168,7 +168,7 @@ fn a_sigkill_resends_at_most_the_inflight_window_and_one_windows_acks_and_never_
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("ackwindow");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let value = dir.path().join("value");
     std::fs::write(&value, "21.5\n").expect("write the value file");
     let cfg = dir.path().join("board.toml");

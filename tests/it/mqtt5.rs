@@ -287,7 +287,7 @@ fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
             allow("subscribePattern", &format!("{prefix}/events/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());

@@ -162,7 +162,7 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
         "backlog of {BACKLOG} tele and {DASH} dash rows written in {:?}",
         t.elapsed()
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let results = Subscriber::start(broker.port(), &format!("{prefix}/events/_commands"));
     let cfg = config(dir.path(), &proxy.url(), &prefix);
 

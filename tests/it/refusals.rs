@@ -213,7 +213,7 @@ fn a_command_subscription_denied_by_acl_degrades_health_and_telemetry_keeps_flow
             allow("subscribePattern", &format!("{prefix}/events/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
@@ -480,7 +480,7 @@ fn a_publish_denied_by_acl_is_acknowledged_under_3_1_1_and_the_agent_cannot_tell
             allow("subscribePattern", &format!("{prefix}/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());

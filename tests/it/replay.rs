@@ -18,7 +18,7 @@ fn the_whole_air_quality_trace_is_replayed_and_delivered() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let db = dir.path().join("spool.db");
     let sets = vec![
         format!("spool.path={}", db.display()),
@@ -31,17 +31,7 @@ fn the_whole_air_quality_trace_is_replayed_and_delivered() {
     ];
     let cfg = root.join("board-configs/airquality-replay.toml");
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
-    assert!(
-        agent.wait_log(Duration::from_secs(120), "replay finished"),
-        "{}",
-        agent.log_tail(20)
-    );
-    let log = agent.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("replay finished"))
-        .expect("finished line")
-        .to_owned();
+    let line = agent.await_line(Duration::from_secs(120), "replay finished");
     println!("{line}");
     assert!(
         line.contains("9471 rows read, 9326 readings, 16701 cells skipped, 145 rows skipped"),
@@ -145,7 +135,7 @@ fn a_replay_killed_at_five_random_moments_delivers_every_row_under_one_id() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay-kill");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let trace = dir.path().join("trace.csv");
     quoted_trace(&trace, ROWS);
@@ -326,7 +316,7 @@ fn a_followed_log_rotated_truncated_and_killed_delivers_every_line_once() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay-follow");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let (log, db, cfg) = follow_config(dir.path(), &broker, &prefix);
     let stored = |n: i64| wait_for(Duration::from_secs(60), || db.exists() && total(&db) >= n);
@@ -434,7 +424,7 @@ fn a_log_rotated_while_the_agent_is_down_is_finished_then_the_new_file_followed(
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay-follow-down");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let (log, db, cfg) = follow_config(dir.path(), &broker, &prefix);
     let stored = |n: i64| wait_for(Duration::from_secs(60), || db.exists() && total(&db) >= n);

@@ -5,6 +5,7 @@ use crate::support::agent::{run_cli, AgentProc};
 use crate::support::board::{append_config, Board, NO_BROKER};
 use crate::support::broker::Broker;
 use crate::support::spool::{open, total};
+use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use crate::{prefix, write_config};
 use std::time::Duration;
@@ -158,12 +159,9 @@ fn a_file_that_is_not_a_sqlite_database_is_refused_and_left_alone() {
 fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
     // field case F03: a writer holds BEGIN IMMEDIATE for 2 s at a time.
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("busy");
-    let sub =
-        crate::support::subscriber::Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &broker.url(), &prefix, 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 20);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
     let writer = rusqlite::Connection::open(&db).expect("open writer");

@@ -113,7 +113,7 @@ fn a_full_disk_refuses_readings_counted_and_writing_resumes_when_space_returns()
     std::fs::write(&filler2, vec![0u8; 1024 * 1024]).expect("filler2");
     let db = fs.dir.join("spool.db");
     let prefix = crate::prefix("diskfull");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = big_config(
         dir.path(),
         &db,
@@ -170,7 +170,7 @@ fn at_the_spool_limit_new_readings_are_refused_and_no_unacked_row_is_deleted() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("spool.db");
     let prefix = crate::prefix("cap");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = big_config(
         dir.path(),
         &db,
@@ -499,30 +499,18 @@ fn one_transaction_purge_wal(db: &Path) -> u64 {
 #[test]
 fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("slowdev");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 50);
     // No commit_window_ms in this config: the probe decides it.
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 50);
     edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
-    let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn_with_env(
         &cfg,
         &[],
         dir.path(),
         &[(edgespool::flash::probe::DELAY_ENV, "20")],
     );
-    assert!(
-        agent.wait_log(Duration::from_secs(20), "storage probe (measured now)"),
-        "{}",
-        agent.log_tail(20)
-    );
-    let log = agent.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("storage probe"))
-        .expect("probe line")
-        .to_owned();
+    let line = agent.await_line(Duration::from_secs(20), "storage probe (measured now)");
     println!("{line}");
     let window: u64 = line
         .split("commit window ")

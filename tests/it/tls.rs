@@ -278,16 +278,8 @@ fn an_expired_server_certificate_is_named_and_the_spool_keeps_filling() {
     );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        agent.wait_log(Duration::from_secs(20), "TLS failed"),
-        "{}",
-        agent.log_tail(30)
-    );
-    let log = agent.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("TLS failed"))
-        .unwrap_or_default()
+    let line = agent
+        .await_line(Duration::from_secs(20), "TLS failed")
         .to_lowercase();
     assert!(
         line.contains("expired"),

@@ -257,6 +257,26 @@ impl AgentProc {
         wait_for(timeout, || self.log_text().contains(text))
     }
 
+    /// Wait up to `timeout` for a log line holding `text` and return the
+    /// first such line; panics with the log's tail if none came.
+    pub fn await_line(&self, timeout: Duration, text: &str) -> String {
+        let mut line = None;
+        let found = wait_for(timeout, || {
+            line = self
+                .log_text()
+                .lines()
+                .find(|l| l.contains(text))
+                .map(str::to_owned);
+            line.is_some()
+        });
+        assert!(
+            found,
+            "no log line with {text:?} within {timeout:?}:\n{}",
+            self.log_tail(30)
+        );
+        line.unwrap_or_default()
+    }
+
     /// SIGTERM, then assert the agent stopped by itself within `timeout`
     /// and exited 0 (panics with the log tail otherwise).
     pub fn terminate_clean(&mut self, timeout: Duration) {
