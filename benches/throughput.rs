@@ -32,10 +32,7 @@ const BATCH: usize = 100;
 const WINDOW: usize = 32;
 
 fn main() {
-    let rows: usize = std::env::var("BENCH_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
+    let rows = support::env_u64("BENCH_ROWS", 20_000) as usize;
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = Broker::start_with_options(BROKER_EXTRA, false);
     println!("edgespool throughput bench: {rows} rows, batch {BATCH}, window {WINDOW}, mosquitto on port {}", broker.port());

@@ -115,12 +115,7 @@ const FORMATS: [Fmt; 6] = [
 
 fn main() {
     let agent = agent_binary();
-    let secs = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
+    let secs = support::env_u64;
     let slow = secs("WIRE_SLOW_SECS", 60).max(5);
     let fast = secs("WIRE_FAST_SECS", 20).max(2);
     let backlog = secs("WIRE_BACKLOG", 50_000).max(1) as usize;

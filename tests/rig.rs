@@ -24,6 +24,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 use support::agent::AgentProc;
 use support::broker::Broker;
+use support::env_u64;
 use support::proxy::{Mode, Proxy};
 use support::sink::SinkProc;
 
@@ -66,13 +67,6 @@ fn schedule(rng: &mut Rng, n: usize) -> Vec<Fault> {
             _ => Fault::RestartBroker,
         })
         .collect()
-}
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 fn main() {

@@ -106,6 +106,15 @@ pub fn unique_suffix() -> String {
     format!("{}-{}-{:08x}", std::process::id(), n, nanos)
 }
 
+/// The number in the environment variable `name`, else `default` (unset
+/// or not a number): the knobs of the rig and the benches.
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The last `max_lines` lines of `text` (for panic messages).
 pub fn tail(text: &str, max_lines: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
