@@ -345,7 +345,7 @@ fn write_replies(stream: Stream, pending: Receiver<Pending>) {
                 let line = match next_or_flush(&rx, &mut w, &mut failed) {
                     Some(Ok(c)) => {
                         claim.stored();
-                        ok_line(&c.event_id, c.synced)
+                        ok_line(&c.event_id.hyphenated(), c.synced)
                     }
                     Some(Err(why)) => error_line(&why.why),
                     None => error_line(STOPPING),
