@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,6 +83,72 @@ fn sample(text: &str, prefix: &str) -> Option<f64> {
         .and_then(|(_, v)| v.parse().ok())
 }
 
+/// The test board: `system` every 200 ms, `spool.max_bytes` [`MAX_BYTES`],
+/// the socket and the TCP port on `port` with streams `flood` and `calm`,
+/// the metrics on `metrics_at`.
+fn config(dir: &Path, url: &str, port: u16, metrics_at: SocketAddr) -> PathBuf {
+    let cfg = write_config(dir, url, &prefix("peers"), 200);
+    let mut text = std::fs::read_to_string(&cfg).expect("read config");
+    text = text.replacen(
+        "[spool]\n",
+        &format!("[spool]\nmax_bytes = {MAX_BYTES}\n"),
+        1,
+    );
+    text.push_str(&format!(
+        "[ingest]\nsocket = \"{}\"\ntcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"flood\"\n[[ingest.streams]]\nname = \"calm\"\n[metrics]\nlisten = \"{metrics_at}\"\n",
+        dir.join("run/ingest.sock").display()
+    ));
+    std::fs::write(&cfg, text).expect("write config");
+    cfg
+}
+
+/// Start the agent and wait for its socket and a first `system` row.
+fn start(cfg: &Path, dir: &Path) -> AgentProc {
+    let sock = dir.join("run/ingest.sock");
+    let db = dir.join("spool.db");
+    let before = stream_bytes(&db, "system").0;
+    let agent = AgentProc::spawn(cfg, &[], dir);
+    assert!(
+        wait_for(Duration::from_secs(20), || UnixStream::connect(&sock)
+            .is_ok()),
+        "ingest socket never answered\n{}",
+        agent.log_tail(30)
+    );
+    assert!(
+        wait_for(Duration::from_secs(20), || stream_bytes(&db, "system").0
+            > before),
+        "the system source never appended\n{}",
+        agent.log_tail(30)
+    );
+    agent
+}
+
+/// A line of about 4 KB on stream `flood`.
+fn flood_line() -> String {
+    let fields: Vec<String> = (0..4)
+        .map(|i| format!("\"f{i}\":\"{}\"", "x".repeat(1000)))
+        .collect();
+    format!(
+        "{{\"stream\":\"flood\",\"fields\":{{{}}}}}\n",
+        fields.join(",")
+    )
+}
+
+/// Flood over `connections` TCP connections for `how_long`; what they saw, summed.
+fn flood_for(port: u16, connections: usize, how_long: Duration) -> Seen {
+    let stop = Arc::new(AtomicBool::new(false));
+    let floods: Vec<_> = (0..connections)
+        .map(|_| flood(port, flood_line(), stop.clone()))
+        .collect();
+    std::thread::sleep(how_long);
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Seen::default();
+    for f in floods {
+        all.add(f.join().expect("flood"));
+    }
+    all
+}
+
 /// What one flooding connection saw.
 #[derive(Debug, Default, Clone, Copy)]
 struct Seen {
@@ -91,6 +157,16 @@ struct Seen {
     rate: usize,
     share: usize,
     other: usize,
+}
+
+impl Seen {
+    fn add(&mut self, s: Seen) {
+        self.sent += s.sent;
+        self.ok += s.ok;
+        self.rate += s.rate;
+        self.share += s.share;
+        self.other += s.other;
+    }
 }
 
 /// One flooding connection: a thread writes `line` as fast as the agent
@@ -117,6 +193,7 @@ fn flood(port: u16, line: String, stop: Arc<AtomicBool>) -> std::thread::JoinHan
             } else if err.contains("max_bytes_per_sec_per_peer") {
                 seen.rate += 1;
             } else if err.contains("max_spool_share") {
+                // Its own share or all input's.
                 seen.share += 1;
             } else {
                 seen.other += 1;
@@ -155,44 +232,13 @@ fn one_flooding_peer_stays_within_its_share_and_the_others_get_their_readings_in
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let metrics_at: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-    let cfg = write_config(dir.path(), &broker.url(), &prefix("peers"), 200);
-    let mut text = std::fs::read_to_string(&cfg).expect("read config");
-    text = text.replacen(
-        "[spool]\n",
-        &format!("[spool]\nmax_bytes = {MAX_BYTES}\n"),
-        1,
-    );
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\ntcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"flood\"\n[[ingest.streams]]\nname = \"calm\"\n[metrics]\nlisten = \"{metrics_at}\"\n",
-        dir.path().join("run/ingest.sock").display()
-    ));
-    std::fs::write(&cfg, text).expect("write config");
+    let cfg = config(dir.path(), &broker.url(), port, metrics_at);
     let sock = dir.path().join("run/ingest.sock");
     let db = dir.path().join("spool.db");
     // The outage: the broker is gone before the agent starts.
     broker.kill();
-    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(20), || UnixStream::connect(&sock)
-            .is_ok()),
-        "ingest socket never answered\n{}",
-        agent.log_tail(30)
-    );
-    assert!(
-        wait_for(Duration::from_secs(20), || stream_bytes(&db, "system").0
-            >= 2),
-        "the system source never appended\n{}",
-        agent.log_tail(30)
-    );
-
-    // 4 text fields of 1,000 bytes: a line of about 4 KB.
-    let fields: Vec<String> = (0..4)
-        .map(|i| format!("\"f{i}\":\"{}\"", "x".repeat(1000)))
-        .collect();
-    let line = format!(
-        "{{\"stream\":\"flood\",\"fields\":{{{}}}}}\n",
-        fields.join(",")
-    );
+    let mut agent = start(&cfg, dir.path());
+    let line = flood_line();
     let system_before = stream_bytes(&db, "system").0;
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
@@ -226,12 +272,7 @@ fn one_flooding_peer_stays_within_its_share_and_the_others_get_their_readings_in
     stop.store(true, Ordering::Relaxed);
     let mut flooded = Seen::default();
     for f in floods {
-        let s = f.join().expect("flood");
-        flooded.sent += s.sent;
-        flooded.ok += s.ok;
-        flooded.rate += s.rate;
-        flooded.share += s.share;
-        flooded.other += s.other;
+        flooded.add(f.join().expect("flood"));
     }
     let elapsed = started.elapsed();
     let system_after = stream_bytes(&db, "system").0;
@@ -340,6 +381,97 @@ fn one_flooding_peer_stays_within_its_share_and_the_others_get_their_readings_in
         crate::support::spool::count_by_state(&db),
         agent.log_tail(30)
     );
+    assert!(agent
+        .terminate(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+}
+
+/// What survives a restart: the spool keeps no peer per row, so the
+/// input's undelivered rows found at start count against the input's share
+/// (half of `spool.max_bytes`), under no peer. A peer that filled its share
+/// before a restart of the agent (broker still down) gets a fresh share of
+/// its own after it, but all input together still stays within the input's
+/// share, and the board's own source drops nothing.
+#[test]
+fn after_a_restart_the_inputs_undelivered_rows_still_count_against_its_share() {
+    let mut broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let metrics_at: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    let cfg = config(dir.path(), &broker.url(), port, metrics_at);
+    let db = dir.path().join("spool.db");
+    broker.kill();
+    let mut agent = start(&cfg, dir.path());
+    let first = flood_for(port, 2, Duration::from_secs(12));
+    let (rows1, bytes1) = stream_bytes(&db, "flood");
+    assert_eq!(rows1 as usize, first.ok);
+    assert!(agent
+        .terminate(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+    let mut agent = start(&cfg, dir.path());
+    assert!(
+        agent.logged(
+            "INFO",
+            "agent",
+            "of local input not yet delivered from before this start"
+        ),
+        "no word of the carried input\n{}",
+        agent.log_tail(30)
+    );
+    let system_before = stream_bytes(&db, "system").0;
+    let second = flood_for(port, 2, Duration::from_secs(12));
+    let (rows2, bytes2) = stream_bytes(&db, "flood");
+    let system_after = stream_bytes(&db, "system").0;
+    let input_share = MAX_BYTES / 2;
+    println!(
+        "before the restart the flood put {rows1} rows, {bytes1} bytes; after it {} more rows ({} refused over a share, {} over the rate): {rows2} rows, {bytes2} bytes in all ({:.1} % of spool.max_bytes, the input's share {input_share}); system rows {system_before} -> {system_after}",
+        second.ok,
+        second.share,
+        second.rate,
+        100.0 * bytes2 as f64 / MAX_BYTES as f64
+    );
+    assert_eq!(rows2 as usize, first.ok + second.ok);
+    assert!(
+        (bytes2 as u64) <= input_share,
+        "input holds {bytes2} bytes, over its share {input_share}"
+    );
+    assert!(
+        second.share > 0,
+        "the flood never met a share after the restart"
+    );
+    assert!(
+        system_after - system_before >= 30,
+        "the board's own source stalled: {system_before} -> {system_after}"
+    );
+    let mut st = Value::Null;
+    let shown = wait_for(Duration::from_secs(10), || {
+        st = status_json(dir.path()).unwrap_or(Value::Null);
+        st["agent_state"]["ingest_shares"]["value"]
+            .as_str()
+            .is_some_and(|v| v.contains("from before the start"))
+    });
+    assert!(
+        shown,
+        "status does not show the carried input: {}",
+        st["agent_state"]["ingest_shares"]
+    );
+    println!("status: {}", st["agent_state"]["ingest_shares"]["value"]);
+    let dropped: i64 = st["counters"]
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .filter(|(k, _)| k.starts_with("readings_dropped_"))
+                .map(|(_, v)| v.as_i64().unwrap_or(0))
+                .sum()
+        })
+        .unwrap_or(0);
+    assert_eq!(dropped, 0, "readings were dropped: {}", st["counters"]);
+    broker.restart();
+    let drained = wait_for(Duration::from_secs(120), || {
+        let by = crate::support::spool::count_by_state(&db);
+        by.get("PENDING").copied().unwrap_or(0) + by.get("SENT").copied().unwrap_or(0) == 0
+    });
+    assert!(drained, "the backlog did not drain\n{}", agent.log_tail(30));
     assert!(agent
         .terminate(Duration::from_secs(30))
         .is_some_and(|s| s.success()));
