@@ -29,7 +29,7 @@
 use crate::event::reading::{FieldValue, Fields};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -98,6 +98,12 @@ fn json_text_bytes(t: &str) -> u64 {
         .sum()
 }
 
+/// `pct` percent of `capacity` bytes, rounded down, without overflow.
+fn share_of(capacity: u64, pct: u32) -> u64 {
+    let pct = u64::from(pct);
+    capacity / 100 * pct + capacity % 100 * pct / 100
+}
+
 /// `[ingest]`'s bounds of peers, as the ingest settings give them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShareSettings {
@@ -128,9 +134,9 @@ pub enum PeerId {
     /// A client of the ingest socket running as this uid (`None`: the
     /// kernel did not say; such clients are one peer).
     Uid(Option<u32>),
-    /// A client of the TCP port from this address: on loopback, every
-    /// local user is the one peer `127.0.0.1` (tell them apart on the
-    /// socket).
+    /// A client of the TCP port from this address ([`PeerId::ip`]): on
+    /// loopback, every local user is the one peer `127.0.0.1` (tell them
+    /// apart on the socket); an IPv6 address stands for its /64.
     Ip(IpAddr),
     /// An mqtt bridge (`[[sources]]` of `kind = "mqtt"`), by source name:
     /// every publisher of its local broker.
@@ -140,10 +146,20 @@ pub enum PeerId {
 }
 
 impl PeerId {
-    /// The peer of a TCP client at `ip` (an IPv4 address mapped into IPv6
-    /// is the IPv4 one).
+    /// The peer of a TCP client at `ip`. A local user may connect from
+    /// any address of 127.0.0.0/8 (or `::1`), and one host is routinely
+    /// given a whole IPv6 /64: each is one peer, or one user would be as
+    /// many peers as it likes. An IPv4 address mapped into IPv6 is the
+    /// IPv4 one.
     pub fn ip(ip: IpAddr) -> PeerId {
-        PeerId::Ip(ip.to_canonical())
+        PeerId::Ip(match ip.to_canonical() {
+            a if a.is_loopback() => Ipv4Addr::LOCALHOST.into(),
+            IpAddr::V6(a) => {
+                let s = a.segments();
+                Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0).into()
+            }
+            a => a,
+        })
     }
 }
 
@@ -152,6 +168,7 @@ impl fmt::Display for PeerId {
         match self {
             PeerId::Uid(Some(u)) => write!(f, "uid {u}"),
             PeerId::Uid(None) => f.write_str("uid unknown"),
+            PeerId::Ip(IpAddr::V6(ip)) => write!(f, "ip {ip}/64"),
             PeerId::Ip(ip) => write!(f, "ip {ip}"),
             PeerId::Bridge(name) => write!(f, "bridge {name}"),
             PeerId::Crowd => write!(f, "the peers past the first {MAX_PEERS}"),
@@ -398,9 +415,7 @@ impl Shares {
             held: 0,
         });
         if let Some(capacity) = st.capacity {
-            let share =
-                |pct: u32| capacity / 100 * u64::from(pct) + capacity % 100 * u64::from(pct) / 100;
-            let input_share = share(s.input_percent);
+            let input_share = share_of(capacity, s.input_percent);
             if st.input.saturating_add(bytes) > input_share {
                 return Err(Refusal::InputShare {
                     held: st.input,
@@ -409,7 +424,7 @@ impl Shares {
                     capacity,
                 });
             }
-            let peer_share = share(s.peer_percent);
+            let peer_share = share_of(capacity, s.peer_percent);
             if p.held > 0 && p.held.saturating_add(bytes) > peer_share {
                 return Err(Refusal::PeerShare {
                     peer,
@@ -532,7 +547,7 @@ impl Shares {
         let mut out = format!(
             "local input {} of {} bytes (max_spool_share_input_percent {pct} of {capacity})",
             st.input,
-            capacity / 100 * u64::from(pct)
+            share_of(capacity, pct)
         );
         if st.carried.0 > 0 {
             out.push_str(&format!("; {} from before the start", st.carried.0));
@@ -617,6 +632,19 @@ mod tests {
         assert_eq!(s.input_bytes(), 4000, "no capacity judged yet: no share");
         drop((a, b, c));
         assert_eq!(s.input_bytes(), 0, "refused or not stored: given back");
+    }
+
+    #[test]
+    fn every_loopback_address_is_one_peer_and_an_ipv6_address_its_64() {
+        let ip = |s: &str| PeerId::ip(s.parse().unwrap());
+        assert_eq!(ip("127.0.0.2"), ip("127.0.0.1"));
+        assert_eq!(ip("::1"), ip("127.9.9.9"));
+        assert_eq!(ip("::ffff:10.0.0.7"), ip("10.0.0.7"));
+        assert_ne!(ip("10.0.0.7"), ip("10.0.0.8"));
+        assert_eq!(ip("2001:db8:1:2:aaaa::1"), ip("2001:db8:1:2:bbbb::9"));
+        assert_ne!(ip("2001:db8:1:2::1"), ip("2001:db8:1:3::1"));
+        assert_eq!(ip("2001:db8:1:2::1").to_string(), "ip 2001:db8:1:2::/64");
+        assert_eq!(ip("127.0.0.5").to_string(), "ip 127.0.0.1");
     }
 
     #[test]
