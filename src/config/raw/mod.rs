@@ -106,7 +106,9 @@ pub(super) struct RawCommands {
     #[serde(default = "d_cmd_answer_rate")]
     pub(super) max_answers_per_minute: u32,
     #[serde(default)]
-    pub(super) operator_scopes: Vec<String>,
+    pub(super) operator_public_keys: Vec<String>,
+    #[serde(default)]
+    pub(super) allow_unsigned: bool,
     #[serde(default = "d_cmd_ttl")]
     pub(super) default_ttl_secs: u64,
     #[serde(default)]
@@ -126,7 +128,8 @@ impl Default for RawCommands {
             max_per_minute_per_scope: d_cmd_rate(),
             max_per_minute: d_cmd_global_rate(),
             max_answers_per_minute: d_cmd_answer_rate(),
-            operator_scopes: Vec::new(),
+            operator_public_keys: Vec::new(),
+            allow_unsigned: false,
             default_ttl_secs: d_cmd_ttl(),
             handlers: Vec::new(),
             config_push: RawConfigPush::default(),
