@@ -279,7 +279,7 @@ const FAIL_REASONS: [&str; 4] = [
 const COMMAND_STATES: [&str; 5] = ["completed", "failed", "rejected", "expired", "interrupted"];
 
 /// Other command counters: (spool counter, metric, HELP).
-const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
+const COMMAND_COUNTERS: [(&str, &str, &str); 9] = [
     (
         "commands_received",
         "edgespool_commands_received_total",
@@ -306,6 +306,11 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
         "Command messages that could not be parsed.",
     ),
     (
+        "commands_unsigned",
+        "edgespool_commands_unsigned_total",
+        "Commands with a side effect refused because no operator key signed them (or their signature verified with none).",
+    ),
+    (
         "commands_rate_limited",
         "edgespool_commands_rate_limited_total",
         "Commands refused by the per-scope rate limit.",
@@ -318,7 +323,7 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
     (
         "commands_unanswered",
         "edgespool_commands_unanswered_total",
-        "Command messages of scopes that are not operator scopes acknowledged and dropped unanswered over commands.max_answers_per_minute.",
+        "Command messages no operator key signed acknowledged and dropped unanswered over commands.max_answers_per_minute.",
     ),
 ];
 

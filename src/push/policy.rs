@@ -75,13 +75,13 @@ pub const OVERLAY_BOUNDS: &[(&str, u64, u64)] = &[
 ];
 
 /// Why the local file decides who may push.
-const WHO_PUSHES: &str = "who may push is the board's own file's to say";
+const WHO_PUSHES: &str = "the board's own file says who may push";
 /// Why the local file decides who the operator is.
-const WHO_OPERATES: &str = "who the operator is is the board's own file's to say";
+const WHO_OPERATES: &str = "the board's own file says who the operator is";
 /// Why the board's identity stays.
-const IDENTITY: &str = "the board's identity is its own file's";
+const IDENTITY: &str = "the board's own file says which board it is";
 /// Why paths and sockets stay.
-const WRITES: &str = "a path or socket the agent writes or binds is its own file's";
+const WRITES: &str = "the board's own file says what the agent writes or binds";
 
 /// What a signed whole config may not change, and why: these keys keep the
 /// local file's values (the push policy itself, who the operator is, the

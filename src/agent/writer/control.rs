@@ -573,7 +573,10 @@ fn ignored_local_only(keys: &[&str]) -> serde_json::Value {
     let mut out = serde_json::Map::new();
     for k in keys {
         let why = crate::push::policy::local_only_why(k);
-        out.insert((*k).to_owned(), format!("local only: {why}; kept").into());
+        out.insert(
+            (*k).to_owned(),
+            format!("local only: {why}; the local value is kept").into(),
+        );
     }
     if !keys.is_empty() {
         log::warn!(
