@@ -240,11 +240,13 @@ fn ten_thousand_junk_commands_never_lock_the_operator_out_even_across_a_restart(
     );
 }
 
-/// The records' share of other scopes filled with commands that ran (an
-/// exec handler's record must outlive the redelivery window): a new command of another scope is answered `no_room` and not
-/// recorded, a duplicate still gets its stored answer, and the operator's
-/// commands (and a push from another scope) still find room, before and
-/// after a restart; no record of a command that ran is deleted.
+/// The records' share of commands no operator key signed, filled with
+/// commands that ran (an exec handler's record must outlive the redelivery
+/// window; `allow_unsigned` is on in this rig): a new unsigned command is
+/// answered `no_room` and not recorded, a duplicate still gets its stored
+/// answer, and the operator's signed commands (and an unsigned push) still
+/// find room, before and after a restart; no record of a command that ran
+/// is deleted.
 #[test]
 fn with_the_other_scopes_share_of_records_full_the_operator_still_has_room() {
     let rig = Rig::with(
@@ -314,7 +316,7 @@ fn with_the_other_scopes_share_of_records_full_the_operator_still_has_room() {
             "duplicate",
         );
         assert!(r.is_some(), "{round}: no stored answer for f-0");
-        // The operator, and a push from another scope, still have room.
+        // The operator's signed commands, and an unsigned push, still have room.
         let overlay = "[agent]\nsummary_interval_secs = 20\n";
         let push = json!({"command_id": format!("push-{round}"), "scope": "fleet",
                           "name": "apply-config",
