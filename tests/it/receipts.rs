@@ -126,6 +126,15 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
         0,
         "a malformed, unsigned, forged or wrong-digest receipt retired a row"
     );
+    // They keep coming: health says so, naming the reasons.
+    let reasons = || status_json(&db)["health"]["reasons"].to_string();
+    assert!(
+        wait_for(Duration::from_secs(20), || reasons()
+            .contains("receipts refused: ")),
+        "health after forged receipts: {}",
+        reasons()
+    );
+    assert!(reasons().contains("unsigned 1"), "{}", reasons());
     // A receipt for three of them retires exactly those three.
     let chosen: Vec<(String, String, Vec<u8>)> = got
         .iter()
