@@ -1267,3 +1267,35 @@ fn the_write_budget_keys_are_range_checked_by_name() {
     // Without a budget the ceiling is not used.
     assert!(set(&["spool.commit_window_ms=20000"]).is_ok());
 }
+
+#[test]
+fn receipt_mode_needs_a_trusted_key_and_keys_are_64_hex_digits() {
+    // Issue 33: a receipt retires rows only under a listed key's signature;
+    // receipt mode with none could retire nothing and is refused.
+    let e = err(&GOOD.replace("[mqtt]", "[mqtt]\nretire_on = \"receipt\""));
+    assert_eq!(e.problems.len(), 1, "{e}");
+    assert_eq!(e.problems[0].key, "mqtt.retire_on");
+    assert!(
+        e.problems[0].message.contains("mqtt.receipt_public_keys")
+            && e.problems[0].message.contains("edgespool keygen"),
+        "{e}"
+    );
+    let key = "ab".repeat(32);
+    let e = err(&GOOD.replace(
+        "[mqtt]",
+        &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_public_keys = [\"{key}\", \"abcd\"]"),
+    ));
+    let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, vec!["mqtt.receipt_public_keys[1]"], "{e}");
+    let c = parse(
+        &GOOD.replace(
+            "[mqtt]",
+            &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_public_keys = [\"{key}\"]"),
+        ),
+        "t.toml",
+        &[],
+    )
+    .expect("a trusted key");
+    assert_eq!(c.mqtt.receipt_public_keys.len(), 1);
+    assert_eq!(c.mqtt.receipt_public_keys[0].hex(), key);
+}

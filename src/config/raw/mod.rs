@@ -380,6 +380,8 @@ pub(super) struct RawMqtt {
     pub(super) receipt_timeout_secs: u64,
     #[serde(default = "d_receipt_window")]
     pub(super) receipt_window: usize,
+    #[serde(default)]
+    pub(super) receipt_public_keys: Vec<String>,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) client_cert_file: Option<PathBuf>,
     pub(super) client_key_file: Option<PathBuf>,
@@ -411,6 +413,7 @@ impl Default for RawMqtt {
             retire_on: d_retire_on(),
             receipt_timeout_secs: d_receipt_timeout(),
             receipt_window: d_receipt_window(),
+            receipt_public_keys: Vec::new(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,
