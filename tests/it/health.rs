@@ -286,3 +286,160 @@ fn the_retained_status_topic_says_online_then_offline_after_a_stop_or_a_kill() {
         );
     }
 }
+
+/// `GET /metrics` on the agent's listener at 127.0.0.1:`port`: the body, or
+/// empty when nothing answers.
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
+}
+
+/// Issue 36: health said `ok` for 55 s while the agent had never
+/// connected. Until the first CONNACK it is `starting` (in `status` and in
+/// `edgespool_health{state}`), never `ok`; `ok` once the broker answers.
+#[test]
+fn health_is_starting_until_the_first_connack_never_ok_before() {
+    let broker = Broker::start();
+    let proxy = Proxy::start(broker.port());
+    proxy.set_mode(Mode::Refuse);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("starting");
+    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 500);
+    let port = crate::support::free_port();
+    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    text.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
+    std::fs::write(&cfg, text).expect("write config");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let t = std::time::Instant::now();
+    let mut seen = Vec::new();
+    // Past two maintenance passes (5 s each) and several summaries, well
+    // inside the connection grace (30 s at least).
+    while t.elapsed() < Duration::from_secs(14) {
+        let s = status(&db);
+        let line = s
+            .lines()
+            .find(|l| l.starts_with("health:"))
+            .unwrap_or("no health line")
+            .to_owned();
+        assert!(
+            !line.starts_with("health: ok"),
+            "ok at {} ms without a connection\n{s}",
+            t.elapsed().as_millis()
+        );
+        seen.push(line);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        seen.last()
+            .is_some_and(|l| l.starts_with("health: starting")),
+        "{seen:?}\n{}",
+        agent.log_tail(20)
+    );
+    let body = scrape(port);
+    assert!(
+        body.contains("edgespool_health{state=\"starting\"} 1")
+            && body.contains("edgespool_health{state=\"ok\"} 0"),
+        "{body}"
+    );
+    proxy.set_mode(Mode::Forward);
+    assert!(
+        wait_for(Duration::from_secs(30), || status(&db)
+            .contains("health: ok")),
+        "{}\n{}",
+        status(&db),
+        agent.log_tail(20)
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || scrape(port)
+            .contains("edgespool_health{state=\"ok\"} 1")),
+        "{}",
+        scrape(port)
+    );
+    println!(
+        "health before the first CONNACK: {} polls over 14 s, none ok (before: ok from the first pass, about 5 s)",
+        seen.len()
+    );
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Issue 36: health said `ok` while `metrics.listen` could not bind. It is
+/// degraded from the first record, naming the key, the address and the
+/// cause; the agent delivers all the same.
+#[test]
+fn a_metrics_listener_that_cannot_bind_degrades_health_and_delivery_goes_on() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("listen-taken");
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr");
+    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    text.push_str(&format!("[metrics]\nlisten = \"{addr}\"\n"));
+    std::fs::write(&cfg, text).expect("write config");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let want = format!("health: degraded: not listening: metrics.listen {addr}");
+    assert!(
+        wait_for(Duration::from_secs(15), || status(&db).contains(&want)
+            && count_in_state(&db, "ACKED") > 0),
+        "{}\n{}",
+        status(&db),
+        agent.log_tail(20)
+    );
+    assert!(agent.logged(
+        "WARN",
+        "agent",
+        "] health degraded: not listening: metrics.listen"
+    ));
+    assert!(agent.is_running());
+    drop(taken);
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Issue 36: the start-up log gave the storage probe's bound (42 GB on the
+/// board tried; half the free space) while `spool.max_bytes` held the spool
+/// to 1 GiB. The line of the bounds in force names each bound's source.
+#[test]
+fn the_bounds_logged_at_start_are_the_bounds_in_force() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prefix = crate::prefix("bounds");
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let mut agent = AgentProc::spawn(&cfg, &["spool.max_bytes=1073741824".into()], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || agent
+            .log_text()
+            .contains("bounds in force:")),
+        "{}",
+        agent.log_tail(20)
+    );
+    let log = agent.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("bounds in force:"))
+        .expect("the line");
+    assert!(
+        line.contains("spool bound 1073741824 bytes (spool.max_bytes; the probe proposed ")
+            && line.contains("commit window 50 ms (spool.commit_window_ms)"),
+        "{line}"
+    );
+    // No other line gives a spool bound as if it were in force.
+    for l in log.lines().filter(|l| l.contains("spool bound")) {
+        assert!(
+            l.contains("spool bound 1073741824 bytes") || l.contains("proposes"),
+            "a bound not in force, not said to be a proposal: {l}"
+        );
+    }
+    println!("{line}");
+    agent.terminate(Duration::from_secs(15));
+}

@@ -5,8 +5,9 @@
 //! Its one rule: **gathering stays cheap for the writer thread**: counts by
 //! stream and state need a scan of the spool (as `status` does), so they
 //! are taken only while the spool's live data is under [`ROW_SCAN_LIMIT`];
-//! past it, the backlog and the oldest unacknowledged age (index reads)
-//! still are.
+//! past it, the backlog, the oldest unacknowledged age (index reads) and
+//! the FAILED rows (the small `failed` table, which health counts every
+//! pass anyway) still are.
 
 use super::Writer;
 use crate::event::envelope::wall_clock_ms;
@@ -101,6 +102,9 @@ impl Writer {
             at_unix_secs: at_ms as f64 / 1000.0,
             receipts: self.receipt_figures(),
             outage: self.outage.last.clone(),
+            health: Some(self.health.state().name()),
+            failed_rows: self.store.spool().failed_count().ok(),
+            process: crate::metrics::process::read(),
         }
     }
 
@@ -128,7 +132,8 @@ impl Writer {
 
     /// At start: a first snapshot (no row counts: startup work does not
     /// grow with the spool), then `metrics.listen` if set; a failure to bind
-    /// is an ERROR and the agent runs on without it.
+    /// is an ERROR and a health reason for the run, and the agent runs on
+    /// without it.
     pub(in crate::agent) fn start_metrics(&mut self) -> Option<crate::metrics::listen::Listener> {
         self.publish_metrics(false, false);
         let addr = self.conf.cfg.metrics.listen?;
@@ -141,6 +146,9 @@ impl Writer {
                 log::error!(
                     "metrics.listen {addr}: cannot listen: {e}; running without the metrics listener"
                 );
+                self.health.listeners_down.push(format!(
+                    "metrics.listen {addr}: {e} (no scrape reaches this agent)"
+                ));
                 None
             }
         }
@@ -212,6 +220,7 @@ impl Writer {
             resent: load(&s.resent_for_receipt),
             dropped: self.peers.link.health_facts().receipts_dropped,
             unavailable: load(&s.receipts_unavailable) == 1,
+            timeout_secs: self.conf.cfg.mqtt.receipt_timeout.as_secs_f64(),
         })
     }
 }
