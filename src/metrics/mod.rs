@@ -212,9 +212,6 @@ pub struct Figures {
     /// FAILED rows in the spool now (the `failed` table's count, cheap at
     /// any spool size); `None` when the spool could not be read.
     pub failed_rows: Option<u64>,
-    /// `/proc/self`'s figures; `None` when unreadable (the families are
-    /// left out).
-    pub process: Option<process::ProcessFigures>,
 }
 
 /// The states `edgespool_health{state}` lists, one sample each (1 for the
@@ -558,9 +555,6 @@ pub fn render(f: &Figures) -> String {
         outage::render(&mut o, b);
     }
     render_health(&mut o, f);
-    if let Some(p) = &f.process {
-        process::render(&mut o, p);
-    }
     o.single(
         "edgespool_metrics_timestamp_seconds",
         "gauge",
@@ -1020,14 +1014,6 @@ mod tests {
             )),
             health: Some("degraded"),
             failed_rows: Some(1),
-            process: Some(process::ProcessFigures {
-                cpu_seconds: 1.5,
-                resident_bytes: 8 << 20,
-                virtual_bytes: 64 << 20,
-                start_time_secs: 1_699_999_000.0,
-                open_fds: Some(12),
-                max_fds: Some(1024),
-            }),
         }
     }
 
@@ -1181,7 +1167,7 @@ mod tests {
     /// Issue 36: the FAILED count was left out past 16 MiB of live data
     /// (with the row counts), and `EdgespoolRowsFailed` fell silent.
     #[test]
-    fn failed_rows_health_and_the_process_are_shown_without_the_row_counts() {
+    fn failed_rows_and_health_are_shown_without_the_row_counts() {
         let mut figs = figures();
         figs.rows = None;
         figs.streams = None;
@@ -1207,8 +1193,23 @@ mod tests {
             ),
             0.0
         );
+    }
+
+    #[test]
+    fn the_process_families_follow_the_client_library_names_and_types() {
+        let text = process::render(&process::ProcessFigures {
+            cpu_seconds: 1.5,
+            resident_bytes: 8 << 20,
+            virtual_bytes: 64 << 20,
+            start_time_secs: 1_699_999_000.0,
+            open_fds: Some(12),
+            max_fds: Some(1024),
+        });
+        let f = check(&text);
         assert_eq!(value_of(&f, "process_cpu_seconds_total", &[]), 1.5);
+        assert_eq!(f["process_cpu_seconds_total"].0, "counter");
         assert_eq!(value_of(&f, "process_open_fds", &[]), 12.0);
+        assert_eq!(value_of(&f, "process_max_fds", &[]), 1024.0);
         assert_eq!(
             value_of(&f, "process_resident_memory_bytes", &[]),
             (8 << 20) as f64
@@ -1217,7 +1218,8 @@ mod tests {
             value_of(&f, "process_start_time_seconds", &[]),
             1_699_999_000.0
         );
-        assert_eq!(f["process_cpu_seconds_total"].0, "counter");
+        // Appended to a rendering, the whole stays one valid exposition.
+        check(&(render(&figures()) + &text));
     }
 
     #[test]

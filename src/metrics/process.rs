@@ -9,6 +9,9 @@
 //! Its one rule: **a few small reads at the summary interval**: `stat`,
 //! `limits`, the machine's boot time, and one directory listing of the open
 //! descriptors; a figure that cannot be read is left out, never guessed.
+//! They are served by `metrics.listen` only, never written to
+//! `metrics.textfile`: node_exporter, which reads that file, exports
+//! `process_*` of its own and fails a scrape that holds a family twice.
 
 use std::path::Path;
 
@@ -96,8 +99,15 @@ fn from_stat(stat: &str, ticks: u64, page: u64, boot_secs: u64) -> Option<Proces
     })
 }
 
-/// The families, client library names and HELP.
-pub(super) fn render(o: &mut super::Out, p: &ProcessFigures) {
+/// The families in the text format, to append to a rendering
+/// ([`super::render`]), with the client libraries' names and HELP.
+pub fn render(p: &ProcessFigures) -> String {
+    let mut o = super::Out(String::with_capacity(1024));
+    families(&mut o, p);
+    o.0
+}
+
+fn families(o: &mut super::Out, p: &ProcessFigures) {
     o.single(
         "process_cpu_seconds_total",
         "counter",

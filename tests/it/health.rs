@@ -1,8 +1,10 @@
 //! Health that tells the truth: refusals and outages show as `degraded` with
-//! their reason, logged at WARN, and data that can flow keeps flowing.
+//! their reason, logged at WARN, and data that can flow keeps flowing;
+//! `starting` until the first CONNACK, a listener that cannot bind named,
+//! the bounds logged at start the ones in force (issue 36).
 
 use crate::support::agent::{run_cli, AgentProc};
-use crate::support::board::Board;
+use crate::support::board::{append_config, Board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{count_in_state, rows_in_state};
@@ -302,14 +304,9 @@ fn health_is_starting_until_the_first_connack_never_ok_before() {
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
     proxy.set_mode(Mode::Refuse);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let prefix = crate::prefix("starting");
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 500);
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &crate::prefix("starting"), 500);
     let port = crate::support::free_port();
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
-    std::fs::write(&cfg, text).expect("write config");
-    let db = dir.path().join("spool.db");
+    append_config(&cfg, &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     let t = std::time::Instant::now();
     let mut seen = Vec::new();
@@ -369,15 +366,10 @@ fn health_is_starting_until_the_first_connack_never_ok_before() {
 #[test]
 fn a_metrics_listener_that_cannot_bind_degrades_health_and_delivery_goes_on() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let prefix = crate::prefix("listen-taken");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &crate::prefix("listen-taken"), 200);
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = taken.local_addr().expect("addr");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\nlisten = \"{addr}\"\n"));
-    std::fs::write(&cfg, text).expect("write config");
-    let db = dir.path().join("spool.db");
+    append_config(&cfg, &format!("[metrics]\nlisten = \"{addr}\"\n"));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     let want = format!("health: degraded: not listening: metrics.listen {addr}");
     assert!(
@@ -403,9 +395,7 @@ fn a_metrics_listener_that_cannot_bind_degrades_health_and_delivery_goes_on() {
 #[test]
 fn the_bounds_logged_at_start_are_the_bounds_in_force() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let prefix = crate::prefix("bounds");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let Board { dir, cfg, .. } = Board::new(&broker.url(), &crate::prefix("bounds"), 500);
     let mut agent = AgentProc::spawn(&cfg, &["spool.max_bytes=1073741824".into()], dir.path());
     assert!(
         wait_for(Duration::from_secs(30), || agent

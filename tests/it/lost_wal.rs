@@ -7,6 +7,7 @@
 //! the run was gone (57,432 in the attack): no ERROR, no counter, health ok.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::Board;
 use crate::support::spool::total;
 use crate::support::wait_for;
 use std::io::{BufRead, BufReader, Write};
@@ -61,10 +62,7 @@ fn status_json(db: &Path) -> serde_json::Value {
 #[test]
 fn a_wal_lost_after_a_reader_kept_the_whole_run_out_of_the_file_is_named_counted_and_degrades_health(
 ) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let prefix = crate::prefix("lost-wal");
-    let cfg = crate::write_config(dir.path(), &nowhere(), &prefix, 10);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&nowhere(), &crate::prefix("lost-wal"), 10);
     // A first run that stops cleanly: the file holds it and its end.
     let mut first = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(

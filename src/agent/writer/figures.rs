@@ -104,7 +104,6 @@ impl Writer {
             outage: self.outage.last.clone(),
             health: Some(self.health.state().name()),
             failed_rows: self.store.spool().failed_count().ok(),
-            process: crate::metrics::process::read(),
         }
     }
 
@@ -115,9 +114,15 @@ impl Writer {
         if m.textfile.is_none() && m.listen.is_none() {
             return;
         }
-        let text = crate::metrics::render(&self.figures(count_rows));
+        let listen = m.listen.is_some();
+        let mut text = crate::metrics::render(&self.figures(count_rows));
         if let (true, Some(path)) = (textfile, self.conf.cfg.metrics.textfile.clone()) {
             self.metrics.textfile.write(&path, &text);
+        }
+        // The listener's scrape only: node_exporter, which reads the
+        // textfile, has `process_*` of its own.
+        if let Some(p) = listen.then(crate::metrics::process::read).flatten() {
+            text.push_str(&crate::metrics::process::render(&p));
         }
         self.metrics.snapshot.publish(text);
     }
