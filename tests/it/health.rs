@@ -389,6 +389,40 @@ fn a_metrics_listener_that_cannot_bind_degrades_health_and_delivery_goes_on() {
     agent.terminate(Duration::from_secs(15));
 }
 
+/// Issue 36, the ingest listeners: a TCP address another program holds
+/// stopped the start (a restart loop under systemd); the agent now runs
+/// without it, and health names it with the socket another process holds.
+#[test]
+fn ingest_listeners_that_cannot_bind_degrade_health_and_the_agent_runs_on() {
+    let broker = Broker::start();
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &crate::prefix("ingest-taken"), 200);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr");
+    let sock = crate::support::board::add_ingest(
+        &cfg,
+        &format!("tcp = \"{addr}\"\n[[ingest.streams]]\nname = \"pump\"\n"),
+    );
+    std::fs::create_dir_all(sock.parent().expect("dir")).expect("mkdir");
+    let squatter = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    let degraded = || {
+        let s = status(&db);
+        s.contains(&format!("not listening: ingest.tcp {addr}"))
+            && s.contains("ingest socket not ours")
+            && count_in_state(&db, "ACKED") > 0
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), degraded),
+        "{}\n{}",
+        status(&db),
+        agent.log_tail(20)
+    );
+    assert!(agent.logged("ERROR", "ingest", &format!("ingest.tcp {addr}: ")));
+    assert!(agent.is_running());
+    drop((taken, squatter));
+    agent.terminate(Duration::from_secs(15));
+}
+
 /// Issue 36: the start-up log gave the storage probe's bound (42 GB on the
 /// board tried; half the free space) while `spool.max_bytes` held the spool
 /// to 1 GiB. The line of the bounds in force names each bound's source.

@@ -186,12 +186,16 @@ impl Writer {
     /// Record in `agent_state` (`ingest_listeners`, shown by `status`) what
     /// the ingest socket listens on; "off" replaces an earlier entry. A
     /// socket another process holds becomes an `_agent` event and a health
+    /// reason for the run; a TCP address that could not be bound, a health
     /// reason for the run.
     pub(in crate::agent) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
         let now = crate::event::envelope::wall_clock_ms().0;
         if let Some(why) = s.conflict() {
             self.agent_event("ingest_socket_taken", &why);
             self.health.socket_taken = Some(why);
+        }
+        if let Some(why) = s.tcp_down() {
+            self.health.listeners_down.push(why);
         }
         let spool = self.store.conn(Durability::Batched);
         let had = spool
