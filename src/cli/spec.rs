@@ -33,6 +33,7 @@ pub enum Flag {
     Stats,
     To,
     Out,
+    ReceiptKey,
 }
 
 /// One option of one command.
@@ -240,7 +241,8 @@ pub static SINK: Command = Command {
         usage: &[
             "sink --config FILE [OPTIONS]",
             "sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)",
-            "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS] [--no-receipts]",
+            "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS]",
+            "     [--receipt-key FILE | --no-receipts]",
             "     [--username USER --password-file FILE] [--pg-password-file FILE]",
             "     [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]",
             "sink --stats (--config FILE | --db FILE | --postgres CONNINFO) [--json]",
@@ -268,6 +270,7 @@ pub static SINK: Command = Command {
             opt(Flag::Share, "share", Some("GROUP"), "subscribe as $share/GROUP/FILTER"),
             opt(Flag::BatchMax, "batch-max", Some("N"), "deliveries per transaction (default 500)"),
             opt(Flag::BatchMs, "batch-ms", Some("MS"), "longest wait before a batch commits (default 100)"),
+            opt(Flag::ReceiptKey, "receipt-key", Some("FILE"), "sign receipts with this Ed25519 key (edgespool keygen; mode 0600)"),
             opt(Flag::NoReceipts, "no-receipts", None, "publish no receipts"),
             opt(Flag::Username, "username", Some("USER"), "MQTT user name (with --password-file)"),
             opt(Flag::PasswordFile, "password-file", Some("FILE"), "the MQTT password"),

@@ -450,7 +450,10 @@ fn the_dashboard_and_alert_rules_hold_against_a_real_prometheus_scraping_a_real_
         t.replace("summary_interval_secs = 2", "summary_interval_secs = 1")
             .replacen(
                 "[mqtt]\n",
-                "[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = 10\n",
+                &format!(
+                    "[mqtt]\n{}receipt_timeout_secs = 10\n",
+                    crate::support::keys::receipt_mode_toml()
+                ),
                 1,
             )
             + &format!("[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n")
@@ -520,6 +523,7 @@ fn the_dashboard_and_alert_rules_hold_against_a_real_prometheus_scraping_a_real_
         "edgespool_rows_awaiting_receipt",
         "edgespool_oldest_awaiting_receipt_age_seconds",
         "edgespool_receipts_total",
+        "edgespool_receipts_refused_total",
         "edgespool_spool_failed_rows",
         "process_resident_memory_bytes",
     ] {
