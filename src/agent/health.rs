@@ -85,10 +85,8 @@ pub enum State {
 }
 
 impl State {
-    /// Every state, in the order the gauge lists them.
-    pub const ALL: [State; 3] = [State::Ok, State::Starting, State::Degraded];
-
-    /// `ok`, `starting` or `degraded`.
+    /// `ok`, `starting` or `degraded` (one of
+    /// [`crate::metrics::HEALTH_STATES`]).
     pub fn name(self) -> &'static str {
         match self {
             State::Starting => "starting",
