@@ -130,7 +130,7 @@ check "the config is the shipped one" cmp -s /etc/edgespool/edgespool.toml board
 check "man page edgespool(1), gzipped" gzip -t /usr/share/man/man1/edgespool.1.gz
 check "bash completion" bash -c 'source /usr/share/bash-completion/completions/edgespool 2>/dev/null; complete -p edgespool | grep -q _edgespool'
 check "drop-in examples" test -f /usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf
-check "the Grafana dashboard and the alert rules" bash -c 'cmp -s /usr/share/doc/edgespool/examples/grafana/edgespool.json packaging/grafana/edgespool.json && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml packaging/prometheus/edgespool-alerts.yml'
+check "the Grafana dashboard and the alert rules" bash -c 'cmp -s /usr/share/doc/edgespool/examples/grafana/edgespool.json packaging/grafana/edgespool.json && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml packaging/prometheus/edgespool-alerts.yml && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.test.yml packaging/prometheus/edgespool-alerts.test.yml'
 check "enabled for multi-user.target" test -L /etc/systemd/system/multi-user.target.wants/edgespool.service
 check "check-config as the user edgespool" \
   runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml

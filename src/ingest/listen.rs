@@ -59,6 +59,8 @@ struct Running {
     tcp: Option<(SocketAddr, JoinHandle<()>)>,
     /// Another process listens on `ingest.socket`: who, and what to do.
     conflict: Option<String>,
+    /// `ingest.tcp` could not be bound: the address and the cause.
+    tcp_down: Option<String>,
 }
 
 /// Why [`bind_unix`] gave no listener.
@@ -100,12 +102,14 @@ type OpenConn = (Stream, Option<JoinHandle<()>>);
 ///
 /// Another process listening on the socket path is no error: it is logged
 /// (ERROR, naming its pid), the other listeners start, and
-/// [`SocketIngest::conflict`] says so.
+/// [`SocketIngest::conflict`] says so. Nor is a TCP address that cannot be
+/// bound (in use, not this host's): logged at ERROR, the agent runs without
+/// it (no restart loop for a port another program holds), and
+/// [`SocketIngest::tcp_down`] says so.
 ///
 /// Errors (a sentence naming the key and path): the socket path holds
 /// something that is not a socket, its directory cannot be made, the group
-/// is unknown, the mode or group cannot be set, the TCP address cannot be
-/// bound, a thread cannot start.
+/// is unknown, the mode or group cannot be set, a thread cannot start.
 pub fn start(
     cfg: &IngestConfig,
     ingest: Sender<IngestMsg>,
@@ -136,6 +140,7 @@ pub fn start(
         unix: None,
         tcp: None,
         conflict: None,
+        tcp_down: None,
     };
     let bound = match &cfg.socket {
         None => None,
@@ -164,8 +169,16 @@ pub fn start(
         );
         running.unix = Some((path.clone(), (meta.dev(), meta.ino()), h));
     }
-    if let Some(addr) = cfg.tcp {
-        let listener = TcpListener::bind(addr).map_err(|e| format!("ingest.tcp {addr}: {e}"))?;
+    let tcp = cfg.tcp.and_then(|addr| match TcpListener::bind(addr) {
+        Ok(l) => Some((addr, l)),
+        Err(e) => {
+            let why = format!("ingest.tcp {addr}: {e}");
+            log::error!("{why}; running without the TCP listener");
+            running.tcp_down = Some(why);
+            None
+        }
+    });
+    if let Some((addr, listener)) = tcp {
         let mut local = listener
             .local_addr()
             .map_err(|e| format!("ingest.tcp {addr}: {e}"))?;
@@ -207,6 +220,12 @@ impl SocketIngest {
         self.running.as_ref().and_then(|r| r.conflict.clone())
     }
 
+    /// Set when `ingest.tcp` could not be bound and the agent runs without
+    /// it: the address and the cause.
+    pub fn tcp_down(&self) -> Option<String> {
+        self.running.as_ref().and_then(|r| r.tcp_down.clone())
+    }
+
     /// What listens, for `status` (`unix <path> (mode 660, group g), tcp
     /// <addr>`, or `unix <path> taken by pid N (name)`); `None` when
     /// nothing is configured.
@@ -235,6 +254,9 @@ impl SocketIngest {
         }
         if let Some((addr, _)) = &r.tcp {
             parts.push(format!("tcp {addr}"));
+        }
+        if let (Some(addr), Some(_)) = (r.shared.cfg.tcp, &r.tcp_down) {
+            parts.push(format!("tcp {addr} not listening: it could not be bound"));
         }
         Some(parts.join(", "))
     }

@@ -20,6 +20,7 @@ mod health;
 mod hostile_dirs;
 mod identity;
 mod ingest;
+mod lost_wal;
 mod metrics;
 mod modes;
 mod mqtt5;

@@ -66,6 +66,8 @@ pub(super) struct Parts {
     pub(super) sampler: Sender<SamplerUpdate>,
     pub(super) socket_counts: Option<Arc<crate::ingest::Counters>>,
     pub(super) tuning: Option<crate::flash::probe::Profile>,
+    /// What opening the spool found lost ([`crate::spool::integrity::Opened::lost`]).
+    pub(super) spool_lost: Option<String>,
 }
 
 /// The threads the writer talks to.
@@ -116,12 +118,14 @@ impl Writer {
         let ids = EventIdGen::new()
             .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
         let backoff = super::startup::storage_backoff(p.tuning.as_ref());
+        let mut health = health_record::HealthRecord::new(wall_clock_ms().0);
+        health.spool_lost = p.spool_lost;
         Ok(Writer {
             buffer: buffer::Buffer::new(p.cfg.ingest.max_buffered_bytes),
             store: commit::Store::new(p.spool, p.full_spool, ids, backoff),
             conf: control::Conf::new(p.cfg, p.source, p.push, p.tuning.map(|t| t.derived)),
             upkeep: p.upkeep,
-            health: health_record::HealthRecord::new(wall_clock_ms().0),
+            health,
             metrics: Default::default(),
             outage: Default::default(),
             peers: Peers {
@@ -179,6 +183,9 @@ impl Writer {
     ) {
         let summary_every = self.conf.cfg.agent.summary_interval;
         let mut at = Deadlines::new(Instant::now(), self.upkeep.period(), summary_every);
+        // Health from the first second (`starting`, or a listener that did
+        // not bind), not the last run's record until the first pass.
+        self.record_health();
         while !stop.load(Ordering::Relaxed) {
             self.run.heartbeat.beat();
             // A full-durability commit that failed retries soon; a pushed
@@ -339,6 +346,11 @@ impl Writer {
         let appended = w.store.appended();
         let path = w.conf.cfg.spool.path.clone();
         drop(w);
+        if settled {
+            // Every commit of this run is in the file now: the file alone
+            // is the whole spool.
+            crate::spool::integrity::run_marker::remove(&path);
+        }
         if settled && lost == 0 {
             // The next start can trust this file without reading all of it.
             crate::spool::integrity::write_stamp(&path);

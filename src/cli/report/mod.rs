@@ -111,11 +111,15 @@ fn replay_line(stored: &str) -> String {
     }
 }
 
-/// The health record as one line: `ok` or `degraded: <reason>; <reason>`
-/// (an agent before schema 5 stored the line itself).
+/// The health record as one line: `ok`, `starting (no connection to the
+/// broker yet)` or `degraded: <reason>; <reason>` (an agent before schema 5
+/// stored the line itself).
 fn health_line(stored: &str) -> String {
     match serde_json::from_str::<serde_json::Value>(stored) {
         Ok(v) if v["state"] == "ok" => "ok".to_owned(),
+        Ok(v) if v["state"] == "starting" => {
+            "starting (no connection to the broker yet)".to_owned()
+        }
         Ok(v) if v["state"] == "degraded" => {
             let reasons: Vec<&str> = v["reasons"]
                 .as_array()
