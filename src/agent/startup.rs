@@ -193,7 +193,7 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
     check_spool_file(&cfg.spool.path)?;
     let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
     warn_loose_secrets(cfg);
-    warn_local_broker_pubacks(cfg);
+    note_local_broker_pubacks(cfg);
     if let Some(caution) = cfg.commands.caution() {
         log::warn!("{caution}");
     }
@@ -474,8 +474,11 @@ pub(super) fn spool_dir(cfg: &Config) -> std::path::PathBuf {
 
 /// A broker on this board (a loopback address) acknowledges a row when it
 /// has it, not when the fleet stored it: say so once at start, naming
-/// `mqtt.retire_on`, unless rows already wait for receipts.
-fn warn_local_broker_pubacks(cfg: &Config) {
+/// `mqtt.retire_on`, unless rows already wait for receipts. An INFO line,
+/// not a WARN (issue 36): the demo and the quick start talk to a local
+/// broker that is the end of the line, and nothing there is to be acted
+/// on; docs/fleet.md tells a board behind a local relay what to do.
+fn note_local_broker_pubacks(cfg: &Config) {
     if cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt {
         return;
     }
@@ -485,7 +488,7 @@ fn warn_local_broker_pubacks(cfg: &Config) {
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback());
     if local {
-        log::warn!(
+        log::info!(
             "mqtt.url points at a broker on this board ({}): its PUBACK proves only that the local broker holds a row, not that the fleet stored it (a local broker restarted, or its bridge queue full, loses rows it acknowledged); rows are retired on that PUBACK. Set mqtt.retire_on = \"receipt\" where a sink sends receipts",
             cfg.mqtt.host
         );

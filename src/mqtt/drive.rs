@@ -69,6 +69,9 @@ impl MqttThread {
                         self.on_receipt(p);
                     }
                     _ => {
+                        if self.receipts.is_none() && p.topic == self.receipts_topic() {
+                            self.leave_receipts();
+                        }
                         // Not ours: acknowledge so the broker does not resend it.
                         let epoch = lock(&self.shared).epoch;
                         Link {
@@ -179,6 +182,34 @@ impl MqttThread {
             self.oversize.set(f.oversize);
         }
         f.reason
+    }
+
+    /// `<topic_prefix>/receipts`.
+    fn receipts_topic(&self) -> String {
+        format!("{}/receipts", self.cfg.topic_prefix)
+    }
+
+    /// A receipt came while rows retire on PUBACKs: the session kept the
+    /// subscription from when this board retired on receipts. Leave it
+    /// (once per connection), so stale receipts stop queuing for this
+    /// board at the broker (issue 33). Done on a receipt's arrival, not at
+    /// every CONNACK: an UNSUBSCRIBE for a subscription the session does
+    /// not have is answered with an error code rumqttc logs as a WARN.
+    fn leave_receipts(&self) {
+        let mut s = lock(&self.shared);
+        if s.conn.left_receipts {
+            return;
+        }
+        s.conn.left_receipts = true;
+        let t = self.receipts_topic();
+        if let Some(client) = &s.client {
+            match client.try_unsubscribe(&t) {
+                Ok(()) => log::info!(
+                    "mqtt: leaving {t}: the session kept it from receipt mode, and rows now retire on their PUBACK"
+                ),
+                Err(e) => log::warn!("mqtt: cannot leave the receipts subscription {t}: {e}"),
+            }
+        }
     }
 
     /// A receipt: to the delivery thread (which alone may retire rows),

@@ -35,6 +35,9 @@ pub(super) struct ConnState {
     pub(super) commands_unavailable: Option<String>,
     /// Why receipts cannot arrive, if they cannot (receipt mode only).
     pub(super) receipts_unavailable: Option<String>,
+    /// Puback mode: an UNSUBSCRIBE from a receipts subscription the session
+    /// kept was sent on this connection.
+    pub(super) left_receipts: bool,
     /// The SUBSCRIBEs of this connection whose SUBACK has not come, in the
     /// order sent (a broker answers them in that order).
     pub(super) subacks_due: std::collections::VecDeque<Sub>,
@@ -58,6 +61,7 @@ impl ConnState {
             sub_retry: SUB_RETRY_MIN,
             commands_unavailable: None,
             receipts_unavailable: None,
+            left_receipts: false,
             subacks_due: std::collections::VecDeque::new(),
             peer_closed: false,
         }

@@ -367,6 +367,7 @@ impl MqttThread {
         }
         c.awaiting_suback = false;
         c.had_puback = false;
+        c.left_receipts = false;
         quick
     }
 }
