@@ -127,10 +127,11 @@ pub fn print_version() -> Outcome {
 }
 
 /// The config at `path` with `sets` applied; an invalid one is told on
-/// stderr as `config invalid: ...` (the key and line named).
+/// stderr as `config invalid: ...` (the key and line named), a missing one
+/// as `config file PATH does not exist`.
 pub fn load_config(path: &Path, sets: &[String]) -> Result<crate::config::Config, Failure> {
     crate::config::load(path, sets).map_err(|e| {
-        eprintln!("config invalid: {e}");
+        eprintln!("{}", e.told());
         Failure::Invalid
     })
 }

@@ -13,6 +13,7 @@ pub(super) fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) ->
             line,
             message: msg.to_owned(),
         }],
+        missing_file: false,
     }
 }
 

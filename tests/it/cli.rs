@@ -159,3 +159,76 @@ fn cli_unknown_command_is_a_usage_error_and_help_says_so_too() {
     assert_eq!(status.code(), Some(0));
     assert!(out.starts_with("edgespool "), "{out}");
 }
+
+/// `status --config` while the file is invalid or gone: the agent runs its
+/// last-known-good copy then (field case F15), and status reads the spool
+/// that copy names, saying so on stderr, instead of failing just when the
+/// operator needs it. The text has units and no JSON; `--json` has a
+/// numeric `running_pid`.
+#[test]
+fn status_reads_the_last_known_good_copys_spool_while_the_config_file_is_invalid() {
+    use crate::support::agent::AgentProc;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = crate::write_config(
+        dir.path(),
+        "mqtt://127.0.0.1:9",
+        &crate::prefix("status-lkg"),
+        100,
+    );
+    let cfg_s = cfg.to_str().expect("utf-8");
+    let db = dir.path().join("spool.db");
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        crate::support::wait_for(Duration::from_secs(20), || {
+            run_cli(&["status", "--config", cfg_s])
+                .1
+                .contains("\nagent: running (pid ")
+        }),
+        "{}",
+        agent.log_tail(20)
+    );
+    let good = std::fs::read_to_string(&cfg).expect("config");
+    for (broken, said) in [
+        (Some("device_id = 3\n"), "config invalid: "),
+        (None, "does not exist"),
+    ] {
+        match broken {
+            Some(text) => std::fs::write(&cfg, text).expect("write"),
+            None => std::fs::remove_file(&cfg).expect("remove"),
+        }
+        let (st, out, err) = run_cli(&["status", "--config", cfg_s]);
+        assert!(st.success(), "{err}");
+        assert!(err.contains(said), "{err}");
+        assert!(
+            err.contains("reading the spool named by the last-known-good copy "),
+            "{err}"
+        );
+        assert!(
+            out.starts_with(&format!("spool: {}\n", db.display())),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!("\nagent: running (pid {}), up ", agent.pid())),
+            "{out}"
+        );
+        assert!(
+            !out.contains('{') && !out.contains("commands_clock_ms"),
+            "{out}"
+        );
+        let (st, json, err) = run_cli(&["status", "--json", "--config", cfg_s]);
+        assert!(st.success(), "{err}");
+        let v: serde_json::Value = serde_json::from_str(&json).expect("status --json");
+        assert_eq!(v["running_pid"], agent.pid(), "{json}");
+    }
+    std::fs::write(&cfg, good).expect("write");
+    agent.terminate(Duration::from_secs(15));
+    // Without a copy there is nothing to fall back to: named, exit 2.
+    let lone = dir.path().join("lone.toml");
+    let (st, _, err) = run_cli(&["status", "--config", lone.to_str().expect("utf-8")]);
+    assert_eq!(st.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with(&format!("config file {} does not exist\n", lone.display())),
+        "{err}"
+    );
+}
