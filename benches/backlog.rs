@@ -39,7 +39,7 @@
 //! `FRESH_SECS` (20), `COMPARE_ROWS` (`BACKLOG_ROWS`; 0 skips (7)), `FRESH_SOURCES` (10 sources at 10 ms: 1,000 readings/s),
 //! `DRAIN_TIMEOUT_SECS` (60 + rows / 500), `BACKLOG_DIR` (/var/tmp; must be
 //! on disk, not tmpfs), `BACKLOG_RUST_LOG` (the agents' `RUST_LOG`, `info`;
-//! `info,edgespool::agent=debug` logs every checkpoint's outcome),
+//! `info,edgespool::flash=debug` logs every checkpoint's outcome),
 //! `BACKLOG_LOG_OUT` (a path prefix: each agent's log, seconds since its
 //! spawn on every line, is written to `PREFIX.PID` when it stops).
 

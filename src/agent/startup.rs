@@ -6,17 +6,18 @@
 //! One rule: nothing here starts delivery or takes a reading; a start that
 //! fails leaves the spool as it found it.
 
-use super::{AgentError, ConfigSource, IngestMsg, WAL_FRAME_BYTES};
+use super::{AgentError, ConfigSource, IngestMsg};
 use crate::config::Config;
 use crate::delivery::DeliveryConfig;
 use crate::event::envelope::wall_clock_ms;
-use crate::intake::Control;
+use crate::flash::upkeep::{brake_frames, UpkeepSettings};
+use crate::flash::write_budget::BudgetSettings;
 use crate::mqtt;
 use crate::os::fsguard::SpoolLock;
 use crate::spool::Spool;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -148,23 +149,6 @@ pub(super) fn wake_on_signals(
     Ok(handle)
 }
 
-/// Forward the command thread's control requests into the ingest channel
-/// (a thread blocked on `ctl` until the command thread drops its sender).
-pub(super) fn forward_controls(ctl: Receiver<Control>, tx: Sender<IngestMsg>) {
-    let spawned = std::thread::Builder::new()
-        .name("control".into())
-        .spawn(move || {
-            for c in ctl {
-                if tx.send(IngestMsg::Control(c)).is_err() {
-                    return;
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        log::error!("cannot start the control thread: {e}; live config changes are off");
-    }
-}
-
 /// Refuses directories another user could write or owns (the config's,
 /// the state directory, the spool's: [`crate::os::fsguard::dirs`]), creates the
 /// spool's directory (mode 0750), refuses a spool file another user owns or
@@ -234,7 +218,7 @@ fn check_spool_file(path: &Path) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// The ingest thread's connection: opened (migrated if needed), the WAL
+/// The writer's connection: opened (migrated if needed), the WAL
 /// brake set, the storage profile stored and the pragmas logged.
 pub(super) fn open_ingest_spool(
     cfg: &Config,
@@ -251,12 +235,9 @@ pub(super) fn open_ingest_spool(
             r.rows
         );
     }
-    // The brake fires after the commit that crosses it, so it sits below
-    // twice the threshold by about the largest transaction (a retention
-    // batch), which keeps the WAL within twice the threshold.
     ingest
         .wal()
-        .set_brake_frames((3 * cfg.spool.checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64);
+        .set_brake_frames(brake_frames(cfg.spool.checkpoint_wal_bytes));
     if let Some(p) = tuning {
         if let Ok(json) = serde_json::to_string(p) {
             let _ = ingest.set_state("storage_profile", &json, wall_clock_ms().0);
@@ -308,8 +289,27 @@ pub(super) fn command_subscription(
     })
 }
 
+/// The storage upkeep's settings, from `[spool]` (after the probe's knobs,
+/// [`apply_tuning`]).
+pub(super) fn upkeep_settings(cfg: &Config) -> UpkeepSettings {
+    let s = &cfg.spool;
+    UpkeepSettings {
+        acked_retention: s.acked_retention,
+        purge_batch_rows: s.purge_batch_rows,
+        checkpoint_interval: s.checkpoint_interval,
+        checkpoint_wal_bytes: s.checkpoint_wal_bytes,
+        capacity: s.capacity,
+        budget: BudgetSettings {
+            bytes_per_day: s.write_budget_bytes_per_day,
+            base_window: s.commit_window,
+            // The probe may derive a base above it: the base wins.
+            max_window: s.max_commit_window.max(s.commit_window),
+        },
+    }
+}
+
 /// The delivery thread's settings, from `[mqtt]`, committing its records
-/// on `window`.
+/// on `window` (the upkeep's, [`crate::flash::upkeep::Upkeep::window_reader`]).
 pub(super) fn delivery_config(
     cfg: &Config,
     window: crate::flash::write_budget::SharedWindow,

@@ -18,11 +18,10 @@
 //! All built-ins are safe to re-run after an interruption.
 
 use super::exec_handler::HandlerOutcome;
-use crate::intake::Control;
+use crate::intake::{Control, ControlSender};
 use crate::spool::{CheckpointMode, Spool};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
-use std::sync::mpsc::Sender;
 use std::time::Duration;
 
 /// The shortest interval a command may set (`sources.*.interval_ms` in
@@ -123,7 +122,7 @@ pub fn run_local(name: &str, args: &Map<String, Value>, spool: &mut Spool) -> Ha
 }
 
 /// Run a [`Kind::Agent`] built-in by asking the main thread; waits at most 30 s.
-pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &Sender<Control>) -> HandlerOutcome {
+pub fn run_agent(name: &str, args: &Map<String, Value>, ctl: &ControlSender) -> HandlerOutcome {
     let (tx, rx) = std::sync::mpsc::channel();
     let msg: Result<Control, String> = (|| match name {
         "set-interval" => {

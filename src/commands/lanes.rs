@@ -12,7 +12,7 @@ use super::exec_handler;
 use super::message::{CmdMsg, Lane};
 use super::ExecHandler;
 use crate::event::envelope::wall_clock_ms;
-use crate::intake::Control;
+use crate::intake::ControlSender;
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, Sender};
@@ -128,11 +128,7 @@ pub(super) struct LaneState {
 impl LaneState {
     /// Start `lane`'s thread; it reports finished jobs on `done` and asks
     /// the agent through `ctl`. `None` (logged) when the OS refuses a thread.
-    pub(super) fn start(
-        lane: Lane,
-        done: Sender<CmdMsg>,
-        ctl: Sender<Control>,
-    ) -> Option<LaneState> {
+    pub(super) fn start(lane: Lane, done: Sender<CmdMsg>, ctl: ControlSender) -> Option<LaneState> {
         let (tx, rx) = std::sync::mpsc::channel::<LaneJob>();
         let name = match lane {
             Lane::Exec => "cmd-exec",
@@ -177,7 +173,7 @@ impl LaneState {
 
 /// A lane's thread: runs its jobs one at a time; ends when the command
 /// thread drops its side of the job channel.
-fn lane_thread(lane: Lane, rx: Receiver<LaneJob>, done: Sender<CmdMsg>, ctl: Sender<Control>) {
+fn lane_thread(lane: Lane, rx: Receiver<LaneJob>, done: Sender<CmdMsg>, ctl: ControlSender) {
     while let Ok(j) = rx.recv() {
         let t = Instant::now();
         let outcome = match &j.job {

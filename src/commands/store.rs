@@ -8,7 +8,7 @@
 
 use super::retention::{self, Policy};
 use super::Command;
-use crate::event::envelope::wall_clock_ms;
+use crate::event::envelope::{wall_clock_ms, EventId};
 use crate::event::hex::encode as hex;
 use crate::event::reading::FieldValue;
 use crate::event::stream::RESULTS_STREAM;
@@ -368,7 +368,7 @@ pub fn finish(
     spool: &mut Spool,
     ev: &ResultEvent<'_>,
     ctx: &mut EventCtx<'_>,
-) -> Result<String, SpoolError> {
+) -> Result<EventId, SpoolError> {
     let now = wall_clock_ms().0;
     spool.command_write(|tx| {
         let key = (ev.scope, ev.command_id.unwrap_or(""));

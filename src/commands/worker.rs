@@ -65,7 +65,7 @@ use super::retention::{AgentClock, Policy};
 use super::store::{self, cstate, Admit, Answered, Claim, EventCtx, Receipt};
 use super::{parse, Command, CommandsConfig, ExecHandler, ParseError};
 use crate::event::envelope::{wall_clock_ms, EventIdGen, Format};
-use crate::intake::Control;
+use crate::intake::ControlSender;
 use crate::mqtt::{DeliveryMsg, Link};
 use crate::spool::Spool;
 use std::collections::VecDeque;
@@ -114,7 +114,7 @@ pub fn run(
     inbox: Arc<InboxMeter>,
     rx: Receiver<CmdMsg>,
     self_tx: Sender<CmdMsg>,
-    ctl: Sender<Control>,
+    ctl: ControlSender,
     to_delivery: Sender<DeliveryMsg>,
     stop: Arc<AtomicBool>,
 ) {

@@ -9,6 +9,7 @@
 //! is [`crate::event::receipts`]. Pure: time is passed in, nothing here
 //! does I/O.
 
+use crate::event::envelope::EventId;
 use crate::event::receipts::Receipt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -33,8 +34,8 @@ struct Entry {
 /// Rows PUBACKed and waiting for their receipt, bounded by `cap`.
 #[derive(Debug)]
 pub struct Awaiting {
-    by_key: HashMap<(Arc<str>, String), Entry>,
-    by_row: HashMap<i64, (Arc<str>, String)>,
+    by_key: HashMap<(Arc<str>, EventId), Entry>,
+    by_row: HashMap<i64, (Arc<str>, EventId)>,
     /// `(since, row)` in PUBACK order, for the timeout (entries of rows that
     /// left are skipped when met).
     order: VecDeque<(Instant, i64)>,
@@ -76,7 +77,7 @@ impl Awaiting {
     /// `row` (of `stream`, with `event_id`) was PUBACKed at `now`: it waits.
     /// A row already waiting keeps its first time (its timeout runs from its
     /// first PUBACK).
-    pub fn delivered(&mut self, row: i64, stream: Arc<str>, event_id: String, now: Instant) {
+    pub fn delivered(&mut self, row: i64, stream: Arc<str>, event_id: EventId, now: Instant) {
         if self.by_row.contains_key(&row) {
             return;
         }
@@ -97,7 +98,7 @@ impl Awaiting {
         for (stream, ids) in &r.stored {
             for id in ids {
                 // The key's stream is an Arc<str>: look up with an owned one.
-                let key: (Arc<str>, String) = (Arc::from(stream.as_str()), id.clone());
+                let key: (Arc<str>, EventId) = (Arc::from(stream.as_str()), *id);
                 match self.by_key.remove(&key) {
                     Some(e) => {
                         self.by_row.remove(&e.row);
@@ -191,12 +192,16 @@ mod tests {
         parse(&encode(&ids.iter().map(|i| (stream, *i)).collect::<Vec<_>>())[0]).unwrap()
     }
 
+    fn id(s: &str) -> EventId {
+        EventId::parse(s).expect("a test id")
+    }
+
     #[test]
     fn only_waiting_rows_with_their_own_stream_and_id_are_retired() {
         let t = Instant::now();
         let mut w = Awaiting::new(10);
-        w.delivered(1, Arc::from("s"), A.to_owned(), t);
-        w.delivered(2, Arc::from("s"), B.to_owned(), t);
+        w.delivered(1, Arc::from("s"), id(A), t);
+        w.delivered(2, Arc::from("s"), id(B), t);
         // Another stream's id, an unknown id, a row not yet PUBACKed: nothing.
         let m = w.receipt(&receipt("t", &[A]));
         assert_eq!((m.rows.len(), m.unmatched), (0, 1));
@@ -215,11 +220,11 @@ mod tests {
     fn rows_without_a_receipt_come_back_after_the_timeout_in_row_order() {
         let t = Instant::now();
         let mut w = Awaiting::new(10);
-        w.delivered(5, Arc::from("s"), B.to_owned(), t);
-        w.delivered(3, Arc::from("s"), A.to_owned(), t);
-        w.delivered(9, Arc::from("s"), C.to_owned(), t + Duration::from_secs(5));
+        w.delivered(5, Arc::from("s"), id(B), t);
+        w.delivered(3, Arc::from("s"), id(A), t);
+        w.delivered(9, Arc::from("s"), id(C), t + Duration::from_secs(5));
         // A second PUBACK of row 5 keeps its first time.
-        w.delivered(5, Arc::from("s"), B.to_owned(), t + Duration::from_secs(6));
+        w.delivered(5, Arc::from("s"), id(B), t + Duration::from_secs(6));
         let to = Duration::from_secs(10);
         assert!(w.expired(t + Duration::from_secs(9), to).is_empty());
         assert_eq!(
@@ -237,17 +242,17 @@ mod tests {
     fn the_book_is_bounded_and_a_requeued_id_follows_its_newer_row() {
         let t = Instant::now();
         let mut w = Awaiting::new(2);
-        w.delivered(1, Arc::from("s"), A.to_owned(), t);
+        w.delivered(1, Arc::from("s"), id(A), t);
         assert!(!w.is_full());
-        w.delivered(2, Arc::from("s"), B.to_owned(), t);
+        w.delivered(2, Arc::from("s"), id(B), t);
         assert!(w.is_full());
         // A FAILED row requeued: same id, new row.
-        w.delivered(3, Arc::from("s"), A.to_owned(), t);
+        w.delivered(3, Arc::from("s"), id(A), t);
         assert!(!w.contains(1) && w.contains(3));
         assert_eq!(w.receipt(&receipt("s", &[A])).rows, vec![3]);
         w.remove(&[2]);
         assert!(w.is_empty());
-        w.delivered(4, Arc::from("s"), C.to_owned(), t);
+        w.delivered(4, Arc::from("s"), id(C), t);
         assert_eq!(w.drain(), vec![4]);
         assert!(w.is_empty());
     }

@@ -43,11 +43,12 @@ impl Delivery {
     /// The broker refused `row` on this connection for `why` (counted
     /// under `events_failed_<counter>` when it goes FAILED): it waits for
     /// the next connection, or goes FAILED once refused on
-    /// `fail_after_disconnects` connections.
+    /// `fail_after_disconnects` connections. `event_id` names the event
+    /// in the log (its id, or `in row N` where only the row is known).
     pub(super) fn defer(
         &mut self,
         spool: &mut Spool,
-        (row, event_id): (i64, &str),
+        (row, event_id): (i64, &dyn std::fmt::Display),
         why: &str,
         counter: &str,
     ) {

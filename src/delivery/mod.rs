@@ -25,6 +25,7 @@ mod model;
 mod receipts;
 
 use crate::delivery::lanes::Lanes;
+use crate::event::envelope::EventId;
 use crate::metrics::WATCHDOG_REBUILDS;
 use crate::mqtt::publish_packet_size;
 use crate::spool::{OutRow, Spool, SpoolError};
@@ -506,10 +507,10 @@ impl Delivery {
             {
                 continue; // acknowledged (not yet committed), waiting for its receipt, or refused on this connection
             }
-            let Some((topic, size)) = self.admit(spool, &row, limits) else {
+            let Some((topic, size, event_id)) = self.admit(spool, &row, limits) else {
                 continue;
             };
-            self.note_offered(&row);
+            self.note_offered(&row, event_id);
             // While probing for a refused row, rows go one by one.
             match self
                 .batcher
@@ -518,7 +519,7 @@ impl Delivery {
             {
                 Some(spec) => {
                     let limit = self.batch_limit(&row.stream, limits.0);
-                    for r in self.batcher.add(row, spec, limit) {
+                    for r in self.batcher.add((row, event_id), spec, limit) {
                         self.note_size(&r);
                         batch.push(r);
                         room = room.saturating_sub(1);
@@ -532,7 +533,7 @@ impl Delivery {
                         row: row.id,
                         topic,
                         payload: row.payload,
-                        event_id: row.event_id,
+                        event_id: Some(event_id),
                         members: Vec::new(),
                     });
                     room -= 1;
@@ -552,20 +553,29 @@ impl Delivery {
         }
     }
 
-    /// Whether `row` may be sent: its digest holds and it fits the payload
-    /// and packet limits as a single PUBLISH. Returns its single-event
-    /// topic and packet size; a row that may not is marked FAILED (and the
-    /// rows behind it flow).
+    /// Whether `row` may be sent: its stored event id is one, its digest
+    /// holds and it fits the payload and packet limits as a single
+    /// PUBLISH. Returns its single-event topic, packet size and event id; a
+    /// row that may not is marked FAILED (and the rows behind it flow).
     /// `limits`: [`Delivery::packet_limit`].
     fn admit(
         &mut self,
         spool: &mut Spool,
         row: &OutRow,
         (limit, whose): (usize, &'static str),
-    ) -> Option<(Arc<str>, usize)> {
+    ) -> Option<(Arc<str>, usize, EventId)> {
+        let Some(event_id) = row.event_id else {
+            // Damaged like a payload that fails its digest, and counted
+            // with those: kept FAILED (`status` shows the stored text),
+            // never sent under an id it does not have.
+            let why = "its stored event id is not one (8-4-4-4-12 lowercase hex)";
+            let named = format!("in row {}", row.id);
+            self.fail(spool, row.id, &named, why, "digest_mismatch");
+            return None;
+        };
         if !row.digest_ok() {
             let why = "payload does not match its stored digest";
-            self.fail(spool, row.id, &row.event_id, why, "digest_mismatch");
+            self.fail(spool, row.id, &event_id, why, "digest_mismatch");
             return None;
         }
         if row.payload.len() > self.cfg.max_payload_bytes {
@@ -574,7 +584,7 @@ impl Delivery {
                 row.payload.len(),
                 self.cfg.max_payload_bytes
             );
-            self.fail(spool, row.id, &row.event_id, &why, "oversized");
+            self.fail(spool, row.id, &event_id, &why, "oversized");
             return None;
         }
         let topic = self.topic(&row.stream);
@@ -583,9 +593,9 @@ impl Delivery {
             if limit < self.cfg.max_packet_bytes {
                 // The broker's CONNACK limit: this connection's word, judged
                 // again on the next one.
-                self.defer(spool, (row.id, &row.event_id), &why, "packet_too_large");
+                self.defer(spool, (row.id, &event_id), &why, "packet_too_large");
             } else {
-                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+                self.fail(spool, row.id, &event_id, &why, "packet_too_large");
             }
             return None;
         }
@@ -594,10 +604,10 @@ impl Delivery {
             let why = format!(
                 "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
             );
-            self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+            self.fail(spool, row.id, &event_id, &why, "packet_too_large");
             return None;
         }
-        Some((topic, size))
+        Some((topic, size, event_id))
     }
 
     /// The single-event topic of `stream` (built once per stream).
@@ -679,8 +689,16 @@ impl Delivery {
     }
 
     /// Mark one row FAILED (kept, shown by `status`, counted as
-    /// `events_failed_<counter>`); the rows behind it flow.
-    fn fail(&mut self, spool: &mut Spool, id: i64, event_id: &str, why: &str, counter: &str) {
+    /// `events_failed_<counter>`); the rows behind it flow. `event_id`
+    /// names the event in the log.
+    fn fail(
+        &mut self,
+        spool: &mut Spool,
+        id: i64,
+        event_id: &dyn std::fmt::Display,
+        why: &str,
+        counter: &str,
+    ) {
         log::error!("delivery: event {event_id} marked FAILED: {why}");
         match spool.mark_failed(id, why, counter) {
             Ok(()) => {
@@ -759,16 +777,17 @@ mod tests {
         let mut spool = Spool::open(&dir.path().join("s.db"), &Default::default()).expect("spool");
         let mut d = receipt_delivery();
         let id = "0123abcd-0000-4000-8000-00000000000a";
+        let event_id = EventId::parse(id).expect("an id");
         let payload = b"{}".to_vec();
         let row = OutRow {
             id: 7,
-            event_id: id.to_owned(),
+            event_id: Some(event_id),
             stream: "s".to_owned(),
             digest: Some(<sha2::Sha256 as sha2::Digest>::digest(&payload).into()),
             payload,
             prio: 0,
         };
-        d.note_offered(&row);
+        d.note_offered(&row, event_id);
         d.link.acked_for_test(&[7]);
         let receipt = crate::event::receipts::encode(&[("s", id)]).remove(0);
         d.handle(DeliveryMsg::Receipt(receipt), &mut spool);
@@ -785,19 +804,24 @@ mod tests {
         // at a tenth of puback mode). Now nothing is offered past the cap.
         let mut d = receipt_delivery();
         let cap = 100 + crate::event::stream::MAX_BATCH_EVENTS;
+        let event_id = |id: i64| {
+            let mut b = [0u8; 16];
+            b[8..].copy_from_slice(&id.to_be_bytes());
+            EventId(b)
+        };
         let row = |id: i64| OutRow {
             id,
-            event_id: format!("0123abcd-0000-4000-8000-{id:012}"),
+            event_id: Some(event_id(id)),
             stream: "s".to_owned(),
             digest: None,
             payload: Vec::new(),
             prio: 0,
         };
         for id in 1..cap as i64 {
-            d.note_offered(&row(id));
+            d.note_offered(&row(id), event_id(id));
         }
         assert!(!d.offers_full(), "full one row early");
-        d.note_offered(&row(cap as i64));
+        d.note_offered(&row(cap as i64), event_id(cap as i64));
         assert!(d.offers_full());
         d.forget_offered(3);
         assert!(!d.offers_full(), "a refused row kept its place");
@@ -805,6 +829,74 @@ mod tests {
         d.link.acked_for_test(&[1, 2]);
         d.collect();
         assert!(d.awaits_receipt(1) && d.awaits_receipt(2));
+    }
+
+    #[test]
+    fn a_row_whose_stored_event_id_is_not_one_goes_failed_and_is_kept() {
+        // The spool stores ids as text; one that does not read back (a
+        // damaged page, a hand edit) is never sent under an id it does not
+        // have, never retired, never dropped: FAILED like a payload that
+        // fails its digest, and the row behind it flows.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s.db");
+        let mut spool = Spool::open(&path, &Default::default()).expect("spool");
+        let mut ids = crate::event::envelope::EventIdGen::new().expect("ids");
+        let ev = |x: f64| crate::spool::NewEvent {
+            replay: None,
+            stream: "s".into(),
+            ts_ms: 1,
+            clock_trusted: true,
+            fields: vec![("x".into(), crate::event::reading::FieldValue::Num(x))],
+            key: None,
+            reply: None,
+        };
+        let evs = [ev(1.0), ev(2.0)];
+        let format = crate::event::envelope::Format::Json;
+        assert_eq!(
+            spool
+                .append(&evs, &mut ids, "dev", format, 5)
+                .expect("append"),
+            2
+        );
+        rusqlite::Connection::open(&path)
+            .expect("a second connection")
+            .execute("UPDATE events SET event_id = 'NOT-AN-ID' WHERE id = 1", [])
+            .expect("damage the first id");
+        let rows = spool.sendable(0, 10).expect("rows");
+        assert_eq!(rows.len(), 2, "a row with a damaged id is still read");
+        assert_eq!(rows[0].event_id, None);
+        let mut d = receipt_delivery();
+        let limits = d.packet_limit();
+        assert!(d.admit(&mut spool, &rows[0], limits).is_none());
+        let (_, _, second) = d
+            .admit(&mut spool, &rows[1], limits)
+            .expect("the next row flows");
+        assert_eq!(Some(second), rows[1].event_id);
+        let failed = spool.failed_rows(10).expect("failed rows");
+        assert_eq!(failed.len(), 1);
+        assert_eq!(
+            (failed[0].id, failed[0].event_id.as_str()),
+            (1, "NOT-AN-ID")
+        );
+        assert!(
+            failed[0].reason.contains("stored event id"),
+            "{}",
+            failed[0].reason
+        );
+        let counters = spool.counters().expect("counters");
+        assert!(
+            counters.contains(&("events_failed_digest_mismatch".to_owned(), 1)),
+            "{counters:?}"
+        );
+        let left: Vec<i64> = spool
+            .sendable(0, 10)
+            .expect("rows")
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(left, vec![2]);
+        // Kept: an operator's requeue puts it back (and it fails again).
+        assert_eq!(spool.requeue_failed(None).expect("requeue"), 1);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 
 use super::Delivery;
 use crate::delivery::awaiting::Awaiting;
+use crate::event::envelope::EventId;
 use crate::mqtt::Ready;
 use crate::spool::{OutRow, Spool};
 use std::collections::{BTreeSet, HashMap};
@@ -79,7 +80,7 @@ pub(super) struct ReceiptMode {
     timeout: Duration,
     /// Stream and event id of each row offered in this epoch and not yet
     /// PUBACKed (what a waiting row is matched by), at most `offer_cap`.
-    offered: HashMap<i64, (Arc<str>, String)>,
+    offered: HashMap<i64, (Arc<str>, EventId)>,
     offer_cap: usize,
     /// Streams' names, shared by their rows.
     names: HashMap<String, Arc<str>>,
@@ -142,9 +143,10 @@ impl Delivery {
             .is_some_and(|r| r.fallback.is_none() && r.offered.len() >= r.offer_cap)
     }
 
-    /// Remember `row`'s stream and event id as it is offered (not beyond
-    /// the cap: such a row is sent again after its PUBACK).
-    pub(super) fn note_offered(&mut self, row: &OutRow) {
+    /// Remember `row`'s stream and event id (`event_id`, as admitted) as
+    /// it is offered (not beyond the cap: such a row is sent again after
+    /// its PUBACK).
+    pub(super) fn note_offered(&mut self, row: &OutRow, event_id: EventId) {
         let Some(r) = self.receipts.as_mut() else {
             return;
         };
@@ -156,7 +158,7 @@ impl Delivery {
             .entry(row.stream.clone())
             .or_insert_with(|| Arc::from(row.stream.as_str()))
             .clone();
-        r.offered.insert(row.id, (stream, row.event_id.clone()));
+        r.offered.insert(row.id, (stream, event_id));
     }
 
     /// `row` was refused by its PUBACK: no receipt is to come for this
@@ -316,10 +318,10 @@ impl Delivery {
             if self.retiring.contains(&row.id) {
                 continue;
             }
-            let Some((topic, _)) = self.admit(spool, &row, limits) else {
+            let Some((topic, _, event_id)) = self.admit(spool, &row, limits) else {
                 continue;
             };
-            self.note_offered(&row);
+            self.note_offered(&row, event_id);
             if let Some(r) = self.receipts.as_mut() {
                 r.resent.insert(row.id);
             }
@@ -327,7 +329,7 @@ impl Delivery {
                 row: row.id,
                 topic,
                 payload: row.payload,
-                event_id: row.event_id,
+                event_id: Some(event_id),
                 members: Vec::new(),
             });
         }

@@ -46,6 +46,35 @@ impl EventId {
     }
 }
 
+impl EventId {
+    /// The id `s` names in the one text form ids have on the wire and in
+    /// the spool: 8-4-4-4-12 lowercase hex, as [`EventId::hyphenated`]
+    /// writes it. `None` for anything else (another length, upper case,
+    /// hyphens elsewhere, no hyphens): a receipt naming such a string is
+    /// refused whole, and a spool row holding one is not sent
+    /// (`crate::delivery`: FAILED and kept, like a payload that fails its
+    /// digest).
+    pub fn parse(s: &str) -> Option<EventId> {
+        let b = s.as_bytes();
+        if b.len() != 36 || [8, 13, 18, 23].iter().any(|&i| b[i] != b'-') {
+            return None;
+        }
+        let nibble = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        let mut hex = b.iter().copied().filter(|&c| c != b'-');
+        let mut out = [0u8; 16];
+        for byte in &mut out {
+            let hi = nibble(hex.next()?)?;
+            let lo = nibble(hex.next()?)?;
+            *byte = hi << 4 | lo;
+        }
+        Some(EventId(out))
+    }
+}
+
 impl fmt::Display for EventId {
     /// Same as [`EventId::hyphenated`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -361,6 +390,35 @@ mod tests {
             ("iface".into(), FieldValue::Text("eth0".into())),
             ("ok".into(), FieldValue::Bool(true)),
         ]
+    }
+
+    #[test]
+    fn an_event_id_is_read_back_only_from_the_form_it_is_written_in() {
+        let mut g = EventIdGen::new().unwrap();
+        for id in (0..100)
+            .map(|_| g.next_id())
+            .chain([EventId([0; 16]), EventId([0xff; 16])])
+        {
+            assert_eq!(EventId::parse(&id.hyphenated()), Some(id));
+        }
+        let a = "0123abcd-0000-4000-8000-00000000000a";
+        assert_eq!(
+            EventId::parse(a).map(|id| id.0),
+            Some([0x01, 0x23, 0xab, 0xcd, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 0x0a])
+        );
+        for bad in [
+            "",
+            "0123ABCD-0000-4000-8000-00000000000a",
+            "0123abcd00000400080000000000000000a",
+            "0123abcd-0000-4000-8000-00000000000",
+            "0123abcd-0000-4000-8000-00000000000a0",
+            "0123abc-d0000-4000-8000-00000000000a",
+            "0123abcg-0000-4000-8000-00000000000a",
+            "0123abcd-0000-4000-8000-0000000000\u{e9}",
+            " 0123abcd-0000-4000-8000-0000000000a",
+        ] {
+            assert_eq!(EventId::parse(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

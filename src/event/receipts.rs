@@ -16,8 +16,11 @@
 //! ```
 //!
 //! An event id is the hyphenated lowercase form (36 characters) the
-//! envelope carries. Pure: time is passed in, nothing here does I/O.
+//! envelope carries; [`parse`] gives them as [`EventId`]s, and a receipt
+//! naming any other string is refused. Pure: time is passed in, nothing
+//! here does I/O.
 
+use crate::event::envelope::EventId;
 use crate::event::stream::topic_safe;
 
 /// Largest receipt accepted, bytes.
@@ -31,7 +34,7 @@ const MAX_RECEIPT_STREAMS: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Receipt {
     /// `(stream, event ids)`, in the order the receipt gave them.
-    pub stored: Vec<(String, Vec<String>)>,
+    pub stored: Vec<(String, Vec<EventId>)>,
 }
 
 impl Receipt {
@@ -110,9 +113,9 @@ pub fn parse(payload: &[u8]) -> Result<Receipt, ReceiptError> {
         }
         let mut list = Vec::with_capacity(ids.len());
         for id in ids {
-            match id {
-                serde_json::Value::String(s) if event_id_ok(&s) => list.push(s),
-                other => return Err(ReceiptError::EventId(other.to_string())),
+            match id.as_str().and_then(EventId::parse) {
+                Some(id) => list.push(id),
+                None => return Err(ReceiptError::EventId(id.to_string())),
             }
         }
         out.stored.push((stream, list));
@@ -121,7 +124,9 @@ pub fn parse(payload: &[u8]) -> Result<Receipt, ReceiptError> {
 }
 
 /// The payloads of receipts for `stored` (`(stream, event id)` pairs, in
-/// any order), each within [`MAX_RECEIPT_EVENTS`] ids.
+/// any order), each within [`MAX_RECEIPT_EVENTS`] ids. The ids are text
+/// here, as the sink reads them from payloads and its database; it names
+/// only those [`event_id_ok`] accepts.
 pub fn encode(stored: &[(&str, &str)]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for chunk in stored.chunks(MAX_RECEIPT_EVENTS) {
@@ -149,13 +154,9 @@ pub fn encode(stored: &[(&str, &str)]) -> Vec<Vec<u8>> {
 }
 
 /// Whether `s` is an event id as the envelope writes it: 8-4-4-4-12
-/// lowercase hex.
+/// lowercase hex ([`EventId::parse`]).
 pub fn event_id_ok(s: &str) -> bool {
-    s.len() == 36
-        && s.bytes().enumerate().all(|(i, b)| match i {
-            8 | 13 | 18 | 23 => b == b'-',
-            _ => b.is_ascii_digit() || (b'a'..=b'f').contains(&b),
-        })
+    EventId::parse(s).is_some()
 }
 
 #[cfg(test)]
@@ -166,6 +167,10 @@ mod tests {
     const B: &str = "0123abcd-0000-4000-8000-00000000000b";
     const C: &str = "0123abcd-0000-4000-8000-00000000000c";
 
+    fn id(s: &str) -> EventId {
+        EventId::parse(s).expect("a test id")
+    }
+
     #[test]
     fn a_receipt_round_trips_and_names_its_streams() {
         let bytes = encode(&[("s", A), ("t", B), ("s", C)]);
@@ -175,8 +180,8 @@ mod tests {
         assert_eq!(
             r.stored,
             vec![
-                ("s".to_owned(), vec![A.to_owned(), C.to_owned()]),
-                ("t".to_owned(), vec![B.to_owned()])
+                ("s".to_owned(), vec![id(A), id(C)]),
+                ("t".to_owned(), vec![id(B)])
             ]
         );
     }

@@ -19,7 +19,7 @@ pub enum Durability {
     /// Committed as soon as taken, on a `synchronous = FULL` connection
     /// (fsync at each commit): once committed, it survives a power cut.
     /// Readings queued while a commit's fsync runs share the next commit
-    /// (group commit in `agent::commit`; no timer waits for them).
+    /// (group commit in `agent::writer::group`; no timer waits for them).
     Full,
 }
 

@@ -21,14 +21,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The commit window in force, shared by the thread that chooses it (the
-/// ingest thread) and the threads that commit on it (ingest for readings,
-/// delivery for acknowledgement records). Cloning shares it.
+/// The commit window in force, read by the threads that commit on it (the
+/// writer for readings, delivery for acknowledgement records). Its one
+/// holder is the [`Controller`] that chooses it (held by the storage
+/// upkeep, [`crate::flash::upkeep`]): only the controller sets it, so no
+/// copy is kept equal by hand on a reload. Cloning shares it.
 #[derive(Debug, Clone)]
 pub struct SharedWindow(Arc<AtomicU64>);
 
 impl SharedWindow {
-    /// A handle holding `window` (at least 1 ms).
+    /// A handle holding `window` (at least 1 ms). Made by the
+    /// [`Controller`]; one made elsewhere is a fixed window (a test's).
     pub fn new(window: Duration) -> SharedWindow {
         let w = SharedWindow(Arc::new(AtomicU64::new(1)));
         w.set(window);
@@ -40,8 +43,9 @@ impl SharedWindow {
         Duration::from_millis(self.0.load(Ordering::Relaxed))
     }
 
-    /// Put `window` in force (rounded down to whole ms, at least 1 ms).
-    pub fn set(&self, window: Duration) {
+    /// Put `window` in force (rounded down to whole ms, at least 1 ms): the
+    /// controller's alone.
+    fn set(&self, window: Duration) {
         let ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
         self.0.store(ms, Ordering::Relaxed);
     }
@@ -134,11 +138,12 @@ impl Verdict {
     }
 }
 
-/// The commit window controller.
-#[derive(Debug, Clone)]
+/// The commit window controller, and the window's one holder.
+#[derive(Debug)]
 pub struct Controller {
     settings: BudgetSettings,
-    window: Duration,
+    /// The window in force, shared with its readers ([`Controller::reader`]).
+    window: SharedWindow,
     largest: Duration,
     /// Start of the current measurement: when, and the totals then.
     since: Option<(Instant, u64, u64)>,
@@ -151,7 +156,7 @@ impl Controller {
     /// A controller at the base window.
     pub fn new(settings: BudgetSettings) -> Controller {
         Controller {
-            window: settings.base_window,
+            window: SharedWindow::new(settings.base_window),
             largest: settings.base_window,
             settings,
             since: None,
@@ -160,14 +165,22 @@ impl Controller {
         }
     }
 
-    /// New settings (a config reload): the window starts again from the base.
+    /// New settings (a config reload): the window starts again from the
+    /// base, measured afresh; its readers see the change.
     pub fn reconfigure(&mut self, settings: BudgetSettings) {
         if settings != self.settings {
-            *self = Controller {
-                largest: self.largest.max(settings.base_window),
-                ..Controller::new(settings)
-            };
+            self.largest = self.largest.max(settings.base_window);
+            self.window.set(settings.base_window);
+            self.settings = settings;
+            self.since = None;
+            self.verdict = Verdict::Within;
+            self.projected = None;
         }
+    }
+
+    /// A handle on the window in force, for the threads that commit on it.
+    pub fn reader(&self) -> SharedWindow {
+        self.window.clone()
     }
 
     /// The settings in force.
@@ -177,7 +190,7 @@ impl Controller {
 
     /// The commit window now.
     pub fn window(&self) -> Duration {
-        self.window
+        self.window.get()
     }
 
     /// The widest window chosen since the agent started.
@@ -216,7 +229,7 @@ impl Controller {
         let budget = budget as f64;
         let rate = m.readings.saturating_sub(readings0) as f64 / span.as_secs_f64();
         let (bound, bound_name) = self.bound(rate, m);
-        let w = self.window.as_secs_f64();
+        let w = self.window().as_secs_f64();
         let target = if per_day > budget * WIDEN_PCT as f64 / 100.0 {
             w * per_day / (budget * GOAL_PCT as f64 / 100.0)
         } else if per_day < budget * NARROW_PCT as f64 / 100.0 {
@@ -233,9 +246,11 @@ impl Controller {
             self.settings.base_window,
             bound.max(self.settings.base_window),
         );
+        // The buffer's bound is no whole number of ms: what is held is.
+        let chosen = Duration::from_millis(u64::try_from(chosen.as_millis()).unwrap_or(u64::MAX));
         // Over only as measured at the widest window: while it still widens,
         // the next span tells.
-        self.verdict = if per_day > budget && chosen < needed && chosen == self.window {
+        self.verdict = if per_day > budget && chosen < needed && chosen == self.window() {
             Verdict::Over {
                 projected_mb_per_day: per_day / 1e6,
                 budget_mb_per_day: budget / 1e6,
@@ -246,8 +261,8 @@ impl Controller {
         } else {
             Verdict::Within
         };
-        let changed = chosen != self.window;
-        self.window = chosen;
+        let changed = chosen != self.window();
+        self.window.set(chosen);
         self.largest = self.largest.max(chosen);
         changed
     }

@@ -317,7 +317,7 @@ fn write_replies(stream: Stream, pending: Receiver<Pending>) {
             Pending::Now(l) => l,
             Pending::Wait(rx, hold) => {
                 let line = match next_or_flush(&rx, &mut w, &mut failed) {
-                    Some(Ok(c)) => ok_line(&c.event_id, c.synced),
+                    Some(Ok(c)) => ok_line(&c.event_id.hyphenated(), c.synced),
                     Some(Err(why)) => error_line(&why.why),
                     None => error_line(STOPPING),
                 };

@@ -1,6 +1,7 @@
-//! What the ingest thread receives: readings from every producer (the
-//! sampler, the ingest socket, the local-broker bridge), control requests
-//! from the command thread, counts of refused input, and wake-ups.
+//! What the ingest (writer) thread receives: readings from every producer
+//! (the sampler, the ingest socket, the local-broker bridge), control
+//! requests the command thread sends straight into the same channel
+//! ([`ControlSender`]), counts of refused input, and wake-ups.
 //!
 //! It sits below every producer, so none of them imports the agent. One
 //! rule: a reading sent here is not stored until the ingest thread's commit
@@ -68,4 +69,58 @@ pub enum Control {
         /// Reply.
         reply: Sender<Result<Value, String>>,
     },
+}
+
+/// The command thread's handle on the writer: sends a [`Control`] request
+/// straight into the writer's channel, with no thread in between. Cloning
+/// shares the channel.
+#[derive(Debug, Clone)]
+pub struct ControlSender(Sender<IngestMsg>);
+
+impl ControlSender {
+    /// A handle sending into the writer's channel `tx`.
+    pub fn new(tx: Sender<IngestMsg>) -> ControlSender {
+        ControlSender(tx)
+    }
+
+    /// Send `c` to the writer. `Err` when the writer has stopped (its
+    /// channel is closed): the caller answers that the agent is stopping.
+    pub fn send(&self, c: Control) -> Result<(), WriterStopped> {
+        self.0
+            .send(IngestMsg::Control(c))
+            .map_err(|_| WriterStopped)
+    }
+}
+
+/// The writer has stopped: its channel is closed, a request goes unanswered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterStopped;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_control_request_goes_straight_into_the_writers_channel() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ctl = ControlSender::new(tx);
+        let (reply, answer) = std::sync::mpsc::channel();
+        assert_eq!(ctl.send(Control::Flush { reply }), Ok(()));
+        match rx.try_recv() {
+            Ok(IngestMsg::Control(Control::Flush { reply })) => {
+                let _ = reply.send(Ok(Value::Null));
+            }
+            other => panic!("expected the flush request, got {other:?}"),
+        }
+        assert_eq!(answer.recv(), Ok(Ok(Value::Null)));
+    }
+
+    #[test]
+    fn a_request_to_a_stopped_writer_says_so() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ctl = ControlSender::new(tx);
+        drop(rx);
+        let (reply, _answer) = std::sync::mpsc::channel();
+        assert_eq!(ctl.send(Control::Reload { reply }), Err(WriterStopped));
+    }
 }

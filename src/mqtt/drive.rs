@@ -79,6 +79,7 @@ impl MqttThread {
                     }
                 },
                 Ok(Ok(Ev::SubAck { refused })) => self.on_suback(refused),
+                Ok(Ok(Ev::DisconnectSent)) => log::trace!("mqtt: our DISCONNECT left"),
                 Ok(Ok(Ev::Other(ev))) => log::trace!("mqtt: {ev}"),
                 Ok(Err(f)) => return self.on_failure(f),
                 Err(RecvTimeoutError::Timeout) => {}

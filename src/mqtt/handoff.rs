@@ -75,8 +75,8 @@ pub struct Ready {
     /// The stored payload bytes.
     pub payload: Vec<u8>,
     /// The row's event id, sent as the `event_id` user property under MQTT 5
-    /// (empty for a batch: its events carry their own ids).
-    pub event_id: String,
+    /// (`None` for a batch: its events carry their own ids in the payload).
+    pub event_id: Option<crate::event::envelope::EventId>,
     /// A batch ([`crate::event::batching`]): every row it carries, `row` first, in
     /// row-id order; one PUBACK retires them all. Empty for a single row.
     pub members: Vec<i64>,

@@ -169,7 +169,7 @@ impl Link {
             .as_ref()
             .zip(s.client.as_ref())
             .is_some_and(|((topic, _), c)| {
-                c.try_publish(topic, QoS::AtMostOnce, true, offline_payload(), None)
+                c.try_publish(topic, QoS::AtMostOnce, true, offline_payload())
                     .is_ok()
             });
         if !offline {
@@ -248,7 +248,7 @@ mod tests {
             row,
             topic: Arc::from("t"),
             payload: b"x".to_vec(),
-            event_id: String::new(),
+            event_id: None,
             members: Vec::new(),
         };
         // Disconnected: held in the ready queue, nothing in flight.

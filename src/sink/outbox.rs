@@ -180,7 +180,14 @@ mod tests {
         type Named = Vec<(String, Vec<String>)>;
         let got: Vec<(&str, Named)> = out
             .iter()
-            .map(|(t, p)| (t.as_str(), parse(p).expect("receipt parses").stored))
+            .map(|(t, p)| {
+                let stored = parse(p).expect("receipt parses").stored;
+                let named = stored
+                    .into_iter()
+                    .map(|(s, ids)| (s, ids.iter().map(|i| i.hyphenated()).collect()))
+                    .collect();
+                (t.as_str(), named)
+            })
             .collect();
         let id = |n: u8| format!("0000000{n}-0000-4000-8000-000000000000");
         assert_eq!(

@@ -85,9 +85,33 @@ impl Side {
     }
 }
 
-/// Drop the oldest rows of `side` beyond `b` (rows, payload bytes), count
-/// them in `side_drops`; returns how many went. One scan of a table that
-/// is at most a batch over its bounds; run only after rows were added.
+/// Rows of one device beyond its bounds (`$1` rows, `$2` payload bytes):
+/// its oldest.
+const TRIM_DEVICE: &str = "
+DELETE FROM {t} WHERE id IN (
+    SELECT id FROM (
+        SELECT id, row_number() OVER w AS n, sum(octet_length(payload)) OVER w AS b
+        FROM {t} WINDOW w AS (PARTITION BY device_id ORDER BY id DESC)
+    ) d WHERE n > $1 OR b > $2)";
+
+/// Rows beyond the table's bounds (`$1` rows, `$2` payload bytes): rows
+/// ranked by how new they are within their device (`k`), every device's
+/// newest first, then its second newest, ...; what is past the bounds in
+/// that order goes, so the devices holding the most lose rows first.
+const TRIM_TABLE: &str = "
+DELETE FROM {t} WHERE id IN (
+    SELECT id FROM (
+        SELECT id, row_number() OVER o AS n, sum(len) OVER o AS b
+        FROM (SELECT id, octet_length(payload) AS len,
+                     row_number() OVER (PARTITION BY device_id ORDER BY id DESC) AS k
+              FROM {t}) r
+        WINDOW o AS (ORDER BY k, id DESC)
+    ) o WHERE n > $1 OR b > $2)";
+
+/// Drop rows of `side` beyond `b` (per device, then the table's, see
+/// [`SideBounds`]), count them in `side_drops`; returns how many went.
+/// Two scans of a table that is at most a batch over its bounds; run only
+/// after rows were added.
 fn trim(
     tx: &mut Transaction<'_>,
     side: Side,
@@ -95,14 +119,10 @@ fn trim(
     sink: &str,
 ) -> Result<u64, postgres::Error> {
     let t = side.table();
-    let sql = format!(
-        "DELETE FROM {t} WHERE id <= (
-             SELECT max(id) FROM (
-                 SELECT id, row_number() OVER w AS n, sum(octet_length(payload)) OVER w AS b
-                 FROM {t} WINDOW w AS (ORDER BY id DESC)
-             ) k WHERE n > $1 OR b > $2)"
-    );
-    let gone = tx.execute(sql.as_str(), &[&b.rows, &b.table_bytes])?;
+    let device = TRIM_DEVICE.replace("{t}", t);
+    let table = TRIM_TABLE.replace("{t}", t);
+    let gone = tx.execute(device.as_str(), &[&b.device_rows, &b.device_bytes])?
+        + tx.execute(table.as_str(), &[&b.rows, &b.table_bytes])?;
     if gone > 0 {
         tx.execute(COUNT_DROPS, &[&t, &sink, &(gone as i64)])?;
     }
@@ -231,6 +251,7 @@ impl PgStore {
                 Ok(Stored {
                     stats: SinkStats {
                         unreadable: 1,
+                        oversized: u64::from(it.is_oversized()),
                         side_dropped: dropped,
                         ..SinkStats::default()
                     },
@@ -590,6 +611,7 @@ impl At<'_> {
             s.side_dropped += self.insert(tx, side, list, why)?;
         }
         s.unreadable += unread.len() as u64;
+        s.oversized += unread.iter().filter(|it| it.is_oversized()).count() as u64;
         s.forged += forged.len() as u64;
         Ok(s)
     }
@@ -639,21 +661,33 @@ impl At<'_> {
         why: Vec<String>,
     ) -> Result<u64, postgres::Error> {
         let topics: Vec<&str> = items.iter().map(|it| it.topic.as_str()).collect();
+        let devices: Vec<&str> = topics
+            .iter()
+            .map(|t| super::identity::publisher(t))
+            .collect();
         let payloads: Vec<&[u8]> = items
             .iter()
             .map(|it| self.bounds.cut(&it.payload))
             .collect();
-        let lens: Vec<i64> = items.iter().map(|it| it.payload.len() as i64).collect();
+        let lens: Vec<i64> = items.iter().map(|it| it.delivered_bytes() as i64).collect();
         let sql = format!(
-            "INSERT INTO {} (topic, payload, payload_bytes, reason, received_ms, sink)
-             SELECT u.topic, u.payload, u.bytes, u.reason, $5, $6
-             FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::text[])
-                  AS u(topic, payload, bytes, reason)",
+            "INSERT INTO {} (device_id, topic, payload, payload_bytes, reason, received_ms, sink)
+             SELECT u.device_id, u.topic, u.payload, u.bytes, u.reason, $6, $7
+             FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::text[])
+                  AS u(device_id, topic, payload, bytes, reason)",
             side.table()
         );
         tx.execute(
             sql.as_str(),
-            &[&topics, &payloads, &lens, &why, &self.now_ms, &self.sink],
+            &[
+                &devices,
+                &topics,
+                &payloads,
+                &lens,
+                &why,
+                &self.now_ms,
+                &self.sink,
+            ],
         )?;
         trim(tx, side, self.bounds, self.sink)
     }

@@ -69,11 +69,18 @@ const SQL_OF_STREAMS: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.dige
     ORDER BY e.id LIMIT ?4";
 
 /// An [`OutRow`] from the columns id, event_id, stream name, payload,
-/// digest, prio.
+/// digest, prio. The event id is read in place from its stored text; text
+/// that is not an id (or not text) gives `None`, and the row fails its
+/// check on the delivery thread rather than its read here, so the rows
+/// behind it still flow.
 pub(super) fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
     Ok(OutRow {
         id: r.get(0)?,
-        event_id: r.get(1)?,
+        event_id: r
+            .get_ref(1)?
+            .as_str()
+            .ok()
+            .and_then(crate::event::envelope::EventId::parse),
         stream: r.get(2)?,
         payload: r.get(3)?,
         // Read in place, not as a Vec of its own (one allocation per row

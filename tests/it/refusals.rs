@@ -446,6 +446,8 @@ fn a_wrong_password_is_logged_as_a_login_refusal_and_nothing_is_retired() {
     let db = dir.path().join("spool.db");
     let pw_file = dir.path().join("board.password");
     std::fs::write(&pw_file, "wrong-secret\n").expect("write password file");
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600);
+    std::fs::set_permissions(&pw_file, private).expect("chmod 600 the password file");
     let mut agent = AgentProc::spawn(
         &cfg,
         &[

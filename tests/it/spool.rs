@@ -280,7 +280,7 @@ fn a_write_budget_out_of_reach_widens_the_window_to_its_ceiling_and_degrades_hea
         "{reasons}"
     );
     assert!(
-        agent.logged("INFO", "agent", "write budget: projected"),
+        agent.logged("INFO", "flash", "write budget: projected"),
         "{}",
         agent.log_tail(20)
     );

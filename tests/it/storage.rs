@@ -411,7 +411,7 @@ fn a_reader_pinning_the_wal_holds_a_large_purge_at_one_batch_until_it_leaves() {
     // The first batch, then a later pass finding the reader still there.
     assert!(
         wait_for(Duration::from_secs(30), || {
-            agent.logged("INFO", "agent", "retention and free-page steps held")
+            agent.logged("INFO", "flash", "retention and free-page steps held")
         }),
         "purged {}\n{}",
         counter(&db, "events_purged_acked"),
@@ -583,7 +583,7 @@ fn a_shm_file_removed_under_the_agent_is_named_in_a_warning_and_the_agent_runs_o
     );
     assert!(
         wait_for(Duration::from_secs(20), || agent
-            .logged("WARN", "agent", &named)),
+            .logged("WARN", "flash", &named)),
         "{}",
         agent.log_tail(20)
     );

@@ -296,6 +296,8 @@ fn a_refused_login_names_the_cause_and_the_spool_keeps_filling() {
     );
     let d = dir.path().display();
     std::fs::write(dir.path().join("secret"), "wrong-password\n").expect("secret");
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600);
+    std::fs::set_permissions(dir.path().join("secret"), private).expect("chmod 600 secret");
     let cfg = config(
         dir.path(),
         broker.port,

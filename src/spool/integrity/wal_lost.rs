@@ -89,11 +89,12 @@ pub fn look(db: &Path) -> Before {
 /// Errors: no free name, or a rename failed (the agent then refuses to
 /// start, naming it).
 pub(super) fn move_aside(db: &Path) -> Result<String, String> {
-    let base = format!(
-        "{}.no-wal-{}",
-        db.display(),
-        crate::event::envelope::wall_clock_ms().0
-    );
+    move_aside_at(db, crate::event::envelope::wall_clock_ms().0)
+}
+
+/// [`move_aside`] with the wall clock read by the caller (`now_ms`).
+fn move_aside_at(db: &Path, now_ms: i64) -> Result<String, String> {
+    let base = format!("{}.no-wal-{now_ms}", db.display());
     let aside = move_to_free_name(db, &base)?;
     log::error!(
         "spool {} has no {}-wal and no table of its own: it is a WAL-mode database whose every commit was in the -wal (a copy of the file alone, taken while an agent ran, or a -wal removed); opened, it would become an empty spool. Moved it to {aside} untouched; starting a fresh spool. If you have the -wal taken at the same moment: stop the agent, put {aside} back as {} with that file as {}-wal, and start it. To back up a running spool use `edgespool export --config FILE --to PATH`",
@@ -312,19 +313,24 @@ mod tests {
     fn a_spool_moved_aside_at_a_wall_clock_name_already_used_replaces_nothing() {
         let d = tempfile::tempdir().unwrap();
         let db = d.path().join("spool.db");
-        let now = crate::event::envelope::wall_clock_ms().0;
-        for t in now..now + 2000 {
-            std::fs::write(format!("{}.no-wal-{t}", db.display()), b"earlier").unwrap();
+        // A board without a real-time clock back at the same wall-clock
+        // time: the name and its next suffix are taken (the clock is given,
+        // so a slow machine cannot move past the names made before).
+        let now = 1_000;
+        for name in [format!("{now}"), format!("{now}-2")] {
+            std::fs::write(format!("{}.no-wal-{name}", db.display()), b"earlier").unwrap();
         }
+        std::fs::write(format!("{}.no-wal-{now}-1-wal", db.display()), b"earlier").unwrap();
         std::fs::write(&db, b"this one").unwrap();
-        let aside = super::move_aside(&db).unwrap();
+        let aside = super::move_aside_at(&db, now).unwrap();
         assert_eq!(std::fs::read(&aside).unwrap(), b"this one");
-        assert!(aside.ends_with("-1"), "{aside}");
+        // `-1` is taken through its -wal, `-2` by itself: the next free one.
+        assert!(aside.ends_with(&format!("{now}-3")), "{aside}");
         let earlier = std::fs::read_dir(d.path())
             .unwrap()
             .filter(|e| std::fs::read(e.as_ref().unwrap().path()).unwrap() == b"earlier")
             .count();
-        assert_eq!(earlier, 2000, "an earlier file was replaced");
+        assert_eq!(earlier, 3, "an earlier file was replaced");
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub fn password_file(dir: &Path, user: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("no user {user} in the fleet layout"));
     let path = dir.join(format!("{user}.password"));
     std::fs::write(&path, format!("{password}\n")).expect("write a password file");
+    // Readable by its owner only: a password file others can read is refused.
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600);
+    std::fs::set_permissions(&path, private).expect("chmod 600 the password file");
     path
 }
 

@@ -3,18 +3,18 @@
 //! outage budget built from them at the summary (stored for `status` as
 //! `outage_budget`, rendered into the metrics).
 //!
-//! Its one rule: **sampling stays cheap for the ingest thread**: it reads
+//! Its one rule: **sampling stays cheap for the writer thread**: it reads
 //! the rows appended since the last sample (a range read on the row id),
 //! two index reads and the `/proc/self/io` counter, whatever the spool's size.
 
-use super::Ingest;
+use super::Writer;
 use crate::event::envelope::wall_clock_ms;
 use crate::flash::outage::{Budget, Meter, Room, Sample};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-/// What the ingest thread keeps for the outage budget.
+/// What the writer keeps for the outage budget.
 #[derive(Debug)]
 pub(super) struct OutageState {
     /// The moving averages.
@@ -46,11 +46,11 @@ impl Default for OutageState {
     }
 }
 
-impl Ingest {
+impl Writer {
     /// Take one sample (at each maintenance pass and summary). A spool read
     /// that fails skips this sample; the next one counts what it missed.
     pub(super) fn sample_outage(&mut self) {
-        let window = self.cfg.agent.rate_window.as_secs_f64();
+        let window = self.conf.cfg.agent.rate_window.as_secs_f64();
         let o = &mut self.outage;
         if o.meter.window_secs() != window {
             // A reload changed the window: start over on the new one.
@@ -58,7 +58,7 @@ impl Ingest {
         }
         let after = match o.after_id {
             Some(id) => id,
-            None => match self.spool.newest_id() {
+            None => match self.store.spool().newest_id() {
                 Ok(id) => {
                     o.after_id = Some(id);
                     id
@@ -66,7 +66,7 @@ impl Ingest {
                 Err(_) => return,
             },
         };
-        let Ok(appended) = self.spool.appended_since(after) else {
+        let Ok(appended) = self.store.spool().appended_since(after) else {
             return;
         };
         for a in appended {
@@ -81,10 +81,10 @@ impl Ingest {
             at_secs: o.origin.elapsed().as_secs_f64(),
             wall_ms: wall_clock_ms().0,
             streams: o.totals.clone(),
-            retired: self.delivery_stats.retired.load(Ordering::Relaxed),
+            retired: self.peers.delivery_stats.retired.load(Ordering::Relaxed),
             write_bytes: write.saturating_sub(write0),
-            connected: self.link.connected(),
-            backlog: self.spool.backlog_estimate().unwrap_or(0),
+            connected: self.peers.link.connected(),
+            backlog: self.store.spool().backlog_estimate().unwrap_or(0),
         };
         o.meter.record(sample);
     }
@@ -95,24 +95,25 @@ impl Ingest {
     /// be read now: no room is made up (the record of the last summary stays,
     /// and `status` shows its age).
     pub(super) fn outage_budget(&self) -> Option<Budget> {
-        let (used, free_pages) = self.spool.usage().ok()?;
-        let fs_free =
-            crate::flash::maintenance::fs_free_bytes(&super::startup::spool_dir(&self.cfg)).ok()?;
-        let cap = self.cfg.spool.capacity;
+        let spool = self.store.spool();
+        let (used, free_pages) = spool.usage().ok()?;
+        let dir = super::super::startup::spool_dir(&self.conf.cfg);
+        let fs_free = crate::flash::maintenance::fs_free_bytes(&dir).ok()?;
+        let cap = self.upkeep.settings().capacity;
         let room = Room {
             used_bytes: used,
             max_bytes: cap.max_bytes,
             free_bytes: fs_free.saturating_add(free_pages),
             reserve_bytes: cap.min_free_bytes,
-            rows: self.spool.rows_estimate().ok()?,
-            backlog_rows: self.spool.backlog_estimate().ok()?,
+            rows: spool.rows_estimate().ok()?,
+            backlog_rows: spool.backlog_estimate().ok()?,
         };
         Some(crate::flash::outage::budget(&self.outage.meter, room))
     }
 
     /// At the summary: a fresh sample, then the budget, kept for the
     /// metrics and returned as JSON for `status` (`outage_budget`); `None`
-    /// when it cannot be judged now ([`Ingest::outage_budget`]).
+    /// when it cannot be judged now ([`Writer::outage_budget`]).
     pub(super) fn outage_json(&mut self) -> Option<String> {
         self.sample_outage();
         let b = self.outage_budget()?;

@@ -1,16 +1,66 @@
 //! Config control: reload, pushes (checked, applied live, confirmed or
-//! reverted) and the other control requests of the command thread.
+//! reverted) and the other control requests of the command thread, which
+//! it sends straight into the writer's channel.
 //!
 //! Its one rule: **a push never writes the board's local config file and
 //! never widens what it allows** ([`crate::push::policy`]); what is kept for the
 //! next start is the last push a connection confirmed ([`crate::push`]).
 
-use super::{apply_tuning, spool_dir, Ingest, SamplerUpdate};
+use super::super::startup::{apply_tuning, spool_dir, upkeep_settings};
+use super::super::ConfigSource;
+use super::Writer;
 use crate::config::Config;
+use crate::event::stream::Durability;
 use crate::intake::Control;
+use crate::source::sampler::SamplerUpdate;
 use std::time::Instant;
 
-impl Ingest {
+/// The config in force and where it came from ([`self`]). Its `[spool]`
+/// section's live keys (the commit window, retention, checkpoints,
+/// capacity, the write budget) are held by the upkeep
+/// ([`crate::flash::upkeep::Upkeep::settings`]), which a reload
+/// reconfigures; here they stay as at start, and nothing reads them.
+pub(super) struct Conf {
+    pub(super) cfg: Config,
+    pub(super) source: ConfigSource,
+    /// The confirmed config push in force (kept in the state directory).
+    push: Option<crate::push::Stored>,
+    /// A push applied live, waiting for a connection to confirm it.
+    pub(super) pending_push: Option<crate::push::Pending>,
+    /// sha256 of the local config file (and the confirmed push on top), for
+    /// the retained status message.
+    pub(super) config_sha: String,
+    /// What the storage probe derived, re-applied over every reloaded config.
+    tuning: Option<crate::flash::probe::Derived>,
+}
+
+impl Conf {
+    pub(super) fn new(
+        cfg: Config,
+        source: ConfigSource,
+        push: Option<crate::push::Stored>,
+        tuning: Option<crate::flash::probe::Derived>,
+    ) -> Conf {
+        let config_sha = config_identity(&source.path, push.as_ref());
+        Conf {
+            cfg,
+            source,
+            push,
+            pending_push: None,
+            config_sha,
+            tuning,
+        }
+    }
+
+    /// sha256 of the local config file's bytes, followed by the confirmed
+    /// push's text when there is one.
+    fn identity(&self) -> String {
+        config_identity(&self.source.path, self.push.as_ref())
+    }
+}
+
+impl Writer {
+    /// Answer one control request of the command thread.
     pub(super) fn control(&mut self, c: Control) {
         match c {
             Control::SetInterval {
@@ -18,45 +68,10 @@ impl Ingest {
                 interval,
                 reply,
             } => {
-                let r = match self.cfg.sources.iter_mut().find(|s| s.name == source) {
-                    Some(s) if matches!(s.kind, crate::source::SourceKind::Mqtt(_)) => Err(format!(
-                        "args.source: {source:?} is an mqtt source: its readings arrive as local programs publish, it has no interval"
-                    )),
-                    Some(s) => {
-                        let prev = s.interval;
-                        s.interval = interval;
-                        let _ = self
-                            .sampler
-                            .send(SamplerUpdate::Interval(source.clone(), interval));
-                        Ok(
-                            serde_json::json!({"source": source, "interval_ms": interval.as_millis() as u64,
-                            "previous_interval_ms": prev.as_millis() as u64, "persisted": false}),
-                        )
-                    }
-                    None => {
-                        let known: Vec<&str> =
-                            self.cfg.sources.iter().map(|s| s.name.as_str()).collect();
-                        Err(format!(
-                            "args.source: no source {source:?} (known: {})",
-                            known.join(", ")
-                        ))
-                    }
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(self.set_interval(source, interval));
             }
             Control::Flush { reply } => {
-                let n = self.buffer.len();
-                self.retry_at = None;
-                self.commit();
-                let r = if self.buffer.is_empty() {
-                    Ok(serde_json::json!({"committed": n}))
-                } else {
-                    Err(format!(
-                        "{} readings could not be committed now (spool busy or full)",
-                        self.buffer.len()
-                    ))
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(self.flush());
             }
             Control::Reload { reply } => {
                 let _ = reply.send(self.reload());
@@ -71,22 +86,72 @@ impl Ingest {
         }
     }
 
+    /// `set-interval`: one source's sampling interval, live (not kept for
+    /// the next start).
+    fn set_interval(
+        &mut self,
+        source: String,
+        interval: std::time::Duration,
+    ) -> Result<serde_json::Value, String> {
+        match self.conf.cfg.sources.iter_mut().find(|s| s.name == source) {
+            Some(s) if matches!(s.kind, crate::source::SourceKind::Mqtt(_)) => Err(format!(
+                "args.source: {source:?} is an mqtt source: its readings arrive as local programs publish, it has no interval"
+            )),
+            Some(s) => {
+                let prev = s.interval;
+                s.interval = interval;
+                let _ = self
+                    .peers
+                    .sampler
+                    .send(SamplerUpdate::Interval(source.clone(), interval));
+                Ok(
+                    serde_json::json!({"source": source, "interval_ms": interval.as_millis() as u64,
+                    "previous_interval_ms": prev.as_millis() as u64, "persisted": false}),
+                )
+            }
+            None => {
+                let known: Vec<&str> = self.conf.cfg.sources.iter().map(|s| s.name.as_str()).collect();
+                Err(format!(
+                    "args.source: no source {source:?} (known: {})",
+                    known.join(", ")
+                ))
+            }
+        }
+    }
+
+    /// `flush`: commit the batched buffer now, whatever the window and the
+    /// retry's backoff.
+    fn flush(&mut self) -> Result<serde_json::Value, String> {
+        let n = self.buffer.len(Durability::Batched);
+        self.store.retry_now();
+        self.commit(Durability::Batched);
+        if self.buffer.is_empty(Durability::Batched) {
+            Ok(serde_json::json!({"committed": n}))
+        } else {
+            Err(format!(
+                "{} readings could not be committed now (spool busy or full)",
+                self.buffer.len(Durability::Batched)
+            ))
+        }
+    }
+
     /// Re-read the local config file (with the confirmed push on top); on
     /// any problem the running config stays.
     pub(super) fn reload(&mut self) -> Result<serde_json::Value, String> {
         let (local, text) = self.load_local()?;
-        crate::config::file::save_last_good(&self.source.path, text.as_bytes());
-        let path = self.source.path.display().to_string();
-        let new = match self.push.clone() {
+        crate::config::file::save_last_good(&self.conf.source.path, text.as_bytes());
+        let path = self.conf.source.path.display().to_string();
+        let new = match self.conf.push.clone() {
             None => local,
             Some(stored) => {
                 match crate::push::policy::check(&local, &stored.text, stored.signature.as_deref())
-                    .and_then(|p| crate::push::compose(&local, &text, &path, &self.source.sets, &p))
-                {
+                    .and_then(|p| {
+                        crate::push::compose(&local, &text, &path, &self.conf.source.sets, &p)
+                    }) {
                     Ok(c) => c,
                     Err(e) => {
                         log::warn!("the confirmed config push no longer applies ({e}); running the local config alone");
-                        self.push = None;
+                        self.conf.push = None;
                         local
                     }
                 }
@@ -98,14 +163,14 @@ impl Ingest {
     /// The board's local config file, validated with the command-line
     /// overrides, and its text.
     fn load_local(&self) -> Result<(Config, String), String> {
-        let path = &self.source.path;
+        let path = &self.conf.source.path;
         let text = std::fs::read_to_string(path).map_err(|e| {
             format!(
                 "cannot read the local config {}: {e}; keeping the running config",
                 path.display()
             )
         })?;
-        let cfg = crate::config::parse(&text, &path.display().to_string(), &self.source.sets)
+        let cfg = crate::config::parse(&text, &path.display().to_string(), &self.conf.source.sets)
             .map_err(|e| format!("local config invalid: {e}; keeping the running config"))?;
         Ok((cfg, text))
     }
@@ -121,7 +186,7 @@ impl Ingest {
         text: &str,
         signature: Option<String>,
     ) -> Result<serde_json::Value, String> {
-        if self.pending_push.is_some() {
+        if self.conf.pending_push.is_some() {
             return Err(
                 "another config push is waiting for its connection to be confirmed; try again after it"
                     .to_owned(),
@@ -130,13 +195,14 @@ impl Ingest {
         let (local, local_text) = self.load_local()?;
         let push = crate::push::policy::check(&local, text, signature.as_deref())?;
         let serial = self.admit_push(&local, &push)?;
-        let origin = self.source.path.display().to_string();
-        let new = crate::push::compose(&local, &local_text, &origin, &self.source.sets, &push)
+        let origin = self.conf.source.path.display().to_string();
+        let new = crate::push::compose(&local, &local_text, &origin, &self.conf.source.sets, &push)
             .map_err(|e| format!("{e}; keeping the running config"))?;
         if let Some(serial) = serial {
             // Recorded before it applies: this serial is spent even if the
             // push is reverted, so it can never be replayed.
-            self.spool
+            self.store
+                .conn(Durability::Batched)
                 .set_state(
                     crate::push::policy::SERIAL_STATE_KEY,
                     &serial.to_string(),
@@ -153,9 +219,9 @@ impl Ingest {
             signature,
         };
         let sha = crate::config::file::sha256_hex(text.as_bytes());
-        if !crate::push::policy::touches_connection(&self.cfg, &new) {
+        if !crate::push::policy::touches_connection(&self.conf.cfg, &new) {
             // Kept first: a push that cannot be kept is not applied either.
-            let dir = spool_dir(&self.cfg);
+            let dir = spool_dir(&self.conf.cfg);
             crate::push::save(&dir, Some(&stored)).map_err(|e| {
                 format!(
                     "cannot write the config push in {}: {e}; keeping the running config",
@@ -163,17 +229,17 @@ impl Ingest {
                 )
             })?;
             self.keep_serial(&stored);
-            self.push = Some(stored);
+            self.conf.push = Some(stored);
             let mut v = self.apply_live(new);
             v["sha256"] = sha.into();
             v["confirmation"] = "kept (the MQTT connection is unchanged)".into();
             return Ok(v);
         }
         let confirm = local.config_push.confirm;
-        self.pending_push = Some(crate::push::Pending::new(
+        self.conf.pending_push = Some(crate::push::Pending::new(
             stored,
-            self.push.clone(),
-            self.link.connection_counts(),
+            self.conf.push.clone(),
+            self.peers.link.connection_counts(),
             confirm,
         ));
         let mut v = self.apply_live(new);
@@ -181,7 +247,7 @@ impl Ingest {
         v["confirmation"] = format!(
             "waiting up to {} s for a CONNACK{}; otherwise the previous config returns",
             confirm.as_secs(),
-            if self.cfg.commands.enabled {
+            if self.conf.cfg.commands.enabled {
                 " and the command SUBACK"
             } else {
                 ""
@@ -194,29 +260,29 @@ impl Ingest {
     /// Keep a pending push once its connection is proven, or bring the
     /// previous config back once its time is up.
     pub(super) fn judge_pending_push(&mut self) {
-        let Some(p) = &self.pending_push else {
+        let Some(p) = &self.conf.pending_push else {
             return;
         };
         let verdict = p.judge(
-            self.link.connection_counts(),
-            self.cfg.commands.enabled,
+            self.peers.link.connection_counts(),
+            self.conf.cfg.commands.enabled,
             Instant::now(),
         );
         let reason = match verdict {
             crate::push::Verdict::Waiting => return,
             crate::push::Verdict::Confirmed => {
-                let dir = spool_dir(&self.cfg);
+                let dir = spool_dir(&self.conf.cfg);
                 match crate::push::save(&dir, Some(&p.push)) {
                     Ok(()) => {
                         log::info!(
                             "config push confirmed by a new connection; kept in {}",
                             dir.display()
                         );
-                        let kept = self.pending_push.take().map(|p| p.push);
+                        let kept = self.conf.pending_push.take().map(|p| p.push);
                         if let Some(k) = &kept {
                             self.keep_serial(k);
                         }
-                        self.push = kept;
+                        self.conf.push = kept;
                         self.agent_event(
                             "config_push_confirmed",
                             "a new connection proved the pushed config",
@@ -233,7 +299,7 @@ impl Ingest {
                 "no CONNACK and command SUBACK within commands.config_push.confirm_secs".to_owned()
             }
         };
-        let Some(p) = self.pending_push.take() else {
+        let Some(p) = self.conf.pending_push.take() else {
             return;
         };
         self.revert_push(p.previous, &reason);
@@ -249,10 +315,11 @@ impl Ingest {
     ) -> Result<Option<u64>, String> {
         match push {
             crate::push::policy::Push::Signed(text) => {
-                let pushed = crate::config::parse(text, "signed push", &self.source.sets)
+                let pushed = crate::config::parse(text, "signed push", &self.conf.source.sets)
                     .map_err(|e| format!("config invalid: {e}; keeping the running config"))?;
                 let highest = self
-                    .spool
+                    .store
+                    .spool()
                     .state(crate::push::policy::SERIAL_STATE_KEY)
                     .map_err(|e| format!("cannot read the last signed serial: {e}"))?
                     .and_then(|v| v.parse::<u64>().ok())
@@ -260,7 +327,7 @@ impl Ingest {
                     .max(stored_signed_serial(local).unwrap_or(0));
                 crate::push::policy::check_signed(local, &pushed, highest).map(Some)
             }
-            crate::push::policy::Push::Overlay(_) => match &self.push {
+            crate::push::policy::Push::Overlay(_) => match &self.conf.push {
                 Some(s) if s.signature.is_some() => Err(
                     "a signed config is in force on this board: an overlay would discard it; push a signed config instead"
                         .to_owned(),
@@ -275,12 +342,12 @@ impl Ingest {
         if kept.signature.is_none() {
             return;
         }
-        let serial = crate::config::parse(&kept.text, "signed push", &self.source.sets)
+        let serial = crate::config::parse(&kept.text, "signed push", &self.conf.source.sets)
             .ok()
             .and_then(|c| c.signed_serial);
         if let Some(serial) = serial {
             let now = crate::event::envelope::wall_clock_ms().0;
-            if let Err(e) = self.spool.set_state(
+            if let Err(e) = self.store.conn(Durability::Batched).set_state(
                 crate::push::policy::KEPT_SERIAL_STATE_KEY,
                 &serial.to_string(),
                 now,
@@ -294,15 +361,15 @@ impl Ingest {
         let back = self.load_local().and_then(|(local, text)| match &previous {
             None => Ok(local),
             Some(s) => {
-                let origin = self.source.path.display().to_string();
+                let origin = self.conf.source.path.display().to_string();
                 crate::push::policy::check(&local, &s.text, s.signature.as_deref()).and_then(|p| {
-                    crate::push::compose(&local, &text, &origin, &self.source.sets, &p)
+                    crate::push::compose(&local, &text, &origin, &self.conf.source.sets, &p)
                 })
             }
         });
         match back {
             Ok(cfg) => {
-                self.push = previous;
+                self.conf.push = previous;
                 self.apply_live(cfg);
                 let msg = format!("config push reverted: {reason}; back to the previous config");
                 log::error!("{msg}");
@@ -314,21 +381,15 @@ impl Ingest {
 
     /// Apply what can change live; list what needs a restart. Never touches
     /// the spool file (field case F15 d).
-    /// sha256 of the local config file's bytes, followed by the confirmed
-    /// push's text when there is one.
-    pub(super) fn config_identity(&self) -> String {
-        config_identity(&self.source.path, self.push.as_ref())
-    }
-
-    pub(super) fn apply_live(&mut self, new: Config) -> serde_json::Value {
+    fn apply_live(&mut self, new: Config) -> serde_json::Value {
         let v = self.apply_live_inner(new);
-        self.config_sha = self.config_identity();
+        self.conf.config_sha = self.conf.identity();
         v
     }
 
     fn apply_live_inner(&mut self, new: Config) -> serde_json::Value {
         let mut new = new;
-        if let (true, Some(d)) = (new.spool.tune_from_probe, self.tuning) {
+        if let (true, Some(d)) = (new.spool.tune_from_probe, self.conf.tuning) {
             apply_tuning(&mut new, &d);
         }
         let mut applied: Vec<&str> = Vec::new();
@@ -341,22 +402,22 @@ impl Ingest {
             new.mqtt.min_share_pct,
             new.stream_batching(),
         ) != (
-            self.cfg.stream_priorities(),
-            self.cfg.live_first_streams(),
-            self.cfg.mqtt.min_share_pct,
-            self.cfg.stream_batching(),
+            self.conf.cfg.stream_priorities(),
+            self.conf.cfg.live_first_streams(),
+            self.conf.cfg.mqtt.min_share_pct,
+            self.conf.cfg.stream_batching(),
         ) {
             restart.push("delivery (priority, live_first, batching, mqtt.min_share_pct)");
         }
-        if new.sources != self.cfg.sources {
+        if new.sources != self.conf.cfg.sources {
             let _ = self
+                .peers
                 .sampler
                 .send(SamplerUpdate::Sources(new.sources.clone()));
-            self.cfg.sources = new.sources.clone();
+            self.conf.cfg.sources = new.sources.clone();
             applied.push("sources");
         }
         self.apply_spool(&new, &mut applied, &mut restart);
-        self.apply_budget(&new, &mut applied);
         self.apply_rest(&new, &mut applied, &mut restart);
         self.apply_mqtt(&new, &mut applied, &mut restart);
         if !restart.is_empty() {
@@ -376,58 +437,18 @@ impl Ingest {
         serde_json::json!({"applied": applied, "restart_required": restart})
     }
 
-    /// The commit window and the write budget, live: the window starts
-    /// again from the configured one when either changes.
-    fn apply_budget(&mut self, new: &Config, applied: &mut Vec<&'static str>) {
-        let settings = super::budget_settings(new);
-        if settings != self.budget.settings() {
-            if settings.bytes_per_day != self.budget.settings().bytes_per_day
-                || settings.max_window != self.budget.settings().max_window
-            {
-                applied.push("spool (write budget)");
-            }
-            self.budget.reconfigure(settings);
-            self.window.set(self.budget.window());
-        }
-        self.cfg.spool.write_budget_bytes_per_day = new.spool.write_budget_bytes_per_day;
-        self.cfg.spool.max_commit_window = new.spool.max_commit_window;
-    }
-
-    /// `[spool]`: the commit window, retention, checkpoints and capacity
-    /// apply live; the path and pragmas at the next start.
+    /// `[spool]`: the commit window, retention, checkpoints, capacity and
+    /// the write budget apply live (the upkeep holds them); the path and
+    /// pragmas at the next start.
     fn apply_spool(
         &mut self,
         new: &Config,
         applied: &mut Vec<&'static str>,
         restart: &mut Vec<&'static str>,
     ) {
-        let (ns, cs) = (&new.spool, &mut self.cfg.spool);
-        if (
-            ns.commit_window,
-            ns.acked_retention,
-            ns.purge_batch_rows,
-            ns.checkpoint_interval,
-        ) != (
-            cs.commit_window,
-            cs.acked_retention,
-            cs.purge_batch_rows,
-            cs.checkpoint_interval,
-        ) {
-            cs.commit_window = ns.commit_window;
-            cs.acked_retention = ns.acked_retention;
-            cs.purge_batch_rows = ns.purge_batch_rows;
-            cs.checkpoint_interval = ns.checkpoint_interval;
-            applied.push("spool (commit window, retention, checkpoints)");
-        }
-        if (ns.capacity, ns.checkpoint_wal_bytes) != (cs.capacity, cs.checkpoint_wal_bytes) {
-            cs.capacity = ns.capacity;
-            cs.checkpoint_wal_bytes = ns.checkpoint_wal_bytes;
-            self.upkeep.capacity_checked = None;
-            self.spool.wal().set_brake_frames(
-                (3 * cs.checkpoint_wal_bytes / 2 / super::WAL_FRAME_BYTES) as i64,
-            );
-            applied.push("spool (capacity, checkpoint threshold)");
-        }
+        let conn = self.store.conn(Durability::Batched);
+        applied.extend(self.upkeep.reconfigure(upkeep_settings(new), conn));
+        let (ns, cs) = (&new.spool, &self.conf.cfg.spool);
         if ns.path != cs.path
             || ns.options != cs.options
             || ns.allow_network_fs != cs.allow_network_fs
@@ -445,7 +466,7 @@ impl Ingest {
         applied: &mut Vec<&'static str>,
         restart: &mut Vec<&'static str>,
     ) {
-        let cur = &mut self.cfg;
+        let cur = &mut self.conf.cfg;
         if new.agent != cur.agent {
             cur.agent = new.agent.clone();
             applied.push("agent");
@@ -479,7 +500,7 @@ impl Ingest {
         applied: &mut Vec<&'static str>,
         restart: &mut Vec<&'static str>,
     ) {
-        let (nm, cm) = (&new.mqtt, &self.cfg.mqtt);
+        let (nm, cm) = (&new.mqtt, &self.conf.cfg.mqtt);
         if (
             &nm.topic_prefix,
             nm.inflight_window,
@@ -504,15 +525,15 @@ impl Ingest {
         live.max_packet_bytes = cm.max_packet_bytes;
         live.payload_format = cm.payload_format;
         if live != *cm {
-            self.link.reconfigure(live.clone());
-            self.cfg.mqtt = live;
+            self.peers.link.reconfigure(live.clone());
+            self.conf.cfg.mqtt = live;
             applied.push("mqtt (reconnecting once)");
         }
     }
 }
 
 /// sha256 of the local config file at `path`, then `push`'s text.
-pub(super) fn config_identity(
+pub(in crate::agent) fn config_identity(
     path: &std::path::Path,
     push: Option<&crate::push::Stored>,
 ) -> String {

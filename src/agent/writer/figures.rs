@@ -2,14 +2,15 @@
 //! interval, publish the rendering to the listener's snapshot, write the
 //! textfile, and keep the latency summary `status` shows.
 //!
-//! Its one rule: **gathering stays cheap for the ingest thread**: counts by
+//! Its one rule: **gathering stays cheap for the writer thread**: counts by
 //! stream and state need a scan of the spool (as `status` does), so they
 //! are taken only while the spool's live data is under [`ROW_SCAN_LIMIT`];
 //! past it, the backlog and the oldest unacknowledged age (index reads)
 //! still are.
 
-use super::Ingest;
+use super::Writer;
 use crate::event::envelope::wall_clock_ms;
+use crate::event::stream::Durability;
 use crate::metrics::{Figures, Histogram, Snapshot, Textfile};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 /// is under a second at this size.
 pub(super) const ROW_SCAN_LIMIT: u64 = 16 * 1024 * 1024;
 
-/// What the ingest thread keeps for metrics.
+/// What the writer keeps for metrics.
 #[derive(Debug, Default)]
 pub(super) struct MetricsState {
     /// The rendering the listener serves.
@@ -34,18 +35,13 @@ pub(super) struct MetricsState {
     pub(super) scan_skip_logged: bool,
 }
 
-impl Ingest {
-    /// Record the duration of one commit of a commit window.
-    pub(super) fn observe_commit(&mut self, took: Duration) {
-        self.metrics.commit.observe(took);
-    }
-
+impl Writer {
     /// `(backlog, oldest unacknowledged age)`: both index reads.
     pub(super) fn backlog_and_age(&self) -> (u64, Option<Duration>) {
-        let backlog = self.spool.backlog_estimate().unwrap_or(0);
+        let spool = self.store.spool();
+        let backlog = spool.backlog_estimate().unwrap_or(0);
         let now = wall_clock_ms().0;
-        let age = self
-            .spool
+        let age = spool
             .oldest_unacked_ms()
             .ok()
             .flatten()
@@ -55,7 +51,7 @@ impl Ingest {
 
     /// Rows by (stream, state) if the spool is small enough to count them.
     fn row_counts(&mut self) -> Option<Vec<(String, String, i64)>> {
-        let live = self.spool.usage().map(|(live, _)| live).ok()?;
+        let live = self.store.spool().usage().map(|(live, _)| live).ok()?;
         if live > ROW_SCAN_LIMIT {
             if !self.metrics.scan_skip_logged {
                 log::info!(
@@ -67,7 +63,12 @@ impl Ingest {
         }
         self.metrics.scan_skip_logged = false;
         let t = Instant::now();
-        let rows = self.spool.stats(wall_clock_ms().0).ok()?.by_stream_state;
+        let rows = self
+            .store
+            .spool()
+            .stats(wall_clock_ms().0)
+            .ok()?
+            .by_stream_state;
         log::debug!("metrics: rows counted in {} ms", t.elapsed().as_millis());
         Some(rows)
     }
@@ -80,23 +81,23 @@ impl Ingest {
         // Under the same size bound as the row counts (it reads the backlog).
         let streams = rows
             .as_ref()
-            .and_then(|_| self.spool.backlog_by_stream(wall_clock_ms().0).ok());
-        let (connacks, _) = self.link.connection_counts();
+            .and_then(|_| self.store.spool().backlog_by_stream(wall_clock_ms().0).ok());
+        let (connacks, _) = self.peers.link.connection_counts();
         let (at_ms, _) = wall_clock_ms();
         Figures {
             rows,
             streams,
             backlog,
             oldest_unacked_age_secs: age.map_or(0.0, |a| a.as_secs_f64()),
-            connected: self.link.connected(),
+            connected: self.peers.link.connected(),
             reconnects: connacks.saturating_sub(1),
-            puback: self.link.puback_latency(),
+            puback: self.peers.link.puback_latency(),
             commit: self.metrics.commit,
-            counters: self.spool.counters().unwrap_or_default(),
+            counters: self.store.spool().counters().unwrap_or_default(),
             write_bytes: crate::flash::maintenance::proc_write_bytes().unwrap_or(0),
-            checkpoints: self.upkeep.checkpoints,
-            appended: self.appended,
-            acked: self.delivery_stats.retired.load(Ordering::Relaxed),
+            checkpoints: self.upkeep.checkpoints(),
+            appended: self.store.appended(),
+            acked: self.peers.delivery_stats.retired.load(Ordering::Relaxed),
             at_unix_secs: at_ms as f64 / 1000.0,
             receipts: self.receipt_figures(),
             outage: self.outage.last.clone(),
@@ -106,12 +107,12 @@ impl Ingest {
     /// Render the figures for the listener and, when `textfile`, write
     /// `metrics.textfile`. Nothing to do with both outputs off.
     pub(super) fn publish_metrics(&mut self, count_rows: bool, textfile: bool) {
-        let m = &self.cfg.metrics;
+        let m = &self.conf.cfg.metrics;
         if m.textfile.is_none() && m.listen.is_none() {
             return;
         }
         let text = crate::metrics::render(&self.figures(count_rows));
-        if let (true, Some(path)) = (textfile, self.cfg.metrics.textfile.clone()) {
+        if let (true, Some(path)) = (textfile, self.conf.cfg.metrics.textfile.clone()) {
             self.metrics.textfile.write(&path, &text);
         }
         self.metrics.snapshot.publish(text);
@@ -120,7 +121,7 @@ impl Ingest {
     /// PUBACK and commit latency as `status` shows them (p50, p99, max).
     pub(super) fn latency_json(&self) -> serde_json::Value {
         serde_json::json!({
-            "puback": self.link.puback_latency().summary_json(),
+            "puback": self.peers.link.puback_latency().summary_json(),
             "commit": self.metrics.commit.summary_json(),
         })
     }
@@ -128,9 +129,9 @@ impl Ingest {
     /// At start: a first snapshot (no row counts: startup work does not
     /// grow with the spool), then `metrics.listen` if set; a failure to bind
     /// is an ERROR and the agent runs on without it.
-    pub(super) fn start_metrics(&mut self) -> Option<crate::metrics::listen::Listener> {
+    pub(in crate::agent) fn start_metrics(&mut self) -> Option<crate::metrics::listen::Listener> {
         self.publish_metrics(false, false);
-        let addr = self.cfg.metrics.listen?;
+        let addr = self.conf.cfg.metrics.listen?;
         match crate::metrics::listen::start(addr, self.metrics.snapshot.clone()) {
             Ok(l) => {
                 log::info!("metrics: serving GET /metrics on http://{addr}");
@@ -146,7 +147,10 @@ impl Ingest {
     }
 
     /// At a clean stop: the last textfile, then the listener stops.
-    pub(super) fn stop_metrics(&mut self, listener: Option<crate::metrics::listen::Listener>) {
+    pub(in crate::agent) fn stop_metrics(
+        &mut self,
+        listener: Option<crate::metrics::listen::Listener>,
+    ) {
         self.publish_metrics(true, true);
         if let Some(l) = listener {
             let deadline = Instant::now() + Duration::from_secs(1);
@@ -156,34 +160,36 @@ impl Ingest {
 
     /// Move the ingest socket's counter increments into the spool's
     /// counters (kept pending if the spool refuses them now).
-    pub(super) fn store_socket_counts(&mut self) {
-        let Some(c) = &self.socket_counts else { return };
+    pub(in crate::agent) fn store_socket_counts(&mut self) {
+        let Some(c) = &self.peers.socket_counts else {
+            return;
+        };
         for (k, v) in c.take() {
-            *self.pending_counts.entry(k).or_default() += v;
+            self.store.add_count(k, v);
         }
-        self.flush_counts();
+        self.store.flush_counts(Durability::Batched);
     }
 
     /// Record in `agent_state` (`ingest_listeners`, shown by `status`) what
     /// the ingest socket listens on; "off" replaces an earlier entry. A
     /// socket another process holds becomes an `_agent` event and a health
     /// reason for the run.
-    pub(super) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
+    pub(in crate::agent) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
         let now = crate::event::envelope::wall_clock_ms().0;
         if let Some(why) = s.conflict() {
             self.agent_event("ingest_socket_taken", &why);
-            self.upkeep.ingest_socket_taken = Some(why);
+            self.health.socket_taken = Some(why);
         }
-        let had = self
-            .spool
+        let spool = self.store.conn(Durability::Batched);
+        let had = spool
             .states()
             .is_ok_and(|v| v.iter().any(|(k, _, _)| k == "ingest_listeners"));
         match s.describe() {
             Some(d) => {
-                let _ = self.spool.set_state("ingest_listeners", &d, now);
+                let _ = spool.set_state("ingest_listeners", &d, now);
             }
             None if had => {
-                let _ = self.spool.set_state("ingest_listeners", "off", now);
+                let _ = spool.set_state("ingest_listeners", "off", now);
             }
             None => {}
         }
@@ -191,10 +197,10 @@ impl Ingest {
 
     /// Receipt mode's figures for the metrics.
     fn receipt_figures(&self) -> Option<crate::metrics::ReceiptFigures> {
-        if self.cfg.mqtt.retire_on != crate::mqtt::RetireOn::Receipt {
+        if self.conf.cfg.mqtt.retire_on != crate::mqtt::RetireOn::Receipt {
             return None;
         }
-        let s = &self.delivery_stats;
+        let s = &self.peers.delivery_stats;
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let (awaiting, oldest) = self.awaiting_receipt();
         Some(crate::metrics::ReceiptFigures {
@@ -204,7 +210,7 @@ impl Ingest {
             unmatched_ids: load(&s.receipt_unmatched),
             malformed: load(&s.receipts_malformed),
             resent: load(&s.resent_for_receipt),
-            dropped: self.link.health_facts().receipts_dropped,
+            dropped: self.peers.link.health_facts().receipts_dropped,
             unavailable: load(&s.receipts_unavailable) == 1,
         })
     }

@@ -1,0 +1,66 @@
+//! The summary each `agent.summary_interval_secs`: one log line (and
+//! systemd STATUS), the write budget, latencies, checkpoint, receipts and
+//! health stored for `status` in one transaction, the metrics published.
+//!
+//! One rule: one line per interval, whatever the rate; nothing per reading.
+
+use super::Writer;
+use crate::delivery::DeliveryStats;
+use crate::event::envelope::wall_clock_ms;
+use crate::event::stream::Durability;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+impl Writer {
+    pub(super) fn summary(&mut self, stats: &DeliveryStats) {
+        let record = self.upkeep.write_record(
+            Instant::now(),
+            self.store.spool(),
+            self.store.appended(),
+            self.store.full_commits(),
+        );
+        let mut states = vec![
+            ("write_budget", record.to_string()),
+            ("latency", self.latency_json().to_string()),
+        ];
+        if let Some(b) = self.outage_json() {
+            states.push(("outage_budget", b));
+        }
+        if let Some(c) = self.upkeep.last_checkpoint() {
+            states.push(("last_checkpoint", c.to_string()));
+        }
+        if let Some(r) = self.receipts_json() {
+            states.push(("receipts", r.to_string()));
+        }
+        if let Some(h) = self.health.record() {
+            states.push(("health", h.to_owned()));
+        }
+        let spool = self.store.conn(Durability::Batched);
+        // Sequence numbers reach the file at the summary interval (and
+        // every 10,000 readings at an upkeep pass).
+        let _ = spool.persist_seqs();
+        if spool.set_states(&states, wall_clock_ms().0).is_ok() && self.health.record().is_some() {
+            self.health.stored(Instant::now());
+        }
+        let wal = std::fs::metadata(crate::spool::wal_path(&self.conf.cfg.spool.path))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        let (backlog, age) = self.backlog_and_age();
+        let line = format!(
+            "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal} backlog={backlog} oldest_unacked_secs={} connected={} dropped={}",
+            self.store.appended(),
+            stats.submitted.load(Ordering::Relaxed),
+            stats.retired.load(Ordering::Relaxed),
+            stats.requeued.load(Ordering::Relaxed),
+            stats.failed.load(Ordering::Relaxed),
+            self.buffer.len(Durability::Batched),
+            age.map_or(0, |a| a.as_secs()),
+            u8::from(self.peers.link.connected()),
+            self.metrics.dropped,
+        );
+        log::info!("{line}");
+        self.run.notifier.status(&line);
+        self.store_socket_counts();
+        self.publish_metrics(true, true);
+    }
+}
