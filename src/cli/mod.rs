@@ -5,9 +5,10 @@
 //! of the line through [`args::read`].
 //!
 //! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS; for `test`, a
-//! source that gave no reading or a listener that cannot bind); 2 bad usage
-//! or bad config (for `check-config`, also a replay file that is missing or
-//! lacks a configured column).
+//! source that gave no reading, a listener that cannot bind or a spool
+//! directory `run` would refuse); 2 bad usage or bad config (for
+//! `check-config`, also a replay file that is missing or lacks a configured
+//! column).
 
 pub mod args;
 pub mod check_config;

@@ -232,3 +232,80 @@ fn status_reads_the_last_known_good_copys_spool_while_the_config_file_is_invalid
         "{err}"
     );
 }
+
+/// `test` judges the spool's directory as `run` does (one function,
+/// `agent::check_places`): a world-writable directory, or one another user
+/// owns, passed `test` and then stopped `run`, the commonest install mistake.
+#[test]
+fn test_refuses_the_spool_directory_run_refuses_in_the_same_words() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = crate::write_config(
+        dir.path(),
+        "mqtt://127.0.0.1:9",
+        &crate::prefix("test-dirs"),
+        100,
+    );
+    let cfg_s = cfg.to_str().expect("utf-8");
+    let spool_dir = dir.path().join("spool");
+    std::fs::create_dir(&spool_dir).expect("mkdir");
+    let spool = format!("spool.path={}/spool.db", spool_dir.display());
+    let (st, out, err) = run_cli(&["test", "--config", cfg_s, "--set", &spool]);
+    assert!(st.success(), "{out}{err}");
+    assert!(
+        out.contains(&format!(
+            "spool directory {}: run can use it as uid ",
+            spool_dir.display()
+        )),
+        "{out}"
+    );
+    let root = edgespool::os::fsguard::files::euid() == 0;
+    let cases = [
+        (
+            Some(0o777),
+            None,
+            "is writable by group or others (mode 777)",
+        ),
+        // Another user's (the service's, seen by root), or one this uid
+        // cannot write.
+        match root {
+            true => (
+                None,
+                Some(54_321),
+                "is owned by uid 54321, not by root or this agent",
+            ),
+            false => (Some(0o500), None, "is not writable by this agent"),
+        },
+    ];
+    for (mode, owner, said) in cases {
+        if let Some(mode) = mode {
+            std::fs::set_permissions(&spool_dir, std::fs::Permissions::from_mode(mode))
+                .expect("chmod");
+        }
+        if let Some(uid) = owner {
+            std::os::unix::fs::chown(&spool_dir, Some(uid), None).expect("chown");
+        }
+        let (st, _, err) = run_cli(&["test", "--config", cfg_s, "--set", &spool]);
+        assert_eq!(st.code(), Some(1), "{err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("spool directory: "))
+            .unwrap_or_else(|| panic!("{err}"));
+        assert!(line.contains(said), "{line}");
+        assert!(err.ends_with("test: 1 failed: spool directory\n"), "{err}");
+        // `run` refuses it in the same words.
+        let refusal = line
+            .trim_start_matches("spool directory: ")
+            .split(" (checked as root")
+            .next()
+            .unwrap_or_default();
+        let (st, _, run_err) = run_cli(&["run", "--config", cfg_s, "--set", &spool]);
+        assert_eq!(st.code(), Some(1), "{run_err}");
+        assert!(run_err.contains(refusal), "{refusal:?} in {run_err}");
+        std::fs::set_permissions(&spool_dir, std::fs::Permissions::from_mode(0o700))
+            .expect("chmod");
+        if owner.is_some() {
+            std::os::unix::fs::chown(&spool_dir, Some(0), None).expect("chown");
+        }
+    }
+}
