@@ -49,6 +49,8 @@
 //!
 //! A quick look: `FLASH_SECS=20 FLASH_WARMUP=5 cargo bench --bench flash --profile dev`.
 
+#[path = "../tests/it/support/mod.rs"]
+mod support;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -58,6 +60,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use support::broker::Broker;
+use support::sink::SinkProc;
+
+/// The broker for the bench: room for every reading queued for the
+/// subscriber (mosquitto's default, 1000, drops QoS 1 beyond it).
+const BROKER_EXTRA: &str = "max_queued_messages 100000\n";
 
 /// Set in the environment of the re-executed bench binary: run the minimal writer.
 const MINIMAL_ENV: &str = "EDGESPOOL_FLASH_MINIMAL";
@@ -83,14 +91,13 @@ fn main() {
     }
     let settings = Settings::from_env();
     let tracer = Tracer::detect();
-    let broker_dir = tempfile::tempdir().expect("create the broker's temp dir");
-    let broker = Mosquitto::start(broker_dir.path());
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
     println!(
         "edgespool flash bench: warm-up {} s, measurement {} s per rate, runs under {}, mosquitto on port {}",
         settings.warmup.as_secs(),
         settings.measure.as_secs(),
         settings.base.display(),
-        broker.port
+        broker.port()
     );
     match &tracer {
         Some(t) => println!(
@@ -105,7 +112,7 @@ fn main() {
     let mut rows = Vec::new();
     for spec in &settings.rates {
         println!("-- {}: running ...", spec.label());
-        match measure_rate(*spec, &settings, broker.port, tracer.as_ref()) {
+        match measure_rate(*spec, &settings, broker.port(), tracer.as_ref()) {
             Ok(row) => {
                 row.print_notes();
                 rows.push(row);
@@ -332,7 +339,7 @@ fn measure_rate(
         &format!("edgespool/{device}/events/{STREAM}"),
     )?;
     let mut sink = if spec.receipt {
-        Some(Sink::start(&run, port, &device)?)
+        Some(start_sink(&run, port, &device)?)
     } else {
         None
     };
@@ -379,7 +386,7 @@ fn measure_rate(
     agent.stop();
     minimal.stop();
     if let Some(sink) = sink.as_mut() {
-        sink.stop();
+        sink.stop(STOP_GRACE);
     }
     drop(sub);
     let count = |path: &Path| {
@@ -518,9 +525,8 @@ struct RunDir {
     minimal_db: PathBuf,
     minimal_trace: PathBuf,
     status_out: PathBuf,
-    /// Receipt mode: the sink's SQLite store and its log.
+    /// Receipt mode: the sink's SQLite store (its log beside it).
     sink_db: PathBuf,
-    sink_log: PathBuf,
 }
 
 impl RunDir {
@@ -559,7 +565,6 @@ impl RunDir {
             minimal_trace: dir.join("trace/minimal.txt"),
             status_out: dir.join("trace/status.json"),
             sink_db: dir.join("sink/sink.db"),
-            sink_log: dir.join("sink/sink.log"),
         }
     }
 }
@@ -576,58 +581,18 @@ fn unretired_rows(spool: &Path) -> Option<(i64, i64)> {
     .ok()
 }
 
-/// Receipt mode: `edgespool sink` on the run's device, storing in SQLite and
-/// sending receipts.
-struct Sink {
-    child: Child,
-}
-
-impl Sink {
-    fn start(run: &RunDir, port: u16, device: &str) -> Result<Sink, String> {
-        let log = std::fs::File::create(&run.sink_log).map_err(|e| format!("sink log: {e}"))?;
-        let err = log.try_clone().map_err(|e| format!("sink log: {e}"))?;
-        let child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
-            .args([
-                "sink",
-                "--url",
-                &format!("mqtt://127.0.0.1:{port}"),
-                "--topic",
-            ])
-            .arg(format!("edgespool/{device}/events/#"))
-            .arg("--db")
-            .arg(&run.sink_db)
-            .args(["--client-id", &format!("{device}-sink")])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| format!("start the sink: {e}"))?;
-        let mut sink = Sink { child };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let text = std::fs::read_to_string(&run.sink_log).unwrap_or_default();
-            if text.contains("sink: subscribed") {
-                return Ok(sink);
-            }
-            if Instant::now() >= deadline || sink.child.try_wait().ok().flatten().is_some() {
-                sink.stop();
-                return Err(format!("the sink did not subscribe:\n{text}"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+/// Receipt mode: `edgespool sink` on the run's device, storing in SQLite
+/// and sending receipts, logging into the run's `sink` directory.
+fn start_sink(run: &RunDir, port: u16, device: &str) -> Result<SinkProc, String> {
+    let filter = format!("edgespool/{device}/events/#");
+    let dir = run.sink_db.parent().expect("the sink directory");
+    let id = format!("{device}-sink");
+    let mut sink = SinkProc::spawn_sqlite(port, &filter, &run.sink_db, &id, dir);
+    if sink.subscribed(Duration::from_secs(30)) {
+        return Ok(sink);
     }
-
-    fn stop(&mut self) {
-        // SAFETY: kill(2) on the sink this bench started.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + STOP_GRACE;
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    sink.stop(STOP_GRACE);
+    Err(format!("the sink did not subscribe:\n{}", sink.log_text()))
 }
 
 fn wal_of(db: &Path) -> PathBuf {
@@ -1056,58 +1021,6 @@ fn parse_window(line: &str) -> Option<u64> {
 }
 
 // ---------------------------------------------------------------- broker
-
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> Mosquitto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("find a free port")
-            .port();
-        let conf = dir.join("mosquitto.conf");
-        let mut text = format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            text.push_str("user root\n");
-        }
-        std::fs::write(&conf, text).expect("write mosquitto.conf");
-        // Debian installs it in /usr/sbin, which a non-root PATH may lack.
-        let exe = if Path::new("/usr/sbin/mosquitto").exists() {
-            "/usr/sbin/mosquitto"
-        } else {
-            "mosquitto"
-        };
-        let child = Command::new(exe)
-            .arg("-c")
-            .arg(&conf)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start mosquitto (run cross/setup-debian.sh)");
-        let broker = Mosquitto { child, port };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "mosquitto did not listen on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        broker
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A QoS 1 subscriber on its own thread, counting PUBLISHes on one topic.
 struct Subscriber {

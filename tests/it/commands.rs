@@ -5,6 +5,7 @@
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
@@ -50,7 +51,7 @@ impl Rig {
         let proxy = Proxy::start(broker.port());
         let dir = tempfile::tempdir().expect("tempdir");
         let prefix = crate::prefix(test);
-        let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+        let sub = Subscriber::events(broker.port(), &prefix);
         let cfg = dir.path().join("board.toml");
         let rig = Rig {
             broker,
@@ -137,9 +138,7 @@ max_len = 32
     fn spawn_ready(&self) -> AgentProc {
         let agent = self.spawn();
         assert!(
-            wait_for(Duration::from_secs(60), || agent
-                .log_text()
-                .contains("subscribed to commands")),
+            agent.wait_log(Duration::from_secs(60), "subscribed to commands"),
             "{}",
             agent.log_tail(20)
         );
@@ -389,9 +388,7 @@ fn a_retained_command_runs_once_across_agent_and_broker_restarts() {
     );
     let mut agent = rig.spawn();
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("duplicate delivery (retained)")),
+        agent.wait_log(Duration::from_secs(20), "duplicate delivery (retained)"),
         "{}",
         agent.log_tail(30)
     );
@@ -559,9 +556,7 @@ user = \"nobody\"
         &[("EDGESPOOL_TEST_SECRET", secret)],
     );
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
         "{}",
         agent.log_tail(20)
     );
@@ -723,9 +718,7 @@ fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs()
         json!(["mqtt (reconnecting once)"]),
         "{r}"
     );
-    assert!(wait_for(Duration::from_secs(15), || agent
-        .log_text()
-        .contains("config push confirmed")));
+    assert!(agent.wait_log(Duration::from_secs(15), "config push confirmed"));
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(
         agent.log_text().matches("mqtt: connected").count(),
@@ -860,9 +853,7 @@ fn a_signed_push_to_an_unreachable_broker_reverts_within_confirm_secs() {
     let r = rig.wait_result("dead", "result", &mut agent);
     assert_eq!(r["state"], "completed", "{r}");
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("config push reverted")),
+        agent.wait_log(Duration::from_secs(20), "config push reverted"),
         "{}",
         agent.log_tail(20)
     );
@@ -1087,9 +1078,7 @@ fn a_broken_config_file_at_start_falls_back_to_the_last_good_copy() {
         // Logged by the main thread once the spool is open, which under load
         // can come after the MQTT thread's "subscribed to commands".
         assert!(
-            wait_for(Duration::from_secs(10), || agent
-                .log_text()
-                .contains("config invalid: ")),
+            agent.wait_log(Duration::from_secs(10), "config invalid: "),
             "{}",
             agent.log_text()
         );
@@ -1135,9 +1124,7 @@ fn sighup_and_set_interval_change_sampling_live() {
     // SIGHUP re-reads the file: the file still says 1000 ms.
     agent.signal(libc::SIGHUP);
     assert!(
-        wait_for(Duration::from_secs(10), || agent
-            .log_text()
-            .contains("config reloaded")),
+        agent.wait_log(Duration::from_secs(10), "config reloaded"),
         "{}",
         agent.log_tail(20)
     );
@@ -1159,9 +1146,7 @@ fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
     for round in 0..12u64 {
         let mut agent = rig.spawn();
         assert!(
-            wait_for(Duration::from_secs(20), || agent
-                .log_text()
-                .contains("subscribed to commands")),
+            agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
             "round {round}: {}",
             agent.log_tail(20)
         );
@@ -1203,9 +1188,7 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     std::fs::write(&cfg, &text).expect("config");
     let mut agent = AgentProc::spawn(&cfg, &[], rig.dir.path());
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
         "{}",
         agent.log_tail(20)
     );
@@ -1259,18 +1242,6 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     );
     agent.terminate(Duration::from_secs(15));
     drop(fs);
-}
-
-/// A persistent counter from the spool's `counters` table (0 if absent).
-fn counter(db: &Path, name: &str) -> i64 {
-    use rusqlite::OptionalExtension;
-    crate::support::spool::open(db)
-        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
-            r.get(0)
-        })
-        .optional()
-        .expect("read counter")
-        .unwrap_or(0)
 }
 
 /// Drive a bulk publisher's event loop until `n` PUBACKs arrived or
@@ -1579,9 +1550,10 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
     // forwards the empty message (with the retain flag cleared).
     rig.send(b"", true);
     assert!(
-        wait_for(Duration::from_secs(10), || agent
-            .log_text()
-            .contains("a retained command was cleared; ignored")),
+        agent.wait_log(
+            Duration::from_secs(10),
+            "a retained command was cleared; ignored"
+        ),
         "{}",
         agent.log_tail(20)
     );
@@ -1669,9 +1641,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
     let spawn = |rig: &Rig| {
         let agent = AgentProc::spawn_with_env(&rig.cfg, &[], rig.dir.path(), &env);
         assert!(
-            wait_for(Duration::from_secs(20), || agent
-                .log_text()
-                .contains("subscribed to commands")),
+            agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
             "{}",
             agent.log_tail(20)
         );
@@ -1938,9 +1908,7 @@ fn a_command_sent_while_the_agent_is_down_waits_in_its_session_under_mqtt_5() {
         let sets = vec![format!("mqtt.session_expiry_secs={expiry}")];
         let ready = |agent: &AgentProc| {
             assert!(
-                wait_for(Duration::from_secs(20), || agent
-                    .log_text()
-                    .contains("subscribed to commands")),
+                agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
                 "{}",
                 agent.log_tail(20)
             );
@@ -2171,9 +2139,7 @@ interval_ms = 200
     });
     drop(file);
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
         "{}",
         agent.log_tail(20)
     );

@@ -18,6 +18,7 @@
 //! installed (`cross/setup-debian.sh` installs Debian's `prometheus`).
 
 use crate::support::agent::AgentProc;
+use crate::support::board::edit_config;
 use crate::support::broker::Broker;
 use crate::support::{free_port, tail, wait_for};
 use serde_json::Value;
@@ -418,10 +419,10 @@ fn the_dashboard_and_alert_rules_hold_against_a_real_prometheus_scraping_a_real_
     let prefix = crate::prefix("dashboards");
     let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
     let metrics_port = free_port();
-    let text = std::fs::read_to_string(&cfg).expect("config");
-    let text = text.replace("summary_interval_secs = 2", "summary_interval_secs = 1")
-        + &format!("[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n");
-    std::fs::write(&cfg, text).expect("write config");
+    edit_config(&cfg, |t| {
+        t.replace("summary_interval_secs = 2", "summary_interval_secs = 1")
+            + &format!("[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n")
+    });
     let agent = AgentProc::spawn(&cfg, &[], dir.path());
     let up = wait_for(Duration::from_secs(30), || {
         http_get(metrics_port, "/metrics")

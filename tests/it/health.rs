@@ -2,6 +2,7 @@
 //! their reason, logged at WARN, and data that can flow keeps flowing.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::Board;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{count_in_state, rows_in_state};
@@ -23,11 +24,9 @@ fn telemetry_flows_when_the_broker_closes_connections_on_the_command_subscriptio
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
     proxy.set_mode(Mode::CloseOnSubscribe);
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("subkill");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 200);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 200);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(30), || sub.count() >= 10),
@@ -65,11 +64,9 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
     proxy.set_max_publish(2000);
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("oversized");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 1000);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 1000);
+    let sub = Subscriber::events(broker.port(), &prefix);
     {
         let mut s = Spool::open(&db, &SpoolOptions::default()).expect("spool");
         let mut ids = EventIdGen::new().expect("ids");
@@ -150,10 +147,8 @@ fn an_unreachable_broker_degrades_health_within_the_bound_and_recovers() {
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
     proxy.set_mode(Mode::Refuse);
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("unreachable");
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 500);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 500);
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.keep_alive_secs=5".into()], dir.path());
     let t = std::time::Instant::now();
     assert!(
@@ -205,14 +200,11 @@ fn an_unreachable_broker_degrades_health_within_the_bound_and_recovers() {
 #[test]
 fn log_lines_fit_the_journal_when_journal_stream_is_set() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("journal");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 500);
     let mut agent =
         AgentProc::spawn_with_env(&cfg, &[], dir.path(), &[("JOURNAL_STREAM", "8:4242")]);
-    assert!(wait_for(Duration::from_secs(20), || agent
-        .log_text()
-        .contains("mqtt: connected")));
+    assert!(agent.wait_log(Duration::from_secs(20), "mqtt: connected"));
     agent.terminate(Duration::from_secs(15));
     let log = agent.log_text();
     let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
@@ -245,9 +237,8 @@ fn log_lines_fit_the_journal_when_journal_stream_is_set() {
 #[test]
 fn the_retained_status_topic_says_online_then_offline_after_a_stop_or_a_kill() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("status");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 500);
+    let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 500);
     let topic = format!("{prefix}/status");
     let last_state = |sub: &Subscriber| -> Option<serde_json::Value> {
         sub.deliveries()

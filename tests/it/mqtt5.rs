@@ -19,9 +19,10 @@ use crate::refusals::{
     log_lines, seed, small_big_small, status_json, wait_degraded_with,
 };
 use crate::support::agent::AgentProc;
+use crate::support::board::Board;
 use crate::support::broker::Broker;
 use crate::support::proxy::Proxy;
-use crate::support::spool::{count_by_state, count_in_state, rows_in_state};
+use crate::support::spool::{await_states, count_in_state, rows_in_state};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::time::{Duration, Instant};
@@ -83,13 +84,9 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
             );
         }
     }
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
-            == 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "FAILED == 5", |s| {
+        s.n("FAILED") == 5
+    });
     assert_eq!(count_in_state(&db, "ACKED"), 0);
     assert!(broker.log_text().contains("Denied PUBLISH"));
     let v = status_json(&db);
@@ -142,20 +139,14 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
 fn the_brokers_maximum_packet_size_from_connack_fails_a_larger_row_before_sending() {
     let broker = Broker::start_with_config("max_packet_size 2000\n");
     let proxy = Proxy::start(broker.port());
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5pkt");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 1000);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 1000);
+    let sub = Subscriber::events(broker.port(), &prefix);
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 10),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED == 10", |s| {
+        s.n("ACKED") == 10
+    });
     assert_eq!(
         count_in_state(&db, "FAILED"),
         0,
@@ -176,13 +167,9 @@ fn the_brokers_maximum_packet_size_from_connack_fails_a_larger_row_before_sendin
             );
         }
     }
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
-            == 1),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "FAILED == 1", |s| {
+        s.n("FAILED") == 1
+    });
     let failed = rows_in_state(&db, "FAILED");
     assert!(failed[0].payload.len() > 2000, "the wrong row failed");
     let v = status_json(&db);
@@ -258,23 +245,17 @@ fn every_event_carries_its_event_id_as_a_user_property() {
 #[test]
 fn the_brokers_server_keep_alive_replaces_ours_and_the_connection_holds() {
     let broker = Broker::start_with_config("max_keepalive 10\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5ka");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000);
     seed(&db, &(0..5).map(|i| format!("r{i}")).collect::<Vec<_>>());
     let mut agent = AgentProc::spawn(
         &cfg,
         &["sources=[]".into(), "mqtt.keep_alive_secs=60".into()],
         dir.path(),
     );
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED == 5", |s| {
+        s.n("ACKED") == 5
+    });
     let connected = log_lines(&agent, "INFO", "mqtt: connected to");
     assert!(
         connected.len() == 1 && connected[0].contains("keep_alive=10 s"),
@@ -306,7 +287,7 @@ fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
             allow("subscribePattern", &format!("{prefix}/events/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
@@ -343,18 +324,12 @@ fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
 fn a_restarting_mqtt_5_broker_gets_no_advice_to_switch_to_3_1_1_and_delivery_resumes() {
     let mut broker = Broker::start();
     let proxy = Proxy::start(broker.port());
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5restart");
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 200);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 200);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || db.exists()
-            && count_in_state(&db, "ACKED") >= 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED >= 5", |s| {
+        s.n("ACKED") >= 5
+    });
     broker.kill();
     let away = "it has accepted MQTT 5 before, so it is restarting or unreachable";
     assert!(
@@ -365,12 +340,12 @@ fn a_restarting_mqtt_5_broker_gets_no_advice_to_switch_to_3_1_1_and_delivery_res
     );
     broker.restart();
     let acked = count_in_state(&db, "ACKED");
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            >= acked + 5),
-        "delivery did not resume: {:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "delivery did not resume",
+        |s| s.n("ACKED") >= acked + 5,
     );
     assert!(log_lines(&agent, "INFO", "mqtt: connected to").len() >= 2);
     assert_eq!(status_json(&db)["health"]["state"], "ok");

@@ -10,6 +10,7 @@
 use crate::commands::publish;
 use crate::refusals::{allow, broker_with_acl, status_json};
 use crate::support::agent::AgentProc;
+use crate::support::board::{edit_config, Board};
 use crate::support::broker::Broker;
 use crate::support::spool::{count_in_state, rows};
 use crate::support::subscriber::Subscriber;
@@ -18,17 +19,23 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// A test board config in receipt mode with a short receipt timeout.
-fn receipt_config(dir: &Path, url: &str, prefix: &str, timeout_secs: u64) -> std::path::PathBuf {
-    let cfg = crate::write_config(dir, url, prefix, 300);
-    let text = std::fs::read_to_string(&cfg).expect("read test config");
-    let text = text.replacen(
-        "[mqtt]\n",
-        &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
-        1,
-    );
-    std::fs::write(&cfg, text).expect("write test config");
-    cfg
+/// A test board (a reading every 300 ms) in receipt mode with a short
+/// receipt timeout.
+fn receipt_board(url: &str, prefix: &str, timeout_secs: u64) -> Board {
+    let board = Board::new(url, prefix, 300);
+    receipt_mode(&board.cfg, timeout_secs);
+    board
+}
+
+/// Put the test board config `cfg` in receipt mode.
+fn receipt_mode(cfg: &Path, timeout_secs: u64) {
+    edit_config(cfg, |t| {
+        t.replacen(
+            "[mqtt]\n",
+            &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
+            1,
+        )
+    });
 }
 
 /// The receipts record the agent stored for `status`.
@@ -54,11 +61,9 @@ fn received(sub: &Subscriber) -> HashMap<String, (String, Vec<Vec<u8>>)> {
 #[test]
 fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("receipts");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = receipt_config(dir.path(), &broker.url(), &prefix, 10);
-    let db = dir.path().join("spool.db");
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let Board { dir, cfg, db } = receipt_board(&broker.url(), &prefix, 10);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(30), || sub.count() >= 6),
@@ -183,8 +188,9 @@ fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
             allow("subscribePattern", &format!("{prefix}/commands")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = receipt_config(dir.path(), &broker.url(), &prefix, 10);
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 300);
+    receipt_mode(&cfg, 10);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     // Telemetry flows and is retired on its PUBACK meanwhile.
@@ -256,24 +262,24 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
     use crate::support::sink::SinkProc;
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = fleet::broker(dir.path(), "");
-    let cfg = receipt_config(dir.path(), &broker.url(), "edgespool/gw1", 10);
-    let text = std::fs::read_to_string(&cfg).expect("read config");
-    let text = text.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1);
-    let text = text.replacen(
-        "[mqtt]\n",
-        &format!(
-            "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
-            fleet::password_file(dir.path(), "gw1").display()
-        ),
-        1,
-    );
-    std::fs::write(&cfg, text).expect("write config");
+    let cfg = crate::write_config(dir.path(), &broker.url(), "edgespool/gw1", 300);
+    receipt_mode(&cfg, 10);
+    let password_file = fleet::password_file(dir.path(), "gw1");
+    edit_config(&cfg, |t| {
+        t.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1)
+            .replacen(
+                "[mqtt]\n",
+                &format!(
+                    "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
+                    password_file.display()
+                ),
+                1,
+            )
+    });
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("connected")),
+        agent.wait_log(Duration::from_secs(30), "connected"),
         "the agent did not connect as gw1\n{}",
         agent.log_tail(30)
     );
@@ -303,9 +309,7 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         mosquitto_pub(broker.port(), Some(("evil", "evil-secret")), topic, &p);
     }
     assert!(
-        wait_for(Duration::from_secs(10), || broker
-            .log_text()
-            .contains("Denied PUBLISH")),
+        broker.wait_log(Duration::from_secs(10), "Denied PUBLISH"),
         "the broker did not deny evil's receipt:\n{}",
         crate::support::tail(&broker.log_text(), 20)
     );

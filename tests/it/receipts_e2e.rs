@@ -23,10 +23,11 @@
 
 use crate::refusals::status_json;
 use crate::support::agent::AgentProc;
+use crate::support::board::{edit_config, write_board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
-use crate::support::{spool, tail, unique_suffix, wait_for};
+use crate::support::{poll, spool, tail, unique_suffix, wait_for};
 use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
@@ -61,31 +62,22 @@ fn board_config(dir: &Path, url: &str, prefix: &str, device: &str, retire_on: Re
         prefix.ends_with(&format!("/{device}")),
         "the sink takes the device from the prefix's last level: {prefix} for {device}"
     );
-    let path = dir.join("board.toml");
-    let text = format!(
-        r#"device_id = "{device}"
-sources = []
-[spool]
-path = "{spool}"
-commit_window_ms = 50
-checkpoint_interval_secs = 1
-[mqtt]
-url = "{url}"
-topic_prefix = "{prefix}"
-retire_on = "{retire_on}"
-receipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}
-reconnect_min_ms = 100
-reconnect_max_ms = 800
-connect_timeout_secs = 2
-ack_timeout_secs = 3
-inflight_window = 16
-[agent]
-summary_interval_secs = 2
-"#,
-        spool = dir.join("spool.db").display(),
-        retire_on = retire_on.key(),
-    );
-    std::fs::write(&path, text).expect("write the board config");
+    let path = write_board(dir, url, prefix, "");
+    edit_config(&path, |t| {
+        t.replacen(
+            "device_id = \"it-board\"\n",
+            &format!("device_id = \"{device}\"\nsources = []\n"),
+            1,
+        )
+        .replacen(
+            &format!("topic_prefix = \"{prefix}\"\n"),
+            &format!(
+                "topic_prefix = \"{prefix}\"\nretire_on = \"{}\"\nreceipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}\n",
+                retire_on.key()
+            ),
+            1,
+        )
+    });
     path
 }
 
@@ -183,21 +175,6 @@ fn resend_rounds(dir: &Path) -> Vec<u64> {
 /// Rows sent again for a missing receipt, in all (see [`resend_rounds`]).
 fn resent_logged(dir: &Path) -> u64 {
     resend_rounds(dir).iter().sum()
-}
-
-/// Poll `f` every `every` until it holds or `timeout` passed (for checks
-/// that start a process, such as `status`).
-fn poll(timeout: Duration, every: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(every.min(deadline.saturating_duration_since(Instant::now())));
-    }
 }
 
 /// event id -> digest of what the SQLite sink at `db` holds for `device`

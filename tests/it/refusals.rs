@@ -21,8 +21,9 @@
 //! - a wrong password: CONNACK return code 5, not authorized.
 
 use crate::support::agent::{run_cli, AgentProc};
-use crate::support::broker::Broker;
-use crate::support::spool::{count_by_state, count_in_state, rows_in_state};
+use crate::support::board::Board;
+use crate::support::broker::{password_file, Broker};
+use crate::support::spool::{await_states, count_by_state, count_in_state, rows_in_state};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::path::{Path, PathBuf};
@@ -212,7 +213,7 @@ fn a_command_subscription_denied_by_acl_degrades_health_and_telemetry_keeps_flow
             allow("subscribePattern", &format!("{prefix}/events/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
@@ -257,29 +258,18 @@ fn a_command_subscription_denied_by_acl_degrades_health_and_telemetry_keeps_flow
 #[test]
 fn a_broker_max_keepalive_below_ours_is_not_enforced_on_3_1_1_and_the_agent_keeps_working() {
     let broker = Broker::start_with_config("max_keepalive 10\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("keepalive");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::v311(crate::write_config(
-        dir.path(),
-        &broker.url(),
-        &prefix,
-        1000,
-    ));
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000).v311();
+    let sub = Subscriber::events(broker.port(), &prefix);
     seed(&db, &(0..5).map(|i| format!("r{i}")).collect::<Vec<_>>());
     let mut agent = AgentProc::spawn(
         &cfg,
         &["sources=[]".into(), "mqtt.keep_alive_secs=60".into()],
         dir.path(),
     );
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED == 5", |s| {
+        s.n("ACKED") == 5
+    });
     let connected = log_lines(&agent, "INFO", "mqtt: connected to");
     assert!(
         connected.len() == 1 && connected[0].contains("keep_alive=60 s"),
@@ -322,29 +312,21 @@ fn a_broker_max_keepalive_below_ours_is_not_enforced_on_3_1_1_and_the_agent_keep
 #[test]
 fn with_max_packet_bytes_set_the_oversized_row_fails_at_once_and_the_rest_are_acked() {
     let broker = Broker::start_with_config("max_packet_size 2000\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktlimit");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::v311(crate::write_config(
-        dir.path(),
-        &broker.url(),
-        &prefix,
-        1000,
-    ));
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000).v311();
+    let sub = Subscriber::events(broker.port(), &prefix);
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(
         &cfg,
         &["sources=[]".into(), "mqtt.max_packet_bytes=2000".into()],
         dir.path(),
     );
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 10
-            && count_in_state(&db, "FAILED") == 1),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "ACKED == 10 && FAILED == 1",
+        |s| s.n("ACKED") == 10 && s.n("FAILED") == 1,
     );
     let failed = rows_in_state(&db, "FAILED");
     assert!(failed[0].payload.len() > 2000, "the wrong row failed");
@@ -381,25 +363,17 @@ fn with_max_packet_bytes_set_the_oversized_row_fails_at_once_and_the_rest_are_ac
 #[test]
 fn without_max_packet_bytes_the_broker_drops_the_connection_and_the_row_fails_after_three_drops() {
     let broker = Broker::start_with_config("max_packet_size 2000\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktdrop");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::v311(crate::write_config(
-        dir.path(),
-        &broker.url(),
-        &prefix,
-        1000,
-    ));
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000).v311();
+    let sub = Subscriber::events(broker.port(), &prefix);
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(120), || count_in_state(&db, "ACKED")
-            == 10
-            && count_in_state(&db, "FAILED") == 1),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(40)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(120),
+        "ACKED == 10 && FAILED == 1",
+        |s| s.n("ACKED") == 10 && s.n("FAILED") == 1,
     );
     let failed = rows_in_state(&db, "FAILED");
     assert!(failed[0].payload.len() > 2000, "the wrong row failed");
@@ -430,13 +404,7 @@ fn without_max_packet_bytes_the_broker_drops_the_connection_and_the_row_fails_af
 fn a_wrong_password_is_logged_as_a_login_refusal_and_nothing_is_retired() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pw_db = dir.path().join("mosquitto.passwd");
-    let out = std::process::Command::new("mosquitto_passwd")
-        .args(["-b", "-c"])
-        .arg(&pw_db)
-        .args(["board", "right-secret"])
-        .output()
-        .expect("run mosquitto_passwd (package mosquitto)");
-    assert!(out.status.success(), "mosquitto_passwd: {out:?}");
+    password_file(&pw_db, &[("board", "right-secret")]);
     let broker = Broker::start_with_config(&format!(
         "allow_anonymous false\npassword_file {}\n",
         pw_db.display()
@@ -484,13 +452,9 @@ fn a_wrong_password_is_logged_as_a_login_refusal_and_nothing_is_retired() {
     assert_eq!(pubacks_sent(&broker), 0);
     // The right password: the next connect reads it, and the rows flow.
     std::fs::write(&pw_file, "right-secret\n").expect("write password file");
-    assert!(
-        wait_for(Duration::from_secs(60), || db.exists()
-            && count_in_state(&db, "ACKED") >= 10),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED >= 10", |s| {
+        s.n("ACKED") >= 10
+    });
     assert!(
         wait_for(Duration::from_secs(60), || status_json(&db)["health"]
             ["state"]
@@ -518,17 +482,13 @@ fn a_publish_denied_by_acl_is_acknowledged_under_3_1_1_and_the_agent_cannot_tell
             allow("subscribePattern", &format!("{prefix}/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::v311(crate::write_config(dir.path(), &broker.url(), &prefix, 200));
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || db.exists()
-            && count_in_state(&db, "ACKED") >= 10),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED >= 10", |s| {
+        s.n("ACKED") >= 10
+    });
     assert!(broker.log_text().contains("Denied PUBLISH"));
     // Retired on a real PUBACK each...
     assert_no_retirement_without_puback(&db, &broker);
@@ -552,16 +512,9 @@ fn a_publish_denied_by_acl_is_acknowledged_under_3_1_1_and_the_agent_cannot_tell
 #[test]
 fn a_status_message_over_max_packet_bytes_is_skipped_and_events_flow() {
     let broker = Broker::start_with_config("max_packet_size 220\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktstatus");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::v311(crate::write_config(
-        dir.path(),
-        &broker.url(),
-        &prefix,
-        1000,
-    ));
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000).v311();
+    let sub = Subscriber::events(broker.port(), &prefix);
     let small: Vec<String> = (0..10).map(|i| format!("s{i}")).collect();
     seed(&db, &small);
     let mut agent = AgentProc::spawn(
@@ -569,13 +522,9 @@ fn a_status_message_over_max_packet_bytes_is_skipped_and_events_flow() {
         &["sources=[]".into(), "mqtt.max_packet_bytes=220".into()],
         dir.path(),
     );
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 10),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED == 10", |s| {
+        s.n("ACKED") == 10
+    });
     assert_eq!(
         log_lines(&agent, "WARN", "the retained online status").len(),
         1,
@@ -597,16 +546,9 @@ fn a_status_message_over_max_packet_bytes_is_skipped_and_events_flow() {
 #[test]
 fn after_one_oversized_row_costs_the_connection_later_ones_fail_at_once() {
     let broker = Broker::start_with_config("max_packet_size 2000\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pktlearn");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::v311(crate::write_config(
-        dir.path(),
-        &broker.url(),
-        &prefix,
-        1000,
-    ));
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000).v311();
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut texts = Vec::new();
     for i in 0..5 {
         texts.extend((0..4).map(|j| format!("small {i}.{j}")));
@@ -614,13 +556,12 @@ fn after_one_oversized_row_costs_the_connection_later_ones_fail_at_once() {
     }
     seed(&db, &texts);
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(120), || count_in_state(&db, "ACKED")
-            == 20
-            && count_in_state(&db, "FAILED") == 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(120),
+        "ACKED == 20 && FAILED == 5",
+        |s| s.n("ACKED") == 20 && s.n("FAILED") == 5,
     );
     assert_eq!(
         log_lines(&agent, "WARN", "now go FAILED at once").len(),

@@ -14,7 +14,7 @@
 //! - a database of the old schema (event id alone as key) migrates.
 
 use crate::support::broker::Broker;
-use crate::support::sink::{SinkProc, BROKER_EXTRA};
+use crate::support::sink::{self, SinkProc, BROKER_EXTRA};
 use crate::support::{tail, unique_suffix, wait_for};
 use edgespool::event::envelope::{encode, Envelope, EventId, Format};
 use edgespool::event::reading::FieldValue;
@@ -426,9 +426,7 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
     intruder.publish("edgespool/gw1/events/load", &envelope("gw1", 7, 1).1);
     let denied = "Denied PUBLISH from evil";
     assert!(
-        wait_for(Duration::from_secs(10), || broker
-            .log_text()
-            .contains(denied)),
+        broker.wait_log(Duration::from_secs(10), denied),
         "the broker did not deny the publish:\n{}",
         tail(&broker.log_text(), 20)
     );
@@ -537,11 +535,7 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(receipted(&evil, evil_topic, 0), BTreeSet::from([x.clone()]));
 
-    let out = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--json", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--postgres", &pg.conninfo()]);
     assert_eq!(report["forged"], 4, "{report}");
     assert_eq!(report["events"], 2, "{report}");
     sink.terminate();
@@ -610,11 +604,7 @@ fn postgres_side_tables_keep_the_newest_within_their_bounds() {
         one(&mut db, "SELECT sum(dropped)::int8 FROM side_drops"),
         200
     );
-    let out = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--json", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--postgres", &pg.conninfo()]);
     assert_eq!(
         (
             &report["unreadable"],
@@ -624,11 +614,7 @@ fn postgres_side_tables_keep_the_newest_within_their_bounds() {
         (&200.into(), &100.into(), &200.into()),
         "{report}"
     );
-    let text = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = sink::stats(&["--postgres", &pg.conninfo()]);
     assert!(text.contains("side tables: 200 rows dropped"), "{text}");
 }
 
@@ -1020,12 +1006,7 @@ fn a_sqlite_file_of_the_old_schema_migrates() {
         Err(e) => assert!(e.to_string().contains("99"), "{e}"),
         Ok(_) => panic!("a newer file was accepted"),
     }
-    let out = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--json", "--db"])
-        .arg(&path)
-        .output()
-        .expect("sink --stats");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--db", path.to_str().expect("UTF-8 path")]);
     assert_eq!(
         (&report["events"], &report["mismatches"]),
         (&3.into(), &1.into()),
