@@ -13,7 +13,7 @@
 pub mod args;
 pub mod check_config;
 #[cfg(test)]
-mod docs_check;
+mod docs_gen;
 pub mod export;
 pub mod help;
 pub mod keygen;
@@ -96,8 +96,8 @@ pub enum First {
     Version,
 }
 
-/// Reads the first word: a subcommand's name, or `--help`/`--version`
-/// (which end the line: what follows is not read).
+/// Reads the first word: a subcommand's name, or `-h`/`--help` or
+/// `-V`/`--version` (which end the line: what follows is not read).
 ///
 /// Errors: a usage error naming no command.
 pub fn first_word(p: &mut lexopt::Parser) -> Result<First, Failure> {
@@ -105,7 +105,7 @@ pub fn first_word(p: &mut lexopt::Parser) -> Result<First, Failure> {
     let bad = |msg: String| Failure::Usage { command: None, msg };
     match p.next().map_err(|e| bad(e.to_string()))? {
         Some(Value(v)) => Ok(First::Command(v.to_string_lossy().into_owned())),
-        Some(Long("version")) => Ok(First::Version),
+        Some(Long("version") | Short('V')) => Ok(First::Version),
         Some(Long("help") | Short('h')) => Ok(First::Help),
         Some(Long(o)) => Err(bad(format!("unknown option --{o}"))),
         Some(Short(c)) => Err(bad(format!("unknown option -{c}"))),
@@ -167,6 +167,7 @@ mod tests {
             first(&["--version", "--bogus"]),
             Ok(First::Version)
         ));
+        assert!(matches!(first(&["-V"]), Ok(First::Version)));
         assert!(matches!(first(&["-h"]), Ok(First::Help)));
         assert_eq!(first(&[]).err().as_deref(), Some("missing command"));
         assert_eq!(

@@ -158,6 +158,10 @@ fn cli_unknown_command_is_a_usage_error_and_help_says_so_too() {
     let (status, out, _) = run_cli(&["--version"]);
     assert_eq!(status.code(), Some(0));
     assert!(out.starts_with("edgespool "), "{out}");
+    // `-V` as well, as most tools take it.
+    let (status, short, err) = run_cli(&["-V"]);
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert_eq!(short, out);
 }
 
 /// `status --config` while the file is invalid or gone: the agent runs its
