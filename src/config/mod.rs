@@ -263,6 +263,25 @@ pub struct AgentConfig {
     pub rate_window: Duration,
 }
 
+/// The line (1-based) where `key` (`sink.url`, `sink.postgres.ca`,
+/// `sources[2].path`) is written in the TOML `text`, found by following its
+/// table headers as the config's own messages do; else the line of a table
+/// header `[key]`. `None` when the key is not written. For other TOML files
+/// (the sink's settings) that want the same `FILE:LINE: key: problem`
+/// messages.
+pub fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    locate(text, key).or_else(|| {
+        text.lines()
+            .position(|l| {
+                l.trim()
+                    .strip_prefix('[')
+                    .and_then(|r| r.split_once(']'))
+                    .is_some_and(|(h, _)| h.trim() == key)
+            })
+            .map(|n| n + 1)
+    })
+}
+
 /// Read and validate the config file at `path`, applying `overrides`
 /// (`key.path=value`, value parsed as TOML, else taken as a string).
 ///

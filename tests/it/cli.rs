@@ -313,3 +313,66 @@ fn test_refuses_the_spool_directory_run_refuses_in_the_same_words() {
         }
     }
 }
+
+/// The sink's settings file: a problem is told with the file, the line and
+/// the key; a setting a run lacks is named by its key in that file (not the
+/// flag `--client-id`); a file that is not there is said as such.
+#[test]
+fn sink_settings_problems_name_the_file_the_line_and_the_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("sink-fleet.toml");
+    let path_s = path.to_str().expect("utf-8");
+    std::fs::write(
+        &path,
+        "[sink]\nurl = \"mqtt://127.0.0.1:1\"\ntopic = \"t/+/events/#\"\n\
+         [sink.postgres]\nconninfo = \"host=127.0.0.1 user=sink\"\n",
+    )
+    .expect("write");
+    let (st, _, err) = run_cli(&["sink", "--config", path_s]);
+    assert_eq!(st.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with(&format!(
+            "config invalid: {path_s}:1: sink.client_id: required key is missing: with PostgreSQL"
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("(or --client-id)") && !err.contains("usage:"),
+        "{err}"
+    );
+    // Without a file, the flag, as a usage error.
+    let (st, _, err) = run_cli(&[
+        "sink",
+        "--postgres",
+        "host=127.0.0.1 user=sink",
+        "--url",
+        "mqtt://127.0.0.1:1",
+        "--topic",
+        "t/#",
+    ]);
+    assert_eq!(st.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("edgespool sink: PostgreSQL needs --client-id ID"),
+        "{err}"
+    );
+    std::fs::write(
+        &path,
+        "[sink]\nurl = \"mqtt://127.0.0.1:1\"\nbatch_ms = \"fast\"\n",
+    )
+    .expect("write");
+    let (st, _, err) = run_cli(&["sink", "--config", path_s]);
+    assert_eq!(st.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        format!(
+            "config invalid: {path_s}:3: sink.batch_ms: expected a whole number of milliseconds, 0 or more, got \"fast\"\n"
+        )
+    );
+    let gone = dir.path().join("sink-gone.toml");
+    let (st, _, err) = run_cli(&["sink", "--config", gone.to_str().expect("utf-8")]);
+    assert_eq!(st.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        format!("sink settings file {} does not exist\n", gone.display())
+    );
+}
