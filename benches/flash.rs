@@ -544,9 +544,9 @@ impl RunDir {
             ""
         };
         let retire = if spec.receipt {
-            "retire_on = \"receipt\"\n"
+            support::keys::receipt_mode_toml()
         } else {
-            ""
+            String::new()
         };
         let text = format!(
             "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n{spool_keys}\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n{retire}\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",

@@ -280,6 +280,8 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
+        device_id: cfg.device_id.clone(),
+        receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
         record_window: edgespool::flash::write_budget::SharedWindow::new(cfg.spool.commit_window),
     };
     let t = Instant::now();

@@ -426,6 +426,7 @@ keep_alive_secs = 600
 reconnect_min_ms = 100
 reconnect_max_ms = 500
 retire_on = "{retire_on}"
+receipt_public_keys = ["{fleet}"]
 [agent]
 summary_interval_secs = 3600
 [ingest]
@@ -433,7 +434,8 @@ socket = "{d}/ingest.sock"
 [[ingest.streams]]
 name = "tele"
 {batch}"#,
-        if f.postcard { "postcard" } else { "json" }
+        if f.postcard { "postcard" } else { "json" },
+        fleet = support::keys::fleet_key().key.public().hex(),
     );
     let path = dir.join("agent.toml");
     std::fs::write(&path, text).expect("write the agent config");

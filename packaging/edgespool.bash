@@ -11,7 +11,7 @@ _edgespool() {
     fi
     # Options that take a value: complete the value, not an option.
     case "$prev" in
-        --config|-c|--spool|--to|--db|--pg-password-file|--pg-ca|--pg-cert|--pg-key|--password-file|--out)
+        --config|-c|--spool|--to|--db|--pg-password-file|--pg-ca|--pg-cert|--pg-key|--receipt-key|--password-file|--out)
             _filedir
             return ;;
         --dir)
@@ -28,7 +28,7 @@ _edgespool() {
         status) opts="--config --spool --json --help" ;;
         probe-storage) opts="--config --dir --json --help" ;;
         export) opts="--config --spool --to --help" ;;
-        sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --stats --json --help" ;;
+        sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --receipt-key --no-receipts --username --password-file --stats --json --help" ;;
         keygen) opts="--out --help" ;;
         help)
             [ "$cword" -eq 2 ] && COMPREPLY=($(compgen -W "run check-config test status probe-storage export sink keygen" -- "$cur"))

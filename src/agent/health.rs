@@ -48,6 +48,10 @@ pub struct Facts {
     pub awaiting_receipt: (u64, Option<Duration>),
     /// `mqtt.receipt_timeout_secs` in receipt mode; `None` otherwise.
     pub receipt_timeout: Option<Duration>,
+    /// Receipt mode: receipts refused (unsigned, forged, another board's,
+    /// malformed) within the last [`REFUSED_WINDOW`], and the reasons
+    /// named, e.g. `unsigned 3, bad_signature 1`.
+    pub receipts_refused: (u64, String),
     /// Another process listens on `ingest.socket`: who, and the fix.
     pub ingest_socket_taken: Option<String>,
     /// The write budget cannot be met within the widest commit window
@@ -148,15 +152,96 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
             ));
         }
     }
+    let (refused, by) = &f.receipts_refused;
+    if *refused >= REFUSED_DEGRADE {
+        reasons.push(format!(
+            "receipts refused: {refused} in the last {} min ({by}): something publishes receipts this board does not trust on <topic_prefix>/receipts (a forgery, or a sink whose --receipt-key is not in mqtt.receipt_public_keys); they retire nothing",
+            REFUSED_WINDOW.as_secs() / 60
+        ));
+    }
     if let Some(why) = &f.ingest_socket_taken {
         reasons.push(format!("ingest socket not ours: {why}"));
     }
     Health { reasons }
 }
 
+/// How far back refused receipts count for health.
+pub const REFUSED_WINDOW: Duration = Duration::from_secs(600);
+/// Refused receipts within [`REFUSED_WINDOW`] that degrade health: one may
+/// be a stale receipt of a key just rotated; several keep happening.
+pub const REFUSED_DEGRADE: u64 = 3;
+
+/// The growth of a running total over the last `window`, from samples taken
+/// at each pass (a sample kept when the total moved or a twentieth of the
+/// window passed, at most [`RecentGrowth::MAX_SAMPLES`]), so memory stays
+/// small whatever the pass rate. Pure: time is passed in.
+#[derive(Debug, Clone)]
+pub struct RecentGrowth {
+    window: Duration,
+    samples: std::collections::VecDeque<(std::time::Instant, u64)>,
+}
+
+impl RecentGrowth {
+    /// Samples kept at most (a burst of refusals beyond it ages out early,
+    /// counting growth over a shorter span, never a larger one).
+    pub const MAX_SAMPLES: usize = 64;
+
+    /// Nothing seen yet; growth over `window`.
+    pub fn new(window: Duration) -> RecentGrowth {
+        RecentGrowth {
+            window,
+            samples: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The total is `total` at `now`: returns how much it grew since the
+    /// newest sample at least one window old (or since the first sample).
+    pub fn observe(&mut self, now: std::time::Instant, total: u64) -> u64 {
+        let old = |t: &std::time::Instant| now.saturating_duration_since(*t) >= self.window;
+        // Keep one sample at or before the window's start: the base.
+        while self.samples.get(1).is_some_and(|(t, _)| old(t)) {
+            self.samples.pop_front();
+        }
+        let moved = self.samples.back().is_none_or(|(t, v)| {
+            *v != total || now.saturating_duration_since(*t) >= self.window / 20
+        });
+        if moved {
+            self.samples.push_back((now, total));
+            if self.samples.len() > Self::MAX_SAMPLES {
+                self.samples.pop_front();
+            }
+        }
+        let base = self.samples.front().map_or(total, |(_, v)| *v);
+        total.saturating_sub(base)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refused_receipts_degrade_health_only_when_they_keep_coming_within_the_window() {
+        let t = std::time::Instant::now();
+        let mut g = RecentGrowth::new(REFUSED_WINDOW);
+        assert_eq!(g.observe(t, 0), 0);
+        assert_eq!(g.observe(t + Duration::from_secs(10), 1), 1);
+        assert_eq!(g.observe(t + Duration::from_secs(20), 3), 3);
+        // Ten minutes later the first refusals have aged out.
+        assert_eq!(g.observe(t + Duration::from_secs(640), 3), 0);
+        assert_eq!(g.observe(t + Duration::from_secs(650), 5), 2);
+        let mut f = healthy();
+        f.receipts_refused = (2, "unsigned 2".into());
+        assert!(assess(&f, G).reasons.is_empty(), "one or two: no verdict");
+        f.receipts_refused = (3, "unsigned 2, bad_signature 1".into());
+        let h = assess(&f, G);
+        assert!(
+            h.reasons[0].starts_with(
+                "receipts refused: 3 in the last 10 min (unsigned 2, bad_signature 1)"
+            ),
+            "{h:?}"
+        );
+    }
 
     fn healthy() -> Facts {
         Facts {

@@ -28,6 +28,7 @@ mod writer;
 
 pub use startup::{check_places, open_spool};
 
+use crate::commands::signed::OperatorKeys;
 use crate::commands::worker::{CmdMsg, WorkerConfig};
 use crate::config::Config;
 use crate::delivery::{self, DeliveryStats};
@@ -307,7 +308,8 @@ fn start_network(
     let inbox = crate::commands::worker::Inbox::new(
         cmd_tx.clone(),
         crate::commands::worker::inbox_limit(cfg.commands.max_payload_bytes),
-        &cfg.commands.operator_scopes,
+        OperatorKeys::new(&cfg.device_id, &cfg.commands.operator_public_keys),
+        cfg.commands.max_payload_bytes,
     );
     let inbox_meter = inbox.meter();
     let (link, mqtt_thread) = mqtt::new(

@@ -343,6 +343,8 @@ pub(super) fn delivery_config(
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
+        device_id: cfg.device_id.clone(),
+        receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
         record_window: window,
     }
 }

@@ -35,6 +35,7 @@ pub enum Flag {
     Stats,
     To,
     Out,
+    ReceiptKey,
 }
 
 /// One option of one command.
@@ -260,7 +261,8 @@ pub static SINK: Command = Command {
         usage: &[
             "sink --config FILE [OPTIONS]",
             "sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)",
-            "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS] [--no-receipts]",
+            "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS]",
+            "     [--receipt-key FILE | --no-receipts]",
             "     [--username USER --password-file FILE] [--pg-password-file FILE]",
             "     [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]",
             "sink --stats (--config FILE | --db FILE | --postgres CONNINFO) [--json]",
@@ -274,7 +276,8 @@ pub static SINK: Command = Command {
             .man(
                 "The sink's settings: a `[sink]` section with the options below by the same \
                  names (`url`, `topic`, `client_id`, `share`, `batch_max`, `batch_ms`, \
-                 `receipts`, `username`, `password_file`, `db`) and a `[sink.postgres]` table \
+                 `receipts`, `receipt_key`, `username`, `password_file`, `db`) and a \
+                 `[sink.postgres]` table \
                  (`conninfo`, `password_file`, `ca`, `cert`, `key`). An option given on the \
                  command line overrides the file's key.",
             ),
@@ -308,6 +311,13 @@ pub static SINK: Command = Command {
                 .man("Subscribe as `$share/`*GROUP*`/`*FILTER* to spread the load over several sinks."),
             opt(Flag::BatchMax, "batch-max", Some("N"), "deliveries per transaction (default 500)"),
             opt(Flag::BatchMs, "batch-ms", Some("MS"), "longest wait before a batch commits (default 100)"),
+            opt(Flag::ReceiptKey, "receipt-key", Some("FILE"), "sign receipts with this Ed25519 key (edgespool keygen; mode 0600)")
+                .man("Sign every receipt with this Ed25519 private key (PEM, PKCS#8, as \
+                      `edgespool keygen` writes it; refused unless only its owner can read it). A \
+                      board retires a row on a receipt only when a key its \
+                      `mqtt.receipt_public_keys` lists signed it, for that board, naming the \
+                      event's id and the digest of its bytes. Without a key the sink publishes no \
+                      receipts."),
             opt(Flag::NoReceipts, "no-receipts", None, "publish no receipts"),
             opt(Flag::Username, "username", Some("USER"), "MQTT user name (with --password-file)"),
             opt(Flag::PasswordFile, "password-file", Some("FILE"), "the MQTT password (mode 0600 or stricter)")

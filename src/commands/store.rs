@@ -33,6 +33,11 @@ pub enum Admit<'a> {
     /// Record it as `rejected` at once with this error (unknown command):
     /// the hash and a truncated request are kept, a result is appended.
     Reject(&'a str),
+    /// Like [`Admit::Reject`], for a command with a side effect that no
+    /// operator key signed ([`super::admission::unsigned_refusal`]); counted
+    /// `commands_unsigned` as well. Its record is droppable like every
+    /// `rejected` one: nothing ran.
+    Unsigned(&'a str),
     /// Answer `rejected` with this error and keep no record (rate limit):
     /// the same id may be sent again later.
     Refuse(&'a str),
@@ -74,7 +79,8 @@ pub struct Receipt<'a> {
 pub enum Claim {
     /// First time this (scope, id) is seen: the receipt is committed as `received`.
     New,
-    /// First time seen, recorded as `rejected` at once ([`Admit::Reject`]).
+    /// First time seen, recorded as `rejected` at once ([`Admit::Reject`],
+    /// [`Admit::Unsigned`]).
     Rejected,
     /// First time seen, answered `rejected`, not recorded ([`Admit::Refuse`]).
     Refused,
@@ -225,7 +231,7 @@ fn insert_receipt(
 ) -> Result<bool, SpoolError> {
     let (state, request, result, finished) = match receipt.admit {
         Admit::Refuse(_) | Admit::NoRoom(_) => return Ok(!tx.exists(&cmd.scope, &cmd.command_id)?),
-        Admit::Reject(why) => (
+        Admit::Reject(why) | Admit::Unsigned(why) => (
             cstate::REJECTED,
             kept_request(&cmd.canonical),
             Some(serde_json::json!({ "error": why }).to_string()),
@@ -272,6 +278,12 @@ fn answer_new(
         Admit::Reject(why) => {
             tx.count("commands_received")?;
             tx.count("commands_rejected")?;
+            (why, Reply::Result, Claim::Rejected)
+        }
+        Admit::Unsigned(why) => {
+            tx.count("commands_received")?;
+            tx.count("commands_rejected")?;
+            tx.count("commands_unsigned")?;
             (why, Reply::Result, Claim::Rejected)
         }
         Admit::Refuse(why) => {

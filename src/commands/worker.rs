@@ -25,19 +25,25 @@
 //! - messages taken from the channel wait in a [`super::backlog`] by tier:
 //!   operator commands are handled first, then pushes, then the rest;
 //! - each lane holds at most `commands.max_queued` claimed commands (other
-//!   scopes three quarters), operator commands ahead in the queue;
-//! - records at most `commands.max_records` (other scopes three quarters;
+//!   commands three quarters), operator commands ahead in the queue;
+//! - records at most `commands.max_records` (other commands three quarters;
 //!   [`super::records`], [`super::retention`]); `ping` and `status` are
-//!   answered at receipt with a droppable record;
+//!   answered at receipt with a droppable record, and so, by default, is
+//!   the refusal of an unsigned command with a side effect;
 //! - new commands per scope within `commands.max_per_minute_per_scope`,
-//!   and those of all non-operator scopes within `commands.max_per_minute`
+//!   and those no operator key signed within `commands.max_per_minute`
 //!   ([`super::rate`]).
+//!
+//! The operator is whoever signs with a key in
+//! `commands.operator_public_keys` ([`super::signed`]); the inbox checks
+//! the signature and hands the command over with its [`Tier`], which this
+//! thread takes as it is.
 //!
 //! Result events are spool rows under the spool's capacity policy like any
 //! others ([`super::results`]); commands are not refused for it, so an
 //! operator can still reach a board whose disk is short.
 //!
-//! A command of another scope over its rate or finding no room among the
+//! Another command over its rate or finding no room among the
 //! records is answered (`rate_limited`, `no_room`) and not recorded. A
 //! command that cannot be taken now (its lane full, an operator command or
 //! a push finding no room among the records, the spool refusing writes) is
@@ -62,6 +68,7 @@ use super::records::Records;
 use super::recovery;
 use super::results::{self, Finished, Results};
 use super::retention::{AgentClock, Policy};
+use super::signed::Signer;
 use super::store::{self, cstate, Admit, Answered, Claim, EventCtx, Receipt};
 use super::{parse, Command, CommandsConfig, ExecHandler, ParseError};
 use crate::event::envelope::{wall_clock_ms, EventIdGen, Format};
@@ -89,9 +96,9 @@ const UNANSWERED_COUNT_EVERY: Duration = Duration::from_secs(10);
 
 /// Whether `cmd`, routed to `route`, is to run if it is new: not an unknown
 /// name, not a built-in without a side effect (answered at receipt, its
-/// record droppable).
-fn runs(route: Route, cmd: &Command) -> bool {
-    route != Route::Unknown && !admission::side_effect_free(&cmd.name)
+/// record droppable), not refused for want of a signature.
+fn runs(route: Route, cmd: &Command, unsigned: bool) -> bool {
+    route != Route::Unknown && !admission::side_effect_free(&cmd.name) && !unsigned
 }
 
 /// Settings for the command thread.
@@ -149,8 +156,8 @@ pub fn run(
             w.take(msg, &mut spool, &mut ids);
             took = true;
         }
-        if let Some((epoch, publish)) = w.backlog.pop() {
-            w.incoming(epoch, publish, &mut spool, &mut ids);
+        if let Some((tier, epoch, publish)) = w.backlog.pop() {
+            w.incoming(epoch, publish, tier, &mut spool, &mut ids);
             w.turn(&mut spool, &mut ids);
             continue;
         }
@@ -205,6 +212,9 @@ enum Verdict {
     Accept,
     /// Recorded `rejected` with this error.
     Reject(String),
+    /// Recorded `rejected` with this error (`unsigned: ...`): a side effect
+    /// no operator key signed.
+    Unsigned(String),
     /// Answered `rejected` with this error, not recorded (rate limit).
     Refuse(String),
     /// Answered `no_room` with this error, not recorded.
@@ -219,6 +229,7 @@ impl Verdict {
         match self {
             Verdict::Accept => Admit::Accept,
             Verdict::Reject(why) => Admit::Reject(why),
+            Verdict::Unsigned(why) => Admit::Unsigned(why),
             Verdict::Refuse(why) => Admit::Refuse(why),
             Verdict::NoRoom(why) => Admit::NoRoom(why),
             Verdict::Answer(a) => Admit::Answer(a),
@@ -333,22 +344,15 @@ impl Worker {
         lanes::handler(name, &self.cfg.commands.handlers)
     }
 
-    /// The tier of a command named `name` in `scope`.
-    fn tier(&self, scope: &str, name: &str) -> Tier {
-        Tier::of(scope, name, &self.cfg.commands.operator_scopes)
-    }
-
     /// Queue `p` where it runs: in a lane, behind the commands of its tier
     /// and higher ones, ahead of lower ones.
     fn enqueue(&mut self, p: Pending) {
         match self.route(&p.name) {
             Route::Lane(l) => {
-                let ops = &self.cfg.commands.operator_scopes;
-                let tier = Tier::of(&p.scope, &p.name, ops);
                 let queue = &mut self.lanes[l.index()].queue;
                 let at = queue
                     .iter()
-                    .position(|q| Tier::of(&q.scope, &q.name, ops) < tier)
+                    .position(|q| q.tier < p.tier)
                     .unwrap_or(queue.len());
                 queue.insert(at, p);
             }
@@ -478,7 +482,7 @@ impl Worker {
             }
             if let Some(p) = self.held.parked.remove(i) {
                 // Parked again (at the back) if things changed meanwhile.
-                self.incoming(p.epoch, p.publish, spool, ids);
+                self.incoming(p.epoch, p.publish, p.tier, spool, ids);
             }
         }
     }
@@ -557,7 +561,11 @@ impl Worker {
     fn handle(&mut self, msg: CmdMsg, spool: &mut Spool, ids: &mut EventIdGen) {
         match msg {
             CmdMsg::Wake => {}
-            CmdMsg::Incoming { epoch, publish, .. } => self.incoming(epoch, publish, spool, ids),
+            CmdMsg::Incoming {
+                epoch,
+                publish,
+                tier,
+            } => self.incoming(epoch, publish, tier, spool, ids),
             CmdMsg::Done {
                 lane,
                 scope,
@@ -576,10 +584,14 @@ impl Worker {
 
     /// Take a PUBLISH of connection `epoch`: answer it, claim its receipt,
     /// or hold it back. It is acknowledged only once that has committed.
+    ///
+    /// `judged` is its tier as the inbox judged it ([`admission::peek`]):
+    /// [`Tier::Operator`] only when its signature verified there.
     fn incoming(
         &mut self,
         epoch: u64,
         publish: rumqttc::Publish,
+        judged: Tier,
         spool: &mut Spool,
         ids: &mut EventIdGen,
     ) {
@@ -595,9 +607,14 @@ impl Worker {
             }
         };
         let route = self.route(&cmd.name);
-        let tier = self.tier(&cmd.scope, &cmd.name);
+        let signer = match (judged, cmd.signature) {
+            (Tier::Operator, _) => Signer::Operator,
+            (_, Some(_)) => Signer::Unknown,
+            (_, None) => Signer::Unsigned,
+        };
+        let tier = Tier::of(&cmd.name, signer);
         let rate_now = self.started.elapsed();
-        let verdict = match self.verdict(&cmd, route, tier, rate_now, spool) {
+        let verdict = match self.verdict(&cmd, route, (tier, signer), rate_now, spool) {
             Ok(v) => v,
             Err(why) => {
                 self.held.park(epoch, publish, (Some(route), tier), why);
@@ -706,7 +723,7 @@ impl Worker {
         self.unanswered.0 += 1;
         self.unanswered_log.warn(|| {
             format!(
-                "commands: more than {} answers per minute to scopes that are not operator scopes \
+                "commands: more than {} answers per minute to commands no operator key signed \
                  (commands.max_answers_per_minute): a message on {} was acknowledged and dropped \
                  unanswered, nothing recorded (counted commands_unanswered)",
                 self.cfg.commands.max_answers_per_minute, publish.topic
@@ -734,32 +751,44 @@ impl Worker {
         }
     }
 
-    /// What a new `cmd` of `tier`, running on `route`, gets at `now` (the
-    /// rate limiter's time), in this order: over its rate, answered
-    /// `rate_limited`; no room among the records, answered `no_room` (other
-    /// commands) or held back (`Err`); its lane full or the spool refusing
-    /// writes, held back; an unknown name, rejected; `ping` and `status`,
-    /// answered now; the rest, accepted to run. A command already recorded
-    /// gets its stored answer whatever this says ([`store::claim`]).
+    /// What a new `cmd` of `tier`, signed by `signer`, running on `route`,
+    /// gets at `now` (the rate limiter's time), in this order: over its
+    /// rate, answered `rate_limited`; no room among the records, answered
+    /// `no_room` (other commands, and those refused for want of a
+    /// signature) or held back (`Err`); a side effect no operator key
+    /// signed, refused (`unsigned`, [`admission::unsigned_refusal`]); its
+    /// lane full or the spool refusing writes, held back; an unknown name,
+    /// rejected; `ping` and `status`, answered now; the rest, accepted to
+    /// run. A command already recorded gets its stored answer whatever this
+    /// says ([`store::claim`]).
     fn verdict(
         &mut self,
         cmd: &Command,
         route: Route,
-        tier: Tier,
+        (tier, signer): (Tier, Signer),
         now: Duration,
         spool: &mut Spool,
     ) -> Result<Verdict, String> {
-        if let Some(why) = self
-            .budgets
-            .refusal(&cmd.scope, tier, runs(route, cmd), now)
-        {
+        let c = &self.cfg.commands;
+        let unsigned = admission::unsigned_refusal(
+            cmd,
+            signer,
+            route != Route::Unknown,
+            c.allow_unsigned,
+            c.operator_public_keys.len(),
+        );
+        let to_run = runs(route, cmd, unsigned.is_some());
+        if let Some(why) = self.budgets.refusal(&cmd.scope, tier, to_run, now) {
             return Ok(Verdict::Refuse(why));
         }
-        if tier == Tier::Other && self.records_full(tier, spool) {
+        if (tier == Tier::Other || unsigned.is_some()) && self.records_full(tier, spool) {
             return Ok(Verdict::NoRoom(format!(
                 "no room: {}; not recorded: send it again later",
                 self.records_full_why(tier)
             )));
+        }
+        if let Some(why) = unsigned {
+            return Ok(Verdict::Unsigned(why));
         }
         if let Some(why) = self.hold_reason(route, tier, spool) {
             return Err(why);
@@ -879,7 +908,7 @@ impl Worker {
     fn claimed(&mut self, claim: Claim, cmd: Command, a: &Admission, retained: bool) {
         match claim {
             Claim::New => {
-                let to_run = runs(a.route, &cmd);
+                let to_run = runs(a.route, &cmd, false);
                 self.budgets.take(&cmd.scope, a.tier, to_run, a.rate_now);
                 self.records.added();
                 log::info!(
@@ -896,6 +925,7 @@ impl Worker {
                     deadline_wall: a.deadline_wall,
                     deadline_mono: a.ttl.map(|t| Instant::now() + t),
                     age_unknown: false,
+                    tier: a.tier,
                 });
             }
             Claim::Answered => {
@@ -915,11 +945,15 @@ impl Worker {
             Claim::Rejected => {
                 self.budgets.take(&cmd.scope, a.tier, false, a.rate_now);
                 self.records.added();
-                self.rejected_log.warn(|| {
-                    format!(
+                self.rejected_log.warn(|| match &a.verdict {
+                    Verdict::Unsigned(why) => format!(
+                        "commands: {}/{} ({}) rejected: {why}",
+                        cmd.scope, cmd.command_id, cmd.name
+                    ),
+                    _ => format!(
                         "commands: {}/{} rejected: unknown command {:?}",
                         cmd.scope, cmd.command_id, cmd.name
-                    )
+                    ),
                 });
             }
             Claim::Refused => self.refused_log.warn(|| {

@@ -2,7 +2,7 @@
 //! key path, line and did-you-mean of a problem (field case F16).
 
 use super::raw::{split_keyed, RawConfig};
-use super::suggest::unknown_key;
+use super::suggest::{retired, unknown_key};
 use super::{ConfigError, Problem};
 
 pub(super) fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) -> ConfigError {
@@ -69,6 +69,9 @@ fn refusal(
             k if k.ends_with(&field) => k,
             k => format!("{k}.{field}"),
         };
+        if let Some(replaced) = retired(&key) {
+            return (key, line, replaced.to_owned());
+        }
         return (key, line, msg);
     }
     match msg

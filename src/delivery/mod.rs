@@ -57,13 +57,16 @@ pub struct DeliveryStats {
     /// Receipt mode: how long the oldest of them has waited since its
     /// first PUBACK (re-sends do not reset it), ms.
     pub oldest_awaiting_ms: AtomicU64,
-    /// Receipts read (well-formed).
+    /// Receipts read (well-formed, signed for this board by a trusted key).
     pub receipts: AtomicU64,
     /// Event ids receipts named that no waiting row has (not yet PUBACKed,
-    /// already retired, unknown, forged): nothing retired for them.
+    /// already retired, unknown): nothing retired for them.
     pub receipt_unmatched: AtomicU64,
-    /// Receipts refused as malformed (they retire nothing).
-    pub receipts_malformed: AtomicU64,
+    /// Event ids signed receipts named with a digest other than the
+    /// waiting row's bytes: nothing retired for them.
+    pub receipt_wrong_digest: AtomicU64,
+    /// Receipts refused whole, by reason (they retire nothing).
+    pub receipts_refused: RefusedReceipts,
     /// Rows published again because their receipt did not come in time.
     pub resent_for_receipt: AtomicU64,
     /// Wall clock of the last receipt, Unix ms (0: none yet).
@@ -74,6 +77,52 @@ pub struct DeliveryStats {
     /// Rows the broker refused on this connection, waiting for the next
     /// one ([`defer`]).
     pub deferred: AtomicU64,
+}
+
+/// Receipts refused whole, by [`crate::event::receipts::ReceiptError::reason`].
+#[derive(Debug, Default)]
+pub struct RefusedReceipts {
+    /// Not the receipt's shape, too large, bad hex.
+    pub malformed: AtomicU64,
+    /// Version 1: no signature.
+    pub unsigned: AtomicU64,
+    /// Signed for another board.
+    pub other_board: AtomicU64,
+    /// Signed by a key `mqtt.receipt_public_keys` does not list.
+    pub untrusted_key: AtomicU64,
+    /// A signature that does not verify (forged or altered).
+    pub bad_signature: AtomicU64,
+}
+
+impl RefusedReceipts {
+    /// Count one refusal of `reason`.
+    pub fn count(&self, reason: &str) {
+        let c = match reason {
+            "unsigned" => &self.unsigned,
+            "other_board" => &self.other_board,
+            "untrusted_key" => &self.untrusted_key,
+            "bad_signature" => &self.bad_signature,
+            _ => &self.malformed,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(reason, count)` for every reason, in a fixed order.
+    pub fn by_reason(&self) -> [(&'static str, u64); 5] {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("malformed", l(&self.malformed)),
+            ("unsigned", l(&self.unsigned)),
+            ("other_board", l(&self.other_board)),
+            ("untrusted_key", l(&self.untrusted_key)),
+            ("bad_signature", l(&self.bad_signature)),
+        ]
+    }
+
+    /// Every refusal.
+    pub fn total(&self) -> u64 {
+        self.by_reason().iter().map(|(_, n)| n).sum()
+    }
 }
 
 /// Settings for the delivery thread.
@@ -104,6 +153,10 @@ pub struct DeliveryConfig {
     pub receipt_timeout: Duration,
     /// `mqtt.receipt_window`.
     pub receipt_window: usize,
+    /// The board's `device_id`: a receipt must be signed for it.
+    pub device_id: String,
+    /// `mqtt.receipt_public_keys`: the keys whose receipts retire rows.
+    pub receipt_keys: Vec<crate::event::signature::PublicKey>,
     /// The commit window in force (`spool.commit_window_ms`, or the one a
     /// write budget chose): delivery records wait at most this long for
     /// their commit, so acknowledgements cost at most one commit per window
@@ -301,14 +354,17 @@ impl Delivery {
                     log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
                 }
             }
-            DeliveryMsg::Receipt(payload) => {
+            DeliveryMsg::Receipt { epoch, publish } => {
                 // The PUBACKs the poller thread took before this receipt come
                 // first: a receipt for a row whose PUBACK still waits in the
                 // link would match nothing, and the row would wait out its
                 // timeout for a receipt that already came (again after
                 // every re-send, with a sink quicker than this thread).
                 self.collect();
-                self.on_receipt(&payload);
+                self.link.took_receipt();
+                self.on_receipt(&publish.payload);
+                // Read: the broker may send the next one.
+                self.link.ack(epoch, &publish);
             }
             DeliveryMsg::Receipts { available, why } => {
                 self.on_receipts_availability(available, why);
@@ -760,11 +816,37 @@ mod tests {
             retire_on: crate::mqtt::RetireOn::Receipt,
             receipt_timeout: Duration::from_secs(10),
             receipt_window: 100,
+            device_id: "dev".into(),
+            receipt_keys: vec![fleet_key().public()],
             record_window: crate::flash::write_budget::SharedWindow::new(Duration::from_millis(
                 200,
             )),
         };
         Delivery::new(cfg, link, Arc::new(DeliveryStats::default()))
+    }
+
+    /// The fleet's key in these tests (one per test process).
+    fn fleet_key() -> &'static crate::event::signature::SigningKey {
+        static KEY: std::sync::OnceLock<crate::event::signature::SigningKey> =
+            std::sync::OnceLock::new();
+        KEY.get_or_init(|| {
+            crate::event::signature::SigningKey::generate()
+                .expect("keygen")
+                .0
+        })
+    }
+
+    /// A receipt PUBLISH for `events` of board `dev`, signed by `key`.
+    fn receipt_publish(
+        events: &[(&str, EventId, [u8; 32])],
+        key: &crate::event::signature::SigningKey,
+    ) -> Box<rumqttc::Publish> {
+        let payload = crate::event::receipts::encode("dev", events, key).remove(0);
+        Box::new(rumqttc::Publish::new(
+            "t/dev/receipts",
+            rumqttc::QoS::AtLeastOnce,
+            payload,
+        ))
     }
 
     #[test]
@@ -789,8 +871,58 @@ mod tests {
         };
         d.note_offered(&row, event_id);
         d.link.acked_for_test(&[7]);
-        let receipt = crate::event::receipts::encode(&[("s", id)]).remove(0);
-        d.handle(DeliveryMsg::Receipt(receipt), &mut spool);
+        let digest = row.digest.expect("a digest");
+        // Forged (another key), for another board, with other bytes'
+        // digest: none retires the row.
+        let stranger = crate::event::signature::SigningKey::generate()
+            .expect("keygen")
+            .0;
+        let forged = receipt_publish(&[("s", event_id, digest)], &stranger);
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: forged,
+            },
+            &mut spool,
+        );
+        let other = crate::event::receipts::encode("dev2", &[("s", event_id, digest)], fleet_key())
+            .remove(0);
+        let other = Box::new(rumqttc::Publish::new(
+            "t/dev/receipts",
+            rumqttc::QoS::AtLeastOnce,
+            other,
+        ));
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: other,
+            },
+            &mut spool,
+        );
+        let wrong = receipt_publish(&[("s", event_id, [0; 32])], fleet_key());
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: wrong,
+            },
+            &mut spool,
+        );
+        assert!(
+            d.to_retire.is_empty(),
+            "a receipt it must not trust retired the row"
+        );
+        let refused = d.stats.receipts_refused.by_reason();
+        assert_eq!(refused[3], ("untrusted_key", 1));
+        assert_eq!(refused[2], ("other_board", 1));
+        assert_eq!(d.stats.receipt_wrong_digest.load(Ordering::Relaxed), 1);
+        let receipt = receipt_publish(&[("s", event_id, digest)], fleet_key());
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: receipt,
+            },
+            &mut spool,
+        );
         assert_eq!(d.to_retire, vec![7], "the receipt did not retire its row");
         assert_eq!(d.stats.receipt_unmatched.load(Ordering::Relaxed), 0);
         assert!(!d.awaits_receipt(7));
@@ -813,7 +945,7 @@ mod tests {
             id,
             event_id: Some(event_id(id)),
             stream: "s".to_owned(),
-            digest: None,
+            digest: Some([0; 32]),
             payload: Vec::new(),
             prio: 0,
         };

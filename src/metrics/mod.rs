@@ -209,7 +209,7 @@ pub struct Figures {
 }
 
 /// What receipt mode (`mqtt.retire_on = "receipt"`) shows.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReceiptFigures {
     /// Rows PUBACKed and waiting for their receipt.
     pub awaiting: u64,
@@ -219,13 +219,17 @@ pub struct ReceiptFigures {
     pub received: u64,
     /// Event ids receipts named that matched no waiting row, this run.
     pub unmatched_ids: u64,
-    /// Receipts refused as malformed, this run.
-    pub malformed: u64,
+    /// Receipts refused whole, by reason (malformed, unsigned, other_board,
+    /// untrusted_key, bad_signature), this run.
+    pub refused: [(&'static str, u64); 5],
+    /// Event ids signed receipts named with another digest than the
+    /// waiting row's bytes, this run.
+    pub wrong_digest: u64,
     /// Rows sent again because their receipt did not come in time, this run.
     pub resent: u64,
-    /// Receipts dropped unread, this run, because the MQTT thread's queue
-    /// to the delivery thread was full (64; their rows are sent again after
-    /// their timeout).
+    /// Receipts left unacknowledged, this run, because the MQTT thread's
+    /// queue to the delivery thread was full (a broker ignoring its own
+    /// in-flight window; it sends them again with the next session).
     pub dropped: u64,
     /// The broker refuses the receipts subscription now.
     pub unavailable: bool,
@@ -238,13 +242,25 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
         ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row not yet stored at the fleet has waited since its first PUBACK (re-sends do not reset it; 0 when none).", r.oldest_awaiting_secs),
         ("edgespool_receipts_total", "counter", "Receipts read, this run.", r.received as f64),
         ("edgespool_receipt_unmatched_ids_total", "counter", "Event ids in receipts that matched no waiting row (nothing retired for them), this run.", r.unmatched_ids as f64),
-        ("edgespool_receipts_malformed_total", "counter", "Receipts refused as malformed (they retire nothing), this run.", r.malformed as f64),
+        ("edgespool_receipt_wrong_digest_ids_total", "counter", "Event ids in signed receipts named with another digest than the waiting row's bytes (nothing retired for them), this run.", r.wrong_digest as f64),
         ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
-        ("edgespool_receipts_dropped_total", "counter", "Receipts dropped unread because the delivery thread had 64 waiting (their rows are sent again after their timeout), this run.", r.dropped as f64),
+        ("edgespool_receipts_dropped_total", "counter", "Receipts left unacknowledged because 1024 already waited for the delivery thread (a broker ignoring its in-flight window sends them again with the next session), this run.", r.dropped as f64),
         ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then retire on their PUBACK), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
     ];
     for (name, kind, help, v) in families {
         o.single(name, kind, help, v);
+    }
+    o.family(
+        "edgespool_receipts_refused_total",
+        "counter",
+        "Receipts refused whole (they retire nothing), by reason: malformed, unsigned (version 1), other_board, untrusted_key (not in mqtt.receipt_public_keys), bad_signature (forged or altered), this run.",
+    );
+    for (reason, n) in r.refused {
+        o.sample(
+            "edgespool_receipts_refused_total",
+            &[("reason", reason)],
+            n as f64,
+        );
     }
 }
 
@@ -279,7 +295,7 @@ const FAIL_REASONS: [&str; 4] = [
 const COMMAND_STATES: [&str; 5] = ["completed", "failed", "rejected", "expired", "interrupted"];
 
 /// Other command counters: (spool counter, metric, HELP).
-const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
+const COMMAND_COUNTERS: [(&str, &str, &str); 9] = [
     (
         "commands_received",
         "edgespool_commands_received_total",
@@ -306,6 +322,11 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
         "Command messages that could not be parsed.",
     ),
     (
+        "commands_unsigned",
+        "edgespool_commands_unsigned_total",
+        "Commands with a side effect refused because no operator key signed them (or their signature verified with none).",
+    ),
+    (
         "commands_rate_limited",
         "edgespool_commands_rate_limited_total",
         "Commands refused by the per-scope rate limit.",
@@ -318,7 +339,7 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
     (
         "commands_unanswered",
         "edgespool_commands_unanswered_total",
-        "Command messages of scopes that are not operator scopes acknowledged and dropped unanswered over commands.max_answers_per_minute.",
+        "Command messages no operator key signed acknowledged and dropped unanswered over commands.max_answers_per_minute.",
     ),
 ];
 

@@ -64,6 +64,14 @@ impl MqttThread {
                     return Err(format!("cannot subscribe to {t}: {e}"));
                 }
                 s.conn.subacks_due.push_back(Sub::Receipts);
+            } else if let (true, Some(client)) = (session_present, &s.client) {
+                // Not retiring on receipts, but a session kept from when
+                // this board did: leave that subscription, so stale
+                // receipts stop queuing for it at the broker (issue 33).
+                let t = format!("{}/receipts", self.cfg.topic_prefix);
+                if let Err(e) = client.try_unsubscribe(&t) {
+                    log::warn!("mqtt: cannot leave the receipts subscription {t}: {e}");
+                }
             }
             if self.cfg.status_topic {
                 announce_online(&mut s, &self.cfg);

@@ -181,9 +181,12 @@ impl MqttThread {
         f.reason
     }
 
-    /// A receipt: to the delivery thread (which alone may retire rows), and
-    /// acknowledged to the broker at once (a receipt lost in between only
-    /// delays retirement: the row is sent again and receipted again).
+    /// A receipt: to the delivery thread (which alone may retire rows),
+    /// which acknowledges it to the broker once it has read it
+    /// (`Link::ack`): the broker's in-flight window paces receipts, none is
+    /// dropped for lack of room. Past [`super::RECEIPTS_QUEUED_MAX`] waiting
+    /// (a broker that ignores its own window) one is left unacknowledged
+    /// and counted: the broker sends it again with the next session.
     fn on_receipt(&self, p: rumqttc::Publish) {
         let (epoch, room) = {
             let mut s = lock(&self.shared);
@@ -196,14 +199,10 @@ impl MqttThread {
             (s.epoch, room)
         };
         if room {
-            let _ = self
-                .to_delivery
-                .send(super::DeliveryMsg::Receipt(p.payload.to_vec()));
+            let _ = self.to_delivery.send(super::DeliveryMsg::Receipt {
+                epoch,
+                publish: Box::new(p),
+            });
         }
-        Link {
-            shared: self.shared.clone(),
-            wake: self.wake.clone(),
-        }
-        .ack(epoch, &p);
     }
 }

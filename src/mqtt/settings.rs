@@ -85,6 +85,10 @@ pub struct MqttConfig {
     /// most (100..=100000, default 10000); while it is full no new row is
     /// sent. Receipt mode only.
     pub receipt_window: usize,
+    /// `receipt_public_keys`: the public keys (64 hex digits each, at most
+    /// 16; `edgespool keygen`) whose signed receipts retire rows; receipt
+    /// mode needs at least one ([`crate::event::receipts::Receipt::check`]).
+    pub receipt_public_keys: Vec<crate::event::signature::PublicKey>,
 }
 
 /// `mqtt.retire_on`: what proves a row delivered, so that it may leave the
@@ -152,5 +156,6 @@ pub(crate) fn test_config() -> MqttConfig {
         retire_on: crate::mqtt::RetireOn::Puback,
         receipt_timeout: Duration::from_secs(300),
         receipt_window: 10_000,
+        receipt_public_keys: Vec::new(),
     }
 }

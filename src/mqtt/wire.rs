@@ -265,6 +265,15 @@ impl Client {
         }
     }
 
+    /// Queue an UNSUBSCRIBE without blocking. Errors: the channel is full
+    /// or closed.
+    pub fn try_unsubscribe(&self, topic: &str) -> Result<(), String> {
+        match self {
+            Client::V4(c) => c.try_unsubscribe(topic).map_err(|e| e.to_string()),
+            Client::V5(c) => c.try_unsubscribe(topic).map_err(|e| e.to_string()),
+        }
+    }
+
     /// Queue a DISCONNECT (the one request that makes the event loop return
     /// from its poll); a full or closed channel is ignored.
     pub fn try_disconnect(&self) {

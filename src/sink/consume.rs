@@ -67,11 +67,12 @@ pub struct SinkOptions {
     pub batch: BatchPolicy,
     /// Interval of the summary log line.
     pub report: Duration,
-    /// Publish receipts after each commit (default on). Off for a broker
-    /// whose ACL does not let the sink write `<prefix>/receipts`: mosquitto
-    /// 2.0 closes the connection of a 3.1.1 client after a denied QoS 1
-    /// publish.
-    pub receipts: bool,
+    /// The key that signs the receipts published after each commit
+    /// (`--receipt-key`); `None`: no receipts (a board retires nothing on
+    /// an unsigned one). Leave it out for a broker whose ACL does not let
+    /// the sink write `<prefix>/receipts`: mosquitto 2.0 closes the
+    /// connection of a 3.1.1 client after a denied QoS 1 publish.
+    pub receipts: Option<std::sync::Arc<crate::event::signature::SigningKey>>,
     /// MQTT login: a user name and the file holding its password (read
     /// anew at every connect, so a rotated password needs no restart; one
     /// trailing newline dropped). `None`: anonymous. A fleet broker should
@@ -103,7 +104,7 @@ pub fn read_password(path: &Path) -> Result<String, String> {
 
 impl SinkOptions {
     /// Options with the default batch policy (500 deliveries, 100 ms window,
-    /// 2 ms pause), a 10 s summary line, and receipts on.
+    /// 2 ms pause), a 10 s summary line, and no receipts (no key yet).
     pub fn new(host: String, port: u16, filter: String, client_id: String) -> SinkOptions {
         SinkOptions {
             host,
@@ -117,7 +118,7 @@ impl SinkOptions {
                 idle: Duration::from_millis(2),
             },
             report: Duration::from_secs(10),
-            receipts: true,
+            receipts: None,
             credentials: None,
         }
     }
@@ -184,7 +185,7 @@ pub fn run<S: Store + Send>(
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     std::thread::scope(|scope| {
-        let mut committer = Committer::start(scope, store, opts.receipts)?;
+        let mut committer = Committer::start(scope, store, opts.receipts.clone())?;
         sessions(opts, &mut committer, stop)
         // The committer is dropped here, idle (every session waits for its
         // batch), and the scope joins the store thread.

@@ -8,12 +8,23 @@ use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
+use edgespool::event::signature::SigningKey;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod flood;
+mod operator;
+
+/// The rig's `device_id`.
+const BOARD: &str = "cmd-board";
+
+/// The command `v` signed with `key` for the board `device_id`
+/// ([`edgespool::commands::signed::sign`]).
+fn signed(key: &SigningKey, device_id: &str, v: Value) -> Value {
+    edgespool::commands::signed::sign(key, device_id, &v).expect("a command to sign")
+}
 
 /// A broker, a proxy in front of it for the agent, a subscriber on the
 /// agent's events, and a config with exec handlers writing marker files.
@@ -26,6 +37,9 @@ struct Rig {
     sub: Subscriber,
     client_id: String,
     extra: Extra,
+    /// The operator's key: its public half is in the board config's
+    /// `commands.operator_public_keys`.
+    operator: SigningKey,
 }
 
 /// Additions to the rig's board config and broker.
@@ -33,7 +47,8 @@ struct Rig {
 struct Extra {
     /// Lines for `[spool]`.
     spool: &'static str,
-    /// Lines for `[commands]`.
+    /// Lines for `[commands]` (`allow_unsigned = true` unless these name
+    /// `allow_unsigned`: most tests send unsigned commands).
     commands: &'static str,
     /// More `[[commands.handlers]]` (`{d}` is the test directory).
     handlers: &'static str,
@@ -62,6 +77,7 @@ impl Rig {
             sub,
             client_id: format!("cmd-board-{}", crate::support::unique_suffix()),
             extra,
+            operator: SigningKey::generate().expect("an operator key").0,
         };
         std::fs::write(&rig.cfg, rig.config_text(30)).expect("write config");
         rig
@@ -100,6 +116,8 @@ name = "system"
 kind = "system"
 interval_ms = 1000
 [commands]
+operator_public_keys = ["{operator}"]
+{allow_unsigned}
 {commands_extra}
 [[commands.handlers]]
 name = "count-slow"
@@ -123,6 +141,12 @@ max_len = 32
             prefix = self.prefix,
             client_id = self.client_id,
             spool_extra = self.extra.spool,
+            operator = self.operator.public().hex(),
+            allow_unsigned = if self.extra.commands.contains("allow_unsigned") {
+                ""
+            } else {
+                "allow_unsigned = true"
+            },
             commands_extra = self.extra.commands,
             handlers_extra = self.extra.handlers.replace("{d}", &d.to_string()),
         )
@@ -161,6 +185,11 @@ max_len = 32
 
     fn send_json(&self, v: Value) {
         self.send(v.to_string().as_bytes(), false);
+    }
+
+    /// `v` signed with the operator's key for this rig's board.
+    fn signed(&self, v: Value) -> Value {
+        signed(&self.operator, BOARD, v)
     }
 
     /// Result events received so far (payload `fields`, with `result` parsed).
@@ -1574,13 +1603,7 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
             std::fs::read_to_string(e.path())
                 .unwrap_or_default()
                 .lines()
-                // The start-up caution about an empty operator scope list
-                // is this rig's configuration, not the clear.
-                .filter(|l| {
-                    l.contains("WARN")
-                        && l.contains("command")
-                        && !l.contains("commands.operator_scopes is empty")
-                })
+                .filter(|l| l.contains("WARN") && l.contains("command"))
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
         })

@@ -85,7 +85,9 @@ fn an_event_the_broker_refuses_by_disconnecting_goes_failed_and_the_rest_flow() 
         s.append(&evs, &mut ids, "it-board", Format::Json, 1)
             .expect("append");
     }
-    let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
+    // The test sends requeue-failed unsigned.
+    let sets = ["sources=[]".into(), "commands.allow_unsigned=true".into()];
+    let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
     assert!(
         wait_for(Duration::from_secs(60), || sub.count() >= 10),
         "only {} of the 10 small events arrived\n{}",

@@ -32,7 +32,10 @@ fn receipt_mode(cfg: &Path, timeout_secs: u64) {
     edit_config(cfg, |t| {
         t.replacen(
             "[mqtt]\n",
-            &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
+            &format!(
+                "[mqtt]\n{}receipt_timeout_secs = {timeout_secs}\n",
+                crate::support::keys::receipt_mode_toml()
+            ),
             1,
         )
     });
@@ -80,36 +83,69 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     let topic = format!("{prefix}/receipts");
     let got = received(&sub);
     let id = got.keys().next().expect("one event");
-    // Malformed receipts and forged ones retire nothing.
-    let forged_ids = [
+    // Malformed receipts and forged ones retire nothing: what anyone who
+    // can publish on the receipts topic (a local program on a board's own
+    // broker, the broker itself) could send (issue 33).
+    use crate::support::keys::{signed_receipts, signed_receipts_by};
+    let (stream, payloads) = &got[id];
+    let bytes = payloads[0].as_slice();
+    let stranger = edgespool::event::signature::SigningKey::generate()
+        .expect("keygen")
+        .0;
+    let mut forged: Vec<Vec<u8>> = vec![
         br#"not json"#.to_vec(),
         br#"{"v":2,"stored":{}}"#.to_vec(),
-        br#"{"v":1,"stored":{"system":["not-an-id"]}}"#.to_vec(),
         vec![b' '; edgespool::event::receipts::MAX_RECEIPT_BYTES + 1],
-        // Its id under another stream, and an id no row has.
-        format!(r#"{{"v":1,"stored":{{"other":["{id}"]}}}}"#).into_bytes(),
-        br#"{"v":1,"stored":{"system":["00000000-0000-4000-8000-000000000000"]}}"#.to_vec(),
+        // The unsigned form that retired 20 of 20 rows before issue 33.
+        format!(r#"{{"v":1,"stored":{{"{stream}":["{id}"]}}}}"#).into_bytes(),
     ];
-    for p in &forged_ids {
+    // Signed by a key the board does not list, for another board, and by
+    // the fleet's key for other bytes under this id: signature-checked,
+    // and still nothing.
+    forged.extend(signed_receipts_by(
+        &stranger,
+        "it-board",
+        &[(stream, id, bytes)],
+    ));
+    forged.extend(signed_receipts("gw-other", &[(stream, id, bytes)]));
+    forged.extend(signed_receipts("it-board", &[(stream, id, b"other bytes")]));
+    // A trusted one naming its id under another stream, and an id no row has.
+    forged.extend(signed_receipts(
+        "it-board",
+        &[
+            ("other", id, bytes),
+            (stream, "00000000-0000-4000-8000-000000000000", bytes),
+        ],
+    ));
+    for p in &forged {
         publish(broker.port(), &topic, p, false);
     }
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(
         count_in_state(&db, "ACKED"),
         0,
-        "a malformed or forged receipt retired a row"
+        "a malformed, unsigned, forged or wrong-digest receipt retired a row"
     );
+    // They keep coming: health says so, naming the reasons.
+    let reasons = || status_json(&db)["health"]["reasons"].to_string();
+    assert!(
+        wait_for(Duration::from_secs(20), || reasons()
+            .contains("receipts refused: ")),
+        "health after forged receipts: {}",
+        reasons()
+    );
+    assert!(reasons().contains("unsigned 1"), "{}", reasons());
     // A receipt for three of them retires exactly those three.
-    let chosen: Vec<(String, String)> = got
+    let chosen: Vec<(String, String, Vec<u8>)> = got
         .iter()
         .take(3)
-        .map(|(id, (s, _))| (s.clone(), id.clone()))
+        .map(|(id, (s, p))| (s.clone(), id.clone(), p[0].clone()))
         .collect();
-    let pairs: Vec<(&str, &str)> = chosen
+    let events: Vec<(&str, &str, &[u8])> = chosen
         .iter()
-        .map(|(s, i)| (s.as_str(), i.as_str()))
+        .map(|(s, i, p)| (s.as_str(), i.as_str(), p.as_slice()))
         .collect();
-    for p in edgespool::event::receipts::encode(&pairs) {
+    for p in signed_receipts("it-board", &events) {
         publish(broker.port(), &topic, &p, false);
     }
     assert!(
@@ -124,7 +160,7 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
         .filter(|r| r.state == "ACKED")
         .map(|r| r.event_id)
         .collect();
-    for (_, id) in &chosen {
+    for (_, id, _) in &chosen {
         assert!(acked.contains(id), "{id} was receipted and not retired");
     }
     // Without a receipt, rows are sent again after the timeout, same bytes.
@@ -152,7 +188,12 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     assert!(
         wait_for(Duration::from_secs(20), || {
             let r = receipts_state(&db);
-            r["malformed"].as_u64() >= Some(4)
+            let refused = &r["refused"];
+            refused["malformed"].as_u64() >= Some(3)
+                && refused["unsigned"].as_u64() >= Some(1)
+                && refused["untrusted_key"].as_u64() >= Some(1)
+                && refused["other_board"].as_u64() >= Some(1)
+                && r["wrong_digest"].as_u64() >= Some(1)
                 && r["unmatched_ids"].as_u64() >= Some(2)
                 && r["resent"].as_u64() >= Some(1)
         }),
@@ -292,16 +333,19 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         receipts_state(&db),
         agent.log_tail(30)
     );
-    let named: Vec<(String, String)> = rows(&db)
+    let named: Vec<(String, String, Vec<u8>)> = rows(&db)
         .into_iter()
-        .map(|r| (r.stream, r.event_id))
+        .map(|r| (r.stream, r.event_id, r.payload))
         .collect();
-    let pairs: Vec<(&str, &str)> = named
+    let events: Vec<(&str, &str, &[u8])> = named
         .iter()
-        .map(|(s, i)| (s.as_str(), i.as_str()))
+        .map(|(s, i, p)| (s.as_str(), i.as_str(), p.as_slice()))
         .collect();
     let topic = "edgespool/gw1/receipts";
-    for p in edgespool::event::receipts::encode(&pairs) {
+    // Even a receipt the fleet's key signed (a replay of a real one, say)
+    // never reaches the board from another device or an anonymous client:
+    // the broker's ACL is the second wall.
+    for p in crate::support::keys::signed_receipts("gw1", &events) {
         assert!(
             !mosquitto_pub(broker.port(), None, topic, &p),
             "an anonymous client was let in"

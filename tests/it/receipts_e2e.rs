@@ -72,8 +72,9 @@ fn board_config(dir: &Path, url: &str, prefix: &str, device: &str, retire_on: Re
         .replacen(
             &format!("topic_prefix = \"{prefix}\"\n"),
             &format!(
-                "topic_prefix = \"{prefix}\"\nretire_on = \"{}\"\nreceipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}\n",
-                retire_on.key()
+                "topic_prefix = \"{prefix}\"\nretire_on = \"{}\"\nreceipt_public_keys = [\"{}\"]\nreceipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}\n",
+                retire_on.key(),
+                crate::support::keys::fleet_key().key.public().hex()
             ),
             1,
         )

@@ -682,6 +682,7 @@ commit_window_ms = 50
 url = "{url}"
 topic_prefix = "{prefix}"
 retire_on = "{retire_on}"
+receipt_public_keys = ["{fleet}"]
 receipt_timeout_secs = 10
 reconnect_min_ms = 100
 reconnect_max_ms = 800
@@ -691,6 +692,7 @@ ack_timeout_secs = 3
 summary_interval_secs = 1
 "#,
             spool = dir.join("spool.db").display(),
+            fleet = crate::support::keys::fleet_key().key.public().hex(),
         ),
     )
     .expect("write the board config");

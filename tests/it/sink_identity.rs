@@ -187,7 +187,10 @@ fn receipts(peer: &Peer, from: usize) -> Vec<(String, Vec<(String, String)>)> {
             let ids = r
                 .stored
                 .into_iter()
-                .flat_map(|(s, ids)| ids.into_iter().map(move |id| (s.clone(), id.hyphenated())))
+                .flat_map(|(s, ids)| {
+                    ids.into_iter()
+                        .map(move |(id, _)| (s.clone(), id.hyphenated()))
+                })
                 .collect();
             (topic, ids)
         })

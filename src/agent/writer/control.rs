@@ -196,8 +196,10 @@ impl Writer {
         let push = crate::push::policy::check(&local, text, signature.as_deref())?;
         let serial = self.admit_push(&local, &push)?;
         let origin = self.conf.source.path.display().to_string();
-        let new = crate::push::compose(&local, &local_text, &origin, &self.conf.source.sets, &push)
+        let sets = &self.conf.source.sets;
+        let (new, ignored) = crate::push::compose_noting(&local, &local_text, &origin, sets, &push)
             .map_err(|e| format!("{e}; keeping the running config"))?;
+        let ignored = ignored_local_only(&ignored);
         if let Some(serial) = serial {
             // Recorded before it applies: this serial is spent even if the
             // push is reverted, so it can never be replayed.
@@ -232,6 +234,7 @@ impl Writer {
             self.conf.push = Some(stored);
             let mut v = self.apply_live(new);
             v["sha256"] = sha.into();
+            v["ignored"] = ignored;
             v["confirmation"] = "kept (the MQTT connection is unchanged)".into();
             return Ok(v);
         }
@@ -244,6 +247,7 @@ impl Writer {
         ));
         let mut v = self.apply_live(new);
         v["sha256"] = sha.into();
+        v["ignored"] = ignored;
         v["confirmation"] = format!(
             "waiting up to {} s for a CONNACK{}; otherwise the previous config returns",
             confirm.as_secs(),
@@ -559,4 +563,31 @@ fn stored_signed_serial(local: &Config) -> Option<u64> {
         }
         crate::push::policy::Push::Overlay(_) => None,
     }
+}
+
+/// The keys of [`crate::push::policy::LOCAL_ONLY`] a signed push set and
+/// that were ignored, with why, as the answer names them (`{}` for none),
+/// logged at WARN: a push that silently left a key at the local value
+/// reads as applied when it was not.
+fn ignored_local_only(keys: &[&str]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for k in keys {
+        let why = crate::push::policy::local_only_why(k);
+        out.insert(
+            (*k).to_owned(),
+            format!("local only: {why}; the local value is kept").into(),
+        );
+    }
+    if !keys.is_empty() {
+        log::warn!(
+            "config push: the signed config sets {} local-only keys to other values than the \
+             board's own file; ignored, the local values kept: {}",
+            keys.len(),
+            keys.iter()
+                .map(|k| format!("{k} ({})", crate::push::policy::local_only_why(k)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    serde_json::Value::Object(out)
 }

@@ -32,6 +32,8 @@ pub(super) struct HealthRecord {
     /// Another process listens on `ingest.socket` (the agent runs without
     /// it): a reason for the whole run.
     pub(super) socket_taken: Option<String>,
+    /// Receipts refused, over the last ten minutes.
+    refused_receipts: crate::agent::health::RecentGrowth,
 }
 
 impl HealthRecord {
@@ -43,6 +45,9 @@ impl HealthRecord {
             record: None,
             since: wall_ms,
             socket_taken: None,
+            refused_receipts: crate::agent::health::RecentGrowth::new(
+                crate::agent::health::REFUSED_WINDOW,
+            ),
         }
     }
 
@@ -110,6 +115,7 @@ impl Writer {
         } else {
             None
         };
+        let receipts_refused = self.refused_receipts();
         let cfg = &self.conf.cfg;
         let facts = Facts {
             connected: link.connected,
@@ -129,6 +135,7 @@ impl Writer {
             awaiting_receipt: self.awaiting_receipt(),
             receipt_timeout: (cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt)
                 .then_some(cfg.mqtt.receipt_timeout),
+            receipts_refused,
             ingest_socket_taken: self.health.socket_taken.clone(),
             write_budget: self.upkeep.budget_verdict().reason(),
         };
@@ -154,6 +161,20 @@ impl Writer {
         }
     }
 
+    /// Receipts refused in the last ten minutes, and all refusals by
+    /// reason (`unsigned 3, bad_signature 1`).
+    fn refused_receipts(&mut self) -> (u64, String) {
+        let by = self.peers.delivery_stats.receipts_refused.by_reason();
+        let total = by.iter().map(|(_, n)| n).sum();
+        let recent = self.health.refused_receipts.observe(Instant::now(), total);
+        let named: Vec<String> = by
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        (recent, named.join(", "))
+    }
+
     /// Rows waiting for their receipt and the oldest one's wait.
     pub(super) fn awaiting_receipt(&self) -> (u64, Option<Duration>) {
         let s = &self.peers.delivery_stats;
@@ -176,7 +197,9 @@ impl Writer {
             "oldest_awaiting_ms": oldest.map(|d| d.as_millis() as u64),
             "received": load(&s.receipts),
             "unmatched_ids": load(&s.receipt_unmatched),
-            "malformed": load(&s.receipts_malformed),
+            "malformed": s.receipts_refused.malformed.load(Ordering::Relaxed),
+            "refused": s.receipts_refused.by_reason().iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
+            "wrong_digest": load(&s.receipt_wrong_digest),
             "resent": load(&s.resent_for_receipt),
             "dropped": self.peers.link.health_facts().receipts_dropped,
             "last_receipt_ms": (last > 0).then_some(last),

@@ -35,10 +35,10 @@ struct SinkArgs {
     share: Option<String>,
     batch_max: usize,
     batch_ms: u64,
-    /// `--no-receipts` or `receipts = false`: publish no receipts (for
-    /// boards that retire rows on the PUBACK, or a broker ACL that does not
-    /// let the sink write them).
-    no_receipts: bool,
+    /// The key that signs receipts (`--receipt-key`, `receipt_key`);
+    /// `None`: no receipts (`--no-receipts`, `receipts = false`, or no key:
+    /// a board retires nothing on an unsigned receipt).
+    receipt_key: Option<Arc<crate::event::signature::SigningKey>>,
     /// `--username` and `--password-file`: the MQTT login.
     credentials: Option<(String, PathBuf)>,
 }
@@ -120,6 +120,17 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
             ))
         }
     };
+    let receipt_key = match (m.receipts, m.receipt_key) {
+        (true, Some(path)) => Some(Arc::new(load_receipt_key(&path)?)),
+        (true, None) => {
+            log::warn!(
+                target: super::LOG_TARGET,
+                "sink: no receipts: no --receipt-key FILE (receipt_key in --config); boards with mqtt.retire_on = \"receipt\" retire nothing without a signed receipt (make a key with `edgespool keygen --out FILE`, list its public key in their mqtt.receipt_public_keys), or pass --no-receipts"
+            );
+            None
+        }
+        (false, _) => None,
+    };
     run(SinkArgs {
         url,
         topic,
@@ -128,8 +139,30 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         share: m.share,
         batch_max: m.batch_max.filter(|&n| n > 0).unwrap_or(500),
         batch_ms: m.batch_ms.unwrap_or(100),
-        no_receipts: !m.receipts,
+        receipt_key,
         credentials,
+    })
+}
+
+/// The receipt key at `path`: a PEM Ed25519 private key only its owner
+/// can read (`edgespool keygen` writes one).
+///
+/// Errors: exit 2, naming the file and what is wrong with it.
+fn load_receipt_key(
+    path: &std::path::Path,
+) -> Result<crate::event::signature::SigningKey, Failure> {
+    let shown = path.display();
+    let pem = crate::os::fsguard::files::read_secret(path).map_err(|e| {
+        eprintln!(
+            "edgespool: receipt key {shown} (--receipt-key, or receipt_key in --config): {e}"
+        );
+        Failure::Invalid
+    })?;
+    crate::event::signature::SigningKey::from_pem(&pem).map_err(|e| {
+        eprintln!(
+            "edgespool: receipt key {shown}: {e} (make one with `edgespool keygen --out FILE`)"
+        );
+        Failure::Invalid
     })
 }
 
@@ -155,7 +188,7 @@ fn run(a: SinkArgs) -> Outcome {
     }
     let mut opts = SinkOptions::new(host, port, a.topic, a.client_id);
     opts.shared_group = a.share;
-    opts.receipts = !a.no_receipts;
+    opts.receipts = a.receipt_key;
     opts.credentials = a.credentials;
     opts.batch = BatchPolicy {
         max: a.batch_max,

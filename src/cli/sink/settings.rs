@@ -16,6 +16,7 @@
 //! batch_max = 500
 //! batch_ms = 100
 //! receipts = true
+//! receipt_key = "/etc/edgespool/receipt.key"  # signs receipts (edgespool keygen)
 //! username = "sink"               # MQTT login, with password_file
 //! password_file = "/etc/edgespool/sink-mqtt.password"
 //! # db = "/var/lib/edgespool/sink.db"   # SQLite, or:
@@ -45,6 +46,7 @@ pub struct SinkSection {
     batch_max: Option<usize>,
     batch_ms: Option<u64>,
     receipts: Option<bool>,
+    receipt_key: Option<PathBuf>,
     username: Option<String>,
     password_file: Option<PathBuf>,
     db: Option<PathBuf>,
@@ -60,8 +62,8 @@ struct PgSection {
     key: Option<PathBuf>,
 }
 
-const SINK_KEYS: &str = "url, topic, client_id, share, batch_max, batch_ms, receipts, username, \
-                         password_file, db, postgres";
+const SINK_KEYS: &str = "url, topic, client_id, share, batch_max, batch_ms, receipts, \
+                         receipt_key, username, password_file, db, postgres";
 const PG_KEYS: &str = "conninfo, password_file, ca, cert, key";
 
 /// Why the file cannot be used: the key at fault (`sink.batch_max`), what is
@@ -183,6 +185,7 @@ pub struct Merged {
     pub batch_max: Option<usize>,
     pub batch_ms: Option<u64>,
     pub receipts: bool,
+    pub receipt_key: Option<PathBuf>,
     pub username: Option<String>,
     pub password_file: Option<PathBuf>,
     pub stats: bool,
@@ -273,6 +276,7 @@ fn parse(text: &str) -> Result<SinkSection, Refusal> {
         batch_max,
         batch_ms: k.number("batch_ms", " of milliseconds")?,
         receipts: k.boolean("receipts")?,
+        receipt_key: k.path("receipt_key")?,
         username: k.string("username")?,
         password_file: k.path("password_file")?,
         db: k.path("db")?,
@@ -362,6 +366,7 @@ pub fn merge(a: Args, file: SinkSection) -> Result<Merged, String> {
         batch_max: a.batch_max.or(f.batch_max),
         batch_ms: a.batch_ms.or(f.batch_ms),
         receipts: !a.no_receipts && f.receipts.unwrap_or(true),
+        receipt_key: a.receipt_key.or(f.receipt_key),
         username: a.username.or(f.username),
         password_file: a.password_file.or(f.password_file),
         stats: a.stats,

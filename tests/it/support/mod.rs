@@ -9,6 +9,7 @@ pub mod agent;
 pub mod board;
 pub mod broker;
 pub mod fleet;
+pub mod keys;
 #[cfg(feature = "pg-sink")]
 pub mod postgres;
 pub mod powercut;

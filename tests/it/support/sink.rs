@@ -105,9 +105,30 @@ impl SinkProc {
             .expect("a free log name");
         let log = dir.join(format!("{id}-{n}.log"));
         let f = std::fs::File::create(&log).expect("sink log");
+        // Receipts are signed by the test fleet's key, unless the test says
+        // otherwise (`--no-receipts`, its own `--receipt-key`, a `--config`
+        // file, a report).
+        let own = [
+            "--no-receipts",
+            "--receipt-key",
+            "--config",
+            "--stats",
+            "-c",
+        ];
+        let key = super::keys::fleet_key()
+            .file
+            .to_str()
+            .expect("UTF-8 path")
+            .to_owned();
+        let key_args: Vec<&str> = if args.iter().any(|a| own.contains(a)) {
+            Vec::new()
+        } else {
+            vec!["--receipt-key", &key]
+        };
         let child = cmd
             .arg("sink")
             .args(args)
+            .args(&key_args)
             .envs(envs.iter().copied())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
