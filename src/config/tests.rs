@@ -133,12 +133,11 @@ fn a_wrong_type_is_said_in_plain_words_with_the_expected_form_and_the_value_give
     assert_eq!(e, "t.toml:1: device_id: expected text in quotes, got 3");
     let e = err("device_id = \"d\"\nspool = 5\n").to_string();
     assert_eq!(e, "t.toml:2: spool: expected a table, got 5");
-    let e =
-        err("device_id = \"d\"\n[spool]\npath = \"/x\"\n[commands]\noperator_scopes = \"ops\"\n")
-            .to_string();
+    let e = err("device_id = \"d\"\n[spool]\npath = \"/x\"\n[ingest]\nstream_patterns = \"ops\"\n")
+        .to_string();
     assert_eq!(
         e,
-        "t.toml:5: commands.operator_scopes: expected an array ([...]), got \"ops\""
+        "t.toml:5: ingest.stream_patterns: expected an array ([...]), got \"ops\""
     );
 }
 
