@@ -71,7 +71,7 @@ pub fn report(cfg: &crate::config::Config, config_file: &std::path::Path) -> boo
         }
     }
     if !spool_place(cfg, config_file) {
-        failed.push("spool directory".to_owned());
+        failed.push("directories (as run judges them)".to_owned());
     }
     if failed.is_empty() {
         println!("test: ok ({}; nothing was written)", counts(&results));
@@ -82,9 +82,10 @@ pub fn report(cfg: &crate::config::Config, config_file: &std::path::Path) -> boo
 }
 
 /// Whether `run` would accept the spool's place, told as `spool
-/// directory DIR: run can use it as uid N` on stdout or `spool directory:
-/// WHY` on stderr. Checked as root, a line says how to check as the
-/// service's user (the packaged unit runs the agent as `edgespool`).
+/// directory DIR: run can use it as uid N` on stdout or `run would
+/// refuse: WHY` (run's own sentence) on stderr. Checked as root, a line
+/// says how to check as the service's user (the packaged unit runs the
+/// agent as `edgespool`).
 fn spool_place(cfg: &crate::config::Config, config_file: &std::path::Path) -> bool {
     let me = crate::os::fsguard::files::euid();
     let as_root = match me {
@@ -106,7 +107,7 @@ fn spool_place(cfg: &crate::config::Config, config_file: &std::path::Path) -> bo
             true
         }
         Err(e) => {
-            eprintln!("spool directory: {e}{as_root}");
+            eprintln!("run would refuse: {e}{as_root}");
             false
         }
     }

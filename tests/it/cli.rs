@@ -293,13 +293,16 @@ fn test_refuses_the_spool_directory_run_refuses_in_the_same_words() {
         assert_eq!(st.code(), Some(1), "{err}");
         let line = err
             .lines()
-            .find(|l| l.starts_with("spool directory: "))
+            .find(|l| l.starts_with("run would refuse: "))
             .unwrap_or_else(|| panic!("{err}"));
         assert!(line.contains(said), "{line}");
-        assert!(err.ends_with("test: 1 failed: spool directory\n"), "{err}");
+        assert!(
+            err.ends_with("test: 1 failed: directories (as run judges them)\n"),
+            "{err}"
+        );
         // `run` refuses it in the same words.
         let refusal = line
-            .trim_start_matches("spool directory: ")
+            .trim_start_matches("run would refuse: ")
             .split(" (checked as root")
             .next()
             .unwrap_or_default();
