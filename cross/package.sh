@@ -150,6 +150,7 @@ stage() {
   # The Grafana dashboard and the Prometheus alert rules (README, "Dashboard and alerts").
   install -D -m 0644 packaging/grafana/edgespool.json "$doc/examples/grafana/edgespool.json"
   install -D -m 0644 packaging/prometheus/edgespool-alerts.yml "$doc/examples/prometheus/edgespool-alerts.yml"
+  install -D -m 0644 packaging/prometheus/edgespool-alerts.test.yml "$doc/examples/prometheus/edgespool-alerts.test.yml"
   find "$root" -type d -exec chmod go-w {} +
 }
 

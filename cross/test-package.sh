@@ -132,7 +132,7 @@ check "bash completion" bash -c 'source /usr/share/bash-completion/completions/e
 check "zsh and fish completions, as generated" bash -c \
   'cmp -s /usr/share/zsh/vendor-completions/_edgespool packaging/_edgespool && cmp -s /usr/share/fish/vendor_completions.d/edgespool.fish packaging/edgespool.fish'
 check "drop-in examples" test -f /usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf
-check "the Grafana dashboard and the alert rules" bash -c 'cmp -s /usr/share/doc/edgespool/examples/grafana/edgespool.json packaging/grafana/edgespool.json && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml packaging/prometheus/edgespool-alerts.yml'
+check "the Grafana dashboard and the alert rules" bash -c 'cmp -s /usr/share/doc/edgespool/examples/grafana/edgespool.json packaging/grafana/edgespool.json && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml packaging/prometheus/edgespool-alerts.yml && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.test.yml packaging/prometheus/edgespool-alerts.test.yml'
 check "enabled for multi-user.target" test -L /etc/systemd/system/multi-user.target.wants/edgespool.service
 check "check-config as the user edgespool" \
   runuser -u edgespool -- /usr/bin/edgespool check-config /etc/edgespool/edgespool.toml

@@ -58,7 +58,8 @@ usr/share/doc/edgespool/examples/sink.toml:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/metrics-textfile.conf:0644
 usr/share/doc/edgespool/examples/grafana/edgespool.json:0644
-usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml:0644"
+usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml:0644
+usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.test.yml:0644"
 
 if [ "$mode" != install ]; then
     if have_systemd; then

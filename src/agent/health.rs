@@ -1,9 +1,11 @@
-//! The agent's health: `ok`, or `degraded` with named reasons.
+//! The agent's health: `starting`, `ok`, or `degraded` with named reasons.
 //!
-//! Its one rule: **health says `ok` only while data can flow**: connected,
-//! acknowledged when rows wait, storage taking readings. Each reason names
-//! what to check. Pure: the agent gathers [`Facts`] and stores the
-//! [`Health`] this returns (only when it changes).
+//! Its one rule: **health says `ok` only while data can flow**: connected
+//! (a CONNACK this run), acknowledged when rows wait, storage taking
+//! readings, every configured listener listening, nothing the spool held
+//! lost at start. Before the first CONNACK it says `starting`, never `ok`.
+//! Each reason names what to check. Pure: the agent gathers [`Facts`] and
+//! stores the [`Health`] this returns (only when it changes).
 
 use std::time::Duration;
 
@@ -12,6 +14,9 @@ use std::time::Duration;
 pub struct Facts {
     /// Connected now (CONNACK accepted, not yet lost).
     pub connected: bool,
+    /// A CONNACK was accepted at least once this run: until then health
+    /// is [`State::Starting`] at best.
+    pub ever_connected: bool,
     /// How long the connection has been in its current state (up or down).
     pub state_for: Duration,
     /// Why the last connection ended (or the last connect failed).
@@ -58,22 +63,54 @@ pub struct Facts {
     /// allowed: the projection and what would meet it
     /// ([`crate::flash::write_budget::Verdict::reason`], worded by the caller).
     pub write_budget: Option<String>,
+    /// Configured listeners that could not bind (`metrics.listen`), each
+    /// with its key, address and cause; the agent runs without them.
+    pub listeners_down: Vec<String>,
+    /// What the spool lost at start (committed rows gone with a lost
+    /// `-wal`, a damaged file moved aside:
+    /// [`crate::spool::integrity::Opened::lost`]); kept for the run.
+    pub spool_lost: Option<String>,
+}
+
+/// The three states of [`Health`], as `status`, the record in the spool
+/// and the `edgespool_health{state}` gauge name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// No CONNACK yet this run, and nothing wrong yet.
+    Starting,
+    /// Data can flow.
+    Ok,
+    /// At least one reason.
+    Degraded,
+}
+
+impl State {
+    /// `ok`, `starting` or `degraded` (one of
+    /// [`crate::metrics::HEALTH_STATES`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Starting => "starting",
+            State::Ok => "ok",
+            State::Degraded => "degraded",
+        }
+    }
 }
 
 /// The verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Health {
-    /// Every reason it is not ok; empty when ok.
+    /// [`State::Degraded`] exactly when `reasons` is not empty.
+    pub state: State,
+    /// Every reason it is not ok; empty when ok or starting.
     pub reasons: Vec<String>,
 }
 
 impl Health {
-    /// `ok`, or `degraded: <reason>; <reason>`.
+    /// `ok`, `starting`, or `degraded: <reason>; <reason>`.
     pub fn line(&self) -> String {
-        if self.reasons.is_empty() {
-            "ok".to_owned()
-        } else {
-            format!("degraded: {}", self.reasons.join("; "))
+        match self.state {
+            State::Degraded => format!("degraded: {}", self.reasons.join("; ")),
+            s => s.name().to_owned(),
         }
     }
 }
@@ -162,7 +199,20 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     if let Some(why) = &f.ingest_socket_taken {
         reasons.push(format!("ingest socket not ours: {why}"));
     }
-    Health { reasons }
+    for why in &f.listeners_down {
+        reasons.push(format!("not listening: {why}"));
+    }
+    if let Some(why) = &f.spool_lost {
+        reasons.push(format!("the spool lost committed rows at start: {why}"));
+    }
+    let state = if !reasons.is_empty() {
+        State::Degraded
+    } else if f.ever_connected {
+        State::Ok
+    } else {
+        State::Starting
+    };
+    Health { state, reasons }
 }
 
 /// How far back refused receipts count for health.
@@ -246,6 +296,7 @@ mod tests {
     fn healthy() -> Facts {
         Facts {
             connected: true,
+            ever_connected: true,
             state_for: Duration::from_secs(600),
             broker: "b:1883".into(),
             ..Facts::default()
@@ -298,10 +349,39 @@ mod tests {
             config_fallback: true,
             ingest_socket_taken: Some("pid 7 listens on it".into()),
             write_budget: Some("write budget exceeded: projected 300 MB/day".into()),
+            listeners_down: vec!["metrics.listen 127.0.0.1:9469: address in use".into()],
+            spool_lost: Some("run 7's -wal is gone".into()),
             ..healthy()
         };
         let h = assess(&f, G);
-        assert_eq!(h.reasons.len(), 9, "{h:?}");
+        assert_eq!(h.reasons.len(), 11, "{h:?}");
+        assert_eq!(h.state, State::Degraded);
+    }
+
+    /// Issue 36: `ok` for 55 s while never connected.
+    #[test]
+    fn before_the_first_connack_health_is_starting_never_ok() {
+        let mut f = Facts {
+            broker: "b:1883".into(),
+            state_for: Duration::from_secs(10),
+            ..Facts::default()
+        };
+        let h = assess(&f, G);
+        assert_eq!((h.state, h.line().as_str()), (State::Starting, "starting"));
+        f.state_for = Duration::from_secs(60);
+        let h = assess(&f, G);
+        assert_eq!(h.state, State::Degraded);
+        assert!(h.line().contains("(no connection yet)"), "{}", h.line());
+        // A listener down is degraded from the first pass, connected or not.
+        f.state_for = Duration::from_secs(1);
+        f.listeners_down = vec!["metrics.listen 127.0.0.1:1: in use".into()];
+        assert!(assess(&f, G)
+            .line()
+            .starts_with("degraded: not listening: metrics.listen"));
+        f.listeners_down.clear();
+        f.ever_connected = true;
+        f.connected = true;
+        assert_eq!(assess(&f, G).state, State::Ok);
     }
 
     #[test]
@@ -315,6 +395,7 @@ mod tests {
         let t = Duration::from_secs(300);
         let mut f = Facts {
             connected: true,
+            ever_connected: true,
             receipt_timeout: Some(t),
             awaiting_receipt: (12, Some(Duration::from_secs(599))),
             ..Facts::default()

@@ -28,7 +28,16 @@ pub fn open_spool(
     cfg: &Config,
     before: crate::spool::integrity::Before,
 ) -> Result<Spool, AgentError> {
-    Ok(crate::spool::integrity::open_spool_seen(
+    Ok(open_spool_judged(cfg, before)?.spool)
+}
+
+/// [`open_spool`], with what the open found lost
+/// ([`crate::spool::integrity::Opened::lost`]).
+fn open_spool_judged(
+    cfg: &Config,
+    before: crate::spool::integrity::Before,
+) -> Result<crate::spool::integrity::Opened, AgentError> {
+    Ok(crate::spool::integrity::open_spool_judged(
         &cfg.spool.path,
         &cfg.spool.options,
         before,
@@ -235,13 +244,17 @@ fn check_spool_file(path: &Path) -> Result<(), String> {
 }
 
 /// The writer's connection: opened (migrated if needed), the WAL
-/// brake set, the storage profile stored and the pragmas logged.
+/// brake set, the storage profile stored and the pragmas logged; with what
+/// the open found lost.
 pub(super) fn open_ingest_spool(
     cfg: &Config,
     tuning: Option<&crate::flash::probe::Profile>,
     before: crate::spool::integrity::Before,
-) -> Result<Spool, AgentError> {
-    let mut ingest = open_spool(cfg, before)?;
+) -> Result<crate::spool::integrity::Opened, AgentError> {
+    let crate::spool::integrity::Opened {
+        spool: mut ingest,
+        lost,
+    } = open_spool_judged(cfg, before)?;
     for r in ingest.set_priorities(&cfg.stream_priorities())? {
         log::info!(
             "stream {}: delivery priority {} -> {} ({} unacknowledged rows moved with it)",
@@ -269,7 +282,10 @@ pub(super) fn open_ingest_spool(
         p.journal_size_limit,
         p.wal_autocheckpoint
     );
-    Ok(ingest)
+    Ok(crate::spool::integrity::Opened {
+        spool: ingest,
+        lost,
+    })
 }
 
 /// A connection that fsyncs at every commit (synchronous FULL): commands
@@ -361,19 +377,22 @@ pub(super) fn storage_backoff(
 
 /// Measure the spool's device (or read its stored profile) and put the
 /// derived knobs into `cfg` where the config leaves them unset
-/// (`spool.tune_from_probe`).
+/// (`spool.tune_from_probe`); then log the bounds in force and where each
+/// comes from ([`bounds_in_force`]), probe or not.
 pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::flash::probe::Profile> {
-    if cfg.spool.tune_from_probe {
+    let configured = cfg.spool.clone();
+    let profile = if cfg.spool.tune_from_probe {
         let dir = spool_dir(cfg);
         match crate::flash::probe::load_or_probe(&dir) {
             Ok((profile, fresh)) => {
                 let m = &profile.measurements;
                 let d = profile.derived;
+                // What the probe proposes; the line after says what is in force.
                 log::info!(
-                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s -> commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes",
+                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s, {} bytes free -> proposes commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes (half the free space)",
                     if fresh { "measured now" } else { "stored profile" },
                     m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us,
-                    m.write_bytes_per_sec as f64 / 1e6,
+                    m.write_bytes_per_sec as f64 / 1e6, m.fs_free_bytes,
                     d.commit_window_ms, d.checkpoint_wal_bytes, d.retry_min_ms, d.retry_max_ms, d.max_spool_bytes
                 );
                 apply_tuning(cfg, &d);
@@ -389,7 +408,58 @@ pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::flash::probe::P
         }
     } else {
         None
-    }
+    };
+    log::info!(
+        "{}",
+        bounds_in_force(
+            &configured,
+            profile.as_ref().map(|p| &p.derived),
+            &cfg.spool
+        )
+    );
+    profile
+}
+
+/// The start-up line of the bounds in force: the commit window, the
+/// checkpoint threshold and the spool bound, each with where it comes from
+/// (the config key, the probe, or the default), from the `[spool]` settings
+/// as `configured`, the probe's `derived` knobs (`None`: no probe) and the
+/// settings `in_force` after [`apply_tuning`]. Issue 36: the line once gave
+/// the probe's 42 GB bound while `spool.max_bytes` held it to 1 GiB.
+pub(super) fn bounds_in_force(
+    configured: &crate::config::SpoolConfig,
+    derived: Option<&crate::flash::probe::Derived>,
+    in_force: &crate::config::SpoolConfig,
+) -> String {
+    let probe = |set: bool| match (set, derived) {
+        (true, _) => None,
+        (false, Some(_)) => Some("the storage probe"),
+        (false, None) => Some("default"),
+    };
+    let window = probe(configured.explicit.commit_window).unwrap_or("spool.commit_window_ms");
+    let checkpoint =
+        probe(configured.explicit.checkpoint_wal_bytes).unwrap_or("spool.checkpoint_wal_bytes");
+    let (max, set) = (in_force.capacity.max_bytes, configured.capacity.max_bytes);
+    let bound = match derived {
+        _ if max == 0 => "spool bound: none (spool.max_bytes = 0)".to_owned(),
+        Some(_) if set == 0 => format!(
+            "spool bound {max} bytes (the storage probe: half the free space; spool.max_bytes unset)"
+        ),
+        Some(d) if d.max_spool_bytes < set => format!(
+            "spool bound {max} bytes (the storage probe: half the free space, under spool.max_bytes {set})"
+        ),
+        Some(d) => format!(
+            "spool bound {max} bytes (spool.max_bytes; the probe proposed {})",
+            d.max_spool_bytes
+        ),
+        None => format!("spool bound {max} bytes (spool.max_bytes)"),
+    };
+    format!(
+        "bounds in force: commit window {} ms ({window}), checkpoint at {} WAL bytes ({checkpoint}), {bound}, free space reserve {} bytes (spool.min_free_bytes)",
+        in_force.commit_window.as_millis(),
+        in_force.checkpoint_wal_bytes,
+        in_force.capacity.min_free_bytes
+    )
 }
 
 /// Put the probe's derived knobs into `cfg` (`spool.tune_from_probe`),
@@ -460,5 +530,77 @@ pub(super) fn warn_loose_secrets(cfg: &Config) {
             Ok(_) => {}
             Err(e) => log::warn!("{key} {}: {e}", path.display()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn derived(max_spool_bytes: u64) -> crate::flash::probe::Derived {
+        crate::flash::probe::Derived {
+            commit_window_ms: 200,
+            checkpoint_wal_bytes: 1_000_000,
+            retry_min_ms: 10,
+            retry_max_ms: 1000,
+            max_spool_bytes,
+        }
+    }
+
+    fn config() -> Config {
+        let text = "device_id = \"t\"\n[spool]\npath = \"/tmp/unused.db\"\n";
+        crate::config::parse(text, "t.toml", &[]).expect("a minimal config")
+    }
+
+    fn spool(max_bytes: u64) -> crate::config::SpoolConfig {
+        let mut cfg = config();
+        cfg.spool.capacity.max_bytes = max_bytes;
+        cfg.spool
+    }
+
+    /// Issue 36: the start-up log gave the probe's 42 GB bound while
+    /// `spool.max_bytes` held the spool to 1 GiB.
+    #[test]
+    fn the_bounds_logged_are_the_bounds_in_force_with_where_they_come_from() {
+        const GIB: u64 = 1 << 30;
+        let d = derived(42_000_000_000);
+        let configured = spool(GIB);
+        let mut cfg = config();
+        cfg.spool = configured.clone();
+        apply_tuning(&mut cfg, &d);
+        let line = bounds_in_force(&configured, Some(&d), &cfg.spool);
+        assert!(
+            line.contains(
+                "spool bound 1073741824 bytes (spool.max_bytes; the probe proposed 42000000000)"
+            ),
+            "{line}"
+        );
+        assert!(
+            line.contains("commit window 200 ms (the storage probe)"),
+            "{line}"
+        );
+        // Unset, the probe's bound is the bound, and says so.
+        let configured = spool(0);
+        cfg.spool = configured.clone();
+        apply_tuning(&mut cfg, &d);
+        let line = bounds_in_force(&configured, Some(&d), &cfg.spool);
+        assert!(
+            line.contains("spool bound 42000000000 bytes (the storage probe"),
+            "{line}"
+        );
+        // A probe bound under the configured one wins, and says so.
+        let small = derived(GIB / 2);
+        let configured = spool(GIB);
+        cfg.spool = configured.clone();
+        apply_tuning(&mut cfg, &small);
+        let line = bounds_in_force(&configured, Some(&small), &cfg.spool);
+        assert!(
+            line.contains("spool bound 536870912 bytes (the storage probe: half the free space, under spool.max_bytes 1073741824)"),
+            "{line}"
+        );
+        // No probe: the configured values, or the defaults.
+        let line = bounds_in_force(&spool(0), None, &spool(0));
+        assert!(line.contains("spool bound: none"), "{line}");
+        assert!(line.contains("(default)"), "{line}");
     }
 }

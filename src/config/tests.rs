@@ -421,6 +421,34 @@ fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
 }
 
 #[test]
+fn the_peers_bounds_have_defaults_and_are_read_in_their_units() {
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    let d = c.ingest.share_settings();
+    assert_eq!(
+        (
+            d.bytes_per_sec,
+            d.burst_bytes,
+            d.peer_percent,
+            d.input_percent
+        ),
+        (1 << 20, 4 << 20, 25, 50)
+    );
+    let text = format!(
+        "{GOOD}[ingest]\nsocket = \"/run/e/i.sock\"\nmax_bytes_per_sec_per_peer = 65536\nmax_burst_bytes_per_peer = 131072\nmax_spool_share_per_peer_percent = 10\nmax_spool_share_input_percent = 30\n[[ingest.streams]]\nname = \"pump\"\n"
+    );
+    let s = parse(&text, "t.toml", &[]).unwrap().ingest.share_settings();
+    assert_eq!(
+        (
+            s.bytes_per_sec,
+            s.burst_bytes,
+            s.peer_percent,
+            s.input_percent
+        ),
+        (65536, 131072, 10, 30)
+    );
+}
+
+#[test]
 fn ingest_problems_name_their_key() {
     let on = "[ingest]\nsocket = \"/run/e/i.sock\"\n";
     let stream = "[[ingest.streams]]\nname = \"pump\"\n";
@@ -481,6 +509,28 @@ fn ingest_problems_name_their_key() {
             format!("{on}sockett = 1\n"),
             "ingest.sockett",
             "did you mean `socket`",
+        ),
+        (
+            format!("{on}max_bytes_per_sec_per_peer = 10\n{stream}"),
+            "ingest.max_bytes_per_sec_per_peer",
+            "1024..=1073741824 (got 10)",
+        ),
+        (
+            // The burst must take the longest line.
+            format!("{on}max_line_bytes = 65536\nmax_burst_bytes_per_peer = 4096\n{stream}"),
+            "ingest.max_burst_bytes_per_peer",
+            "65536..=1073741824 (got 4096)",
+        ),
+        (
+            format!("{on}max_spool_share_input_percent = 95\n{stream}"),
+            "ingest.max_spool_share_input_percent",
+            "1..=90 (got 95)",
+        ),
+        (
+            // One peer's share is at most all input's.
+            format!("{on}max_spool_share_input_percent = 20\nmax_spool_share_per_peer_percent = 30\n{stream}"),
+            "ingest.max_spool_share_per_peer_percent",
+            "1..=20 (got 30)",
         ),
     ] {
         let e = err(&format!("{GOOD}{body}"));

@@ -23,6 +23,7 @@
 
 pub mod listen;
 pub mod outage;
+pub mod process;
 
 /// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -206,7 +207,16 @@ pub struct Figures {
     /// The outage budget of the last summary; `None` before the first
     /// (the families are left out).
     pub outage: Option<crate::flash::outage::Budget>,
+    /// The agent's health state, one of [`HEALTH_STATES`]; `None`: left out.
+    pub health: Option<&'static str>,
+    /// FAILED rows in the spool now (the `failed` table's count, cheap at
+    /// any spool size); `None` when the spool could not be read.
+    pub failed_rows: Option<u64>,
 }
+
+/// The states `edgespool_health{state}` lists, one sample each (1 for the
+/// state in force, 0 for the others: a state set).
+pub const HEALTH_STATES: [&str; 3] = ["ok", "starting", "degraded"];
 
 /// What receipt mode (`mqtt.retire_on = "receipt"`) shows.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -233,11 +243,14 @@ pub struct ReceiptFigures {
     pub dropped: u64,
     /// The broker refuses the receipts subscription now.
     pub unavailable: bool,
+    /// `mqtt.receipt_timeout_secs`: health calls receipts stopped once the
+    /// oldest row has waited twice this.
+    pub timeout_secs: f64,
 }
 
 /// Receipt mode's families.
 fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
-    let families: [(&str, &str, &str, f64); 8] = [
+    let families: [(&str, &str, &str, f64); 9] = [
         ("edgespool_rows_awaiting_receipt", "gauge", "Rows the broker acknowledged that the fleet's database has not yet receipted (waiting, or sent again).", r.awaiting as f64),
         ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row not yet stored at the fleet has waited since its first PUBACK (re-sends do not reset it; 0 when none).", r.oldest_awaiting_secs),
         ("edgespool_receipts_total", "counter", "Receipts read, this run.", r.received as f64),
@@ -246,6 +259,7 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
         ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
         ("edgespool_receipts_dropped_total", "counter", "Receipts left unacknowledged because 1024 already waited for the delivery thread (a broker ignoring its in-flight window sends them again with the next session), this run.", r.dropped as f64),
         ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then retire on their PUBACK), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
+        ("edgespool_receipt_timeout_seconds", "gauge", "mqtt.receipt_timeout_secs: a row PUBACKed and not receipted within it is sent again; health calls receipts stopped at twice it.", r.timeout_secs),
     ];
     for (name, kind, help, v) in families {
         o.single(name, kind, help, v);
@@ -270,6 +284,14 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
 /// `edgespool_mqtt_watchdog_rebuilds_total` show it.
 pub const WATCHDOG_REBUILDS: &str = "mqtt_watchdog_rebuilds";
 
+/// Spool counters of opens that found committed rows gone, and the cause
+/// each is shown under in `edgespool_spool_opened_with_loss_total`.
+const LOSS_AT_OPEN: [(&str, &str); 3] = [
+    ("spool_opened_without_wal", "wal_lost"),
+    ("spool_moved_aside_without_wal", "wal_lost_moved_aside"),
+    ("spool_moved_aside_corrupt", "damaged_moved_aside"),
+];
+
 /// The spool states, in the order rows flow.
 const STATES: [&str; 4] = ["PENDING", "SENT", "ACKED", "FAILED"];
 
@@ -282,6 +304,10 @@ const DROP_REASONS: [&str; 5] = [
     "disk_reserve",
     "lost_at_shutdown",
 ];
+
+/// Why a local peer's reading is refused before it is stored
+/// (`readings_refused_<reason>`, [`crate::intake::share`]).
+const PEER_REFUSALS: [&str; 3] = ["peer_rate", "peer_share", "input_share"];
 
 /// Why the delivery thread marks a row FAILED (`events_failed_<reason>`).
 const FAIL_REASONS: [&str; 4] = [
@@ -530,6 +556,16 @@ pub fn render(f: &Figures) -> String {
     o.counter_by(
         f,
         (
+            "edgespool_readings_refused_total",
+            "Readings of local peers (ingest socket, TCP port, mqtt bridges) refused over their byte rate or share of the spool, by reason (kept in the spool across restarts).",
+            "reason",
+        ),
+        "readings_refused_",
+        &PEER_REFUSALS,
+    );
+    o.counter_by(
+        f,
+        (
             "edgespool_rows_failed_total",
             "Rows marked FAILED by policy, by reason (kept in the spool across restarts).",
             "reason",
@@ -553,6 +589,7 @@ pub fn render(f: &Figures) -> String {
     if let Some(b) = &f.outage {
         outage::render(&mut o, b);
     }
+    render_health(&mut o, f);
     o.single(
         "edgespool_metrics_timestamp_seconds",
         "gauge",
@@ -560,6 +597,30 @@ pub fn render(f: &Figures) -> String {
         f.at_unix_secs,
     );
     o.0
+}
+
+/// The health state set and the opens that found rows gone.
+fn render_health(o: &mut Out, f: &Figures) {
+    if let Some(state) = f.health {
+        let name = "edgespool_health";
+        o.family(
+            name,
+            "gauge",
+            "The agent's health, one sample per state: 1 for the state in force (starting: no CONNACK yet this run; degraded: edgespool status names why), 0 for the others.",
+        );
+        for s in HEALTH_STATES {
+            o.sample(name, &[("state", s)], if s == state { 1.0 } else { 0.0 });
+        }
+    }
+    let name = "edgespool_spool_opened_with_loss_total";
+    o.family(
+        name,
+        "counter",
+        "Starts that found committed rows gone, by cause: wal_lost (the -wal was gone; the rows in the file kept), wal_lost_moved_aside (every commit was in the lost -wal; the file moved aside), damaged_moved_aside (the file moved aside as damaged). Kept in the spool across restarts.",
+    );
+    for (counter_name, cause) in LOSS_AT_OPEN {
+        o.sample(name, &[("cause", cause)], counter(f, counter_name) as f64);
+    }
 }
 
 /// Rows by state and stream, backlog and the oldest unacknowledged age.
@@ -589,6 +650,14 @@ fn render_spool(o: &mut Out, f: &Figures) {
     }
     if let Some(streams) = &f.streams {
         render_stream_backlog(o, streams);
+    }
+    if let Some(n) = f.failed_rows {
+        o.single(
+            "edgespool_spool_failed_rows",
+            "gauge",
+            "FAILED rows in the spool (kept, not delivered, until an operator requeues them); shown at any spool size.",
+            n as f64,
+        );
     }
     o.single(
         "edgespool_spool_backlog_rows",
@@ -948,6 +1017,7 @@ mod tests {
                 ("commands_completed".into(), 3),
                 ("readings_lost_at_shutdown".into(), 2),
                 ("mqtt_watchdog_rebuilds".into(), 3),
+                ("spool_opened_without_wal".into(), 1),
             ],
             write_bytes: 4096,
             checkpoints: 5,
@@ -977,6 +1047,8 @@ mod tests {
                     ..Default::default()
                 },
             )),
+            health: Some("degraded"),
+            failed_rows: Some(1),
         }
     }
 
@@ -1124,6 +1196,96 @@ mod tests {
                 &[("le", "30")]
             ),
             5.0
+        );
+    }
+
+    /// Issue 36: the FAILED count was left out past 16 MiB of live data
+    /// (with the row counts), and `EdgespoolRowsFailed` fell silent.
+    #[test]
+    fn failed_rows_and_health_are_shown_without_the_row_counts() {
+        let mut figs = figures();
+        figs.rows = None;
+        figs.streams = None;
+        let f = check(&render(&figs));
+        assert!(!f.contains_key("edgespool_spool_rows_by_state"));
+        assert_eq!(value_of(&f, "edgespool_spool_failed_rows", &[]), 1.0);
+        for (state, v) in [("ok", 0.0), ("starting", 0.0), ("degraded", 1.0)] {
+            assert_eq!(value_of(&f, "edgespool_health", &[("state", state)]), v);
+        }
+        assert_eq!(
+            value_of(
+                &f,
+                "edgespool_spool_opened_with_loss_total",
+                &[("cause", "wal_lost")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            value_of(
+                &f,
+                "edgespool_spool_opened_with_loss_total",
+                &[("cause", "damaged_moved_aside")]
+            ),
+            0.0
+        );
+    }
+
+    #[test]
+    fn the_process_families_follow_the_client_library_names_and_types() {
+        let text = process::render(&process::ProcessFigures {
+            cpu_seconds: 1.5,
+            resident_bytes: 8 << 20,
+            virtual_bytes: 64 << 20,
+            start_time_secs: 1_699_999_000.0,
+            open_fds: Some(12),
+            max_fds: Some(1024),
+        });
+        let f = check(&text);
+        assert_eq!(value_of(&f, "process_cpu_seconds_total", &[]), 1.5);
+        assert_eq!(f["process_cpu_seconds_total"].0, "counter");
+        assert_eq!(value_of(&f, "process_open_fds", &[]), 12.0);
+        assert_eq!(value_of(&f, "process_max_fds", &[]), 1024.0);
+        assert_eq!(
+            value_of(&f, "process_resident_memory_bytes", &[]),
+            (8 << 20) as f64
+        );
+        assert_eq!(
+            value_of(&f, "process_start_time_seconds", &[]),
+            1_699_999_000.0
+        );
+        // Appended to a rendering, the whole stays one valid exposition.
+        check(&(render(&figures()) + &text));
+    }
+
+    #[test]
+    fn receipt_mode_shows_its_timeout_beside_the_oldest_wait() {
+        let mut figs = figures();
+        figs.receipts = Some(ReceiptFigures {
+            awaiting: 3,
+            oldest_awaiting_secs: 700.0,
+            received: 0,
+            unmatched_ids: 0,
+            refused: [
+                ("malformed", 0),
+                ("unsigned", 0),
+                ("other_board", 0),
+                ("untrusted_key", 0),
+                ("bad_signature", 0),
+            ],
+            wrong_digest: 0,
+            resent: 0,
+            dropped: 0,
+            unavailable: false,
+            timeout_secs: 300.0,
+        });
+        let f = check(&render(&figs));
+        assert_eq!(
+            value_of(&f, "edgespool_receipt_timeout_seconds", &[]),
+            300.0
+        );
+        assert_eq!(
+            value_of(&f, "edgespool_oldest_awaiting_receipt_age_seconds", &[]),
+            700.0
         );
     }
 

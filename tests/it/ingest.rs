@@ -801,7 +801,9 @@ fn sixteen_tcp_connections_of_pipelined_15_kb_lines_keep_rss_bounded_and_the_boa
         dir.path(),
         &broker.url(),
         &pfx,
-        &format!("tcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"flood\"\n"),
+        // The memory budgets are under test: the peer's byte rate (which
+        // would refuse most of this flood, tests/it/peers.rs) is opened wide.
+        &format!("tcp = \"127.0.0.1:{port}\"\nmax_bytes_per_sec_per_peer = 1073741824\nmax_burst_bytes_per_peer = 1073741824\n[[ingest.streams]]\nname = \"flood\"\n"),
     );
     // The board's own source, every 200 ms.
     edit_config(&cfg, |t| {

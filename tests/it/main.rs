@@ -20,10 +20,12 @@ mod health;
 mod hostile_dirs;
 mod identity;
 mod ingest;
+mod lost_wal;
 mod metrics;
 mod modes;
 mod mqtt5;
 mod outage;
+mod peers;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
 #[cfg(feature = "pg-sink")]

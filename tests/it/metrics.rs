@@ -128,6 +128,29 @@ fn metrics_are_served_and_written_and_bad_requests_are_refused() {
     let body = get_metrics(addr);
     assert_exposition(&body);
     promtool_check(&body);
+    // The process, as client libraries show it, on the listener only: the
+    // textfile is node_exporter's, which has process_* of its own.
+    for family in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(
+            sample(&body, &format!("{family} ")).is_some_and(|v| v > 0.0),
+            "{family}: {body}"
+        );
+    }
+    let file = std::fs::read_to_string(&prom).expect("textfile");
+    assert!(!file.contains("process_"), "{file}");
+    assert!(
+        wait_for(Duration::from_secs(10), || sample(
+            &get_metrics(addr),
+            "edgespool_health{state=\"ok\"}"
+        ) == Some(1.0)),
+        "{}",
+        get_metrics(addr)
+    );
     assert_eq!(
         sample(&body, "edgespool_mqtt_connected "),
         Some(1.0),

@@ -3,10 +3,12 @@
 //! logged once per reason and stored when it changes.
 //!
 //! One rule: a degraded state names its reasons; health is written to the
-//! spool when its reasons change or at the summary interval, never each pass.
+//! spool when its state or reasons change or at the summary interval, never
+//! each pass. The first record is written before the loop's first pass, so
+//! `status` never shows the last run's health for this one.
 
 use super::Writer;
-use crate::agent::health::{assess, grace, Facts};
+use crate::agent::health::{assess, grace, Facts, State};
 use crate::event::envelope::wall_clock_ms;
 use crate::event::stream::Durability;
 use std::sync::atomic::Ordering;
@@ -20,6 +22,8 @@ fn without_digits(s: &str) -> String {
 /// What the writer keeps about health ([`self`]).
 #[derive(Debug)]
 pub(super) struct HealthRecord {
+    /// The state last judged (the gauge shows it).
+    state: State,
     /// The reasons last stored (without figures), so health is written when
     /// they change or at the summary interval, not each pass.
     kinds: Vec<String>,
@@ -32,6 +36,10 @@ pub(super) struct HealthRecord {
     /// Another process listens on `ingest.socket` (the agent runs without
     /// it): a reason for the whole run.
     pub(super) socket_taken: Option<String>,
+    /// Configured listeners that could not bind: reasons for the whole run.
+    pub(super) listeners_down: Vec<String>,
+    /// What the spool lost at start: a reason for the whole run.
+    pub(super) spool_lost: Option<String>,
     /// Receipts refused, over the last ten minutes.
     refused_receipts: crate::agent::health::RecentGrowth,
 }
@@ -40,47 +48,65 @@ impl HealthRecord {
     /// No record yet, at wall clock `wall_ms`.
     pub(super) fn new(wall_ms: i64) -> HealthRecord {
         HealthRecord {
+            state: State::Starting,
             kinds: Vec::new(),
             stored_at: None,
             record: None,
             since: wall_ms,
             socket_taken: None,
+            listeners_down: Vec::new(),
+            spool_lost: None,
             refused_receipts: crate::agent::health::RecentGrowth::new(
                 crate::agent::health::REFUSED_WINDOW,
             ),
         }
     }
 
-    /// Judge `reasons` (empty: ok) at wall clock `wall_ms`: each reason is
-    /// logged once when it appears (by its wording without figures), and
-    /// again only after it went away. Returns the record to store when its
-    /// reasons changed or none was stored yet; the record is kept for the
-    /// summary either way.
-    pub(super) fn judge(&mut self, reasons: &[String], wall_ms: i64) -> Option<String> {
+    /// The state last judged ([`State::Starting`] before the first).
+    pub(super) fn state(&self) -> State {
+        self.state
+    }
+
+    /// Judge `state` and its `reasons` (empty unless degraded) at wall
+    /// clock `wall_ms`: each reason is logged once when it appears (by its
+    /// wording without figures), and again only after it went away. Returns
+    /// the record to store when the state or the reasons changed or none was
+    /// stored yet; the record is kept for the summary either way.
+    pub(super) fn judge(
+        &mut self,
+        state: State,
+        reasons: &[String],
+        wall_ms: i64,
+    ) -> Option<String> {
         let kinds: Vec<String> = reasons.iter().map(|r| without_digits(r)).collect();
         for (reason, kind) in reasons.iter().zip(&kinds) {
             if !self.kinds.contains(kind) {
                 log::warn!("health degraded: {reason}");
             }
         }
-        if reasons.is_empty() && !self.kinds.is_empty() {
-            log::info!("health ok again");
+        if state == State::Ok && self.state != State::Ok {
+            log::info!(
+                "health ok{}",
+                if self.kinds.is_empty() { "" } else { " again" }
+            );
         }
-        if kinds != self.kinds {
+        let changed = kinds != self.kinds || state != self.state;
+        if changed {
             self.since = wall_ms;
         }
         let record = serde_json::json!({
-            "state": if reasons.is_empty() { "ok" } else { "degraded" },
+            "state": state.name(),
             "reasons": reasons,
             "since_ms": self.since,
         })
         .to_string();
-        // Stored when the reasons change; the summary refreshes it once an
-        // interval in its own transaction (issue 23: agent state is written
-        // only when it changes and at the summary interval).
-        let changed = self.kinds != kinds || self.stored_at.is_none();
+        // Stored when the state or the reasons change; the summary refreshes
+        // it once an interval in its own transaction (issue 23: agent state
+        // is written only when it changes and at the summary interval).
+        let store = changed || self.stored_at.is_none();
         self.record = Some(record.clone());
-        if !changed {
+        self.state = state;
+        if !store {
             return None;
         }
         self.kinds = kinds;
@@ -117,8 +143,10 @@ impl Writer {
         };
         let receipts_refused = self.refused_receipts();
         let cfg = &self.conf.cfg;
+        let (connacks, _) = self.peers.link.connection_counts();
         let facts = Facts {
             connected: link.connected,
+            ever_connected: connacks > 0,
             state_for: link.state_for,
             last_error: link.last_error,
             broker: format!("{}:{}", cfg.mqtt.host, cfg.mqtt.port),
@@ -138,6 +166,8 @@ impl Writer {
             receipts_refused,
             ingest_socket_taken: self.health.socket_taken.clone(),
             write_budget: self.upkeep.budget_verdict().reason(),
+            listeners_down: self.health.listeners_down.clone(),
+            spool_lost: self.health.spool_lost.clone(),
         };
         // Judged once a pass: a pass early, so `degraded` is recorded within
         // the bound, not up to a pass after it.
@@ -149,7 +179,10 @@ impl Writer {
                 .link
                 .set_status(device, &self.conf.config_sha, backlog);
         }
-        let Some(record) = self.health.judge(&health.reasons, wall_clock_ms().0) else {
+        let Some(record) = self
+            .health
+            .judge(health.state, &health.reasons, wall_clock_ms().0)
+        else {
             return;
         };
         let spool = self.store.conn(Durability::Batched);
@@ -221,27 +254,43 @@ mod tests {
     fn health_is_stored_when_its_reasons_change_not_at_every_pass() {
         let mut h = HealthRecord::new(1_000);
         // Nothing stored yet: the first record is.
-        let first = h.judge(&[], 2_000).expect("the first record is stored");
-        assert!(first.contains("\"ok\""), "{first}");
+        let first = h
+            .judge(State::Starting, &[], 1_500)
+            .expect("the first record is stored");
+        assert!(first.contains("\"starting\""), "{first}");
         h.stored(Instant::now());
-        assert_eq!(h.judge(&[], 3_000), None, "unchanged: kept for the summary");
+        let ok = h
+            .judge(State::Ok, &[], 2_000)
+            .expect("the first CONNACK is stored");
+        assert!(ok.contains("\"ok\""), "{ok}");
+        h.stored(Instant::now());
+        assert_eq!(
+            h.judge(State::Ok, &[], 3_000),
+            None,
+            "unchanged: kept for the summary"
+        );
         let degraded = h
-            .judge(&reasons(&["no PUBACK for 31 s"]), 4_000)
+            .judge(State::Degraded, &reasons(&["no PUBACK for 31 s"]), 4_000)
             .expect("a new reason is stored");
         assert!(degraded.contains("\"since_ms\":4000"), "{degraded}");
         h.stored(Instant::now());
         // The same reason with other figures is no change.
-        assert_eq!(h.judge(&reasons(&["no PUBACK for 45 s"]), 5_000), None);
+        assert_eq!(
+            h.judge(State::Degraded, &reasons(&["no PUBACK for 45 s"]), 5_000),
+            None
+        );
         assert!(h.record().is_some_and(|r| r.contains("45 s")));
-        let ok = h.judge(&[], 6_000).expect("ok again is stored");
+        let ok = h.judge(State::Ok, &[], 6_000).expect("ok again is stored");
         assert!(ok.contains("\"since_ms\":6000"), "{ok}");
+        assert_eq!(h.state(), State::Ok);
     }
 
     #[test]
     fn a_record_that_did_not_reach_the_spool_is_stored_at_the_next_pass() {
         let mut h = HealthRecord::new(0);
-        assert!(h.judge(&reasons(&["disk full"]), 1).is_some());
+        let full = reasons(&["disk full"]);
+        assert!(h.judge(State::Degraded, &full, 1).is_some());
         // Not stored (the spool refused it): the next pass tries again.
-        assert!(h.judge(&reasons(&["disk full"]), 2).is_some());
+        assert!(h.judge(State::Degraded, &full, 2).is_some());
     }
 }

@@ -35,6 +35,9 @@ impl Writer {
         if let Some(h) = self.health.record() {
             states.push(("health", h.to_owned()));
         }
+        if let Some(s) = self.shares_state() {
+            states.push(("ingest_shares", s));
+        }
         let spool = self.store.conn(Durability::Batched);
         // Sequence numbers reach the file at the summary interval (and
         // every 10,000 readings at an upkeep pass).

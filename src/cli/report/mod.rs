@@ -558,6 +558,17 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(", ran 2 h 9 min, status ok\n"), "{text}");
+        // Until the first CONNACK.
+        r.running = true;
+        r.agent_state[4].1 =
+            serde_json::json!({"state": "starting", "reasons": [], "since_ms": NOW - 3000})
+                .to_string();
+        let text = render(&r, NOW);
+        assert!(
+            text.contains("\nhealth: starting: no connection to the broker yet (for 3 s; recorded 12 s ago)\n"),
+            "{text}"
+        );
+        r.running = false;
         r.agent_state.clear();
         r.runs.clear();
         let text = render(&r, NOW);

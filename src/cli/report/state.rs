@@ -36,8 +36,8 @@ const ORDER: &[&str] = &[
     crate::push::policy::SERIAL_STATE_KEY,
 ];
 
-/// The `health:` line: `ok`, `degraded: <reason>; <reason>` or the state
-/// the agent recorded, then how long it has held and the record's age; when
+/// The `health:` line: `ok`, `starting: no connection to the broker yet`,
+/// `degraded: <reason>; <reason>` or the state the agent recorded, then how long it has held and the record's age; when
 /// no agent runs, that the record is a past run's. `stored` is the record
 /// (`{"state","reasons","since_ms"}`, or an older agent's line) stored at
 /// `at_ms`; `None` before any agent recorded one.
@@ -53,9 +53,11 @@ pub(super) fn health(stored: Option<(&str, i64)>, now_ms: i64, running: bool) ->
                 .as_array()
                 .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
                 .unwrap_or_default();
-            let line = match reasons.is_empty() {
-                true => state.to_owned(),
-                false => format!("{state}: {}", reasons.join("; ")),
+            let line = match (state, reasons.is_empty()) {
+                // No CONNACK yet this run, and nothing wrong yet.
+                ("starting", true) => "starting: no connection to the broker yet".to_owned(),
+                (_, true) => state.to_owned(),
+                (_, false) => format!("{state}: {}", reasons.join("; ")),
             };
             (line, v["since_ms"].as_i64())
         }

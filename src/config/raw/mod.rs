@@ -56,6 +56,10 @@ pub(super) struct RawIngest {
     pub(super) max_fields: Option<usize>,
     pub(super) max_buffered_bytes: Option<usize>,
     pub(super) max_connection_bytes: Option<usize>,
+    pub(super) max_bytes_per_sec_per_peer: Option<u64>,
+    pub(super) max_burst_bytes_per_peer: Option<u64>,
+    pub(super) max_spool_share_per_peer_percent: Option<u32>,
+    pub(super) max_spool_share_input_percent: Option<u32>,
     #[serde(default)]
     pub(super) streams: Vec<RawStreamDecl>,
     #[serde(default)]
