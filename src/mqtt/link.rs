@@ -127,7 +127,7 @@ impl Link {
                 .filter(|_| !s.ack.is_empty())
                 .map(|t| t.elapsed()),
             quick_drops: s.conn.quick_drops,
-            commands_unavailable: s.conn.commands_unavailable.clone(),
+            commands_unavailable: s.conn.commands_unavailable(),
             receipts_unavailable: s.conn.receipts_unavailable.clone(),
             receipts_dropped: s.receipts_dropped,
         }

@@ -556,8 +556,8 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
                 }
                 let too_big = shared.max_publish.load(Ordering::SeqCst);
                 if dir == Direction::ToBroker
-                    && ((mode == Mode::CloseOnSubscribe && ptype == TYPE_SUBSCRIBE)
-                        || (ptype == TYPE_SUBSCRIBE && take_one(&shared.close_subscribes))
+                    && ((ptype == TYPE_SUBSCRIBE
+                        && (mode == Mode::CloseOnSubscribe || take_one(&shared.close_subscribes)))
                         || (ptype == TYPE_PUBLISH && too_big > 0 && packet.len() as u64 > too_big)
                         || (ptype == TYPE_PUBLISH && closes_on_topic(shared, &packet)))
                 {
