@@ -154,10 +154,14 @@ impl MqttThread {
     }
 
     /// After each event: why this connection must end now, if it must (new
-    /// settings, a redelivery asked for, or the watchdog).
+    /// settings, a rebuild or a redelivery asked for, or the watchdog).
     fn why_end(&self, s: &mut Shared) -> Option<String> {
         if s.reconfigure.is_some() {
             return Some("configuration changed; reconnecting with the new settings".into());
+        }
+        if let Some(why) = s.rebuild.take() {
+            self.reconnect_now.set(true);
+            return Some(why);
         }
         if std::mem::take(&mut s.redeliver) {
             self.reconnect_now.set(true);

@@ -106,6 +106,7 @@ pub fn new(
             .status_topic
             .then(|| (status_topic(&cfg), serde_json::json!({}))),
         redeliver: false,
+        rebuild: None,
         sent_at: VecDeque::new(),
         puback_latency: Histogram::new(),
         status_too_large_logged: false,
@@ -274,9 +275,13 @@ impl MqttThread {
 
     /// Drop the connection's bookkeeping; every row in flight becomes replay-eligible.
     fn lose(&self, reason: &str) {
-        let (epoch, rows, quick) = {
+        let (epoch, rows, quick, closed_on_rows) = {
             let mut s = lock(&self.shared);
-            let quick = self.account_end(&mut s, reason);
+            let (quick, by_peer) = self.account_end(&mut s, reason);
+            let keep_alive = self.cfg.keep_alive;
+            let closed_on_rows = by_peer
+                && !s.ack.is_empty()
+                && s.progress_at.is_some_and(|t| t.elapsed() < keep_alive);
             s.connected = false;
             s.client = None;
             s.epoch += 1;
@@ -284,12 +289,13 @@ impl MqttThread {
             s.sent_at.clear();
             s.ready.clear();
             s.acks_due.clear();
-            // A new session redelivers by itself.
+            // A new session redelivers by itself, and is the rebuild asked for.
             s.redeliver = false;
+            s.rebuild = None;
             let handles: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
             let rows: Vec<i64> = handles.into_iter().flat_map(|r| s.members(r)).collect();
             s.batches.clear();
-            (s.epoch, rows, quick)
+            (s.epoch, rows, quick, closed_on_rows)
         };
         let repeat = {
             let mut last = self.last_reason.lock().unwrap_or_else(|p| p.into_inner());
@@ -328,14 +334,17 @@ impl MqttThread {
             rows,
             reason: reason.to_owned(),
             quick,
+            closed_on_rows,
             watchdog: self.watchdog_fired.take(),
         });
     }
 
     /// Bookkeeping when a connection ends (or an attempt fails): backoff,
     /// quick drops, and whether the command subscription goes out next
-    /// time ([`super::subjudge`]).
-    fn account_end(&self, s: &mut Shared, reason: &str) -> bool {
+    /// time ([`super::subjudge`]). Returns `(quick, by_peer)`: the
+    /// connection ended within a keep-alive of CONNACK without a PUBACK,
+    /// closed by the peer; closed by the peer or the network at all.
+    fn account_end(&self, s: &mut Shared, reason: &str) -> (bool, bool) {
         let keep_alive = self.cfg.keep_alive;
         let c = &mut s.conn;
         if s.connected {
@@ -345,7 +354,7 @@ impl MqttThread {
         // Taken whatever else holds, so it never outlives its connection.
         let by_peer = std::mem::take(&mut c.peer_closed) && !self.stop.load(Ordering::Relaxed);
         let Some(at) = c.connacked_at.take() else {
-            return false;
+            return (false, by_peer);
         };
         let short = at.elapsed() < keep_alive;
         let quick = short && !c.had_puback && by_peer;
@@ -373,6 +382,6 @@ impl MqttThread {
             ),
         }
         c.had_puback = false;
-        quick
+        (quick, by_peer)
     }
 }
