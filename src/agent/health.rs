@@ -26,8 +26,8 @@ pub struct Facts {
     /// keep-alive, without a PUBACK).
     pub quick_drops: u32,
     /// The broker refused the command subscription (SUBACK 0x80, MQTT 3.1.1
-    /// §3.9.3), or
-    /// closes the connection on it so the agent connects without it.
+    /// §3.9.3), or closed 3 connections in a row right after it, so the
+    /// agent connects without it for a while (at most 5 minutes at a time).
     pub commands_unavailable: Option<String>,
     /// FAILED rows in the spool now (kept and shown by `status` until an
     /// operator requeues them).

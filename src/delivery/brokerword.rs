@@ -174,9 +174,10 @@ impl Delivery {
         self.book_changed();
     }
 
-    /// The book's rows whose wait ended, read from the spool and admitted
-    /// as single publishes (a row set aside, or probing a hold, alone).
-    pub(super) fn retry_ready(&mut self, spool: &mut Spool) -> Vec<Ready> {
+    /// The book's rows whose wait ended, at most `room`, read from the
+    /// spool and admitted as single publishes (a row set aside, or probing
+    /// a hold, alone). None while receipt mode's books are full.
+    pub(super) fn retry_ready(&mut self, spool: &mut Spool, room: usize) -> Vec<Ready> {
         let now = Instant::now();
         if self.book.rebuild_due(now) {
             self.link.rebuild(
@@ -184,7 +185,10 @@ impl Delivery {
                 "rows refused past the book's bound are read again",
             );
         }
-        let ids = self.book.due(self.epoch, now);
+        if room == 0 || self.offers_full() || self.receipts_full() {
+            return Vec::new();
+        }
+        let ids = self.book.due(self.epoch, now, room);
         if ids.is_empty() {
             return Vec::new();
         }

@@ -188,9 +188,10 @@ impl Book {
     }
 
     /// Rows whose wait is over on connection `epoch` at `now` and that have
-    /// not gone out on it (at most [`DUE_BATCH`], oldest first), each marked
-    /// offered; the hold's probe among them when its time has come.
-    pub(super) fn due(&mut self, epoch: u64, now: Instant) -> Vec<i64> {
+    /// not gone out on it (at most `max` and [`DUE_BATCH`], oldest first),
+    /// each marked offered; the hold's probe among them when its time has
+    /// come.
+    pub(super) fn due(&mut self, epoch: u64, now: Instant, max: usize) -> Vec<i64> {
         let woke = self.scan_now || self.wake.is_some_and(|t| t <= now);
         if !woke || self.entries.is_empty() {
             return Vec::new();
@@ -211,15 +212,16 @@ impl Book {
             .hold
             .as_ref()
             .is_some_and(|h| h.probe.is_none() && h.until <= now);
-        if let Some(row) = self.next_probe().filter(|_| probe_due) {
-            if let Some(h) = self.hold.as_mut() {
-                h.probe = Some(row);
-            }
-            rows.push(row);
-        }
+        let probe = self.next_probe().filter(|_| probe_due);
+        rows.extend(probe);
         rows.sort_unstable();
-        let more = rows.len() > DUE_BATCH;
-        rows.truncate(DUE_BATCH);
+        let max = max.min(DUE_BATCH);
+        let more = rows.len() > max;
+        rows.truncate(max);
+        // A probe cut off by `max` is chosen again at the next call.
+        if let (Some(row), Some(h)) = (probe.filter(|p| rows.contains(p)), self.hold.as_mut()) {
+            h.probe = Some(row);
+        }
         for r in &rows {
             self.offered(*r, epoch);
         }
@@ -615,16 +617,16 @@ mod tests {
                 b.waits(7, 1, t) && b.waits(7, 2, t),
                 "a new connection skips the wait"
             );
-            assert!(b.due(1, t + wait - secs(1)).is_empty());
+            assert!(b.due(1, t + wait - secs(1), usize::MAX).is_empty());
             t += wait;
             assert!(!b.waits(7, 1, t));
             assert_eq!(
-                b.due(1, t),
+                b.due(1, t, usize::MAX),
                 vec![7],
                 "not sent again on the same connection"
             );
             assert!(b.waits(7, 1, t), "offered twice on one connection");
-            assert!(b.due(1, t).is_empty());
+            assert!(b.due(1, t, usize::MAX).is_empty());
         }
         let (rows, why) = b.summary(1, t);
         assert_eq!(rows, 1);
@@ -647,14 +649,14 @@ mod tests {
             "counted twice on one connection"
         );
         assert!(b.waits(3, 1, t + secs(3600)));
-        assert!(b.due(1, t + secs(3600)).is_empty());
+        assert!(b.due(1, t + secs(3600), usize::MAX).is_empty());
         let (rows, why) = b.summary(1, t);
         assert_eq!(rows, 1);
         assert!(why.contains("over its maximum packet size on this connection (over 128)"));
         b.lost();
         assert!(!b.waits(3, 2, t), "the next connection judges it again");
         assert!(
-            b.due(2, t).is_empty(),
+            b.due(2, t, usize::MAX).is_empty(),
             "the lanes read it again, not the book"
         );
         assert!(b.too_large(3, 2, t, "over 128"));
@@ -678,7 +680,7 @@ mod tests {
             assert!(b.was_set_aside(5) && b.alone(5));
             assert!(b.waits(5, 2, t + wait - secs(1)));
             t += wait;
-            assert_eq!(b.due(2, t), vec![5]);
+            assert_eq!(b.due(2, t, usize::MAX), vec![5]);
         }
         assert_eq!(waits, [10, 20, 40, 80, 160, 320, 640, 1280, 2560]);
         assert_eq!(
@@ -708,7 +710,7 @@ mod tests {
         assert_eq!(b.next_due(), Some(t + RETRY_FIRST));
         // Its time comes: a row never dropped on probes it, alone.
         let later = t + RETRY_FIRST;
-        assert_eq!(b.due(1, later), vec![11]);
+        assert_eq!(b.due(1, later, usize::MAX), vec![11]);
         assert!(b.is_probe(11) && b.alone(11));
         assert!(b.behind_hold(12, (3500, 1), later), "a second probe");
         // Dropped too: the next probe waits twice as long.
@@ -725,10 +727,10 @@ mod tests {
         // Then the held row probes; the broker takes it after all: the
         // hold lifts, and the set-aside rows go again, each alone.
         let much_later = later + 2 * RETRY_FIRST;
-        assert_eq!(b.due(2, much_later), vec![12]);
+        assert_eq!(b.due(2, much_later, usize::MAX), vec![12]);
         assert_eq!(b.acked(&[12], 3500), Some(false));
         assert_eq!(b.hold_size(), None);
-        assert_eq!(b.due(2, much_later), vec![4, 11]);
+        assert_eq!(b.due(2, much_later, usize::MAX), vec![4, 11]);
         assert!(b.alone(4) && b.alone(11));
         b.lost();
         assert_eq!(b.summary(3, much_later).0, 2, "set aside until delivered");
@@ -771,11 +773,28 @@ mod tests {
             SetAside::Hold(0, RETRY_FIRST)
         );
         assert!(b.behind_hold(4, (250, 3), t));
-        assert_eq!(b.due(3, t + RETRY_FIRST), vec![4]);
+        assert_eq!(b.due(3, t + RETRY_FIRST, usize::MAX), vec![4]);
         assert_eq!(b.acked(&[4], 800), Some(false));
         // The two poison rows are back on their own schedules, alone.
-        assert_eq!(b.due(3, t + RETRY_FIRST), vec![2, 3]);
+        assert_eq!(b.due(3, t + RETRY_FIRST, usize::MAX), vec![2, 3]);
         assert!(b.alone(2) && b.alone(3));
+    }
+
+    #[test]
+    fn due_rows_respect_the_room_given_and_a_probe_cut_off_is_chosen_again() {
+        let t = Instant::now();
+        let mut b = Book::default();
+        b.refused(1, 1, t, "r");
+        b.set_aside(9, (Some(5000), 100), (1, t), "d");
+        assert!(b.behind_hold(10, (6000, 1), t));
+        let later = t + RETRY_FIRST;
+        // Room for one: the refused row; the probe (row 10) waits.
+        assert_eq!(b.due(1, later, 1), vec![1]);
+        assert!(!b.is_probe(10));
+        assert_eq!(b.next_due().map(|d| d <= Instant::now()), Some(true));
+        assert_eq!(b.due(1, later, 1), vec![10]);
+        assert!(b.is_probe(10));
+        assert!(b.due(1, later, 1).is_empty());
     }
 
     #[test]
@@ -793,7 +812,7 @@ mod tests {
         assert!(b.rebuild_due(t + REFUSED_MAX));
         assert!(!b.rebuild_due(t + REFUSED_MAX + secs(1)), "again at once");
         // One connection's due rows come in bounded batches.
-        assert_eq!(b.due(1, t + RETRY_FIRST).len(), DUE_BATCH);
+        assert_eq!(b.due(1, t + RETRY_FIRST, usize::MAX).len(), DUE_BATCH);
         assert_eq!(b.next_due().map(|d| d <= Instant::now()), Some(true));
     }
 }

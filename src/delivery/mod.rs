@@ -234,7 +234,10 @@ pub fn run(
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
         if let Some(due) = d.book.next_due().filter(|_| d.link.connected()) {
-            wait = wait.min(due.saturating_duration_since(Instant::now()));
+            // Not sooner than this: rows of the book wait seconds, and a
+            // full ready queue holds them a moment without a spin.
+            let soon = due.saturating_duration_since(Instant::now());
+            wait = wait.min(soon.max(Duration::from_millis(50)));
         }
         match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => d.handle(msg, &mut spool),
@@ -487,8 +490,10 @@ impl Delivery {
         let target = 2 * self.cfg.window;
         let mut room = target.saturating_sub(self.link.ready_len());
         let mut batch = self.resend_ready(spool);
-        batch.extend(self.retry_ready(spool));
         room = room.saturating_sub(batch.len());
+        let retried = self.retry_ready(spool, room);
+        room = room.saturating_sub(retried.len());
+        batch.extend(retried);
         if self.receipts_full() {
             room = 0;
         }
