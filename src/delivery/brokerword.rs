@@ -238,19 +238,19 @@ impl Delivery {
         }
     }
 
-    /// The book changed: health's copy (at most every [`SUMMARY_EVERY`]
-    /// unless it emptied), and the counts to write with the next commit.
+    /// The book changed: health's copy (at most every [`SUMMARY_EVERY`]:
+    /// it scans the book), and the counts to write with the next commit.
     pub(super) fn book_changed(&mut self) {
         self.waiting_since.get_or_insert_with(Instant::now);
         let now = Instant::now();
-        let (rows, why) = self.book.summary(self.epoch, now);
         let recent = self
             .book_published
             .is_some_and(|t| now.saturating_duration_since(t) < SUMMARY_EVERY);
-        if recent && rows > 0 {
+        if recent {
             self.book_dirty = true;
             return;
         }
+        let (rows, why) = self.book.summary(self.epoch, now);
         self.book_dirty = false;
         self.book_published = Some(now);
         self.stats.deferred.store(rows, Ordering::Relaxed);
