@@ -7,6 +7,7 @@ mod support;
 mod aedes;
 mod batches;
 mod bridge;
+mod broker_word;
 mod cli;
 mod commands;
 mod config;
