@@ -225,6 +225,7 @@ mod tests {
             seq: 42,
             ts_ms: 1_800_000_000_000,
             clock_trusted: true,
+            mono: None,
             fields: f,
         }
     }

@@ -45,6 +45,7 @@ fn envelope(device: &str, n: u32, variant: u32) -> (String, Vec<u8>) {
         seq: u64::from(n),
         ts_ms: 1_800_000_000_000 + i64::from(n),
         clock_trusted: true,
+        mono: None,
         fields: &fields,
     };
     (
