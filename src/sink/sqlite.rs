@@ -81,12 +81,6 @@ CREATE TABLE unreadable (
 PRAGMA user_version = 3;
 ";
 
-/// A version 3 file's schema, created whole (for the migration's tests).
-#[cfg(test)]
-pub(super) fn schema_v3() -> String {
-    format!("{SCHEMA_V2}{V2_TO_V3}")
-}
-
 /// Why the sink's file cannot be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -805,5 +799,36 @@ mod tests {
         assert!(kept[2].1.contains("e-19"), "{kept:?}");
         assert_eq!(db.stats.side_dropped, 17);
         assert_eq!(db.stats.forged, 20);
+    }
+
+    /// Version 3 to 4 (true time: `sqlite_clock`'s migration).
+    #[test]
+    fn a_version_3_file_gets_the_clock_columns_and_keeps_its_rows() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("sink.db");
+        {
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch(&format!("{SCHEMA_V2}{V2_TO_V3}")).unwrap();
+            c.execute(
+                "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
+                 VALUES ('gw', 'e', 's', 'p/gw/events/s', x'00', x'00', 5, 6)",
+                [],
+            )
+            .unwrap();
+        }
+        SinkDb::open(&path).unwrap();
+        let c = rusqlite::Connection::open(&path).unwrap();
+        let v: i32 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, VERSION);
+        let row: (i64, Option<String>, Option<i64>) = c
+            .query_row(
+                "SELECT ts_ms, boot_id, ts_corrected_ms FROM received",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(row, (5, None, None));
     }
 }
