@@ -22,8 +22,9 @@ use super::{SideBounds, SinkStats, Store, StoreError, Stored};
 /// The schema version this build writes (`PRAGMA user_version`). Version
 /// 1 is the file of older sinks, which had no version: `received` keyed
 /// by event id alone, `mismatches` without device or topic. Version 2 had
-/// no `unreadable` table and no device in `forged`.
-pub const VERSION: i32 = 3;
+/// no `unreadable` table and no device in `forged`. Version 3 had no clock
+/// columns, anchors or `clock_refused` ([`super::sqlite_clock::V3_TO_V4`]).
+pub const VERSION: i32 = 4;
 
 /// Version 2, created whole in a new file.
 const SCHEMA_V2: &str = "
@@ -213,6 +214,9 @@ pub fn migrate(conn: &mut Connection, b: &SideBounds) -> Result<(), OpenError> {
     if found < 3 {
         v2_to_v3(&tx)?;
     }
+    if found < 4 {
+        tx.execute_batch(super::sqlite_clock::V3_TO_V4)?;
+    }
     if found < VERSION && old {
         trim_sides(&tx, b, Sides::ALL)?;
         log::info!("sink: SQLite schema migrated to version {VERSION}");
@@ -289,6 +293,7 @@ struct Sides {
     mismatches: bool,
     forged: bool,
     unreadable: bool,
+    clock_refused: bool,
 }
 
 impl Sides {
@@ -296,12 +301,14 @@ impl Sides {
         mismatches: true,
         forged: true,
         unreadable: true,
+        clock_refused: true,
     };
 
     fn add(&mut self, o: Sides) {
         self.mismatches |= o.mismatches;
         self.forged |= o.forged;
         self.unreadable |= o.unreadable;
+        self.clock_refused |= o.clock_refused;
     }
 }
 
@@ -337,6 +344,7 @@ fn trim_sides(tx: &Transaction<'_>, b: &SideBounds, sides: Sides) -> rusqlite::R
         (sides.mismatches, "mismatches"),
         (sides.forged, "forged"),
         (sides.unreadable, "unreadable"),
+        (sides.clock_refused, "clock_refused"),
     ] {
         if !on {
             continue;
@@ -383,6 +391,7 @@ impl One {
             mismatches: fate == Fate::Mismatch,
             forged: fate == Fate::Forged,
             unreadable: fate == Fate::Unreadable,
+            clock_refused: false,
         };
         One {
             event_id,
@@ -427,13 +436,45 @@ fn store_in(tx: &Transaction<'_>, it: &Item, now: i64, b: &SideBounds) -> rusqli
         return forged(tx, it, "topic names no device and stream", now, b);
     };
     let digest = Sha256::digest(&it.payload).to_vec();
+    let c = super::sqlite_clock::columns(tx, t.device, it.read.as_ref().ok())?;
     let inserted = tx.execute(
-        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT(device_id, event_id) DO NOTHING",
-        params![t.device, event_id, t.stream, it.topic, digest, it.payload, ts_ms, now],
+        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms,
+                               clock_trusted, boot_id, mono_ms, ts_corrected_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+         ON CONFLICT(device_id, event_id) DO NOTHING",
+        params![
+            t.device,
+            event_id,
+            t.stream,
+            it.topic,
+            digest,
+            it.payload,
+            ts_ms,
+            now,
+            c.trusted,
+            c.boot_id,
+            c.mono_ms,
+            c.corrected_ms
+        ],
     )?;
     if inserted == 1 {
-        return Ok(One::of(Fate::First, Some(event_id)));
+        let mut one = One::of(Fate::First, Some(event_id));
+        one.stats.corrected = u64::from(c.corrected_ms.is_some());
+        if let Some(e) = it.read.as_ref().ok().filter(|e| super::clock::is_anchor(e)) {
+            match super::sqlite_clock::anchor_stored(tx, t.device, e, now)? {
+                Ok(moved) => {
+                    one.stats.anchors = 1;
+                    one.stats.corrected += moved;
+                }
+                Err(why) => {
+                    log::warn!("sink: clock anchor on {} kept aside: {why}", it.topic);
+                    set_aside(tx, "clock_refused", it, &why.to_string(), now, b)?;
+                    one.stats.anchors_refused = 1;
+                    one.side.clock_refused = true;
+                }
+            }
+        }
+        return Ok(one);
     }
     let key = params![t.device, event_id];
     let stored: Option<Vec<u8>> = tx
@@ -758,5 +799,36 @@ mod tests {
         assert!(kept[2].1.contains("e-19"), "{kept:?}");
         assert_eq!(db.stats.side_dropped, 17);
         assert_eq!(db.stats.forged, 20);
+    }
+
+    /// Version 3 to 4 (true time: `sqlite_clock`'s migration).
+    #[test]
+    fn a_version_3_file_gets_the_clock_columns_and_keeps_its_rows() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("sink.db");
+        {
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch(&format!("{SCHEMA_V2}{V2_TO_V3}")).unwrap();
+            c.execute(
+                "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
+                 VALUES ('gw', 'e', 's', 'p/gw/events/s', x'00', x'00', 5, 6)",
+                [],
+            )
+            .unwrap();
+        }
+        SinkDb::open(&path).unwrap();
+        let c = rusqlite::Connection::open(&path).unwrap();
+        let v: i32 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, VERSION);
+        let row: (i64, Option<String>, Option<i64>) = c
+            .query_row(
+                "SELECT ts_ms, boot_id, ts_corrected_ms FROM received",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(row, (5, None, None));
     }
 }

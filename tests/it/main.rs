@@ -51,6 +51,8 @@ mod structure;
 mod systemd;
 mod tls;
 mod trial;
+#[cfg(feature = "pg-sink")]
+mod truetime;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
