@@ -26,6 +26,7 @@ mod metrics;
 mod modes;
 mod mqtt5;
 mod outage;
+mod packaging;
 mod peers;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
