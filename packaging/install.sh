@@ -52,6 +52,7 @@ usr/share/doc/edgespool/docs/development.md:0644
 usr/share/doc/edgespool/docs/flash.md:0644
 usr/share/doc/edgespool/docs/fleet.md:0644
 usr/share/doc/edgespool/docs/install.md:0644
+usr/share/doc/edgespool/docs/invariants.md:0644
 usr/share/doc/edgespool/docs/local-programs.md:0644
 usr/share/doc/edgespool/docs/operations.md:0644
 usr/share/doc/edgespool/examples/example.toml:0644

@@ -581,3 +581,34 @@ fn a_host_package_build_installs_no_cross_tools_and_no_test_stack() {
         );
     }
 }
+
+/// The tarball's install.sh lists the files it lays by hand; the .deb takes
+/// every `docs/*.md` (cross/package.sh). A page added to docs/ and not to
+/// the list made the package test fail at the end of CI; here it fails in
+/// a second.
+#[test]
+fn install_sh_lists_every_page_of_docs_the_deb_ships() {
+    let manifest = read("packaging/install.sh");
+    let mut missing = Vec::new();
+    let mut pages = 0;
+    for entry in std::fs::read_dir(root().join("docs")).expect("read docs/") {
+        let name = entry.expect("docs/ entry").file_name();
+        let name = name.to_string_lossy();
+        if !name.ends_with(".md") {
+            continue;
+        }
+        pages += 1;
+        let line = format!("usr/share/doc/edgespool/docs/{name}:0644");
+        if !manifest.lines().any(|l| l.trim() == line) {
+            missing.push(line);
+        }
+    }
+    assert!(
+        pages >= 10,
+        "docs/ holds {pages} pages: the wrong directory?"
+    );
+    assert!(
+        missing.is_empty(),
+        "packaging/install.sh lacks: {missing:?}"
+    );
+}
