@@ -7,7 +7,7 @@
 use postgres::Client;
 
 /// Migrations in order; `schema_version` holds the numbers applied.
-const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2), (3, V3)];
+const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2), (3, V3), (4, super::ledger::pg::V4)];
 
 /// Version 1: events keyed by event id, and the deliveries kept aside.
 ///

@@ -16,14 +16,17 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::batch::{Fate, Item};
+use super::ledger::book;
+use super::ledger::sqlite::{self as ledger_sql, SqliteBooks};
 use super::message::Unreadable;
-use super::{SideBounds, SinkStats, Store, StoreError, Stored};
+use super::notes::BoardNote;
+use super::{LedgerSummary, SideBounds, SinkStats, Store, StoreError, Stored};
 
 /// The schema version this build writes (`PRAGMA user_version`). Version
 /// 1 is the file of older sinks, which had no version: `received` keyed
 /// by event id alone, `mismatches` without device or topic. Version 2 had
-/// no `unreadable` table and no device in `forged`.
-pub const VERSION: i32 = 3;
+/// no `unreadable` table and no device in `forged`; version 3 no ledger.
+pub const VERSION: i32 = 4;
 
 /// Version 2, created whole in a new file.
 const SCHEMA_V2: &str = "
@@ -137,6 +140,8 @@ impl SinkDb {
         let one = store_in(&tx, &it, now, &self.bounds)?;
         let mut delta = one.stats;
         delta.side_dropped += trim_sides(&tx, &self.bounds, one.side)?;
+        let arrivals = book::arrivals(std::slice::from_ref(&it), &[one.fate]);
+        book::record(&mut SqliteBooks { tx: &tx }, &arrivals, now)?;
         tx.commit()?;
         self.stats += delta;
         Ok(one.event_id)
@@ -180,9 +185,42 @@ impl Store for SinkDb {
             sides.add(one.side);
         }
         out.stats.side_dropped += trim_sides(&tx, &self.bounds, sides).map_err(fatal)?;
+        let arrivals = book::arrivals(items, &out.fates);
+        book::record(&mut SqliteBooks { tx: &tx }, &arrivals, now_ms).map_err(fatal)?;
         tx.commit().map_err(fatal)?;
         self.stats += out.stats;
         Ok(out)
+    }
+
+    /// One `IMMEDIATE` transaction for the notes.
+    fn notes(
+        &mut self,
+        notes: &[BoardNote],
+        asking: bool,
+        now_ms: i64,
+    ) -> Result<book::NotesDone, StoreError> {
+        let fatal = |e: rusqlite::Error| StoreError::Fatal(format!("sink database: {e}"));
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(fatal)?;
+        let done = book::apply_notes(&mut SqliteBooks { tx: &tx }, notes, asking, now_ms)
+            .map_err(fatal)?;
+        tx.commit().map_err(fatal)?;
+        Ok(done)
+    }
+
+    fn ledger_summary(&mut self) -> Result<LedgerSummary, StoreError> {
+        self.conn
+            .query_row(super::LEDGER_SUMMARY, [], |r| {
+                Ok(LedgerSummary {
+                    boards_with_gaps: r.get::<_, i64>(0)?.max(0) as u64,
+                    rows_missing: r.get::<_, i64>(1)?.max(0) as u64,
+                    oldest_gap_since_ms: r.get(2)?,
+                    rows_gone: r.get::<_, i64>(3)?.max(0) as u64,
+                })
+            })
+            .map_err(|e| StoreError::Fatal(format!("sink database: {e}")))
     }
 }
 
@@ -212,6 +250,13 @@ pub fn migrate(conn: &mut Connection, b: &SideBounds) -> Result<(), OpenError> {
     }
     if found < 3 {
         v2_to_v3(&tx)?;
+    }
+    if found < 4 {
+        tx.execute_batch(ledger_sql::V3_TO_V4)?;
+        let n = ledger_sql::fill(&tx, crate::event::envelope::wall_clock_ms().0)?;
+        if n > 0 {
+            log::info!("sink: the ledger starts from the {n} events already stored");
+        }
     }
     if found < VERSION && old {
         trim_sides(&tx, b, Sides::ALL)?;
