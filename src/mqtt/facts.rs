@@ -71,6 +71,8 @@ pub(super) enum Sub {
     Commands,
     /// `<topic_prefix>/receipts`.
     Receipts,
+    /// `<topic_prefix>/backfill`.
+    Backfill,
 }
 
 /// First wait before subscribing to commands again after the broker closed

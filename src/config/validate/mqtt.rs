@@ -83,6 +83,20 @@ pub(super) fn validate_mqtt(
     );
     check_range("mqtt.receipt_window", m.receipt_window, 100..=100_000, bad);
     let receipt_public_keys = receipt_keys(m, retire_on, bad);
+    if m.holdings_interval_secs != 0 {
+        check_range(
+            "mqtt.holdings_interval_secs",
+            m.holdings_interval_secs,
+            10..=86_400,
+            bad,
+        );
+    }
+    check_range(
+        "mqtt.backfill_rows_per_sec",
+        m.backfill_rows_per_sec,
+        0..=100_000,
+        bad,
+    );
     MqttConfig {
         tls,
         credentials,
@@ -109,6 +123,8 @@ pub(super) fn validate_mqtt(
         receipt_timeout: Duration::from_secs(m.receipt_timeout_secs),
         receipt_window: m.receipt_window,
         receipt_public_keys,
+        holdings_interval: Duration::from_secs(m.holdings_interval_secs),
+        backfill_rows_per_sec: m.backfill_rows_per_sec,
     }
 }
 
