@@ -129,6 +129,8 @@ check "the config is a conffile" bash -c "dpkg-query -W -f='\${Conffiles}' edges
 check "the config is the shipped one" cmp -s /etc/edgespool/edgespool.toml board-configs/edgespool.toml
 check "man page edgespool(1), gzipped" gzip -t /usr/share/man/man1/edgespool.1.gz
 check "bash completion" bash -c 'source /usr/share/bash-completion/completions/edgespool 2>/dev/null; complete -p edgespool | grep -q _edgespool'
+check "zsh and fish completions, as generated" bash -c \
+  'cmp -s /usr/share/zsh/vendor-completions/_edgespool packaging/_edgespool && cmp -s /usr/share/fish/vendor_completions.d/edgespool.fish packaging/edgespool.fish'
 check "drop-in examples" test -f /usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf
 check "the Grafana dashboard and the alert rules" bash -c 'cmp -s /usr/share/doc/edgespool/examples/grafana/edgespool.json packaging/grafana/edgespool.json && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml packaging/prometheus/edgespool-alerts.yml && cmp -s /usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.test.yml packaging/prometheus/edgespool-alerts.test.yml'
 check "enabled for multi-user.target" test -L /etc/systemd/system/multi-user.target.wants/edgespool.service

@@ -31,14 +31,18 @@ pub struct Facts {
     /// keep-alive, without a PUBACK).
     pub quick_drops: u32,
     /// The broker refused the command subscription (SUBACK 0x80, MQTT 3.1.1
-    /// §3.9.3), or
-    /// closes the connection on it so the agent connects without it.
+    /// §3.9.3), or closed 3 connections in a row right after it, so the
+    /// agent connects without it for a while (at most 5 minutes at a time).
     pub commands_unavailable: Option<String>,
     /// FAILED rows in the spool now (kept and shown by `status` until an
     /// operator requeues them).
     pub failed_rows: u64,
-    /// Rows the broker refused on this connection, waiting for the next.
+    /// Rows held back on the broker's word (refused, over its CONNACK
+    /// maximum, set aside after dropped connections), tried again with
+    /// backoff and never FAILED for it ([`crate::delivery`]).
     pub deferred: u64,
+    /// What the broker said or did about them.
+    pub deferred_why: String,
     /// A reader pins the WAL (checkpoints cannot finish).
     pub checkpoint_blocked: bool,
     /// Readings refused since the last pass, and why.
@@ -158,8 +162,8 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     }
     if f.deferred > 0 {
         reasons.push(format!(
-            "{} rows refused by the broker on this connection (PUBACK reason code, or its maximum packet size): tried again on the next connection",
-            f.deferred
+            "{} rows held back by the broker, tried again with backoff, never FAILED for it: {}",
+            f.deferred, f.deferred_why
         ));
     }
     if let Some(why) = &f.write_budget {

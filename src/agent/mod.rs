@@ -26,7 +26,7 @@ pub mod health;
 mod startup;
 mod writer;
 
-pub use startup::open_spool;
+pub use startup::{check_places, open_spool};
 
 use crate::commands::signed::OperatorKeys;
 use crate::commands::worker::{CmdMsg, WorkerConfig};

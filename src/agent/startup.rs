@@ -158,29 +158,13 @@ pub(super) fn wake_on_signals(
     Ok(handle)
 }
 
-/// Refuses directories another user could write or owns (the config's,
-/// the state directory, the spool's: [`crate::os::fsguard::dirs`]), creates the
-/// spool's directory (mode 0750), refuses a spool file another user owns or
-/// may write, takes the spool lock (held until the returned guard drops)
-/// and refuses a network filesystem.
+/// Refuses what [`check_places`] refuses, creates the spool's directory
+/// (mode 0750) and judges it again, takes the spool lock (held until the
+/// returned guard drops) and refuses a network filesystem.
 pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock, AgentError> {
     use crate::os::fsguard::dirs::{check, Role};
-    let parent = |p: &Path| {
-        p.parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_path_buf()
-    };
-    let config_dir = parent(config_file);
-    check(Role::Config, &config_dir).map_err(AgentError::Setup)?;
-    let state_dir = parent(&crate::config::file::last_good_path(config_file));
-    if state_dir != config_dir {
-        check(Role::State, &state_dir).map_err(AgentError::Setup)?;
-    }
+    check_places(cfg, config_file).map_err(AgentError::Setup)?;
     let dir = spool_dir(cfg);
-    // Judged before it is made too: a parent others can write is refused
-    // before anything is created under it.
-    check(Role::Spool, &dir).map_err(AgentError::Setup)?;
     std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o750)
         .create(&dir)
         .map_err(|e| {
@@ -190,10 +174,9 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
             ))
         })?;
     check(Role::Spool, &dir).map_err(AgentError::Setup)?;
-    check_spool_file(&cfg.spool.path)?;
     let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
     warn_loose_secrets(cfg);
-    warn_local_broker_pubacks(cfg);
+    note_local_broker_pubacks(cfg);
     if let Some(caution) = cfg.commands.caution() {
         log::warn!("{caution}");
     }
@@ -202,10 +185,41 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
     Ok(lock)
 }
 
+/// What `run` refuses before it creates anything, for this process's uid:
+/// a config directory, state directory or spool directory another user
+/// could write or owns ([`crate::os::fsguard::dirs::check`]), a spool
+/// directory this uid cannot write (or create), and a spool file another
+/// user owns or may write or this uid cannot write. `edgespool test` calls
+/// it too, so it says what `run` will.
+///
+/// Errors: the first refusal, naming the path and the fix.
+pub fn check_places(cfg: &Config, config_file: &Path) -> Result<(), String> {
+    use crate::os::fsguard::dirs::{check, check_writable, Role};
+    let parent = |p: &Path| {
+        p.parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf()
+    };
+    let config_dir = parent(config_file);
+    check(Role::Config, &config_dir)?;
+    let state_dir = parent(&crate::config::file::last_good_path(config_file));
+    if state_dir != config_dir {
+        check(Role::State, &state_dir)?;
+    }
+    // Judged before it is made too: a parent others can write is refused
+    // before anything is created under it.
+    let dir = spool_dir(cfg);
+    check(Role::Spool, &dir)?;
+    check_writable(Role::Spool, &dir)?;
+    check_spool_file(&cfg.spool.path)
+}
+
 /// Refuse an existing spool file that another user owns or may write:
 /// SQLite gives its `-wal` and `-shm` the database file's owner, and
 /// whoever may write it may write rows the board then publishes as its own.
-fn check_spool_file(path: &Path) -> Result<(), AgentError> {
+/// One this uid may not write would fail at the first open.
+fn check_spool_file(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let Ok(m) = std::fs::metadata(path) else {
         return Ok(()); // not there yet: created by the agent
@@ -213,18 +227,20 @@ fn check_spool_file(path: &Path) -> Result<(), AgentError> {
     let me = crate::os::fsguard::files::euid();
     let shown = path.display();
     if m.uid() != 0 && m.uid() != me {
-        return Err(AgentError::Setup(format!(
+        return Err(format!(
             "spool {shown} is owned by uid {}, not by root or this agent (uid {me}): chown {me} {shown} (and its -wal and -shm)",
             m.uid()
-        )));
+        ));
     }
     if m.is_file() && m.mode() & 0o022 != 0 {
-        return Err(AgentError::Setup(format!(
+        return Err(format!(
             "spool {shown} is writable by group or others (mode {:o}): chmod go-w {shown}",
             m.mode() & 0o7777
-        )));
+        ));
     }
-    Ok(())
+    crate::os::fsguard::dirs::may_read_write(path).map_err(|e| {
+        format!("spool {shown} cannot be read and written by this agent (uid {me}): {e}; chown {me} {shown} and chmod u+rw {shown}")
+    })
 }
 
 /// The writer's connection: opened (migrated if needed), the WAL
@@ -481,8 +497,11 @@ pub(super) fn spool_dir(cfg: &Config) -> std::path::PathBuf {
 
 /// A broker on this board (a loopback address) acknowledges a row when it
 /// has it, not when the fleet stored it: say so once at start, naming
-/// `mqtt.retire_on`, unless rows already wait for receipts.
-fn warn_local_broker_pubacks(cfg: &Config) {
+/// `mqtt.retire_on`, unless rows already wait for receipts. An INFO line,
+/// not a WARN (issue 36): the demo and the quick start talk to a local
+/// broker that is the end of the line, and nothing there is to be acted
+/// on; docs/fleet.md tells a board behind a local relay what to do.
+fn note_local_broker_pubacks(cfg: &Config) {
     if cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt {
         return;
     }
@@ -492,7 +511,7 @@ fn warn_local_broker_pubacks(cfg: &Config) {
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback());
     if local {
-        log::warn!(
+        log::info!(
             "mqtt.url points at a broker on this board ({}): its PUBACK proves only that the local broker holds a row, not that the fleet stored it (a local broker restarted, or its bridge queue full, loses rows it acknowledged); rows are retired on that PUBACK. Set mqtt.retire_on = \"receipt\" where a sink sends receipts",
             cfg.mqtt.host
         );

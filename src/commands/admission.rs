@@ -3,7 +3,7 @@
 //!
 //! Its one rule: **a sender on the command topic cannot take the room the
 //! operator's commands need**, and the operator is a key, not a name
-//! (DESIGN.md, "Trust boundaries"). Every command falls in one [`Tier`]:
+//! (docs/invariants.md, "Trust boundaries"). Every command falls in one [`Tier`]:
 //!
 //! - [`Tier::Operator`]: signed by one of `commands.operator_public_keys`
 //!   ([`super::signed`]: the board's own config lists them; nothing a

@@ -2,7 +2,7 @@
 //! signature covers, and the one helper that signs them.
 //!
 //! Its one rule: **the operator is a key the board's own config lists,
-//! never a name a command claims** (DESIGN.md, "Trust boundaries"). A
+//! never a name a command claims** (docs/invariants.md, "Trust boundaries"). A
 //! command carries `"signature": "<128 hex>"`, the Ed25519 signature (RFC
 //! 8032) of [`signed_bytes`]: the [`Domain::Command`] label, then
 //!

@@ -110,6 +110,54 @@ fn wrong_type_names_the_key() {
 }
 
 #[test]
+fn a_wrong_type_is_said_in_plain_words_with_the_expected_form_and_the_value_given() {
+    let with = |key: &str, value: &str| {
+        let text = format!("device_id = \"d\"\n[spool]\npath = \"/x/s.db\"\n{key} = {value}\n");
+        err(&text).to_string()
+    };
+    for (key, value, said) in [
+        ("max_bytes", "\"10k\"", "t.toml:4: spool.max_bytes: expected a whole number of bytes, got \"10k\" (a plain number: the unit is in the key's name)"),
+        ("max_bytes", "-5", "t.toml:4: spool.max_bytes: expected a whole number of bytes, 0 or more, got -5"),
+        ("commit_window_ms", "1.5", "t.toml:4: spool.commit_window_ms: expected a whole number of milliseconds, got 1.5"),
+        ("checkpoint_interval_secs", "\"30\"", "t.toml:4: spool.checkpoint_interval_secs: expected a whole number of seconds, got \"30\" (write it without the quotes: 30)"),
+        ("acked_retention_secs", "1e3", "t.toml:4: spool.acked_retention_secs: expected a whole number of seconds, got 1e3"),
+        ("allow_network_fs", "\"yes\"", "t.toml:4: spool.allow_network_fs: expected true or false, got \"yes\""),
+    ] {
+        let e = with(key, value);
+        assert_eq!(e, said);
+        assert!(!e.contains("invalid type") && !e.contains("u64"), "{e}");
+    }
+    let e = err("device_id = \"d\"\n[spool]\npath = 5\n").to_string();
+    assert_eq!(e, "t.toml:3: spool.path: expected a path in quotes, got 5");
+    let e = err("device_id = 3\n[spool]\npath = \"/x\"\n").to_string();
+    assert_eq!(e, "t.toml:1: device_id: expected text in quotes, got 3");
+    let e = err("device_id = \"d\"\nspool = 5\n").to_string();
+    assert_eq!(e, "t.toml:2: spool: expected a table, got 5");
+    let e = err("device_id = \"d\"\n[spool]\npath = \"/x\"\n[ingest]\nstream_patterns = \"ops\"\n")
+        .to_string();
+    assert_eq!(
+        e,
+        "t.toml:5: ingest.stream_patterns: expected an array ([...]), got \"ops\""
+    );
+}
+
+#[test]
+fn a_missing_file_is_said_as_such_not_as_a_parse_failure() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("board.toml");
+    let e = load(&p, &[]).unwrap_err();
+    assert!(e.missing_file && e.problems.is_empty(), "{e:?}");
+    assert_eq!(
+        e.told(),
+        format!("config file {} does not exist", p.display())
+    );
+    std::fs::write(&p, "device_id = 3\n").unwrap();
+    let e = load(&p, &[]).unwrap_err();
+    assert!(!e.missing_file);
+    assert!(e.told().starts_with("config invalid: "), "{}", e.told());
+}
+
+#[test]
 fn dangerous_values_are_rejected_by_range() {
     // field case F16 (e)
     let e = err(&GOOD.replace("[mqtt]", "[mqtt]\ninflight_window = 0\nkeep_alive_secs = 0"));

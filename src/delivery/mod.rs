@@ -19,6 +19,7 @@ use crate::mqtt::{DeliveryMsg, Link, Ready};
 pub mod awaiting;
 pub mod backfill;
 mod batcher;
+mod brokerword;
 mod defer;
 mod holdings;
 pub mod lanes;
@@ -78,12 +79,24 @@ pub struct DeliveryStats {
     /// 1 while the broker refuses the receipts subscription (rows are then
     /// retired on their PUBACK).
     pub receipts_unavailable: AtomicU64,
-    /// Rows the broker refused on this connection, waiting for the next
-    /// one ([`defer`]).
+    /// Rows held back on the broker's word (refused, over its CONNACK
+    /// maximum, set aside after dropped connections: [`defer`]).
     pub deferred: AtomicU64,
+    /// What the broker said or did about them, for health.
+    pub deferred_why: std::sync::Mutex<String>,
     /// Holdings announced and rows sent again on the fleet's request
     /// ([`holdings`]).
     pub backfill: BackfillStats,
+}
+
+impl DeliveryStats {
+    /// What the broker said or did about the rows held back (empty: none).
+    pub fn deferred_why(&self) -> String {
+        self.deferred_why
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default()
+    }
 }
 
 /// Receipts refused whole, by [`crate::event::receipts::ReceiptError::reason`].
@@ -143,8 +156,9 @@ pub struct DeliveryConfig {
     pub max_payload_bytes: usize,
     /// `mqtt.max_packet_bytes`: the broker's limit on a whole PUBLISH.
     pub max_packet_bytes: usize,
-    /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
-    /// disconnects in a row is marked FAILED.
+    /// `mqtt.fail_after_disconnects`: a row alone in flight at this many
+    /// dropped connections in a row is set aside (tried again alone later,
+    /// never FAILED: [`defer`]).
     pub fail_after_disconnects: u32,
     /// `mqtt.protocol`: what a PUBLISH carries beyond topic and payload.
     pub protocol: crate::mqtt::Protocol,
@@ -235,6 +249,12 @@ pub fn run(
         if let Some(due) = d.backfill_due() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
+        if let Some(due) = d.book.next_due().filter(|_| d.link.connected()) {
+            // Not sooner than this: rows of the book wait seconds, and a
+            // full ready queue holds them a moment without a spin.
+            let soon = due.saturating_duration_since(Instant::now());
+            wait = wait.min(soon.max(Duration::from_millis(50)));
+        }
         match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => d.handle(msg, &mut spool),
             Err(RecvTimeoutError::Timeout) => {}
@@ -244,14 +264,15 @@ pub fn run(
             d.handle(msg, &mut spool);
         }
         d.collect();
-        d.fail_refused(&mut spool);
+        d.defer_refused();
         d.fill(&mut spool);
+        d.book_refresh();
         d.maybe_flush(&mut spool);
         d.announce_if_due(&spool);
     }
     // Acks already received are committed before exit; nothing else is.
     d.collect();
-    d.fail_refused(&mut spool);
+    d.defer_refused();
     d.flush(&mut spool);
 }
 
@@ -262,8 +283,14 @@ struct Delivery {
     /// Backfill's bookkeeping; `None` when the board neither announces
     /// its holdings nor hears requests.
     backfill: Option<BackfillMode>,
-    /// Rows a connection of this run refused ([`defer`]).
-    deferred: defer::Deferred,
+    /// Rows held back on the broker's word ([`defer`]).
+    book: defer::Book,
+    /// When health's copy of the book was last refreshed.
+    book_published: Option<Instant>,
+    /// A change to the book not yet in health's copy.
+    book_dirty: bool,
+    /// When each kind of rate-limited WARN was last logged.
+    warned: HashMap<&'static str, Instant>,
     link: Link,
     epoch: u64,
     /// Rows read from the spool in this epoch, not yet offered, by priority.
@@ -287,11 +314,6 @@ struct Delivery {
     offered_size: HashMap<i64, usize>,
     /// The largest PUBLISH the broker has acknowledged in this run.
     largest_acked: usize,
-    /// A packet size the broker dropped the connection on, learned from a
-    /// row FAILED after quick disconnects while larger than any packet it
-    /// acknowledged: rows at least this large fail at once instead of
-    /// costing `fail_after_disconnects` reconnects each.
-    learned_limit: Option<usize>,
     /// Sending one row at a time to find a row the broker refuses; acks
     /// counted since.
     probing: Option<usize>,
@@ -311,7 +333,10 @@ impl Delivery {
         Delivery {
             receipts,
             backfill,
-            deferred: Default::default(),
+            book: Default::default(),
+            book_published: None,
+            book_dirty: false,
+            warned: HashMap::new(),
             batcher,
             cfg,
             link,
@@ -327,7 +352,6 @@ impl Delivery {
             suspect: None,
             offered_size: HashMap::new(),
             largest_acked: 0,
-            learned_limit: None,
             probing: None,
         }
     }
@@ -339,22 +363,19 @@ impl Delivery {
                 rows,
                 reason,
                 quick,
+                closed_on_rows,
                 watchdog,
             } => {
                 // Acks received before the loss are real: commit them first.
                 self.collect();
-                self.fail_refused(spool);
+                self.defer_refused();
                 self.flush(spool);
                 if watchdog {
                     if let Err(e) = spool.count(WATCHDOG_REBUILDS, 1) {
                         self.log_error("count a watchdog rebuild", &e);
                     }
                 }
-                if quick {
-                    self.suspect_row(spool, &rows);
-                } else {
-                    self.suspect = None;
-                }
+                self.on_drop(&rows, quick, closed_on_rows);
                 self.stats
                     .requeued
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
@@ -363,7 +384,8 @@ impl Delivery {
                     rows.len()
                 );
                 self.epoch = epoch;
-                self.deferrals_expire();
+                self.book.lost();
+                self.book_changed();
                 // Replay from the oldest unacknowledged row, in order (I7).
                 self.lanes.reset();
                 self.batcher.clear();
@@ -387,8 +409,10 @@ impl Delivery {
                 self.link.ack(epoch, &publish);
             }
             DeliveryMsg::Requeued => {
-                if self.learned_limit.take().is_some() {
-                    log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
+                if self.book.hold_size().is_some() {
+                    self.book.lift();
+                    log::info!("delivery: FAILED rows requeued; rows held back since the broker dropped a connection go again");
+                    self.book_changed();
                 }
             }
             DeliveryMsg::Receipt { epoch, publish } => {
@@ -408,64 +432,6 @@ impl Delivery {
             }
             DeliveryMsg::Progress | DeliveryMsg::NewRows | DeliveryMsg::Stop => {}
         }
-    }
-
-    /// A publish the broker answers by closing the connection never gets a
-    /// PUBACK, and each replay would start with it again: after a quick
-    /// disconnect (within a keep-alive of CONNACK, no PUBACK, closed by the
-    /// peer) with several rows in flight, rows go one at a time; a row alone
-    /// in flight at `fail_after_disconnects` quick disconnects in a row goes
-    /// FAILED, so the rows behind it flow. Never a guess between rows.
-    fn suspect_row(&mut self, spool: &mut Spool, in_flight: &[i64]) {
-        let row = match in_flight {
-            [] => return,
-            [one] => *one,
-            _ => {
-                if let Some(cap) = self.batcher.quick_loss(in_flight, self.largest_acked) {
-                    log::warn!("delivery: the connection dropped with a batch larger than any packet the broker acknowledged in flight: batches now at most {cap} bytes per PUBLISH; set mqtt.max_packet_bytes to the broker's limit");
-                }
-                if self.probing.is_none() {
-                    log::warn!("delivery: connections drop soon after CONNACK with rows in flight; sending one row at a time to find a row the broker refuses");
-                    self.link.probe(true);
-                    self.probing = Some(0);
-                }
-                self.suspect = None;
-                return;
-            }
-        };
-        let n = match self.suspect {
-            Some((r, n)) if r == row => n + 1,
-            _ => 1,
-        };
-        self.suspect = Some((row, n));
-        if n < self.cfg.fail_after_disconnects {
-            return;
-        }
-        self.suspect = None;
-        let oldest = row;
-        let why = format!(
-            "the connection dropped {n} times in a row with this row the oldest in flight (larger than the broker accepts? denied? see the broker's log)"
-        );
-        self.fail(spool, oldest, &format!("row {oldest}"), &why, "disconnects");
-        self.learn_limit(self.offered_size.get(&oldest).copied());
-    }
-
-    /// After a row alone in flight cost the connection: if its packet was
-    /// larger than every packet the broker acknowledged, its size is taken
-    /// as the broker's limit (3.1.1 has no other way to learn it) until a
-    /// packet that large is acknowledged.
-    fn learn_limit(&mut self, size: Option<usize>) {
-        let Some(size) = size.filter(|&s| s > self.largest_acked) else {
-            return;
-        };
-        if self.learned_limit.is_some_and(|l| l <= size) {
-            return;
-        }
-        self.learned_limit = Some(size);
-        log::warn!(
-            "delivery: the broker dropped the connection on a {size}-byte PUBLISH (the largest it acknowledged is {} bytes): rows of {size} bytes or more now go FAILED at once; set mqtt.max_packet_bytes to the broker's limit",
-            self.largest_acked
-        );
     }
 
     /// Move what the MQTT side submitted and saw acknowledged into the
@@ -489,12 +455,8 @@ impl Delivery {
             if let Some(size) = self.offered_size.remove(row) {
                 self.largest_acked = self.largest_acked.max(size);
             }
-            self.forget_deferral(*row);
         }
-        if self.learned_limit.is_some_and(|l| self.largest_acked >= l) {
-            log::info!("delivery: the broker acknowledged a packet as large as the learned limit; forgetting it");
-            self.learned_limit = None;
-        }
+        self.book_acked(&acked);
         if let Some(n) = self.probing.as_mut() {
             *n += acked.len();
             if *n >= 2 * self.cfg.window {
@@ -544,6 +506,7 @@ impl Delivery {
     /// Commit pending attempt marks and retirements in one transaction. On an
     /// error the ids stay queued and are retried; nothing is dropped.
     fn flush(&mut self, spool: &mut Spool) {
+        self.write_counts(spool);
         if self.to_retire.is_empty() && self.to_mark.is_empty() {
             self.waiting_since = None;
             return;
@@ -572,6 +535,9 @@ impl Delivery {
         let mut room = target.saturating_sub(self.link.ready_len());
         let mut batch = self.resend_ready(spool);
         room = room.saturating_sub(batch.len());
+        let retried = self.retry_ready(spool, room);
+        room = room.saturating_sub(retried.len());
+        batch.extend(retried);
         if self.receipts_full() {
             room = 0;
         }
@@ -603,13 +569,17 @@ impl Delivery {
             };
             if self.retiring.contains(&row.id)
                 || self.awaits_receipt(row.id)
-                || self.deferred_now(row.id)
+                || self.book.waits(row.id, self.epoch, Instant::now())
             {
-                continue; // acknowledged (not yet committed), waiting for its receipt, or refused on this connection
+                continue; // acknowledged (not yet committed), waiting for its receipt, or held back by the broker
             }
             let Some((topic, size, event_id)) = self.admit(spool, &row, limits) else {
                 continue;
             };
+            self.book.offered(row.id, self.epoch);
+            if self.book.alone(row.id) {
+                self.probe_alone();
+            }
             self.note_offered(&row, event_id);
             // While probing for a refused row, rows go one by one.
             match self
@@ -660,8 +630,10 @@ impl Delivery {
 
     /// Whether `row` may be sent: its stored event id is one, its digest
     /// holds and it fits the payload and packet limits as a single
-    /// PUBLISH. Returns its single-event topic, packet size and event id; a
-    /// row that may not is marked FAILED (and the rows behind it flow).
+    /// PUBLISH. Returns its single-event topic, packet size and event id. A
+    /// row the board's own limits refuse is marked FAILED (and the rows
+    /// behind it flow); one the broker's word refuses (its CONNACK maximum,
+    /// a size it dropped the connection on) is held back ([`defer`]).
     /// `limits`: [`Delivery::packet_limit`].
     fn admit(
         &mut self,
@@ -698,18 +670,14 @@ impl Delivery {
             if limit < self.cfg.max_packet_bytes {
                 // The broker's CONNACK limit: this connection's word, judged
                 // again on the next one.
-                self.defer(spool, (row.id, &event_id), &why, "packet_too_large");
+                self.defer_too_large(row.id, &event_id, &why);
             } else {
                 self.fail(spool, row.id, &event_id, &why, "packet_too_large");
             }
             return None;
         }
         let size = publish_packet_size(topic.len(), row.payload.len() + extra);
-        if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
-            let why = format!(
-                "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
-            );
-            self.fail(spool, row.id, &event_id, &why, "packet_too_large");
+        if self.held_back(row.id, size, &event_id) {
             return None;
         }
         Some((topic, size, event_id))
@@ -740,7 +708,7 @@ impl Delivery {
     /// below it, under that too). `packet`: the limit of
     /// [`Delivery::packet_limit`].
     fn batch_limit(&self, stream: &str, mut packet: usize) -> usize {
-        if let Some(l) = self.learned_limit {
+        if let Some(l) = self.book.hold_size() {
             packet = packet.min(l.saturating_sub(1));
         }
         if let Some(c) = self.batcher.cap() {
@@ -776,26 +744,10 @@ impl Delivery {
         }
     }
 
-    /// Defer the rows whose PUBACK refused them (MQTT 5 reason code 0x80
-    /// or more) to the next connection; refused on
-    /// `mqtt.fail_after_disconnects` connections, they go FAILED, counted
-    /// per reason as `events_failed_puback_<reason>` ([`defer`]). The
-    /// broker took the publish and said no, so it is not delivered.
-    fn fail_refused(&mut self, spool: &mut Spool) {
-        for (row, r) in self.link.take_refused() {
-            self.forget_offered(row);
-            self.defer(
-                spool,
-                (row, &format!("in row {row}")),
-                &r.to_string(),
-                &format!("puback_{}", r.name),
-            );
-        }
-    }
-
     /// Mark one row FAILED (kept, shown by `status`, counted as
     /// `events_failed_<counter>`); the rows behind it flow. `event_id`
-    /// names the event in the log.
+    /// names the event in the log. Only the board's own limits call this
+    /// (a broker's word holds rows back instead: [`defer`]).
     fn fail(
         &mut self,
         spool: &mut Spool,
@@ -804,6 +756,7 @@ impl Delivery {
         why: &str,
         counter: &str,
     ) {
+        self.book.forget(id);
         log::error!("delivery: event {event_id} marked FAILED: {why}");
         match spool.mark_failed(id, why, counter) {
             Ok(()) => {

@@ -20,7 +20,7 @@
 //! held while its id is still outstanding) and the simulated broker
 //! acknowledges what it received, in any order.
 //!
-//! Invariants checked after every step (DESIGN.md):
+//! Invariants checked after every step (docs/invariants.md):
 //! - **I2** a row is retired (ACKED) only after the PUBACK of a publish
 //!   that carried it arrived in the current connection, and the PUBACK
 //!   the ack map matches is for the row the wire carried;

@@ -493,6 +493,40 @@ pub fn render(f: &Figures) -> String {
         1.0,
     );
     render_spool(&mut o, f);
+    render_link(&mut o, f);
+    if let Some(r) = &f.receipts {
+        render_receipts(&mut o, r);
+    }
+    render_drops(&mut o, f);
+    o.single(
+        "edgespool_write_bytes_total",
+        "counter",
+        "Bytes this process sent to the block layer (write_bytes of /proc/self/io).",
+        f.write_bytes as f64,
+    );
+    o.single(
+        "edgespool_checkpoints_total",
+        "counter",
+        "WAL checkpoints run, this run.",
+        f.checkpoints as f64,
+    );
+    render_commands(&mut o, f);
+    if let Some(b) = &f.outage {
+        outage::render(&mut o, b);
+    }
+    render_health(&mut o, f);
+    o.single(
+        "edgespool_metrics_timestamp_seconds",
+        "gauge",
+        "Wall clock when these figures were gathered, Unix seconds.",
+        f.at_unix_secs,
+    );
+    o.0
+}
+
+/// The link and what went through it: connection, reconnects, watchdog
+/// rebuilds, PUBACK and commit latency, readings appended, rows retired.
+fn render_link(o: &mut Out, f: &Figures) {
     o.single(
         "edgespool_mqtt_connected",
         "gauge",
@@ -533,9 +567,10 @@ pub fn render(f: &Figures) -> String {
         "Rows retired (on their PUBACK, or in receipt mode on their receipt), this run.",
         f.acked as f64,
     );
-    if let Some(r) = &f.receipts {
-        render_receipts(&mut o, r);
-    }
+}
+
+/// Readings dropped and refused, rows FAILED: by reason.
+fn render_drops(o: &mut Out, f: &Figures) {
     let mut lost = f.clone();
     // `readings_lost_at_shutdown` is a drop by another name.
     for (k, _) in lost.counters.iter_mut() {
@@ -573,30 +608,6 @@ pub fn render(f: &Figures) -> String {
         "events_failed_",
         &FAIL_REASONS,
     );
-    o.single(
-        "edgespool_write_bytes_total",
-        "counter",
-        "Bytes this process sent to the block layer (write_bytes of /proc/self/io).",
-        f.write_bytes as f64,
-    );
-    o.single(
-        "edgespool_checkpoints_total",
-        "counter",
-        "WAL checkpoints run, this run.",
-        f.checkpoints as f64,
-    );
-    render_commands(&mut o, f);
-    if let Some(b) = &f.outage {
-        outage::render(&mut o, b);
-    }
-    render_health(&mut o, f);
-    o.single(
-        "edgespool_metrics_timestamp_seconds",
-        "gauge",
-        "Wall clock when these figures were gathered, Unix seconds.",
-        f.at_unix_secs,
-    );
-    o.0
 }
 
 /// The health state set and the opens that found rows gone.

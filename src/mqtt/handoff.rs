@@ -28,6 +28,10 @@ pub enum DeliveryMsg {
         /// The connection ended within a keep-alive of its CONNACK without
         /// carrying a PUBACK (what a broker refusing a publish looks like).
         quick: bool,
+        /// The peer (or the network) closed it within a keep-alive of the
+        /// oldest row in flight leaving, with no PUBACK since: what a
+        /// broker closing on a publish looks like, mid-connection too.
+        closed_on_rows: bool,
         /// The watchdog ended it: connected, rows in flight and no PUBACK
         /// for `mqtt.ack_timeout_secs`; the client is rebuilt (counted as
         /// `mqtt_watchdog_rebuilds`).

@@ -49,10 +49,12 @@ pub struct MqttConfig {
     /// `ack_timeout_secs`: connected with rows in flight and no PUBACK for this
     /// long → the client is rebuilt and rows replayed (watchdog).
     pub ack_timeout: Duration,
-    /// `fail_after_disconnects`: a row that is the oldest in flight when the
-    /// connection drops this many times in a row is marked FAILED (a publish
-    /// the broker answers by disconnecting, e.g. over its packet size limit),
-    /// so the rows behind it flow (1..=100, default 3).
+    /// `fail_after_disconnects`: a row alone in flight when the connection
+    /// drops this many times in a row is set aside (a publish the broker
+    /// answers by disconnecting, e.g. over its packet size limit), so the
+    /// rows behind it flow; it is sent again alone later and never FAILED
+    /// for it ([`crate::delivery`]'s book). 1..=100, default 3; the key keeps
+    /// its name so existing configs still read.
     pub fail_after_disconnects: u32,
     /// `protocol`: `"5"` (default; the integer `5` too) or `"3.1.1"`. Only MQTT 5 tells a
     /// publisher that the broker refused a publish (a PUBACK reason code of

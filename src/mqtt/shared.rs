@@ -42,6 +42,9 @@ pub struct Shared {
     /// Rebuild the connection now so the broker redelivers the commands
     /// left unacknowledged while the command thread had no room.
     pub(super) redeliver: bool,
+    /// Rebuild the connection now, for this reason (the delivery thread
+    /// wants every row read again: [`super::Link::rebuild`]).
+    pub(super) rebuild: Option<String>,
     /// CONNACKs accepted and command SUBACKs granted since start (a pushed
     /// config that changes the connection is confirmed by new ones).
     pub(super) connacks: u64,

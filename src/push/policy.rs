@@ -1,7 +1,7 @@
 //! What a config push may change.
 //!
 //! Its one rule: **nothing that arrives over the network can widen what the
-//! board's own config file allows** (DESIGN.md, "Trust boundaries"). The
+//! board's own config file allows** (docs/invariants.md, "Trust boundaries"). The
 //! local file (root-owned, `/etc/edgespool/`) decides who the board talks to
 //! and what it may run; `[commands.config_push]` in it decides what a push
 //! may do:
@@ -80,6 +80,10 @@ const WHO_PUSHES: &str = "the board's own file says who may push";
 const WHO_OPERATES: &str = "the board's own file says who the operator is";
 /// Why the board's identity stays.
 const IDENTITY: &str = "the board's own file says which board it is";
+/// Why what proves a row delivered stays: a push that listed its own
+/// receipt key, or went back to PUBACKs, could retire rows the fleet never
+/// stored.
+const WHO_RETIRES: &str = "the board's own file says what proves a row delivered";
 /// Why paths and sockets stay.
 const WRITES: &str = "the board's own file says what the agent writes or binds";
 
@@ -95,6 +99,8 @@ pub const LOCAL_ONLY: &[(&str, &str)] = &[
     ("device_id", IDENTITY),
     ("mqtt.client_id", IDENTITY),
     ("mqtt.topic_prefix", IDENTITY),
+    ("mqtt.retire_on", WHO_RETIRES),
+    ("mqtt.receipt_public_keys", WHO_RETIRES),
     ("spool.path", WRITES),
     ("spool.allow_network_fs", WRITES),
     ("metrics.textfile", WRITES),

@@ -721,7 +721,7 @@ impl Session<'_> {
         let committed = match d.result {
             Ok(c) => c,
             Err(StoreError::Transient(e)) => return Ok(Some(End::Lost(format!("store: {e}")))),
-            Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
+            Err(e @ (StoreError::Fatal(_) | StoreError::Settings(_))) => return Err(e.to_string()),
         };
         *self.totals += committed.stats;
         if let Some(l) = committed.summary {

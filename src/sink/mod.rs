@@ -227,6 +227,12 @@ pub enum StoreError {
     /// a file that cannot be written): exit non-zero.
     #[error("store failed: {0}")]
     Fatal(String),
+    /// The store's settings cannot work (the server asks for a password
+    /// and none was given, a conninfo the client refuses): the operator
+    /// fixes them; exit 2, so a supervisor does not restart into the same
+    /// answer.
+    #[error("store settings cannot work: {0}")]
+    Settings(String),
 }
 
 /// Where batches go. One transaction per call.

@@ -320,7 +320,7 @@ impl PgStore {
                 self.copy_refused = true;
                 Ok(None)
             }
-            Class::Transient => Err(self.fail(e)),
+            Class::Transient | Class::Settings => Err(self.fail(e)),
         }
     }
 
@@ -418,25 +418,76 @@ fn trim_all(c: &mut Client, b: &SideBounds, sink: &str) -> Result<u64, postgres:
 enum Class {
     /// Retry later on a new connection (class 08 connection, 40 rollback:
     /// deadlock or serialization, 53 resources, 57 operator intervention,
-    /// 58 system; any error without a SQLSTATE: I/O, closed connection).
+    /// 58 system; any other error without a SQLSTATE: I/O, closed
+    /// connection, a server not reachable).
     Transient,
     /// A value the server cannot hold (class 22 data, 23 constraint).
     Data,
     /// Anything else (28 login, 3D database, 42 schema or permission).
     Fatal,
+    /// The client's own settings cannot work: no password where the server
+    /// asks for one, a conninfo it refuses ([`client_settings_error`]).
+    Settings,
 }
 
 impl Class {
     fn into_error(self, e: postgres::Error) -> StoreError {
-        let text = match e.as_db_error() {
-            Some(db) => format!("{} ({})", db.message(), db.code().code()),
-            None => e.to_string(),
-        };
+        let text = error_text(&e);
         match self {
             Class::Fatal => StoreError::Fatal(text),
+            Class::Settings => StoreError::Settings(text),
             Class::Transient | Class::Data => StoreError::Transient(text),
         }
     }
+}
+
+/// `e` with its cause: the server's message, SQLSTATE, detail and hint
+/// (`password authentication failed for user "sink" (28P01)`), or the
+/// client's words and every error under them (`error connecting to
+/// server: Connection refused (os error 111)`); tokio-postgres' own
+/// `Display` says only the first part (`db error`, `error connecting to
+/// server`). A missing password says where one is read from.
+pub fn error_text(e: &postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut text = format!("{} ({})", db.message(), db.code().code());
+        if let Some(d) = db.detail() {
+            text.push_str(&format!("; detail: {d}"));
+        }
+        if let Some(h) = db.hint() {
+            text.push_str(&format!("; hint: {h}"));
+        }
+        return text;
+    }
+    let mut text = e.to_string();
+    let mut cur = std::error::Error::source(e);
+    while let Some(err) = cur {
+        let part = err.to_string();
+        if !text.ends_with(&part) {
+            text.push_str(&format!(": {part}"));
+        }
+        cur = err.source();
+    }
+    if text.ends_with("password missing") {
+        text.push_str(
+            " (the server asks for a password and none was given: name a file only its owner can \
+             read in password_file under [sink.postgres] or --pg-password-file, or set PGPASSWORD \
+             or PGPASSFILE)",
+        );
+    }
+    text
+}
+
+/// Whether `e` is the client refusing its own settings, which no retry
+/// changes. tokio-postgres 0.7 has no accessor for an error's kind; its
+/// `Display` of `Kind::Config`, `Kind::ConfigParse` and
+/// `Kind::Authentication` is exactly these words (src/error/mod.rs), and
+/// such errors carry no SQLSTATE.
+fn client_settings_error(e: &postgres::Error) -> bool {
+    e.as_db_error().is_none()
+        && matches!(
+            e.to_string().as_str(),
+            "invalid configuration" | "invalid connection string" | "authentication error"
+        )
 }
 
 /// A failed connection: a refused TLS handshake is fatal (the same
@@ -467,6 +518,9 @@ pub fn connect_client_with(connect: &PgConnect) -> Result<Client, StoreError> {
 }
 
 fn classify(e: &postgres::Error) -> Class {
+    if client_settings_error(e) {
+        return Class::Settings;
+    }
     let Some(db) = e.as_db_error() else {
         return Class::Transient;
     };
@@ -733,5 +787,49 @@ impl At<'_> {
             ],
         )?;
         trim(tx, side, self.bounds, self.sink)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_settings_error_is_settings_and_keeps_its_cause() {
+        // No host at all: tokio-postgres' `Kind::Config`, with the words
+        // of what is missing under it.
+        let e = postgres::Config::new()
+            .user("sink")
+            .connect(postgres::NoTls)
+            .err()
+            .expect("no host");
+        assert_eq!(classify(&e), Class::Settings);
+        let text = error_text(&e);
+        assert!(text.starts_with("invalid configuration: "), "{text}");
+        assert!(text.contains("missing"), "{text}");
+        assert!(matches!(
+            classify(&e).into_error(e),
+            StoreError::Settings(_)
+        ));
+    }
+
+    #[test]
+    fn a_server_not_reachable_is_transient_and_says_why() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let e = postgres::Client::connect(
+            &format!("host=127.0.0.1 port={port} user=sink connect_timeout=5"),
+            postgres::NoTls,
+        )
+        .err()
+        .expect("nothing listens there");
+        assert_eq!(classify(&e), Class::Transient);
+        let text = error_text(&e);
+        assert!(
+            text.starts_with("error connecting to server: ") && text.contains("refused"),
+            "{text}"
+        );
     }
 }

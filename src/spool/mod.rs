@@ -67,7 +67,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Row states (DESIGN.md, "Spool states").
+/// Row states (docs/invariants.md, "Spool states").
 pub mod state {
     /// Committed locally; no publish attempt yet.
     pub const PENDING: &str = "PENDING";

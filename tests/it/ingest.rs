@@ -205,7 +205,7 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
         crate::support::agent::run_cli(&["status", "--config", cfg.to_str().expect("utf-8 path")]);
     assert!(
         status.contains(&format!(
-            "ingest_listeners: unix {} (mode 660), tcp 127.0.0.1:{port}",
+            "ingest listeners: unix {} (mode 660), tcp 127.0.0.1:{port}",
             sock.display()
         )),
         "{status}"

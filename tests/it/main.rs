@@ -7,6 +7,7 @@ mod support;
 mod aedes;
 mod batches;
 mod bridge;
+mod broker_word;
 mod cli;
 mod commands;
 mod config;
@@ -111,8 +112,8 @@ pub fn received(deliveries: &[Delivery]) -> Received {
     r
 }
 
-/// The invariants every scenario ends with (field-cases.md, "Invariants
-/// checked after every scenario"), given a drained spool:
+/// The invariants every scenario ends with (docs/invariants.md), given a
+/// drained spool:
 /// I1 every row's event id reached the receiver; I2 every ACKED row was
 /// received (the broker had it); I3 no event id ever carried two payloads,
 /// and the payload received is the one stored; and the spool passes

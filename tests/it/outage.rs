@@ -317,7 +317,7 @@ fn status_and_metrics_give_the_ingest_rate_and_hold_time_of_a_known_reading_rate
         line.contains(" readings/s (") && line.contains("the spool holds "),
         "{line}"
     );
-    assert!(line.contains("before spool.max_bytes (8.4 MB)"), "{line}");
+    assert!(line.contains("before spool.max_bytes (8.0 MiB)"), "{line}");
     assert!(!line.contains('{'), "{line}");
     assert!(text.contains("\n  pump "), "{text}");
     drop(agent);

@@ -308,7 +308,11 @@ fn one_flooding_peer_stays_within_its_share_and_the_others_get_their_readings_in
         "the calm peer was refused: {:?}",
         &calm_refused[..calm_refused.len().min(3)]
     );
-    assert!(calm_ok >= 100, "the calm peer got only {calm_ok} in");
+    // Every one it sent got in. How many fit in the flood's 20 s depends
+    // on the machine's load (each waits for its reply, after its commit):
+    // a liveness floor, not a rate (at least one a second).
+    assert_eq!(calm_ok, i, "the calm peer sent {i}, {calm_ok} got in");
+    assert!(calm_ok >= 20, "the calm peer got only {calm_ok} in");
     // 20 s at 200 ms: 100 readings; at least half of them appended.
     assert!(
         system_after - system_before >= 50,

@@ -389,3 +389,47 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
     sink.terminate();
     agent.terminate(Duration::from_secs(15));
 }
+
+/// Found by a newcomer reading the code (issue 37's reading test): a reload
+/// changed the receipt settings in the MQTT thread, health and status
+/// while the delivery thread kept the ones it started with, so a key
+/// rotated by SIGHUP never reached the signature check. The receipt
+/// settings now take effect at the next start, and the reload says so.
+#[test]
+fn a_reload_that_rotates_the_receipt_key_is_named_as_needing_a_restart() {
+    let broker = Broker::start();
+    let prefix = crate::prefix("rcptreload");
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let Board { dir, cfg, db } = receipt_board(&broker.url(), &prefix, 10);
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || sub.count() >= 1),
+        "nothing delivered: {}",
+        agent.log_tail(30)
+    );
+    let fleet = crate::support::keys::fleet_key().key.public().hex();
+    let next = edgespool::event::signature::SigningKey::generate()
+        .expect("keygen")
+        .0;
+    edit_config(&cfg, |t| t.replacen(&fleet, &next.public().hex(), 1));
+    agent.signal(libc::SIGHUP);
+    let line = agent.await_line(Duration::from_secs(10), "take effect at the next restart");
+    assert!(line.contains("receipt_public_keys"), "{line}");
+    // The running agent still trusts the key it started with.
+    let got = received(&sub);
+    let (id, (stream, payloads)) = got.iter().next().expect("one event");
+    let topic = format!("{prefix}/receipts");
+    for p in crate::support::keys::signed_receipts(
+        "it-board",
+        &[(stream.as_str(), id.as_str(), payloads[0].as_slice())],
+    ) {
+        publish(broker.port(), &topic, &p, false);
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || count_in_state(&db, "ACKED")
+            >= 1),
+        "the start's key no longer retires rows after the reload\n{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+}

@@ -496,8 +496,9 @@ impl Writer {
     }
 
     /// `[mqtt]`: the connection settings apply live (one reconnect); what
-    /// shapes publishes (topic prefix, window, sizes, format) at the next
-    /// start.
+    /// shapes publishes (topic prefix, window, sizes, format) and what
+    /// retires rows (`retire_on`, the receipt settings and keys: the
+    /// delivery thread holds them from its start) at the next start.
     fn apply_mqtt(
         &mut self,
         new: &Config,
@@ -522,12 +523,29 @@ impl Writer {
                 "mqtt.topic_prefix/inflight_window/max_payload_bytes/max_packet_bytes/payload_format",
             );
         }
+        if (
+            nm.retire_on,
+            nm.receipt_timeout,
+            nm.receipt_window,
+            &nm.receipt_public_keys,
+        ) != (
+            cm.retire_on,
+            cm.receipt_timeout,
+            cm.receipt_window,
+            &cm.receipt_public_keys,
+        ) {
+            restart.push("mqtt.retire_on/receipt_timeout_secs/receipt_window/receipt_public_keys");
+        }
         let mut live = nm.clone();
         live.topic_prefix = cm.topic_prefix.clone();
         live.inflight_window = cm.inflight_window;
         live.max_payload_bytes = cm.max_payload_bytes;
         live.max_packet_bytes = cm.max_packet_bytes;
         live.payload_format = cm.payload_format;
+        live.retire_on = cm.retire_on;
+        live.receipt_timeout = cm.receipt_timeout;
+        live.receipt_window = cm.receipt_window;
+        live.receipt_public_keys = cm.receipt_public_keys.clone();
         if live != *cm {
             self.peers.link.reconfigure(live.clone());
             self.conf.cfg.mqtt = live;

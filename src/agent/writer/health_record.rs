@@ -156,6 +156,7 @@ impl Writer {
             commands_unavailable: link.commands_unavailable,
             failed_rows: self.store.spool().failed_count().unwrap_or(0),
             deferred: self.peers.delivery_stats.deferred.load(Ordering::Relaxed),
+            deferred_why: self.peers.delivery_stats.deferred_why(),
             checkpoint_blocked: self.upkeep.checkpoint_blocked(),
             dropping,
             config_fallback: self.conf.source.fallback.is_some(),

@@ -2,12 +2,12 @@
 //! fields are in docs/flash.md, "Write budget") as one line for people:
 //!
 //! ```text
-//! 12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB
+//! 12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.0 MiB
 //! ```
 //!
 //! A record that does not parse is shown as it is.
 
-use super::outage::{bytes, duration, thousands};
+use super::units::{duration, size, thousands, volume};
 use serde_json::Value;
 
 /// The line for the stored record `stored`.
@@ -22,7 +22,7 @@ pub(super) fn line(stored: &str) -> String {
     } else {
         format!(
             "{} per reading over {} readings",
-            bytes(n("bytes_per_reading") as f64),
+            volume(n("bytes_per_reading") as f64),
             thousands(readings)
         )
     };
@@ -44,14 +44,14 @@ pub(super) fn line(stored: &str) -> String {
     };
     format!(
         "{} written in {} ({}/h, {:.1} MB/day projected), {per_reading}; {} commits/h, {} checkpoints/h, about {} fsyncs/h; WAL file {}{window}",
-        bytes(n("write_bytes_total") as f64),
+        volume(n("write_bytes_total") as f64),
         duration(n("window_secs") as f64),
-        bytes(n("write_bytes_per_hour") as f64),
+        volume(n("write_bytes_per_hour") as f64),
         v["projected_mb_per_day"].as_f64().unwrap_or(0.0),
         thousands(n("commits_per_hour")),
         thousands(n("checkpoints_per_hour")),
         thousands(n("fsyncs_estimated_per_hour")),
-        bytes(n("wal_file_bytes") as f64),
+        size(n("wal_file_bytes")),
     )
 }
 
@@ -68,7 +68,7 @@ mod tests {
             "projected_mb_per_day": 285.6, "wal_file_bytes": 4_200_000});
         assert_eq!(
             line(&rec.to_string()),
-            "12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB"
+            "12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.0 MiB"
         );
         // With the window a write budget chose.
         let mut chosen = rec.clone();
@@ -78,7 +78,7 @@ mod tests {
         chosen["budget_mb_per_day"] = 100.into();
         assert!(
             line(&chosen.to_string()).ends_with(
-                "WAL file 4.2 MB; commit window 10000 ms (widest so far 10000 ms), checkpoints every 120 s, budget 100 MB/day"
+                "WAL file 4.0 MiB; commit window 10000 ms (widest so far 10000 ms), checkpoints every 120 s, budget 100 MB/day"
             ),
             "{}",
             line(&chosen.to_string())

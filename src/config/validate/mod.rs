@@ -65,6 +65,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
         return Err(ConfigError {
             origin: origin.to_owned(),
             problems: probs,
+            missing_file: false,
         });
     }
     Ok(Config {
