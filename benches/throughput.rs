@@ -115,6 +115,7 @@ fn reading(i: usize) -> NewEvent {
         stream: "bench".into(),
         ts_ms: 1_800_000_000_000 + i as i64,
         clock_trusted: true,
+        mono: None,
         fields: vec![
             ("load1".into(), FieldValue::Num(0.25 + i as f64 * 1e-6)),
             ("mem_available_bytes".into(), FieldValue::Num(123_456_789.0)),

@@ -981,6 +981,7 @@ mod tests {
             stream: "s".into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("x".into(), crate::event::reading::FieldValue::Num(x))],
             key: None,
             reply: None,

@@ -344,6 +344,7 @@ impl World {
                         stream: name.clone(),
                         ts_ms: self.clock_ms + i64::from(i),
                         clock_trusted: true,
+                        mono: None,
                         fields: vec![("v".to_owned(), FieldValue::Num(f64::from(i) + 0.5))],
                         replay: None,
                         key: None,

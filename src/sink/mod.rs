@@ -12,6 +12,8 @@
 //! - [`unbatch`]: a batched publish (`<prefix>/batches/...`, maybe lz4 or
 //!   zstd) into one delivery item per event (pure);
 //! - [`batch`]: what became of each delivery, and when a batch is due (pure);
+//! - [`clock`]: which clock anchors are believed, and a reading's corrected
+//!   time (pure);
 //! - [`outbox`]: the receipts a committed batch owes its devices, queued (pure);
 //! - [`ledger`]: the replay ledger: per (device, stream) what the database
 //!   holds, its gaps, and what boards' holdings and answers change in it
@@ -21,9 +23,11 @@
 //! - [`poller`]: rumqttc's event loop polled to completion on its own thread;
 //! - [`committer`]: the store on a thread of its own, one batch with it at most;
 //! - [`consume`]: the MQTT session, batches, acknowledgements, receipts;
-//! - [`sqlite`]: the single-machine store (rigs and tests);
+//! - [`sqlite`]: the single-machine store (rigs and tests); `sqlite_clock`
+//!   its clock columns and anchors;
 //! - `pg_schema`, `postgres`, `pg_copy`: the fleet store, its schema and migrations, its
 //!   fast path (a binary `COPY` of a batch whose keys are all new) (feature `pg-sink`);
+//!   `pg_clock` its clock columns, anchors and the lock between them;
 //! - [`conninfo`]: a conninfo shown without its passwords (pure);
 //! - `pg_password`, `pg_tls`: where the PostgreSQL password comes from,
 //!   TLS (feature `pg-sink`);
@@ -41,12 +45,13 @@
 //! same transaction keeps the replay ledger ([`ledger`]): boards announce
 //! what they hold, and a database that lacks rows a board still has (a
 //! restore from a backup) asks for them again, signed like receipts.
-//! Deliveries set aside (unreadable, forged, mismatches) go to side tables
-//! of bounded size ([`SideBounds`]). Shared subscriptions (MQTT 5
-//! §4.8.2) spread one filter over N sinks; each sink is stateless, the
-//! session lives in the broker under the sink's client id.
+//! Deliveries set aside (unreadable, forged, mismatches, clock anchors not
+//! believed) go to side tables of bounded size ([`SideBounds`]). Shared
+//! subscriptions (MQTT 5 §4.8.2) spread one filter over N sinks; each sink
+//! is stateless, the session lives in the broker under the sink's client id.
 
 pub mod batch;
+pub mod clock;
 pub mod committer;
 pub mod conninfo;
 pub mod consume;
@@ -55,6 +60,8 @@ pub mod ledger;
 pub mod message;
 pub mod notes;
 pub mod outbox;
+#[cfg(feature = "pg-sink")]
+pub mod pg_clock;
 #[cfg(feature = "pg-sink")]
 pub mod pg_copy;
 #[cfg(feature = "pg-sink")]
@@ -67,6 +74,7 @@ pub mod poller;
 #[cfg(feature = "pg-sink")]
 pub mod postgres;
 pub mod sqlite;
+mod sqlite_clock;
 pub mod stats;
 pub mod unbatch;
 
@@ -98,6 +106,15 @@ pub struct SinkStats {
     /// Receipts given up because the queue they wait in was full (the agent
     /// sends those rows again after its timeout, and gets a receipt then).
     pub receipts_dropped: u64,
+    /// Clock anchors believed ([`clock`]): a boot's first, or one agreeing
+    /// with it.
+    pub anchors: u64,
+    /// Clock anchors kept aside in `clock_refused` with their reason
+    /// ([`clock::Refused`]); they move no reading.
+    pub anchors_refused: u64,
+    /// Readings given a corrected time (`ts_corrected_ms`): at their
+    /// insert, or when their boot's anchor came.
+    pub corrected: u64,
     /// Boards' holdings and answers applied to the ledger.
     pub notes: u64,
     /// Notes set aside: unreadable, or naming another board than their
@@ -123,6 +140,9 @@ impl std::ops::AddAssign for SinkStats {
         self.side_dropped += o.side_dropped;
         self.receipts += o.receipts;
         self.receipts_dropped += o.receipts_dropped;
+        self.anchors += o.anchors;
+        self.anchors_refused += o.anchors_refused;
+        self.corrected += o.corrected;
         self.notes += o.notes;
         self.notes_refused += o.notes_refused;
         self.asks += o.asks;
@@ -133,14 +153,15 @@ impl std::ops::AddAssign for SinkStats {
 
 /// The summary line's words: `first N duplicates N mismatches N unreadable
 /// N forged N side_dropped N receipts N receipts_dropped N oversized N
-/// notes N notes_refused N asks N asked_rows N gone_rows N`.
+/// anchors N anchors_refused N corrected N notes N notes_refused N asks N
+/// asked_rows N gone_rows N`.
 impl std::fmt::Display for SinkStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
             "first {} duplicates {} mismatches {} unreadable {} forged {} side_dropped {} \
-             receipts {} receipts_dropped {} oversized {} notes {} notes_refused {} asks {} \
-             asked_rows {} gone_rows {}",
+             receipts {} receipts_dropped {} oversized {} anchors {} anchors_refused {} \
+             corrected {} notes {} notes_refused {} asks {} asked_rows {} gone_rows {}",
             self.first,
             self.duplicates,
             self.mismatches,
@@ -150,6 +171,9 @@ impl std::fmt::Display for SinkStats {
             self.receipts,
             self.receipts_dropped,
             self.oversized,
+            self.anchors,
+            self.anchors_refused,
+            self.corrected,
             self.notes,
             self.notes_refused,
             self.asks,
@@ -159,7 +183,8 @@ impl std::fmt::Display for SinkStats {
     }
 }
 
-/// How large a side table (`unreadable`, `forged`, `mismatches`) may grow:
+/// How large a side table (`unreadable`, `forged`, `mismatches`,
+/// `clock_refused`) may grow:
 /// anyone with publish rights can fill one, so each has a row count and a
 /// byte bound per device and for the whole table (counted in `side_drops`
 /// and [`SinkStats::side_dropped`]).

@@ -25,8 +25,10 @@ use super::{LedgerSummary, SideBounds, SinkStats, Store, StoreError, Stored};
 /// The schema version this build writes (`PRAGMA user_version`). Version
 /// 1 is the file of older sinks, which had no version: `received` keyed
 /// by event id alone, `mismatches` without device or topic. Version 2 had
-/// no `unreadable` table and no device in `forged`; version 3 no ledger.
-pub const VERSION: i32 = 4;
+/// no `unreadable` table and no device in `forged`. Version 3 had no clock
+/// columns, anchors or `clock_refused` ([`super::sqlite_clock::V3_TO_V4`]);
+/// version 4 no replay ledger ([`super::ledger::sqlite::V4_TO_V5`]).
+pub const VERSION: i32 = 5;
 
 /// Version 2, created whole in a new file.
 const SCHEMA_V2: &str = "
@@ -82,6 +84,12 @@ CREATE TABLE unreadable (
 );
 PRAGMA user_version = 3;
 ";
+
+/// A version 3 file's schema, created whole (for the migration's tests).
+#[cfg(test)]
+pub(super) fn schema_v3() -> String {
+    format!("{SCHEMA_V2}{V2_TO_V3}")
+}
 
 /// Why the sink's file cannot be opened.
 #[derive(Debug, thiserror::Error)]
@@ -252,7 +260,10 @@ pub fn migrate(conn: &mut Connection, b: &SideBounds) -> Result<(), OpenError> {
         v2_to_v3(&tx)?;
     }
     if found < 4 {
-        tx.execute_batch(ledger_sql::V3_TO_V4)?;
+        tx.execute_batch(super::sqlite_clock::V3_TO_V4)?;
+    }
+    if found < 5 {
+        tx.execute_batch(ledger_sql::V4_TO_V5)?;
         let n = ledger_sql::fill(&tx, crate::event::envelope::wall_clock_ms().0)?;
         if n > 0 {
             log::info!("sink: the ledger starts from the {n} events already stored");
@@ -334,6 +345,7 @@ struct Sides {
     mismatches: bool,
     forged: bool,
     unreadable: bool,
+    clock_refused: bool,
 }
 
 impl Sides {
@@ -341,12 +353,14 @@ impl Sides {
         mismatches: true,
         forged: true,
         unreadable: true,
+        clock_refused: true,
     };
 
     fn add(&mut self, o: Sides) {
         self.mismatches |= o.mismatches;
         self.forged |= o.forged;
         self.unreadable |= o.unreadable;
+        self.clock_refused |= o.clock_refused;
     }
 }
 
@@ -382,6 +396,7 @@ fn trim_sides(tx: &Transaction<'_>, b: &SideBounds, sides: Sides) -> rusqlite::R
         (sides.mismatches, "mismatches"),
         (sides.forged, "forged"),
         (sides.unreadable, "unreadable"),
+        (sides.clock_refused, "clock_refused"),
     ] {
         if !on {
             continue;
@@ -428,6 +443,7 @@ impl One {
             mismatches: fate == Fate::Mismatch,
             forged: fate == Fate::Forged,
             unreadable: fate == Fate::Unreadable,
+            clock_refused: false,
         };
         One {
             event_id,
@@ -472,13 +488,45 @@ fn store_in(tx: &Transaction<'_>, it: &Item, now: i64, b: &SideBounds) -> rusqli
         return forged(tx, it, "topic names no device and stream", now, b);
     };
     let digest = Sha256::digest(&it.payload).to_vec();
+    let c = super::sqlite_clock::columns(tx, t.device, it.read.as_ref().ok())?;
     let inserted = tx.execute(
-        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT(device_id, event_id) DO NOTHING",
-        params![t.device, event_id, t.stream, it.topic, digest, it.payload, ts_ms, now],
+        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms,
+                               clock_trusted, boot_id, mono_ms, ts_corrected_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+         ON CONFLICT(device_id, event_id) DO NOTHING",
+        params![
+            t.device,
+            event_id,
+            t.stream,
+            it.topic,
+            digest,
+            it.payload,
+            ts_ms,
+            now,
+            c.trusted,
+            c.boot_id,
+            c.mono_ms,
+            c.corrected_ms
+        ],
     )?;
     if inserted == 1 {
-        return Ok(One::of(Fate::First, Some(event_id)));
+        let mut one = One::of(Fate::First, Some(event_id));
+        one.stats.corrected = u64::from(c.corrected_ms.is_some());
+        if let Some(e) = it.read.as_ref().ok().filter(|e| super::clock::is_anchor(e)) {
+            match super::sqlite_clock::anchor_stored(tx, t.device, e, now)? {
+                Ok(moved) => {
+                    one.stats.anchors = 1;
+                    one.stats.corrected += moved;
+                }
+                Err(why) => {
+                    log::warn!("sink: clock anchor on {} kept aside: {why}", it.topic);
+                    set_aside(tx, "clock_refused", it, &why.to_string(), now, b)?;
+                    one.stats.anchors_refused = 1;
+                    one.side.clock_refused = true;
+                }
+            }
+        }
+        return Ok(one);
     }
     let key = params![t.device, event_id];
     let stored: Option<Vec<u8>> = tx

@@ -340,7 +340,7 @@ pub fn from_postgres(c: &mut postgres::Client, now_ms: i64) -> Result<Report, po
         rate_overall,
         ..Report::default()
     };
-    // The ledger came with schema version 4.
+    // The ledger came with schema version 5.
     let v4: bool = c
         .query_one("SELECT to_regclass('ledger_gaps') IS NOT NULL", &[])?
         .get(0);
@@ -462,7 +462,7 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
         rate_overall,
         ..Report::default()
     };
-    // The ledger came with schema version 4.
+    // The ledger came with schema version 5.
     if one("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ledger_gaps'")? > 0
     {
         sqlite_ledger(&c, &mut r)?;

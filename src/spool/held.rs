@@ -245,6 +245,7 @@ mod tests {
             stream: stream.into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("x".into(), FieldValue::Num(1.0))],
             key: None,
             reply: None,

@@ -126,6 +126,7 @@ pub(crate) fn seed(db: &Path, texts: &[String]) {
             stream: "s".into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("t".into(), FieldValue::Text(t.clone()))],
             replay: None,
             key: None,

@@ -45,6 +45,7 @@ fn envelope(device: &str, n: u32, variant: u32) -> (String, Vec<u8>) {
         seq: u64::from(n),
         ts_ms: 1_800_000_000_000 + i64::from(n),
         clock_trusted: true,
+        mono: None,
         fields: &fields,
     };
     (
@@ -849,7 +850,7 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, vec![1, 2, 3]);
+    assert_eq!(versions, vec![1, 2, 3, 4, 5]);
     let pkey: String = db
         .query_one(
             "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'events_pkey'",
@@ -923,7 +924,7 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .query_one("SELECT count(*) FROM schema_version", &[])
         .expect("count")
         .get(0);
-    assert_eq!(n, 3);
+    assert_eq!(n, 5);
 }
 
 /// The SQLite file older sinks wrote (no `user_version`).

@@ -1,4 +1,4 @@
-//! The ledger in PostgreSQL: its tables (schema version 4, in
+//! The ledger in PostgreSQL: its tables (schema version 5, in
 //! `pg_schema`'s migrations) and [`Books`] over one transaction.
 //!
 //! Its one rule: a line is locked (`FOR UPDATE`) before its gaps are read,
@@ -14,11 +14,11 @@ use crate::event::backfill::Held;
 use postgres::Transaction;
 use std::collections::HashMap;
 
-/// Version 4: the replay ledger (see the SQLite file's version 4 for the
+/// Version 5: the replay ledger (see the SQLite file's version 5 for the
 /// columns), filled from the events already stored: each (device, stream)
 /// accounted up to its highest `seq`, and the numbers missing below it
 /// (from 1) as gaps seen now.
-pub(crate) const V4: &str = "
+pub(crate) const V5: &str = "
 CREATE TABLE ledger (
     device_id      text   NOT NULL,
     stream         text   NOT NULL,

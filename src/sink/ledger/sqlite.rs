@@ -1,4 +1,4 @@
-//! The ledger in the sink's SQLite file: its tables (schema version 4),
+//! The ledger in the sink's SQLite file: its tables (schema version 5),
 //! their first filling from the events already stored, and [`Books`] over
 //! one transaction.
 //!
@@ -11,7 +11,7 @@ use super::{Gap, Line};
 use crate::event::backfill::Held;
 use rusqlite::{params, OptionalExtension, Transaction};
 
-/// Version 3 to 4: the replay ledger.
+/// Version 4 to 5: the replay ledger.
 ///
 /// - `ledger`: per (device, stream), the highest sequence number accounted
 ///   for (`known_seq`), the highest stored (`newest_seq`), the contiguous
@@ -21,7 +21,7 @@ use rusqlite::{params, OptionalExtension, Transaction};
 ///   (`gone_reason`), with when each was seen and asked for;
 /// - `ledger_boards`: per board, its topic prefix, the nonce of its last
 ///   holdings, and the requests made of it.
-pub(crate) const V3_TO_V4: &str = "
+pub(crate) const V4_TO_V5: &str = "
 CREATE TABLE ledger (
     device_id      TEXT    NOT NULL,
     stream         TEXT    NOT NULL,
@@ -58,11 +58,11 @@ CREATE TABLE ledger_boards (
     asked_rows  INTEGER NOT NULL DEFAULT 0,
     gone_rows   INTEGER NOT NULL DEFAULT 0
 );
-PRAGMA user_version = 4;
+PRAGMA user_version = 5;
 ";
 
 /// The ledger of the events already in `received` (a file older than
-/// version 4): each row's device and stream are its own columns, its
+/// version 5): each row's device and stream are its own columns, its
 /// sequence number read from its payload (a row whose payload is no
 /// envelope has none and counts nowhere).
 ///
@@ -387,7 +387,7 @@ mod tests {
     }
 
     #[test]
-    fn a_version_3_file_gets_a_ledger_of_the_events_it_holds() {
+    fn a_version_4_file_gets_a_ledger_of_the_events_it_holds() {
         let d = tempfile::tempdir().expect("tempdir");
         let path = d.path().join("sink.db");
         {
@@ -395,12 +395,12 @@ mod tests {
             let items: Vec<Item> = [1, 2, 3, 7, 8].into_iter().map(event).collect();
             db.commit(&items, 1).expect("commit");
         }
-        // Back to version 3: no ledger.
+        // Back to version 4: no ledger.
         {
             let c = rusqlite::Connection::open(&path).expect("open");
             c.execute_batch(
                 "DROP TABLE ledger; DROP TABLE ledger_gaps; DROP TABLE ledger_boards;
-                 PRAGMA user_version = 3;",
+                 PRAGMA user_version = 4;",
             )
             .expect("downgrade");
         }
