@@ -28,6 +28,11 @@ pub const REQUESTS_PER_MINUTE: usize = 6;
 pub const MAX_QUEUED_ROWS: u64 = 100_000;
 /// Ranges queued, at most.
 pub const MAX_JOBS: usize = 1024;
+/// A range sent again is not queued again for this long, whoever asks: a
+/// flood of requests sends each row once a minute at most.
+pub const RECENT: Duration = Duration::from_secs(60);
+/// Ranges remembered as recently sent, at most.
+const RECENT_KEPT: usize = 256;
 /// How far a request's time may be from this board's clock, when the
 /// board's clock is trusted. The nonce is what makes a request fresh;
 /// this only refuses one made by a sink whose clock is far off, which says
@@ -72,6 +77,8 @@ pub struct Job {
     pub stream: String,
     /// Its id in the spool.
     pub stream_id: i64,
+    /// The first sequence number it was queued with.
+    pub first: i64,
     /// The next sequence number to look at.
     pub next: i64,
     /// The last one asked for.
@@ -150,6 +157,8 @@ pub struct Backfill {
     accepted_at: VecDeque<Instant>,
     jobs: VecDeque<Job>,
     queued_rows: u64,
+    /// Ranges done lately: (stream id, first, last, when).
+    recent: VecDeque<(i64, i64, i64, Instant)>,
     /// The pace of sending again.
     pub pace: Pace,
     per_sec: u32,
@@ -165,6 +174,7 @@ impl Backfill {
             accepted_at: VecDeque::new(),
             jobs: VecDeque::new(),
             queued_rows: 0,
+            recent: VecDeque::new(),
             pace: Pace::new(per_sec, now),
             per_sec,
         }
@@ -226,8 +236,21 @@ impl Backfill {
     /// (`holdings`: id, name, [`Held`]): each range clipped to `oldest..=
     /// newest`, the rest answered gone (beyond the newest, or retention);
     /// parts already queued are not queued again; at most
-    /// [`MAX_QUEUED_ROWS`] rows and [`MAX_JOBS`] ranges in all.
-    pub fn plan(&mut self, req: &Request, holdings: &[(i64, String, Held)]) -> Accepted {
+    /// [`MAX_QUEUED_ROWS`] rows and [`MAX_JOBS`] ranges in all; nor is a
+    /// part sent within [`RECENT`] of `now`.
+    pub fn plan(
+        &mut self,
+        req: &Request,
+        holdings: &[(i64, String, Held)],
+        now: Instant,
+    ) -> Accepted {
+        while self
+            .recent
+            .front()
+            .is_some_and(|r| now.saturating_duration_since(r.3) >= RECENT)
+        {
+            self.recent.pop_front();
+        }
         let mut out = Accepted::default();
         for (stream, ranges) in &req.ranges {
             let mut gone = Vec::new();
@@ -268,10 +291,21 @@ impl Backfill {
         out: &mut Accepted,
     ) {
         let mut parts = vec![(lo, hi)];
-        for j in self.jobs.iter().filter(|j| j.stream_id == stream_id) {
+        let busy = self
+            .jobs
+            .iter()
+            .filter(|j| j.stream_id == stream_id)
+            .map(|j| (j.next, j.last))
+            .chain(
+                self.recent
+                    .iter()
+                    .filter(|r| r.0 == stream_id)
+                    .map(|r| (r.1, r.2)),
+            );
+        for taken in busy {
             parts = parts
                 .into_iter()
-                .flat_map(|(a, b)| minus((a, b), (j.next, j.last)))
+                .flat_map(|(a, b)| minus((a, b), taken))
                 .collect();
         }
         for (a, b) in parts {
@@ -289,6 +323,7 @@ impl Backfill {
                 request,
                 stream: stream.to_owned(),
                 stream_id,
+                first: a,
                 next: a,
                 last: a + take as i64 - 1,
                 from_id: None,
@@ -301,10 +336,16 @@ impl Backfill {
         self.jobs.front_mut()
     }
 
-    /// The front range is done (sent, or answered): forget it.
-    pub fn pop(&mut self) -> Option<Job> {
+    /// The front range is done (sent, or answered) at `now`: forget it,
+    /// and remember it as sent lately.
+    pub fn pop(&mut self, now: Instant) -> Option<Job> {
         let j = self.jobs.pop_front()?;
         self.queued_rows = self.queued_rows.saturating_sub(j.rows());
+        if self.recent.len() >= RECENT_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent
+            .push_back((j.stream_id, j.first, j.next.min(j.last + 1) - 1, now));
         Some(j)
     }
 
@@ -324,6 +365,7 @@ impl Backfill {
                 request,
                 stream: stream.clone(),
                 stream_id: *id,
+                first: *seq,
                 next: *seq,
                 last: *seq,
                 from_id: None,
@@ -432,7 +474,7 @@ mod tests {
         let mut b = Backfill::new(100, t0);
         let h = vec![(7, "s".to_owned(), held(351, 1000))];
         // Beyond the newest, below the oldest, and another board's stream.
-        let a = b.plan(&req(1, 1, &[("s", 301, 2000), ("t", 1, 5)]), &h);
+        let a = b.plan(&req(1, 1, &[("s", 301, 2000), ("t", 1, 5)]), &h, t0);
         assert_eq!(a.queued, 650);
         assert_eq!(
             a.gone,
@@ -448,17 +490,32 @@ mod tests {
             ]
         );
         // The same range again: nothing queued twice.
-        let a = b.plan(&req(1, 2, &[("s", 351, 1000)]), &h);
+        let a = b.plan(&req(1, 2, &[("s", 351, 1000)]), &h, t0);
         assert_eq!(a.queued, 0);
         // An absurd range is held to what the board holds, and to the bound.
         let big = vec![(7, "s".to_owned(), held(1, 5_000_000_000))];
-        let a = b.plan(&req(1, 3, &[("s", 1, 9_000_000_000)]), &big);
+        let a = b.plan(&req(1, 3, &[("s", 1, 9_000_000_000)]), &big, t0);
         assert_eq!(a.queued + 650, MAX_QUEUED_ROWS);
         assert_eq!(a.clipped, 5_000_000_000 - 650 - a.queued);
         assert_eq!(b.queued_rows(), MAX_QUEUED_ROWS);
-        let j = b.pop().expect("a job");
+        let j = b.pop(t0).expect("a job");
         assert_eq!((j.next, j.last), (351, 1000));
         assert_eq!(b.queued_rows(), MAX_QUEUED_ROWS - 650);
+    }
+
+    #[test]
+    fn a_range_sent_lately_is_not_sent_again_whoever_asks() {
+        let t0 = Instant::now();
+        let mut b = Backfill::new(100, t0);
+        let h = vec![(7, "s".to_owned(), held(1, 100))];
+        assert_eq!(b.plan(&req(1, 1, &[("s", 1, 100)]), &h, t0).queued, 100);
+        let mut j = b.pop(t0).expect("a job");
+        j.next = 101;
+        // Sent: asked again within a minute, nothing; after, again.
+        b.recent.back_mut().expect("noted").2 = 100;
+        assert_eq!(b.plan(&req(1, 2, &[("s", 1, 100)]), &h, t0).queued, 0);
+        let later = t0 + RECENT;
+        assert_eq!(b.plan(&req(1, 3, &[("s", 50, 60)]), &h, later).queued, 11);
     }
 
     #[test]

@@ -163,6 +163,15 @@ impl Delivery {
         }
     }
 
+    /// A live row was offered: announce again once the backlog has
+    /// drained, so the retained holdings name it (a board that connected
+    /// with an empty spool would otherwise say so until the interval).
+    pub(super) fn live_offered(&mut self) {
+        if let Some(b) = self.backfill.as_mut() {
+            b.undelivered = true;
+        }
+    }
+
     /// When the next announcement or row sent again is due, if any.
     pub(super) fn backfill_due(&self) -> Option<Instant> {
         let b = self.backfill.as_ref()?;
@@ -243,7 +252,7 @@ impl Delivery {
                 return;
             }
         };
-        let a = b.state.plan(&req, &held);
+        let a = b.state.plan(&req, &held, Instant::now());
         s.requests.fetch_add(1, Ordering::Relaxed);
         s.rows_clipped.fetch_add(a.clipped, Ordering::Relaxed);
         s.queued.store(b.state.queued_rows(), Ordering::Relaxed);
@@ -433,7 +442,7 @@ impl Delivery {
         let Some(b) = self.backfill.as_mut() else {
             return;
         };
-        let Some(job) = b.state.pop() else {
+        let Some(job) = b.state.pop(Instant::now()) else {
             return;
         };
         let gone = std::mem::take(&mut b.gone);

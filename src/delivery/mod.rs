@@ -581,6 +581,7 @@ impl Delivery {
                 self.probe_alone();
             }
             self.note_offered(&row, event_id);
+            self.live_offered();
             // While probing for a refused row, rows go one by one.
             match self
                 .batcher
