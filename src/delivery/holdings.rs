@@ -163,12 +163,23 @@ impl Delivery {
         }
     }
 
-    /// A live row was offered: announce again once the backlog has
-    /// drained, so the retained holdings name it (a board that connected
-    /// with an empty spool would otherwise say so until the interval).
-    pub(super) fn live_offered(&mut self) {
-        if let Some(b) = self.backfill.as_mut() {
-            b.undelivered = true;
+    /// After a fill's live rows (`batch`): when there are some, announce
+    /// again once the backlog has drained, so the retained holdings name
+    /// them (a board that connected with an empty spool would otherwise
+    /// say so until the interval); when there are none, rows asked for
+    /// again fill the `room`.
+    pub(super) fn live_or_backfill(
+        &mut self,
+        spool: &mut Spool,
+        batch: &mut Vec<Ready>,
+        room: usize,
+    ) {
+        if !batch.is_empty() {
+            if let Some(b) = self.backfill.as_mut() {
+                b.undelivered = true;
+            }
+        } else if room > 0 {
+            *batch = self.backfill_rows(spool, room);
         }
     }
 
@@ -284,7 +295,7 @@ impl Delivery {
 
     /// Rows to send again now: only when the lanes gave nothing (live data
     /// first), within the pace, `room` and half the in-flight window.
-    pub(super) fn backfill_rows(&mut self, spool: &mut Spool, room: usize) -> Vec<Ready> {
+    fn backfill_rows(&mut self, spool: &mut Spool, room: usize) -> Vec<Ready> {
         let window = self.cfg.window;
         let Some(b) = self.backfill.as_mut() else {
             return Vec::new();

@@ -581,7 +581,6 @@ impl Delivery {
                 self.probe_alone();
             }
             self.note_offered(&row, event_id);
-            self.live_offered();
             // While probing for a refused row, rows go one by one.
             match self
                 .batcher
@@ -615,11 +614,8 @@ impl Delivery {
             self.note_size(&r);
             batch.push(r);
         }
-        // Live data first: rows asked for again only when nothing else
-        // was offered.
-        if batch.is_empty() && room > 0 {
-            batch = self.backfill_rows(spool, room);
-        }
+        // Live data first: rows asked for again only when nothing else was.
+        self.live_or_backfill(spool, &mut batch, room);
         if batch.is_empty() {
             return;
         }
