@@ -18,6 +18,9 @@
 //! - Requests the board must not follow (unsigned, signed by a key it does
 //!   not trust, altered after signing, for another board, replayed) are
 //!   refused and counted by reason; a good one sends its rows once.
+//! - Under docs/fleet.md's layout (its ACL read from the page) another
+//!   device can neither announce holdings for gw1 nor send it a request;
+//!   the sinks' user can, and a restore gets every row back.
 //! - A PostgreSQL database at version 3 or 4 migrates through 5 and its
 //!   ledger starts from the events it holds.
 //!
@@ -732,4 +735,141 @@ fn a_postgres_database_at_version_3_or_4_migrates_through_5_and_its_ledger_start
             .collect();
         assert_eq!(gaps, vec![(4, 6)], "from {at}");
     }
+}
+
+/// docs/fleet.md's fleet layout (its mosquitto settings and ACL read from
+/// the page): gw1 logged in as gw1, the sink as the sinks' user. Another
+/// device (`evil`) can neither announce holdings for gw1 (a forged
+/// announcement would open gaps that do not exist) nor send gw1 a request,
+/// even one the fleet's key signed (a replay, say): the broker denies both.
+/// The sink reads gw1's holdings and writes its requests: a restore under
+/// this layout gets every row back.
+#[test]
+fn under_the_fleet_acl_only_the_board_announces_its_holdings_and_only_the_sinks_ask_it() {
+    use crate::support::fleet;
+    use edgespool::event::backfill::{
+        encode_holdings, encode_request, fresh_token, Held, Holdings,
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = dir.path();
+    let broker = fleet::broker(dir, BROKER_EXTRA);
+    let login = format!(
+        "username = \"gw1\"\npassword_file = \"{}\"\n",
+        fleet::password_file(dir, "gw1").display()
+    );
+    let (cfg, sock) = board(dir, &broker.url(), "gw1", &login, "");
+    let spool_db = dir.join("spool.db");
+    let db = Db::Sqlite(dir.join("fleet.db"));
+    let sink_as_sinks_user = || {
+        let mut args = fleet::sink_login(dir);
+        args.extend(db.args());
+        args.extend(["--client-id".into(), "sink".into()]);
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let s = SinkProc::launch_args(broker.port(), FILTER, "sink", dir, &a);
+        s.wait_subscribed();
+        s
+    };
+    let mut s = sink_as_sinks_user();
+    let mut agent = AgentProc::spawn(&cfg, &[], dir);
+    ingest(&sock, 0, 20);
+    assert!(
+        wait_for(Duration::from_secs(60), || db.events("gw1") >= 20),
+        "the first rows were not stored\n{}",
+        agent.log_tail(20)
+    );
+    db.backup(dir);
+    ingest(&sock, 20, 30);
+    let drained = wait_for(Duration::from_secs(60), || {
+        count_in_state(&spool_db, "ACKED") >= 50 && db.board_newest("gw1") >= 50
+    });
+    assert!(
+        drained,
+        "not every row was retired and announced\nsink:\n{}\nagent:\n{}",
+        tail(&s.log_text(), 20),
+        agent.log_tail(20)
+    );
+    // evil: holdings claiming gw1 sent 10,000 rows, and a request for gw1
+    // signed by the fleet's key.
+    let forged_holdings = encode_holdings(&Holdings {
+        board: "gw1".into(),
+        nonce: fresh_token().expect("a token"),
+        streams: vec![(
+            "pump".into(),
+            Held {
+                oldest: 1,
+                newest: 10_000,
+                pending: 10_001,
+            },
+        )],
+        more: false,
+    });
+    let request = encode_request(
+        "gw1",
+        &fresh_token().expect("a token"),
+        &fresh_token().expect("a token"),
+        edgespool::event::envelope::wall_clock_ms().0,
+        &[("pump".to_owned(), vec![(1, 50)])],
+        &crate::support::keys::fleet_key().key,
+    );
+    let evil = Some(("evil", "evil-secret"));
+    for (topic, payload) in [
+        ("edgespool/gw1/holdings", &forged_holdings),
+        ("edgespool/gw1/backfill", &request),
+    ] {
+        crate::receipts::mosquitto_pub(broker.port(), evil, topic, payload);
+    }
+    let denied = wait_for(Duration::from_secs(10), || {
+        broker
+            .log_text()
+            .matches("Denied PUBLISH from evil")
+            .count()
+            >= 2
+    });
+    assert!(
+        denied,
+        "the broker did not deny evil:\n{}",
+        tail(&broker.log_text(), 20)
+    );
+    // Longer than the agent's summary interval (2 s here), which writes
+    // the record read below.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        db.board_newest("gw1"),
+        50,
+        "evil's holdings reached the ledger"
+    );
+    assert_eq!(db.missing("gw1"), 0);
+    let state = backfill_state(&spool_db);
+    assert_eq!(state["requests"], 0, "evil's request reached gw1: {state}");
+    assert_eq!(state["rows_sent"], 0, "evil's request reached gw1: {state}");
+    // The restore under this layout: the sink's request reaches gw1.
+    s.terminate();
+    db.restore(dir);
+    let restored = db.events("gw1");
+    assert!(restored < 50, "the restore put nothing back");
+    let t0 = Instant::now();
+    let mut s = sink_as_sinks_user();
+    let back = wait_for(Duration::from_secs(120), || {
+        db.events("gw1") >= 50 && db.missing("gw1") == 0
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    let mut state = serde_json::Value::Null;
+    let recorded = wait_for(Duration::from_secs(10), || {
+        state = backfill_state(&spool_db);
+        state["rows_sent"] == 50 - restored
+    });
+    println!(
+        "fleet ACL: evil denied twice; the backup held {restored}; after the restore {} of 50 stored in {secs:.1} s; backfill record {state}",
+        db.events("gw1"),
+    );
+    assert!(recorded, "rows sent again: {state}");
+    assert!(
+        back,
+        "the restore under the fleet ACL got {} of 50 back\nsink:\n{}",
+        db.events("gw1"),
+        tail(&s.log_text(), 30)
+    );
+    assert_eq!(db.mismatches(), 0);
+    s.terminate();
+    agent.terminate(Duration::from_secs(15));
 }
