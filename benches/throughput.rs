@@ -283,6 +283,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         receipt_window: cfg.mqtt.receipt_window,
         device_id: cfg.device_id.clone(),
         receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
+        backfill: None,
         record_window: edgespool::flash::write_budget::SharedWindow::new(cfg.spool.commit_window),
     };
     let t = Instant::now();

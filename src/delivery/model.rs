@@ -499,8 +499,12 @@ impl World {
                     .collect();
                 let candidates: Vec<i64> = self
                     .unresolved()
+                    // Nor one its receipt book holds (waiting, or queued
+                    // to be sent again): the delivery thread holds those.
                     .filter(|id| {
-                        !in_flight.contains(id) && !self.retiring.contains(id) && !self.awaits(*id)
+                        !in_flight.contains(id)
+                            && !self.retiring.contains(id)
+                            && !self.outside_lanes(*id)
                     })
                     .collect();
                 if candidates.is_empty() {

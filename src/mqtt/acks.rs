@@ -60,6 +60,13 @@ impl MqttThread {
                 }
                 s.conn.subacks_due.push_back(Sub::Receipts);
             }
+            // Backfill requests, on every connection as well.
+            if let (Some(t), Some(client)) = (&self.backfill, &s.client) {
+                if let Err(e) = client.try_subscribe(t, QoS::AtLeastOnce) {
+                    return Err(format!("cannot subscribe to {t}: {e}"));
+                }
+                s.conn.subacks_due.push_back(Sub::Backfill);
+            }
             if self.cfg.status_topic {
                 announce_online(&mut s, &self.cfg);
             }
@@ -116,6 +123,9 @@ impl MqttThread {
         if due == Some(Sub::Receipts) {
             return self.on_receipts_suback(refused);
         }
+        if due == Some(Sub::Backfill) {
+            return self.on_backfill_suback(refused);
+        }
         let mut s = lock(&self.shared);
         s.conn.sub.answered(refused.is_none());
         if let Some(code) = refused {
@@ -131,6 +141,17 @@ impl MqttThread {
             s.conn.sub_refused = None;
             drop(s);
             log::info!("mqtt: subscribed to commands");
+        }
+    }
+
+    /// SUBACK of the backfill subscription: refused (an ACL that does not
+    /// let this board read `<topic_prefix>/backfill`), the fleet's requests
+    /// do not arrive and nothing else changes: logged at ERROR.
+    fn on_backfill_suback(&self, refused: Option<String>) {
+        let topic = self.backfill.as_deref().unwrap_or_default();
+        match refused {
+            Some(code) => log::error!("mqtt: the broker refused the subscription to {topic} ({code}): the fleet cannot ask this board for rows again; check its ACL (docs/fleet.md)"),
+            None => log::info!("mqtt: subscribed to backfill requests"),
         }
     }
 

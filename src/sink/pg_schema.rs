@@ -7,7 +7,13 @@
 use postgres::Client;
 
 /// Migrations in order; `schema_version` holds the numbers applied.
-const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2), (3, V3), (4, V4)];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, V1),
+    (2, V2),
+    (3, V3),
+    (4, V4),
+    (5, super::ledger::pg::V5),
+];
 
 /// Version 1: events keyed by event id, and the deliveries kept aside.
 ///

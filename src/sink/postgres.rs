@@ -17,11 +17,14 @@
 //! batch is rolled back and stored again the way above.
 
 use super::batch::{self, Fate, Item, Key};
+use super::ledger::book;
+use super::ledger::pg::PgBooks;
+use super::notes::BoardNote;
 use super::pg_clock;
 use super::pg_copy;
 use super::pg_schema::{self, MigrateError};
 use super::pg_tls::{self, PgConnect, TlsFiles};
-use super::{SideBounds, SinkStats, Store, StoreError, Stored};
+use super::{LedgerSummary, SideBounds, SinkStats, Store, StoreError, Stored};
 use postgres::error::SqlState;
 use postgres::{Client, Transaction};
 use std::collections::{HashMap, HashSet};
@@ -372,6 +375,43 @@ impl Store for PgStore {
         out.stats.side_dropped += std::mem::take(&mut self.dropped_at_connect);
         Ok(out)
     }
+
+    /// One transaction for the notes; a refusal as data (which a correct
+    /// note never causes) drops them: a note is worth nothing twice.
+    fn notes(
+        &mut self,
+        notes: &[BoardNote],
+        asking: bool,
+        now_ms: i64,
+    ) -> Result<book::NotesDone, StoreError> {
+        let client = self.client()?;
+        let done = client.transaction().and_then(|mut tx| {
+            let done = book::apply_notes(&mut PgBooks { tx: &mut tx }, notes, asking, now_ms)?;
+            tx.commit().map(|()| done)
+        });
+        match done {
+            Ok(d) => Ok(d),
+            Err(e) if classify(&e) == Class::Data => {
+                log::warn!("sink: boards' notes refused as data ({e}); dropped");
+                Ok(book::NotesDone::default())
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn ledger_summary(&mut self) -> Result<LedgerSummary, StoreError> {
+        let row = match self.client()?.query_one(super::LEDGER_SUMMARY, &[]) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(e)),
+        };
+        let n = |i: usize| row.get::<_, i64>(i).max(0) as u64;
+        Ok(LedgerSummary {
+            boards_with_gaps: n(0),
+            rows_missing: n(1),
+            oldest_gap_since_ms: row.get(2),
+            rows_gone: n(3),
+        })
+    }
 }
 
 /// Every side table within `b`, in one transaction; returns the rows dropped.
@@ -559,6 +599,9 @@ fn write_batch(
         let (list, why): (Vec<&Item>, Vec<String>) = clock.refused.into_iter().unzip();
         stats.side_dropped += at.insert(&mut tx, Side::ClockRefused, &list, why)?;
     }
+    // Last before the commit: the ledger's lines stay locked the shortest.
+    let arrivals = book::arrivals(items, &fates);
+    book::record(&mut PgBooks { tx: &mut tx }, &arrivals, at.now_ms)?;
     tx.commit()?;
     Ok(Stored { stats, fates })
 }

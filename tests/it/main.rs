@@ -5,6 +5,7 @@
 mod support;
 
 mod aedes;
+mod backfill;
 mod batches;
 mod bridge;
 mod broker_word;

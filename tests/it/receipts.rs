@@ -261,7 +261,12 @@ fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
 
 /// `mosquitto_pub` as `login` (`None`: anonymous) publishing `payload` at
 /// QoS 1; whether it exited 0 (connected and published, or at least tried).
-fn mosquitto_pub(port: u16, login: Option<(&str, &str)>, topic: &str, payload: &[u8]) -> bool {
+pub(crate) fn mosquitto_pub(
+    port: u16,
+    login: Option<(&str, &str)>,
+    topic: &str,
+    payload: &[u8],
+) -> bool {
     let mut c = std::process::Command::new("mosquitto_pub");
     c.args([
         "-h",

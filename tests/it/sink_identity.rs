@@ -30,7 +30,7 @@ use std::time::Duration;
 /// Event `n` of `device`, as the agent stores it (`variant` 0), or with
 /// other bytes under the same id. The id depends on `n` only: two devices
 /// may well send the same one.
-fn envelope(device: &str, n: u32, variant: u32) -> (String, Vec<u8>) {
+pub(crate) fn envelope(device: &str, n: u32, variant: u32) -> (String, Vec<u8>) {
     let mut id = [0u8; 16];
     id[..4].copy_from_slice(&0x1d00_0000_u32.to_be_bytes());
     id[12..].copy_from_slice(&n.to_be_bytes());
