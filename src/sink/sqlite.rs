@@ -638,43 +638,6 @@ mod tests {
     use super::*;
 
     #[test]
-    // Moved from sqlite_clock.rs: there it made the two files import each
-    // other.
-    fn a_version_3_file_gets_the_clock_columns_and_keeps_its_rows() {
-        let d = tempfile::tempdir().unwrap();
-        let path = d.path().join("sink.db");
-        {
-            let c = Connection::open(&path).unwrap();
-            c.execute_batch(&schema_v3()).unwrap();
-            c.execute(
-                "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
-                 VALUES ('gw', 'e', 's', 'p/gw/events/s', x'00', x'00', 5, 6)",
-                [],
-            )
-            .unwrap();
-        }
-        SinkDb::open(&path).unwrap();
-        let c = Connection::open(&path).unwrap();
-        let v: i32 = c
-            .query_row("PRAGMA user_version", [], |r| r.get(0))
-            .unwrap();
-        // Through version 4 (these columns) and 5 (the replay ledger).
-        assert_eq!(v, VERSION);
-        let lines: i64 = c
-            .query_row("SELECT count(*) FROM ledger", [], |r| r.get(0))
-            .unwrap();
-        assert_eq!(lines, 0, "a payload that is no envelope counts nowhere");
-        let row: (i64, Option<String>, Option<i64>) = c
-            .query_row(
-                "SELECT ts_ms, boot_id, ts_corrected_ms FROM received",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .unwrap();
-        assert_eq!(row, (5, None, None));
-    }
-
-    #[test]
     fn first_duplicate_and_mismatch_are_told_apart() {
         let d = tempfile::tempdir().unwrap();
         let mut db = SinkDb::open(&d.path().join("sink.db")).unwrap();
@@ -884,7 +847,8 @@ mod tests {
         assert_eq!(db.stats.forged, 20);
     }
 
-    /// Version 3 to 4 (true time: `sqlite_clock`'s migration).
+    /// Version 3 through 4 (true time: `sqlite_clock`'s migration) and 5
+    /// (the replay ledger).
     #[test]
     fn a_version_3_file_gets_the_clock_columns_and_keeps_its_rows() {
         let d = tempfile::tempdir().unwrap();
@@ -904,7 +868,12 @@ mod tests {
         let v: i32 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
+        // Through version 4 (these columns) and 5 (the replay ledger).
         assert_eq!(v, VERSION);
+        let lines: i64 = c
+            .query_row("SELECT count(*) FROM ledger", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(lines, 0, "a payload that is no envelope counts nowhere");
         let row: (i64, Option<String>, Option<i64>) = c
             .query_row(
                 "SELECT ts_ms, boot_id, ts_corrected_ms FROM received",
