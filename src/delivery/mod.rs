@@ -76,8 +76,8 @@ pub struct DeliveryStats {
     pub resent_for_receipt: AtomicU64,
     /// Wall clock of the last receipt, Unix ms (0: none yet).
     pub last_receipt_ms: AtomicU64,
-    /// 1 while the broker refuses the receipts subscription (rows are then
-    /// retired on their PUBACK).
+    /// 1 while the broker refuses the receipts subscription (rows wait
+    /// meanwhile).
     pub receipts_unavailable: AtomicU64,
     /// Rows held back on the broker's word (refused, over its CONNACK
     /// maximum, set aside after dropped connections: [`defer`]).

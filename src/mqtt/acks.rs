@@ -156,13 +156,13 @@ impl MqttThread {
     }
 
     /// SUBACK of the receipts subscription: granted, or refused (an ACL
-    /// that does not let this board read its receipts). Refused, delivery
-    /// falls back to retiring rows on their PUBACK and health says so;
-    /// granted again on a later connection, receipts are back.
+    /// that does not let this board read its receipts). Refused, rows wait
+    /// (a refusal retires nothing) and health says so; granted again on a
+    /// later connection, receipts are back.
     fn on_receipts_suback(&self, refused: Option<String>) {
         let topic = self.receipts.as_deref().unwrap_or_default();
         let why = refused.map(|code| {
-            format!("the broker refused the subscription to {topic} ({code}): check its ACL; rows are retired on their PUBACK until it is granted")
+            format!("the broker refused the subscription to {topic} ({code}): check its ACL; rows wait for their receipt until it is granted (a refusal retires nothing)")
         });
         {
             let mut s = lock(&self.shared);

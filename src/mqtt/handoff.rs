@@ -73,7 +73,7 @@ pub enum DeliveryMsg {
     },
     /// Whether receipts can arrive: the broker granted (`true`) or refused
     /// the subscription to the receipts topic on this connection. Refused,
-    /// delivery falls back to retiring rows on their PUBACK.
+    /// rows wait: a refusal retires nothing.
     Receipts {
         /// Granted.
         available: bool,
