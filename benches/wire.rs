@@ -42,7 +42,8 @@
 //! run), `WIRE_BACKLOG` (50000), `WIRE_RECEIPT_BACKLOG` (100000),
 //! `WIRE_PARTS` (`rates,drain,receipts,compare`: which parts to run),
 //! `WIRE_RECEIPT_WINDOW` (the receipt runs' `mqtt.receipt_window`; unset:
-//! the agent's default).
+//! the agent's default), `WIRE_KEEP_DIR` (set: keep the bench directory,
+//! each run's spool, agent and sink logs, and print where it is).
 
 #[path = "common/drains.rs"]
 mod drains;
@@ -125,10 +126,18 @@ fn main() {
     let parts =
         std::env::var("WIRE_PARTS").unwrap_or_else(|_| "rates,drain,receipts,compare".into());
     let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
-    let dir = tempfile::Builder::new()
+    let tmp = tempfile::Builder::new()
         .prefix("edgespool-wire-")
         .tempdir()
         .expect("create the bench directory");
+    // Kept from the start, so a run that fails leaves its logs too.
+    let (tmp_guard, dir) = match std::env::var_os("WIRE_KEEP_DIR") {
+        Some(_) => (None, tmp.keep()),
+        None => {
+            let p = tmp.path().to_path_buf();
+            (Some(tmp), p)
+        }
+    };
     let broker = Broker::start_with_options(BROKER_EXTRA, false);
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -161,7 +170,7 @@ fn main() {
             let handles: Vec<_> = FORMATS
                 .iter()
                 .map(|f| {
-                    let (agent, dir, port) = (&agent, dir.path(), broker.port());
+                    let (agent, dir, port) = (&agent, dir.as_path(), broker.port());
                     s.spawn(move || wire_run(agent, dir, port, *f, rate, interval, n))
                 })
                 .collect();
@@ -179,7 +188,7 @@ fn main() {
     for &f in drain_formats {
         let d = drain_run(
             &agent,
-            dir.path(),
+            dir.as_path(),
             broker.port(),
             f,
             backlog,
@@ -197,13 +206,13 @@ fn main() {
         print_table(&rows, &drains, backlog);
     }
     if part("receipts") {
-        receipt_drains(&agent, dir.path(), broker.port(), receipt_backlog);
+        receipt_drains(&agent, dir.as_path(), broker.port(), receipt_backlog);
     }
     if part("compare") {
         println!();
         let figs = drains::compare(&drains::Setup {
             agent: &agent,
-            dir: dir.path(),
+            dir: dir.as_path(),
             port: broker.port(),
             rows: backlog,
             stream: "tele",
@@ -216,6 +225,10 @@ fn main() {
             },
         });
         drains::print(backlog, &figs);
+    }
+    if tmp_guard.is_none() {
+        let _ = std::fs::copy(broker.log_path(), dir.join("mosquitto.log"));
+        println!("  bench directory kept: {}", dir.display());
     }
 }
 
@@ -264,12 +277,13 @@ fn receipt_drains(agent: &Path, base: &Path, port: u16, rows: usize) {
                 let d = drain_run(agent, base, port, f, rows, mode);
                 let stored = d.stored_per_sec.unwrap_or(0.0);
                 println!(
-                    "  {} {}: {rows} rows retired in {:.2} s from spawn ({:.0} rows/s), all stored by the sink at {:.0} rows/s",
+                    "  {} {}: {rows} rows retired in {:.2} s from spawn ({:.0} rows/s), all stored by the sink at {:.0} rows/s ({:.2} s)",
                     f.name,
                     if receipt { "receipt" } else { "puback" },
                     d.took.as_secs_f64(),
                     d.rows_per_sec,
-                    stored
+                    stored,
+                    d.stored_at.map_or(0.0, |s| s.as_secs_f64())
                 );
                 println!("    sink: {}", d.sink_totals);
                 figures[usize::from(receipt)].push((d.rows_per_sec, stored));
@@ -564,10 +578,19 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
     let mut proc = AgentProc::spawn_bin(agent, &cfg, &dir, "info");
     let q = "SELECT count(*) FROM event_states WHERE state IN ('PENDING','SENT')";
     let mut first_ack = None;
+    // When the sink's database first held every row, seen while the agent
+    // drains: in receipt mode a row is retired later, and a receipt the
+    // board never got costs its receipt timeout, not a delivery.
+    let mut held = None;
     let done = wait(Duration::from_secs(600), || {
         let left = count(&db, q);
         if first_ack.is_none() && (0..rows as i64).contains(&left) {
             first_ack = Some(t.elapsed());
+        }
+        if let Some(s) = sink.as_ref().filter(|_| held.is_none()) {
+            if count(&s.db, "SELECT count(*) FROM received") == rows as i64 {
+                held = Some(t.elapsed());
+            }
         }
         left == 0
     });
@@ -585,11 +608,12 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
     assert_eq!(acked, rows as i64, "{}: rows acknowledged", f.name);
     let bytes = proxy.snapshot().0;
     // Stored: when the sink's database held every row (the agent may be
-    // done first in puback mode, never in receipt mode).
+    // done first in puback mode, and in receipt mode long before the last
+    // receipt arrives when one was lost).
     let (stored, sink_totals) = match sink {
         Some(sink) => {
             let (at, totals) = sink.expect(rows, f.name, t);
-            (Some(at.max(took)), totals)
+            (Some(held.unwrap_or(at)), totals)
         }
         None => (None, String::new()),
     };
@@ -598,6 +622,7 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
     Drain {
         rows_per_sec: rows as f64 / took.as_secs_f64(),
         stored_per_sec: stored.map(|s| rows as f64 / s.as_secs_f64()),
+        stored_at: stored,
         sink_totals,
         first_ack: first,
         took,
@@ -612,6 +637,8 @@ struct Drain {
     /// Rows over the time from the agent's spawn to the sink's database
     /// holding every row (with a sink).
     stored_per_sec: Option<f64>,
+    /// From spawn to the sink's database holding every row (with a sink).
+    stored_at: Option<Duration>,
     /// The sink's last totals line (with a sink).
     sink_totals: String,
     /// From spawn to the first acknowledged row (as polled).

@@ -21,11 +21,23 @@ use std::collections::{HashMap, HashSet, VecDeque};
 pub const MAX_QUEUED: usize = 1024;
 /// Most bytes of receipts waiting for the client.
 pub const MAX_QUEUED_BYTES: usize = 8 << 20;
+/// The sink client's in-flight limit (rumqttc's `inflight`, 100 by
+/// default): its exhaustion stops rumqttc's event loop reading requests,
+/// the PUBACKs of deliveries among them.
+pub const CLIENT_IN_FLIGHT: u16 = 1024;
 /// Most receipts handed to the client and not yet acknowledged by the
-/// broker: below rumqttc's in-flight limit (100 by default), whose
-/// exhaustion stops its event loop reading requests, the PUBACKs of
-/// deliveries among them.
-pub const MAX_IN_FLIGHT: usize = 64;
+/// broker: below [`CLIENT_IN_FLIGHT`], so receipts never stop the PUBACKs.
+///
+/// Why this many: the broker's PUBACK of a receipt reaches the sink behind
+/// every delivery the broker had written to it before (mosquitto writes up
+/// to `max_inflight_messages` of them, all when that is 0), and each batch
+/// committed meanwhile owes one receipt more. With 64 (the limit before),
+/// a window of 1,000 deliveries and `--batch-max 10` owed 100 receipts
+/// per PUBACK round trip and the queue overflowed (665 of 2,001 receipts
+/// dropped for 20,000 events); at the default 500 a backlog of 100,000
+/// sent at once owes 200. The memory is the receipts' bytes, about 105
+/// bytes per event in flight to the sink, as for its PUBACKs.
+pub const MAX_IN_FLIGHT: usize = 1000;
 
 /// The receipts `items` (committed, with `fates`) owe: `(topic, payload)`,
 /// one or more per receipts topic, each event named once with the digest

@@ -822,7 +822,6 @@ fn assert_retired_are_stored(boards: &[Board], c: &mut postgres::Client, when: &
 }
 
 /// The last `sink: first N duplicates N ...` numbers of a sink's log.
-#[cfg(feature = "pg-sink")]
 fn sink_line(log: &str) -> Option<String> {
     log.lines()
         .rev()
@@ -1175,6 +1174,79 @@ fn a_large_receipt_window_drains_a_backlog_with_no_receipt_dropped_and_nothing_s
         elapsed < Duration::from_secs(240),
         "the drain waited for receipt timeouts"
     );
+}
+
+/// Issue 33 item 2, the sink's half: a backlog the broker holds for a sink
+/// (docs/fleet.md's layout, 1,000 deliveries in flight) gets a receipt for
+/// every event, none dropped. Before the fix in `sink::consume` (receipts
+/// waited until no PUBACK at all was queued, and at most 64 were out), 20,000
+/// events with `--batch-max 10` were all stored but 953 receipts were
+/// dropped and 9,530 events never receipted: a board would have sent them
+/// again after its receipt timeout (the wire bench's 302 s drain of 100,000
+/// rows, `duplicates 5500 receipts_dropped 11`).
+#[test]
+fn a_sink_draining_a_backlog_receipts_every_event_and_drops_no_receipt() {
+    use crate::support::{publisher, subscriber::Subscriber};
+    const EVENTS: usize = 20_000;
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = crate::prefix("rcptbacklog");
+    let sink_db = dir.path().join("sink.db");
+    let id = format!("backlog-sink-{}", unique_suffix());
+    let filter = format!("{base}/+/events/#");
+    // Small batches: many receipts per round trip of the broker's PUBACK.
+    let spawn = || {
+        SinkProc::spawn_sqlite_with(
+            broker.port(),
+            &filter,
+            &sink_db,
+            &id,
+            dir.path(),
+            &["--batch-max", "10"],
+        )
+    };
+    // The session and its subscription; the backlog queues while it is away.
+    let mut sink = spawn();
+    sink.wait_subscribed();
+    sink.terminate();
+    let receipts = Subscriber::start(broker.port(), &format!("{base}/+/receipts"));
+    let plan = publisher::Plan {
+        events: EVENTS,
+        devices: 1,
+        dup_every: 0,
+        conflicts: 0,
+    };
+    publisher::publish(broker.port(), &base, plan, Duration::from_secs(300));
+    let started = Instant::now();
+    let mut sink = spawn();
+    let key = crate::support::keys::fleet_key().key.public();
+    let receipted = || {
+        let mut ids = std::collections::HashSet::new();
+        for d in receipts.deliveries() {
+            let r = edgespool::event::receipts::parse(&d.payload).expect("a receipt");
+            assert_eq!(r.check("dev-00", &[key]), Ok(()), "{}", d.topic);
+            ids.extend(r.stored.into_iter().flat_map(|(_, e)| e).map(|(i, _)| i));
+        }
+        ids.len()
+    };
+    let stored = poll(Duration::from_secs(120), Duration::from_millis(500), || {
+        sqlite_stored(&sink_db, "dev-00").len() == EVENTS
+    });
+    let stored_in = started.elapsed();
+    assert!(stored, "{}", tail(&sink.log_text(), 20));
+    // Every receipt is due once the last batch has committed.
+    let all = poll(Duration::from_secs(30), Duration::from_millis(500), || {
+        receipted() == EVENTS
+    });
+    sink.terminate();
+    let line = sink_line(&sink.log_text()).unwrap_or_default();
+    println!(
+        "{EVENTS} events queued for an offline sink (--batch-max 10): stored in {stored_in:.1?}, \
+         {} receipted; {line}",
+        receipted()
+    );
+    assert!(all, "{} of {EVENTS} events receipted; {line}", receipted());
+    assert!(line.contains(" receipts_dropped 0 "), "{line}");
 }
 
 /// Issue 33 item 2: a board that retires on PUBACKs again, with a
