@@ -322,13 +322,14 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
-        record_window: edgespool::flash::write_budget::SharedWindow::new(cfg.spool.commit_window),
     };
+    // No writer here: delivery commits its own records.
+    let ledger = edgespool::delivery::ledger::Ledger::new(None, stats.clone());
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());
     let h2 = {
-        let (stop, stats) = (stop.clone(), stats.clone());
-        std::thread::spawn(move || edgespool::delivery::run(spool, dcfg, link, rx, stop, stats))
+        let (stop, shared) = (stop.clone(), (stats.clone(), ledger));
+        std::thread::spawn(move || edgespool::delivery::run(spool, dcfg, link, rx, stop, shared))
     };
     while (stats.retired.load(Ordering::Relaxed) as usize) < rows {
         assert!(t.elapsed() < Duration::from_secs(300), "delivery stalled");

@@ -308,12 +308,8 @@ pub(super) fn upkeep_settings(cfg: &Config) -> UpkeepSettings {
     }
 }
 
-/// The delivery thread's settings, from `[mqtt]`, committing its records
-/// on `window` (the upkeep's, [`crate::flash::upkeep::Upkeep::window_reader`]).
-pub(super) fn delivery_config(
-    cfg: &Config,
-    window: crate::flash::write_budget::SharedWindow,
-) -> DeliveryConfig {
+/// The delivery thread's settings, from `[mqtt]`.
+pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
     DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: cfg.mqtt.inflight_window,
@@ -327,7 +323,6 @@ pub(super) fn delivery_config(
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
-        record_window: window,
     }
 }
 

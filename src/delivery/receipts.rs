@@ -217,9 +217,7 @@ impl Delivery {
                 // it must not be offered again from there.
                 self.lanes.discard(&m.rows.iter().copied().collect());
                 r.first.forget(&m.rows);
-                self.retiring.extend(m.rows.iter().copied());
-                self.to_retire.extend(m.rows);
-                self.waiting_since.get_or_insert_with(Instant::now);
+                self.ledger.add(None, m.rows);
             }
             Err(e) => {
                 s.receipts_malformed.fetch_add(1, Ordering::Relaxed);
@@ -256,9 +254,7 @@ impl Delivery {
             r.fallback = Some(why);
             r.first.forget(&rows);
             self.lanes.discard(&rows.iter().copied().collect());
-            self.retiring.extend(rows.iter().copied());
-            self.to_retire.extend(rows);
-            self.waiting_since.get_or_insert_with(Instant::now);
+            self.ledger.add(None, rows);
         }
         self.stats
             .receipts_unavailable
@@ -313,7 +309,7 @@ impl Delivery {
         let mut out = Vec::with_capacity(rows.len());
         let limits = self.packet_limit();
         for row in rows {
-            if self.retiring.contains(&row.id) {
+            if self.ledger.holds(row.id) {
                 continue;
             }
             let Some((topic, _)) = self.admit(spool, &row, limits) else {

@@ -335,6 +335,35 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
     }
 }
 
+/// How a JSON payload begins: its event id comes first ([`encode`] writes
+/// the fields in [`JsonEnvelope`]'s order).
+const JSON_ID_PREFIX: &[u8] = b"{\"event_id\":\"";
+
+/// The event id inside a payload [`encode`] made, hyphenated: the spool
+/// reads a row's id from its payload instead of storing it twice (schema
+/// 12). A JSON payload has it first, at a fixed place; a postcard one right
+/// after its version byte. `None` for bytes neither encoding made (a row
+/// whose payload is damaged: its digest fails too).
+pub fn event_id_of(payload: &[u8]) -> Option<String> {
+    if let Some(rest) = payload.strip_prefix(JSON_ID_PREFIX) {
+        let id = rest.get(..36)?;
+        let well_formed = rest.get(36) == Some(&b'"')
+            && id.iter().enumerate().all(|(i, c)| match i {
+                8 | 13 | 18 | 23 => *c == b'-',
+                _ => c.is_ascii_hexdigit(),
+            });
+        return well_formed.then(|| String::from_utf8_lossy(id).into_owned());
+    }
+    match payload {
+        [1, id @ ..] if id.len() > 16 => {
+            let mut b = [0u8; 16];
+            b.copy_from_slice(&id[..16]);
+            Some(EventId(b).hyphenated())
+        }
+        _ => None,
+    }
+}
+
 /// Wall-clock instants before this (2026-01-01T00:00:00Z, Unix ms) mean the
 /// board has not set its clock yet: boards without an RTC boot in 1970 and
 /// step the clock once time sync runs. Readings taken earlier are flagged
@@ -522,5 +551,27 @@ mod tests {
             fields: &f,
         };
         assert!(encode(Format::Json, &env).is_err());
+    }
+
+    #[test]
+    fn the_event_id_is_read_back_from_either_payload_format() {
+        let fields = vec![("t".to_owned(), FieldValue::Num(21.5))];
+        let id = EventId([0xab; 16]);
+        for format in [Format::Json, Format::Postcard] {
+            let env = Envelope {
+                event_id: id,
+                device_id: "board",
+                stream: "temp",
+                seq: 7,
+                ts_ms: 1,
+                clock_trusted: true,
+                fields: &fields,
+            };
+            let payload = encode(format, &env).unwrap();
+            assert_eq!(event_id_of(&payload), Some(id.hyphenated()), "{format:?}");
+        }
+        assert_eq!(event_id_of(b"{\"event_id\":\"not-an-id\"}"), None);
+        assert_eq!(event_id_of(b"junk"), None);
+        assert_eq!(event_id_of(b""), None);
     }
 }

@@ -69,13 +69,14 @@ const SQL_OF_STREAMS: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.dige
     ORDER BY e.id LIMIT ?4";
 
 /// An [`OutRow`] from the columns id, event_id, stream name, payload,
-/// digest, prio.
+/// digest, prio (an empty stored event id is read from the payload).
 pub(super) fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
+    let payload: Vec<u8> = r.get(3)?;
     Ok(OutRow {
         id: r.get(0)?,
-        event_id: r.get(1)?,
+        event_id: super::append::stored_event_id(r.get(1)?, &payload),
         stream: r.get(2)?,
-        payload: r.get(3)?,
+        payload,
         // Read in place, not as a Vec of its own (one allocation per row
         // fewer on the delivery thread's reads).
         digest: r

@@ -1,14 +1,14 @@
 //! The agent's health, judged once an upkeep pass from what every thread
 //! reports (the link, delivery's FAILED rows, checkpoints, refusals),
-//! logged once per reason and stored when it changes.
+//! logged once per reason and recorded for `status` when it changes.
 //!
-//! One rule: a degraded state names its reasons; health is written to the
-//! spool when its reasons change or at the summary interval, never each pass.
+//! One rule: a degraded state names its reasons; health rides a commit
+//! with the agent state ([`super::riding`]): a change of reasons presses
+//! for one (at most once a state period), never each pass.
 
 use super::Writer;
 use crate::agent::health::{assess, grace, Facts};
 use crate::event::envelope::wall_clock_ms;
-use crate::event::stream::Durability;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -145,13 +145,7 @@ impl Writer {
         let Some(record) = self.health.judge(&health.reasons, wall_clock_ms().0) else {
             return;
         };
-        let spool = self.store.conn(Durability::Batched);
-        if spool
-            .set_state("health", &record, wall_clock_ms().0)
-            .is_ok()
-        {
-            self.health.stored(Instant::now());
-        }
+        self.riding.set_state("health", record, true);
     }
 
     /// Rows waiting for their receipt and the oldest one's wait.

@@ -64,6 +64,12 @@ impl Deadlines {
         self.commit_at.get_or_insert(now + window);
     }
 
+    /// Close the commit window at `now` (open or not): what waits commits
+    /// at once.
+    pub(super) fn close_window(&mut self, now: Instant) {
+        self.commit_at = Some(now);
+    }
+
     /// Whether to commit the batched buffer at `now`. The window opens with
     /// its first reading and closes `window` later; a buffer at half its
     /// bound closes it at once, unless a failed commit waits to retry.
