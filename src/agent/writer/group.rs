@@ -124,12 +124,13 @@ impl Writer {
                 at.open_window(Instant::now(), self.upkeep.window());
             }
             IngestMsg::Records { now } => {
-                // Delivery records ride the next commit; a full batch of
-                // them makes it now.
+                // Delivery records ride the next commit of readings (or
+                // commit alone after a state period); a full batch of them
+                // makes it now.
                 if now {
                     at.close_window(Instant::now());
                 } else {
-                    at.open_window(Instant::now(), self.upkeep.window());
+                    at.records_waiting(Instant::now(), self.state_period());
                 }
             }
             IngestMsg::Wake => {}
