@@ -59,6 +59,9 @@ pub const WIDEN: f64 = 0.95;
 pub const GOAL: f64 = 0.80;
 /// ...and narrow again (at most halving) only under this share.
 pub const NARROW: f64 = 0.50;
+/// A window that would meet the budget only past this (a day) is named as
+/// none.
+const FAR_WINDOW_SECS: f64 = 86_400.0;
 /// Over the budget is cleared only under this share of it.
 const CLEAR: f64 = 0.90;
 /// Commits per checkpoint the checkpoint cadence follows the window with
@@ -166,19 +169,17 @@ impl Verdict {
         else {
             return None;
         };
-        let window = match meets {
-            Meets::Window(ms) => format!("a window of about {ms} ms, or "),
-            Meets::NoWindow(_) => String::new(),
-        };
-        let why = match meets {
-            Meets::Window(_) => String::new(),
-            Meets::NoWindow(r) => {
-                format!(" (no window would: the widest measured still took {r:.0} MB/day, and wider ones hardly less)")
+        let budget = p.ceil();
+        let meets = match meets {
+            Meets::Window(ms) => {
+                format!("a window of about {ms} ms, or a budget of {budget:.0} MB/day, would meet it")
             }
+            Meets::NoWindow(r) => format!(
+                "a budget of {budget:.0} MB/day would meet it (no window would: the widest measured still took {r:.0} MB/day, and wider ones hardly less)"
+            ),
         };
         Some(format!(
-            "write budget exceeded: projected {p:.0} MB/day at a {limit_ms} ms commit window, the widest allowed (stopped by {limit}), spool.write_budget_mb_per_day is {b:.0}: {window}a budget of {:.0} MB/day, would meet it{why}",
-            p.ceil()
+            "write budget exceeded: projected {p:.0} MB/day at a {limit_ms} ms commit window, the widest allowed (stopped by {limit}), spool.write_budget_mb_per_day is {b:.0}: {meets}"
         ))
     }
 }
@@ -510,9 +511,11 @@ impl Controller {
         let was_over = matches!(self.verdict, Verdict::Over { .. });
         if over {
             let mb = |b: f64| b * 86_400.0 / 1e6;
+            // A window far past any loss window (a nearly flat curve
+            // stretched out) is no answer: name the budget alone.
             let mut meets = match window_for(&self.points, budget, rate) {
-                Some(w) => Meets::Window((w * 1000.0).ceil() as u64),
-                None => Meets::NoWindow(mb(y)),
+                Some(w) if w <= FAR_WINDOW_SECS => Meets::Window((w * 1000.0).ceil() as u64),
+                _ => Meets::NoWindow(mb(y)),
             };
             // While over, the reason keeps its wording (health reads a new
             // wording as a new reason); only its figures move.

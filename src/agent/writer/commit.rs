@@ -193,14 +193,23 @@ impl Writer {
             || self.final_ride
     }
 
-    /// How often agent state rides a commit: the summary interval, or the
-    /// checkpoint interval if longer ([`super::riding`]).
+    /// How often agent state rides a commit at most: once a checkpoint
+    /// interval (at most five minutes), since a page written more often is
+    /// still copied back once per checkpoint ([`super::riding`]); the
+    /// summary's records change once a summary interval anyway.
     pub(super) fn state_period(&self) -> Duration {
-        self.conf
-            .cfg
-            .agent
-            .summary_interval
-            .max(self.upkeep.checkpoint_interval())
+        self.upkeep
+            .checkpoint_interval()
+            .min(crate::flash::write_budget::MAX_CHECKPOINT_INTERVAL)
+    }
+
+    /// How long delivery records wait for a commit of readings to ride
+    /// before they commit alone: a state period, at most a summary
+    /// interval, at least the commit window.
+    pub(super) fn records_wait(&self) -> Duration {
+        self.state_period()
+            .min(self.conf.cfg.agent.summary_interval)
+            .max(self.upkeep.window())
     }
 
     /// The append of a commit the upkeep admitted, and what follows it.

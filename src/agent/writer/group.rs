@@ -125,12 +125,12 @@ impl Writer {
             }
             IngestMsg::Records { now } => {
                 // Delivery records ride the next commit of readings (or
-                // commit alone after a state period); a full batch of them
+                // commit alone after their wait); a full batch of them
                 // makes it now.
                 if now {
                     at.close_window(Instant::now());
                 } else {
-                    at.records_waiting(Instant::now(), self.state_period());
+                    at.records_waiting(Instant::now(), self.records_wait());
                 }
             }
             IngestMsg::Wake => {}

@@ -4,12 +4,12 @@
 //! summary's records, health, the command clock).
 //!
 //! One rule: **nothing here makes a commit of its own**. Counters and
-//! delivery records ride the next commit (readings, or the window their
-//! arrival opened); agent state rides at most once per state period (the
-//! summary interval, or the checkpoint interval if longer: a page written
-//! more often is copied back once per checkpoint anyway), and opens a
-//! window of its own only when health's reasons changed and nothing else
-//! commits (issue 35).
+//! delivery records ride the next commit (of readings, or alone after
+//! their wait); agent state rides at most once per state period (the
+//! checkpoint interval, at most five minutes: a page written more often is
+//! copied back once per checkpoint anyway; the summary's records change
+//! once a summary interval), and opens a window of its own only when
+//! health's reasons changed and nothing else commits (issue 35).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
