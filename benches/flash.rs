@@ -57,6 +57,9 @@
 //! - `FLASH_RATES` rows to run (default
 //!   `1w,10w,1,10,100,1b100,10b100,100b100,1b300,10b300,100b300,1b1000,10b1000,100b1000`);
 //! - `FLASH_PARALLEL` rows at a time (default: all);
+//! - `FLASH_CEILING_MS` the `b` rows' `spool.max_commit_window_ms` (default
+//!   300000);
+//! - `FLASH_AGENT` another agent binary to measure (an older build, say);
 //! - `FLASH_DIR` where the per-row directories go (default `/var/tmp`; must
 //!   not be tmpfs, where `write_bytes` stays 0).
 //!
@@ -83,8 +86,25 @@ const FALLBACK_WINDOW_MS: u64 = 50;
 const CHECKPOINT_SECS: u64 = 30;
 /// The loss window of the `w` rows, ms.
 const LOSS_WINDOW_MS: u64 = 10_000;
-/// The loss window the operator accepts in the `b` rows, ms.
+/// The loss window the operator accepts in the `b` rows, ms
+/// (`FLASH_CEILING_MS` sets another).
 const BUDGET_CEILING_MS: u64 = 300_000;
+
+/// The agent binary: `FLASH_AGENT`, or the one this bench was built with
+/// (another build, an older one say, to compare with).
+fn agent_exe() -> PathBuf {
+    std::env::var_os("FLASH_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_edgespool")))
+}
+
+/// The `b` rows' `spool.max_commit_window_ms`.
+fn budget_ceiling_ms() -> u64 {
+    std::env::var("FLASH_CEILING_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(BUDGET_CEILING_MS)
+}
 /// The write budget of a `b` row without a figure, MB/day.
 const BUDGET_MB_PER_DAY: u64 = 100;
 /// How long a child gets to stop after being asked.
@@ -281,7 +301,8 @@ impl RateSpec {
             Window::Default => String::new(),
             Window::Fixed => format!("commit_window_ms = {LOSS_WINDOW_MS}\n"),
             Window::Budget(mb) => format!(
-                "write_budget_mb_per_day = {mb}\nmax_commit_window_ms = {BUDGET_CEILING_MS}\n"
+                "write_budget_mb_per_day = {mb}\nmax_commit_window_ms = {}\n",
+                budget_ceiling_ms()
             ),
         }
     }
@@ -292,7 +313,8 @@ impl RateSpec {
             Window::Default => "default".into(),
             Window::Fixed => format!("`spool.commit_window_ms = {LOSS_WINDOW_MS}`"),
             Window::Budget(mb) => format!(
-                "`write_budget_mb_per_day = {mb}`, `max_commit_window_ms = {BUDGET_CEILING_MS}`"
+                "`write_budget_mb_per_day = {mb}`, `max_commit_window_ms = {}`",
+                budget_ceiling_ms()
             ),
         }
     }
@@ -460,7 +482,7 @@ fn measure_rate(
         None
     };
     let agent_cmd = {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_edgespool"));
+        let mut c = Command::new(agent_exe());
         c.args(["run", "--config"])
             .arg(&run.config)
             .env("RUST_LOG", "info");
@@ -831,7 +853,7 @@ impl Sink {
     fn start(run: &RunDir, port: u16, device: &str) -> Result<Sink, String> {
         let log = std::fs::File::create(&run.sink_log).map_err(|e| format!("sink log: {e}"))?;
         let err = log.try_clone().map_err(|e| format!("sink log: {e}"))?;
-        let child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
+        let child = Command::new(agent_exe())
             .args([
                 "sink",
                 "--url",
@@ -893,7 +915,7 @@ fn unix_secs() -> f64 {
 /// `edgespool status --spool PATH --json`, parsed; None when it fails.
 fn status_json(run: &RunDir) -> Option<serde_json::Value> {
     let out = std::fs::File::create(&run.status_out).expect("create the status output file");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
+    let mut child = Command::new(agent_exe())
         .args(["status", "--json", "--spool"])
         .arg(&run.spool)
         .stdin(Stdio::null())
