@@ -45,6 +45,8 @@
 
 #[path = "common/drains.rs"]
 mod drains;
+#[path = "../tests/it/support/mod.rs"]
+mod support;
 
 use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::event::reading::FieldValue;
@@ -58,6 +60,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use support::broker::Broker;
+
+/// The broker for the bench: no cap on messages in flight and room for
+/// the backlog queued (mosquitto's defaults, 20 and 1000, would pace the
+/// drain and drop what a slow subscriber has not taken).
+const BROKER_EXTRA: &str = "max_inflight_messages 0\nmax_queued_messages 100000\n";
 
 const AGENT: &str = env!("CARGO_BIN_EXE_edgespool");
 /// Readings per `append` call while building the backlog.
@@ -79,12 +87,12 @@ fn main() {
         .tempdir_in(&base)
         .expect("create the bench directory");
     warn_if_tmpfs(dir.path());
-    let broker = Mosquitto::start(dir.path());
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
     println!(
         "edgespool backlog bench: {} rows, spool dir {}, mosquitto on port {}, agent {AGENT}",
         s.rows,
         dir.path().display(),
-        broker.port
+        broker.port()
     );
     // One stored storage profile for every spool of this run (it is kept per
     // directory), so no agent start below pays for a first probe.
@@ -111,16 +119,16 @@ fn main() {
         s.rows as f64 / fill.as_secs_f64(),
         file_len(&spool) as f64 / MIB
     );
-    let backlog = backlog_run(&s, dir.path(), broker.port, &spool);
-    let bare = bare_backlog(broker.port, s.rows, backlog.drain.payload_len);
-    let idle = idle_wakeups(&s, dir.path(), broker.port, &one);
-    let fresh = fresh_stream(&s, dir.path(), broker.port, &one);
+    let backlog = backlog_run(&s, dir.path(), broker.port(), &spool);
+    let bare = bare_backlog(broker.port(), s.rows, backlog.drain.payload_len);
+    let idle = idle_wakeups(&s, dir.path(), broker.port(), &one);
+    let fresh = fresh_stream(&s, dir.path(), broker.port(), &one);
     let compared = (s.compare_rows > 0).then(|| {
         let base = wall_ms() as i64 - s.compare_rows as i64 * 10;
         drains::compare(&drains::Setup {
             agent: Path::new(AGENT),
             dir: dir.path(),
-            port: broker.port,
+            port: broker.port(),
             rows: s.compare_rows,
             stream: "bench",
             reading: &|i| reading(i, base),
@@ -166,52 +174,6 @@ impl Settings {
 }
 
 // ---------------------------------------------------------------- processes
-
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> Mosquitto {
-        let port = free_port();
-        let conf = dir.join("mosquitto.conf");
-        let mut text = format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_inflight_messages 0\nmax_queued_messages 100000\n");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            text.push_str("user root\n");
-        }
-        std::fs::write(&conf, text).expect("write mosquitto.conf");
-        let child = Command::new("/usr/sbin/mosquitto")
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start /usr/sbin/mosquitto (cross/setup-debian.sh installs it)");
-        let broker = Mosquitto { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "mosquitto did not listen");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        broker
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("find a free port")
-        .port()
-}
 
 /// Log lines with the time since spawn they were read at.
 type LogLines = Arc<Mutex<Vec<(Duration, String)>>>;
@@ -302,18 +264,13 @@ impl Agent {
             return None;
         }
         let t = Instant::now();
-        // SAFETY: kill(2) on our own child's pid, which has not been reaped.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = t + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return Some((st, t.elapsed()));
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let stopped = support::terminate(&mut self.child, Duration::from_secs(15));
+        if stopped.is_none() {
+            println!("  (agent did not stop within 15 s of SIGTERM; killed it)");
         }
-        println!("  (agent did not stop within 15 s of SIGTERM; killing it)");
-        let _ = self.child.kill();
-        self.child.wait().ok().map(|st| (st, t.elapsed()))
+        // Killed: the status of the kill, which terminate has reaped.
+        let status = stopped.or_else(|| self.child.wait().ok());
+        status.map(|st| (st, t.elapsed()))
     }
 }
 
@@ -321,13 +278,7 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.stop();
         if let Some(h) = self.reader.take() {
-            let deadline = Instant::now() + Duration::from_secs(2);
-            while !h.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if h.is_finished() {
-                let _ = h.join();
-            }
+            join_within(h, Duration::from_secs(2));
         }
         if let Ok(p) = std::env::var("BACKLOG_LOG_OUT") {
             let text: String = lock(&self.log)
@@ -614,7 +565,11 @@ struct Subscriber {
 impl Subscriber {
     /// Connect, subscribe to `filters` and wait for the SUBACKs.
     fn start(port: u16, filters: &[String], target: usize, want_latency: bool) -> Subscriber {
-        let mut o = MqttOptions::new(format!("bench-sub-{}", free_port()), "127.0.0.1", port);
+        let mut o = MqttOptions::new(
+            format!("bench-sub-{}", support::free_port()),
+            "127.0.0.1",
+            port,
+        );
         o.set_keep_alive(KEEP_ALIVE);
         o.set_max_packet_size(1 << 20, 1 << 20);
         let (client, conn) = Client::new(o, 64);
@@ -634,14 +589,10 @@ impl Subscriber {
             let (a, s, n) = (arrivals.clone(), stop.clone(), subacks.clone());
             std::thread::spawn(move || subscriber_loop(client, conn, &a, &s, &n))
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while *lock(&subacks) < filters.len() {
-            assert!(
-                Instant::now() < deadline,
-                "subscriber: no SUBACK within 10 s"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let subacked = support::poll(Duration::from_secs(10), Duration::from_millis(10), || {
+            *lock(&subacks) >= filters.len()
+        });
+        assert!(subacked, "subscriber: no SUBACK within 10 s");
         Subscriber {
             arrivals,
             stop,
@@ -670,16 +621,7 @@ impl Subscriber {
 
     /// Wait until `cond` holds, at most `timeout`; true if it did.
     fn wait_for(&self, timeout: Duration, cond: impl Fn(&Arrivals) -> bool) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.with(|a| cond(a)) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        support::poll(timeout, Duration::from_millis(2), || self.with(|a| cond(a)))
     }
 }
 
@@ -1036,15 +978,8 @@ fn bare_payload(i: usize, len: usize) -> Vec<u8> {
 /// paced at `rate` per second if given; returns the time from the first
 /// publish call to the last PUBACK.
 fn bare_publish(port: u16, topic: &str, count: usize, len: usize, rate: Option<f64>) -> Duration {
-    let mut o = MqttOptions::new(format!("bench-bare-{}", free_port()), "127.0.0.1", port);
-    o.set_keep_alive(KEEP_ALIVE);
-    o.set_inflight(WINDOW as u16);
-    o.set_max_packet_size(1 << 20, 1 << 20);
-    o.set_request_channel_capacity(WINDOW + 8);
-    let (client, mut conn) = Client::new(o, WINDOW + 8);
-    let mut net = conn.eventloop.network_options();
-    net.set_tcp_nodelay(true);
-    conn.eventloop.set_network_options(net);
+    let id = format!("bench-bare-{}", support::free_port());
+    let (client, mut conn) = drains::bare_client(id, port, KEEP_ALIVE);
     let start = Instant::now();
     let publisher = {
         let (client, topic) = (client.clone(), topic.to_owned());
@@ -1263,7 +1198,11 @@ fn per_thread_rate(
 /// `recv_timeout(poll)`; returns its thread id, its client (to disconnect it,
 /// which also ends a long poll) and the thread.
 fn idle_client(port: u16, poll: Duration, stop: Arc<AtomicBool>) -> (u32, Client, JoinHandle<()>) {
-    let mut o = MqttOptions::new(format!("bench-idle-{}", free_port()), "127.0.0.1", port);
+    let mut o = MqttOptions::new(
+        format!("bench-idle-{}", support::free_port()),
+        "127.0.0.1",
+        port,
+    );
     o.set_keep_alive(KEEP_ALIVE);
     let (client, mut conn) = Client::new(o, 10);
     let _ = client.subscribe("bench/idle/nothing", QoS::AtLeastOnce);
@@ -1287,11 +1226,7 @@ fn idle_client(port: u16, poll: Duration, stop: Arc<AtomicBool>) -> (u32, Client
 
 /// Join `h` if it ends within `timeout`; otherwise leave it behind.
 fn join_within(h: JoinHandle<()>, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    while !h.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    if h.is_finished() {
+    if support::poll(timeout, Duration::from_millis(10), || h.is_finished()) {
         let _ = h.join();
     }
 }

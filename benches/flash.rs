@@ -65,6 +65,8 @@
 //!
 //! A quick look: `FLASH_SECS=120 FLASH_WARMUP=60 FLASH_RATES=1w,10w cargo bench --bench flash --profile dev`.
 
+#[path = "../tests/it/support/mod.rs"]
+mod support;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -74,6 +76,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use support::broker::Broker;
+use support::sink::SinkProc;
+
+/// The broker for the bench: room for every reading queued for the
+/// subscriber (mosquitto's default, 1000, drops QoS 1 beyond it).
+const BROKER_EXTRA: &str = "max_queued_messages 100000\n";
 
 /// Set in the environment of the re-executed bench binary: run the minimal writer.
 const MINIMAL_ENV: &str = "EDGESPOOL_FLASH_MINIMAL";
@@ -119,15 +127,14 @@ fn main() {
     }
     let settings = Settings::from_env();
     let tracer = Tracer::detect();
-    let broker_dir = tempfile::tempdir().expect("create the broker's temp dir");
-    let broker = Mosquitto::start(broker_dir.path());
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
     println!(
         "edgespool flash bench: warm-up {} s, measurement {} s per row, {} rows at a time, runs under {}, mosquitto on port {}",
         settings.warmup.as_secs(),
         settings.measure.as_secs(),
         settings.parallel,
         settings.base.display(),
-        broker.port
+        broker.port()
     );
     println!("machine: {}", machine(&settings.base));
     match &tracer {
@@ -141,6 +148,7 @@ fn main() {
         "readings: PUBLISHes the broker delivered to the bench's QoS 1 subscriber on edgespool/<device>/events/{STREAM} during the interval (minimal writer: readings it took)"
     );
     let mut rows = Vec::new();
+    let port = broker.port();
     for chunk in settings.rates.chunks(settings.parallel.max(1)) {
         let done: Vec<(RateSpec, Result<Row, String>)> = std::thread::scope(|sc| {
             let handles: Vec<_> = chunk
@@ -148,10 +156,7 @@ fn main() {
                 .map(|spec| {
                     println!("-- {}: running ...", spec.label());
                     let (s, t) = (&settings, tracer.as_ref());
-                    (
-                        *spec,
-                        sc.spawn(move || measure_rate(*spec, s, broker.port, t)),
-                    )
+                    (*spec, sc.spawn(move || measure_rate(*spec, s, port, t)))
                 })
                 .collect();
             handles
@@ -477,7 +482,7 @@ fn measure_rate(
         &format!("edgespool/{device}/events/{STREAM}"),
     )?;
     let mut sink = if spec.receipt {
-        Some(Sink::start(&run, port, &device)?)
+        Some(start_sink(&run, port, &device)?)
     } else {
         None
     };
@@ -554,7 +559,7 @@ fn measure_rate(
     agent.stop();
     minimal.stop();
     if let Some(sink) = sink.as_mut() {
-        sink.stop();
+        sink.stop(STOP_GRACE);
     }
     drop(sub);
     let count = |path: &Path| {
@@ -784,9 +789,8 @@ struct RunDir {
     minimal_db: PathBuf,
     minimal_trace: PathBuf,
     status_out: PathBuf,
-    /// Receipt mode: the sink's SQLite store and its log.
+    /// Receipt mode: the sink's SQLite store (its log beside it).
     sink_db: PathBuf,
-    sink_log: PathBuf,
 }
 
 impl RunDir {
@@ -804,9 +808,9 @@ impl RunDir {
             ""
         };
         let retire = if spec.receipt {
-            "retire_on = \"receipt\"\n"
+            support::keys::receipt_mode_toml()
         } else {
-            ""
+            String::new()
         };
         // The metrics listener serves from memory: no file written.
         let text = format!(
@@ -826,7 +830,6 @@ impl RunDir {
             minimal_trace: dir.join("trace/minimal.txt"),
             status_out: dir.join("trace/status.json"),
             sink_db: dir.join("sink/sink.db"),
-            sink_log: dir.join("sink/sink.log"),
         }
     }
 }
@@ -843,58 +846,18 @@ fn unretired_rows(spool: &Path) -> Option<(i64, i64)> {
     .ok()
 }
 
-/// Receipt mode: `edgespool sink` on the run's device, storing in SQLite and
-/// sending receipts.
-struct Sink {
-    child: Child,
-}
-
-impl Sink {
-    fn start(run: &RunDir, port: u16, device: &str) -> Result<Sink, String> {
-        let log = std::fs::File::create(&run.sink_log).map_err(|e| format!("sink log: {e}"))?;
-        let err = log.try_clone().map_err(|e| format!("sink log: {e}"))?;
-        let child = Command::new(agent_exe())
-            .args([
-                "sink",
-                "--url",
-                &format!("mqtt://127.0.0.1:{port}"),
-                "--topic",
-            ])
-            .arg(format!("edgespool/{device}/events/#"))
-            .arg("--db")
-            .arg(&run.sink_db)
-            .args(["--client-id", &format!("{device}-sink")])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| format!("start the sink: {e}"))?;
-        let mut sink = Sink { child };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let text = std::fs::read_to_string(&run.sink_log).unwrap_or_default();
-            if text.contains("sink: subscribed") {
-                return Ok(sink);
-            }
-            if Instant::now() >= deadline || sink.child.try_wait().ok().flatten().is_some() {
-                sink.stop();
-                return Err(format!("the sink did not subscribe:\n{text}"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+/// Receipt mode: `edgespool sink` on the run's device, storing in SQLite
+/// and sending receipts, logging into the run's `sink` directory.
+fn start_sink(run: &RunDir, port: u16, device: &str) -> Result<SinkProc, String> {
+    let filter = format!("edgespool/{device}/events/#");
+    let dir = run.sink_db.parent().expect("the sink directory");
+    let id = format!("{device}-sink");
+    let mut sink = SinkProc::spawn_sqlite(port, &filter, &run.sink_db, &id, dir);
+    if sink.subscribed(Duration::from_secs(30)) {
+        return Ok(sink);
     }
-
-    fn stop(&mut self) {
-        // SAFETY: kill(2) on the sink this bench started.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + STOP_GRACE;
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    sink.stop(STOP_GRACE);
+    Err(format!("the sink did not subscribe:\n{}", sink.log_text()))
 }
 
 fn wal_of(db: &Path) -> PathBuf {
@@ -1321,58 +1284,6 @@ fn parse_window(line: &str) -> Option<u64> {
 }
 
 // ---------------------------------------------------------------- broker
-
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> Mosquitto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("find a free port")
-            .port();
-        let conf = dir.join("mosquitto.conf");
-        let mut text = format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_queued_messages 100000\n");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            text.push_str("user root\n");
-        }
-        std::fs::write(&conf, text).expect("write mosquitto.conf");
-        // Debian installs it in /usr/sbin, which a non-root PATH may lack.
-        let exe = if Path::new("/usr/sbin/mosquitto").exists() {
-            "/usr/sbin/mosquitto"
-        } else {
-            "mosquitto"
-        };
-        let child = Command::new(exe)
-            .arg("-c")
-            .arg(&conf)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start mosquitto (run cross/setup-debian.sh)");
-        let broker = Mosquitto { child, port };
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "mosquitto did not listen on port {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        broker
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A QoS 1 subscriber on its own thread, counting PUBLISHes on one topic.
 struct Subscriber {

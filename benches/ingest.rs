@@ -42,20 +42,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{agent::AgentProc, broker::Broker, powercut::PowerCut, wait_for};
-
-fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use support::{agent::AgentProc, broker::Broker, env_u64, powercut::PowerCut, wait_for};
 
 fn main() {
-    let secs = env_num("INGEST_SECS", 5);
-    let runs = env_num("INGEST_RUNS", 3).max(1);
-    let window = env_num("INGEST_WINDOW_MS", 200);
-    let delay_us = env_num("INGEST_SYNC_DELAY_US", 5000);
+    let secs = env_u64("INGEST_SECS", 5);
+    let runs = env_u64("INGEST_RUNS", 3).max(1);
+    let window = env_u64("INGEST_WINDOW_MS", 200);
+    let delay_us = env_u64("INGEST_SYNC_DELAY_US", 5000);
     let broker = Broker::start();
     let rows = std::env::var("INGEST_STREAMS").unwrap_or_else(|_| "batched,full,full-slow".into());
     // The sync wrapper is built (with `cc`) only for a full-slow row.

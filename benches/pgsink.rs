@@ -82,23 +82,6 @@ fn main() {
     }
 }
 
-/// A fresh database; its connection string.
-fn database(pg: &Postgres, name: &str) -> String {
-    let mut c = pg.client();
-    // One statement each: DROP/CREATE DATABASE cannot run in the implicit
-    // transaction block of a multi-statement string.
-    for sql in [
-        format!("DROP DATABASE IF EXISTS {name}"),
-        format!("CREATE DATABASE {name}"),
-    ] {
-        c.batch_execute(&sql).expect("create database");
-    }
-    format!(
-        "{} dbname={name}",
-        pg.conninfo().replace(" dbname=postgres", "")
-    )
-}
-
 /// The plan published to a prefix nobody subscribes to.
 fn publisher_rate(broker: &Broker, plan: publisher::Plan) -> (f64, f64) {
     let prefix = format!("bench/alone/{}", support::unique_suffix());
@@ -184,7 +167,7 @@ fn live_rate(
     n: usize,
     plan: publisher::Plan,
 ) -> (f64, f64) {
-    let conninfo = database(pg, &format!("bench_live_{n}"));
+    let conninfo = pg.database(&format!("bench_live_{n}"));
     let prefix = format!("bench/live{n}/{}", support::unique_suffix());
     let filter = format!("{prefix}/+/events/#");
     let mut sinks = spawn_sinks(broker, dir, &filter, &conninfo, &format!("live{n}"), n);
@@ -215,7 +198,7 @@ fn backlog_rate(
     n: usize,
     plan: publisher::Plan,
 ) -> (f64, f64) {
-    let conninfo = database(pg, &format!("bench_backlog_{n}"));
+    let conninfo = pg.database(&format!("bench_backlog_{n}"));
     let prefix = format!("bench/backlog{n}/{}", support::unique_suffix());
     let filter = format!("{prefix}/+/events/#");
     let tag = format!("backlog{n}");
@@ -250,7 +233,7 @@ fn backlog_rate(
 /// (what the sink adds to `COPY` on the database's side, without MQTT).
 fn store_rate(pg: &Postgres, plan: publisher::Plan) -> (f64, f64) {
     use edgespool::sink::{batch::Item, Store};
-    let conninfo = database(pg, "bench_store");
+    let conninfo = pg.database("bench_store");
     let mut store =
         edgespool::sink::postgres::PgStore::connect(&conninfo, "bench", &Default::default())
             .expect("store");
@@ -270,7 +253,7 @@ fn store_rate(pg: &Postgres, plan: publisher::Plan) -> (f64, f64) {
 
 /// COPY of the same rows (decoded as the sink decodes them) in one go.
 fn copy_rate(pg: &Postgres, plan: publisher::Plan) -> (f64, f64) {
-    let conninfo = database(pg, "bench_copy");
+    let conninfo = pg.database("bench_copy");
     // The sink creates the schema; a store connection migrates it.
     drop(
         edgespool::sink::postgres::PgStore::connect(&conninfo, "bench", &Default::default())

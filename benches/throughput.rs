@@ -11,34 +11,39 @@
 //! Run: `cargo bench --bench throughput` (needs mosquitto; `cross/setup-debian.sh`).
 //! `BENCH_ROWS` sets the row count (default 20000).
 
+#[path = "../tests/it/support/mod.rs"]
+mod support;
 use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::broker::Broker;
+
+/// The broker for the bench: no cap on messages in flight and room for
+/// every row queued (mosquitto's defaults, 20 and 1000, would pace the
+/// publisher and drop what a slow subscriber has not taken).
+const BROKER_EXTRA: &str = "max_inflight_messages 0\nmax_queued_messages 100000\n";
 
 const BATCH: usize = 100;
 const WINDOW: usize = 32;
 
 fn main() {
-    let rows: usize = std::env::var("BENCH_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
+    let rows = support::env_u64("BENCH_ROWS", 20_000) as usize;
     let dir = tempfile::tempdir().expect("tempdir");
-    let broker = Mosquitto::start(dir.path());
-    println!("edgespool throughput bench: {rows} rows, batch {BATCH}, window {WINDOW}, mosquitto on port {}", broker.port);
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
+    println!("edgespool throughput bench: {rows} rows, batch {BATCH}, window {WINDOW}, mosquitto on port {}", broker.port());
 
     // BENCH_ONLY=b runs just the delivery comparison (for profiling).
     let only_b = std::env::var("BENCH_ONLY").is_ok_and(|v| v == "b");
     if only_b {
         let db = dir.path().join("only-b.db");
         let len = fill_spool(&db, rows);
-        let ours = delivery_rate(&db, broker.port, rows);
-        let bare = bare_publisher_rate(broker.port, rows, len);
+        let ours = delivery_rate(&db, broker.port(), rows);
+        let bare = bare_publisher_rate(broker.port(), rows, len);
         println!(
             "(b) edgespool {ours:.0} rows/s, bare {bare:.0}, ratio {:.2}",
             ours / bare
@@ -82,8 +87,8 @@ fn main() {
     for i in 0..3 {
         let db = dir.path().join(format!("deliver{i}.db"));
         payload_len = fill_spool(&db, rows);
-        b_ours.push(delivery_rate(&db, broker.port, rows));
-        b_bare.push(bare_publisher_rate(broker.port, rows, payload_len));
+        b_ours.push(delivery_rate(&db, broker.port(), rows));
+        b_bare.push(bare_publisher_rate(broker.port(), rows, payload_len));
     }
     let (ours, bare) = (median(b_ours), median(b_bare));
     println!(
@@ -92,7 +97,7 @@ fn main() {
     );
 
     // (d)
-    let (hwm_kb, rate) = agent_peak_rss(dir.path(), broker.port);
+    let (hwm_kb, rate) = agent_peak_rss(dir.path(), broker.port());
     println!(
         "(d) agent binary at {rate:.0} readings/s for 10 s: peak RSS (VmHWM) {:.1} MB",
         hwm_kb as f64 / 1024.0
@@ -102,53 +107,6 @@ fn main() {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
-}
-
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &std::path::Path) -> Mosquitto {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let conf = dir.join("mosquitto.conf");
-        let mut text = format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_inflight_messages 0\nmax_queued_messages 100000\n");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            text.push_str("user root\n");
-        }
-        std::fs::write(&conf, text).expect("write mosquitto.conf");
-        // Debian installs it in /usr/sbin, which a non-root PATH may lack.
-        let exe = if std::path::Path::new("/usr/sbin/mosquitto").exists() {
-            "/usr/sbin/mosquitto"
-        } else {
-            "mosquitto"
-        };
-        let child = Command::new(exe)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start mosquitto (run cross/setup-debian.sh)");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "mosquitto did not listen");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Mosquitto { child, port }
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn reading(i: usize) -> NewEvent {
@@ -322,9 +280,11 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
+        device_id: cfg.device_id.clone(),
+        receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
     };
     // No writer here: delivery commits its own records.
-    let ledger = edgespool::delivery::ledger::Ledger::new(None, stats.clone());
+    let ledger = edgespool::delivery::ledger::Ledger::new(None);
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());
     let h2 = {

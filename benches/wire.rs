@@ -44,6 +44,8 @@
 
 #[path = "common/drains.rs"]
 mod drains;
+#[path = "../tests/it/support/mod.rs"]
+mod support;
 
 use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::event::reading::FieldValue;
@@ -52,13 +54,22 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::agent::AgentProc;
+use support::broker::Broker;
+use support::sink::SinkProc;
+
+/// The broker for the bench: no cap on messages in flight and none on
+/// what is queued for a subscriber (mosquitto's defaults, 20 and 1000).
+const BROKER_EXTRA: &str = "max_inflight_messages 0\nmax_queued_messages 0\n";
 
 const BATCH_EVENTS: usize = 50;
 const BATCH_MS: u64 = 10_000;
+/// How long the agent and the sink get to stop after SIGTERM.
+const STOP_GRACE: Duration = Duration::from_secs(15);
 
 /// One row of the table: payload format and batching.
 #[derive(Clone, Copy)]
@@ -104,12 +115,7 @@ const FORMATS: [Fmt; 6] = [
 
 fn main() {
     let agent = agent_binary();
-    let secs = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
+    let secs = support::env_u64;
     let slow = secs("WIRE_SLOW_SECS", 60).max(5);
     let fast = secs("WIRE_FAST_SECS", 20).max(2);
     let backlog = secs("WIRE_BACKLOG", 50_000).max(1) as usize;
@@ -121,7 +127,7 @@ fn main() {
         .prefix("edgespool-wire-")
         .tempdir()
         .expect("create the bench directory");
-    let broker = Mosquitto::start(dir.path());
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -133,7 +139,7 @@ fn main() {
         })
         .unwrap_or_else(|| "unknown CPU".into());
     println!("edgespool wire bench: agent {}", agent.display());
-    println!("  machine: {cores} cores ({cpu}); mosquitto on 127.0.0.1:{}, MQTT 5 (the agent's default protocol)", broker.port);
+    println!("  machine: {cores} cores ({cpu}); mosquitto on 127.0.0.1:{}, MQTT 5 (the agent's default protocol)", broker.port());
     println!(
         "  readings: 8 numeric fields through the ingest socket, the same values for every format"
     );
@@ -153,7 +159,7 @@ fn main() {
             let handles: Vec<_> = FORMATS
                 .iter()
                 .map(|f| {
-                    let (agent, dir, port) = (&agent, dir.path(), broker.port);
+                    let (agent, dir, port) = (&agent, dir.path(), broker.port());
                     s.spawn(move || wire_run(agent, dir, port, *f, rate, interval, n))
                 })
                 .collect();
@@ -172,7 +178,7 @@ fn main() {
         let d = drain_run(
             &agent,
             dir.path(),
-            broker.port,
+            broker.port(),
             f,
             backlog,
             DrainMode::NO_SINK,
@@ -189,14 +195,14 @@ fn main() {
         print_table(&rows, &drains, backlog);
     }
     if part("receipts") {
-        receipt_drains(&agent, dir.path(), broker.port, receipt_backlog);
+        receipt_drains(&agent, dir.path(), broker.port(), receipt_backlog);
     }
     if part("compare") {
         println!();
         let figs = drains::compare(&drains::Setup {
             agent: &agent,
             dir: dir.path(),
-            port: broker.port,
+            port: broker.port(),
             rows: backlog,
             stream: "tele",
             reading: &|i| {
@@ -420,6 +426,7 @@ keep_alive_secs = 600
 reconnect_min_ms = 100
 reconnect_max_ms = 500
 retire_on = "{retire_on}"
+receipt_public_keys = ["{fleet}"]
 [agent]
 summary_interval_secs = 3600
 [ingest]
@@ -427,7 +434,8 @@ socket = "{d}/ingest.sock"
 [[ingest.streams]]
 name = "tele"
 {batch}"#,
-        if f.postcard { "postcard" } else { "json" }
+        if f.postcard { "postcard" } else { "json" },
+        fleet = support::keys::fleet_key().key.public().hex(),
     );
     let path = dir.join("agent.toml");
     std::fs::write(&path, text).expect("write the agent config");
@@ -453,7 +461,7 @@ fn wire_run(
     let sink = Sink::start(agent, port, &prefix, &dir);
     let proxy = Proxy::start(port);
     let cfg = config(&dir, proxy.port, f, &prefix, "puback");
-    let mut proc = spawn_agent(agent, &cfg, &dir);
+    let mut proc = AgentProc::spawn_bin(agent, &cfg, &dir, "info");
     // The connection is up: CONNACK came back and nothing moved for 1 s
     // (SUBSCRIBE/SUBACK and the retained status are done).
     let up = wait(Duration::from_secs(30), || proxy.b2c.bytes() >= 4);
@@ -461,7 +469,7 @@ fn wire_run(
         up,
         "{}: the agent did not connect:\n{}",
         f.name,
-        tail(&dir.join("agent.log"))
+        proc.log_tail(30)
     );
     let mut last = proxy.snapshot();
     for _ in 0..10 {
@@ -494,11 +502,11 @@ fn wire_run(
         acked,
         "{}: not every reading acknowledged:\n{}",
         f.name,
-        tail(&dir.join("agent.log"))
+        proc.log_tail(30)
     );
     std::thread::sleep(Duration::from_millis(300));
     let end = proxy.snapshot();
-    stop(&mut proc);
+    proc.terminate(STOP_GRACE);
     sink.expect(n, f.name, Instant::now());
     Wire {
         readings: n,
@@ -548,7 +556,7 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
     let retire = if mode.receipt { "receipt" } else { "puback" };
     let cfg = config(&dir, proxy.port, f, &prefix, retire);
     let t = Instant::now();
-    let mut proc = spawn_agent(agent, &cfg, &dir);
+    let mut proc = AgentProc::spawn_bin(agent, &cfg, &dir, "info");
     let q = "SELECT count(*) FROM event_states WHERE state IN ('PENDING','SENT')";
     let mut first_ack = None;
     let done = wait(Duration::from_secs(600), || {
@@ -563,7 +571,7 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
         done,
         "{}: the backlog did not drain:\n{}",
         f.name,
-        tail(&dir.join("agent.log"))
+        proc.log_tail(30)
     );
     let acked = count(
         &db,
@@ -580,7 +588,7 @@ fn drain_run(agent: &Path, base: &Path, port: u16, f: Fmt, rows: usize, mode: Dr
         }
         None => (None, String::new()),
     };
-    stop(&mut proc);
+    proc.terminate(STOP_GRACE);
     let first = first_ack.unwrap_or(took);
     Drain {
         rows_per_sec: rows as f64 / took.as_secs_f64(),
@@ -617,21 +625,9 @@ fn count(db: &Path, sql: &str) -> i64 {
     c.query_row(sql, [], |r| r.get(0)).unwrap_or(-1)
 }
 
-fn wait(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    f()
-}
-
-fn tail(log: &Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
+/// [`support::poll`] every 100 ms: a check here may read a large spool.
+fn wait(limit: Duration, f: impl FnMut() -> bool) -> bool {
+    support::poll(limit, Duration::from_millis(100), f)
 }
 
 // ---------------------------------------------------------------- processes
@@ -669,70 +665,32 @@ fn agent_binary() -> PathBuf {
     release
 }
 
-fn spawn_agent(agent: &Path, cfg: &Path, dir: &Path) -> Child {
-    let log = std::fs::File::create(dir.join("agent.log")).expect("agent log");
-    Command::new(agent)
-        .arg("run")
-        .arg("--config")
-        .arg(cfg)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("clone log"))
-        .stderr(log)
-        .spawn()
-        .expect("spawn the agent")
-}
-
-/// SIGTERM, then SIGKILL after 15 s.
-fn stop(child: &mut Child) {
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let end = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < end {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 /// `edgespool sink --db` on `<prefix>/events/#` (and so the batches).
 struct Sink {
-    child: Child,
+    proc: SinkProc,
     db: PathBuf,
-    log: PathBuf,
 }
 
 impl Sink {
     fn start(agent: &Path, port: u16, prefix: &str, dir: &Path) -> Sink {
         let db = dir.join("sink.db");
-        let log = dir.join("sink.log");
-        let f = std::fs::File::create(&log).expect("sink log");
-        let child = Command::new(agent)
-            .args([
-                "sink",
-                "--url",
-                &format!("mqtt://127.0.0.1:{port}"),
-                "--topic",
-            ])
-            .arg(format!("{prefix}/events/#"))
-            .arg("--db")
-            .arg(&db)
-            .args(["--client-id", &format!("sink-{}", prefix.replace('/', "-"))])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().expect("clone log"))
-            .stderr(f)
-            .spawn()
-            .expect("spawn the sink");
-        let sink = Sink { child, db, log };
-        let ok = wait(Duration::from_secs(30), || {
-            std::fs::read_to_string(&sink.log).is_ok_and(|t| t.contains("sink: subscribed"))
-        });
-        assert!(ok, "the sink did not subscribe:\n{}", tail(&sink.log));
-        sink
+        let url = format!("mqtt://127.0.0.1:{port}");
+        let filter = format!("{prefix}/events/#");
+        let id = format!("sink-{}", prefix.replace('/', "-"));
+        let db_arg = db.to_str().expect("a UTF-8 path");
+        let args = [
+            "--url",
+            &url,
+            "--topic",
+            &filter,
+            "--db",
+            db_arg,
+            "--client-id",
+            &id,
+        ];
+        let proc = SinkProc::launch_bin(agent, "sink", dir, &args);
+        proc.wait_subscribed();
+        Sink { proc, db }
     }
 
     /// Every reading stored (the bench's one assertion); returns when
@@ -745,10 +703,10 @@ impl Sink {
             ok,
             "{name}: the sink stored {} of {n} readings:\n{}",
             count(&self.db, q),
-            tail(&self.log)
+            support::tail(&self.proc.log_text(), 30)
         );
-        stop(&mut self.child);
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        self.proc.stop(STOP_GRACE);
+        let text = self.proc.log_text();
         let totals = text
             .lines()
             .rev()
@@ -757,51 +715,6 @@ impl Sink {
             .unwrap_or("")
             .to_owned();
         (at, totals)
-    }
-}
-
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> Mosquitto {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("find a free port")
-            .port();
-        let conf = dir.join("mosquitto.conf");
-        let mut text = format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmax_inflight_messages 0\nmax_queued_messages 0\n");
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            text.push_str("user root\n");
-        }
-        std::fs::write(&conf, text).expect("write mosquitto.conf");
-        let child = Command::new("/usr/sbin/mosquitto")
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start /usr/sbin/mosquitto (cross/setup-debian.sh installs it)");
-        let broker = Mosquitto { child, port };
-        assert!(
-            wait(Duration::from_secs(10), || TcpStream::connect((
-                "127.0.0.1",
-                port
-            ))
-            .is_ok()),
-            "mosquitto did not listen"
-        );
-        broker
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

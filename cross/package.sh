@@ -138,6 +138,8 @@ stage() {
   sed "s/@VERSION@/$version/" packaging/edgespool.1 | gzip -9n >"$root/usr/share/man/man1/edgespool.1.gz"
   chmod 0644 "$root/usr/share/man/man1/edgespool.1.gz"
   install -D -m 0644 packaging/edgespool.bash "$root/usr/share/bash-completion/completions/edgespool"
+  install -D -m 0644 packaging/_edgespool "$root/usr/share/zsh/vendor-completions/_edgespool"
+  install -D -m 0644 packaging/edgespool.fish "$root/usr/share/fish/vendor_completions.d/edgespool.fish"
   local doc="$root/usr/share/doc/edgespool"
   install -D -m 0644 packaging/copyright "$doc/copyright"
   install -D -m 0644 README.md "$doc/README.md"
@@ -148,6 +150,7 @@ stage() {
   # The Grafana dashboard and the Prometheus alert rules (README, "Dashboard and alerts").
   install -D -m 0644 packaging/grafana/edgespool.json "$doc/examples/grafana/edgespool.json"
   install -D -m 0644 packaging/prometheus/edgespool-alerts.yml "$doc/examples/prometheus/edgespool-alerts.yml"
+  install -D -m 0644 packaging/prometheus/edgespool-alerts.test.yml "$doc/examples/prometheus/edgespool-alerts.test.yml"
   find "$root" -type d -exec chmod go-w {} +
 }
 

@@ -1,5 +1,6 @@
-# bash completion for edgespool(1). Each command's options are the ones
-# `edgespool help COMMAND` lists (a test holds this file against them).
+# bash completion for edgespool(1), generated from the table of commands
+# (src/cli/spec.rs, what `edgespool help COMMAND` prints): do not edit;
+# `EDGESPOOL_BLESS=1 cargo test --lib docs_gen` rewrites it.
 _edgespool() {
     local cur prev words cword
     _init_completion || return
@@ -10,13 +11,13 @@ _edgespool() {
     fi
     # Options that take a value: complete the value, not an option.
     case "$prev" in
-        --config|-c|--spool|--to|--out|--db|--password-file|--pg-password-file|--pg-ca|--pg-cert|--pg-key)
+        --config|-c|--spool|--to|--db|--pg-password-file|--pg-ca|--pg-cert|--pg-key|--receipt-key|--password-file|--out)
             _filedir
             return ;;
         --dir)
             _filedir -d
             return ;;
-        --set|--url|--topic|--client-id|--share|--username|--postgres|--batch-max|--batch-ms)
+        --set|--url|--topic|--postgres|--client-id|--share|--batch-max|--batch-ms|--username)
             return ;;
     esac
     local opts=""
@@ -27,12 +28,13 @@ _edgespool() {
         status) opts="--config --spool --json --help" ;;
         probe-storage) opts="--config --dir --json --help" ;;
         export) opts="--config --spool --to --help" ;;
-        sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --no-receipts --username --password-file --stats --json --help" ;;
+        sink) opts="--config --url --topic --db --postgres --pg-password-file --pg-ca --pg-cert --pg-key --client-id --share --batch-max --batch-ms --receipt-key --no-receipts --username --password-file --stats --json --help" ;;
         keygen) opts="--out --help" ;;
         help)
             [ "$cword" -eq 2 ] && COMPREPLY=($(compgen -W "run check-config test status probe-storage export sink keygen" -- "$cur"))
             return ;;
     esac
+    # The bare config file some commands take instead of --config.
     if [[ "$cur" != -* ]] && [[ "${words[1]}" == check-config || "${words[1]}" == test ]]; then
         _filedir toml
         return

@@ -39,6 +39,8 @@ usr/lib/tmpfiles.d/edgespool.conf:0644
 lib/systemd/system/edgespool-sink@.service:0644
 usr/share/man/man1/edgespool.1.gz:0644
 usr/share/bash-completion/completions/edgespool:0644
+usr/share/zsh/vendor-completions/_edgespool:0644
+usr/share/fish/vendor_completions.d/edgespool.fish:0644
 usr/share/doc/edgespool/copyright:0644
 usr/share/doc/edgespool/README.md:0644
 usr/share/doc/edgespool/docs/benchmarks.md:0644
@@ -56,7 +58,8 @@ usr/share/doc/edgespool/examples/sink.toml:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/metrics-textfile.conf:0644
 usr/share/doc/edgespool/examples/grafana/edgespool.json:0644
-usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml:0644"
+usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.yml:0644
+usr/share/doc/edgespool/examples/prometheus/edgespool-alerts.test.yml:0644"
 
 if [ "$mode" != install ]; then
     if have_systemd; then

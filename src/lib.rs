@@ -9,7 +9,9 @@
 //!
 //! A reading becomes a row in the spool in one local transaction, is
 //! published over MQTT QoS 1 with an event id that every retry reuses, and is
-//! retired only when the PUBACK of the publish that carried it arrives.
+//! retired only on proof: the PUBACK of the publish that carried it, or in
+//! receipt mode a receipt the fleet signed naming its id and bytes. The rules
+//! every change keeps are in `docs/invariants.md`.
 //! Delivery is at least once; consumers deduplicate on the event id.
 //!
 //! The crate is grouped by job, one folder a room, in the order a reading

@@ -21,11 +21,12 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 use support::agent::AgentProc;
 use support::broker::Broker;
+use support::env_u64;
 use support::proxy::{Mode, Proxy};
+use support::sink::SinkProc;
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -68,34 +69,6 @@ fn schedule(rng: &mut Rng, n: usize) -> Vec<Fault> {
         .collect()
 }
 
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn start_sink(port: u16, prefix: &str, db: &Path, dir: &Path) -> Child {
-    let log = std::fs::File::create(dir.join("sink.log")).expect("sink log");
-    support::agent::command()
-        .args([
-            "sink",
-            "--url",
-            &format!("mqtt://127.0.0.1:{port}"),
-            "--topic",
-            &format!("{prefix}/events/#"),
-        ])
-        .arg("--db")
-        .arg(db)
-        .args(["--client-id", "rig-sink"])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("clone log"))
-        .stderr(log)
-        .spawn()
-        .expect("start the sink")
-}
-
 fn main() {
     let faults = env_u64("RIG_FAULTS", 12) as usize;
     let step = Duration::from_secs(env_u64("RIG_STEP_SECS", 2));
@@ -123,8 +96,9 @@ fn main() {
     // Ends with the device id: the sink takes the device from the topic.
     let prefix = format!("rig/{}/rig-board", support::unique_suffix());
     let sink_db = dir.path().join("sink.db");
-    let mut sink = start_sink(broker.port(), &prefix, &sink_db, dir.path());
-    std::thread::sleep(Duration::from_millis(500));
+    let filter = format!("{prefix}/events/#");
+    let mut sink = SinkProc::spawn_sqlite(broker.port(), &filter, &sink_db, "rig-sink", dir.path());
+    sink.wait_subscribed();
 
     let cfg = dir.path().join("board.toml");
     std::fs::write(
@@ -209,8 +183,8 @@ interval_ms = 50
 
     // Drain with no new readings.
     let unacked = |db: &Path| {
-        let c = support::spool::count_by_state(db);
-        c.get("PENDING").copied().unwrap_or(0) + c.get("SENT").copied().unwrap_or(0)
+        let s = support::spool::states(db);
+        s.n("PENDING") + s.n("SENT")
     };
     let mut drain = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
     let drained = support::wait_for(Duration::from_secs(180), || unacked(&db) == 0);
@@ -229,9 +203,7 @@ interval_ms = 50
         sink_count() >= rows.len() as i64
     });
     std::thread::sleep(Duration::from_secs(1));
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(sink.id() as i32, libc::SIGTERM) };
-    let _ = sink.wait();
+    sink.terminate();
 
     let sink_conn = rusqlite::Connection::open(&sink_db).expect("open sink db");
     let digest_at_sink = |id: &str| -> Option<Vec<u8>> {

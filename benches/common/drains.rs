@@ -20,11 +20,13 @@ use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::sink::unbatch::{decompress, split, topic_kind, TopicKind};
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use crate::support::agent::AgentProc;
+use crate::support::poll;
 
 /// The agent's default `mqtt.inflight_window`.
 const WINDOW: usize = 32;
@@ -186,17 +188,30 @@ fn bare(s: &Setup, v5: bool, len: usize, n: usize) -> f64 {
     rate
 }
 
-fn bare_v4(port: u16, topic: &str, rows: usize, payload: &[u8], deadline: Duration) {
-    use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
-    let mut o = MqttOptions::new(format!("compare-bare-{port}-v4"), "127.0.0.1", port);
-    o.set_keep_alive(Duration::from_secs(600));
+/// A bare rumqttc 3.1.1 client set up as the agent sets up its own: its
+/// in-flight window, a request channel just above it, 1 MiB packets,
+/// TCP_NODELAY.
+pub fn bare_client(
+    id: String,
+    port: u16,
+    keep_alive: Duration,
+) -> (rumqttc::Client, rumqttc::Connection) {
+    let mut o = rumqttc::MqttOptions::new(id, "127.0.0.1", port);
+    o.set_keep_alive(keep_alive);
     o.set_inflight(WINDOW as u16);
     o.set_max_packet_size(1 << 20, 1 << 20);
     o.set_request_channel_capacity(WINDOW + 8);
-    let (client, mut conn) = Client::new(o, WINDOW + 8);
+    let (client, mut conn) = rumqttc::Client::new(o, WINDOW + 8);
     let mut net = conn.eventloop.network_options();
     net.set_tcp_nodelay(true);
     conn.eventloop.set_network_options(net);
+    (client, conn)
+}
+
+fn bare_v4(port: u16, topic: &str, rows: usize, payload: &[u8], deadline: Duration) {
+    use rumqttc::{Event, Incoming, QoS};
+    let id = format!("compare-bare-{port}-v4");
+    let (client, mut conn) = bare_client(id, port, Duration::from_secs(600));
     let publisher = {
         let (client, topic, payload) = (client.clone(), topic.to_owned(), payload.to_vec());
         std::thread::spawn(move || {
@@ -288,41 +303,12 @@ fn agent(s: &Setup, template: &Path, v5: bool, who: Who, n: usize) -> (f64, f64)
     let cfg_path = dir.join("agent.toml");
     std::fs::write(&cfg_path, cfg).expect("write the agent config");
     let sub = Subscriber::start(s.port, &prefix, s.rows);
-    let mut child = spawn(s.agent, &cfg_path, &dir);
+    let mut proc = AgentProc::spawn_bin(s.agent, &cfg_path, &dir, "warn");
     let rate = sub.wait(Duration::from_secs(60 + s.rows as u64 / 500));
-    let cpu = cpu_secs(child.id()).unwrap_or(f64::NAN);
-    stop(&mut child);
+    let cpu = cpu_secs(proc.pid()).unwrap_or(f64::NAN);
+    proc.terminate(Duration::from_secs(15));
     let _ = std::fs::remove_dir_all(&dir);
     (rate, cpu / s.rows as f64 * 100_000.0)
-}
-
-fn spawn(agent: &Path, cfg: &Path, dir: &Path) -> Child {
-    let log = std::fs::File::create(dir.join("agent.log")).expect("agent log");
-    Command::new(agent)
-        .arg("run")
-        .arg("--config")
-        .arg(cfg)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawn the agent")
-}
-
-/// SIGTERM, then SIGKILL after 15 s.
-fn stop(child: &mut Child) {
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let end = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < end {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// User + system CPU seconds of process `pid` so far (/proc/pid/stat).
@@ -395,11 +381,10 @@ impl Subscriber {
                 let _ = client.try_disconnect();
             })
         };
-        let end = Instant::now() + Duration::from_secs(10);
-        while subscribed.load(Ordering::Relaxed) < 2 {
-            assert!(Instant::now() < end, "subscriber: no SUBACK within 10 s");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let subacked = poll(Duration::from_secs(10), Duration::from_millis(10), || {
+            subscribed.load(Ordering::Relaxed) >= 2
+        });
+        assert!(subacked, "subscriber: no SUBACK within 10 s");
         Subscriber {
             count,
             times,
@@ -412,21 +397,24 @@ impl Subscriber {
     /// Wait for every event (at most `limit`); rows/s from the first
     /// arrival to the last (NaN if they did not all come).
     fn wait(&self, limit: Duration) -> f64 {
-        let end = Instant::now() + limit;
-        loop {
+        let mut span = None;
+        let all = poll(limit, Duration::from_millis(5), || {
             let t = *self.times.lock().unwrap_or_else(|e| e.into_inner());
-            if let (Some(first), Some(last)) = t {
-                return self.target as f64 / (last - first).as_secs_f64().max(1e-6);
+            span = t.0.zip(t.1);
+            span.is_some()
+        });
+        match span {
+            Some((first, last)) if all => {
+                self.target as f64 / (last - first).as_secs_f64().max(1e-6)
             }
-            if Instant::now() >= end {
+            _ => {
                 println!(
                     "  (only {} of {} events arrived)",
                     self.count.load(Ordering::Relaxed),
                     self.target
                 );
-                return f64::NAN;
+                f64::NAN
             }
-            std::thread::sleep(Duration::from_millis(5));
         }
     }
 }

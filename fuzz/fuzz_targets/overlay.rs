@@ -5,7 +5,7 @@
 //!
 //! Input: an optional first line `#sig <hex>` (the signature), then the text.
 //!
-//! Bounds asserted (DESIGN.md, "Trust boundaries": nothing from the network
+//! Bounds asserted (docs/invariants.md, "Trust boundaries": nothing from the network
 //! widens the local config):
 //! - with a signature, a board in `overlay` mode refuses;
 //! - a refusal is bounded (at most 16 keys named, each cut to 80 chars);

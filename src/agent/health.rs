@@ -1,9 +1,11 @@
-//! The agent's health: `ok`, or `degraded` with named reasons.
+//! The agent's health: `starting`, `ok`, or `degraded` with named reasons.
 //!
-//! Its one rule: **health says `ok` only while data can flow**: connected,
-//! acknowledged when rows wait, storage taking readings. Each reason names
-//! what to check. Pure: the agent gathers [`Facts`] and stores the
-//! [`Health`] this returns (only when it changes).
+//! Its one rule: **health says `ok` only while data can flow**: connected
+//! (a CONNACK this run), acknowledged when rows wait, storage taking
+//! readings, every configured listener listening, nothing the spool held
+//! lost at start. Before the first CONNACK it says `starting`, never `ok`.
+//! Each reason names what to check. Pure: the agent gathers [`Facts`] and
+//! stores the [`Health`] this returns (only when it changes).
 
 use std::time::Duration;
 
@@ -12,6 +14,9 @@ use std::time::Duration;
 pub struct Facts {
     /// Connected now (CONNACK accepted, not yet lost).
     pub connected: bool,
+    /// A CONNACK was accepted at least once this run: until then health
+    /// is [`State::Starting`] at best.
+    pub ever_connected: bool,
     /// How long the connection has been in its current state (up or down).
     pub state_for: Duration,
     /// Why the last connection ended (or the last connect failed).
@@ -26,14 +31,18 @@ pub struct Facts {
     /// keep-alive, without a PUBACK).
     pub quick_drops: u32,
     /// The broker refused the command subscription (SUBACK 0x80, MQTT 3.1.1
-    /// §3.9.3), or
-    /// closes the connection on it so the agent connects without it.
+    /// §3.9.3), or closed 3 connections in a row right after it, so the
+    /// agent connects without it for a while (at most 5 minutes at a time).
     pub commands_unavailable: Option<String>,
     /// FAILED rows in the spool now (kept and shown by `status` until an
     /// operator requeues them).
     pub failed_rows: u64,
-    /// Rows the broker refused on this connection, waiting for the next.
+    /// Rows held back on the broker's word (refused, over its CONNACK
+    /// maximum, set aside after dropped connections), tried again with
+    /// backoff and never FAILED for it ([`crate::delivery`]).
     pub deferred: u64,
+    /// What the broker said or did about them.
+    pub deferred_why: String,
     /// A reader pins the WAL (checkpoints cannot finish).
     pub checkpoint_blocked: bool,
     /// Readings refused since the last pass, and why.
@@ -48,28 +57,64 @@ pub struct Facts {
     pub awaiting_receipt: (u64, Option<Duration>),
     /// `mqtt.receipt_timeout_secs` in receipt mode; `None` otherwise.
     pub receipt_timeout: Option<Duration>,
+    /// Receipt mode: receipts refused (unsigned, forged, another board's,
+    /// malformed) within the last [`REFUSED_WINDOW`], and the reasons
+    /// named, e.g. `unsigned 3, bad_signature 1`.
+    pub receipts_refused: (u64, String),
     /// Another process listens on `ingest.socket`: who, and the fix.
     pub ingest_socket_taken: Option<String>,
     /// The write budget cannot be met within the widest commit window
     /// allowed: the projection and what would meet it
     /// ([`crate::flash::write_budget::Verdict::reason`], worded by the caller).
     pub write_budget: Option<String>,
+    /// Configured listeners that could not bind (`metrics.listen`), each
+    /// with its key, address and cause; the agent runs without them.
+    pub listeners_down: Vec<String>,
+    /// What the spool lost at start (committed rows gone with a lost
+    /// `-wal`, a damaged file moved aside:
+    /// [`crate::spool::integrity::Opened::lost`]); kept for the run.
+    pub spool_lost: Option<String>,
+}
+
+/// The three states of [`Health`], as `status`, the record in the spool
+/// and the `edgespool_health{state}` gauge name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// No CONNACK yet this run, and nothing wrong yet.
+    Starting,
+    /// Data can flow.
+    Ok,
+    /// At least one reason.
+    Degraded,
+}
+
+impl State {
+    /// `ok`, `starting` or `degraded` (one of
+    /// [`crate::metrics::HEALTH_STATES`]).
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Starting => "starting",
+            State::Ok => "ok",
+            State::Degraded => "degraded",
+        }
+    }
 }
 
 /// The verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Health {
-    /// Every reason it is not ok; empty when ok.
+    /// [`State::Degraded`] exactly when `reasons` is not empty.
+    pub state: State,
+    /// Every reason it is not ok; empty when ok or starting.
     pub reasons: Vec<String>,
 }
 
 impl Health {
-    /// `ok`, or `degraded: <reason>; <reason>`.
+    /// `ok`, `starting`, or `degraded: <reason>; <reason>`.
     pub fn line(&self) -> String {
-        if self.reasons.is_empty() {
-            "ok".to_owned()
-        } else {
-            format!("degraded: {}", self.reasons.join("; "))
+        match self.state {
+            State::Degraded => format!("degraded: {}", self.reasons.join("; ")),
+            s => s.name().to_owned(),
         }
     }
 }
@@ -117,8 +162,8 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
     }
     if f.deferred > 0 {
         reasons.push(format!(
-            "{} rows refused by the broker on this connection (PUBACK reason code, or its maximum packet size): tried again on the next connection",
-            f.deferred
+            "{} rows held back by the broker, tried again with backoff, never FAILED for it: {}",
+            f.deferred, f.deferred_why
         ));
     }
     if let Some(why) = &f.write_budget {
@@ -148,19 +193,114 @@ pub fn assess(f: &Facts, grace: Duration) -> Health {
             ));
         }
     }
+    let (refused, by) = &f.receipts_refused;
+    if *refused >= REFUSED_DEGRADE {
+        reasons.push(format!(
+            "receipts refused: {refused} in the last {} min ({by}): something publishes receipts this board does not trust on <topic_prefix>/receipts (a forgery, or a sink whose --receipt-key is not in mqtt.receipt_public_keys); they retire nothing",
+            REFUSED_WINDOW.as_secs() / 60
+        ));
+    }
     if let Some(why) = &f.ingest_socket_taken {
         reasons.push(format!("ingest socket not ours: {why}"));
     }
-    Health { reasons }
+    for why in &f.listeners_down {
+        reasons.push(format!("not listening: {why}"));
+    }
+    if let Some(why) = &f.spool_lost {
+        reasons.push(format!("the spool lost committed rows at start: {why}"));
+    }
+    let state = if !reasons.is_empty() {
+        State::Degraded
+    } else if f.ever_connected {
+        State::Ok
+    } else {
+        State::Starting
+    };
+    Health { state, reasons }
+}
+
+/// How far back refused receipts count for health.
+pub const REFUSED_WINDOW: Duration = Duration::from_secs(600);
+/// Refused receipts within [`REFUSED_WINDOW`] that degrade health: one may
+/// be a stale receipt of a key just rotated; several keep happening.
+pub const REFUSED_DEGRADE: u64 = 3;
+
+/// The growth of a running total over the last `window`, from samples taken
+/// at each pass (a sample kept when the total moved or a twentieth of the
+/// window passed, at most [`RecentGrowth::MAX_SAMPLES`]), so memory stays
+/// small whatever the pass rate. Pure: time is passed in.
+#[derive(Debug, Clone)]
+pub struct RecentGrowth {
+    window: Duration,
+    samples: std::collections::VecDeque<(std::time::Instant, u64)>,
+}
+
+impl RecentGrowth {
+    /// Samples kept at most (a burst of refusals beyond it ages out early,
+    /// counting growth over a shorter span, never a larger one).
+    pub const MAX_SAMPLES: usize = 64;
+
+    /// Nothing seen yet; growth over `window`.
+    pub fn new(window: Duration) -> RecentGrowth {
+        RecentGrowth {
+            window,
+            samples: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The total is `total` at `now`: returns how much it grew since the
+    /// newest sample at least one window old (or since the first sample).
+    pub fn observe(&mut self, now: std::time::Instant, total: u64) -> u64 {
+        let old = |t: &std::time::Instant| now.saturating_duration_since(*t) >= self.window;
+        // Keep one sample at or before the window's start: the base.
+        while self.samples.get(1).is_some_and(|(t, _)| old(t)) {
+            self.samples.pop_front();
+        }
+        let moved = self.samples.back().is_none_or(|(t, v)| {
+            *v != total || now.saturating_duration_since(*t) >= self.window / 20
+        });
+        if moved {
+            self.samples.push_back((now, total));
+            if self.samples.len() > Self::MAX_SAMPLES {
+                self.samples.pop_front();
+            }
+        }
+        let base = self.samples.front().map_or(total, |(_, v)| *v);
+        total.saturating_sub(base)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    #[test]
+    fn refused_receipts_degrade_health_only_when_they_keep_coming_within_the_window() {
+        let t = std::time::Instant::now();
+        let mut g = RecentGrowth::new(REFUSED_WINDOW);
+        assert_eq!(g.observe(t, 0), 0);
+        assert_eq!(g.observe(t + Duration::from_secs(10), 1), 1);
+        assert_eq!(g.observe(t + Duration::from_secs(20), 3), 3);
+        // Ten minutes later the first refusals have aged out.
+        assert_eq!(g.observe(t + Duration::from_secs(640), 3), 0);
+        assert_eq!(g.observe(t + Duration::from_secs(650), 5), 2);
+        let mut f = healthy();
+        f.receipts_refused = (2, "unsigned 2".into());
+        assert!(assess(&f, G).reasons.is_empty(), "one or two: no verdict");
+        f.receipts_refused = (3, "unsigned 2, bad_signature 1".into());
+        let h = assess(&f, G);
+        assert!(
+            h.reasons[0].starts_with(
+                "receipts refused: 3 in the last 10 min (unsigned 2, bad_signature 1)"
+            ),
+            "{h:?}"
+        );
+    }
+
     fn healthy() -> Facts {
         Facts {
             connected: true,
+            ever_connected: true,
             state_for: Duration::from_secs(600),
             broker: "b:1883".into(),
             ..Facts::default()
@@ -213,10 +353,39 @@ mod tests {
             config_fallback: true,
             ingest_socket_taken: Some("pid 7 listens on it".into()),
             write_budget: Some("write budget exceeded: projected 300 MB/day".into()),
+            listeners_down: vec!["metrics.listen 127.0.0.1:9469: address in use".into()],
+            spool_lost: Some("run 7's -wal is gone".into()),
             ..healthy()
         };
         let h = assess(&f, G);
-        assert_eq!(h.reasons.len(), 9, "{h:?}");
+        assert_eq!(h.reasons.len(), 11, "{h:?}");
+        assert_eq!(h.state, State::Degraded);
+    }
+
+    /// Issue 36: `ok` for 55 s while never connected.
+    #[test]
+    fn before_the_first_connack_health_is_starting_never_ok() {
+        let mut f = Facts {
+            broker: "b:1883".into(),
+            state_for: Duration::from_secs(10),
+            ..Facts::default()
+        };
+        let h = assess(&f, G);
+        assert_eq!((h.state, h.line().as_str()), (State::Starting, "starting"));
+        f.state_for = Duration::from_secs(60);
+        let h = assess(&f, G);
+        assert_eq!(h.state, State::Degraded);
+        assert!(h.line().contains("(no connection yet)"), "{}", h.line());
+        // A listener down is degraded from the first pass, connected or not.
+        f.state_for = Duration::from_secs(1);
+        f.listeners_down = vec!["metrics.listen 127.0.0.1:1: in use".into()];
+        assert!(assess(&f, G)
+            .line()
+            .starts_with("degraded: not listening: metrics.listen"));
+        f.listeners_down.clear();
+        f.ever_connected = true;
+        f.connected = true;
+        assert_eq!(assess(&f, G).state, State::Ok);
     }
 
     #[test]
@@ -230,6 +399,7 @@ mod tests {
         let t = Duration::from_secs(300);
         let mut f = Facts {
             connected: true,
+            ever_connected: true,
             receipt_timeout: Some(t),
             awaiting_receipt: (12, Some(Duration::from_secs(599))),
             ..Facts::default()

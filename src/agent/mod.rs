@@ -26,8 +26,9 @@ pub mod health;
 mod startup;
 mod writer;
 
-pub use startup::open_spool;
+pub use startup::{check_places, open_spool};
 
+use crate::commands::signed::OperatorKeys;
 use crate::commands::worker::{CmdMsg, WorkerConfig};
 use crate::config::Config;
 use crate::delivery::{self, DeliveryStats};
@@ -138,7 +139,8 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
             .check_spool
             .then(|| "asked for (--check-spool)".to_owned())
     });
-    let (mut spool, run_id) = open_for_run(&cfg, tuning.as_ref(), before, &identity_line)?;
+    let (mut spool, run_id, spool_lost) =
+        open_for_run(&cfg, tuning.as_ref(), before, &identity_line)?;
     let identity = writer::config_identity(&source.path, confirmed_push.as_ref());
     // The upkeep holds the commit window every committing thread reads.
     let mut upkeep = Upkeep::new(
@@ -176,6 +178,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         sampler: sampler.0.clone(),
         socket_counts: socket_ingest.counters(),
         tuning,
+        spool_lost,
     })?;
     w.note_socket_ingest(&socket_ingest);
     w.report_fallback();
@@ -195,25 +198,37 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
 }
 
 /// The writer's connection, opened for this run: the run's record begun,
-/// the device id recorded, and the start checkpointed into the file.
+/// the device id recorded, the start checkpointed into the file, and the
+/// run marker written; with what the open found lost.
 fn open_for_run(
     cfg: &Config,
     tuning: Option<&crate::flash::probe::Profile>,
     before: crate::spool::integrity::Before,
     identity_line: &str,
-) -> Result<(Spool, i64), AgentError> {
-    let mut spool = open_ingest_spool(cfg, tuning, before)?;
-    let run_id = spool.begin_run(
-        wall_clock_ms().0,
-        std::process::id(),
-        env!("CARGO_PKG_VERSION"),
-    )?;
+) -> Result<(Spool, i64, Option<String>), AgentError> {
+    let opened = open_ingest_spool(cfg, tuning, before)?;
+    let mut spool = opened.spool;
+    let (started_ms, pid) = (wall_clock_ms().0, std::process::id());
+    let run_id = spool.begin_run(started_ms, pid, env!("CARGO_PKG_VERSION"))?;
     record_device_id(&mut spool, &cfg.device_id, identity_line);
     // The run's start reaches the database file now, not at the first
     // timed checkpoint: a copy of the file alone, taken while this run goes
     // on, then shows a run that never ended (integrity::wal_lost).
     let _ = spool.checkpoint(CheckpointMode::Passive);
-    Ok((spool, run_id))
+    // A reader holding the WAL from before this run keeps even that
+    // checkpoint from the file: the marker names the run whatever it does.
+    let marker = crate::spool::integrity::run_marker::RunMarker {
+        run_id,
+        pid: i64::from(pid),
+        started_ms,
+    };
+    if let Err(e) = crate::spool::integrity::run_marker::write(&cfg.spool.path, &marker) {
+        log::warn!(
+            "cannot write the run marker {}: {e}; if this run's -wal is lost after an unclean stop, the next start names it only if the file shows this run",
+            crate::spool::integrity::run_marker::path(&cfg.spool.path).display()
+        );
+    }
+    Ok((spool, run_id, opened.lost))
 }
 
 /// The sampler thread, sending its readings to the writer (`readings`) and
@@ -311,7 +326,8 @@ fn start_network(
     let inbox = crate::commands::worker::Inbox::new(
         cmd_tx.clone(),
         crate::commands::worker::inbox_limit(cfg.commands.max_payload_bytes),
-        &cfg.commands.operator_scopes,
+        OperatorKeys::new(&cfg.device_id, &cfg.commands.operator_public_keys),
+        cfg.commands.max_payload_bytes,
     );
     let inbox_meter = inbox.meter();
     let (link, mqtt_thread) = mqtt::new(
@@ -327,7 +343,7 @@ fn start_network(
         spool.backlog_estimate().unwrap_or(0),
     );
     let stats = Arc::new(DeliveryStats::default());
-    let ledger = delivery::ledger::Ledger::new(Some(ingest_tx.clone()), stats.clone());
+    let ledger = delivery::ledger::Ledger::new(Some(ingest_tx.clone()));
     let mqtt = spawn("mqtt", move || mqtt_thread.run())?;
     let delivery = {
         let (stop, shared, link, dcfg) = (

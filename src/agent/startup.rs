@@ -28,7 +28,16 @@ pub fn open_spool(
     cfg: &Config,
     before: crate::spool::integrity::Before,
 ) -> Result<Spool, AgentError> {
-    Ok(crate::spool::integrity::open_spool_seen(
+    Ok(open_spool_judged(cfg, before)?.spool)
+}
+
+/// [`open_spool`], with what the open found lost
+/// ([`crate::spool::integrity::Opened::lost`]).
+fn open_spool_judged(
+    cfg: &Config,
+    before: crate::spool::integrity::Before,
+) -> Result<crate::spool::integrity::Opened, AgentError> {
+    Ok(crate::spool::integrity::open_spool_judged(
         &cfg.spool.path,
         &cfg.spool.options,
         before,
@@ -149,29 +158,13 @@ pub(super) fn wake_on_signals(
     Ok(handle)
 }
 
-/// Refuses directories another user could write or owns (the config's,
-/// the state directory, the spool's: [`crate::os::fsguard::dirs`]), creates the
-/// spool's directory (mode 0750), refuses a spool file another user owns or
-/// may write, takes the spool lock (held until the returned guard drops)
-/// and refuses a network filesystem.
+/// Refuses what [`check_places`] refuses, creates the spool's directory
+/// (mode 0750) and judges it again, takes the spool lock (held until the
+/// returned guard drops) and refuses a network filesystem.
 pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock, AgentError> {
     use crate::os::fsguard::dirs::{check, Role};
-    let parent = |p: &Path| {
-        p.parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_path_buf()
-    };
-    let config_dir = parent(config_file);
-    check(Role::Config, &config_dir).map_err(AgentError::Setup)?;
-    let state_dir = parent(&crate::config::file::last_good_path(config_file));
-    if state_dir != config_dir {
-        check(Role::State, &state_dir).map_err(AgentError::Setup)?;
-    }
+    check_places(cfg, config_file).map_err(AgentError::Setup)?;
     let dir = spool_dir(cfg);
-    // Judged before it is made too: a parent others can write is refused
-    // before anything is created under it.
-    check(Role::Spool, &dir).map_err(AgentError::Setup)?;
     std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o750)
         .create(&dir)
         .map_err(|e| {
@@ -181,10 +174,9 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
             ))
         })?;
     check(Role::Spool, &dir).map_err(AgentError::Setup)?;
-    check_spool_file(&cfg.spool.path)?;
     let lock = SpoolLock::acquire(&cfg.spool.path).map_err(AgentError::Setup)?;
     warn_loose_secrets(cfg);
-    warn_local_broker_pubacks(cfg);
+    note_local_broker_pubacks(cfg);
     if let Some(caution) = cfg.commands.caution() {
         log::warn!("{caution}");
     }
@@ -193,10 +185,41 @@ pub(super) fn claim_spool(cfg: &Config, config_file: &Path) -> Result<SpoolLock,
     Ok(lock)
 }
 
+/// What `run` refuses before it creates anything, for this process's uid:
+/// a config directory, state directory or spool directory another user
+/// could write or owns ([`crate::os::fsguard::dirs::check`]), a spool
+/// directory this uid cannot write (or create), and a spool file another
+/// user owns or may write or this uid cannot write. `edgespool test` calls
+/// it too, so it says what `run` will.
+///
+/// Errors: the first refusal, naming the path and the fix.
+pub fn check_places(cfg: &Config, config_file: &Path) -> Result<(), String> {
+    use crate::os::fsguard::dirs::{check, check_writable, Role};
+    let parent = |p: &Path| {
+        p.parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf()
+    };
+    let config_dir = parent(config_file);
+    check(Role::Config, &config_dir)?;
+    let state_dir = parent(&crate::config::file::last_good_path(config_file));
+    if state_dir != config_dir {
+        check(Role::State, &state_dir)?;
+    }
+    // Judged before it is made too: a parent others can write is refused
+    // before anything is created under it.
+    let dir = spool_dir(cfg);
+    check(Role::Spool, &dir)?;
+    check_writable(Role::Spool, &dir)?;
+    check_spool_file(&cfg.spool.path)
+}
+
 /// Refuse an existing spool file that another user owns or may write:
 /// SQLite gives its `-wal` and `-shm` the database file's owner, and
 /// whoever may write it may write rows the board then publishes as its own.
-fn check_spool_file(path: &Path) -> Result<(), AgentError> {
+/// One this uid may not write would fail at the first open.
+fn check_spool_file(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     let Ok(m) = std::fs::metadata(path) else {
         return Ok(()); // not there yet: created by the agent
@@ -204,28 +227,34 @@ fn check_spool_file(path: &Path) -> Result<(), AgentError> {
     let me = crate::os::fsguard::files::euid();
     let shown = path.display();
     if m.uid() != 0 && m.uid() != me {
-        return Err(AgentError::Setup(format!(
+        return Err(format!(
             "spool {shown} is owned by uid {}, not by root or this agent (uid {me}): chown {me} {shown} (and its -wal and -shm)",
             m.uid()
-        )));
+        ));
     }
     if m.is_file() && m.mode() & 0o022 != 0 {
-        return Err(AgentError::Setup(format!(
+        return Err(format!(
             "spool {shown} is writable by group or others (mode {:o}): chmod go-w {shown}",
             m.mode() & 0o7777
-        )));
+        ));
     }
-    Ok(())
+    crate::os::fsguard::dirs::may_read_write(path).map_err(|e| {
+        format!("spool {shown} cannot be read and written by this agent (uid {me}): {e}; chown {me} {shown} and chmod u+rw {shown}")
+    })
 }
 
 /// The writer's connection: opened (migrated if needed), the WAL
-/// brake set, the storage profile stored and the pragmas logged.
+/// brake set, the storage profile stored and the pragmas logged; with what
+/// the open found lost.
 pub(super) fn open_ingest_spool(
     cfg: &Config,
     tuning: Option<&crate::flash::probe::Profile>,
     before: crate::spool::integrity::Before,
-) -> Result<Spool, AgentError> {
-    let mut ingest = open_spool(cfg, before)?;
+) -> Result<crate::spool::integrity::Opened, AgentError> {
+    let crate::spool::integrity::Opened {
+        spool: mut ingest,
+        lost,
+    } = open_spool_judged(cfg, before)?;
     for r in ingest.set_priorities(&cfg.stream_priorities())? {
         log::info!(
             "stream {}: delivery priority {} -> {} ({} unacknowledged rows moved with it)",
@@ -253,7 +282,10 @@ pub(super) fn open_ingest_spool(
         p.journal_size_limit,
         p.wal_autocheckpoint
     );
-    Ok(ingest)
+    Ok(crate::spool::integrity::Opened {
+        spool: ingest,
+        lost,
+    })
 }
 
 /// A connection that fsyncs at every commit (synchronous FULL): commands
@@ -323,6 +355,8 @@ pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
         retire_on: cfg.mqtt.retire_on,
         receipt_timeout: cfg.mqtt.receipt_timeout,
         receipt_window: cfg.mqtt.receipt_window,
+        device_id: cfg.device_id.clone(),
+        receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
     }
 }
 
@@ -338,19 +372,22 @@ pub(super) fn storage_backoff(
 
 /// Measure the spool's device (or read its stored profile) and put the
 /// derived knobs into `cfg` where the config leaves them unset
-/// (`spool.tune_from_probe`).
+/// (`spool.tune_from_probe`); then log the bounds in force and where each
+/// comes from ([`bounds_in_force`]), probe or not.
 pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::flash::probe::Profile> {
-    if cfg.spool.tune_from_probe {
+    let configured = cfg.spool.clone();
+    let profile = if cfg.spool.tune_from_probe {
         let dir = spool_dir(cfg);
         match crate::flash::probe::load_or_probe(&dir) {
             Ok((profile, fresh)) => {
                 let m = &profile.measurements;
                 let d = profile.derived;
+                // What the probe proposes; the line after says what is in force.
                 log::info!(
-                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s -> commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes",
+                    "storage probe ({}): fsync p50 {} us, p99 {} us, max {} us, write {:.1} MB/s, {} bytes free -> proposes commit window {} ms, checkpoint at {} WAL bytes, storage retry {}..{} ms, spool bound {} bytes (half the free space)",
                     if fresh { "measured now" } else { "stored profile" },
                     m.fsync_p50_us, m.fsync_p99_us, m.fsync_max_us,
-                    m.write_bytes_per_sec as f64 / 1e6,
+                    m.write_bytes_per_sec as f64 / 1e6, m.fs_free_bytes,
                     d.commit_window_ms, d.checkpoint_wal_bytes, d.retry_min_ms, d.retry_max_ms, d.max_spool_bytes
                 );
                 apply_tuning(cfg, &d);
@@ -366,7 +403,58 @@ pub(super) fn tune_from_probe(cfg: &mut Config) -> Option<crate::flash::probe::P
         }
     } else {
         None
-    }
+    };
+    log::info!(
+        "{}",
+        bounds_in_force(
+            &configured,
+            profile.as_ref().map(|p| &p.derived),
+            &cfg.spool
+        )
+    );
+    profile
+}
+
+/// The start-up line of the bounds in force: the commit window, the
+/// checkpoint threshold and the spool bound, each with where it comes from
+/// (the config key, the probe, or the default), from the `[spool]` settings
+/// as `configured`, the probe's `derived` knobs (`None`: no probe) and the
+/// settings `in_force` after [`apply_tuning`]. Issue 36: the line once gave
+/// the probe's 42 GB bound while `spool.max_bytes` held it to 1 GiB.
+pub(super) fn bounds_in_force(
+    configured: &crate::config::SpoolConfig,
+    derived: Option<&crate::flash::probe::Derived>,
+    in_force: &crate::config::SpoolConfig,
+) -> String {
+    let probe = |set: bool| match (set, derived) {
+        (true, _) => None,
+        (false, Some(_)) => Some("the storage probe"),
+        (false, None) => Some("default"),
+    };
+    let window = probe(configured.explicit.commit_window).unwrap_or("spool.commit_window_ms");
+    let checkpoint =
+        probe(configured.explicit.checkpoint_wal_bytes).unwrap_or("spool.checkpoint_wal_bytes");
+    let (max, set) = (in_force.capacity.max_bytes, configured.capacity.max_bytes);
+    let bound = match derived {
+        _ if max == 0 => "spool bound: none (spool.max_bytes = 0)".to_owned(),
+        Some(_) if set == 0 => format!(
+            "spool bound {max} bytes (the storage probe: half the free space; spool.max_bytes unset)"
+        ),
+        Some(d) if d.max_spool_bytes < set => format!(
+            "spool bound {max} bytes (the storage probe: half the free space, under spool.max_bytes {set})"
+        ),
+        Some(d) => format!(
+            "spool bound {max} bytes (spool.max_bytes; the probe proposed {})",
+            d.max_spool_bytes
+        ),
+        None => format!("spool bound {max} bytes (spool.max_bytes)"),
+    };
+    format!(
+        "bounds in force: commit window {} ms ({window}), checkpoint at {} WAL bytes ({checkpoint}), {bound}, free space reserve {} bytes (spool.min_free_bytes)",
+        in_force.commit_window.as_millis(),
+        in_force.checkpoint_wal_bytes,
+        in_force.capacity.min_free_bytes
+    )
 }
 
 /// Put the probe's derived knobs into `cfg` (`spool.tune_from_probe`),
@@ -397,8 +485,11 @@ pub(super) fn spool_dir(cfg: &Config) -> std::path::PathBuf {
 
 /// A broker on this board (a loopback address) acknowledges a row when it
 /// has it, not when the fleet stored it: say so once at start, naming
-/// `mqtt.retire_on`, unless rows already wait for receipts.
-fn warn_local_broker_pubacks(cfg: &Config) {
+/// `mqtt.retire_on`, unless rows already wait for receipts. An INFO line,
+/// not a WARN (issue 36): the demo and the quick start talk to a local
+/// broker that is the end of the line, and nothing there is to be acted
+/// on; docs/fleet.md tells a board behind a local relay what to do.
+fn note_local_broker_pubacks(cfg: &Config) {
     if cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt {
         return;
     }
@@ -408,7 +499,7 @@ fn warn_local_broker_pubacks(cfg: &Config) {
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback());
     if local {
-        log::warn!(
+        log::info!(
             "mqtt.url points at a broker on this board ({}): its PUBACK proves only that the local broker holds a row, not that the fleet stored it (a local broker restarted, or its bridge queue full, loses rows it acknowledged); rows are retired on that PUBACK. Set mqtt.retire_on = \"receipt\" where a sink sends receipts",
             cfg.mqtt.host
         );
@@ -437,5 +528,77 @@ pub(super) fn warn_loose_secrets(cfg: &Config) {
             Ok(_) => {}
             Err(e) => log::warn!("{key} {}: {e}", path.display()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn derived(max_spool_bytes: u64) -> crate::flash::probe::Derived {
+        crate::flash::probe::Derived {
+            commit_window_ms: 200,
+            checkpoint_wal_bytes: 1_000_000,
+            retry_min_ms: 10,
+            retry_max_ms: 1000,
+            max_spool_bytes,
+        }
+    }
+
+    fn config() -> Config {
+        let text = "device_id = \"t\"\n[spool]\npath = \"/tmp/unused.db\"\n";
+        crate::config::parse(text, "t.toml", &[]).expect("a minimal config")
+    }
+
+    fn spool(max_bytes: u64) -> crate::config::SpoolConfig {
+        let mut cfg = config();
+        cfg.spool.capacity.max_bytes = max_bytes;
+        cfg.spool
+    }
+
+    /// Issue 36: the start-up log gave the probe's 42 GB bound while
+    /// `spool.max_bytes` held the spool to 1 GiB.
+    #[test]
+    fn the_bounds_logged_are_the_bounds_in_force_with_where_they_come_from() {
+        const GIB: u64 = 1 << 30;
+        let d = derived(42_000_000_000);
+        let configured = spool(GIB);
+        let mut cfg = config();
+        cfg.spool = configured.clone();
+        apply_tuning(&mut cfg, &d);
+        let line = bounds_in_force(&configured, Some(&d), &cfg.spool);
+        assert!(
+            line.contains(
+                "spool bound 1073741824 bytes (spool.max_bytes; the probe proposed 42000000000)"
+            ),
+            "{line}"
+        );
+        assert!(
+            line.contains("commit window 200 ms (the storage probe)"),
+            "{line}"
+        );
+        // Unset, the probe's bound is the bound, and says so.
+        let configured = spool(0);
+        cfg.spool = configured.clone();
+        apply_tuning(&mut cfg, &d);
+        let line = bounds_in_force(&configured, Some(&d), &cfg.spool);
+        assert!(
+            line.contains("spool bound 42000000000 bytes (the storage probe"),
+            "{line}"
+        );
+        // A probe bound under the configured one wins, and says so.
+        let small = derived(GIB / 2);
+        let configured = spool(GIB);
+        cfg.spool = configured.clone();
+        apply_tuning(&mut cfg, &small);
+        let line = bounds_in_force(&configured, Some(&small), &cfg.spool);
+        assert!(
+            line.contains("spool bound 536870912 bytes (the storage probe: half the free space, under spool.max_bytes 1073741824)"),
+            "{line}"
+        );
+        // No probe: the configured values, or the defaults.
+        let line = bounds_in_force(&spool(0), None, &spool(0));
+        assert!(line.contains("spool bound: none"), "{line}");
+        assert!(line.contains("(default)"), "{line}");
     }
 }

@@ -51,6 +51,7 @@ pub struct Args {
     pub password_file: Option<PathBuf>,
     pub to: Option<PathBuf>,
     pub out: Option<PathBuf>,
+    pub receipt_key: Option<PathBuf>,
 }
 
 /// Reads the rest of the line for `cmd`. `Ok(None)`: `-h` or `--help` was
@@ -142,6 +143,7 @@ impl Args {
             Flag::Stats => self.stats = true,
             Flag::To => self.to = Some(v.into()),
             Flag::Out => self.out = Some(v.into()),
+            Flag::ReceiptKey => self.receipt_key = Some(v.into()),
         }
         Ok(())
     }

@@ -30,7 +30,7 @@ fn check(config: &Path, sets: &[String], sample: bool) -> Outcome {
     if let Some(caution) = c.commands.caution() {
         eprintln!("caution: {}: {caution}", config.display());
     }
-    if sample && !super::test::report(&c) {
+    if sample && !super::test::report(&c, config) {
         return Err(Failure::Failed);
     }
     println!(

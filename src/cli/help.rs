@@ -111,7 +111,7 @@ pub fn overview() -> String {
     for cmd in COMMANDS {
         push_usage(&mut out, cmd);
     }
-    out.push_str("  edgespool help [COMMAND]\n  edgespool --version\n\ncommands:\n");
+    out.push_str("  edgespool help [COMMAND]\n  edgespool -V | --version\n\ncommands:\n");
     for cmd in COMMANDS {
         let _ = writeln!(out, "  {:14} {}", cmd.name, cmd.about);
     }
@@ -145,7 +145,7 @@ mod tests {
     fn every_usage_line_names_only_the_commands_own_options_and_all_of_them() {
         for cmd in COMMANDS {
             let text = cmd.usage.join(" ");
-            let named = super::super::docs_check::long_options_in(&text);
+            let named = super::super::docs_gen::long_options_in(&text);
             let own: std::collections::BTreeSet<String> =
                 cmd.opts.iter().map(|o| o.long.to_owned()).collect();
             assert_eq!(named, own, "usage lines of {}", cmd.name);

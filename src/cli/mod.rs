@@ -5,14 +5,15 @@
 //! of the line through [`args::read`].
 //!
 //! Exit codes: 0 ok; 1 runtime failure (spool, lock, OS; for `test`, a
-//! source that gave no reading or a listener that cannot bind); 2 bad usage
-//! or bad config (for `check-config`, also a replay file that is missing or
-//! lacks a configured column).
+//! source that gave no reading, a listener that cannot bind or a spool
+//! directory `run` would refuse); 2 bad usage or bad config (for
+//! `check-config`, also a replay file that is missing or lacks a configured
+//! column).
 
 pub mod args;
 pub mod check_config;
 #[cfg(test)]
-mod docs_check;
+mod docs_gen;
 pub mod export;
 pub mod help;
 pub mod keygen;
@@ -95,8 +96,8 @@ pub enum First {
     Version,
 }
 
-/// Reads the first word: a subcommand's name, or `--help`/`--version`
-/// (which end the line: what follows is not read).
+/// Reads the first word: a subcommand's name, or `-h`/`--help` or
+/// `-V`/`--version` (which end the line: what follows is not read).
 ///
 /// Errors: a usage error naming no command.
 pub fn first_word(p: &mut lexopt::Parser) -> Result<First, Failure> {
@@ -104,7 +105,7 @@ pub fn first_word(p: &mut lexopt::Parser) -> Result<First, Failure> {
     let bad = |msg: String| Failure::Usage { command: None, msg };
     match p.next().map_err(|e| bad(e.to_string()))? {
         Some(Value(v)) => Ok(First::Command(v.to_string_lossy().into_owned())),
-        Some(Long("version")) => Ok(First::Version),
+        Some(Long("version") | Short('V')) => Ok(First::Version),
         Some(Long("help") | Short('h')) => Ok(First::Help),
         Some(Long(o)) => Err(bad(format!("unknown option --{o}"))),
         Some(Short(c)) => Err(bad(format!("unknown option -{c}"))),
@@ -127,10 +128,11 @@ pub fn print_version() -> Outcome {
 }
 
 /// The config at `path` with `sets` applied; an invalid one is told on
-/// stderr as `config invalid: ...` (the key and line named).
+/// stderr as `config invalid: ...` (the key and line named), a missing one
+/// as `config file PATH does not exist`.
 pub fn load_config(path: &Path, sets: &[String]) -> Result<crate::config::Config, Failure> {
     crate::config::load(path, sets).map_err(|e| {
-        eprintln!("config invalid: {e}");
+        eprintln!("{}", e.told());
         Failure::Invalid
     })
 }
@@ -165,6 +167,7 @@ mod tests {
             first(&["--version", "--bogus"]),
             Ok(First::Version)
         ));
+        assert!(matches!(first(&["-V"]), Ok(First::Version)));
         assert!(matches!(first(&["-h"]), Ok(First::Help)));
         assert_eq!(first(&[]).err().as_deref(), Some("missing command"));
         assert_eq!(

@@ -1,9 +1,11 @@
 //! The one table of the binary's commands: each one's name, what it does,
 //! its usage lines, its options and an example. The parser
 //! ([`super::args`]) takes only the options a command lists here, the help
-//! ([`super::help`]) prints them, and tests hold the man page
-//! (`packaging/edgespool.1`) and the bash completion
-//! (`packaging/edgespool.bash`) against it, so none of them can drift.
+//! ([`super::help`]) prints them, and the man page's SYNOPSIS and OPTIONS
+//! (`packaging/edgespool.1`) and the bash, zsh and fish completions
+//! (`packaging/edgespool.bash`, `_edgespool`, `edgespool.fish`) are
+//! generated from it by a test that fails when a committed file differs
+//! (`EDGESPOOL_BLESS=1` rewrites them), so none of them can drift.
 
 /// What an option sets; [`super::args::Args::apply`] matches every variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +35,7 @@ pub enum Flag {
     Stats,
     To,
     Out,
+    ReceiptKey,
 }
 
 /// One option of one command.
@@ -48,6 +51,17 @@ pub struct Opt {
     pub value: Option<&'static str>,
     /// One line of help.
     pub help: &'static str,
+    /// The man page's longer description, when it says more than `help`:
+    /// sentences, with `code` set in bold and *NAME* in italics.
+    pub man: Option<&'static str>,
+}
+
+impl Opt {
+    /// This option with the man page's longer description `text`.
+    const fn man(mut self, text: &'static str) -> Opt {
+        self.man = Some(text);
+        self
+    }
 }
 
 /// One command.
@@ -96,6 +110,7 @@ const fn opt(
         short: None,
         value,
         help,
+        man: None,
     }
 }
 
@@ -105,6 +120,7 @@ const CONFIG_BOARD: Opt = Opt {
     short: Some('c'),
     value: Some("FILE"),
     help: "the board config (TOML)",
+    man: None,
 };
 const CONFIG_SPOOL: Opt = Opt {
     help: "the board config; its spool.path names the spool",
@@ -115,6 +131,11 @@ const SET: Opt = opt(
     "set",
     Some("KEY=VALUE"),
     "override one config key (repeatable), e.g. mqtt.url=mqtt://10.0.0.5:1883",
+)
+.man(
+    "Override one config key without editing the file (repeatable), e.g. \
+     `mqtt.url=mqtt://10.0.0.5:1883`, `sources.0.interval_ms=500`. The value is read as \
+     TOML, or as a plain string if it is not valid TOML.",
 );
 const SPOOL: Opt = opt(
     Flag::Spool,
@@ -221,7 +242,7 @@ pub static PROBE_STORAGE: Command = Command {
     usage: &["probe-storage (--config FILE | --dir DIR) [--json]"],
     operand: None,
     opts: &[
-        CONFIG_SPOOL,
+        CONFIG_SPOOL.man("The board config; the directory of its `spool.path` is measured."),
         opt(
             Flag::Dir,
             "dir",
@@ -240,7 +261,8 @@ pub static SINK: Command = Command {
         usage: &[
             "sink --config FILE [OPTIONS]",
             "sink --url mqtt://HOST:PORT --topic FILTER (--db FILE | --postgres CONNINFO)",
-            "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS] [--no-receipts]",
+            "     [--client-id ID] [--share GROUP] [--batch-max N] [--batch-ms MS]",
+            "     [--receipt-key FILE | --no-receipts]",
             "     [--username USER --password-file FILE] [--pg-password-file FILE]",
             "     [--pg-ca FILE] [--pg-cert FILE --pg-key FILE]",
             "sink --stats (--config FILE | --db FILE | --postgres CONNINFO) [--json]",
@@ -250,29 +272,59 @@ pub static SINK: Command = Command {
             Opt {
                 help: "the sink's settings, a [sink] section; options given here override it",
                 ..CONFIG_BOARD
-            },
+            }
+            .man(
+                "The sink's settings: a `[sink]` section with the options below by the same \
+                 names (`url`, `topic`, `client_id`, `share`, `batch_max`, `batch_ms`, \
+                 `receipts`, `receipt_key`, `username`, `password_file`, `db`) and a \
+                 `[sink.postgres]` table \
+                 (`conninfo`, `password_file`, `ca`, `cert`, `key`). An option given on the \
+                 command line overrides the file's key.",
+            ),
             opt(Flag::Url, "url", Some("mqtt://HOST:PORT"), "the broker"),
             opt(Flag::Topic, "topic", Some("FILTER"), "the events filter, e.g. edgespool/+/events/#"),
             opt(Flag::Db, "db", Some("FILE"), "store in this SQLite file"),
-            opt(Flag::Postgres, "postgres", Some("CONNINFO"), "store in PostgreSQL (libpq keywords or URL; no password here)"),
+            opt(Flag::Postgres, "postgres", Some("CONNINFO"), "store in PostgreSQL (libpq keywords or URL; no password here)")
+                .man("Store in PostgreSQL (libpq keyword/value or URL form). Put no password here: \
+                      the command line is readable by every local user."),
             opt(
                 Flag::PgPasswordFile,
                 "pg-password-file",
                 Some("FILE"),
                 "the PostgreSQL password (mode 0600 or stricter)",
+            )
+            .man(
+                "The PostgreSQL password (one trailing newline dropped). Refused unless only its \
+                 owner can read it (mode 0600 or stricter). Without it (and without a password \
+                 in the conninfo) `PGPASSWORD` and then the file `PGPASSFILE` names are read, \
+                 as libpq does.",
             ),
-            opt(Flag::PgCa, "pg-ca", Some("FILE"), "PEM CA bundle a PostgreSQL server certificate must lead to"),
+            opt(Flag::PgCa, "pg-ca", Some("FILE"), "PEM CA bundle a PostgreSQL server certificate must lead to")
+                .man("PEM CA bundle the PostgreSQL server's certificate must lead to (for \
+                      `sslmode=require`, `verify-ca`, `verify-full`)."),
             opt(Flag::PgCert, "pg-cert", Some("FILE"), "PEM client certificate for PostgreSQL (with --pg-key)"),
             opt(Flag::PgKey, "pg-key", Some("FILE"), "PEM private key of --pg-cert"),
-            opt(Flag::ClientId, "client-id", Some("ID"), "MQTT client id (stable per sink; needed with PostgreSQL)"),
-            opt(Flag::Share, "share", Some("GROUP"), "subscribe as $share/GROUP/FILTER"),
+            opt(Flag::ClientId, "client-id", Some("ID"), "MQTT client id (stable per sink; needed with PostgreSQL)")
+                .man("MQTT client id: the broker keeps the sink's session under it. Stable per \
+                      sink; required with PostgreSQL."),
+            opt(Flag::Share, "share", Some("GROUP"), "subscribe as $share/GROUP/FILTER")
+                .man("Subscribe as `$share/`*GROUP*`/`*FILTER* to spread the load over several sinks."),
             opt(Flag::BatchMax, "batch-max", Some("N"), "deliveries per transaction (default 500)"),
             opt(Flag::BatchMs, "batch-ms", Some("MS"), "longest wait before a batch commits (default 100)"),
+            opt(Flag::ReceiptKey, "receipt-key", Some("FILE"), "sign receipts with this Ed25519 key (edgespool keygen; mode 0600)")
+                .man("Sign every receipt with this Ed25519 private key (PEM, PKCS#8, as \
+                      `edgespool keygen` writes it; refused unless only its owner can read it). A \
+                      board retires a row on a receipt only when a key its \
+                      `mqtt.receipt_public_keys` lists signed it, for that board, naming the \
+                      event's id and the digest of its bytes. Without a key the sink publishes no \
+                      receipts."),
             opt(Flag::NoReceipts, "no-receipts", None, "publish no receipts"),
             opt(Flag::Username, "username", Some("USER"), "MQTT user name (with --password-file)"),
-            opt(Flag::PasswordFile, "password-file", Some("FILE"), "the MQTT password"),
+            opt(Flag::PasswordFile, "password-file", Some("FILE"), "the MQTT password (mode 0600 or stricter)")
+                .man("The MQTT password (one trailing newline dropped; read at every connect). \
+                      Refused unless only its owner can read it (mode 0600 or stricter)."),
             opt(Flag::Stats, "stats", None, "print the store's report and exit"),
-            JSON,
+            JSON.man("With `--stats`: JSON instead of text."),
         ],
         example: "sink --config /etc/edgespool/sink-fleet.toml",
 };
@@ -294,3 +346,9 @@ pub static KEYGEN: Command = Command {
 
 /// `help` itself: not in [`COMMANDS`] (it has no options), but listed.
 pub const HELP_ABOUT: &str = "print a command's usage, options and an example";
+
+/// `-h`, `--help`: every command's, and the first word's.
+pub const HELP_OPTION: &str = "print the command's usage, options and an example";
+
+/// `-V`, `--version`: the first word only.
+pub const VERSION_ABOUT: &str = "print the version";

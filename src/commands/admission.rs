@@ -2,13 +2,27 @@
 //! can fill, and the global budgets no invented scope escapes.
 //!
 //! Its one rule: **a sender on the command topic cannot take the room the
-//! operator's commands need**. Every command falls in one [`Tier`]:
+//! operator's commands need**, and the operator is a key, not a name
+//! (docs/invariants.md, "Trust boundaries"). Every command falls in one [`Tier`]:
 //!
-//! - [`Tier::Operator`]: its scope is one of `commands.operator_scopes`
-//!   (the board's own config names them; nothing a command sends can);
-//! - [`Tier::Push`]: `apply-config` in any other scope (a push is judged by
-//!   its own policy: `[commands.config_push]`, overlay bounds, signatures);
+//! - [`Tier::Operator`]: signed by one of `commands.operator_public_keys`
+//!   ([`super::signed`]: the board's own config lists them; nothing a
+//!   command or a result says can make another sender one);
+//! - [`Tier::Push`]: `apply-config` not so signed (a push is judged by its
+//!   own policy: `[commands.config_push]`, overlay bounds, signatures);
 //! - [`Tier::Other`]: everything else.
+//!
+//! What an unsigned command may do at all ([`unsigned_refusal`]): `ping`
+//! and `status` ([`SIDE_EFFECT_FREE`]) are open to anyone; so is a signed
+//! whole config (`apply-config` with `args.signature`: the push policy
+//! checks that signature). Any other command has a side effect and runs
+//! unsigned only with `commands.allow_unsigned = true`; otherwise it is
+//! answered `rejected` (`unsigned: ...`) at receipt, within the answers
+//! budget, its record droppable like every `rejected` one. A command whose
+//! signature verifies with no listed key is refused the same way, whatever
+//! its name and whatever `allow_unsigned` says: it is a forgery, a replay
+//! moved to another board, scope or id, or a key the board no longer
+//! lists, and saying so beats running it as a stranger's.
 //!
 //! Each bound `n` (command records, `commands.max_records`; commands
 //! waiting per lane, `commands.max_queued`) is filled up to [`Tier::cap`]:
@@ -23,25 +37,25 @@
 //! Rates ([`Budgets`]): every new command takes a token from its scope
 //! (`commands.max_per_minute_per_scope`). One that is to *run* (not an
 //! unknown name, not `ping` or `status`, whose records are droppable) of
-//! another scope takes one from a budget shared by all such scopes
+//! another tier takes one from a budget shared by all such commands
 //! (`commands.max_per_minute`) as well, so inventing scopes buys nothing; a
 //! push from a budget of `max_per_minute_per_scope` per minute shared by
-//! every push from a non-operator scope. Operator scopes have buckets of
-//! their own, kept apart (invented scopes never push them into the shared
-//! overflow bucket), and no global budget. A command over its rate is
-//! answered `rate_limited`, not recorded.
+//! every push. Operator commands have buckets of their own per scope, kept
+//! apart (invented scopes never push them into the shared overflow
+//! bucket), and no global budget. A command over its rate is answered
+//! `rate_limited`, not recorded.
 //!
 //! Answers: every answer is a spool commit (its record, its result event),
-//! so what other scopes can make the board write is bounded too. A message
-//! of another scope answered at receipt (anything not accepted to run:
-//! `ping`, `status`, unknown names, malformed messages, duplicates,
-//! `rate_limited` and `no_room` answers) takes a token from a budget all
-//! those scopes share (`commands.max_answers_per_minute`); one from a push
-//! of another scope from a budget of `max_per_minute_per_scope` shared by
-//! every such push. With none left the message is acknowledged and
-//! dropped unanswered: nothing is recorded, it is counted
-//! (`commands_unanswered`), and a sender that wants an answer sends it
-//! again later. Operator scopes spend neither.
+//! so what other senders can make the board write is bounded too. A
+//! message of another tier answered at receipt (anything not accepted to
+//! run: `ping`, `status`, unknown names, unsigned commands refused,
+//! malformed messages, duplicates, `rate_limited` and `no_room` answers)
+//! takes a token from a budget all of them share
+//! (`commands.max_answers_per_minute`); one from a push from a budget of
+//! `max_per_minute_per_scope` shared by every push. With none left the
+//! message is acknowledged and dropped unanswered: nothing is recorded, it
+//! is counted (`commands_unanswered`), and a sender that wants an answer
+//! sends it again later. Operator commands spend neither.
 //!
 //! Records: `ping` and `status` ([`SIDE_EFFECT_FREE`]) are answered at
 //! receipt, their record written already finished in the same transaction,
@@ -52,32 +66,38 @@
 //! record of a command that ran with a side effect (every other built-in,
 //! every exec handler; `failed`, `expired` and `interrupted` ones too) is
 //! never deleted inside the redelivery window (I4). If nothing can go, a
-//! new command of another scope is answered `no_room` (not recorded: send it
+//! new command of another tier is answered `no_room` (not recorded: send it
 //! again later), and an operator command or a push is held back
 //! (unacknowledged) until there is room: that can only happen once the
-//! operator's own commands (or pushes) have filled the reserve.
+//! operator's own commands (or pushes) have filled the reserve. Unsigned,
+//! a sender can only leave droppable records, so by default nobody but the
+//! operator can fill the records at all.
 //!
 //! Order: the command thread takes operator commands first, then pushes,
 //! then the rest, whatever order they arrived in; in a lane's queue
 //! operator commands wait ahead of pushes, pushes ahead of the rest.
 //!
-//! What a sender on the command topic can and cannot do:
-//! - it can run what the board's config lets any command run (the broker's
-//!   ACL on the command topic is the only gate), spend the shared budgets,
-//!   fill the other tiers' share of records with commands that ran, and so
-//!   deny room to other non-operator scopes for up to the redelivery window;
+//! What a sender on the command topic without an operator key can and
+//! cannot do:
+//! - it can have `ping`, `status` and unknown names answered, offer signed
+//!   whole configs (which the push policy verifies), spend the shared
+//!   budgets, and, only where `commands.allow_unsigned = true`, run what
+//!   the board's config lets any command run and fill the other tiers'
+//!   share of records with commands that ran;
 //! - it cannot fill the operator's share of records, lanes or the inbox,
-//!   spend an operator scope's rate, have its commands handled before an
-//!   operator command, or get a command that ran with a side effect run
-//!   twice; its answers, though, are events of the `_commands` stream like
-//!   the operator's, delivered in order: the operator's answer follows the
-//!   answers to what was handled before it;
-//! - the scope is a claim the sender makes, not an identity: a sender that
-//!   names an operator scope is treated as the operator. Keep operator
-//!   scope names out of reach of other senders, and restrict who may
-//!   publish to the command topic at the broker.
+//!   spend the operator's rate, have its commands handled before an
+//!   operator command, get a command that ran with a side effect run twice,
+//!   or become the operator by naming a scope; its answers, though, are
+//!   events of the `_commands` stream like the operator's, delivered in
+//!   order: the operator's answer follows the answers to what was handled
+//!   before it;
+//! - it can claim a (scope, command id) the operator will use, if it can
+//!   guess it, so that the operator's signed command meets a record of
+//!   another request (`conflict`): operators use ids nobody can guess (a
+//!   random UUID).
 
 use super::rate::{Budget, RateLimiter};
+use super::signed::{OperatorKeys, Signer};
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::time::Duration;
@@ -96,16 +116,16 @@ pub fn side_effect_free(name: &str) -> bool {
 pub enum Tier {
     /// Any other command.
     Other,
-    /// `apply-config` in a scope that is not an operator scope.
+    /// `apply-config` not signed by an operator key.
     Push,
-    /// A command in one of `commands.operator_scopes`.
+    /// A command signed by one of `commands.operator_public_keys`.
     Operator,
 }
 
 impl Tier {
-    /// The tier of a command named `name` in `scope`.
-    pub fn of(scope: &str, name: &str, operator_scopes: &[String]) -> Tier {
-        if operator_scopes.iter().any(|s| s == scope) {
+    /// The tier of a command named `name`, signed by `signer`.
+    pub fn of(name: &str, signer: Signer) -> Tier {
+        if signer == Signer::Operator {
             Tier::Operator
         } else if name == "apply-config" {
             Tier::Push
@@ -156,16 +176,19 @@ impl Tier {
     }
 }
 
-/// The tier of a command message judged from its `scope` and `name`
-/// alone, before it is parsed in full (the MQTT thread's inbox does this):
-/// a message that is no JSON object with string fields is [`Tier::Other`].
-pub fn peek(payload: &[u8], operator_scopes: &[String]) -> Tier {
+/// The tier of a command message, judged before the command thread takes
+/// it (the MQTT thread's inbox does this): [`Tier::Operator`] only when it
+/// parses (within `max_bytes`) and its signature verifies with one of
+/// `keys`; otherwise read from its `name` alone, and a message that is no
+/// JSON object with a string `name` is [`Tier::Other`]. Unsigned messages,
+/// and any message when no key is listed, cost no signature check.
+pub fn peek(payload: &[u8], max_bytes: usize, keys: &OperatorKeys) -> Tier {
     #[derive(Deserialize)]
     struct Peek<'a> {
         #[serde(borrow, default)]
-        scope: Option<Cow<'a, str>>,
-        #[serde(borrow, default)]
         name: Option<Cow<'a, str>>,
+        #[serde(borrow, default)]
+        signature: Option<Cow<'a, str>>,
     }
     // serde reads a struct from an array too: only an object is a command.
     let object = payload
@@ -175,13 +198,52 @@ pub fn peek(payload: &[u8], operator_scopes: &[String]) -> Tier {
     if !object {
         return Tier::Other;
     }
-    match serde_json::from_slice::<Peek<'_>>(payload) {
-        Ok(p) => Tier::of(
-            p.scope.as_deref().unwrap_or(super::DEFAULT_SCOPE),
-            p.name.as_deref().unwrap_or(""),
-            operator_scopes,
-        ),
+    let Ok(p) = serde_json::from_slice::<Peek<'_>>(payload) else {
+        return Tier::Other;
+    };
+    let name = p.name.as_deref().unwrap_or("");
+    if p.signature.is_none() || keys.is_empty() {
+        return Tier::of(name, Signer::Unsigned);
+    }
+    match super::parse(payload, max_bytes) {
+        Ok(cmd) => Tier::of(&cmd.name, keys.signer(&cmd)),
         Err(_) => Tier::Other,
+    }
+}
+
+/// Why an unsigned command, or one signed by no listed key (`signer`),
+/// may not be taken, if it may not: it has a side effect (not `ping` or
+/// `status`, not a signed whole config) and `allow_unsigned` is off, or it
+/// carries a signature that verifies with none of the `keys` listed. The
+/// answer starts `unsigned: ` and says what to do. `None` for an operator
+/// command and for whatever is open to anyone. `known` is false for a name
+/// no built-in or handler has (rejected as unknown instead).
+pub fn unsigned_refusal(
+    cmd: &super::Command,
+    signer: Signer,
+    known: bool,
+    allow_unsigned: bool,
+    keys: usize,
+) -> Option<String> {
+    match signer {
+        Signer::Operator => None,
+        Signer::Unknown => Some(format!(
+            "unsigned: its signature verifies with none of the {keys} keys in \
+             commands.operator_public_keys for this board, scope, command id, deadline and \
+             request (a key not listed, or a command signed for another board or id); not run"
+        )),
+        Signer::Unsigned if allow_unsigned || !known || side_effect_free(&cmd.name) => None,
+        Signer::Unsigned if cmd.name == "apply-config" && cmd.args.contains_key("signature") => {
+            // A signed whole config: the push policy verifies its signature.
+            None
+        }
+        Signer::Unsigned => Some(format!(
+            "unsigned: {:?} has a side effect and this board runs such commands only when \
+             signed by a key in commands.operator_public_keys ({keys} listed); sign it \
+             (docs/commands.md, \"Signed commands\") or set commands.allow_unsigned = true in \
+             the board's config; not run",
+            cmd.name
+        )),
     }
 }
 
@@ -191,9 +253,9 @@ pub fn peek(payload: &[u8], operator_scopes: &[String]) -> Tier {
 pub struct Budgets {
     per_scope: u32,
     per_minute: u32,
-    /// Per scope, every scope that is not an operator scope.
+    /// Per scope, commands that are not the operator's.
     scopes: RateLimiter,
-    /// Per scope, the operator scopes only.
+    /// Per scope, the operator's (signed) commands only.
     operator: RateLimiter,
     /// Shared by every new [`Tier::Other`] command.
     others: Budget,
@@ -263,13 +325,13 @@ impl Budgets {
         match tier {
             _ if !runs => None,
             Tier::Other if !self.others.allows(now) => Some(format!(
-                "rate limit: more than {} new commands per minute from scopes that are not \
-                 operator scopes (commands.max_per_minute); not recorded: send it again later",
+                "rate limit: more than {} new commands per minute that are not signed by an \
+                 operator key (commands.max_per_minute); not recorded: send it again later",
                 self.per_minute
             )),
             Tier::Push if !self.pushes.allows(now) => Some(format!(
-                "rate limit: more than {} apply-config commands per minute from scopes that \
-                 are not operator scopes (commands.max_per_minute_per_scope); not recorded: \
+                "rate limit: more than {} apply-config commands per minute that are not \
+                 signed by an operator key (commands.max_per_minute_per_scope); not recorded: \
                  send it again later",
                 self.per_scope
             )),
@@ -296,49 +358,119 @@ impl Budgets {
 mod tests {
     use super::*;
 
-    fn ops() -> Vec<String> {
-        vec!["ops".to_owned(), "ops-2".to_owned()]
-    }
+    use crate::event::signature::SigningKey;
+    use serde_json::json;
 
     fn s(secs: f64) -> Duration {
         Duration::from_secs_f64(secs)
     }
 
-    #[test]
-    fn the_tier_comes_from_the_local_operator_scopes_and_the_name() {
-        assert_eq!(Tier::of("ops", "ping", &ops()), Tier::Operator);
-        assert_eq!(Tier::of("ops-2", "apply-config", &ops()), Tier::Operator);
-        assert_eq!(Tier::of("anyone", "apply-config", &ops()), Tier::Push);
-        assert_eq!(Tier::of("anyone", "ping", &ops()), Tier::Other);
-        assert_eq!(Tier::of("OPS", "ping", &ops()), Tier::Other, "exact match");
-        assert_eq!(Tier::of("default", "ping", &[]), Tier::Other);
+    fn key() -> SigningKey {
+        SigningKey::generate().expect("keygen").0
+    }
+
+    fn bytes(v: &serde_json::Value) -> Vec<u8> {
+        v.to_string().into_bytes()
+    }
+
+    fn command(v: &serde_json::Value) -> super::super::Command {
+        super::super::parse(&bytes(v), 65536).expect("a command")
     }
 
     #[test]
-    fn a_peek_reads_scope_and_name_only_and_anything_else_is_other() {
-        let o = ops();
-        let push = br#"{"command_id":"x","name":"apply-config","args":{"config":"[a]"}}"#;
-        assert_eq!(peek(push, &o), Tier::Push);
-        let op = br#"{"scope":"ops","command_id":"x","name":"no-such","junk":[1,{"a":2}]}"#;
-        assert_eq!(peek(op, &o), Tier::Operator);
-        assert_eq!(
-            peek(br#"{"command_id":"x","name":"ping"}"#, &o),
-            Tier::Other
-        );
-        assert_eq!(
-            peek(br#"{"command_id":"x","name":"ping"}"#, &["default".into()]),
-            Tier::Operator,
-            "no scope is the default scope"
-        );
+    fn the_tier_comes_from_the_signer_and_the_name_never_from_the_scope() {
+        assert_eq!(Tier::of("ping", Signer::Operator), Tier::Operator);
+        assert_eq!(Tier::of("apply-config", Signer::Operator), Tier::Operator);
+        assert_eq!(Tier::of("apply-config", Signer::Unsigned), Tier::Push);
+        assert_eq!(Tier::of("apply-config", Signer::Unknown), Tier::Push);
+        assert_eq!(Tier::of("ping", Signer::Unsigned), Tier::Other);
+        assert_eq!(Tier::of("ping", Signer::Unknown), Tier::Other);
+    }
+
+    #[test]
+    fn a_peek_gives_the_operators_room_only_to_a_signature_that_verifies() {
+        let (k, stranger) = (key(), key());
+        let keys = OperatorKeys::new("gw1", &[k.public()]);
+        let ping = json!({"command_id": "x", "scope": "ops", "name": "ping"});
+        let signed = super::super::signed::sign(&k, "gw1", &ping).expect("signed");
+        assert_eq!(peek(&bytes(&signed), 65536, &keys), Tier::Operator);
+        // The scope that once meant "operator", alone, is nobody's.
+        assert_eq!(peek(&bytes(&ping), 65536, &keys), Tier::Other);
+        let push = json!({"command_id": "x", "name": "apply-config", "args": {"config": "[a]"}});
+        assert_eq!(peek(&bytes(&push), 65536, &keys), Tier::Push);
+        for forged in [
+            super::super::signed::sign(&stranger, "gw1", &ping).expect("signed"),
+            super::super::signed::sign(&k, "gw2", &ping).expect("signed"),
+            {
+                let mut t = signed.clone();
+                t["command_id"] = "y".into();
+                t
+            },
+            {
+                let mut t = signed.clone();
+                t["name"] = "status".into();
+                t
+            },
+        ] {
+            assert_eq!(peek(&bytes(&forged), 65536, &keys), Tier::Other, "{forged}");
+        }
+        // Over the size a command may have: not parsed, not the operator's.
+        assert_eq!(peek(&bytes(&signed), 16, &keys), Tier::Other);
+        // No key listed: nobody is the operator, and no signature is checked.
+        let none = OperatorKeys::new("gw1", &[]);
+        assert_eq!(peek(&bytes(&signed), 65536, &none), Tier::Other);
         for junk in [
             &b"{\"scope\":\"ops\",\"name\":"[..],
             &[0xff, 0xfe][..],
-            br#"{"scope":7,"name":"ping"}"#,
+            br#"{"name":7}"#,
             br#"["ops"]"#,
-            br#"{"scope":"ops","scope":"ops","name":"ping"}"#,
+            br#"{"name":"ping","name":"ping"}"#,
         ] {
-            assert_eq!(peek(junk, &o), Tier::Other, "{junk:?}");
+            assert_eq!(peek(junk, 65536, &keys), Tier::Other, "{junk:?}");
         }
+    }
+
+    #[test]
+    fn unsigned_commands_with_a_side_effect_are_refused_unless_the_board_allows_them() {
+        let refusal = |v: serde_json::Value, signer, allow| {
+            unsigned_refusal(&command(&v), signer, true, allow, 1)
+        };
+        let checkpoint = json!({"command_id": "c", "name": "checkpoint"});
+        let why = refusal(checkpoint.clone(), Signer::Unsigned, false).unwrap_or_default();
+        assert!(
+            why.starts_with("unsigned: ") && why.contains("allow_unsigned"),
+            "{why}"
+        );
+        assert_eq!(refusal(checkpoint.clone(), Signer::Unsigned, true), None);
+        assert_eq!(refusal(checkpoint.clone(), Signer::Operator, false), None);
+        // A bad signature is refused whatever allow_unsigned says, even on ping.
+        for allow in [false, true] {
+            let ping = json!({"command_id": "c", "name": "ping"});
+            let why = refusal(ping, Signer::Unknown, allow).unwrap_or_default();
+            assert!(why.contains("verifies with none"), "{why}");
+        }
+        // Open to anyone: ping, status, a signed whole config; unknown
+        // names are rejected as unknown instead.
+        for open in [
+            json!({"command_id": "c", "name": "ping"}),
+            json!({"command_id": "c", "name": "status"}),
+            json!({"command_id": "c", "name": "apply-config",
+                   "args": {"config": "x", "sha256": "y", "signature": "z"}}),
+        ] {
+            assert_eq!(
+                refusal(open.clone(), Signer::Unsigned, false),
+                None,
+                "{open}"
+            );
+        }
+        let overlay = json!({"command_id": "c", "name": "apply-config",
+                             "args": {"config": "x", "sha256": "y"}});
+        assert!(refusal(overlay, Signer::Unsigned, false).is_some());
+        let unknown = command(&json!({"command_id": "c", "name": "no-such"}));
+        assert_eq!(
+            unsigned_refusal(&unknown, Signer::Unsigned, false, false, 0),
+            None
+        );
     }
 
     #[test]
@@ -381,7 +513,7 @@ mod tests {
             .refusal("j-new", Tier::Other, true, s(0.0))
             .unwrap_or_default();
         assert!(why.contains("commands.max_per_minute)"), "{why}");
-        // The operator scope still has its whole burst.
+        // The operator still has its whole burst.
         let mut op = 0;
         while b.refusal("ops", Tier::Operator, true, s(0.0)).is_none() {
             b.take("ops", Tier::Operator, true, s(0.0));

@@ -2,8 +2,8 @@
 //! handled, by tier.
 //!
 //! Its one rule: **the highest tier waiting is handled first**, oldest
-//! first within a tier ([`Tier::rank`]: operator scopes, then pushes, then
-//! the rest), so an operator command never waits behind the junk that
+//! first within a tier ([`Tier::rank`]: the operator's signed commands,
+//! then pushes, then the rest), so an operator command never waits behind the junk that
 //! arrived before it. What it holds is bounded by the inbox's bytes: a
 //! PUBLISH's bytes are released only once it is handled.
 
@@ -28,9 +28,14 @@ impl Backlog {
         self.queues.iter().all(VecDeque::is_empty)
     }
 
-    /// The oldest PUBLISH of the highest tier waiting.
-    pub(super) fn pop(&mut self) -> Option<(u64, rumqttc::Publish)> {
-        self.queues.iter_mut().find_map(VecDeque::pop_front)
+    /// The oldest PUBLISH of the highest tier waiting, with that tier.
+    pub(super) fn pop(&mut self) -> Option<(Tier, u64, rumqttc::Publish)> {
+        [Tier::Operator, Tier::Push, Tier::Other]
+            .into_iter()
+            .find_map(|t| {
+                let (epoch, p) = self.queues[t.rank()].pop_front()?;
+                Some((t, epoch, p))
+            })
     }
 }
 
@@ -50,10 +55,14 @@ mod tests {
         b.push(Tier::Push, 1, p(3));
         b.push(Tier::Operator, 2, p(4));
         b.push(Tier::Operator, 2, p(5));
-        let order: Vec<(u64, u8)> = std::iter::from_fn(|| b.pop())
-            .map(|(e, p)| (e, p.payload[0]))
+        let order: Vec<(Tier, u64, u8)> = std::iter::from_fn(|| b.pop())
+            .map(|(t, e, p)| (t, e, p.payload[0]))
             .collect();
-        assert_eq!(order, [(2, 4), (2, 5), (1, 3), (1, 1), (1, 2)]);
+        use Tier::{Operator as O, Other as X, Push as P};
+        assert_eq!(
+            order,
+            [(O, 2, 4), (O, 2, 5), (P, 1, 3), (X, 1, 1), (X, 1, 2)]
+        );
         assert!(b.pop().is_none() && b.is_empty());
     }
 }

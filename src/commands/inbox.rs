@@ -5,16 +5,18 @@
 //! Its one rule: **the inbox never holds more than its limit in bytes of
 //! payloads not yet taken** (one PUBLISH always passes when nothing is
 //! held) **beyond its tier's share**: the limit is what other commands may
-//! fill, `apply-config` from other scopes a sixth more, operator scopes a
-//! third more ([`Tier::headroom`]), the tier read from the message's
-//! `scope` and `name` ([`peek`]). So a quarter of the bytes is always the
-//! operator's, and the limit being at least four of the largest commands,
-//! that quarter holds one. A PUBLISH that does not fit is not forwarded and
+//! fill, unsigned `apply-config` a sixth more, commands signed by an
+//! operator key a third more ([`Tier::headroom`]), the tier judged from the
+//! message's `name` and, when it carries one, its signature ([`peek`]: a
+//! signature is checked here, so a forged one gets no operator bytes). So
+//! a quarter of the bytes is always the operator's, and the limit being at
+//! least four of the largest commands, that quarter holds one. A PUBLISH that does not fit is not forwarded and
 //! not acknowledged, so the broker keeps it; the meter counts it, and the
 //! command thread has the broker redeliver it once there is room.
 
 use super::admission::{peek, Tier};
 use super::message::CmdMsg;
+use super::signed::OperatorKeys;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -79,15 +81,23 @@ impl InboxMeter {
 pub struct Inbox {
     tx: Sender<CmdMsg>,
     meter: Arc<InboxMeter>,
-    /// `commands.operator_scopes`.
-    operator_scopes: Arc<[String]>,
+    /// `commands.operator_public_keys`, and the board they sign for.
+    keys: Arc<OperatorKeys>,
+    /// `commands.max_payload_bytes`: a larger message is not parsed here.
+    max_payload_bytes: usize,
 }
 
 impl Inbox {
     /// An inbox sending to the command thread's channel `tx`, holding at
     /// most `limit` bytes of other commands, and a third more for commands
-    /// in `operator_scopes` ([`Tier::headroom`]).
-    pub fn new(tx: Sender<CmdMsg>, limit: usize, operator_scopes: &[String]) -> Inbox {
+    /// signed by one of `keys` ([`Tier::headroom`]); a message over
+    /// `max_payload_bytes` is never judged the operator's.
+    pub fn new(
+        tx: Sender<CmdMsg>,
+        limit: usize,
+        keys: OperatorKeys,
+        max_payload_bytes: usize,
+    ) -> Inbox {
         Inbox {
             tx,
             meter: Arc::new(InboxMeter {
@@ -95,7 +105,8 @@ impl Inbox {
                 limit,
                 dropped: Mutex::new(None),
             }),
-            operator_scopes: operator_scopes.into(),
+            keys: Arc::new(keys),
+            max_payload_bytes,
         }
     }
 
@@ -109,7 +120,7 @@ impl Inbox {
     /// MQTT thread; never blocks.
     pub fn offer(&self, epoch: u64, publish: rumqttc::Publish) {
         let n = InboxMeter::cost(&publish);
-        let tier: Tier = peek(&publish.payload, &self.operator_scopes);
+        let tier: Tier = peek(&publish.payload, self.max_payload_bytes, &self.keys);
         let m = &self.meter;
         let cap = tier.headroom(m.limit);
         let fits = m
@@ -140,6 +151,7 @@ impl Inbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::event::signature::SigningKey;
 
     fn publish(len: usize) -> rumqttc::Publish {
         rumqttc::Publish::new("p/commands", rumqttc::QoS::AtLeastOnce, vec![b'x'; len])
@@ -148,7 +160,7 @@ mod tests {
     #[test]
     fn the_inbox_forwards_up_to_its_bytes_and_notes_what_it_left_at_the_broker() {
         let (tx, rx) = std::sync::mpsc::channel();
-        let inbox = Inbox::new(tx, 100, &[]);
+        let inbox = Inbox::new(tx, 100, OperatorKeys::new("gw1", &[]), 65536);
         let meter = inbox.meter();
         inbox.offer(1, publish(60));
         inbox.offer(1, publish(30));
@@ -164,32 +176,44 @@ mod tests {
         assert_eq!(meter.held(), 50);
     }
 
-    fn command(scope: &str, name: &str) -> rumqttc::Publish {
-        let payload = format!(
-            r#"{{"command_id":"c","scope":"{scope}","name":"{name}","pad":"{}"}}"#,
-            "x".repeat(40)
-        );
-        rumqttc::Publish::new("p/commands", rumqttc::QoS::AtLeastOnce, payload)
+    fn command(name: &str, key: Option<&SigningKey>) -> rumqttc::Publish {
+        let msg = serde_json::json!({"command_id": "c", "scope": "ops", "name": name,
+                                     "args": {"pad": "x".repeat(400)}});
+        let msg = match key {
+            Some(k) => crate::commands::signed::sign(k, "gw1", &msg).expect("signed"),
+            None => msg,
+        };
+        rumqttc::Publish::new("p/commands", rumqttc::QoS::AtLeastOnce, msg.to_string())
     }
 
     #[test]
-    fn other_scopes_fill_the_limit_and_the_operator_keeps_a_third_more() {
+    fn other_commands_fill_the_limit_and_the_operators_signed_ones_a_third_more() {
+        let (k, stranger) = (
+            SigningKey::generate().expect("keygen").0,
+            SigningKey::generate().expect("keygen").0,
+        );
         let (tx, rx) = std::sync::mpsc::channel();
-        let inbox = Inbox::new(tx, 900, &["ops".to_owned()]);
-        let meter = inbox.meter();
-        let junk = command("j1", "ping");
+        let keys = OperatorKeys::new("gw1", &[k.public()]);
+        let junk = command("ping", None);
         let n = junk.payload.len();
+        let inbox = Inbox::new(tx, 18 * n, keys, 65536);
+        let meter = inbox.meter();
         for _ in 0..20 {
             inbox.offer(1, junk.clone());
         }
         let taken = rx.try_iter().count();
-        assert_eq!(taken, 900 / n, "other scopes: up to the limit");
-        assert_eq!(meter.take_dropped(), Some((1, (20 - taken) as u64)));
-        // A push fits in the next sixth, the operator's commands in the
-        // third, and arrive marked as such.
-        inbox.offer(1, command("j1", "apply-config"));
-        inbox.offer(1, command("ops", "ping"));
-        inbox.offer(1, command("ops", "ping"));
+        assert_eq!(taken, 18, "other commands: up to the limit");
+        assert_eq!(meter.take_dropped(), Some((1, 2)));
+        // Neither the old operator scope nor a stranger's signature gets
+        // the operator's bytes.
+        inbox.offer(1, command("ping", Some(&stranger)));
+        assert_eq!(rx.try_iter().count(), 0);
+        assert_eq!(meter.take_dropped(), Some((1, 1)));
+        // A push fits in the next sixth, the operator's signed commands in
+        // the third, and arrive marked as such.
+        inbox.offer(1, command("apply-config", None));
+        inbox.offer(1, command("ping", Some(&k)));
+        inbox.offer(1, command("ping", Some(&k)));
         let tiers: Vec<Tier> = rx
             .try_iter()
             .filter_map(|m| match m {
@@ -198,20 +222,20 @@ mod tests {
             })
             .collect();
         assert_eq!(tiers, [Tier::Push, Tier::Operator, Tier::Operator]);
-        assert!(meter.held() <= 1200);
+        assert!(meter.held() <= 24 * n);
         assert_eq!(meter.take_dropped(), None);
         // Full to the operator's share too: the next one stays at the broker.
         for _ in 0..5 {
-            inbox.offer(1, command("ops", "ping"));
+            inbox.offer(1, command("ping", Some(&k)));
         }
         assert!(rx.try_iter().count() < 5);
-        assert!(meter.held() <= 1200);
+        assert!(meter.held() <= 24 * n);
     }
 
     #[test]
     fn one_command_larger_than_the_inbox_still_passes_when_nothing_is_held() {
         let (tx, rx) = std::sync::mpsc::channel();
-        let inbox = Inbox::new(tx, 100, &[]);
+        let inbox = Inbox::new(tx, 100, OperatorKeys::new("gw1", &[]), 65536);
         inbox.offer(1, publish(500));
         assert_eq!(rx.try_iter().count(), 1);
         inbox.offer(1, publish(1));

@@ -7,6 +7,7 @@
 //! worker's `start` commits it, then calls [`LaneState::send`]); every job
 //! it ran comes back as a [`CmdMsg::Done`], and only then is the lane idle.
 
+use super::admission::Tier;
 use super::builtin::{self, Kind};
 use super::exec_handler;
 use super::message::{CmdMsg, Lane};
@@ -74,6 +75,8 @@ pub(super) struct Pending {
     pub(super) deadline_mono: Option<Instant>,
     /// The deadline cannot be judged (received before a restart on an untrusted clock).
     pub(super) age_unknown: bool,
+    /// Its share of the bounds and its place in a lane's queue.
+    pub(super) tier: Tier,
 }
 
 impl Pending {

@@ -9,9 +9,11 @@
 //! transaction that ends the command.
 //!
 //! Message: `{"command_id": "c-1", "name": "ping", "args": {..},
-//! "ttl_secs": 60, "scope": "ops", "issued_at_ms": 1790000000000}`;
-//! `command_id` and `name` are required, the rest optional (`scope` defaults
-//! to `default`). Unknown fields are rejected.
+//! "ttl_secs": 60, "scope": "ops", "issued_at_ms": 1790000000000,
+//! "signature": "<128 hex>"}`; `command_id` and `name` are required, the
+//! rest optional (`scope` defaults to `default`). Unknown fields are
+//! rejected. A command signed by one of `commands.operator_public_keys` is
+//! the operator's ([`signed`], [`admission`]).
 //!
 //! Files: [`worker`] (the command thread: its loop, receipt, admission,
 //! dispatch), `inbox` (the bounded hand-off from the MQTT thread),
@@ -23,7 +25,8 @@
 //! (repeated log lines kept few), [`store`] (records and result events),
 //! [`retention`] (how long records live, on the agent's monotonic clock),
 //! [`rate`] (rate limits), [`admission`] (who gets room: the operator's
-//! reserved share of every bound, global budgets), [`exec_handler`]
+//! reserved share of every bound, global budgets), [`signed`] (who signed
+//! a command: the operator's keys), [`exec_handler`]
 //! (operator-declared programs), [`builtin`] (built-in handlers).
 
 pub mod admission;
@@ -41,6 +44,7 @@ mod recovery;
 mod results;
 pub mod retention;
 pub mod settings;
+pub mod signed;
 pub mod store;
 pub mod worker;
 
@@ -75,6 +79,7 @@ struct RawCommand {
     ttl_secs: Option<u64>,
     scope: Option<String>,
     issued_at_ms: Option<i64>,
+    signature: Option<String>,
 }
 
 /// A parsed, validated command.
@@ -98,6 +103,10 @@ pub struct Command {
     pub canonical: String,
     /// sha256 of `canonical`: the request hash.
     pub request_hash: [u8; 32],
+    /// `signature`: an Ed25519 signature ([`signed`] says over what), 128
+    /// hex digits in the message. Not part of the request hash: the same
+    /// request signed or not is one command.
+    pub signature: Option<[u8; crate::event::signature::SIGNATURE_BYTES]>,
 }
 
 /// Why a command message could not be taken.
@@ -202,6 +211,19 @@ pub fn parse(payload: &[u8], max_bytes: usize) -> Result<Command, ParseError> {
     if raw.ttl_secs == Some(0) {
         return Err(bad("ttl_secs must be at least 1".into()));
     }
+    let signature = match &raw.signature {
+        None => None,
+        Some(s) => Some(
+            crate::event::hex::decode(s)
+                .and_then(|b| b.try_into().ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "signature must be 128 hex digits, an Ed25519 signature (got {} characters)",
+                        s.chars().count()
+                    ))
+                })?,
+        ),
+    };
     let canonical = canonical(&raw.name, &raw.args);
     let request_hash: [u8; 32] = Sha256::digest(canonical.as_bytes()).into();
     Ok(Command {
@@ -213,6 +235,7 @@ pub fn parse(payload: &[u8], max_bytes: usize) -> Result<Command, ParseError> {
         issued_at_ms: raw.issued_at_ms,
         canonical,
         request_hash,
+        signature,
     })
 }
 

@@ -6,9 +6,11 @@
 //! silently run a second time (I4)**. One still `received` never began and
 //! is queued again, its deadline judged as at receipt.
 
+use super::admission::Tier;
 use super::lanes::{self, Pending};
 use super::quiet::ErrorLog;
 use super::results::{Finished, Results};
+use super::signed::Signer;
 use super::store::{cstate, Unfinished};
 use super::ExecHandler;
 use crate::event::envelope::{wall_clock_ms, EventIdGen, CLOCK_FLOOR_MS};
@@ -99,6 +101,9 @@ fn step(u: Unfinished, retry_safe: bool, trusted: bool) -> Step {
             .filter(|_| trusted && u.received_ms >= CLOCK_FLOOR_MS)
             .map(|t| u.received_ms + t)
     });
+    // Whether it was signed is not recorded: in its lane's queue it waits
+    // behind the operator's new commands.
+    let tier = Tier::of(&u.name, Signer::Unsigned);
     let p = Pending {
         scope: u.scope,
         command_id: u.command_id,
@@ -107,6 +112,7 @@ fn step(u: Unfinished, retry_safe: bool, trusted: bool) -> Step {
         deadline_wall,
         deadline_mono: None,
         age_unknown: u.ttl_ms.is_some() && deadline_wall.is_none(),
+        tier,
     };
     if rerun {
         Step::Rerun(p)

@@ -6,6 +6,7 @@
 //! (program, fixed arguments, typed parameters); nothing a command sends can
 //! widen it.
 
+use crate::event::signature::PublicKey;
 use crate::os::process::{Credentials, Limits};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -27,13 +28,14 @@ pub struct CommandsConfig {
     /// real age across restarts and reboots), never on the wall clock.
     pub record_retention: Duration,
     /// `max_records`: command records kept, a count (1000..=1000000, default
-    /// 10000); other scopes fill three quarters, `apply-config` from them
-    /// seven eighths, operator scopes all of it. At a share's end, the
-    /// oldest droppable records go first (`rejected` ones, `ping` and
-    /// `status`); records of commands that ran with a side effect are
-    /// deleted only once outside the redelivery window. While none can go,
-    /// a new command of another scope is answered `no_room` (not recorded),
-    /// an operator command or a push is held back (not acknowledged).
+    /// 10000); commands no operator key signed fill three quarters,
+    /// `apply-config` seven eighths, the operator's signed commands all of
+    /// it. At a share's end, the oldest droppable records go first
+    /// (`rejected` ones, `ping` and `status`); records of commands that ran
+    /// with a side effect are deleted only once outside the redelivery
+    /// window. While none can go, another command is answered `no_room`
+    /// (not recorded), an operator command or a push is held back (not
+    /// acknowledged).
     pub max_records: usize,
     /// `max_queued`: commands waiting for their lane (exec handlers; agent
     /// requests), per lane, a count (1..=10000, default 100). When a lane is
@@ -46,32 +48,37 @@ pub struct CommandsConfig {
     /// minute (a burst of this many, refilled at this rate; 1..=60000,
     /// default 60). Over it a command is answered `rejected` (rate limit),
     /// not recorded, and counted `commands_rate_limited`. Also the budget
-    /// of `apply-config` commands from all non-operator scopes together.
+    /// of every `apply-config` not signed by an operator key, together.
     pub max_per_minute_per_scope: u32,
-    /// `max_per_minute`: new commands accepted to run per minute from all
-    /// scopes that are not operator scopes together (`apply-config` aside;
+    /// `max_per_minute`: new commands accepted to run per minute, all those
+    /// no operator key signed together (`apply-config` aside;
     /// not `ping`, `status` or unknown names, whose records are droppable),
     /// on top of each scope's own limit (1..=600000, default 600): inventing
     /// scopes buys a sender nothing ([`super::admission`]).
     pub max_per_minute: u32,
-    /// `max_answers_per_minute`: messages from scopes that are not operator
-    /// scopes answered at receipt, per minute, all such scopes together
-    /// (1..=600000, default 600): `ping`, `status`, unknown names,
+    /// `max_answers_per_minute`: messages no operator key signed answered
+    /// at receipt, per minute, all together (1..=600000, default 600):
+    /// `ping`, `status`, unknown names, unsigned commands refused,
     /// malformed messages, duplicates and every `rate_limited` or
-    /// `no_room` answer; `apply-config` from those scopes has a budget of
+    /// `no_room` answer; unsigned `apply-config` has a budget of
     /// `max_per_minute_per_scope` of its own. Each answer is a spool
     /// commit, so this bounds what a sender on the command topic can make
     /// the board write. Over it a message is acknowledged and dropped
     /// unanswered (nothing recorded), counted `commands_unanswered`
     /// ([`super::admission`]).
     pub max_answers_per_minute: u32,
-    /// `operator_scopes`: the operator's scopes (default none). Their
-    /// commands are taken first, have a rate budget of their own and a
-    /// reserved quarter of the records, of each lane's queue and of the
-    /// command inbox that no other scope can fill ([`super::admission`]).
-    /// A scope is what a command claims: these names keep their room only
-    /// while other senders do not know them.
-    pub operator_scopes: Vec<String>,
+    /// `operator_public_keys`: Ed25519 public keys (64 hex digits each in
+    /// the file; several, for rotation; default none). A command signed by
+    /// one of them ([`super::signed`]) is the operator's: taken first, rate
+    /// buckets of its own, a reserved quarter of the records, of each
+    /// lane's queue and of the command inbox that no other sender can fill
+    /// ([`super::admission`]). Local only: no push can change them.
+    pub operator_public_keys: Vec<PublicKey>,
+    /// `allow_unsigned`: run commands with a side effect that no operator
+    /// key signed, in the room of other senders (default false: such a
+    /// command is answered `rejected`, `unsigned: ...`, at receipt; `ping`,
+    /// `status` and signed whole configs stay open). Local only.
+    pub allow_unsigned: bool,
     /// `default_ttl_secs`: time to live given to an exec-handler command
     /// that names none, seconds (1..=`record_retention_secs`, default 3600).
     /// Built-ins need none.
@@ -81,19 +88,26 @@ pub struct CommandsConfig {
 }
 
 impl CommandsConfig {
-    /// A caution for the operator when commands are on and no operator
-    /// scope is named: every command then shares the room of other scopes
-    /// ([`super::admission`]), so a sender on the command topic that fills
-    /// it with commands that ran (kept for the redelivery window) leaves the
-    /// operator's own commands answered `no_room`. `None` when commands are
-    /// off or operator scopes are named. Logged at start, printed by
-    /// `check-config`.
+    /// A caution for the operator when anyone who may publish on the
+    /// command topic can run commands and nobody is the operator: commands
+    /// on, `allow_unsigned = true` and no `operator_public_keys`. Then a
+    /// stranger runs what any command may run and, filling the records
+    /// with commands that ran (kept for the redelivery window), gets the
+    /// operator's own commands answered `no_room` ([`super::admission`]).
+    /// `None` otherwise: by default an unsigned command with a side effect
+    /// is refused, so there is nothing to warn about. Logged at start,
+    /// printed by `check-config`.
     pub fn caution(&self) -> Option<String> {
-        if !self.enabled || !self.operator_scopes.is_empty() {
+        if !self.enabled || !self.allow_unsigned || !self.operator_public_keys.is_empty() {
             return None;
         }
+        let handlers = match self.handlers.len() {
+            0 => String::new(),
+            1 => " and the exec handler".to_owned(),
+            n => format!(" and the {n} exec handlers"),
+        };
         Some(format!(
-            "commands.operator_scopes is empty: the operator's commands share the room of every other scope, so a sender on the command topic that fills commands.max_records ({}) with commands that ran gets the operator's commands answered no_room for up to commands.record_retention_secs ({}); name the operator's scope there (a scope other senders do not know) to reserve a quarter of the records, lanes and inbox for it",
+            "commands.allow_unsigned = true and no commands.operator_public_keys: anyone who may publish on the command topic can run every command with a side effect (set-interval, flush, checkpoint, requeue-failed, reload-config, apply-config overlays{handlers}) and, by filling commands.max_records ({}) with commands that ran, get the operator's own commands answered no_room for up to commands.record_retention_secs ({}); make a key with `edgespool keygen --out FILE`, list the public key it prints in commands.operator_public_keys and sign the operator's commands (docs/commands.md), or remove allow_unsigned",
             self.max_records,
             self.record_retention.as_secs()
         ))

@@ -8,7 +8,7 @@
 
 use super::retention::{self, Policy};
 use super::Command;
-use crate::event::envelope::wall_clock_ms;
+use crate::event::envelope::{wall_clock_ms, EventId};
 use crate::event::hex::encode as hex;
 use crate::event::reading::FieldValue;
 use crate::event::stream::RESULTS_STREAM;
@@ -33,6 +33,11 @@ pub enum Admit<'a> {
     /// Record it as `rejected` at once with this error (unknown command):
     /// the hash and a truncated request are kept, a result is appended.
     Reject(&'a str),
+    /// Like [`Admit::Reject`], for a command with a side effect that no
+    /// operator key signed ([`super::admission::unsigned_refusal`]); counted
+    /// `commands_unsigned` as well. Its record is droppable like every
+    /// `rejected` one: nothing ran.
+    Unsigned(&'a str),
     /// Answer `rejected` with this error and keep no record (rate limit):
     /// the same id may be sent again later.
     Refuse(&'a str),
@@ -74,7 +79,8 @@ pub struct Receipt<'a> {
 pub enum Claim {
     /// First time this (scope, id) is seen: the receipt is committed as `received`.
     New,
-    /// First time seen, recorded as `rejected` at once ([`Admit::Reject`]).
+    /// First time seen, recorded as `rejected` at once ([`Admit::Reject`],
+    /// [`Admit::Unsigned`]).
     Rejected,
     /// First time seen, answered `rejected`, not recorded ([`Admit::Refuse`]).
     Refused,
@@ -225,7 +231,7 @@ fn insert_receipt(
 ) -> Result<bool, SpoolError> {
     let (state, request, result, finished) = match receipt.admit {
         Admit::Refuse(_) | Admit::NoRoom(_) => return Ok(!tx.exists(&cmd.scope, &cmd.command_id)?),
-        Admit::Reject(why) => (
+        Admit::Reject(why) | Admit::Unsigned(why) => (
             cstate::REJECTED,
             kept_request(&cmd.canonical),
             Some(serde_json::json!({ "error": why }).to_string()),
@@ -272,6 +278,12 @@ fn answer_new(
         Admit::Reject(why) => {
             tx.count("commands_received")?;
             tx.count("commands_rejected")?;
+            (why, Reply::Result, Claim::Rejected)
+        }
+        Admit::Unsigned(why) => {
+            tx.count("commands_received")?;
+            tx.count("commands_rejected")?;
+            tx.count("commands_unsigned")?;
             (why, Reply::Result, Claim::Rejected)
         }
         Admit::Refuse(why) => {
@@ -368,7 +380,7 @@ pub fn finish(
     spool: &mut Spool,
     ev: &ResultEvent<'_>,
     ctx: &mut EventCtx<'_>,
-) -> Result<String, SpoolError> {
+) -> Result<EventId, SpoolError> {
     let now = wall_clock_ms().0;
     spool.command_write(|tx| {
         let key = (ev.scope, ev.command_id.unwrap_or(""));

@@ -75,6 +75,94 @@ pub fn last_good_text(config: &Path) -> Result<String, String> {
     }
 }
 
+/// The state directory of the packaged unit (`StateDirectory=edgespool` in
+/// packaging/edgespool.service): where the agent keeps the copy under
+/// systemd. A command run from a shell has no `$STATE_DIRECTORY`, so
+/// [`last_good_for_reading`] looks there too.
+pub const PACKAGED_STATE_DIR: &str = "/var/lib/edgespool";
+
+/// The last-known-good copy of `config` for a command that only reads the
+/// spool it names (`status`): the first copy found at [`last_good_path`],
+/// beside the config, or in [`PACKAGED_STATE_DIR`], as (its path, its
+/// config). Unlike the agent, which runs the copy and so believes it only
+/// when its owner is root or the agent's own uid, this reader also takes a
+/// copy another uid owns (the packaged agent runs as `edgespool`, the
+/// operator as root), still refusing a symlink, a copy others may write or
+/// one that does not validate.
+///
+/// Errors: a sentence for each place looked at: missing, or why the copy
+/// there is not used.
+pub fn last_good_for_reading(config: &Path) -> Result<(PathBuf, Config), String> {
+    let mut places = vec![last_good_path(config), last_good_path_in(config, None)];
+    if let Some(name) = config.file_name() {
+        let mut packaged = Path::new(PACKAGED_STATE_DIR).join(name).into_os_string();
+        packaged.push(".last-good");
+        places.push(PathBuf::from(packaged));
+    }
+    places.dedup();
+    let mut why = Vec::new();
+    for lg in places {
+        let text = match read_believable(&lg) {
+            Ok(Some(text)) => text,
+            Ok(None) => {
+                why.push(format!("there is no last-known-good copy {}", lg.display()));
+                continue;
+            }
+            Err(e) => {
+                why.push(format!(
+                    "last-known-good copy {} is ignored: {e}",
+                    lg.display()
+                ));
+                continue;
+            }
+        };
+        match config::parse(&text, &lg.display().to_string(), &[]) {
+            Ok(c) => return Ok((lg, c)),
+            Err(e) => why.push(format!(
+                "last-known-good copy {} is not a valid config either ({})",
+                lg.display(),
+                e.to_string().lines().next().unwrap_or_default()
+            )),
+        }
+    }
+    Err(why.join("; "))
+}
+
+/// The text at `path` for [`last_good_for_reading`]: as
+/// [`crate::os::fsguard::files::read_trusted`] believes it, or owned by
+/// another uid (then read `O_NOFOLLOW` and judged by its mode alone).
+fn read_believable(path: &Path) -> Result<Option<String>, String> {
+    use crate::os::fsguard::files::{read_trusted, Distrust};
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let bytes = match read_trusted(path) {
+        Ok(b) => b,
+        Err(Distrust::Owner { .. }) => {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(path)
+                .map_err(|e| e.to_string())?;
+            let m = f.metadata().map_err(|e| e.to_string())?;
+            if !m.is_file() || m.mode() & 0o022 != 0 {
+                return Err(format!(
+                    "it is not a regular file only its owner may write (mode {:o})",
+                    m.mode() & 0o7777
+                ));
+            }
+            let mut b = Vec::new();
+            f.take(crate::os::fsguard::files::MAX_STATE_BYTES)
+                .read_to_end(&mut b)
+                .map_err(|e| e.to_string())?;
+            Some(b)
+        }
+        Err(d) => return Err(d.to_string()),
+    };
+    bytes
+        .map(|b| String::from_utf8(b).map_err(|e| format!("it is not UTF-8 text: {e}")))
+        .transpose()
+}
+
 /// Keep `text` as the last-known-good copy (only when it differs). A file
 /// there that the agent did not write is named in a WARN and replaced.
 pub fn save_last_good(config: &Path, text: &[u8]) {
@@ -184,7 +272,8 @@ pub fn load_at_start(path: &Path, sets: &[String]) -> Result<Loaded, ConfigError
             Ok(Loaded {
                 config,
                 fallback: Some(format!(
-                    "config invalid: {e}; running last-known-good {} (sha256 {})",
+                    "{}; running last-known-good {} (sha256 {})",
+                    e.told(),
                     lg.display(),
                     sha256_hex(text.as_bytes())
                 )),
@@ -327,6 +416,33 @@ mod tests {
         assert_eq!(last_good_text(&p).unwrap(), GOOD);
         std::fs::write(&p, "").unwrap();
         assert!(load_at_start(&p, &[]).unwrap().fallback.is_some());
+    }
+
+    #[test]
+    fn a_reader_finds_the_copy_another_uid_wrote_but_never_one_others_may_write() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("board.toml");
+        std::fs::write(&p, "device_id = 3\n").unwrap();
+        let e = last_good_for_reading(&p).unwrap_err();
+        assert!(e.contains("there is no last-known-good copy"), "{e}");
+        let lg = last_good_path(&p);
+        std::fs::write(&lg, GOOD).unwrap();
+        std::fs::set_permissions(&lg, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let (at, c) = last_good_for_reading(&p).unwrap();
+        assert_eq!(
+            (at, c.spool.path),
+            (lg.clone(), PathBuf::from("/tmp/x/spool.db"))
+        );
+        // The packaged agent (uid edgespool) wrote it; root reads it.
+        if crate::os::fsguard::files::euid() == 0 {
+            std::os::unix::fs::chown(&lg, Some(54_321), None).unwrap();
+            assert!(last_good_text(&p).is_err(), "the agent would not run it");
+            assert!(last_good_for_reading(&p).is_ok());
+        }
+        std::fs::set_permissions(&lg, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = last_good_for_reading(&p).unwrap_err();
+        assert!(e.contains("writ"), "{e}");
     }
 
     #[test]

@@ -54,10 +54,28 @@ pub struct ConfigError {
     pub origin: String,
     /// Every problem found (validation reports all it can, parsing the first).
     pub problems: Vec<Problem>,
+    /// The file does not exist (`problems` is then empty): a newcomer's
+    /// typo in the path, told as such ([`ConfigError::told`]), never as a
+    /// parse failure.
+    pub missing_file: bool,
+}
+
+impl ConfigError {
+    /// The error as a command tells it on stderr: `config file FILE does not
+    /// exist`, or `config invalid: ` and each problem on its own line.
+    pub fn told(&self) -> String {
+        match self.missing_file {
+            true => self.to_string(),
+            false => format!("config invalid: {self}"),
+        }
+    }
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.missing_file {
+            return write!(f, "config file {} does not exist", self.origin);
+        }
         for (i, p) in self.problems.iter().enumerate() {
             if i > 0 {
                 writeln!(f)?;
@@ -245,15 +263,41 @@ pub struct AgentConfig {
     pub rate_window: Duration,
 }
 
+/// The line (1-based) where `key` (`sink.url`, `sink.postgres.ca`,
+/// `sources[2].path`) is written in the TOML `text`, found by following its
+/// table headers as the config's own messages do; else the line of a table
+/// header `[key]`. `None` when the key is not written. For other TOML files
+/// (the sink's settings) that want the same `FILE:LINE: key: problem`
+/// messages.
+pub fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    locate(text, key).or_else(|| {
+        text.lines()
+            .position(|l| {
+                l.trim()
+                    .strip_prefix('[')
+                    .and_then(|r| r.split_once(']'))
+                    .is_some_and(|(h, _)| h.trim() == key)
+            })
+            .map(|n| n + 1)
+    })
+}
+
 /// Read and validate the config file at `path`, applying `overrides`
 /// (`key.path=value`, value parsed as TOML, else taken as a string).
 ///
-/// Errors: the file cannot be read, is empty, is not TOML, has an unknown or
-/// mistyped key, or a value out of range; every message names the key path.
+/// Errors: the file does not exist ([`ConfigError::missing_file`]), cannot be
+/// read, is empty, is not TOML, has an unknown or mistyped key, or a value
+/// out of range; every message names the key path.
 pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
     let origin = path.display().to_string();
-    let text = std::fs::read(path)
-        .map_err(|e| single(&origin, "(file)", None, &format!("cannot read: {e}")))?;
+    let text = std::fs::read(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ConfigError {
+            origin: origin.clone(),
+            problems: Vec::new(),
+            missing_file: true,
+        },
+        _ => single(&origin, "(file)", None, &format!("cannot read: {e}")),
+    })?;
     let text = String::from_utf8(text)
         .map_err(|e| single(&origin, "(file)", None, &format!("not UTF-8 text: {e}")))?;
     parse(&text, &origin, overrides)

@@ -2,7 +2,7 @@
 //! key path, line and did-you-mean of a problem (field case F16).
 
 use super::raw::{split_keyed, RawConfig};
-use super::suggest::unknown_key;
+use super::suggest::{retired, unknown_key};
 use super::{ConfigError, Problem};
 
 pub(super) fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) -> ConfigError {
@@ -13,6 +13,7 @@ pub(super) fn single(origin: &str, key: &str, line: Option<usize>, msg: &str) ->
             line,
             message: msg.to_owned(),
         }],
+        missing_file: false,
     }
 }
 
@@ -56,7 +57,8 @@ fn refusal(
         // error's span is the whole entry's.
         let top = within.split(['.', '[']).next().unwrap_or(within);
         let line = locate(text, &format!("{key}.{top}")).or(line);
-        return (format!("{key}.{within}"), line, msg.to_owned());
+        let msg = plain_type_error(within, msg, None).unwrap_or_else(|| msg.to_owned());
+        return (format!("{key}.{within}"), line, msg);
     }
     // serde_path_to_error already ends the path with the unknown key;
     // make sure it is there even if a future version stops at the table.
@@ -67,6 +69,9 @@ fn refusal(
             k if k.ends_with(&field) => k,
             k => format!("{k}.{field}"),
         };
+        if let Some(replaced) = retired(&key) {
+            return (key, line, replaced.to_owned());
+        }
         return (key, line, msg);
     }
     match msg
@@ -75,8 +80,108 @@ fn refusal(
     {
         Some((field, _)) if key.is_empty() => (field.to_owned(), line, MISSING.to_owned()),
         Some((field, _)) => (format!("{key}.{field}"), line, MISSING.to_owned()),
-        None => (key, line, msg.to_owned()),
+        None => {
+            let written = inner.span().and_then(|s| text.get(s));
+            let msg = plain_type_error(&key, msg, written).unwrap_or_else(|| msg.to_owned());
+            (key, line, msg)
+        }
     }
+}
+
+/// serde's type error (`invalid type: string "10k", expected u64`) in plain
+/// words naming the expected form and the value given: `expected a whole
+/// number of bytes, got "10k" (...)`. `key` gives the unit (`_bytes`,
+/// `_secs`, `_ms` in its name); `written` is the value as the file spells it
+/// (`1e3`, not serde's `1000.0`), when the error's span is that value alone.
+/// `None` for any other message (kept as serde said it).
+pub(super) fn plain_type_error(key: &str, msg: &str, written: Option<&str>) -> Option<String> {
+    let rest = msg
+        .strip_prefix("invalid type: ")
+        .or_else(|| msg.strip_prefix("invalid value: "))?;
+    let (unexpected, expected) = rest.rsplit_once(", expected ")?;
+    let given = match written.map(str::trim) {
+        Some(w) if !w.is_empty() && !w.contains(['\n', '=']) => w.to_owned(),
+        _ => serde_unexpected(unexpected),
+    };
+    let form = expected_form(key, expected, given.starts_with('-'))?;
+    let hint = match (
+        given.strip_prefix('"').and_then(|g| g.strip_suffix('"')),
+        &form,
+    ) {
+        (Some(inner), f) if f.starts_with("a whole number") || f.starts_with("a number") => {
+            if inner.trim().parse::<f64>().is_ok() {
+                format!(" (write it without the quotes: {})", inner.trim())
+            } else if !unit_of(key).is_empty() {
+                " (a plain number: the unit is in the key's name)".to_owned()
+            } else {
+                String::new()
+            }
+        }
+        (Some(inner), f) if f == "true or false" && matches!(inner, "true" | "false") => {
+            format!(" (write it without the quotes: {inner})")
+        }
+        _ => String::new(),
+    };
+    Some(format!("expected {form}, got {given}{hint}"))
+}
+
+/// serde's words for a value (`string "x"`, ``integer `3` ``, `sequence`)
+/// as a reader writes it (`"x"`, `3`, `an array`).
+fn serde_unexpected(u: &str) -> String {
+    let ticked = |s: &str| s.trim_matches('`').to_owned();
+    if let Some(s) = u.strip_prefix("string ") {
+        return s.to_owned();
+    }
+    for prefix in ["integer ", "floating point ", "boolean ", "character "] {
+        if let Some(v) = u.strip_prefix(prefix) {
+            return ticked(v);
+        }
+    }
+    match u {
+        "sequence" => "an array".to_owned(),
+        "map" => "a table".to_owned(),
+        other => other.to_owned(),
+    }
+}
+
+/// The unit a key's name carries (`spool.max_bytes`: ` of bytes`), or "".
+fn unit_of(key: &str) -> &'static str {
+    let leaf = key.rsplit(['.', ']']).next().unwrap_or(key);
+    [
+        ("_bytes", " of bytes"),
+        ("_secs", " of seconds"),
+        ("_ms", " of milliseconds"),
+        ("_pages", " of pages"),
+        ("_mb_per_day", " of megabytes a day"),
+    ]
+    .iter()
+    .find(|(suffix, _)| leaf.ends_with(suffix))
+    .map_or("", |(_, u)| *u)
+}
+
+/// The form serde `expected` (`u64`, `a string`, `struct RawSpool`) in
+/// plain words, with the unit `key`'s name carries: `a whole number of
+/// bytes`, `text in quotes`, `a table`. `None` for a form not known here.
+fn expected_form(key: &str, expected: &str, negative: bool) -> Option<String> {
+    let unit = unit_of(key);
+    let whole = |range: &str| format!("a whole number{unit}{range}");
+    Some(match expected {
+        "u8" => whole(", 0 to 255"),
+        "u16" => whole(", 0 to 65535"),
+        "u32" => whole(", 0 to 4294967295"),
+        "u64" | "usize" if negative => whole(", 0 or more"),
+        "u64" | "usize" => whole(""),
+        "i8" | "i16" | "i32" | "i64" | "isize" => whole(""),
+        "f32" | "f64" => format!("a number{unit} (such as 1.5)"),
+        "a string" => "text in quotes".to_owned(),
+        "path string" => "a path in quotes".to_owned(),
+        "a boolean" => "true or false".to_owned(),
+        "a character" => "one character in quotes".to_owned(),
+        "a sequence" => "an array ([...])".to_owned(),
+        "a map" | "a table" => "a table".to_owned(),
+        e if e.starts_with("struct ") => "a table".to_owned(),
+        _ => return None,
+    })
 }
 
 /// The message of a required key that is not written.

@@ -1,6 +1,24 @@
-//! Did-you-mean: the known name closest to a misspelt one (field case F16).
+//! Did-you-mean: the known name closest to a misspelt one (field case F16),
+//! and what replaced a key the config no longer takes.
 //! Its one rule: **suggest only what is near** (a small edit distance), so a
-//! word that is not a typo gets no suggestion.
+//! word that is not a typo gets no suggestion; a removed key is never
+//! silently ignored, it is refused with what replaced it.
+
+/// Keys the config once took, with what replaced them: refused, never
+/// ignored (a key that silently stopped meaning anything would leave a board
+/// running on a setting its operator thinks is in force).
+const RETIRED: &[(&str, &str)] = &[(
+    "commands.operator_scopes",
+    "removed: a scope is a name any sender can claim, so it no longer gives a command the \
+     operator's reserved room; the operator is now a key: make one with `edgespool keygen --out \
+     FILE`, list the public key it prints in commands.operator_public_keys, sign the operator's \
+     commands with it (docs/commands.md, \"Signed commands\"), and delete this line",
+)];
+
+/// What replaced `key` (a full key path), if the config once took it.
+pub(super) fn retired(key: &str) -> Option<&'static str> {
+    RETIRED.iter().find(|(k, _)| *k == key).map(|(_, m)| *m)
+}
 
 /// The closest of `known` to `got` within a small edit distance (2, or a
 /// quarter of the known name's length), if any.

@@ -110,6 +110,54 @@ fn wrong_type_names_the_key() {
 }
 
 #[test]
+fn a_wrong_type_is_said_in_plain_words_with_the_expected_form_and_the_value_given() {
+    let with = |key: &str, value: &str| {
+        let text = format!("device_id = \"d\"\n[spool]\npath = \"/x/s.db\"\n{key} = {value}\n");
+        err(&text).to_string()
+    };
+    for (key, value, said) in [
+        ("max_bytes", "\"10k\"", "t.toml:4: spool.max_bytes: expected a whole number of bytes, got \"10k\" (a plain number: the unit is in the key's name)"),
+        ("max_bytes", "-5", "t.toml:4: spool.max_bytes: expected a whole number of bytes, 0 or more, got -5"),
+        ("commit_window_ms", "1.5", "t.toml:4: spool.commit_window_ms: expected a whole number of milliseconds, got 1.5"),
+        ("checkpoint_interval_secs", "\"30\"", "t.toml:4: spool.checkpoint_interval_secs: expected a whole number of seconds, got \"30\" (write it without the quotes: 30)"),
+        ("acked_retention_secs", "1e3", "t.toml:4: spool.acked_retention_secs: expected a whole number of seconds, got 1e3"),
+        ("allow_network_fs", "\"yes\"", "t.toml:4: spool.allow_network_fs: expected true or false, got \"yes\""),
+    ] {
+        let e = with(key, value);
+        assert_eq!(e, said);
+        assert!(!e.contains("invalid type") && !e.contains("u64"), "{e}");
+    }
+    let e = err("device_id = \"d\"\n[spool]\npath = 5\n").to_string();
+    assert_eq!(e, "t.toml:3: spool.path: expected a path in quotes, got 5");
+    let e = err("device_id = 3\n[spool]\npath = \"/x\"\n").to_string();
+    assert_eq!(e, "t.toml:1: device_id: expected text in quotes, got 3");
+    let e = err("device_id = \"d\"\nspool = 5\n").to_string();
+    assert_eq!(e, "t.toml:2: spool: expected a table, got 5");
+    let e = err("device_id = \"d\"\n[spool]\npath = \"/x\"\n[ingest]\nstream_patterns = \"ops\"\n")
+        .to_string();
+    assert_eq!(
+        e,
+        "t.toml:5: ingest.stream_patterns: expected an array ([...]), got \"ops\""
+    );
+}
+
+#[test]
+fn a_missing_file_is_said_as_such_not_as_a_parse_failure() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("board.toml");
+    let e = load(&p, &[]).unwrap_err();
+    assert!(e.missing_file && e.problems.is_empty(), "{e:?}");
+    assert_eq!(
+        e.told(),
+        format!("config file {} does not exist", p.display())
+    );
+    std::fs::write(&p, "device_id = 3\n").unwrap();
+    let e = load(&p, &[]).unwrap_err();
+    assert!(!e.missing_file);
+    assert!(e.told().starts_with("config invalid: "), "{}", e.told());
+}
+
+#[test]
 fn dangerous_values_are_rejected_by_range() {
     // field case F16 (e)
     let e = err(&GOOD.replace("[mqtt]", "[mqtt]\ninflight_window = 0\nkeep_alive_secs = 0"));
@@ -373,6 +421,34 @@ fn ingest_is_off_by_default_and_streams_are_read_with_their_durability() {
 }
 
 #[test]
+fn the_peers_bounds_have_defaults_and_are_read_in_their_units() {
+    let c = parse(GOOD, "t.toml", &[]).unwrap();
+    let d = c.ingest.share_settings();
+    assert_eq!(
+        (
+            d.bytes_per_sec,
+            d.burst_bytes,
+            d.peer_percent,
+            d.input_percent
+        ),
+        (1 << 20, 4 << 20, 25, 50)
+    );
+    let text = format!(
+        "{GOOD}[ingest]\nsocket = \"/run/e/i.sock\"\nmax_bytes_per_sec_per_peer = 65536\nmax_burst_bytes_per_peer = 131072\nmax_spool_share_per_peer_percent = 10\nmax_spool_share_input_percent = 30\n[[ingest.streams]]\nname = \"pump\"\n"
+    );
+    let s = parse(&text, "t.toml", &[]).unwrap().ingest.share_settings();
+    assert_eq!(
+        (
+            s.bytes_per_sec,
+            s.burst_bytes,
+            s.peer_percent,
+            s.input_percent
+        ),
+        (65536, 131072, 10, 30)
+    );
+}
+
+#[test]
 fn ingest_problems_name_their_key() {
     let on = "[ingest]\nsocket = \"/run/e/i.sock\"\n";
     let stream = "[[ingest.streams]]\nname = \"pump\"\n";
@@ -433,6 +509,28 @@ fn ingest_problems_name_their_key() {
             format!("{on}sockett = 1\n"),
             "ingest.sockett",
             "did you mean `socket`",
+        ),
+        (
+            format!("{on}max_bytes_per_sec_per_peer = 10\n{stream}"),
+            "ingest.max_bytes_per_sec_per_peer",
+            "1024..=1073741824 (got 10)",
+        ),
+        (
+            // The burst must take the longest line.
+            format!("{on}max_line_bytes = 65536\nmax_burst_bytes_per_peer = 4096\n{stream}"),
+            "ingest.max_burst_bytes_per_peer",
+            "65536..=1073741824 (got 4096)",
+        ),
+        (
+            format!("{on}max_spool_share_input_percent = 95\n{stream}"),
+            "ingest.max_spool_share_input_percent",
+            "1..=90 (got 95)",
+        ),
+        (
+            // One peer's share is at most all input's.
+            format!("{on}max_spool_share_input_percent = 20\nmax_spool_share_per_peer_percent = 30\n{stream}"),
+            "ingest.max_spool_share_per_peer_percent",
+            "1..=20 (got 30)",
         ),
     ] {
         let e = err(&format!("{GOOD}{body}"));
@@ -517,14 +615,16 @@ fn command_bounds_are_range_checked_and_name_their_key() {
     assert_eq!(c.commands.default_ttl, Duration::from_secs(60));
 }
 
-/// `commands.operator_scopes` and `commands.max_per_minute`: local-only
-/// keys with their defaults (none; 600), as the example writes them, and
-/// range-checked naming the key (the entry, for a bad scope).
+/// `commands.operator_public_keys`, `commands.allow_unsigned` and
+/// `commands.max_per_minute`: local-only keys with their defaults (none;
+/// false; 600), as the example writes them, and checked naming the key
+/// (the entry, for a bad key).
 #[test]
-fn operator_scopes_and_the_global_rate_are_read_checked_and_default() {
+fn operator_keys_allow_unsigned_and_the_global_rate_are_read_checked_and_default() {
     let with = |body: &str| format!("{GOOD}[commands]\n{body}\n");
     let c = parse(GOOD, "t.toml", &[]).unwrap();
-    assert!(c.commands.operator_scopes.is_empty());
+    assert!(c.commands.operator_public_keys.is_empty());
+    assert!(!c.commands.allow_unsigned);
     assert_eq!(c.commands.max_per_minute, 600);
     let example = parse(
         include_str!("../../board-configs/example.toml"),
@@ -532,23 +632,41 @@ fn operator_scopes_and_the_global_rate_are_read_checked_and_default() {
         &[],
     )
     .unwrap();
-    assert_eq!(example.commands.operator_scopes, c.commands.operator_scopes);
+    assert_eq!(
+        example.commands.operator_public_keys,
+        c.commands.operator_public_keys
+    );
+    assert_eq!(example.commands.allow_unsigned, c.commands.allow_unsigned);
     assert_eq!(example.commands.max_per_minute, c.commands.max_per_minute);
     assert_eq!(c.commands.max_answers_per_minute, 600);
     assert_eq!(
         example.commands.max_answers_per_minute,
         c.commands.max_answers_per_minute
     );
+    let (k1, k2) = ("ab".repeat(32), "CD".repeat(32));
     let c = parse(
-        &with("operator_scopes = [\"ops\", \"noc@site-1\"]\nmax_per_minute = 1"),
+        &with(&format!(
+            "operator_public_keys = [\"{k1}\", \"{k2}\"]\nallow_unsigned = true\nmax_per_minute = 1"
+        )),
         "t.toml",
         &[],
     )
     .unwrap();
-    assert_eq!(c.commands.operator_scopes, ["ops", "noc@site-1"]);
+    let hex: Vec<String> = c
+        .commands
+        .operator_public_keys
+        .iter()
+        .map(|k| k.hex())
+        .collect();
+    assert_eq!(hex, [k1.clone(), k2.to_lowercase()]);
+    assert!(c.commands.allow_unsigned);
     assert_eq!(c.commands.max_per_minute, 1);
-    let many: Vec<String> = (0..65).map(|i| format!("\"s{i}\"")).collect();
-    let many = format!("operator_scopes = [{}]", many.join(", "));
+    let many: Vec<String> = (0..17).map(|i| format!("\"{:064x}\"", i + 1)).collect();
+    let many = format!("operator_public_keys = [{}]", many.join(", "));
+    let twice = format!(
+        "operator_public_keys = [\"{k1}\", \"{}\"]",
+        k1.to_uppercase()
+    );
     for (body, key) in [
         ("max_per_minute = 0", "commands.max_per_minute"),
         ("max_per_minute = 600001", "commands.max_per_minute"),
@@ -557,18 +675,70 @@ fn operator_scopes_and_the_global_rate_are_read_checked_and_default() {
             "commands.max_answers_per_minute",
         ),
         (
-            "operator_scopes = [\"ops\", \"a b\"]",
-            "commands.operator_scopes.1",
+            "operator_public_keys = [\"ops\"]",
+            "commands.operator_public_keys.0",
         ),
-        ("operator_scopes = [\"\"]", "commands.operator_scopes.0"),
-        (
-            "operator_scopes = [\"ops\", \"ops\"]",
-            "commands.operator_scopes.1",
-        ),
-        (many.as_str(), "commands.operator_scopes"),
+        (twice.as_str(), "commands.operator_public_keys.1"),
+        (many.as_str(), "commands.operator_public_keys"),
     ] {
         let e = err(&with(body));
         assert_eq!(e.problems[0].key, key, "{body}");
+    }
+}
+
+/// Field case F16: a key the config no longer takes is refused, naming
+/// the key, its line and what replaced it, never silently ignored nor
+/// kept as a privilege: `commands.operator_scopes` gave the operator's
+/// room to whoever named the scope.
+#[test]
+fn the_removed_operator_scopes_is_refused_with_what_replaced_it() {
+    let text = format!("{GOOD}[commands]\nenabled = true\noperator_scopes = [\"ops\"]\n");
+    let e = err(&text);
+    let p = &e.problems[0];
+    assert_eq!(p.key, "commands.operator_scopes");
+    assert_eq!(p.line, Some(text.lines().count()));
+    for needed in ["operator_public_keys", "edgespool keygen", "removed"] {
+        assert!(p.message.contains(needed), "{}", p.message);
+    }
+    // An override says the same, without a line.
+    let e = parse(
+        GOOD,
+        "t.toml",
+        &["commands.operator_scopes=[\"ops\"]".into()],
+    )
+    .expect_err("refused");
+    assert_eq!(e.problems[0].key, "commands.operator_scopes");
+    assert!(e.problems[0].message.contains("operator_public_keys"));
+}
+
+/// No caution by default (unsigned commands with a side effect are
+/// refused); one only when `allow_unsigned` opens the channel and no
+/// operator key is listed.
+#[test]
+fn the_command_caution_appears_only_when_unsigned_commands_run_and_no_key_is_listed() {
+    let with = |body: &str| format!("{GOOD}[commands]\n{body}\n");
+    assert_eq!(parse(GOOD, "t", &[]).unwrap().commands.caution(), None);
+    let open = parse(&with("allow_unsigned = true"), "t", &[]).unwrap();
+    let caution = open.commands.caution().unwrap_or_default();
+    for needed in [
+        "allow_unsigned",
+        "operator_public_keys",
+        "edgespool keygen",
+        "no_room",
+    ] {
+        assert!(caution.contains(needed), "{caution}");
+    }
+    let key = "ab".repeat(32);
+    for quiet in [
+        format!("allow_unsigned = true\noperator_public_keys = [\"{key}\"]"),
+        "allow_unsigned = true\nenabled = false".to_owned(),
+        format!("operator_public_keys = [\"{key}\"]"),
+    ] {
+        assert_eq!(
+            parse(&with(&quiet), "t", &[]).unwrap().commands.caution(),
+            None,
+            "{quiet}"
+        );
     }
 }
 
@@ -1201,4 +1371,36 @@ fn the_write_budget_keys_are_range_checked_by_name() {
     );
     // Without a budget the ceiling is not used.
     assert!(set(&["spool.commit_window_ms=20000"]).is_ok());
+}
+
+#[test]
+fn receipt_mode_needs_a_trusted_key_and_keys_are_64_hex_digits() {
+    // Issue 33: a receipt retires rows only under a listed key's signature;
+    // receipt mode with none could retire nothing and is refused.
+    let e = err(&GOOD.replace("[mqtt]", "[mqtt]\nretire_on = \"receipt\""));
+    assert_eq!(e.problems.len(), 1, "{e}");
+    assert_eq!(e.problems[0].key, "mqtt.retire_on");
+    assert!(
+        e.problems[0].message.contains("mqtt.receipt_public_keys")
+            && e.problems[0].message.contains("edgespool keygen"),
+        "{e}"
+    );
+    let key = "ab".repeat(32);
+    let e = err(&GOOD.replace(
+        "[mqtt]",
+        &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_public_keys = [\"{key}\", \"abcd\"]"),
+    ));
+    let keys: Vec<&str> = e.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, vec!["mqtt.receipt_public_keys[1]"], "{e}");
+    let c = parse(
+        &GOOD.replace(
+            "[mqtt]",
+            &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_public_keys = [\"{key}\"]"),
+        ),
+        "t.toml",
+        &[],
+    )
+    .expect("a trusted key");
+    assert_eq!(c.mqtt.receipt_public_keys.len(), 1);
+    assert_eq!(c.mqtt.receipt_public_keys[0].hex(), key);
 }

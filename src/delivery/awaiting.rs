@@ -3,12 +3,14 @@
 //! fleet names its own stream and event id, or its timeout comes.
 //!
 //! Its one rule: **a receipt retires only rows that are waiting for one
-//! (PUBACKed, same stream, same event id); anything else in it retires
-//! nothing and is counted**, and a row not covered within the timeout is
-//! published again with the same id and bytes. The receipt's wire format
-//! is [`crate::event::receipts`]. Pure: time is passed in, nothing here
-//! does I/O.
+//! (PUBACKed, same stream, same event id, and the digest of the very bytes
+//! the row holds); anything else in it retires nothing and is counted**,
+//! and a row not covered within the timeout is published again with the
+//! same id and bytes. The receipt's wire format and its signature check
+//! are [`crate::event::receipts`]: only a checked receipt comes here. Pure:
+//! time is passed in, nothing here does I/O.
 
+use crate::event::envelope::EventId;
 use crate::event::receipts::Receipt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -22,19 +24,24 @@ pub struct Matched {
     /// Ids named that no waiting row has (not yet PUBACKed, already
     /// retired, another board's, forged): counted, nothing retired.
     pub unmatched: usize,
+    /// Ids of waiting rows named with another digest: the fleet stored
+    /// other bytes under that id (I3 broken somewhere): counted, the row
+    /// keeps waiting and is sent again at its timeout.
+    pub wrong_digest: usize,
 }
 
-/// A waiting row.
+/// A waiting row and the digest of its payload as the spool stores it.
 #[derive(Debug, Clone)]
 struct Entry {
     row: i64,
+    digest: [u8; 32],
 }
 
 /// Rows PUBACKed and waiting for their receipt, bounded by `cap`.
 #[derive(Debug)]
 pub struct Awaiting {
-    by_key: HashMap<(Arc<str>, String), Entry>,
-    by_row: HashMap<i64, (Arc<str>, String)>,
+    by_key: HashMap<(Arc<str>, EventId), Entry>,
+    by_row: HashMap<i64, (Arc<str>, EventId)>,
     /// `(since, row)` in PUBACK order, for the timeout (entries of rows that
     /// left are skipped when met).
     order: VecDeque<(Instant, i64)>,
@@ -73,15 +80,21 @@ impl Awaiting {
         self.by_row.contains_key(&row)
     }
 
-    /// `row` (of `stream`, with `event_id`) was PUBACKed at `now`: it waits.
-    /// A row already waiting keeps its first time (its timeout runs from its
-    /// first PUBACK).
-    pub fn delivered(&mut self, row: i64, stream: Arc<str>, event_id: String, now: Instant) {
+    /// `row` (of `stream`, with `event_id` and its payload's sha256
+    /// `digest`) was PUBACKed at `now`: it waits. A row already waiting
+    /// keeps its first time (its timeout runs from its first PUBACK).
+    pub fn delivered(
+        &mut self,
+        row: i64,
+        (stream, event_id): (Arc<str>, EventId),
+        digest: [u8; 32],
+        now: Instant,
+    ) {
         if self.by_row.contains_key(&row) {
             return;
         }
         let key = (stream, event_id);
-        if let Some(old) = self.by_key.insert(key.clone(), Entry { row }) {
+        if let Some(old) = self.by_key.insert(key.clone(), Entry { row, digest }) {
             // One event id on two rows (a requeued FAILED row): the newer row
             // is the one the spool keeps; the older is forgotten here.
             self.by_row.remove(&old.row);
@@ -90,19 +103,26 @@ impl Awaiting {
         self.order.push_back((now, row));
     }
 
-    /// Apply `r`: the waiting rows it names leave the book and are returned
-    /// for retirement.
+    /// Apply `r` (checked: [`Receipt::check`]): the waiting rows it names
+    /// with their own digest leave the book and are returned for
+    /// retirement.
+    ///
+    /// [`Receipt::check`]: crate::event::receipts::Receipt::check
     pub fn receipt(&mut self, r: &Receipt) -> Matched {
         let mut m = Matched::default();
-        for (stream, ids) in &r.stored {
-            for id in ids {
-                // The key's stream is an Arc<str>: look up with an owned one.
-                let key: (Arc<str>, String) = (Arc::from(stream.as_str()), id.clone());
-                match self.by_key.remove(&key) {
-                    Some(e) => {
-                        self.by_row.remove(&e.row);
-                        m.rows.push(e.row);
+        for (stream, events) in &r.stored {
+            // The key's stream is an Arc<str>: look up with an owned one.
+            let stream: Arc<str> = Arc::from(stream.as_str());
+            for (id, digest) in events {
+                let key = (stream.clone(), *id);
+                match self.by_key.get(&key) {
+                    Some(e) if e.digest == *digest => {
+                        let row = e.row;
+                        self.by_key.remove(&key);
+                        self.by_row.remove(&row);
+                        m.rows.push(row);
                     }
+                    Some(_) => m.wrong_digest += 1,
                     None => m.unmatched += 1,
                 }
             }
@@ -182,21 +202,40 @@ impl Awaiting {
 mod tests {
     use super::*;
     use crate::event::receipts::{encode, parse};
+    use crate::event::signature::SigningKey;
 
     const A: &str = "0123abcd-0000-4000-8000-00000000000a";
     const B: &str = "0123abcd-0000-4000-8000-00000000000b";
     const C: &str = "0123abcd-0000-4000-8000-00000000000c";
 
+    /// The digest each test row's payload has.
+    const D: [u8; 32] = [7; 32];
+
     fn receipt(stream: &str, ids: &[&str]) -> Receipt {
-        parse(&encode(&ids.iter().map(|i| (stream, *i)).collect::<Vec<_>>())[0]).unwrap()
+        receipt_with(stream, ids, D)
+    }
+
+    fn receipt_with(stream: &str, ids: &[&str], digest: [u8; 32]) -> Receipt {
+        let key = SigningKey::generate().expect("keygen").0;
+        let events: Vec<(&str, EventId, [u8; 32])> =
+            ids.iter().map(|i| (stream, id(i), digest)).collect();
+        parse(&encode("gw1", &events, &key)[0]).expect("a receipt")
+    }
+
+    fn s(stream: &str, event: &str) -> (Arc<str>, EventId) {
+        (Arc::from(stream), id(event))
+    }
+
+    fn id(s: &str) -> EventId {
+        EventId::parse(s).expect("a test id")
     }
 
     #[test]
     fn only_waiting_rows_with_their_own_stream_and_id_are_retired() {
         let t = Instant::now();
         let mut w = Awaiting::new(10);
-        w.delivered(1, Arc::from("s"), A.to_owned(), t);
-        w.delivered(2, Arc::from("s"), B.to_owned(), t);
+        w.delivered(1, s("s", A), D, t);
+        w.delivered(2, s("s", B), D, t);
         // Another stream's id, an unknown id, a row not yet PUBACKed: nothing.
         let m = w.receipt(&receipt("t", &[A]));
         assert_eq!((m.rows.len(), m.unmatched), (0, 1));
@@ -212,14 +251,25 @@ mod tests {
     }
 
     #[test]
+    fn a_receipt_naming_other_bytes_under_a_waiting_id_retires_nothing() {
+        let t = Instant::now();
+        let mut w = Awaiting::new(10);
+        w.delivered(1, s("s", A), D, t);
+        let m = w.receipt(&receipt_with("s", &[A], [8; 32]));
+        assert_eq!((m.rows.len(), m.unmatched, m.wrong_digest), (0, 0, 1));
+        assert!(w.contains(1), "the row keeps waiting");
+        assert_eq!(w.receipt(&receipt("s", &[A])).rows, vec![1]);
+    }
+
+    #[test]
     fn rows_without_a_receipt_come_back_after_the_timeout_in_row_order() {
         let t = Instant::now();
         let mut w = Awaiting::new(10);
-        w.delivered(5, Arc::from("s"), B.to_owned(), t);
-        w.delivered(3, Arc::from("s"), A.to_owned(), t);
-        w.delivered(9, Arc::from("s"), C.to_owned(), t + Duration::from_secs(5));
+        w.delivered(5, s("s", B), D, t);
+        w.delivered(3, s("s", A), D, t);
+        w.delivered(9, s("s", C), D, t + Duration::from_secs(5));
         // A second PUBACK of row 5 keeps its first time.
-        w.delivered(5, Arc::from("s"), B.to_owned(), t + Duration::from_secs(6));
+        w.delivered(5, s("s", B), D, t + Duration::from_secs(6));
         let to = Duration::from_secs(10);
         assert!(w.expired(t + Duration::from_secs(9), to).is_empty());
         assert_eq!(
@@ -237,17 +287,17 @@ mod tests {
     fn the_book_is_bounded_and_a_requeued_id_follows_its_newer_row() {
         let t = Instant::now();
         let mut w = Awaiting::new(2);
-        w.delivered(1, Arc::from("s"), A.to_owned(), t);
+        w.delivered(1, s("s", A), D, t);
         assert!(!w.is_full());
-        w.delivered(2, Arc::from("s"), B.to_owned(), t);
+        w.delivered(2, s("s", B), D, t);
         assert!(w.is_full());
         // A FAILED row requeued: same id, new row.
-        w.delivered(3, Arc::from("s"), A.to_owned(), t);
+        w.delivered(3, s("s", A), D, t);
         assert!(!w.contains(1) && w.contains(3));
         assert_eq!(w.receipt(&receipt("s", &[A])).rows, vec![3]);
         w.remove(&[2]);
         assert!(w.is_empty());
-        w.delivered(4, Arc::from("s"), C.to_owned(), t);
+        w.delivered(4, s("s", C), D, t);
         assert_eq!(w.drain(), vec![4]);
         assert!(w.is_empty());
     }

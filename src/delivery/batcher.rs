@@ -8,6 +8,7 @@
 //! drops them and the lanes read them again from the spool.
 
 use crate::event::batching::{self, Pending};
+use crate::event::envelope::EventId;
 use crate::event::stream::BatchSpec;
 use crate::mqtt::Ready;
 use crate::spool::OutRow;
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// A row waiting in a batch: id, event id, stored bytes.
-type Row = (i64, String, Vec<u8>);
+type Row = (i64, EventId, Vec<u8>);
 
 /// Batches being gathered, per stream.
 #[derive(Debug)]
@@ -92,17 +93,22 @@ impl Batcher {
         self.prefix.len() + "/batches/".len() + stream.len() + "/zstd".len()
     }
 
-    /// Add `row` of a batched stream. `limit`: the largest uncompressed
-    /// batch payload that fits the payload and packet limits. Returns what
-    /// is ready to go: the batch the row completes, or the one it could not
+    /// Add `row` of a batched stream, admitted with `event_id` (its own,
+    /// read from the spool). `limit`: the largest uncompressed batch
+    /// payload that fits the payload and packet limits. Returns what is
+    /// ready to go: the batch the row completes, or the one it could not
     /// join (past `limit`, or another wire format).
-    pub(super) fn add(&mut self, row: OutRow, spec: BatchSpec, limit: usize) -> Vec<Ready> {
+    pub(super) fn add(
+        &mut self,
+        (row, event_id): (OutRow, EventId),
+        spec: BatchSpec,
+        limit: usize,
+    ) -> Vec<Ready> {
         let json = batching::is_json(&row.payload);
         let len = row.payload.len();
         let mut out = Vec::new();
         let OutRow {
             id,
-            event_id,
             stream,
             payload,
             ..
@@ -191,7 +197,7 @@ impl Batcher {
                         row: p.rows[0].0,
                         topic: Arc::from(topic),
                         payload,
-                        event_id: String::new(),
+                        event_id: None,
                         members: p.rows.iter().map(|r| r.0).collect(),
                     }];
                 }
@@ -208,7 +214,7 @@ impl Batcher {
                 row: id,
                 topic: topic.clone(),
                 payload,
-                event_id,
+                event_id: Some(event_id),
                 members: Vec::new(),
             })
             .collect()
@@ -221,15 +227,18 @@ mod tests {
     use crate::event::stream::Compression;
     use std::time::Duration;
 
-    fn row(id: i64, stream: &str, payload: &str) -> OutRow {
-        OutRow {
+    /// Row `id` as admitted: with its event id, all bytes `id`.
+    fn row(id: i64, stream: &str, payload: &str) -> (OutRow, EventId) {
+        let event_id = EventId([id as u8; 16]);
+        let row = OutRow {
             id,
-            event_id: format!("e{id}"),
+            event_id: Some(event_id),
             stream: stream.to_owned(),
             payload: payload.as_bytes().to_vec(),
             digest: None,
             prio: 0,
-        }
+        };
+        (row, event_id)
     }
 
     fn spec(n: usize) -> BatchSpec {
@@ -249,6 +258,10 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].members, [1, 2, 5]);
         assert_eq!(out[0].row, 1);
+        assert_eq!(
+            out[0].event_id, None,
+            "a batch's events carry their own ids"
+        );
         assert_eq!(&*out[0].topic, "p/batches/t");
         assert_eq!(out[0].payload, br#"{"batch":[{"a":1},{"a":2},{"a":5}]}"#);
         assert!(b.next_due().is_none());
@@ -264,7 +277,7 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert!(out[0].members.is_empty());
         assert_eq!(&*out[0].topic, "p/events/t");
-        assert_eq!(out[0].event_id, "e1");
+        assert_eq!(out[0].event_id, Some(EventId([1; 16])));
         let out = b.add(row(3, "t", "\u{1}postcard"), spec(10), 200);
         assert_eq!(out.len(), 1, "a format change closes the JSON batch");
         assert_eq!(out[0].row, 2);

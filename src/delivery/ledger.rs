@@ -4,16 +4,17 @@
 //! commit, where they ride the readings' transaction
 //! ([`crate::spool::Riders`]) instead of a commit of their own (issue 35).
 //!
+//! Counters of the delivery thread (`events_deferred_<reason>`) wait here
+//! too, and ride whatever commit takes the records; they never ask for one.
+//!
 //! One rule: **a row the ledger holds is not offered again** until its
 //! record has committed (it is acknowledged; only a commit that fails puts
 //! the record back, to be taken by the next one). A crash loses the records
 //! not yet committed: their rows are sent again with the same event id and
 //! bytes (duplicates, never loss, I2).
 
-use super::DeliveryStats;
 use crate::intake::IngestMsg;
-use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -35,12 +36,15 @@ pub struct Taken {
     pub sent: Vec<i64>,
     /// Rows acknowledged.
     pub acked: Vec<i64>,
+    /// Counter increments, name and amount (the taker stores them or
+    /// gives them back with [`Ledger::count`]).
+    pub counts: Vec<(String, i64)>,
 }
 
 impl Taken {
     /// Nothing was taken.
     pub fn is_empty(&self) -> bool {
-        self.sent.is_empty() && self.acked.is_empty()
+        self.sent.is_empty() && self.acked.is_empty() && self.counts.is_empty()
     }
 }
 
@@ -55,6 +59,8 @@ struct Book {
     urged: bool,
     /// When the oldest waiting record came.
     since: Option<Instant>,
+    /// Counter increments waiting to ride a commit.
+    counts: BTreeMap<String, i64>,
 }
 
 /// The delivery records of this run ([`self`]). Cloning shares them.
@@ -63,19 +69,15 @@ pub struct Ledger {
     book: Arc<Mutex<Book>>,
     /// The writer's channel: records waiting open its commit window.
     wake: Option<Sender<IngestMsg>>,
-    /// `retired` counts the rows the commits retired.
-    stats: Arc<DeliveryStats>,
 }
 
 impl Ledger {
     /// An empty ledger whose records wake the writer through `wake` (none:
-    /// the caller commits them itself, as tests do), counting retirements
-    /// in `stats`.
-    pub fn new(wake: Option<Sender<IngestMsg>>, stats: Arc<DeliveryStats>) -> Ledger {
+    /// the caller commits them itself, as tests do).
+    pub fn new(wake: Option<Sender<IngestMsg>>) -> Ledger {
         Ledger {
             book: Arc::default(),
             wake,
-            stats,
         }
     }
 
@@ -103,6 +105,16 @@ impl Ledger {
         drop(b);
         if let (true, Some(tx)) = (wake, &self.wake) {
             let _ = tx.send(IngestMsg::Records { now });
+        }
+    }
+
+    /// Add `counts` (counter name, amount) to what the next commit takes.
+    /// They never wake the writer: a counter need not reach the file
+    /// before the readings' or the records' next commit (issue 35).
+    pub fn count(&self, counts: impl IntoIterator<Item = (String, i64)>) {
+        let mut b = self.book();
+        for (name, by) in counts {
+            *b.counts.entry(name).or_default() += by;
         }
     }
 
@@ -144,19 +156,17 @@ impl Ledger {
         Taken {
             sent: b.sent.take().into_iter().collect(),
             acked: std::mem::take(&mut b.acked),
+            counts: std::mem::take(&mut b.counts).into_iter().collect(),
         }
     }
 
-    /// The commit holding `t` stored it and retired `retired` rows.
-    pub fn committed(&self, t: Taken, retired: usize) {
+    /// The commit holding `t` stored it (the committer counts the rows it
+    /// retired in [`super::DeliveryStats::retired`]).
+    pub fn committed(&self, t: Taken) {
         let mut b = self.book();
         for id in &t.acked {
             b.holds.remove(id);
         }
-        drop(b);
-        self.stats
-            .retired
-            .fetch_add(retired as u64, Ordering::Relaxed);
     }
 
     /// The commit holding `t` failed: its records wait again, first, and
@@ -169,6 +179,9 @@ impl Ledger {
         b.sent = b.sent.max(t.sent.into_iter().max());
         let later = std::mem::replace(&mut b.acked, t.acked);
         b.acked.extend(later);
+        for (name, by) in t.counts {
+            *b.counts.entry(name).or_default() += by;
+        }
         b.woken = false;
         b.since.get_or_insert_with(Instant::now);
     }
@@ -180,7 +193,7 @@ mod tests {
 
     fn ledger() -> (Ledger, std::sync::mpsc::Receiver<IngestMsg>) {
         let (tx, rx) = std::sync::mpsc::channel();
-        (Ledger::new(Some(tx), Arc::default()), rx)
+        (Ledger::new(Some(tx)), rx)
     }
 
     fn wakes(rx: &std::sync::mpsc::Receiver<IngestMsg>) -> Vec<bool> {
@@ -204,16 +217,16 @@ mod tests {
             t,
             Taken {
                 sent: vec![5],
-                acked: vec![1, 2, 3]
+                acked: vec![1, 2, 3],
+                counts: Vec::new(),
             }
         );
         // Taken, not committed: still held, so not offered again.
         assert!(l.holds(3) && !l.waiting());
         l.add(None, vec![4]);
         assert_eq!(wakes(&rx), vec![false]);
-        l.committed(t, 3);
+        l.committed(t);
         assert!(!l.holds(1) && l.holds(4));
-        assert_eq!(l.stats.retired.load(Ordering::Relaxed), 3);
     }
 
     #[test]
@@ -228,6 +241,19 @@ mod tests {
         assert_eq!(again.acked, vec![1, 2, 3, 4]);
         assert_eq!(l.uncommitted(), 4);
         let _ = wakes(&rx);
+    }
+
+    #[test]
+    fn counters_wait_for_a_commit_without_asking_for_one() {
+        let (l, rx) = ledger();
+        l.count([("events_deferred_x".to_owned(), 2)]);
+        l.count([("events_deferred_x".to_owned(), 1)]);
+        assert!(wakes(&rx).is_empty(), "a counter woke the writer");
+        assert!(!l.waiting(), "a counter reads as a record waiting");
+        let t = l.take();
+        assert_eq!(t.counts, vec![("events_deferred_x".to_owned(), 3)]);
+        l.restore(t);
+        assert_eq!(l.take().counts, vec![("events_deferred_x".to_owned(), 3)]);
     }
 
     #[test]

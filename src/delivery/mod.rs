@@ -17,6 +17,7 @@
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 pub mod awaiting;
 mod batcher;
+mod brokerword;
 mod defer;
 pub mod lanes;
 pub mod ledger;
@@ -26,6 +27,7 @@ mod receipts;
 
 use crate::delivery::lanes::Lanes;
 use crate::delivery::ledger::Ledger;
+use crate::event::envelope::EventId;
 use crate::metrics::WATCHDOG_REBUILDS;
 use crate::mqtt::publish_packet_size;
 use crate::spool::{OutRow, Spool, SpoolError};
@@ -57,13 +59,16 @@ pub struct DeliveryStats {
     /// Receipt mode: how long the oldest of them has waited since its
     /// first PUBACK (re-sends do not reset it), ms.
     pub oldest_awaiting_ms: AtomicU64,
-    /// Receipts read (well-formed).
+    /// Receipts read (well-formed, signed for this board by a trusted key).
     pub receipts: AtomicU64,
     /// Event ids receipts named that no waiting row has (not yet PUBACKed,
-    /// already retired, unknown, forged): nothing retired for them.
+    /// already retired, unknown): nothing retired for them.
     pub receipt_unmatched: AtomicU64,
-    /// Receipts refused as malformed (they retire nothing).
-    pub receipts_malformed: AtomicU64,
+    /// Event ids signed receipts named with a digest other than the
+    /// waiting row's bytes: nothing retired for them.
+    pub receipt_wrong_digest: AtomicU64,
+    /// Receipts refused whole, by reason (they retire nothing).
+    pub receipts_refused: RefusedReceipts,
     /// Rows published again because their receipt did not come in time.
     pub resent_for_receipt: AtomicU64,
     /// Wall clock of the last receipt, Unix ms (0: none yet).
@@ -71,9 +76,67 @@ pub struct DeliveryStats {
     /// 1 while the broker refuses the receipts subscription (rows are then
     /// retired on their PUBACK).
     pub receipts_unavailable: AtomicU64,
-    /// Rows the broker refused on this connection, waiting for the next
-    /// one ([`defer`]).
+    /// Rows held back on the broker's word (refused, over its CONNACK
+    /// maximum, set aside after dropped connections: [`defer`]).
     pub deferred: AtomicU64,
+    /// What the broker said or did about them, for health.
+    pub deferred_why: std::sync::Mutex<String>,
+}
+
+impl DeliveryStats {
+    /// What the broker said or did about the rows held back (empty: none).
+    pub fn deferred_why(&self) -> String {
+        self.deferred_why
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Receipts refused whole, by [`crate::event::receipts::ReceiptError::reason`].
+#[derive(Debug, Default)]
+pub struct RefusedReceipts {
+    /// Not the receipt's shape, too large, bad hex.
+    pub malformed: AtomicU64,
+    /// Version 1: no signature.
+    pub unsigned: AtomicU64,
+    /// Signed for another board.
+    pub other_board: AtomicU64,
+    /// Signed by a key `mqtt.receipt_public_keys` does not list.
+    pub untrusted_key: AtomicU64,
+    /// A signature that does not verify (forged or altered).
+    pub bad_signature: AtomicU64,
+}
+
+impl RefusedReceipts {
+    /// Count one refusal of `reason`.
+    pub fn count(&self, reason: &str) {
+        let c = match reason {
+            "unsigned" => &self.unsigned,
+            "other_board" => &self.other_board,
+            "untrusted_key" => &self.untrusted_key,
+            "bad_signature" => &self.bad_signature,
+            _ => &self.malformed,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(reason, count)` for every reason, in a fixed order.
+    pub fn by_reason(&self) -> [(&'static str, u64); 5] {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("malformed", l(&self.malformed)),
+            ("unsigned", l(&self.unsigned)),
+            ("other_board", l(&self.other_board)),
+            ("untrusted_key", l(&self.untrusted_key)),
+            ("bad_signature", l(&self.bad_signature)),
+        ]
+    }
+
+    /// Every refusal.
+    pub fn total(&self) -> u64 {
+        self.by_reason().iter().map(|(_, n)| n).sum()
+    }
 }
 
 /// Settings for the delivery thread.
@@ -87,8 +150,9 @@ pub struct DeliveryConfig {
     pub max_payload_bytes: usize,
     /// `mqtt.max_packet_bytes`: the broker's limit on a whole PUBLISH.
     pub max_packet_bytes: usize,
-    /// `mqtt.fail_after_disconnects`: the oldest row in flight at this many
-    /// disconnects in a row is marked FAILED.
+    /// `mqtt.fail_after_disconnects`: a row alone in flight at this many
+    /// dropped connections in a row is set aside (tried again alone later,
+    /// never FAILED: [`defer`]).
     pub fail_after_disconnects: u32,
     /// `mqtt.protocol`: what a PUBLISH carries beyond topic and payload.
     pub protocol: crate::mqtt::Protocol,
@@ -104,6 +168,10 @@ pub struct DeliveryConfig {
     pub receipt_timeout: Duration,
     /// `mqtt.receipt_window`.
     pub receipt_window: usize,
+    /// The board's `device_id`: a receipt must be signed for it.
+    pub device_id: String,
+    /// `mqtt.receipt_public_keys`: the keys whose receipts retire rows.
+    pub receipt_keys: Vec<crate::event::signature::PublicKey>,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -142,6 +210,12 @@ pub fn run(
         if let Some(due) = d.expire_receipts() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
+        if let Some(due) = d.book.next_due().filter(|_| d.link.connected()) {
+            // Not sooner than this: rows of the book wait seconds, and a
+            // full ready queue holds them a moment without a spin.
+            let soon = due.saturating_duration_since(Instant::now());
+            wait = wait.min(soon.max(Duration::from_millis(50)));
+        }
         match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
             Ok(msg) => d.handle(msg, &mut spool),
             Err(RecvTimeoutError::Timeout) => {}
@@ -151,15 +225,17 @@ pub fn run(
             d.handle(msg, &mut spool);
         }
         d.collect();
-        d.fail_refused(&mut spool);
+        d.defer_refused();
         d.fill(&mut spool);
+        d.book_refresh();
+        d.write_counts();
         if d.ledger.standalone() && d.ledger.standalone_due() {
             d.flush(&mut spool);
         }
     }
     // Acks already received are committed before exit; nothing else is.
     d.collect();
-    d.fail_refused(&mut spool);
+    d.defer_refused();
     d.flush(&mut spool);
 }
 
@@ -167,8 +243,14 @@ struct Delivery {
     cfg: DeliveryConfig,
     /// Receipt mode's bookkeeping; `None` when rows retire on the PUBACK.
     receipts: Option<ReceiptMode>,
-    /// Rows a connection of this run refused ([`defer`]).
-    deferred: defer::Deferred,
+    /// Rows held back on the broker's word ([`defer`]).
+    book: defer::Book,
+    /// When health's copy of the book was last refreshed.
+    book_published: Option<Instant>,
+    /// A change to the book not yet in health's copy.
+    book_dirty: bool,
+    /// When each kind of rate-limited WARN was last logged.
+    warned: HashMap<&'static str, Instant>,
     link: Link,
     epoch: u64,
     /// Rows read from the spool in this epoch, not yet offered, by priority.
@@ -188,11 +270,6 @@ struct Delivery {
     offered_size: HashMap<i64, usize>,
     /// The largest PUBLISH the broker has acknowledged in this run.
     largest_acked: usize,
-    /// A packet size the broker dropped the connection on, learned from a
-    /// row FAILED after quick disconnects while larger than any packet it
-    /// acknowledged: rows at least this large fail at once instead of
-    /// costing `fail_after_disconnects` reconnects each.
-    learned_limit: Option<usize>,
     /// Sending one row at a time to find a row the broker refuses; acks
     /// counted since.
     probing: Option<usize>,
@@ -207,7 +284,10 @@ impl Delivery {
             .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
         Delivery {
             receipts,
-            deferred: Default::default(),
+            book: Default::default(),
+            book_published: None,
+            book_dirty: false,
+            warned: HashMap::new(),
             batcher,
             cfg,
             link,
@@ -220,7 +300,6 @@ impl Delivery {
             suspect: None,
             offered_size: HashMap::new(),
             largest_acked: 0,
-            learned_limit: None,
             probing: None,
         }
     }
@@ -232,22 +311,19 @@ impl Delivery {
                 rows,
                 reason,
                 quick,
+                closed_on_rows,
                 watchdog,
             } => {
                 // Acks received before the loss are real: into the ledger,
                 // whose rows the replay skips until they are committed.
                 self.collect();
-                self.fail_refused(spool);
+                self.defer_refused();
                 if watchdog {
                     if let Err(e) = spool.count(WATCHDOG_REBUILDS, 1) {
                         self.log_error("count a watchdog rebuild", &e);
                     }
                 }
-                if quick {
-                    self.suspect_row(spool, &rows);
-                } else {
-                    self.suspect = None;
-                }
+                self.on_drop(&rows, quick, closed_on_rows);
                 self.stats
                     .requeued
                     .fetch_add(rows.len() as u64, Ordering::Relaxed);
@@ -256,7 +332,8 @@ impl Delivery {
                     rows.len()
                 );
                 self.epoch = epoch;
-                self.deferrals_expire();
+                self.book.lost();
+                self.book_changed();
                 // Replay from the oldest unacknowledged row, in order (I7).
                 self.lanes.reset();
                 self.batcher.clear();
@@ -268,82 +345,29 @@ impl Delivery {
                 Err(e) => self.log_error("read the newest row id", &e),
             },
             DeliveryMsg::Requeued => {
-                if self.learned_limit.take().is_some() {
-                    log::info!("delivery: FAILED rows requeued; forgetting the packet limit learned from a dropped connection");
+                if self.book.hold_size().is_some() {
+                    self.book.lift();
+                    log::info!("delivery: FAILED rows requeued; rows held back since the broker dropped a connection go again");
+                    self.book_changed();
                 }
             }
-            DeliveryMsg::Receipt(payload) => {
+            DeliveryMsg::Receipt { epoch, publish } => {
                 // The PUBACKs the poller thread took before this receipt come
                 // first: a receipt for a row whose PUBACK still waits in the
                 // link would match nothing, and the row would wait out its
                 // timeout for a receipt that already came (again after
                 // every re-send, with a sink quicker than this thread).
                 self.collect();
-                self.on_receipt(&payload);
+                self.link.took_receipt();
+                self.on_receipt(&publish.payload);
+                // Read: the broker may send the next one.
+                self.link.ack(epoch, &publish);
             }
             DeliveryMsg::Receipts { available, why } => {
                 self.on_receipts_availability(available, why);
             }
             DeliveryMsg::Progress | DeliveryMsg::NewRows | DeliveryMsg::Stop => {}
         }
-    }
-
-    /// A publish the broker answers by closing the connection never gets a
-    /// PUBACK, and each replay would start with it again: after a quick
-    /// disconnect (within a keep-alive of CONNACK, no PUBACK, closed by the
-    /// peer) with several rows in flight, rows go one at a time; a row alone
-    /// in flight at `fail_after_disconnects` quick disconnects in a row goes
-    /// FAILED, so the rows behind it flow. Never a guess between rows.
-    fn suspect_row(&mut self, spool: &mut Spool, in_flight: &[i64]) {
-        let row = match in_flight {
-            [] => return,
-            [one] => *one,
-            _ => {
-                if let Some(cap) = self.batcher.quick_loss(in_flight, self.largest_acked) {
-                    log::warn!("delivery: the connection dropped with a batch larger than any packet the broker acknowledged in flight: batches now at most {cap} bytes per PUBLISH; set mqtt.max_packet_bytes to the broker's limit");
-                }
-                if self.probing.is_none() {
-                    log::warn!("delivery: connections drop soon after CONNACK with rows in flight; sending one row at a time to find a row the broker refuses");
-                    self.link.probe(true);
-                    self.probing = Some(0);
-                }
-                self.suspect = None;
-                return;
-            }
-        };
-        let n = match self.suspect {
-            Some((r, n)) if r == row => n + 1,
-            _ => 1,
-        };
-        self.suspect = Some((row, n));
-        if n < self.cfg.fail_after_disconnects {
-            return;
-        }
-        self.suspect = None;
-        let oldest = row;
-        let why = format!(
-            "the connection dropped {n} times in a row with this row the oldest in flight (larger than the broker accepts? denied? see the broker's log)"
-        );
-        self.fail(spool, oldest, &format!("row {oldest}"), &why, "disconnects");
-        self.learn_limit(self.offered_size.get(&oldest).copied());
-    }
-
-    /// After a row alone in flight cost the connection: if its packet was
-    /// larger than every packet the broker acknowledged, its size is taken
-    /// as the broker's limit (3.1.1 has no other way to learn it) until a
-    /// packet that large is acknowledged.
-    fn learn_limit(&mut self, size: Option<usize>) {
-        let Some(size) = size.filter(|&s| s > self.largest_acked) else {
-            return;
-        };
-        if self.learned_limit.is_some_and(|l| l <= size) {
-            return;
-        }
-        self.learned_limit = Some(size);
-        log::warn!(
-            "delivery: the broker dropped the connection on a {size}-byte PUBLISH (the largest it acknowledged is {} bytes): rows of {size} bytes or more now go FAILED at once; set mqtt.max_packet_bytes to the broker's limit",
-            self.largest_acked
-        );
     }
 
     /// Move what the MQTT side submitted and saw acknowledged into the
@@ -360,12 +384,8 @@ impl Delivery {
             if let Some(size) = self.offered_size.remove(row) {
                 self.largest_acked = self.largest_acked.max(size);
             }
-            self.forget_deferral(*row);
         }
-        if self.learned_limit.is_some_and(|l| self.largest_acked >= l) {
-            log::info!("delivery: the broker acknowledged a packet as large as the learned limit; forgetting it");
-            self.learned_limit = None;
-        }
+        self.book_acked(&acked);
         if let Some(n) = self.probing.as_mut() {
             *n += acked.len();
             if *n >= 2 * self.cfg.window {
@@ -397,17 +417,30 @@ impl Delivery {
     /// On an error they wait again (at the stop they are lost: their rows
     /// are sent again at the next start, duplicates, never loss).
     fn flush(&mut self, spool: &mut Spool) {
-        let t = self.ledger.take();
+        self.write_counts();
+        let mut t = self.ledger.take();
         if t.is_empty() {
             return;
         }
+        let counts = std::mem::take(&mut t.counts);
         match spool.record_delivery(&t.sent, &t.acked) {
-            Ok(n) => self.ledger.committed(t, n),
+            Ok(n) => {
+                self.stats.retired.fetch_add(n as u64, Ordering::Relaxed);
+                self.ledger.committed(t);
+            }
             Err(e) => {
                 self.log_error("recording deliveries", &e);
                 self.ledger.restore(t);
             }
         }
+        let mut unwritten = Vec::new();
+        for (name, by) in counts {
+            if let Err(e) = spool.count(&name, by) {
+                self.log_error("count rows held back by the broker", &e);
+                unwritten.push((name, by));
+            }
+        }
+        self.ledger.count(unwritten);
     }
 
     /// Keep the ready queue at two windows' worth, reading ahead from the
@@ -422,6 +455,9 @@ impl Delivery {
         let mut room = target.saturating_sub(self.link.ready_len());
         let mut batch = self.resend_ready(spool);
         room = room.saturating_sub(batch.len());
+        let retried = self.retry_ready(spool, room);
+        room = room.saturating_sub(retried.len());
+        batch.extend(retried);
         if self.receipts_full() {
             room = 0;
         }
@@ -451,14 +487,20 @@ impl Delivery {
                     }
                 }
             };
-            if self.ledger.holds(row.id) || self.awaits_receipt(row.id) || self.deferred_now(row.id)
+            if self.ledger.holds(row.id)
+                || self.awaits_receipt(row.id)
+                || self.book.waits(row.id, self.epoch, Instant::now())
             {
-                continue; // acknowledged (not yet committed), waiting for its receipt, or refused on this connection
+                continue; // acknowledged (not yet committed), waiting for its receipt, or held back by the broker
             }
-            let Some((topic, size)) = self.admit(spool, &row, limits) else {
+            let Some((topic, size, event_id)) = self.admit(spool, &row, limits) else {
                 continue;
             };
-            self.note_offered(&row);
+            self.book.offered(row.id, self.epoch);
+            if self.book.alone(row.id) {
+                self.probe_alone();
+            }
+            self.note_offered(&row, event_id);
             // While probing for a refused row, rows go one by one.
             match self
                 .batcher
@@ -467,7 +509,7 @@ impl Delivery {
             {
                 Some(spec) => {
                     let limit = self.batch_limit(&row.stream, limits.0);
-                    for r in self.batcher.add(row, spec, limit) {
+                    for r in self.batcher.add((row, event_id), spec, limit) {
                         self.note_size(&r);
                         batch.push(r);
                         room = room.saturating_sub(1);
@@ -481,7 +523,7 @@ impl Delivery {
                         row: row.id,
                         topic,
                         payload: row.payload,
-                        event_id: row.event_id,
+                        event_id: Some(event_id),
                         members: Vec::new(),
                     });
                     room -= 1;
@@ -501,20 +543,31 @@ impl Delivery {
         }
     }
 
-    /// Whether `row` may be sent: its digest holds and it fits the payload
-    /// and packet limits as a single PUBLISH. Returns its single-event
-    /// topic and packet size; a row that may not is marked FAILED (and the
-    /// rows behind it flow).
+    /// Whether `row` may be sent: its stored event id is one, its digest
+    /// holds and it fits the payload and packet limits as a single
+    /// PUBLISH. Returns its single-event topic, packet size and event id. A
+    /// row the board's own limits refuse is marked FAILED (and the rows
+    /// behind it flow); one the broker's word refuses (its CONNACK maximum,
+    /// a size it dropped the connection on) is held back ([`defer`]).
     /// `limits`: [`Delivery::packet_limit`].
     fn admit(
         &mut self,
         spool: &mut Spool,
         row: &OutRow,
         (limit, whose): (usize, &'static str),
-    ) -> Option<(Arc<str>, usize)> {
+    ) -> Option<(Arc<str>, usize, EventId)> {
+        let Some(event_id) = row.event_id else {
+            // Damaged like a payload that fails its digest, and counted
+            // with those: kept FAILED (`status` shows the stored text),
+            // never sent under an id it does not have.
+            let why = "its stored event id is not one (8-4-4-4-12 lowercase hex)";
+            let named = format!("in row {}", row.id);
+            self.fail(spool, row.id, &named, why, "digest_mismatch");
+            return None;
+        };
         if !row.digest_ok() {
             let why = "payload does not match its stored digest";
-            self.fail(spool, row.id, &row.event_id, why, "digest_mismatch");
+            self.fail(spool, row.id, &event_id, why, "digest_mismatch");
             return None;
         }
         if row.payload.len() > self.cfg.max_payload_bytes {
@@ -523,7 +576,7 @@ impl Delivery {
                 row.payload.len(),
                 self.cfg.max_payload_bytes
             );
-            self.fail(spool, row.id, &row.event_id, &why, "oversized");
+            self.fail(spool, row.id, &event_id, &why, "oversized");
             return None;
         }
         let topic = self.topic(&row.stream);
@@ -532,21 +585,17 @@ impl Delivery {
             if limit < self.cfg.max_packet_bytes {
                 // The broker's CONNACK limit: this connection's word, judged
                 // again on the next one.
-                self.defer(spool, (row.id, &row.event_id), &why, "packet_too_large");
+                self.defer_too_large(row.id, &event_id, &why);
             } else {
-                self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+                self.fail(spool, row.id, &event_id, &why, "packet_too_large");
             }
             return None;
         }
         let size = publish_packet_size(topic.len(), row.payload.len() + extra);
-        if let Some(limit) = self.learned_limit.filter(|&l| size >= l) {
-            let why = format!(
-                "PUBLISH packet of {size} bytes: the broker dropped the connection on one of {limit} bytes (set mqtt.max_packet_bytes to its limit)"
-            );
-            self.fail(spool, row.id, &row.event_id, &why, "packet_too_large");
+        if self.held_back(row.id, size, &event_id) {
             return None;
         }
-        Some((topic, size))
+        Some((topic, size, event_id))
     }
 
     /// The single-event topic of `stream` (built once per stream).
@@ -574,7 +623,7 @@ impl Delivery {
     /// below it, under that too). `packet`: the limit of
     /// [`Delivery::packet_limit`].
     fn batch_limit(&self, stream: &str, mut packet: usize) -> usize {
-        if let Some(l) = self.learned_limit {
+        if let Some(l) = self.book.hold_size() {
             packet = packet.min(l.saturating_sub(1));
         }
         if let Some(c) = self.batcher.cap() {
@@ -610,26 +659,19 @@ impl Delivery {
         }
     }
 
-    /// Defer the rows whose PUBACK refused them (MQTT 5 reason code 0x80
-    /// or more) to the next connection; refused on
-    /// `mqtt.fail_after_disconnects` connections, they go FAILED, counted
-    /// per reason as `events_failed_puback_<reason>` ([`defer`]). The
-    /// broker took the publish and said no, so it is not delivered.
-    fn fail_refused(&mut self, spool: &mut Spool) {
-        for (row, r) in self.link.take_refused() {
-            self.forget_offered(row);
-            self.defer(
-                spool,
-                (row, &format!("in row {row}")),
-                &r.to_string(),
-                &format!("puback_{}", r.name),
-            );
-        }
-    }
-
     /// Mark one row FAILED (kept, shown by `status`, counted as
-    /// `events_failed_<counter>`); the rows behind it flow.
-    fn fail(&mut self, spool: &mut Spool, id: i64, event_id: &str, why: &str, counter: &str) {
+    /// `events_failed_<counter>`); the rows behind it flow. `event_id`
+    /// names the event in the log. Only the board's own limits call this
+    /// (a broker's word holds rows back instead: [`defer`]).
+    fn fail(
+        &mut self,
+        spool: &mut Spool,
+        id: i64,
+        event_id: &dyn std::fmt::Display,
+        why: &str,
+        counter: &str,
+    ) {
+        self.book.forget(id);
         log::error!("delivery: event {event_id} marked FAILED: {why}");
         match spool.mark_failed(id, why, counter) {
             Ok(()) => {
@@ -691,10 +733,36 @@ mod tests {
             retire_on: crate::mqtt::RetireOn::Receipt,
             receipt_timeout: Duration::from_secs(10),
             receipt_window: 100,
+            device_id: "dev".into(),
+            receipt_keys: vec![fleet_key().public()],
         };
         let stats = Arc::new(DeliveryStats::default());
-        let ledger = Ledger::new(None, stats.clone());
+        let ledger = Ledger::new(None);
         Delivery::new(cfg, link, stats, ledger)
+    }
+
+    /// The fleet's key in these tests (one per test process).
+    fn fleet_key() -> &'static crate::event::signature::SigningKey {
+        static KEY: std::sync::OnceLock<crate::event::signature::SigningKey> =
+            std::sync::OnceLock::new();
+        KEY.get_or_init(|| {
+            crate::event::signature::SigningKey::generate()
+                .expect("keygen")
+                .0
+        })
+    }
+
+    /// A receipt PUBLISH for `events` of board `dev`, signed by `key`.
+    fn receipt_publish(
+        events: &[(&str, EventId, [u8; 32])],
+        key: &crate::event::signature::SigningKey,
+    ) -> Box<rumqttc::Publish> {
+        let payload = crate::event::receipts::encode("dev", events, key).remove(0);
+        Box::new(rumqttc::Publish::new(
+            "t/dev/receipts",
+            rumqttc::QoS::AtLeastOnce,
+            payload,
+        ))
     }
 
     #[test]
@@ -707,19 +775,70 @@ mod tests {
         let mut spool = Spool::open(&dir.path().join("s.db"), &Default::default()).expect("spool");
         let mut d = receipt_delivery();
         let id = "0123abcd-0000-4000-8000-00000000000a";
+        let event_id = EventId::parse(id).expect("an id");
         let payload = b"{}".to_vec();
         let row = OutRow {
             id: 7,
-            event_id: id.to_owned(),
+            event_id: Some(event_id),
             stream: "s".to_owned(),
             digest: Some(<sha2::Sha256 as sha2::Digest>::digest(&payload).into()),
             payload,
             prio: 0,
         };
-        d.note_offered(&row);
+        d.note_offered(&row, event_id);
         d.link.acked_for_test(&[7]);
-        let receipt = crate::event::receipts::encode(&[("s", id)]).remove(0);
-        d.handle(DeliveryMsg::Receipt(receipt), &mut spool);
+        let digest = row.digest.expect("a digest");
+        // Forged (another key), for another board, with other bytes'
+        // digest: none retires the row.
+        let stranger = crate::event::signature::SigningKey::generate()
+            .expect("keygen")
+            .0;
+        let forged = receipt_publish(&[("s", event_id, digest)], &stranger);
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: forged,
+            },
+            &mut spool,
+        );
+        let other = crate::event::receipts::encode("dev2", &[("s", event_id, digest)], fleet_key())
+            .remove(0);
+        let other = Box::new(rumqttc::Publish::new(
+            "t/dev/receipts",
+            rumqttc::QoS::AtLeastOnce,
+            other,
+        ));
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: other,
+            },
+            &mut spool,
+        );
+        let wrong = receipt_publish(&[("s", event_id, [0; 32])], fleet_key());
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: wrong,
+            },
+            &mut spool,
+        );
+        assert!(
+            !d.ledger.holds(7),
+            "a receipt it must not trust retired the row"
+        );
+        let refused = d.stats.receipts_refused.by_reason();
+        assert_eq!(refused[3], ("untrusted_key", 1));
+        assert_eq!(refused[2], ("other_board", 1));
+        assert_eq!(d.stats.receipt_wrong_digest.load(Ordering::Relaxed), 1);
+        let receipt = receipt_publish(&[("s", event_id, digest)], fleet_key());
+        d.handle(
+            DeliveryMsg::Receipt {
+                epoch: 0,
+                publish: receipt,
+            },
+            &mut spool,
+        );
         assert_eq!(
             d.ledger.take().acked,
             vec![7],
@@ -737,19 +856,24 @@ mod tests {
         // at a tenth of puback mode). Now nothing is offered past the cap.
         let mut d = receipt_delivery();
         let cap = 100 + crate::event::stream::MAX_BATCH_EVENTS;
+        let event_id = |id: i64| {
+            let mut b = [0u8; 16];
+            b[8..].copy_from_slice(&id.to_be_bytes());
+            EventId(b)
+        };
         let row = |id: i64| OutRow {
             id,
-            event_id: format!("0123abcd-0000-4000-8000-{id:012}"),
+            event_id: Some(event_id(id)),
             stream: "s".to_owned(),
-            digest: None,
+            digest: Some([0; 32]),
             payload: Vec::new(),
             prio: 0,
         };
         for id in 1..cap as i64 {
-            d.note_offered(&row(id));
+            d.note_offered(&row(id), event_id(id));
         }
         assert!(!d.offers_full(), "full one row early");
-        d.note_offered(&row(cap as i64));
+        d.note_offered(&row(cap as i64), event_id(cap as i64));
         assert!(d.offers_full());
         d.forget_offered(3);
         assert!(!d.offers_full(), "a refused row kept its place");
@@ -757,6 +881,74 @@ mod tests {
         d.link.acked_for_test(&[1, 2]);
         d.collect();
         assert!(d.awaits_receipt(1) && d.awaits_receipt(2));
+    }
+
+    #[test]
+    fn a_row_whose_stored_event_id_is_not_one_goes_failed_and_is_kept() {
+        // The spool stores ids as text; one that does not read back (a
+        // damaged page, a hand edit) is never sent under an id it does not
+        // have, never retired, never dropped: FAILED like a payload that
+        // fails its digest, and the row behind it flows.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s.db");
+        let mut spool = Spool::open(&path, &Default::default()).expect("spool");
+        let mut ids = crate::event::envelope::EventIdGen::new().expect("ids");
+        let ev = |x: f64| crate::spool::NewEvent {
+            replay: None,
+            stream: "s".into(),
+            ts_ms: 1,
+            clock_trusted: true,
+            fields: vec![("x".into(), crate::event::reading::FieldValue::Num(x))],
+            key: None,
+            reply: None,
+        };
+        let evs = [ev(1.0), ev(2.0)];
+        let format = crate::event::envelope::Format::Json;
+        assert_eq!(
+            spool
+                .append(&evs, &mut ids, "dev", format, 5)
+                .expect("append"),
+            2
+        );
+        rusqlite::Connection::open(&path)
+            .expect("a second connection")
+            .execute("UPDATE events SET event_id = 'NOT-AN-ID' WHERE id = 1", [])
+            .expect("damage the first id");
+        let rows = spool.sendable(0, 10).expect("rows");
+        assert_eq!(rows.len(), 2, "a row with a damaged id is still read");
+        assert_eq!(rows[0].event_id, None);
+        let mut d = receipt_delivery();
+        let limits = d.packet_limit();
+        assert!(d.admit(&mut spool, &rows[0], limits).is_none());
+        let (_, _, second) = d
+            .admit(&mut spool, &rows[1], limits)
+            .expect("the next row flows");
+        assert_eq!(Some(second), rows[1].event_id);
+        let failed = spool.failed_rows(10).expect("failed rows");
+        assert_eq!(failed.len(), 1);
+        assert_eq!(
+            (failed[0].id, failed[0].event_id.as_str()),
+            (1, "NOT-AN-ID")
+        );
+        assert!(
+            failed[0].reason.contains("stored event id"),
+            "{}",
+            failed[0].reason
+        );
+        let counters = spool.counters().expect("counters");
+        assert!(
+            counters.contains(&("events_failed_digest_mismatch".to_owned(), 1)),
+            "{counters:?}"
+        );
+        let left: Vec<i64> = spool
+            .sendable(0, 10)
+            .expect("rows")
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(left, vec![2]);
+        // Kept: an operator's requeue puts it back (and it fails again).
+        assert_eq!(spool.requeue_failed(None).expect("requeue"), 1);
     }
 
     #[test]

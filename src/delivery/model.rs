@@ -20,7 +20,7 @@
 //! held while its id is still outstanding) and the simulated broker
 //! acknowledges what it received, in any order.
 //!
-//! Invariants checked after every step (DESIGN.md):
+//! Invariants checked after every step (docs/invariants.md):
 //! - **I2** a row is retired (ACKED) only after the PUBACK of a publish
 //!   that carried it arrived in the current connection, and the PUBACK
 //!   the ack map matches is for the row the wire carried;
@@ -53,7 +53,7 @@
 //! row once per connection, so it does not arise. A duplicate is delivered
 //! at once here, and must be refused as an unknown packet id.
 
-use crate::event::envelope::{CompactEnvelope, EventIdGen, Format};
+use crate::event::envelope::{CompactEnvelope, EventId, EventIdGen, Format};
 use crate::event::reading::FieldValue;
 use crate::mqtt::ackmap::{AckMap, Inconsistency};
 use crate::spool::{NewEvent, Spool, SpoolOptions};
@@ -153,7 +153,7 @@ enum Status {
 #[derive(Debug, Clone)]
 struct RowModel {
     status: Status,
-    event_id: Option<String>,
+    event_id: Option<EventId>,
     stream: String,
 }
 
@@ -172,7 +172,7 @@ struct World {
     rows: BTreeMap<i64, RowModel>,
     next_id: i64,
     /// Event id -> payload bytes first seen (I3).
-    payloads: HashMap<String, Vec<u8>>,
+    payloads: HashMap<EventId, Vec<u8>>,
     /// Stream -> sequence numbers seen.
     seqs: HashMap<String, BTreeSet<u64>>,
     // The delivery thread.
@@ -208,7 +208,7 @@ struct ReceiptSim {
     /// Virtual time since `base`.
     t: std::time::Duration,
     /// Events the broker acknowledged and holds for the sink.
-    queue: Vec<(String, String)>,
+    queue: Vec<(String, EventId)>,
     /// Receipts the sink sent, not yet at the agent.
     in_flight: Vec<crate::event::receipts::Receipt>,
     /// Rows a receipt matched while they waited (only these may retire).
@@ -222,6 +222,30 @@ struct ReceiptSim {
 
 /// Rows waiting for their receipt, at most, in the model.
 const RECEIPT_WINDOW: usize = 5;
+
+/// The digest a row's payload has in the model: a function of its id (the
+/// sink names the digest of the bytes it stored, which are the row's).
+fn digest_of(id: EventId) -> [u8; 32] {
+    let mut d = [0u8; 32];
+    d[..16].copy_from_slice(&id.0);
+    d[16..].copy_from_slice(&id.0);
+    d
+}
+
+/// A receipt as the book sees it: one whose signature the delivery thread
+/// already checked ([`crate::event::receipts::Receipt::check`]).
+fn checked(
+    stored: Vec<(String, Vec<crate::event::receipts::Stored>)>,
+) -> crate::event::receipts::Receipt {
+    let mut stored = stored;
+    stored.sort_by(|a, b| a.0.cmp(&b.0));
+    crate::event::receipts::Receipt {
+        board: "model".into(),
+        key: crate::event::signature::PublicKey([0; 32]),
+        stored,
+        sig: [0; crate::event::signature::SIGNATURE_BYTES],
+    }
+}
 /// The receipt timeout, in the model's virtual time.
 const RECEIPT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
@@ -294,9 +318,9 @@ impl World {
     }
 
     /// The (stream, event id) of `row`.
-    fn key(&self, row: i64) -> (String, String) {
+    fn key(&self, row: i64) -> (String, EventId) {
         let m = &self.rows[&row];
-        (m.stream.clone(), m.event_id.clone().unwrap_or_default())
+        (m.stream.clone(), m.event_id.unwrap_or(EventId([0; 16])))
     }
 
     fn outstanding(&self, pkid: u16) -> bool {
@@ -379,7 +403,7 @@ impl World {
                     .unwrap();
                 let row = self.wire.remove(&pkid).unwrap();
                 self.transit.push((pkid, row));
-                let keys: Vec<(String, String)> =
+                let keys: Vec<(String, EventId)> =
                     self.members(row).into_iter().map(|r| self.key(r)).collect();
                 if let Some(r) = self.receipts.as_mut() {
                     r.queue.extend(keys);
@@ -398,13 +422,14 @@ impl World {
                 // One PUBACK retires every row its publish carried (in
                 // receipt mode: they wait for their receipt instead).
                 let rows = self.members(row);
-                let keys: Vec<(i64, (String, String))> =
+                let keys: Vec<(i64, (String, EventId))> =
                     rows.iter().map(|r| (*r, self.key(*r))).collect();
                 if let Some(r) = self.receipts.as_mut() {
                     let now = r.base + r.t;
                     for (row, (stream, id)) in keys {
                         r.resent.remove(&row);
-                        r.awaiting.delivered(row, stream.into(), id, now);
+                        r.awaiting
+                            .delivered(row, (stream.into(), id), digest_of(id), now);
                     }
                 } else {
                     self.to_retire.extend(&rows);
@@ -537,22 +562,32 @@ impl World {
 
     /// The receipt steps: the world behind the broker, and the agent's book.
     fn receipt_step(&mut self, op: &Op) {
-        let forged: Vec<(String, String)> = match *op {
+        let forged: Vec<(String, EventId)> = match *op {
             Op::ForgedReceipt(i) => {
                 // Rows that do not wait: unresolved ones not PUBACKed, and an
                 // id no row has.
-                let mut ids: Vec<(String, String)> = self
+                let mut ids: Vec<(String, EventId)> = self
                     .unresolved()
                     .filter(|r| !self.awaits(*r) && self.rows[r].event_id.is_some())
                     .take(usize::from(i % 4))
                     .map(|r| self.key(r))
                     .collect();
-                ids.push((
-                    "s0".to_owned(),
-                    format!("00000000-0000-4000-8000-{:012x}", i),
-                ));
+                let mut no_row = [0u8; 16];
+                no_row[6] = 0x40;
+                no_row[8] = 0x80;
+                no_row[15] = i;
+                ids.push(("s0".to_owned(), EventId(no_row)));
                 ids
             }
+            _ => Vec::new(),
+        };
+        // Rows that wait, named with a digest not their bytes'.
+        let wrong: Vec<(String, EventId)> = match *op {
+            Op::ForgedReceipt(_) => self
+                .unresolved()
+                .filter(|r| self.awaits(*r))
+                .map(|r| self.key(r))
+                .collect(),
             _ => Vec::new(),
         };
         let Some(r) = self.receipts.as_mut() else {
@@ -561,9 +596,8 @@ impl World {
         match *op {
             Op::SinkStores(i) if !r.queue.is_empty() => {
                 let (stream, id) = r.queue.remove(usize::from(i) % r.queue.len());
-                r.in_flight.push(crate::event::receipts::Receipt {
-                    stored: vec![(stream, vec![id])],
-                });
+                r.in_flight
+                    .push(checked(vec![(stream, vec![(id, digest_of(id))])]));
             }
             Op::BrokerLoses(i) if !r.queue.is_empty() => {
                 r.queue.remove(usize::from(i) % r.queue.len());
@@ -584,9 +618,13 @@ impl World {
                 self.to_retire.extend(m.rows);
             }
             Op::ForgedReceipt(_) => {
-                let m = r.awaiting.receipt(&crate::event::receipts::Receipt {
-                    stored: forged.into_iter().map(|(s, id)| (s, vec![id])).collect(),
-                });
+                // Unknown ids, and waiting ones under other bytes' digest.
+                let named = forged
+                    .into_iter()
+                    .map(|(s, id)| (s, vec![(id, digest_of(id))]))
+                    .chain(wrong.into_iter().map(|(s, id)| (s, vec![(id, [0xee; 32])])))
+                    .collect();
+                let m = r.awaiting.receipt(&checked(named));
                 assert!(m.rows.is_empty(), "a forged receipt retired {:?}", m.rows);
             }
             Op::Expire => {
@@ -630,14 +668,9 @@ impl World {
             let id = self.receipts.as_mut()?.resend.pop_front()?;
             let rows = self.spool.unresolved_rows(&[id]).unwrap();
             if let Some(row) = rows.into_iter().next() {
-                assert_eq!(
-                    self.rows[&row.id].event_id.as_deref(),
-                    Some(row.event_id.as_str())
-                );
-                assert_eq!(
-                    self.payloads[&row.event_id], row.payload,
-                    "resent bytes changed"
-                );
+                assert_eq!(self.rows[&row.id].event_id, row.event_id);
+                let id = row.event_id.expect("a stored id reads back");
+                assert_eq!(self.payloads[&id], row.payload, "resent bytes changed");
                 if !self.retiring.contains(&row.id) {
                     self.receipts.as_mut()?.resent.insert(row.id);
                     return Some(row.id);
@@ -667,16 +700,12 @@ impl World {
             let m = &self.rows[&row.id];
             assert_eq!(m.stream, row.stream, "row {}: stream", row.id);
             assert_eq!(
-                m.event_id.as_deref(),
-                Some(row.event_id.as_str()),
+                m.event_id, row.event_id,
                 "event id of row {} changed",
                 row.id
             );
-            assert_eq!(
-                self.payloads[&row.event_id], row.payload,
-                "payload of {} changed",
-                row.event_id
-            );
+            let id = row.event_id.expect("a stored id reads back");
+            assert_eq!(self.payloads[&id], row.payload, "payload of {id} changed");
             if self.retiring.contains(&row.id) || self.outside_lanes(row.id) {
                 continue;
             }
@@ -798,13 +827,16 @@ impl World {
                 .unwrap_or_else(|| panic!("row {id} in the file, not in the model"));
             match &m.event_id {
                 None => {
-                    // First sight of an appended row: a new event id (I3).
+                    // First sight of an appended row: a new event id (I3),
+                    // stored as the text it is read back from.
+                    let eid = EventId::parse(event_id)
+                        .unwrap_or_else(|| panic!("row {id}: stored id {event_id:?}"));
                     assert!(
-                        !self.payloads.contains_key(event_id),
+                        !self.payloads.contains_key(&eid),
                         "event id {event_id} issued twice"
                     );
-                    self.payloads.insert(event_id.clone(), payload.clone());
-                    m.event_id = Some(event_id.clone());
+                    self.payloads.insert(eid, payload.clone());
+                    m.event_id = Some(eid);
                     let seq = match serde_json::from_slice::<serde_json::Value>(payload) {
                         Ok(v) => v["seq"].as_u64().unwrap(),
                         Err(_) => {
@@ -817,7 +849,7 @@ impl World {
                     assert!(seen.insert(seq), "{stream} seq {seq} issued twice");
                 }
                 Some(e) => {
-                    assert_eq!(e, event_id, "row {id}: event id changed");
+                    assert_eq!(e.hyphenated(), *event_id, "row {id}: event id changed");
                     assert_eq!(&self.payloads[e], payload, "row {id}: payload changed");
                 }
             }

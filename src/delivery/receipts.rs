@@ -6,14 +6,19 @@
 //! and bytes.
 //!
 //! Its one rule: **in receipt mode a PUBACK retires nothing**; only a
-//! receipt naming a waiting row's own stream and event id does, or, while
-//! the broker refuses the receipts subscription, the PUBACK again (the
-//! fallback, reported by health). After a restart the waiting rows are
+//! receipt signed for this board by a key of `mqtt.receipt_public_keys`,
+//! naming a waiting row's own stream, event id and payload digest, does
+//! ([`crate::event::receipts::Receipt::check`]), or, while the broker
+//! refuses the receipts subscription, the PUBACK again (the fallback,
+//! reported by health). A receipt is acknowledged to the broker only once
+//! it has been read here: the broker's in-flight window, not a queue that
+//! drops, paces them. After a restart the waiting rows are
 //! simply unacknowledged rows of the spool: they are sent again and the
 //! sink receipts the duplicates.
 
 use super::Delivery;
 use crate::delivery::awaiting::Awaiting;
+use crate::event::envelope::EventId;
 use crate::mqtt::Ready;
 use crate::spool::{OutRow, Spool};
 use std::collections::{BTreeSet, HashMap};
@@ -72,14 +77,18 @@ impl FirstPubacks {
     }
 }
 
+/// A row offered: its stream, event id and the sha256 of its payload.
+type Offered = ((Arc<str>, EventId), [u8; 32]);
+
 /// What the delivery thread keeps in receipt mode.
 #[derive(Debug)]
 pub(super) struct ReceiptMode {
     awaiting: Awaiting,
     timeout: Duration,
-    /// Stream and event id of each row offered in this epoch and not yet
-    /// PUBACKed (what a waiting row is matched by), at most `offer_cap`.
-    offered: HashMap<i64, (Arc<str>, String)>,
+    /// Stream, event id and payload digest of each row offered in this
+    /// epoch and not yet PUBACKed (what a waiting row is matched by), at
+    /// most `offer_cap`.
+    offered: HashMap<i64, Offered>,
     offer_cap: usize,
     /// Streams' names, shared by their rows.
     names: HashMap<String, Arc<str>>,
@@ -142,10 +151,15 @@ impl Delivery {
             .is_some_and(|r| r.fallback.is_none() && r.offered.len() >= r.offer_cap)
     }
 
-    /// Remember `row`'s stream and event id as it is offered (not beyond
-    /// the cap: such a row is sent again after its PUBACK).
-    pub(super) fn note_offered(&mut self, row: &OutRow) {
+    /// Remember `row`'s stream, event id (`event_id`, as admitted) and
+    /// digest as it is offered (not beyond the cap: such a row is sent
+    /// again after its PUBACK).
+    pub(super) fn note_offered(&mut self, row: &OutRow, event_id: EventId) {
         let Some(r) = self.receipts.as_mut() else {
+            return;
+        };
+        // Admitted rows passed their digest check: they have one.
+        let Some(digest) = row.digest else {
             return;
         };
         if r.offered.len() >= r.offer_cap {
@@ -156,7 +170,7 @@ impl Delivery {
             .entry(row.stream.clone())
             .or_insert_with(|| Arc::from(row.stream.as_str()))
             .clone();
-        r.offered.insert(row.id, (stream, row.event_id.clone()));
+        r.offered.insert(row.id, ((stream, event_id), digest));
     }
 
     /// `row` was refused by its PUBACK: no receipt is to come for this
@@ -186,7 +200,7 @@ impl Delivery {
             r.first.note(row, now);
             r.resent.remove(&row);
             match r.offered.remove(&row) {
-                Some((stream, id)) => r.awaiting.delivered(row, stream, id, now),
+                Some((key, digest)) => r.awaiting.delivered(row, key, digest, now),
                 // Not remembered (the book of offers overflowed): sent
                 // again later rather than retired without its receipt.
                 None => r.resend.push(row),
@@ -196,19 +210,32 @@ impl Delivery {
         Vec::new()
     }
 
-    /// A receipt arrived: the waiting rows it names are retired.
+    /// A receipt arrived: if it is signed for this board by a trusted key,
+    /// the waiting rows it names with their own digest are retired; if
+    /// not, it retires nothing and is counted by reason.
     pub(super) fn on_receipt(&mut self, payload: &[u8]) {
-        self.link.took_receipt();
         let Some(r) = self.receipts.as_mut() else {
             return;
         };
         let s = &self.stats;
-        match crate::event::receipts::parse(payload) {
+        let checked = crate::event::receipts::parse(payload).and_then(|rc| {
+            rc.check(&self.cfg.device_id, &self.cfg.receipt_keys)
+                .map(|()| rc)
+        });
+        match checked {
             Ok(receipt) => {
                 let m = r.awaiting.receipt(&receipt);
                 s.receipts.fetch_add(1, Ordering::Relaxed);
                 s.receipt_unmatched
                     .fetch_add(m.unmatched as u64, Ordering::Relaxed);
+                s.receipt_wrong_digest
+                    .fetch_add(m.wrong_digest as u64, Ordering::Relaxed);
+                if m.wrong_digest > 0 {
+                    log::warn!(
+                        "delivery: a signed receipt names {} waiting events with a digest other than their bytes': the fleet stored other bytes under their ids; they retire nothing and are sent again",
+                        m.wrong_digest
+                    );
+                }
                 s.last_receipt_ms.store(
                     crate::event::envelope::wall_clock_ms().0.max(0) as u64,
                     Ordering::Relaxed,
@@ -220,7 +247,7 @@ impl Delivery {
                 self.ledger.add(None, m.rows);
             }
             Err(e) => {
-                s.receipts_malformed.fetch_add(1, Ordering::Relaxed);
+                s.receipts_refused.count(e.reason());
                 let quiet = r
                     .last_malformed_log
                     .is_some_and(|t| t.elapsed() < Duration::from_secs(30));
@@ -312,10 +339,10 @@ impl Delivery {
             if self.ledger.holds(row.id) {
                 continue;
             }
-            let Some((topic, _)) = self.admit(spool, &row, limits) else {
+            let Some((topic, _, event_id)) = self.admit(spool, &row, limits) else {
                 continue;
             };
-            self.note_offered(&row);
+            self.note_offered(&row, event_id);
             if let Some(r) = self.receipts.as_mut() {
                 r.resent.insert(row.id);
             }
@@ -323,7 +350,7 @@ impl Delivery {
                 row: row.id,
                 topic,
                 payload: row.payload,
-                event_id: row.event_id,
+                event_id: Some(event_id),
                 members: Vec::new(),
             });
         }

@@ -46,6 +46,35 @@ impl EventId {
     }
 }
 
+impl EventId {
+    /// The id `s` names in the one text form ids have on the wire and in
+    /// the spool: 8-4-4-4-12 lowercase hex, as [`EventId::hyphenated`]
+    /// writes it. `None` for anything else (another length, upper case,
+    /// hyphens elsewhere, no hyphens): a receipt naming such a string is
+    /// refused whole, and a spool row holding one is not sent
+    /// (`crate::delivery`: FAILED and kept, like a payload that fails its
+    /// digest).
+    pub fn parse(s: &str) -> Option<EventId> {
+        let b = s.as_bytes();
+        if b.len() != 36 || [8, 13, 18, 23].iter().any(|&i| b[i] != b'-') {
+            return None;
+        }
+        let nibble = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        let mut hex = b.iter().copied().filter(|&c| c != b'-');
+        let mut out = [0u8; 16];
+        for byte in &mut out {
+            let hi = nibble(hex.next()?)?;
+            let lo = nibble(hex.next()?)?;
+            *byte = hi << 4 | lo;
+        }
+        Some(EventId(out))
+    }
+}
+
 impl fmt::Display for EventId {
     /// Same as [`EventId::hyphenated`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -339,26 +368,25 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
 /// the fields in [`JsonEnvelope`]'s order).
 const JSON_ID_PREFIX: &[u8] = b"{\"event_id\":\"";
 
-/// The event id inside a payload [`encode`] made, hyphenated: the spool
-/// reads a row's id from its payload instead of storing it twice (schema
-/// 12). A JSON payload has it first, at a fixed place; a postcard one right
-/// after its version byte. `None` for bytes neither encoding made (a row
-/// whose payload is damaged: its digest fails too).
-pub fn event_id_of(payload: &[u8]) -> Option<String> {
+/// The event id inside a payload [`encode`] made: the spool reads a row's
+/// id from its payload instead of storing it twice (schema 12). A JSON
+/// payload has it first, at a fixed place, as [`EventId::parse`] reads it; a
+/// postcard one right after its version byte. `None` for bytes neither
+/// encoding made (a row whose payload is damaged: its digest fails too).
+pub fn event_id_of(payload: &[u8]) -> Option<EventId> {
     if let Some(rest) = payload.strip_prefix(JSON_ID_PREFIX) {
-        let id = rest.get(..36)?;
-        let well_formed = rest.get(36) == Some(&b'"')
-            && id.iter().enumerate().all(|(i, c)| match i {
-                8 | 13 | 18 | 23 => *c == b'-',
-                _ => c.is_ascii_hexdigit(),
-            });
-        return well_formed.then(|| String::from_utf8_lossy(id).into_owned());
+        if rest.get(36) != Some(&b'"') {
+            return None;
+        }
+        return std::str::from_utf8(rest.get(..36)?)
+            .ok()
+            .and_then(EventId::parse);
     }
     match payload {
         [1, id @ ..] if id.len() > 16 => {
             let mut b = [0u8; 16];
             b.copy_from_slice(&id[..16]);
-            Some(EventId(b).hyphenated())
+            Some(EventId(b))
         }
         _ => None,
     }
@@ -390,6 +418,35 @@ mod tests {
             ("iface".into(), FieldValue::Text("eth0".into())),
             ("ok".into(), FieldValue::Bool(true)),
         ]
+    }
+
+    #[test]
+    fn an_event_id_is_read_back_only_from_the_form_it_is_written_in() {
+        let mut g = EventIdGen::new().unwrap();
+        for id in (0..100)
+            .map(|_| g.next_id())
+            .chain([EventId([0; 16]), EventId([0xff; 16])])
+        {
+            assert_eq!(EventId::parse(&id.hyphenated()), Some(id));
+        }
+        let a = "0123abcd-0000-4000-8000-00000000000a";
+        assert_eq!(
+            EventId::parse(a).map(|id| id.0),
+            Some([0x01, 0x23, 0xab, 0xcd, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 0x0a])
+        );
+        for bad in [
+            "",
+            "0123ABCD-0000-4000-8000-00000000000a",
+            "0123abcd00000400080000000000000000a",
+            "0123abcd-0000-4000-8000-00000000000",
+            "0123abcd-0000-4000-8000-00000000000a0",
+            "0123abc-d0000-4000-8000-00000000000a",
+            "0123abcg-0000-4000-8000-00000000000a",
+            "0123abcd-0000-4000-8000-0000000000\u{e9}",
+            " 0123abcd-0000-4000-8000-0000000000a",
+        ] {
+            assert_eq!(EventId::parse(bad), None, "{bad:?}");
+        }
     }
 
     #[test]
@@ -568,7 +625,7 @@ mod tests {
                 fields: &fields,
             };
             let payload = encode(format, &env).unwrap();
-            assert_eq!(event_id_of(&payload), Some(id.hyphenated()), "{format:?}");
+            assert_eq!(event_id_of(&payload), Some(id), "{format:?}");
         }
         assert_eq!(event_id_of(b"{\"event_id\":\"not-an-id\"}"), None);
         assert_eq!(event_id_of(b"junk"), None);

@@ -2,7 +2,7 @@
 //! board runs on anything that retires data or grants a privilege.
 //!
 //! Its one rule: **a proof is a signature by a key the board's own config
-//! lists, never a name another party can claim** (DESIGN.md, "Trust
+//! lists, never a name another party can claim** (docs/invariants.md, "Trust
 //! boundaries"). Each kind of signed message starts with its own domain
 //! label ([`Domain`]), so a signature over one kind is never valid for
 //! another (a signed receipt cannot be replayed as a command).

@@ -1,5 +1,6 @@
-//! Maintenance policy for slow flash: checkpoint cadence, capacity, health
-//! and the write budget.
+//! Maintenance policy for slow flash: checkpoint cadence, capacity and the
+//! gate between retention batches (the write budget is
+//! [`super::write_budget`], health is the agent's).
 //!
 //! Its one rule: **space is never bought by deleting an unacknowledged row
 //! (I6)**: when the spool or the disk is short, new readings are refused by
@@ -7,7 +8,8 @@
 //! counted; everything resumes by itself when space returns.
 //!
 //! The decisions are pure functions of measured inputs, unit-tested here;
-//! the agent feeds them file sizes, `statvfs(2)` and `/proc/self/io`.
+//! the two readers they are fed from, of `statvfs(2)` and `/proc/self/io`,
+//! sit beside them ([`fs_free_bytes`], [`proc_write_bytes`]).
 
 use crate::spool::CheckpointMode;
 use std::path::Path;

@@ -5,7 +5,7 @@
 //!
 //! Its one rule: **space never buys the deletion of an unacknowledged
 //! row**; what the policy decides is derived from what was measured on the
-//! spool's own device (DESIGN.md, "Slow flash").
+//! spool's own device (docs/invariants.md, "Slow flash").
 
 pub mod maintenance;
 pub mod outage;

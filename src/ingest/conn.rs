@@ -8,7 +8,9 @@
 //! `ingest.max_buffered_bytes` (past any of them the reader stops reading:
 //! backpressure), requests are taken at most `ingest.max_rate_per_sec`
 //! (token bucket; again by not reading), and a client that does not read
-//! its replies for [`WRITE_TIMEOUT`] is closed.
+//! its replies for [`WRITE_TIMEOUT`] is closed. A request past its peer's
+//! byte rate or share of the spool ([`crate::intake::share`]) is answered
+//! with an error naming the bound; the connection stays open.
 //!
 //! Pipelining: the reader hands each request to the ingest thread at once
 //! with its own reply channel and queues that channel for the writer, which
@@ -20,6 +22,7 @@ use super::{Counters, KeyScope, PatternStreams};
 use crate::event::envelope::wall_clock_ms;
 use crate::ingest::IngestConfig;
 use crate::intake::budget::{Budget, Hold};
+use crate::intake::share::{Claim, PeerId, Refusal, Shares};
 use crate::intake::IngestMsg;
 use crate::spool::{CommitOutcome, NewEvent, ReadingKey, Reply};
 use std::io::{self, BufRead, BufReader, BufWriter, ErrorKind, Read, Write};
@@ -134,13 +137,18 @@ pub struct Peer<'a> {
     pub budget: Arc<Budget>,
     /// The scope of its keys.
     pub scope: KeyScope,
+    /// Every peer's rate and share of the spool.
+    pub shares: &'a Arc<Shares>,
+    /// Who it is, as the shares see it (its uid, or its IP address).
+    pub who: PeerId,
 }
 
 /// What the writer answers next.
 enum Pending {
     /// A request handed to the ingest thread: its outcome comes here; its
-    /// room in memory is given back once the outcome is in.
-    Wait(Receiver<CommitOutcome>, Hold),
+    /// room in memory is given back once the outcome is in, its room in
+    /// the spool kept if it was stored.
+    Wait(Receiver<CommitOutcome>, Hold, Claim),
     /// An answer known at once (a refusal), a whole reply line.
     Now(String),
 }
@@ -245,12 +253,17 @@ fn read_requests(
         }
         let parsed = parse_request(&line, cfg, wall_clock_ms())
             .and_then(|req| peer.patterns.admit(cfg, &req.stream.name).map(|()| req));
-        let pending = match parsed {
-            Ok(req) => match hand_over(req, peer, ingest, stop) {
+        let admitted = parsed.map(|req| {
+            let cost = peer.shares.cost(&req.stream.name, &req.fields);
+            (peer.shares.admit(&peer.who, cost, Instant::now()), req)
+        });
+        let pending = match admitted {
+            Ok((Ok(claim), req)) => match hand_over(req, claim, peer, ingest, stop) {
                 Some(p) => p,
                 // Stopping while waiting for room: not handed over, no reply.
                 None => return false,
             },
+            Ok((Err(over), _)) => refuse_over(&over, peer),
             Err(e) => {
                 counters.refused(e.reason());
                 Pending::Now(error_line(&e.to_string()))
@@ -262,12 +275,25 @@ fn read_requests(
     }
 }
 
+/// A request over its peer's rate or share: counted by reason
+/// (`ingest_refused.<reason>` and `readings_refused_<reason>`), logged
+/// every 30 s at most, answered with the bound's sentence.
+fn refuse_over(over: &Refusal, peer: &Peer<'_>) -> Pending {
+    peer.counters.refused(over.reason());
+    peer.counters.add(&over.counter(), 1);
+    if let Some(n) = peer.shares.log_due(over, Instant::now()) {
+        log::warn!("ingest: {n} requests refused for {} since the last such line; the last: {over} (repeats logged every 30 s)", over.reason());
+    }
+    Pending::Now(error_line(&over.to_string()))
+}
+
 /// Take room in memory for `req` (waiting while the connection, its
 /// listener or the whole input is full: backpressure, counted once per
-/// wait), then hand it to the ingest thread. `None`: the stop came while
-/// waiting (nothing handed over).
+/// wait), then hand it to the ingest thread with its room in the spool
+/// (`claim`). `None`: the stop came while waiting (nothing handed over).
 fn hand_over(
     req: Request,
+    claim: Claim,
     peer: &Peer<'_>,
     ingest: &Sender<IngestMsg>,
     stop: &AtomicBool,
@@ -299,7 +325,7 @@ fn hand_over(
     }
     if ingest.send(IngestMsg::Reading(ev)).is_ok() {
         peer.counters.add("ingest_requests", 1);
-        Some(Pending::Wait(rx, hold))
+        Some(Pending::Wait(rx, hold, claim))
     } else {
         peer.counters.refused("agent_stopping");
         Some(Pending::Now(error_line(STOPPING)))
@@ -315,9 +341,12 @@ fn write_replies(stream: Stream, pending: Receiver<Pending>) {
     while let Some(p) = next_or_flush(&pending, &mut w, &mut failed) {
         let line = match p {
             Pending::Now(l) => l,
-            Pending::Wait(rx, hold) => {
+            Pending::Wait(rx, hold, claim) => {
                 let line = match next_or_flush(&rx, &mut w, &mut failed) {
-                    Some(Ok(c)) => ok_line(&c.event_id, c.synced),
+                    Some(Ok(c)) => {
+                        claim.stored();
+                        ok_line(&c.event_id.hyphenated(), c.synced)
+                    }
                     Some(Err(why)) => error_line(&why.why),
                     None => error_line(STOPPING),
                 };
@@ -341,8 +370,10 @@ fn write_replies(stream: Stream, pending: Receiver<Pending>) {
     // buffer: their room is given back only as their outcomes come, or a
     // client that hangs up at once could hand over without bound.
     for p in pending {
-        if let Pending::Wait(rx, hold) = p {
-            let _ = rx.recv();
+        if let Pending::Wait(rx, hold, claim) = p {
+            if let Ok(Ok(_)) = rx.recv() {
+                claim.stored();
+            }
             drop(hold);
         }
     }

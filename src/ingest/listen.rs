@@ -15,14 +15,18 @@
 //! more gets one error line and is closed. Each listener has its own share
 //! of the input's memory budget, its own pattern-stream budget and its own
 //! key scope (the Unix socket one per peer uid), so the loopback TCP port,
-//! open to every local user, can take nothing of the socket's. The model
-//! is the metrics listener ([`crate::metrics::listen`]).
+//! open to every local user, can take nothing of the socket's. Each peer
+//! (a socket client's uid, a TCP client's IP address) has its byte rate and
+//! its share of the spool ([`crate::intake::share`]), the credentials read
+//! once, on accept. The model is the metrics listener
+//! ([`crate::metrics::listen`]).
 
 use super::conn::{self, Peer, Stream};
 use super::request::error_line;
 use super::{Counters, KeyScope, PatternStreams};
 use crate::ingest::IngestConfig;
 use crate::intake::budget::{Budget, InputBudget};
+use crate::intake::share::{PeerId, Shares};
 use crate::intake::IngestMsg;
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -41,6 +45,9 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 pub struct SocketIngest {
     running: Option<Running>,
+    /// The peers' shares of the spool (made from `[ingest]` even with no
+    /// listener: the writer charges the mqtt bridges to it).
+    shares: Option<Arc<Shares>>,
 }
 
 #[derive(Debug)]
@@ -52,6 +59,8 @@ struct Running {
     tcp: Option<(SocketAddr, JoinHandle<()>)>,
     /// Another process listens on `ingest.socket`: who, and what to do.
     conflict: Option<String>,
+    /// `ingest.tcp` could not be bound: the address and the cause.
+    tcp_down: Option<String>,
 }
 
 /// Why [`bind_unix`] gave no listener.
@@ -73,6 +82,8 @@ struct Shared {
     /// The listeners' shares of the input's memory budget.
     budget_unix: Arc<Budget>,
     budget_tcp: Arc<Budget>,
+    /// Every peer's rate and share of the spool.
+    shares: Arc<Shares>,
     stop: AtomicBool,
     /// Connection readers that may still hand a request over.
     readers: AtomicUsize,
@@ -91,19 +102,25 @@ type OpenConn = (Stream, Option<JoinHandle<()>>);
 ///
 /// Another process listening on the socket path is no error: it is logged
 /// (ERROR, naming its pid), the other listeners start, and
-/// [`SocketIngest::conflict`] says so.
+/// [`SocketIngest::conflict`] says so. Nor is a TCP address that cannot be
+/// bound (in use, not this host's): logged at ERROR, the agent runs without
+/// it (no restart loop for a port another program holds), and
+/// [`SocketIngest::tcp_down`] says so.
 ///
 /// Errors (a sentence naming the key and path): the socket path holds
 /// something that is not a socket, its directory cannot be made, the group
-/// is unknown, the mode or group cannot be set, the TCP address cannot be
-/// bound, a thread cannot start.
+/// is unknown, the mode or group cannot be set, a thread cannot start.
 pub fn start(
     cfg: &IngestConfig,
     ingest: Sender<IngestMsg>,
     budget: &InputBudget,
 ) -> Result<SocketIngest, String> {
+    let shares = Arc::new(Shares::new(cfg.share_settings()));
     if !cfg.enabled() {
-        return Ok(SocketIngest::default());
+        return Ok(SocketIngest {
+            running: None,
+            shares: Some(shares),
+        });
     }
     let shared = Arc::new(Shared {
         cfg: cfg.clone(),
@@ -112,6 +129,7 @@ pub fn start(
         patterns_tcp: PatternStreams::default(),
         budget_unix: budget.unix.clone(),
         budget_tcp: budget.tcp.clone(),
+        shares: shares.clone(),
         stop: AtomicBool::new(false),
         readers: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
@@ -122,6 +140,7 @@ pub fn start(
         unix: None,
         tcp: None,
         conflict: None,
+        tcp_down: None,
     };
     let bound = match &cfg.socket {
         None => None,
@@ -150,8 +169,16 @@ pub fn start(
         );
         running.unix = Some((path.clone(), (meta.dev(), meta.ino()), h));
     }
-    if let Some(addr) = cfg.tcp {
-        let listener = TcpListener::bind(addr).map_err(|e| format!("ingest.tcp {addr}: {e}"))?;
+    let tcp = cfg.tcp.and_then(|addr| match TcpListener::bind(addr) {
+        Ok(l) => Some((addr, l)),
+        Err(e) => {
+            let why = format!("ingest.tcp {addr}: {e}");
+            log::error!("{why}; running without the TCP listener");
+            running.tcp_down = Some(why);
+            None
+        }
+    });
+    if let Some((addr, listener)) = tcp {
         let mut local = listener
             .local_addr()
             .map_err(|e| format!("ingest.tcp {addr}: {e}"))?;
@@ -171,6 +198,7 @@ pub fn start(
     }
     Ok(SocketIngest {
         running: Some(running),
+        shares: Some(shares),
     })
 }
 
@@ -180,10 +208,22 @@ impl SocketIngest {
         self.running.as_ref().map(|r| r.shared.counters.clone())
     }
 
+    /// The peers' shares of the spool: the writer tells it the spool's
+    /// capacity and row marks, and charges the bridges to it.
+    pub fn shares(&self) -> Option<Arc<Shares>> {
+        self.shares.clone()
+    }
+
     /// Set when another process listens on `ingest.socket` and the agent
     /// runs without it: who listens, and the fix.
     pub fn conflict(&self) -> Option<String> {
         self.running.as_ref().and_then(|r| r.conflict.clone())
+    }
+
+    /// Set when `ingest.tcp` could not be bound and the agent runs without
+    /// it: the address and the cause.
+    pub fn tcp_down(&self) -> Option<String> {
+        self.running.as_ref().and_then(|r| r.tcp_down.clone())
     }
 
     /// What listens, for `status` (`unix <path> (mode 660, group g), tcp
@@ -214,6 +254,9 @@ impl SocketIngest {
         }
         if let Some((addr, _)) = &r.tcp {
             parts.push(format!("tcp {addr}"));
+        }
+        if let (Some(addr), Some(_)) = (r.shared.cfg.tcp, &r.tcp_down) {
+            parts.push(format!("tcp {addr} not listening: it could not be bound"));
         }
         Some(parts.join(", "))
     }
@@ -497,9 +540,17 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     };
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let (sh, tx) = (shared.clone(), ingest.clone());
-    let scope = match &stream {
-        Stream::Unix(u) => KeyScope::Unix(peer_uid(u)),
-        Stream::Tcp(_) => KeyScope::Tcp,
+    let (scope, who) = match &stream {
+        Stream::Unix(u) => {
+            let uid = peer_uid(u);
+            (KeyScope::Unix(uid), PeerId::Uid(uid))
+        }
+        Stream::Tcp(t) => {
+            let ip = t
+                .peer_addr()
+                .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |a| a.ip());
+            (KeyScope::Tcp, PeerId::ip(ip))
+        }
     };
     // Counted before the thread starts, so a stop beginning now waits for it.
     shared.readers.fetch_add(1, Ordering::Relaxed);
@@ -521,6 +572,8 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
                     sh.cfg.max_connection_bytes,
                 ),
                 scope,
+                shares: &sh.shares,
+                who,
             };
             conn::serve(stream, &sh.cfg, tx, &peer, (&sh.stop, &sh.readers));
         });

@@ -22,7 +22,9 @@
 //!
 //! Memory: every request handed over holds room in the input budget
 //! ([`crate::intake::budget`]: per connection, per listener, in all) until
-//! its reply; a connection without room is not read (backpressure).
+//! its reply; a connection without room is not read (backpressure). The
+//! spool: every request is first admitted within its peer's byte rate and
+//! share of the spool ([`crate::intake::share`]), or refused by name.
 //!
 //! Modules: [`request`] (one line → a validated request, pure; the fuzz
 //! target's entry), [`listen`] (sockets, accept, the connection bound),
@@ -112,7 +114,9 @@ impl PatternStreams {
 /// (handed to the ingest thread), `ingest_refused` and
 /// `ingest_refused.<reason>` (`bad_request`, `bad_stream`,
 /// `unknown_stream`, `too_many_streams`, `bad_fields`, `bad_ts`, `bad_key`,
-/// `line_too_long`, `idle`, `too_many_connections`, `agent_stopping`),
+/// `line_too_long`, `idle`, `too_many_connections`, `agent_stopping`,
+/// and over a peer's bounds `peer_rate`, `peer_share`, `input_share`, each
+/// also counted `readings_refused_<reason>`: [`crate::intake::share`]),
 /// `ingest_connections`, and `ingest_backpressure` and
 /// `ingest_backpressure.<level>` (`connection`, `listener`, `input`): times
 /// a connection waited for room in memory before its next request.

@@ -6,6 +6,7 @@
 //! or a pattern allows, with that stream's settings, never its own.
 
 use crate::event::stream::{pattern_matches, stream_name_ok, StreamSettings};
+use crate::intake::share::{self, ShareSettings};
 use std::path::PathBuf;
 
 /// Default `ingest.max_buffered_bytes`: 8 MiB. A Pi Zero 2 has 512 MB; the
@@ -70,6 +71,27 @@ pub struct IngestConfig {
     /// for its own replies. A reading larger than this alone is taken when
     /// the connection holds nothing else.
     pub max_connection_bytes: usize,
+    /// `max_bytes_per_sec_per_peer`: bytes a second one peer may send
+    /// (a socket client's uid, a TCP client's IP address; every local user
+    /// on the loopback TCP port is one peer), as estimated stored bytes
+    /// ([`crate::intake::share::row_bytes`]); a token bucket of
+    /// `max_burst_bytes_per_peer` (1024..=1073741824, default 1 MiB/s).
+    /// Past it a request is answered with an error naming this key
+    /// (counted `readings_refused_peer_rate`).
+    pub max_bytes_per_sec_per_peer: u64,
+    /// `max_burst_bytes_per_peer`: the bucket's size, bytes
+    /// (`max_line_bytes`..=1073741824, default 4 MiB).
+    pub max_burst_bytes_per_peer: u64,
+    /// `max_spool_share_per_peer_percent`: the share of the spool's
+    /// capacity one peer's undelivered readings may hold (1..=
+    /// `max_spool_share_input_percent`, default 25); past it its requests
+    /// are refused by name (`readings_refused_peer_share`). Each mqtt
+    /// bridge is a peer of its own.
+    pub max_spool_share_per_peer_percent: u32,
+    /// `max_spool_share_input_percent`: the share every peer and bridge
+    /// together may hold (1..=90, default 50); the rest is kept for the
+    /// board's own sources (`readings_refused_input_share` past it).
+    pub max_spool_share_input_percent: u32,
     /// `[[ingest.streams]]`: the streams clients may write, by name.
     pub streams: Vec<IngestStream>,
     /// `stream_patterns`: further streams allowed by prefix (`"plant.*"`
@@ -94,6 +116,10 @@ impl Default for IngestConfig {
             max_fields: 64,
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
             max_connection_bytes: DEFAULT_MAX_CONNECTION_BYTES,
+            max_bytes_per_sec_per_peer: share::DEFAULT_BYTES_PER_SEC,
+            max_burst_bytes_per_peer: share::DEFAULT_BURST_BYTES,
+            max_spool_share_per_peer_percent: share::DEFAULT_PEER_PERCENT,
+            max_spool_share_input_percent: share::DEFAULT_INPUT_PERCENT,
             streams: Vec::new(),
             stream_patterns: Vec::new(),
         }
@@ -101,6 +127,16 @@ impl Default for IngestConfig {
 }
 
 impl IngestConfig {
+    /// The peers' bounds ([`crate::intake::share`]).
+    pub fn share_settings(&self) -> ShareSettings {
+        ShareSettings {
+            bytes_per_sec: self.max_bytes_per_sec_per_peer,
+            burst_bytes: self.max_burst_bytes_per_peer,
+            peer_percent: self.max_spool_share_per_peer_percent,
+            input_percent: self.max_spool_share_input_percent,
+        }
+    }
+
     /// Whether any listener is configured.
     pub fn enabled(&self) -> bool {
         self.socket.is_some() || self.tcp.is_some()

@@ -9,8 +9,12 @@
 //!
 //! [`budget`]: the room in memory the socket and the bridges take for each
 //! reading they hand over, so no client can fill the agent's memory.
+//! [`share`]: the room in the spool each local peer (and all of them
+//! together) may take, and a peer's byte rate, so no client can take the
+//! board's own sources' room.
 
 pub mod budget;
+pub mod share;
 
 use crate::spool::NewEvent;
 use serde_json::Value;

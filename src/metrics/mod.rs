@@ -23,6 +23,7 @@
 
 pub mod listen;
 pub mod outage;
+pub mod process;
 pub mod write_budget;
 
 /// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
@@ -209,10 +210,19 @@ pub struct Figures {
     pub outage: Option<crate::flash::outage::Budget>,
     /// The write budget; `None`: the families are left out.
     pub write_budget: Option<write_budget::BudgetFigures>,
+    /// The agent's health state, one of [`HEALTH_STATES`]; `None`: left out.
+    pub health: Option<&'static str>,
+    /// FAILED rows in the spool now (the `failed` table's count, cheap at
+    /// any spool size); `None` when the spool could not be read.
+    pub failed_rows: Option<u64>,
 }
 
+/// The states `edgespool_health{state}` lists, one sample each (1 for the
+/// state in force, 0 for the others: a state set).
+pub const HEALTH_STATES: [&str; 3] = ["ok", "starting", "degraded"];
+
 /// What receipt mode (`mqtt.retire_on = "receipt"`) shows.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReceiptFigures {
     /// Rows PUBACKed and waiting for their receipt.
     pub awaiting: u64,
@@ -222,32 +232,52 @@ pub struct ReceiptFigures {
     pub received: u64,
     /// Event ids receipts named that matched no waiting row, this run.
     pub unmatched_ids: u64,
-    /// Receipts refused as malformed, this run.
-    pub malformed: u64,
+    /// Receipts refused whole, by reason (malformed, unsigned, other_board,
+    /// untrusted_key, bad_signature), this run.
+    pub refused: [(&'static str, u64); 5],
+    /// Event ids signed receipts named with another digest than the
+    /// waiting row's bytes, this run.
+    pub wrong_digest: u64,
     /// Rows sent again because their receipt did not come in time, this run.
     pub resent: u64,
-    /// Receipts dropped unread, this run, because the MQTT thread's queue
-    /// to the delivery thread was full (64; their rows are sent again after
-    /// their timeout).
+    /// Receipts left unacknowledged, this run, because the MQTT thread's
+    /// queue to the delivery thread was full (a broker ignoring its own
+    /// in-flight window; it sends them again with the next session).
     pub dropped: u64,
     /// The broker refuses the receipts subscription now.
     pub unavailable: bool,
+    /// `mqtt.receipt_timeout_secs`: health calls receipts stopped once the
+    /// oldest row has waited twice this.
+    pub timeout_secs: f64,
 }
 
 /// Receipt mode's families.
 fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
-    let families: [(&str, &str, &str, f64); 8] = [
+    let families: [(&str, &str, &str, f64); 9] = [
         ("edgespool_rows_awaiting_receipt", "gauge", "Rows the broker acknowledged that the fleet's database has not yet receipted (waiting, or sent again).", r.awaiting as f64),
         ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row not yet stored at the fleet has waited since its first PUBACK (re-sends do not reset it; 0 when none).", r.oldest_awaiting_secs),
         ("edgespool_receipts_total", "counter", "Receipts read, this run.", r.received as f64),
         ("edgespool_receipt_unmatched_ids_total", "counter", "Event ids in receipts that matched no waiting row (nothing retired for them), this run.", r.unmatched_ids as f64),
-        ("edgespool_receipts_malformed_total", "counter", "Receipts refused as malformed (they retire nothing), this run.", r.malformed as f64),
+        ("edgespool_receipt_wrong_digest_ids_total", "counter", "Event ids in signed receipts named with another digest than the waiting row's bytes (nothing retired for them), this run.", r.wrong_digest as f64),
         ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
-        ("edgespool_receipts_dropped_total", "counter", "Receipts dropped unread because the delivery thread had 64 waiting (their rows are sent again after their timeout), this run.", r.dropped as f64),
+        ("edgespool_receipts_dropped_total", "counter", "Receipts left unacknowledged because 1024 already waited for the delivery thread (a broker ignoring its in-flight window sends them again with the next session), this run.", r.dropped as f64),
         ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then retire on their PUBACK), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
+        ("edgespool_receipt_timeout_seconds", "gauge", "mqtt.receipt_timeout_secs: a row PUBACKed and not receipted within it is sent again; health calls receipts stopped at twice it.", r.timeout_secs),
     ];
     for (name, kind, help, v) in families {
         o.single(name, kind, help, v);
+    }
+    o.family(
+        "edgespool_receipts_refused_total",
+        "counter",
+        "Receipts refused whole (they retire nothing), by reason: malformed, unsigned (version 1), other_board, untrusted_key (not in mqtt.receipt_public_keys), bad_signature (forged or altered), this run.",
+    );
+    for (reason, n) in r.refused {
+        o.sample(
+            "edgespool_receipts_refused_total",
+            &[("reason", reason)],
+            n as f64,
+        );
     }
 }
 
@@ -256,6 +286,14 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
 /// rumqtt issues 1014/1056); the delivery thread adds to it, `status` and
 /// `edgespool_mqtt_watchdog_rebuilds_total` show it.
 pub const WATCHDOG_REBUILDS: &str = "mqtt_watchdog_rebuilds";
+
+/// Spool counters of opens that found committed rows gone, and the cause
+/// each is shown under in `edgespool_spool_opened_with_loss_total`.
+const LOSS_AT_OPEN: [(&str, &str); 3] = [
+    ("spool_opened_without_wal", "wal_lost"),
+    ("spool_moved_aside_without_wal", "wal_lost_moved_aside"),
+    ("spool_moved_aside_corrupt", "damaged_moved_aside"),
+];
 
 /// The spool states, in the order rows flow.
 const STATES: [&str; 4] = ["PENDING", "SENT", "ACKED", "FAILED"];
@@ -270,6 +308,10 @@ const DROP_REASONS: [&str; 5] = [
     "lost_at_shutdown",
 ];
 
+/// Why a local peer's reading is refused before it is stored
+/// (`readings_refused_<reason>`, [`crate::intake::share`]).
+const PEER_REFUSALS: [&str; 3] = ["peer_rate", "peer_share", "input_share"];
+
 /// Why the delivery thread marks a row FAILED (`events_failed_<reason>`).
 const FAIL_REASONS: [&str; 4] = [
     "disconnects",
@@ -282,7 +324,7 @@ const FAIL_REASONS: [&str; 4] = [
 const COMMAND_STATES: [&str; 5] = ["completed", "failed", "rejected", "expired", "interrupted"];
 
 /// Other command counters: (spool counter, metric, HELP).
-const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
+const COMMAND_COUNTERS: [(&str, &str, &str); 9] = [
     (
         "commands_received",
         "edgespool_commands_received_total",
@@ -309,6 +351,11 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
         "Command messages that could not be parsed.",
     ),
     (
+        "commands_unsigned",
+        "edgespool_commands_unsigned_total",
+        "Commands with a side effect refused because no operator key signed them (or their signature verified with none).",
+    ),
+    (
         "commands_rate_limited",
         "edgespool_commands_rate_limited_total",
         "Commands refused by the per-scope rate limit.",
@@ -321,7 +368,7 @@ const COMMAND_COUNTERS: [(&str, &str, &str); 8] = [
     (
         "commands_unanswered",
         "edgespool_commands_unanswered_total",
-        "Command messages of scopes that are not operator scopes acknowledged and dropped unanswered over commands.max_answers_per_minute.",
+        "Command messages no operator key signed acknowledged and dropped unanswered over commands.max_answers_per_minute.",
     ),
 ];
 
@@ -449,6 +496,43 @@ pub fn render(f: &Figures) -> String {
         1.0,
     );
     render_spool(&mut o, f);
+    render_link(&mut o, f);
+    if let Some(r) = &f.receipts {
+        render_receipts(&mut o, r);
+    }
+    render_drops(&mut o, f);
+    o.single(
+        "edgespool_write_bytes_total",
+        "counter",
+        "Bytes this process sent to the block layer (write_bytes of /proc/self/io).",
+        f.write_bytes as f64,
+    );
+    o.single(
+        "edgespool_checkpoints_total",
+        "counter",
+        "WAL checkpoints run, this run.",
+        f.checkpoints as f64,
+    );
+    render_commands(&mut o, f);
+    if let Some(b) = &f.outage {
+        outage::render(&mut o, b);
+    }
+    if let Some(b) = &f.write_budget {
+        write_budget::render(&mut o, b);
+    }
+    render_health(&mut o, f);
+    o.single(
+        "edgespool_metrics_timestamp_seconds",
+        "gauge",
+        "Wall clock when these figures were gathered, Unix seconds.",
+        f.at_unix_secs,
+    );
+    o.0
+}
+
+/// The link and what went through it: connection, reconnects, watchdog
+/// rebuilds, PUBACK and commit latency, readings appended, rows retired.
+fn render_link(o: &mut Out, f: &Figures) {
     o.single(
         "edgespool_mqtt_connected",
         "gauge",
@@ -489,9 +573,10 @@ pub fn render(f: &Figures) -> String {
         "Rows retired (on their PUBACK, or in receipt mode on their receipt), this run.",
         f.acked as f64,
     );
-    if let Some(r) = &f.receipts {
-        render_receipts(&mut o, r);
-    }
+}
+
+/// Readings dropped and refused, rows FAILED: by reason.
+fn render_drops(o: &mut Out, f: &Figures) {
     let mut lost = f.clone();
     // `readings_lost_at_shutdown` is a drop by another name.
     for (k, _) in lost.counters.iter_mut() {
@@ -512,6 +597,16 @@ pub fn render(f: &Figures) -> String {
     o.counter_by(
         f,
         (
+            "edgespool_readings_refused_total",
+            "Readings of local peers (ingest socket, TCP port, mqtt bridges) refused over their byte rate or share of the spool, by reason (kept in the spool across restarts).",
+            "reason",
+        ),
+        "readings_refused_",
+        &PEER_REFUSALS,
+    );
+    o.counter_by(
+        f,
+        (
             "edgespool_rows_failed_total",
             "Rows marked FAILED by policy, by reason (kept in the spool across restarts).",
             "reason",
@@ -519,32 +614,30 @@ pub fn render(f: &Figures) -> String {
         "events_failed_",
         &FAIL_REASONS,
     );
-    o.single(
-        "edgespool_write_bytes_total",
-        "counter",
-        "Bytes this process sent to the block layer (write_bytes of /proc/self/io).",
-        f.write_bytes as f64,
-    );
-    o.single(
-        "edgespool_checkpoints_total",
-        "counter",
-        "WAL checkpoints run, this run.",
-        f.checkpoints as f64,
-    );
-    render_commands(&mut o, f);
-    if let Some(b) = &f.outage {
-        outage::render(&mut o, b);
+}
+
+/// The health state set and the opens that found rows gone.
+fn render_health(o: &mut Out, f: &Figures) {
+    if let Some(state) = f.health {
+        let name = "edgespool_health";
+        o.family(
+            name,
+            "gauge",
+            "The agent's health, one sample per state: 1 for the state in force (starting: no CONNACK yet this run; degraded: edgespool status names why), 0 for the others.",
+        );
+        for s in HEALTH_STATES {
+            o.sample(name, &[("state", s)], if s == state { 1.0 } else { 0.0 });
+        }
     }
-    if let Some(b) = &f.write_budget {
-        write_budget::render(&mut o, b);
-    }
-    o.single(
-        "edgespool_metrics_timestamp_seconds",
-        "gauge",
-        "Wall clock when these figures were gathered, Unix seconds.",
-        f.at_unix_secs,
+    let name = "edgespool_spool_opened_with_loss_total";
+    o.family(
+        name,
+        "counter",
+        "Starts that found committed rows gone, by cause: wal_lost (the -wal was gone; the rows in the file kept), wal_lost_moved_aside (every commit was in the lost -wal; the file moved aside), damaged_moved_aside (the file moved aside as damaged). Kept in the spool across restarts.",
     );
-    o.0
+    for (counter_name, cause) in LOSS_AT_OPEN {
+        o.sample(name, &[("cause", cause)], counter(f, counter_name) as f64);
+    }
 }
 
 /// Rows by state and stream, backlog and the oldest unacknowledged age.
@@ -574,6 +667,14 @@ fn render_spool(o: &mut Out, f: &Figures) {
     }
     if let Some(streams) = &f.streams {
         render_stream_backlog(o, streams);
+    }
+    if let Some(n) = f.failed_rows {
+        o.single(
+            "edgespool_spool_failed_rows",
+            "gauge",
+            "FAILED rows in the spool (kept, not delivered, until an operator requeues them); shown at any spool size.",
+            n as f64,
+        );
     }
     o.single(
         "edgespool_spool_backlog_rows",
@@ -933,6 +1034,7 @@ mod tests {
                 ("commands_completed".into(), 3),
                 ("readings_lost_at_shutdown".into(), 2),
                 ("mqtt_watchdog_rebuilds".into(), 3),
+                ("spool_opened_without_wal".into(), 1),
             ],
             write_bytes: 4096,
             checkpoints: 5,
@@ -967,6 +1069,8 @@ mod tests {
                 window_secs: 10.0,
                 over: false,
             }),
+            health: Some("degraded"),
+            failed_rows: Some(1),
         }
     }
 
@@ -1117,6 +1221,96 @@ mod tests {
                 &[("le", "30")]
             ),
             5.0
+        );
+    }
+
+    /// Issue 36: the FAILED count was left out past 16 MiB of live data
+    /// (with the row counts), and `EdgespoolRowsFailed` fell silent.
+    #[test]
+    fn failed_rows_and_health_are_shown_without_the_row_counts() {
+        let mut figs = figures();
+        figs.rows = None;
+        figs.streams = None;
+        let f = check(&render(&figs));
+        assert!(!f.contains_key("edgespool_spool_rows_by_state"));
+        assert_eq!(value_of(&f, "edgespool_spool_failed_rows", &[]), 1.0);
+        for (state, v) in [("ok", 0.0), ("starting", 0.0), ("degraded", 1.0)] {
+            assert_eq!(value_of(&f, "edgespool_health", &[("state", state)]), v);
+        }
+        assert_eq!(
+            value_of(
+                &f,
+                "edgespool_spool_opened_with_loss_total",
+                &[("cause", "wal_lost")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            value_of(
+                &f,
+                "edgespool_spool_opened_with_loss_total",
+                &[("cause", "damaged_moved_aside")]
+            ),
+            0.0
+        );
+    }
+
+    #[test]
+    fn the_process_families_follow_the_client_library_names_and_types() {
+        let text = process::render(&process::ProcessFigures {
+            cpu_seconds: 1.5,
+            resident_bytes: 8 << 20,
+            virtual_bytes: 64 << 20,
+            start_time_secs: 1_699_999_000.0,
+            open_fds: Some(12),
+            max_fds: Some(1024),
+        });
+        let f = check(&text);
+        assert_eq!(value_of(&f, "process_cpu_seconds_total", &[]), 1.5);
+        assert_eq!(f["process_cpu_seconds_total"].0, "counter");
+        assert_eq!(value_of(&f, "process_open_fds", &[]), 12.0);
+        assert_eq!(value_of(&f, "process_max_fds", &[]), 1024.0);
+        assert_eq!(
+            value_of(&f, "process_resident_memory_bytes", &[]),
+            (8 << 20) as f64
+        );
+        assert_eq!(
+            value_of(&f, "process_start_time_seconds", &[]),
+            1_699_999_000.0
+        );
+        // Appended to a rendering, the whole stays one valid exposition.
+        check(&(render(&figures()) + &text));
+    }
+
+    #[test]
+    fn receipt_mode_shows_its_timeout_beside_the_oldest_wait() {
+        let mut figs = figures();
+        figs.receipts = Some(ReceiptFigures {
+            awaiting: 3,
+            oldest_awaiting_secs: 700.0,
+            received: 0,
+            unmatched_ids: 0,
+            refused: [
+                ("malformed", 0),
+                ("unsigned", 0),
+                ("other_board", 0),
+                ("untrusted_key", 0),
+                ("bad_signature", 0),
+            ],
+            wrong_digest: 0,
+            resent: 0,
+            dropped: 0,
+            unavailable: false,
+            timeout_secs: 300.0,
+        });
+        let f = check(&render(&figs));
+        assert_eq!(
+            value_of(&f, "edgespool_receipt_timeout_seconds", &[]),
+            300.0
+        );
+        assert_eq!(
+            value_of(&f, "edgespool_oldest_awaiting_receipt_age_seconds", &[]),
+            700.0
         );
     }
 

@@ -6,10 +6,10 @@
 //! Its one rule: a SUBACK answers the oldest subscription still due on this
 //! connection (`conn.subacks_due`), in the order they were sent.
 
-use super::facts::{Sub, SUB_RETRY_MIN};
+use super::facts::Sub;
 use super::handoff::DeliveryMsg;
 use super::settings::Protocol;
-use super::shared::lock;
+use super::shared::{lock, Shared};
 use super::status::announce_online;
 use super::thread::{ConnMode, MqttThread};
 use super::wire::Granted;
@@ -44,18 +44,13 @@ impl MqttThread {
             });
             s.window = if s.window == 1 { 1 } else { window };
             s.full_window = window;
-            let skip = s.conn.skip_sub_until.is_some_and(|t| Instant::now() < t);
             // Subscribe before any publish of this fresh client
             // (rumqttc does not re-subscribe by itself), so the
             // subscribe's packet id is never one a publish holds.
             // Telemetry never waits on it: see `account_end`.
             s.conn.subacks_due.clear();
-            if let (Some(c), Some(client), false) = (&self.commands, &s.client, skip) {
-                if let Err(e) = client.try_subscribe(&c.topic, QoS::AtLeastOnce) {
-                    return Err(format!("cannot subscribe to {}: {e}", c.topic));
-                }
-                s.conn.awaiting_suback = true;
-                s.conn.subacks_due.push_back(Sub::Commands);
+            if s.conn.sub.at_connack(Instant::now()) {
+                self.subscribe_commands(&mut s)?;
             }
             // Receipts on every connection (rumqttc does not re-subscribe);
             // telemetry never waits on them either.
@@ -99,6 +94,20 @@ impl MqttThread {
         Ok(())
     }
 
+    /// Send the command SUBSCRIBE on this connection (commands on).
+    /// Errors: the client's request channel refused it; the connection ends.
+    pub(super) fn subscribe_commands(&self, s: &mut Shared) -> Result<(), String> {
+        let (Some(c), Some(client)) = (&self.commands, &s.client) else {
+            return Ok(());
+        };
+        if let Err(e) = client.try_subscribe(&c.topic, QoS::AtLeastOnce) {
+            return Err(format!("cannot subscribe to {}: {e}", c.topic));
+        }
+        s.conn.sub.sent(Instant::now());
+        s.conn.subacks_due.push_back(Sub::Commands);
+        Ok(())
+    }
+
     /// SUBACK of the command subscription: granted, or refused by the broker
     /// (return code 0x80, MQTT 3.1.1 §3.9.3; mosquitto answers so when its
     /// ACL denies the subscription). Telemetry never waits on it.
@@ -107,23 +116,19 @@ impl MqttThread {
         if due == Some(Sub::Receipts) {
             return self.on_receipts_suback(refused);
         }
+        let mut s = lock(&self.shared);
+        s.conn.sub.answered(refused.is_none());
         if let Some(code) = refused {
             let topic = self.commands.as_ref().map_or("", |c| c.topic.as_str());
-            let mut s = lock(&self.shared);
-            s.conn.awaiting_suback = false;
-            if s.conn.commands_unavailable.is_none() {
+            if s.conn.sub_refused.is_none() {
                 log::error!("mqtt: the broker refused the command subscription to {topic} ({code}); commands will not arrive, telemetry keeps flowing: check the broker's ACL for this client");
             }
-            s.conn.commands_unavailable = Some(format!(
+            s.conn.sub_refused = Some(format!(
                 "the broker refused the subscription to {topic} ({code}): check its ACL"
             ));
         } else {
-            let mut s = lock(&self.shared);
             s.subacks += 1;
-            s.conn.awaiting_suback = false;
-            s.conn.sub_kills = 0;
-            s.conn.sub_retry = SUB_RETRY_MIN;
-            s.conn.commands_unavailable = None;
+            s.conn.sub_refused = None;
             drop(s);
             log::info!("mqtt: subscribed to commands");
         }

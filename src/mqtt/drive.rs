@@ -16,7 +16,7 @@ use super::thread::MqttThread;
 use super::wire::{Ev, Failure};
 use rumqttc::RecvTimeoutError;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Longest poll while connected with nothing in flight (rumqttc sends its
 /// keep-alive pings from inside the poll, so this is only a safety net).
@@ -69,6 +69,9 @@ impl MqttThread {
                         self.on_receipt(p);
                     }
                     _ => {
+                        if self.receipts.is_none() && p.topic == self.receipts_topic() {
+                            self.leave_receipts();
+                        }
                         // Not ours: acknowledge so the broker does not resend it.
                         let epoch = lock(&self.shared).epoch;
                         Link {
@@ -79,6 +82,7 @@ impl MqttThread {
                     }
                 },
                 Ok(Ok(Ev::SubAck { refused })) => self.on_suback(refused),
+                Ok(Ok(Ev::DisconnectSent)) => log::trace!("mqtt: our DISCONNECT left"),
                 Ok(Ok(Ev::Other(ev))) => log::trace!("mqtt: {ev}"),
                 Ok(Err(f)) => return self.on_failure(f),
                 Err(RecvTimeoutError::Timeout) => {}
@@ -96,7 +100,9 @@ impl MqttThread {
                     s.pump();
                 }
                 wait = self.wait(&s, connect_wait);
-                self.why_end(&mut s)
+                self.retry_commands(&mut s)
+                    .err()
+                    .or_else(|| self.why_end(&mut s))
             };
             if let Some(why) = end {
                 return why;
@@ -107,12 +113,38 @@ impl MqttThread {
     /// How long the next poll may wait. Event-driven: events come for
     /// CONNACK, SUBACKs and incoming PUBLISHes, for rumqttc's own keep-alive
     /// pings and for the DISCONNECT that stop/reconfigure send; our only
-    /// timer is the watchdog's deadline while rows are in flight. A row's
+    /// timers are the watchdog's deadline while rows are in flight and,
+    /// connected without the command subscription, the time to send it. A row's
     /// own events do not come here ([`super::rowacks`]), so with nothing in
     /// flight the wait is at most `ack_timeout`: a row submitted meanwhile
     /// starts the watchdog's clock (`progress_at`) after this wait began,
     /// so its deadline is still ahead when the wait ends.
     fn wait(&self, s: &Shared, connect_wait: Duration) -> Duration {
+        let wait = self.watchdog_wait(s, connect_wait);
+        // Connected without the command subscription: wake to send it.
+        match s.conn.sub.retry_at().filter(|_| s.connected) {
+            Some(t) => wait.min(
+                t.saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(50)),
+            ),
+            None => wait,
+        }
+    }
+
+    /// Connected without the command subscription and its time has come:
+    /// send it on this connection ([`super::subjudge`]). Errors: the
+    /// connection must end (the client refused the request).
+    fn retry_commands(&self, s: &mut Shared) -> Result<(), String> {
+        let due = s.conn.sub.retry_at().is_some_and(|t| Instant::now() >= t);
+        if !s.connected || !due {
+            return Ok(());
+        }
+        log::info!("mqtt: trying the command subscription again");
+        self.subscribe_commands(s)
+    }
+
+    /// How long the next poll may wait for the watchdog's sake.
+    fn watchdog_wait(&self, s: &Shared, connect_wait: Duration) -> Duration {
         match s.progress_at.filter(|_| s.connected && !s.ack.is_empty()) {
             _ if !s.connected => connect_wait,
             Some(t) => self
@@ -125,10 +157,14 @@ impl MqttThread {
     }
 
     /// After each event: why this connection must end now, if it must (new
-    /// settings, a redelivery asked for, or the watchdog).
+    /// settings, a rebuild or a redelivery asked for, or the watchdog).
     fn why_end(&self, s: &mut Shared) -> Option<String> {
         if s.reconfigure.is_some() {
             return Some("configuration changed; reconnecting with the new settings".into());
+        }
+        if let Some(why) = s.rebuild.take() {
+            self.reconnect_now.set(true);
+            return Some(why);
         }
         if std::mem::take(&mut s.redeliver) {
             self.reconnect_now.set(true);
@@ -180,9 +216,40 @@ impl MqttThread {
         f.reason
     }
 
-    /// A receipt: to the delivery thread (which alone may retire rows), and
-    /// acknowledged to the broker at once (a receipt lost in between only
-    /// delays retirement: the row is sent again and receipted again).
+    /// `<topic_prefix>/receipts`.
+    fn receipts_topic(&self) -> String {
+        format!("{}/receipts", self.cfg.topic_prefix)
+    }
+
+    /// A receipt came while rows retire on PUBACKs: the session kept the
+    /// subscription from when this board retired on receipts. Leave it
+    /// (once per connection), so stale receipts stop queuing for this
+    /// board at the broker (issue 33). Done on a receipt's arrival, not at
+    /// every CONNACK: an UNSUBSCRIBE for a subscription the session does
+    /// not have is answered with an error code rumqttc logs as a WARN.
+    fn leave_receipts(&self) {
+        let mut s = lock(&self.shared);
+        if s.conn.left_receipts {
+            return;
+        }
+        s.conn.left_receipts = true;
+        let t = self.receipts_topic();
+        if let Some(client) = &s.client {
+            match client.try_unsubscribe(&t) {
+                Ok(()) => log::info!(
+                    "mqtt: leaving {t}: the session kept it from receipt mode, and rows now retire on their PUBACK"
+                ),
+                Err(e) => log::warn!("mqtt: cannot leave the receipts subscription {t}: {e}"),
+            }
+        }
+    }
+
+    /// A receipt: to the delivery thread (which alone may retire rows),
+    /// which acknowledges it to the broker once it has read it
+    /// (`Link::ack`): the broker's in-flight window paces receipts, none is
+    /// dropped for lack of room. Past [`super::RECEIPTS_QUEUED_MAX`] waiting
+    /// (a broker that ignores its own window) one is left unacknowledged
+    /// and counted: the broker sends it again with the next session.
     fn on_receipt(&self, p: rumqttc::Publish) {
         let (epoch, room) = {
             let mut s = lock(&self.shared);
@@ -195,14 +262,10 @@ impl MqttThread {
             (s.epoch, room)
         };
         if room {
-            let _ = self
-                .to_delivery
-                .send(super::DeliveryMsg::Receipt(p.payload.to_vec()));
+            let _ = self.to_delivery.send(super::DeliveryMsg::Receipt {
+                epoch,
+                publish: Box::new(p),
+            });
         }
-        Link {
-            shared: self.shared.clone(),
-            wake: self.wake.clone(),
-        }
-        .ack(epoch, &p);
     }
 }

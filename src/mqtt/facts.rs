@@ -1,12 +1,13 @@
 //! The connection's story across reconnects: what the MQTT thread keeps
 //! about its connections ([`ConnState`]: when the state last changed, why
-//! the last one ended, quick drops, a command subscription the broker will
-//! not take) and the copy health reads ([`LinkFacts`]).
+//! the last one ended, quick drops, the command subscription's record
+//! ([`super::subjudge`])) and the copy health reads ([`LinkFacts`]).
 //!
 //! Its one rule: only the MQTT thread writes the story; health gets a copy
 //! taken under the shared lock, never a reference into it, so a health
 //! check cannot hold the lock the connection needs.
 
+use super::subjudge::SubJudge;
 use std::time::{Duration, Instant};
 
 /// The connection's story for health and backoff.
@@ -20,21 +21,19 @@ pub(super) struct ConnState {
     pub(super) connacked_at: Option<Instant>,
     /// This connection carried a PUBACK.
     pub(super) had_puback: bool,
-    /// The command SUBSCRIBE went out on this connection and no SUBACK came.
-    pub(super) awaiting_suback: bool,
     /// Connections in a row that ended within a keep-alive of CONNACK
     /// without a PUBACK.
     pub(super) quick_drops: u32,
-    /// Connections in a row that ended while the command SUBSCRIBE waited.
-    pub(super) sub_kills: u32,
-    /// Connect without the command subscription until then.
-    pub(super) skip_sub_until: Option<Instant>,
-    /// The next wait before trying the command subscription again.
-    pub(super) sub_retry: Duration,
-    /// Why commands cannot arrive, if they cannot.
-    pub(super) commands_unavailable: Option<String>,
+    /// Whether the command SUBSCRIBE goes out, and when again.
+    pub(super) sub: SubJudge,
+    /// Why commands cannot arrive, if the broker refused the subscription
+    /// (SUBACK); [`ConnState::commands_unavailable`] adds the judge's word.
+    pub(super) sub_refused: Option<String>,
     /// Why receipts cannot arrive, if they cannot (receipt mode only).
     pub(super) receipts_unavailable: Option<String>,
+    /// Puback mode: an UNSUBSCRIBE from a receipts subscription the session
+    /// kept was sent on this connection.
+    pub(super) left_receipts: bool,
     /// The SUBSCRIBEs of this connection whose SUBACK has not come, in the
     /// order sent (a broker answers them in that order).
     pub(super) subacks_due: std::collections::VecDeque<Sub>,
@@ -51,16 +50,22 @@ impl ConnState {
             last_error: None,
             connacked_at: None,
             had_puback: false,
-            awaiting_suback: false,
             quick_drops: 0,
-            sub_kills: 0,
-            skip_sub_until: None,
-            sub_retry: SUB_RETRY_MIN,
-            commands_unavailable: None,
+            sub: SubJudge::new(),
+            sub_refused: None,
             receipts_unavailable: None,
+            left_receipts: false,
             subacks_due: std::collections::VecDeque::new(),
             peer_closed: false,
         }
+    }
+
+    /// Why commands cannot arrive now, if they cannot: the broker refused
+    /// the subscription, or closes connections on it.
+    pub(super) fn commands_unavailable(&self) -> Option<String> {
+        self.sub_refused
+            .clone()
+            .or_else(|| self.sub.why_off(Instant::now()))
     }
 }
 
@@ -72,12 +77,6 @@ pub(super) enum Sub {
     /// `<topic_prefix>/receipts`.
     Receipts,
 }
-
-/// First wait before subscribing to commands again after the broker closed
-/// connections on the subscription; doubles up to [`SUB_RETRY_MAX`].
-pub(super) const SUB_RETRY_MIN: Duration = Duration::from_secs(600);
-/// Longest wait before trying the command subscription again.
-pub(super) const SUB_RETRY_MAX: Duration = Duration::from_secs(3600);
 
 /// What [`super::Link::health_facts`] reports.
 #[derive(Debug, Clone)]

@@ -28,6 +28,10 @@ pub enum DeliveryMsg {
         /// The connection ended within a keep-alive of its CONNACK without
         /// carrying a PUBACK (what a broker refusing a publish looks like).
         quick: bool,
+        /// The peer (or the network) closed it within a keep-alive of the
+        /// oldest row in flight leaving, with no PUBACK since: what a
+        /// broker closing on a publish looks like, mid-connection too.
+        closed_on_rows: bool,
         /// The watchdog ended it: connected, rows in flight and no PUBACK
         /// for `mqtt.ack_timeout_secs`; the client is rebuilt (counted as
         /// `mqtt_watchdog_rebuilds`).
@@ -47,9 +51,16 @@ pub enum DeliveryMsg {
     /// The agent is stopping: look at the stop flag now.
     Stop,
     /// A PUBLISH on `<topic_prefix>/receipts` (`mqtt.retire_on =
-    /// "receipt"`): its payload, unread ([`crate::event::receipts::parse`]). Already
-    /// acknowledged to the broker; at most [`RECEIPTS_QUEUED_MAX`] wait.
-    Receipt(Vec<u8>),
+    /// "receipt"`), unread ([`crate::event::receipts::parse`]), received on
+    /// the connection of `epoch`. Not yet acknowledged: the delivery thread
+    /// acknowledges it once read ([`super::Link::ack`]); at most
+    /// [`RECEIPTS_QUEUED_MAX`] wait.
+    Receipt {
+        /// The connection it came on.
+        epoch: u64,
+        /// The PUBLISH (its payload, and its packet id for the PUBACK).
+        publish: Box<rumqttc::Publish>,
+    },
     /// Whether receipts can arrive: the broker granted (`true`) or refused
     /// the subscription to the receipts topic on this connection. Refused,
     /// delivery falls back to retiring rows on their PUBACK.
@@ -61,9 +72,12 @@ pub enum DeliveryMsg {
     },
 }
 
-/// Receipts waiting for the delivery thread, at most; more are dropped and
-/// counted (a flood on the receipts topic cannot grow memory).
-pub const RECEIPTS_QUEUED_MAX: usize = 64;
+/// Receipts waiting for the delivery thread, at most. The broker sends no
+/// more than its in-flight window of unacknowledged receipts (mosquitto:
+/// 20), so this is reached only by a broker that ignores it; one over it is
+/// left unacknowledged and counted (memory stays bounded, nothing is lost:
+/// the broker sends it again with the next session).
+pub const RECEIPTS_QUEUED_MAX: usize = 1024;
 
 /// A row read from the spool, ready to publish.
 #[derive(Debug, Clone)]
@@ -75,8 +89,8 @@ pub struct Ready {
     /// The stored payload bytes.
     pub payload: Vec<u8>,
     /// The row's event id, sent as the `event_id` user property under MQTT 5
-    /// (empty for a batch: its events carry their own ids).
-    pub event_id: String,
+    /// (`None` for a batch: its events carry their own ids in the payload).
+    pub event_id: Option<crate::event::envelope::EventId>,
     /// A batch ([`crate::event::batching`]): every row it carries, `row` first, in
     /// row-id order; one PUBACK retires them all. Empty for a single row.
     pub members: Vec<i64>,

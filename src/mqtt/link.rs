@@ -106,6 +106,21 @@ impl Link {
         true
     }
 
+    /// Rebuild the connection at once if it is still the one of `epoch`
+    /// (`why` is logged as the disconnect's reason), so that every row not
+    /// acknowledged is read again from the spool on the next one. Returns
+    /// false if the connection changed since (that did it already).
+    pub fn rebuild(&self, epoch: u64, why: &str) -> bool {
+        let mut s = lock(&self.shared);
+        if s.epoch != epoch || !s.connected {
+            return false;
+        }
+        s.rebuild = Some(why.to_owned());
+        Self::interrupt(&mut s);
+        self.wake.notify_all();
+        true
+    }
+
     /// Apply new connection settings with one reconnect (no change → nothing).
     pub fn reconfigure(&self, cfg: MqttConfig) {
         let mut s = lock(&self.shared);
@@ -127,7 +142,7 @@ impl Link {
                 .filter(|_| !s.ack.is_empty())
                 .map(|t| t.elapsed()),
             quick_drops: s.conn.quick_drops,
-            commands_unavailable: s.conn.commands_unavailable.clone(),
+            commands_unavailable: s.conn.commands_unavailable(),
             receipts_unavailable: s.conn.receipts_unavailable.clone(),
             receipts_dropped: s.receipts_dropped,
         }
@@ -169,7 +184,7 @@ impl Link {
             .as_ref()
             .zip(s.client.as_ref())
             .is_some_and(|((topic, _), c)| {
-                c.try_publish(topic, QoS::AtMostOnce, true, offline_payload(), None)
+                c.try_publish(topic, QoS::AtMostOnce, true, offline_payload())
                     .is_ok()
             });
         if !offline {
@@ -248,7 +263,7 @@ mod tests {
             row,
             topic: Arc::from("t"),
             payload: b"x".to_vec(),
-            event_id: String::new(),
+            event_id: None,
             members: Vec::new(),
         };
         // Disconnected: held in the ready queue, nothing in flight.

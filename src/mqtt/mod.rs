@@ -20,7 +20,7 @@
 //! state both sides lock and the pump that fills the window; `link` the
 //! delivery and command threads' handle ([`Link`]); `thread` one connection
 //! after another ([`MqttThread`]); `drive` polling one connection and the
-//! watchdog; `acks` CONNACK and SUBACK; `rowacks` each row's outgoing PUBLISH and PUBACK, on the poller thread; `status` the retained
+//! watchdog; `acks` CONNACK and SUBACK; `subjudge` whether the command SUBSCRIBE goes out; `rowacks` each row's outgoing PUBLISH and PUBACK, on the poller thread; `status` the retained
 //! status; `facts` the connection's story for health; `poller` the event loop polled on its own thread, never cut short;
 //! `packet` packet-size arithmetic; `setup` the files a connection reads; [`wire`] the two
 //! protocol versions behind one face; [`settings`] the settings.
@@ -38,6 +38,7 @@ pub mod settings;
 mod setup;
 mod shared;
 mod status;
+mod subjudge;
 mod thread;
 pub mod wire;
 

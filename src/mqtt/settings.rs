@@ -49,10 +49,12 @@ pub struct MqttConfig {
     /// `ack_timeout_secs`: connected with rows in flight and no PUBACK for this
     /// long → the client is rebuilt and rows replayed (watchdog).
     pub ack_timeout: Duration,
-    /// `fail_after_disconnects`: a row that is the oldest in flight when the
-    /// connection drops this many times in a row is marked FAILED (a publish
-    /// the broker answers by disconnecting, e.g. over its packet size limit),
-    /// so the rows behind it flow (1..=100, default 3).
+    /// `fail_after_disconnects`: a row alone in flight when the connection
+    /// drops this many times in a row is set aside (a publish the broker
+    /// answers by disconnecting, e.g. over its packet size limit), so the
+    /// rows behind it flow; it is sent again alone later and never FAILED
+    /// for it ([`crate::delivery`]'s book). 1..=100, default 3; the key keeps
+    /// its name so existing configs still read.
     pub fail_after_disconnects: u32,
     /// `protocol`: `"5"` (default; the integer `5` too) or `"3.1.1"`. Only MQTT 5 tells a
     /// publisher that the broker refused a publish (a PUBACK reason code of
@@ -85,6 +87,10 @@ pub struct MqttConfig {
     /// most (100..=100000, default 10000); while it is full no new row is
     /// sent. Receipt mode only.
     pub receipt_window: usize,
+    /// `receipt_public_keys`: the public keys (64 hex digits each, at most
+    /// 16; `edgespool keygen`) whose signed receipts retire rows; receipt
+    /// mode needs at least one ([`crate::event::receipts::Receipt::check`]).
+    pub receipt_public_keys: Vec<crate::event::signature::PublicKey>,
 }
 
 /// `mqtt.retire_on`: what proves a row delivered, so that it may leave the
@@ -152,5 +158,6 @@ pub(crate) fn test_config() -> MqttConfig {
         retire_on: crate::mqtt::RetireOn::Puback,
         receipt_timeout: Duration::from_secs(300),
         receipt_window: 10_000,
+        receipt_public_keys: Vec::new(),
     }
 }

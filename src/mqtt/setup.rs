@@ -5,7 +5,9 @@
 //! Its one rule: the files are read anew for every connection, so a rotated
 //! certificate or password applies at the next connect without a restart;
 //! a file that cannot be read fails that attempt, naming the key and the
-//! path, and the thread goes on to its backoff.
+//! path, and the thread goes on to its backoff. The password file is read
+//! only if it is a regular file named itself that group and others cannot
+//! read.
 
 use super::settings::MqttConfig;
 use super::status::{offline_payload, status_topic};
@@ -14,6 +16,13 @@ use super::wire::Setup;
 /// Read a secrets file for the connection; the error names the file and the key.
 fn read_file(key: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("cannot read mqtt.{key} {}: {e}", path.display()))
+}
+
+/// The password file's bytes, only from a regular file named itself that
+/// group and others cannot read (a planted symlink is never followed).
+fn read_password(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    crate::os::fsguard::files::read_secret(path)
+        .map_err(|e| format!("mqtt.password_file {} refused: {e}", path.display()))
 }
 
 /// What a connection needs beyond the config: TLS material and the
@@ -45,7 +54,7 @@ pub(super) fn setup(cfg: &MqttConfig, max_incoming: usize, clean: bool) -> Resul
     let mut credentials = None;
     if let Some((user, pass_file)) = &cfg.credentials {
         let pass = match pass_file {
-            Some(p) => String::from_utf8(read_file("password_file", p)?)
+            Some(p) => String::from_utf8(read_password(p)?)
                 .map_err(|_| format!("mqtt.password_file {} is not UTF-8", p.display()))?
                 .trim_end_matches(['\n', '\r'])
                 .to_owned(),

@@ -42,6 +42,9 @@ pub struct Shared {
     /// Rebuild the connection now so the broker redelivers the commands
     /// left unacknowledged while the command thread had no room.
     pub(super) redeliver: bool,
+    /// Rebuild the connection now, for this reason (the delivery thread
+    /// wants every row read again: [`super::Link::rebuild`]).
+    pub(super) rebuild: Option<String>,
     /// CONNACKs accepted and command SUBACKs granted since start (a pushed
     /// config that changes the connection is confirmed by new ones).
     pub(super) connacks: u64,
@@ -123,11 +126,10 @@ impl Shared {
                 self.ready.push_front(r);
                 return;
             }
-            // The payload and event id move into the request (no copy per
-            // publish); a full channel hands them back.
+            // The payload moves into the request (no copy per publish); a
+            // full channel hands it back.
             let payload = std::mem::take(&mut r.payload);
-            let event_id = std::mem::take(&mut r.event_id);
-            match client.try_publish_row(&r.topic, payload, event_id) {
+            match client.try_publish_row(&r.topic, payload, r.event_id) {
                 Ok(()) => {
                     if self.progress_at.is_none() {
                         // The watchdog's clock starts with the first row in
@@ -141,11 +143,10 @@ impl Shared {
                         self.batches.insert(r.row, r.members);
                     }
                 }
-                Err(Some((payload, event_id))) => {
+                Err(Some(payload)) => {
                     // Channel full: it never entered rumqttc; try again later.
                     self.ack.submit_failed();
                     r.payload = payload;
-                    r.event_id = event_id;
                     self.ready.push_front(r);
                     return;
                 }

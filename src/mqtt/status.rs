@@ -58,7 +58,7 @@ pub(super) fn announce_online(s: &mut Shared, cfg: &MqttConfig) {
         return;
     }
     if client
-        .try_publish(&topic, QoS::AtLeastOnce, true, payload, None)
+        .try_publish(&topic, QoS::AtLeastOnce, true, payload)
         .is_err()
     {
         s.ack.submit_failed();

@@ -8,7 +8,7 @@
 //! back to the delivery thread as replay-eligible; no packet id outlives
 //! the connection it was given on.
 
-use super::facts::{ConnState, SUB_RETRY_MAX};
+use super::facts::ConnState;
 use super::handoff::{CommandSub, DeliveryMsg};
 use super::link::Link;
 use super::packet::{drain_limit, incoming_limit, INCOMING_WITHOUT_COMMANDS};
@@ -17,6 +17,7 @@ use super::settings::{MqttConfig, RetireOn};
 use super::setup::setup;
 use super::shared::{lock, Shared};
 use super::status::status_topic;
+use super::subjudge::{Verdict, KILLS_TO_JUDGE, OFF_MAX};
 use super::wire::{self, Granted};
 use crate::metrics::Histogram;
 use crate::mqtt::ackmap::AckMap;
@@ -105,6 +106,7 @@ pub fn new(
             .status_topic
             .then(|| (status_topic(&cfg), serde_json::json!({}))),
         redeliver: false,
+        rebuild: None,
         sent_at: VecDeque::new(),
         puback_latency: Histogram::new(),
         status_too_large_logged: false,
@@ -273,9 +275,13 @@ impl MqttThread {
 
     /// Drop the connection's bookkeeping; every row in flight becomes replay-eligible.
     fn lose(&self, reason: &str) {
-        let (epoch, rows, quick) = {
+        let (epoch, rows, quick, closed_on_rows) = {
             let mut s = lock(&self.shared);
-            let quick = self.account_end(&mut s, reason);
+            let (quick, by_peer) = self.account_end(&mut s, reason);
+            let keep_alive = self.cfg.keep_alive;
+            let closed_on_rows = by_peer
+                && !s.ack.is_empty()
+                && s.progress_at.is_some_and(|t| t.elapsed() < keep_alive);
             s.connected = false;
             s.client = None;
             s.epoch += 1;
@@ -283,12 +289,13 @@ impl MqttThread {
             s.sent_at.clear();
             s.ready.clear();
             s.acks_due.clear();
-            // A new session redelivers by itself.
+            // A new session redelivers by itself, and is the rebuild asked for.
             s.redeliver = false;
+            s.rebuild = None;
             let handles: Vec<i64> = s.ack.reset().into_iter().filter(|r| *r >= 0).collect();
             let rows: Vec<i64> = handles.into_iter().flat_map(|r| s.members(r)).collect();
             s.batches.clear();
-            (s.epoch, rows, quick)
+            (s.epoch, rows, quick, closed_on_rows)
         };
         let repeat = {
             let mut last = self.last_reason.lock().unwrap_or_else(|p| p.into_inner());
@@ -327,46 +334,55 @@ impl MqttThread {
             rows,
             reason: reason.to_owned(),
             quick,
+            closed_on_rows,
             watchdog: self.watchdog_fired.take(),
         });
     }
 
     /// Bookkeeping when a connection ends (or an attempt fails): backoff,
-    /// quick drops, and a command subscription the broker will not take.
-    fn account_end(&self, s: &mut Shared, reason: &str) -> bool {
+    /// quick drops, and whether the command subscription goes out next
+    /// time ([`super::subjudge`]). Returns `(quick, by_peer)`: the
+    /// connection ended within a keep-alive of CONNACK without a PUBACK,
+    /// closed by the peer; closed by the peer or the network at all.
+    fn account_end(&self, s: &mut Shared, reason: &str) -> (bool, bool) {
         let keep_alive = self.cfg.keep_alive;
         let c = &mut s.conn;
         if s.connected {
             c.since = Instant::now();
         }
         c.last_error = Some(reason.to_owned());
+        // Taken whatever else holds, so it never outlives its connection.
+        let by_peer = std::mem::take(&mut c.peer_closed) && !self.stop.load(Ordering::Relaxed);
         let Some(at) = c.connacked_at.take() else {
-            return false;
+            return (false, by_peer);
         };
         let short = at.elapsed() < keep_alive;
-        let quick = short && !c.had_puback && std::mem::take(&mut c.peer_closed);
+        let quick = short && !c.had_puback && by_peer;
         if quick {
             c.quick_drops += 1;
         } else {
             c.quick_drops = 0;
         }
-        if c.awaiting_suback && short && !self.stop.load(Ordering::Relaxed) {
-            c.sub_kills += 1;
-            if c.sub_kills >= 2 {
-                c.skip_sub_until = Some(Instant::now() + c.sub_retry);
+        match c.sub.ended(Instant::now(), by_peer) {
+            Verdict::Same => {}
+            Verdict::Off { kills, off_for } => {
                 let msg = format!(
-                    "the broker closed the connection on the command subscription {} times in a row (ACL?); connecting without it, trying again in {} min",
-                    c.sub_kills,
-                    c.sub_retry.as_secs() / 60
+                    "the broker closed the connection right after the command SUBSCRIBE {kills} times in a row (ACL?); connecting without it, trying again in {} s (at most {} s off at a time)",
+                    off_for.as_secs(),
+                    OFF_MAX.as_secs()
                 );
-                log::error!("mqtt: {msg}; telemetry keeps flowing");
-                c.commands_unavailable = Some(msg);
-                c.sub_retry = (c.sub_retry * 2).min(SUB_RETRY_MAX);
-                c.sub_kills = 0;
+                if kills == KILLS_TO_JUDGE {
+                    log::error!("mqtt: {msg}; telemetry keeps flowing");
+                } else {
+                    log::warn!("mqtt: {msg}");
+                }
             }
+            Verdict::Withdrawn => log::warn!(
+                "mqtt: a connection without the command subscription was closed as soon: the link drops connections, not the subscription; subscribing again on every connection"
+            ),
         }
-        c.awaiting_suback = false;
         c.had_puback = false;
-        quick
+        c.left_receipts = false;
+        (quick, by_peer)
     }
 }

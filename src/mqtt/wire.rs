@@ -11,6 +11,7 @@
 //! §3.2.2.3.6), the session expiry interval (§3.1.2.11.2) and the `event_id`
 //! user property on every event PUBLISH (§3.3.2.3.7).
 
+use crate::event::envelope::EventId;
 use crate::mqtt::{MqttConfig, Protocol};
 use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::QoS;
@@ -39,21 +40,50 @@ pub const V5_EVENT_PROPERTIES: usize = 1 + 1 + 2 + EVENT_ID_PROPERTY.len() + 2 +
 /// at the broker and redelivered after a reconnect.
 pub const RECEIVE_MAXIMUM: u16 = u16::MAX;
 
-/// A client of either version (cheap to clone: a channel sender).
+/// A client of either version (cheap to clone: a channel sender). Only
+/// its non-blocking `try_` calls are used, so rumqttc's async client serves
+/// our synchronous code as it is: its blocking `Client` is the same sender
+/// with a runtime beside it that the poller has no way to interrupt
+/// ([`super::poller`] drives the event loop on a runtime of its own).
 #[derive(Clone)]
 pub enum Client {
     /// MQTT 3.1.1.
-    V4(rumqttc::Client),
+    V4(rumqttc::AsyncClient),
     /// MQTT 5.
-    V5(rumqttc::v5::Client),
+    V5(rumqttc::v5::AsyncClient),
 }
 
-/// The event loop of either version.
+/// The event loop of either version: it owns the socket, so dropping it
+/// closes the connection.
 pub enum RawConn {
     /// MQTT 3.1.1 (both boxed: one per connection, and large).
-    V4(Box<rumqttc::Connection>),
+    V4(Box<rumqttc::EventLoop>),
     /// MQTT 5.
-    V5(Box<rumqttc::v5::Connection>),
+    V5(Box<rumqttc::v5::EventLoop>),
+}
+
+impl RawConn {
+    /// One poll of the event loop: the next event in our terms, or the
+    /// failure that ended the connection (`keep_alive` words a 3.1.1 ping
+    /// timeout, [`failure_v4`]). `None` when every sender of the request
+    /// channel is gone (never while the event loop holds its own, as
+    /// rumqttc 0.25.1's does). Must run inside a tokio runtime; dropping
+    /// the future mid-poll can strand a packet half-written
+    /// ([`super::poller`]).
+    pub async fn next(&mut self, keep_alive: Duration) -> Option<Result<Ev, Failure>> {
+        match self {
+            RawConn::V4(el) => match el.poll().await {
+                Ok(e) => Some(Ok(ev4(e))),
+                Err(rumqttc::ConnectionError::RequestsDone) => None,
+                Err(e) => Some(Err(failure_v4(&e, keep_alive))),
+            },
+            RawConn::V5(el) => match el.poll().await {
+                Ok(e) => Some(Ok(ev5(e))),
+                Err(rumqttc::v5::ConnectionError::RequestsDone) => None,
+                Err(e) => Some(Err(failure_v5(&e))),
+            },
+        }
+    }
 }
 
 /// What the broker's CONNACK grants this connection (MQTT 5 properties;
@@ -128,6 +158,8 @@ pub enum Ev {
         /// The failure, if it is one.
         refused: Option<String>,
     },
+    /// Our DISCONNECT left (we send one only to end the connection).
+    DisconnectSent,
     /// Anything else (pings, the outgoing side of acks), for trace logs.
     Other(String),
     /// Not the broker's: the row bookkeeping on the poller thread
@@ -154,8 +186,8 @@ pub struct Failure {
 }
 
 impl Client {
-    /// Queue a PUBLISH without blocking; `event_id`, when given, goes out as
-    /// the `event_id` user property under MQTT 5 (3.1.1 has no properties).
+    /// Queue a PUBLISH without blocking (no properties: the retained
+    /// status).
     ///
     /// Errors: the request channel is full or closed (the publish never
     /// reached the event loop).
@@ -165,73 +197,59 @@ impl Client {
         qos: QoS,
         retain: bool,
         payload: Vec<u8>,
-        event_id: Option<&str>,
     ) -> Result<(), String> {
         match self {
             Client::V4(c) => c
                 .try_publish(topic, qos, retain, payload)
                 .map_err(|e| e.to_string()),
-            Client::V5(c) => {
-                let qos = qos5(qos);
-                match event_id {
-                    Some(id) => {
-                        let props = p5::PublishProperties {
-                            user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), id.to_owned())],
-                            ..Default::default()
-                        };
-                        c.try_publish_with_properties(topic, qos, retain, payload, props)
-                    }
-                    None => c.try_publish(topic, qos, retain, payload),
-                }
-                .map_err(|e| e.to_string())
-            }
+            Client::V5(c) => c
+                .try_publish(topic, qos5(qos), retain, payload)
+                .map_err(|e| e.to_string()),
         }
     }
 
-    /// Queue a row's QoS 1 PUBLISH without blocking, taking its payload and
-    /// event id (under MQTT 5 the `event_id` user property, unless empty)
-    /// instead of copying them.
+    /// Queue a row's QoS 1 PUBLISH without blocking, taking its payload
+    /// instead of copying it. Under MQTT 5 `event_id`, when given, goes out
+    /// as the `event_id` user property in its hyphenated text: the one place
+    /// a row's id becomes text on its way out (the payload carries its own,
+    /// written at append).
     ///
     /// Errors: the request channel is full or closed (the publish never
-    /// reached the event loop); the payload and the event id come back, so
-    /// the row can wait for room unchanged (`None`: rumqttc refused it
-    /// without them, which 0.25.1 never does).
+    /// reached the event loop); the payload comes back, so the row can wait
+    /// for room unchanged (`None`: rumqttc refused it without it, which
+    /// 0.25.1 never does).
     pub fn try_publish_row(
         &self,
         topic: &str,
         payload: Vec<u8>,
-        event_id: String,
-    ) -> Result<(), Option<(Vec<u8>, String)>> {
+        event_id: Option<EventId>,
+    ) -> Result<(), Option<Vec<u8>>> {
         match self {
             Client::V4(c) => match c.try_publish(topic, QoS::AtLeastOnce, false, payload) {
                 Ok(()) => Ok(()),
                 Err(rumqttc::ClientError::TryRequest(rumqttc::Request::Publish(p)))
                 | Err(rumqttc::ClientError::Request(rumqttc::Request::Publish(p))) => {
-                    Err(Some((Vec::from(p.payload), event_id)))
+                    Err(Some(Vec::from(p.payload)))
                 }
                 Err(_) => Err(None),
             },
             Client::V5(c) => {
                 let qos = qos5(QoS::AtLeastOnce);
-                let sent = if event_id.is_empty() {
-                    c.try_publish(topic, qos, false, payload)
-                } else {
-                    let props = p5::PublishProperties {
-                        user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), event_id)],
-                        ..Default::default()
-                    };
-                    c.try_publish_with_properties(topic, qos, false, payload, props)
+                let sent = match event_id {
+                    None => c.try_publish(topic, qos, false, payload),
+                    Some(id) => {
+                        let props = p5::PublishProperties {
+                            user_properties: vec![(EVENT_ID_PROPERTY.to_owned(), id.hyphenated())],
+                            ..Default::default()
+                        };
+                        c.try_publish_with_properties(topic, qos, false, payload, props)
+                    }
                 };
                 match sent {
                     Ok(()) => Ok(()),
                     Err(rumqttc::v5::ClientError::TryRequest(rumqttc::v5::Request::Publish(p)))
                     | Err(rumqttc::v5::ClientError::Request(rumqttc::v5::Request::Publish(p))) => {
-                        let id = p
-                            .properties
-                            .and_then(|mut pr| pr.user_properties.pop())
-                            .map(|(_, v)| v)
-                            .unwrap_or_default();
-                        Err(Some((Vec::from(p.payload), id)))
+                        Err(Some(Vec::from(p.payload)))
                     }
                     Err(_) => Err(None),
                 }
@@ -244,6 +262,15 @@ impl Client {
         match self {
             Client::V4(c) => c.try_subscribe(topic, qos).map_err(|e| e.to_string()),
             Client::V5(c) => c.try_subscribe(topic, qos5(qos)).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Queue an UNSUBSCRIBE without blocking. Errors: the channel is full
+    /// or closed.
+    pub fn try_unsubscribe(&self, topic: &str) -> Result<(), String> {
+        match self {
+            Client::V4(c) => c.try_unsubscribe(topic).map_err(|e| e.to_string()),
+            Client::V5(c) => c.try_unsubscribe(topic).map_err(|e| e.to_string()),
         }
     }
 
@@ -342,9 +369,9 @@ pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, RawConn) {
                     true,
                 ));
             }
-            let (client, mut conn) = rumqttc::Client::new(o, cap);
-            conn.eventloop.set_network_options(net);
-            (Client::V4(client), RawConn::V4(Box::new(conn)))
+            let (client, mut el) = rumqttc::AsyncClient::new(o, cap);
+            el.set_network_options(net);
+            (Client::V4(client), RawConn::V4(Box::new(el)))
         }
         Protocol::V5 => {
             let mut o =
@@ -377,13 +404,13 @@ pub fn connect(cfg: &MqttConfig, setup: Setup) -> (Client, RawConn) {
                 ));
             }
             o.set_network_options(net);
-            let (client, conn) = rumqttc::v5::Client::new(o, cap);
-            (Client::V5(client), RawConn::V5(Box::new(conn)))
+            let (client, el) = rumqttc::v5::AsyncClient::new(o, cap);
+            (Client::V5(client), RawConn::V5(Box::new(el)))
         }
     }
 }
 
-pub(super) fn ev4(e: rumqttc::Event) -> Ev {
+fn ev4(e: rumqttc::Event) -> Ev {
     use rumqttc::{Event, Incoming, Outgoing};
     match e {
         Event::Incoming(Incoming::ConnAck(a)) => Ev::ConnAck {
@@ -391,6 +418,7 @@ pub(super) fn ev4(e: rumqttc::Event) -> Ev {
             granted: Granted::default(),
         },
         Event::Outgoing(Outgoing::Publish(pkid)) => Ev::OutgoingPublish(pkid),
+        Event::Outgoing(Outgoing::Disconnect) => Ev::DisconnectSent,
         Event::Incoming(Incoming::PubAck(a)) => Ev::PubAck {
             pkid: a.pkid,
             refused: None,
@@ -407,7 +435,7 @@ pub(super) fn ev4(e: rumqttc::Event) -> Ev {
     }
 }
 
-pub(super) fn ev5(e: rumqttc::v5::Event) -> Ev {
+fn ev5(e: rumqttc::v5::Event) -> Ev {
     use rumqttc::v5::mqttbytes::v5::Packet;
     use rumqttc::v5::Event;
     match e {
@@ -420,6 +448,7 @@ pub(super) fn ev5(e: rumqttc::v5::Event) -> Ev {
             }),
         },
         Event::Outgoing(rumqttc::Outgoing::Publish(pkid)) => Ev::OutgoingPublish(pkid),
+        Event::Outgoing(rumqttc::Outgoing::Disconnect) => Ev::DisconnectSent,
         Event::Incoming(Packet::PubAck(a)) => Ev::PubAck {
             pkid: a.pkid,
             refused: puback_refusal(a.reason),
@@ -479,7 +508,7 @@ fn suback_reason(c: &p5::SubscribeReasonCode) -> &'static str {
 }
 
 /// An MQTT 5 connection error in words an operator can act on.
-pub(super) fn failure_v5(e: &rumqttc::v5::ConnectionError) -> Failure {
+fn failure_v5(e: &rumqttc::v5::ConnectionError) -> Failure {
     use rumqttc::v5::{ConnectionError as E, StateError as S};
     let mut f = Failure {
         reason: String::new(),
@@ -616,7 +645,7 @@ fn is_refusal(e: &rumqttc::ConnectionError) -> bool {
 }
 
 /// A 3.1.1 connection error as a [`Failure`].
-pub(super) fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> Failure {
+fn failure_v4(e: &rumqttc::ConnectionError, keep_alive: Duration) -> Failure {
     let oversize = match e {
         rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
             rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),

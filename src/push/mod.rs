@@ -94,7 +94,8 @@ pub fn save(dir: &Path, push: Option<&Stored>) -> std::io::Result<()> {
 /// `origin`) with `sets` (command-line overrides) and the push on top.
 /// A signed whole config keeps the local file's values of every key in
 /// [`crate::push::policy::LOCAL_ONLY`]: the key that signs may not change who may
-/// push, the board's identity, nor move what the agent writes or binds.
+/// push, who the operator is, the board's identity, nor move what the agent
+/// writes or binds.
 ///
 /// Errors: the result does not validate (the message names the key).
 pub fn compose(
@@ -104,6 +105,21 @@ pub fn compose(
     sets: &[String],
     push: &Push,
 ) -> Result<Config, String> {
+    compose_noting(local, local_text, origin, sets, push).map(|(cfg, _)| cfg)
+}
+
+/// [`compose`], and the keys of [`crate::push::policy::LOCAL_ONLY`] the push
+/// set to another value than the local file's, which were ignored (the
+/// local values kept), in that list's order: what an answer names.
+///
+/// Errors: as [`compose`].
+pub fn compose_noting(
+    local: &Config,
+    local_text: &str,
+    origin: &str,
+    sets: &[String],
+    push: &Push,
+) -> Result<(Config, Vec<&'static str>), String> {
     let mut cfg = match push {
         Push::Overlay(over) => {
             let all: Vec<String> = sets.iter().chain(over.iter()).cloned().collect();
@@ -112,30 +128,99 @@ pub fn compose(
         Push::Signed(text) => crate::config::parse(text, "signed push", sets),
     }
     .map_err(|e| format!("config invalid: {e}"))?;
-    keep_local_only(&mut cfg, local);
-    Ok(cfg)
+    let ignored = keep_local_only(&mut cfg, local);
+    Ok((cfg, ignored))
 }
 
-/// Put the local values of [`crate::push::policy::LOCAL_ONLY`] back into `cfg`.
-fn keep_local_only(cfg: &mut Config, local: &Config) {
-    cfg.config_push = local.config_push.clone();
-    // Who the operator is: a push (from the command topic) may not say.
-    cfg.commands.operator_scopes = local.commands.operator_scopes.clone();
-    cfg.device_id = local.device_id.clone();
-    cfg.device_id_source = local.device_id_source.clone();
-    cfg.mqtt.client_id = local.mqtt.client_id.clone();
-    cfg.mqtt.topic_prefix = local.mqtt.topic_prefix.clone();
-    cfg.spool.path = local.spool.path.clone();
-    cfg.spool.allow_network_fs = local.spool.allow_network_fs;
-    cfg.metrics.textfile = local.metrics.textfile.clone();
-    cfg.metrics.listen = local.metrics.listen;
-    cfg.metrics.listen_public = local.metrics.listen_public;
-    let (i, l) = (&mut cfg.ingest, &local.ingest);
-    i.socket = l.socket.clone();
-    i.socket_group = l.socket_group.clone();
-    i.socket_mode = l.socket_mode;
-    i.tcp = l.tcp;
-    i.tcp_public = l.tcp_public;
+/// Put the local values of [`crate::push::policy::LOCAL_ONLY`] back into
+/// `cfg`; returns the keys whose value that changed.
+fn keep_local_only(cfg: &mut Config, local: &Config) -> Vec<&'static str> {
+    fn keep<T: PartialEq + Clone>(
+        key: &'static str,
+        pushed: &mut T,
+        local: &T,
+        ignored: &mut Vec<&'static str>,
+    ) {
+        if pushed != local {
+            pushed.clone_from(local);
+            ignored.push(key);
+        }
+    }
+    let mut ig = Vec::new();
+    let (c, l) = (&mut *cfg, local);
+    keep(
+        "commands.config_push",
+        &mut c.config_push,
+        &l.config_push,
+        &mut ig,
+    );
+    let (cc, lc) = (&mut c.commands, &l.commands);
+    let keys = &lc.operator_public_keys;
+    keep(
+        "commands.operator_public_keys",
+        &mut cc.operator_public_keys,
+        keys,
+        &mut ig,
+    );
+    keep(
+        "commands.allow_unsigned",
+        &mut cc.allow_unsigned,
+        &lc.allow_unsigned,
+        &mut ig,
+    );
+    keep("device_id", &mut c.device_id, &l.device_id, &mut ig);
+    c.device_id_source.clone_from(&l.device_id_source);
+    keep(
+        "mqtt.client_id",
+        &mut c.mqtt.client_id,
+        &l.mqtt.client_id,
+        &mut ig,
+    );
+    keep(
+        "mqtt.topic_prefix",
+        &mut c.mqtt.topic_prefix,
+        &l.mqtt.topic_prefix,
+        &mut ig,
+    );
+    keep("spool.path", &mut c.spool.path, &l.spool.path, &mut ig);
+    let net_fs = &l.spool.allow_network_fs;
+    keep(
+        "spool.allow_network_fs",
+        &mut c.spool.allow_network_fs,
+        net_fs,
+        &mut ig,
+    );
+    let (m, lm) = (&mut c.metrics, &l.metrics);
+    keep("metrics.textfile", &mut m.textfile, &lm.textfile, &mut ig);
+    keep("metrics.listen", &mut m.listen, &lm.listen, &mut ig);
+    keep(
+        "metrics.listen_public",
+        &mut m.listen_public,
+        &lm.listen_public,
+        &mut ig,
+    );
+    let (i, li) = (&mut c.ingest, &l.ingest);
+    keep("ingest.socket", &mut i.socket, &li.socket, &mut ig);
+    keep(
+        "ingest.socket_group",
+        &mut i.socket_group,
+        &li.socket_group,
+        &mut ig,
+    );
+    keep(
+        "ingest.socket_mode",
+        &mut i.socket_mode,
+        &li.socket_mode,
+        &mut ig,
+    );
+    keep("ingest.tcp", &mut i.tcp, &li.tcp, &mut ig);
+    keep(
+        "ingest.tcp_public",
+        &mut i.tcp_public,
+        &li.tcp_public,
+        &mut ig,
+    );
+    ig
 }
 
 /// A push applied live and waiting for its connection to be confirmed.
@@ -255,20 +340,57 @@ mod tests {
         assert_eq!(load(d.path()), None);
     }
 
+    const BASE: &str = "device_id = \"gw1\"\n[spool]\npath = \"/tmp/es-push-test/spool.db\"\n[mqtt]\nurl = \"mqtt://127.0.0.1:1883\"\n[[sources]]\nname = \"system\"\nkind = \"system\"\ninterval_ms = 1000\n";
+    const KEY: &str = "19bf44096984cdfe8541bac167dc3b96c85086aa30b6b6cb0c5c38ad703166e1";
+
     #[test]
-    fn a_signed_config_keeps_the_local_operator_scopes() {
-        let base = "device_id = \"gw1\"\n[spool]\npath = \"/tmp/es-push-test/spool.db\"\n[mqtt]\nurl = \"mqtt://127.0.0.1:1883\"\n[[sources]]\nname = \"system\"\nkind = \"system\"\ninterval_ms = 1000\n";
-        let local_text = format!("{base}[commands]\nenabled = true\noperator_scopes = [\"ops\"]\n");
+    fn a_signed_config_keeps_the_local_operator_keys_and_names_what_it_ignored() {
+        let local_text =
+            format!("{BASE}[commands]\nenabled = true\noperator_public_keys = [\"{KEY}\"]\n");
         let local = crate::config::parse(&local_text, "local", &[]).expect("local config");
-        assert_eq!(local.commands.operator_scopes, vec!["ops".to_owned()]);
-        // A signed push that names none (or others) does not change them.
-        for pushed in [
-            format!("{base}[commands]\nenabled = true\n"),
-            format!("{base}[commands]\nenabled = true\noperator_scopes = [\"attacker\"]\n"),
+        assert_eq!(local.commands.operator_public_keys.len(), 1);
+        // A signed push that names none, or others, or opens the channel,
+        // does not change them, and says so.
+        let attacker = "ab".repeat(32);
+        for (pushed, named) in [
+            (format!("{BASE}[commands]\nenabled = true\n"), &["commands.operator_public_keys"][..]),
+            (
+                format!("{BASE}[commands]\nenabled = true\nallow_unsigned = true\noperator_public_keys = [\"{attacker}\"]\n"),
+                &["commands.operator_public_keys", "commands.allow_unsigned"][..],
+            ),
+            (local_text.clone(), &[][..]),
         ] {
-            let cfg = compose(&local, &local_text, "local", &[], &Push::Signed(pushed))
-                .expect("composed");
-            assert_eq!(cfg.commands.operator_scopes, vec!["ops".to_owned()]);
+            let (cfg, ignored) =
+                compose_noting(&local, &local_text, "local", &[], &Push::Signed(pushed))
+                    .expect("composed");
+            assert_eq!(cfg.commands.operator_public_keys, local.commands.operator_public_keys);
+            assert!(!cfg.commands.allow_unsigned);
+            assert_eq!(ignored, named);
         }
+    }
+
+    #[test]
+    fn every_local_only_key_a_signed_config_changes_is_named() {
+        let local = crate::config::parse(BASE, "local", &[]).expect("local config");
+        let pushed = format!(
+            "{}\n[metrics]\ntextfile = \"/tmp/x.prom\"\nlisten = \"127.0.0.1:9999\"\nlisten_public = true\n\
+             [ingest]\nsocket = \"/tmp/x.sock\"\nsocket_group = \"nogroup\"\nsocket_mode = \"0600\"\n\
+             tcp = \"127.0.0.1:9998\"\ntcp_public = true\nstream_patterns = [\"app.*\"]\n\
+             [commands]\nallow_unsigned = true\noperator_public_keys = [\"{KEY}\"]\n\
+             [commands.config_push]\nmode = \"off\"\n",
+            BASE.replace("gw1", "gw2")
+                .replace("/tmp/es-push-test/spool.db", "/tmp/elsewhere/spool.db")
+                .replace("[spool]\n", "[spool]\nallow_network_fs = true\n")
+                .replace("[mqtt]\n", "[mqtt]\nclient_id = \"x\"\ntopic_prefix = \"y/z\"\n")
+        );
+        let (cfg, ignored) = compose_noting(&local, BASE, "local", &[], &Push::Signed(pushed))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let all: Vec<&str> = crate::push::policy::LOCAL_ONLY
+            .iter()
+            .map(|(k, _)| *k)
+            .collect();
+        assert_eq!(ignored, all, "every local-only key, in the list's order");
+        assert_eq!(cfg.spool.path, local.spool.path);
+        assert_eq!(cfg.device_id, "gw1");
     }
 }

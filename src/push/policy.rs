@@ -1,7 +1,7 @@
 //! What a config push may change.
 //!
 //! Its one rule: **nothing that arrives over the network can widen what the
-//! board's own config file allows** (DESIGN.md, "Trust boundaries"). The
+//! board's own config file allows** (docs/invariants.md, "Trust boundaries"). The
 //! local file (root-owned, `/etc/edgespool/`) decides who the board talks to
 //! and what it may run; `[commands.config_push]` in it decides what a push
 //! may do:
@@ -18,8 +18,9 @@
 //!   above every serial this board accepted before (kept in the spool, so
 //!   an older signed config cannot be replayed, nor one signed for another
 //!   board). What it may not change stays the local file's
-//!   ([`LOCAL_ONLY`]: the push policy, identity, and the paths and sockets
-//!   the agent writes or binds). While a signed config is in force an
+//!   ([`LOCAL_ONLY`]: the push policy, who the operator is, identity, and
+//!   the paths and sockets the agent writes or binds); the answer names
+//!   every such key the signed config set to another value. While a signed config is in force an
 //!   overlay is refused (it would discard the signed config): send a
 //!   signed config instead.
 //!
@@ -73,26 +74,52 @@ pub const OVERLAY_BOUNDS: &[(&str, u64, u64)] = &[
     ("agent.summary_interval_secs", 10, 3_600),
 ];
 
-/// What a signed whole config may not change: these keys keep the local
-/// file's values (the push policy itself, the board's identity, and every
-/// path or socket the agent writes or binds).
-pub const LOCAL_ONLY: &[&str] = &[
-    "commands.config_push",
-    "commands.operator_scopes",
-    "device_id",
-    "mqtt.client_id",
-    "mqtt.topic_prefix",
-    "spool.path",
-    "spool.allow_network_fs",
-    "metrics.textfile",
-    "metrics.listen",
-    "metrics.listen_public",
-    "ingest.socket",
-    "ingest.socket_group",
-    "ingest.socket_mode",
-    "ingest.tcp",
-    "ingest.tcp_public",
+/// Why the local file decides who may push.
+const WHO_PUSHES: &str = "the board's own file says who may push";
+/// Why the local file decides who the operator is.
+const WHO_OPERATES: &str = "the board's own file says who the operator is";
+/// Why the board's identity stays.
+const IDENTITY: &str = "the board's own file says which board it is";
+/// Why what proves a row delivered stays: a push that listed its own
+/// receipt key, or went back to PUBACKs, could retire rows the fleet never
+/// stored.
+const WHO_RETIRES: &str = "the board's own file says what proves a row delivered";
+/// Why paths and sockets stay.
+const WRITES: &str = "the board's own file says what the agent writes or binds";
+
+/// What a signed whole config may not change, and why: these keys keep the
+/// local file's values (the push policy itself, who the operator is, the
+/// board's identity, and every path or socket the agent writes or binds).
+/// A signed config that sets one to another value is applied without it,
+/// and the answer and the log name it ([`crate::push::compose_noting`]).
+pub const LOCAL_ONLY: &[(&str, &str)] = &[
+    ("commands.config_push", WHO_PUSHES),
+    ("commands.operator_public_keys", WHO_OPERATES),
+    ("commands.allow_unsigned", WHO_OPERATES),
+    ("device_id", IDENTITY),
+    ("mqtt.client_id", IDENTITY),
+    ("mqtt.topic_prefix", IDENTITY),
+    ("mqtt.retire_on", WHO_RETIRES),
+    ("mqtt.receipt_public_keys", WHO_RETIRES),
+    ("spool.path", WRITES),
+    ("spool.allow_network_fs", WRITES),
+    ("metrics.textfile", WRITES),
+    ("metrics.listen", WRITES),
+    ("metrics.listen_public", WRITES),
+    ("ingest.socket", WRITES),
+    ("ingest.socket_group", WRITES),
+    ("ingest.socket_mode", WRITES),
+    ("ingest.tcp", WRITES),
+    ("ingest.tcp_public", WRITES),
 ];
+
+/// Why `key` of [`LOCAL_ONLY`] stays the local file's.
+pub fn local_only_why(key: &str) -> &'static str {
+    LOCAL_ONLY
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or("local only", |(_, why)| why)
+}
 
 /// The serial of the newest signed config a board accepted (applied, kept
 /// or not), in the spool's `agent_state` table under this key: a signed

@@ -40,6 +40,41 @@ impl Item {
     }
 }
 
+/// How much of an oversized delivery's payload its [`Item`] keeps (the side
+/// tables keep at most this of any payload by default).
+pub const OVERSIZED_KEPT: usize = 64 << 10;
+
+impl Item {
+    /// A delivery over the sink's incoming limit of `limit` bytes (its
+    /// packet `packet` bytes): set aside unread, keeping its topic, its
+    /// size and its first [`OVERSIZED_KEPT`] bytes.
+    pub fn oversized(topic: &str, payload: &[u8], packet: usize, limit: usize) -> Item {
+        Item {
+            topic: topic.to_owned(),
+            payload: payload[..payload.len().min(OVERSIZED_KEPT)].to_vec(),
+            read: Err(Unreadable::Oversized {
+                bytes: payload.len(),
+                packet,
+                limit,
+            }),
+        }
+    }
+
+    /// The payload's length as delivered (an oversized delivery keeps only
+    /// its first bytes in `payload`).
+    pub fn delivered_bytes(&self) -> usize {
+        match &self.read {
+            Err(Unreadable::Oversized { bytes, .. }) => *bytes,
+            _ => self.payload.len(),
+        }
+    }
+
+    /// Whether it was set aside for its size.
+    pub fn is_oversized(&self) -> bool {
+        matches!(self.read, Err(Unreadable::Oversized { .. }))
+    }
+}
+
 /// The key of an event.
 pub fn key(e: &Event) -> Key {
     (e.device_id.clone(), e.event_id.clone())

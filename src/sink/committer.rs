@@ -53,14 +53,14 @@ pub struct Committer<T> {
 }
 
 impl<T: Send + Default> Committer<T> {
-    /// Start the store thread in `scope`; with `receipts` it also works out
-    /// the receipts each committed batch owes.
+    /// Start the store thread in `scope`; with a `receipts` key it also
+    /// works out (and signs) the receipts each committed batch owes.
     ///
     /// Errors: the thread could not be started (named in the message).
     pub fn start<'scope, 'env, S: Store + Send>(
         scope: &'scope Scope<'scope, 'env>,
         store: &'scope mut S,
-        receipts: bool,
+        receipts: Option<std::sync::Arc<crate::event::signature::SigningKey>>,
     ) -> Result<Committer<T>, String>
     where
         T: 'scope,
@@ -75,9 +75,9 @@ impl<T: Send + Default> Committer<T> {
                 for Job { items, tag } in job_rx {
                     let now = crate::event::envelope::wall_clock_ms().0;
                     let result = store.commit(&items, now).map(|s| Committed {
-                        owed: match receipts {
-                            true => super::outbox::owed(&items, &s.fates),
-                            false => Vec::new(),
+                        owed: match &receipts {
+                            Some(key) => super::outbox::owed(&items, &s.fates, key),
+                            None => Vec::new(),
                         },
                         stats: s.stats,
                     });

@@ -19,6 +19,14 @@
 //! [`super::outbox::MAX_IN_FLIGHT`] are out unacknowledged, so receipts
 //! never fill rumqttc's in-flight window that PUBACKs also wait behind.
 //!
+//! One message never stalls the session: a PUBLISH over the incoming limit
+//! ([`MAX_INCOMING`]) ends the connection before rumqttc reads it, and the
+//! persistent session would send it again, first, at every reconnect. The
+//! next session takes it with a limit of its size, sets it aside unread
+//! (an [`Unreadable::Oversized`](super::message::Unreadable) item) and
+//! acknowledges it after the commit like any other delivery; then the limit
+//! returns to normal ([`Drain`]).
+//!
 //! The store runs on its own thread ([`super::committer`]): batch N+1 is
 //! received and decoded here while batch N commits there, one batch with
 //! the store at most. PUBACKs and receipts are queued, and sent, only from
@@ -31,9 +39,10 @@ use super::committer::{Committer, Done};
 use super::outbox::Outbox;
 use super::poller::{Polled, Poller};
 use super::{SinkStats, Store, StoreError};
+use crate::os::fsguard::files::read_secret;
 use rumqttc::{
-    Client, ConnectReturnCode, Connection, Event, Incoming, MqttOptions, Publish, QoS,
-    RecvTimeoutError, SubscribeFilter, SubscribeReasonCode,
+    Client, ConnectReturnCode, Connection, ConnectionError, Event, Incoming, MqttOptions, Outgoing,
+    Publish, QoS, RecvTimeoutError, StateError, SubscribeFilter, SubscribeReasonCode,
 };
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -58,11 +67,12 @@ pub struct SinkOptions {
     pub batch: BatchPolicy,
     /// Interval of the summary log line.
     pub report: Duration,
-    /// Publish receipts after each commit (default on). Off for a broker
-    /// whose ACL does not let the sink write `<prefix>/receipts`: mosquitto
-    /// 2.0 closes the connection of a 3.1.1 client after a denied QoS 1
-    /// publish.
-    pub receipts: bool,
+    /// The key that signs the receipts published after each commit
+    /// (`--receipt-key`); `None`: no receipts (a board retires nothing on
+    /// an unsigned one). Leave it out for a broker whose ACL does not let
+    /// the sink write `<prefix>/receipts`: mosquitto 2.0 closes the
+    /// connection of a 3.1.1 client after a denied QoS 1 publish.
+    pub receipts: Option<std::sync::Arc<crate::event::signature::SigningKey>>,
     /// MQTT login: a user name and the file holding its password (read
     /// anew at every connect, so a rotated password needs no restart; one
     /// trailing newline dropped). `None`: anonymous. A fleet broker should
@@ -71,14 +81,20 @@ pub struct SinkOptions {
     pub credentials: Option<(String, PathBuf)>,
 }
 
-/// The password in `path`, without one trailing newline.
+/// The password in `path`, without one trailing newline: read only from a
+/// regular file named itself (a symlink is refused, never followed) that
+/// group and others cannot read ([`read_secret`]).
 ///
-/// Errors: the file cannot be read or is not UTF-8 (naming it).
+/// Errors: the file is a symlink, not a regular file, readable by group
+/// or others (the message names the path, the mode and `chmod 600`),
+/// cannot be read, or is not UTF-8.
 pub fn read_password(path: &Path) -> Result<String, String> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| format!("cannot read --password-file {}: {e}", path.display()))?;
-    let text = String::from_utf8(bytes)
-        .map_err(|_| format!("--password-file {} is not UTF-8", path.display()))?;
+    let shown = path.display();
+    let bytes = read_secret(path).map_err(|e| {
+        format!("MQTT password file {shown} (--password-file, or password_file in --config): {e}")
+    })?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| format!("MQTT password file {shown} is not UTF-8"))?;
     Ok(text
         .strip_suffix('\n')
         .map(|t| t.strip_suffix('\r').unwrap_or(t))
@@ -88,7 +104,7 @@ pub fn read_password(path: &Path) -> Result<String, String> {
 
 impl SinkOptions {
     /// Options with the default batch policy (500 deliveries, 100 ms window,
-    /// 2 ms pause), a 10 s summary line, and receipts on.
+    /// 2 ms pause), a 10 s summary line, and no receipts (no key yet).
     pub fn new(host: String, port: u16, filter: String, client_id: String) -> SinkOptions {
         SinkOptions {
             host,
@@ -102,7 +118,7 @@ impl SinkOptions {
                 idle: Duration::from_millis(2),
             },
             report: Duration::from_secs(10),
-            receipts: true,
+            receipts: None,
             credentials: None,
         }
     }
@@ -145,6 +161,14 @@ enum End {
     Stop,
     /// Connection or store lost; reconnect after a pause.
     Lost(String),
+    /// The broker sent a PUBLISH of this remaining length, over the
+    /// session's incoming limit (rumqttc closed the connection before
+    /// reading it): reconnect with a limit that takes it, to set it aside.
+    Oversized(usize),
+    /// A session with a raised limit has set its oversized deliveries
+    /// aside and acknowledged them (or waited [`DRAIN_WAIT`] for none):
+    /// reconnect at once with the normal limit.
+    Drained,
 }
 
 /// Run the sink until `stop`; returns what it stored and receipted.
@@ -161,7 +185,7 @@ pub fn run<S: Store + Send>(
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     std::thread::scope(|scope| {
-        let mut committer = Committer::start(scope, store, opts.receipts)?;
+        let mut committer = Committer::start(scope, store, opts.receipts.clone())?;
         sessions(opts, &mut committer, stop)
         // The committer is dropped here, idle (every session waits for its
         // batch), and the scope joins the store thread.
@@ -178,8 +202,10 @@ fn sessions(
     let mut outbox = Outbox::new();
     let mut backoff = Duration::from_millis(100);
     let mut last_report = Instant::now();
+    let mut oversize: Option<usize> = None;
     while !stop.load(Ordering::Relaxed) {
-        let (client, conn) = match connect(opts) {
+        let limit = incoming_limit(oversize.take());
+        let (client, conn) = match connect(opts, limit) {
             Ok(c) => c,
             Err(why) => {
                 log::warn!("sink: {why}; trying again in {backoff:?}");
@@ -204,6 +230,7 @@ fn sessions(
             last_at: Instant::now(),
             totals: &mut totals,
             outbox: &mut outbox,
+            drain: (limit > MAX_INCOMING).then(|| Drain::new(limit, Instant::now())),
         };
         let end = s.run(stop, &mut last_report);
         // Whatever ended the session, this connection is done with (a dead
@@ -212,6 +239,21 @@ fn sessions(
         poller.finish();
         match end? {
             End::Stop => break,
+            End::Oversized(n) => {
+                log::warn!(
+                    "sink: the broker sent a PUBLISH of {n} bytes, over the incoming limit of \
+                     {MAX_INCOMING} bytes; reading it on the next session with a {n}-byte limit \
+                     to set it aside (unreadable) and acknowledge it, not have it sent again \
+                     for ever"
+                );
+                oversize = Some(n);
+                // A pause, not a growing one: each such session sets at
+                // least one message aside.
+                sleep_unless(stop, Duration::from_millis(100));
+            }
+            End::Drained => {
+                log::info!("sink: back to the incoming limit of {MAX_INCOMING} bytes");
+            }
             End::Lost(why) => {
                 log::warn!("sink: connection lost: {why}; reconnecting in {backoff:?}");
                 // A session that lasted is not a failure streak.
@@ -232,16 +274,99 @@ fn sessions(
 /// the deliveries that arrived meanwhile.
 const BUSY_POLL: Duration = Duration::from_millis(2);
 
+/// The largest PUBLISH a session takes (its remaining length: topic, packet
+/// id and payload; rumqttc's `max_incoming_packet_size`). A larger one
+/// ends the session before it is read ([`End::Oversized`]); the next
+/// session takes it with a limit of its size, sets it aside and
+/// acknowledges it, then the limit returns to this ([`Drain`]).
+pub const MAX_INCOMING: usize = 16 << 20;
+
+/// The largest remaining length MQTT can encode (3.1.1 §2.2.3, v5 §1.5.5:
+/// four bytes of variable byte integer): no PUBLISH is larger.
+pub const MQTT_MAX_REMAINING: usize = 268_435_455;
+
+/// How long a session with a raised limit waits for an oversized delivery
+/// before it goes back to the normal limit (the broker may have dropped
+/// the message meanwhile: expired, or removed with its publisher's session).
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
+
+/// The incoming limit of the next session: [`MAX_INCOMING`], or the size
+/// of the oversized PUBLISH the last one ended on (logged at WARN).
+fn incoming_limit(oversize: Option<usize>) -> usize {
+    match oversize {
+        Some(n) if n > MAX_INCOMING && n <= MQTT_MAX_REMAINING => n,
+        Some(n) => {
+            // rumqttc reads at most MQTT's largest length, so this is a
+            // broker that speaks something else; nothing to raise.
+            log::error!("sink: a PUBLISH of {n} bytes cannot be read at all; keeping the limit");
+            MAX_INCOMING
+        }
+        None => MAX_INCOMING,
+    }
+}
+
+/// A session with a raised incoming limit: the oversized deliveries taken
+/// (by packet id) whose PUBACK has not yet gone out.
+struct Drain {
+    limit: usize,
+    until: Instant,
+    seen: bool,
+    unacked: Vec<u16>,
+}
+
+impl Drain {
+    /// A session with incoming limit `limit`, begun at `now`.
+    fn new(limit: usize, now: Instant) -> Drain {
+        Drain {
+            limit,
+            until: now + DRAIN_WAIT,
+            seen: false,
+            unacked: Vec::new(),
+        }
+    }
+
+    /// An oversized delivery taken (`pkid`: its packet id, `None` for QoS
+    /// 0, which has no PUBACK to wait for and is not sent again).
+    fn took(&mut self, pkid: Option<u16>) {
+        if let Some(p) = pkid {
+            self.seen = true;
+            self.unacked.push(p);
+        }
+    }
+
+    /// The PUBACK of `pkid` has been written out.
+    fn acked(&mut self, pkid: u16) {
+        self.unacked.retain(|&p| p != pkid);
+    }
+
+    /// Whether the session has done its job at `now`: every oversized
+    /// delivery it took acknowledged, or none came within [`DRAIN_WAIT`].
+    fn done(&self, now: Instant) -> bool {
+        match self.seen {
+            true => self.unacked.is_empty(),
+            false => now >= self.until,
+        }
+    }
+}
+
+/// The remaining length of `p` as rumqttc checks it against the limit:
+/// topic (with its length), packet id (QoS 1 and 2), payload.
+fn remaining_length(p: &Publish) -> usize {
+    let pkid = if p.qos == QoS::AtMostOnce { 0 } else { 2 };
+    2 + p.topic.len() + pkid + p.payload.len()
+}
+
 /// A batch is committed once its payloads reach this many bytes, whatever
 /// `--batch-max` says: with incoming packets of up to 16 MiB, 500 of them
 /// would make one transaction too large for PostgreSQL (1 GiB per message),
 /// fail every time and be redelivered for ever.
 const MAX_BATCH_BYTES: usize = 16 << 20;
 
-/// A client and its connection (not yet connected).
+/// A client and its connection (not yet connected), taking PUBLISH packets
+/// of up to `incoming` bytes.
 ///
 /// Errors: the password file cannot be read (the attempt is retried).
-fn connect(opts: &SinkOptions) -> Result<(Client, Connection), String> {
+fn connect(opts: &SinkOptions, incoming: usize) -> Result<(Client, Connection), String> {
     let mut o = MqttOptions::new(opts.client_id.clone(), opts.host.clone(), opts.port);
     if let Some((user, file)) = &opts.credentials {
         o.set_credentials(user.clone(), read_password(file)?);
@@ -249,7 +374,7 @@ fn connect(opts: &SinkOptions) -> Result<(Client, Connection), String> {
     o.set_clean_session(false);
     o.set_manual_acks(true);
     o.set_keep_alive(Duration::from_secs(10));
-    o.set_max_packet_size(16 << 20, 1 << 20);
+    o.set_max_packet_size(incoming, 1 << 20);
     // Room for every acknowledgement of a full batch, and the receipts that
     // follow them, so `try_ack` does not find the request channel full in
     // the common case.
@@ -280,6 +405,8 @@ struct Session<'a> {
     last_at: Instant,
     totals: &'a mut SinkStats,
     outbox: &'a mut Outbox,
+    /// Set on a session with a raised incoming limit.
+    drain: Option<Drain>,
 }
 
 impl Session<'_> {
@@ -297,11 +424,11 @@ impl Session<'_> {
         };
         match (end?, settled?) {
             // What was committed before (and this batch, if it was) may go.
-            (End::Stop, _) => {
+            (e @ (End::Stop | End::Drained), _) => {
                 self.flush();
-                Ok(End::Stop)
+                Ok(e)
             }
-            (End::Lost(why), _) => Ok(End::Lost(why)),
+            (e @ (End::Lost(_) | End::Oversized(_)), _) => Ok(e),
         }
     }
 
@@ -318,6 +445,9 @@ impl Session<'_> {
             }
             if stop.load(Ordering::Relaxed) {
                 return Ok(End::Stop);
+            }
+            if self.drain.as_ref().is_some_and(|d| d.done(Instant::now())) {
+                return Ok(End::Drained);
             }
             if !self.committer.busy() && (self.full() || self.due()) {
                 self.submit()?;
@@ -453,7 +583,16 @@ impl Session<'_> {
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => self.take(p),
             // The broker has one of our receipts (we publish nothing else).
             Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => self.outbox.acked(),
+            // Written and flushed: an oversized delivery is acknowledged.
+            Ok(Ok(Event::Outgoing(Outgoing::PubAck(pkid)))) => {
+                if let Some(d) = &mut self.drain {
+                    d.acked(pkid);
+                }
+            }
             Ok(Ok(_)) | Err(RecvTimeoutError::Timeout) => {}
+            Ok(Err(ConnectionError::MqttState(StateError::Deserialization(
+                rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+            )))) => return Ok(Some(End::Oversized(n))),
             Ok(Err(e)) => return Ok(Some(End::Lost(e.to_string()))),
             Err(RecvTimeoutError::Disconnected) => {
                 return Ok(Some(End::Lost("event loop closed".into())))
@@ -462,15 +601,31 @@ impl Session<'_> {
         Ok(None)
     }
 
-    /// A delivery joins the open batch.
+    /// A delivery joins the open batch; one over [`MAX_INCOMING`] (read on
+    /// a session with a raised limit) is set aside unread.
     fn take(&mut self, mut p: Publish) {
         if self.items.is_empty() {
             self.first_at = Instant::now();
         }
         self.last_at = Instant::now();
-        // A batched publish becomes one item per event, all in this
-        // transaction: its PUBACK waits for every one of them.
-        let new = super::unbatch::items(&p.topic, &p.payload);
+        let packet = remaining_length(&p);
+        let new = match &mut self.drain {
+            Some(d) if packet > MAX_INCOMING => {
+                log::warn!(
+                    "sink: setting aside a PUBLISH of {packet} bytes on {} (over the incoming \
+                     limit of {MAX_INCOMING} bytes; read with a {}-byte limit): kept in \
+                     unreadable with its topic, size and first bytes, then acknowledged",
+                    p.topic,
+                    d.limit
+                );
+                // QoS 0 is stored with its batch while the session runs on.
+                d.took((p.qos != QoS::AtMostOnce).then_some(p.pkid));
+                vec![Item::oversized(&p.topic, &p.payload, packet, MAX_INCOMING)]
+            }
+            // A batched publish becomes one item per event, all in this
+            // transaction: its PUBACK waits for every one of them.
+            _ => super::unbatch::items(&p.topic, &p.payload),
+        };
         let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
         self.batch_bytes = self.batch_bytes.saturating_add(bytes);
         self.items.extend(new);
@@ -500,7 +655,7 @@ impl Session<'_> {
         let committed = match d.result {
             Ok(c) => c,
             Err(StoreError::Transient(e)) => return Ok(Some(End::Lost(format!("store: {e}")))),
-            Err(e @ StoreError::Fatal(_)) => return Err(e.to_string()),
+            Err(e @ (StoreError::Fatal(_) | StoreError::Settings(_))) => return Err(e.to_string()),
         };
         *self.totals += committed.stats;
         for (topic, payload) in committed.owed {
@@ -543,6 +698,32 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_raised_limit_lasts_until_the_oversized_deliveries_are_acknowledged() {
+        assert_eq!(incoming_limit(None), MAX_INCOMING);
+        assert_eq!(incoming_limit(Some(17 << 20)), 17 << 20);
+        assert_eq!(incoming_limit(Some(MQTT_MAX_REMAINING)), MQTT_MAX_REMAINING);
+        assert_eq!(incoming_limit(Some(MQTT_MAX_REMAINING + 1)), MAX_INCOMING);
+        let t0 = Instant::now();
+        let mut d = Drain::new(17 << 20, t0);
+        assert!(!d.done(t0));
+        assert!(d.done(t0 + DRAIN_WAIT), "none came: back to normal");
+        d.took(None);
+        assert!(d.done(t0 + DRAIN_WAIT), "QoS 0 holds nothing open");
+        d.took(Some(3));
+        d.took(Some(4));
+        assert!(!d.done(t0 + DRAIN_WAIT * 10), "waits for its PUBACKs");
+        d.acked(3);
+        d.acked(9);
+        assert!(!d.done(t0));
+        d.acked(4);
+        assert!(d.done(t0));
+        let p = Publish::new("a/b", QoS::AtLeastOnce, vec![0u8; 10]);
+        assert_eq!(remaining_length(&p), 2 + 3 + 2 + 10);
+        let p = Publish::new("a/b", QoS::AtMostOnce, vec![0u8; 10]);
+        assert_eq!(remaining_length(&p), 2 + 3 + 10);
+    }
 
     #[test]
     fn batch_filters_follow_the_events_filter() {

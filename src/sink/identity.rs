@@ -58,6 +58,22 @@ pub fn of_topic(topic: &str) -> Option<TopicIdentity<'_>> {
     })
 }
 
+/// Who published on `topic`, for the side tables' bounds per device: the
+/// device [`of_topic`] names, else the level before the first
+/// `events`/`batches` level (under `pattern write edgespool/%u/#` the
+/// publisher's own: `edgespool/evil/events/gw1/events/load` is evil's),
+/// else `""` (a topic of no known shape; all such share one bound).
+pub fn publisher(topic: &str) -> &str {
+    if let Some(t) = of_topic(topic) {
+        return t.device;
+    }
+    let lv: Vec<&str> = topic.split('/').collect();
+    match lv.iter().position(|l| reserved(l)) {
+        Some(i) if i > 0 => lv[i - 1],
+        _ => "",
+    }
+}
+
 /// Whether a topic level is one the sink reads the identity by
 /// (`events`, `batches`): no prefix may contain one.
 pub fn reserved(level: &str) -> bool {
@@ -164,6 +180,18 @@ mod tests {
                 check_claims(t, None, None),
                 Err(Unreadable::Forged(_))
             ));
+        }
+    }
+
+    #[test]
+    fn the_publisher_is_the_level_before_the_first_events_or_batches() {
+        assert_eq!(publisher("edgespool/gw1/events/load"), "gw1");
+        assert_eq!(publisher("edgespool/gw1/batches/load/lz4"), "gw1");
+        assert_eq!(publisher("edgespool/evil/events/gw1/events/load"), "evil");
+        assert_eq!(publisher("edgespool/evil/events/a/b"), "evil");
+        assert_eq!(publisher("edgespool/evil/batches/x/y/z"), "evil");
+        for t in ["events/load", "edgespool/gw1/status", "", "/events/x"] {
+            assert_eq!(publisher(t), "", "{t}");
         }
     }
 

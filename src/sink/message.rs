@@ -63,6 +63,21 @@ pub enum Unreadable {
     /// aside and counted as forged, never stored as an event.
     #[error("forged: {0}")]
     Forged(String),
+    /// A PUBLISH over the sink's incoming limit, read on one session with
+    /// a raised limit (see [`super::consume`]) only to be set aside: never
+    /// decoded; its topic, size and first bytes are kept.
+    #[error(
+        "oversized: a PUBLISH of {packet} bytes ({bytes}-byte payload), over the sink's \
+         incoming limit of {limit} bytes; set aside unread"
+    )]
+    Oversized {
+        /// The payload's length.
+        bytes: usize,
+        /// The packet's remaining length (topic, packet id and payload).
+        packet: usize,
+        /// The incoming limit it is over.
+        limit: usize,
+    },
 }
 
 /// The longest device id or stream name accepted: the agent's own limit on

@@ -72,8 +72,12 @@ pub struct SinkStats {
     pub duplicates: u64,
     /// Deliveries of a stored event id with different payload bytes.
     pub mismatches: u64,
-    /// Deliveries that were not an edgespool envelope.
+    /// Deliveries that were not an edgespool envelope (oversized ones
+    /// included).
     pub unreadable: u64,
+    /// Deliveries over the incoming limit, read on a session with a raised
+    /// limit and set aside (counted in `unreadable` too).
+    pub oversized: u64,
     /// Envelopes of another device or stream than their topic's (set aside).
     pub forged: u64,
     /// Rows dropped from a side table, oldest first, to keep it within
@@ -92,6 +96,7 @@ impl std::ops::AddAssign for SinkStats {
         self.duplicates += o.duplicates;
         self.mismatches += o.mismatches;
         self.unreadable += o.unreadable;
+        self.oversized += o.oversized;
         self.forged += o.forged;
         self.side_dropped += o.side_dropped;
         self.receipts += o.receipts;
@@ -100,13 +105,13 @@ impl std::ops::AddAssign for SinkStats {
 }
 
 /// The summary line's words: `first N duplicates N mismatches N unreadable
-/// N forged N side_dropped N receipts N receipts_dropped N`.
+/// N forged N side_dropped N receipts N receipts_dropped N oversized N`.
 impl std::fmt::Display for SinkStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
             "first {} duplicates {} mismatches {} unreadable {} forged {} side_dropped {} \
-             receipts {} receipts_dropped {}",
+             receipts {} receipts_dropped {} oversized {}",
             self.first,
             self.duplicates,
             self.mismatches,
@@ -114,33 +119,47 @@ impl std::fmt::Display for SinkStats {
             self.forged,
             self.side_dropped,
             self.receipts,
-            self.receipts_dropped
+            self.receipts_dropped,
+            self.oversized
         )
     }
 }
 
 /// How large a side table (`unreadable`, `forged`, `mismatches`) may grow:
 /// anyone with publish rights can fill one, so each has a row count and a
-/// byte bound, and the oldest rows go first (counted in `side_drops` and
-/// [`SinkStats::side_dropped`]).
+/// byte bound per device and for the whole table (counted in `side_drops`
+/// and [`SinkStats::side_dropped`]).
+///
+/// A row belongs to the device that published it (the topic's, see
+/// [`identity::publisher`]), so one device's junk evicts only its own oldest
+/// rows. Over the table's bounds, every device keeps its newest rows
+/// evenly: rows go from the devices that hold the most, oldest first (a
+/// device with few rows keeps them while many devices flood).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SideBounds {
-    /// Most rows kept per table.
+    /// Most rows kept per table, all devices.
     pub rows: i64,
     /// Most bytes of one payload kept (a longer one is cut there; its
     /// digest and `payload_bytes` still describe the whole delivery).
     pub payload_bytes: usize,
-    /// Most payload bytes kept per table, all rows.
+    /// Most payload bytes kept per table, all devices.
     pub table_bytes: i64,
+    /// Most rows kept per table for one device.
+    pub device_rows: i64,
+    /// Most payload bytes kept per table for one device.
+    pub device_bytes: i64,
 }
 
 impl Default for SideBounds {
-    /// 10,000 rows, 64 KiB per payload, 64 MiB per table.
+    /// 10,000 rows and 64 MiB per table, 1,000 rows and 8 MiB per device,
+    /// 64 KiB per payload.
     fn default() -> SideBounds {
         SideBounds {
             rows: 10_000,
             payload_bytes: 64 << 10,
             table_bytes: 64 << 20,
+            device_rows: 1_000,
+            device_bytes: 8 << 20,
         }
     }
 }
@@ -174,6 +193,12 @@ pub enum StoreError {
     /// a file that cannot be written): exit non-zero.
     #[error("store failed: {0}")]
     Fatal(String),
+    /// The store's settings cannot work (the server asks for a password
+    /// and none was given, a conninfo the client refuses): the operator
+    /// fixes them; exit 2, so a supervisor does not restart into the same
+    /// answer.
+    #[error("store settings cannot work: {0}")]
+    Settings(String),
 }
 
 /// Where batches go. One transaction per call.

@@ -3,8 +3,9 @@
 //!
 //! Pure: no I/O. Its one rule: **a receipt names only events whose row the
 //! store holds with the bytes delivered (fate [`Fate::held`]: First or
-//! Duplicate, under the device and stream the topic names), and goes to
-//! that topic's own `<topic_prefix>/receipts`**. What it says comes from the
+//! Duplicate, under the device and stream the topic names), with the
+//! digest of those bytes, signed for that device, and goes to that topic's
+//! own `<topic_prefix>/receipts`**. What it says comes from the
 //! store's answer inside the committed transaction, so it holds with N
 //! sinks and across restarts. What does not fit the queue is dropped and
 //! counted: the agent sends such a row again after its receipt timeout, and
@@ -12,6 +13,8 @@
 
 use super::batch::{Fate, Item};
 use super::message::Event;
+use crate::event::envelope::EventId;
+use crate::event::signature::SigningKey;
 use std::collections::{HashMap, HashSet, VecDeque};
 
 /// Most receipts waiting for the client.
@@ -25,31 +28,38 @@ pub const MAX_QUEUED_BYTES: usize = 8 << 20;
 pub const MAX_IN_FLIGHT: usize = 64;
 
 /// The receipts `items` (committed, with `fates`) owe: `(topic, payload)`,
-/// one or more per receipts topic, each id named once.
-pub fn owed(items: &[Item], fates: &[Fate]) -> Vec<(String, Vec<u8>)> {
-    let mut topics: Vec<(String, Vec<(&str, &str)>)> = Vec::new();
+/// one or more per receipts topic, each event named once with the digest
+/// of the bytes stored, for the device its topic names, signed by `key`
+/// ([`crate::event::receipts::encode`]).
+pub fn owed(items: &[Item], fates: &[Fate], key: &SigningKey) -> Vec<(String, Vec<u8>)> {
+    type Owed<'a> = (String, &'a str, Vec<(&'a str, EventId, [u8; 32])>);
+    let mut topics: Vec<Owed<'_>> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
-    let mut seen: HashSet<(usize, &str, &str)> = HashSet::new();
+    let mut seen: HashSet<(usize, &str, EventId)> = HashSet::new();
     for (it, fate) in items.iter().zip(fates) {
         let Ok(e) = &it.read else { continue };
         if !fate.held() || !receiptable(e) {
             continue;
         }
-        let Some(topic) = super::identity::receipts_topic(&it.topic) else {
+        let (Some(topic), Some(who), Some(id)) = (
+            super::identity::receipts_topic(&it.topic),
+            super::identity::of_topic(&it.topic),
+            EventId::parse(&e.event_id),
+        ) else {
             continue;
         };
         let at = *index.entry(topic.clone()).or_insert_with(|| {
-            topics.push((topic, Vec::new()));
+            topics.push((topic, who.device, Vec::new()));
             topics.len() - 1
         });
-        if seen.insert((at, e.stream.as_str(), e.event_id.as_str())) {
-            topics[at].1.push((e.stream.as_str(), e.event_id.as_str()));
+        if seen.insert((at, e.stream.as_str(), id)) {
+            topics[at].2.push((e.stream.as_str(), id, e.digest));
         }
     }
     topics
         .into_iter()
-        .flat_map(|(topic, ids)| {
-            crate::event::receipts::encode(&ids)
+        .flat_map(|(topic, device, events)| {
+            crate::event::receipts::encode(device, &events, key)
                 .into_iter()
                 .map(move |p| (topic.clone(), p))
         })
@@ -176,11 +186,32 @@ mod tests {
             Fate::Forged,
             Fate::Unreadable,
         ];
-        let out = owed(&items, &fates);
+        let key = SigningKey::generate().expect("keygen").0;
+        let out = owed(&items, &fates, &key);
         type Named = Vec<(String, Vec<String>)>;
         let got: Vec<(&str, Named)> = out
             .iter()
-            .map(|(t, p)| (t.as_str(), parse(p).expect("receipt parses").stored))
+            .map(|(t, p)| {
+                let r = parse(p).expect("receipt parses");
+                let device = t.split('/').nth(1).expect("a device level");
+                assert_eq!(r.check(device, &[key.public()]), Ok(()), "{t}");
+                for (stream, events) in &r.stored {
+                    for (_, digest) in events {
+                        let it = items.iter().find(|i| {
+                            i.read
+                                .as_ref()
+                                .is_ok_and(|e| &e.stream == stream && e.digest == *digest)
+                        });
+                        assert!(it.is_some(), "the digest of bytes delivered");
+                    }
+                }
+                let named = r
+                    .stored
+                    .into_iter()
+                    .map(|(s, ids)| (s, ids.iter().map(|(i, _)| i.hyphenated()).collect()))
+                    .collect();
+                (t.as_str(), named)
+            })
             .collect();
         let id = |n: u8| format!("0000000{n}-0000-4000-8000-000000000000");
         assert_eq!(

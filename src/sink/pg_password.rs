@@ -7,16 +7,17 @@
 //!
 //! Its one rule: **a password is read from a file only if no one but its
 //! owner can read it** (mode 0600 or stricter, as libpq asks of a password
-//! file), and it never appears in a message.
+//! file, and named itself: a symlink is refused), and it never appears in
+//! a message.
 //!
 //! Precedence, first found wins: a password in the conninfo; the
 //! explicit password file (`--pg-password-file`, or `password_file` under
 //! `[sink.postgres]`); `PGPASSWORD`; the first matching line of the file
 //! `PGPASSFILE` names. `~/.pgpass` is not read: a service names its file.
 
-use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+
+use crate::os::fsguard::files::{read_secret, SecretRefused};
 
 use postgres::config::Host;
 use postgres::Config;
@@ -60,6 +61,14 @@ pub enum PasswordError {
         /// Its permission bits.
         mode: u32,
     },
+    /// Name the file itself, not a link to it.
+    #[error("{what} {}: a symbolic link, never followed for a password; name the file itself", path.display())]
+    Symlink {
+        /// Which setting named it.
+        what: &'static str,
+        /// The link.
+        path: PathBuf,
+    },
     /// Name a regular file.
     #[error("{what} {}: not a regular file", path.display())]
     NotAFile {
@@ -79,44 +88,41 @@ pub enum PasswordError {
 }
 
 /// Reads `path` whole, once its handle shows a regular file that only its
-/// owner may read (checked on the opened file, not on the path).
+/// owner may read (checked on the opened file, not on the path, which is
+/// opened `O_NOFOLLOW`: a symlink is refused, never followed; see
+/// [`read_secret`]).
 ///
 /// Errors: [`PasswordError`].
 pub fn read_private(what: &'static str, path: &Path) -> Result<String, PasswordError> {
-    let unreadable = |source| PasswordError::Unreadable {
-        what,
-        path: path.to_owned(),
-        source,
-    };
-    // O_NONBLOCK: a FIFO planted at the path is told as not a file at
-    // once instead of hanging the sink's start on its open (the flag does
-    // not change reads of a regular file).
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(unreadable)?;
-    let meta = f.metadata().map_err(unreadable)?;
-    if !meta.is_file() {
-        return Err(PasswordError::NotAFile {
+    let path_ = || path.to_owned();
+    let bytes = read_secret(path).map_err(|e| match e {
+        SecretRefused::Symlink => PasswordError::Symlink {
             what,
-            path: path.to_owned(),
-        });
-    }
-    let mode = meta.permissions().mode() & 0o7777;
-    if mode & 0o077 != 0 {
-        return Err(PasswordError::TooOpen {
+            path: path_(),
+        },
+        SecretRefused::NotRegular => PasswordError::NotAFile {
             what,
-            path: path.to_owned(),
+            path: path_(),
+        },
+        SecretRefused::Readable { mode } => PasswordError::TooOpen {
+            what,
+            path: path_(),
             mode,
-        });
-    }
-    let mut bytes = Vec::new();
-    f.read_to_end(&mut bytes).map_err(unreadable)?;
+        },
+        e @ SecretRefused::TooLarge { .. } => PasswordError::Unreadable {
+            what,
+            path: path_(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
+        },
+        SecretRefused::Unreadable(source) => PasswordError::Unreadable {
+            what,
+            path: path_(),
+            source,
+        },
+    })?;
     String::from_utf8(bytes).map_err(|_| PasswordError::NotUtf8 {
         what,
-        path: path.to_owned(),
+        path: path_(),
     })
 }
 
@@ -227,6 +233,7 @@ fn split_fields(line: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn a_passfile_line_matches_field_by_field_with_wildcards_and_escapes() {
@@ -349,5 +356,19 @@ mod tests {
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let e = read_private("password_file", &fifo).expect_err("a FIFO is no password file");
         assert!(matches!(e, PasswordError::NotAFile { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_symlink_at_the_password_path_is_refused_not_followed() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let real = d.path().join("real");
+        std::fs::write(&real, "pw\n").expect("write");
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let link = d.path().join("pw");
+        std::os::unix::fs::symlink(&real, &link).expect("symlink");
+        let e = read_password_file(&link).expect_err("a symlink is no password file");
+        assert!(matches!(e, PasswordError::Symlink { .. }), "{e}");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        assert_eq!(read_password_file(&real).expect("the file itself"), "pw");
     }
 }

@@ -7,7 +7,7 @@
 use postgres::Client;
 
 /// Migrations in order; `schema_version` holds the numbers applied.
-const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2)];
+const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2), (3, V3)];
 
 /// Version 1: events keyed by event id, and the deliveries kept aside.
 ///
@@ -116,6 +116,39 @@ CREATE TABLE side_drops (
 );
 ";
 
+/// Version 3: side tables bounded per device.
+///
+/// - `forged`, `unreadable`: `device_id`, the device that published the
+///   row (the topic's, see [`super::identity::publisher`]; filled from the
+///   topic of the rows already there by [`fill_devices`]), so one device's
+///   junk evicts only its own oldest rows.
+const V3: &str = "
+ALTER TABLE forged ADD COLUMN device_id text NOT NULL DEFAULT '';
+ALTER TABLE unreadable ADD COLUMN device_id text NOT NULL DEFAULT '';
+";
+
+/// Version 3's `device_id` of the rows `forged` and `unreadable` already
+/// held (at most the side tables' bounds), from their topics.
+fn fill_devices(tx: &mut postgres::Transaction<'_>) -> Result<(), postgres::Error> {
+    for table in ["forged", "unreadable"] {
+        let rows = tx.query(format!("SELECT id, topic FROM {table}").as_str(), &[])?;
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        let devices: Vec<&str> = rows
+            .iter()
+            .map(|r| super::identity::publisher(r.get(1)))
+            .collect();
+        tx.execute(
+            format!(
+                "UPDATE {table} t SET device_id = u.d
+                 FROM unnest($1::int8[], $2::text[]) AS u(id, d) WHERE t.id = u.id"
+            )
+            .as_str(),
+            &[&ids, &devices],
+        )?;
+    }
+    Ok(())
+}
+
 /// Any constant, the same in every sink: the key of the advisory lock.
 const MIGRATION_LOCK: i64 = 0x6564_6765_7370_6f6f; // "edgespoo"
 
@@ -153,6 +186,9 @@ pub fn migrate(client: &mut Client) -> Result<i32, MigrateError> {
     }
     for (v, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
         tx.batch_execute(sql)?;
+        if *v == 3 {
+            fill_devices(&mut tx)?;
+        }
         tx.execute("INSERT INTO schema_version (version) VALUES ($1)", &[v])?;
         log::info!("sink: PostgreSQL schema migrated to version {v}");
     }

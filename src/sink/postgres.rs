@@ -85,9 +85,33 @@ impl Side {
     }
 }
 
-/// Drop the oldest rows of `side` beyond `b` (rows, payload bytes), count
-/// them in `side_drops`; returns how many went. One scan of a table that
-/// is at most a batch over its bounds; run only after rows were added.
+/// Rows of one device beyond its bounds (`$1` rows, `$2` payload bytes):
+/// its oldest.
+const TRIM_DEVICE: &str = "
+DELETE FROM {t} WHERE id IN (
+    SELECT id FROM (
+        SELECT id, row_number() OVER w AS n, sum(octet_length(payload)) OVER w AS b
+        FROM {t} WINDOW w AS (PARTITION BY device_id ORDER BY id DESC)
+    ) d WHERE n > $1 OR b > $2)";
+
+/// Rows beyond the table's bounds (`$1` rows, `$2` payload bytes): rows
+/// ranked by how new they are within their device (`k`), every device's
+/// newest first, then its second newest, ...; what is past the bounds in
+/// that order goes, so the devices holding the most lose rows first.
+const TRIM_TABLE: &str = "
+DELETE FROM {t} WHERE id IN (
+    SELECT id FROM (
+        SELECT id, row_number() OVER o AS n, sum(len) OVER o AS b
+        FROM (SELECT id, octet_length(payload) AS len,
+                     row_number() OVER (PARTITION BY device_id ORDER BY id DESC) AS k
+              FROM {t}) r
+        WINDOW o AS (ORDER BY k, id DESC)
+    ) o WHERE n > $1 OR b > $2)";
+
+/// Drop rows of `side` beyond `b` (per device, then the table's, see
+/// [`SideBounds`]), count them in `side_drops`; returns how many went.
+/// Two scans of a table that is at most a batch over its bounds; run only
+/// after rows were added.
 fn trim(
     tx: &mut Transaction<'_>,
     side: Side,
@@ -95,14 +119,10 @@ fn trim(
     sink: &str,
 ) -> Result<u64, postgres::Error> {
     let t = side.table();
-    let sql = format!(
-        "DELETE FROM {t} WHERE id <= (
-             SELECT max(id) FROM (
-                 SELECT id, row_number() OVER w AS n, sum(octet_length(payload)) OVER w AS b
-                 FROM {t} WINDOW w AS (ORDER BY id DESC)
-             ) k WHERE n > $1 OR b > $2)"
-    );
-    let gone = tx.execute(sql.as_str(), &[&b.rows, &b.table_bytes])?;
+    let device = TRIM_DEVICE.replace("{t}", t);
+    let table = TRIM_TABLE.replace("{t}", t);
+    let gone = tx.execute(device.as_str(), &[&b.device_rows, &b.device_bytes])?
+        + tx.execute(table.as_str(), &[&b.rows, &b.table_bytes])?;
     if gone > 0 {
         tx.execute(COUNT_DROPS, &[&t, &sink, &(gone as i64)])?;
     }
@@ -231,6 +251,7 @@ impl PgStore {
                 Ok(Stored {
                     stats: SinkStats {
                         unreadable: 1,
+                        oversized: u64::from(it.is_oversized()),
                         side_dropped: dropped,
                         ..SinkStats::default()
                     },
@@ -296,7 +317,7 @@ impl PgStore {
                 self.copy_refused = true;
                 Ok(None)
             }
-            Class::Transient => Err(self.fail(e)),
+            Class::Transient | Class::Settings => Err(self.fail(e)),
         }
     }
 
@@ -357,25 +378,76 @@ fn trim_all(c: &mut Client, b: &SideBounds, sink: &str) -> Result<u64, postgres:
 enum Class {
     /// Retry later on a new connection (class 08 connection, 40 rollback:
     /// deadlock or serialization, 53 resources, 57 operator intervention,
-    /// 58 system; any error without a SQLSTATE: I/O, closed connection).
+    /// 58 system; any other error without a SQLSTATE: I/O, closed
+    /// connection, a server not reachable).
     Transient,
     /// A value the server cannot hold (class 22 data, 23 constraint).
     Data,
     /// Anything else (28 login, 3D database, 42 schema or permission).
     Fatal,
+    /// The client's own settings cannot work: no password where the server
+    /// asks for one, a conninfo it refuses ([`client_settings_error`]).
+    Settings,
 }
 
 impl Class {
     fn into_error(self, e: postgres::Error) -> StoreError {
-        let text = match e.as_db_error() {
-            Some(db) => format!("{} ({})", db.message(), db.code().code()),
-            None => e.to_string(),
-        };
+        let text = error_text(&e);
         match self {
             Class::Fatal => StoreError::Fatal(text),
+            Class::Settings => StoreError::Settings(text),
             Class::Transient | Class::Data => StoreError::Transient(text),
         }
     }
+}
+
+/// `e` with its cause: the server's message, SQLSTATE, detail and hint
+/// (`password authentication failed for user "sink" (28P01)`), or the
+/// client's words and every error under them (`error connecting to
+/// server: Connection refused (os error 111)`); tokio-postgres' own
+/// `Display` says only the first part (`db error`, `error connecting to
+/// server`). A missing password says where one is read from.
+pub fn error_text(e: &postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut text = format!("{} ({})", db.message(), db.code().code());
+        if let Some(d) = db.detail() {
+            text.push_str(&format!("; detail: {d}"));
+        }
+        if let Some(h) = db.hint() {
+            text.push_str(&format!("; hint: {h}"));
+        }
+        return text;
+    }
+    let mut text = e.to_string();
+    let mut cur = std::error::Error::source(e);
+    while let Some(err) = cur {
+        let part = err.to_string();
+        if !text.ends_with(&part) {
+            text.push_str(&format!(": {part}"));
+        }
+        cur = err.source();
+    }
+    if text.ends_with("password missing") {
+        text.push_str(
+            " (the server asks for a password and none was given: name a file only its owner can \
+             read in password_file under [sink.postgres] or --pg-password-file, or set PGPASSWORD \
+             or PGPASSFILE)",
+        );
+    }
+    text
+}
+
+/// Whether `e` is the client refusing its own settings, which no retry
+/// changes. tokio-postgres 0.7 has no accessor for an error's kind; its
+/// `Display` of `Kind::Config`, `Kind::ConfigParse` and
+/// `Kind::Authentication` is exactly these words (src/error/mod.rs), and
+/// such errors carry no SQLSTATE.
+fn client_settings_error(e: &postgres::Error) -> bool {
+    e.as_db_error().is_none()
+        && matches!(
+            e.to_string().as_str(),
+            "invalid configuration" | "invalid connection string" | "authentication error"
+        )
 }
 
 /// A failed connection: a refused TLS handshake is fatal (the same
@@ -406,6 +478,9 @@ pub fn connect_client_with(connect: &PgConnect) -> Result<Client, StoreError> {
 }
 
 fn classify(e: &postgres::Error) -> Class {
+    if client_settings_error(e) {
+        return Class::Settings;
+    }
     let Some(db) = e.as_db_error() else {
         return Class::Transient;
     };
@@ -590,6 +665,7 @@ impl At<'_> {
             s.side_dropped += self.insert(tx, side, list, why)?;
         }
         s.unreadable += unread.len() as u64;
+        s.oversized += unread.iter().filter(|it| it.is_oversized()).count() as u64;
         s.forged += forged.len() as u64;
         Ok(s)
     }
@@ -639,22 +715,78 @@ impl At<'_> {
         why: Vec<String>,
     ) -> Result<u64, postgres::Error> {
         let topics: Vec<&str> = items.iter().map(|it| it.topic.as_str()).collect();
+        let devices: Vec<&str> = topics
+            .iter()
+            .map(|t| super::identity::publisher(t))
+            .collect();
         let payloads: Vec<&[u8]> = items
             .iter()
             .map(|it| self.bounds.cut(&it.payload))
             .collect();
-        let lens: Vec<i64> = items.iter().map(|it| it.payload.len() as i64).collect();
+        let lens: Vec<i64> = items.iter().map(|it| it.delivered_bytes() as i64).collect();
         let sql = format!(
-            "INSERT INTO {} (topic, payload, payload_bytes, reason, received_ms, sink)
-             SELECT u.topic, u.payload, u.bytes, u.reason, $5, $6
-             FROM unnest($1::text[], $2::bytea[], $3::int8[], $4::text[])
-                  AS u(topic, payload, bytes, reason)",
+            "INSERT INTO {} (device_id, topic, payload, payload_bytes, reason, received_ms, sink)
+             SELECT u.device_id, u.topic, u.payload, u.bytes, u.reason, $6, $7
+             FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::text[])
+                  AS u(device_id, topic, payload, bytes, reason)",
             side.table()
         );
         tx.execute(
             sql.as_str(),
-            &[&topics, &payloads, &lens, &why, &self.now_ms, &self.sink],
+            &[
+                &devices,
+                &topics,
+                &payloads,
+                &lens,
+                &why,
+                &self.now_ms,
+                &self.sink,
+            ],
         )?;
         trim(tx, side, self.bounds, self.sink)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_settings_error_is_settings_and_keeps_its_cause() {
+        // No host at all: tokio-postgres' `Kind::Config`, with the words
+        // of what is missing under it.
+        let e = postgres::Config::new()
+            .user("sink")
+            .connect(postgres::NoTls)
+            .err()
+            .expect("no host");
+        assert_eq!(classify(&e), Class::Settings);
+        let text = error_text(&e);
+        assert!(text.starts_with("invalid configuration: "), "{text}");
+        assert!(text.contains("missing"), "{text}");
+        assert!(matches!(
+            classify(&e).into_error(e),
+            StoreError::Settings(_)
+        ));
+    }
+
+    #[test]
+    fn a_server_not_reachable_is_transient_and_says_why() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let e = postgres::Client::connect(
+            &format!("host=127.0.0.1 port={port} user=sink connect_timeout=5"),
+            postgres::NoTls,
+        )
+        .err()
+        .expect("nothing listens there");
+        assert_eq!(classify(&e), Class::Transient);
+        let text = error_text(&e);
+        assert!(
+            text.starts_with("error connecting to server: ") && text.contains("refused"),
+            "{text}"
+        );
     }
 }

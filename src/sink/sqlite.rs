@@ -21,8 +21,9 @@ use super::{SideBounds, SinkStats, Store, StoreError, Stored};
 
 /// The schema version this build writes (`PRAGMA user_version`). Version
 /// 1 is the file of older sinks, which had no version: `received` keyed
-/// by event id alone, `mismatches` without device or topic.
-pub const VERSION: i32 = 2;
+/// by event id alone, `mismatches` without device or topic. Version 2 had
+/// no `unreadable` table and no device in `forged`.
+pub const VERSION: i32 = 3;
 
 /// Version 2, created whole in a new file.
 const SCHEMA_V2: &str = "
@@ -60,6 +61,23 @@ CREATE TABLE side_drops (
     dropped INTEGER NOT NULL
 );
 PRAGMA user_version = 2;
+";
+
+/// Version 2 to 3: the side tables bounded per device. `forged` gets the
+/// device that published it (filled from each row's topic by
+/// [`v2_to_v3`]); `unreadable` keeps what is not an envelope, oversized
+/// deliveries included, with the reason.
+const V2_TO_V3: &str = "
+ALTER TABLE forged ADD COLUMN device_id TEXT NOT NULL DEFAULT '';
+CREATE TABLE unreadable (
+    device_id     TEXT NOT NULL,
+    topic         TEXT NOT NULL,
+    payload       BLOB NOT NULL,
+    payload_bytes INTEGER NOT NULL,
+    reason        TEXT NOT NULL,
+    at_ms         INTEGER NOT NULL
+);
+PRAGMA user_version = 3;
 ";
 
 /// Why the sink's file cannot be opened.
@@ -181,20 +199,41 @@ pub fn migrate(conn: &mut Connection, b: &SideBounds) -> Result<(), OpenError> {
             known: VERSION,
         });
     }
-    if found < VERSION {
-        let old: bool = tx.query_row(
-            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'received')",
-            [],
-            |r| r.get(0),
-        )?;
-        if old {
-            v1_to_v2(&tx, b)?;
-            log::info!("sink: SQLite schema migrated to version {VERSION}");
-        } else {
-            tx.execute_batch(SCHEMA_V2)?;
+    let old: bool = tx.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'received')",
+        [],
+        |r| r.get(0),
+    )?;
+    if found < 2 {
+        match old {
+            true => v1_to_v2(&tx, b)?,
+            false => tx.execute_batch(SCHEMA_V2)?,
         }
     }
+    if found < 3 {
+        v2_to_v3(&tx)?;
+    }
+    if found < VERSION && old {
+        trim_sides(&tx, b, Sides::ALL)?;
+        log::info!("sink: SQLite schema migrated to version {VERSION}");
+    }
     tx.commit()?;
+    Ok(())
+}
+
+/// Version 2 to 3 ([`V2_TO_V3`]): each `forged` row's device taken from
+/// its topic ([`super::identity::publisher`]).
+fn v2_to_v3(tx: &Transaction<'_>) -> rusqlite::Result<()> {
+    tx.execute_batch(V2_TO_V3)?;
+    let rows: Vec<(i64, String)> = {
+        let mut st = tx.prepare("SELECT rowid, topic FROM forged")?;
+        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        rows.collect::<rusqlite::Result<_>>()?
+    };
+    let mut set = tx.prepare("UPDATE forged SET device_id = ?1 WHERE rowid = ?2")?;
+    for (rowid, topic) in rows {
+        set.execute(params![super::identity::publisher(&topic), rowid])?;
+    }
     Ok(())
 }
 
@@ -241,14 +280,6 @@ fn v1_to_v2(tx: &Transaction<'_>, b: &SideBounds) -> rusqlite::Result<()> {
         params![b.payload_bytes as i64],
     )?;
     tx.execute_batch("DROP TABLE received_v1; DROP TABLE mismatches_v1;")?;
-    trim_sides(
-        tx,
-        b,
-        Sides {
-            mismatches: true,
-            forged: false,
-        },
-    )?;
     Ok(())
 }
 
@@ -257,32 +288,65 @@ fn v1_to_v2(tx: &Transaction<'_>, b: &SideBounds) -> rusqlite::Result<()> {
 struct Sides {
     mismatches: bool,
     forged: bool,
+    unreadable: bool,
 }
 
 impl Sides {
+    const ALL: Sides = Sides {
+        mismatches: true,
+        forged: true,
+        unreadable: true,
+    };
+
     fn add(&mut self, o: Sides) {
         self.mismatches |= o.mismatches;
         self.forged |= o.forged;
+        self.unreadable |= o.unreadable;
     }
 }
 
-/// Drop the oldest rows beyond the bounds of each side table in `sides`,
-/// counted in `side_drops`; returns how many went.
+/// Rows of one device beyond its bounds (`?1` rows, `?2` payload bytes):
+/// its oldest.
+const TRIM_DEVICE: &str = "
+DELETE FROM {t} WHERE rowid IN (
+    SELECT r FROM (
+        SELECT rowid AS r, row_number() OVER w AS n, sum(length(payload)) OVER w AS b
+        FROM {t} WINDOW w AS (PARTITION BY device_id ORDER BY rowid DESC)
+    ) WHERE n > ?1 OR b > ?2)";
+
+/// Rows beyond the table's bounds (`?1` rows, `?2` payload bytes): rows
+/// ranked by how new they are within their device (`k`), every device's
+/// newest first, then its second newest, ...; what is past the bounds in
+/// that order goes, so the devices holding the most lose rows first.
+const TRIM_TABLE: &str = "
+DELETE FROM {t} WHERE rowid IN (
+    SELECT r FROM (
+        SELECT r, row_number() OVER o AS n, sum(len) OVER o AS b
+        FROM (SELECT rowid AS r, length(payload) AS len,
+                     row_number() OVER (PARTITION BY device_id ORDER BY rowid DESC) AS k
+              FROM {t})
+        WINDOW o AS (ORDER BY k, r DESC)
+    ) WHERE n > ?1 OR b > ?2)";
+
+/// Drop rows beyond the bounds of each side table in `sides` (per device,
+/// then the table's, see [`SideBounds`]), counted in `side_drops`;
+/// returns how many went.
 fn trim_sides(tx: &Transaction<'_>, b: &SideBounds, sides: Sides) -> rusqlite::Result<u64> {
     let mut gone = 0;
-    for (on, table) in [(sides.mismatches, "mismatches"), (sides.forged, "forged")] {
+    for (on, table) in [
+        (sides.mismatches, "mismatches"),
+        (sides.forged, "forged"),
+        (sides.unreadable, "unreadable"),
+    ] {
         if !on {
             continue;
         }
-        let n = tx.execute(
-            &format!(
-                "DELETE FROM {table} WHERE rowid <= (
-                     SELECT max(r) FROM (
-                         SELECT rowid AS r, row_number() OVER w AS n,
-                                sum(length(payload)) OVER w AS b
-                         FROM {table} WINDOW w AS (ORDER BY rowid DESC)
-                     ) WHERE n > ?1 OR b > ?2)"
-            ),
+        let mut n = tx.execute(
+            &TRIM_DEVICE.replace("{t}", table),
+            params![b.device_rows, b.device_bytes],
+        )? as u64;
+        n += tx.execute(
+            &TRIM_TABLE.replace("{t}", table),
             params![b.rows, b.table_bytes],
         )? as u64;
         if n > 0 {
@@ -318,6 +382,7 @@ impl One {
         let side = Sides {
             mismatches: fate == Fate::Mismatch,
             forged: fate == Fate::Forged,
+            unreadable: fate == Fate::Unreadable,
         };
         One {
             event_id,
@@ -334,17 +399,19 @@ impl One {
 /// the topic's.
 fn store_in(tx: &Transaction<'_>, it: &Item, now: i64, b: &SideBounds) -> rusqlite::Result<One> {
     match &it.read {
-        // A batch that could not be unpacked: its bytes are no envelope,
-        // whatever they happen to parse as.
-        Err(Unreadable::Batch(_)) => return Ok(One::of(Fate::Unreadable, None)),
+        // A batch that could not be unpacked, or a delivery too large to
+        // read: its bytes are no envelope, whatever they happen to parse as.
+        Err(e @ (Unreadable::Batch(_) | Unreadable::Oversized { .. })) => {
+            return unreadable(tx, it, &e.to_string(), now, b)
+        }
         Err(Unreadable::Forged(why)) => return forged(tx, it, why, now, b),
         _ => {}
     }
     let (event_id, ts_ms) = match &it.read {
         Ok(e) => (e.event_id.clone(), Some(e.ts_ms)),
-        Err(_) => {
+        Err(e) => {
             let Some(found) = envelope_identity(&it.payload) else {
-                return Ok(One::of(Fate::Unreadable, None));
+                return unreadable(tx, it, &e.to_string(), now, b);
             };
             let (dev, stream) = envelope_claims(&it.payload);
             let claims = (dev.as_deref(), stream.as_deref());
@@ -408,18 +475,50 @@ fn forged(
     b: &SideBounds,
 ) -> rusqlite::Result<One> {
     log::warn!("sink: set aside a delivery on {}: {why}", it.topic);
+    set_aside(tx, "forged", it, why, now, b)?;
+    Ok(One::of(Fate::Forged, None))
+}
+
+/// Keep a delivery that is no envelope (or too large to read) in
+/// `unreadable`, cut to the bounds.
+fn unreadable(
+    tx: &Transaction<'_>,
+    it: &Item,
+    why: &str,
+    now: i64,
+    b: &SideBounds,
+) -> rusqlite::Result<One> {
+    set_aside(tx, "unreadable", it, why, now, b)?;
+    let mut one = One::of(Fate::Unreadable, None);
+    one.stats.oversized = u64::from(it.is_oversized());
+    Ok(one)
+}
+
+/// A row of `forged` or `unreadable`: the publisher, the topic, the
+/// payload cut to the bounds and its delivered length, the reason.
+fn set_aside(
+    tx: &Transaction<'_>,
+    table: &str,
+    it: &Item,
+    why: &str,
+    now: i64,
+    b: &SideBounds,
+) -> rusqlite::Result<()> {
     tx.execute(
-        "INSERT INTO forged (topic, payload, payload_bytes, reason, at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5)",
+        &format!(
+            "INSERT INTO {table} (device_id, topic, payload, payload_bytes, reason, at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+        ),
         params![
+            super::identity::publisher(&it.topic),
             it.topic,
             b.cut(&it.payload),
-            it.payload.len() as i64,
+            it.delivered_bytes() as i64,
             why,
             now
         ],
     )?;
-    Ok(One::of(Fate::Forged, None))
+    Ok(())
 }
 
 /// Event id and reading time of an edgespool envelope (JSON, else postcard).
@@ -516,6 +615,118 @@ mod tests {
         assert_eq!(n, 3);
     }
 
+    /// Rows of `forged` per device, by device.
+    fn forged_per_device(db: &SinkDb) -> Vec<(String, i64)> {
+        let mut st = db
+            .conn
+            .prepare("SELECT device_id, count(*) FROM forged GROUP BY device_id ORDER BY device_id")
+            .unwrap();
+        let rows = st.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.map(|r| r.unwrap()).collect()
+    }
+
+    #[test]
+    fn one_devices_junk_evicts_only_its_own_rows_and_the_table_bound_takes_from_the_largest() {
+        let d = tempfile::tempdir().unwrap();
+        let mut db = SinkDb::open(&d.path().join("sink.db")).unwrap();
+        db.set_side_bounds(SideBounds {
+            rows: 10,
+            payload_bytes: 100,
+            table_bytes: 1 << 20,
+            device_rows: 4,
+            device_bytes: 1 << 20,
+        });
+        let claim = |i: u32| format!(r#"{{"event_id":"e-{i}","device_id":"gw1"}}"#);
+        db.store("p/a/events/s", claim(0).as_bytes()).unwrap();
+        db.store("p/b/events/s", claim(1).as_bytes()).unwrap();
+        for i in 0..20 {
+            db.store("p/junk/events/s", claim(100 + i).as_bytes())
+                .unwrap();
+        }
+        let n = |v: &[(String, i64)], dev: &str| {
+            v.iter().find(|(d, _)| d == dev).map_or(0, |(_, n)| *n)
+        };
+        let v = forged_per_device(&db);
+        assert_eq!((n(&v, "a"), n(&v, "b"), n(&v, "junk")), (1, 1, 4), "{v:?}");
+        // Six more devices, two rows each: 18 rows for a table of 10. Every
+        // device keeps its newest; a and b, holding one each, lose nothing.
+        for dev in 0..6 {
+            for i in 0..2 {
+                db.store(&format!("p/d{dev}/events/s"), claim(200 + i).as_bytes())
+                    .unwrap();
+            }
+        }
+        let v = forged_per_device(&db);
+        assert_eq!(v.iter().map(|(_, n)| n).sum::<i64>(), 10, "{v:?}");
+        assert_eq!((n(&v, "a"), n(&v, "b")), (1, 1), "{v:?}");
+        assert!(v.iter().all(|(_, n)| *n >= 1 && *n <= 2), "{v:?}");
+        assert_eq!(db.stats.side_dropped, 16 + 8);
+    }
+
+    #[test]
+    fn a_version_2_file_gets_unreadable_and_the_device_of_each_forged_row() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("sink.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(SCHEMA_V2).unwrap();
+            for t in ["p/evil/events/s", "p/evil/events/gw1/events/s", "odd"] {
+                c.execute(
+                    "INSERT INTO forged (topic, payload, payload_bytes, reason, at_ms)
+                     VALUES (?1, x'00', 1, 'r', 0)",
+                    [t],
+                )
+                .unwrap();
+            }
+        }
+        let db = SinkDb::open(&path).unwrap();
+        let v: i32 = db
+            .conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, VERSION);
+        assert_eq!(
+            forged_per_device(&db),
+            vec![("".to_owned(), 1), ("evil".to_owned(), 2)]
+        );
+        let n: i64 = db
+            .conn
+            .query_row("SELECT count(*) FROM unreadable", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn an_unreadable_or_oversized_delivery_is_kept_with_its_topic_size_and_reason() {
+        let d = tempfile::tempdir().unwrap();
+        let mut db = SinkDb::open(&d.path().join("sink.db")).unwrap();
+        let big = vec![b'x'; 200_000];
+        let items = [
+            Item::new("p/a/events/s", b"not an envelope"),
+            Item::oversized("p/a/events/s", &big, 200_010, 100_000),
+        ];
+        let s = db.commit(&items, 7).unwrap();
+        assert_eq!((s.stats.unreadable, s.stats.oversized), (2, 1));
+        let rows: Vec<(String, i64, i64, String)> = {
+            let mut st = db
+                .conn
+                .prepare(
+                    "SELECT device_id, length(payload), payload_bytes, reason
+                     FROM unreadable ORDER BY rowid",
+                )
+                .unwrap();
+            let rows = st
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .unwrap();
+            rows.map(|r| r.unwrap()).collect()
+        };
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].0.as_str(), rows[0].2), ("a", 15));
+        assert!(rows[0].3.contains("not an edgespool envelope"), "{rows:?}");
+        assert_eq!((rows[1].1, rows[1].2), (64 << 10, 200_000));
+        assert!(rows[1].3.contains("200010") && rows[1].3.contains("oversized"));
+    }
+
     #[test]
     fn side_tables_keep_the_newest_within_their_bounds() {
         let d = tempfile::tempdir().unwrap();
@@ -524,6 +735,7 @@ mod tests {
             rows: 5,
             payload_bytes: 100,
             table_bytes: 350,
+            ..SideBounds::default()
         });
         for i in 0..20 {
             let p = format!(

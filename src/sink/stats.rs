@@ -35,7 +35,8 @@ pub struct Report {
     /// (device, event id, payload) triples that differ from the stored
     /// payload (ever set aside: the rows kept and those dropped).
     pub mismatches: i64,
-    /// Deliveries that were not envelopes (ever set aside; PostgreSQL only).
+    /// Deliveries that were not envelopes, oversized ones included (ever
+    /// set aside; SQLite files since schema version 3).
     pub unreadable: i64,
     /// Envelopes of another device or stream than their topic's (ever set
     /// aside).
@@ -85,11 +86,14 @@ pub fn render(r: &Report) -> String {
     let b = super::SideBounds::default();
     let _ = writeln!(
         out,
-        "side tables: {} rows dropped, oldest first (bounds: {} rows, {} KiB per payload, {} MiB per table)",
+        "side tables: {} rows dropped, oldest first (bounds: {} rows and {} MiB per table, \
+         {} rows and {} MiB per device, {} KiB per payload)",
         r.side_dropped,
         b.rows,
-        b.payload_bytes >> 10,
-        b.table_bytes >> 20
+        b.table_bytes >> 20,
+        b.device_rows,
+        b.device_bytes >> 20,
+        b.payload_bytes >> 10
     );
     let _ = writeln!(
         out,
@@ -213,9 +217,17 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
         }
     };
     let (mismatches_dropped, forged_dropped) = (dropped("mismatches")?, dropped("forged")?);
+    let unreadable_dropped = dropped("unreadable")?;
     let mismatches = one("SELECT count(*) FROM mismatches")? + mismatches_dropped;
     let forged = match v2 {
         true => one("SELECT count(*) FROM forged")? + forged_dropped,
+        false => 0,
+    };
+    // `unreadable` came with schema version 3.
+    let v3 =
+        one("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'unreadable'")? > 0;
+    let unreadable = match v3 {
+        true => one("SELECT count(*) FROM unreadable")? + unreadable_dropped,
         false => 0,
     };
     let redeliveries = one("SELECT coalesce(sum(deliveries - 1), 0) FROM received")?;
@@ -231,9 +243,9 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
         events,
         duplicates: redeliveries - mismatches,
         mismatches,
-        unreadable: 0,
+        unreadable,
         forged,
-        side_dropped: mismatches_dropped + forged_dropped,
+        side_dropped: mismatches_dropped + forged_dropped + unreadable_dropped,
         rate_last_minute,
         rate_overall,
     })

@@ -20,17 +20,6 @@ pub(super) const SQL_INSERT_EVENT: &str = "INSERT INTO events
     (stream_id, seq, event_id, created_ms, digest, payload, prio)
     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 
-/// A row's event id: the one stored with it (rows written before schema
-/// 12), else the one its payload carries ([`envelope::event_id_of`]); empty
-/// when neither (a damaged payload, which fails its digest too).
-pub(super) fn stored_event_id(stored: String, payload: &[u8]) -> String {
-    if stored.is_empty() {
-        envelope::event_id_of(payload).unwrap_or_default()
-    } else {
-        stored
-    }
-}
-
 /// One reading to append.
 #[derive(Debug, Clone)]
 pub struct NewEvent {
@@ -254,9 +243,9 @@ pub type CommitOutcome = Result<Committed, Refused>;
 /// A reading's commit, as its producer is told it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Committed {
-    /// Its event id, a hyphenated UUID (for a keyed reading already
-    /// spooled, the stored one's).
-    pub event_id: String,
+    /// Its event id (for a keyed reading already spooled, the stored
+    /// one's).
+    pub event_id: EventId,
     /// Whether the commit was synced to the disk (the connection's
     /// `PRAGMA synchronous` read back as FULL): then a power cut cannot roll
     /// it back. Under NORMAL it is durable only from the next checkpoint;
@@ -267,7 +256,7 @@ pub struct Committed {
 
 /// What [`Spool::append`] tells a reading's producer before it knows the
 /// commit: its event id, or why it was refused.
-type Told = Result<String, Refused>;
+type Told = Result<EventId, Refused>;
 
 /// Where a reading's [`CommitOutcome`] goes (one per reading): a one-slot
 /// channel ([`Reply::channel`]), so a reading in flight costs little memory.
@@ -400,7 +389,7 @@ impl Issued {
             self.marks.appended(&ev.stream, pos);
         }
         self.appended += 1;
-        Ok(Some(Ok(hyphenated)))
+        Ok(Some(Ok(env.event_id)))
     }
 
     /// The stream `name` as this transaction sees it (created with the
@@ -452,8 +441,18 @@ impl Issued {
         };
         // A key stored before digests were (schema 8) counts as the same reading.
         if stored.digest.is_none_or(|d| d == key.digest) {
+            let Some(first) = EventId::parse(&stored.event_id) else {
+                // The spool holds the key with a damaged id: the first
+                // reading stays as it is, and this one is not stored as a
+                // second copy under another id.
+                self.key_conflicts += 1;
+                return Ok(Err(Some(Err(Refused::lasting(format!(
+                    "not stored: key {:?} is remembered with an event id that is not one ({:?}); send this reading under a new key",
+                    key.key, stored.event_id
+                ))))));
+            };
             self.keys_already += 1;
-            return Ok(Err(Some(Ok(stored.event_id))));
+            return Ok(Err(Some(Ok(first))));
         }
         self.key_conflicts += 1;
         Ok(Err(Some(Err(Refused::lasting(format!(
@@ -570,7 +569,7 @@ pub(super) fn load_replay_position(
 /// Append one event inside the caller's transaction `tx`, reading and
 /// advancing its stream's sequence in the `streams` table at once (not the ingest
 /// connection's cache: used for streams only one other connection writes,
-/// such as command results). Returns the event id.
+/// such as command results). Returns the event id (stored as its text).
 pub(crate) fn insert_one(
     tx: &rusqlite::Transaction<'_>,
     path: &Path,
@@ -579,7 +578,7 @@ pub(crate) fn insert_one(
     device_id: &str,
     format: Format,
     now_ms: i64,
-) -> Result<String, SpoolError> {
+) -> Result<EventId, SpoolError> {
     let err = |e| SpoolError::classify(path, e);
     let prio = crate::event::stream::fallback_priority(&ev.stream);
     let stream = stream_row(tx, &ev.stream, prio).map_err(err)?;
@@ -599,12 +598,12 @@ pub(crate) fn insert_one(
         detail: e,
     })?;
     let digest = Sha256::digest(&payload);
-    let id = event_id.hyphenated();
     tx.prepare_cached(SQL_INSERT_EVENT)
         .map_err(err)?
         .execute(params![
             stream.id,
             seq,
+            // The id is in the payload: not stored twice (schema 12).
             "",
             now_ms,
             digest.as_slice(),
@@ -616,7 +615,7 @@ pub(crate) fn insert_one(
         .map_err(err)?
         .execute(params![stream.id, seq])
         .map_err(err)?;
-    Ok(id)
+    Ok(event_id)
 }
 
 impl Spool {

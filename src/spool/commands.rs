@@ -9,7 +9,7 @@
 
 use super::append::{insert_one, NewEvent};
 use super::{Spool, SpoolError};
-use crate::event::envelope::{EventIdGen, Format};
+use crate::event::envelope::{EventId, EventIdGen, Format};
 use rusqlite::{params, OptionalExtension, Transaction};
 use std::path::Path;
 
@@ -288,7 +288,7 @@ impl CommandTx<'_> {
         ev: &NewEvent,
         ctx: &mut EventCtx<'_>,
         now_ms: i64,
-    ) -> Result<String, SpoolError> {
+    ) -> Result<EventId, SpoolError> {
         insert_one(
             self.tx,
             self.path,

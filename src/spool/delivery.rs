@@ -6,6 +6,7 @@
 //! acknowledgement of a publish that carried it (I2).
 
 use super::{priority, Spool, SpoolError, SQL_COUNTER_ADD};
+use crate::event::envelope::EventId;
 use rusqlite::{params, OptionalExtension};
 use sha2::{Digest, Sha256};
 
@@ -68,8 +69,11 @@ pub(super) const FOLD_STEP: i64 = 4096;
 pub struct OutRow {
     /// Row id (spool-local).
     pub id: i64,
-    /// Event id (string form).
-    pub event_id: String,
+    /// Event id, read from the text the spool stores; `None` when that
+    /// text is not one ([`EventId::parse`]): the row then fails its check,
+    /// as a payload that fails its digest does (FAILED and kept, never
+    /// sent, never retired).
+    pub event_id: Option<EventId>,
     /// Stream.
     pub stream: String,
     /// The stored payload bytes, sent unchanged on every attempt.
@@ -94,7 +98,8 @@ impl OutRow {
 pub struct FailedRow {
     /// Row id.
     pub id: i64,
-    /// Event id.
+    /// Event id, as the spool stores it (text: `status` shows what is
+    /// there, a damaged id too).
     pub event_id: String,
     /// Stream.
     pub stream: String,
@@ -255,7 +260,7 @@ impl Spool {
                 let payload = r.get_ref(5)?.as_blob().unwrap_or_default();
                 Ok(FailedRow {
                     id: r.get(0)?,
-                    event_id: super::append::stored_event_id(r.get(1)?, payload),
+                    event_id: super::stored_id::stored_event_id_text(r.get(1)?, payload),
                     stream: r.get(2)?,
                     reason: r.get(3)?,
                     failed_ms: r.get(4)?,

@@ -166,14 +166,14 @@ mod tests {
                 .unwrap(),
             2
         );
-        let first = ra.recv().unwrap().unwrap().event_id;
+        let first = ra.recv().unwrap().unwrap().event_id.hyphenated();
         // Looked up by the key's id, published under the id of its payload.
         let kid = key_id(&s.key_secret, "dev", "pump", "tcp", "pump-1").hyphenated();
         assert_ne!(first, kid);
         assert_eq!(stored_ids(&s), vec![(kid, Some(first.clone()))]);
         assert_eq!(payloads(&s)[0].0, first);
-        assert_eq!(rb.recv().unwrap().unwrap().event_id, first);
-        let unkeyed = rc.recv().unwrap().unwrap().event_id;
+        assert_eq!(rb.recv().unwrap().unwrap().event_id.hyphenated(), first);
+        let unkeyed = rc.recv().unwrap().unwrap().event_id.hyphenated();
         assert_ne!(unkeyed, first);
         let (again, r2) = keyed("pump", Some("pump-1"), 1.0);
         assert_eq!(
@@ -181,7 +181,7 @@ mod tests {
                 .unwrap(),
             0
         );
-        assert_eq!(r2.recv().unwrap().unwrap().event_id, first);
+        assert_eq!(r2.recv().unwrap().unwrap().event_id.hyphenated(), first);
         assert_eq!(rows(&s), 2);
         assert_eq!(counter(&s, "ingest_keys_already_spooled"), 2);
         // The same key on another stream, or from another scope, is another event.
@@ -193,10 +193,39 @@ mod tests {
             2
         );
         let (o, t) = (
-            ro.recv().unwrap().unwrap().event_id,
-            rt.recv().unwrap().unwrap().event_id,
+            ro.recv().unwrap().unwrap().event_id.hyphenated(),
+            rt.recv().unwrap().unwrap().event_id.hyphenated(),
         );
         assert!(o != first && t != first && o != t);
+    }
+
+    #[test]
+    fn a_key_remembered_with_a_damaged_event_id_refuses_the_reading_and_keeps_the_first() {
+        let d = tempfile::tempdir().unwrap();
+        let mut s = Spool::open(&d.path().join("spool.db"), &SpoolOptions::default()).unwrap();
+        let mut ids = EventIdGen::new().unwrap();
+        let (a, ra) = keyed("pump", Some("k"), 1.0);
+        s.append(&[a], &mut ids, "dev", Format::Json, 5).unwrap();
+        assert!(ra.recv().unwrap().is_ok());
+        s.conn
+            .execute("UPDATE event_keys SET published_id = 'not-an-id'", [])
+            .unwrap();
+        // The same reading again: its first id cannot be told, and it is
+        // not stored a second time under another.
+        let (again, r2) = keyed("pump", Some("k"), 1.0);
+        assert_eq!(
+            s.append(&[again], &mut ids, "dev", Format::Json, 6)
+                .unwrap(),
+            0
+        );
+        let refused = r2.recv().unwrap().unwrap_err();
+        assert!(refused.lasting, "{refused:?}");
+        assert!(
+            refused.why.contains("not one") && refused.why.contains("not-an-id"),
+            "{refused}"
+        );
+        assert_eq!(rows(&s), 1);
+        assert_eq!(counter(&s, "ingest_key_conflicts"), 1);
     }
 
     #[test]
@@ -211,7 +240,7 @@ mod tests {
             s.append(&[a, b], &mut ids, "dev", Format::Json, 5).unwrap(),
             1
         );
-        let first = ra.recv().unwrap().unwrap().event_id;
+        let first = ra.recv().unwrap().unwrap().event_id.hyphenated();
         let refused = rb.recv().unwrap().unwrap_err();
         assert!(refused.lasting, "{refused:?}");
         assert!(
@@ -300,7 +329,7 @@ mod tests {
             let (e, r) = keyed("pump", Some(&format!("k{i}")), i as f64);
             s.append(&[e], &mut ids, "dev", Format::Json, 5).unwrap();
             if i == 0 {
-                first = r.recv().unwrap().unwrap().event_id;
+                first = r.recv().unwrap().unwrap().event_id.hyphenated();
             }
         }
         let keys = |s: &Spool| -> i64 {
@@ -330,7 +359,7 @@ mod tests {
                 .unwrap(),
             0
         );
-        assert_eq!(rs.recv().unwrap().unwrap().event_id, first);
+        assert_eq!(rs.recv().unwrap().unwrap().event_id.hyphenated(), first);
         assert!(ro.recv().unwrap().is_err());
         // Bounded: past KEYS_KEPT keys of purged rows the oldest go.
         let n = KEYS_KEPT as usize + 50;
@@ -363,7 +392,7 @@ mod tests {
             let mut ids = EventIdGen::new().unwrap();
             let (ev, rx) = keyed("pump", Some("pump-1"), 1.0);
             s.append(&[ev], &mut ids, "dev", Format::Json, 5).unwrap();
-            rx.recv().unwrap().unwrap().event_id
+            rx.recv().unwrap().unwrap().event_id.hyphenated()
         };
         let a = d.path().join("a.db");
         let first = id_in(&a);
@@ -413,7 +442,7 @@ mod tests {
         evs.into_iter()
             .map(|(ev, rx)| {
                 s.append(&[ev], &mut ids, "dev", Format::Json, 9).unwrap();
-                rx.recv().unwrap().unwrap().event_id
+                rx.recv().unwrap().unwrap().event_id.hyphenated()
             })
             .collect()
     }

@@ -46,6 +46,7 @@ mod riders;
 mod schema;
 mod seqs;
 mod stats;
+mod stored_id;
 mod upkeep;
 mod wal;
 
@@ -66,7 +67,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Row states (DESIGN.md, "Spool states").
+/// Row states (docs/invariants.md, "Spool states").
 pub mod state {
     /// Committed locally; no publish attempt yet.
     pub const PENDING: &str = "PENDING";

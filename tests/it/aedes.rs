@@ -7,6 +7,7 @@
 //! `mqtt.protocol = "3.1.1"`, except the one that checks the refusal of 5.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::Board;
 use crate::support::spool::count_in_state;
 use crate::support::subscriber::Subscriber;
 use crate::support::{free_port, wait_for};
@@ -97,10 +98,8 @@ fn status(db: &Path) -> String {
 fn aedes_closing_on_the_command_subscription_does_not_stop_telemetry() {
     let prefix = crate::prefix("aedes-deny");
     let aedes = Aedes::start(&[&format!("deny-subscribe={prefix}/commands")]);
-    let sub = Subscriber::start(aedes.port, &format!("{prefix}/events/#"));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::v311(crate::write_config(dir.path(), &aedes.url(), &prefix, 200));
-    let db = dir.path().join("spool.db");
+    let sub = Subscriber::events(aedes.port, &prefix);
+    let Board { dir, cfg, db } = Board::new(&aedes.url(), &prefix, 200).v311();
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(60), || sub.count() >= 10),
@@ -135,9 +134,7 @@ fn aedes_refusing_the_keep_alive_is_named_and_nothing_is_retired() {
     // Health names a cause after max(2 x keep-alive, 30 s): 40 s here.
     let aedes = Aedes::start(&["keepalive-limit=10"]);
     let prefix = crate::prefix("aedes-ka");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::v311(crate::write_config(dir.path(), &aedes.url(), &prefix, 200));
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&aedes.url(), &prefix, 200).v311();
     let sets = ["mqtt.keep_alive_secs=20".to_owned()];
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
     assert!(
@@ -160,7 +157,7 @@ fn aedes_refusing_the_keep_alive_is_named_and_nothing_is_retired() {
     assert_eq!(count_in_state(&db, "ACKED"), 0, "{}", status(&db));
     agent.terminate(Duration::from_secs(15));
 
-    let sub = Subscriber::start(aedes.port, &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(aedes.port, &prefix);
     let sets = ["mqtt.keep_alive_secs=10".to_owned()];
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
     assert!(
@@ -179,9 +176,7 @@ fn aedes_refusing_the_keep_alive_is_named_and_nothing_is_retired() {
 fn a_broker_without_mqtt_5_is_named_with_the_setting_to_change() {
     let aedes = Aedes::start(&[]);
     let prefix = crate::prefix("aedes-v5");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(dir.path(), &aedes.url(), &prefix, 200);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&aedes.url(), &prefix, 200);
     let sets = ["mqtt.keep_alive_secs=10".to_owned()];
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
     let named = "without answering the MQTT 5 CONNECT: a broker that does not speak MQTT 5 does this; if so, set mqtt.protocol = \"3.1.1\"";

@@ -4,7 +4,7 @@
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
-use crate::support::sink::{SinkProc, BROKER_EXTRA};
+use crate::support::sink::{sqlite_received, SinkProc, BROKER_EXTRA};
 use crate::support::subscriber::{Delivery, Subscriber};
 use crate::support::{tail, wait_for};
 use edgespool::event::envelope::{EventIdGen, Format};
@@ -296,21 +296,6 @@ fn build_mixed_backlog(db: &Path, tele: usize, pump: usize) -> HashMap<String, V
     rows
 }
 
-/// event id -> (payload, deliveries) in the sink's SQLite store.
-fn sink_rows(db: &Path) -> HashMap<String, (Vec<u8>, i64)> {
-    let Ok(c) =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-    else {
-        return HashMap::new();
-    };
-    let Ok(mut st) = c.prepare("SELECT event_id, payload, deliveries FROM received") else {
-        return HashMap::new();
-    };
-    st.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
-        .and_then(|rows| rows.collect())
-        .unwrap_or_default()
-}
-
 fn sink_count(db: &Path) -> i64 {
     rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
         .and_then(|c| c.query_row("SELECT count(*) FROM received", [], |r| r.get(0)))
@@ -426,7 +411,7 @@ name = "pump"
         !unacked.is_empty(),
         "the kill came after the drain: nothing left unacknowledged"
     );
-    let at_kill = sink_rows(&sink_db);
+    let at_kill = sqlite_received(&sink_db);
     let resent = at_kill.keys().filter(|id| unacked.contains(*id)).count();
     println!(
         "SIGKILL with {} events at the sink and {} rows unacknowledged in the spool; {resent} of them already at the sink (each must come again)",
@@ -455,7 +440,7 @@ name = "pump"
     std::thread::sleep(Duration::from_secs(2));
     sink.terminate();
 
-    let got = sink_rows(&sink_db);
+    let got = sqlite_received(&sink_db);
     assert_eq!(
         got.len(),
         want.len(),

@@ -4,10 +4,12 @@
 
 use crate::prefix;
 use crate::support::agent::AgentProc;
+use crate::support::board::{edit_config, write_board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::{self, counter};
 use crate::support::subscriber::{Delivery, Subscriber};
-use crate::support::{spool, tail, wait_for};
+use crate::support::{run_ok, tail, wait_for};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -30,34 +32,10 @@ fn write_bridge_config(
     prefix: &str,
     extra: &str,
 ) -> PathBuf {
-    let path = dir.join("board.toml");
-    let text = format!(
-        r#"device_id = "it-board"
-[spool]
-path = "{spool}"
-commit_window_ms = 50
-checkpoint_interval_secs = 1
-[mqtt]
-url = "{upstream_url}"
-topic_prefix = "{prefix}"
-reconnect_min_ms = 100
-reconnect_max_ms = 800
-connect_timeout_secs = 2
-ack_timeout_secs = 3
-inflight_window = 16
-[agent]
-summary_interval_secs = 2
-[[sources]]
-name = "plant"
-kind = "mqtt"
-url = "{local}"
-topics = ["plant/#"]
-{extra}
-"#,
-        spool = dir.join("spool.db").display()
+    let source = format!(
+        "[[sources]]\nname = \"plant\"\nkind = \"mqtt\"\nurl = \"{local}\"\ntopics = [\"plant/#\"]\n{extra}\n"
     );
-    std::fs::write(&path, text).expect("write test config");
-    path
+    write_board(dir, upstream_url, prefix, &source)
 }
 
 /// Publish `payload` on `topic` to the broker on `port` at QoS 1 and wait
@@ -89,9 +67,7 @@ fn publish(port: u16, topic: &str, payload: &[u8]) {
 /// session now exists at the local broker).
 fn wait_bridge_subscribed(agent: &AgentProc) {
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("bridge plant: subscribed")),
+        agent.wait_log(Duration::from_secs(20), "bridge plant: subscribed"),
         "bridge did not subscribe:\n{}",
         agent.log_tail(40)
     );
@@ -112,22 +88,13 @@ fn plant_fields(deliveries: &[Delivery]) -> Vec<(String, serde_json::Value)> {
         .collect()
 }
 
-/// A persistent counter of the spool (0 when absent).
-fn counter(db: &Path, name: &str) -> i64 {
-    let conn = spool::open(db);
-    conn.query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
-        r.get(0)
-    })
-    .unwrap_or(0)
-}
-
 #[test]
 fn json_messages_arrive_flattened_with_their_topic_and_an_id_field_keeps_one_event() {
     let local = Broker::start_with_options(LOCAL_EXTRA, false);
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-basic");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -185,7 +152,7 @@ fn a_garbage_payload_is_acknowledged_counted_and_does_not_block_later_messages()
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-garbage");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -239,9 +206,7 @@ fn a_garbage_payload_is_acknowledged_counted_and_does_not_block_later_messages()
     // session gets no redelivery of it (the count stays where it was).
     agent.terminate(Duration::from_secs(15));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    wait_for(Duration::from_secs(20), || {
-        agent.log_text().contains("bridge plant: connected")
-    });
+    agent.wait_log(Duration::from_secs(20), "bridge plant: connected");
     publish(local.port(), "plant/good", br#"{"n":2}"#);
     assert!(
         sub.wait_until(Duration::from_secs(20), |d| plant_fields(d)
@@ -439,7 +404,7 @@ fn two_thousand_through_kills(id_field: Option<&str>) {
 
     // Drain: upstream back, the subscriber on it first, then the agent.
     upstream.restart();
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     // About 200 events a second (some 250 bytes each), so the kills below
     // land mid-drain however fast the machine is.
     proxy.set_rate(50_000);
@@ -526,7 +491,7 @@ fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_roo
     proxy.set_mode(Mode::Refuse);
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-full");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     // About 400 messages of 1 KB a second reach the bridge, so the capacity
     // check (once a second) sees the spool pass 1 MiB well before all N are in.
     let local_proxy = Proxy::start(local.port());
@@ -543,21 +508,17 @@ fn readings_the_full_spool_refuses_stay_with_the_local_broker_until_there_is_roo
         .collect();
     let input = dir.path().join("lines.txt");
     std::fs::write(&input, text).expect("write lines");
-    let out = Command::new(MOSQUITTO_PUB)
+    let mut publisher = Command::new(MOSQUITTO_PUB);
+    publisher
         .args(["-h", "127.0.0.1", "-p", &local.port().to_string()])
         .args(["-q", "1", "-t", "plant/big", "-l"])
-        .stdin(std::fs::File::open(&input).expect("open lines"))
-        .output()
-        .expect("run mosquitto_pub -l");
+        .stdin(std::fs::File::open(&input).expect("open lines"));
+    run_ok(&mut publisher, "mosquitto_pub -l");
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        wait_for(Duration::from_secs(60), || agent
-            .log_text()
-            .contains("bridge plant: the spool refused a reading")),
+        agent.wait_log(
+            Duration::from_secs(60),
+            "bridge plant: the spool refused a reading"
+        ),
         "no refusal:\n{}",
         agent.log_tail(40)
     );
@@ -606,7 +567,7 @@ fn the_same_id_on_two_topics_is_two_events_and_a_reused_id_is_refused() {
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-idscope");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -677,7 +638,7 @@ fn member_names_with_nul_or_newline_are_refused() {
     let upstream = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("bridge-names");
-    let sub = Subscriber::start(upstream.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(upstream.port(), &prefix);
     let cfg = write_bridge_config(
         dir.path(),
         &local.url(),
@@ -745,12 +706,12 @@ fn the_loop_guard_sees_through_other_spellings_of_the_main_broker() {
             &prefix,
             "",
         );
-        let text = std::fs::read_to_string(&cfg).expect("read");
-        let text = text.replace(
-            "topics = [\"plant/#\"]",
-            &format!("topics = [\"{prefix}/events/#\"]"),
-        );
-        std::fs::write(&cfg, text).expect("write");
+        edit_config(&cfg, |t| {
+            t.replace(
+                "topics = [\"plant/#\"]",
+                &format!("topics = [\"{prefix}/events/#\"]"),
+            )
+        });
         let (status, out, err) =
             crate::support::agent::run_cli(&["check-config", cfg.to_str().expect("utf-8 path")]);
         assert!(

@@ -5,14 +5,26 @@
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
+use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
+use edgespool::event::signature::SigningKey;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod flood;
+mod operator;
+
+/// The rig's `device_id`.
+const BOARD: &str = "cmd-board";
+
+/// The command `v` signed with `key` for the board `device_id`
+/// ([`edgespool::commands::signed::sign`]).
+fn signed(key: &SigningKey, device_id: &str, v: Value) -> Value {
+    edgespool::commands::signed::sign(key, device_id, &v).expect("a command to sign")
+}
 
 /// A broker, a proxy in front of it for the agent, a subscriber on the
 /// agent's events, and a config with exec handlers writing marker files.
@@ -25,6 +37,9 @@ struct Rig {
     sub: Subscriber,
     client_id: String,
     extra: Extra,
+    /// The operator's key: its public half is in the board config's
+    /// `commands.operator_public_keys`.
+    operator: SigningKey,
 }
 
 /// Additions to the rig's board config and broker.
@@ -32,7 +47,8 @@ struct Rig {
 struct Extra {
     /// Lines for `[spool]`.
     spool: &'static str,
-    /// Lines for `[commands]`.
+    /// Lines for `[commands]` (`allow_unsigned = true` unless these name
+    /// `allow_unsigned`: most tests send unsigned commands).
     commands: &'static str,
     /// More `[[commands.handlers]]` (`{d}` is the test directory).
     handlers: &'static str,
@@ -50,7 +66,7 @@ impl Rig {
         let proxy = Proxy::start(broker.port());
         let dir = tempfile::tempdir().expect("tempdir");
         let prefix = crate::prefix(test);
-        let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+        let sub = Subscriber::events(broker.port(), &prefix);
         let cfg = dir.path().join("board.toml");
         let rig = Rig {
             broker,
@@ -61,6 +77,7 @@ impl Rig {
             sub,
             client_id: format!("cmd-board-{}", crate::support::unique_suffix()),
             extra,
+            operator: SigningKey::generate().expect("an operator key").0,
         };
         std::fs::write(&rig.cfg, rig.config_text(30)).expect("write config");
         rig
@@ -99,6 +116,8 @@ name = "system"
 kind = "system"
 interval_ms = 1000
 [commands]
+operator_public_keys = ["{operator}"]
+{allow_unsigned}
 {commands_extra}
 [[commands.handlers]]
 name = "count-slow"
@@ -122,6 +141,12 @@ max_len = 32
             prefix = self.prefix,
             client_id = self.client_id,
             spool_extra = self.extra.spool,
+            operator = self.operator.public().hex(),
+            allow_unsigned = if self.extra.commands.contains("allow_unsigned") {
+                ""
+            } else {
+                "allow_unsigned = true"
+            },
             commands_extra = self.extra.commands,
             handlers_extra = self.extra.handlers.replace("{d}", &d.to_string()),
         )
@@ -137,9 +162,7 @@ max_len = 32
     fn spawn_ready(&self) -> AgentProc {
         let agent = self.spawn();
         assert!(
-            wait_for(Duration::from_secs(60), || agent
-                .log_text()
-                .contains("subscribed to commands")),
+            agent.wait_log(Duration::from_secs(60), "subscribed to commands"),
             "{}",
             agent.log_tail(20)
         );
@@ -162,6 +185,11 @@ max_len = 32
 
     fn send_json(&self, v: Value) {
         self.send(v.to_string().as_bytes(), false);
+    }
+
+    /// `v` signed with the operator's key for this rig's board.
+    fn signed(&self, v: Value) -> Value {
+        signed(&self.operator, BOARD, v)
     }
 
     /// Result events received so far (payload `fields`, with `result` parsed).
@@ -389,9 +417,7 @@ fn a_retained_command_runs_once_across_agent_and_broker_restarts() {
     );
     let mut agent = rig.spawn();
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("duplicate delivery (retained)")),
+        agent.wait_log(Duration::from_secs(20), "duplicate delivery (retained)"),
         "{}",
         agent.log_tail(30)
     );
@@ -559,9 +585,7 @@ user = \"nobody\"
         &[("EDGESPOOL_TEST_SECRET", secret)],
     );
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
         "{}",
         agent.log_tail(20)
     );
@@ -723,9 +747,7 @@ fn config_push_applies_live_without_touching_the_spool_and_rejects_bad_configs()
         json!(["mqtt (reconnecting once)"]),
         "{r}"
     );
-    assert!(wait_for(Duration::from_secs(15), || agent
-        .log_text()
-        .contains("config push confirmed")));
+    assert!(agent.wait_log(Duration::from_secs(15), "config push confirmed"));
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(
         agent.log_text().matches("mqtt: connected").count(),
@@ -860,9 +882,7 @@ fn a_signed_push_to_an_unreachable_broker_reverts_within_confirm_secs() {
     let r = rig.wait_result("dead", "result", &mut agent);
     assert_eq!(r["state"], "completed", "{r}");
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("config push reverted")),
+        agent.wait_log(Duration::from_secs(20), "config push reverted"),
         "{}",
         agent.log_tail(20)
     );
@@ -1087,9 +1107,7 @@ fn a_broken_config_file_at_start_falls_back_to_the_last_good_copy() {
         // Logged by the main thread once the spool is open, which under load
         // can come after the MQTT thread's "subscribed to commands".
         assert!(
-            wait_for(Duration::from_secs(10), || agent
-                .log_text()
-                .contains("config invalid: ")),
+            agent.wait_log(Duration::from_secs(10), "config invalid: "),
             "{}",
             agent.log_text()
         );
@@ -1135,9 +1153,7 @@ fn sighup_and_set_interval_change_sampling_live() {
     // SIGHUP re-reads the file: the file still says 1000 ms.
     agent.signal(libc::SIGHUP);
     assert!(
-        wait_for(Duration::from_secs(10), || agent
-            .log_text()
-            .contains("config reloaded")),
+        agent.wait_log(Duration::from_secs(10), "config reloaded"),
         "{}",
         agent.log_tail(20)
     );
@@ -1159,9 +1175,7 @@ fn a_kill_during_config_push_leaves_the_old_or_the_new_config_whole() {
     for round in 0..12u64 {
         let mut agent = rig.spawn();
         assert!(
-            wait_for(Duration::from_secs(20), || agent
-                .log_text()
-                .contains("subscribed to commands")),
+            agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
             "round {round}: {}",
             agent.log_tail(20)
         );
@@ -1203,9 +1217,7 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     std::fs::write(&cfg, &text).expect("config");
     let mut agent = AgentProc::spawn(&cfg, &[], rig.dir.path());
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
         "{}",
         agent.log_tail(20)
     );
@@ -1259,18 +1271,6 @@ fn a_config_push_onto_a_full_disk_is_rejected_and_leaves_the_file_whole() {
     );
     agent.terminate(Duration::from_secs(15));
     drop(fs);
-}
-
-/// A persistent counter from the spool's `counters` table (0 if absent).
-fn counter(db: &Path, name: &str) -> i64 {
-    use rusqlite::OptionalExtension;
-    crate::support::spool::open(db)
-        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
-            r.get(0)
-        })
-        .optional()
-        .expect("read counter")
-        .unwrap_or(0)
 }
 
 /// Drive a bulk publisher's event loop until `n` PUBACKs arrived or
@@ -1579,9 +1579,10 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
     // forwards the empty message (with the retain flag cleared).
     rig.send(b"", true);
     assert!(
-        wait_for(Duration::from_secs(10), || agent
-            .log_text()
-            .contains("a retained command was cleared; ignored")),
+        agent.wait_log(
+            Duration::from_secs(10),
+            "a retained command was cleared; ignored"
+        ),
         "{}",
         agent.log_tail(20)
     );
@@ -1602,13 +1603,7 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
             std::fs::read_to_string(e.path())
                 .unwrap_or_default()
                 .lines()
-                // The start-up caution about an empty operator scope list
-                // is this rig's configuration, not the clear.
-                .filter(|l| {
-                    l.contains("WARN")
-                        && l.contains("command")
-                        && !l.contains("commands.operator_scopes is empty")
-                })
+                .filter(|l| l.contains("WARN") && l.contains("command"))
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
         })
@@ -1669,9 +1664,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
     let spawn = |rig: &Rig| {
         let agent = AgentProc::spawn_with_env(&rig.cfg, &[], rig.dir.path(), &env);
         assert!(
-            wait_for(Duration::from_secs(20), || agent
-                .log_text()
-                .contains("subscribed to commands")),
+            agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
             "{}",
             agent.log_tail(20)
         );
@@ -1938,9 +1931,7 @@ fn a_command_sent_while_the_agent_is_down_waits_in_its_session_under_mqtt_5() {
         let sets = vec![format!("mqtt.session_expiry_secs={expiry}")];
         let ready = |agent: &AgentProc| {
             assert!(
-                wait_for(Duration::from_secs(20), || agent
-                    .log_text()
-                    .contains("subscribed to commands")),
+                agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
                 "{}",
                 agent.log_tail(20)
             );
@@ -2171,9 +2162,7 @@ interval_ms = 200
     });
     drop(file);
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(20), "subscribed to commands"),
         "{}",
         agent.log_tail(20)
     );

@@ -14,12 +14,21 @@
 //! seconds, not the minutes the shipped `for:` durations ask for; stopping
 //! the broker must then make `EdgespoolOffline` fire.
 //!
+//! The agent runs in receipt mode with a real `edgespool sink` storing into
+//! SQLite and sending receipts, so the receipts panels and rules are held
+//! against real series too. The rules' meaning is pinned by the promtool
+//! unit tests shipped beside them (`edgespool-alerts.test.yml`), run here;
+//! and every family the agent renders, the dashboard reads or a rule
+//! judges is in the metrics table of docs/operations.md.
+//!
 //! Skipped, with a message, only when `prometheus` or `promtool` is not
 //! installed (`cross/setup-debian.sh` installs Debian's `prometheus`).
 
 use crate::support::agent::AgentProc;
+use crate::support::board::edit_config;
 use crate::support::broker::Broker;
-use crate::support::{free_port, tail, wait_for};
+use crate::support::sink::{SinkProc, BROKER_EXTRA};
+use crate::support::{free_port, tail, unique_suffix, wait_for};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -330,8 +339,13 @@ fn rules_for_the_test(shipped: &str) -> (String, usize) {
 
 /// `promtool check ARGS` with `stdin`; panics with its output on failure.
 fn promtool(args: &[&str], stdin: Option<&str>) {
+    promtool_run("check", args, stdin);
+}
+
+/// `promtool VERB ARGS` with `stdin`; panics with its output on failure.
+fn promtool_run(verb: &str, args: &[&str], stdin: Option<&str>) {
     let mut child = Command::new("promtool")
-        .arg("check")
+        .arg(verb)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -344,7 +358,7 @@ fn promtool(args: &[&str], stdin: Option<&str>) {
     let out = child.wait_with_output().expect("promtool");
     assert!(
         out.status.success(),
-        "promtool check {args:?}: {}{}",
+        "promtool {verb} {args:?}: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -414,25 +428,67 @@ fn the_dashboard_and_alert_rules_hold_against_a_real_prometheus_scraping_a_real_
         None,
     );
 
-    let mut broker = Broker::start();
-    let prefix = crate::prefix("dashboards");
+    // What the rules mean: the unit tests shipped beside them.
+    promtool_run(
+        "test",
+        &[
+            "rules",
+            &repo_file("packaging/prometheus/edgespool-alerts.test.yml")
+                .display()
+                .to_string(),
+        ],
+        None,
+    );
+
+    let mut broker = Broker::start_with_config(BROKER_EXTRA);
+    // The sink takes the device from the prefix's last level.
+    let base = crate::prefix("dashboards");
+    let prefix = format!("{base}/it-board");
     let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
     let metrics_port = free_port();
-    let text = std::fs::read_to_string(&cfg).expect("config");
-    let text = text.replace("summary_interval_secs = 2", "summary_interval_secs = 1")
-        + &format!("[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n");
-    std::fs::write(&cfg, text).expect("write config");
+    edit_config(&cfg, |t| {
+        t.replace("summary_interval_secs = 2", "summary_interval_secs = 1")
+            .replacen(
+                "[mqtt]\n",
+                &format!(
+                    "[mqtt]\n{}receipt_timeout_secs = 10\n",
+                    crate::support::keys::receipt_mode_toml()
+                ),
+                1,
+            )
+            + &format!("[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n")
+    });
+    let sink_db = dir.path().join("sink.db");
+    let sink = SinkProc::spawn_sqlite(
+        broker.port(),
+        &format!("{base}/+/events/#"),
+        &sink_db,
+        &format!("dash-sink-{}", unique_suffix()),
+        dir.path(),
+    );
+    sink.wait_subscribed();
     let agent = AgentProc::spawn(&cfg, &[], dir.path());
     let up = wait_for(Duration::from_secs(30), || {
-        http_get(metrics_port, "/metrics")
-            .is_ok_and(|(c, b)| c == 200 && b.contains("edgespool_mqtt_connected 1"))
+        http_get(metrics_port, "/metrics").is_ok_and(|(c, b)| {
+            c == 200
+                && b.contains("edgespool_mqtt_connected 1")
+                && b.contains("edgespool_health{state=\"ok\"} 1")
+                && b.lines().any(|l| {
+                    l.strip_prefix("edgespool_receipts_total ")
+                        .and_then(|v| v.parse::<f64>().ok())
+                        .is_some_and(|n| n > 0.0)
+                })
+        })
     });
     assert!(
         up,
-        "the agent never showed itself connected\n{}",
-        agent.log_tail(30)
+        "the agent never showed itself connected, ok and receipted\n{}\n--- sink ---\n{}",
+        agent.log_tail(30),
+        tail(&sink.log_text(), 10)
     );
-    promtool(&["metrics"], Some(&agent_metrics(metrics_port)));
+    let scraped = agent_metrics(metrics_port);
+    promtool(&["metrics"], Some(&scraped));
+    table_lists_every_family(&scraped);
 
     let prom = Prometheus::start(&format!("127.0.0.1:{metrics_port}"), &test_rules);
     let rules: Vec<Value> = prom.api("rules")["groups"]
@@ -455,6 +511,28 @@ fn the_dashboard_and_alert_rules_hold_against_a_real_prometheus_scraping_a_real_
         for q in judged_quantities(query) {
             checks.push((format!("rule {name}"), q));
         }
+    }
+    let dash = std::fs::read_to_string(repo_file("packaging/grafana/edgespool.json"))
+        .expect("read the dashboard");
+    assert!(
+        !dash.contains("__inputs") && !dash.contains("DS_PROMETHEUS"),
+        "the dashboard declares a data source input it never uses"
+    );
+    for family in [
+        "edgespool_health",
+        "edgespool_rows_awaiting_receipt",
+        "edgespool_oldest_awaiting_receipt_age_seconds",
+        "edgespool_receipts_total",
+        "edgespool_receipts_refused_total",
+        "edgespool_spool_failed_rows",
+        "process_resident_memory_bytes",
+    ] {
+        assert!(
+            checks
+                .iter()
+                .any(|(w, e)| w.starts_with("panel") && e.contains(family)),
+            "no panel reads {family}"
+        );
     }
     let mut skipped = Vec::new();
     checks.retain(|(what, e)| match awaited_family(e, &metrics) {
@@ -514,6 +592,99 @@ fn the_dashboard_and_alert_rules_hold_against_a_real_prometheus_scraping_a_real_
     assert_eq!(series.len(), 1, "{series:?}");
 }
 
+/// Every family of the agent's scrape (`# TYPE` lines), and every
+/// `edgespool_` and `process_` name the dashboard or the rules read, is in
+/// the metrics table of docs/operations.md (issue 36: the table missed two
+/// families the dashboard used).
+fn table_lists_every_family(scraped: &str) {
+    let docs = std::fs::read_to_string(repo_file("docs/operations.md")).expect("read the docs");
+    let listed = metrics_table(&docs);
+    let mut wanted: Vec<String> = scraped
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .map(str::to_owned)
+        .collect();
+    for file in [
+        "packaging/grafana/edgespool.json",
+        "packaging/prometheus/edgespool-alerts.yml",
+    ] {
+        let text = std::fs::read_to_string(repo_file(file)).expect("read");
+        wanted.extend(metric_names(&text));
+    }
+    wanted.sort();
+    wanted.dedup();
+    let histogram_part = |n: &str| {
+        ["_bucket", "_sum", "_count"]
+            .iter()
+            .any(|s| n.strip_suffix(s).is_some_and(|f| listed.contains(f)))
+    };
+    let missing: Vec<&String> = wanted
+        .iter()
+        .filter(|n| !listed.contains(n.as_str()) && !histogram_part(n))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "families missing from the metrics table of docs/operations.md: {missing:?}"
+    );
+}
+
+/// The metric names in the metrics table (the first cell of each row of
+/// the table under "### Metrics (Prometheus)"), labels left off and
+/// `a_{b,c}_d` expanded.
+fn metrics_table(docs: &str) -> std::collections::BTreeSet<String> {
+    let section = docs
+        .split("### Metrics (Prometheus)")
+        .nth(1)
+        .expect("the metrics section");
+    let mut names = std::collections::BTreeSet::new();
+    for row in section.lines().filter(|l| l.starts_with("| `")) {
+        let cell = row.split(" | ").next().unwrap_or_default();
+        for quoted in cell.split('`').skip(1).step_by(2) {
+            names.extend(expand(quoted));
+        }
+    }
+    names
+}
+
+/// `name{labels}` -> `name`; `a_{b,c}_d` -> `a_b_d`, `a_c_d`.
+fn expand(quoted: &str) -> Vec<String> {
+    let Some((head, rest)) = quoted.split_once('{') else {
+        return vec![quoted.to_owned()];
+    };
+    let (inner, tail) = rest.split_once('}').unwrap_or((rest, ""));
+    if tail.is_empty() {
+        return vec![head.to_owned()];
+    }
+    inner
+        .split(',')
+        .flat_map(|alt| expand(&format!("{head}{alt}{tail}")))
+        .collect()
+}
+
+/// Every `edgespool_...` and `process_...` name in `text`.
+fn metric_names(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let b = text.as_bytes();
+    let word = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+    let mut i = 0;
+    while i < b.len() {
+        let at_start = i == 0 || !word(b[i - 1]);
+        let rest = &text[i..];
+        if at_start && (rest.starts_with("edgespool_") || rest.starts_with("process_")) {
+            let end = rest.bytes().position(|c| !word(c)).unwrap_or(rest.len());
+            // `process_*` in prose names no family.
+            if !rest[..end].ends_with('_') {
+                out.push(rest[..end].to_owned());
+            }
+            i += end;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
 #[test]
 fn rule_expressions_are_split_into_what_they_judge() {
     assert_eq!(
@@ -536,6 +707,18 @@ fn rule_expressions_are_split_into_what_they_judge() {
             &["instance".into(), "stream".into()]
         ),
         "a{i=~\".+\",s=~\".+\"}[15s]"
+    );
+    assert_eq!(
+        expand("edgespool_commands_{received,duplicates}_total"),
+        [
+            "edgespool_commands_received_total",
+            "edgespool_commands_duplicates_total"
+        ]
+    );
+    assert_eq!(expand("edgespool_health{state}"), ["edgespool_health"]);
+    assert_eq!(
+        metric_names("sum(rate(edgespool_a_total{x=\"edgespool_not\"}[5m])) and on (i) process_open_fds, process_*"),
+        ["edgespool_a_total", "edgespool_not", "process_open_fds"]
     );
     let (copy, n) = rules_for_the_test("  - alert: A\n    expr: x\n    for: 10m\n");
     assert_eq!(

@@ -2,35 +2,28 @@
 //! retirement only on PUBACK.
 
 use crate::support::agent::AgentProc;
+use crate::support::board::{append_config, edit_config, Board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
-use crate::support::spool::{count_by_state, count_in_state, rows, total};
+use crate::support::spool::{await_states, count_by_state, count_in_state, rows, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
-use crate::{assert_first_seen_in_order, assert_invariants, prefix, received, write_config};
+use crate::{assert_first_seen_in_order, assert_invariants, prefix, received};
 use std::time::Duration;
 
 #[test]
 fn readings_from_the_system_source_reach_a_subscriber_and_every_row_ends_acked() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("e2e");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &broker.url(), &prefix, 100);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 100);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         sub.wait_count(Duration::from_secs(20), 10),
         "no deliveries; agent log:\n{}",
         agent.log_tail(40)
     );
-    let status = agent.terminate(Duration::from_secs(15));
-    assert_eq!(
-        status.and_then(|s| s.code()),
-        Some(0),
-        "{}",
-        agent.log_tail(40)
-    );
+    agent.terminate_clean(Duration::from_secs(15));
     // Stopped: what is SENT stays SENT (no PUBACK seen), nothing retired by the stop.
     let after_stop = count_by_state(&db);
     // Drain the rest with a run that takes no readings.
@@ -70,11 +63,9 @@ fn backlog_built_while_the_broker_is_unreachable_drains_in_sequence_order() {
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
     proxy.set_mode(Mode::Refuse);
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("backlog");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &proxy.url(), &prefix, 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 20);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(20), || db.exists() && total(&db) >= 100),
@@ -105,14 +96,14 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
     proxy.set_mode(Mode::DropPubacks);
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("noacks");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &proxy.url(), &prefix, 200);
+    let Board { dir, cfg, .. } = Board::new(&proxy.url(), &prefix, 200);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let prom = dir.path().join("edgespool.prom");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\ntextfile = \"{}\"\n", prom.display()));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(
+        &cfg,
+        &format!("[metrics]\ntextfile = \"{}\"\n", prom.display()),
+    );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.ack_timeout_secs=2".into()], dir.path());
     // The watchdog (2 s without a PUBACK) rebuilds the client and replays:
@@ -186,32 +177,24 @@ fn swallowed_pubacks_retire_nothing_and_rows_are_resent_with_the_same_bytes() {
 #[test]
 fn oversized_payload_is_marked_failed_and_never_published() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("oversize");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &broker.url(), &prefix, 200);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 200);
+    let sub = Subscriber::events(broker.port(), &prefix);
     // 1024 bytes is the smallest limit the config allows: a small exec
     // source stays under it, one printing a 2 KB JSON object does not.
     let big = format!("{{\"blob\":\"{}\"}}", "x".repeat(2000));
-    let text = std::fs::read_to_string(&cfg)
-        .expect("read cfg")
-        .replace(
+    edit_config(&cfg, |t| {
+        t.replace(
             "name = \"system\"\nkind = \"system\"",
             "name = \"small\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"42\"]",
-        )
-        + &format!(
+        ) + &format!(
             "[[sources]]\nname = \"big\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [{big:?}]\ninterval_ms = 200\n"
-        );
-    std::fs::write(&cfg, text).expect("write cfg");
+        )
+    });
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.max_payload_bytes=1024".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(20), || db.exists()
-            && count_in_state(&db, "FAILED") >= 2),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(20), "FAILED >= 2", |s| {
+        s.n("FAILED") >= 2
+    });
     // Small readings keep flowing past the failed ones.
     assert!(sub.wait_count(Duration::from_secs(10), 3));
     agent.terminate(Duration::from_secs(15));

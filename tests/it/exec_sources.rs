@@ -4,6 +4,7 @@
 //! files the test reads back.
 
 use crate::support::agent::AgentProc;
+use crate::support::board::append_config;
 use crate::support::broker::Broker;
 use crate::support::wait_for;
 use std::os::unix::fs::PermissionsExt;
@@ -30,9 +31,7 @@ fn run_until_written(dir: &Path, sources: &str, file: &Path) -> String {
     let broker = Broker::start();
     let prefix = crate::prefix("exec-source-env");
     let cfg = crate::write_config(dir, &broker.url(), &prefix, 1000);
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(sources);
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(&cfg, sources);
     let mut agent = AgentProc::spawn_with_env(&cfg, &[], dir, &[("EDGESPOOL_TEST_SECRET", SECRET)]);
     assert!(
         wait_for(Duration::from_secs(30), || file.exists()

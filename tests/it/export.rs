@@ -8,6 +8,7 @@
 //! opens it.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::add_ingest;
 use crate::support::broker::Broker;
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
@@ -28,12 +29,7 @@ const COMMIT_WINDOW: Duration = Duration::from_millis(50);
 /// A board with no sources but the ingest socket (stream `load`), in `dir`.
 fn board(dir: &Path, url: &str, prefix: &str) -> PathBuf {
     let cfg = write_config(dir, url, prefix, 1000);
-    let mut text = std::fs::read_to_string(&cfg).expect("read config");
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n[[ingest.streams]]\nname = \"load\"\n",
-        dir.join("run/ingest.sock").display()
-    ));
-    std::fs::write(&cfg, text).expect("write config");
+    add_ingest(&cfg, "[[ingest.streams]]\nname = \"load\"\n");
     cfg
 }
 
@@ -235,7 +231,7 @@ fn an_export_under_ingest_load_restored_in_a_new_spool_directory_delivers_every_
 
     // Restored: the file alone, as spool.db, in a new spool directory.
     let broker = Broker::start();
-    let sub = Subscriber::start(broker.port(), &format!("{pfx}/events/#"));
+    let sub = Subscriber::events(broker.port(), &pfx);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let restored = tempfile::tempdir().expect("tempdir");
     std::fs::copy(&copy, restored.path().join("spool.db")).expect("restore the copy");

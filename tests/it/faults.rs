@@ -2,12 +2,13 @@
 //! without persistence (field case F08).
 
 use crate::support::agent::AgentProc;
+use crate::support::board::Board;
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{count_by_state, count_in_state, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
-use crate::{assert_invariants, prefix, received, write_config};
+use crate::{assert_invariants, prefix, received};
 use std::time::Duration;
 
 fn random_ms(lo: u64, hi: u64) -> u64 {
@@ -24,11 +25,9 @@ fn sigkill_while_publishing_loses_nothing_and_never_changes_a_payload() {
     // and unacknowledged when the process dies; even rounds kill mid-stream.
     let broker = Broker::start();
     let proxy = Proxy::start(broker.port());
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("sigkill");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &proxy.url(), &prefix, 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 20);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut kills = Vec::new();
     for round in 0..6 {
         proxy.set_mode(Mode::Forward);
@@ -79,11 +78,9 @@ fn sigkill_while_publishing_loses_nothing_and_never_changes_a_payload() {
 fn broker_restart_without_persistence_loses_nothing(clean_session: bool) {
     let mut broker = Broker::start();
     let proxy = Proxy::start(broker.port());
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("f08");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &proxy.url(), &prefix, 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 20);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut agent = AgentProc::spawn(
         &cfg,
         &[
@@ -171,7 +168,7 @@ fn a_sigkill_resends_at_most_the_inflight_window_and_one_windows_acks_and_never_
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("ackwindow");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let value = dir.path().join("value");
     std::fs::write(&value, "21.5\n").expect("write the value file");
     let cfg = dir.path().join("board.toml");

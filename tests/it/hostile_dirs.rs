@@ -10,6 +10,7 @@
 //! ran it is unchanged, or the agent refused to start naming the path.
 
 use crate::support::agent::{bin, AgentProc};
+use crate::support::board::{add_ingest, edit_config, Board, NO_BROKER};
 use crate::support::spool::total;
 use crate::support::wait_for;
 use crate::{prefix, write_config};
@@ -21,9 +22,6 @@ use std::time::Duration;
 
 /// uid and gid of the user `nobody`: "another user" on this machine.
 const NOBODY: u32 = 65534;
-/// Nothing listens on port 9 (discard): the agent runs without a broker.
-const NO_BROKER: &str = "mqtt://127.0.0.1:9";
-
 /// A root-owned file outside the agent's directories, with known bytes.
 struct Victim {
     _dir: tempfile::TempDir,
@@ -67,9 +65,7 @@ fn symlink(target: &Path, link: &Path) {
 /// Wait until the agent has opened its spool (the pragma line).
 fn wait_open(agent: &AgentProc) {
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("journal_mode=")),
+        agent.wait_log(Duration::from_secs(20), "journal_mode="),
         "the agent never opened its spool\n{}",
         agent.log_tail(30)
     );
@@ -99,20 +95,13 @@ interval_ms = 100
 #[test]
 fn a_clean_stamp_planted_as_a_symlink_while_the_agent_runs_never_reaches_its_target() {
     let victim = Victim::new();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("stamp_link"), 200);
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("stamp_link"), 200);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     wait_open(&agent);
     // Planted while the agent runs: the stop writes the stamp.
     let stamp = dir.path().join("spool.db.clean");
     symlink(&victim.path, &stamp);
-    let status = agent.terminate(Duration::from_secs(15));
-    assert_eq!(
-        status.and_then(|s| s.code()),
-        Some(0),
-        "{}",
-        agent.log_tail(20)
-    );
+    agent.terminate_clean(Duration::from_secs(15));
     victim.assert_untouched(&agent.log_text());
     let m = std::fs::symlink_metadata(&stamp).expect("stamp written");
     assert!(
@@ -125,8 +114,7 @@ fn a_clean_stamp_planted_as_a_symlink_while_the_agent_runs_never_reaches_its_tar
 #[test]
 fn a_lock_file_planted_as_a_symlink_is_refused_by_name_and_its_target_untouched() {
     let victim = Victim::new();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("lock_link"), 200);
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("lock_link"), 200);
     let real = dir.path().canonicalize().expect("canonical dir");
     let lock = real.join("spool.db.lock");
     symlink(&victim.path, &lock);
@@ -144,8 +132,7 @@ fn a_lock_file_planted_as_a_symlink_is_refused_by_name_and_its_target_untouched(
 #[test]
 fn a_probe_scratch_file_planted_as_a_symlink_never_reaches_its_target() {
     let victim = Victim::new();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("probe_link"), 200);
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("probe_link"), 200);
     let log_path = dir.path().join("agent.log");
     let log = std::fs::File::create(&log_path).expect("log file");
     // The scratch file is named after the agent's pid: plant it from a
@@ -296,10 +283,7 @@ fn a_storage_profile_planted_as_a_symlink_is_measured_again_by_name_and_its_targ
     chown(&theirs, NOBODY);
     let cfg = write_config(dir.path(), NO_BROKER, &prefix("profile_link"), 200);
     // No commit_window_ms: the profile decides it.
-    let text = std::fs::read_to_string(&cfg)
-        .expect("cfg")
-        .replace("commit_window_ms = 50\n", "");
-    std::fs::write(&cfg, text).expect("cfg");
+    edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
     let profile = dir.path().join("storage-profile.json");
     symlink(&theirs, &profile);
     let (line, log) = probe_line(&cfg, dir.path());
@@ -319,12 +303,8 @@ fn a_storage_profile_planted_as_a_symlink_is_measured_again_by_name_and_its_targ
 
 #[test]
 fn a_storage_profile_owned_by_another_user_or_damaged_is_measured_again_by_name() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("profile_owner"), 200);
-    let text = std::fs::read_to_string(&cfg)
-        .expect("cfg")
-        .replace("commit_window_ms = 50\n", "");
-    std::fs::write(&cfg, text).expect("cfg");
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("profile_owner"), 200);
+    edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
     let profile = dir.path().join("storage-profile.json");
     std::fs::write(&profile, tuned_profile(dir.path())).expect("write");
     chmod(&profile, 0o644);
@@ -356,8 +336,7 @@ fn a_storage_profile_owned_by_another_user_or_damaged_is_measured_again_by_name(
 
 #[test]
 fn directories_others_can_write_or_own_are_refused_naming_the_path_and_the_fix() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("dirs"), 200);
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("dirs"), 200);
     let spool_dir = dir.path().join("shared");
     std::fs::create_dir(&spool_dir).expect("mkdir");
     let spool = spool_dir.join("spool.db");
@@ -411,9 +390,7 @@ fn directories_others_can_write_or_own_are_refused_naming_the_path_and_the_fix()
 
 #[test]
 fn a_damaged_marker_the_agent_did_not_write_is_ignored_by_name_and_the_spool_kept() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("marker"), 50);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(NO_BROKER, &prefix("marker"), 50);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(wait_for(Duration::from_secs(20), || db.exists() && total(&db) > 5));
     agent.terminate(Duration::from_secs(15));
@@ -439,15 +416,8 @@ fn a_damaged_marker_the_agent_did_not_write_is_ignored_by_name_and_the_spool_kep
 
 #[test]
 fn a_process_already_listening_on_the_ingest_socket_is_named_and_keeps_its_clients() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), NO_BROKER, &prefix("squat"), 1000);
-    let sock = dir.path().join("run/ingest.sock");
-    let mut text = std::fs::read_to_string(&cfg).expect("cfg");
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n[[ingest.streams]]\nname = \"pump\"\n",
-        sock.display()
-    ));
-    std::fs::write(&cfg, text).expect("cfg");
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("squat"), 1000);
+    let sock = add_ingest(&cfg, "[[ingest.streams]]\nname = \"pump\"\n");
     std::fs::create_dir_all(sock.parent().expect("dir")).expect("mkdir");
     // Someone else got there first (this test process plays them).
     let squatter = UnixListener::bind(&sock).expect("bind");
@@ -455,9 +425,7 @@ fn a_process_already_listening_on_the_ingest_socket_is_named_and_keeps_its_clien
     let ino = std::fs::symlink_metadata(&sock).expect("stat").ino();
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
     let me = format!("pid {}", std::process::id());
-    let named = wait_for(Duration::from_secs(20), || {
-        agent.log_text().contains(&me) || !agent.is_running()
-    });
+    let named = agent.wait_log(Duration::from_secs(20), &me) || !agent.is_running();
     let log = agent.log_text();
     assert!(
         named && log.contains(&me) && log.contains(&sock.display().to_string()),

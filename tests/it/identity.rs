@@ -231,9 +231,7 @@ fn a_spool_last_run_under_another_device_id_is_named_at_start() {
         let mid_s = mid.to_str().expect("utf-8");
         let mut agent = AgentProc::spawn_with_env(&cfg, &sets, &root, &[(MACHINE_ID_ENV, mid_s)]);
         assert!(
-            wait_for(Duration::from_secs(20), || agent
-                .log_text()
-                .contains("mqtt: connected")),
+            agent.wait_log(Duration::from_secs(20), "mqtt: connected"),
             "{}",
             agent.log_tail(20)
         );

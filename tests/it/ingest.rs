@@ -5,7 +5,9 @@
 //! every `ok` delivered and no key stored twice.
 
 use crate::support::agent::AgentProc;
+use crate::support::board::{add_ingest, edit_config};
 use crate::support::broker::Broker;
+use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
 use crate::support::{free_port, wait_for};
 use crate::{prefix, write_config};
@@ -24,12 +26,7 @@ use std::time::{Duration, Instant};
 /// an `[ingest]` section: `ingest` is its body, `streams` what follows.
 fn ingest_config(dir: &Path, url: &str, prefix: &str, ingest: &str) -> PathBuf {
     let path = write_config(dir, url, prefix, 1000);
-    let mut text = std::fs::read_to_string(&path).expect("read config");
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n{ingest}",
-        dir.join("run/ingest.sock").display()
-    ));
-    std::fs::write(&path, text).expect("write config");
+    add_ingest(&path, ingest);
     path
 }
 
@@ -208,7 +205,7 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
         crate::support::agent::run_cli(&["status", "--config", cfg.to_str().expect("utf-8 path")]);
     assert!(
         status.contains(&format!(
-            "ingest_listeners: unix {} (mode 660), tcp 127.0.0.1:{port}",
+            "ingest listeners: unix {} (mode 660), tcp 127.0.0.1:{port}",
             sock.display()
         )),
         "{status}"
@@ -764,18 +761,6 @@ fn vm_rss_kb(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// A persistent counter of the spool (0 when absent).
-fn counter(db: &Path, name: &str) -> i64 {
-    if !db.exists() {
-        return 0;
-    }
-    crate::support::spool::open(db)
-        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
-            r.get(0)
-        })
-        .unwrap_or(0)
-}
-
 /// Rows of stream `stream` in the spool.
 fn stream_rows(db: &Path, stream: &str) -> i64 {
     if !db.exists() {
@@ -816,15 +801,14 @@ fn sixteen_tcp_connections_of_pipelined_15_kb_lines_keep_rss_bounded_and_the_boa
         dir.path(),
         &broker.url(),
         &pfx,
-        &format!("tcp = \"127.0.0.1:{port}\"\n[[ingest.streams]]\nname = \"flood\"\n"),
+        // The memory budgets are under test: the peer's byte rate (which
+        // would refuse most of this flood, tests/it/peers.rs) is opened wide.
+        &format!("tcp = \"127.0.0.1:{port}\"\nmax_bytes_per_sec_per_peer = 1073741824\nmax_burst_bytes_per_peer = 1073741824\n[[ingest.streams]]\nname = \"flood\"\n"),
     );
     // The board's own source, every 200 ms.
-    let text = std::fs::read_to_string(&cfg).expect("read config");
-    std::fs::write(
-        &cfg,
-        text.replace("interval_ms = 1000", "interval_ms = 200"),
-    )
-    .expect("write config");
+    edit_config(&cfg, |t| {
+        t.replace("interval_ms = 1000", "interval_ms = 200")
+    });
     let sock = dir.path().join("run/ingest.sock");
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());

@@ -7,6 +7,7 @@ mod support;
 mod aedes;
 mod batches;
 mod bridge;
+mod broker_word;
 mod cli;
 mod commands;
 mod config;
@@ -20,10 +21,12 @@ mod health;
 mod hostile_dirs;
 mod identity;
 mod ingest;
+mod lost_wal;
 mod metrics;
 mod modes;
 mod mqtt5;
 mod outage;
+mod peers;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
 #[cfg(feature = "pg-sink")]
@@ -32,11 +35,13 @@ mod pgsink_config;
 mod pgtls;
 mod powercut;
 mod priority;
+mod rebuilds;
 mod receipts;
 mod receipts_e2e;
 mod refusals;
 mod replay;
 mod rollback;
+mod sink_attacks;
 mod sink_batches;
 mod sink_identity;
 mod spool;
@@ -48,49 +53,9 @@ mod tls;
 mod trial;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
+pub use support::board::{prefix, v311, write_config};
 use support::subscriber::Delivery;
-
-/// Write a test board config into `dir`: a fast `system` source (every
-/// `interval_ms`), short commit window, fast reconnects, a short watchdog.
-pub fn write_config(dir: &Path, url: &str, prefix: &str, interval_ms: u64) -> PathBuf {
-    let path = dir.join("board.toml");
-    let text = format!(
-        r#"device_id = "it-board"
-[spool]
-path = "{spool}"
-commit_window_ms = 50
-checkpoint_interval_secs = 1
-[mqtt]
-url = "{url}"
-topic_prefix = "{prefix}"
-reconnect_min_ms = 100
-reconnect_max_ms = 800
-connect_timeout_secs = 2
-ack_timeout_secs = 3
-inflight_window = 16
-[agent]
-summary_interval_secs = 2
-[[sources]]
-name = "system"
-kind = "system"
-interval_ms = {interval_ms}
-"#,
-        spool = dir.join("spool.db").display()
-    );
-    std::fs::write(&path, text).expect("write test config");
-    path
-}
-
-/// Pin `mqtt.protocol` to 3.1.1 in a config [`write_config`] wrote (the
-/// default is MQTT 5): for brokers that do not speak 5 (aedes 1.2) and for
-/// tests of what 3.1.1 does.
-pub fn v311(cfg: PathBuf) -> PathBuf {
-    let text = std::fs::read_to_string(&cfg).expect("read test config");
-    let text = text.replacen("[mqtt]\n", "[mqtt]\nprotocol = \"3.1.1\"\n", 1);
-    std::fs::write(&cfg, text).expect("write test config");
-    cfg
-}
 
 /// Run the agent with no sources until the spool holds no PENDING or SENT
 /// row (60 s at most, else panic with the counts and the log), then stop it.
@@ -107,12 +72,6 @@ pub fn drain(cfg: &Path, dir: &Path, db: &Path) {
         agent.log_tail(40)
     );
     agent.terminate(std::time::Duration::from_secs(15));
-}
-
-/// A unique topic prefix per test, so tests sharing nothing still never
-/// read each other's messages.
-pub fn prefix(test: &str) -> String {
-    format!("it/{test}/{}", support::unique_suffix())
 }
 
 /// The event id of a delivered payload.
@@ -153,8 +112,8 @@ pub fn received(deliveries: &[Delivery]) -> Received {
     r
 }
 
-/// The invariants every scenario ends with (field-cases.md, "Invariants
-/// checked after every scenario"), given a drained spool:
+/// The invariants every scenario ends with (docs/invariants.md), given a
+/// drained spool:
 /// I1 every row's event id reached the receiver; I2 every ACKED row was
 /// received (the broker had it); I3 no event id ever carried two payloads,
 /// and the payload received is the one stored; and the spool passes

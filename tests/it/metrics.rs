@@ -2,6 +2,7 @@
 //! listener's answers to requests it must refuse, and the summary line.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::{append_config, Board};
 use crate::support::broker::Broker;
 use crate::support::{free_port, wait_for};
 use std::io::{Read, Write};
@@ -23,7 +24,7 @@ fn ask(addr: SocketAddr, request: &[u8]) -> String {
 
 /// The value of the first sample line starting with `prefix` (name and
 /// labels, as rendered).
-fn sample(text: &str, prefix: &str) -> Option<f64> {
+pub(crate) fn sample(text: &str, prefix: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find(|l| l.starts_with(prefix))
@@ -98,18 +99,18 @@ fn get_metrics(addr: SocketAddr) -> String {
 #[test]
 fn metrics_are_served_and_written_and_bad_requests_are_refused() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("metrics");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 100);
+    let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 100);
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
     let prom = dir.path().join("edgespool.prom");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!(
-        "[metrics]\ntextfile = \"{}\"\nlisten = \"{addr}\"\n",
-        prom.display()
-    ));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(
+        &cfg,
+        &format!(
+            "[metrics]\ntextfile = \"{}\"\nlisten = \"{addr}\"\n",
+            prom.display()
+        ),
+    );
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     let acked = |body: &str| sample(body, "edgespool_spool_rows_by_state{state=\"ACKED\"}");
     let mut first = 0.0;
@@ -127,6 +128,29 @@ fn metrics_are_served_and_written_and_bad_requests_are_refused() {
     let body = get_metrics(addr);
     assert_exposition(&body);
     promtool_check(&body);
+    // The process, as client libraries show it, on the listener only: the
+    // textfile is node_exporter's, which has process_* of its own.
+    for family in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(
+            sample(&body, &format!("{family} ")).is_some_and(|v| v > 0.0),
+            "{family}: {body}"
+        );
+    }
+    let file = std::fs::read_to_string(&prom).expect("textfile");
+    assert!(!file.contains("process_"), "{file}");
+    assert!(
+        wait_for(Duration::from_secs(10), || sample(
+            &get_metrics(addr),
+            "edgespool_health{state=\"ok\"}"
+        ) == Some(1.0)),
+        "{}",
+        get_metrics(addr)
+    );
     assert_eq!(
         sample(&body, "edgespool_mqtt_connected "),
         Some(1.0),
@@ -162,9 +186,7 @@ fn metrics_are_served_and_written_and_bad_requests_are_refused() {
     assert_exposition(&get_metrics(addr));
     drop(silent);
     assert!(
-        wait_for(Duration::from_secs(10), || agent
-            .log_text()
-            .contains("backlog=")),
+        agent.wait_log(Duration::from_secs(10), "backlog="),
         "{}",
         agent.log_tail(20)
     );
@@ -217,13 +239,13 @@ fn metrics_are_served_and_written_and_bad_requests_are_refused() {
 #[test]
 fn a_textfile_that_cannot_be_written_is_a_warning_and_delivery_goes_on() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("metrics-nodir");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 100);
+    let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 100);
     let prom = dir.path().join("missing-dir/edgespool.prom");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\ntextfile = \"{}\"\n", prom.display()));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(
+        &cfg,
+        &format!("[metrics]\ntextfile = \"{}\"\n", prom.display()),
+    );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
@@ -259,14 +281,11 @@ fn a_scrape_is_answered_within_a_second_while_100_slow_clients_hold_connections(
     use std::time::Instant;
 
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("metrics-slow");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 100);
+    let Board { dir, cfg, .. } = Board::new(&broker.url(), &prefix, 100);
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
-    text.push_str(&format!("[metrics]\nlisten = \"{addr}\"\n"));
-    std::fs::write(&cfg, text).expect("write config");
+    append_config(&cfg, &format!("[metrics]\nlisten = \"{addr}\"\n"));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(30), || TcpStream::connect(addr).is_ok()),

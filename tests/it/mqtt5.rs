@@ -2,13 +2,13 @@
 //! `mqtt.protocol`: what it lets the agent see that 3.1.1 hides.
 //!
 //! - A publish the broker's ACL denies is answered with PUBACK reason code
-//!   0x87 (not authorized): the row waits for the next connection, and goes
-//!   FAILED with that reason once three connections refused it, counted,
-//!   never retired as delivered (under 3.1.1 the same broker sends a plain
+//!   0x87 (not authorized): the row waits and is sent again with backoff
+//!   (10 s, doubling), counted, never retired as delivered and never FAILED
+//!   for what the broker says (under 3.1.1 the same broker sends a plain
 //!   PUBACK; `refusals.rs` pins that).
 //! - The broker's Maximum Packet Size comes in CONNACK: a larger row is not
-//!   sent on that connection (no setting, no dropped connection), and goes
-//!   FAILED once three connections announced a limit below it.
+//!   sent on that connection (no setting, no dropped connection), judged
+//!   again on the next, never FAILED for it.
 //! - Every event PUBLISH carries its event id as the user property
 //!   `event_id`.
 //! - A broker that does not speak MQTT 5 gets a refusal naming
@@ -19,22 +19,23 @@ use crate::refusals::{
     log_lines, seed, small_big_small, status_json, wait_degraded_with,
 };
 use crate::support::agent::AgentProc;
+use crate::support::board::Board;
 use crate::support::broker::Broker;
 use crate::support::proxy::Proxy;
-use crate::support::spool::{count_by_state, count_in_state, rows_in_state};
+use crate::support::spool::{await_states, count_in_state};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::time::{Duration, Instant};
 
-/// The ACL denies the events topic: each row's PUBACK carries 0x87. One
-/// connection's refusal defers the rows to the next connection (health
-/// says so); refused on `mqtt.fail_after_disconnects` (3) connections, each
-/// row goes FAILED naming the reason; nothing is ACKED, health is degraded
-/// while the FAILED rows are there, and the status message (allowed) still
-/// gets through. Issue 21 (8): one hostile connection never fails a
-/// backlog for good.
+/// The ACL denies the events topic: each row's PUBACK carries 0x87. The
+/// rows wait (health says so, naming the reason) and are sent again on
+/// the same connection after 10 s, then twice as long each time: a
+/// refusal is an answer, not a reason to reconnect. Whatever the number of
+/// connections, none goes FAILED (issue 33: the broker's word never FAILs
+/// the backlog), nothing is ACKED, and the status message (allowed) still
+/// gets through.
 #[test]
-fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_reason() {
+fn a_publish_denied_by_acl_is_refused_by_its_puback_and_sent_again_never_failed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5deny");
     let broker = broker_with_acl(
@@ -50,73 +51,55 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
     let db = dir.path().join("spool.db");
     seed(&db, &(0..5).map(|i| format!("row {i}")).collect::<Vec<_>>());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    // The first connection refuses them: deferred, not FAILED.
     wait_degraded_with(
         &db,
         &agent,
-        &["5 rows refused by the broker on this connection"],
+        &[
+            "5 rows held back by the broker",
+            "refused in their PUBACK (the broker refused the publish: not authorized (PUBACK reason code 0x87))",
+        ],
         Duration::from_secs(60),
     );
-    assert_eq!(
-        count_in_state(&db, "FAILED"),
-        0,
-        "one connection failed the rows"
-    );
-    assert_eq!(
-        log_lines(&agent, "WARN", "it waits for the next connection (1 of 3").len(),
-        5
-    );
-    // Two more connections refuse them too: FAILED.
-    for n in 2..=3 {
-        proxy.reset_all();
-        if n == 2 {
-            assert!(
-                wait_for(Duration::from_secs(30), || log_lines(
-                    &agent,
-                    "WARN",
-                    "it waits for the next connection (2 of 3"
-                )
-                .len()
-                    == 5),
-                "connection 2 did not refuse all five\n{}",
-                agent.log_tail(30)
-            );
-        }
-    }
+    let denied = || broker.log_text().matches("Denied PUBLISH").count();
+    // Sent again on this same connection once the wait is over.
     assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
-            == 5),
-        "{:?}\n{}",
-        count_by_state(&db),
+        wait_for(Duration::from_secs(30), || denied() >= 10),
+        "{} denials\n{}",
+        denied(),
         agent.log_tail(30)
     );
-    assert_eq!(count_in_state(&db, "ACKED"), 0);
-    assert!(broker.log_text().contains("Denied PUBLISH"));
-    let v = status_json(&db);
-    let why = v["failed"][0]["reason"].as_str().unwrap_or_default();
-    assert_eq!(
-        why,
-        "the broker refused the publish: not authorized (PUBACK reason code 0x87) (on 3 connections)",
-        "{v}"
-    );
-    assert_eq!(
-        v["counters"]["events_failed_puback_not_authorized"], 5,
-        "{v}"
-    );
-    assert_eq!(
-        log_lines(
-            &agent,
-            "ERROR",
-            "not authorized (PUBACK reason code 0x87) (on 3 connections)"
-        )
-        .len(),
-        5
-    );
-    wait_degraded_with(
-        &db,
+    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 1);
+    assert!(!log_lines(
         &agent,
-        &["5 rows FAILED in the spool"],
-        Duration::from_secs(30),
+        "WARN",
+        "refused by the broker (the broker refused the publish: not authorized"
+    )
+    .is_empty());
+    // More connections change nothing: nothing FAILED, nothing ACKED.
+    for n in 2..=4 {
+        proxy.reset_all();
+        assert!(
+            wait_for(Duration::from_secs(30), || log_lines(
+                &agent,
+                "INFO",
+                "mqtt: connected to"
+            )
+            .len()
+                >= n),
+            "{}",
+            agent.log_tail(30)
+        );
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(count_in_state(&db, "FAILED"), 0);
+    assert_eq!(count_in_state(&db, "ACKED"), 0);
+    assert!(
+        wait_for(Duration::from_secs(10), || status_json(&db)["counters"]
+            ["events_deferred_puback_not_authorized"]
+            .as_i64()
+            >= Some(10)),
+        "{}",
+        status_json(&db)["counters"]
     );
     // The allowed retained status arrived; no event did.
     assert!(wait_for(Duration::from_secs(10), || sub
@@ -128,70 +111,59 @@ fn a_publish_denied_by_acl_is_refused_by_its_puback_and_goes_failed_with_the_rea
         .deliveries()
         .iter()
         .all(|d| !d.topic.contains("/events/")));
-    // A refusal is an answer, not a reason to reconnect: the three
-    // connections are the ones the test forced.
-    assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 3);
 }
 
 /// mosquitto's `max_packet_size` reaches the agent as CONNACK's Maximum
 /// Packet Size: the one larger row is not sent, with no
 /// `mqtt.max_packet_bytes` and no dropped connection, and the rest are
 /// ACKED. It is that connection's word: the row waits for the next one,
-/// and goes FAILED once three connections said the same (issue 21, 8).
+/// judged again there, and never goes FAILED for it (issue 33).
 #[test]
-fn the_brokers_maximum_packet_size_from_connack_fails_a_larger_row_before_sending() {
+fn the_brokers_maximum_packet_size_from_connack_holds_a_larger_row_back_before_sending() {
     let broker = Broker::start_with_config("max_packet_size 2000\n");
     let proxy = Proxy::start(broker.port());
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5pkt");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 1000);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 1000);
+    let sub = Subscriber::events(broker.port(), &prefix);
     seed(&db, &small_big_small());
     let mut agent = AgentProc::spawn(&cfg, &["sources=[]".into()], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 10),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
-    assert_eq!(
-        count_in_state(&db, "FAILED"),
-        0,
-        "one CONNACK failed the row"
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED == 10", |s| {
+        s.n("ACKED") == 10
+    });
+    wait_degraded_with(
+        &db,
+        &agent,
+        &[
+            "1 rows held back by the broker",
+            "over its maximum packet size on this connection",
+            "exceeds the broker's maximum packet size (CONNACK) 2000",
+        ],
+        Duration::from_secs(30),
     );
     for n in 2..=3 {
         proxy.reset_all();
-        if n == 2 {
-            assert!(
-                wait_for(Duration::from_secs(30), || !log_lines(
-                    &agent,
-                    "WARN",
-                    "it waits for the next connection (2 of 3"
-                )
-                .is_empty()),
-                "connection 2 did not defer the row\n{}",
-                agent.log_tail(30)
-            );
-        }
+        assert!(
+            wait_for(Duration::from_secs(30), || log_lines(
+                &agent,
+                "INFO",
+                "maximum packet size 2000 bytes"
+            )
+            .len()
+                >= n),
+            "connection {n} did not come\n{}",
+            agent.log_tail(30)
+        );
     }
     assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "FAILED")
-            == 1),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+        wait_for(Duration::from_secs(10), || status_json(&db)["counters"]
+            ["events_deferred_packet_too_large"]
+            .as_i64()
+            >= Some(3)),
+        "{}",
+        status_json(&db)["counters"]
     );
-    let failed = rows_in_state(&db, "FAILED");
-    assert!(failed[0].payload.len() > 2000, "the wrong row failed");
-    let v = status_json(&db);
-    let why = v["failed"][0]["reason"].as_str().unwrap_or_default();
-    assert!(
-        why.ends_with("exceeds the broker's maximum packet size (CONNACK) 2000 (on 3 connections)"),
-        "{v}"
-    );
-    assert!(!log_lines(&agent, "INFO", "maximum packet size 2000 bytes").is_empty());
+    assert_eq!(count_in_state(&db, "FAILED"), 0, "a CONNACK FAILED the row");
+    assert!(!log_lines(&agent, "WARN", "waits for the next connection").is_empty());
     assert!(!broker.log_text().contains("oversize packet"));
     assert_eq!(log_lines(&agent, "INFO", "mqtt: connected to").len(), 3);
     agent.terminate(Duration::from_secs(15));
@@ -258,23 +230,17 @@ fn every_event_carries_its_event_id_as_a_user_property() {
 #[test]
 fn the_brokers_server_keep_alive_replaces_ours_and_the_connection_holds() {
     let broker = Broker::start_with_config("max_keepalive 10\n");
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5ka");
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 1000);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 1000);
     seed(&db, &(0..5).map(|i| format!("r{i}")).collect::<Vec<_>>());
     let mut agent = AgentProc::spawn(
         &cfg,
         &["sources=[]".into(), "mqtt.keep_alive_secs=60".into()],
         dir.path(),
     );
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            == 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED == 5", |s| {
+        s.n("ACKED") == 5
+    });
     let connected = log_lines(&agent, "INFO", "mqtt: connected to");
     assert!(
         connected.len() == 1 && connected[0].contains("keep_alive=10 s"),
@@ -306,7 +272,7 @@ fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
             allow("subscribePattern", &format!("{prefix}/events/#")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 200);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
@@ -343,18 +309,12 @@ fn a_denied_command_subscription_is_named_by_its_mqtt_5_reason_code() {
 fn a_restarting_mqtt_5_broker_gets_no_advice_to_switch_to_3_1_1_and_delivery_resumes() {
     let mut broker = Broker::start();
     let proxy = Proxy::start(broker.port());
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("v5restart");
-    let cfg = crate::write_config(dir.path(), &proxy.url(), &prefix, 200);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&proxy.url(), &prefix, 200);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || db.exists()
-            && count_in_state(&db, "ACKED") >= 5),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
-    );
+    await_states(&db, &agent, Duration::from_secs(60), "ACKED >= 5", |s| {
+        s.n("ACKED") >= 5
+    });
     broker.kill();
     let away = "it has accepted MQTT 5 before, so it is restarting or unreachable";
     assert!(
@@ -365,12 +325,12 @@ fn a_restarting_mqtt_5_broker_gets_no_advice_to_switch_to_3_1_1_and_delivery_res
     );
     broker.restart();
     let acked = count_in_state(&db, "ACKED");
-    assert!(
-        wait_for(Duration::from_secs(60), || count_in_state(&db, "ACKED")
-            >= acked + 5),
-        "delivery did not resume: {:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "delivery did not resume",
+        |s| s.n("ACKED") >= acked + 5,
     );
     assert!(log_lines(&agent, "INFO", "mqtt: connected to").len() >= 2);
     assert_eq!(status_json(&db)["health"]["state"], "ok");

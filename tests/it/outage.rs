@@ -5,7 +5,9 @@
 //! the fault proxy is kept, with its time, once the link goes down, the
 //! backlog's drain time following from it.
 
+use crate::metrics::sample;
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::{add_ingest, edit_config};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::{free_port, wait_for};
@@ -26,17 +28,17 @@ const WINDOW_SECS: u64 = 6;
 /// and the metrics listener on `metrics`.
 fn config(dir: &Path, url: &str, name: &str, metrics: SocketAddr) -> PathBuf {
     let path = write_config(dir, url, &prefix(name), 1000);
-    let mut text = std::fs::read_to_string(&path).expect("read config");
-    text = text.replacen(
-        "[agent]\n",
-        &format!("[agent]\nrate_window_secs = {WINDOW_SECS}\n"),
-        1,
+    edit_config(&path, |t| {
+        t.replacen(
+            "[agent]\n",
+            &format!("[agent]\nrate_window_secs = {WINDOW_SECS}\n"),
+            1,
+        )
+    });
+    add_ingest(
+        &path,
+        &format!("[[ingest.streams]]\nname = \"pump\"\n[metrics]\nlisten = \"{metrics}\"\n"),
     );
-    text.push_str(&format!(
-        "[ingest]\nsocket = \"{}\"\n[[ingest.streams]]\nname = \"pump\"\n[metrics]\nlisten = \"{metrics}\"\n",
-        dir.join("run/ingest.sock").display()
-    ));
-    std::fs::write(&path, text).expect("write config");
     path
 }
 
@@ -144,15 +146,6 @@ fn metrics(addr: SocketAddr) -> String {
     out.split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default()
-}
-
-/// The value of the sample line starting with `prefix`.
-fn sample(text: &str, prefix: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit_once(' '))
-        .and_then(|(_, v)| v.parse().ok())
 }
 
 /// `got` within `tol` (a fraction) of `want`.
@@ -324,7 +317,7 @@ fn status_and_metrics_give_the_ingest_rate_and_hold_time_of_a_known_reading_rate
         line.contains(" readings/s (") && line.contains("the spool holds "),
         "{line}"
     );
-    assert!(line.contains("before spool.max_bytes (8.4 MB)"), "{line}");
+    assert!(line.contains("before spool.max_bytes (8.0 MiB)"), "{line}");
     assert!(!line.contains('{'), "{line}");
     assert!(text.contains("\n  pump "), "{text}");
     drop(agent);

@@ -11,9 +11,9 @@
 //! `max_queued_messages 0` (no limit; the default, 1000, would drop QoS 1
 //! messages for the dead sink) and the killed sinks are restarted.
 
-use crate::support::{self, broker::Broker, postgres::Postgres, publisher, sink::SinkProc};
+use crate::support::sink::{self, SinkProc};
+use crate::support::{self, broker::Broker, postgres::Postgres, publisher};
 use std::collections::HashMap;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn count(c: &mut postgres::Client, sql: &str) -> i64 {
@@ -153,16 +153,7 @@ fn three_shared_sinks_two_killed_store_each_event_once_and_count_every_repeat() 
     assert_eq!(unreadable, 0);
 
     // The consumer's view: no gap in any stream, ten devices.
-    let out = Command::new(support::agent::bin())
-        .args(["sink", "--stats", "--json", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--postgres", &pg.conninfo()]);
     let streams = report["streams"].as_array().expect("streams");
     assert_eq!(streams.len(), plan.devices);
     assert!(streams.iter().all(|s| s["missing"] == 0), "{report}");

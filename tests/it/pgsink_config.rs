@@ -210,3 +210,38 @@ fn sink_conninfo_that_fails_to_parse_is_reported_without_its_password() {
         );
     }
 }
+
+/// No password anywhere while the server asks for one: the sink says so
+/// and where a password is read from, and exits 2 (its unit does not
+/// restart on 2), where it retried forever logging `PostgreSQL not
+/// reachable (invalid configuration)`. `--stats` too.
+#[test]
+fn pgsink_without_a_password_the_server_asks_for_stops_and_says_where_one_goes() {
+    let pg = server();
+    let conninfo = format!("host=127.0.0.1 port={} user=sink dbname=fleet", pg.port());
+    for args in [
+        vec!["sink", "--stats", "--postgres", &conninfo],
+        vec![
+            "sink",
+            "--postgres",
+            &conninfo,
+            "--url",
+            "mqtt://127.0.0.1:1",
+            "--topic",
+            "t/+/events/#",
+            "--client-id",
+            "no-password",
+        ],
+    ] {
+        let started = std::time::Instant::now();
+        let (status, out, err) =
+            crate::support::agent::run_cli_with(&args, &[], Duration::from_secs(30));
+        assert_eq!(status.code(), Some(2), "{args:?}: {out}{err}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+        assert!(
+            err.contains("password missing") && err.contains("password_file"),
+            "{err}"
+        );
+        assert!(!err.contains("not reachable"), "{err}");
+    }
+}

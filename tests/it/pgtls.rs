@@ -3,7 +3,8 @@
 //! openssl, and a pg_hba.conf that takes TCP connections over TLS only
 //! (the Unix socket, used by the test to look, stays open).
 
-use crate::support::{self, broker::Broker, postgres::Postgres, publisher, sink::SinkProc};
+use crate::support::sink::{self, SinkProc};
+use crate::support::{self, broker::Broker, postgres::Postgres, publisher};
 use crate::tls::{make_ca, make_cert};
 use edgespool::sink::pg_tls::TlsFiles;
 use edgespool::sink::postgres::{connect_client, PgStore};
@@ -150,23 +151,7 @@ fn verify_full_with_the_right_ca_stores_and_a_wrong_ca_or_no_tls_stores_nothing(
     good.terminate();
 
     // `sink --stats` speaks TLS too.
-    let out = std::process::Command::new(support::agent::bin())
-        .args([
-            "sink",
-            "--stats",
-            "--json",
-            "--postgres",
-            &full,
-            "--pg-ca",
-            &ca,
-        ])
-        .output()
-        .expect("sink --stats");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    sink::stats_json(&["--postgres", &full, "--pg-ca", &ca]);
 }
 
 #[test]

@@ -162,16 +162,14 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
         "backlog of {BACKLOG} tele and {DASH} dash rows written in {:?}",
         t.elapsed()
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let results = Subscriber::start(broker.port(), &format!("{prefix}/events/_commands"));
     let cfg = config(dir.path(), &proxy.url(), &prefix);
 
     // The agent starts with the broker unreachable, then the link comes back.
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("spool ")),
+        agent.wait_log(Duration::from_secs(30), "spool "),
         "{}",
         agent.log_tail(30)
     );
@@ -198,9 +196,7 @@ fn a_command_result_and_a_full_reading_overtake_a_200000_row_backlog_across_a_ki
     agent.kill9();
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("subscribed to commands")),
+        agent.wait_log(Duration::from_secs(30), "subscribed to commands"),
         "{}",
         agent.log_tail(30)
     );

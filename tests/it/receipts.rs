@@ -10,6 +10,7 @@
 use crate::commands::publish;
 use crate::refusals::{allow, broker_with_acl, status_json};
 use crate::support::agent::AgentProc;
+use crate::support::board::{edit_config, Board};
 use crate::support::broker::Broker;
 use crate::support::spool::{count_in_state, rows};
 use crate::support::subscriber::Subscriber;
@@ -18,17 +19,26 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// A test board config in receipt mode with a short receipt timeout.
-fn receipt_config(dir: &Path, url: &str, prefix: &str, timeout_secs: u64) -> std::path::PathBuf {
-    let cfg = crate::write_config(dir, url, prefix, 300);
-    let text = std::fs::read_to_string(&cfg).expect("read test config");
-    let text = text.replacen(
-        "[mqtt]\n",
-        &format!("[mqtt]\nretire_on = \"receipt\"\nreceipt_timeout_secs = {timeout_secs}\n"),
-        1,
-    );
-    std::fs::write(&cfg, text).expect("write test config");
-    cfg
+/// A test board (a reading every 300 ms) in receipt mode with a short
+/// receipt timeout.
+fn receipt_board(url: &str, prefix: &str, timeout_secs: u64) -> Board {
+    let board = Board::new(url, prefix, 300);
+    receipt_mode(&board.cfg, timeout_secs);
+    board
+}
+
+/// Put the test board config `cfg` in receipt mode.
+fn receipt_mode(cfg: &Path, timeout_secs: u64) {
+    edit_config(cfg, |t| {
+        t.replacen(
+            "[mqtt]\n",
+            &format!(
+                "[mqtt]\n{}receipt_timeout_secs = {timeout_secs}\n",
+                crate::support::keys::receipt_mode_toml()
+            ),
+            1,
+        )
+    });
 }
 
 /// The receipts record the agent stored for `status`.
@@ -54,11 +64,9 @@ fn received(sub: &Subscriber) -> HashMap<String, (String, Vec<Vec<u8>>)> {
 #[test]
 fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("receipts");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = receipt_config(dir.path(), &broker.url(), &prefix, 10);
-    let db = dir.path().join("spool.db");
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let Board { dir, cfg, db } = receipt_board(&broker.url(), &prefix, 10);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(30), || sub.count() >= 6),
@@ -75,36 +83,69 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     let topic = format!("{prefix}/receipts");
     let got = received(&sub);
     let id = got.keys().next().expect("one event");
-    // Malformed receipts and forged ones retire nothing.
-    let forged_ids = [
+    // Malformed receipts and forged ones retire nothing: what anyone who
+    // can publish on the receipts topic (a local program on a board's own
+    // broker, the broker itself) could send (issue 33).
+    use crate::support::keys::{signed_receipts, signed_receipts_by};
+    let (stream, payloads) = &got[id];
+    let bytes = payloads[0].as_slice();
+    let stranger = edgespool::event::signature::SigningKey::generate()
+        .expect("keygen")
+        .0;
+    let mut forged: Vec<Vec<u8>> = vec![
         br#"not json"#.to_vec(),
         br#"{"v":2,"stored":{}}"#.to_vec(),
-        br#"{"v":1,"stored":{"system":["not-an-id"]}}"#.to_vec(),
         vec![b' '; edgespool::event::receipts::MAX_RECEIPT_BYTES + 1],
-        // Its id under another stream, and an id no row has.
-        format!(r#"{{"v":1,"stored":{{"other":["{id}"]}}}}"#).into_bytes(),
-        br#"{"v":1,"stored":{"system":["00000000-0000-4000-8000-000000000000"]}}"#.to_vec(),
+        // The unsigned form that retired 20 of 20 rows before issue 33.
+        format!(r#"{{"v":1,"stored":{{"{stream}":["{id}"]}}}}"#).into_bytes(),
     ];
-    for p in &forged_ids {
+    // Signed by a key the board does not list, for another board, and by
+    // the fleet's key for other bytes under this id: signature-checked,
+    // and still nothing.
+    forged.extend(signed_receipts_by(
+        &stranger,
+        "it-board",
+        &[(stream, id, bytes)],
+    ));
+    forged.extend(signed_receipts("gw-other", &[(stream, id, bytes)]));
+    forged.extend(signed_receipts("it-board", &[(stream, id, b"other bytes")]));
+    // A trusted one naming its id under another stream, and an id no row has.
+    forged.extend(signed_receipts(
+        "it-board",
+        &[
+            ("other", id, bytes),
+            (stream, "00000000-0000-4000-8000-000000000000", bytes),
+        ],
+    ));
+    for p in &forged {
         publish(broker.port(), &topic, p, false);
     }
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(
         count_in_state(&db, "ACKED"),
         0,
-        "a malformed or forged receipt retired a row"
+        "a malformed, unsigned, forged or wrong-digest receipt retired a row"
     );
+    // They keep coming: health says so, naming the reasons.
+    let reasons = || status_json(&db)["health"]["reasons"].to_string();
+    assert!(
+        wait_for(Duration::from_secs(20), || reasons()
+            .contains("receipts refused: ")),
+        "health after forged receipts: {}",
+        reasons()
+    );
+    assert!(reasons().contains("unsigned 1"), "{}", reasons());
     // A receipt for three of them retires exactly those three.
-    let chosen: Vec<(String, String)> = got
+    let chosen: Vec<(String, String, Vec<u8>)> = got
         .iter()
         .take(3)
-        .map(|(id, (s, _))| (s.clone(), id.clone()))
+        .map(|(id, (s, p))| (s.clone(), id.clone(), p[0].clone()))
         .collect();
-    let pairs: Vec<(&str, &str)> = chosen
+    let events: Vec<(&str, &str, &[u8])> = chosen
         .iter()
-        .map(|(s, i)| (s.as_str(), i.as_str()))
+        .map(|(s, i, p)| (s.as_str(), i.as_str(), p.as_slice()))
         .collect();
-    for p in edgespool::event::receipts::encode(&pairs) {
+    for p in signed_receipts("it-board", &events) {
         publish(broker.port(), &topic, &p, false);
     }
     assert!(
@@ -119,7 +160,7 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
         .filter(|r| r.state == "ACKED")
         .map(|r| r.event_id)
         .collect();
-    for (_, id) in &chosen {
+    for (_, id, _) in &chosen {
         assert!(acked.contains(id), "{id} was receipted and not retired");
     }
     // Without a receipt, rows are sent again after the timeout, same bytes.
@@ -147,7 +188,12 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
     assert!(
         wait_for(Duration::from_secs(20), || {
             let r = receipts_state(&db);
-            r["malformed"].as_u64() >= Some(4)
+            let refused = &r["refused"];
+            refused["malformed"].as_u64() >= Some(3)
+                && refused["unsigned"].as_u64() >= Some(1)
+                && refused["untrusted_key"].as_u64() >= Some(1)
+                && refused["other_board"].as_u64() >= Some(1)
+                && r["wrong_digest"].as_u64() >= Some(1)
                 && r["unmatched_ids"].as_u64() >= Some(2)
                 && r["resent"].as_u64() >= Some(1)
         }),
@@ -183,8 +229,9 @@ fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
             allow("subscribePattern", &format!("{prefix}/commands")),
         ]),
     );
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = receipt_config(dir.path(), &broker.url(), &prefix, 10);
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 300);
+    receipt_mode(&cfg, 10);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     // Telemetry flows and is retired on its PUBACK meanwhile.
@@ -256,24 +303,24 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
     use crate::support::sink::SinkProc;
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = fleet::broker(dir.path(), "");
-    let cfg = receipt_config(dir.path(), &broker.url(), "edgespool/gw1", 10);
-    let text = std::fs::read_to_string(&cfg).expect("read config");
-    let text = text.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1);
-    let text = text.replacen(
-        "[mqtt]\n",
-        &format!(
-            "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
-            fleet::password_file(dir.path(), "gw1").display()
-        ),
-        1,
-    );
-    std::fs::write(&cfg, text).expect("write config");
+    let cfg = crate::write_config(dir.path(), &broker.url(), "edgespool/gw1", 300);
+    receipt_mode(&cfg, 10);
+    let password_file = fleet::password_file(dir.path(), "gw1");
+    edit_config(&cfg, |t| {
+        t.replacen("device_id = \"it-board\"", "device_id = \"gw1\"", 1)
+            .replacen(
+                "[mqtt]\n",
+                &format!(
+                    "[mqtt]\nusername = \"gw1\"\npassword_file = \"{}\"\n",
+                    password_file.display()
+                ),
+                1,
+            )
+    });
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(30), || agent
-            .log_text()
-            .contains("connected")),
+        agent.wait_log(Duration::from_secs(30), "connected"),
         "the agent did not connect as gw1\n{}",
         agent.log_tail(30)
     );
@@ -286,16 +333,19 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         receipts_state(&db),
         agent.log_tail(30)
     );
-    let named: Vec<(String, String)> = rows(&db)
+    let named: Vec<(String, String, Vec<u8>)> = rows(&db)
         .into_iter()
-        .map(|r| (r.stream, r.event_id))
+        .map(|r| (r.stream, r.event_id, r.payload))
         .collect();
-    let pairs: Vec<(&str, &str)> = named
+    let events: Vec<(&str, &str, &[u8])> = named
         .iter()
-        .map(|(s, i)| (s.as_str(), i.as_str()))
+        .map(|(s, i, p)| (s.as_str(), i.as_str(), p.as_slice()))
         .collect();
     let topic = "edgespool/gw1/receipts";
-    for p in edgespool::event::receipts::encode(&pairs) {
+    // Even a receipt the fleet's key signed (a replay of a real one, say)
+    // never reaches the board from another device or an anonymous client:
+    // the broker's ACL is the second wall.
+    for p in crate::support::keys::signed_receipts("gw1", &events) {
         assert!(
             !mosquitto_pub(broker.port(), None, topic, &p),
             "an anonymous client was let in"
@@ -303,9 +353,7 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         mosquitto_pub(broker.port(), Some(("evil", "evil-secret")), topic, &p);
     }
     assert!(
-        wait_for(Duration::from_secs(10), || broker
-            .log_text()
-            .contains("Denied PUBLISH")),
+        broker.wait_log(Duration::from_secs(10), "Denied PUBLISH"),
         "the broker did not deny evil's receipt:\n{}",
         crate::support::tail(&broker.log_text(), 20)
     );
@@ -339,5 +387,49 @@ fn under_the_fleet_acl_only_the_sinks_receipts_retire_rows() {
         crate::support::tail(&sink.log_text(), 20)
     );
     sink.terminate();
+    agent.terminate(Duration::from_secs(15));
+}
+
+/// Found by a newcomer reading the code (issue 37's reading test): a reload
+/// changed the receipt settings in the MQTT thread, health and status
+/// while the delivery thread kept the ones it started with, so a key
+/// rotated by SIGHUP never reached the signature check. The receipt
+/// settings now take effect at the next start, and the reload says so.
+#[test]
+fn a_reload_that_rotates_the_receipt_key_is_named_as_needing_a_restart() {
+    let broker = Broker::start();
+    let prefix = crate::prefix("rcptreload");
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let Board { dir, cfg, db } = receipt_board(&broker.url(), &prefix, 10);
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        wait_for(Duration::from_secs(30), || sub.count() >= 1),
+        "nothing delivered: {}",
+        agent.log_tail(30)
+    );
+    let fleet = crate::support::keys::fleet_key().key.public().hex();
+    let next = edgespool::event::signature::SigningKey::generate()
+        .expect("keygen")
+        .0;
+    edit_config(&cfg, |t| t.replacen(&fleet, &next.public().hex(), 1));
+    agent.signal(libc::SIGHUP);
+    let line = agent.await_line(Duration::from_secs(10), "take effect at the next restart");
+    assert!(line.contains("receipt_public_keys"), "{line}");
+    // The running agent still trusts the key it started with.
+    let got = received(&sub);
+    let (id, (stream, payloads)) = got.iter().next().expect("one event");
+    let topic = format!("{prefix}/receipts");
+    for p in crate::support::keys::signed_receipts(
+        "it-board",
+        &[(stream.as_str(), id.as_str(), payloads[0].as_slice())],
+    ) {
+        publish(broker.port(), &topic, &p, false);
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || count_in_state(&db, "ACKED")
+            >= 1),
+        "the start's key no longer retires rows after the reload\n{}",
+        agent.log_tail(20)
+    );
     agent.terminate(Duration::from_secs(15));
 }

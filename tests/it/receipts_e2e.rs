@@ -23,10 +23,11 @@
 
 use crate::refusals::status_json;
 use crate::support::agent::AgentProc;
+use crate::support::board::{edit_config, write_board};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
-use crate::support::{spool, tail, unique_suffix, wait_for};
+use crate::support::{poll, spool, tail, unique_suffix, wait_for};
 use edgespool::event::envelope::{EventIdGen, Format};
 use edgespool::event::reading::FieldValue;
 use edgespool::spool::{NewEvent, Spool, SpoolOptions};
@@ -61,31 +62,23 @@ fn board_config(dir: &Path, url: &str, prefix: &str, device: &str, retire_on: Re
         prefix.ends_with(&format!("/{device}")),
         "the sink takes the device from the prefix's last level: {prefix} for {device}"
     );
-    let path = dir.join("board.toml");
-    let text = format!(
-        r#"device_id = "{device}"
-sources = []
-[spool]
-path = "{spool}"
-commit_window_ms = 50
-checkpoint_interval_secs = 1
-[mqtt]
-url = "{url}"
-topic_prefix = "{prefix}"
-retire_on = "{retire_on}"
-receipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}
-reconnect_min_ms = 100
-reconnect_max_ms = 800
-connect_timeout_secs = 2
-ack_timeout_secs = 3
-inflight_window = 16
-[agent]
-summary_interval_secs = 2
-"#,
-        spool = dir.join("spool.db").display(),
-        retire_on = retire_on.key(),
-    );
-    std::fs::write(&path, text).expect("write the board config");
+    let path = write_board(dir, url, prefix, "");
+    edit_config(&path, |t| {
+        t.replacen(
+            "device_id = \"it-board\"\n",
+            &format!("device_id = \"{device}\"\nsources = []\n"),
+            1,
+        )
+        .replacen(
+            &format!("topic_prefix = \"{prefix}\"\n"),
+            &format!(
+                "topic_prefix = \"{prefix}\"\nretire_on = \"{}\"\nreceipt_public_keys = [\"{}\"]\nreceipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}\n",
+                retire_on.key(),
+                crate::support::keys::fleet_key().key.public().hex()
+            ),
+            1,
+        )
+    });
     path
 }
 
@@ -183,21 +176,6 @@ fn resend_rounds(dir: &Path) -> Vec<u64> {
 /// Rows sent again for a missing receipt, in all (see [`resend_rounds`]).
 fn resent_logged(dir: &Path) -> u64 {
     resend_rounds(dir).iter().sum()
-}
-
-/// Poll `f` every `every` until it holds or `timeout` passed (for checks
-/// that start a process, such as `status`).
-fn poll(timeout: Duration, every: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(every.min(deadline.saturating_duration_since(Instant::now())));
-    }
 }
 
 /// event id -> digest of what the SQLite sink at `db` holds for `device`
@@ -1121,4 +1099,153 @@ fn a_sink_receipting_each_event_through_a_stock_mosquitto_gets_every_row_retired
             .matches("Outgoing messages are being dropped")
             .count()
     );
+}
+
+/// Issue 33 item 2: receipts are taken at the pace they can be matched,
+/// never dropped for lack of room. Before, with `receipt_window = 100000`
+/// and a backlog of about 30,000 rows, the sink stored every row in 4 s but
+/// 61 receipts were dropped unread (a queue of 64), 30,447 rows were sent
+/// again after the 300 s receipt timeout and the drain took 304 s. Here the
+/// receipt timeout (300 s) is far beyond the drain: a row sent again would
+/// mean a receipt lost on the board.
+#[test]
+fn a_large_receipt_window_drains_a_backlog_with_no_receipt_dropped_and_nothing_sent_again() {
+    const ROWS: usize = 30_000;
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = crate::prefix("rcptwindow");
+    let device = "it-board";
+    let sink_db = dir.path().join("sink.db");
+    let mut sink = SinkProc::spawn_sqlite(
+        broker.port(),
+        &format!("{base}/+/events/#"),
+        &sink_db,
+        &format!("window-sink-{}", unique_suffix()),
+        dir.path(),
+    );
+    sink.wait_subscribed();
+    let agent_dir = dir.path().join("agent");
+    std::fs::create_dir_all(&agent_dir).expect("agent dir");
+    let db = agent_dir.join("spool.db");
+    seed(&db, device, ROWS);
+    let cfg = board_config(
+        &agent_dir,
+        &broker.url(),
+        &format!("{base}/{device}"),
+        device,
+        RetireOn::Receipt,
+    );
+    edit_config(&cfg, |t| {
+        t.replacen(
+            &format!("receipt_timeout_secs = {RECEIPT_TIMEOUT_SECS}\n"),
+            "receipt_timeout_secs = 300\nreceipt_window = 100000\n",
+            1,
+        )
+    });
+    let started = Instant::now();
+    let mut agent = AgentProc::spawn(&cfg, &[], &agent_dir);
+    let all = poll(Duration::from_secs(240), Duration::from_millis(500), || {
+        spool::count_in_state(&db, "ACKED") == ROWS as i64
+    });
+    let elapsed = started.elapsed();
+    let stored_at = sqlite_stored(&sink_db, device).len();
+    assert!(
+        all,
+        "{} of {ROWS} rows ACKED after {elapsed:.1?} ({stored_at} stored); receipts {}\n{}",
+        spool::count_in_state(&db, "ACKED"),
+        receipts_state(&db),
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+    sink.terminate();
+    let r = receipts_state(&db);
+    println!(
+        "receipt_window 100000, {ROWS}-row backlog: all ACKED after {elapsed:.1?}; receipts {} \
+         received, {} dropped, {} rows sent again",
+        r["received"], r["dropped"], r["resent"]
+    );
+    assert_eq!(r["dropped"].as_u64(), Some(0), "{r}");
+    assert_eq!(r["resent"].as_u64(), Some(0), "{r}");
+    assert_eq!(
+        resent_logged(&agent_dir),
+        0,
+        "rows sent again for a missing receipt"
+    );
+    assert!(
+        elapsed < Duration::from_secs(240),
+        "the drain waited for receipt timeouts"
+    );
+}
+
+/// Issue 33 item 2: a board that retires on PUBACKs again, with a
+/// persistent session kept from when it retired on receipts, leaves the
+/// receipts subscription once a receipt shows the session still has it, so
+/// receipts stop queuing for it at the broker.
+#[test]
+fn a_board_back_in_puback_mode_leaves_its_receipts_subscription() {
+    let broker = Broker::start_with_options("", true);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = crate::prefix("rcptleave");
+    let device = "it-board";
+    let db = dir.path().join("spool.db");
+    seed(&db, device, 10);
+    let prefix = format!("{base}/{device}");
+    let cfg = board_config(
+        dir.path(),
+        &broker.url(),
+        &prefix,
+        device,
+        RetireOn::Receipt,
+    );
+    edit_config(&cfg, |t| {
+        t.replacen(
+            "[mqtt]\n",
+            "[mqtt]\nclean_session = false\nsession_expiry_secs = 3600\n",
+            1,
+        )
+    });
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    // Commands, then receipts.
+    assert!(
+        wait_for(Duration::from_secs(30), || broker
+            .log_text()
+            .matches("Sending SUBACK")
+            .count()
+            >= 2),
+        "{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+    // A receipt the session queues while the board is away.
+    let stale = crate::support::keys::signed_receipts(
+        device,
+        &[("load", "00000000-0000-4000-8000-000000000001", b"x")],
+    );
+    crate::commands::publish(
+        broker.port(),
+        &format!("{prefix}/receipts"),
+        &stale[0],
+        false,
+    );
+    edit_config(&cfg, |t| {
+        t.replacen("retire_on = \"receipt\"", "retire_on = \"puback\"", 1)
+    });
+    let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
+    assert!(
+        agent.wait_log(Duration::from_secs(30), "session_present=true"),
+        "{}",
+        agent.log_tail(20)
+    );
+    assert!(
+        broker.wait_log(Duration::from_secs(30), "Received UNSUBSCRIBE"),
+        "the board kept its receipts subscription:\n{}\n{}",
+        tail(&broker.log_text(), 20),
+        agent.log_tail(20)
+    );
+    assert!(agent.logged("INFO", "mqtt", "leaving "));
+    agent.terminate(Duration::from_secs(15));
+    // A board that never retired on receipts sends no UNSUBSCRIBE at all
+    // (mosquitto answers one for a subscription it lacks with an error
+    // code, which the MQTT client logs as a WARN).
+    assert_eq!(broker.log_text().matches("Received UNSUBSCRIBE").count(), 1);
 }

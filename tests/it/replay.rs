@@ -3,7 +3,7 @@
 
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
-use crate::support::spool::{count_by_state, count_in_state, total};
+use crate::support::spool::{await_states, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use std::collections::{BTreeMap, BTreeSet};
@@ -18,7 +18,7 @@ fn the_whole_air_quality_trace_is_replayed_and_delivered() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let db = dir.path().join("spool.db");
     let sets = vec![
         format!("spool.path={}", db.display()),
@@ -31,31 +31,18 @@ fn the_whole_air_quality_trace_is_replayed_and_delivered() {
     ];
     let cfg = root.join("board-configs/airquality-replay.toml");
     let mut agent = AgentProc::spawn(&cfg, &sets, dir.path());
-    assert!(
-        wait_for(Duration::from_secs(120), || agent
-            .log_text()
-            .contains("replay finished")),
-        "{}",
-        agent.log_tail(20)
-    );
-    let log = agent.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("replay finished"))
-        .expect("finished line")
-        .to_owned();
+    let line = agent.await_line(Duration::from_secs(120), "replay finished");
     println!("{line}");
     assert!(
         line.contains("9471 rows read, 9326 readings, 16701 cells skipped, 145 rows skipped"),
         "{line}"
     );
-    assert!(
-        wait_for(Duration::from_secs(120), || total(&db) == 9326
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(20)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(120),
+        "total == 9326 && PENDING + SENT == 0",
+        |s| total(&db) == 9326 && s.n("PENDING") + s.n("SENT") == 0,
     );
     agent.terminate(Duration::from_secs(15));
     let deliveries = sub.deliveries();
@@ -148,7 +135,7 @@ fn a_replay_killed_at_five_random_moments_delivers_every_row_under_one_id() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay-kill");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let trace = dir.path().join("trace.csv");
     quoted_trace(&trace, ROWS);
@@ -204,15 +191,12 @@ interval_ms = 50
     }
     println!("{resumed} of 5 runs resumed after a stored row");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(180), || agent
-            .log_text()
-            .contains("replay finished")
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(180),
+        "replay finished && PENDING + SENT == 0",
+        |s| agent.log_text().contains("replay finished") && s.n("PENDING") + s.n("SENT") == 0,
     );
     assert!(
         sub.wait_until(Duration::from_secs(60), |d| ids_by_row(d).len() >= ROWS),
@@ -332,7 +316,7 @@ fn a_followed_log_rotated_truncated_and_killed_delivers_every_line_once() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay-follow");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let (log, db, cfg) = follow_config(dir.path(), &broker, &prefix);
     let stored = |n: i64| wait_for(Duration::from_secs(60), || db.exists() && total(&db) >= n);
@@ -379,13 +363,12 @@ fn a_followed_log_rotated_truncated_and_killed_delivers_every_line_once() {
         std::thread::sleep(Duration::from_millis(20));
         append(&mut second, &log_lines(k, k + 5));
     }
-    assert!(
-        wait_for(Duration::from_secs(60), || total(&db) >= LINES as i64
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "total >= LINES as i64 && PENDING + SENT == 0",
+        |s| total(&db) >= LINES as i64 && s.n("PENDING") + s.n("SENT") == 0,
     );
     assert!(
         sub.wait_until(Duration::from_secs(60), |d| ids_by_seq(d).len() as u64
@@ -441,7 +424,7 @@ fn a_log_rotated_while_the_agent_is_down_is_finished_then_the_new_file_followed(
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("replay-follow-down");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let (log, db, cfg) = follow_config(dir.path(), &broker, &prefix);
     let stored = |n: i64| wait_for(Duration::from_secs(60), || db.exists() && total(&db) >= n);
@@ -465,13 +448,12 @@ fn a_log_rotated_while_the_agent_is_down_is_finished_then_the_new_file_followed(
     let mut new = open(&log);
     append(&mut new, &format!("ts,seq\n{}", log_lines(70, 100)));
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(60), || total(&db) >= 100
-            && count_in_state(&db, "PENDING") + count_in_state(&db, "SENT")
-                == 0),
-        "{:?}\n{}",
-        count_by_state(&db),
-        agent.log_tail(30)
+    await_states(
+        &db,
+        &agent,
+        Duration::from_secs(60),
+        "total >= 100 && PENDING + SENT == 0",
+        |s| total(&db) >= 100 && s.n("PENDING") + s.n("SENT") == 0,
     );
     assert!(
         sub.wait_until(Duration::from_secs(60), |d| ids_by_seq(d).len() >= 100),

@@ -106,7 +106,7 @@ fn a_replay_rolled_back_by_a_lost_wal_sends_its_rows_again_with_the_same_bytes()
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("rollback-replay");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let csv = dir.path().join("trace.csv");
     trace(&csv, ROWS);
@@ -278,7 +278,7 @@ fn keyed_ingest_readings_rolled_back_by_a_lost_wal_never_give_one_id_two_payload
     let broker = Broker::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("rollback-keys");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     assert!(sub.wait_subscribed(Duration::from_secs(30)));
     let db = dir.path().join("spool.db");
     let sock = dir.path().join("run/ingest.sock");

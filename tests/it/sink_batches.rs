@@ -3,12 +3,11 @@
 //! every event once, whichever way and however often it arrived.
 
 use crate::support::broker::Broker;
-use crate::support::sink::{SinkProc, BROKER_EXTRA};
+use crate::support::sink::{sqlite_received, SinkProc, BROKER_EXTRA};
 use crate::support::{tail, wait_for};
 use edgespool::event::envelope::{encode, Envelope, EventId, Format};
 use edgespool::event::reading::FieldValue;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS};
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
@@ -83,27 +82,12 @@ fn publish_all(port: u16, msgs: Vec<(String, Vec<u8>)>) {
     let _ = conn.recv_timeout(Duration::from_millis(200));
 }
 
-/// event id → (payload, deliveries) in the sink's SQLite file.
-fn stored(db: &Path) -> HashMap<String, (Vec<u8>, i64)> {
-    let Ok(c) =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-    else {
-        return HashMap::new();
-    };
-    let Ok(mut st) = c.prepare("SELECT event_id, payload, deliveries FROM received") else {
-        return HashMap::new();
-    };
-    st.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
-        .and_then(|rows| rows.collect())
-        .unwrap_or_default()
-}
-
 fn wait_deliveries(sink: &SinkProc, db: &Path, distinct: usize, deliveries: i64) {
     let ok = wait_for(Duration::from_secs(30), || {
-        let s = stored(db);
+        let s = sqlite_received(db);
         s.len() == distinct && s.values().map(|v| v.1).sum::<i64>() == deliveries
     });
-    let s = stored(db);
+    let s = sqlite_received(db);
     assert!(
         ok,
         "sink holds {} events, {} deliveries (want {distinct}, {deliveries})\n{}",
@@ -146,7 +130,7 @@ fn batches_plain_and_lz4_and_singles_are_stored_once_per_event() {
 
     // 75 events; deliveries: 50 + 50 + 10.
     wait_deliveries(&sink, &db, 75, 110);
-    let s = stored(&db);
+    let s = sqlite_received(&db);
     for i in 0..75 {
         let (id, payload) = event(i);
         let (got, n) = s.get(&id).unwrap_or_else(|| panic!("event {i} not stored"));

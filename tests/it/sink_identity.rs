@@ -14,7 +14,7 @@
 //! - a database of the old schema (event id alone as key) migrates.
 
 use crate::support::broker::Broker;
-use crate::support::sink::{SinkProc, BROKER_EXTRA};
+use crate::support::sink::{self, SinkProc, BROKER_EXTRA};
 use crate::support::{tail, unique_suffix, wait_for};
 use edgespool::event::envelope::{encode, Envelope, EventId, Format};
 use edgespool::event::reading::FieldValue;
@@ -187,7 +187,10 @@ fn receipts(peer: &Peer, from: usize) -> Vec<(String, Vec<(String, String)>)> {
             let ids = r
                 .stored
                 .into_iter()
-                .flat_map(|(s, ids)| ids.into_iter().map(move |id| (s.clone(), id)))
+                .flat_map(|(s, ids)| {
+                    ids.into_iter()
+                        .map(move |(id, _)| (s.clone(), id.hyphenated()))
+                })
                 .collect();
             (topic, ids)
         })
@@ -412,11 +415,6 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
         Some(("gw1", "gw1-secret")),
         &["edgespool/gw1/receipts"],
     );
-    let evil = Peer::start(
-        broker.port(),
-        Some(("evil", "evil-secret")),
-        &["edgespool/gw1/receipts", "edgespool/evil/receipts"],
-    );
 
     let (x, real) = envelope("gw1", 7, 0);
     // On gw1's topic: denied by the broker. mosquitto 2.0.11 with an
@@ -424,18 +422,23 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
     // PUBACK (reason code 135 in it) and then closes the connection (its
     // log: "Bad socket read/write"; rumqttc reads the end of the stream),
     // and what the client had queued behind it is lost with the
-    // connection: so on a connection of its own.
+    // connection: so on a connection of its own, before evil's other one
+    // (the layout's client id is the user name: two connections as evil
+    // would take each other's session).
     let intruder = Peer::start(broker.port(), Some(("evil", "evil-secret")), &[]);
     intruder.publish("edgespool/gw1/events/load", &envelope("gw1", 7, 1).1);
-    let denied = format!("Denied PUBLISH from {}", intruder.id);
+    let denied = "Denied PUBLISH from evil";
     assert!(
-        wait_for(Duration::from_secs(10), || broker
-            .log_text()
-            .contains(&denied)),
+        broker.wait_log(Duration::from_secs(10), denied),
         "the broker did not deny the publish:\n{}",
         tail(&broker.log_text(), 20)
     );
     drop(intruder);
+    let evil = Peer::start(
+        broker.port(),
+        Some(("evil", "evil-secret")),
+        &["edgespool/gw1/receipts", "edgespool/evil/receipts"],
+    );
     // On its own topic, claiming to be gw1: set aside as forged.
     evil.publish("edgespool/evil/events/load", &envelope("gw1", 7, 2).1);
     evil.publish(
@@ -535,11 +538,7 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(receipted(&evil, evil_topic, 0), BTreeSet::from([x.clone()]));
 
-    let out = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--json", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--postgres", &pg.conninfo()]);
     assert_eq!(report["forged"], 4, "{report}");
     assert_eq!(report["events"], 2, "{report}");
     sink.terminate();
@@ -561,6 +560,7 @@ fn postgres_side_tables_keep_the_newest_within_their_bounds() {
         rows: 50,
         payload_bytes: 4096,
         table_bytes: 1 << 20,
+        ..SideBounds::default()
     };
     store.set_side_bounds(bounds);
     let pad = vec![b'j'; 256 << 10];
@@ -607,11 +607,7 @@ fn postgres_side_tables_keep_the_newest_within_their_bounds() {
         one(&mut db, "SELECT sum(dropped)::int8 FROM side_drops"),
         200
     );
-    let out = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--json", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--postgres", &pg.conninfo()]);
     assert_eq!(
         (
             &report["unreadable"],
@@ -621,12 +617,65 @@ fn postgres_side_tables_keep_the_newest_within_their_bounds() {
         (&200.into(), &100.into(), &200.into()),
         "{report}"
     );
-    let text = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--postgres", &pg.conninfo()])
-        .output()
-        .expect("sink --stats");
-    let text = String::from_utf8_lossy(&text.stdout);
+    let text = sink::stats(&["--postgres", &pg.conninfo()]);
     assert!(text.contains("side tables: 200 rows dropped"), "{text}");
+}
+
+/// Bounds per device, then per table, in PostgreSQL: one device's 20 forged
+/// envelopes leave a and b theirs (the junk keeps its own 4); with six
+/// more devices the table's 10 rows go evenly, a and b keeping theirs.
+#[cfg(feature = "pg-sink")]
+#[test]
+fn postgres_side_tables_bound_each_device_and_take_from_the_largest() {
+    use crate::support::postgres::Postgres;
+    use edgespool::sink::postgres::PgStore;
+    let pg = Postgres::start(&[("fsync", "off")]);
+    let mut store =
+        PgStore::connect(&pg.conninfo(), "fair", &Default::default()).expect("connect and migrate");
+    store.set_side_bounds(SideBounds {
+        rows: 10,
+        payload_bytes: 1024,
+        table_bytes: 1 << 20,
+        device_rows: 4,
+        device_bytes: 1 << 20,
+    });
+    let forged = |dev: &str, n: u32| {
+        Item::new(
+            &format!("edgespool/{dev}/events/load"),
+            &envelope("gw1", n, 0).1,
+        )
+    };
+    let mut items = vec![forged("a", 0), forged("b", 1)];
+    items.extend((0..20).map(|n| forged("junk", 100 + n)));
+    store.commit(&items, 1).expect("store");
+    let mut db = pg.client();
+    let per_device = |db: &mut postgres::Client| -> Vec<(String, i64)> {
+        db.query(
+            "SELECT device_id, count(*) FROM forged GROUP BY device_id ORDER BY device_id",
+            &[],
+        )
+        .expect("forged")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+    };
+    assert_eq!(
+        per_device(&mut db),
+        vec![("a".into(), 1), ("b".into(), 1), ("junk".into(), 4)]
+    );
+    let more: Vec<Item> = (0..6)
+        .flat_map(|d| (0..2).map(move |n| (d, n)))
+        .map(|(d, n)| forged(&format!("d{d}"), 200 + n))
+        .collect();
+    store.commit(&more, 2).expect("store");
+    let v = per_device(&mut db);
+    assert_eq!(v.iter().map(|(_, n)| n).sum::<i64>(), 10, "{v:?}");
+    assert_eq!(
+        (&v[0], &v[1]),
+        (&("a".into(), 1), &("b".into(), 1)),
+        "{v:?}"
+    );
+    assert!(v.iter().all(|(_, n)| (1..=2).contains(n)), "{v:?}");
 }
 
 /// The measurement behind the bound, through the real sink with its
@@ -696,6 +745,7 @@ fn sqlite_side_tables_keep_the_newest_within_their_bounds() {
         rows: 50,
         payload_bytes: 4096,
         table_bytes: 1 << 20,
+        ..SideBounds::default()
     });
     let mut dropped = 0;
     for chunk in 0..10 {
@@ -799,7 +849,7 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(versions, vec![1, 2, 3]);
     let pkey: String = db
         .query_one(
             "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'events_pkey'",
@@ -808,16 +858,20 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .expect("events key")
         .get(0);
     assert_eq!(pkey, "PRIMARY KEY (device_id, event_id)");
-    let (cut, whole, device): (i32, i64, Option<String>) = {
+    let (cut, whole, device, publisher): (i32, i64, Option<String>, String) = {
         let r = db
             .query_one(
-                "SELECT octet_length(u.payload), u.payload_bytes, m.device_id
+                "SELECT octet_length(u.payload), u.payload_bytes, m.device_id, u.device_id
                  FROM unreadable u, mismatches m",
                 &[],
             )
             .expect("old rows");
-        (r.get(0), r.get(1), r.get(2))
+        (r.get(0), r.get(1), r.get(2), r.get(3))
     };
+    assert_eq!(
+        publisher, "gw1",
+        "the old junk has its publisher (version 3)"
+    );
     assert_eq!(
         (cut, whole),
         (64 << 10, 100 << 10),
@@ -869,7 +923,7 @@ fn a_postgres_database_of_the_old_schema_migrates() {
         .query_one("SELECT count(*) FROM schema_version", &[])
         .expect("count")
         .get(0);
-    assert_eq!(n, 2);
+    assert_eq!(n, 3);
 }
 
 /// The SQLite file older sinks wrote (no `user_version`).
@@ -955,12 +1009,7 @@ fn a_sqlite_file_of_the_old_schema_migrates() {
         Err(e) => assert!(e.to_string().contains("99"), "{e}"),
         Ok(_) => panic!("a newer file was accepted"),
     }
-    let out = std::process::Command::new(crate::support::agent::bin())
-        .args(["sink", "--stats", "--json", "--db"])
-        .arg(&path)
-        .output()
-        .expect("sink --stats");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    let report = sink::stats_json(&["--db", path.to_str().expect("UTF-8 path")]);
     assert_eq!(
         (&report["events"], &report["mismatches"]),
         (&3.into(), &1.into()),

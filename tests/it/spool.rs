@@ -2,8 +2,10 @@
 //! one agent per spool, damaged files moved aside, an external writer.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::{append_config, Board, NO_BROKER};
 use crate::support::broker::Broker;
 use crate::support::spool::{open, total};
+use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
 use crate::{prefix, write_config};
 use std::time::Duration;
@@ -12,9 +14,7 @@ use std::time::Duration;
 fn wal_is_in_effect_and_no_rollback_journal_ever_appears() {
     // field case F07
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), &broker.url(), &prefix("wal"), 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix("wal"), 20);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     // Turning a brand-new, empty file to WAL writes its header once through
     // a rollback journal (SQLite does this for any new database; the sqlite3
@@ -53,13 +53,7 @@ fn sigterm_commits_readings_still_in_the_commit_window() {
     assert!(wait_for(Duration::from_secs(10), || db.exists()));
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(total(&db), 0, "committed before the window closed");
-    let status = agent.terminate(Duration::from_secs(15));
-    assert_eq!(
-        status.and_then(|s| s.code()),
-        Some(0),
-        "{}",
-        agent.log_tail(20)
-    );
+    agent.terminate_clean(Duration::from_secs(15));
     let n = total(&db);
     assert!(n >= 10, "only {n} rows committed at stop");
     let log = agent.log_text();
@@ -75,9 +69,7 @@ fn sigterm_commits_readings_still_in_the_commit_window() {
 #[test]
 fn a_second_agent_on_the_same_spool_fails_fast_naming_the_holder() {
     // field case F05
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("lock"), 100);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(NO_BROKER, &prefix("lock"), 100);
     let mut first = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
     let mut second = AgentProc::spawn(&cfg, &[], dir.path());
@@ -100,9 +92,7 @@ fn a_second_agent_on_the_same_spool_fails_fast_naming_the_holder() {
 #[test]
 fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
     // field case F04 (step 3)
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("corrupt"), 50);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(NO_BROKER, &prefix("corrupt"), 50);
     {
         let mut a = AgentProc::spawn(&cfg, &[], dir.path());
         assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 20));
@@ -120,9 +110,7 @@ fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
     std::fs::write(&db, &bytes).expect("write damaged spool");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(10), || agent
-            .log_text()
-            .contains("is damaged")),
+        agent.wait_log(Duration::from_secs(10), "is damaged"),
         "{}",
         agent.log_tail(20)
     );
@@ -154,8 +142,7 @@ fn a_damaged_spool_is_moved_aside_and_the_agent_keeps_running() {
 
 #[test]
 fn a_file_that_is_not_a_sqlite_database_is_refused_and_left_alone() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("notdb"), 50);
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("notdb"), 50);
     let text = std::fs::read_to_string(&cfg).expect("read");
     let status = {
         let mut a = AgentProc::spawn(&cfg, &[format!("spool.path={}", cfg.display())], dir.path());
@@ -172,12 +159,9 @@ fn a_file_that_is_not_a_sqlite_database_is_refused_and_left_alone() {
 fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
     // field case F03: a writer holds BEGIN IMMEDIATE for 2 s at a time.
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = prefix("busy");
-    let sub =
-        crate::support::subscriber::Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = write_config(dir.path(), &broker.url(), &prefix, 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 20);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
     let writer = rusqlite::Connection::open(&db).expect("open writer");
@@ -209,11 +193,8 @@ fn an_external_writer_holding_the_lock_delays_but_never_loses_writes() {
 fn full_durability_readings_commit_at_once_without_waiting_for_the_window() {
     // durability = "full": each reading is committed (fsynced) when taken,
     // even with a 60 s group-commit window for the batched streams.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), "mqtt://127.0.0.1:9", &prefix("full"), 100);
-    let text = std::fs::read_to_string(&cfg).expect("read")
-        + "[[sources]]\nname = \"alarm\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"1\"]\ninterval_ms = 100\ndurability = \"full\"\n";
-    std::fs::write(&cfg, text).expect("write");
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &prefix("full"), 100);
+    append_config(&cfg, "[[sources]]\nname = \"alarm\"\nkind = \"exec\"\nprogram = \"/bin/echo\"\nargs = [\"1\"]\ninterval_ms = 100\ndurability = \"full\"\n");
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &["spool.commit_window_ms=60000".into()], dir.path());
     assert!(
@@ -238,9 +219,7 @@ fn full_durability_readings_commit_at_once_without_waiting_for_the_window() {
 #[test]
 fn a_write_budget_out_of_reach_widens_the_window_to_its_ceiling_and_degrades_health() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = write_config(dir.path(), &broker.url(), &prefix("budget"), 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix("budget"), 20);
     let mut agent = AgentProc::spawn(
         &cfg,
         &[

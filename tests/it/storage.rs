@@ -3,6 +3,7 @@
 //! file replaced under the agent.
 
 use crate::support::agent::{run_cli, AgentProc};
+use crate::support::board::{edit_config, Board, NO_BROKER};
 use crate::support::broker::Broker;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::{count_by_state, total};
@@ -112,7 +113,7 @@ fn a_full_disk_refuses_readings_counted_and_writing_resumes_when_space_returns()
     std::fs::write(&filler2, vec![0u8; 1024 * 1024]).expect("filler2");
     let db = fs.dir.join("spool.db");
     let prefix = crate::prefix("diskfull");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = big_config(
         dir.path(),
         &db,
@@ -125,9 +126,7 @@ fn a_full_disk_refuses_readings_counted_and_writing_resumes_when_space_returns()
     // While the disk is full even the counters cannot be stored: the log
     // says it at once, the counters land when space returns.
     assert!(
-        wait_for(Duration::from_secs(60), || agent
-            .log_text()
-            .contains("ingest: disk full")),
+        agent.wait_log(Duration::from_secs(60), "ingest: disk full"),
         "never hit SQLITE_FULL: {:?}\n{}",
         count_by_state(&db),
         agent.log_tail(30)
@@ -171,7 +170,7 @@ fn at_the_spool_limit_new_readings_are_refused_and_no_unacked_row_is_deleted() {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("spool.db");
     let prefix = crate::prefix("cap");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
     let cfg = big_config(
         dir.path(),
         &db,
@@ -236,11 +235,9 @@ fn at_the_spool_limit_new_readings_are_refused_and_no_unacked_row_is_deleted() {
 #[test]
 fn a_reader_pinning_the_wal_degrades_health_and_the_wal_shrinks_once_it_leaves() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("pin");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 20);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 20);
+    let sub = Subscriber::events(broker.port(), &prefix);
     let wal = dir.path().join("spool.db-wal");
     let sets = [
         "spool.checkpoint_wal_bytes=65536".to_owned(),
@@ -294,14 +291,7 @@ fn a_reader_pinning_the_wal_degrades_health_and_the_wal_shrinks_once_it_leaves()
 
 #[test]
 fn a_spool_file_replaced_under_the_agent_stops_it_for_the_supervisor() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(
-        dir.path(),
-        "mqtt://127.0.0.1:9",
-        &crate::prefix("replaced"),
-        50,
-    );
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(NO_BROKER, &crate::prefix("replaced"), 50);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(wait_for(Duration::from_secs(10), || db.exists() && total(&db) > 0));
     let copy = dir.path().join("copy.db");
@@ -509,35 +499,18 @@ fn one_transaction_purge_wal(db: &Path) -> u64 {
 #[test]
 fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("slowdev");
-    let sub = Subscriber::start(broker.port(), &format!("{prefix}/events/#"));
+    let sub = Subscriber::events(broker.port(), &prefix);
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix, 50);
     // No commit_window_ms in this config: the probe decides it.
-    let cfg = crate::write_config(dir.path(), &broker.url(), &prefix, 50);
-    let text = std::fs::read_to_string(&cfg)
-        .expect("read")
-        .replace("commit_window_ms = 50\n", "");
-    std::fs::write(&cfg, text).expect("write");
-    let db = dir.path().join("spool.db");
+    edit_config(&cfg, |t| t.replace("commit_window_ms = 50\n", ""));
     let mut agent = AgentProc::spawn_with_env(
         &cfg,
         &[],
         dir.path(),
         &[(edgespool::flash::probe::DELAY_ENV, "20")],
     );
-    assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("storage probe (measured now)")),
-        "{}",
-        agent.log_tail(20)
-    );
-    let log = agent.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("storage probe"))
-        .expect("probe line")
-        .to_owned();
+    let line = agent.await_line(Duration::from_secs(20), "storage probe (measured now)");
     println!("{line}");
     let window: u64 = line
         .split("commit window ")
@@ -562,9 +535,7 @@ fn a_slower_device_gets_a_longer_commit_window_and_delivery_still_holds() {
 /// what that means for any other process that opens the spool. Issue 26, 4.
 #[test]
 fn a_shm_file_removed_under_the_agent_is_named_in_a_warning_and_the_agent_runs_on() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(dir.path(), "mqtt://127.0.0.1:9", &crate::prefix("shm"), 50);
-    let db = dir.path().join("spool.db");
+    let Board { dir, cfg, db } = Board::new(NO_BROKER, &crate::prefix("shm"), 50);
     let shm = dir.path().join("spool.db-shm");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
@@ -618,13 +589,7 @@ fn a_shm_file_removed_under_the_agent_is_named_in_a_warning_and_the_agent_runs_o
 /// storage again and stores a good profile, which the next start uses.
 #[test]
 fn a_damaged_storage_profile_is_named_with_the_reason_and_measured_again() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = crate::write_config(
-        dir.path(),
-        "mqtt://127.0.0.1:9",
-        &crate::prefix("profile"),
-        200,
-    );
+    let Board { dir, cfg, .. } = Board::new(NO_BROKER, &crate::prefix("profile"), 200);
     let profile = dir.path().join("storage-profile.json");
     let start = || {
         let mut agent = AgentProc::spawn(&cfg, &[], dir.path());

@@ -3,28 +3,23 @@
 //! error naming the cause while the spool keeps filling.
 
 use crate::support::agent::AgentProc;
+use crate::support::broker::{password_file, Broker};
 use crate::support::spool::{count_in_state, total};
-use crate::support::wait_for;
+use crate::support::{run_ok, wait_for};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run openssl (Debian package openssl)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        Command::new("openssl").args(args).current_dir(dir),
+        &format!("openssl {args:?} (Debian package openssl)"),
     );
 }
 
-/// A CA (`<name>-ca.pem`), and certificates it signs.
-pub(crate) fn make_ca(dir: &Path, name: &str) {
-    let key = format!("{name}-ca.key");
+/// A P-256 private key in `dir/key`.
+fn ec_key(dir: &Path, key: &str) {
+    let curve = "ec_paramgen_curve:P-256";
     openssl(
         dir,
         &[
@@ -32,11 +27,17 @@ pub(crate) fn make_ca(dir: &Path, name: &str) {
             "-algorithm",
             "EC",
             "-pkeyopt",
-            "ec_paramgen_curve:P-256",
+            curve,
             "-out",
-            &key,
+            key,
         ],
     );
+}
+
+/// A CA (`<name>-ca.pem`), and certificates it signs.
+pub(crate) fn make_ca(dir: &Path, name: &str) {
+    let key = format!("{name}-ca.key");
+    ec_key(dir, &key);
     openssl(
         dir,
         &[
@@ -62,18 +63,7 @@ pub(crate) fn make_cert(dir: &Path, ca: &str, name: &str, san: Option<&str>) {
 /// `days` "-1" gives a certificate whose validity ended yesterday.
 fn make_cert_days(dir: &Path, ca: &str, name: &str, san: Option<&str>, days: &str) {
     let key = format!("{name}.key");
-    openssl(
-        dir,
-        &[
-            "genpkey",
-            "-algorithm",
-            "EC",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-out",
-            &key,
-        ],
-    );
+    ec_key(dir, &key);
     openssl(
         dir,
         &[
@@ -115,51 +105,6 @@ fn make_cert_days(dir: &Path, ca: &str, name: &str, san: Option<&str>, days: &st
     );
 }
 
-/// mosquitto with one TLS listener on a free port.
-struct TlsBroker {
-    child: Child,
-    port: u16,
-}
-
-impl TlsBroker {
-    fn start(dir: &Path, extra: &str) -> TlsBroker {
-        let port = crate::support::free_port();
-        let d = dir.display();
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "persistence false\nlog_dest file {d}/mosquitto.log\nuser root\nlistener {port} 127.0.0.1\ncafile {d}/good-ca.pem\ncertfile {d}/server.pem\nkeyfile {d}/server.key\n{extra}"
-            ),
-        )
-        .expect("write conf");
-        let child = Command::new("/usr/sbin/mosquitto")
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start mosquitto");
-        assert!(
-            wait_for(Duration::from_secs(5), || std::net::TcpStream::connect((
-                "127.0.0.1",
-                port
-            ))
-            .is_ok()),
-            "TLS mosquitto did not listen: {}",
-            std::fs::read_to_string(dir.join("mosquitto.log")).unwrap_or_default()
-        );
-        TlsBroker { child, port }
-    }
-}
-
-impl Drop for TlsBroker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn pki(dir: &Path) {
     make_ca(dir, "good");
     make_ca(dir, "other");
@@ -198,14 +143,14 @@ interval_ms = 50
 fn mutual_tls_delivers_and_a_readable_key_is_warned_about() {
     let dir = tempfile::tempdir().expect("tempdir");
     pki(dir.path());
-    let broker = TlsBroker::start(
+    let broker = Broker::start_tls(
         dir.path(),
         "require_certificate true\nallow_anonymous true\n",
     );
     let d = dir.path().display();
     let cfg = config(
         dir.path(),
-        broker.port,
+        broker.port(),
         &format!("ca_file = \"{d}/good-ca.pem\"\nclient_cert_file = \"{d}/client.pem\"\nclient_key_file = \"{d}/client.key\""),
     );
     use std::os::unix::fs::PermissionsExt;
@@ -233,22 +178,20 @@ fn mutual_tls_delivers_and_a_readable_key_is_warned_about() {
 fn a_wrong_ca_gives_a_clear_rate_limited_error_and_the_spool_keeps_filling() {
     let dir = tempfile::tempdir().expect("tempdir");
     pki(dir.path());
-    let broker = TlsBroker::start(
+    let broker = Broker::start_tls(
         dir.path(),
         "require_certificate false\nallow_anonymous true\n",
     );
     let d = dir.path().display();
     let cfg = config(
         dir.path(),
-        broker.port,
+        broker.port(),
         &format!("ca_file = \"{d}/other-ca.pem\""),
     );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &["mqtt.reconnect_max_ms=200".into()], dir.path());
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("TLS failed")),
+        agent.wait_log(Duration::from_secs(20), "TLS failed"),
         "{}",
         agent.log_tail(30)
     );
@@ -280,14 +223,8 @@ fn a_refused_login_names_the_cause_and_the_spool_keeps_filling() {
     let dir = tempfile::tempdir().expect("tempdir");
     pki(dir.path());
     let pw = dir.path().join("passwd");
-    let st = Command::new("mosquitto_passwd")
-        .args(["-b", "-c"])
-        .arg(&pw)
-        .args(["board", "right-password"])
-        .status()
-        .expect("mosquitto_passwd");
-    assert!(st.success());
-    let broker = TlsBroker::start(
+    password_file(&pw, &[("board", "right-password")]);
+    let broker = Broker::start_tls(
         dir.path(),
         &format!(
             "require_certificate false\nallow_anonymous false\npassword_file {}\n",
@@ -296,9 +233,11 @@ fn a_refused_login_names_the_cause_and_the_spool_keeps_filling() {
     );
     let d = dir.path().display();
     std::fs::write(dir.path().join("secret"), "wrong-password\n").expect("secret");
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600);
+    std::fs::set_permissions(dir.path().join("secret"), private).expect("chmod 600 secret");
     let cfg = config(
         dir.path(),
-        broker.port,
+        broker.port(),
         &format!(
             "ca_file = \"{d}/good-ca.pem\"\nusername = \"board\"\npassword_file = \"{d}/secret\""
         ),
@@ -306,9 +245,7 @@ fn a_refused_login_names_the_cause_and_the_spool_keeps_filling() {
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("the broker refused the login")),
+        agent.wait_log(Duration::from_secs(20), "the broker refused the login"),
         "{}",
         agent.log_tail(30)
     );
@@ -331,30 +268,20 @@ fn an_expired_server_certificate_is_named_and_the_spool_keeps_filling() {
     pki(dir.path());
     // Replace the server certificate by one that expired yesterday.
     make_cert_days(dir.path(), "good", "server", Some("IP:127.0.0.1"), "-1");
-    let broker = TlsBroker::start(
+    let broker = Broker::start_tls(
         dir.path(),
         "require_certificate false\nallow_anonymous true\n",
     );
     let d = dir.path().display();
     let cfg = config(
         dir.path(),
-        broker.port,
+        broker.port(),
         &format!("ca_file = \"{d}/good-ca.pem\""),
     );
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    assert!(
-        wait_for(Duration::from_secs(20), || agent
-            .log_text()
-            .contains("TLS failed")),
-        "{}",
-        agent.log_tail(30)
-    );
-    let log = agent.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("TLS failed"))
-        .unwrap_or_default()
+    let line = agent
+        .await_line(Duration::from_secs(20), "TLS failed")
         .to_lowercase();
     assert!(
         line.contains("expired"),

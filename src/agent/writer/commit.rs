@@ -15,6 +15,7 @@ use crate::event::stream::Durability;
 use crate::flash::upkeep::{LogEvery, Refusing};
 use crate::mqtt::DeliveryMsg;
 use crate::spool::{Riders, Rode, Spool, SpoolError};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// A commit that stored its readings: how many, how long its transaction
@@ -226,8 +227,13 @@ impl Writer {
         let sync_here = self.store.conn(durability).pragmas().synchronous < 2
             && self.upkeep.checkpoint_stretched();
         let now = Instant::now();
+        let mut taken = self.peers.ledger.take();
+        // The delivery thread's counters ride with the writer's own (and
+        // are kept with them when the commit fails).
+        for (name, by) in std::mem::take(&mut taken.counts) {
+            self.riding.count(name, by);
+        }
         let ride = self.riding.take(now, self.state_period(), self.final_ride);
-        let taken = self.peers.ledger.take();
         let riders = Riders {
             counts: &ride.counts,
             states: &ride.states,
@@ -245,7 +251,11 @@ impl Writer {
                 if ride.states.iter().any(|(k, _)| k == "health") {
                     self.health.stored(now);
                 }
-                self.peers.ledger.committed(taken, rode.retired);
+                self.peers
+                    .delivery_stats
+                    .retired
+                    .fetch_add(rode.retired as u64, Ordering::Relaxed);
+                self.peers.ledger.committed(taken);
             }
             Err(_) => {
                 self.riding.restore(ride);

@@ -196,8 +196,10 @@ impl Writer {
         let push = crate::push::policy::check(&local, text, signature.as_deref())?;
         let serial = self.admit_push(&local, &push)?;
         let origin = self.conf.source.path.display().to_string();
-        let new = crate::push::compose(&local, &local_text, &origin, &self.conf.source.sets, &push)
+        let sets = &self.conf.source.sets;
+        let (new, ignored) = crate::push::compose_noting(&local, &local_text, &origin, sets, &push)
             .map_err(|e| format!("{e}; keeping the running config"))?;
+        let ignored = ignored_local_only(&ignored);
         if let Some(serial) = serial {
             // Recorded before it applies: this serial is spent even if the
             // push is reverted, so it can never be replayed.
@@ -232,6 +234,7 @@ impl Writer {
             self.conf.push = Some(stored);
             let mut v = self.apply_live(new);
             v["sha256"] = sha.into();
+            v["ignored"] = ignored;
             v["confirmation"] = "kept (the MQTT connection is unchanged)".into();
             return Ok(v);
         }
@@ -244,6 +247,7 @@ impl Writer {
         ));
         let mut v = self.apply_live(new);
         v["sha256"] = sha.into();
+        v["ignored"] = ignored;
         v["confirmation"] = format!(
             "waiting up to {} s for a CONNACK{}; otherwise the previous config returns",
             confirm.as_secs(),
@@ -492,8 +496,9 @@ impl Writer {
     }
 
     /// `[mqtt]`: the connection settings apply live (one reconnect); what
-    /// shapes publishes (topic prefix, window, sizes, format) at the next
-    /// start.
+    /// shapes publishes (topic prefix, window, sizes, format) and what
+    /// retires rows (`retire_on`, the receipt settings and keys: the
+    /// delivery thread holds them from its start) at the next start.
     fn apply_mqtt(
         &mut self,
         new: &Config,
@@ -518,12 +523,29 @@ impl Writer {
                 "mqtt.topic_prefix/inflight_window/max_payload_bytes/max_packet_bytes/payload_format",
             );
         }
+        if (
+            nm.retire_on,
+            nm.receipt_timeout,
+            nm.receipt_window,
+            &nm.receipt_public_keys,
+        ) != (
+            cm.retire_on,
+            cm.receipt_timeout,
+            cm.receipt_window,
+            &cm.receipt_public_keys,
+        ) {
+            restart.push("mqtt.retire_on/receipt_timeout_secs/receipt_window/receipt_public_keys");
+        }
         let mut live = nm.clone();
         live.topic_prefix = cm.topic_prefix.clone();
         live.inflight_window = cm.inflight_window;
         live.max_payload_bytes = cm.max_payload_bytes;
         live.max_packet_bytes = cm.max_packet_bytes;
         live.payload_format = cm.payload_format;
+        live.retire_on = cm.retire_on;
+        live.receipt_timeout = cm.receipt_timeout;
+        live.receipt_window = cm.receipt_window;
+        live.receipt_public_keys = cm.receipt_public_keys.clone();
         if live != *cm {
             self.peers.link.reconfigure(live.clone());
             self.conf.cfg.mqtt = live;
@@ -559,4 +581,31 @@ fn stored_signed_serial(local: &Config) -> Option<u64> {
         }
         crate::push::policy::Push::Overlay(_) => None,
     }
+}
+
+/// The keys of [`crate::push::policy::LOCAL_ONLY`] a signed push set and
+/// that were ignored, with why, as the answer names them (`{}` for none),
+/// logged at WARN: a push that silently left a key at the local value
+/// reads as applied when it was not.
+fn ignored_local_only(keys: &[&str]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for k in keys {
+        let why = crate::push::policy::local_only_why(k);
+        out.insert(
+            (*k).to_owned(),
+            format!("local only: {why}; the local value is kept").into(),
+        );
+    }
+    if !keys.is_empty() {
+        log::warn!(
+            "config push: the signed config sets {} local-only keys to other values than the \
+             board's own file; ignored, the local values kept: {}",
+            keys.len(),
+            keys.iter()
+                .map(|k| format!("{k} ({})", crate::push::policy::local_only_why(k)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    serde_json::Value::Object(out)
 }

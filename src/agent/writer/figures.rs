@@ -5,8 +5,9 @@
 //! Its one rule: **gathering stays cheap for the writer thread**: counts by
 //! stream and state need a scan of the spool (as `status` does), so they
 //! are taken only while the spool's live data is under [`ROW_SCAN_LIMIT`];
-//! past it, the backlog and the oldest unacknowledged age (index reads)
-//! still are.
+//! past it, the backlog, the oldest unacknowledged age (index reads) and
+//! the FAILED rows (the small `failed` table, which health counts every
+//! pass anyway) still are.
 
 use super::Writer;
 use crate::event::envelope::wall_clock_ms;
@@ -111,6 +112,8 @@ impl Writer {
                 window_secs: self.upkeep.window().as_secs_f64(),
                 over: self.upkeep.budget_verdict().reason().is_some(),
             }),
+            health: Some(self.health.state().name()),
+            failed_rows: self.store.spool().failed_count().ok(),
         }
     }
 
@@ -121,9 +124,15 @@ impl Writer {
         if m.textfile.is_none() && m.listen.is_none() {
             return;
         }
-        let text = crate::metrics::render(&self.figures(count_rows));
+        let listen = m.listen.is_some();
+        let mut text = crate::metrics::render(&self.figures(count_rows));
         if let (true, Some(path)) = (textfile, self.conf.cfg.metrics.textfile.clone()) {
             self.metrics.textfile.write(&path, &text);
+        }
+        // The listener's scrape only: node_exporter, which reads the
+        // textfile, has `process_*` of its own.
+        if let Some(p) = listen.then(crate::metrics::process::read).flatten() {
+            text.push_str(&crate::metrics::process::render(&p));
         }
         self.metrics.snapshot.publish(text);
     }
@@ -138,7 +147,8 @@ impl Writer {
 
     /// At start: a first snapshot (no row counts: startup work does not
     /// grow with the spool), then `metrics.listen` if set; a failure to bind
-    /// is an ERROR and the agent runs on without it.
+    /// is an ERROR and a health reason for the run, and the agent runs on
+    /// without it.
     pub(in crate::agent) fn start_metrics(&mut self) -> Option<crate::metrics::listen::Listener> {
         self.publish_metrics(false, false);
         let addr = self.conf.cfg.metrics.listen?;
@@ -151,6 +161,9 @@ impl Writer {
                 log::error!(
                     "metrics.listen {addr}: cannot listen: {e}; running without the metrics listener"
                 );
+                self.health.listeners_down.push(format!(
+                    "metrics.listen {addr}: {e} (no scrape reaches this agent)"
+                ));
                 None
             }
         }
@@ -179,15 +192,21 @@ impl Writer {
         }
     }
 
-    /// Record in `agent_state` (`ingest_listeners`, shown by `status`) what
+    /// Take the peers' shares of the spool ([`super::shares`]), and record
+    /// in `agent_state` (`ingest_listeners`, shown by `status`) what
     /// the ingest socket listens on; "off" replaces an earlier entry. A
     /// socket another process holds becomes an `_agent` event and a health
+    /// reason for the run; a TCP address that could not be bound, a health
     /// reason for the run.
     pub(in crate::agent) fn note_socket_ingest(&mut self, s: &crate::ingest::SocketIngest) {
+        self.take_shares(s.shares());
         let now = crate::event::envelope::wall_clock_ms().0;
         if let Some(why) = s.conflict() {
             self.agent_event("ingest_socket_taken", &why);
             self.health.socket_taken = Some(why);
+        }
+        if let Some(why) = s.tcp_down() {
+            self.health.listeners_down.push(why);
         }
         let spool = self.store.conn(Durability::Batched);
         let had = spool
@@ -217,10 +236,12 @@ impl Writer {
             oldest_awaiting_secs: oldest.map_or(0.0, |d| d.as_secs_f64()),
             received: load(&s.receipts),
             unmatched_ids: load(&s.receipt_unmatched),
-            malformed: load(&s.receipts_malformed),
+            refused: s.receipts_refused.by_reason(),
+            wrong_digest: load(&s.receipt_wrong_digest),
             resent: load(&s.resent_for_receipt),
             dropped: self.peers.link.health_facts().receipts_dropped,
             unavailable: load(&s.receipts_unavailable) == 1,
+            timeout_secs: self.conf.cfg.mqtt.receipt_timeout.as_secs_f64(),
         })
     }
 }

@@ -3,11 +3,14 @@
 //! logged once per reason and recorded for `status` when it changes.
 //!
 //! One rule: a degraded state names its reasons; health rides a commit
-//! with the agent state ([`super::riding`]): a change of reasons presses
-//! for one (at most once a state period), never each pass.
+//! with the agent state ([`super::riding`]): a change of state or reasons
+//! presses for one (at most once a state period), never each pass. The
+//! first record is judged before the loop's first pass and rides the first
+//! commit, so `status` does not show the last run's health for this one
+//! once anything committed.
 
 use super::Writer;
-use crate::agent::health::{assess, grace, Facts};
+use crate::agent::health::{assess, grace, Facts, State};
 use crate::event::envelope::wall_clock_ms;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -20,6 +23,8 @@ fn without_digits(s: &str) -> String {
 /// What the writer keeps about health ([`self`]).
 #[derive(Debug)]
 pub(super) struct HealthRecord {
+    /// The state last judged (the gauge shows it).
+    state: State,
     /// The reasons last stored (without figures), so health is written when
     /// they change or at the summary interval, not each pass.
     kinds: Vec<String>,
@@ -32,50 +37,77 @@ pub(super) struct HealthRecord {
     /// Another process listens on `ingest.socket` (the agent runs without
     /// it): a reason for the whole run.
     pub(super) socket_taken: Option<String>,
+    /// Configured listeners that could not bind: reasons for the whole run.
+    pub(super) listeners_down: Vec<String>,
+    /// What the spool lost at start: a reason for the whole run.
+    pub(super) spool_lost: Option<String>,
+    /// Receipts refused, over the last ten minutes.
+    refused_receipts: crate::agent::health::RecentGrowth,
 }
 
 impl HealthRecord {
     /// No record yet, at wall clock `wall_ms`.
     pub(super) fn new(wall_ms: i64) -> HealthRecord {
         HealthRecord {
+            state: State::Starting,
             kinds: Vec::new(),
             stored_at: None,
             record: None,
             since: wall_ms,
             socket_taken: None,
+            listeners_down: Vec::new(),
+            spool_lost: None,
+            refused_receipts: crate::agent::health::RecentGrowth::new(
+                crate::agent::health::REFUSED_WINDOW,
+            ),
         }
     }
 
-    /// Judge `reasons` (empty: ok) at wall clock `wall_ms`: each reason is
-    /// logged once when it appears (by its wording without figures), and
-    /// again only after it went away. Returns the record to store when its
-    /// reasons changed or none was stored yet; the record is kept for the
-    /// summary either way.
-    pub(super) fn judge(&mut self, reasons: &[String], wall_ms: i64) -> Option<String> {
+    /// The state last judged ([`State::Starting`] before the first).
+    pub(super) fn state(&self) -> State {
+        self.state
+    }
+
+    /// Judge `state` and its `reasons` (empty unless degraded) at wall
+    /// clock `wall_ms`: each reason is logged once when it appears (by its
+    /// wording without figures), and again only after it went away. Returns
+    /// the record to store when the state or the reasons changed or none was
+    /// stored yet; the record is kept for the summary either way.
+    pub(super) fn judge(
+        &mut self,
+        state: State,
+        reasons: &[String],
+        wall_ms: i64,
+    ) -> Option<String> {
         let kinds: Vec<String> = reasons.iter().map(|r| without_digits(r)).collect();
         for (reason, kind) in reasons.iter().zip(&kinds) {
             if !self.kinds.contains(kind) {
                 log::warn!("health degraded: {reason}");
             }
         }
-        if reasons.is_empty() && !self.kinds.is_empty() {
-            log::info!("health ok again");
+        if state == State::Ok && self.state != State::Ok {
+            log::info!(
+                "health ok{}",
+                if self.kinds.is_empty() { "" } else { " again" }
+            );
         }
-        if kinds != self.kinds {
+        let changed = kinds != self.kinds || state != self.state;
+        if changed {
             self.since = wall_ms;
         }
         let record = serde_json::json!({
-            "state": if reasons.is_empty() { "ok" } else { "degraded" },
+            "state": state.name(),
             "reasons": reasons,
             "since_ms": self.since,
         })
         .to_string();
-        // Stored when the reasons change; the summary refreshes it once an
-        // interval in its own transaction (issue 23: agent state is written
-        // only when it changes and at the summary interval).
-        let changed = self.kinds != kinds || self.stored_at.is_none();
+        // Stored when the state or the reasons change; the summary refreshes
+        // it once an interval in its own transaction (issue 23: agent state
+        // is written only when it changes and at the summary interval).
+        let store = changed || self.stored_at.is_none();
         self.record = Some(record.clone());
-        if !changed {
+        self.state = state;
+        if !store {
             return None;
         }
         self.kinds = kinds;
@@ -110,9 +142,12 @@ impl Writer {
         } else {
             None
         };
+        let receipts_refused = self.refused_receipts();
         let cfg = &self.conf.cfg;
+        let (connacks, _) = self.peers.link.connection_counts();
         let facts = Facts {
             connected: link.connected,
+            ever_connected: connacks > 0,
             state_for: link.state_for,
             last_error: link.last_error,
             broker: format!("{}:{}", cfg.mqtt.host, cfg.mqtt.port),
@@ -122,6 +157,7 @@ impl Writer {
             commands_unavailable: link.commands_unavailable,
             failed_rows: self.store.spool().failed_count().unwrap_or(0),
             deferred: self.peers.delivery_stats.deferred.load(Ordering::Relaxed),
+            deferred_why: self.peers.delivery_stats.deferred_why(),
             checkpoint_blocked: self.upkeep.checkpoint_blocked(),
             dropping,
             config_fallback: self.conf.source.fallback.is_some(),
@@ -129,8 +165,11 @@ impl Writer {
             awaiting_receipt: self.awaiting_receipt(),
             receipt_timeout: (cfg.mqtt.retire_on == crate::mqtt::RetireOn::Receipt)
                 .then_some(cfg.mqtt.receipt_timeout),
+            receipts_refused,
             ingest_socket_taken: self.health.socket_taken.clone(),
             write_budget: self.upkeep.budget_verdict().reason(),
+            listeners_down: self.health.listeners_down.clone(),
+            spool_lost: self.health.spool_lost.clone(),
         };
         // Judged once a pass: a pass early, so `degraded` is recorded within
         // the bound, not up to a pass after it.
@@ -142,10 +181,27 @@ impl Writer {
                 .link
                 .set_status(device, &self.conf.config_sha, backlog);
         }
-        let Some(record) = self.health.judge(&health.reasons, wall_clock_ms().0) else {
+        let Some(record) = self
+            .health
+            .judge(health.state, &health.reasons, wall_clock_ms().0)
+        else {
             return;
         };
         self.riding.set_state("health", record, true);
+    }
+
+    /// Receipts refused in the last ten minutes, and all refusals by
+    /// reason (`unsigned 3, bad_signature 1`).
+    fn refused_receipts(&mut self) -> (u64, String) {
+        let by = self.peers.delivery_stats.receipts_refused.by_reason();
+        let total = by.iter().map(|(_, n)| n).sum();
+        let recent = self.health.refused_receipts.observe(Instant::now(), total);
+        let named: Vec<String> = by
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        (recent, named.join(", "))
     }
 
     /// Rows waiting for their receipt and the oldest one's wait.
@@ -170,7 +226,9 @@ impl Writer {
             "oldest_awaiting_ms": oldest.map(|d| d.as_millis() as u64),
             "received": load(&s.receipts),
             "unmatched_ids": load(&s.receipt_unmatched),
-            "malformed": load(&s.receipts_malformed),
+            "malformed": s.receipts_refused.malformed.load(Ordering::Relaxed),
+            "refused": s.receipts_refused.by_reason().iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
+            "wrong_digest": load(&s.receipt_wrong_digest),
             "resent": load(&s.resent_for_receipt),
             "dropped": self.peers.link.health_facts().receipts_dropped,
             "last_receipt_ms": (last > 0).then_some(last),
@@ -192,27 +250,43 @@ mod tests {
     fn health_is_stored_when_its_reasons_change_not_at_every_pass() {
         let mut h = HealthRecord::new(1_000);
         // Nothing stored yet: the first record is.
-        let first = h.judge(&[], 2_000).expect("the first record is stored");
-        assert!(first.contains("\"ok\""), "{first}");
+        let first = h
+            .judge(State::Starting, &[], 1_500)
+            .expect("the first record is stored");
+        assert!(first.contains("\"starting\""), "{first}");
         h.stored(Instant::now());
-        assert_eq!(h.judge(&[], 3_000), None, "unchanged: kept for the summary");
+        let ok = h
+            .judge(State::Ok, &[], 2_000)
+            .expect("the first CONNACK is stored");
+        assert!(ok.contains("\"ok\""), "{ok}");
+        h.stored(Instant::now());
+        assert_eq!(
+            h.judge(State::Ok, &[], 3_000),
+            None,
+            "unchanged: kept for the summary"
+        );
         let degraded = h
-            .judge(&reasons(&["no PUBACK for 31 s"]), 4_000)
+            .judge(State::Degraded, &reasons(&["no PUBACK for 31 s"]), 4_000)
             .expect("a new reason is stored");
         assert!(degraded.contains("\"since_ms\":4000"), "{degraded}");
         h.stored(Instant::now());
         // The same reason with other figures is no change.
-        assert_eq!(h.judge(&reasons(&["no PUBACK for 45 s"]), 5_000), None);
+        assert_eq!(
+            h.judge(State::Degraded, &reasons(&["no PUBACK for 45 s"]), 5_000),
+            None
+        );
         assert!(h.record().is_some_and(|r| r.contains("45 s")));
-        let ok = h.judge(&[], 6_000).expect("ok again is stored");
+        let ok = h.judge(State::Ok, &[], 6_000).expect("ok again is stored");
         assert!(ok.contains("\"since_ms\":6000"), "{ok}");
+        assert_eq!(h.state(), State::Ok);
     }
 
     #[test]
     fn a_record_that_did_not_reach_the_spool_is_stored_at_the_next_pass() {
         let mut h = HealthRecord::new(0);
-        assert!(h.judge(&reasons(&["disk full"]), 1).is_some());
+        let full = reasons(&["disk full"]);
+        assert!(h.judge(State::Degraded, &full, 1).is_some());
         // Not stored (the spool refused it): the next pass tries again.
-        assert!(h.judge(&reasons(&["disk full"]), 2).is_some());
+        assert!(h.judge(State::Degraded, &full, 2).is_some());
     }
 }

@@ -10,8 +10,9 @@
 //! that decide when to commit, to run upkeep and to summarise
 //! ([`schedule`]), the config in force and its pushes ([`control`]), health
 //! ([`health_record`]), metrics ([`figures`]), the outage budget
-//! ([`outage`]), the summary line ([`summary`]), what rides the commits
-//! (counters, delivery records, agent state: [`riding`]). The storage upkeep is
+//! ([`outage`]), local input's shares of the spool ([`shares`]), the
+//! summary line ([`summary`]), what rides the commits (counters, delivery
+//! records, agent state: [`riding`]). The storage upkeep is
 //! [`crate::flash::upkeep::Upkeep`]'s.
 //!
 //! Its one rule: **a reading is reported stored only after the transaction
@@ -27,6 +28,7 @@ mod health_record;
 mod outage;
 mod riding;
 mod schedule;
+mod shares;
 mod summary;
 
 pub(super) use control::config_identity;
@@ -71,6 +73,8 @@ pub(super) struct Parts {
     pub(super) sampler: Sender<SamplerUpdate>,
     pub(super) socket_counts: Option<Arc<crate::ingest::Counters>>,
     pub(super) tuning: Option<crate::flash::probe::Profile>,
+    /// What opening the spool found lost ([`crate::spool::integrity::Opened::lost`]).
+    pub(super) spool_lost: Option<String>,
 }
 
 /// The threads the writer talks to.
@@ -89,6 +93,8 @@ struct Peers {
     commands_clock: Option<crate::commands::retention::AgentClock>,
     /// The ingest socket's counters, moved into the spool's at each summary.
     socket_counts: Option<Arc<crate::ingest::Counters>>,
+    /// Local input's shares of the spool (the socket's peers, the bridges).
+    shares: Option<Arc<crate::intake::share::Shares>>,
 }
 
 /// This run: its record in the spool, systemd, and how it ends.
@@ -127,12 +133,14 @@ impl Writer {
         let ids = EventIdGen::new()
             .map_err(|e| AgentError::Setup(format!("OS random source failed: {e}")))?;
         let backoff = super::startup::storage_backoff(p.tuning.as_ref());
+        let mut health = health_record::HealthRecord::new(wall_clock_ms().0);
+        health.spool_lost = p.spool_lost;
         Ok(Writer {
             buffer: buffer::Buffer::new(p.cfg.ingest.max_buffered_bytes),
             store: commit::Store::new(p.spool, p.full_spool, ids, backoff),
             conf: control::Conf::new(p.cfg, p.source, p.push, p.tuning.map(|t| t.derived)),
             upkeep: p.upkeep,
-            health: health_record::HealthRecord::new(wall_clock_ms().0),
+            health,
             metrics: Default::default(),
             outage: Default::default(),
             riding: Default::default(),
@@ -145,6 +153,7 @@ impl Writer {
                 ledger: p.ledger,
                 commands_clock: p.commands_clock,
                 socket_counts: p.socket_counts,
+                shares: None,
             },
             run: RunRecord {
                 id: p.run_id,
@@ -193,6 +202,9 @@ impl Writer {
     ) {
         let summary_every = self.conf.cfg.agent.summary_interval;
         let mut at = Deadlines::new(Instant::now(), self.upkeep.period(), summary_every);
+        // Health from the first second (`starting`, or a listener that did
+        // not bind), not the last run's record until the first pass.
+        self.record_health();
         while !stop.load(Ordering::Relaxed) {
             self.run.heartbeat.beat();
             // A full-durability commit that failed retries soon; a pushed
@@ -266,6 +278,7 @@ impl Writer {
             &load,
         );
         if pass.fatal.is_none() {
+            self.refresh_shares();
             self.record_health();
             self.sample_outage();
         }
@@ -273,8 +286,12 @@ impl Writer {
     }
 
     /// Take a reading into the buffer of its stream's durability, or refuse
-    /// it when the buffer is at its bound ([`buffer::Buffer::push`]).
+    /// it when the buffer is at its bound ([`buffer::Buffer::push`]) or a
+    /// bridge's reading past its share of the spool ([`shares`]).
     fn push(&mut self, ev: NewEvent) {
+        if !self.bridge_admits(&ev) {
+            return;
+        }
         let durability = self.conf.cfg.stream_durability(&ev.stream);
         if !self.buffer.push(ev, durability) {
             self.metrics.dropped += 1;
@@ -362,6 +379,11 @@ impl Writer {
         let appended = w.store.appended();
         let path = w.conf.cfg.spool.path.clone();
         drop(w);
+        if settled {
+            // Every commit of this run is in the file now: the file alone
+            // is the whole spool.
+            crate::spool::integrity::run_marker::remove(&path);
+        }
         if settled && lost == 0 {
             // The next start can trust this file without reading all of it.
             crate::spool::integrity::write_stamp(&path);

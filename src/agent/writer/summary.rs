@@ -36,6 +36,9 @@ impl Writer {
         if let Some(h) = self.health.record() {
             states.push(("health", h.to_owned()));
         }
+        if let Some(s) = self.shares_state() {
+            states.push(("ingest_shares", s));
+        }
         if let Some(clock) = &self.peers.commands_clock {
             // The command records' clock goes on from here after a crash.
             states.push((

@@ -4,6 +4,8 @@
 //! longer than one query**, so it is safe beside a running agent (F01).
 
 mod outage;
+mod state;
+mod units;
 mod write_budget;
 
 use crate::spool::{FailedRow, RunRecord, Spool, Stats};
@@ -25,8 +27,11 @@ pub struct Report {
     pub commands: crate::commands::store::CommandStats,
     /// The newest FAILED rows (at most 10) and why.
     pub failed: Vec<FailedRow>,
-    /// The pid holding the spool's lock (a running agent), if any.
-    pub running_pid: Option<String>,
+    /// Whether a process (a running agent) holds the spool's lock now.
+    pub running: bool,
+    /// That process's pid, from the lock file: `None` when none runs, or
+    /// while a starting agent has yet to write it.
+    pub running_pid: Option<u32>,
     /// Backlog, oldest unacknowledged age and priority per stream (empty
     /// for a spool older than schema 8).
     pub streams: Vec<crate::spool::priority::StreamBacklog>,
@@ -60,6 +65,7 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
     } else {
         Vec::new()
     };
+    let holder = crate::os::fsguard::holder(path);
     let mut totals: Vec<(String, i64)> = Vec::new();
     for state in ["PENDING", "SENT", "ACKED", "FAILED"] {
         let n = stats
@@ -82,7 +88,8 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         } else {
             Vec::new()
         },
-        running_pid: crate::os::fsguard::holder(path),
+        running: holder.is_some(),
+        running_pid: holder.and_then(|pid| pid.parse().ok()),
         streams: if version >= 8 {
             spool.backlog_by_stream(now_ms).map_err(|e| e.to_string())?
         } else {
@@ -91,111 +98,29 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
     })
 }
 
-fn fmt_ms(ms: i64) -> String {
-    let secs = ms / 1000;
-    format!(
-        "{}d{:02}h{:02}m{:02}s",
-        secs / 86400,
-        secs / 3600 % 24,
-        secs / 60 % 60,
-        secs % 60
-    )
-}
+/// `agent_state` keys whose values are text, never parsed as JSON (a
+/// device id `123 (from the config)` is not a number).
+const TEXT_STATE: &[&str] = &["device_id", "ingest_listeners"];
 
-/// A stored replay position as `trace T, lap L, line N` (the stored text
-/// itself if it does not parse).
-fn replay_line(stored: &str) -> String {
-    match serde_json::from_str::<crate::event::reading::ReplayPosition>(stored) {
-        Ok(p) => format!("trace {}, lap {}, line {}", p.trace_id, p.lap, p.line),
-        Err(_) => stored.to_owned(),
-    }
-}
-
-/// The health record as one line: `ok` or `degraded: <reason>; <reason>`
-/// (an agent before schema 5 stored the line itself).
-fn health_line(stored: &str) -> String {
-    match serde_json::from_str::<serde_json::Value>(stored) {
-        Ok(v) if v["state"] == "ok" => "ok".to_owned(),
-        Ok(v) if v["state"] == "degraded" => {
-            let reasons: Vec<&str> = v["reasons"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|r| r.as_str()).collect())
-                .unwrap_or_default();
-            format!("degraded: {}", reasons.join("; "))
-        }
-        _ => stored.to_owned(),
-    }
-}
-
-/// The receipts record (receipt mode) as one line: rows delivered to the
-/// broker and not yet stored at the fleet, the oldest one's wait, and what
-/// receipts did.
-fn receipts_line(stored: &str) -> String {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(stored) else {
-        return stored.to_owned();
-    };
-    let n = |k: &str| v[k].as_u64().unwrap_or(0);
-    let oldest = v["oldest_awaiting_ms"]
-        .as_i64()
-        .map_or(String::new(), |ms| format!(" (oldest {} ago)", fmt_ms(ms)));
-    let unavailable = if v["unavailable"].as_bool() == Some(true) {
-        "; UNAVAILABLE: the broker refuses the receipts subscription, rows retire on their PUBACK"
-    } else {
-        ""
-    };
-    format!(
-        "{} rows delivered, not yet stored{oldest}; {} receipts received, {} ids matched no waiting row, {} malformed, {} rows sent again for a missing receipt, {} receipts dropped unread (queue full){unavailable}",
-        n("awaiting"),
-        n("received"),
-        n("unmatched_ids"),
-        n("malformed"),
-        n("resent"),
-        n("dropped"),
-    )
-}
-
-/// The latency record (`{"puback": {...}, "commit": {...}}`, each with
-/// `count`, `p50_seconds`, `p99_seconds`, `max_seconds`) as one line:
-/// `PUBACK p50 12.0 ms, p99 40.0 ms, max 81.2 ms (n=1200); commit ...`.
-/// The quantiles are estimates from the histogram's buckets.
-fn latency_line(stored: &str) -> String {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(stored) else {
-        return stored.to_owned();
-    };
-    let ms = |x: &serde_json::Value| {
-        x.as_f64()
-            .map_or("-".to_owned(), |s| format!("{:.1} ms", s * 1000.0))
-    };
-    let part = |label: &str, h: &serde_json::Value| match h["count"].as_u64() {
-        Some(n) if n > 0 => format!(
-            "{label} p50 {}, p99 {}, max {} (n={n})",
-            ms(&h["p50_seconds"]),
-            ms(&h["p99_seconds"]),
-            ms(&h["max_seconds"])
-        ),
-        _ => format!("{label} none yet"),
-    };
-    format!(
-        "{}; {}",
-        part("PUBACK", &v["puback"]),
-        part("commit", &v["commit"])
-    )
-}
-
-/// `r` as JSON for machines: health as `{"state", "reasons", "since_ms"}`,
-/// counts as objects (`totals` by state, `rows` by stream then state,
-/// `counters` by name), each `agent_state` entry as `{"value",
-/// "updated_ms"}` with its value parsed when it is JSON; `outage_budget`
-/// is that entry of `agent_state` again (null before an agent stored one;
-/// fields in docs/operations.md, "Outage budget").
+/// `r` as JSON for machines, every value typed (numbers as numbers, never
+/// as text): `running` (bool) and `running_pid` (number, or null when no
+/// agent runs or its pid is not written yet), health as `{"state",
+/// "reasons", "since_ms"}`, counts as objects (`totals` by state, `rows` by
+/// stream then state, `counters` by name, `commands.by_state`), each
+/// `agent_state` entry as `{"value", "updated_ms"}` with its value parsed
+/// when it is JSON (the text records [`TEXT_STATE`] stay strings);
+/// `outage_budget` is that entry of `agent_state` again (null before an
+/// agent stored one; fields in docs/operations.md, "Outage budget").
 pub fn to_json(r: &Report) -> serde_json::Value {
     use serde_json::{json, Map, Value};
-    let parse =
-        |v: &str| serde_json::from_str::<Value>(v).unwrap_or_else(|_| Value::String(v.into()));
+    let parse = |k: &str, v: &str| match TEXT_STATE.contains(&k) {
+        true => Value::String(v.into()),
+        false => serde_json::from_str::<Value>(v).unwrap_or_else(|_| Value::String(v.into())),
+    };
     let mut state = Map::new();
     let mut health = json!({"state": "unknown", "reasons": [], "since_ms": null});
     for (k, v, at) in &r.agent_state {
-        let value = parse(v);
+        let value = parse(k, v);
         if k == "health" {
             health = match &value {
                 Value::Object(_) => value.clone(),
@@ -221,6 +146,7 @@ pub fn to_json(r: &Report) -> serde_json::Value {
     };
     json!({
         "spool": r.spool,
+        "running": r.running,
         "running_pid": r.running_pid,
         "health": health,
         "totals": obj(&r.totals),
@@ -233,128 +159,245 @@ pub fn to_json(r: &Report) -> serde_json::Value {
         "failed": r.failed,
         "outage_budget": state.get("outage_budget").cloned().unwrap_or(Value::Null),
         "agent_state": state,
-        "commands": r.commands,
+        "commands": {
+            "by_state": obj(&r.commands.by_state),
+            "duplicates": r.commands.duplicates,
+            "mean_duration_ms": r.commands.mean_duration_ms,
+        },
         "runs": r.runs,
     })
 }
 
-/// Human-readable form of `r`.
+/// Human-readable form of `r`, seen at `now_ms`: the spool, whether an
+/// agent runs and its health at the top; then what the agent recorded, one
+/// labelled line each ([`state`]); rows, sizes and streams; counters, FAILED
+/// rows, commands and the last runs. Every figure has its unit.
 pub fn render(r: &Report, now_ms: i64) -> String {
-    let mut o = String::new();
-    o.push_str(&format!("spool: {}\n", r.spool));
-    for (k, v, at) in &r.agent_state {
-        if k == "outage_budget" {
-            o.push_str(&outage::render(v, *at, now_ms));
-            continue;
-        }
-        let v = match k.as_str() {
-            "health" => health_line(v),
-            "latency" => latency_line(v),
-            "write_budget" => write_budget::line(v),
-            "receipts" => receipts_line(v),
-            k if k.starts_with("replay_position.") => replay_line(v),
-            _ => v.clone(),
-        };
-        o.push_str(&format!("{k}: {v} ({} ago)\n", fmt_ms(now_ms - at)));
+    let get = |k: &str| {
+        r.agent_state
+            .iter()
+            .find(|(key, _, _)| key == k)
+            .map(|(_, v, at)| (v.as_str(), *at))
+    };
+    let mut o = format!("spool: {}\n", r.spool);
+    o.push_str(&agent_line(r, now_ms));
+    o.push_str(&state::health(get("health"), now_ms, r.running));
+    o.push_str(&state::device(get("device_id").map(|(v, _)| v)));
+    let recorded = state::recorded(&r.agent_state, now_ms);
+    if !recorded.is_empty() {
+        o.push('\n');
+        o.push_str(&recorded);
     }
+    o.push('\n');
+    o.push_str(&rows_block(r));
+    o.push_str(&counters_block(r));
+    o.push_str(&failed_block(r, now_ms));
+    o.push_str(&commands_line(r));
+    o.push('\n');
+    o.push_str(&runs_block(r, now_ms));
+    o
+}
+
+/// `agent: running (pid 4242), up 2 h 10 min`, or not running and how the
+/// last run ended.
+fn agent_line(r: &Report, now_ms: i64) -> String {
+    let pid = r
+        .running_pid
+        .map_or("unknown".to_owned(), |p| p.to_string());
+    match (r.running, r.runs.first()) {
+        (true, Some(run)) if run.ended_ms.is_none() && run.exit_status.is_none() => format!(
+            "agent: running (pid {pid}), up {} (run #{}, v{})\n",
+            units::duration_ms(now_ms - run.started_ms),
+            run.id,
+            run.version
+        ),
+        (true, _) => format!("agent: running (pid {pid})\n"),
+        (false, None) => "agent: not running (no run recorded)\n".to_owned(),
+        (false, Some(run)) => format!(
+            "agent: not running; last run #{} {}\n",
+            run.id,
+            match (run.ended_ms, run.exit_status.as_deref()) {
+                (Some(e), Some(st)) => format!("ended {} (status {st})", units::ago(e, now_ms)),
+                _ => format!(
+                    "started {} and ended without a clean stop",
+                    units::ago(run.started_ms, now_ms)
+                ),
+            }
+        ),
+    }
+}
+
+/// Rows by state, the oldest waiting row, the file sizes, and each stream.
+fn rows_block(r: &Report) -> String {
+    let total = |st: &str| {
+        r.totals
+            .iter()
+            .find(|(s, _)| s == st)
+            .map_or(0, |(_, n)| *n)
+    };
+    let (pending, sent) = (total("PENDING"), total("SENT"));
+    let oldest = r.stats.oldest_unacked_age_ms.map_or(String::new(), |a| {
+        format!(
+            "; the oldest waiting was appended {} ago",
+            units::duration_ms(a)
+        )
+    });
+    let mut o = format!(
+        "rows: {} waiting ({} PENDING, {} SENT), {} ACKED, {} FAILED{oldest}\n",
+        units::count(pending + sent),
+        units::count(pending),
+        units::count(sent),
+        units::count(total("ACKED")),
+        units::count(total("FAILED")),
+    );
     o.push_str(&format!(
-        "size: db {} bytes, wal {} bytes\n",
-        r.stats.db_bytes, r.stats.wal_bytes
+        "size: database {}, WAL {}\n",
+        units::size(r.stats.db_bytes),
+        units::size(r.stats.wal_bytes)
     ));
-    let t: Vec<String> = r.totals.iter().map(|(s, n)| format!("{s}={n}")).collect();
-    o.push_str(&format!("rows: {}\n", t.join(" ")));
-    match r.stats.oldest_unacked_age_ms {
-        Some(a) => o.push_str(&format!("oldest unacknowledged: {} old\n", fmt_ms(a))),
-        None => o.push_str("oldest unacknowledged: none\n"),
-    }
-    o.push_str("by stream:\n");
-    for (stream, state, n) in &r.stats.by_stream_state {
-        o.push_str(&format!("  {stream:<24} {state:<8} {n}\n"));
-    }
-    if !r.streams.is_empty() {
-        o.push_str("backlog by stream (delivered highest priority first):\n");
-        for b in &r.streams {
-            let age = b
-                .oldest_unacked_age_ms
-                .map_or_else(|| "-".to_owned(), |a| format!("oldest {} old", fmt_ms(a)));
-            o.push_str(&format!(
-                "  {:<24} priority {:<3} backlog {:<8} {age}\n",
-                b.stream, b.priority, b.rows
-            ));
+    o.push_str(&streams_block(r));
+    o
+}
+
+/// One line per stream: its priority and waiting rows (when the spool
+/// records them), its rows by state.
+fn streams_block(r: &Report) -> String {
+    let by_state = |stream: &str| {
+        let parts: Vec<String> = r
+            .stats
+            .by_stream_state
+            .iter()
+            .filter(|(s, _, n)| s == stream && *n > 0)
+            .map(|(_, st, n)| format!("{} {st}", units::count(*n)))
+            .collect();
+        if parts.is_empty() {
+            "no rows".to_owned()
+        } else {
+            parts.join(", ")
         }
-    }
-    if !r.stats.counters.is_empty() {
-        o.push_str("counters:\n");
-        for (k, v) in &r.stats.counters {
-            o.push_str(&format!("  {k:<32} {v}\n"));
+    };
+    let mut o = String::new();
+    if r.streams.is_empty() {
+        // A spool older than schema 8: no priorities, states only.
+        let mut names: Vec<&str> = r
+            .stats
+            .by_stream_state
+            .iter()
+            .map(|(s, _, _)| s.as_str())
+            .collect();
+        names.dedup();
+        if !names.is_empty() {
+            o.push_str("streams:\n");
         }
-    }
-    if !r.failed.is_empty() {
-        o.push_str("failed rows (newest first; the requeue-failed command sends them again):\n");
-        for f in &r.failed {
-            o.push_str(&format!(
-                "  #{} {} {} ({} ago): {}\n",
-                f.id,
-                f.stream,
-                f.event_id,
-                fmt_ms(now_ms - f.failed_ms),
-                f.reason
-            ));
+        for name in names {
+            o.push_str(&format!("  {name:<24} {}\n", by_state(name)));
         }
+        return o;
     }
+    o.push_str("streams (delivered highest priority first):\n");
+    for b in &r.streams {
+        let oldest = b.oldest_unacked_age_ms.map_or(String::new(), |a| {
+            format!(", oldest {}", units::duration_ms(a))
+        });
+        o.push_str(&format!(
+            "  {:<24} priority {:<3} {} waiting{oldest}; {}\n",
+            b.stream,
+            b.priority,
+            units::thousands(b.rows),
+            by_state(&b.stream)
+        ));
+    }
+    o
+}
+
+/// The spool's counters (kept across restarts), one a line.
+fn counters_block(r: &Report) -> String {
+    if r.stats.counters.is_empty() {
+        return String::new();
+    }
+    let mut o = "counters (kept across restarts):\n".to_owned();
+    for (k, v) in &r.stats.counters {
+        o.push_str(&format!("  {k:<32} {}\n", units::count(*v)));
+    }
+    o
+}
+
+/// The newest FAILED rows and why.
+fn failed_block(r: &Report, now_ms: i64) -> String {
+    if r.failed.is_empty() {
+        return String::new();
+    }
+    let mut o =
+        "failed rows (newest first; the requeue-failed command sends them again):\n".to_owned();
+    for f in &r.failed {
+        o.push_str(&format!(
+            "  #{} {} {} ({}): {}\n",
+            f.id,
+            f.stream,
+            f.event_id,
+            units::ago(f.failed_ms, now_ms),
+            f.reason
+        ));
+    }
+    o
+}
+
+/// Command records by state and what the command thread counted.
+fn commands_line(r: &Report) -> String {
     let c = &r.commands;
-    let by: Vec<String> = c.by_state.iter().map(|(s, n)| format!("{s}={n}")).collect();
+    let by: Vec<String> = c
+        .by_state
+        .iter()
+        .map(|(s, n)| format!("{} {s}", units::count(*n)))
+        .collect();
     let counter = |name: &str| {
         r.stats
             .counters
             .iter()
             .find(|(k, _)| k == name)
-            .map(|(_, v)| *v)
-            .unwrap_or(0)
+            .map_or(0, |(_, v)| *v)
     };
-    o.push_str(&format!(
-        "commands: {} | duplicates answered {} | conflicts {} | malformed {} | unanswered {} | mean duration {}\n",
-        if by.is_empty() {
-            "none".to_owned()
-        } else {
-            by.join(" ")
-        },
-        c.duplicates,
-        counter("commands_conflicts"),
-        counter("commands_malformed"),
-        counter("commands_unanswered"),
+    format!(
+        "commands: {}; {} duplicates answered, {} conflicts, {} malformed, {} unanswered; mean duration {}\n",
+        if by.is_empty() { "none recorded".to_owned() } else { by.join(", ") },
+        units::count(c.duplicates),
+        units::count(counter("commands_conflicts")),
+        units::count(counter("commands_malformed")),
+        units::count(counter("commands_unanswered")),
         c.mean_duration_ms
-            .map(|m| format!("{m:.0} ms"))
-            .unwrap_or_else(|| "-".into())
-    ));
-    o.push_str("runs (newest first):\n");
-    match &r.running_pid {
-        Some(pid) => o.push_str(&format!("agent: running (pid {pid})\n")),
-        None => o.push_str("agent: not running\n"),
-    }
+            .map_or_else(|| "-".into(), |m| units::duration_ms(m.round() as i64))
+    )
+}
+
+/// The last runs, newest first: when each started, how long it ran or runs,
+/// how it ended.
+fn runs_block(r: &Report, now_ms: i64) -> String {
+    let mut o = "runs (newest first):\n".to_owned();
     for (i, run) in r.runs.iter().enumerate() {
         let end = match run.ended_ms {
-            Some(e) => format!("ran {}", fmt_ms(e - run.started_ms)),
-            None if run.exit_status.is_none() && i == 0 && r.running_pid.is_some() => {
-                format!("running for {}", fmt_ms(now_ms - run.started_ms))
+            Some(e) => format!("ran {}", units::duration_ms(e - run.started_ms)),
+            None if run.exit_status.is_none() && i == 0 && r.running => {
+                format!(
+                    "running for {}",
+                    units::duration_ms(now_ms - run.started_ms)
+                )
             }
             None if run.exit_status.is_none() => {
                 "ended without a clean stop (killed or power cut)".into()
             }
             None => "end unknown".into(),
         };
+        let status = match (&run.exit_status, &run.error) {
+            (Some(st), Some(e)) => format!(", status {st}: {e}"),
+            (Some(st), None) => format!(", status {st}"),
+            (None, _) => String::new(),
+        };
         o.push_str(&format!(
-            "  #{} pid {} v{} started {} ago, {}, status {}{}\n",
+            "  #{} pid {} v{}, started {}, {end}{status}\n",
             run.id,
             run.pid,
             run.version,
-            fmt_ms(now_ms - run.started_ms),
-            end,
-            run.exit_status.as_deref().unwrap_or("-"),
-            run.error
-                .as_deref()
-                .map(|e| format!(": {e}"))
-                .unwrap_or_default()
+            units::ago(run.started_ms, now_ms),
         ));
     }
     o
@@ -363,47 +406,207 @@ pub fn render(r: &Report, now_ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spool::priority::StreamBacklog;
 
-    #[test]
-    fn the_latency_record_reads_as_p50_p99_and_max_in_ms() {
-        let mut h = crate::metrics::Histogram::new();
-        h.observe(std::time::Duration::from_millis(4));
-        let rec = serde_json::json!({
-            "puback": h.summary_json(),
-            "commit": crate::metrics::Histogram::new().summary_json(),
-        });
-        let line = latency_line(&rec.to_string());
-        assert!(line.starts_with("PUBACK p50 "), "{line}");
-        assert!(line.contains("max 4.0 ms (n=1)"), "{line}");
-        assert!(line.ends_with("commit none yet"), "{line}");
-        assert_eq!(latency_line("not json"), "not json");
+    const NOW: i64 = 1_700_000_000_000;
+
+    /// A running agent's spool as `report` would read it, with every
+    /// record an agent of this build stores.
+    fn running() -> Report {
+        let state = |k: &str, v: serde_json::Value, ago_ms: i64| match v {
+            serde_json::Value::String(s) => (k.to_owned(), s, NOW - ago_ms),
+            v => (k.to_owned(), v.to_string(), NOW - ago_ms),
+        };
+        let profile = crate::flash::probe::Profile {
+            device: 65024,
+            fs_type: 61267,
+            measured_at_ms: NOW - 7_800_000,
+            measurements: crate::flash::probe::Measurements {
+                fsync_p50_us: 3258,
+                fsync_p99_us: 10985,
+                fsync_max_us: 10985,
+                write_bytes_per_sec: 221_801_472,
+                fs_free_bytes: 54_889_639_936,
+                samples: 32,
+            },
+            derived: crate::flash::probe::Derived {
+                commit_window_ms: 110,
+                checkpoint_wal_bytes: 4 << 20,
+                retry_min_ms: 22,
+                retry_max_ms: 1100,
+                max_spool_bytes: 27_444_819_968,
+            },
+        };
+        Report {
+            spool: "/var/lib/edgespool/spool.db".into(),
+            stats: Stats {
+                by_stream_state: vec![
+                    ("pump".into(), "ACKED".into(), 12_000),
+                    ("pump".into(), "PENDING".into(), 20),
+                ],
+                oldest_unacked_age_ms: Some(185_000),
+                wal_bytes: 4 << 20,
+                db_bytes: 106_496,
+                counters: vec![("commands_duplicates".into(), 3)],
+            },
+            totals: vec![
+                ("PENDING".into(), 20),
+                ("SENT".into(), 0),
+                ("ACKED".into(), 12_000),
+                ("FAILED".into(), 0),
+            ],
+            runs: vec![RunRecord {
+                id: 4,
+                started_ms: NOW - 7_800_000,
+                ended_ms: None,
+                pid: 4242,
+                version: "0.1.0".into(),
+                exit_status: None,
+                error: None,
+            }],
+            commands: Default::default(),
+            failed: Vec::new(),
+            running: true,
+            running_pid: Some(4242),
+            streams: vec![StreamBacklog {
+                stream: "pump".into(),
+                priority: 0,
+                rows: 20,
+                oldest_unacked_age_ms: Some(185_000),
+            }],
+            agent_state: vec![
+                state("commands_clock_ms", "300005".into(), 1000),
+                state("config_push_kept_serial", "11".into(), 60_000),
+                state("config_push_serial", "12".into(), 300_000),
+                state("device_id", "board-7 (from the config)".into(), 7_800_000),
+                state(
+                    "health",
+                    serde_json::json!({"state": "ok", "reasons": [], "since_ms": NOW - 7_800_000}),
+                    12_000,
+                ),
+                state("ingest_listeners", "tcp 127.0.0.1:47123".into(), 7_800_000),
+                state(
+                    "last_checkpoint",
+                    serde_json::json!({"mode": "passive", "busy": 0, "log_frames": 120,
+                        "checkpointed_frames": 120, "wal_file_bytes_before": 491_520,
+                        "duration_ms": 3, "at_ms": NOW - 12_000}),
+                    12_000,
+                ),
+                state("storage_profile", serde_json::json!(profile), 7_800_000),
+            ],
+        }
     }
 
     #[test]
-    fn a_stored_replay_position_reads_as_trace_lap_and_line() {
-        let stored = r#"{"trace_id":"fp:ab","fingerprint":"ab","lap":2,"line":41,"offset":900,"shift_ms":0,"pass":{"first":null,"prev":null,"max":null,"step":null}}"#;
-        assert_eq!(replay_line(stored), "trace fp:ab, lap 2, line 41");
-        assert_eq!(replay_line("junk"), "junk");
+    fn the_text_has_units_labels_and_no_json_or_internal_keys() {
+        let text = render(&running(), NOW);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "spool: /var/lib/edgespool/spool.db", "{text}");
+        assert_eq!(
+            lines[1], "agent: running (pid 4242), up 2 h 10 min (run #4, v0.1.0)",
+            "{text}"
+        );
+        assert_eq!(
+            lines[2], "health: ok (for 2 h 10 min; recorded 12 s ago)",
+            "{text}"
+        );
+        assert_eq!(lines[3], "device_id: board-7 (from the config)", "{text}");
+        for want in [
+            "\nlast checkpoint: passive 12 s ago: 120 of 120 WAL frames copied in 3 ms (WAL file 480.0 KiB before)\n",
+            "\nstorage: measured 2 h 10 min ago: fsync p50 3.3 ms, p99 11.0 ms, max 11.0 ms (32 samples), sequential writes 221.8 MB/s, 51.1 GiB free; derived: commit window 110 ms, checkpoint at 4.0 MiB of WAL, storage retries after 22 ms up to 1.1 s, spool bound 25.6 GiB\n",
+            "\ningest listeners: tcp 127.0.0.1:47123\n",
+            "\nsigned config: newest serial accepted 12 (5 min ago; a signed config must carry a higher one), serial 11 kept for the next start\n",
+            "\nrows: 20 waiting (20 PENDING, 0 SENT), 12,000 ACKED, 0 FAILED; the oldest waiting was appended 3 min 5 s ago\n",
+            "\nsize: database 104.0 KiB, WAL 4.0 MiB\n",
+            "\n  pump                     priority 0   20 waiting, oldest 3 min 5 s; 12,000 ACKED, 20 PENDING\n",
+            "\n  commands_duplicates              3\n",
+            "\n  #4 pid 4242 v0.1.0, started 2 h 10 min ago, running for 2 h 10 min\n",
+        ] {
+            assert!(text.contains(want), "{want:?} in\n{text}");
+        }
+        assert!(!text.contains('{') && !text.contains('}'), "{text}");
+        assert!(!text.contains("commands_clock_ms"), "{text}");
+        assert!(!text.contains("0d00h"), "{text}");
+        assert!(
+            fn_lines(include_str!("mod.rs"), "pub fn render(") < 100,
+            "render must stay under 100 lines"
+        );
+    }
+
+    /// The lines of the function that starts with `head` in `src`.
+    fn fn_lines(src: &str, head: &str) -> usize {
+        let start = src.find(head).unwrap_or(0);
+        let body = &src[start..];
+        body.find("\n}\n")
+            .map_or(usize::MAX, |end| body[..end].lines().count() + 1)
     }
 
     #[test]
-    fn the_receipts_record_reads_as_one_line() {
-        let rec = serde_json::json!({"awaiting": 7, "oldest_awaiting_ms": 65000, "received": 3,
-            "unmatched_ids": 1, "malformed": 2, "resent": 4, "dropped": 5, "unavailable": false});
-        let line = receipts_line(&rec.to_string());
+    fn a_stopped_agent_and_its_last_health_are_said_as_such() {
+        let mut r = running();
+        r.running = false;
+        r.running_pid = None;
+        r.runs[0].ended_ms = Some(NOW - 60_000);
+        r.runs[0].exit_status = Some("ok".into());
+        let text = render(&r, NOW);
         assert!(
-            line.starts_with("7 rows delivered, not yet stored (oldest "),
-            "{line}"
+            text.contains("\nagent: not running; last run #4 ended 1 min ago (status ok)\n"),
+            "{text}"
         );
         assert!(
-            line.contains(
-                "3 receipts received, 1 ids matched no waiting row, 2 malformed, 4 rows sent again"
-            ),
-            "{line}"
+            text.contains("\nhealth: ok (recorded 12 s ago by a run that has ended: the agent is not running)\n"),
+            "{text}"
         );
-        assert!(line.contains("5 receipts dropped unread"), "{line}");
-        assert!(!line.contains("UNAVAILABLE"));
-        let rec = serde_json::json!({"awaiting": 0, "unavailable": true});
-        assert!(receipts_line(&rec.to_string()).contains("UNAVAILABLE"));
+        assert!(text.contains(", ran 2 h 9 min, status ok\n"), "{text}");
+        // Until the first CONNACK.
+        r.running = true;
+        r.agent_state[4].1 =
+            serde_json::json!({"state": "starting", "reasons": [], "since_ms": NOW - 3000})
+                .to_string();
+        let text = render(&r, NOW);
+        assert!(
+            text.contains("\nhealth: starting: no connection to the broker yet (for 3 s; recorded 12 s ago)\n"),
+            "{text}"
+        );
+        r.running = false;
+        r.agent_state.clear();
+        r.runs.clear();
+        let text = render(&r, NOW);
+        assert!(
+            text.contains("\nagent: not running (no run recorded)\n"),
+            "{text}"
+        );
+        assert!(text.contains("\nhealth: not recorded yet"), "{text}");
+    }
+
+    #[test]
+    fn the_json_has_typed_values_and_keeps_every_record() {
+        let v = to_json(&running());
+        assert_eq!(v["running"], true);
+        assert_eq!(v["running_pid"], 4242, "a number, not a string");
+        assert_eq!(v["health"]["state"], "ok");
+        assert_eq!(v["totals"]["ACKED"], 12_000);
+        assert_eq!(v["rows"]["pump"]["PENDING"], 20);
+        assert!(v["commands"]["by_state"].is_object(), "{v}");
+        assert_eq!(v["agent_state"]["commands_clock_ms"]["value"], 300_005);
+        assert_eq!(v["agent_state"]["config_push_serial"]["value"], 12);
+        assert_eq!(
+            v["agent_state"]["storage_profile"]["value"]["derived"]["commit_window_ms"],
+            110
+        );
+        assert_eq!(
+            v["agent_state"]["device_id"]["value"],
+            "board-7 (from the config)"
+        );
+        assert_eq!(v["streams"][0]["rows"], 20);
+        assert_eq!(v["runs"][0]["pid"], 4242);
+        let mut r = running();
+        r.running_pid = None;
+        assert!(to_json(&r)["running_pid"].is_null());
+        // A text record that happens to read as JSON stays text.
+        r.agent_state
+            .push(("ingest_listeners".into(), "123".into(), NOW));
+        let v = to_json(&r);
+        assert_eq!(v["agent_state"]["ingest_listeners"]["value"], "123");
     }
 }

@@ -2,65 +2,17 @@
 //! by the agent at each summary) as a short block for people:
 //!
 //! ```text
-//! outage budget (5 min averages, 2 s ago): 1.2 readings/s (180 B/s) -> the spool holds 41 h 10 min before spool.max_bytes (1.0 GB); backlog 12,000 rows drains in 3 min at 70 rows/s (measured now); flash 95 MB/day
+//! outage budget (5 min averages, 2 s ago): 1.2 readings/s (180 B/s) -> the spool holds 41 h 10 min before spool.max_bytes (1.0 GiB); backlog 12,000 rows drains in 3 min at 70 rows/s (measured now); flash 95 MB/day
 //!   pump                     1.0 readings/s    150 B/s
 //! ```
 //!
 //! Its one rule: **what was not measured says so** ("not measured yet"; a
 //! delivery rate kept from before an outage says when it was measured).
 
+use super::units::{duration, rate, size, thousands, volume};
 use serde_json::Value;
 
-/// `n` with thousands separators: `12,000`.
-pub(super) fn thousands(n: u64) -> String {
-    let s = n.to_string();
-    let mut o = String::with_capacity(s.len() + s.len() / 3);
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            o.push(',');
-        }
-        o.push(c);
-    }
-    o
-}
-
-/// Seconds as `41 h 10 min`, `3 min`, `12 s`, `5 d 2 h`.
-pub(super) fn duration(secs: f64) -> String {
-    if !secs.is_finite() {
-        return "ever".to_owned();
-    }
-    let s = secs.max(0.0).round() as u64;
-    match s {
-        0..=59 => format!("{s} s"),
-        60..=3599 => format!("{} min", s / 60),
-        3600..=172_799 => format!("{} h {} min", s / 3600, s / 60 % 60),
-        _ => format!("{} d {} h", s / 86_400, s / 3600 % 24),
-    }
-}
-
-/// Bytes in decimal units: `180 B`, `2.5 kB`, `1.0 GB`.
-pub(super) fn bytes(b: f64) -> String {
-    const UNITS: [(&str, f64); 4] = [("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)];
-    for (u, size) in UNITS {
-        if b >= size {
-            return format!("{:.1} {u}", b / size);
-        }
-    }
-    format!("{:.0} B", b.max(0.0))
-}
-
-/// A rate with sensible precision: `1.2`, `70`, `0.05`.
-fn rate(v: f64) -> String {
-    if v >= 10.0 {
-        format!("{v:.0}")
-    } else if v >= 1.0 || v == 0.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
-/// The hold part: `-> the spool holds 41 h 10 min before spool.max_bytes (1.0 GB)`.
+/// The hold part: `-> the spool holds 41 h 10 min before spool.max_bytes (1.0 GiB)`.
 fn hold_part(b: &Value) -> String {
     let h = &b["hold"];
     if h.is_null() {
@@ -70,7 +22,7 @@ fn hold_part(b: &Value) -> String {
         Some("max_bytes") => "spool.max_bytes",
         _ => "the spool.min_free_bytes reserve",
     };
-    let bound = bytes(h["bound_bytes"].as_f64().unwrap_or(0.0));
+    let bound = size(h["bound_bytes"].as_u64().unwrap_or(0));
     match h["secs"].as_f64() {
         Some(s) if s <= 0.0 => {
             format!(" -> the spool REFUSES readings now: {what} ({bound}) is reached")
@@ -135,7 +87,7 @@ pub(super) fn render(stored: &str, at_ms: i64, now_ms: i64) -> String {
     let mut o = format!(
         "{head} {} readings/s ({}/s){}; {}; flash {flash}\n",
         rate(readings),
-        bytes(i["bytes_per_sec"].as_f64().unwrap_or(0.0)),
+        volume(i["bytes_per_sec"].as_f64().unwrap_or(0.0)),
         hold_part(&b),
         drain_part(&b, now_ms),
     );
@@ -144,7 +96,7 @@ pub(super) fn render(stored: &str, at_ms: i64, now_ms: i64) -> String {
             o.push_str(&format!(
                 "  {name:<24} {:>8} readings/s {:>10}/s\n",
                 rate(r["readings_per_sec"].as_f64().unwrap_or(0.0)),
-                bytes(r["bytes_per_sec"].as_f64().unwrap_or(0.0)),
+                volume(r["bytes_per_sec"].as_f64().unwrap_or(0.0)),
             ));
         }
     }
@@ -156,19 +108,6 @@ mod tests {
     use super::*;
     use crate::flash::outage::{budget, DeliveryRate, Meter, Room, Sample};
     use std::collections::BTreeMap;
-
-    #[test]
-    fn durations_and_sizes_read_as_people_say_them() {
-        assert_eq!(duration(148_200.0), "41 h 10 min");
-        assert_eq!(duration(171.4), "2 min");
-        assert_eq!(duration(12.0), "12 s");
-        assert_eq!(duration(5.0 * 86_400.0 + 7200.0), "5 d 2 h");
-        assert_eq!(bytes(1e9), "1.0 GB");
-        assert_eq!(bytes(180.0), "180 B");
-        assert_eq!(thousands(12_000), "12,000");
-        assert_eq!(thousands(999), "999");
-        assert_eq!(thousands(1_234_567), "1,234,567");
-    }
 
     #[test]
     fn no_readings_yet_says_not_measured_yet() {
@@ -227,7 +166,7 @@ mod tests {
             first.contains(" 1.2 readings/s (180 B/s) -> the spool holds "),
             "{first}"
         );
-        assert!(first.contains(" before spool.max_bytes (1.0 GB); backlog 12,000 rows drains in 2 min at 70 rows/s (last measured 1 min ago, while connected)"), "{first}");
+        assert!(first.contains(" before spool.max_bytes (953.7 MiB); backlog 12,000 rows drains in 2 min 51 s at 70 rows/s (last measured 1 min 42 s ago, while connected)"), "{first}");
         assert!(first.contains("; flash "), "{first}");
         assert!(
             text.lines()

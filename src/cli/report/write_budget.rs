@@ -2,14 +2,14 @@
 //! its fields are in docs/flash.md, "Write budget") as one line for people:
 //!
 //! ```text
-//! 12.3 MB written in 1 h 2 min (11.9 MB/h), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB; projected 85.2 MB/day (measured over 58 min at a 150000 ms window), budget 100 MB/day; commit window 150000 ms (widest so far 150000 ms, at most 300000 ms), checkpoints every 300 s: held: ...
+//! 12.3 MB written in 1 h 2 min (11.9 MB/h), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.0 MiB; projected 85.2 MB/day (measured over 58 min at a 150000 ms window), budget 100 MB/day; commit window 150000 ms (widest so far 150000 ms, at most 300000 ms), checkpoints every 300 s: held: ...
 //! ```
 //!
 //! The projection is the agent's one figure (health, the outage budget and
 //! the metrics show the same). A record that does not parse is shown as it
 //! is; one from an older build shows what it has.
 
-use super::outage::{bytes, duration, thousands};
+use super::units::{duration, size, thousands, volume};
 use serde_json::Value;
 
 /// The line for the stored record `stored`.
@@ -24,20 +24,20 @@ pub(super) fn line(stored: &str) -> String {
     } else {
         format!(
             "{} per reading over {} readings",
-            bytes(n("bytes_per_reading") as f64),
+            volume(n("bytes_per_reading") as f64),
             thousands(readings)
         )
     };
     let head = format!(
         "{} written in {} ({}/h{}), {per_reading}; {} commits/h, {} checkpoints/h, about {} fsyncs/h; WAL file {}",
-        bytes(n("write_bytes_total") as f64),
+        volume(n("write_bytes_total") as f64),
         duration(n("window_secs") as f64),
-        bytes(n("write_bytes_per_hour") as f64),
+        volume(n("write_bytes_per_hour") as f64),
         older_projection(&v),
         thousands(n("commits_per_hour")),
         thousands(n("checkpoints_per_hour")),
         thousands(n("fsyncs_estimated_per_hour")),
-        bytes(n("wal_file_bytes") as f64),
+        size(n("wal_file_bytes")),
     );
     format!("{head}{}{}", projection(&v), window(&v))
 }
@@ -125,7 +125,7 @@ mod tests {
             "wal_file_bytes": 4_200_000});
         assert_eq!(
             line(&rec.to_string()),
-            "12.3 MB written in 1 h 2 min (11.9 MB/h), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB; projected 85.2 MB/day (measured over 58 min at a 150000 ms window), budget 100 MB/day; commit window 150000 ms (widest so far 150000 ms, at most 300000 ms), checkpoints every 300 s: held: projected 85 MB/day is 85 % of the budget"
+            "12.3 MB written in 1 h 2 min (11.9 MB/h), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.0 MiB; projected 85.2 MB/day (measured over 58 min at a 150000 ms window), budget 100 MB/day; commit window 150000 ms (widest so far 150000 ms, at most 300000 ms), checkpoints every 300 s: held: projected 85 MB/day is 85 % of the budget"
         );
         let mut over = rec.clone();
         over["over_budget"] = true.into();
@@ -154,7 +154,7 @@ mod tests {
             "checkpoint_interval_secs": 120, "budget_mb_per_day": 100});
         assert_eq!(
             line(&rec.to_string()),
-            "12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.2 MB; commit window 10000 ms (widest so far 10000 ms), checkpoints every 120 s, budget 100 MB/day"
+            "12.3 MB written in 1 h 2 min (11.9 MB/h, 285.6 MB/day projected), 410 B per reading over 30,000 readings; 3,600 commits/h, 12 checkpoints/h, about 24 fsyncs/h; WAL file 4.0 MiB; commit window 10000 ms (widest so far 10000 ms), checkpoints every 120 s, budget 100 MB/day"
         );
     }
 }

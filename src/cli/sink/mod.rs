@@ -35,10 +35,10 @@ struct SinkArgs {
     share: Option<String>,
     batch_max: usize,
     batch_ms: u64,
-    /// `--no-receipts` or `receipts = false`: publish no receipts (for
-    /// boards that retire rows on the PUBACK, or a broker ACL that does not
-    /// let the sink write them).
-    no_receipts: bool,
+    /// The key that signs receipts (`--receipt-key`, `receipt_key`);
+    /// `None`: no receipts (`--no-receipts`, `receipts = false`, or no key:
+    /// a board retires nothing on an unsigned receipt).
+    receipt_key: Option<Arc<crate::event::signature::SigningKey>>,
     /// `--username` and `--password-file`: the MQTT login.
     credentials: Option<(String, PathBuf)>,
 }
@@ -49,7 +49,7 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     };
     let file = match a.config.take() {
         Some(path) => settings::read(&path).map_err(|e| {
-            eprintln!("config invalid: {e}");
+            eprintln!("{e}");
             Failure::Invalid
         })?,
         None => settings::SinkSection::default(),
@@ -63,12 +63,36 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     if m.stats {
         return stats(&store, m.json);
     }
-    let url = m
-        .url
-        .ok_or_else(|| usage("--url mqtt://HOST:PORT (or url in --config) is required"))?;
-    let topic = m
-        .topic
-        .ok_or_else(|| usage("--topic FILTER (or topic in --config) is required"))?;
+    // With a settings file, a setting a run lacks is named by its key there.
+    // With a settings file, a setting a run lacks is named by its key
+    // there (and the flag); without one, by the flag.
+    let required = |key: &str, what: &str, flag: &str, no_file: &str| match &m.file {
+        Some((path, line)) => {
+            let at = line.map_or(String::new(), |l| format!(":{l}"));
+            eprintln!(
+                "config invalid: {}{at}: sink.{key}: required key is missing: {what} (or {flag})",
+                path.display()
+            );
+            Failure::Invalid
+        }
+        None => usage(no_file),
+    };
+    let url = m.url.clone().ok_or_else(|| {
+        required(
+            "url",
+            "the broker, mqtt://HOST:PORT",
+            "--url",
+            "--url mqtt://HOST:PORT (or url in --config) is required",
+        )
+    })?;
+    let topic = m.topic.clone().ok_or_else(|| {
+        required(
+            "topic",
+            "the events filter, e.g. edgespool/+/events/#",
+            "--topic",
+            "--topic FILTER (or topic in --config) is required",
+        )
+    })?;
     let credentials = match (m.username, m.password_file) {
         (Some(u), Some(f)) => {
             // Read once now, so a wrong path fails the start, not every
@@ -84,12 +108,28 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     };
     // A persistent session is found again by its client id: a PostgreSQL
     // sink (one of N) must be given a stable one.
-    let client_id = match (m.client_id, &store) {
+    let client_id = match (m.client_id.clone(), &store) {
         (Some(id), _) => id,
         (None, Store::Sqlite(_)) => format!("edgespool-sink-{}", std::process::id()),
         (None, Store::Postgres { .. }) => {
-            return Err(usage("PostgreSQL needs --client-id ID (stable per sink)"))
+            return Err(required(
+                "client_id",
+                "with PostgreSQL, a stable MQTT client id per sink, under which the broker keeps its session",
+                "--client-id",
+                "PostgreSQL needs --client-id ID (stable per sink)",
+            ))
         }
+    };
+    let receipt_key = match (m.receipts, m.receipt_key) {
+        (true, Some(path)) => Some(Arc::new(load_receipt_key(&path)?)),
+        (true, None) => {
+            log::warn!(
+                target: super::LOG_TARGET,
+                "sink: no receipts: no --receipt-key FILE (receipt_key in --config); boards with mqtt.retire_on = \"receipt\" retire nothing without a signed receipt (make a key with `edgespool keygen --out FILE`, list its public key in their mqtt.receipt_public_keys), or pass --no-receipts"
+            );
+            None
+        }
+        (false, _) => None,
     };
     run(SinkArgs {
         url,
@@ -99,8 +139,30 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
         share: m.share,
         batch_max: m.batch_max.filter(|&n| n > 0).unwrap_or(500),
         batch_ms: m.batch_ms.unwrap_or(100),
-        no_receipts: !m.receipts,
+        receipt_key,
         credentials,
+    })
+}
+
+/// The receipt key at `path`: a PEM Ed25519 private key only its owner
+/// can read (`edgespool keygen` writes one).
+///
+/// Errors: exit 2, naming the file and what is wrong with it.
+fn load_receipt_key(
+    path: &std::path::Path,
+) -> Result<crate::event::signature::SigningKey, Failure> {
+    let shown = path.display();
+    let pem = crate::os::fsguard::files::read_secret(path).map_err(|e| {
+        eprintln!(
+            "edgespool: receipt key {shown} (--receipt-key, or receipt_key in --config): {e}"
+        );
+        Failure::Invalid
+    })?;
+    crate::event::signature::SigningKey::from_pem(&pem).map_err(|e| {
+        eprintln!(
+            "edgespool: receipt key {shown}: {e} (make one with `edgespool keygen --out FILE`)"
+        );
+        Failure::Invalid
     })
 }
 
@@ -126,25 +188,25 @@ fn run(a: SinkArgs) -> Outcome {
     }
     let mut opts = SinkOptions::new(host, port, a.topic, a.client_id);
     opts.shared_group = a.share;
-    opts.receipts = !a.no_receipts;
+    opts.receipts = a.receipt_key;
     opts.credentials = a.credentials;
     opts.batch = BatchPolicy {
         max: a.batch_max,
         window: Duration::from_millis(a.batch_ms),
         idle: Duration::from_millis(2),
     };
-    let result = match a.store {
+    let s = match a.store {
         Store::Sqlite(db) => match crate::sink::SinkDb::open(&db) {
             Ok(mut store) => crate::sink::run(&opts, &mut store, &stop),
             Err(e) => Err(format!("sink database {}: {e}", db.display())),
-        },
+        }
+        .map_err(failed)?,
         Store::Postgres {
             conninfo,
             password_file,
             tls,
-        } => run_postgres(&opts, &pg_connect(&conninfo, &tls, password_file)?, &stop),
+        } => run_postgres(&opts, &pg_connect(&conninfo, &tls, password_file)?, &stop)?,
     };
-    let s = result.map_err(failed)?;
     print_totals(&s);
     if s.mismatches > 0 {
         return Err(Failure::Failed);
@@ -196,12 +258,26 @@ fn pg_connect(_: &str, _: &PgTlsArgs, _: Option<PathBuf>) -> Result<(), Failure>
     ))
 }
 
+/// Settings the store refused (no password where the server asks for one)
+/// end with exit 2, told on stderr: restarting cannot help; any other
+/// store failure with exit 1.
+#[cfg(feature = "pg-sink")]
+fn store_failure(e: crate::sink::StoreError) -> Failure {
+    match e {
+        crate::sink::StoreError::Settings(why) => {
+            eprintln!("edgespool: PostgreSQL settings cannot work: {why}");
+            Failure::Invalid
+        }
+        e => failed(format_args!("PostgreSQL: {e}")),
+    }
+}
+
 #[cfg(feature = "pg-sink")]
 fn run_postgres(
     opts: &SinkOptions,
     connect: &crate::sink::pg_tls::PgConnect,
     stop: &AtomicBool,
-) -> Result<SinkStats, String> {
+) -> Result<SinkStats, Failure> {
     use crate::sink::StoreError;
     // The server may come up after the sink: wait for it, as for the broker.
     let mut backoff = Duration::from_millis(200);
@@ -213,30 +289,31 @@ fn run_postgres(
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(store_failure(e)),
         }
     };
-    crate::sink::run(opts, &mut store, stop)
+    crate::sink::run(opts, &mut store, stop).map_err(failed)
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn run_postgres(_: &SinkOptions, _: &(), _: &AtomicBool) -> Result<SinkStats, String> {
-    Err("this edgespool was built without the pg-sink feature".into())
+fn run_postgres(_: &SinkOptions, _: &(), _: &AtomicBool) -> Result<SinkStats, Failure> {
+    Err(failed(
+        "this edgespool was built without the pg-sink feature",
+    ))
 }
 
 /// `sink --stats`: print the store's report (text, or JSON with `json`).
 fn stats(store: &Store, json: bool) -> Outcome {
     let now = crate::event::envelope::wall_clock_ms().0;
-    let report = match store {
+    let r = match store {
         Store::Sqlite(db) => crate::sink::stats::from_sqlite(db, now)
-            .map_err(|e| format!("sink database {}: {e}", db.display())),
+            .map_err(|e| failed(format_args!("sink database {}: {e}", db.display())))?,
         Store::Postgres {
             conninfo,
             password_file,
             tls,
-        } => postgres_report(&pg_connect(conninfo, tls, password_file.clone())?, now),
+        } => postgres_report(&pg_connect(conninfo, tls, password_file.clone())?, now)?,
     };
-    let r = report.map_err(failed)?;
     if json {
         return print_json(&r);
     }
@@ -248,13 +325,19 @@ fn stats(store: &Store, json: bool) -> Outcome {
 fn postgres_report(
     connect: &crate::sink::pg_tls::PgConnect,
     now: i64,
-) -> Result<crate::sink::stats::Report, String> {
-    let mut c = crate::sink::postgres::connect_client_with(connect)
-        .map_err(|e| format!("PostgreSQL: {e}"))?;
-    crate::sink::stats::from_postgres(&mut c, now).map_err(|e| format!("PostgreSQL: {e}"))
+) -> Result<crate::sink::stats::Report, Failure> {
+    let mut c = crate::sink::postgres::connect_client_with(connect).map_err(store_failure)?;
+    crate::sink::stats::from_postgres(&mut c, now).map_err(|e| {
+        failed(format_args!(
+            "PostgreSQL: {}",
+            crate::sink::postgres::error_text(&e)
+        ))
+    })
 }
 
 #[cfg(not(feature = "pg-sink"))]
-fn postgres_report(_: &(), _: i64) -> Result<crate::sink::stats::Report, String> {
-    Err("this edgespool was built without the pg-sink feature".into())
+fn postgres_report(_: &(), _: i64) -> Result<crate::sink::stats::Report, Failure> {
+    Err(failed(
+        "this edgespool was built without the pg-sink feature",
+    ))
 }

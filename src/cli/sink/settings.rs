@@ -16,6 +16,7 @@
 //! batch_max = 500
 //! batch_ms = 100
 //! receipts = true
+//! receipt_key = "/etc/edgespool/receipt.key"  # signs receipts (edgespool keygen)
 //! username = "sink"               # MQTT login, with password_file
 //! password_file = "/etc/edgespool/sink-mqtt.password"
 //! # db = "/var/lib/edgespool/sink.db"   # SQLite, or:
@@ -35,6 +36,9 @@ use super::super::args::{Args, PgTlsArgs};
 /// `[sink]`: the flags' settings, by the same names (`_` for `-`).
 #[derive(Default)]
 pub struct SinkSection {
+    /// The file it was read from and the line of its `[sink]` header (for
+    /// a message about a key it lacks).
+    file: Option<(PathBuf, Option<usize>)>,
     url: Option<String>,
     topic: Option<String>,
     client_id: Option<String>,
@@ -42,6 +46,7 @@ pub struct SinkSection {
     batch_max: Option<usize>,
     batch_ms: Option<u64>,
     receipts: Option<bool>,
+    receipt_key: Option<PathBuf>,
     username: Option<String>,
     password_file: Option<PathBuf>,
     db: Option<PathBuf>,
@@ -57,9 +62,36 @@ struct PgSection {
     key: Option<PathBuf>,
 }
 
-const SINK_KEYS: &str = "url, topic, client_id, share, batch_max, batch_ms, receipts, username, \
-                         password_file, db, postgres";
+const SINK_KEYS: &str = "url, topic, client_id, share, batch_max, batch_ms, receipts, \
+                         receipt_key, username, password_file, db, postgres";
 const PG_KEYS: &str = "conninfo, password_file, ca, cert, key";
+
+/// Why the file cannot be used: the key at fault (`sink.batch_max`), what is
+/// wrong, and the line when the TOML parser gave one; [`read`] finds the
+/// line of the key (or of its table) otherwise.
+struct Refusal {
+    key: String,
+    line: Option<usize>,
+    message: String,
+}
+
+fn refuse(key: impl Into<String>, message: impl Into<String>) -> Refusal {
+    Refusal {
+        key: key.into(),
+        line: None,
+        message: message.into(),
+    }
+}
+
+/// A value as the file spells it (`"many"`, `5`), a table or an array by
+/// its kind.
+fn shown(v: &Value) -> String {
+    match v {
+        Value::Table(_) => "a table".to_owned(),
+        Value::Array(_) => "an array".to_owned(),
+        v => v.to_string(),
+    }
+}
 
 /// One table's keys taken out one by one, each checked for its type; what
 /// is left at the end is an unknown key. (Read from a `toml::Table`, which
@@ -75,31 +107,36 @@ impl Keys {
         self.table.remove(key)
     }
 
-    fn bad(&self, key: &str, want: &str, got: &Value) -> String {
-        format!("{}.{key}: expected {want}, got {}", self.at, got.type_str())
+    fn bad(&self, key: &str, want: &str, got: &Value) -> Refusal {
+        refuse(
+            format!("{}.{key}", self.at),
+            format!("expected {want}, got {}", shown(got)),
+        )
     }
 
-    fn string(&mut self, key: &str) -> Result<Option<String>, String> {
+    fn string(&mut self, key: &str) -> Result<Option<String>, Refusal> {
         match self.take(key) {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
-            Some(v) => Err(self.bad(key, "a string", &v)),
+            Some(v) => Err(self.bad(key, "text in quotes", &v)),
         }
     }
 
-    fn path(&mut self, key: &str) -> Result<Option<PathBuf>, String> {
+    fn path(&mut self, key: &str) -> Result<Option<PathBuf>, Refusal> {
         Ok(self.string(key)?.map(PathBuf::from))
     }
 
-    fn number(&mut self, key: &str) -> Result<Option<u64>, String> {
+    /// A whole number, 0 or more; `unit` completes "a whole number" (` of
+    /// milliseconds`).
+    fn number(&mut self, key: &str, unit: &str) -> Result<Option<u64>, Refusal> {
         match self.take(key) {
             None => Ok(None),
             Some(Value::Integer(n)) if n >= 0 => Ok(Some(n as u64)),
-            Some(v) => Err(self.bad(key, "a non-negative integer", &v)),
+            Some(v) => Err(self.bad(key, &format!("a whole number{unit}, 0 or more"), &v)),
         }
     }
 
-    fn boolean(&mut self, key: &str) -> Result<Option<bool>, String> {
+    fn boolean(&mut self, key: &str) -> Result<Option<bool>, Refusal> {
         match self.take(key) {
             None => Ok(None),
             Some(Value::Boolean(b)) => Ok(Some(b)),
@@ -108,12 +145,12 @@ impl Keys {
     }
 
     /// Errors: the first key left, as unknown.
-    fn done(self, known: &str) -> Result<(), String> {
+    fn done(self, known: &str) -> Result<(), Refusal> {
         match self.table.keys().next() {
             None => Ok(()),
-            Some(k) => Err(format!(
-                "{}.{k}: unknown key (known keys: {known})",
-                self.at
+            Some(k) => Err(refuse(
+                format!("{}.{k}", self.at),
+                format!("unknown key (known keys: {known})"),
             )),
         }
     }
@@ -136,6 +173,10 @@ pub enum Store {
 
 /// The flags and the file together, before the checks of what a run needs.
 pub struct Merged {
+    /// The settings file (`--config`) and the line of its `[sink]` header,
+    /// when one was read: a setting a run needs and lacks is then named by
+    /// its key there.
+    pub file: Option<(PathBuf, Option<usize>)>,
     pub store: Option<Store>,
     pub url: Option<String>,
     pub topic: Option<String>,
@@ -144,6 +185,7 @@ pub struct Merged {
     pub batch_max: Option<usize>,
     pub batch_ms: Option<u64>,
     pub receipts: bool,
+    pub receipt_key: Option<PathBuf>,
     pub username: Option<String>,
     pub password_file: Option<PathBuf>,
     pub stats: bool,
@@ -152,34 +194,72 @@ pub struct Merged {
 
 /// The `[sink]` section of the file at `path`.
 ///
-/// Errors: why the file cannot be used, naming the key (told as `config
-/// invalid: ...`).
+/// Errors: the sentence to tell: `sink settings file FILE does not exist`,
+/// or `config invalid: FILE:LINE: KEY: what is wrong` (the line where the
+/// key, or the table that lacks it, is written).
 pub fn read(path: &Path) -> Result<SinkSection, String> {
     let shown = path.display();
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{shown}: cannot read: {e}"))?;
-    parse(&text).map_err(|e| format!("{shown}: {e}"))
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!("sink settings file {shown} does not exist"))
+        }
+        Err(e) => return Err(format!("config invalid: {shown}: cannot read: {e}")),
+    };
+    match parse(&text) {
+        Ok(mut s) => {
+            s.file = Some((path.to_owned(), crate::config::line_of_key(&text, "sink")));
+            Ok(s)
+        }
+        Err(r) => {
+            let table = r.key.rsplit_once('.').map_or("", |(t, _)| t);
+            let line = r
+                .line
+                .or_else(|| crate::config::line_of_key(&text, &r.key))
+                .or_else(|| crate::config::line_of_key(&text, table));
+            Err(match line {
+                Some(l) => format!("config invalid: {shown}:{l}: {}: {}", r.key, r.message),
+                None => format!("config invalid: {shown}: {}: {}", r.key, r.message),
+            })
+        }
+    }
 }
 
-fn parse(text: &str) -> Result<SinkSection, String> {
-    let mut root: Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| e.message().trim().to_owned())?;
+fn parse(text: &str) -> Result<SinkSection, Refusal> {
+    let mut root: Table = text.parse().map_err(|e: toml::de::Error| Refusal {
+        key: "(syntax)".into(),
+        line: e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1),
+        message: e.message().trim().to_owned(),
+    })?;
     let sink = match root.remove("sink") {
         Some(Value::Table(t)) => t,
-        Some(v) => return Err(format!("sink: expected a table, got {}", v.type_str())),
-        None => return Err("no [sink] section".into()),
+        Some(v) => {
+            return Err(refuse(
+                "sink",
+                format!("expected a table, got {}", shown(&v)),
+            ))
+        }
+        None => {
+            return Err(refuse(
+                "sink",
+                "no [sink] section: the sink's settings go under [sink]",
+            ))
+        }
     };
     if let Some(k) = root.keys().next() {
-        return Err(format!(
-            "{k}: unknown key (the file has one [sink] section)"
+        return Err(refuse(
+            k.as_str(),
+            "unknown key (the file has one [sink] section)",
         ));
     }
     let mut k = Keys {
         table: sink,
         at: "sink",
     };
-    let batch_max = match k.number("batch_max")? {
-        Some(n) => Some(usize::try_from(n).map_err(|e| format!("sink.batch_max: {e}"))?),
+    let batch_max = match k.number("batch_max", "")? {
+        Some(n) => Some(usize::try_from(n).map_err(|e| refuse("sink.batch_max", e.to_string()))?),
         None => None,
     };
     let postgres = match k.take("postgres") {
@@ -188,13 +268,15 @@ fn parse(text: &str) -> Result<SinkSection, String> {
         Some(v) => return Err(k.bad("postgres", "a table", &v)),
     };
     let s = SinkSection {
+        file: None,
         url: k.string("url")?,
         topic: k.string("topic")?,
         client_id: k.string("client_id")?,
         share: k.string("share")?,
         batch_max,
-        batch_ms: k.number("batch_ms")?,
+        batch_ms: k.number("batch_ms", " of milliseconds")?,
         receipts: k.boolean("receipts")?,
+        receipt_key: k.path("receipt_key")?,
         username: k.string("username")?,
         password_file: k.path("password_file")?,
         db: k.path("db")?,
@@ -202,25 +284,30 @@ fn parse(text: &str) -> Result<SinkSection, String> {
     };
     k.done(SINK_KEYS)?;
     if s.db.is_some() && s.postgres.is_some() {
-        return Err("sink: db and [sink.postgres] exclude each other".into());
+        return Err(refuse(
+            "sink.db",
+            "db and [sink.postgres] exclude each other",
+        ));
     }
     Ok(s)
 }
 
-fn postgres(t: Table) -> Result<PgSection, String> {
+fn postgres(t: Table) -> Result<PgSection, Refusal> {
     let mut k = Keys {
         table: t,
         at: "sink.postgres",
     };
-    let conninfo = k
-        .string("conninfo")?
-        .ok_or("sink.postgres.conninfo: required (libpq keywords or a URL)")?;
+    let conninfo = k.string("conninfo")?.ok_or_else(|| {
+        refuse(
+            "sink.postgres.conninfo",
+            "required key is missing (libpq keywords or a URL)",
+        )
+    })?;
     if crate::sink::conninfo::has_password(&conninfo) {
-        return Err(
-            "sink.postgres.conninfo holds a password: put it in a file named by \
-                    sink.postgres.password_file (mode 0600)"
-                .into(),
-        );
+        return Err(refuse(
+            "sink.postgres.conninfo",
+            "holds a password: put it in a file named by sink.postgres.password_file (mode 0600)",
+        ));
     }
     let pg = PgSection {
         conninfo,
@@ -270,6 +357,7 @@ pub fn merge(a: Args, file: SinkSection) -> Result<Merged, String> {
         }
     }
     Ok(Merged {
+        file: f.file,
         store,
         url: a.url.or(f.url),
         topic: a.topic.or(f.topic),
@@ -278,6 +366,7 @@ pub fn merge(a: Args, file: SinkSection) -> Result<Merged, String> {
         batch_max: a.batch_max.or(f.batch_max),
         batch_ms: a.batch_ms.or(f.batch_ms),
         receipts: !a.no_receipts && f.receipts.unwrap_or(true),
+        receipt_key: a.receipt_key.or(f.receipt_key),
         username: a.username.or(f.username),
         password_file: a.password_file.or(f.password_file),
         stats: a.stats,
@@ -361,25 +450,64 @@ mod tests {
         let e = file("[sink]\nbatch_max = \"many\"\n")
             .err()
             .unwrap_or_default();
-        assert!(e.contains("sink.batch_max"), "{e}");
+        assert!(
+            e.ends_with(":2: sink.batch_max: expected a whole number, 0 or more, got \"many\""),
+            "{e}"
+        );
         let e = file("[sink]\nurll = \"x\"\n").err().unwrap_or_default();
-        assert!(e.contains("sink.urll: unknown key"), "{e}");
+        assert!(e.contains(":2: sink.urll: unknown key"), "{e}");
         let e = file("[sink]\n[sink.postgres]\nconninfo = \"h\"\nca = 1\n")
             .err()
             .unwrap_or_default();
-        assert!(e.contains("sink.postgres.ca: expected a string"), "{e}");
+        assert!(
+            e.ends_with(":4: sink.postgres.ca: expected text in quotes, got 1"),
+            "{e}"
+        );
         let e = file("[sink]\n[other]\nx = 1\n").err().unwrap_or_default();
-        assert!(e.contains("other"), "{e}");
+        assert!(e.contains(":2: other: unknown key"), "{e}");
         let e = file("[sink]\n[sink.postgres]\nconninfo = \"host=db password=s3cret\"\n")
             .err()
             .unwrap_or_default();
         assert!(
-            e.contains("holds a password") && !e.contains("s3cret"),
+            e.contains(":3: sink.postgres.conninfo: holds a password") && !e.contains("s3cret"),
             "{e}"
         );
         let e = file("[sink]\ndb = \"a\"\n[sink.postgres]\nconninfo = \"host=db\"\n")
             .err()
             .unwrap_or_default();
-        assert!(e.contains("exclude each other"), "{e}");
+        assert!(
+            e.contains(":2: sink.db: db and [sink.postgres] exclude each other"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_refusal_names_the_file_the_line_and_the_key() {
+        // A missing key: the line of the table that lacks it.
+        let e = file("# the fleet's sink\n[sink]\n[sink.postgres]\nca = \"/ca\"\n")
+            .err()
+            .unwrap_or_default();
+        assert!(e.starts_with("config invalid: "), "{e}");
+        assert!(
+            e.contains("sink.toml:3: sink.postgres.conninfo: required key is missing"),
+            "{e}"
+        );
+        // A syntax error: the parser's line.
+        let e = file("[sink]\nurl = \n").err().unwrap_or_default();
+        assert!(e.contains("sink.toml:2: (syntax): "), "{e}");
+        let e = file("url = \"x\"\n").err().unwrap_or_default();
+        assert!(e.contains(": sink: no [sink] section"), "{e}");
+        // A file that is not there is said as such.
+        let e = read(Path::new("/nonexistent/sink-fleet.toml"))
+            .err()
+            .unwrap_or_default();
+        assert_eq!(
+            e,
+            "sink settings file /nonexistent/sink-fleet.toml does not exist"
+        );
+        // The [sink] header's line, for a setting a run lacks.
+        let s = file("# x\n\n[sink]\nurl = \"mqtt://a:1\"\n").expect("valid");
+        let m = merge(Args::default(), s).expect("merged");
+        assert_eq!(m.file.map(|(_, line)| line), Some(Some(3)));
     }
 }

@@ -56,6 +56,10 @@ pub(super) struct RawIngest {
     pub(super) max_fields: Option<usize>,
     pub(super) max_buffered_bytes: Option<usize>,
     pub(super) max_connection_bytes: Option<usize>,
+    pub(super) max_bytes_per_sec_per_peer: Option<u64>,
+    pub(super) max_burst_bytes_per_peer: Option<u64>,
+    pub(super) max_spool_share_per_peer_percent: Option<u32>,
+    pub(super) max_spool_share_input_percent: Option<u32>,
     #[serde(default)]
     pub(super) streams: Vec<RawStreamDecl>,
     #[serde(default)]
@@ -106,7 +110,9 @@ pub(super) struct RawCommands {
     #[serde(default = "d_cmd_answer_rate")]
     pub(super) max_answers_per_minute: u32,
     #[serde(default)]
-    pub(super) operator_scopes: Vec<String>,
+    pub(super) operator_public_keys: Vec<String>,
+    #[serde(default)]
+    pub(super) allow_unsigned: bool,
     #[serde(default = "d_cmd_ttl")]
     pub(super) default_ttl_secs: u64,
     #[serde(default)]
@@ -126,7 +132,8 @@ impl Default for RawCommands {
             max_per_minute_per_scope: d_cmd_rate(),
             max_per_minute: d_cmd_global_rate(),
             max_answers_per_minute: d_cmd_answer_rate(),
-            operator_scopes: Vec::new(),
+            operator_public_keys: Vec::new(),
+            allow_unsigned: false,
             default_ttl_secs: d_cmd_ttl(),
             handlers: Vec::new(),
             config_push: RawConfigPush::default(),
@@ -377,6 +384,8 @@ pub(super) struct RawMqtt {
     pub(super) receipt_timeout_secs: u64,
     #[serde(default = "d_receipt_window")]
     pub(super) receipt_window: usize,
+    #[serde(default)]
+    pub(super) receipt_public_keys: Vec<String>,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) client_cert_file: Option<PathBuf>,
     pub(super) client_key_file: Option<PathBuf>,
@@ -408,6 +417,7 @@ impl Default for RawMqtt {
             retire_on: d_retire_on(),
             receipt_timeout_secs: d_receipt_timeout(),
             receipt_window: d_receipt_window(),
+            receipt_public_keys: Vec::new(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,

@@ -520,7 +520,7 @@ mod tests {
         let e = refused(&with_source("sytem", "").replace("kind = \"sytem\"", "kind = 5"));
         assert_eq!(
             e.to_string(),
-            "t.toml:9: sources[1].kind: invalid type: integer `5`, expected a string"
+            "t.toml:9: sources[1].kind: expected text in quotes, got 5"
         );
     }
 
@@ -529,7 +529,7 @@ mod tests {
         let e = refused(&with_source("replay", "path = \"/x\"\nspeed = \"fast\""));
         assert_eq!(
             e.to_string(),
-            "t.toml:11: sources[1].speed: invalid type: string \"fast\", expected f64"
+            "t.toml:11: sources[1].speed: expected a number (such as 1.5), got \"fast\""
         );
         // Before `kind`, and inside a map.
         let text = with_source("replay", "path = \"/x\"")
@@ -537,7 +537,7 @@ mod tests {
         let e = refused(&text);
         assert_eq!(
             e.to_string(),
-            "t.toml:9: sources[1].columns.t: invalid type: integer `5`, expected a string"
+            "t.toml:9: sources[1].columns.t: expected text in quotes, got 5"
         );
         let e = refused(&with_source("exec", "program = \"/x\"\nargs = [\"a\", 2]"));
         assert_eq!(e.problems[0].key, "sources[1].args[1]", "{e}");
@@ -545,7 +545,7 @@ mod tests {
         let e = refused(&with_source("system", "priority = 300"));
         assert_eq!(
             e.to_string(),
-            "t.toml:10: sources[1].priority: invalid value: integer `300`, expected u8"
+            "t.toml:10: sources[1].priority: expected a whole number, 0 to 255, got 300"
         );
     }
 

@@ -5,11 +5,11 @@ use super::bounds::{check_range, Bounds};
 use super::TEN_YEARS_SECS;
 use crate::config::raw::{RawCommands, RawConfigPush};
 use crate::config::ConfigPush;
+use crate::event::signature::PublicKey;
 use std::time::Duration;
 
 /// `[commands]` bounds: payload size, record retention (3600 s..=ten years),
-/// records, queue, rates, operator scopes, and a `default_ttl_secs` within
-/// the retention.
+/// records, queue, rates, and a `default_ttl_secs` within the retention.
 pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, String)) {
     check_range(
         "commands.max_payload_bytes",
@@ -47,7 +47,6 @@ pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, 
         1..=600_000,
         bad,
     );
-    check_operator_scopes(&rc.operator_scopes, bad);
     if rc.default_ttl_secs == 0 || rc.default_ttl_secs > rc.record_retention_secs {
         // A command may still run only while its record is sure to exist:
         // past the redelivery window a redelivery could find no record.
@@ -61,34 +60,40 @@ pub(super) fn check_command_bounds(rc: &RawCommands, bad: &mut impl FnMut(&str, 
     }
 }
 
-/// Operator scopes named at most (each gets a rate bucket of its own).
-const MAX_OPERATOR_SCOPES: usize = 64;
+/// Operator keys listed at most (each is one signature check for a signed
+/// command that verifies with none of them).
+const MAX_OPERATOR_KEYS: usize = 16;
 
-/// `commands.operator_scopes`: at most [`MAX_OPERATOR_SCOPES`] scopes, each
-/// one a command could name (1..=64 of `[A-Za-z0-9-_.:@]`), none twice.
-fn check_operator_scopes(scopes: &[String], bad: &mut impl FnMut(&str, String)) {
-    if scopes.len() > MAX_OPERATOR_SCOPES {
+/// `commands.operator_public_keys`: at most [`MAX_OPERATOR_KEYS`] Ed25519
+/// public keys, 64 hex digits each, none twice.
+pub(super) fn operator_keys(keys: &[String], bad: &mut impl FnMut(&str, String)) -> Vec<PublicKey> {
+    let key = "commands.operator_public_keys";
+    if keys.len() > MAX_OPERATOR_KEYS {
         bad(
-            "commands.operator_scopes",
+            key,
             format!(
-                "at most {MAX_OPERATOR_SCOPES} scopes (got {})",
-                scopes.len()
+                "at most {MAX_OPERATOR_KEYS} keys (got {}): list the ones in use, old ones \
+                 only while commands signed with them may still arrive",
+                keys.len()
             ),
         );
     }
-    for (i, s) in scopes.iter().enumerate() {
-        if !crate::commands::valid_scope(s) {
-            bad(
-                &format!("commands.operator_scopes.{i}"),
-                format!("must be 1..=64 of [A-Za-z0-9-_.:@], as a command's scope (got {s:?})"),
-            );
-        } else if scopes[..i].contains(s) {
-            bad(
-                &format!("commands.operator_scopes.{i}"),
-                format!("{s:?} is named twice"),
-            );
+    let mut out: Vec<PublicKey> = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        match PublicKey::from_hex(k) {
+            Ok(p) if out.contains(&p) => bad(&format!("{key}.{i}"), format!("{k:?} is listed twice")),
+            Ok(p) => out.push(p),
+            Err(_) => bad(
+                &format!("{key}.{i}"),
+                format!(
+                    "must be an Ed25519 public key, 64 hex digits, as `edgespool keygen --out FILE` \
+                     prints it (got {:?})",
+                    k.chars().take(80).collect::<String>()
+                ),
+            ),
         }
     }
+    out
 }
 
 /// `[commands.config_push]`: the mode and its confirmation window.

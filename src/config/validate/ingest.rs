@@ -144,6 +144,54 @@ fn validate_bounds(raw: &RawIngest, cfg: &mut IngestConfig, bad: &mut impl FnMut
     cfg.max_fields = max_fields;
     cfg.max_buffered_bytes = max_buffered_bytes;
     cfg.max_connection_bytes = max_connection_bytes;
+    validate_peer_bounds(raw, cfg, bad);
+}
+
+/// The peers' bounds ([`crate::intake::share`]): a byte rate whose burst
+/// takes the longest line, and shares of the spool with the per-peer one
+/// at most the input's (a value out of range is named and the default kept).
+fn validate_peer_bounds(
+    raw: &RawIngest,
+    cfg: &mut IngestConfig,
+    bad: &mut impl FnMut(&str, String),
+) {
+    let d = IngestConfig::default();
+    const GIB: u64 = 1 << 30;
+    let mut range = |key: &str, got: Option<u64>, lo: u64, hi: u64, def: u64| match got {
+        Some(v) if check_range(key, v, lo..=hi, bad) => v,
+        _ => def,
+    };
+    cfg.max_bytes_per_sec_per_peer = range(
+        "ingest.max_bytes_per_sec_per_peer",
+        raw.max_bytes_per_sec_per_peer,
+        1024,
+        GIB,
+        d.max_bytes_per_sec_per_peer,
+    );
+    // A line as long as `max_line_bytes` must fit a full bucket.
+    let line = cfg.max_line_bytes as u64;
+    cfg.max_burst_bytes_per_peer = range(
+        "ingest.max_burst_bytes_per_peer",
+        raw.max_burst_bytes_per_peer,
+        line,
+        GIB,
+        d.max_burst_bytes_per_peer.max(line),
+    );
+    cfg.max_spool_share_input_percent = range(
+        "ingest.max_spool_share_input_percent",
+        raw.max_spool_share_input_percent.map(u64::from),
+        1,
+        90,
+        u64::from(d.max_spool_share_input_percent),
+    ) as u32;
+    let input = u64::from(cfg.max_spool_share_input_percent);
+    cfg.max_spool_share_per_peer_percent = range(
+        "ingest.max_spool_share_per_peer_percent",
+        raw.max_spool_share_per_peer_percent.map(u64::from),
+        1,
+        input,
+        u64::from(d.max_spool_share_per_peer_percent).min(input),
+    ) as u32;
 }
 
 /// `[[ingest.streams]]` and `ingest.stream_patterns`: valid names, not a

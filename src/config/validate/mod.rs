@@ -51,6 +51,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
     // `[metrics]` and `[ingest]`): the order problems have always come in.
     let rc = &raw.commands;
     commands::check_command_bounds(rc, &mut bad);
+    let operator_public_keys = commands::operator_keys(&rc.operator_public_keys, &mut bad);
     let config_push = commands::validate_push(&rc.config_push, &mut bad);
     let metrics = metrics::validate_metrics(&raw.metrics, &mut bad);
     let ingest = ingest::validate_ingest(&raw.ingest, &sources, &mut bad);
@@ -64,6 +65,7 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
         return Err(ConfigError {
             origin: origin.to_owned(),
             problems: probs,
+            missing_file: false,
         });
     }
     Ok(Config {
@@ -82,7 +84,8 @@ pub(super) fn validate(raw: RawConfig, origin: &str) -> Result<Config, ConfigErr
             max_per_minute_per_scope: rc.max_per_minute_per_scope,
             max_per_minute: rc.max_per_minute,
             max_answers_per_minute: rc.max_answers_per_minute,
-            operator_scopes: rc.operator_scopes.clone(),
+            operator_public_keys,
+            allow_unsigned: rc.allow_unsigned,
             default_ttl: Duration::from_secs(rc.default_ttl_secs),
             handlers,
         },

@@ -82,6 +82,7 @@ pub(super) fn validate_mqtt(
         bad,
     );
     check_range("mqtt.receipt_window", m.receipt_window, 100..=100_000, bad);
+    let receipt_public_keys = receipt_keys(m, retire_on, bad);
     MqttConfig {
         tls,
         credentials,
@@ -107,7 +108,44 @@ pub(super) fn validate_mqtt(
         retire_on,
         receipt_timeout: Duration::from_secs(m.receipt_timeout_secs),
         receipt_window: m.receipt_window,
+        receipt_public_keys,
     }
+}
+
+/// Most keys `mqtt.receipt_public_keys` may list (rotation needs two or
+/// three; a fleet with a key per sink a few more).
+const MAX_RECEIPT_KEYS: usize = 16;
+
+/// `mqtt.receipt_public_keys`, each 64 hex digits; receipt mode needs one:
+/// a receipt retires rows only under a signature by a listed key.
+fn receipt_keys(
+    m: &RawMqtt,
+    retire_on: RetireOn,
+    bad: &mut impl FnMut(&str, String),
+) -> Vec<crate::event::signature::PublicKey> {
+    let mut keys = Vec::new();
+    for (i, k) in m.receipt_public_keys.iter().enumerate() {
+        match crate::event::signature::PublicKey::from_hex(k) {
+            Ok(key) => keys.push(key),
+            Err(e) => bad(&format!("mqtt.receipt_public_keys[{i}]"), e.to_string()),
+        }
+    }
+    if m.receipt_public_keys.len() > MAX_RECEIPT_KEYS {
+        bad(
+            "mqtt.receipt_public_keys",
+            format!(
+                "lists {} keys (at most {MAX_RECEIPT_KEYS})",
+                m.receipt_public_keys.len()
+            ),
+        );
+    }
+    if retire_on == RetireOn::Receipt && m.receipt_public_keys.is_empty() {
+        bad(
+            "mqtt.retire_on",
+            "\"receipt\" needs mqtt.receipt_public_keys: the public keys of the fleet's sinks (`edgespool keygen --out FILE` prints one; the sink signs with `--receipt-key FILE`); a receipt no listed key signed retires nothing".into(),
+        );
+    }
+    keys
 }
 
 /// `client_id` (default `edgespool-<device_id>`) 1..=128 bytes;

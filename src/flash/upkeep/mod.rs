@@ -62,7 +62,7 @@ pub fn brake_frames(checkpoint_wal_bytes: u64) -> i64 {
     (3 * checkpoint_wal_bytes / 2 / WAL_FRAME_BYTES) as i64
 }
 
-/// The upkeep's settings, from `[spool]` (the config assembles them; flash
+/// The upkeep's settings, from `[spool]` (`agent::startup::upkeep_settings` assembles them; flash
 /// owns their shape). All but the file apply live ([`Upkeep::reconfigure`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UpkeepSettings {

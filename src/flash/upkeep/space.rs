@@ -100,6 +100,26 @@ impl Upkeep {
         self.space.disk_full
     }
 
+    /// Bytes the spool can hold now: the live data it has and the room
+    /// left before the capacity policy refuses, the smaller of
+    /// `spool.max_bytes` (0: no limit) and live data plus free pages plus
+    /// the filesystem's free bytes above `spool.min_free_bytes`. The shares
+    /// of local input are taken of it ([`crate::intake::share`]). `None`
+    /// when the spool or the filesystem cannot be read.
+    pub fn room(&self, spool: &Spool) -> Option<u64> {
+        let (used, free_pages) = spool.usage().ok()?;
+        let fs_free = fs_free_bytes(&self.dir()).ok()?;
+        let cap = self.settings.capacity;
+        let disk = used
+            .saturating_add(free_pages)
+            .saturating_add(fs_free)
+            .saturating_sub(cap.min_free_bytes);
+        Some(match cap.max_bytes {
+            0 => disk,
+            max => disk.min(max),
+        })
+    }
+
     /// Refuse new readings if the spool or the disk is at its limit, after
     /// dropping the oldest acknowledged rows first (I6: never an
     /// unacknowledged one). Checked at most once a second.

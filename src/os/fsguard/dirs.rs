@@ -138,6 +138,67 @@ pub fn judge(
     ))
 }
 
+/// Whether this process (its effective uid) can create files in `dir`, or
+/// create `dir` itself when it does not exist yet (in its nearest existing
+/// ancestor): `faccessat(2)` with `AT_EACCESS` for write and search. An
+/// agent that may not write there fails at its first open, after the
+/// checks of [`check`] passed.
+///
+/// Errors: a sentence naming the role, the directory (or the ancestor it
+/// would be made in), the uid and the fix.
+pub fn check_writable(role: Role, dir: &Path) -> Result<(), String> {
+    let me = super::files::euid();
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let spelled = absolute(dir);
+    let Some(existing) = spelled.ancestors().find(|p| p.exists()) else {
+        return Ok(());
+    };
+    let why = match access(existing, libc::W_OK | libc::X_OK) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EROFS) => {
+            "is on a read-only filesystem".to_owned()
+        }
+        Err(_) => format!("is not writable by this agent (uid {me})"),
+    };
+    let shown = dir.display();
+    if existing == spelled {
+        return Err(format!(
+            "{role} {shown} {why}: the agent creates its files there; chown {me} {shown} (or run the agent as the user that owns it)"
+        ));
+    }
+    Err(format!(
+        "{role} {shown} does not exist and {} {why}, so the agent cannot create it: mkdir -p {shown} && chown {me} {shown}",
+        existing.display()
+    ))
+}
+
+/// Whether this process (its effective uid) may read and write the file
+/// at `path` (`faccessat(2)`, `AT_EACCESS`): a spool it may not fails at
+/// its first open.
+///
+/// Errors: the errno (`EACCES`, `EROFS`, ...).
+pub fn may_read_write(path: &Path) -> std::io::Result<()> {
+    access(path, libc::R_OK | libc::W_OK)
+}
+
+/// `faccessat(path, mode, AT_EACCESS)`.
+fn access(path: &Path, mode: libc::c_int) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), mode, libc::AT_EACCESS) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 fn stat(p: &Path) -> std::io::Result<DirFacts> {
     let m = std::fs::metadata(p)?;
     Ok(DirFacts {
@@ -162,6 +223,27 @@ mod tests {
 
     fn j(role: Role, parent: Option<&str>, facts: DirFacts) -> Result<(), String> {
         judge(role, Path::new(D), parent.map(Path::new), facts, 998)
+    }
+
+    #[test]
+    fn a_directory_this_uid_cannot_write_or_create_is_named_with_the_fix() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let below = d.path().join("a/b");
+        assert_eq!(check_writable(Role::Spool, &below), Ok(()));
+        assert_eq!(check_writable(Role::Spool, d.path()), Ok(()));
+        if super::super::files::euid() == 0 {
+            return; // root may write anywhere but a read-only filesystem
+        }
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o500)).unwrap();
+        let e = check_writable(Role::Spool, d.path()).unwrap_err();
+        assert!(e.contains("is not writable by this agent (uid "), "{e}");
+        let e = check_writable(Role::Spool, &below).unwrap_err();
+        assert!(
+            e.contains("does not exist and ") && e.contains("mkdir -p"),
+            "{e}"
+        );
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! name), so no planted symlink is ever followed and no planted file's owner
 //! is kept; **and state read back is believed only when its owner and mode
 //! say the agent wrote it**: a regular file (opened `O_NOFOLLOW`), owned by
-//! root or by the agent's own uid, writable by nobody else.
+//! root or by the agent's own uid, writable by nobody else. A secret (a
+//! password file, [`read_secret`]) is read only from a regular file named
+//! itself (`O_NOFOLLOW`) that group and others cannot read.
 
 use std::fs::{File, Metadata, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
@@ -120,64 +122,72 @@ pub fn read_trusted(path: &Path) -> Result<Option<Vec<u8>>, Distrust> {
     Ok(Some(bytes))
 }
 
-/// Largest secret [`read_secret`] reads: 64 KiB (a password, a PEM key).
-pub const MAX_SECRET_BYTES: u64 = 64 * 1024;
+/// Largest secret file [`read_secret`] reads: 1 MiB (a password, a libpq
+/// password file; none comes near).
+pub const MAX_SECRET_BYTES: u64 = 1 << 20;
 
-/// Why a secret (a password file, a private key) is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SecretError {
-    /// There is no such file.
-    #[error("no such file")]
-    Missing,
-    /// Not believed as ours ([`trusted`]: a symlink, not a regular file,
-    /// another owner, writable by others, too large, unreadable).
-    #[error("{0}")]
-    Distrust(Distrust),
-    /// Group or others may read it: the secret is not secret.
-    #[error("it is readable by group or others (mode {mode:o}); run chmod 600 on it")]
+/// Why a secret file (a password) is refused. The message completes
+/// "`<setting> <path>`: ..." and says what to do; the caller names the
+/// setting and the path.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretRefused {
+    /// The name is a symbolic link: never followed for a secret (a link a
+    /// local user planted would hand the reader's rights to its target).
+    #[error("it is a symbolic link, never followed for a password: name the file itself")]
+    Symlink,
+    /// A directory, FIFO, socket or device.
+    #[error("it is not a regular file")]
+    NotRegular,
+    /// Group or others may read it (libpq asks the same of a password file).
+    #[error("mode {mode:04o} lets group or others read it; chmod 600 it (owned by the user that reads it)")]
     Readable {
         /// The permission bits.
         mode: u32,
     },
+    /// Larger than [`MAX_SECRET_BYTES`].
+    #[error("it is {bytes} bytes, more than a password file holds")]
+    TooLarge {
+        /// Its length.
+        bytes: u64,
+    },
+    /// It does not exist or could not be opened or read.
+    #[error("cannot read it: {0}")]
+    Unreadable(std::io::Error),
 }
 
-/// Read a secret whole: opened `O_NOFOLLOW` (a symlink planted to
-/// `/etc/shadow` is never followed), believed only as [`trusted`] says,
-/// and only with no group or other permission bits (mode 0600 or 0400,
-/// as ssh and libpq ask of their keys).
+/// Read the secret file `path` whole: opened `O_NOFOLLOW | O_NONBLOCK` (a
+/// planted symlink is refused, a planted FIFO cannot hang the reader),
+/// judged on the open file: a regular file that group and others can
+/// neither read nor write (mode 0600 or stricter).
 ///
-/// Errors: [`SecretError`], naming the rule broken; the caller names the
-/// path and the option it came from.
-pub fn read_secret(path: &Path) -> Result<Vec<u8>, SecretError> {
+/// Errors: [`SecretRefused`].
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, SecretRefused> {
     let f = match OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)
     {
         Ok(f) => f,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(SecretError::Missing),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(SecretError::Distrust(Distrust::Symlink))
-        }
-        Err(e) => return Err(SecretError::Distrust(Distrust::Unreadable(e.to_string()))),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(SecretRefused::Symlink),
+        Err(e) => return Err(SecretRefused::Unreadable(e)),
     };
-    let m = f
-        .metadata()
-        .map_err(|e| SecretError::Distrust(Distrust::Unreadable(e.to_string())))?;
-    trusted(&m).map_err(SecretError::Distrust)?;
+    let m = f.metadata().map_err(SecretRefused::Unreadable)?;
+    if !m.is_file() {
+        return Err(SecretRefused::NotRegular);
+    }
     if m.mode() & 0o077 != 0 {
-        return Err(SecretError::Readable {
+        return Err(SecretRefused::Readable {
             mode: m.mode() & 0o7777,
         });
     }
-    let mut bytes = Vec::new();
+    let mut bytes = Vec::with_capacity(m.len().min(MAX_SECRET_BYTES) as usize);
     f.take(MAX_SECRET_BYTES + 1)
         .read_to_end(&mut bytes)
-        .map_err(|e| SecretError::Distrust(Distrust::Unreadable(e.to_string())))?;
+        .map_err(SecretRefused::Unreadable)?;
     if bytes.len() as u64 > MAX_SECRET_BYTES {
-        return Err(SecretError::Distrust(Distrust::TooLarge {
+        return Err(SecretRefused::TooLarge {
             bytes: bytes.len() as u64,
-        }));
+        });
     }
     Ok(bytes)
 }
@@ -306,41 +316,6 @@ mod tests {
     }
 
     #[test]
-    fn a_secret_is_read_only_from_a_private_regular_file_never_through_a_symlink() {
-        let d = tempfile::tempdir().unwrap();
-        let key = d.path().join("key");
-        std::fs::write(&key, b"s3cret").unwrap();
-        chmod(&key, 0o600);
-        assert_eq!(read_secret(&key).unwrap(), b"s3cret");
-        chmod(&key, 0o640);
-        assert_eq!(
-            read_secret(&key),
-            Err(SecretError::Readable { mode: 0o640 })
-        );
-        let msg = read_secret(&key).unwrap_err().to_string();
-        assert!(
-            msg.contains("mode 640") && msg.contains("chmod 600"),
-            "{msg}"
-        );
-        chmod(&key, 0o604);
-        assert!(matches!(
-            read_secret(&key),
-            Err(SecretError::Readable { .. })
-        ));
-        chmod(&key, 0o600);
-        let link = d.path().join("link");
-        std::os::unix::fs::symlink(&key, &link).unwrap();
-        assert_eq!(
-            read_secret(&link),
-            Err(SecretError::Distrust(Distrust::Symlink))
-        );
-        assert_eq!(
-            read_secret(&d.path().join("none")),
-            Err(SecretError::Missing)
-        );
-    }
-
-    #[test]
     fn only_the_agents_own_regular_files_are_believed() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("state");
@@ -365,6 +340,43 @@ mod tests {
                 })
             );
         }
+    }
+
+    #[test]
+    fn a_secret_is_read_only_from_a_private_regular_file_named_itself() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("password");
+        std::fs::write(&p, "s3cret\n").unwrap();
+        chmod(&p, 0o600);
+        assert_eq!(read_secret(&p).unwrap(), b"s3cret\n");
+        chmod(&p, 0o400);
+        assert!(read_secret(&p).is_ok());
+        for mode in [0o640, 0o604, 0o644, 0o620] {
+            chmod(&p, mode);
+            let e = read_secret(&p).unwrap_err();
+            assert!(matches!(e, SecretRefused::Readable { mode: m } if m == mode));
+            assert!(e.to_string().contains("chmod 600"), "{e}");
+        }
+        chmod(&p, 0o600);
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&p, &link).unwrap();
+        assert!(matches!(read_secret(&link), Err(SecretRefused::Symlink)));
+        assert!(matches!(
+            read_secret(d.path()),
+            Err(SecretRefused::NotRegular)
+        ));
+        assert!(matches!(
+            read_secret(&d.path().join("absent")),
+            Err(SecretRefused::Unreadable(_))
+        ));
+        let c =
+            std::ffi::CString::new(d.path().join("fifo").as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo on a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(matches!(
+            read_secret(&d.path().join("fifo")),
+            Err(SecretRefused::NotRegular)
+        ));
     }
 
     #[test]

@@ -15,13 +15,18 @@
 //! database file's inode and the reason; the next open moves the file aside
 //! ([`open_spool_at`]).
 //!
-//! Both files sit where another user might once have planted names: they
+//! A third file, the run marker `<spool>.run` ([`run_marker`]), says which
+//! run may have commits in the `-wal` alone, so a lost `-wal` is named
+//! whatever readers kept from the file ([`wal_lost`]).
+//!
+//! These files sit where another user might once have planted names: they
 //! are written only through new files of the agent's
 //! ([`crate::os::fsguard::files::replace`]) and believed only when the agent's
 //! own (owner, mode, [`crate::os::fsguard::files::read_trusted`]). A marker that
 //! does not name this spool's inode is ignored, by name, and removed: a
 //! marker alone never moves a spool aside.
 
+pub mod run_marker;
 mod wal_lost;
 
 pub use wal_lost::{look as look_before_open, Before};
@@ -47,6 +52,18 @@ pub enum OpenError {
 /// The first 16 bytes of every SQLite database file
 /// (<https://www.sqlite.org/fileformat.html#the_database_header>).
 const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// A spool [`open_spool_judged`] opened, with what the open found lost.
+#[derive(Debug)]
+pub struct Opened {
+    /// The spool, ready.
+    pub spool: Spool,
+    /// Committed rows the open found gone, in a short sentence (already
+    /// logged at ERROR and counted): a lost `-wal`, or a file moved aside
+    /// (damaged, or its every commit in a lost `-wal`). The agent keeps it
+    /// as a health reason for the run.
+    pub lost: Option<String>,
+}
 
 /// Open the spool at `path` with `options`; a file that lost its `-wal` is
 /// named at ERROR, and moved aside when its schema was only in it
@@ -79,26 +96,45 @@ pub fn open_spool_seen(
     options: &SpoolOptions,
     before: Before,
 ) -> Result<Spool, OpenError> {
+    open_spool_judged(path, options, before).map(|o| o.spool)
+}
+
+/// [`open_spool_seen`], also returning what the open found lost
+/// ([`Opened::lost`]).
+///
+/// Errors: as [`open_spool_at`].
+pub fn open_spool_judged(
+    path: &Path,
+    options: &SpoolOptions,
+    before: Before,
+) -> Result<Opened, OpenError> {
     let before = if before.path == path {
         before
     } else {
         wal_lost::look(path)
     };
     if before.schema_only_in_wal {
-        wal_lost::move_aside(path).map_err(OpenError::Refused)?;
+        let aside = wal_lost::move_aside(path).map_err(OpenError::Refused)?;
         let mut s = Spool::open(path, options)?;
         s.count("spool_moved_aside_without_wal", 1)?;
-        return Ok(s);
+        return Ok(Opened {
+            spool: s,
+            lost: Some(format!(
+                "every commit was in a -wal that was gone; the file was moved to {aside} and a fresh spool started"
+            )),
+        });
     }
     let marker = damaged_marker(path);
     let damage = match believed_marker(path) {
         Some(reason) => reason,
         None => match Spool::open(path, options) {
             Ok(mut s) => {
-                if before.wal_missing {
-                    wal_lost::report_unended_run(&mut s);
-                }
-                return Ok(s);
+                let lost = if before.wal_missing {
+                    wal_lost::report_lost_commits(&mut s)
+                } else {
+                    None
+                };
+                return Ok(Opened { spool: s, lost });
             }
             Err(SpoolError::Corrupt { source, .. }) => source.to_string(),
             // SQLite reports some damage as a generic error (a mangled
@@ -141,7 +177,12 @@ pub fn open_spool_seen(
     let _ = std::fs::remove_file(&marker);
     let mut s = Spool::open(path, options)?;
     s.count("spool_moved_aside_corrupt", 1)?;
-    Ok(s)
+    Ok(Opened {
+        spool: s,
+        lost: Some(format!(
+            "the spool was damaged ({damage}); it was moved to {aside} and a fresh spool started"
+        )),
+    })
 }
 
 /// `<spool>.clean`: written at a clean stop.

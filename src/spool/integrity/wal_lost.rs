@@ -26,14 +26,24 @@
 //!   `<spool>.no-wal-<unix ms>` (with its empty `-wal` and `-shm`, if
 //!   any), untouched (it can still be put back with its `-wal`), and a
 //!   fresh spool starts.
-//! - **Its newest run never ended**: `runs` holds a run with no end and no
-//!   exit status, which only a run still going (or killed) leaves; after a
-//!   clean stop or a stop on an error the run has its end. The rows it holds
-//!   are kept and delivered; what the `-wal` held is gone. The agent
-//!   checkpoints right after it records a run's start, so even an early copy
-//!   shows the run. `edgespool export` marks the live run in its copy, so a
-//!   restored export is not taken for such a file.
+//! - **The run marker names a run whose commits are gone**
+//!   ([`super::run_marker`], `<spool>.run`, written at start and removed
+//!   only after a clean stop's final checkpoint): the run is not in the file
+//!   at all (a reader held the WAL from before it began, so no checkpoint
+//!   copied even its start), or it is there without a stop. Whatever
+//!   readers did, the marker says which run wrote last.
+//! - **Its newest run never ended** (no marker: a copy in another
+//!   directory): `runs` holds a run with no end and no exit status, which
+//!   only a run still going (or killed) leaves; after a clean stop or a stop
+//!   on an error the run has its end. The agent checkpoints right after it
+//!   records a run's start, so even an early copy shows the run.
+//!   `edgespool export` marks the live run in its copy, so a restored export
+//!   is not taken for such a file.
+//!
+//! In both cases the rows the file holds are kept and delivered, what the
+//! `-wal` held is gone, and health says so for the run.
 
+use super::run_marker::{self, RunMarker};
 use crate::spool::{wal_path, Spool};
 use std::path::{Path, PathBuf};
 
@@ -89,11 +99,12 @@ pub fn look(db: &Path) -> Before {
 /// Errors: no free name, or a rename failed (the agent then refuses to
 /// start, naming it).
 pub(super) fn move_aside(db: &Path) -> Result<String, String> {
-    let base = format!(
-        "{}.no-wal-{}",
-        db.display(),
-        crate::event::envelope::wall_clock_ms().0
-    );
+    move_aside_at(db, crate::event::envelope::wall_clock_ms().0)
+}
+
+/// [`move_aside`] with the wall clock read by the caller (`now_ms`).
+fn move_aside_at(db: &Path, now_ms: i64) -> Result<String, String> {
+    let base = format!("{}.no-wal-{now_ms}", db.display());
     let aside = move_to_free_name(db, &base)?;
     log::error!(
         "spool {} has no {}-wal and no table of its own: it is a WAL-mode database whose every commit was in the -wal (a copy of the file alone, taken while an agent ran, or a -wal removed); opened, it would become an empty spool. Moved it to {aside} untouched; starting a fresh spool. If you have the -wal taken at the same moment: stop the agent, put {aside} back as {} with that file as {}-wal, and start it. To back up a running spool use `edgespool export --config FILE --to PATH`",
@@ -154,26 +165,92 @@ fn move_to_free_name(db: &Path, base: &str) -> Result<String, String> {
     Ok(aside)
 }
 
-/// After `s` was opened from a file that had no `-wal`: if its newest run
-/// never ended, say so at ERROR and count it (`spool_opened_without_wal`).
-pub(super) fn report_unended_run(s: &mut Spool) {
-    let Ok(runs) = s.runs(1) else { return };
-    let Some(run) = runs
-        .into_iter()
-        .next()
-        .filter(|r| r.ended_ms.is_none() && r.exit_status.is_none())
-    else {
-        return;
+/// What a file opened without its `-wal` lost, as [`report_lost_commits`]
+/// judged it.
+#[derive(Debug, Clone)]
+enum Lost {
+    /// The run the marker names is not in the file: every commit it made
+    /// was in the `-wal` (a reader held the WAL from before it began, so no
+    /// checkpoint could copy it).
+    RunAbsent(RunMarker),
+    /// The run is in the file and never recorded a stop: the commits after
+    /// the file's last checkpoint are gone.
+    RunUnended(crate::spool::RunRecord),
+}
+
+/// Runs read from the file to find the marker's (the marker's run is the
+/// newest, or not there at all).
+const RUNS_LOOKED_AT: usize = 8;
+
+/// After `s` was opened from a file that had no `-wal` (or an empty one):
+/// whether commits are gone, from the run marker ([`run_marker`]) and the
+/// `runs` table. With a marker: its run absent from the file, or present
+/// without a stop, lost commits; present with its stop, nothing (killed
+/// between the final checkpoint and the marker's removal). Without one (a
+/// bare copy in another directory): the newest run without a stop. Each
+/// finding is an ERROR naming the run and what to do, counted
+/// `spool_opened_without_wal`; returns the short reason health gives for
+/// the run.
+pub(super) fn report_lost_commits(s: &mut Spool) -> Option<String> {
+    let marker = run_marker::read(s.path());
+    let runs = match s.runs(RUNS_LOOKED_AT) {
+        Ok(r) => r,
+        Err(e) => {
+            log::warn!(
+                "spool {} has no -wal and its runs cannot be read ({e}): cannot tell whether commits are gone",
+                s.path().display()
+            );
+            return None;
+        }
+    };
+    let unended = |r: &&crate::spool::RunRecord| r.ended_ms.is_none() && r.exit_status.is_none();
+    let newest = runs.first();
+    let lost = match marker {
+        // A marker older than the newest run was left by a run whose own
+        // marker could not be written: the file's runs say more.
+        Some(m) if newest.is_none_or(|r| r.id <= m.run_id) => {
+            match runs
+                .iter()
+                .find(|r| r.id == m.run_id && r.started_ms == m.started_ms)
+            {
+                None => Lost::RunAbsent(m),
+                Some(r) if unended(&r) => Lost::RunUnended(r.clone()),
+                Some(_) => return None,
+            }
+        }
+        _ => Lost::RunUnended(newest.filter(unended)?.clone()),
+    };
+    let shown = s.path().display().to_string();
+    let (what, short) = match &lost {
+        Lost::RunAbsent(m) => (
+            format!(
+                "spool {shown} has no -wal, and the run that last wrote it (run {}, pid {}, started at {} ms, named by {}) is not in the file: every commit of that run was only in the -wal (a reader holding the WAL from before the run began keeps checkpoints from copying anything), which is gone. Its readings, and the deliveries it recorded, are lost; rows it delivered may be sent again",
+                m.run_id,
+                m.pid,
+                m.started_ms,
+                run_marker::path(s.path()).display()
+            ),
+            format!(
+                "run {} committed only to the -wal, which was gone at start: its readings are lost",
+                m.run_id
+            ),
+        ),
+        Lost::RunUnended(run) => (
+            format!(
+                "spool {shown} has no -wal, but its newest run (run {}, pid {}, started at {} ms, version {}) never recorded a stop: the file was copied while that agent ran, without its -wal, or the -wal was lost after an unclean stop. Commits after the file's last checkpoint are not in it (readings published since may come again under new ids); the rows it holds are kept and delivered",
+                run.id, run.pid, run.started_ms, run.version
+            ),
+            format!(
+                "run {}'s commits after the file's last checkpoint were only in the -wal, which was gone at start",
+                run.id
+            ),
+        ),
     };
     log::error!(
-        "spool {} has no -wal, but its newest run (run {}, pid {}, started at {} ms, version {}) never recorded a stop: the file was copied while that agent ran, without its -wal, or the -wal was lost after an unclean stop. Commits after the file's last checkpoint are not in it (readings published since may come again under new ids); the rows it holds are kept and delivered. If this is a restored copy and you still have the original: stop this agent and restore from `edgespool export --config FILE --to PATH` instead (a bare copy of spool.db misses what its -wal held)",
-        s.path().display(),
-        run.id,
-        run.pid,
-        run.started_ms,
-        run.version
+        "{what}. If this is a restored copy and you still have the original: stop this agent and restore from `edgespool export --config FILE --to PATH` instead (a bare copy of spool.db misses what its -wal held); never remove a -wal by hand"
     );
     let _ = s.count("spool_opened_without_wal", 1);
+    Some(short)
 }
 
 #[cfg(test)]
@@ -312,19 +389,122 @@ mod tests {
     fn a_spool_moved_aside_at_a_wall_clock_name_already_used_replaces_nothing() {
         let d = tempfile::tempdir().unwrap();
         let db = d.path().join("spool.db");
-        let now = crate::event::envelope::wall_clock_ms().0;
-        for t in now..now + 2000 {
-            std::fs::write(format!("{}.no-wal-{t}", db.display()), b"earlier").unwrap();
+        // A board without a real-time clock back at the same wall-clock
+        // time: the name and its next suffix are taken (the clock is given,
+        // so a slow machine cannot move past the names made before).
+        let now = 1_000;
+        for name in [format!("{now}"), format!("{now}-2")] {
+            std::fs::write(format!("{}.no-wal-{name}", db.display()), b"earlier").unwrap();
         }
+        std::fs::write(format!("{}.no-wal-{now}-1-wal", db.display()), b"earlier").unwrap();
         std::fs::write(&db, b"this one").unwrap();
-        let aside = super::move_aside(&db).unwrap();
+        let aside = super::move_aside_at(&db, now).unwrap();
         assert_eq!(std::fs::read(&aside).unwrap(), b"this one");
-        assert!(aside.ends_with("-1"), "{aside}");
+        // `-1` is taken through its -wal, `-2` by itself: the next free one.
+        assert!(aside.ends_with(&format!("{now}-3")), "{aside}");
         let earlier = std::fs::read_dir(d.path())
             .unwrap()
             .filter(|e| std::fs::read(e.as_ref().unwrap().path()).unwrap() == b"earlier")
             .count();
-        assert_eq!(earlier, 2000, "an earlier file was replaced");
+        assert_eq!(earlier, 3, "an earlier file was replaced");
+    }
+
+    /// Issue 33, item 8: a reader holding the WAL from before a run began
+    /// keeps even the run's start out of the file; with the `-wal` lost the
+    /// file shows only an older run that ended cleanly. The run marker
+    /// names the run whatever the reader did.
+    #[test]
+    fn a_run_a_reader_kept_out_of_the_file_is_named_by_its_marker_when_the_wal_is_lost() {
+        use super::super::run_marker::{self, RunMarker};
+        let d = tempfile::tempdir().unwrap();
+        let live = d.path().join("live.db");
+        let mut s = Spool::open(&live, &SpoolOptions::default()).unwrap();
+        let first = s.begin_run(1, 41, "v").unwrap();
+        append(&mut s, 2);
+        s.end_run(first, 2, "ok", None).unwrap();
+        s.checkpoint(CheckpointMode::Truncate).unwrap();
+        let reader = rusqlite::Connection::open(&live).unwrap();
+        reader
+            .execute_batch("BEGIN; SELECT count(*) FROM runs;")
+            .unwrap();
+        let run = s.begin_run(3, 42, "v").unwrap();
+        let marker = RunMarker {
+            run_id: run,
+            pid: 42,
+            started_ms: 3,
+        };
+        run_marker::write(&live, &marker).unwrap();
+        s.checkpoint(CheckpointMode::Passive).unwrap();
+        append(&mut s, 5);
+        s.checkpoint(CheckpointMode::Passive).unwrap();
+        // The -wal lost after an unclean stop: the file alone, and the marker.
+        let lost = tempfile::tempdir().unwrap();
+        let db = lost.path().join("spool.db");
+        std::fs::copy(&live, &db).unwrap();
+        let unmarked = lost.path().join("unmarked.db");
+        std::fs::copy(&live, &unmarked).unwrap();
+        run_marker::write(&db, &marker).unwrap();
+        drop(reader);
+        let o = super::super::open_spool_judged(&db, &SpoolOptions::default(), super::look(&db))
+            .unwrap();
+        assert_eq!(
+            rows(&o.spool),
+            2,
+            "only the first run's rows reached the file"
+        );
+        assert!(
+            o.lost
+                .as_deref()
+                .is_some_and(|l| l.contains(&format!("run {run} committed only to the -wal"))),
+            "{:?}",
+            o.lost
+        );
+        assert_eq!(counter(&o.spool, "spool_opened_without_wal"), 1);
+        // Without the marker the file tells nothing: before it, every
+        // commit of the run was gone without a word.
+        let o = super::super::open_spool_judged(
+            &unmarked,
+            &SpoolOptions::default(),
+            super::look(&unmarked),
+        )
+        .unwrap();
+        assert_eq!(
+            (o.lost, counter(&o.spool, "spool_opened_without_wal")),
+            (None, 0)
+        );
+    }
+
+    #[test]
+    fn a_marker_whose_run_ended_or_that_an_older_run_left_reports_nothing_of_its_own() {
+        use super::super::run_marker::{self, RunMarker};
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("spool.db");
+        let mut s = Spool::open(&db, &SpoolOptions::default()).unwrap();
+        let run = s.begin_run(5, 42, "v").unwrap();
+        let m = RunMarker {
+            run_id: run,
+            pid: 42,
+            started_ms: 5,
+        };
+        // Killed after the final checkpoint, before the marker's removal.
+        run_marker::write(&db, &m).unwrap();
+        s.end_run(run, 6, "ok", None).unwrap();
+        drop(s);
+        let o = super::super::open_spool_judged(&db, &SpoolOptions::default(), super::look(&db))
+            .unwrap();
+        assert_eq!(o.lost, None);
+        // A later run whose marker could not be written: the stale marker
+        // gives way to the file's newest run, which ended.
+        let mut s = o.spool;
+        let later = s.begin_run(7, 43, "v").unwrap();
+        s.end_run(later, 8, "ok", None).unwrap();
+        drop(s);
+        let o = super::super::open_spool_judged(&db, &SpoolOptions::default(), super::look(&db))
+            .unwrap();
+        assert_eq!(
+            (o.lost, counter(&o.spool, "spool_opened_without_wal")),
+            (None, 0)
+        );
     }
 
     #[test]

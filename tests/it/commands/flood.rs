@@ -1,8 +1,8 @@
 //! Issue 21, item 1: a sender on the command topic cannot lock the operator
 //! out. 10,000 junk commands of every shape, from 1,000 invented scopes,
 //! published as fast as the broker takes them, with `commands.max_records`
-//! at its minimum (1000); then the operator's `apply-config` and `ping` in
-//! an operator scope (`commands.operator_scopes`) are answered within 5 s,
+//! at its minimum (1000); then the operator's `apply-config` and `ping`,
+//! signed by its key (`commands.operator_public_keys`), are answered within 5 s,
 //! again right after a restart (the broker redelivering the junk not yet
 //! acknowledged), and once all the junk is answered.
 
@@ -72,9 +72,15 @@ fn timed(rig: &Rig, cmd: Value) -> (Option<Value>, Duration) {
 fn operator_answers(rig: &Rig, agent: &mut AgentProc, round: &str, interval: u32) {
     let tag = round.replace(' ', "-");
     let overlay = format!("[agent]\nsummary_interval_secs = {interval}\n");
-    let push = json!({"command_id": format!("op-push-{tag}"), "scope": "ops", "name": "apply-config",
-                      "args": {"config": overlay, "sha256": super::sha(&overlay)}});
-    let ping = json!({"command_id": format!("op-ping-{tag}"), "scope": "ops", "name": "ping"});
+    let push = rig.signed(
+        json!({"command_id": format!("op-push-{tag}"), "scope": "ops",
+                      "name": "apply-config",
+                      "args": {"config": overlay, "sha256": super::sha(&overlay)}}),
+    );
+    let ping = rig.signed(
+        json!({"command_id": format!("op-ping-{tag}"), "scope": "ops",
+                                 "name": "ping"}),
+    );
     for (what, cmd) in [("apply-config", push), ("ping", ping)] {
         let (r, took) = timed(rig, cmd);
         println!(
@@ -101,7 +107,7 @@ fn ten_thousand_junk_commands_never_lock_the_operator_out_even_across_a_restart(
     let rig = Rig::with(
         "flood",
         Extra {
-            commands: "max_records = 1000\noperator_scopes = [\"ops\"]",
+            commands: "max_records = 1000",
             // Keep every junk command for the agent (mosquitto drops beyond
             // 1000 queued by default).
             broker: "max_queued_messages 40000\n",
@@ -234,17 +240,19 @@ fn ten_thousand_junk_commands_never_lock_the_operator_out_even_across_a_restart(
     );
 }
 
-/// The records' share of other scopes filled with commands that ran (an
-/// exec handler's record must outlive the redelivery window): a new command of another scope is answered `no_room` and not
-/// recorded, a duplicate still gets its stored answer, and the operator's
-/// commands (and a push from another scope) still find room, before and
-/// after a restart; no record of a command that ran is deleted.
+/// The records' share of commands no operator key signed, filled with
+/// commands that ran (an exec handler's record must outlive the redelivery
+/// window; `allow_unsigned` is on in this rig): a new unsigned command is
+/// answered `no_room` and not recorded, a duplicate still gets its stored
+/// answer, and the operator's signed commands (and an unsigned push) still
+/// find room, before and after a restart; no record of a command that ran
+/// is deleted.
 #[test]
 fn with_the_other_scopes_share_of_records_full_the_operator_still_has_room() {
     let rig = Rig::with(
         "records-share",
         Extra {
-            commands: "max_records = 1000\noperator_scopes = [\"ops\"]\n\
+            commands: "max_records = 1000\n\
                        max_per_minute = 600000\nmax_per_minute_per_scope = 60000",
             broker: "max_queued_messages 40000\n",
             ..Extra::default()
@@ -308,14 +316,18 @@ fn with_the_other_scopes_share_of_records_full_the_operator_still_has_room() {
             "duplicate",
         );
         assert!(r.is_some(), "{round}: no stored answer for f-0");
-        // The operator, and a push from another scope, still have room.
+        // The operator's signed commands, and an unsigned push, still have room.
         let overlay = "[agent]\nsummary_interval_secs = 20\n";
         let push = json!({"command_id": format!("push-{round}"), "scope": "fleet",
                           "name": "apply-config",
                           "args": {"config": overlay, "sha256": super::sha(overlay)}});
         for cmd in [
-            json!({"command_id": format!("op-flush-{round}"), "scope": "ops", "name": "flush"}),
-            json!({"command_id": format!("op-ping-{round}"), "scope": "ops", "name": "ping"}),
+            rig.signed(
+                json!({"command_id": format!("op-flush-{round}"), "scope": "ops", "name": "flush"}),
+            ),
+            rig.signed(
+                json!({"command_id": format!("op-ping-{round}"), "scope": "ops", "name": "ping"}),
+            ),
             push,
         ] {
             let (r, took) = timed(&rig, cmd.clone());

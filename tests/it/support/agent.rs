@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::tail;
+use super::{tail, wait_for};
 
 /// How long `run_cli` lets a command run before killing it and panicking.
 pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
@@ -95,13 +95,32 @@ impl AgentProc {
         envs: &[(&str, &str)],
         customize: impl FnOnce(&mut Command),
     ) -> AgentProc {
+        let log = agent_log_filter();
+        AgentProc::launch(command(), config_path, sets, dir, envs, &log, customize)
+    }
+
+    /// The binary `bin` (a bench's release build, say) run as the agent
+    /// with RUST_LOG=`log`, no runner in front, otherwise as
+    /// [`AgentProc::spawn`].
+    pub fn spawn_bin(bin: &Path, config_path: &Path, dir: &Path, log: &str) -> AgentProc {
+        AgentProc::launch(Command::new(bin), config_path, &[], dir, &[], log, |_| {})
+    }
+
+    fn launch(
+        mut cmd: Command,
+        config_path: &Path,
+        sets: &[String],
+        dir: &Path,
+        envs: &[(&str, &str)],
+        log_filter: &str,
+        customize: impl FnOnce(&mut Command),
+    ) -> AgentProc {
         std::fs::create_dir_all(dir)
             .unwrap_or_else(|e| panic!("create agent dir {}: {e}", dir.display()));
         let (log_path, log) = claim_log_file(dir);
         let log_err = log
             .try_clone()
             .unwrap_or_else(|e| panic!("clone handle of {}: {e}", log_path.display()));
-        let mut cmd = command();
         cmd.arg("run").arg("--config").arg(config_path);
         for set in sets {
             cmd.arg("--set").arg(set);
@@ -109,15 +128,16 @@ impl AgentProc {
         for (k, v) in envs {
             cmd.env(k, v);
         }
-        cmd.env("RUST_LOG", agent_log_filter())
+        cmd.env("RUST_LOG", log_filter)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
         customize(&mut cmd);
+        let program = cmd.get_program().to_owned();
         let child = cmd.spawn().unwrap_or_else(|e| {
             panic!(
                 "spawn {} run --config {}: {e}",
-                bin().display(),
+                program.to_string_lossy(),
                 config_path.display()
             )
         });
@@ -230,6 +250,43 @@ impl AgentProc {
                 .is_some_and(|r| r.starts_with(']') || r.starts_with("::") || r.starts_with(':'));
             in_part && l.contains(text)
         })
+    }
+
+    /// Wait up to `timeout` until the log holds `text`.
+    pub fn wait_log(&self, timeout: Duration, text: &str) -> bool {
+        wait_for(timeout, || self.log_text().contains(text))
+    }
+
+    /// Wait up to `timeout` for a log line holding `text` and return the
+    /// first such line; panics with the log's tail if none came.
+    pub fn await_line(&self, timeout: Duration, text: &str) -> String {
+        let mut line = None;
+        let found = wait_for(timeout, || {
+            line = self
+                .log_text()
+                .lines()
+                .find(|l| l.contains(text))
+                .map(str::to_owned);
+            line.is_some()
+        });
+        assert!(
+            found,
+            "no log line with {text:?} within {timeout:?}:\n{}",
+            self.log_tail(30)
+        );
+        line.unwrap_or_default()
+    }
+
+    /// SIGTERM, then assert the agent stopped by itself within `timeout`
+    /// and exited 0 (panics with the log tail otherwise).
+    pub fn terminate_clean(&mut self, timeout: Duration) {
+        let status = self.terminate(timeout);
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(0),
+            "{}",
+            self.log_tail(40)
+        );
     }
 
     /// The last `lines` lines of the log (for assertion messages).

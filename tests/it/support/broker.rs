@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{free_port, tail};
+use super::{free_port, run_ok, tail, wait_for};
 
+/// Debian installs mosquitto in /usr/sbin, which a non-root PATH may lack.
 const MOSQUITTO: &str = "/usr/sbin/mosquitto";
 /// How long `start` waits for the listener to accept TCP.
 const START_TIMEOUT: Duration = Duration::from_secs(5);
@@ -17,6 +18,8 @@ const RESTART_TIMEOUT: Duration = Duration::from_secs(8);
 pub struct Broker {
     child: Option<Child>,
     port: u16,
+    /// The listener speaks TLS: readiness is a TCP accept, not a CONNACK.
+    tls: bool,
     dir: tempfile::TempDir,
     conf_path: PathBuf,
     log_path: PathBuf,
@@ -41,7 +44,7 @@ impl Broker {
     /// errors, warnings, notices and connections are logged (a debug line per
     /// packet slows mosquitto under a load test).
     pub fn start_with_options(extra: &str, verbose: bool) -> Broker {
-        Broker::start_inner(extra, verbose, false)
+        Broker::start_inner(extra, verbose, false, false)
     }
 
     /// Like [`Broker::start_with_options`], with mosquitto's own persistence
@@ -50,10 +53,20 @@ impl Broker {
     /// [`Broker::restart_graceful`] (mosquitto writes the file when it exits
     /// on SIGTERM, and every `autosave_interval` = 1 s otherwise).
     pub fn start_persistent(extra: &str, verbose: bool) -> Broker {
-        Broker::start_inner(extra, verbose, true)
+        Broker::start_inner(extra, verbose, true, false)
     }
 
-    fn start_inner(extra: &str, verbose: bool, persistent: bool) -> Broker {
+    /// Like [`Broker::start_with_config`], its one listener speaking TLS
+    /// with `pki`'s `good-ca.pem`, `server.pem` and `server.key`; `extra`
+    /// says who may connect (`require_certificate`, `allow_anonymous`).
+    pub fn start_tls(pki: &Path, extra: &str) -> Broker {
+        let d = pki.display();
+        let tls =
+            format!("cafile {d}/good-ca.pem\ncertfile {d}/server.pem\nkeyfile {d}/server.key\n");
+        Broker::start_inner(&format!("{tls}{extra}"), true, false, true)
+    }
+
+    fn start_inner(extra: &str, verbose: bool, persistent: bool, tls: bool) -> Broker {
         let dir = tempfile::Builder::new()
             .prefix("edgespool-broker-")
             .tempdir()
@@ -63,6 +76,7 @@ impl Broker {
         let mut broker = Broker {
             child: None,
             port: 0,
+            tls,
             dir,
             conf_path,
             log_path,
@@ -125,25 +139,16 @@ impl Broker {
         }
     }
 
-    /// SIGKILL the broker (no clean shutdown, no goodbye to clients) and
-    /// reap it. A no-op if it is not running.
-    /// SIGTERM (mosquitto saves its persistence file on the way out) and reap.
+    /// SIGTERM (mosquitto saves its persistence file on the way out) and
+    /// reap; SIGKILL after 10 s. A no-op if it is not running.
     pub fn stop_graceful(&mut self) {
         if let Some(mut child) = self.child.take() {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while std::time::Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            super::terminate(&mut child, Duration::from_secs(10));
         }
     }
 
+    /// SIGKILL the broker (no clean shutdown, no goodbye to clients) and
+    /// reap it. A no-op if it is not running.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             // Child::kill sends SIGKILL on Unix; an error only means it has
@@ -197,6 +202,11 @@ impl Broker {
         }
     }
 
+    /// Wait up to `timeout` until mosquitto's log holds `text`.
+    pub fn wait_log(&self, timeout: Duration, text: &str) -> bool {
+        wait_for(timeout, || self.log_text().contains(text))
+    }
+
     /// Spawn mosquitto and wait until it answers an MQTT CONNECT on its port,
     /// the process dies, or `timeout` passes.
     fn spawn_and_wait(&mut self, timeout: Duration) -> Result<(), String> {
@@ -207,14 +217,19 @@ impl Broker {
             .open(&self.log_path)
             .unwrap_or_else(|e| panic!("open mosquitto log {}: {e}", self.log_path.display()));
         let log_err = log.try_clone().expect("clone mosquitto log file handle");
-        let child = Command::new(MOSQUITTO)
+        let exe = if Path::new(MOSQUITTO).exists() {
+            MOSQUITTO
+        } else {
+            "mosquitto"
+        };
+        let child = Command::new(exe)
             .arg("-c")
             .arg(&self.conf_path)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
             .spawn()
-            .unwrap_or_else(|e| panic!("spawn {MOSQUITTO}: {e}"));
+            .unwrap_or_else(|e| panic!("spawn {exe} (cross/setup-debian.sh installs it): {e}"));
         self.child = Some(child);
 
         let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
@@ -225,7 +240,12 @@ impl Broker {
                 self.child = None;
                 return Err(format!("mosquitto exited early with {status}"));
             }
-            if mqtt_probe(&addr) {
+            let ready = if self.tls {
+                TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+            } else {
+                mqtt_probe(&addr)
+            };
+            if ready {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -242,6 +262,22 @@ impl Drop for Broker {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// Write mosquitto's password file `path` holding `users` (name,
+/// password), with `mosquitto_passwd -b`.
+pub fn password_file(path: &Path, users: &[(&str, &str)]) {
+    for (i, (user, password)) in users.iter().enumerate() {
+        let mut c = Command::new("mosquitto_passwd");
+        c.arg("-b");
+        if i == 0 {
+            c.arg("-c");
+        }
+        run_ok(
+            c.arg(path).args([user, password]),
+            "mosquitto_passwd (package mosquitto)",
+        );
     }
 }
 

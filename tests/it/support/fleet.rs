@@ -57,26 +57,16 @@ pub fn password_file(dir: &Path, user: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("no user {user} in the fleet layout"));
     let path = dir.join(format!("{user}.password"));
     std::fs::write(&path, format!("{password}\n")).expect("write a password file");
+    // Readable by its owner only: a password file others can read is refused.
+    let private = <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600);
+    std::fs::set_permissions(&path, private).expect("chmod 600 the password file");
     path
 }
 
 /// mosquitto with docs/fleet.md's settings and ACL (and `extra` before them),
 /// its password file and ACL written in `dir`.
 pub fn broker(dir: &Path, extra: &str) -> Broker {
-    let pw = dir.join("passwd");
-    for (i, (user, password)) in USERS.iter().enumerate() {
-        let mut c = std::process::Command::new("mosquitto_passwd");
-        c.arg("-b");
-        if i == 0 {
-            c.arg("-c");
-        }
-        let out = c
-            .arg(&pw)
-            .args([user, password])
-            .output()
-            .expect("run mosquitto_passwd (package mosquitto)");
-        assert!(out.status.success(), "mosquitto_passwd: {out:?}");
-    }
+    super::broker::password_file(&dir.join("passwd"), &USERS);
     std::fs::write(dir.join("acl"), readme_acl()).expect("write the ACL file");
     Broker::start_with_config(&format!("{extra}{}", readme_conf(dir)))
 }

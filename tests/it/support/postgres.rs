@@ -168,6 +168,25 @@ impl Postgres {
         )
     }
 
+    /// A new, empty database `name` (dropped first if it exists); its
+    /// libpq connection string.
+    pub fn database(&self, name: &str) -> String {
+        let mut c = self.client();
+        // One statement each: DROP/CREATE DATABASE cannot run in the
+        // implicit transaction block of a multi-statement string.
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {name}"),
+            format!("CREATE DATABASE {name}"),
+        ] {
+            c.batch_execute(&sql)
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname={name}",
+            self.port
+        )
+    }
+
     /// A new client connection over the Unix socket (which pg_hba.conf
     /// may allow when TCP needs TLS).
     pub fn socket_client(&self) -> postgres::Client {

@@ -118,17 +118,14 @@ impl PowerCut {
         let src = dir.join("powercut.c");
         let lib = dir.join("libpowercut.so");
         std::fs::write(&src, SHIM_C).expect("write powercut.c");
-        let out = Command::new("cc")
-            .args(["-shared", "-fPIC", "-O2", "-o"])
+        let mut cc = Command::new("cc");
+        cc.args(["-shared", "-fPIC", "-O2", "-o"])
             .arg(&lib)
             .arg(&src)
-            .arg("-ldl")
-            .output()
-            .expect("run cc (the power-cut simulator needs a C compiler)");
-        assert!(
-            out.status.success(),
-            "cc powercut.c: {}",
-            String::from_utf8_lossy(&out.stderr)
+            .arg("-ldl");
+        super::run_ok(
+            &mut cc,
+            "cc powercut.c (the power-cut simulator needs a C compiler)",
         );
         PowerCut {
             lib,

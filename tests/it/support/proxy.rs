@@ -18,6 +18,7 @@ const POLL: Duration = Duration::from_millis(50);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+const TYPE_CONNACK: u8 = 2;
 const TYPE_PUBLISH: u8 = 3;
 const TYPE_PUBACK: u8 = 4;
 const TYPE_SUBSCRIBE: u8 = 8;
@@ -174,6 +175,12 @@ struct Shared {
     publishes_seen: AtomicU64,
     publishes_forwarded: AtomicU64,
     accepted: AtomicU64,
+    /// A client PUBLISH whose topic contains this closes its connection.
+    close_on_topic: Mutex<Option<String>>,
+    /// The next this many client SUBSCRIBEs close their connection.
+    close_subscribes: AtomicU64,
+    /// Maximum Packet Size written into MQTT 5 CONNACKs (0: unchanged).
+    connack_max_packet: AtomicU64,
     conns: Mutex<Vec<Arc<Conn>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -239,6 +246,9 @@ impl Proxy {
             publishes_seen: AtomicU64::new(0),
             publishes_forwarded: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
+            close_on_topic: Mutex::new(None),
+            close_subscribes: AtomicU64::new(0),
+            connack_max_packet: AtomicU64::new(0),
             conns: Mutex::new(Vec::new()),
             threads: Mutex::new(Vec::new()),
         });
@@ -286,6 +296,29 @@ impl Proxy {
     /// packet, as brokers count it); 0 turns this off.
     pub fn set_max_publish(&self, bytes: u64) {
         self.shared.max_publish.store(bytes, Ordering::SeqCst);
+    }
+
+    /// Close a connection on any client PUBLISH whose topic contains
+    /// `part` (`None`: off): a broker, or a man in the middle, that drops
+    /// the connection after every event it is sent.
+    pub fn set_close_on_publish_to(&self, part: Option<&str>) {
+        *self.shared.close_on_topic.lock().expect("proxy lock") = part.map(str::to_owned);
+    }
+
+    /// Close the connection on each of the next `n` client SUBSCRIBEs,
+    /// whatever the mode (a link reset right after the subscribe).
+    pub fn close_next_subscribes(&self, n: u64) {
+        self.shared.close_subscribes.store(n, Ordering::SeqCst);
+    }
+
+    /// Announce `max` as the Maximum Packet Size (MQTT 5 §3.2.2.3.6) in
+    /// every MQTT 5 CONNACK the broker sends (`None`: pass it unchanged): a
+    /// hostile or misconfigured relay. The broker must not announce one of
+    /// its own (mosquitto without `max_packet_size` does not).
+    pub fn set_connack_max_packet(&self, max: Option<u32>) {
+        self.shared
+            .connack_max_packet
+            .store(max.map_or(0, u64::from), Ordering::SeqCst);
     }
 
     /// Connections closed because of a SUBSCRIBE or an oversized PUBLISH.
@@ -523,8 +556,10 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
                 }
                 let too_big = shared.max_publish.load(Ordering::SeqCst);
                 if dir == Direction::ToBroker
-                    && ((mode == Mode::CloseOnSubscribe && ptype == TYPE_SUBSCRIBE)
-                        || (ptype == TYPE_PUBLISH && too_big > 0 && packet.len() as u64 > too_big))
+                    && ((ptype == TYPE_SUBSCRIBE
+                        && (mode == Mode::CloseOnSubscribe || take_one(&shared.close_subscribes)))
+                        || (ptype == TYPE_PUBLISH && too_big > 0 && packet.len() as u64 > too_big)
+                        || (ptype == TYPE_PUBLISH && closes_on_topic(shared, &packet)))
                 {
                     // Like a broker that refuses by disconnecting.
                     shared.closed_on_packet.fetch_add(1, Ordering::SeqCst);
@@ -548,6 +583,11 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
                 if dir == Direction::ToBroker && ptype == TYPE_PUBLISH {
                     publishes += 1;
                 }
+                let max = shared.connack_max_packet.load(Ordering::SeqCst);
+                if dir == Direction::ToClient && ptype == TYPE_CONNACK && max > 0 {
+                    out.extend_from_slice(&with_max_packet(&packet, max as u32));
+                    continue;
+                }
                 out.extend_from_slice(&packet);
             }
             if frame_len(&pending) == Frame::Malformed {
@@ -569,6 +609,71 @@ fn pump(shared: &Shared, conn: &Conn, dir: Direction) {
         }
     }
     conn.close();
+}
+
+/// Take one from `n` if it is above 0.
+fn take_one(n: &AtomicU64) -> bool {
+    n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1))
+        .is_ok()
+}
+
+/// Whether `packet` (a whole PUBLISH) goes to a topic the proxy closes on.
+fn closes_on_topic(shared: &Shared, packet: &[u8]) -> bool {
+    let part = shared.close_on_topic.lock().expect("proxy lock").clone();
+    let Some(part) = part else {
+        return false;
+    };
+    // Fixed header, Remaining Length (1 to 4 bytes), then the topic's length.
+    let start = 1
+        + packet[1..]
+            .iter()
+            .take(4)
+            .take_while(|b| *b & 0x80 != 0)
+            .count()
+        + 1;
+    let topic = packet.get(start..start + 2).and_then(|l| {
+        let len = usize::from(u16::from_be_bytes([l[0], l[1]]));
+        packet.get(start + 2..start + 2 + len)
+    });
+    topic.is_some_and(|t| String::from_utf8_lossy(t).contains(&part))
+}
+
+/// An MQTT 5 CONNACK (`packet`, whole) with the Maximum Packet Size
+/// property `max` appended to its properties; a 3.1.1 CONNACK (two bytes,
+/// no properties) as it is.
+fn with_max_packet(packet: &[u8], max: u32) -> Vec<u8> {
+    let start = 1
+        + packet[1..]
+            .iter()
+            .take(4)
+            .take_while(|b| *b & 0x80 != 0)
+            .count()
+        + 1;
+    let body = &packet[start..];
+    if body.len() <= 2 {
+        return packet.to_vec();
+    }
+    // Flags, reason code, then the properties' length (a variable integer).
+    let mut len = 0usize;
+    let mut n = 0;
+    while let Some(b) = body.get(2 + n) {
+        len |= usize::from(b & 0x7f) << (7 * n);
+        n += 1;
+        if b & 0x80 == 0 || n == 4 {
+            break;
+        }
+    }
+    let mut props = body[2 + n..].to_vec();
+    props.truncate(len);
+    props.push(0x27);
+    props.extend_from_slice(&max.to_be_bytes());
+    let mut new_body = body[..2].to_vec();
+    new_body.extend(encode_remaining_length(props.len()));
+    new_body.extend(props);
+    let mut out = vec![packet[0]];
+    out.extend(encode_remaining_length(new_body.len()));
+    out.extend(new_body);
+    out
 }
 
 /// While blackholed, a peer that goes away must not be reported to the other

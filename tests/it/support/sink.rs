@@ -4,7 +4,7 @@
 use super::{tail, wait_for};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The broker settings docs/fleet.md's fleet layout asks for: room for a
 /// whole batch in flight per sink, and no limit on what is queued for a
@@ -84,14 +84,51 @@ impl SinkProc {
     /// `edgespool sink ARGS..` and nothing else (a `--config` run), with
     /// `envs` set, logging to `dir/ID-N.log` (the first N not taken).
     pub fn launch_only(id: &str, dir: &Path, args: &[&str], envs: &[(&str, &str)]) -> SinkProc {
+        SinkProc::launch_cmd(super::agent::command(), id, dir, args, envs)
+    }
+
+    /// [`SinkProc::launch_only`] of the binary `bin` (a bench's release
+    /// build, say), with no runner in front.
+    pub fn launch_bin(bin: &Path, id: &str, dir: &Path, args: &[&str]) -> SinkProc {
+        SinkProc::launch_cmd(Command::new(bin), id, dir, args, &[])
+    }
+
+    fn launch_cmd(
+        mut cmd: Command,
+        id: &str,
+        dir: &Path,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> SinkProc {
         let n = (1..)
             .find(|n| !dir.join(format!("{id}-{n}.log")).exists())
             .expect("a free log name");
         let log = dir.join(format!("{id}-{n}.log"));
         let f = std::fs::File::create(&log).expect("sink log");
-        let child = Command::new(super::agent::bin())
+        // Receipts are signed by the test fleet's key, unless the test says
+        // otherwise (`--no-receipts`, its own `--receipt-key`, a `--config`
+        // file, a report).
+        let own = [
+            "--no-receipts",
+            "--receipt-key",
+            "--config",
+            "--stats",
+            "-c",
+        ];
+        let key = super::keys::fleet_key()
+            .file
+            .to_str()
+            .expect("UTF-8 path")
+            .to_owned();
+        let key_args: Vec<&str> = if args.iter().any(|a| own.contains(a)) {
+            Vec::new()
+        } else {
+            vec!["--receipt-key", &key]
+        };
+        let child = cmd
             .arg("sink")
             .args(args)
+            .args(&key_args)
             .envs(envs.iter().copied())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -109,12 +146,15 @@ impl SinkProc {
     /// Wait until the sink logged its SUBACK.
     pub fn wait_subscribed(&self) {
         assert!(
-            wait_for(Duration::from_secs(30), || self
-                .log_text()
-                .contains("sink: subscribed")),
+            self.subscribed(Duration::from_secs(30)),
             "sink did not subscribe:\n{}",
             tail(&self.log_text(), 20)
         );
+    }
+
+    /// Wait up to `timeout` until the sink logged its SUBACK.
+    pub fn subscribed(&self, timeout: Duration) -> bool {
+        wait_for(timeout, || self.log_text().contains("sink: subscribed"))
     }
 
     /// The exit status, once the sink ended (within `timeout`).
@@ -133,17 +173,14 @@ impl SinkProc {
         let _ = self.child.wait();
     }
 
+    /// SIGTERM, then SIGKILL if it has not stopped within 15 s.
     pub fn terminate(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.kill();
+        self.stop(Duration::from_secs(15));
+    }
+
+    /// SIGTERM, then SIGKILL if it has not stopped within `grace`.
+    pub fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        super::terminate(&mut self.child, grace)
     }
 }
 
@@ -154,4 +191,38 @@ impl Drop for SinkProc {
             let _ = self.child.wait();
         }
     }
+}
+
+/// `edgespool sink --stats ARGS..` (ARGS name the store): its report;
+/// panics with stderr unless it exits 0.
+pub fn stats(args: &[&str]) -> String {
+    let mut all = vec!["sink", "--stats"];
+    all.extend_from_slice(args);
+    let (status, out, err) = super::agent::run_cli(&all);
+    assert_eq!(status.code(), Some(0), "sink --stats {args:?}: {err}");
+    out
+}
+
+/// [`stats`] with `--json`, parsed.
+pub fn stats_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = stats(&all);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("sink --stats JSON ({e}): {out}"))
+}
+
+/// event id -> (payload, deliveries) in the SQLite store of a sink at
+/// `db` (empty before the sink has created it).
+pub fn sqlite_received(db: &Path) -> std::collections::HashMap<String, (Vec<u8>, i64)> {
+    let Ok(c) =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    else {
+        return Default::default();
+    };
+    let Ok(mut st) = c.prepare("SELECT event_id, payload, deliveries FROM received") else {
+        return Default::default();
+    };
+    st.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
+        .and_then(|rows| rows.collect())
+        .unwrap_or_default()
 }

@@ -8,6 +8,9 @@ use std::time::Duration;
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OpenFlags};
 
+use super::agent::AgentProc;
+use super::wait_for;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Row {
     pub id: i64,
@@ -62,6 +65,61 @@ pub fn count_by_state(db: &Path) -> BTreeMap<String, i64> {
 /// Number of rows in `state` (0 if none).
 pub fn count_in_state(db: &Path, state: &str) -> i64 {
     count_by_state(db).get(state).copied().unwrap_or(0)
+}
+
+/// Rows per delivery state of a spool at one moment ([`count_by_state`];
+/// none before the agent has created the file).
+pub struct States(BTreeMap<String, i64>);
+
+impl States {
+    /// Rows in `state` ('PENDING', 'SENT', 'ACKED' or 'FAILED'; 0 if none).
+    pub fn n(&self, state: &str) -> i64 {
+        self.0.get(state).copied().unwrap_or(0)
+    }
+}
+
+impl std::fmt::Debug for States {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The spool's [`States`] now (none while the file does not exist).
+pub fn states(db: &Path) -> States {
+    if !db.exists() {
+        return States(BTreeMap::new());
+    }
+    States(count_by_state(db))
+}
+
+/// Wait up to `timeout` until `cond` holds on the spool's [`States`];
+/// panics with `what`, the counts and the agent's log tail otherwise.
+pub fn await_states(
+    db: &Path,
+    agent: &AgentProc,
+    timeout: Duration,
+    what: &str,
+    cond: impl Fn(&States) -> bool,
+) {
+    assert!(
+        wait_for(timeout, || cond(&states(db))),
+        "{what} within {timeout:?}: {:?}\n{}",
+        states(db),
+        agent.log_tail(30)
+    );
+}
+
+/// A persistent counter of the spool's `counters` table (0 while the
+/// spool, its schema or the counter does not exist yet).
+pub fn counter(db: &Path, name: &str) -> i64 {
+    if !db.exists() {
+        return 0;
+    }
+    open(db)
+        .query_row("SELECT value FROM counters WHERE name = ?1", [name], |r| {
+            r.get(0)
+        })
+        .unwrap_or(0)
 }
 
 /// True once the agent has created the `events` table (a spool file can

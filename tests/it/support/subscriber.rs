@@ -101,6 +101,11 @@ impl Subscriber {
         sub
     }
 
+    /// [`Subscriber::start`] on a board's events, `<prefix>/events/#`.
+    pub fn events(port: u16, prefix: &str) -> Subscriber {
+        Subscriber::start(port, &format!("{prefix}/events/#"))
+    }
+
     pub fn client_id(&self) -> &str {
         &self.client_id
     }
