@@ -261,6 +261,16 @@ impl Delivery {
         }
     }
 
+    /// When health's copy of a change held back by the rate limit is due
+    /// (`None`: it is current): the loop wakes for it, or health would
+    /// wait for the next message or safety poll to hear of the change.
+    pub(super) fn book_refresh_due(&self) -> Option<Instant> {
+        self.book_dirty.then(|| {
+            self.book_published
+                .map_or_else(Instant::now, |t| t + SUMMARY_EVERY)
+        })
+    }
+
     /// Refresh health's copy if a change was held back by the rate limit.
     pub(super) fn book_refresh(&mut self) {
         let stale = self

@@ -207,6 +207,9 @@ pub fn run(
         if let Some(due) = d.batcher.next_due() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
+        if let Some(due) = d.book_refresh_due() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
         if let Some(due) = d.expire_receipts() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }

@@ -204,6 +204,15 @@ impl Writer {
             .min(crate::flash::write_budget::MAX_CHECKPOINT_INTERVAL)
     }
 
+    /// How long agent state waits for a commit to ride before it opens a
+    /// window alone (an idle or offline board): a state period, at least a
+    /// summary interval (what the summary wrote in a commit of its own
+    /// before issue 35).
+    pub(super) fn idle_state_period(&self) -> Duration {
+        self.state_period()
+            .max(self.conf.cfg.agent.summary_interval)
+    }
+
     /// How long delivery records wait for a commit of readings to ride
     /// before they commit alone: a state period, at most a summary
     /// interval, at least the commit window.

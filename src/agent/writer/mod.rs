@@ -240,9 +240,13 @@ impl Writer {
                     break;
                 }
             }
-            // Health's reasons changed and nothing else commits: the state
-            // opens a window of its own (at most once a state period).
-            if self.riding.pressing(now, self.state_period()) {
+            // Health's reasons changed, or nothing else committed for an
+            // idle period: the state opens a window of its own (at most
+            // once a state period).
+            if self
+                .riding
+                .opens_window(now, self.state_period(), self.idle_state_period())
+            {
                 at.open_window(now, self.upkeep.window());
             }
             if at.summary_due(now) {

@@ -9,7 +9,9 @@
 //! checkpoint interval, at most five minutes: a page written more often is
 //! copied back once per checkpoint anyway; the summary's records change
 //! once a summary interval), and opens a window of its own only when
-//! health's reasons changed and nothing else commits (issue 35).
+//! health's reasons changed, or when nothing else committed for an idle
+//! period (a state period, at least a summary interval: `status` stays
+//! current on an idle or offline board) (issue 35).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -64,6 +66,19 @@ impl Riding {
     /// Whether state that waits must open a window of its own at `now`.
     pub(super) fn pressing(&self, now: Instant, period: Duration) -> bool {
         self.pressing && self.states_due(now, period)
+    }
+
+    /// Whether state that waits opens a window at `now`: when pressing
+    /// (once a `period`), or once it has not reached the spool for
+    /// `idle_period` (nothing else committed: a window already open is
+    /// not opened again, so with readings flowing this adds no commit).
+    pub(super) fn opens_window(
+        &self,
+        now: Instant,
+        period: Duration,
+        idle_period: Duration,
+    ) -> bool {
+        self.pressing(now, period) || self.states_due(now, idle_period)
     }
 
     /// Take what rides a commit at `now`: the counters, and the state when
@@ -123,6 +138,26 @@ mod tests {
         r.stored(&next, t + Duration::from_secs(30));
         assert!(r.states_due(t + PERIOD, PERIOD));
         assert!(!r.pressing(t + PERIOD, PERIOD), "nothing pressing");
+    }
+
+    #[test]
+    fn an_idle_board_stores_its_state_once_an_idle_period() {
+        // Found by tests/it/outage.rs: offline with no readings, the
+        // outage budget never reached the spool and `status` kept the
+        // record of the last commit.
+        let t = Instant::now();
+        let idle = 2 * PERIOD;
+        let mut r = Riding::default();
+        r.set_state("outage_budget", "{}".into(), false);
+        assert!(r.opens_window(t, PERIOD, idle), "never stored: at once");
+        let ride = r.take(t, PERIOD, false);
+        r.stored(&ride, t);
+        r.set_state("outage_budget", "{\"a\":1}".into(), false);
+        assert!(
+            !r.opens_window(t + PERIOD, PERIOD, idle),
+            "rides, never opens, within it"
+        );
+        assert!(r.opens_window(t + idle, PERIOD, idle));
     }
 
     #[test]
