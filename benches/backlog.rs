@@ -334,6 +334,7 @@ fn reading(i: usize, base_ms: i64) -> NewEvent {
         stream: "bench".into(),
         ts_ms: base_ms + i as i64 * 10,
         clock_trusted: true,
+        mono: None,
         fields: vec![("value".into(), FieldValue::Num((i % 1000) as f64 / 8.0))],
         key: None,
         reply: None,

@@ -115,6 +115,7 @@ fn reading(i: usize) -> NewEvent {
         stream: "bench".into(),
         ts_ms: 1_800_000_000_000 + i as i64,
         clock_trusted: true,
+        mono: None,
         fields: vec![
             ("load1".into(), FieldValue::Num(0.25 + i as f64 * 1e-6)),
             ("mem_available_bytes".into(), FieldValue::Num(123_456_789.0)),
@@ -282,6 +283,7 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         receipt_window: cfg.mqtt.receipt_window,
         device_id: cfg.device_id.clone(),
         receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
+        backfill: None,
     };
     // No writer here: delivery commits its own records.
     let ledger = edgespool::delivery::ledger::Ledger::new(None);

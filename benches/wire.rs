@@ -40,7 +40,9 @@
 //! the release agent. Environment: `WIRE_AGENT` (the binary),
 //! `WIRE_SLOW_SECS` (60: the 1/s run), `WIRE_FAST_SECS` (20: the 100/s
 //! run), `WIRE_BACKLOG` (50000), `WIRE_RECEIPT_BACKLOG` (100000),
-//! `WIRE_PARTS` (`rates,drain,receipts,compare`: which parts to run).
+//! `WIRE_PARTS` (`rates,drain,receipts,compare`: which parts to run),
+//! `WIRE_RECEIPT_WINDOW` (the receipt runs' `mqtt.receipt_window`; unset:
+//! the agent's default).
 
 #[path = "common/drains.rs"]
 mod drains;
@@ -427,7 +429,7 @@ reconnect_min_ms = 100
 reconnect_max_ms = 500
 retire_on = "{retire_on}"
 receipt_public_keys = ["{fleet}"]
-[agent]
+{window}[agent]
 summary_interval_secs = 3600
 [ingest]
 socket = "{d}/ingest.sock"
@@ -436,6 +438,9 @@ name = "tele"
 {batch}"#,
         if f.postcard { "postcard" } else { "json" },
         fleet = support::keys::fleet_key().key.public().hex(),
+        window = std::env::var("WIRE_RECEIPT_WINDOW")
+            .map(|w| format!("receipt_window = {w}\n"))
+            .unwrap_or_default(),
     );
     let path = dir.join("agent.toml");
     std::fs::write(&path, text).expect("write the agent config");

@@ -8,8 +8,13 @@
 #   edgespool_<version>_<arch>.deb      amd64 (x86_64), arm64 (aarch64), armhf (armv6:
 #                                       Raspberry Pi OS armhf is ARMv6; runs on ARMv7 too)
 #   edgespool-<version>-<target>.tar.gz the same files as the .deb, with install.sh
-# Installs what is missing first: Debian packages, Zig (PyPI package ziglang,
-# in a virtualenv under the target directory), cargo-zigbuild, rustup targets.
+# Installs what is missing first, and only what this build uses: the host's
+# C compiler and `file` (Debian packages), Zig and cargo-zigbuild (PyPI
+# wheels, in a virtualenv under the target directory: nothing global), the
+# rustup targets; qemu-user only when an ARM binary is built. Not the test
+# stack (cross/setup-debian.sh), no cross compiler.
+#   PACKAGE_LIST=1 cross/package.sh [target...]   print the Debian packages
+#                                                 it would install, and exit
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,13 +39,29 @@ tdir="${CARGO_TARGET_DIR:-target}"
 case "$tdir" in /*) ;; *) tdir="$PWD/$tdir" ;; esac
 dist="$tdir/dist"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+# The packages' changelog (Debian's format, installed as changelog.gz) opens
+# with the version being packaged.
+changelog_version=$(sed -n '1s/^edgespool (\([^)]*\)) .*/\1/p' packaging/changelog)
+if [ "$changelog_version" != "$version" ]; then
+  echo "package: packaging/changelog's latest entry is ${changelog_version:-unreadable}, Cargo.toml says $version: add an entry for $version" >&2
+  exit 1
+fi
 
 # --- what the build needs -------------------------------------------------
-cross/setup-debian.sh
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
-pkgs=(file qemu-user gzip xz-utils)
-# Python with venv (Debian's, or one already on PATH such as pyenv's).
+# gcc and libc6-dev: build scripts (and proc macros) are compiled for this
+# machine and linked by its cc; `file`: the static check below. Python with
+# venv (Debian's, or one already on PATH such as pyenv's) for Zig.
+pkgs=(gcc libc6-dev file)
 python3 -c 'import venv, ensurepip' 2>/dev/null || pkgs+=(python3 python3-venv)
+# The summary below runs each binary's --version: ARM ones under qemu-user.
+for w in "${want[@]}"; do
+  [ "$w" = x86_64 ] || { pkgs+=(qemu-user); break; }
+done
+if [ "${PACKAGE_LIST:-0}" = 1 ]; then
+  printf '%s\n' "${pkgs[@]}"
+  exit 0
+fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -50,22 +71,26 @@ if [ "${#missing[@]}" -gt 0 ]; then
   sudo_if_needed apt-get update -qq
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+if ! command -v cargo >/dev/null; then
+  echo "package: cargo not found; install Rust with rustup first (https://rustup.rs)" >&2
+  exit 1
+fi
 # Zig is the C compiler and linker for every target: it carries musl for
 # each architecture, so the bundled SQLite and ring compile and link
-# statically with no per-target cross toolchain.
-if ! python3 -m ziglang version >/dev/null 2>&1; then
-  venv="$tdir/zig-venv"
-  if ! "$venv/bin/python3" -m ziglang version >/dev/null 2>&1; then
-    echo "package: installing Zig (PyPI ziglang==$ZIGLANG_VERSION) into $venv"
-    python3 -m venv "$venv"
-    "$venv/bin/python3" -m pip install -q "ziglang==$ZIGLANG_VERSION"
-  fi
-  export PATH="$venv/bin:$PATH"
+# statically with no per-target cross toolchain. Both it and cargo-zigbuild
+# are prebuilt wheels on PyPI: a virtualenv of its own holds them (about
+# 15 s, nothing compiled, nothing installed outside the target directory).
+venv="$tdir/zig-venv"
+if ! "$venv/bin/python3" -m ziglang version >/dev/null 2>&1 \
+  || [ "$("$venv/bin/cargo-zigbuild" --version 2>/dev/null)" != "cargo-zigbuild $ZIGBUILD_VERSION" ]; then
+  echo "package: installing Zig and cargo-zigbuild (PyPI ziglang==$ZIGLANG_VERSION, cargo-zigbuild==$ZIGBUILD_VERSION) into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python3" -m pip install -q --disable-pip-version-check \
+    "ziglang==$ZIGLANG_VERSION" "cargo-zigbuild==$ZIGBUILD_VERSION"
 fi
-if ! cargo install --list | grep -q "^cargo-zigbuild v$ZIGBUILD_VERSION:"; then
-  echo "package: installing cargo-zigbuild $ZIGBUILD_VERSION (compiled: about a minute)"
-  cargo install --locked --version "$ZIGBUILD_VERSION" cargo-zigbuild
-fi
+# cargo finds its zigbuild subcommand, and cargo-zigbuild finds Zig
+# (`python3 -m ziglang`), here first.
+export PATH="$venv/bin:$PATH"
 
 # --- static binaries ------------------------------------------------------
 mkdir -p "$dist"
@@ -142,6 +167,9 @@ stage() {
   install -D -m 0644 packaging/edgespool.fish "$root/usr/share/fish/vendor_completions.d/edgespool.fish"
   local doc="$root/usr/share/doc/edgespool"
   install -D -m 0644 packaging/copyright "$doc/copyright"
+  # A native package's changelog is changelog.gz (Debian Policy 12.7).
+  gzip -9n <packaging/changelog >"$doc/changelog.gz"
+  chmod 0644 "$doc/changelog.gz"
   install -D -m 0644 README.md "$doc/README.md"
   install -D -m 0644 -t "$doc/docs" docs/*.md   # the README links to them
   install -D -m 0644 board-configs/example.toml "$doc/examples/example.toml"
@@ -160,13 +188,15 @@ deb() {
   stage "$root" "$dist/edgespool-$w"
   install -d -m 0755 "$root/DEBIAN"
   install -m 0755 packaging/deb/postinst packaging/deb/prerm packaging/deb/postrm "$root/DEBIAN/"
+  # What lintian reports and is meant, each with its reason.
+  install -D -m 0644 packaging/lintian-overrides "$root/usr/share/lintian/overrides/edgespool"
   echo /etc/edgespool/edgespool.toml >"$root/DEBIAN/conffiles"
   (cd "$root" && find . -type f ! -path './DEBIAN/*' ! -path './etc/*' -printf '%P\0' | sort -z | xargs -0 md5sum) >"$root/DEBIAN/md5sums"
   cat >"$root/DEBIAN/control" <<CONTROL
 Package: edgespool
 Version: $version
 Architecture: $arch
-Maintainer: edgespool developers <edgespool@localhost>
+Maintainer: edgespool maintainers <edgespool@users.noreply.github.com>
 Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)
 Depends: adduser
 Suggests: mosquitto, mosquitto-clients

@@ -9,7 +9,8 @@
 #                                  server), socat (the ingest socket client of
 #                                  docs/local-programs.md), prometheus (promtool; the
 #                                  dashboard and alert tests run their own server), rustfmt,
-#                                  clippy, nodejs/npm and aedes (a second broker for the tests)
+#                                  clippy, nodejs/npm and aedes (a second broker for the tests),
+#                                  lintian (cross/test-package.sh checks the .deb with it)
 #   cross/setup-debian.sh --arm    the test stack, the ARM cross toolchains and qemu-user
 #   SETUP_LIST=1 cross/setup-debian.sh [--demo|--arm]
 #                                  print the Debian packages the mode wants and exit
@@ -41,7 +42,8 @@ if [ "$mode" != demo ]; then
   # postgresql: initdb/pg_ctl under /usr/lib/postgresql/*/bin and the `postgres` user.
   # socat: the shell client of the ingest socket (docs/local-programs.md).
   # prometheus: the server and promtool for tests/it/dashboards.rs.
-  pkgs+=(sqlite3 openssl strace faketime postgresql socat prometheus nodejs npm)
+  # lintian: cross/test-package.sh checks the .deb with it.
+  pkgs+=(sqlite3 openssl strace faketime postgresql socat prometheus nodejs npm lintian)
 fi
 if [ "$mode" = arm ]; then
   pkgs+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross gcc-arm-linux-gnueabihf libc6-dev-armhf-cross qemu-user)

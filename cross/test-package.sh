@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The packages and static binaries, tested on this machine (root needed):
 #  1. builds them (cross/package.sh; a no-op for what is already built);
-#  2. installs the amd64 .deb with dpkg -i and checks the user, files, modes
+#  2. lintian on the amd64 .deb (no error, no warning; overrides with their
+#     reasons in packaging/lintian-overrides), then installs it with dpkg -i
+#     and checks the user, files, modes
 #     and the conffile, runs `check-config` and `test` as the user edgespool, runs the
 #     agent as the service would (user edgespool, umask 027, /etc and /usr
 #     read-only, $STATE_DIRECTORY) against a local mosquitto and checks that
 #     it wrote only to /var/lib/edgespool with modes 0640/0750 at most;
 #     `systemd-analyze verify` on the unit and on the drop-in examples; an
 #     upgrade keeps an edited conffile; dpkg -r keeps the state and the user,
-#     dpkg -P removes both; install.sh from the tarball lays the same files;
+#     dpkg -P removes the state and the package's files and keeps the
+#     operator's files and the user; install.sh from the tarball lays the same files;
 #     a DESTDIR install (an image) carries the sysusers.d and tmpfiles.d
 #     snippets, which systemd-sysusers/systemd-tmpfiles --root turn into the
 #     user, group, owners and modes the .deb gives;
@@ -25,6 +28,9 @@ if [ "$(id -u)" -ne 0 ]; then echo "test-package: needs root (dpkg -i)" >&2; exi
 
 targets=(x86_64 aarch64 armv7 armv6)
 [ "${EDGESPOOL_SKIP_ARM:-0}" = 1 ] && targets=(x86_64)
+# The test stack (mosquitto for the agent run below, lintian); package.sh
+# installs only what the build needs.
+cross/setup-debian.sh
 # EDGESPOOL_PACKAGE_REUSE=1: test what target/dist already holds.
 [ "${EDGESPOOL_PACKAGE_REUSE:-0}" = 1 ] || cross/package.sh "${targets[@]}"
 if ! command -v systemd-analyze >/dev/null; then
@@ -39,6 +45,7 @@ deb="$dist/edgespool_${version}_amd64.deb"
 work=$(mktemp -d)
 pids=()
 installed_by_us=0
+user_made_here=0
 inst_installed=""
 cleanup() {
   # install.sh's own install, if a check failed before its --purge.
@@ -47,6 +54,11 @@ cleanup() {
   # A test that stopped half-way leaves no package, user or state behind.
   if [ "$installed_by_us" = 1 ] && dpkg-query -W edgespool >/dev/null 2>&1; then
     dpkg -P edgespool >/dev/null 2>&1 || true
+  fi
+  # Purge keeps the system user: the one this test made goes here.
+  if [ "$user_made_here" = 1 ]; then
+    userdel edgespool >/dev/null 2>&1 || true
+    groupdel edgespool >/dev/null 2>&1 || true
   fi
   rm -rf "$work"
 }
@@ -110,8 +122,16 @@ if dpkg-query -W -f='${Status}' edgespool 2>/dev/null | grep -q 'ok installed\|c
   fi
   dpkg -P edgespool >/dev/null
 fi
+echo "== lintian"
+lintian --fail-on error,warning "$deb" >"$work/lintian" 2>&1 && lrc=0 || lrc=$?
+grep -v '^running with root privileges' "$work/lintian" | sed 's/^/    /' || true
+check "lintian: no error, no warning" bash -c "[ $lrc = 0 ] && ! grep -q '^[EW]: ' '$work/lintian'"
+check "lintian: every override has its reason" bash -c \
+  "dpkg-deb --fsys-tarfile '$deb' | tar -xO ./usr/share/lintian/overrides/edgespool | awk '/^edgespool: / { if (prev !~ /^#/ && prev !~ /^edgespool: /) bad = 1 } { prev = \$0 } END { exit bad }'"
+
 installed_by_us=1
 check "no edgespool user before the install" bash -c '! getent passwd edgespool >/dev/null'
+user_made_here=1
 dpkg -i "$deb" </dev/null
 check "the package is installed" bash -c "dpkg-query -W -f='\${Status}' edgespool | grep -q 'install ok installed'"
 check "system user edgespool, home /var/lib/edgespool, no login" bash -c \
@@ -128,6 +148,9 @@ check "/var/lib/edgespool 750 edgespool:edgespool" mode_is /var/lib/edgespool "7
 check "the config is a conffile" bash -c "dpkg-query -W -f='\${Conffiles}' edgespool | grep -q '^ /etc/edgespool/edgespool.toml '"
 check "the config is the shipped one" cmp -s /etc/edgespool/edgespool.toml board-configs/edgespool.toml
 check "man page edgespool(1), gzipped" gzip -t /usr/share/man/man1/edgespool.1.gz
+check "changelog.gz opens with this version" bash -c \
+  "zcat /usr/share/doc/edgespool/changelog.gz | head -1 | grep -q '^edgespool ($version) '"
+check "the maintainer is no localhost" bash -c "! dpkg-query -W -f='\${Maintainer}' edgespool | grep -q localhost"
 check "bash completion" bash -c 'source /usr/share/bash-completion/completions/edgespool 2>/dev/null; complete -p edgespool | grep -q _edgespool'
 check "zsh and fish completions, as generated" bash -c \
   'cmp -s /usr/share/zsh/vendor-completions/_edgespool packaging/_edgespool && cmp -s /usr/share/fish/vendor_completions.d/edgespool.fish packaging/edgespool.fish'
@@ -155,8 +178,17 @@ for k in Type=notify NotifyAccess=main WatchdogSec=120 \
   'ExecStart=/usr/bin/edgespool run --config /etc/edgespool/edgespool.toml' \
   'ExecReload=/bin/kill -HUP $MAINPID' Restart=on-failure RestartPreventExitStatus=2 \
   User=edgespool Group=edgespool StateDirectory=edgespool UMask=0027 ProtectSystem=strict \
-  ProtectHome=yes PrivateTmp=yes NoNewPrivileges=yes ReadWritePaths=/var/lib/edgespool; do
+  ProtectHome=yes PrivateTmp=yes NoNewPrivileges=yes ReadWritePaths=/var/lib/edgespool \
+  CapabilityBoundingSet= PrivateDevices=yes SystemCallFilter=@system-service; do
   check "unit: $k" grep -qxF "$k" /lib/systemd/system/edgespool.service
+done
+# The installed units as systemd scores them (docs/install.md gives the
+# figures): at most 2.0 each, on a scale where 10 is wide open.
+for u in edgespool.service edgespool-sink@fleet.service; do
+  score=$(systemd-analyze security --offline=yes --no-pager "$u" 2>/dev/null \
+    | sed -n 's/.*Overall exposure level for [^:]*: \([0-9.]*\).*/\1/p')
+  check "systemd-analyze security: $u ${score:-?} (at most 2.0)" \
+    awk "BEGIN { exit !(\"${score:-99}\" + 0 <= 2.0) }"
 done
 
 echo "== the agent as the service runs it"
@@ -226,20 +258,32 @@ dpkg -r edgespool </dev/null >/dev/null
 check "remove: binary gone" test ! -e /usr/bin/edgespool
 check "remove: the spool kept" test -f /var/lib/edgespool/spool.db
 check "remove: the user kept" bash -c 'getent passwd edgespool >/dev/null'
-dpkg -P edgespool </dev/null >/dev/null
+# Something of the operator's in /etc/edgespool: purge leaves it (and the
+# directory) where dpkg deletes the conffile.
+echo '# an operator file' >/etc/edgespool/sink-fleet.toml
+dpkg -P edgespool </dev/null >/dev/null 2>"$work/purge.err"
+check "purge: says it kept /etc/edgespool" grep -q 'kept /etc/edgespool' "$work/purge.err"
+check "purge: the conffile is gone" test ! -e /etc/edgespool/edgespool.toml
+check "purge: only the operator's file is left in /etc/edgespool" bash -c '[ "$(ls -A /etc/edgespool)" = sink-fleet.toml ]'
+rm -f /etc/edgespool/sink-fleet.toml
+rmdir /etc/edgespool 2>/dev/null || true
 check "purge: the package is gone" bash -c '! dpkg-query -W -f="\${Status}" edgespool 2>/dev/null | grep -q installed'
-check "purge: the user edgespool is gone" bash -c '! getent passwd edgespool'
-check "purge: the group edgespool is gone" bash -c '! getent group edgespool'
+check "purge: the system user edgespool is kept" bash -c 'getent passwd edgespool >/dev/null'
+check "purge: the group edgespool is kept" bash -c 'getent group edgespool >/dev/null'
 check "purge: /var/lib/edgespool is gone" test ! -e /var/lib/edgespool
-check "purge: /etc/edgespool is gone" test ! -e /etc/edgespool
 check "purge: the unit's enable link is gone" test ! -e /etc/systemd/system/multi-user.target.wants/edgespool.service
+# The kept user is this test's to remove: install.sh below creates its own.
+userdel edgespool >/dev/null 2>&1 || true
+groupdel edgespool >/dev/null 2>&1 || true
+user_made_here=0
 
 echo "== the tarball's install.sh lays the .deb's files"
 tarball="$dist/edgespool-$version-x86_64-linux-musl.tar.gz"
 tar -C "$work" -xzf "$tarball"
 DESTDIR="$work/root" "$work/edgespool-$version-x86_64-linux-musl/install.sh" >/dev/null
 (cd "$work/root" && find . -type f | sed 's|^\./|/|' | sort) >"$work/tar-files"
-dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print substr($6, 2)}' | sort >"$work/deb-files"
+# The lintian overrides are the .deb's own.
+dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print substr($6, 2)}' | grep -v '^/usr/share/lintian/' | sort >"$work/deb-files"
 check "install.sh installs the files of the .deb" diff "$work/deb-files" "$work/tar-files"
 check "install.sh: config 0640" bash -c "[ \"\$(stat -c %a '$work/root/etc/edgespool/edgespool.toml')\" = 640 ]"
 check "the .deb ships the sysusers.d and tmpfiles.d snippets" bash -c \

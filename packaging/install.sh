@@ -42,6 +42,7 @@ usr/share/bash-completion/completions/edgespool:0644
 usr/share/zsh/vendor-completions/_edgespool:0644
 usr/share/fish/vendor_completions.d/edgespool.fish:0644
 usr/share/doc/edgespool/copyright:0644
+usr/share/doc/edgespool/changelog.gz:0644
 usr/share/doc/edgespool/README.md:0644
 usr/share/doc/edgespool/docs/benchmarks.md:0644
 usr/share/doc/edgespool/docs/commands.md:0644
@@ -51,10 +52,12 @@ usr/share/doc/edgespool/docs/development.md:0644
 usr/share/doc/edgespool/docs/flash.md:0644
 usr/share/doc/edgespool/docs/fleet.md:0644
 usr/share/doc/edgespool/docs/install.md:0644
+usr/share/doc/edgespool/docs/invariants.md:0644
 usr/share/doc/edgespool/docs/local-programs.md:0644
 usr/share/doc/edgespool/docs/operations.md:0644
 usr/share/doc/edgespool/examples/example.toml:0644
 usr/share/doc/edgespool/examples/sink.toml:0644
+usr/share/doc/edgespool/examples/edgespool.service.d/devices.conf:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/exec-handlers.conf:0644
 usr/share/doc/edgespool/examples/edgespool.service.d/metrics-textfile.conf:0644
 usr/share/doc/edgespool/examples/grafana/edgespool.json:0644

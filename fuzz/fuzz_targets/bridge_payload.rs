@@ -84,6 +84,7 @@ fuzz_target!(|data: &[u8]| {
         seq: 1,
         ts_ms: 0,
         clock_trusted: true,
+        mono: None,
         fields: &d.fields,
     };
     for format in [Format::Json, Format::Postcard] {

@@ -64,6 +64,7 @@ fuzz_target!(|data: &[u8]| {
         seq: 1,
         ts_ms,
         clock_trusted: true,
+        mono: None,
         fields: &fields,
     };
     for format in [Format::Json, Format::Postcard] {

@@ -50,7 +50,7 @@ pub struct Facts {
     /// The config in force is the last-known-good copy.
     pub config_fallback: bool,
     /// Receipt mode: why receipts cannot arrive (the broker refused the
-    /// subscription); rows are retired on their PUBACK meanwhile.
+    /// subscription); rows wait meanwhile.
     pub receipts_unavailable: Option<String>,
     /// Receipt mode: rows PUBACKed and waiting for their receipt, and how
     /// long the oldest has waited.

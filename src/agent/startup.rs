@@ -357,6 +357,13 @@ pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
         receipt_window: cfg.mqtt.receipt_window,
         device_id: cfg.device_id.clone(),
         receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
+        backfill: cfg.mqtt.backfill().then(|| {
+            (
+                cfg.mqtt.holdings_topic(),
+                cfg.mqtt.holdings_interval,
+                cfg.mqtt.backfill_rows_per_sec,
+            )
+        }),
     }
 }
 

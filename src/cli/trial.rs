@@ -219,14 +219,15 @@ fn show(
     ids: Option<&mut EventIdGen>,
 ) -> Result<Shown, String> {
     let ids = ids.ok_or("the OS random source failed, no event id can be issued")?;
-    let (ts_ms, clock_trusted) = envelope::wall_clock_ms();
+    let now = crate::os::clock::reading_now();
     let env = Envelope {
         event_id: ids.next_id(),
         device_id: &cfg.device_id,
         stream: &spec.name,
         seq: 0,
-        ts_ms,
-        clock_trusted,
+        ts_ms: now.wall_ms,
+        clock_trusted: now.trusted,
+        mono: now.mono,
         fields,
     };
     let json = envelope::encode(Format::Json, &env)?;

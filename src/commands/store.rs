@@ -153,7 +153,7 @@ pub struct ResultEvent<'a> {
 }
 
 fn result_event(r: &ResultEvent<'_>) -> NewEvent {
-    let (ts_ms, trusted) = wall_clock_ms();
+    let now = crate::os::clock::reading_now();
     let mut fields = vec![
         ("scope".to_owned(), FieldValue::Text(r.scope.to_owned())),
         (
@@ -180,8 +180,9 @@ fn result_event(r: &ResultEvent<'_>) -> NewEvent {
     NewEvent {
         replay: None,
         stream: RESULTS_STREAM.to_owned(),
-        ts_ms,
-        clock_trusted: trusted,
+        ts_ms: now.wall_ms,
+        clock_trusted: now.trusted,
+        mono: now.mono.map(Box::new),
         fields,
         key: None,
         reply: None,

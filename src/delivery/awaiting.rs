@@ -154,7 +154,7 @@ impl Awaiting {
         out
     }
 
-    /// Forget `rows` (retired another way: the fallback to PUBACKs).
+    /// Forget `rows` (retired another way).
     pub fn remove(&mut self, rows: &[i64]) {
         for row in rows {
             if let Some(key) = self.by_row.remove(row) {

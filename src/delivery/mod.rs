@@ -16,9 +16,11 @@
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 pub mod awaiting;
+pub mod backfill;
 mod batcher;
 mod brokerword;
 mod defer;
+mod holdings;
 pub mod lanes;
 pub mod ledger;
 #[cfg(test)]
@@ -32,6 +34,8 @@ use crate::metrics::WATCHDOG_REBUILDS;
 use crate::mqtt::publish_packet_size;
 use crate::spool::{OutRow, Spool, SpoolError};
 use batcher::Batcher;
+use holdings::BackfillMode;
+pub use holdings::BackfillStats;
 use receipts::ReceiptMode;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -73,14 +77,17 @@ pub struct DeliveryStats {
     pub resent_for_receipt: AtomicU64,
     /// Wall clock of the last receipt, Unix ms (0: none yet).
     pub last_receipt_ms: AtomicU64,
-    /// 1 while the broker refuses the receipts subscription (rows are then
-    /// retired on their PUBACK).
+    /// 1 while the broker refuses the receipts subscription (rows wait
+    /// meanwhile).
     pub receipts_unavailable: AtomicU64,
     /// Rows held back on the broker's word (refused, over its CONNACK
     /// maximum, set aside after dropped connections: [`defer`]).
     pub deferred: AtomicU64,
     /// What the broker said or did about them, for health.
     pub deferred_why: std::sync::Mutex<String>,
+    /// Holdings announced and rows sent again on the fleet's request
+    /// ([`holdings`]).
+    pub backfill: BackfillStats,
 }
 
 impl DeliveryStats {
@@ -172,6 +179,11 @@ pub struct DeliveryConfig {
     pub device_id: String,
     /// `mqtt.receipt_public_keys`: the keys whose receipts retire rows.
     pub receipt_keys: Vec<crate::event::signature::PublicKey>,
+    /// Backfill ([`holdings`]): `<topic_prefix>/holdings`,
+    /// `mqtt.holdings_interval_secs` and `mqtt.backfill_rows_per_sec`;
+    /// `None`: the board neither announces nor hears requests
+    /// ([`crate::mqtt::MqttConfig::backfill`]).
+    pub backfill: Option<(String, Duration, u32)>,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -213,6 +225,9 @@ pub fn run(
         if let Some(due) = d.expire_receipts() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
+        if let Some(due) = d.backfill_due() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
         if let Some(due) = d.book.next_due().filter(|_| d.link.connected()) {
             // Not sooner than this: rows of the book wait seconds, and a
             // full ready queue holds them a moment without a spin.
@@ -235,6 +250,7 @@ pub fn run(
         if d.ledger.standalone() && d.ledger.standalone_due() {
             d.flush(&mut spool);
         }
+        d.announce_if_due(&spool);
     }
     // Acks already received are committed before exit; nothing else is.
     d.collect();
@@ -246,6 +262,9 @@ struct Delivery {
     cfg: DeliveryConfig,
     /// Receipt mode's bookkeeping; `None` when rows retire on the PUBACK.
     receipts: Option<ReceiptMode>,
+    /// Backfill's bookkeeping; `None` when the board neither announces
+    /// its holdings nor hears requests.
+    backfill: Option<BackfillMode>,
     /// Rows held back on the broker's word ([`defer`]).
     book: defer::Book,
     /// When health's copy of the book was last refreshed.
@@ -285,8 +304,13 @@ impl Delivery {
         let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
         let receipts = (cfg.retire_on == crate::mqtt::RetireOn::Receipt)
             .then(|| ReceiptMode::new(cfg.receipt_window, cfg.receipt_timeout));
+        let backfill = cfg
+            .backfill
+            .clone()
+            .map(|(topic, every, per_sec)| BackfillMode::new(topic, every, per_sec));
         Delivery {
             receipts,
+            backfill,
             book: Default::default(),
             book_published: None,
             book_dirty: false,
@@ -342,11 +366,23 @@ impl Delivery {
                 self.batcher.clear();
                 self.offered_size.clear();
                 self.receipts_lost();
+                self.backfill_lost();
             }
-            DeliveryMsg::Connected { .. } => match spool.newest_id() {
-                Ok(newest) => self.lanes.connected(newest),
-                Err(e) => self.log_error("read the newest row id", &e),
-            },
+            DeliveryMsg::Connected { .. } => {
+                match spool.newest_id() {
+                    Ok(newest) => self.lanes.connected(newest),
+                    Err(e) => self.log_error("read the newest row id", &e),
+                }
+                // At every connection: the fleet may have lost anything
+                // while this board was away.
+                self.announce(spool);
+            }
+            DeliveryMsg::Backfill { epoch, publish } => {
+                self.link.took_request();
+                self.on_request(spool, &publish.payload);
+                // Read: the broker may send the next one.
+                self.link.ack(epoch, &publish);
+            }
             DeliveryMsg::Requeued => {
                 if self.book.hold_size().is_some() {
                     self.book.lift();
@@ -380,6 +416,13 @@ impl Delivery {
         if sent.is_empty() && acked.is_empty() {
             return;
         }
+        // Rows sent again on request are retired already: their publish
+        // marks nothing, their PUBACK retires nothing.
+        let sent = match self.backfill.is_some() {
+            true => sent.into_iter().filter(|r| !self.is_backfill(*r)).collect(),
+            false => sent,
+        };
+        let acked = self.backfill_progress(acked);
         if self.suspect.is_some_and(|(row, _)| acked.contains(&row)) {
             self.suspect = None;
         }
@@ -537,6 +580,8 @@ impl Delivery {
             self.note_size(&r);
             batch.push(r);
         }
+        // Live data first: rows asked for again only when nothing else was.
+        self.live_or_backfill(spool, &mut batch, room);
         if batch.is_empty() {
             return;
         }
@@ -738,6 +783,7 @@ mod tests {
             receipt_window: 100,
             device_id: "dev".into(),
             receipt_keys: vec![fleet_key().public()],
+            backfill: Some(("t/dev/holdings".into(), Duration::from_secs(600), 200)),
         };
         let stats = Arc::new(DeliveryStats::default());
         let ledger = Ledger::new(None);
@@ -901,6 +947,7 @@ mod tests {
             stream: "s".into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("x".into(), crate::event::reading::FieldValue::Num(x))],
             key: None,
             reply: None,

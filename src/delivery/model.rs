@@ -344,6 +344,7 @@ impl World {
                         stream: name.clone(),
                         ts_ms: self.clock_ms + i64::from(i),
                         clock_trusted: true,
+                        mono: None,
                         fields: vec![("v".to_owned(), FieldValue::Num(f64::from(i) + 0.5))],
                         replay: None,
                         key: None,
@@ -498,8 +499,12 @@ impl World {
                     .collect();
                 let candidates: Vec<i64> = self
                     .unresolved()
+                    // Nor one its receipt book holds (waiting, or queued
+                    // to be sent again): the delivery thread holds those.
                     .filter(|id| {
-                        !in_flight.contains(id) && !self.retiring.contains(id) && !self.awaits(*id)
+                        !in_flight.contains(id)
+                            && !self.retiring.contains(id)
+                            && !self.outside_lanes(*id)
                     })
                     .collect();
                 if candidates.is_empty() {

@@ -8,9 +8,11 @@
 //! Its one rule: **in receipt mode a PUBACK retires nothing**; only a
 //! receipt signed for this board by a key of `mqtt.receipt_public_keys`,
 //! naming a waiting row's own stream, event id and payload digest, does
-//! ([`crate::event::receipts::Receipt::check`]), or, while the broker
-//! refuses the receipts subscription, the PUBACK again (the fallback,
-//! reported by health). A receipt is acknowledged to the broker only once
+//! ([`crate::event::receipts::Receipt::check`]). Not even while the broker
+//! refuses the receipts subscription: whoever can refuse a SUBACK (a
+//! hostile broker, a local user on the board broker's port) would
+//! otherwise retire every row with no receipt at all; the rows wait in the
+//! spool instead, and health says why. A receipt is acknowledged to the broker only once
 //! it has been read here: the broker's in-flight window, not a queue that
 //! drops, paces them. After a restart the waiting rows are
 //! simply unacknowledged rows of the spool: they are sent again and the
@@ -97,9 +99,9 @@ pub(super) struct ReceiptMode {
     /// Rows published again in this epoch and not yet PUBACKed: the lanes
     /// skip them (they are out of the lanes' order, and once in flight).
     resent: std::collections::HashSet<i64>,
-    /// Why the broker refused the receipts subscription, while it does:
-    /// rows are retired on their PUBACK meanwhile.
-    fallback: Option<String>,
+    /// Why the broker refused the receipts subscription, while it does
+    /// (rows wait meanwhile: a refusal retires nothing).
+    unavailable: Option<String>,
     last_malformed_log: Option<Instant>,
     /// Rows delivered and not yet stored, by their first PUBACK.
     first: FirstPubacks,
@@ -118,7 +120,7 @@ impl ReceiptMode {
             names: HashMap::new(),
             resend: Vec::new(),
             resent: std::collections::HashSet::new(),
-            fallback: None,
+            unavailable: None,
             last_malformed_log: None,
             first: FirstPubacks::new(4 * window.max(1)),
         }
@@ -137,9 +139,7 @@ impl Delivery {
     /// Whether no new row may be offered: the book of rows waiting for a
     /// receipt is full (rows to send again still go).
     pub(super) fn receipts_full(&self) -> bool {
-        self.receipts
-            .as_ref()
-            .is_some_and(|r| r.fallback.is_none() && r.awaiting.is_full())
+        self.receipts.as_ref().is_some_and(|r| r.awaiting.is_full())
     }
 
     /// Whether no new row may be offered because the book of rows offered
@@ -148,7 +148,7 @@ impl Delivery {
     pub(super) fn offers_full(&self) -> bool {
         self.receipts
             .as_ref()
-            .is_some_and(|r| r.fallback.is_none() && r.offered.len() >= r.offer_cap)
+            .is_some_and(|r| r.offered.len() >= r.offer_cap)
     }
 
     /// Remember `row`'s stream, event id (`event_id`, as admitted) and
@@ -182,19 +182,12 @@ impl Delivery {
     }
 
     /// The rows `acked` PUBACKs acknowledged: those to retire now (all of
-    /// them without receipt mode, or in its fallback); in receipt mode they
-    /// wait for their receipt instead.
+    /// them without receipt mode); in receipt mode they wait for their
+    /// receipt instead.
     pub(super) fn after_pubacks(&mut self, acked: Vec<i64>) -> Vec<i64> {
         let Some(r) = self.receipts.as_mut() else {
             return acked;
         };
-        if r.fallback.is_some() {
-            for row in &acked {
-                r.offered.remove(row);
-            }
-            r.first.forget(&acked);
-            return acked;
-        }
         let now = Instant::now();
         for row in acked {
             r.first.note(row, now);
@@ -261,27 +254,28 @@ impl Delivery {
     }
 
     /// The broker granted or refused the receipts subscription. Refused:
-    /// every waiting row is retired on the PUBACK it already had, and so
-    /// are the rows after it, until a connection is granted it again.
+    /// nothing is retired for it (a SUBACK is the broker's word, not the
+    /// fleet's); rows keep waiting for their receipt, are sent again after
+    /// the receipt timeout, and the book's bound holds new rows in the
+    /// spool; health says `receipts unavailable` until a connection is
+    /// granted it again.
     pub(super) fn on_receipts_availability(&mut self, available: bool, why: Option<String>) {
         let Some(r) = self.receipts.as_mut() else {
             return;
         };
         if available {
-            if r.fallback.take().is_some() {
-                log::info!("delivery: receipts can arrive again; rows wait for their receipt");
+            if r.unavailable.take().is_some() {
+                log::info!("delivery: receipts can arrive again");
             }
         } else {
             let why = why.unwrap_or_else(|| "the receipts subscription was refused".into());
-            let rows = r.awaiting.drain();
-            log::error!(
-                "delivery: {why}; retiring {} rows on their PUBACK instead (health degraded)",
-                rows.len()
-            );
-            r.fallback = Some(why);
-            r.first.forget(&rows);
-            self.lanes.discard(&rows.iter().copied().collect());
-            self.ledger.add(None, rows);
+            if r.unavailable.is_none() {
+                log::error!(
+                    "delivery: {why}; {} rows wait for their receipt and new rows stay in the spool: a refused subscription retires nothing (health degraded)",
+                    r.awaiting.len()
+                );
+            }
+            r.unavailable = Some(why);
         }
         self.stats
             .receipts_unavailable

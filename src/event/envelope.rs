@@ -6,10 +6,16 @@
 //!
 //! Two formats, chosen by `mqtt.payload_format`:
 //! - `json` (default): one UTF-8 JSON object,
-//!   `{"event_id","device_id","stream","seq","ts_ms","clock_trusted","fields":{..}}`.
+//!   `{"event_id","device_id","stream","seq","ts_ms","clock_trusted",["boot_id","mono_ms",]"fields":{..}}`.
 //! - `postcard`: the same envelope as [`CompactEnvelope`] in postcard
-//!   (<https://postcard.jamesmunns.com/wire-format>), for metered links.
+//!   (<https://postcard.jamesmunns.com/wire-format>), for metered links;
+//!   version 2 ([`CompactEnvelope::v`]) adds the [`CompactClock`] after it.
+//!
+//! `boot_id` and `mono_ms` ([`Envelope::mono`]) are optional: an event
+//! without them is byte for byte what the agent sent before they existed,
+//! and a reader of either format that does not know them reads the rest.
 
+use crate::event::clock::{BootId, MonoStamp};
 use crate::event::reading::{FieldValue, Fields};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -263,14 +269,26 @@ pub struct Envelope<'a> {
     /// False when the board's clock was not trusted when the reading was
     /// taken (a trace's time is trusted).
     pub clock_trusted: bool,
+    /// Where on the board's monotonic clock `ts_ms` was read, for a reading
+    /// taken while time sync had not yet vouched for the wall clock (and
+    /// for a clock anchor): what lets the fleet correct `ts_ms` later
+    /// ([`crate::event::clock`]). `None` for every other event, whose
+    /// bytes are then those of an envelope without these members.
+    pub mono: Option<MonoStamp>,
     /// The reading's fields.
     pub fields: &'a Fields,
 }
 
 /// The postcard form of an envelope. Field order is the wire order.
+///
+/// postcard is positional and reads no further than the value it is
+/// asked for, so the format grows only at its end, with a version: `v` 1
+/// is these fields alone; `v` 2 is these fields followed by a
+/// [`CompactClock`] ([`read_compact`] reads both). A reader that knows
+/// only version 1 reads a version 2 payload as its version 1 part.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CompactEnvelope {
-    /// Format version, 1.
+    /// Format version: 1, or 2 when a [`CompactClock`] follows.
     pub v: u8,
     /// Event id bytes.
     pub event_id: [u8; 16],
@@ -288,6 +306,39 @@ pub struct CompactEnvelope {
     pub fields: Vec<(String, FieldValue)>,
 }
 
+/// What follows a version 2 [`CompactEnvelope`]: its [`MonoStamp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompactClock {
+    /// The boot id's 16 bytes.
+    pub boot_id: [u8; 16],
+    /// `CLOCK_BOOTTIME`, ms (a varint).
+    pub mono_ms: u64,
+}
+
+/// The version of a [`CompactEnvelope`] followed by a [`CompactClock`].
+pub const COMPACT_WITH_CLOCK: u8 = 2;
+
+/// A postcard envelope and, for version 2 and later, its clock stamp.
+///
+/// Errors: postcard's, for a payload that is not a [`CompactEnvelope`], or
+/// of version 2 or later without a [`CompactClock`] after it. Bytes after
+/// what the version defines are ignored, as a version 1 reader ignores a
+/// version 2 stamp.
+pub fn read_compact(
+    payload: &[u8],
+) -> Result<(CompactEnvelope, Option<MonoStamp>), postcard::Error> {
+    let (c, rest) = postcard::take_from_bytes::<CompactEnvelope>(payload)?;
+    if c.v < COMPACT_WITH_CLOCK {
+        return Ok((c, None));
+    }
+    let t: CompactClock = postcard::from_bytes(rest)?;
+    let stamp = MonoStamp {
+        boot_id: BootId(t.boot_id),
+        mono_ms: t.mono_ms,
+    };
+    Ok((c, Some(stamp)))
+}
+
 /// The JSON form, serialized straight from borrowed data (no intermediate map).
 #[derive(Serialize)]
 struct JsonEnvelope<'a> {
@@ -297,6 +348,10 @@ struct JsonEnvelope<'a> {
     seq: u64,
     ts_ms: i64,
     clock_trusted: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    boot_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mono_ms: Option<u64>,
     fields: JsonFields<'a>,
 }
 
@@ -342,6 +397,8 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
                 seq: env.seq,
                 ts_ms: env.ts_ms,
                 clock_trusted: env.clock_trusted,
+                boot_id: env.mono.map(|m| m.boot_id.simple()),
+                mono_ms: env.mono.map(|m| m.mono_ms),
                 fields: JsonFields(env.fields),
             };
             let mut out = Vec::with_capacity(128 + 32 * env.fields.len());
@@ -350,7 +407,10 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
         }
         Format::Postcard => {
             let c = CompactEnvelope {
-                v: 1,
+                v: match env.mono {
+                    Some(_) => COMPACT_WITH_CLOCK,
+                    None => 1,
+                },
                 event_id: env.event_id.0,
                 device_id: env.device_id.to_owned(),
                 stream: env.stream.to_owned(),
@@ -359,7 +419,15 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
                 clock_trusted: env.clock_trusted,
                 fields: env.fields.clone(),
             };
-            postcard::to_stdvec(&c).map_err(|e| e.to_string())
+            let mut out = postcard::to_stdvec(&c).map_err(|e| e.to_string())?;
+            if let Some(m) = env.mono {
+                let t = CompactClock {
+                    boot_id: m.boot_id.0,
+                    mono_ms: m.mono_ms,
+                };
+                out = postcard::to_extend(&t, out).map_err(|e| e.to_string())?;
+            }
+            Ok(out)
         }
     }
 }
@@ -383,7 +451,9 @@ pub fn event_id_of(payload: &[u8]) -> Option<EventId> {
             .and_then(EventId::parse);
     }
     match payload {
-        [1, id @ ..] if id.len() > 16 => {
+        // Every version keeps the id right after its version byte (the
+        // format grows only at its end): 1, and 2 with a clock stamp.
+        [v, id @ ..] if *v >= 1 && id.len() > 16 => {
             let mut b = [0u8; 16];
             b.copy_from_slice(&id[..16]);
             Some(EventId(b))
@@ -517,6 +587,7 @@ mod tests {
             seq,
             ts_ms,
             clock_trusted: true,
+            mono: None,
             fields: &f,
         };
         let body = |seq, ts| encode(Format::Json, &env(seq, ts)).unwrap();
@@ -546,6 +617,7 @@ mod tests {
             seq: 7,
             ts_ms: 1_800_000_000_000,
             clock_trusted: true,
+            mono: None,
             fields: &f,
         };
         let bytes = encode(Format::Json, &env).unwrap();
@@ -569,6 +641,7 @@ mod tests {
             seq: 1,
             ts_ms: 0,
             clock_trusted: true,
+            mono: None,
             fields: &f,
         };
         let text = String::from_utf8(encode(Format::Json, &env).unwrap()).unwrap();
@@ -585,6 +658,7 @@ mod tests {
             seq: 1,
             ts_ms: 5,
             clock_trusted: false,
+            mono: None,
             fields: &f,
         };
         let pc = encode(Format::Postcard, &env).unwrap();
@@ -593,6 +667,73 @@ mod tests {
         assert_eq!(back.event_id, [9; 16]);
         assert_eq!(back.fields, f);
         assert!(pc.len() < js.len());
+    }
+
+    fn stamped(f: &Fields, mono: Option<MonoStamp>) -> Envelope<'_> {
+        Envelope {
+            event_id: EventId([9; 16]),
+            device_id: "pi4-gw-01",
+            stream: "system",
+            seq: 1234,
+            ts_ms: 1_795_999_292_433,
+            clock_trusted: false,
+            mono,
+            fields: f,
+        }
+    }
+
+    const STAMP: MonoStamp = MonoStamp {
+        boot_id: BootId([
+            0x37, 0x8e, 0x97, 0xe1, 0xf4, 0x81, 0x41, 0x24, 0x9e, 0x58, 0x22, 0x1d, 0x16, 0xd6,
+            0xb5, 0x4f,
+        ]),
+        // Six days after boot.
+        mono_ms: 518_400_000,
+    };
+
+    #[test]
+    fn an_event_without_a_stamp_is_the_bytes_it_was_before_stamps_existed() {
+        let f = sample_fields();
+        let js = encode(Format::Json, &stamped(&f, None)).unwrap();
+        assert_eq!(
+            String::from_utf8(js).unwrap(),
+            r#"{"event_id":"09090909-0909-0909-0909-090909090909","device_id":"pi4-gw-01","stream":"system","seq":1234,"ts_ms":1795999292433,"clock_trusted":false,"fields":{"load1":0.25,"iface":"eth0","ok":true}}"#
+        );
+        let pc = encode(Format::Postcard, &stamped(&f, None)).unwrap();
+        assert_eq!(pc[0], 1, "version 1");
+        let (c, mono) = read_compact(&pc).unwrap();
+        assert_eq!((c.seq, mono), (1234, None));
+    }
+
+    #[test]
+    fn a_stamp_adds_boot_id_and_mono_ms_that_older_readers_skip() {
+        let f = sample_fields();
+        let js = encode(Format::Json, &stamped(&f, Some(STAMP))).unwrap();
+        let text = String::from_utf8(js.clone()).unwrap();
+        assert!(
+            text.contains(r#""clock_trusted":false,"boot_id":"378e97e1f48141249e58221d16d6b54f","mono_ms":518400000,"fields""#),
+            "{text}"
+        );
+        let plain = encode(Format::Json, &stamped(&f, None)).unwrap();
+        // The figure docs/delivery.md gives.
+        assert_eq!(js.len() - plain.len(), 65);
+        let pc = encode(Format::Postcard, &stamped(&f, Some(STAMP))).unwrap();
+        let pc1 = encode(Format::Postcard, &stamped(&f, None)).unwrap();
+        assert_eq!(pc[0], COMPACT_WITH_CLOCK);
+        assert_eq!(
+            pc.len() - pc1.len(),
+            16 + 5,
+            "16 bytes of boot id, a 5-byte varint"
+        );
+        // A version 1 reader (an older sink) reads the rest, as before.
+        let old: CompactEnvelope = postcard::from_bytes(&pc).unwrap();
+        assert_eq!(
+            (old.seq, old.ts_ms, old.fields.len()),
+            (1234, 1_795_999_292_433, 3)
+        );
+        assert_eq!(read_compact(&pc).unwrap().1, Some(STAMP));
+        // Version 2 promises a stamp: one cut short is no envelope.
+        assert!(read_compact(&pc[..pc.len() - 3]).is_err());
     }
 
     #[test]
@@ -605,6 +746,7 @@ mod tests {
             seq: 1,
             ts_ms: 0,
             clock_trusted: true,
+            mono: None,
             fields: &f,
         };
         assert!(encode(Format::Json, &env).is_err());
@@ -614,18 +756,29 @@ mod tests {
     fn the_event_id_is_read_back_from_either_payload_format() {
         let fields = vec![("t".to_owned(), FieldValue::Num(21.5))];
         let id = EventId([0xab; 16]);
-        for format in [Format::Json, Format::Postcard] {
-            let env = Envelope {
-                event_id: id,
-                device_id: "board",
-                stream: "temp",
-                seq: 7,
-                ts_ms: 1,
-                clock_trusted: true,
-                fields: &fields,
-            };
-            let payload = encode(format, &env).unwrap();
-            assert_eq!(event_id_of(&payload), Some(id), "{format:?}");
+        // Unstamped, and stamped before time sync (postcard version 2).
+        let stamp = crate::event::clock::MonoStamp {
+            boot_id: crate::event::clock::BootId([7; 16]),
+            mono_ms: 12_345_678,
+        };
+        for mono in [None, Some(stamp)] {
+            for format in [Format::Json, Format::Postcard] {
+                let env = Envelope {
+                    event_id: id,
+                    device_id: "board",
+                    stream: "temp",
+                    seq: 7,
+                    ts_ms: 1,
+                    clock_trusted: mono.is_none(),
+                    mono,
+                    fields: &fields,
+                };
+                let payload = encode(format, &env).unwrap();
+                if format == Format::Postcard {
+                    assert_eq!(payload[0], if mono.is_some() { 2 } else { 1 });
+                }
+                assert_eq!(event_id_of(&payload), Some(id), "{format:?} {mono:?}");
+            }
         }
         assert_eq!(event_id_of(b"{\"event_id\":\"not-an-id\"}"), None);
         assert_eq!(event_id_of(b"junk"), None);

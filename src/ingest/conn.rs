@@ -314,6 +314,10 @@ fn hand_over(
         )
     });
     let mut ev = NewEvent::new(req.stream.name, req.ts_ms, req.clock_trusted, req.fields);
+    if !req.ts_given {
+        // The agent's time, read microseconds ago: its monotonic stamp too.
+        ev.mono = crate::os::clock::reading_now().mono.map(Box::new);
+    }
     ev.key = key.map(Box::new);
     ev.reply = Some(reply);
     let stopping = || stop.load(Ordering::Relaxed);

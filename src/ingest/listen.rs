@@ -441,13 +441,27 @@ fn bind_fresh(path: &Path, cfg: &IngestConfig) -> Result<UnixListener, String> {
 /// through `/proc/self/fd`), so a name swapped for a symlink in between
 /// cannot make the agent chmod another file.
 fn set_group_and_mode(path: &Path, cfg: &IngestConfig, gid: Option<u32>) -> Result<(), String> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
     let shown = path.display();
-    let fd = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| format!("ingest.socket {shown}: {e}"))?;
+    // open(2) itself, not OpenOptions::custom_flags: std masks O_ACCMODE
+    // out of custom flags, and musl's O_ACCMODE includes O_PATH, so the
+    // static (musl) build opened the socket plainly and got ENXIO.
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| format!("ingest.socket {shown}: a NUL byte in the path"))?;
+    // SAFETY: a valid C string and constant flags; the result is checked.
+    let raw = unsafe {
+        libc::open(
+            c_path.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if raw < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(format!("ingest.socket {shown}: {e}"));
+    }
+    // SAFETY: `raw` is a descriptor just opened and owned by nobody else.
+    let fd = unsafe { std::fs::File::from_raw_fd(raw) };
     let is_socket = fd.metadata().is_ok_and(|m| m.file_type().is_socket());
     if !is_socket {
         return Err(format!(

@@ -50,8 +50,10 @@ pub const DEFAULT_INPUT_PERCENT: u32 = 50;
 /// JSON envelope's fixed members with their longest values (event id 36,
 /// `seq` and `ts_ms` 20 digits each, `clock_trusted` false), the event id
 /// column (36) and the digest (32), about 200, and SQLite's record and
-/// cell headers. The device id is added to it ([`Shares::set_device_id_bytes`]).
-pub const ROW_OVERHEAD_BYTES: u64 = 256;
+/// cell headers; and 80 for the clock stamp a reading taken before time
+/// sync carries (`"boot_id"` 32 hex digits, `"mono_ms"` 20 digits: 76).
+/// The device id is added to it ([`Shares::set_device_id_bytes`]).
+pub const ROW_OVERHEAD_BYTES: u64 = 336;
 
 /// Peers tracked one by one; past this, new peers share one entry
 /// ([`PeerId::Crowd`]), so a public TCP port cannot grow the map.
@@ -811,6 +813,10 @@ mod tests {
                     seq: u64::MAX >> 1,
                     ts_ms: i64::MAX,
                     clock_trusted: false,
+                    mono: Some(crate::event::clock::MonoStamp {
+                        boot_id: crate::event::clock::BootId([0xff; 16]),
+                        mono_ms: u64::MAX,
+                    }),
                     fields: &fields,
                 };
                 let payload = encode(format, &env).expect("encodes");

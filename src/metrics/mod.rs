@@ -261,7 +261,7 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
         ("edgespool_receipt_wrong_digest_ids_total", "counter", "Event ids in signed receipts named with another digest than the waiting row's bytes (nothing retired for them), this run.", r.wrong_digest as f64),
         ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
         ("edgespool_receipts_dropped_total", "counter", "Receipts left unacknowledged because 1024 already waited for the delivery thread (a broker ignoring its in-flight window sends them again with the next session), this run.", r.dropped as f64),
-        ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then retire on their PUBACK), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
+        ("edgespool_receipts_unavailable", "gauge", "1 while the broker refuses the receipts subscription (rows then wait: a refusal retires nothing), else 0.", if r.unavailable { 1.0 } else { 0.0 }),
         ("edgespool_receipt_timeout_seconds", "gauge", "mqtt.receipt_timeout_secs: a row PUBACKed and not receipted within it is sent again; health calls receipts stopped at twice it.", r.timeout_secs),
     ];
     for (name, kind, help, v) in families {

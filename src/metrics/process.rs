@@ -185,10 +185,14 @@ mod tests {
     #[test]
     fn this_process_reads_back_plausible_figures() {
         let f = read().expect("/proc/self on Linux");
-        assert!(
-            f.resident_bytes > 0 && f.virtual_bytes >= f.resident_bytes,
-            "{f:?}"
-        );
+        // qemu-user's emulated /proc/self/stat gives rss and vsize as 0
+        // (measured under qemu-aarch64 7.2); a board's kernel does not.
+        if !crate::os::process::under_qemu() {
+            assert!(
+                f.resident_bytes > 0 && f.virtual_bytes >= f.resident_bytes,
+                "{f:?}"
+            );
+        }
         assert!(f.open_fds.is_some_and(|n| n >= 3), "{f:?}");
         let now = crate::event::envelope::wall_clock_ms().0 as f64 / 1000.0;
         assert!(f.start_time_secs <= now + 1.0 && f.start_time_secs > now - 86_400.0 * 365.0);

@@ -60,6 +60,13 @@ impl MqttThread {
                 }
                 s.conn.subacks_due.push_back(Sub::Receipts);
             }
+            // Backfill requests, on every connection as well.
+            if let (Some(t), Some(client)) = (&self.backfill, &s.client) {
+                if let Err(e) = client.try_subscribe(t, QoS::AtLeastOnce) {
+                    return Err(format!("cannot subscribe to {t}: {e}"));
+                }
+                s.conn.subacks_due.push_back(Sub::Backfill);
+            }
             if self.cfg.status_topic {
                 announce_online(&mut s, &self.cfg);
             }
@@ -116,6 +123,9 @@ impl MqttThread {
         if due == Some(Sub::Receipts) {
             return self.on_receipts_suback(refused);
         }
+        if due == Some(Sub::Backfill) {
+            return self.on_backfill_suback(refused);
+        }
         let mut s = lock(&self.shared);
         s.conn.sub.answered(refused.is_none());
         if let Some(code) = refused {
@@ -134,14 +144,25 @@ impl MqttThread {
         }
     }
 
+    /// SUBACK of the backfill subscription: refused (an ACL that does not
+    /// let this board read `<topic_prefix>/backfill`), the fleet's requests
+    /// do not arrive and nothing else changes: logged at ERROR.
+    fn on_backfill_suback(&self, refused: Option<String>) {
+        let topic = self.backfill.as_deref().unwrap_or_default();
+        match refused {
+            Some(code) => log::error!("mqtt: the broker refused the subscription to {topic} ({code}): the fleet cannot ask this board for rows again; check its ACL (docs/fleet.md)"),
+            None => log::info!("mqtt: subscribed to backfill requests"),
+        }
+    }
+
     /// SUBACK of the receipts subscription: granted, or refused (an ACL
-    /// that does not let this board read its receipts). Refused, delivery
-    /// falls back to retiring rows on their PUBACK and health says so;
-    /// granted again on a later connection, receipts are back.
+    /// that does not let this board read its receipts). Refused, rows wait
+    /// (a refusal retires nothing) and health says so; granted again on a
+    /// later connection, receipts are back.
     fn on_receipts_suback(&self, refused: Option<String>) {
         let topic = self.receipts.as_deref().unwrap_or_default();
         let why = refused.map(|code| {
-            format!("the broker refused the subscription to {topic} ({code}): check its ACL; rows are retired on their PUBACK until it is granted")
+            format!("the broker refused the subscription to {topic} ({code}): check its ACL; rows wait for their receipt until it is granted (a refusal retires nothing)")
         });
         {
             let mut s = lock(&self.shared);

@@ -68,6 +68,9 @@ impl MqttThread {
                     _ if self.receipts.as_deref() == Some(p.topic.as_str()) => {
                         self.on_receipt(p);
                     }
+                    _ if self.backfill.as_deref() == Some(p.topic.as_str()) => {
+                        self.on_request(p);
+                    }
                     _ => {
                         if self.receipts.is_none() && p.topic == self.receipts_topic() {
                             self.leave_receipts();
@@ -214,6 +217,29 @@ impl MqttThread {
             self.oversize.set(f.oversize);
         }
         f.reason
+    }
+
+    /// A backfill request: to the delivery thread (which reads the spool
+    /// and judges it), acknowledged once read. Past
+    /// [`super::handoff::REQUESTS_QUEUED_MAX`] waiting one is left
+    /// unacknowledged and counted: the broker holds the rest of a flood.
+    fn on_request(&self, p: rumqttc::Publish) {
+        let (epoch, room) = {
+            let mut s = lock(&self.shared);
+            let room = s.requests_queued < super::handoff::REQUESTS_QUEUED_MAX;
+            if room {
+                s.requests_queued += 1;
+            } else {
+                s.requests_dropped += 1;
+            }
+            (s.epoch, room)
+        };
+        if room {
+            let _ = self.to_delivery.send(super::DeliveryMsg::Backfill {
+                epoch,
+                publish: Box::new(p),
+            });
+        }
     }
 
     /// `<topic_prefix>/receipts`.

@@ -76,6 +76,8 @@ pub(super) enum Sub {
     Commands,
     /// `<topic_prefix>/receipts`.
     Receipts,
+    /// `<topic_prefix>/backfill`.
+    Backfill,
 }
 
 /// What [`super::Link::health_facts`] reports.

@@ -61,9 +61,19 @@ pub enum DeliveryMsg {
         /// The PUBLISH (its payload, and its packet id for the PUBACK).
         publish: Box<rumqttc::Publish>,
     },
+    /// A PUBLISH on `<topic_prefix>/backfill` (the fleet asks for rows
+    /// again), unread ([`crate::event::backfill::parse_request`]), received
+    /// on the connection of `epoch`. Acknowledged by the delivery thread
+    /// once read, as a receipt is; at most [`REQUESTS_QUEUED_MAX`] wait.
+    Backfill {
+        /// The connection it came on.
+        epoch: u64,
+        /// The PUBLISH.
+        publish: Box<rumqttc::Publish>,
+    },
     /// Whether receipts can arrive: the broker granted (`true`) or refused
     /// the subscription to the receipts topic on this connection. Refused,
-    /// delivery falls back to retiring rows on their PUBACK.
+    /// rows wait: a refusal retires nothing.
     Receipts {
         /// Granted.
         available: bool,
@@ -78,6 +88,11 @@ pub enum DeliveryMsg {
 /// left unacknowledged and counted (memory stays bounded, nothing is lost:
 /// the broker sends it again with the next session).
 pub const RECEIPTS_QUEUED_MAX: usize = 1024;
+
+/// Backfill requests waiting for the delivery thread, at most; one over it
+/// is left unacknowledged and counted (the broker's in-flight window paces
+/// them otherwise: a flood of requests waits at the broker, not here).
+pub const REQUESTS_QUEUED_MAX: usize = 16;
 
 /// A row read from the spool, ready to publish.
 #[derive(Debug, Clone)]

@@ -148,6 +148,41 @@ impl Link {
         }
     }
 
+    /// The delivery thread took one [`super::DeliveryMsg::Backfill`].
+    pub fn took_request(&self) {
+        let mut s = lock(&self.shared);
+        s.requests_queued = s.requests_queued.saturating_sub(1);
+    }
+
+    /// Backfill requests left unacknowledged because too many waited, since
+    /// start.
+    pub fn requests_dropped(&self) -> u64 {
+        lock(&self.shared).requests_dropped
+    }
+
+    /// Publish one of the board's notes (its holdings, retained; an answer
+    /// to a request) at QoS 1 on this connection, ahead of rows; dropped if
+    /// not connected, or over the packet limit in force (logged). Returns
+    /// whether it was queued.
+    pub fn publish_note(&self, topic: String, payload: Vec<u8>, retain: bool) -> bool {
+        let mut s = lock(&self.shared);
+        if !s.connected {
+            return false;
+        }
+        let size = super::packet::publish_packet_size(topic.len(), payload.len() + 64);
+        let limit = s.granted.max_packet.map_or(usize::MAX, |m| m as usize);
+        if size > limit {
+            log::warn!("mqtt: a note of {size} bytes on {topic} is over the broker's maximum packet size {limit}: not sent");
+            return false;
+        }
+        if s.notes.len() >= super::shared::NOTES_MAX {
+            s.notes.pop_front();
+        }
+        s.notes.push_back((topic, payload, retain));
+        s.pump();
+        true
+    }
+
     /// The delivery thread took one [`super::DeliveryMsg::Receipt`].
     pub fn took_receipt(&self) {
         let mut s = lock(&self.shared);

@@ -178,7 +178,8 @@ fn on_puback(s: &mut Shared, pkid: u16, notify: &mut bool) -> Result<(), String>
         .and_then(|i| s.sent_at.remove(i))
         .map(|(_, t)| t.elapsed());
     match s.ack.on_puback(pkid) {
-        Ok(STATUS_ROW) => {
+        // The status or a note (a stand-in row): nothing to retire.
+        Ok(r) if r < 0 => {
             progressed(s);
             s.pump();
         }
@@ -229,6 +230,10 @@ fn on_refused_puback(
     s.pump();
     if row == STATUS_ROW {
         log::warn!("mqtt: the retained online status was refused: {r}");
+        return Ok(());
+    }
+    if row < 0 {
+        log::warn!("mqtt: the board's holdings or a backfill answer was refused: {r}");
         return Ok(());
     }
     for row in s.members(row) {

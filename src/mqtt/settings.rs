@@ -91,6 +91,36 @@ pub struct MqttConfig {
     /// 16; `edgespool keygen`) whose signed receipts retire rows; receipt
     /// mode needs at least one ([`crate::event::receipts::Receipt::check`]).
     pub receipt_public_keys: Vec<crate::event::signature::PublicKey>,
+    /// `holdings_interval_secs`: how often the board announces what it
+    /// holds on `<topic_prefix>/holdings` (retained), besides at every
+    /// connection and when its backlog has drained (10..=86400, default
+    /// 600; 0: never, and backfill requests go unheard). Only with
+    /// `receipt_public_keys`: a request is answered only under a signature
+    /// by one of them ([`MqttConfig::backfill`]).
+    pub holdings_interval: Duration,
+    /// `backfill_rows_per_sec`: rows sent again on the fleet's request, at
+    /// most, per second, and only while no live row waits (0..=100000,
+    /// default 200; 0: requests are refused, counted).
+    pub backfill_rows_per_sec: u32,
+}
+
+impl MqttConfig {
+    /// Whether the board announces its holdings and hears backfill
+    /// requests: a key to check them by, and announcements on.
+    pub fn backfill(&self) -> bool {
+        !self.receipt_public_keys.is_empty() && !self.holdings_interval.is_zero()
+    }
+
+    /// `<topic_prefix>/holdings`: the board's holdings (retained) and its
+    /// answers to requests.
+    pub fn holdings_topic(&self) -> String {
+        format!("{}/holdings", self.topic_prefix)
+    }
+
+    /// `<topic_prefix>/backfill`: the fleet's requests.
+    pub fn backfill_topic(&self) -> String {
+        format!("{}/backfill", self.topic_prefix)
+    }
 }
 
 /// `mqtt.retire_on`: what proves a row delivered, so that it may leave the
@@ -159,5 +189,7 @@ pub(crate) fn test_config() -> MqttConfig {
         receipt_timeout: Duration::from_secs(300),
         receipt_window: 10_000,
         receipt_public_keys: Vec::new(),
+        holdings_interval: Duration::from_secs(600),
+        backfill_rows_per_sec: 200,
     }
 }

@@ -73,6 +73,15 @@ pub struct Shared {
     pub(super) receipts_queued: usize,
     /// Receipts dropped because too many waited.
     pub(super) receipts_dropped: u64,
+    /// Backfill requests sent to the delivery thread and not yet taken.
+    pub(super) requests_queued: usize,
+    /// Backfill requests left unacknowledged because too many waited.
+    pub(super) requests_dropped: u64,
+    /// The board's own notes to publish (QoS 1): `(topic, payload,
+    /// retain)`, its holdings and its answers to backfill requests, at most
+    /// [`NOTES_MAX`]; sent ahead of rows, through the ack map as a
+    /// stand-in row ([`NOTE_ROW`]). Cleared with the connection.
+    pub(super) notes: VecDeque<(String, Vec<u8>, bool)>,
     /// Acknowledgements of incoming QoS 1 PUBLISHes (receipts, commands)
     /// the client's request channel had no room for, oldest first; handed
     /// to it before any new publish. One dropped instead would hold a slot
@@ -84,6 +93,14 @@ pub struct Shared {
 /// Bound of [`Shared::acks_due`]: above what a broker keeps unacknowledged
 /// for one client (mosquitto's `max_inflight_messages` is 20 by default).
 pub(super) const ACKS_DUE_MAX: usize = 1024;
+
+/// Bound of [`Shared::notes`]: the oldest goes beyond it (a newer holdings
+/// says more than an older one; a lost answer is asked again).
+pub(super) const NOTES_MAX: usize = 8;
+
+/// The ack map's stand-in row for a note's publish: a PUBACK for it
+/// retires nothing (as the status's, [`super::status::STATUS_ROW`]).
+pub(super) const NOTE_ROW: i64 = -2;
 
 /// Bound of [`Shared::sent_at`]: more than the ack map can hold, so an entry
 /// is only ever dropped for a packet id that will get no PUBACK.
@@ -117,6 +134,24 @@ impl Shared {
                 return;
             }
             self.acks_due.pop_front();
+        }
+        // The board's notes next: few, small, and the fleet's view of it.
+        while self.ack.len() < self.window {
+            let Some((topic, payload, retain)) = self.notes.pop_front() else {
+                break;
+            };
+            if self.ack.submitted(NOTE_ROW).is_err() {
+                self.notes.push_front((topic, payload, retain));
+                return;
+            }
+            if let Err(e) =
+                client.try_publish(&topic, rumqttc::QoS::AtLeastOnce, retain, payload.clone())
+            {
+                log::debug!("mqtt: note on {topic} waits for room: {e}");
+                self.ack.submit_failed();
+                self.notes.push_front((topic, payload, retain));
+                return;
+            }
         }
         while self.ack.len() < self.window {
             let Some(mut r) = self.ready.pop_front() else {

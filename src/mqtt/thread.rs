@@ -49,6 +49,9 @@ pub struct MqttThread {
     pub(super) commands: Option<CommandSub>,
     /// `<topic_prefix>/receipts` when rows are retired on receipts.
     pub(super) receipts: Option<String>,
+    /// `<topic_prefix>/backfill` when the board hears backfill requests
+    /// ([`MqttConfig::backfill`]).
+    pub(super) backfill: Option<String>,
     /// Incoming packet limit of a normal connection.
     pub(super) incoming_limit: usize,
     /// Size of a packet that exceeded the last connection's limit.
@@ -115,10 +118,14 @@ pub fn new(
         batches: HashMap::new(),
         receipts_queued: 0,
         receipts_dropped: 0,
+        requests_queued: 0,
+        requests_dropped: 0,
+        notes: VecDeque::new(),
         acks_due: VecDeque::new(),
     }));
     let receipts =
         (cfg.retire_on == RetireOn::Receipt).then(|| format!("{}/receipts", cfg.topic_prefix));
+    let backfill = cfg.backfill().then(|| cfg.backfill_topic());
     let incoming_limit = commands
         .as_ref()
         .map_or(INCOMING_WITHOUT_COMMANDS, |c| {
@@ -129,6 +136,9 @@ pub fn new(
             // as such (not dropped by the broker: MQTT 5 counts the whole
             // packet, fixed header and properties too).
             incoming_limit(t, crate::event::receipts::MAX_RECEIPT_BYTES + 64)
+        }))
+        .max(backfill.as_ref().map_or(0, |t| {
+            incoming_limit(t, crate::event::backfill::MAX_REQUEST_BYTES + 64)
         }));
     let wake = Arc::new(Condvar::new());
     (
@@ -140,6 +150,7 @@ pub fn new(
             cfg,
             commands,
             receipts,
+            backfill,
             incoming_limit,
             oversize: Cell::new(None),
             mode: Cell::new(ConnMode::Normal),
@@ -289,6 +300,9 @@ impl MqttThread {
             s.sent_at.clear();
             s.ready.clear();
             s.acks_due.clear();
+            // Holdings are announced again at the next connection; an
+            // answer lost here is asked again by the fleet.
+            s.notes.clear();
             // A new session redelivers by itself, and is the rebuild asked for.
             s.redeliver = false;
             s.rebuild = None;

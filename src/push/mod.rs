@@ -182,6 +182,18 @@ fn keep_local_only(cfg: &mut Config, local: &Config) -> Vec<&'static str> {
         &l.mqtt.topic_prefix,
         &mut ig,
     );
+    keep(
+        "mqtt.retire_on",
+        &mut c.mqtt.retire_on,
+        &l.mqtt.retire_on,
+        &mut ig,
+    );
+    keep(
+        "mqtt.receipt_public_keys",
+        &mut c.mqtt.receipt_public_keys,
+        &l.mqtt.receipt_public_keys,
+        &mut ig,
+    );
     keep("spool.path", &mut c.spool.path, &l.spool.path, &mut ig);
     let net_fs = &l.spool.allow_network_fs;
     keep(
@@ -381,7 +393,13 @@ mod tests {
             BASE.replace("gw1", "gw2")
                 .replace("/tmp/es-push-test/spool.db", "/tmp/elsewhere/spool.db")
                 .replace("[spool]\n", "[spool]\nallow_network_fs = true\n")
-                .replace("[mqtt]\n", "[mqtt]\nclient_id = \"x\"\ntopic_prefix = \"y/z\"\n")
+                .replace(
+                    "[mqtt]\n",
+                    &format!(
+                        "[mqtt]\nclient_id = \"x\"\ntopic_prefix = \"y/z\"\nretire_on = \"receipt\"\n\
+                         receipt_public_keys = [\"{KEY}\"]\n"
+                    ),
+                )
         );
         let (cfg, ignored) = compose_noting(&local, BASE, "local", &[], &Push::Signed(pushed))
             .unwrap_or_else(|e| panic!("{e}"));

@@ -220,6 +220,7 @@ mod tests {
                 seq: 1,
                 ts_ms: 0,
                 clock_trusted: true,
+                mono: None,
                 fields_json: "{}".into(),
                 digest: digest(payload),
             }),

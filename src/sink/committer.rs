@@ -16,18 +16,33 @@
 //! and drops nothing the store has already been given.
 
 use super::batch::Item;
-use super::{SinkStats, Store, StoreError};
+use super::notes::BoardNote;
+use super::{LedgerSummary, SinkStats, Store, StoreError};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::Scope;
 
-/// What a committed batch left to do: its counters and the receipts it
-/// owes (`(topic, payload)`, see [`super::outbox::owed`]).
+/// What a committed batch left to do: its counters, the receipts it owes
+/// (`(topic, payload)`, see [`super::outbox::owed`]) and the requests for
+/// ranges its boards' notes made (signed, `(topic, payload)`).
 #[derive(Debug, Default)]
 pub struct Committed {
     /// The batch's counters.
     pub stats: SinkStats,
     /// Receipts owed, empty when receipts are off.
     pub owed: Vec<(String, Vec<u8>)>,
+    /// Backfill requests to publish, empty without a key.
+    pub asks: Vec<(String, Vec<u8>)>,
+    /// The ledger's figures, when the batch asked for them.
+    pub summary: Option<LedgerSummary>,
+}
+
+/// What goes to the store with a batch besides its events.
+#[derive(Debug, Default)]
+pub struct Extra {
+    /// Boards' holdings and answers, applied after the events.
+    pub notes: Vec<BoardNote>,
+    /// Read the ledger's figures after.
+    pub summary: bool,
 }
 
 /// A batch back from the store: the caller's tag, and `Ok` only if it
@@ -42,6 +57,7 @@ pub struct Done<T> {
 /// A batch and its tag, on its way to the store thread.
 struct Job<T> {
     items: Vec<Item>,
+    extra: Extra,
     tag: T,
 }
 
@@ -72,15 +88,8 @@ impl<T: Send + Default> Committer<T> {
         std::thread::Builder::new()
             .name("sink-store".into())
             .spawn_scoped(scope, move || {
-                for Job { items, tag } in job_rx {
-                    let now = crate::event::envelope::wall_clock_ms().0;
-                    let result = store.commit(&items, now).map(|s| Committed {
-                        owed: match &receipts {
-                            Some(key) => super::outbox::owed(&items, &s.fates, key),
-                            None => Vec::new(),
-                        },
-                        stats: s.stats,
-                    });
+                for Job { items, extra, tag } in job_rx {
+                    let result = work(store, &items, extra, receipts.as_deref());
                     drop(items);
                     if done_tx.send(Done { tag, result }).is_err() {
                         return;
@@ -100,16 +109,16 @@ impl<T: Send + Default> Committer<T> {
         self.busy
     }
 
-    /// Hand `items` to the store. Call only when not [`Committer::busy`]:
+    /// Hand `items` (and `extra`) to the store. Call only when not [`Committer::busy`]:
     /// the last batch's [`Done`] has been taken.
     ///
     /// Errors: the store thread is gone (it panicked; the scope re-raises
     /// that panic when it ends).
-    pub fn submit(&mut self, items: Vec<Item>, tag: T) -> Result<(), String> {
+    pub fn submit(&mut self, items: Vec<Item>, extra: Extra, tag: T) -> Result<(), String> {
         debug_assert!(!self.busy, "one batch with the store at most");
         let gone = || "the sink's store thread ended".to_owned();
         let jobs = self.jobs.as_ref().ok_or_else(gone)?;
-        jobs.send(Job { items, tag }).map_err(|_| gone())?;
+        jobs.send(Job { items, extra, tag }).map_err(|_| gone())?;
         self.busy = true;
         Ok(())
     }
@@ -158,4 +167,52 @@ impl<T: Send + Default> Committer<T> {
             result: Err(StoreError::Fatal("the sink's store thread ended".into())),
         }
     }
+}
+
+/// One job on the store thread: the events in one transaction (with their
+/// receipts, signed by `key`), then the boards' notes in another (with
+/// their requests, signed by the same key: without one none is made), then
+/// the ledger's figures if asked for. Nothing after a failure is done.
+fn work<S: Store>(
+    store: &mut S,
+    items: &[Item],
+    extra: Extra,
+    key: Option<&crate::event::signature::SigningKey>,
+) -> Result<Committed, StoreError> {
+    let now = crate::event::envelope::wall_clock_ms().0;
+    let mut out = Committed::default();
+    if !items.is_empty() {
+        let s = store.commit(items, now)?;
+        if let Some(key) = key {
+            out.owed = super::outbox::owed(items, &s.fates, key);
+        }
+        out.stats = s.stats;
+    }
+    if !extra.notes.is_empty() {
+        let done = store.notes(&extra.notes, key.is_some(), now)?;
+        out.stats.notes += done.applied;
+        out.stats.gone_rows += done.gone_rows;
+        for ask in &done.asks {
+            let Some(key) = key else { break };
+            if let Some(signed) = ask.signed(key, now) {
+                out.stats.asks += 1;
+                out.stats.asked_rows += ask.rows();
+                log::info!(
+                    "sink: asking {} for {} rows again ({})",
+                    ask.device,
+                    ask.rows(),
+                    ask.ranges
+                        .iter()
+                        .map(|(s, r)| format!("{s} {r:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                out.asks.push(signed);
+            }
+        }
+    }
+    if extra.summary {
+        out.summary = Some(store.ledger_summary()?);
+    }
+    Ok(out)
 }

@@ -123,6 +123,16 @@ impl SinkOptions {
         }
     }
 
+    /// The filter boards' holdings come on ([`super::notes::holdings_filter`]),
+    /// subscribed on its own and never shared: a holdings message is
+    /// retained (a sink that starts gets every board's at once, idle boards
+    /// too), and a broker sends no retained message on a shared
+    /// subscription (MQTT 5 §4.8.2). Every sink gets every board's; the
+    /// ledger's rate limit per board, in the database, lets one ask.
+    pub fn holdings_subscription(&self) -> Option<String> {
+        super::notes::holdings_filter(&self.filter)
+    }
+
     /// The filters as subscribed: `filter`, and its batch twin (see
     /// [`batches_filter`]) when it has one; each as `$share/GROUP/FILTER`
     /// with a group.
@@ -203,6 +213,7 @@ fn sessions(
     let mut backoff = Duration::from_millis(100);
     let mut last_report = Instant::now();
     let mut oversize: Option<usize> = None;
+    let mut ledger = (None, None);
     while !stop.load(Ordering::Relaxed) {
         let limit = incoming_limit(oversize.take());
         let (client, conn) = match connect(opts, limit) {
@@ -224,6 +235,9 @@ fn sessions(
             committer: &mut *committer,
             pending: Vec::new(),
             items: Vec::new(),
+            notes: Vec::new(),
+            subacks_due: VecDeque::new(),
+            ledger: &mut ledger,
             batch_bytes: 0,
             acks: Default::default(),
             first_at: Instant::now(),
@@ -266,7 +280,7 @@ fn sessions(
         }
     }
     totals.receipts_dropped += outbox.take_dropped();
-    log::info!("sink: {totals}");
+    log::info!("sink: {totals}{}", ledger_words(&ledger.0));
     Ok(totals)
 }
 
@@ -395,6 +409,13 @@ struct Session<'a> {
     /// Deliveries of the open batch, in arrival order.
     pending: Vec<Publish>,
     items: Vec<Item>,
+    /// Boards' holdings and answers of the open batch.
+    notes: Vec<super::notes::BoardNote>,
+    /// SUBACKs due on this connection, oldest first: the main filters'
+    /// (`false`) and the holdings' (`true`).
+    subacks_due: VecDeque<bool>,
+    /// The ledger's last figures, and when they were asked for.
+    ledger: &'a mut (Option<super::LedgerSummary>, Option<Instant>),
     /// Payload bytes in `items`: a batch is also committed at
     /// MAX_BATCH_BYTES, so a few large messages never make one transaction
     /// too big to send.
@@ -466,7 +487,7 @@ impl Session<'_> {
                 continue;
             }
             let wait = self.opts.batch.wait(
-                self.items.len(),
+                self.items.len() + self.notes.len(),
                 self.first_at.elapsed(),
                 self.last_at.elapsed(),
                 Duration::from_secs(1),
@@ -477,7 +498,7 @@ impl Session<'_> {
             }
             if last_report.elapsed() >= self.opts.report {
                 *last_report = Instant::now();
-                log::info!("sink: {}", self.totals);
+                log::info!("sink: {}{}", self.totals, ledger_words(&self.ledger.0));
             }
         }
     }
@@ -508,14 +529,14 @@ impl Session<'_> {
     /// Whether the open batch can take no more: `--batch-max` events (a
     /// batched publish counts as all it carries), or [`MAX_BATCH_BYTES`].
     fn full(&self) -> bool {
-        !self.items.is_empty()
-            && (self.batch_bytes >= MAX_BATCH_BYTES || self.items.len() >= self.opts.batch.max)
+        let n = self.items.len() + self.notes.len();
+        n > 0 && (self.batch_bytes >= MAX_BATCH_BYTES || n >= self.opts.batch.max)
     }
 
     /// Whether the open batch is due by the batch policy.
     fn due(&self) -> bool {
         self.opts.batch.due(
-            self.items.len(),
+            self.items.len() + self.notes.len(),
             self.first_at.elapsed(),
             self.last_at.elapsed(),
         )
@@ -566,6 +587,19 @@ impl Session<'_> {
                 if let Err(e) = self.client.try_subscribe_many(filters) {
                     return Ok(Some(End::Lost(format!("subscribe request: {e}"))));
                 }
+                self.subacks_due.clear();
+                self.subacks_due.push_back(false);
+                if let Some(h) = self.opts.holdings_subscription() {
+                    if let Err(e) = self.client.try_subscribe(h, QoS::AtLeastOnce) {
+                        return Ok(Some(End::Lost(format!("subscribe request: {e}"))));
+                    }
+                    self.subacks_due.push_back(true);
+                }
+            }
+            Ok(Ok(Event::Incoming(Incoming::SubAck(s))))
+                if self.subacks_due.pop_front() == Some(true) =>
+            {
+                holdings_suback(self.opts, &s.return_codes);
             }
             Ok(Ok(Event::Incoming(Incoming::SubAck(s)))) => {
                 let subs = self.opts.subscriptions();
@@ -581,7 +615,8 @@ impl Session<'_> {
                 log::info!("sink: subscribed {}", subs.join(" "));
             }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => self.take(p),
-            // The broker has one of our receipts (we publish nothing else).
+            // The broker has one of our receipts or requests (we publish
+            // nothing else).
             Ok(Ok(Event::Incoming(Incoming::PubAck(_)))) => self.outbox.acked(),
             // Written and flushed: an oversized delivery is acknowledged.
             Ok(Ok(Event::Outgoing(Outgoing::PubAck(pkid)))) => {
@@ -604,10 +639,16 @@ impl Session<'_> {
     /// A delivery joins the open batch; one over [`MAX_INCOMING`] (read on
     /// a session with a raised limit) is set aside unread.
     fn take(&mut self, mut p: Publish) {
-        if self.items.is_empty() {
+        if self.items.is_empty() && self.notes.is_empty() {
             self.first_at = Instant::now();
         }
         self.last_at = Instant::now();
+        if super::notes::of_holdings_topic(&p.topic).is_some() {
+            self.take_note(&p);
+            p.payload = Default::default();
+            self.pending.push(p);
+            return;
+        }
         let packet = remaining_length(&p);
         let new = match &mut self.drain {
             Some(d) if packet > MAX_INCOMING => {
@@ -636,14 +677,39 @@ impl Session<'_> {
         self.pending.push(p);
     }
 
-    /// Hand the open batch to the store thread (which is free).
+    /// A board's holdings or answer joins the open batch; one that cannot
+    /// be read, or names another board than its topic's, is counted and
+    /// acknowledged with the batch (a note is worth nothing twice).
+    fn take_note(&mut self, p: &Publish) {
+        match super::notes::read(&p.topic, &p.payload) {
+            Ok(n) => self.notes.push(n),
+            Err(e) => {
+                self.totals.notes_refused += 1;
+                log::warn!("sink: {e}; set aside");
+            }
+        }
+    }
+
+    /// Hand the open batch to the store thread (which is free), with the
+    /// ledger's figures asked for once a summary interval.
     ///
     /// Errors: the store thread is gone.
     fn submit(&mut self) -> Result<(), String> {
         let items = std::mem::take(&mut self.items);
         let deliveries = std::mem::take(&mut self.pending);
         self.batch_bytes = 0;
-        self.committer.submit(items, deliveries)
+        let summary = self
+            .ledger
+            .1
+            .is_none_or(|t| t.elapsed() >= self.opts.report);
+        if summary {
+            self.ledger.1 = Some(Instant::now());
+        }
+        let extra = super::committer::Extra {
+            notes: std::mem::take(&mut self.notes),
+            summary,
+        };
+        self.committer.submit(items, extra, deliveries)
     }
 
     /// A batch back from the store: once committed, its PUBACKs and then
@@ -658,7 +724,10 @@ impl Session<'_> {
             Err(e @ (StoreError::Fatal(_) | StoreError::Settings(_))) => return Err(e.to_string()),
         };
         *self.totals += committed.stats;
-        for (topic, payload) in committed.owed {
+        if let Some(l) = committed.summary {
+            self.ledger.0 = Some(l);
+        }
+        for (topic, payload) in committed.owed.into_iter().chain(committed.asks) {
             // Built from a topic a PUBLISH came on: always valid; checked
             // so that one that is not can never block the outbox.
             if rumqttc::valid_topic(&topic) {
@@ -685,6 +754,30 @@ impl Session<'_> {
                 _ => {}
             }
         }
+    }
+}
+
+/// The holdings subscription's SUBACK: refused (an ACL that does not let
+/// the sink read `<prefix>/holdings`), the sink goes on without it: the
+/// ledger still sees what arrives, and asks no board for anything.
+fn holdings_suback(opts: &SinkOptions, codes: &[SubscribeReasonCode]) {
+    let f = opts.holdings_subscription().unwrap_or_default();
+    if codes.contains(&SubscribeReasonCode::Failure) {
+        log::error!(
+            "sink: the broker refused the subscription to {f}: boards' holdings will not arrive, \
+             so a restored database cannot ask for what it lost (let the sinks read \
+             <prefix>/holdings and write <prefix>/backfill: docs/fleet.md)"
+        );
+    } else {
+        log::info!("sink: subscribed {f} (boards' holdings)");
+    }
+}
+
+/// The ledger's words for the summary line, when the store has told them.
+fn ledger_words(l: &Option<super::LedgerSummary>) -> String {
+    match l {
+        Some(l) => format!(" {}", l.words(crate::event::envelope::wall_clock_ms().0)),
+        None => String::new(),
     }
 }
 

@@ -4,7 +4,8 @@
 //! exactly as delivered (JSON or postcard), so two deliveries of one event id
 //! are the same event only if every byte is the same (I3).
 
-use crate::event::envelope::{CompactEnvelope, EventId};
+use crate::event::clock::{BootId, MonoStamp};
+use crate::event::envelope::{read_compact, EventId};
 use crate::event::reading::FieldValue;
 use sha2::{Digest, Sha256};
 
@@ -23,6 +24,10 @@ pub struct Event {
     pub ts_ms: i64,
     /// Whether the board's clock was trusted when the reading was taken.
     pub clock_trusted: bool,
+    /// Where `ts_ms` was read on the board's monotonic clock, when the
+    /// envelope says (`boot_id` and `mono_ms`: a reading taken before time
+    /// sync, a clock anchor); see [`super::clock`].
+    pub mono: Option<MonoStamp>,
     /// The reading's fields as a JSON object (text), whatever the wire format.
     pub fields_json: String,
     /// sha256 of the payload bytes.
@@ -148,14 +153,36 @@ fn decode_json(v: &serde_json::Value, payload: &[u8]) -> Result<Event, Unreadabl
             .get("clock_trusted")
             .and_then(|x| x.as_bool())
             .ok_or(Unreadable::Field("clock_trusted"))?,
+        mono: json_stamp(v)?,
         fields_json: fields,
         digest: digest(payload),
     })
 }
 
+/// `boot_id` and `mono_ms`: both or neither (an envelope written before
+/// they existed, or an event the board did not stamp), `boot_id` in either
+/// form [`BootId::parse`] reads, `mono_ms` an integer a `bigint` holds.
+fn json_stamp(v: &serde_json::Value) -> Result<Option<MonoStamp>, Unreadable> {
+    let (boot, mono) = match (v.get("boot_id"), v.get("mono_ms")) {
+        (None, None) => return Ok(None),
+        (boot, mono) => (boot, mono),
+    };
+    let boot_id = boot
+        .and_then(|b| b.as_str())
+        .and_then(BootId::parse)
+        .ok_or(Unreadable::Field("boot_id"))?;
+    let mono_ms = mono
+        .and_then(|m| m.as_u64())
+        .filter(|&m| i64::try_from(m).is_ok())
+        .ok_or(Unreadable::Field("mono_ms"))?;
+    Ok(Some(MonoStamp { boot_id, mono_ms }))
+}
+
 fn decode_postcard(payload: &[u8]) -> Result<Event, Unreadable> {
-    let c: CompactEnvelope =
-        postcard::from_bytes(payload).map_err(|_| Unreadable::NotAnEnvelope)?;
+    let (c, mono) = read_compact(payload).map_err(|_| Unreadable::NotAnEnvelope)?;
+    if mono.is_some_and(|m| i64::try_from(m.mono_ms).is_err()) {
+        return Err(Unreadable::Field("mono_ms"));
+    }
     let mut fields = serde_json::Map::with_capacity(c.fields.len());
     for (k, v) in c.fields {
         let j = match v {
@@ -174,6 +201,7 @@ fn decode_postcard(payload: &[u8]) -> Result<Event, Unreadable> {
         seq: i64::try_from(c.seq).map_err(|_| Unreadable::Field("seq"))?,
         ts_ms: c.ts_ms,
         clock_trusted: c.clock_trusted,
+        mono,
         fields_json: serde_json::Value::Object(fields).to_string(),
         digest: digest(payload),
     })
@@ -225,6 +253,7 @@ mod tests {
             seq: 42,
             ts_ms: 1_800_000_000_000,
             clock_trusted: true,
+            mono: None,
             fields: f,
         }
     }
@@ -242,6 +271,53 @@ mod tests {
         );
         assert_eq!(a.fields_json, b.fields_json);
         assert_ne!(a.digest, b.digest, "the digest covers the wire bytes");
+    }
+
+    #[test]
+    fn a_stamp_is_read_from_both_formats_and_an_old_envelope_has_none() {
+        let f = fields();
+        let stamp = MonoStamp {
+            boot_id: BootId([0x37; 16]),
+            mono_ms: 123_456,
+        };
+        let mut env = envelope(&f);
+        env.mono = Some(stamp);
+        for format in [Format::Json, Format::Postcard] {
+            let e = decode(&encode(format, &env).unwrap()).unwrap();
+            assert_eq!(e.mono, Some(stamp), "{format:?}");
+        }
+        let old = br#"{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"d","stream":"s","seq":1,"ts_ms":5,"clock_trusted":false,"fields":{}}"#;
+        assert_eq!(decode(old).unwrap().mono, None);
+        let with = |members: &str| {
+            format!(
+                r#"{{"event_id":"abababab-abab-abab-abab-abababababab","device_id":"d","stream":"s","seq":1,"ts_ms":5,"clock_trusted":false,{members}"fields":{{}}}}"#
+            )
+        };
+        let kernel_form =
+            with(r#""boot_id":"37373737-3737-3737-3737-373737373737","mono_ms":123456,"#);
+        assert_eq!(decode(kernel_form.as_bytes()).unwrap().mono, Some(stamp));
+        for (bad, field) in [
+            (r#""boot_id":"3737","mono_ms":1,"#, "boot_id"),
+            (r#""mono_ms":1,"#, "boot_id"),
+            (
+                r#""boot_id":"37373737373737373737373737373737","#,
+                "mono_ms",
+            ),
+            (
+                r#""boot_id":"37373737373737373737373737373737","mono_ms":-1,"#,
+                "mono_ms",
+            ),
+            (
+                r#""boot_id":"37373737373737373737373737373737","mono_ms":18446744073709551615,"#,
+                "mono_ms",
+            ),
+        ] {
+            assert_eq!(
+                decode(with(bad).as_bytes()),
+                Err(Unreadable::Field(field)),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

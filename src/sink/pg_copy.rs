@@ -16,12 +16,13 @@ use bytes::BytesMut;
 use postgres::binary_copy::BinaryCopyInWriter;
 use postgres::types::{to_sql_checked, IsNull, ToSql, Type};
 use postgres::Transaction;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 const COPY_EVENTS: &str = "COPY events (event_id, device_id, stream, seq, ts_ms, clock_trusted,
-                    received_ms, fields, payload, digest, topic) FROM STDIN (FORMAT binary)";
+                    received_ms, fields, payload, digest, topic, boot_id, mono_ms,
+                    ts_corrected_ms) FROM STDIN (FORMAT binary)";
 
-const TYPES: [Type; 11] = [
+const TYPES: [Type; 14] = [
     Type::UUID,
     Type::TEXT,
     Type::TEXT,
@@ -33,6 +34,9 @@ const TYPES: [Type; 11] = [
     Type::BYTEA,
     Type::BYTEA,
     Type::TEXT,
+    Type::UUID,
+    Type::INT8,
+    Type::INT8,
 ];
 
 /// A UUID in its binary form (16 bytes).
@@ -102,8 +106,8 @@ impl ToSql for Jsonb<'_> {
 }
 
 /// `COPY` the candidates (`cands`: the first delivery of each key, in key
-/// order) into `events`; returns their keys, all of which this transaction
-/// created. `Ok(None)`: an event id this module cannot put in binary form
+/// order) into `events`, with the corrected time `fixes` holds for a key;
+/// returns their keys, all of which this transaction created. `Ok(None)`: an event id this module cannot put in binary form
 /// (nothing was sent; store the batch the careful way).
 ///
 /// Errors: the server's; a unique violation (23505) means some key was
@@ -112,6 +116,7 @@ pub fn copy_events(
     tx: &mut Transaction<'_>,
     items: &[Item],
     cands: &[usize],
+    fixes: &HashMap<Key, i64>,
     now_ms: i64,
 ) -> Result<Option<HashSet<Key>>, postgres::Error> {
     let mut rows = Vec::with_capacity(cands.len());
@@ -125,6 +130,9 @@ pub fn copy_events(
     }
     let mut w = BinaryCopyInWriter::new(tx.copy_in(COPY_EVENTS)?, &TYPES);
     for (it, e, id) in &rows {
+        let boot = e.mono.map(|m| Uuid(m.boot_id.0));
+        let mono = e.mono.map(|m| m.mono_ms as i64);
+        let fixed = fixes.get(&batch::key(e)).copied();
         w.write(&[
             id,
             &e.device_id,
@@ -137,6 +145,9 @@ pub fn copy_events(
             &it.payload,
             &&e.digest[..],
             &it.topic,
+            &boot,
+            &mono,
+            &fixed,
         ])?;
     }
     w.finish()?;

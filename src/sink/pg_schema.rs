@@ -7,7 +7,13 @@
 use postgres::Client;
 
 /// Migrations in order; `schema_version` holds the numbers applied.
-const MIGRATIONS: &[(i32, &str)] = &[(1, V1), (2, V2), (3, V3)];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, V1),
+    (2, V2),
+    (3, V3),
+    (4, V4),
+    (5, super::ledger::pg::V5),
+];
 
 /// Version 1: events keyed by event id, and the deliveries kept aside.
 ///
@@ -125,6 +131,45 @@ CREATE TABLE side_drops (
 const V3: &str = "
 ALTER TABLE forged ADD COLUMN device_id text NOT NULL DEFAULT '';
 ALTER TABLE unreadable ADD COLUMN device_id text NOT NULL DEFAULT '';
+";
+
+/// Version 4: true time (`super::clock`).
+///
+/// - `events`: `boot_id` and `mono_ms`, where the envelope carries them (a
+///   reading taken before its board's clock was synchronized, a clock
+///   anchor), and `ts_corrected_ms`, the reading's true time once an
+///   anchor of its boot moved it (`NULL` otherwise; `ts_ms` stays what was
+///   sent). Adding the columns rewrites nothing (no default); the partial
+///   index `events_boot` holds stamped rows only, so building it reads
+///   `events` once and finds none.
+/// - `clock_anchors`: the anchor believed per `(device_id, boot_id)`.
+/// - `clock_refused`: anchors kept aside with their reason, bounded like
+///   the other side tables.
+const V4: &str = "
+ALTER TABLE events ADD COLUMN boot_id uuid;
+ALTER TABLE events ADD COLUMN mono_ms bigint;
+ALTER TABLE events ADD COLUMN ts_corrected_ms bigint;
+CREATE INDEX events_boot ON events (device_id, boot_id, mono_ms) WHERE boot_id IS NOT NULL;
+CREATE TABLE clock_anchors (
+    device_id   text NOT NULL,
+    boot_id     uuid NOT NULL,
+    mono_ms     bigint NOT NULL,
+    wall_ms     bigint NOT NULL,
+    event_id    uuid NOT NULL,
+    received_ms bigint NOT NULL,
+    sink        text NOT NULL,
+    PRIMARY KEY (device_id, boot_id)
+);
+CREATE TABLE clock_refused (
+    id            bigserial PRIMARY KEY,
+    device_id     text NOT NULL,
+    topic         text NOT NULL,
+    payload       bytea NOT NULL,
+    payload_bytes bigint NOT NULL,
+    reason        text NOT NULL,
+    received_ms   bigint NOT NULL,
+    sink          text NOT NULL
+);
 ";
 
 /// Version 3's `device_id` of the rows `forged` and `unreadable` already

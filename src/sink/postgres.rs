@@ -17,22 +17,30 @@
 //! batch is rolled back and stored again the way above.
 
 use super::batch::{self, Fate, Item, Key};
+use super::ledger::book;
+use super::ledger::pg::PgBooks;
+use super::notes::BoardNote;
+use super::pg_clock;
 use super::pg_copy;
 use super::pg_schema::{self, MigrateError};
 use super::pg_tls::{self, PgConnect, TlsFiles};
-use super::{SideBounds, SinkStats, Store, StoreError, Stored};
+use super::{LedgerSummary, SideBounds, SinkStats, Store, StoreError, Stored};
 use postgres::error::SqlState;
 use postgres::{Client, Transaction};
 use std::collections::{HashMap, HashSet};
 
 const INSERT_EVENTS: &str = "
 INSERT INTO events (event_id, device_id, stream, seq, ts_ms, clock_trusted,
-                    received_ms, fields, payload, digest, topic)
+                    received_ms, fields, payload, digest, topic,
+                    boot_id, mono_ms, ts_corrected_ms)
 SELECT u.id::uuid, u.device_id, u.stream, u.seq, u.ts_ms, u.clock_trusted,
-       $10, u.fields::jsonb, u.payload, u.digest, u.topic
+       $10, u.fields::jsonb, u.payload, u.digest, u.topic,
+       u.boot_id::uuid, u.mono_ms, u.corrected
 FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[],
-            $6::bool[], $7::text[], $8::bytea[], $9::bytea[], $11::text[])
-     AS u(id, device_id, stream, seq, ts_ms, clock_trusted, fields, payload, digest, topic)
+            $6::bool[], $7::text[], $8::bytea[], $9::bytea[], $11::text[],
+            $12::text[], $13::int8[], $14::int8[])
+     AS u(id, device_id, stream, seq, ts_ms, clock_trusted, fields, payload, digest, topic,
+          boot_id, mono_ms, corrected)
 ON CONFLICT (device_id, event_id) DO NOTHING
 RETURNING device_id, event_id::text";
 
@@ -71,16 +79,23 @@ enum Side {
     Unreadable,
     Forged,
     Mismatches,
+    ClockRefused,
 }
 
 impl Side {
-    const ALL: [Side; 3] = [Side::Unreadable, Side::Forged, Side::Mismatches];
+    const ALL: [Side; 4] = [
+        Side::Unreadable,
+        Side::Forged,
+        Side::Mismatches,
+        Side::ClockRefused,
+    ];
 
     fn table(self) -> &'static str {
         match self {
             Side::Unreadable => "unreadable",
             Side::Forged => "forged",
             Side::Mismatches => "mismatches",
+            Side::ClockRefused => "clock_refused",
         }
     }
 }
@@ -360,6 +375,43 @@ impl Store for PgStore {
         out.stats.side_dropped += std::mem::take(&mut self.dropped_at_connect);
         Ok(out)
     }
+
+    /// One transaction for the notes; a refusal as data (which a correct
+    /// note never causes) drops them: a note is worth nothing twice.
+    fn notes(
+        &mut self,
+        notes: &[BoardNote],
+        asking: bool,
+        now_ms: i64,
+    ) -> Result<book::NotesDone, StoreError> {
+        let client = self.client()?;
+        let done = client.transaction().and_then(|mut tx| {
+            let done = book::apply_notes(&mut PgBooks { tx: &mut tx }, notes, asking, now_ms)?;
+            tx.commit().map(|()| done)
+        });
+        match done {
+            Ok(d) => Ok(d),
+            Err(e) if classify(&e) == Class::Data => {
+                log::warn!("sink: boards' notes refused as data ({e}); dropped");
+                Ok(book::NotesDone::default())
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn ledger_summary(&mut self) -> Result<LedgerSummary, StoreError> {
+        let row = match self.client()?.query_one(super::LEDGER_SUMMARY, &[]) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(e)),
+        };
+        let n = |i: usize| row.get::<_, i64>(i).max(0) as u64;
+        Ok(LedgerSummary {
+            boards_with_gaps: n(0),
+            rows_missing: n(1),
+            oldest_gap_since_ms: row.get(2),
+            rows_gone: n(3),
+        })
+    }
 }
 
 /// Every side table within `b`, in one transaction; returns the rows dropped.
@@ -503,14 +555,16 @@ fn write_batch(
     copy: bool,
 ) -> Result<Stored, postgres::Error> {
     let mut tx = client.transaction()?;
+    pg_clock::lock(&mut tx, items)?;
     let cands = batch::candidates(items);
+    let fixes = pg_clock::corrections(&mut tx, items, &cands)?;
     let copied = match copy {
-        true => pg_copy::copy_events(&mut tx, items, &cands, at.now_ms)?,
+        true => pg_copy::copy_events(&mut tx, items, &cands, &fixes, at.now_ms)?,
         false => None,
     };
     let inserted = match copied {
         Some(keys) => keys,
-        None => insert_events(&mut tx, items, &cands, at.now_ms)?,
+        None => insert_events(&mut tx, items, &cands, &fixes, at.now_ms)?,
     };
     let mut stored: HashMap<Key, [u8; 32]> = HashMap::new();
     let (mut other_devs, mut other_ids) = (Vec::new(), Vec::new());
@@ -535,7 +589,19 @@ fn write_batch(
         }
     }
     let fates = batch::classify(items, &inserted, &stored);
-    let stats = at.keep(&mut tx, items, &fates)?;
+    let mut stats = at.keep(&mut tx, items, &fates)?;
+    stats.corrected = fixes.keys().filter(|k| inserted.contains(*k)).count() as u64;
+    let clock = pg_clock::anchors(&mut tx, items, &fates, at.now_ms, at.sink)?;
+    stats.anchors = clock.believed;
+    stats.corrected += clock.moved;
+    if !clock.refused.is_empty() {
+        stats.anchors_refused = clock.refused.len() as u64;
+        let (list, why): (Vec<&Item>, Vec<String>) = clock.refused.into_iter().unzip();
+        stats.side_dropped += at.insert(&mut tx, Side::ClockRefused, &list, why)?;
+    }
+    // Last before the commit: the ledger's lines stay locked the shortest.
+    let arrivals = book::arrivals(items, &fates);
+    book::record(&mut PgBooks { tx: &mut tx }, &arrivals, at.now_ms)?;
     tx.commit()?;
     Ok(Stored { stats, fates })
 }
@@ -547,6 +613,7 @@ fn insert_events(
     tx: &mut Transaction<'_>,
     items: &[Item],
     cands: &[usize],
+    fixes: &HashMap<Key, i64>,
     now_ms: i64,
 ) -> Result<HashSet<Key>, postgres::Error> {
     let n = cands.len();
@@ -566,6 +633,11 @@ fn insert_events(
         Vec::with_capacity(n),
     );
     let mut topics = Vec::with_capacity(n);
+    let (mut boots, mut monos, mut corrected) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
     for it in cands.iter().map(|&i| &items[i]) {
         if let Ok(e) = &it.read {
             ids.push(e.event_id.as_str());
@@ -578,6 +650,9 @@ fn insert_events(
             payloads.push(it.payload.as_slice());
             digests.push(&e.digest[..]);
             topics.push(it.topic.as_str());
+            boots.push(e.mono.map(|m| m.boot_id.simple()));
+            monos.push(e.mono.map(|m| m.mono_ms as i64));
+            corrected.push(fixes.get(&batch::key(e)).copied());
         }
     }
     if ids.is_empty() {
@@ -591,7 +666,7 @@ fn insert_events(
         INSERT_EVENTS,
         &[
             &ids, &devs, &streams, &seqs, &tss, &trusted, &fields, &payloads, &digests, &now_ms,
-            &topics,
+            &topics, &boots, &monos, &corrected,
         ],
     )?;
     Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())

@@ -16,14 +16,19 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::batch::{Fate, Item};
+use super::ledger::book;
+use super::ledger::sqlite::{self as ledger_sql, SqliteBooks};
 use super::message::Unreadable;
-use super::{SideBounds, SinkStats, Store, StoreError, Stored};
+use super::notes::BoardNote;
+use super::{LedgerSummary, SideBounds, SinkStats, Store, StoreError, Stored};
 
 /// The schema version this build writes (`PRAGMA user_version`). Version
 /// 1 is the file of older sinks, which had no version: `received` keyed
 /// by event id alone, `mismatches` without device or topic. Version 2 had
-/// no `unreadable` table and no device in `forged`.
-pub const VERSION: i32 = 3;
+/// no `unreadable` table and no device in `forged`. Version 3 had no clock
+/// columns, anchors or `clock_refused` ([`super::sqlite_clock::V3_TO_V4`]);
+/// version 4 no replay ledger ([`super::ledger::sqlite::V4_TO_V5`]).
+pub const VERSION: i32 = 5;
 
 /// Version 2, created whole in a new file.
 const SCHEMA_V2: &str = "
@@ -137,6 +142,8 @@ impl SinkDb {
         let one = store_in(&tx, &it, now, &self.bounds)?;
         let mut delta = one.stats;
         delta.side_dropped += trim_sides(&tx, &self.bounds, one.side)?;
+        let arrivals = book::arrivals(std::slice::from_ref(&it), &[one.fate]);
+        book::record(&mut SqliteBooks { tx: &tx }, &arrivals, now)?;
         tx.commit()?;
         self.stats += delta;
         Ok(one.event_id)
@@ -180,9 +187,42 @@ impl Store for SinkDb {
             sides.add(one.side);
         }
         out.stats.side_dropped += trim_sides(&tx, &self.bounds, sides).map_err(fatal)?;
+        let arrivals = book::arrivals(items, &out.fates);
+        book::record(&mut SqliteBooks { tx: &tx }, &arrivals, now_ms).map_err(fatal)?;
         tx.commit().map_err(fatal)?;
         self.stats += out.stats;
         Ok(out)
+    }
+
+    /// One `IMMEDIATE` transaction for the notes.
+    fn notes(
+        &mut self,
+        notes: &[BoardNote],
+        asking: bool,
+        now_ms: i64,
+    ) -> Result<book::NotesDone, StoreError> {
+        let fatal = |e: rusqlite::Error| StoreError::Fatal(format!("sink database: {e}"));
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(fatal)?;
+        let done = book::apply_notes(&mut SqliteBooks { tx: &tx }, notes, asking, now_ms)
+            .map_err(fatal)?;
+        tx.commit().map_err(fatal)?;
+        Ok(done)
+    }
+
+    fn ledger_summary(&mut self) -> Result<LedgerSummary, StoreError> {
+        self.conn
+            .query_row(super::LEDGER_SUMMARY, [], |r| {
+                Ok(LedgerSummary {
+                    boards_with_gaps: r.get::<_, i64>(0)?.max(0) as u64,
+                    rows_missing: r.get::<_, i64>(1)?.max(0) as u64,
+                    oldest_gap_since_ms: r.get(2)?,
+                    rows_gone: r.get::<_, i64>(3)?.max(0) as u64,
+                })
+            })
+            .map_err(|e| StoreError::Fatal(format!("sink database: {e}")))
     }
 }
 
@@ -212,6 +252,16 @@ pub fn migrate(conn: &mut Connection, b: &SideBounds) -> Result<(), OpenError> {
     }
     if found < 3 {
         v2_to_v3(&tx)?;
+    }
+    if found < 4 {
+        tx.execute_batch(super::sqlite_clock::V3_TO_V4)?;
+    }
+    if found < 5 {
+        tx.execute_batch(ledger_sql::V4_TO_V5)?;
+        let n = ledger_sql::fill(&tx, crate::event::envelope::wall_clock_ms().0)?;
+        if n > 0 {
+            log::info!("sink: the ledger starts from the {n} events already stored");
+        }
     }
     if found < VERSION && old {
         trim_sides(&tx, b, Sides::ALL)?;
@@ -289,6 +339,7 @@ struct Sides {
     mismatches: bool,
     forged: bool,
     unreadable: bool,
+    clock_refused: bool,
 }
 
 impl Sides {
@@ -296,12 +347,14 @@ impl Sides {
         mismatches: true,
         forged: true,
         unreadable: true,
+        clock_refused: true,
     };
 
     fn add(&mut self, o: Sides) {
         self.mismatches |= o.mismatches;
         self.forged |= o.forged;
         self.unreadable |= o.unreadable;
+        self.clock_refused |= o.clock_refused;
     }
 }
 
@@ -337,6 +390,7 @@ fn trim_sides(tx: &Transaction<'_>, b: &SideBounds, sides: Sides) -> rusqlite::R
         (sides.mismatches, "mismatches"),
         (sides.forged, "forged"),
         (sides.unreadable, "unreadable"),
+        (sides.clock_refused, "clock_refused"),
     ] {
         if !on {
             continue;
@@ -383,6 +437,7 @@ impl One {
             mismatches: fate == Fate::Mismatch,
             forged: fate == Fate::Forged,
             unreadable: fate == Fate::Unreadable,
+            clock_refused: false,
         };
         One {
             event_id,
@@ -427,13 +482,45 @@ fn store_in(tx: &Transaction<'_>, it: &Item, now: i64, b: &SideBounds) -> rusqli
         return forged(tx, it, "topic names no device and stream", now, b);
     };
     let digest = Sha256::digest(&it.payload).to_vec();
+    let c = super::sqlite_clock::columns(tx, t.device, it.read.as_ref().ok())?;
     let inserted = tx.execute(
-        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) ON CONFLICT(device_id, event_id) DO NOTHING",
-        params![t.device, event_id, t.stream, it.topic, digest, it.payload, ts_ms, now],
+        "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms,
+                               clock_trusted, boot_id, mono_ms, ts_corrected_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+         ON CONFLICT(device_id, event_id) DO NOTHING",
+        params![
+            t.device,
+            event_id,
+            t.stream,
+            it.topic,
+            digest,
+            it.payload,
+            ts_ms,
+            now,
+            c.trusted,
+            c.boot_id,
+            c.mono_ms,
+            c.corrected_ms
+        ],
     )?;
     if inserted == 1 {
-        return Ok(One::of(Fate::First, Some(event_id)));
+        let mut one = One::of(Fate::First, Some(event_id));
+        one.stats.corrected = u64::from(c.corrected_ms.is_some());
+        if let Some(e) = it.read.as_ref().ok().filter(|e| super::clock::is_anchor(e)) {
+            match super::sqlite_clock::anchor_stored(tx, t.device, e, now)? {
+                Ok(moved) => {
+                    one.stats.anchors = 1;
+                    one.stats.corrected += moved;
+                }
+                Err(why) => {
+                    log::warn!("sink: clock anchor on {} kept aside: {why}", it.topic);
+                    set_aside(tx, "clock_refused", it, &why.to_string(), now, b)?;
+                    one.stats.anchors_refused = 1;
+                    one.side.clock_refused = true;
+                }
+            }
+        }
+        return Ok(one);
     }
     let key = params![t.device, event_id];
     let stored: Option<Vec<u8>> = tx
@@ -758,5 +845,42 @@ mod tests {
         assert!(kept[2].1.contains("e-19"), "{kept:?}");
         assert_eq!(db.stats.side_dropped, 17);
         assert_eq!(db.stats.forged, 20);
+    }
+
+    /// Version 3 through 4 (true time: `sqlite_clock`'s migration) and 5
+    /// (the replay ledger).
+    #[test]
+    fn a_version_3_file_gets_the_clock_columns_and_keeps_its_rows() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("sink.db");
+        {
+            let c = rusqlite::Connection::open(&path).unwrap();
+            c.execute_batch(&format!("{SCHEMA_V2}{V2_TO_V3}")).unwrap();
+            c.execute(
+                "INSERT INTO received (device_id, event_id, stream, topic, digest, payload, ts_ms, first_ms)
+                 VALUES ('gw', 'e', 's', 'p/gw/events/s', x'00', x'00', 5, 6)",
+                [],
+            )
+            .unwrap();
+        }
+        SinkDb::open(&path).unwrap();
+        let c = rusqlite::Connection::open(&path).unwrap();
+        let v: i32 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        // Through version 4 (these columns) and 5 (the replay ledger).
+        assert_eq!(v, VERSION);
+        let lines: i64 = c
+            .query_row("SELECT count(*) FROM ledger", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(lines, 0, "a payload that is no envelope counts nowhere");
+        let row: (i64, Option<String>, Option<i64>) = c
+            .query_row(
+                "SELECT ts_ms, boot_id, ts_corrected_ms FROM received",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(row, (5, None, None));
     }
 }

@@ -48,6 +48,170 @@ pub struct Report {
     pub rate_last_minute: f64,
     /// Events per second between the first and last first receipt.
     pub rate_overall: f64,
+    /// The replay ledger per (device, stream) (empty for a store older
+    /// than the ledger).
+    pub ledger: Vec<LedgerLine>,
+    /// Its gaps, open and given up, the first [`GAPS_SHOWN`] in key order.
+    pub gaps: Vec<GapRow>,
+    /// What the ledger says is missing, all boards.
+    pub ledger_summary: super::LedgerSummary,
+}
+
+/// Gaps listed by `--stats` at most (the summary counts them all).
+pub const GAPS_SHOWN: i64 = 200;
+
+/// One (device, stream) of the ledger, as `--stats` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LedgerLine {
+    /// Device id.
+    pub device_id: String,
+    /// Stream.
+    pub stream: String,
+    /// Highest sequence number accounted for (stored, or announced by the
+    /// board).
+    pub known_seq: i64,
+    /// Highest sequence number stored.
+    pub newest_seq: i64,
+    /// Every sequence number up to this is stored.
+    pub contiguous_seq: i64,
+    /// Open gaps.
+    pub open_gaps: i64,
+    /// Rows in them.
+    pub rows_missing: i64,
+    /// Rows given up.
+    pub rows_gone: i64,
+    /// When its oldest open gap was first seen, Unix ms.
+    pub oldest_gap_since_ms: Option<i64>,
+    /// The board's last holdings: oldest kept, newest appended, first not
+    /// yet delivered, and when they came (Unix ms).
+    pub board: Option<(i64, i64, i64, i64)>,
+}
+
+/// One gap of the ledger.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct GapRow {
+    /// Device id.
+    pub device_id: String,
+    /// Stream.
+    pub stream: String,
+    /// First missing sequence number.
+    pub first_seq: i64,
+    /// Last missing.
+    pub last_seq: i64,
+    /// When it was first seen, Unix ms.
+    pub since_ms: i64,
+    /// Requests that named it since a row of it last arrived.
+    pub asks: i32,
+    /// Why it was given up; `None`: open.
+    pub gone_reason: Option<String>,
+}
+
+/// The ledger's lines with their gap figures.
+const LEDGER_LINES: &str = "
+SELECT l.device_id, l.stream, l.known_seq, l.newest_seq, l.contiguous_seq,
+       CAST(coalesce(g.open_gaps, 0) AS BIGINT), CAST(coalesce(g.missing, 0) AS BIGINT),
+       CAST(coalesce(g.gone, 0) AS BIGINT), g.since,
+       l.board_oldest, l.board_newest, l.board_pending, l.board_at_ms
+FROM ledger l LEFT JOIN (
+    SELECT device_id, stream,
+           sum(CASE WHEN gone_reason IS NULL THEN 1 ELSE 0 END) AS open_gaps,
+           sum(CASE WHEN gone_reason IS NULL THEN last_seq - first_seq + 1 ELSE 0 END) AS missing,
+           sum(CASE WHEN gone_reason IS NULL THEN 0 ELSE last_seq - first_seq + 1 END) AS gone,
+           min(CASE WHEN gone_reason IS NULL THEN since_ms END) AS since
+    FROM ledger_gaps GROUP BY device_id, stream) g
+  ON g.device_id = l.device_id AND g.stream = l.stream
+ORDER BY l.device_id, l.stream";
+
+/// The first gaps, in key order.
+const LEDGER_GAPS: &str = "
+SELECT device_id, stream, first_seq, last_seq, since_ms, asks, gone_reason
+FROM ledger_gaps ORDER BY device_id, stream, first_seq LIMIT 200";
+
+/// A [`LedgerLine`] from [`LEDGER_LINES`]' columns, in order.
+#[allow(clippy::type_complexity)]
+fn ledger_line(
+    (device_id, stream, known_seq, newest_seq, contiguous_seq): (String, String, i64, i64, i64),
+    (open_gaps, rows_missing, rows_gone, oldest_gap_since_ms): (i64, i64, i64, Option<i64>),
+    board: (Option<i64>, Option<i64>, Option<i64>, Option<i64>),
+) -> LedgerLine {
+    LedgerLine {
+        device_id,
+        stream,
+        known_seq,
+        newest_seq,
+        contiguous_seq,
+        open_gaps,
+        rows_missing,
+        rows_gone,
+        oldest_gap_since_ms,
+        board: match board {
+            (Some(a), Some(b), Some(c), Some(d)) => Some((a, b, c, d)),
+            _ => None,
+        },
+    }
+}
+
+/// The ledger's part of the text report, at wall-clock `now_ms`.
+fn render_ledger(out: &mut String, r: &Report, now_ms: i64) {
+    if r.ledger.is_empty() {
+        return;
+    }
+    let age = |t: Option<i64>| {
+        t.map_or("-".to_owned(), |t| {
+            format!("{} s", (now_ms - t).max(0) / 1000)
+        })
+    };
+    let _ = writeln!(
+        out,
+        "\nledger: {} boards with gaps, {} rows missing, oldest gap {}; {} rows given up",
+        r.ledger_summary.boards_with_gaps,
+        r.ledger_summary.rows_missing,
+        age(r.ledger_summary.oldest_gap_since_ms),
+        r.ledger_summary.rows_gone
+    );
+    let _ = writeln!(
+        out,
+        "{:<24} {:<16} {:>10} {:>10} {:>6} {:>9} {:>9} {:>10}  board holds (oldest..newest, delivered below)",
+        "device", "stream", "stored to", "contiguous", "gaps", "missing", "gone", "oldest gap"
+    );
+    for l in &r.ledger {
+        let board = l.board.map_or("-".to_owned(), |(o, n, p, at)| {
+            format!("{o}..{n}, below {p} ({} ago)", age(Some(at)))
+        });
+        let _ = writeln!(
+            out,
+            "{:<24} {:<16} {:>10} {:>10} {:>6} {:>9} {:>9} {:>10}  {board}",
+            l.device_id,
+            l.stream,
+            l.newest_seq,
+            l.contiguous_seq,
+            l.open_gaps,
+            l.rows_missing,
+            l.rows_gone,
+            age(l.oldest_gap_since_ms)
+        );
+    }
+    if r.gaps.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "\ngaps (first {GAPS_SHOWN}):");
+    for g in &r.gaps {
+        let state = match &g.gone_reason {
+            Some(why) => format!("gone: {why}"),
+            None if g.asks > 0 => format!("asked {} times", g.asks),
+            None => "open".to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<24} {:<16} {:>10}..{:<10} {:>8} rows, seen {} ago, {state}",
+            g.device_id,
+            g.stream,
+            g.first_seq,
+            g.last_seq,
+            g.last_seq - g.first_seq + 1,
+            age(Some(g.since_ms))
+        );
+    }
 }
 
 /// The report as text: per device, then per stream, then the totals.
@@ -100,6 +264,7 @@ pub fn render(r: &Report) -> String {
         "ingest rate: {:.1}/s over the last minute, {:.1}/s from first to last receipt",
         r.rate_last_minute, r.rate_overall
     );
+    render_ledger(&mut out, r, crate::event::envelope::wall_clock_ms().0);
     out
 }
 
@@ -163,7 +328,7 @@ pub fn from_postgres(c: &mut postgres::Client, now_ms: i64) -> Result<Report, po
         "SELECT coalesce(max(received_ms) - min(received_ms), 0) FROM events",
     )?;
     let (rate_last_minute, rate_overall) = rates(recent, events, span);
-    Ok(Report {
+    let mut r = Report {
         streams,
         events,
         duplicates,
@@ -173,7 +338,54 @@ pub fn from_postgres(c: &mut postgres::Client, now_ms: i64) -> Result<Report, po
         side_dropped,
         rate_last_minute,
         rate_overall,
-    })
+        ..Report::default()
+    };
+    // The ledger came with schema version 5.
+    let v4: bool = c
+        .query_one("SELECT to_regclass('ledger_gaps') IS NOT NULL", &[])?
+        .get(0);
+    if v4 {
+        pg_ledger(c, &mut r)?;
+    }
+    Ok(r)
+}
+
+/// The ledger's lines, gaps and summary of a PostgreSQL sink database.
+#[cfg(feature = "pg-sink")]
+fn pg_ledger(c: &mut postgres::Client, r: &mut Report) -> Result<(), postgres::Error> {
+    r.ledger = c
+        .query(LEDGER_LINES, &[])?
+        .iter()
+        .map(|w| {
+            ledger_line(
+                (w.get(0), w.get(1), w.get(2), w.get(3), w.get(4)),
+                (w.get(5), w.get(6), w.get(7), w.get(8)),
+                (w.get(9), w.get(10), w.get(11), w.get(12)),
+            )
+        })
+        .collect();
+    r.gaps = c
+        .query(LEDGER_GAPS, &[])?
+        .iter()
+        .map(|w| GapRow {
+            device_id: w.get(0),
+            stream: w.get(1),
+            first_seq: w.get(2),
+            last_seq: w.get(3),
+            since_ms: w.get(4),
+            asks: w.get(5),
+            gone_reason: w.get(6),
+        })
+        .collect();
+    let w = c.query_one(super::LEDGER_SUMMARY, &[])?;
+    let n = |i: usize| w.get::<_, i64>(i).max(0) as u64;
+    r.ledger_summary = super::LedgerSummary {
+        boards_with_gaps: n(0),
+        rows_missing: n(1),
+        oldest_gap_since_ms: w.get(2),
+        rows_gone: n(3),
+    };
+    Ok(())
 }
 
 /// The report of a SQLite sink file (JSON envelopes only: a postcard row
@@ -238,7 +450,7 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
     )?;
     let span = one("SELECT coalesce(max(first_ms) - min(first_ms), 0) FROM received")?;
     let (rate_last_minute, rate_overall) = rates(recent, events, span);
-    Ok(Report {
+    let mut r = Report {
         streams,
         events,
         duplicates: redeliveries - mismatches,
@@ -248,7 +460,51 @@ pub fn from_sqlite(path: &std::path::Path, now_ms: i64) -> rusqlite::Result<Repo
         side_dropped: mismatches_dropped + forged_dropped + unreadable_dropped,
         rate_last_minute,
         rate_overall,
-    })
+        ..Report::default()
+    };
+    // The ledger came with schema version 5.
+    if one("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ledger_gaps'")? > 0
+    {
+        sqlite_ledger(&c, &mut r)?;
+    }
+    Ok(r)
+}
+
+/// The ledger's lines, gaps and summary of a SQLite sink file.
+fn sqlite_ledger(c: &rusqlite::Connection, r: &mut Report) -> rusqlite::Result<()> {
+    let mut st = c.prepare(LEDGER_LINES)?;
+    r.ledger = st
+        .query_map([], |w| {
+            Ok(ledger_line(
+                (w.get(0)?, w.get(1)?, w.get(2)?, w.get(3)?, w.get(4)?),
+                (w.get(5)?, w.get(6)?, w.get(7)?, w.get(8)?),
+                (w.get(9)?, w.get(10)?, w.get(11)?, w.get(12)?),
+            ))
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut st = c.prepare(LEDGER_GAPS)?;
+    r.gaps = st
+        .query_map([], |w| {
+            Ok(GapRow {
+                device_id: w.get(0)?,
+                stream: w.get(1)?,
+                first_seq: w.get(2)?,
+                last_seq: w.get(3)?,
+                since_ms: w.get(4)?,
+                asks: w.get(5)?,
+                gone_reason: w.get(6)?,
+            })
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    r.ledger_summary = c.query_row(super::LEDGER_SUMMARY, [], |w| {
+        Ok(super::LedgerSummary {
+            boards_with_gaps: w.get::<_, i64>(0)?.max(0) as u64,
+            rows_missing: w.get::<_, i64>(1)?.max(0) as u64,
+            oldest_gap_since_ms: w.get(2)?,
+            rows_gone: w.get::<_, i64>(3)?.max(0) as u64,
+        })
+    })?;
+    Ok(())
 }
 
 fn stream_row(

@@ -328,6 +328,7 @@ mod tests {
             seq: u64::from(n) + 1,
             ts_ms: 1_800_000_000_000 + i64::from(n),
             clock_trusted: true,
+            mono: None,
             fields: &fields,
         };
         encode(format, &env).expect("encode")
@@ -500,6 +501,7 @@ mod tests {
             seq: 3,
             ts_ms: 5,
             clock_trusted: false,
+            mono: None,
             fields: &vec![("long".to_owned(), FieldValue::Text("x".repeat(300)))],
         };
         events[1] = encode(Format::Postcard, &big).expect("encode");

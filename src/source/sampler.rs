@@ -6,9 +6,9 @@
 //! a minute costs about one wakeup a minute here), and an `exec` program that
 //! hangs until its timeout delays only its own source.
 
-use crate::event::envelope::wall_clock_ms;
 use crate::intake::budget::Budget;
 use crate::intake::IngestMsg;
+use crate::os::clock::Now;
 use crate::os::threads::join_within;
 use crate::source::replay::{DueRow, Replay, Resumed};
 use crate::source::{self, SourceState};
@@ -122,7 +122,7 @@ fn source_loop(
             };
             match result {
                 Ok(list) => {
-                    let clock = wall_clock_ms();
+                    let clock = crate::os::clock::reading_now();
                     for due in list.into_iter().filter(|d| !d.fields().is_empty()) {
                         let ev = due.into_event(&spec.name, clock);
                         if tx.send(IngestMsg::Reading(ev)).is_err() {
@@ -216,7 +216,8 @@ impl Due {
     }
 
     /// The reading for `stream`. A sampled one carries `clock`, the wall
-    /// clock `(ms, trusted)` when it was taken. A replayed row carries its
+    /// clock when it was taken (and where on the monotonic clock, while
+    /// time sync has not vouched for it). A replayed row carries its
     /// own time ([`DueRow::ts_ms`]), marked trusted: it is the trace's
     /// time, not a reading of the board's clock (which may still be in
     /// 1970), and it comes out the same each time the row is read. The
@@ -224,9 +225,13 @@ impl Due {
     /// read again after a rollback is the same bytes under the same id, or,
     /// if its `seq` or cells moved (a dropped row, a truncated file, a
     /// config change), a new event: never a second payload under one id.
-    fn into_event(self, stream: &str, clock: (i64, bool)) -> NewEvent {
+    fn into_event(self, stream: &str, clock: Now) -> NewEvent {
         match self {
-            Due::Sampled(fields) => NewEvent::new(stream, clock.0, clock.1, fields),
+            Due::Sampled(fields) => {
+                let mut ev = NewEvent::new(stream, clock.wall_ms, clock.trusted, fields);
+                ev.mono = clock.mono.map(Box::new);
+                ev
+            }
             Due::Replayed(row) => {
                 let mut ev = NewEvent::new(stream, row.ts_ms, true, row.fields);
                 ev.replay = Some(row.position);
@@ -327,6 +332,20 @@ mod tests {
         }
     }
 
+    /// The clock reading `(ms, trusted)`, stamped: a replayed row keeps
+    /// its trace's time and no stamp whatever the board's clock says, so
+    /// its bytes come out the same on every read.
+    fn at((wall_ms, trusted): (i64, bool)) -> Now {
+        Now {
+            wall_ms,
+            trusted,
+            mono: Some(crate::event::clock::MonoStamp {
+                boot_id: crate::event::clock::BootId([7; 16]),
+                mono_ms: wall_ms.unsigned_abs() % 1_000_000,
+            }),
+        }
+    }
+
     /// `calls` calls' worth of readings, as the source loop makes them
     /// with the wall clock reading `clock`, appended to `spool`.
     fn play(r: &mut Replay, spool: &Path, calls: usize, clock: (i64, bool)) {
@@ -336,7 +355,7 @@ mod tests {
             let evs: Vec<NewEvent> = replay_due(r, "trace", Instant::now())
                 .unwrap()
                 .into_iter()
-                .map(|d| d.into_event("trace", clock))
+                .map(|d| d.into_event("trace", at(clock)))
                 .collect();
             s.append(&evs, &mut ids, "dev", Format::Json, clock.0)
                 .unwrap();
@@ -423,7 +442,7 @@ mod tests {
                 .unwrap()
                 .into_iter()
                 .skip(1)
-                .map(|d| d.into_event("trace", (1, false)))
+                .map(|d| d.into_event("trace", at((1, false))))
                 .collect();
             s.append(&evs, &mut ids, "dev", Format::Json, 1).unwrap();
         }
@@ -451,7 +470,7 @@ mod tests {
             let evs: Vec<NewEvent> = replay_due(&mut r, "trace", Instant::now())
                 .unwrap()
                 .into_iter()
-                .map(|d| d.into_event("trace", (1, false)))
+                .map(|d| d.into_event("trace", at((1, false))))
                 .collect();
             s.append(&evs, &mut ids, "dev", format, 1).unwrap();
         };

@@ -9,6 +9,7 @@ use super::riders::{Riders, Rode};
 use super::seqs::SeqBook;
 use super::seqs::{stream_row, StreamSeq, PERSIST_SEQS_EVERY, SQL_SET_SEQ};
 use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD, SQL_GET_STATE, SQL_SET_STATE};
+use crate::event::clock::MonoStamp;
 use crate::event::envelope::{self, Envelope, EventId, EventIdGen, Format};
 use crate::event::reading::{FieldValue, Fields, ReplayPosition};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -33,6 +34,14 @@ pub struct NewEvent {
     /// [`envelope::CLOCK_FLOOR_MS`]), a producer's time is past it; always
     /// for a replayed row's trace time.
     pub clock_trusted: bool,
+    /// Where `ts_ms` was read on the board's monotonic clock, when it was
+    /// read from the board's wall clock before time sync vouched for it
+    /// (`crate::os::clock::reading_now`), and for a clock anchor; encoded
+    /// into the payload ([`Envelope::mono`]). `None` for a producer's or a
+    /// trace's own time, whose bytes must come out the same each time.
+    /// Boxed: most readings have none, and every reading in flight carries
+    /// the field.
+    pub mono: Option<Box<MonoStamp>>,
     /// The fields.
     pub fields: Fields,
     /// For a row of a replayed trace: where the replay stands after it.
@@ -68,6 +77,7 @@ impl NewEvent {
             stream: stream.into(),
             ts_ms,
             clock_trusted,
+            mono: None,
             fields,
             replay: None,
             key: None,
@@ -116,7 +126,12 @@ impl NewEvent {
         let replay = self.replay.as_ref().map_or(0, |p| {
             text(&p.trace_id) + text(&p.fingerprint) + 256 * usize::from(p.segment.is_some())
         });
+        let mono = self
+            .mono
+            .as_ref()
+            .map_or(0, |_| size_of::<MonoStamp>() + ALLOC_BYTES);
         size_of::<NewEvent>()
+            + mono
             + text(&self.stream)
             + self.fields.capacity() * size_of::<(String, FieldValue)>()
             + ALLOC_BYTES
@@ -341,6 +356,7 @@ impl Issued {
             seq: seq as u64,
             ts_ms: ev.ts_ms,
             clock_trusted: ev.clock_trusted,
+            mono: ev.mono.as_deref().copied(),
             fields: &ev.fields,
         };
         let mut encoded = envelope::encode(to.format, &env);
@@ -591,6 +607,7 @@ pub(crate) fn insert_one(
         seq: seq as u64,
         ts_ms: ev.ts_ms,
         clock_trusted: ev.clock_trusted,
+        mono: ev.mono.as_deref().copied(),
         fields: &ev.fields,
     };
     let payload = envelope::encode(format, &env).map_err(|e| SpoolError::Encode {

@@ -25,6 +25,8 @@
 //! - `append`: a reading into a row (event id, payload encoded once, digest);
 //! - `riders`: the bookkeeping that rides an append instead of a commit of its own;
 //! - `delivery`: rows to publish, the acknowledged mark, FAILED rows;
+//! - `held`: what the spool still holds per stream, and rows read again by
+//!   sequence number when the fleet asks (backfill);
 //! - `upkeep`: retention, giving space back, checkpoints;
 //! - `commands`: command records (the idempotency keys of commands);
 //! - `keys`: idempotency keys of keyed readings;
@@ -37,6 +39,7 @@ mod append;
 pub mod backup;
 mod commands;
 mod delivery;
+mod held;
 pub mod integrity;
 mod keys;
 mod open;
@@ -53,6 +56,7 @@ mod wal;
 pub use append::{CommitOutcome, Committed, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTES};
 pub use commands::*;
 pub use delivery::{FailedRow, OutRow};
+pub use held::{HeldRow, HeldState, PENDING_SCAN_ROWS};
 pub use keys::KEYS_KEPT;
 pub use open::{shm_path, wal_path};
 pub use riders::{Riders, Rode};

@@ -13,6 +13,7 @@ fn ev(stream: &str, x: f64) -> NewEvent {
         stream: stream.into(),
         ts_ms: 1,
         clock_trusted: true,
+        mono: None,
         fields: vec![("x".into(), FieldValue::Num(x))],
         key: None,
         reply: None,

@@ -5,7 +5,7 @@
 //! unacknowledged or FAILED one, never the newest), a bounded batch per
 //! transaction (F02).
 
-use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD};
+use super::{held, keys, Spool, SpoolError, SQL_COUNTER_ADD};
 use rusqlite::params;
 
 /// Acknowledged rows, oldest first, appended before `?1`; never the newest
@@ -16,7 +16,7 @@ pub(super) const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
       AND id < (SELECT max(id) FROM events)
       AND created_ms < ?1
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id)
-    ORDER BY id LIMIT ?2)";
+    ORDER BY id LIMIT ?2) RETURNING stream_id, seq";
 
 /// Whether [`SQL_PURGE`] or [`SQL_PURGE_ABOVE`] would delete a row
 /// appended before `?1` (read only: a pass with nothing to delete writes
@@ -34,7 +34,7 @@ pub(super) const SQL_PURGE_ANY: &str = "SELECT EXISTS (
 pub(super) const SQL_PURGE_ABOVE: &str = "DELETE FROM events WHERE id IN (
     SELECT a.id FROM acked_above a JOIN events e ON e.id = a.id
     WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events)
-    ORDER BY a.id LIMIT ?2)";
+    ORDER BY a.id LIMIT ?2) RETURNING stream_id, seq";
 
 pub(super) const SQL_PURGE_ABOVE_INDEX: &str =
     "DELETE FROM acked_above WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.id = acked_above.id)";
@@ -90,12 +90,13 @@ impl Spool {
             if let Some(seqs) = &seqs {
                 super::seqs::write_seqs(tx, err, seqs)?;
             }
-            let mut n = tx
-                .execute(SQL_PURGE, params![cutoff_ms, batch as i64])
-                .map_err(err)?;
+            // What each stream loses, for what the board says it still
+            // holds (`held`): one small row per stream, in this commit.
+            let mut top: std::collections::HashMap<i64, i64> = Default::default();
+            let mut n =
+                held::purge_noting(tx, SQL_PURGE, cutoff_ms, batch, &mut top).map_err(err)?;
             if n < batch {
-                let above = tx
-                    .execute(SQL_PURGE_ABOVE, params![cutoff_ms, (batch - n) as i64])
+                let above = held::purge_noting(tx, SQL_PURGE_ABOVE, cutoff_ms, batch - n, &mut top)
                     .map_err(err)?;
                 if above > 0 {
                     tx.execute(SQL_PURGE_ABOVE_INDEX, []).map_err(err)?;
@@ -103,6 +104,7 @@ impl Spool {
                 n += above;
             }
             if n > 0 {
+                held::note_purged(tx, &top).map_err(err)?;
                 keys::forget_purged(tx).map_err(err)?;
                 tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
                     .map_err(err)?;

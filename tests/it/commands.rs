@@ -1614,7 +1614,7 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
 }
 
 /// Debian's libfaketime (package `faketime`), multi-threaded flavour.
-fn libfaketime() -> PathBuf {
+pub(crate) fn libfaketime() -> PathBuf {
     let found = std::fs::read_dir("/usr/lib")
         .into_iter()
         .flatten()
@@ -1629,7 +1629,7 @@ fn libfaketime() -> PathBuf {
 
 /// Step the agent's wall clock: `offset` as libfaketime reads it ("+0",
 /// "+30d", "-1700000000"); the agent re-reads the file at every call.
-fn step_clock(file: &Path, offset: &str) {
+pub(crate) fn step_clock(file: &Path, offset: &str) {
     std::fs::write(file, format!("{offset}\n")).expect("write faketime file");
 }
 

@@ -292,6 +292,7 @@ fn hundred_thousand_rows(db: &Path) {
                 stream: "load".into(),
                 ts_ms: 1_796_000_000_000 + batch * 1000 + i,
                 clock_trusted: true,
+                mono: None,
                 fields: vec![
                     ("n".into(), FieldValue::Num((batch * 1000 + i) as f64)),
                     ("t".into(), FieldValue::Text(note.clone())),

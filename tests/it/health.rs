@@ -82,6 +82,7 @@ fn an_event_the_broker_refuses_by_disconnecting_is_set_aside_and_the_rest_flow()
             stream: "big".into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("t".into(), FieldValue::Text(text))],
             key: None,
             reply: None,

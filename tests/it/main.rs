@@ -5,6 +5,7 @@
 mod support;
 
 mod aedes;
+mod backfill;
 mod batches;
 mod bridge;
 mod broker_word;
@@ -26,6 +27,7 @@ mod metrics;
 mod modes;
 mod mqtt5;
 mod outage;
+mod packaging;
 mod peers;
 #[cfg(feature = "pg-sink")]
 mod pgsink;
@@ -51,6 +53,8 @@ mod structure;
 mod systemd;
 mod tls;
 mod trial;
+#[cfg(feature = "pg-sink")]
+mod truetime;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;

@@ -4,8 +4,8 @@
 //! receipt naming a row's own stream and event id does; malformed and
 //! forged receipts retire nothing and are counted; a row without a receipt
 //! is published again after `mqtt.receipt_timeout_secs`, with the same id
-//! and bytes; a broker that refuses the receipts subscription makes the
-//! agent fall back to PUBACKs, with health saying so.
+//! and bytes; a broker that refuses the receipts subscription retires
+//! nothing (the rows wait in the spool), with health saying so.
 
 use crate::commands::publish;
 use crate::refusals::{allow, broker_with_acl, status_json};
@@ -218,7 +218,11 @@ fn a_row_is_retired_only_by_a_receipt_naming_its_own_event_id() {
 }
 
 #[test]
-fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
+fn a_refused_receipts_subscription_retires_nothing_and_degrades_health() {
+    // A SUBACK is the broker's word: a broker (or a local user on the
+    // board broker's port) that refuses the receipts subscription must not
+    // get rows retired without a receipt. It used to retire them on their
+    // PUBACK (20 of 20 with no sink anywhere).
     let dir = tempfile::tempdir().expect("tempdir");
     let prefix = crate::prefix("receiptdeny");
     let broker = broker_with_acl(
@@ -234,13 +238,15 @@ fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
     receipt_mode(&cfg, 10);
     let db = dir.path().join("spool.db");
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
-    // Telemetry flows and is retired on its PUBACK meanwhile.
+    let health = || status_json(&db)["health"]["reasons"].to_string();
+    // Telemetry reaches the broker and health names the refusal.
     assert!(
         wait_for(Duration::from_secs(60), || sub.count() >= 5
             && db.exists()
-            && count_in_state(&db, "ACKED") >= 3),
-        "no fallback to PUBACKs: {} delivered\n{}",
+            && health().contains("receipts unavailable")),
+        "{} delivered; health: {}\n{}",
         sub.count(),
+        health(),
         agent.log_tail(30)
     );
     assert!(
@@ -248,20 +254,26 @@ fn a_refused_receipts_subscription_falls_back_to_pubacks_and_degrades_health() {
         "{}",
         agent.log_tail(30)
     );
-    let health = || status_json(&db)["health"]["reasons"].to_string();
-    assert!(
-        wait_for(Duration::from_secs(30), || health()
-            .contains("receipts unavailable")),
-        "health: {}",
-        health()
+    // Every delivered row was PUBACKed by now; none is retired for it.
+    let delivered = sub.count();
+    assert_eq!(
+        count_in_state(&db, "ACKED"),
+        0,
+        "rows retired with no receipt ({delivered} delivered)\n{}",
+        agent.log_tail(30)
     );
-    println!("health: {}", health());
+    println!("health: {}; {delivered} delivered, 0 ACKED", health());
     agent.terminate(Duration::from_secs(15));
 }
 
 /// `mosquitto_pub` as `login` (`None`: anonymous) publishing `payload` at
 /// QoS 1; whether it exited 0 (connected and published, or at least tried).
-fn mosquitto_pub(port: u16, login: Option<(&str, &str)>, topic: &str, payload: &[u8]) -> bool {
+pub(crate) fn mosquitto_pub(
+    port: u16,
+    login: Option<(&str, &str)>,
+    topic: &str,
+    payload: &[u8],
+) -> bool {
     let mut c = std::process::Command::new("mosquitto_pub");
     c.args([
         "-h",

@@ -28,6 +28,7 @@ fn event(i: u32) -> (String, Vec<u8>) {
         seq: u64::from(i) + 1,
         ts_ms: 1_800_000_000_000 + i64::from(i),
         clock_trusted: true,
+        mono: None,
         fields: &fields,
     };
     (

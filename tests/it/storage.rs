@@ -453,6 +453,7 @@ fn old_acked_rows(db: &Path, old: usize, keep: usize) {
         stream: "old".into(),
         ts_ms: i as i64,
         clock_trusted: true,
+        mono: None,
         fields: vec![
             ("x".into(), FieldValue::Num(i as f64)),
             ("pad".into(), FieldValue::Text("p".repeat(200))),

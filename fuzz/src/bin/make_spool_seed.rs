@@ -46,6 +46,7 @@ fn make(path: &Path) {
             stream: if i % 2 == 0 { "system" } else { "temp" }.to_owned(),
             ts_ms: 1_790_000_000_000 + i,
             clock_trusted: true,
+            mono: None,
             fields: vec![
                 ("load1".to_owned(), FieldValue::Num(0.25 * i as f64)),
                 ("ok".to_owned(), FieldValue::Bool(true)),

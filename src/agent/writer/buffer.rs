@@ -185,6 +185,7 @@ mod tests {
             stream: "s".into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("t".into(), FieldValue::Text(text.into()))],
             key: None,
             reply: None,

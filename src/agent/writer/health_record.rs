@@ -212,6 +212,33 @@ impl Writer {
         (n, (n > 0).then_some(age))
     }
 
+    /// The backfill record for `status` (when the board announces its
+    /// holdings and hears the fleet's requests).
+    pub(super) fn backfill_json(&self) -> Option<serde_json::Value> {
+        if !self.conf.cfg.mqtt.backfill() {
+            return None;
+        }
+        let b = &self.peers.delivery_stats.backfill;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let refused: serde_json::Map<String, serde_json::Value> = b
+            .refused_by_reason()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), serde_json::json!(v)))
+            .collect();
+        Some(serde_json::json!({
+            "holdings": load(&b.holdings),
+            "holdings_bytes": load(&b.holdings_bytes),
+            "requests": load(&b.requests),
+            "refused": refused,
+            "requests_dropped": self.peers.link.requests_dropped(),
+            "rows_sent": load(&b.rows_sent),
+            "rows_gone": load(&b.rows_gone),
+            "rows_pending": load(&b.rows_pending),
+            "rows_clipped": load(&b.rows_clipped),
+            "queued": load(&b.queued),
+        }))
+    }
+
     /// The receipts record for `status` (receipt mode only).
     pub(super) fn receipts_json(&self) -> Option<serde_json::Value> {
         if self.conf.cfg.mqtt.retire_on != crate::mqtt::RetireOn::Receipt {

@@ -12,7 +12,8 @@
 //! ([`health_record`]), metrics ([`figures`]), the outage budget
 //! ([`outage`]), local input's shares of the spool ([`shares`]), the
 //! summary line ([`summary`]), what rides the commits (counters, delivery
-//! records, agent state: [`riding`]). The storage upkeep is
+//! records, agent state: [`riding`]), the clock anchor once time sync
+//! vouches for the wall clock ([`clock`]). The storage upkeep is
 //! [`crate::flash::upkeep::Upkeep`]'s.
 //!
 //! Its one rule: **a reading is reported stored only after the transaction
@@ -20,6 +21,7 @@
 //! committed before exit (field case F12).
 
 mod buffer;
+mod clock;
 mod commit;
 mod control;
 mod figures;
@@ -126,6 +128,7 @@ pub(super) struct Writer {
     final_ride: bool,
     peers: Peers,
     run: RunRecord,
+    clock: clock::ClockWatch,
 }
 
 impl Writer {
@@ -162,6 +165,7 @@ impl Writer {
                 lost: 0,
                 fatal: None,
             },
+            clock: clock::ClockWatch::new(),
         })
     }
 
@@ -224,6 +228,9 @@ impl Writer {
             }
             let now = Instant::now();
             self.judge_pending_push();
+            if self.clock.due(now) {
+                self.watch_clock(now);
+            }
             // The `full` readings of this pass, in one commit (and those
             // whose commit failed, retried).
             self.commit_full();
@@ -302,15 +309,31 @@ impl Writer {
         }
     }
 
+    /// Ask the kernel whether time sync vouches for the wall clock; the
+    /// first time it does, take the anchor ([`clock`]) into the `full`
+    /// buffer, whatever the config says of its stream: it commits with an
+    /// fsync in this pass.
+    fn watch_clock(&mut self, now: Instant) {
+        let sync = crate::os::clock::kernel_sync();
+        let wall = wall_clock_ms();
+        let stamp = crate::os::clock::stamp();
+        if let Some(ev) = self.clock.anchor(sync, wall, stamp, now) {
+            if !self.buffer.push(ev, Durability::Full) {
+                self.metrics.dropped += 1;
+            }
+        }
+    }
+
     /// Append an event on the `_agent` stream (config fallbacks and the like),
     /// so operators see it on `<topic_prefix>/events/_agent`.
     fn agent_event(&mut self, kind: &str, detail: &str) {
-        let (ts_ms, clock_trusted) = wall_clock_ms();
+        let now = crate::os::clock::reading_now();
         self.push(NewEvent {
             replay: None,
             stream: AGENT_STREAM.into(),
-            ts_ms,
-            clock_trusted,
+            ts_ms: now.wall_ms,
+            clock_trusted: now.trusted,
+            mono: now.mono.map(Box::new),
             fields: vec![
                 ("event".into(), FieldValue::Text(kind.into())),
                 ("detail".into(), FieldValue::Text(detail.into())),

@@ -33,6 +33,9 @@ impl Writer {
         if let Some(r) = self.receipts_json() {
             states.push(("receipts", r.to_string()));
         }
+        if let Some(b) = self.backfill_json() {
+            states.push(("backfill", b.to_string()));
+        }
         if let Some(h) = self.health.record() {
             states.push(("health", h.to_owned()));
         }

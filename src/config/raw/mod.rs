@@ -245,6 +245,12 @@ pub(super) fn d_receipt_timeout() -> u64 {
 pub(super) fn d_receipt_window() -> usize {
     10_000
 }
+pub(super) fn d_holdings_interval() -> u64 {
+    600
+}
+pub(super) fn d_backfill_rows() -> u32 {
+    200
+}
 pub(super) fn d_true() -> bool {
     true
 }
@@ -386,6 +392,10 @@ pub(super) struct RawMqtt {
     pub(super) receipt_window: usize,
     #[serde(default)]
     pub(super) receipt_public_keys: Vec<String>,
+    #[serde(default = "d_holdings_interval")]
+    pub(super) holdings_interval_secs: u64,
+    #[serde(default = "d_backfill_rows")]
+    pub(super) backfill_rows_per_sec: u32,
     pub(super) ca_file: Option<PathBuf>,
     pub(super) client_cert_file: Option<PathBuf>,
     pub(super) client_key_file: Option<PathBuf>,
@@ -418,6 +428,8 @@ impl Default for RawMqtt {
             receipt_timeout_secs: d_receipt_timeout(),
             receipt_window: d_receipt_window(),
             receipt_public_keys: Vec::new(),
+            holdings_interval_secs: d_holdings_interval(),
+            backfill_rows_per_sec: d_backfill_rows(),
             ca_file: None,
             client_cert_file: None,
             client_key_file: None,

@@ -83,6 +83,7 @@ pub(super) fn validate_mqtt(
     );
     check_range("mqtt.receipt_window", m.receipt_window, 100..=100_000, bad);
     let receipt_public_keys = receipt_keys(m, retire_on, bad);
+    check_backfill(m, bad);
     MqttConfig {
         tls,
         credentials,
@@ -109,12 +110,33 @@ pub(super) fn validate_mqtt(
         receipt_timeout: Duration::from_secs(m.receipt_timeout_secs),
         receipt_window: m.receipt_window,
         receipt_public_keys,
+        holdings_interval: Duration::from_secs(m.holdings_interval_secs),
+        backfill_rows_per_sec: m.backfill_rows_per_sec,
     }
 }
 
 /// Most keys `mqtt.receipt_public_keys` may list (rotation needs two or
 /// three; a fleet with a key per sink a few more).
 const MAX_RECEIPT_KEYS: usize = 16;
+
+/// `holdings_interval_secs` 0 (never) or 10..=86400; `backfill_rows_per_sec`
+/// 0..=100000.
+fn check_backfill(m: &RawMqtt, bad: &mut impl FnMut(&str, String)) {
+    if m.holdings_interval_secs != 0 {
+        check_range(
+            "mqtt.holdings_interval_secs",
+            m.holdings_interval_secs,
+            10..=86_400,
+            bad,
+        );
+    }
+    check_range(
+        "mqtt.backfill_rows_per_sec",
+        m.backfill_rows_per_sec,
+        0..=100_000,
+        bad,
+    );
+}
 
 /// `mqtt.receipt_public_keys`, each 64 hex digits; receipt mode needs one:
 /// a receipt retires rows only under a signature by a listed key.

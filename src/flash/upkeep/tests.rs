@@ -57,6 +57,7 @@ fn reading(x: f64) -> NewEvent {
         stream: "s".into(),
         ts_ms: APPENDED_MS,
         clock_trusted: true,
+        mono: None,
         fields: vec![("x".into(), FieldValue::Num(x))],
         key: None,
         reply: None,

@@ -42,7 +42,6 @@ pub mod payload;
 pub use loopguard::LoopGuard;
 pub use payload::{decode, Decoded, PayloadError, PayloadFormat, PayloadSettings, TOPIC_FIELD};
 
-use crate::event::envelope::wall_clock_ms;
 use crate::intake::budget::{Budget, Hold};
 use crate::intake::IngestMsg;
 use crate::os::backoff::Backoff;
@@ -738,13 +737,14 @@ impl Bridge<'_> {
         // (with the rest of the payload, [`crate::event::envelope::derived_event_id`]),
         // so a redelivery after a rollback made the spool forget the key is
         // a new event, never a second payload under the first id.
-        let (ts_ms, clock_trusted) = wall_clock_ms();
+        let now = crate::os::clock::reading_now();
         // The topic is the key's scope: one id on two topics is two messages.
         let key = decoded.key.map(|k| {
             let scope = format!("topic:{}", p.topic);
             ReadingKey::new(scope, k, self.name, &decoded.fields, None)
         });
-        let mut ev = NewEvent::new(self.name, ts_ms, clock_trusted, decoded.fields);
+        let mut ev = NewEvent::new(self.name, now.wall_ms, now.trusted, decoded.fields);
+        ev.mono = now.mono.map(Box::new);
         ev.key = key.map(Box::new);
         ev.reply = Some(reply);
         let Some(hold) = self.room_for(&ev, epoch) else {

@@ -471,6 +471,7 @@ mod tests {
             stream: "s".into(),
             ts_ms: 1,
             clock_trusted: true,
+            mono: None,
             fields: vec![("v".into(), crate::event::reading::FieldValue::Num(1.0))],
             replay: None,
             key: None,

@@ -274,6 +274,7 @@ mod tests {
                 stream: "s".into(),
                 ts_ms: 1,
                 clock_trusted: true,
+                mono: None,
                 fields: vec![("v".into(), crate::event::reading::FieldValue::Num(i as f64))],
                 replay: None,
                 key: None,
