@@ -1,59 +1,75 @@
-//! Flash writes per reading, printed (no pass/fail).
+//! Flash writes of the agent beside a minimal SQLite writer, printed (no
+//! pass/fail): the figures of docs/flash.md and of the README's planning
+//! table.
 //!
-//! For each rate the bench starts the real agent binary in a fresh directory
+//! For each row the bench starts the real agent binary in a fresh directory
 //! on disk, against a mosquitto it runs on a free loopback port, with one
-//! `file` source (payloads of about 170 bytes) and the agent's own defaults
-//! (commit window and checkpoints as its storage probe derives them). Beside
-//! it, for the same interval, runs a minimal SQLite writer with the same
-//! durability: this bench binary re-executed as a child (so its
-//! `/proc/<pid>/io` is its own), WAL, one `events` table and a one-row
-//! acknowledged high-water mark, one commit per commit window (one per
-//! reading for `full`), a PASSIVE checkpoint every 30 s. It is the ceiling
-//! the agent is compared with.
+//! `file` source (payloads of about 175 bytes). Beside it, for the same
+//! interval, runs a minimal SQLite writer with the same durability, window
+//! and checkpoint cadence: this bench binary re-executed as a child (so its
+//! `/proc/<pid>/io` is its own), WAL, one `events` table of payloads and a
+//! one-row acknowledged high-water mark written in the same transaction as
+//! the next readings, one commit per commit window (one per reading for
+//! `full`), a PASSIVE checkpoint at the agent's cadence, and, when the
+//! agent's wide window stretched that cadence (its commits then sync the
+//! WAL), `synchronous = FULL` commits. It starts once the agent has warmed up
+//! (at the window and cadence the agent has then, read from `status`), a
+//! lead of two checkpoint intervals (at least 60 s) before the interval, and
+//! is the ceiling the agent is compared with.
 //!
-//! Over the measurement interval (after a warm-up), from outside each process:
+//! Rows run side by side (`FLASH_PARALLEL` at a time, all by default): the
+//! figures are bytes each process sent to the block layer, not timings, so
+//! a loaded machine changes none of them (it is named in the header, with
+//! its load).
+//!
+//! Over the measurement interval (after the warm-up), from outside each
+//! process:
 //! - bytes written: the `write_bytes` delta of `/proc/<pid>/io`;
 //! - fsyncs: `fsync`/`fdatasync` calls traced by `strace -f -ttt` (with
 //!   `--seccomp-bpf` when supported), counted by timestamp;
 //! - readings: PUBLISHes the broker delivers to the bench's QoS 1 subscriber
 //!   on the source's topic (the minimal writer counts its own);
 //! - commits: from `commits_total` in the agent's `write_budget` records
-//!   (one per summary interval, read with `edgespool status --json` every
-//!   15 s), as the rate between the records nearest the interval's ends, when
-//!   the agent records it (n/a otherwise, or with fewer than two records: a
-//!   quick run may be shorter than the summary interval); the minimal writer
-//!   counts its own.
+//!   (read with `edgespool status --json` every 15 s), as the rate between
+//!   the records nearest the interval's ends;
+//! - the agent's one projection of MB/day as `status` (the `write_budget`
+//!   record, and the outage budget) and the metrics
+//!   (`edgespool_flash_projected_bytes_per_day`, from `metrics.listen`) show
+//!   it at the end, beside the measured figure; the window in force at the
+//!   end and its changes during the interval; health changes over the whole
+//!   run (polled every 15 s).
 //!
-//! Rates: 1, 10 and 100 readings/s with the default (batched) durability, and
-//! 1 reading/s with `durability = "full"` (`1full`). A `w` after the rate
-//! (`10w`) runs the agent with `spool.commit_window_ms = 10000`, a `b`
-//! (`10b`) with `spool.write_budget_mb_per_day = 100` (the agent widens its
-//! window up to `spool.max_commit_window_ms`, 10 s by default); beside both
-//! the minimal writer commits every 10 s, and the second table says the
-//! largest window the agent chose. A rate ending in `r`
-//! (`1r`, `10r`, `100r`) runs the agent with `mqtt.retire_on = "receipt"`
-//! beside an `edgespool sink` (SQLite store, in the run's directory) that
-//! sends the receipts; the sink's own writes are the fleet's and are not
-//! counted. Each row also says how many of the agent's rows were not yet
-//! retired when the interval ended (receipt mode: rows waiting for a
-//! receipt, or in flight).
+//! Rows: `<rate>[full][w|b<MB>][r]`: readings a second (1..=100), `full`
+//! durability, then the agent's default settings (the probe's window),
+//! `w`: `spool.commit_window_ms = 10000`, or `b<MB>`:
+//! `spool.write_budget_mb_per_day = <MB>` (`b` alone: 100) with
+//! `spool.max_commit_window_ms = 300000` (the operator accepts a five-minute
+//! loss window; the agent chooses its own); an `r` last runs receipt mode
+//! beside an `edgespool sink` (SQLite store in the run's directory, not
+//! counted).
 //!
 //! Run: `cargo bench --bench flash` (needs mosquitto and strace;
 //! `cross/setup-debian.sh` installs mosquitto). Environment:
-//! - `FLASH_SECS` measurement seconds per rate (default 120);
-//! - `FLASH_WARMUP` warm-up seconds before it (default 30);
-//! - `FLASH_RATES` rates to run, e.g. `1,10r` (default
-//!   `1,1r,10,10r,100,100r,1full,1w,10w,100w,1b,10b,100b`);
-//! - `FLASH_DIR` where the per-rate directories go (default `/var/tmp`; must
+//! - `FLASH_SECS` measurement seconds per row (default 1800: several
+//!   checkpoint intervals of five minutes);
+//! - `FLASH_WARMUP` warm-up seconds before it (default 1800: a budget
+//!   settles within it);
+//! - `FLASH_RATES` rows to run (default
+//!   `1w,10w,1,10,100,1b100,10b100,100b100,1b300,10b300,100b300,1b1000,10b1000,100b1000`);
+//! - `FLASH_PARALLEL` rows at a time (default: all);
+//! - `FLASH_CEILING_MS` the `b` rows' `spool.max_commit_window_ms` (default
+//!   300000);
+//! - `FLASH_AGENT` another agent binary to measure (an older build, say);
+//! - `FLASH_DIR` where the per-row directories go (default `/var/tmp`; must
 //!   not be tmpfs, where `write_bytes` stays 0).
 //!
-//! A quick look: `FLASH_SECS=20 FLASH_WARMUP=5 cargo bench --bench flash --profile dev`.
+//! A quick look: `FLASH_SECS=120 FLASH_WARMUP=60 FLASH_RATES=1w,10w cargo bench --bench flash --profile dev`.
 
 #[path = "../tests/it/support/mod.rs"]
 mod support;
 use rumqttc::{Client, Event, Incoming, MqttOptions, QoS, RecvTimeoutError};
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -73,11 +89,31 @@ const MINIMAL_ENV: &str = "EDGESPOOL_FLASH_MINIMAL";
 const STREAM: &str = "temperature";
 /// Commit window when the agent's startup line cannot be read.
 const FALLBACK_WINDOW_MS: u64 = 50;
-/// The minimal writer's PASSIVE checkpoint cadence.
-const MINIMAL_CHECKPOINT: Duration = Duration::from_secs(30);
-/// The loss window of the `w` and `b` rows, ms.
+/// The agent's checkpoint interval (`spool.checkpoint_interval_secs`'s
+/// default), which a wide window stretches.
+const CHECKPOINT_SECS: u64 = 30;
+/// The loss window of the `w` rows, ms.
 const LOSS_WINDOW_MS: u64 = 10_000;
-/// The write budget of the `b` rows, MB/day.
+/// The loss window the operator accepts in the `b` rows, ms
+/// (`FLASH_CEILING_MS` sets another).
+const BUDGET_CEILING_MS: u64 = 300_000;
+
+/// The agent binary: `FLASH_AGENT`, or the one this bench was built with
+/// (another build, an older one say, to compare with).
+fn agent_exe() -> PathBuf {
+    std::env::var_os("FLASH_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_edgespool")))
+}
+
+/// The `b` rows' `spool.max_commit_window_ms`.
+fn budget_ceiling_ms() -> u64 {
+    std::env::var("FLASH_CEILING_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(BUDGET_CEILING_MS)
+}
+/// The write budget of a `b` row without a figure, MB/day.
 const BUDGET_MB_PER_DAY: u64 = 100;
 /// How long a child gets to stop after being asked.
 const STOP_GRACE: Duration = Duration::from_secs(20);
@@ -93,12 +129,14 @@ fn main() {
     let tracer = Tracer::detect();
     let broker = Broker::start_with_options(BROKER_EXTRA, false);
     println!(
-        "edgespool flash bench: warm-up {} s, measurement {} s per rate, runs under {}, mosquitto on port {}",
+        "edgespool flash bench: warm-up {} s, measurement {} s per row, {} rows at a time, runs under {}, mosquitto on port {}",
         settings.warmup.as_secs(),
         settings.measure.as_secs(),
+        settings.parallel,
         settings.base.display(),
         broker.port()
     );
+    println!("machine: {}", machine(&settings.base));
     match &tracer {
         Some(t) => println!(
             "fsyncs: counted by `strace -f -ttt{}`",
@@ -110,22 +148,87 @@ fn main() {
         "readings: PUBLISHes the broker delivered to the bench's QoS 1 subscriber on edgespool/<device>/events/{STREAM} during the interval (minimal writer: readings it took)"
     );
     let mut rows = Vec::new();
-    for spec in &settings.rates {
-        println!("-- {}: running ...", spec.label());
-        match measure_rate(*spec, &settings, broker.port(), tracer.as_ref()) {
-            Ok(row) => {
-                row.print_notes();
-                rows.push(row);
+    let port = broker.port();
+    for chunk in settings.rates.chunks(settings.parallel.max(1)) {
+        let done: Vec<(RateSpec, Result<Row, String>)> = std::thread::scope(|sc| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|spec| {
+                    println!("-- {}: running ...", spec.label());
+                    let (s, t) = (&settings, tracer.as_ref());
+                    (*spec, sc.spawn(move || measure_rate(*spec, s, port, t)))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|(spec, h)| {
+                    (
+                        spec,
+                        h.join()
+                            .unwrap_or_else(|_| Err("the row's thread panicked".into())),
+                    )
+                })
+                .collect()
+        });
+        for (spec, r) in done {
+            match r {
+                Ok(row) => {
+                    row.print_notes();
+                    rows.push(row);
+                }
+                Err(e) => println!("-- {}: failed: {e}", spec.label()),
             }
-            Err(e) => println!("-- {}: failed: {e}", spec.label()),
         }
     }
+    println!("load at the end: {}", loadavg());
     print_tables(&rows);
+}
+
+/// The machine, for the figures' record: architecture, CPU, cores, the
+/// filesystem and device under `dir`, and the load now.
+fn machine(dir: &Path) -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| "cpu n/a".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    // The mount holding `dir`: the longest mount point that prefixes it.
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mount = std::fs::read_to_string("/proc/mounts")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    (f.len() >= 3 && dir.starts_with(f[1]))
+                        .then(|| (f[1].len(), format!("{} on {}", f[2], f[0])))
+                })
+                .max_by_key(|(n, _)| *n)
+                .map(|(_, m)| m)
+        })
+        .unwrap_or_else(|| "filesystem n/a".into());
+    format!(
+        "{} {cpu}, {cores} cores, {mount}; load {}",
+        std::env::consts::ARCH,
+        loadavg()
+    )
+}
+
+/// The 1, 5 and 15 minute load averages.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "n/a".into())
 }
 
 // ---------------------------------------------------------------- settings
 
-/// One row of the table: a reading rate and a durability.
+/// One row of the table: a reading rate, a durability and the settings.
 #[derive(Debug, Clone, Copy)]
 struct RateSpec {
     per_sec: u32,
@@ -137,20 +240,26 @@ struct RateSpec {
 }
 
 impl RateSpec {
-    /// `<n>[full][w|b][r]`: `w` runs the agent with `spool.commit_window_ms
-    /// = 10000`, `b` with `spool.write_budget_mb_per_day = 100` (and the
-    /// default `spool.max_commit_window_ms`, 10 s); both put the minimal
-    /// writer on a 10 s window.
+    /// `<n>[full][w|b[MB]][r]` (see the module doc).
     fn parse(s: &str) -> RateSpec {
         let s = s.trim();
         let (s, receipt) = match s.strip_suffix('r') {
             Some(rest) => (rest, true),
             None => (s, false),
         };
-        let (s, window) = match (s.strip_suffix('w'), s.strip_suffix('b')) {
-            (Some(rest), _) => (rest, Window::Fixed),
-            (_, Some(rest)) => (rest, Window::Budget),
-            _ => (s, Window::Default),
+        let (s, window) = if let Some(rest) = s.strip_suffix('w') {
+            (rest, Window::Fixed)
+        } else if let Some((rest, mb)) = s.rsplit_once('b') {
+            let mb = if mb.is_empty() {
+                BUDGET_MB_PER_DAY
+            } else {
+                mb.parse().unwrap_or_else(|_| {
+                    panic!("FLASH_RATES: {s:?}: the budget after `b` is MB a day")
+                })
+            };
+            (rest, Window::Budget(mb))
+        } else {
+            (s, Window::Default)
         };
         let (num, full) = match s.strip_suffix("full") {
             Some(n) => (n, true),
@@ -159,7 +268,7 @@ impl RateSpec {
         let per_sec: u32 = num
             .parse()
             .unwrap_or_else(|_| {
-                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; then `w` for a 10 s window or `b` for a 100 MB/day budget; an `r` last for receipt mode)")
+                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; then `w` for a 10 s window or `b<MB>` for a budget; an `r` last for receipt mode)")
             });
         assert!(
             (1..=100).contains(&per_sec),
@@ -179,9 +288,9 @@ impl RateSpec {
             self.per_sec,
             if self.full { "full" } else { "" },
             match self.window {
-                Window::Default => "",
-                Window::Fixed => "w",
-                Window::Budget => "b",
+                Window::Default => String::new(),
+                Window::Fixed => "w".into(),
+                Window::Budget(mb) => format!("b{mb}"),
             },
             if self.receipt { "r" } else { "" }
         )
@@ -196,16 +305,22 @@ impl RateSpec {
         match self.window {
             Window::Default => String::new(),
             Window::Fixed => format!("commit_window_ms = {LOSS_WINDOW_MS}\n"),
-            Window::Budget => format!("write_budget_mb_per_day = {BUDGET_MB_PER_DAY}\n"),
+            Window::Budget(mb) => format!(
+                "write_budget_mb_per_day = {mb}\nmax_commit_window_ms = {}\n",
+                budget_ceiling_ms()
+            ),
         }
     }
 
-    /// The minimal writer's window: the row's loss window, else the
-    /// agent's own (from its log).
-    fn minimal_window_ms(&self, agent_ms: u64) -> u64 {
+    /// The settings as the planning table names them.
+    fn settings(&self) -> String {
         match self.window {
-            Window::Default => agent_ms,
-            Window::Fixed | Window::Budget => LOSS_WINDOW_MS,
+            Window::Default => "default".into(),
+            Window::Fixed => format!("`spool.commit_window_ms = {LOSS_WINDOW_MS}`"),
+            Window::Budget(mb) => format!(
+                "`write_budget_mb_per_day = {mb}`, `max_commit_window_ms = {}`",
+                budget_ceiling_ms()
+            ),
         }
     }
 }
@@ -217,45 +332,50 @@ enum Window {
     Default,
     /// `spool.commit_window_ms = LOSS_WINDOW_MS`.
     Fixed,
-    /// `spool.write_budget_mb_per_day = BUDGET_MB_PER_DAY`, the window chosen
-    /// by the agent up to its default `spool.max_commit_window_ms`.
-    Budget,
+    /// `spool.write_budget_mb_per_day` = this, the window chosen by the
+    /// agent up to `BUDGET_CEILING_MS`.
+    Budget(u64),
 }
 
 struct Settings {
     warmup: Duration,
     measure: Duration,
     rates: Vec<RateSpec>,
+    parallel: usize,
     base: PathBuf,
 }
 
 impl Settings {
     fn from_env() -> Settings {
-        let secs = |key: &str, default: u64| {
+        let num = |key: &str, default: u64| {
             std::env::var(key)
                 .ok()
                 .map(|v| {
                     v.parse::<u64>()
-                        .unwrap_or_else(|_| panic!("{key}={v:?} is not a number of seconds"))
+                        .unwrap_or_else(|_| panic!("{key}={v:?} is not a number"))
                 })
                 .unwrap_or(default)
         };
-        let rates = std::env::var("FLASH_RATES")
-            .unwrap_or_else(|_| "1,1r,10,10r,100,100r,1full,1w,10w,100w,1b,10b,100b".into());
+        let rates = std::env::var("FLASH_RATES").unwrap_or_else(|_| {
+            "1w,10w,1,10,100,1b100,10b100,100b100,1b300,10b300,100b300,1b1000,10b1000,100b1000"
+                .into()
+        });
         let base = PathBuf::from(std::env::var("FLASH_DIR").unwrap_or_else(|_| "/var/tmp".into()));
         assert!(
             !on_tmpfs(&base),
             "{} is tmpfs: write_bytes stays 0 there; set FLASH_DIR to a directory on disk",
             base.display()
         );
+        let rates: Vec<RateSpec> = rates
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(RateSpec::parse)
+            .collect();
         Settings {
-            warmup: Duration::from_secs(secs("FLASH_WARMUP", 30)),
-            measure: Duration::from_secs(secs("FLASH_SECS", 120).max(1)),
-            rates: rates
-                .split(',')
-                .filter(|s| !s.trim().is_empty())
-                .map(RateSpec::parse)
-                .collect(),
+            warmup: Duration::from_secs(num("FLASH_WARMUP", 1800)),
+            measure: Duration::from_secs(num("FLASH_SECS", 1800).max(1)),
+            parallel: num("FLASH_PARALLEL", rates.len() as u64).max(1) as usize,
+            rates,
             base,
         }
     }
@@ -276,7 +396,7 @@ fn on_tmpfs(path: &Path) -> bool {
     st.f_type as i64 == TMPFS_MAGIC
 }
 
-// ---------------------------------------------------------------- one rate
+// ---------------------------------------------------------------- one row
 
 /// Counters read at one instant of a run.
 #[derive(Debug, Clone, Copy)]
@@ -286,21 +406,46 @@ struct Snapshot {
     agent_bytes: u64,
     agent_ctxsw: u64,
     minimal_bytes: u64,
-    minimal_ctxsw: u64,
     minimal: MinimalCounts,
     delivered: u64,
 }
 
-/// What one rate measured.
+/// The agent's one projection of MB/day as each report shows it, at the
+/// end of the interval.
+#[derive(Debug, Clone, Default)]
+struct Projections {
+    /// `status --json`: the `write_budget` record's `projected_mb_per_day`.
+    status: Option<f64>,
+    /// `status --json`: the outage budget's `flash_mb_per_day`.
+    outage: Option<f64>,
+    /// The metrics: `edgespool_flash_projected_bytes_per_day` / 10^6.
+    metrics: Option<f64>,
+    /// The health reason's figure, when over the budget.
+    health: Option<f64>,
+}
+
+/// What one row measured.
 struct Row {
     spec: RateSpec,
+    /// The agent's window from its startup line (the probe's).
     window_ms: u64,
     window_from_log: bool,
-    /// The minimal writer's commit window, ms.
+    /// The minimal writer's commit window, ms, and checkpoint interval, s.
     minimal_window_ms: u64,
-    /// `commit_window_max_ms` of the agent's last `write_budget` record:
-    /// the largest commit window it chose in the run (budget rows widen it).
+    minimal_checkpoint_secs: u64,
+    /// Whether the minimal writer's commits synced (a stretched cadence).
+    minimal_synced: bool,
+    /// The agent's window at the end of the interval, and the widest it
+    /// chose in the run (`write_budget` record).
+    end_window_ms: Option<u64>,
     chosen_max_ms: Option<u64>,
+    /// Window changes during the interval (from the polls).
+    window_changes: u32,
+    /// Health changes over the whole run, and of them the write budget
+    /// reason's (from the polls).
+    health_changes: u32,
+    budget_changes: u32,
+    projections: Projections,
     payload_len: usize,
     stored_payload_len: Option<f64>,
     /// Spool bytes each row added in the interval cost (pages in use).
@@ -312,9 +457,6 @@ struct Row {
     agent_fsyncs: Option<u64>,
     minimal_fsyncs: Option<u64>,
     agent_wal: u64,
-    agent_db: u64,
-    minimal_wal: u64,
-    minimal_db: u64,
     last_checkpoint: Option<String>,
     /// Rows not ACKED when the interval ended, of all rows.
     unretired: Option<(i64, i64)>,
@@ -331,7 +473,8 @@ fn measure_rate(
         .prefix(&format!("edgespool-flash-{}-", spec.label()))
         .tempdir_in(&s.base)
         .expect("create the run's temp dir");
-    let run = RunDir::create(dir.path(), spec, port);
+    let metrics_port = free_port();
+    let run = RunDir::create(dir.path(), spec, port, metrics_port);
     let device = format!("flash-{}", spec.label());
     let sub = Subscriber::start(
         port,
@@ -344,7 +487,7 @@ fn measure_rate(
         None
     };
     let agent_cmd = {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_edgespool"));
+        let mut c = Command::new(agent_exe());
         c.args(["run", "--config"])
             .arg(&run.config)
             .env("RUST_LOG", "info");
@@ -360,28 +503,58 @@ fn measure_rate(
     let payload_len = sub
         .first_payload_len(&mut agent, Duration::from_secs(30))
         .map_err(|e| format!("{e}; agent log:\n{}", log.tail()))?;
-    let mut minimal = Minimal::spawn(
-        tracer,
-        &run,
-        spec,
-        spec.minimal_window_ms(window_ms),
-        payload_len,
-    )?;
     let mut budget = Budget::default();
-    watch(s.warmup, &mut agent, &mut minimal, &mut budget, &run)?;
+    // The agent alone, then the minimal writer at the window and cadence
+    // the agent has by then, a lead of two checkpoint intervals before the
+    // interval.
+    let lead = Duration::from_secs(600)
+        .min(s.warmup / 2)
+        .max(Duration::from_secs(60).min(s.warmup));
+    watch(s.warmup - lead, &mut agent, None, &mut budget, &run)?;
+    budget.poll(&run);
+    let (m_window, m_ckpt) = match spec.window {
+        Window::Fixed => (LOSS_WINDOW_MS, checkpoint_secs(LOSS_WINDOW_MS)),
+        _ => budget
+            .window_and_cadence()
+            .unwrap_or((window_ms, checkpoint_secs(window_ms))),
+    };
+    let synced = !spec.full && m_ckpt > CHECKPOINT_SECS;
+    let mut minimal = Minimal::spawn(tracer, &run, spec, (m_window, m_ckpt, synced), payload_len)?;
+    watch(lead, &mut agent, Some(&mut minimal), &mut budget, &run)?;
     let a = snapshot(&agent, &mut minimal, &sub)?;
     let use_a = spool_use(&run.spool);
     budget.poll(&run);
-    watch(s.measure, &mut agent, &mut minimal, &mut budget, &run)?;
+    budget.interval_started();
+    watch(s.measure, &mut agent, Some(&mut minimal), &mut budget, &run)?;
     let b = snapshot(&agent, &mut minimal, &sub)?;
     let use_b = spool_use(&run.spool);
-    budget.poll(&run);
+    let report = status_json(&run);
+    budget.poll_report(report.as_ref());
+    let projections = Projections {
+        status: report
+            .as_ref()
+            .and_then(|r| find_state(r.get("agent_state")?, "write_budget"))
+            .and_then(|(v, _)| v.get("projected_mb_per_day")?.as_f64()),
+        outage: report
+            .as_ref()
+            .and_then(|r| find_state(r.get("agent_state")?, "outage_budget"))
+            .and_then(|(v, _)| v.get("flash_mb_per_day")?.as_f64()),
+        metrics: metrics_value(metrics_port, "edgespool_flash_projected_bytes_per_day")
+            .map(|b| b / 1e6),
+        health: report.as_ref().and_then(health_projection),
+    };
     let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    let (agent_wal, agent_db) = (size(&wal_of(&run.spool)), size(&run.spool));
-    let (minimal_wal, minimal_db) = (size(&wal_of(&run.minimal_db)), size(&run.minimal_db));
-    let last_checkpoint = status_state(&run, "last_checkpoint").map(|(v, _)| v.to_string());
-    let chosen_max_ms = status_state(&run, "write_budget")
-        .and_then(|(v, _)| v.get("commit_window_max_ms")?.as_u64());
+    let agent_wal = size(&wal_of(&run.spool));
+    let state = |key: &str| {
+        report
+            .as_ref()
+            .and_then(|r| find_state(r.get("agent_state")?, key))
+            .map(|(v, _)| v)
+    };
+    let last_checkpoint = state("last_checkpoint").map(|v| v.to_string());
+    let record = state("write_budget");
+    let field = |k: &str| record.as_ref().and_then(|v| v.get(k)?.as_u64());
+    let (end_window_ms, chosen_max_ms) = (field("commit_window_ms"), field("commit_window_max_ms"));
     let unretired = unretired_rows(&run.spool);
     agent.stop();
     minimal.stop();
@@ -396,13 +569,17 @@ fn measure_rate(
     };
     Ok(Row {
         spec,
-        window_ms: match spec.window {
-            Window::Fixed => LOSS_WINDOW_MS,
-            Window::Default | Window::Budget => window_ms,
-        },
+        window_ms,
         window_from_log,
-        minimal_window_ms: spec.minimal_window_ms(window_ms),
+        minimal_window_ms: m_window,
+        minimal_checkpoint_secs: m_ckpt,
+        minimal_synced: synced,
+        end_window_ms,
         chosen_max_ms,
+        window_changes: budget.window_changes,
+        health_changes: budget.health_changes,
+        budget_changes: budget.budget_changes,
+        projections,
         payload_len,
         stored_payload_len: stored_payload_len(&run.spool),
         spool_bytes_per_row: bytes_per_row(use_a, use_b),
@@ -412,28 +589,66 @@ fn measure_rate(
         agent_fsyncs: count(&run.agent_trace)?,
         minimal_fsyncs: count(&run.minimal_trace)?,
         agent_wal,
-        agent_db,
-        minimal_wal,
-        minimal_db,
         last_checkpoint,
         unretired,
         complaints: log.complaints(),
     })
 }
 
-/// Sleep `d`, checking every second that both children still run and
-/// polling the agent's write budget now and then.
+/// The agent's time-driven checkpoint interval at a `window_ms` window
+/// (`flash::write_budget::checkpoint_interval` at the default 30 s).
+fn checkpoint_secs(window_ms: u64) -> u64 {
+    (window_ms * 12 / 1000).clamp(CHECKPOINT_SECS, 300)
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("find a free port")
+        .port()
+}
+
+/// The value of the unlabelled sample `name` in the agent's `/metrics`.
+fn metrics_value(port: u16, name: &str) -> Option<f64> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// `projected N MB/day` in a write budget health reason.
+fn health_projection(report: &serde_json::Value) -> Option<f64> {
+    let reasons = report.get("health")?.get("reasons")?.as_array()?;
+    reasons.iter().find_map(|r| {
+        r.as_str()?
+            .strip_prefix("write budget exceeded: projected ")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+/// Sleep `d`, checking every second that the children still run and
+/// polling the agent's status now and then.
 fn watch(
     d: Duration,
     agent: &mut Traced,
-    minimal: &mut Minimal,
+    mut minimal: Option<&mut Minimal>,
     budget: &mut Budget,
     run: &RunDir,
 ) -> Result<(), String> {
     let end = Instant::now() + d;
     loop {
         agent.check_alive()?;
-        minimal.proc.check_alive()?;
+        if let Some(m) = minimal.as_mut() {
+            m.proc.check_alive()?;
+        }
         budget.poll_if_due(run);
         let left = end.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -451,30 +666,39 @@ fn snapshot(agent: &Traced, minimal: &mut Minimal, sub: &Subscriber) -> Result<S
     let counts = minimal.mark()?;
     let delivered = sub.delivered.load(Ordering::Relaxed);
     let agent_ctxsw = context_switches(agent.pid);
-    let minimal_ctxsw = context_switches(minimal.proc.pid);
     Ok(Snapshot {
         wall,
         at,
         agent_bytes,
         agent_ctxsw,
         minimal_bytes,
-        minimal_ctxsw,
         minimal: counts,
         delivered,
     })
 }
 
-/// `commits_total` of the agent's `write_budget` records (one per summary
-/// interval), collected with `edgespool status` during the run.
+/// What the polls of `edgespool status --json` collect: `commits_total` of
+/// the `write_budget` records, the window and cadence, and changes of the
+/// window (during the interval) and of health (over the run).
 #[derive(Default)]
 struct Budget {
     /// (Unix ms the agent recorded it, commits_total), oldest first.
     records: Vec<(i64, u64)>,
     polled: Option<Instant>,
+    /// The window and checkpoint interval of the last record.
+    window: Option<(u64, u64)>,
+    in_interval: bool,
+    window_changes: u32,
+    /// The last health seen: its state and whether a write budget reason
+    /// was among its reasons.
+    health: Option<(String, bool)>,
+    health_changes: u32,
+    budget_changes: u32,
 }
 
 impl Budget {
-    /// Often enough to see every record at the default 60 s summary interval.
+    /// Often enough to see every change of a record written once a state
+    /// period (a minute and more).
     const EVERY: Duration = Duration::from_secs(15);
 
     fn poll_if_due(&mut self, run: &RunDir) {
@@ -484,16 +708,56 @@ impl Budget {
     }
 
     fn poll(&mut self, run: &RunDir) {
+        let report = status_json(run);
+        self.poll_report(report.as_ref());
+    }
+
+    fn poll_report(&mut self, report: Option<&serde_json::Value>) {
         self.polled = Some(Instant::now());
-        let Some((v, Some(at))) = status_state(run, "write_budget") else {
+        let Some(report) = report else {
             return;
         };
+        if let Some(h) = report.get("health") {
+            let state = h["state"].as_str().unwrap_or("").to_owned();
+            let over = h["reasons"].as_array().is_some_and(|r| {
+                r.iter()
+                    .any(|r| r.as_str().is_some_and(|r| r.starts_with("write budget")))
+            });
+            if let Some((s0, o0)) = &self.health {
+                self.health_changes += u32::from(*s0 != state);
+                self.budget_changes += u32::from(*o0 != over);
+            }
+            self.health = Some((state, over));
+        }
+        let Some((v, Some(at))) = report
+            .get("agent_state")
+            .and_then(|s| find_state(s, "write_budget"))
+        else {
+            return;
+        };
+        let w = v["commit_window_ms"].as_u64();
+        let c = v["checkpoint_interval_secs"].as_u64();
+        if let (Some(w), Some(c)) = (w, c) {
+            if self.in_interval && self.window.is_some_and(|(w0, _)| w0 != w) {
+                self.window_changes += 1;
+            }
+            self.window = Some((w, c));
+        }
         let Some(c) = v.get("commits_total").and_then(serde_json::Value::as_u64) else {
             return;
         };
         if self.records.last().is_none_or(|&(t, _)| t < at) {
             self.records.push((at, c));
         }
+    }
+
+    /// The agent's window (ms) and checkpoint interval (s) at the last poll.
+    fn window_and_cadence(&self) -> Option<(u64, u64)> {
+        self.window
+    }
+
+    fn interval_started(&mut self) {
+        self.in_interval = true;
     }
 
     /// Commits in `[t0, t1]` (Unix s) at the rate between the last records
@@ -517,7 +781,7 @@ impl Budget {
     }
 }
 
-/// Paths and files of one rate's run, all under its own temp dir.
+/// Paths and files of one row's run, all under its own temp dir.
 struct RunDir {
     config: PathBuf,
     spool: PathBuf,
@@ -530,7 +794,7 @@ struct RunDir {
 }
 
 impl RunDir {
-    fn create(dir: &Path, spec: RateSpec, port: u16) -> RunDir {
+    fn create(dir: &Path, spec: RateSpec, port: u16, metrics_port: u16) -> RunDir {
         for sub in ["agent", "minimal", "trace", "sink"] {
             std::fs::create_dir(dir.join(sub)).expect("create a run subdirectory");
         }
@@ -548,8 +812,9 @@ impl RunDir {
         } else {
             String::new()
         };
+        // The metrics listener serves from memory: no file written.
         let text = format!(
-            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n{spool_keys}\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n{retire}\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
+            "device_id = \"flash-{label}\"\n\n[spool]\npath = \"{spool}\"\n{spool_keys}\n[mqtt]\nurl = \"mqtt://127.0.0.1:{port}\"\n{retire}\n[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\n\n[[sources]]\nname = \"{STREAM}\"\nkind = \"file\"\npath = \"{value}\"\nfield = \"temp_c\"\ninterval_ms = {interval}\n{durability}",
             label = spec.label(),
             spool = spool.display(),
             spool_keys = spec.spool_keys(),
@@ -610,11 +875,10 @@ fn unix_secs() -> f64 {
 
 // ---------------------------------------------------------------- agent status
 
-/// The value (parsed as JSON) and the recorded Unix ms of an `agent_state`
-/// entry, from `edgespool status --spool PATH --json`; None if absent.
-fn status_state(run: &RunDir, key: &str) -> Option<(serde_json::Value, Option<i64>)> {
+/// `edgespool status --spool PATH --json`, parsed; None when it fails.
+fn status_json(run: &RunDir) -> Option<serde_json::Value> {
     let out = std::fs::File::create(&run.status_out).expect("create the status output file");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgespool"))
+    let mut child = Command::new(agent_exe())
         .args(["status", "--json", "--spool"])
         .arg(&run.spool)
         .stdin(Stdio::null())
@@ -638,8 +902,7 @@ fn status_state(run: &RunDir, key: &str) -> Option<(serde_json::Value, Option<i6
         return None;
     }
     let text = std::fs::read_to_string(&run.status_out).ok()?;
-    let report: serde_json::Value = serde_json::from_str(&text).ok()?;
-    find_state(report.get("agent_state")?, key)
+    serde_json::from_str(&text).ok()
 }
 
 /// `agent_state` as `[[key, value, at], ...]`, `[{key, value, ...}, ...]`,
@@ -1145,16 +1408,22 @@ impl Minimal {
         tracer: Option<&Tracer>,
         run: &RunDir,
         spec: RateSpec,
-        window_ms: u64,
+        (window_ms, checkpoint_secs, synced): (u64, u64, bool),
         payload_len: usize,
     ) -> Result<Minimal, String> {
         let exe = std::env::current_exe().expect("path of the bench binary");
         let mut cmd = Command::new(exe);
+        let mode = match (spec.full, synced) {
+            (true, _) => "full",
+            (false, true) => "synced",
+            (false, false) => "normal",
+        };
         cmd.env(MINIMAL_ENV, "1").arg(&run.minimal_db).args([
             spec.per_sec.to_string(),
             window_ms.to_string(),
-            if spec.full { "full" } else { "normal" }.to_owned(),
+            mode.to_owned(),
             payload_len.to_string(),
+            checkpoint_secs.to_string(),
         ]);
         let mut proc = Traced::spawn("minimal writer", tracer, cmd, &run.minimal_trace, true)?;
         let stdin = proc.child.stdin.take();
@@ -1196,17 +1465,21 @@ impl Minimal {
     }
 }
 
-/// The minimal writer's main: `<db> <readings/s> <window ms> <normal|full> <payload bytes>`.
+/// The minimal writer's main: `<db> <readings/s> <window ms>
+/// <normal|synced|full> <payload bytes> <checkpoint s>`: `full` commits
+/// each reading, synced; `synced` each window, synced (`synchronous =
+/// FULL`); `normal` each window under `synchronous = NORMAL`.
 fn minimal_writer() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [db, rate, window_ms, sync, len] = args.as_slice() else {
-        panic!("minimal writer: expected <db> <readings/s> <window ms> <normal|full> <payload bytes>, got {args:?}");
+    let [db, rate, window_ms, sync, len, ckpt] = args.as_slice() else {
+        panic!("minimal writer: expected <db> <readings/s> <window ms> <normal|synced|full> <payload bytes> <checkpoint s>, got {args:?}");
     };
     let rate: f64 = rate.parse().expect("minimal writer: readings/s");
     let window = Duration::from_millis(window_ms.parse().expect("minimal writer: window ms"));
     let full = sync == "full";
     let len: usize = len.parse().expect("minimal writer: payload bytes");
-    let mut w = MinimalDb::open(Path::new(db), full);
+    let checkpoint = Duration::from_secs(ckpt.parse().expect("minimal writer: checkpoint s"));
+    let mut w = MinimalDb::open(Path::new(db), full || sync == "synced");
 
     let (tx, marks) = mpsc::channel();
     std::thread::spawn(move || {
@@ -1219,7 +1492,7 @@ fn minimal_writer() {
     let period = Duration::from_secs_f64(1.0 / rate);
     let start = Instant::now();
     let (mut next_reading, mut next_commit, mut next_ckpt) =
-        (start, start + window, start + MINIMAL_CHECKPOINT);
+        (start, start + window, start + checkpoint);
     let mut out = std::io::stdout();
     loop {
         let now = Instant::now();
@@ -1236,7 +1509,7 @@ fn minimal_writer() {
         }
         if now >= next_ckpt {
             w.checkpoint();
-            next_ckpt += MINIMAL_CHECKPOINT;
+            next_ckpt += checkpoint;
         }
         let due = if full {
             next_reading
@@ -1346,6 +1619,32 @@ impl Row {
         self.b.minimal.readings - self.a.minimal.readings
     }
 
+    /// MB (10^6 bytes) a day each wrote over the interval: (agent, minimal).
+    fn mb_per_day(&self) -> (f64, f64) {
+        let secs = self.secs();
+        let per_day = |d: u64| d as f64 / secs * 86_400.0 / 1e6;
+        (
+            per_day(self.b.agent_bytes - self.a.agent_bytes),
+            per_day(self.b.minimal_bytes - self.a.minimal_bytes),
+        )
+    }
+
+    /// Agent over minimal writer, bytes per reading (each its own readings).
+    fn ratio(&self) -> Option<f64> {
+        let ab = (self.b.agent_bytes - self.a.agent_bytes) as f64;
+        let mb = (self.b.minimal_bytes - self.a.minimal_bytes) as f64;
+        let (na, nm) = (self.agent_readings(), self.minimal_readings());
+        (mb > 0.0 && na > 0 && nm > 0).then(|| (ab / na as f64) / (mb / nm as f64))
+    }
+
+    /// The loss window at the end of the interval, ms.
+    fn loss_window_ms(&self) -> u64 {
+        match self.spec.window {
+            Window::Fixed => LOSS_WINDOW_MS,
+            _ => self.end_window_ms.unwrap_or(self.window_ms),
+        }
+    }
+
     fn print_notes(&self) {
         let label = self.spec.label();
         let stored = self
@@ -1357,8 +1656,12 @@ impl Row {
             "fallback"
         };
         println!(
-            "-- {label}: payload {} B delivered (stored mean {stored}), commit window {} ms ({window})",
-            self.payload_len, self.window_ms
+            "-- {label}: payload {} B delivered (stored mean {stored}), commit window at start {} ms ({window}); the minimal writer at {} ms, checkpoints every {} s{}",
+            self.payload_len,
+            self.window_ms,
+            self.minimal_window_ms,
+            self.minimal_checkpoint_secs,
+            if self.minimal_synced { ", commits synced" } else { "" }
         );
         if let Some((_, span)) = self.agent_commits {
             println!("-- {label}: agent commits from write_budget records {span:.0} s apart");
@@ -1382,22 +1685,67 @@ fn per(n: Option<f64>, readings: u64) -> String {
     }
 }
 
+fn opt(v: Option<f64>) -> String {
+    v.map_or("n/a".into(), |v| format!("{v:.0}"))
+}
+
 fn print_tables(rows: &[Row]) {
     println!();
     println!(
-        "{:<6} {:>8} | {:>9} {:>8} {:>8} {:>8} | {:>8} {:>9} {:>8} {:>8} {:>8} | {:>6}",
-        "rate",
+        "{:<8} {:>9} {:>9} {:>6} | {:>9} {:>7} {:>6} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>6}",
+        "row",
+        "MB/day",
+        "minimal",
+        "ratio",
+        "window",
+        "changes",
+        "health",
+        "budget",
+        "status",
+        "outage",
+        "metrics",
+        "health",
+        "off"
+    );
+    for r in rows {
+        let (agent, minimal) = r.mb_per_day();
+        let p = &r.projections;
+        let off = p.status.map_or("n/a".into(), |s| {
+            format!("{:+.0}%", (s / agent - 1.0) * 100.0)
+        });
+        println!(
+            "{:<8} {:>9.0} {:>9.0} {:>6} | {:>7}ms {:>7} {:>6} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>6}",
+            r.spec.label(),
+            agent,
+            minimal,
+            r.ratio().map_or("n/a".into(), |x| format!("{x:.2}")),
+            r.loss_window_ms(),
+            r.window_changes,
+            r.health_changes,
+            r.budget_changes,
+            opt(p.status),
+            opt(p.outage),
+            opt(p.metrics),
+            opt(p.health),
+            off
+        );
+    }
+    println!("(MB/day: 10^6 bytes a day the process sent to the block layer over the interval; minimal: the minimal writer at the same window, durability and checkpoint cadence; ratio: agent/minimal bytes per reading; window: the agent's at the end of the interval, changes: its changes during the interval; health, budget: changes of health's state and of its write budget reason over the whole run; status, outage, metrics, health: the agent's projection of MB/day as each shows it at the end (health only when over the budget); off: the projection against the measured MB/day)");
+    println!();
+    println!(
+        "{:<8} {:>8} | {:>9} {:>8} {:>8} | {:>8} {:>9} {:>8} {:>8} | {:>9} {:>9} {:>8}",
+        "row",
         "readings",
         "B/reading",
         "commit/r",
         "fsync/r",
-        "MB/day",
         "minimal",
         "B/reading",
         "commit/r",
         "fsync/r",
-        "MB/day",
-        "ratio"
+        "widest",
+        "agent wal",
+        "ctxsw/s"
     );
     for r in rows {
         let secs = r.secs();
@@ -1405,93 +1753,51 @@ fn print_tables(rows: &[Row]) {
         let ab = (r.b.agent_bytes - r.a.agent_bytes) as f64;
         let mb = (r.b.minimal_bytes - r.a.minimal_bytes) as f64;
         let mc = (r.b.minimal.commits - r.a.minimal.commits) as f64;
-        let (bpr_a, bpr_m) = (ab / na.max(1) as f64, mb / nm.max(1) as f64);
-        let ratio = if bpr_m > 0.0 {
-            format!("{:.2}", bpr_a / bpr_m)
-        } else {
-            "n/a".into()
-        };
         println!(
-            "{:<6} {:>8} | {:>9.0} {:>8} {:>8} {:>8.2} | {:>8} {:>9.0} {:>8} {:>8} {:>8.2} | {:>6}",
+            "{:<8} {:>8} | {:>9.0} {:>8} {:>8} | {:>8} {:>9.0} {:>8} {:>8} | {:>9} {:>9} {:>8.1}",
             r.spec.label(),
             na,
-            bpr_a,
+            ab / na.max(1) as f64,
             per(r.agent_commits.map(|(c, _)| c), na),
             per(r.agent_fsyncs.map(|n| n as f64), na),
-            ab / secs * 86_400.0 / 1e6,
             nm,
-            bpr_m,
+            mb / nm.max(1) as f64,
             per(Some(mc), nm),
             per(r.minimal_fsyncs.map(|n| n as f64), nm),
-            mb / secs * 86_400.0 / 1e6,
-            ratio
-        );
-    }
-    println!("(readings: delivered to the subscriber in the interval; minimal: readings the minimal writer took in it; ratio: edgespool/minimal bytes per reading)");
-    if rows.iter().any(|r| r.agent_commits.is_none()) {
-        println!("(commit/r n/a: fewer than two write_budget records with commits_total in the run; the agent writes one per summary interval, 60 s by default)");
-    }
-    println!();
-    println!(
-        "{:<6} {:>8} {:>8} {:>8} {:>9} | {:>11} {:>11} {:>9} | {:>11} {:>11} {:>9}",
-        "rate",
-        "window",
-        "chosen",
-        "minimal",
-        "payload",
-        "agent wal",
-        "agent db",
-        "ctxsw/s",
-        "minimal wal",
-        "minimal db",
-        "ctxsw/s"
-    );
-    for r in rows {
-        let secs = r.secs();
-        println!(
-            "{:<6} {:>6}ms {:>8} {:>6}ms {:>7} B | {:>11} {:>11} {:>9.1} | {:>11} {:>11} {:>9.1}",
-            r.spec.label(),
-            r.window_ms,
             r.chosen_max_ms.map_or("n/a".into(), |ms| format!("{ms}ms")),
-            r.minimal_window_ms,
-            r.payload_len,
             r.agent_wal,
-            r.agent_db,
             (r.b.agent_ctxsw.saturating_sub(r.a.agent_ctxsw)) as f64 / secs,
-            r.minimal_wal,
-            r.minimal_db,
-            (r.b.minimal_ctxsw.saturating_sub(r.a.minimal_ctxsw)) as f64 / secs,
         );
     }
-    println!("(window: the agent's commit window at start (w rows: spool.commit_window_ms); chosen: the largest window the agent chose in the run, from its write_budget record (n/a before the agent records it); minimal: the minimal writer's window; file sizes in bytes at the end of the interval; ctxsw/s: context switches per second over all threads, several times higher under strace)");
+    println!("(readings: delivered to the subscriber in the interval; minimal: readings the minimal writer took in it; widest: the widest window the agent chose in the run; agent wal: the -wal file's bytes at the end; ctxsw/s: the agent's context switches per second, several times higher under strace)");
     print_planning(rows);
 }
 
-/// The planning table (docs/flash.md, README): MB/day, the loss window and
-/// hours of outage a GB of spool holds, at each row's rate.
+/// The planning table (README, "Planning a board"): MB/day, the loss
+/// window and hours of outage a GB of spool holds, at each row's rate.
 fn print_planning(rows: &[Row]) {
     println!();
-    println!("planning: | readings/s | settings | loss window | MB/day | spool B/row | outage h per GB |");
+    println!("planning: | readings/s | settings | loss window | flash MB/day | outage a GB of spool holds |");
     for r in rows {
-        let secs = r.secs();
-        let mb_day = (r.b.agent_bytes - r.a.agent_bytes) as f64 / secs * 86_400.0 / 1e6;
-        let settings = match r.spec.window {
-            Window::Default => "default",
-            Window::Fixed => "commit_window_ms = 10000",
-            Window::Budget => "write_budget_mb_per_day = 100",
-        };
-        let window = r.chosen_max_ms.unwrap_or(r.window_ms);
-        let (per_row, hours) = match r.spool_bytes_per_row {
-            Some(b) if b > 0.0 => (
-                format!("{b:.0}"),
-                format!("{:.1}", 1e9 / (b * f64::from(r.spec.per_sec)) / 3600.0),
+        let (mb_day, _) = r.mb_per_day();
+        let hours = match r.spool_bytes_per_row {
+            Some(b) if b > 0.0 => format!(
+                "{:.0} h ({b:.0} B a row)",
+                1e9 / (b * f64::from(r.spec.per_sec)) / 3600.0
             ),
-            _ => ("n/a".into(), "n/a".into()),
+            _ => "n/a".into(),
+        };
+        let ms = r.loss_window_ms();
+        let window = if ms >= 1000 {
+            format!("{:.0} s", ms as f64 / 1000.0)
+        } else {
+            format!("{ms} ms")
         };
         println!(
-            "planning: | {}{} | {settings} | {window} ms | {mb_day:.0} | {per_row} | {hours} |",
+            "planning: | {}{} | {} | {window} | {mb_day:.0} | {hours} |",
             r.spec.per_sec,
             if r.spec.full { " full" } else { "" },
+            r.spec.settings(),
         );
     }
 }

@@ -284,13 +284,14 @@ fn delivery_rate(db: &std::path::Path, port: u16, rows: usize) -> f64 {
         device_id: cfg.device_id.clone(),
         receipt_keys: cfg.mqtt.receipt_public_keys.clone(),
         backfill: None,
-        record_window: edgespool::flash::write_budget::SharedWindow::new(cfg.spool.commit_window),
     };
+    // No writer here: delivery commits its own records.
+    let ledger = edgespool::delivery::ledger::Ledger::new(None);
     let t = Instant::now();
     let h1 = std::thread::spawn(move || mqtt.run());
     let h2 = {
-        let (stop, stats) = (stop.clone(), stats.clone());
-        std::thread::spawn(move || edgespool::delivery::run(spool, dcfg, link, rx, stop, stats))
+        let (stop, shared) = (stop.clone(), (stats.clone(), ledger));
+        std::thread::spawn(move || edgespool::delivery::run(spool, dcfg, link, rx, stop, shared))
     };
     while (stats.retired.load(Ordering::Relaxed) as usize) < rows {
         assert!(t.elapsed() < Duration::from_secs(300), "delivery stalled");

@@ -34,7 +34,6 @@ use crate::config::Config;
 use crate::delivery::{self, DeliveryStats};
 use crate::event::envelope::wall_clock_ms;
 use crate::flash::upkeep::Upkeep;
-use crate::flash::write_budget::SharedWindow;
 use crate::intake::{ControlSender, IngestMsg};
 use crate::mqtt::{self, DeliveryMsg};
 use crate::os::threads::join_within;
@@ -150,8 +149,7 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         Instant::now(),
         wall_clock_ms().0,
     );
-    let window = upkeep.window_reader();
-    let net = match start_network(&cfg, &spool, &identity, ingest_tx.clone(), window) {
+    let net = match start_network(&cfg, &spool, &identity, ingest_tx.clone()) {
         Ok(net) => net,
         Err(e) => {
             let _ = spool.end_run(run_id, wall_clock_ms().0, "error", Some(&e.to_string()));
@@ -175,6 +173,8 @@ pub fn run(cfg: Config, source: ConfigSource) -> Result<(), AgentError> {
         link: net.link.clone(),
         to_delivery: net.to_delivery.clone(),
         delivery_stats: net.stats.clone(),
+        ledger: net.ledger.clone(),
+        commands_clock: net.commands_clock.clone(),
         sampler: sampler.0.clone(),
         socket_counts: socket_ingest.counters(),
         tuning,
@@ -275,6 +275,10 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 struct Network {
     link: mqtt::Link,
     stats: Arc<DeliveryStats>,
+    /// Delivery records, committed by the writer.
+    ledger: delivery::ledger::Ledger,
+    /// The command records' clock, which the writer persists.
+    commands_clock: Option<crate::commands::retention::AgentClock>,
     to_delivery: Sender<DeliveryMsg>,
     mqtt: JoinHandle<()>,
     delivery: JoinHandle<()>,
@@ -306,13 +310,13 @@ impl Network {
 /// Start the mqtt, delivery and command threads on their own connections
 /// (siblings of the writer's `spool`); the command thread's control
 /// requests go straight into the writer's channel `ingest_tx`, and delivery
-/// commits its records on `window`.
+/// records wait in a ledger whose commits the writer makes (it wakes the
+/// writer through the same channel).
 fn start_network(
     cfg: &Config,
     spool: &Spool,
     config_identity: &str,
     ingest_tx: Sender<IngestMsg>,
-    window: SharedWindow,
 ) -> Result<Network, AgentError> {
     let delivery_spool = spool.open_sibling(&cfg.spool.options)?;
     let command_spool = open_full_durability(cfg, spool)?;
@@ -339,18 +343,23 @@ fn start_network(
         spool.backlog_estimate().unwrap_or(0),
     );
     let stats = Arc::new(DeliveryStats::default());
+    let ledger = delivery::ledger::Ledger::new(Some(ingest_tx.clone()));
     let mqtt = spawn("mqtt", move || mqtt_thread.run())?;
     let delivery = {
-        let (stop, stats, link, dcfg) = (
+        let (stop, shared, link, dcfg) = (
             net_stop.clone(),
-            stats.clone(),
+            (stats.clone(), ledger.clone()),
             link.clone(),
-            delivery_config(cfg, window),
+            delivery_config(cfg),
         );
         spawn("delivery", move || {
-            delivery::run(delivery_spool, dcfg, link, delivery_rx, stop, stats)
+            delivery::run(delivery_spool, dcfg, link, delivery_rx, stop, shared)
         })?
     };
+    // One clock for the command thread and the writer that persists it.
+    let clock = crate::commands::store::clock_ms(&command_spool)
+        .map(crate::commands::retention::AgentClock::resume);
+    let commands_clock = clock.as_ref().ok().cloned();
     let command = {
         let wcfg = WorkerConfig {
             device_id: cfg.device_id.clone(),
@@ -367,6 +376,7 @@ fn start_network(
         spawn("commands", move || {
             crate::commands::worker::run(
                 command_spool,
+                clock,
                 wcfg,
                 link,
                 inbox_meter,
@@ -381,6 +391,8 @@ fn start_network(
     Ok(Network {
         link,
         stats,
+        ledger,
+        commands_clock,
         to_delivery,
         mqtt,
         delivery,

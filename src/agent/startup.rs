@@ -340,12 +340,8 @@ pub(super) fn upkeep_settings(cfg: &Config) -> UpkeepSettings {
     }
 }
 
-/// The delivery thread's settings, from `[mqtt]`, committing its records
-/// on `window` (the upkeep's, [`crate::flash::upkeep::Upkeep::window_reader`]).
-pub(super) fn delivery_config(
-    cfg: &Config,
-    window: crate::flash::write_budget::SharedWindow,
-) -> DeliveryConfig {
+/// The delivery thread's settings, from `[mqtt]`.
+pub(super) fn delivery_config(cfg: &Config) -> DeliveryConfig {
     DeliveryConfig {
         topic_prefix: cfg.mqtt.topic_prefix.clone(),
         window: cfg.mqtt.inflight_window,
@@ -368,7 +364,6 @@ pub(super) fn delivery_config(
                 cfg.mqtt.backfill_rows_per_sec,
             )
         }),
-        record_window: window,
     }
 }
 

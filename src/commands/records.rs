@@ -8,7 +8,16 @@
 //! ([`Tier::cap`]) a purge runs at once if the last one freed something
 //! (aged records, then droppable ones, in batches:
 //! [`store::make_room`]), else at most every [`PURGE_AT_CAP_INTERVAL`];
-//! otherwise every [`PURGE_INTERVAL`], each purge persisting the clock.
+//! otherwise every [`PURGE_INTERVAL`].
+//!
+//! The agent clock is persisted at the stop and, while the agent runs, with
+//! the writer's agent state (at most once a state period, riding a commit
+//! the writer makes anyway): a purge with nothing to delete writes nothing,
+//! so an idle command thread commits and syncs nothing (issue 35). After a
+//! crash the clock resumes from the newest of the persisted reading and
+//! the newest receipt's stamp ([`super::store::clock_ms`]), so it lags by
+//! at most a state period and never runs backwards: ages read on it are
+//! lower bounds, records are kept too long, never too short.
 
 use super::admission::Tier;
 use super::quiet::ErrorLog;
@@ -18,7 +27,7 @@ use crate::event::envelope::wall_clock_ms;
 use crate::spool::Spool;
 use std::time::{Duration, Instant};
 
-/// Records are purged and the agent clock persisted this often.
+/// Records are purged this often.
 const PURGE_INTERVAL: Duration = Duration::from_secs(60);
 /// While records are at their cap, a purge is tried at most this often.
 const PURGE_AT_CAP_INTERVAL: Duration = Duration::from_secs(5);
@@ -81,8 +90,8 @@ impl Records {
             .is_none_or(|t| t.elapsed() >= PURGE_INTERVAL)
     }
 
-    /// Delete what the retention policy allows, refresh the record count and
-    /// persist the agent clock.
+    /// Delete what the retention policy allows and refresh the record count
+    /// (with nothing to delete, nothing is written).
     pub(super) fn purge(&mut self, spool: &mut Spool, errors: &mut ErrorLog) {
         self.last_purge = Some(Instant::now());
         self.last_purge_freed = match store::purge(spool, self.clock.now_ms(), &self.policy) {
@@ -101,7 +110,6 @@ impl Records {
             Ok(n) => self.count = n,
             Err(e) => errors.log("counting command records", &e),
         }
-        self.persist_clock(spool, errors);
     }
 
     /// Whether records are at `tier`'s share of `commands.max_records` even
@@ -147,7 +155,8 @@ impl Records {
     }
 
     /// Write the agent clock's reading to the spool, so the next run goes
-    /// on from it.
+    /// on from it (at the stop; while running, the writer's agent state
+    /// carries it).
     pub(super) fn persist_clock(&self, spool: &mut Spool, errors: &mut ErrorLog) {
         let now = self.clock.now_ms().to_string();
         if let Err(e) = spool.set_state(retention::CLOCK_STATE_KEY, &now, wall_clock_ms().0) {

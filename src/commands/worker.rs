@@ -114,10 +114,13 @@ pub struct WorkerConfig {
     pub commands: CommandsConfig,
 }
 
-/// Run the command thread until `stop`.
+/// Run the command thread until `stop`, aging records on `clock` (read
+/// from the spool by [`store::clock_ms`]; an error disables commands: no
+/// record age could be judged).
 #[allow(clippy::too_many_arguments)] // the thread's wiring, built once by the agent
 pub fn run(
     mut spool: Spool,
+    clock: Result<AgentClock, crate::spool::SpoolError>,
     cfg: WorkerConfig,
     link: Link,
     inbox: Arc<InboxMeter>,
@@ -134,8 +137,8 @@ pub fn run(
             return;
         }
     };
-    let clock = match store::clock_ms(&spool) {
-        Ok(ms) => AgentClock::resume(ms),
+    let clock = match clock {
+        Ok(clock) => clock,
         Err(e) => {
             // Without it no record age can be judged: purging could delete a
             // record inside the redelivery window.

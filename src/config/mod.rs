@@ -220,8 +220,8 @@ pub struct SpoolConfig {
     /// `max_commit_window`; `None` keeps `commit_window` ([`crate::flash::write_budget`]).
     pub write_budget_bytes_per_day: Option<u64>,
     /// `max_commit_window_ms`: the widest commit window (the largest loss
-    /// window of `batched` streams) a write budget may choose; 1..=60000 ms,
-    /// default 10,000.
+    /// window of `batched` streams) a write budget may choose; 1..=600000
+    /// ms, default 10,000.
     pub max_commit_window: Duration,
     /// `acked_retention_secs`: ACKED rows appended longer ago than this are deleted.
     pub acked_retention: Duration,

@@ -1344,11 +1344,18 @@ fn the_write_budget_keys_are_range_checked_by_name() {
         e.contains("spool.write_budget_mb_per_day: must be 1..=1000000 MB a day (got 0)"),
         "{e}"
     );
-    let e = set(&["spool.max_commit_window_ms=60001"])
+    // An operator may accept a loss window of up to ten minutes (issue 35).
+    let c = set(&[
+        "spool.write_budget_mb_per_day=100",
+        "spool.max_commit_window_ms=600000",
+    ])
+    .unwrap();
+    assert_eq!(c.spool.max_commit_window, Duration::from_secs(600));
+    let e = set(&["spool.max_commit_window_ms=600001"])
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("spool.max_commit_window_ms: must be 1..=60000 (got 60001)"),
+        e.contains("spool.max_commit_window_ms: must be 1..=600000 ms (10 minutes) (got 600001)"),
         "{e}"
     );
     // A budget widens the window from commit_window_ms: the ceiling must be above it.

@@ -202,7 +202,7 @@ impl Delivery {
         let limits = self.packet_limit();
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
-            if self.retiring.contains(&row.id) || self.awaits_receipt(row.id) {
+            if self.ledger.holds(row.id) || self.awaits_receipt(row.id) {
                 continue;
             }
             let Some((topic, size, event_id)) = self.admit(spool, &row, limits) else {
@@ -227,21 +227,23 @@ impl Delivery {
         out
     }
 
-    /// Write the `events_deferred_<reason>` counts taken so far (kept for
-    /// the next try if the spool refuses).
-    pub(super) fn write_counts(&mut self, spool: &mut Spool) {
-        for (name, n) in self.book.take_counts() {
-            if let Err(e) = spool.count(&format!("events_deferred_{name}"), n) {
-                self.book.restore_counts([(name, n)].into());
-                self.log_error("count rows held back by the broker", &e);
-            }
+    /// Hand the `events_deferred_<reason>` counts taken so far to the
+    /// ledger: they ride the writer's next commit, never one of their own
+    /// ([`super::ledger`]).
+    pub(super) fn write_counts(&mut self) {
+        let counts = self.book.take_counts();
+        if !counts.is_empty() {
+            self.ledger.count(
+                counts
+                    .into_iter()
+                    .map(|(name, n)| (format!("events_deferred_{name}"), n)),
+            );
         }
     }
 
     /// The book changed: health's copy (at most every [`SUMMARY_EVERY`]:
-    /// it scans the book), and the counts to write with the next commit.
+    /// it scans the book).
     pub(super) fn book_changed(&mut self) {
-        self.waiting_since.get_or_insert_with(Instant::now);
         let now = Instant::now();
         let recent = self
             .book_published
@@ -257,6 +259,16 @@ impl Delivery {
         if let Ok(mut w) = self.stats.deferred_why.lock() {
             *w = why;
         }
+    }
+
+    /// When health's copy of a change held back by the rate limit is due
+    /// (`None`: it is current): the loop wakes for it, or health would
+    /// wait for the next message or safety poll to hear of the change.
+    pub(super) fn book_refresh_due(&self) -> Option<Instant> {
+        self.book_dirty.then(|| {
+            self.book_published
+                .map_or_else(Instant::now, |t| t + SUMMARY_EVERY)
+        })
     }
 
     /// Refresh health's copy if a change was held back by the rate limit.

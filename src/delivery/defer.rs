@@ -468,16 +468,10 @@ impl Book {
         *self.counts.entry(counter.to_owned()).or_default() += 1;
     }
 
-    /// The counts not yet written, taken.
+    /// The counts not yet handed on, taken (to the ledger, whose commit
+    /// keeps them on a failure: [`super::ledger`]).
     pub(super) fn take_counts(&mut self) -> BTreeMap<String, i64> {
         std::mem::take(&mut self.counts)
-    }
-
-    /// Counts that could not be written: kept for the next try.
-    pub(super) fn restore_counts(&mut self, counts: BTreeMap<String, i64>) {
-        for (k, n) in counts {
-            *self.counts.entry(k).or_default() += n;
-        }
     }
 
     /// Rows held back now on connection `epoch` at `now`, and what the

@@ -9,11 +9,10 @@
 //! The delivery thread reads rows ahead and offers them to a bounded ready
 //! queue; the MQTT poller thread submits from that queue as PUBACKs free the window,
 //! so the window refills without a thread hop per acknowledgement. Attempts
-//! and retirements are group-committed once per commit window (the spool's
-//! `commit_window_ms`, or the window a write budget chose:
-//! [`DeliveryConfig::record_window`]), or sooner at [`RECORD_BATCH`]
-//! retirements. It never blocks the MQTT threads and is never waited on by
-//! ingest.
+//! and retirements wait in the [`ledger`] and ride the writer's next commit
+//! (its commit window, or at once past [`ledger::RECORD_BATCH`]), never a
+//! commit of their own but at the stop. It never blocks the MQTT threads
+//! and is never waited on by ingest.
 
 use crate::mqtt::{DeliveryMsg, Link, Ready};
 pub mod awaiting;
@@ -23,11 +22,13 @@ mod brokerword;
 mod defer;
 mod holdings;
 pub mod lanes;
+pub mod ledger;
 #[cfg(test)]
 mod model;
 mod receipts;
 
 use crate::delivery::lanes::Lanes;
+use crate::delivery::ledger::Ledger;
 use crate::event::envelope::EventId;
 use crate::metrics::WATCHDOG_REBUILDS;
 use crate::mqtt::publish_packet_size;
@@ -178,18 +179,11 @@ pub struct DeliveryConfig {
     pub device_id: String,
     /// `mqtt.receipt_public_keys`: the keys whose receipts retire rows.
     pub receipt_keys: Vec<crate::event::signature::PublicKey>,
-    /// The commit window in force (`spool.commit_window_ms`, or the one a
     /// Backfill ([`holdings`]): `<topic_prefix>/holdings`,
     /// `mqtt.holdings_interval_secs` and `mqtt.backfill_rows_per_sec`;
     /// `None`: the board neither announces nor hears requests
     /// ([`crate::mqtt::MqttConfig::backfill`]).
     pub backfill: Option<(String, Duration, u32)>,
-    /// The commit window in force (`spool.commit_window_ms`, or the one a
-    /// write budget chose): delivery records wait at most this long for
-    /// their commit, so acknowledgements cost at most one commit per window
-    /// (issue 23: a fixed 1 s cadence of their own was most of the flash
-    /// writes at a 10 s window).
-    pub record_window: crate::flash::write_budget::SharedWindow,
 }
 
 /// With nothing to record, look at the spool this often even without a
@@ -197,50 +191,35 @@ pub struct DeliveryConfig {
 const IDLE_POLL: Duration = Duration::from_secs(10);
 
 /// Uncommitted retirements past which no new row is offered (a full disk:
-/// acknowledgements would pile up in memory). Twice [`RECORD_BATCH`].
-const MAX_UNRECORDED: usize = 2 * RECORD_BATCH;
+/// acknowledgements would pile up in memory). Twice [`ledger::RECORD_BATCH`].
+const MAX_UNRECORDED: usize = 2 * ledger::RECORD_BATCH;
 
-/// Group commit for delivery records: commit when this many retirements are
-/// waiting, or when the oldest record has waited the commit window
-/// ([`DeliveryConfig::record_window`]). A record is one small page (the
-/// acknowledged mark), so this is at most one commit per window, and at 100
-/// readings a second a 60 s window (the widest `spool.commit_window_ms`)
-/// still fits one batch. A crash (SIGKILL, power cut) loses the records not
-/// yet committed: at most one window of acknowledgements (and at most this
-/// many), whose rows are then re-sent with the same event id and bytes
-/// (duplicates, never loss); a clean stop commits them. Attempt marks are
-/// one number (the highest row submitted), not counted here.
-pub const RECORD_BATCH: usize = 8192;
-
-/// The shortest wait of delivery records for their group commit: a
-/// window narrower than this (the default `spool.commit_window_ms` is 200
-/// ms) would commit acknowledgements more often than the 1 s they were
-/// committed at before windows applied to them, for more flash writes and
-/// no fewer duplicates worth having (a crash re-sends them, never loses
-/// them).
-const MIN_RECORD_INTERVAL: Duration = Duration::from_millis(1000);
-
-/// The delivery loop. Returns when `stop` is set, after committing the
-/// retirements it has received.
+/// The delivery loop: its records go to `ledger`, whose commits the writer
+/// makes. Returns when `stop` is set, after committing the records the
+/// writer has not taken.
 pub fn run(
     mut spool: Spool,
     cfg: DeliveryConfig,
     link: Link,
     rx: Receiver<DeliveryMsg>,
     stop: Arc<AtomicBool>,
-    stats: Arc<DeliveryStats>,
+    (stats, ledger): (Arc<DeliveryStats>, Ledger),
 ) {
-    let mut d = Delivery::new(cfg, link, stats);
+    let mut d = Delivery::new(cfg, link, stats, ledger);
     while !stop.load(Ordering::Relaxed) {
         d.stats.heartbeat.beat();
         // Event-driven: the MQTT thread, ingest and the agent's stop send
-        // messages; the only timer is the group commit of delivery records
-        // (and a slow safety poll).
-        let mut wait = match d.waiting_since {
-            Some(t) => d.record_interval().saturating_sub(t.elapsed()),
-            None => IDLE_POLL,
+        // messages; the timers are batches and receipts waiting (and a slow
+        // safety poll).
+        let mut wait = if d.ledger.standalone() && d.ledger.waiting() {
+            ledger::STANDALONE_INTERVAL
+        } else {
+            IDLE_POLL
         };
         if let Some(due) = d.batcher.next_due() {
+            wait = wait.min(due.saturating_duration_since(Instant::now()));
+        }
+        if let Some(due) = d.book_refresh_due() {
             wait = wait.min(due.saturating_duration_since(Instant::now()));
         }
         if let Some(due) = d.expire_receipts() {
@@ -267,7 +246,10 @@ pub fn run(
         d.defer_refused();
         d.fill(&mut spool);
         d.book_refresh();
-        d.maybe_flush(&mut spool);
+        d.write_counts();
+        if d.ledger.standalone() && d.ledger.standalone_due() {
+            d.flush(&mut spool);
+        }
         d.announce_if_due(&spool);
     }
     // Acks already received are committed before exit; nothing else is.
@@ -299,12 +281,8 @@ struct Delivery {
     batcher: Batcher,
     /// Topic per stream, built once.
     topics: HashMap<String, Arc<str>>,
-    to_retire: Vec<i64>,
-    /// `to_retire` as a set, to skip those rows when reading ahead.
-    retiring: HashSet<i64>,
-    to_mark: Vec<i64>,
-    /// When the oldest uncommitted delivery record was queued.
-    waiting_since: Option<Instant>,
+    /// Delivery records until the writer's commit takes them.
+    ledger: Ledger,
     stats: Arc<DeliveryStats>,
     last_error_log: Option<Instant>,
     /// The row alone in flight at the last quick disconnects, and how many in a row.
@@ -321,7 +299,7 @@ struct Delivery {
 
 impl Delivery {
     /// The delivery thread's state for `cfg`: nothing read, nothing offered.
-    fn new(cfg: DeliveryConfig, link: Link, stats: Arc<DeliveryStats>) -> Delivery {
+    fn new(cfg: DeliveryConfig, link: Link, stats: Arc<DeliveryStats>, ledger: Ledger) -> Delivery {
         let lanes = Lanes::new(cfg.min_share_pct, cfg.live_streams.clone());
         let batcher = Batcher::new(&cfg.topic_prefix, cfg.batching.clone());
         let receipts = (cfg.retire_on == crate::mqtt::RetireOn::Receipt)
@@ -343,10 +321,7 @@ impl Delivery {
             epoch: 0,
             lanes,
             topics: HashMap::new(),
-            to_retire: Vec::new(),
-            retiring: HashSet::new(),
-            to_mark: Vec::new(),
-            waiting_since: None,
+            ledger,
             stats,
             last_error_log: None,
             suspect: None,
@@ -366,10 +341,10 @@ impl Delivery {
                 closed_on_rows,
                 watchdog,
             } => {
-                // Acks received before the loss are real: commit them first.
+                // Acks received before the loss are real: into the ledger,
+                // whose rows the replay skips until they are committed.
                 self.collect();
                 self.defer_refused();
-                self.flush(spool);
                 if watchdog {
                     if let Err(e) = spool.count(WATCHDOG_REBUILDS, 1) {
                         self.log_error("count a watchdog rebuild", &e);
@@ -469,13 +444,8 @@ impl Delivery {
             .submitted
             .fetch_add(sent.len() as u64, Ordering::Relaxed);
         // Only the highest row ever submitted is recorded (the SENT mark).
-        if let Some(high) = sent.iter().chain(self.to_mark.iter()).copied().max() {
-            self.to_mark = vec![high];
-        }
         let retire = self.after_pubacks(acked);
-        self.retiring.extend(retire.iter().copied());
-        self.to_retire.extend(retire);
-        self.waiting_since.get_or_insert_with(Instant::now);
+        self.ledger.add(sent.iter().copied().max(), retire);
     }
 
     fn log_error(&mut self, what: &str, e: &SpoolError) {
@@ -488,39 +458,35 @@ impl Delivery {
         }
     }
 
-    /// How long delivery records wait for their group commit: the commit
-    /// window, but never under [`MIN_RECORD_INTERVAL`].
-    fn record_interval(&self) -> Duration {
-        self.cfg.record_window.get().max(MIN_RECORD_INTERVAL)
-    }
-
-    fn maybe_flush(&mut self, spool: &mut Spool) {
-        let window = self.record_interval();
-        let due = self.to_retire.len() >= RECORD_BATCH
-            || self.waiting_since.is_some_and(|t| t.elapsed() >= window);
-        if due {
-            self.flush(spool);
-        }
-    }
-
-    /// Commit pending attempt marks and retirements in one transaction. On an
-    /// error the ids stay queued and are retried; nothing is dropped.
+    /// Commit the records the writer did not take, on this thread's
+    /// connection: at the stop, or with no writer ([`Ledger::standalone`]).
+    /// On an error they wait again (at the stop they are lost: their rows
+    /// are sent again at the next start, duplicates, never loss).
     fn flush(&mut self, spool: &mut Spool) {
-        self.write_counts(spool);
-        if self.to_retire.is_empty() && self.to_mark.is_empty() {
-            self.waiting_since = None;
+        self.write_counts();
+        let mut t = self.ledger.take();
+        if t.is_empty() {
             return;
         }
-        match spool.record_delivery(&self.to_mark, &self.to_retire) {
+        let counts = std::mem::take(&mut t.counts);
+        match spool.record_delivery(&t.sent, &t.acked) {
             Ok(n) => {
                 self.stats.retired.fetch_add(n as u64, Ordering::Relaxed);
-                self.to_retire.clear();
-                self.retiring.clear();
-                self.to_mark.clear();
-                self.waiting_since = None;
+                self.ledger.committed(t);
             }
-            Err(e) => self.log_error("recording deliveries", &e),
+            Err(e) => {
+                self.log_error("recording deliveries", &e);
+                self.ledger.restore(t);
+            }
         }
+        let mut unwritten = Vec::new();
+        for (name, by) in counts {
+            if let Err(e) = spool.count(&name, by) {
+                self.log_error("count rows held back by the broker", &e);
+                unwritten.push((name, by));
+            }
+        }
+        self.ledger.count(unwritten);
     }
 
     /// Keep the ready queue at two windows' worth, reading ahead from the
@@ -528,7 +494,7 @@ impl Delivery {
     fn fill(&mut self, spool: &mut Spool) {
         // While delivery records cannot be committed (a full disk), send
         // nothing new: acknowledgements would pile up in memory.
-        if !self.link.connected() || self.to_retire.len() > MAX_UNRECORDED {
+        if !self.link.connected() || self.ledger.uncommitted() > MAX_UNRECORDED {
             return;
         }
         let target = 2 * self.cfg.window;
@@ -567,7 +533,7 @@ impl Delivery {
                     }
                 }
             };
-            if self.retiring.contains(&row.id)
+            if self.ledger.holds(row.id)
                 || self.awaits_receipt(row.id)
                 || self.book.waits(row.id, self.epoch, Instant::now())
             {
@@ -818,11 +784,10 @@ mod tests {
             device_id: "dev".into(),
             receipt_keys: vec![fleet_key().public()],
             backfill: Some(("t/dev/holdings".into(), Duration::from_secs(600), 200)),
-            record_window: crate::flash::write_budget::SharedWindow::new(Duration::from_millis(
-                200,
-            )),
         };
-        Delivery::new(cfg, link, Arc::new(DeliveryStats::default()))
+        let stats = Arc::new(DeliveryStats::default());
+        let ledger = Ledger::new(None);
+        Delivery::new(cfg, link, stats, ledger)
     }
 
     /// The fleet's key in these tests (one per test process).
@@ -908,7 +873,7 @@ mod tests {
             &mut spool,
         );
         assert!(
-            d.to_retire.is_empty(),
+            !d.ledger.holds(7),
             "a receipt it must not trust retired the row"
         );
         let refused = d.stats.receipts_refused.by_reason();
@@ -923,7 +888,11 @@ mod tests {
             },
             &mut spool,
         );
-        assert_eq!(d.to_retire, vec![7], "the receipt did not retire its row");
+        assert_eq!(
+            d.ledger.take().acked,
+            vec![7],
+            "the receipt did not retire its row"
+        );
         assert_eq!(d.stats.receipt_unmatched.load(Ordering::Relaxed), 0);
         assert!(!d.awaits_receipt(7));
     }

@@ -237,9 +237,7 @@ impl Delivery {
                 // it must not be offered again from there.
                 self.lanes.discard(&m.rows.iter().copied().collect());
                 r.first.forget(&m.rows);
-                self.retiring.extend(m.rows.iter().copied());
-                self.to_retire.extend(m.rows);
-                self.waiting_since.get_or_insert_with(Instant::now);
+                self.ledger.add(None, m.rows);
             }
             Err(e) => {
                 s.receipts_refused.count(e.reason());
@@ -332,7 +330,7 @@ impl Delivery {
         let mut out = Vec::with_capacity(rows.len());
         let limits = self.packet_limit();
         for row in rows {
-            if self.retiring.contains(&row.id) {
+            if self.ledger.holds(row.id) {
                 continue;
             }
             let Some((topic, _, event_id)) = self.admit(spool, &row, limits) else {

@@ -432,6 +432,36 @@ pub fn encode(format: Format, env: &Envelope<'_>) -> Result<Vec<u8>, String> {
     }
 }
 
+/// How a JSON payload begins: its event id comes first ([`encode`] writes
+/// the fields in [`JsonEnvelope`]'s order).
+const JSON_ID_PREFIX: &[u8] = b"{\"event_id\":\"";
+
+/// The event id inside a payload [`encode`] made: the spool reads a row's
+/// id from its payload instead of storing it twice (schema 12). A JSON
+/// payload has it first, at a fixed place, as [`EventId::parse`] reads it; a
+/// postcard one right after its version byte. `None` for bytes neither
+/// encoding made (a row whose payload is damaged: its digest fails too).
+pub fn event_id_of(payload: &[u8]) -> Option<EventId> {
+    if let Some(rest) = payload.strip_prefix(JSON_ID_PREFIX) {
+        if rest.get(36) != Some(&b'"') {
+            return None;
+        }
+        return std::str::from_utf8(rest.get(..36)?)
+            .ok()
+            .and_then(EventId::parse);
+    }
+    match payload {
+        // Every version keeps the id right after its version byte (the
+        // format grows only at its end): 1, and 2 with a clock stamp.
+        [v, id @ ..] if *v >= 1 && id.len() > 16 => {
+            let mut b = [0u8; 16];
+            b.copy_from_slice(&id[..16]);
+            Some(EventId(b))
+        }
+        _ => None,
+    }
+}
+
 /// Wall-clock instants before this (2026-01-01T00:00:00Z, Unix ms) mean the
 /// board has not set its clock yet: boards without an RTC boot in 1970 and
 /// step the clock once time sync runs. Readings taken earlier are flagged
@@ -720,5 +750,38 @@ mod tests {
             fields: &f,
         };
         assert!(encode(Format::Json, &env).is_err());
+    }
+
+    #[test]
+    fn the_event_id_is_read_back_from_either_payload_format() {
+        let fields = vec![("t".to_owned(), FieldValue::Num(21.5))];
+        let id = EventId([0xab; 16]);
+        // Unstamped, and stamped before time sync (postcard version 2).
+        let stamp = crate::event::clock::MonoStamp {
+            boot_id: crate::event::clock::BootId([7; 16]),
+            mono_ms: 12_345_678,
+        };
+        for mono in [None, Some(stamp)] {
+            for format in [Format::Json, Format::Postcard] {
+                let env = Envelope {
+                    event_id: id,
+                    device_id: "board",
+                    stream: "temp",
+                    seq: 7,
+                    ts_ms: 1,
+                    clock_trusted: mono.is_none(),
+                    mono,
+                    fields: &fields,
+                };
+                let payload = encode(format, &env).unwrap();
+                if format == Format::Postcard {
+                    assert_eq!(payload[0], if mono.is_some() { 2 } else { 1 });
+                }
+                assert_eq!(event_id_of(&payload), Some(id), "{format:?} {mono:?}");
+            }
+        }
+        assert_eq!(event_id_of(b"{\"event_id\":\"not-an-id\"}"), None);
+        assert_eq!(event_id_of(b"junk"), None);
+        assert_eq!(event_id_of(b""), None);
     }
 }

@@ -30,6 +30,13 @@ pub enum IngestMsg {
     Control(Control),
     /// A signal arrived: look at the stop and reload flags.
     Wake,
+    /// Delivery records wait in the delivery thread's ledger
+    /// (`crate::delivery::ledger`): they ride the next commit; with `now`
+    /// (a full batch) that commit is made at once.
+    Records {
+        /// Commit now instead of at the close of the window.
+        now: bool,
+    },
     /// Add `by` to the persistent counter `name` (shown by `status`), for
     /// bad data a producer refused before it became a reading (e.g.
     /// `bridge_payload_refused`). Stored with the next commit window.

@@ -24,6 +24,7 @@
 pub mod listen;
 pub mod outage;
 pub mod process;
+pub mod write_budget;
 
 /// `[metrics]`: Prometheus metrics ([`crate::metrics`]). Off by default.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -207,6 +208,8 @@ pub struct Figures {
     /// The outage budget of the last summary; `None` before the first
     /// (the families are left out).
     pub outage: Option<crate::flash::outage::Budget>,
+    /// The write budget; `None`: the families are left out.
+    pub write_budget: Option<write_budget::BudgetFigures>,
     /// The agent's health state, one of [`HEALTH_STATES`]; `None`: left out.
     pub health: Option<&'static str>,
     /// FAILED rows in the spool now (the `failed` table's count, cheap at
@@ -513,6 +516,9 @@ pub fn render(f: &Figures) -> String {
     render_commands(&mut o, f);
     if let Some(b) = &f.outage {
         outage::render(&mut o, b);
+    }
+    if let Some(b) = &f.write_budget {
+        write_budget::render(&mut o, b);
     }
     render_health(&mut o, f);
     o.single(
@@ -1058,6 +1064,11 @@ mod tests {
                     ..Default::default()
                 },
             )),
+            write_budget: Some(write_budget::BudgetFigures {
+                budget_bytes_per_day: Some(1e8),
+                window_secs: 10.0,
+                over: false,
+            }),
             health: Some("degraded"),
             failed_rows: Some(1),
         }
@@ -1103,6 +1114,9 @@ mod tests {
             "edgespool_checkpoints_total",
             "edgespool_commands_received_total",
             "edgespool_commands_finished_total",
+            "edgespool_write_budget_bytes_per_day",
+            "edgespool_write_budget_exceeded",
+            "edgespool_commit_window_seconds",
         ] {
             assert!(fams.contains_key(name), "{name} missing");
         }

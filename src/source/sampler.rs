@@ -367,7 +367,7 @@ mod tests {
         let s = Spool::open_read_only(spool).unwrap();
         let mut q = s
             .raw()
-            .prepare("SELECT event_id, payload FROM events")
+            .prepare("SELECT event_id, payload FROM event_states")
             .unwrap();
         let rows = q.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
         rows.map(Result::unwrap).collect()

@@ -5,6 +5,7 @@
 //! a producer is told "stored" only after the transaction holding its
 //! reading committed.
 
+use super::riders::{Riders, Rode};
 use super::seqs::SeqBook;
 use super::seqs::{stream_row, StreamSeq, PERSIST_SEQS_EVERY, SQL_SET_SEQ};
 use super::{keys, Spool, SpoolError, SQL_COUNTER_ADD, SQL_GET_STATE, SQL_SET_STATE};
@@ -376,11 +377,12 @@ impl Issued {
         };
         let digest = Sha256::digest(&payload);
         let hyphenated = env.event_id.hyphenated();
+        // The id is in the payload: not stored twice (schema 12).
         to.insert
             .execute(params![
                 stream.id,
                 seq,
-                hyphenated,
+                "",
                 to.now_ms,
                 digest.as_slice(),
                 payload,
@@ -618,7 +620,8 @@ pub(crate) fn insert_one(
         .execute(params![
             stream.id,
             seq,
-            event_id.hyphenated(),
+            // The id is in the payload: not stored twice (schema 12).
+            "",
             now_ms,
             digest.as_slice(),
             payload,
@@ -654,6 +657,26 @@ impl Spool {
         format: Format,
         now_ms: i64,
     ) -> Result<usize, SpoolError> {
+        let riders = Riders::default();
+        self.append_riding(events, ids, (device_id, format), now_ms, &riders)
+            .map(|(rows, _)| rows)
+    }
+
+    /// [`Spool::append`] with `riders` written in the same transaction
+    /// ([`Riders`]): counters, agent state, delivery records and the
+    /// sequence book, none of which then needs a commit of its own. The
+    /// sequence book also rides when [`PERSIST_SEQS_EVERY`] rows were
+    /// appended since it was last written. `events` may be empty (the
+    /// riders alone). Returns the rows appended and what the riders did;
+    /// on an error nothing of either is stored.
+    pub fn append_riding(
+        &mut self,
+        events: &[NewEvent],
+        ids: &mut EventIdGen,
+        (device_id, format): (&str, Format),
+        now_ms: i64,
+        riders: &Riders<'_>,
+    ) -> Result<(usize, Rode), SpoolError> {
         let path = self.path.clone();
         let err = |e| SpoolError::classify(&path, e);
         let seqs = self.seqs.clone();
@@ -662,11 +685,17 @@ impl Spool {
         let mut issued = Issued::default();
         // What each reading's producer is told after the commit.
         let mut outcomes: Vec<Option<Told>> = vec![None; events.len()];
+        // Bounds what the next open reads to catch up, whoever appends.
+        let riders = Riders {
+            seqs: riders.seqs
+                || book.appended_since_persist + events.len() as u64 >= PERSIST_SEQS_EVERY,
+            ..*riders
+        };
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(err)?;
-        {
+        let rode = {
             let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
             let mut to = Target {
                 tx: &tx,
@@ -681,7 +710,8 @@ impl Spool {
                 *outcome = issued.row(&mut to, &book, ev, ids)?;
             }
             issued.store(&tx, now_ms).map_err(err)?;
-        }
+            super::riders::ride(&tx, &err, &riders, (&book, &issued.next), now_ms)?
+        };
         tx.commit().map_err(err)?;
         let synced = self.pragmas.synchronous >= 2;
         for (ev, outcome) in events.iter().zip(outcomes) {
@@ -693,24 +723,11 @@ impl Spool {
         book.dirty |= !issued.next.is_empty();
         book.appended_since_persist += appended as u64;
         book.streams.extend(issued.next);
-        let persist = book.appended_since_persist >= PERSIST_SEQS_EVERY;
-        drop(book);
-        if persist {
-            // Bounds what the next open reads to catch up, whoever appends.
-            // The rows above are committed and their replies sent: a failure
-            // here (disk full, busy) must not read as a failed append, or
-            // the caller would refuse or append again readings already
-            // stored. It is tried again after as many rows more (or at the
-            // summary interval), so it logs at most once per
-            // PERSIST_SEQS_EVERY rows.
-            if let Err(e) = self.persist_seqs() {
-                log::warn!(
-                    "spool: storing the sequence numbers after {appended} appended rows failed ({e}); the rows are stored, the next start reads a little further to catch up"
-                );
-                self.book().appended_since_persist = 0;
-            }
+        if rode.seqs {
+            book.dirty = false;
+            book.appended_since_persist = 0;
         }
-        Ok(appended)
+        Ok((appended, rode))
     }
 
     /// The replay position stored with the last row appended to `stream`

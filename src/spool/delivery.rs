@@ -180,82 +180,7 @@ impl Spool {
     }
 
     pub(super) fn fold(&mut self, sent: &[i64], acked: &[i64]) -> Result<usize, SpoolError> {
-        self.write(|tx, err| {
-            let (mark, old_sent): (i64, i64) = tx
-                .query_row(SQL_MARK, [], |r| Ok((r.get(0)?, r.get(1)?)))
-                .map_err(err)?;
-            let sent_mark = sent.iter().copied().fold(old_sent, i64::max);
-            let mut pending: std::collections::BTreeSet<i64> =
-                acked.iter().copied().filter(|id| *id > mark).collect();
-            let mut retired = 0usize;
-            let mut new_mark = mark;
-            // The acknowledgements that continue the mark without a gap
-            // (the usual case: PUBACKs come in order) fold in one step: every
-            // row id in the run is acknowledged now, so the walk below would
-            // pass all of its rows.
-            let run_end = pending
-                .iter()
-                .zip(mark + 1..)
-                .take_while(|(id, want)| **id == *want)
-                .last()
-                .map(|(id, _)| *id);
-            if let Some(end) = run_end {
-                let (top, rows, resolved): (Option<i64>, i64, i64) = tx
-                    .prepare_cached(SQL_RUN)
-                    .and_then(|mut st| {
-                        st.query_row(params![mark, end], |r| {
-                            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                        })
-                    })
-                    .map_err(err)?;
-                // The mark stops at the highest row that exists: a row id
-                // above every row is never taken as acknowledged.
-                if let Some(top) = top {
-                    retired += (rows - resolved).max(0) as usize;
-                    new_mark = top;
-                    pending = pending.split_off(&(top + 1));
-                }
-            }
-            // Fold: walk the rows above the mark in order while each one is
-            // acknowledged now, or was already resolved.
-            let mut step = tx.prepare_cached(SQL_ABOVE_MARK).map_err(err)?;
-            'fold: loop {
-                let mut rows = step.query(params![new_mark]).map_err(err)?;
-                let mut seen = 0;
-                while let Some(r) = rows.next().map_err(err)? {
-                    seen += 1;
-                    let (id, resolved): (i64, bool) =
-                        (r.get(0).map_err(err)?, r.get(1).map_err(err)?);
-                    if pending.remove(&id) {
-                        if !resolved {
-                            retired += 1;
-                        }
-                    } else if !resolved {
-                        break 'fold;
-                    }
-                    new_mark = id;
-                }
-                if seen < FOLD_STEP {
-                    break;
-                }
-            }
-            drop(step);
-            {
-                let mut above = tx.prepare_cached(SQL_ACKED_ABOVE).map_err(err)?;
-                for id in &pending {
-                    retired += above.execute(params![id]).map_err(err)?;
-                }
-            }
-            if new_mark > mark {
-                tx.execute("DELETE FROM acked_above WHERE id <= ?1", params![new_mark])
-                    .map_err(err)?;
-            }
-            if new_mark != mark || sent_mark != old_sent {
-                tx.execute(SQL_SET_MARK, params![new_mark, sent_mark])
-                    .map_err(err)?;
-            }
-            Ok(retired)
-        })
+        self.write(|tx, err| fold_in(tx, err, sent, acked))
     }
 
     /// Mark row `id` `FAILED` with `reason` and count it under
@@ -327,14 +252,15 @@ impl Spool {
     /// failed Unix ms)`, newest first.
     pub fn failed_rows(&self, limit: usize) -> Result<Vec<FailedRow>, SpoolError> {
         self.query_all(
-            "SELECT f.id, e.event_id, s.name, f.reason, f.failed_ms FROM failed f
+            "SELECT f.id, e.event_id, s.name, f.reason, f.failed_ms, e.payload FROM failed f
              JOIN events e ON e.id = f.id JOIN streams s ON s.id = e.stream_id
              ORDER BY f.id DESC LIMIT ?1",
             params![limit as i64],
             |r| {
+                let payload = r.get_ref(5)?.as_blob().unwrap_or_default();
                 Ok(FailedRow {
                     id: r.get(0)?,
-                    event_id: r.get(1)?,
+                    event_id: super::stored_id::stored_event_id_text(r.get(1)?, payload),
                     stream: r.get(2)?,
                     reason: r.get(3)?,
                     failed_ms: r.get(4)?,
@@ -369,4 +295,89 @@ impl Spool {
             .and_then(|mut st| st.query_row([], |r| r.get::<_, i64>(0)).optional())
             .map_err(|e| self.err(e))
     }
+}
+
+/// Fold `sent` (publish attempts) and `acked` (acknowledgements) into the
+/// delivery state inside the caller's transaction `tx` (see
+/// [`Spool::record_delivery`]): the delivery thread's own commit, or the
+/// writer's commit they ride ([`super::Riders`]). Returns the rows retired.
+pub(super) fn fold_in(
+    tx: &rusqlite::Transaction<'_>,
+    err: &dyn Fn(rusqlite::Error) -> SpoolError,
+    sent: &[i64],
+    acked: &[i64],
+) -> Result<usize, SpoolError> {
+    let (mark, old_sent): (i64, i64) = tx
+        .query_row(SQL_MARK, [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .map_err(err)?;
+    let sent_mark = sent.iter().copied().fold(old_sent, i64::max);
+    let mut pending: std::collections::BTreeSet<i64> =
+        acked.iter().copied().filter(|id| *id > mark).collect();
+    let mut retired = 0usize;
+    let mut new_mark = mark;
+    // The acknowledgements that continue the mark without a gap
+    // (the usual case: PUBACKs come in order) fold in one step: every
+    // row id in the run is acknowledged now, so the walk below would
+    // pass all of its rows.
+    let run_end = pending
+        .iter()
+        .zip(mark + 1..)
+        .take_while(|(id, want)| **id == *want)
+        .last()
+        .map(|(id, _)| *id);
+    if let Some(end) = run_end {
+        let (top, rows, resolved): (Option<i64>, i64, i64) = tx
+            .prepare_cached(SQL_RUN)
+            .and_then(|mut st| {
+                st.query_row(params![mark, end], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })
+            })
+            .map_err(err)?;
+        // The mark stops at the highest row that exists: a row id
+        // above every row is never taken as acknowledged.
+        if let Some(top) = top {
+            retired += (rows - resolved).max(0) as usize;
+            new_mark = top;
+            pending = pending.split_off(&(top + 1));
+        }
+    }
+    // Fold: walk the rows above the mark in order while each one is
+    // acknowledged now, or was already resolved.
+    let mut step = tx.prepare_cached(SQL_ABOVE_MARK).map_err(err)?;
+    'fold: loop {
+        let mut rows = step.query(params![new_mark]).map_err(err)?;
+        let mut seen = 0;
+        while let Some(r) = rows.next().map_err(err)? {
+            seen += 1;
+            let (id, resolved): (i64, bool) = (r.get(0).map_err(err)?, r.get(1).map_err(err)?);
+            if pending.remove(&id) {
+                if !resolved {
+                    retired += 1;
+                }
+            } else if !resolved {
+                break 'fold;
+            }
+            new_mark = id;
+        }
+        if seen < FOLD_STEP {
+            break;
+        }
+    }
+    drop(step);
+    {
+        let mut above = tx.prepare_cached(SQL_ACKED_ABOVE).map_err(err)?;
+        for id in &pending {
+            retired += above.execute(params![id]).map_err(err)?;
+        }
+    }
+    if new_mark > mark {
+        tx.execute("DELETE FROM acked_above WHERE id <= ?1", params![new_mark])
+            .map_err(err)?;
+    }
+    if new_mark != mark || sent_mark != old_sent {
+        tx.execute(SQL_SET_MARK, params![new_mark, sent_mark])
+            .map_err(err)?;
+    }
+    Ok(retired)
 }

@@ -132,7 +132,7 @@ mod tests {
     fn payloads(s: &Spool) -> Vec<(String, Vec<u8>)> {
         let mut q = s
             .conn
-            .prepare("SELECT event_id, payload FROM events ORDER BY id")
+            .prepare("SELECT event_id, payload FROM event_states ORDER BY id")
             .unwrap();
         let rows = q.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
         rows.map(Result::unwrap).collect()
@@ -529,7 +529,7 @@ mod tests {
             kid
         };
         let mut s = Spool::open(&path, &SpoolOptions::default()).unwrap();
-        assert_eq!(s.schema_version().unwrap(), 11);
+        assert_eq!(s.schema_version().unwrap(), crate::spool::SCHEMA_VERSION);
         assert_eq!(stored_ids(&s), vec![(old_id.clone(), None)]);
         let told = ids_told(&mut s, vec![keyed("pump", Some("k"), 1.0)]);
         assert_eq!(told[0], old_id);

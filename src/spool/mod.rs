@@ -23,6 +23,7 @@
 //! - `wal`: the WAL frames and commits every connection on the file shares;
 //! - `seqs`: the sequence number book of each stream;
 //! - `append`: a reading into a row (event id, payload encoded once, digest);
+//! - `riders`: the bookkeeping that rides an append instead of a commit of its own;
 //! - `delivery`: rows to publish, the acknowledged mark, FAILED rows;
 //! - `held`: what the spool still holds per stream, and rows read again by
 //!   sequence number when the fleet asks (backfill);
@@ -44,9 +45,11 @@ mod keys;
 mod open;
 pub mod priority;
 pub mod rates;
+mod riders;
 mod schema;
 mod seqs;
 mod stats;
+mod stored_id;
 mod upkeep;
 mod wal;
 
@@ -56,6 +59,7 @@ pub use delivery::{FailedRow, OutRow};
 pub use held::{HeldRow, HeldState, PENDING_SCAN_ROWS};
 pub use keys::KEYS_KEPT;
 pub use open::{shm_path, wal_path};
+pub use riders::{Riders, Rode};
 pub use schema::SCHEMA_VERSION;
 pub use stats::{RunRecord, Stats};
 pub use upkeep::{CheckpointMode, CheckpointResult};

@@ -69,20 +69,18 @@ const SQL_OF_STREAMS: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.dige
     ORDER BY e.id LIMIT ?4";
 
 /// An [`OutRow`] from the columns id, event_id, stream name, payload,
-/// digest, prio. The event id is read in place from its stored text; text
-/// that is not an id (or not text) gives `None`, and the row fails its
-/// check on the delivery thread rather than its read here, so the rows
-/// behind it still flow.
+/// digest, prio. The event id is read in place from its stored text, or
+/// from the payload where that text is empty (schema 12); text that is not
+/// an id (or not text) gives `None`, and the row fails its check on the
+/// delivery thread rather than its read here, so the rows behind it still
+/// flow.
 pub(super) fn out_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutRow> {
+    let payload: Vec<u8> = r.get(3)?;
     Ok(OutRow {
         id: r.get(0)?,
-        event_id: r
-            .get_ref(1)?
-            .as_str()
-            .ok()
-            .and_then(crate::event::envelope::EventId::parse),
+        event_id: super::stored_id::stored_event_id(r.get_ref(1)?, &payload),
         stream: r.get(2)?,
-        payload: r.get(3)?,
+        payload,
         // Read in place, not as a Vec of its own (one allocation per row
         // fewer on the delivery thread's reads).
         digest: r

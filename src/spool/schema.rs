@@ -9,7 +9,7 @@ use super::{CheckpointMode, Spool, SpoolError};
 use rusqlite::TransactionBehavior;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 11;
+pub const SCHEMA_VERSION: i64 = 12;
 
 pub(super) const MIGRATION_1: &str = "
 CREATE TABLE IF NOT EXISTS events (
@@ -245,6 +245,36 @@ pub(super) const MIGRATION_11: &str = "
 ALTER TABLE event_keys ADD COLUMN published_id TEXT;
 ";
 
+/// Schema 12: a row's event id is not stored twice (issue 35: it was a
+/// sixth of each row, and rows written per commit window are most of what
+/// a slow board writes). New rows store `events.event_id` empty, and the id
+/// is read from the payload, where the envelope always carries it
+/// ([`crate::event::envelope::event_id_of`]: a JSON payload begins with it,
+/// a postcard one has it after its version byte); rows written before keep
+/// theirs. The view shows both alike. The payload's digest stays in the
+/// row: every row is checked against it before it is sent (I3).
+pub(super) const MIGRATION_12: &str = "
+DROP VIEW IF EXISTS event_states;
+CREATE VIEW event_states AS
+SELECT e.id,
+    CASE WHEN e.event_id <> '' THEN e.event_id
+         WHEN substr(e.payload, 1, 13) = CAST('{\"event_id\":\"' AS BLOB)
+              THEN CAST(substr(e.payload, 14, 36) AS TEXT)
+         ELSE lower(substr(hex(substr(e.payload, 2, 16)), 1, 8) || '-'
+                 || substr(hex(substr(e.payload, 2, 16)), 9, 4) || '-'
+                 || substr(hex(substr(e.payload, 2, 16)), 13, 4) || '-'
+                 || substr(hex(substr(e.payload, 2, 16)), 17, 4) || '-'
+                 || substr(hex(substr(e.payload, 2, 16)), 21, 12)) END AS event_id,
+    s.name AS stream, e.seq, e.created_ms, e.payload, e.digest,
+    CASE WHEN f.id IS NOT NULL THEN 'FAILED'
+         WHEN e.id <= m.acked_through OR a.id IS NOT NULL THEN 'ACKED'
+         WHEN e.id <= m.sent_through THEN 'SENT'
+         ELSE 'PENDING' END AS state,
+    f.reason AS fail_reason
+FROM events e JOIN streams s ON s.id = e.stream_id CROSS JOIN delivery_mark m
+    LEFT JOIN acked_above a ON a.id = e.id LEFT JOIN failed f ON f.id = e.id;
+";
+
 /// Made once per spool, the first time a build of schema 10 opens it.
 const SQL_MAKE_SECRETS: &str =
     "INSERT OR IGNORE INTO secrets (name, value) VALUES ('key_ids', randomblob(32))";
@@ -305,6 +335,9 @@ impl Spool {
         }
         if version < 11 {
             tx.execute_batch(MIGRATION_11).map_err(err)?;
+        }
+        if version < 12 {
+            tx.execute_batch(MIGRATION_12).map_err(err)?;
         }
         tx.execute(SQL_MAKE_SECRETS, []).map_err(err)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)

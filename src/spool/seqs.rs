@@ -18,6 +18,11 @@ pub(super) const SQL_STREAM_BY_NAME: &str =
 pub(super) const SQL_SET_SEQ: &str =
     "UPDATE streams SET last_seq = max(last_seq, ?2) WHERE id = ?1";
 
+/// The highest row id the stored sequence numbers cover: every row there is.
+pub(super) const SQL_SEQ_THROUGH: &str = "INSERT INTO spool_meta (key, value)
+    VALUES ('seq_through_id', coalesce((SELECT max(id) FROM events), 0))
+    ON CONFLICT(key) DO UPDATE SET value = excluded.value";
+
 /// Sequence numbers are persisted at least every this many appended rows,
 /// so a start reads at most this many rows to catch up.
 pub(super) const PERSIST_SEQS_EVERY: u64 = 10_000;
@@ -130,37 +135,43 @@ impl Spool {
     /// calls an append writes only its own rows (no `streams` page), and a
     /// restart reads the few rows appended since.
     pub fn persist_seqs(&mut self) -> Result<(), SpoolError> {
-        let seqs: Vec<StreamSeq> = {
-            let book = self.book();
-            if !book.dirty {
-                return Ok(());
-            }
-            book.streams.values().copied().collect()
+        let Some(seqs) = self.seqs_to_persist() else {
+            return Ok(());
         };
-        self.write(|tx, err| {
-            {
-                let mut st = tx.prepare_cached(SQL_SET_SEQ).map_err(err)?;
-                for s in &seqs {
-                    st.execute(params![s.id, s.last_seq]).map_err(err)?;
-                }
-            }
-            tx.execute(
-                "INSERT INTO spool_meta (key, value)
-                 VALUES ('seq_through_id', coalesce((SELECT max(id) FROM events), 0))
-                 ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                [],
-            )
-            .map_err(err)?;
-            Ok(())
-        })?;
+        self.write(|tx, err| write_seqs(tx, err, &seqs))?;
+        self.seqs_persisted();
+        Ok(())
+    }
+
+    /// The book's numbers if some moved since they were last written.
+    pub(super) fn seqs_to_persist(&self) -> Option<Vec<StreamSeq>> {
+        let book = self.book();
+        book.dirty.then(|| book.streams.values().copied().collect())
+    }
+
+    /// The numbers taken by [`Spool::seqs_to_persist`] committed.
+    pub(super) fn seqs_persisted(&self) {
         let mut book = self.book();
         book.dirty = false;
         book.appended_since_persist = 0;
-        Ok(())
     }
 
     /// Rows appended since [`Spool::persist_seqs`] last ran.
     pub fn appended_since_persist(&self) -> u64 {
         self.book().appended_since_persist
     }
+}
+
+/// Write `seqs` and the row id they cover inside the caller's transaction.
+pub(super) fn write_seqs(
+    tx: &rusqlite::Transaction<'_>,
+    err: &dyn Fn(rusqlite::Error) -> SpoolError,
+    seqs: &[StreamSeq],
+) -> Result<(), SpoolError> {
+    let mut st = tx.prepare_cached(SQL_SET_SEQ).map_err(err)?;
+    for s in seqs {
+        st.execute(params![s.id, s.last_seq]).map_err(err)?;
+    }
+    tx.execute(SQL_SEQ_THROUGH, []).map_err(err)?;
+    Ok(())
 }

@@ -71,10 +71,10 @@ impl Spool {
     /// oldest first, in one IMMEDIATE transaction. Never touches an
     /// unacknowledged or FAILED row, nor the newest row. Returns the number
     /// deleted; call again until 0, with a checkpoint in between, so a large
-    /// purge never balloons the WAL (F02). Sequence numbers are persisted
-    /// first ([`Spool::persist_seqs`]), and only when a row is to go: with
-    /// nothing to delete this writes nothing (issue 23: persisting them at
-    /// every maintenance pass was a commit every 5 s).
+    /// purge never balloons the WAL (F02). Sequence numbers are persisted in
+    /// the same transaction ([`Spool::persist_seqs`]), and only when a row
+    /// is to go: with nothing to delete this writes nothing (issue 23:
+    /// persisting them at every maintenance pass was a commit every 5 s).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
         let any: bool = self
             .conn
@@ -84,8 +84,12 @@ impl Spool {
         if !any {
             return Ok(0);
         }
-        self.persist_seqs()?;
-        self.write(|tx, err| {
+        // The sequence numbers ride the purge's transaction.
+        let seqs = self.seqs_to_persist();
+        let n = self.write(|tx, err| {
+            if let Some(seqs) = &seqs {
+                super::seqs::write_seqs(tx, err, seqs)?;
+            }
             // What each stream loses, for what the board says it still
             // holds (`held`): one small row per stream, in this commit.
             let mut top: std::collections::HashMap<i64, i64> = Default::default();
@@ -106,7 +110,11 @@ impl Spool {
                     .map_err(err)?;
             }
             Ok(n)
-        })
+        })?;
+        if seqs.is_some() {
+            self.seqs_persisted();
+        }
+        Ok(n)
     }
 
     /// Give up to `max_pages` free pages back to the filesystem

@@ -45,7 +45,7 @@ fn build_backlog(db: &Path, n: usize) -> HashSet<String> {
         .expect("append the backlog");
     let conn = rusqlite::Connection::open(db).expect("open");
     let mut st = conn
-        .prepare("SELECT event_id FROM events")
+        .prepare("SELECT event_id FROM event_states")
         .expect("prepare");
     let ids = st
         .query_map([], |r| r.get::<_, String>(0))
@@ -286,7 +286,7 @@ fn build_mixed_backlog(db: &Path, tele: usize, pump: usize) -> HashMap<String, V
     }
     let conn = rusqlite::Connection::open(db).expect("open");
     let mut st = conn
-        .prepare("SELECT event_id, payload FROM events")
+        .prepare("SELECT event_id, payload FROM event_states")
         .expect("prepare");
     let rows = st
         .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))

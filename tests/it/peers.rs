@@ -83,6 +83,25 @@ fn sample(text: &str, prefix: &str) -> Option<f64> {
         .and_then(|(_, v)| v.parse().ok())
 }
 
+/// Every row is acknowledged in the file but the newest few of the
+/// `system` source: an acknowledgement rides the writer's next commit of
+/// readings (issue 35), so while the source samples, the rows of the last
+/// commit always wait in the file for the one after it.
+fn drained(db: &Path) -> bool {
+    let waiting: Vec<(String, i64)> = crate::support::spool::open(db)
+        .prepare(
+            "SELECT stream, count(*) FROM event_states WHERE state IN ('PENDING', 'SENT') GROUP BY stream",
+        )
+        .and_then(|mut st| {
+            st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<Result<_, _>>()
+        })
+        .unwrap_or_else(|e| panic!("count the waiting rows of {}: {e}", db.display()));
+    waiting
+        .iter()
+        .all(|(stream, n)| stream == "system" && *n <= 5)
+}
+
 /// The test board: `system` every 200 ms, `spool.max_bytes` [`MAX_BYTES`],
 /// the socket and the TCP port on `port` with streams `flood` and `calm`,
 /// the metrics on `metrics_at`.
@@ -375,10 +394,7 @@ fn one_flooding_peer_stays_within_its_share_and_the_others_get_their_readings_in
 
     // (d) the broker is back: every row drains, the flood's included.
     broker.restart();
-    let drained = wait_for(Duration::from_secs(120), || {
-        let by = crate::support::spool::count_by_state(&db);
-        by.get("PENDING").copied().unwrap_or(0) + by.get("SENT").copied().unwrap_or(0) == 0
-    });
+    let drained = wait_for(Duration::from_secs(120), || drained(&db));
     assert!(
         drained,
         "the backlog did not drain: {:?}\n{}",
@@ -471,10 +487,7 @@ fn after_a_restart_the_inputs_undelivered_rows_still_count_against_its_share() {
         .unwrap_or(0);
     assert_eq!(dropped, 0, "readings were dropped: {}", st["counters"]);
     broker.restart();
-    let drained = wait_for(Duration::from_secs(120), || {
-        let by = crate::support::spool::count_by_state(&db);
-        by.get("PENDING").copied().unwrap_or(0) + by.get("SENT").copied().unwrap_or(0) == 0
-    });
+    let drained = wait_for(Duration::from_secs(120), || drained(&db));
     assert!(drained, "the backlog did not drain\n{}", agent.log_tail(30));
     assert!(agent
         .terminate(Duration::from_secs(30))

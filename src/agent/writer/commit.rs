@@ -1,19 +1,21 @@
 //! The commits: the writer's two spool connections (the config's
 //! `synchronous` for `batched` streams, `synchronous = FULL` for `full`
-//! ones), one transaction per commit, the retry of a commit that failed,
-//! the refusals the upkeep decides, and the counters waiting to be stored.
+//! ones), one transaction per commit with what rides it ([`super::riding`]:
+//! counters, delivery records, agent state), the retry of a commit that
+//! failed, and the refusals the upkeep decides.
 //!
 //! One rule: a reading is reported stored only after the transaction holding
-//! it committed; a transient failure keeps it in memory and retries with
-//! backoff, a refusal by policy is counted per reason and stream.
+//! it committed; a transient failure keeps it (and what rode with it) in
+//! memory and retries with backoff, a refusal by policy is counted per
+//! reason and stream.
 
 use super::{buffer::MAX_BUFFERED, group::LastGroup, Writer};
 use crate::event::envelope::{wall_clock_ms, EventIdGen};
 use crate::event::stream::Durability;
 use crate::flash::upkeep::{LogEvery, Refusing};
 use crate::mqtt::DeliveryMsg;
-use crate::spool::{Spool, SpoolError};
-use std::collections::HashMap;
+use crate::spool::{Riders, Rode, Spool, SpoolError};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// A commit that stored its readings: how many, how long its transaction
@@ -41,8 +43,6 @@ pub(super) struct Store {
     backoff: crate::os::backoff::Backoff,
     /// Failed commits, logged every 30 s at most.
     errors: LogEvery,
-    /// Counter increments not yet stored (a full disk refuses them too).
-    pending_counts: HashMap<String, i64>,
     /// Commits on the `synchronous = FULL` connection (each an fsync).
     full_commits: u64,
     /// The last `full` group commit that stored its readings (the next
@@ -65,7 +65,6 @@ impl Store {
             retry_at: None,
             backoff,
             errors: LogEvery::new(Duration::from_secs(30)),
-            pending_counts: HashMap::new(),
             full_commits: 0,
             last_full_group: None,
         }
@@ -110,48 +109,26 @@ impl Store {
         self.retry_at = None;
     }
 
-    /// Add `by` to the counter `name`, stored with the next commit.
-    pub(super) fn add_count(&mut self, name: String, by: i64) {
-        *self.pending_counts.entry(name).or_default() += by;
-    }
-
-    /// Store pending counter increments in one transaction on the
-    /// connection of `durability`; kept on failure (a full disk) and
-    /// retried, so no drop goes uncounted.
-    pub(super) fn flush_counts(&mut self, durability: Durability) {
-        if self.pending_counts.is_empty() {
-            return;
-        }
-        let counts: Vec<(String, i64)> = self
-            .pending_counts
-            .iter()
-            .map(|(k, v)| (k.clone(), *v))
-            .collect();
-        if self.conn(durability).count_many(&counts).is_ok() {
-            self.pending_counts.clear();
-        }
-    }
-
-    /// Append `events` in one transaction on the connection of
-    /// `durability`, or on the FULL one when `sync_here` (the window's
+    /// Append `events` with `riders` in one transaction on the connection
+    /// of `durability`, or on the FULL one when `sync_here` (the window's
     /// commit then syncs the WAL itself).
     fn append(
         &mut self,
-        durability: Durability,
-        sync_here: bool,
+        (durability, sync_here): (Durability, bool),
         events: &[crate::spool::NewEvent],
+        riders: &Riders<'_>,
         cfg: &crate::config::Config,
-    ) -> Result<usize, SpoolError> {
+    ) -> Result<(usize, Rode), SpoolError> {
         let conn = match (sync_here, durability) {
             (true, _) | (false, Durability::Full) => &mut self.full,
             (false, Durability::Batched) => &mut self.batched,
         };
-        let appended = conn.append(
+        let appended = conn.append_riding(
             events,
             &mut self.ids,
-            &cfg.device_id,
-            cfg.mqtt.payload_format,
+            (&cfg.device_id, cfg.mqtt.payload_format),
             wall_clock_ms().0,
+            riders,
         );
         if sync_here {
             self.full_commits += u64::from(appended.is_ok());
@@ -184,25 +161,65 @@ impl Writer {
         }
     }
 
-    /// Commit the buffered readings of `durability` in one transaction.
-    /// Busy: keep them and retry (batched ones after the backoff, `full`
-    /// ones at the loop's next pass). Disk full or over capacity: refuse
-    /// them, counted.
+    /// Commit the buffered readings of `durability`, and what rides with
+    /// them ([`super::riding`]), in one transaction; with no readings, what
+    /// rides alone. Busy: keep both and retry (batched ones after the
+    /// backoff, `full` ones at the loop's next pass). Disk full or over
+    /// capacity: refuse the readings, counted (the counts ride).
     pub(super) fn commit(&mut self, durability: Durability) -> Option<Committed> {
-        self.store.flush_counts(durability);
         let waiting = durability == Durability::Batched
             && self.store.retry_at.is_some_and(|t| Instant::now() < t);
-        if self.buffer.is_empty(durability) || waiting {
+        if waiting {
             return None;
         }
-        let conn = self.store.conn(durability);
-        if let Some(why) = self.upkeep.admit(conn, Instant::now()) {
-            self.refuse(durability, why);
+        if !self.buffer.is_empty(durability) {
+            let conn = self.store.conn(durability);
+            if let Some(why) = self.upkeep.admit(conn, Instant::now()) {
+                self.refuse(durability, why);
+            }
+        }
+        if self.buffer.is_empty(durability) && !self.rides_waiting(Instant::now()) {
             return None;
         }
         let (committed, retrying) = self.append(durability);
-        self.count_overflow(durability, retrying);
+        self.count_overflow(retrying);
         committed
+    }
+
+    /// Whether anything waits to ride a commit at `now`.
+    pub(super) fn rides_waiting(&self, now: Instant) -> bool {
+        self.riding.counts_waiting()
+            || self.peers.ledger.waiting()
+            || self.riding.states_due(now, self.state_period())
+            || self.final_ride
+    }
+
+    /// How often agent state rides a commit at most: once a checkpoint
+    /// interval (at most five minutes), since a page written more often is
+    /// still copied back once per checkpoint ([`super::riding`]); the
+    /// summary's records change once a summary interval anyway.
+    pub(super) fn state_period(&self) -> Duration {
+        self.upkeep
+            .checkpoint_interval()
+            .min(crate::flash::write_budget::MAX_CHECKPOINT_INTERVAL)
+    }
+
+    /// How long agent state waits for a commit to ride before it opens a
+    /// window alone (an idle or offline board): a state period, at least a
+    /// summary interval (what the summary wrote in a commit of its own
+    /// before issue 35).
+    pub(super) fn idle_state_period(&self) -> Duration {
+        self.state_period()
+            .max(self.conf.cfg.agent.summary_interval)
+    }
+
+    /// How long delivery records wait for a commit of readings to ride
+    /// before they commit alone: a state period, at most a summary
+    /// interval, at least the commit window.
+    pub(super) fn records_wait(&self) -> Duration {
+        self.state_period()
+            .min(self.conf.cfg.agent.summary_interval)
+            .max(self.upkeep.window())
     }
 
     /// The append of a commit the upkeep admitted, and what follows it.
@@ -218,11 +235,43 @@ impl Writer {
         // way.
         let sync_here = self.store.conn(durability).pragmas().synchronous < 2
             && self.upkeep.checkpoint_stretched();
+        let now = Instant::now();
+        let mut taken = self.peers.ledger.take();
+        // The delivery thread's counters ride with the writer's own (and
+        // are kept with them when the commit fails).
+        for (name, by) in std::mem::take(&mut taken.counts) {
+            self.riding.count(name, by);
+        }
+        let ride = self.riding.take(now, self.state_period(), self.final_ride);
+        let riders = Riders {
+            counts: &ride.counts,
+            states: &ride.states,
+            delivery: Some((&taken.sent, &taken.acked)),
+            seqs: self.final_ride,
+        };
         let events = self.buffer.lane(durability);
-        match self
+        let appended = self
             .store
-            .append(durability, sync_here, events, &self.conf.cfg)
-        {
+            .append((durability, sync_here), events, &riders, &self.conf.cfg);
+        let rode = appended.as_ref().map(|(_, rode)| *rode);
+        match rode {
+            Ok(rode) => {
+                self.riding.stored(&ride, now);
+                if ride.states.iter().any(|(k, _)| k == "health") {
+                    self.health.stored(now);
+                }
+                self.peers
+                    .delivery_stats
+                    .retired
+                    .fetch_add(rode.retired as u64, Ordering::Relaxed);
+                self.peers.ledger.committed(taken);
+            }
+            Err(_) => {
+                self.riding.restore(ride);
+                self.peers.ledger.restore(taken);
+            }
+        }
+        match appended.map(|(rows, _)| rows) {
             Ok(rows) => {
                 let c = Committed {
                     rows,
@@ -236,9 +285,11 @@ impl Writer {
                     self.store.retry_at = None;
                 }
                 self.store.backoff.reset();
-                let _ = self.peers.to_delivery.send(DeliveryMsg::NewRows);
+                if rows > 0 {
+                    let _ = self.peers.to_delivery.send(DeliveryMsg::NewRows);
+                }
                 let conn = self.store.conn(durability);
-                self.upkeep.committed(conn, Instant::now());
+                self.upkeep.committed(conn, Instant::now(), rows);
                 (Some(c), false)
             }
             Err(SpoolError::Full { source, .. }) => {
@@ -284,29 +335,23 @@ impl Writer {
         let by_stream = self.buffer.refuse(durability, &why);
         let n: i64 = by_stream.values().sum();
         self.metrics.dropped += n as u64;
-        self.store
-            .add_count(format!("readings_dropped_{reason}"), n);
+        self.riding.count(format!("readings_dropped_{reason}"), n);
         for (stream, k) in by_stream {
-            self.store
-                .add_count(format!("readings_dropped_{reason}.{stream}"), k);
+            self.riding
+                .count(format!("readings_dropped_{reason}.{stream}"), k);
         }
-        self.store.flush_counts(durability);
         n as usize
     }
 
-    /// Store the count of readings the full buffer refused, with one ERROR
-    /// saying why the buffer was full.
-    fn count_overflow(&mut self, durability: Durability, retrying: bool) {
+    /// Count the readings the full buffer refused (the count rides the
+    /// next commit), with one ERROR saying why the buffer was full.
+    fn count_overflow(&mut self, retrying: bool) {
         let n = self.buffer.overflowed();
-        if n == 0
-            || self
-                .store
-                .conn(durability)
-                .count("readings_dropped_buffer_full", n as i64)
-                .is_err()
-        {
+        if n == 0 {
             return;
         }
+        self.riding
+            .count("readings_dropped_buffer_full".to_owned(), n as i64);
         let why = if retrying || self.upkeep.disk_full() {
             "while the spool refused writes"
         } else {

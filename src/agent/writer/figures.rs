@@ -102,6 +102,16 @@ impl Writer {
             at_unix_secs: at_ms as f64 / 1000.0,
             receipts: self.receipt_figures(),
             outage: self.outage.last.clone(),
+            write_budget: Some(crate::metrics::write_budget::BudgetFigures {
+                budget_bytes_per_day: self
+                    .upkeep
+                    .settings()
+                    .budget
+                    .bytes_per_day
+                    .map(|b| b as f64),
+                window_secs: self.upkeep.window().as_secs_f64(),
+                over: self.upkeep.budget_verdict().reason().is_some(),
+            }),
             health: Some(self.health.state().name()),
             failed_rows: self.store.spool().failed_count().ok(),
         }
@@ -172,15 +182,14 @@ impl Writer {
     }
 
     /// Move the ingest socket's counter increments into the spool's
-    /// counters (kept pending if the spool refuses them now).
+    /// counters (they ride the next commit).
     pub(in crate::agent) fn store_socket_counts(&mut self) {
         let Some(c) = &self.peers.socket_counts else {
             return;
         };
         for (k, v) in c.take() {
-            self.store.add_count(k, v);
+            self.riding.count(k, v);
         }
-        self.store.flush_counts(Durability::Batched);
     }
 
     /// Take the peers' shares of the spool ([`super::shares`]), and record

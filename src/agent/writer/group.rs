@@ -118,10 +118,20 @@ impl Writer {
                 self.control(c);
             }
             IngestMsg::Count { name, by } => {
-                self.store.add_count(name, by);
-                // Stored by the next commit (which flushes counts first):
-                // one write per window however many arrive.
+                self.riding.count(name, by);
+                // Rides the next commit: one write per window however many
+                // arrive.
                 at.open_window(Instant::now(), self.upkeep.window());
+            }
+            IngestMsg::Records { now } => {
+                // Delivery records ride the next commit of readings (or
+                // commit alone after their wait); a full batch of them
+                // makes it now.
+                if now {
+                    at.close_window(Instant::now());
+                } else {
+                    at.records_waiting(Instant::now(), self.records_wait());
+                }
             }
             IngestMsg::Wake => {}
         }

@@ -1,16 +1,17 @@
 //! The agent's health, judged once an upkeep pass from what every thread
 //! reports (the link, delivery's FAILED rows, checkpoints, refusals),
-//! logged once per reason and stored when it changes.
+//! logged once per reason and recorded for `status` when it changes.
 //!
-//! One rule: a degraded state names its reasons; health is written to the
-//! spool when its state or reasons change or at the summary interval, never
-//! each pass. The first record is written before the loop's first pass, so
-//! `status` never shows the last run's health for this one.
+//! One rule: a degraded state names its reasons; health rides a commit
+//! with the agent state ([`super::riding`]): a change of state or reasons
+//! presses for one (at most once a state period), never each pass. The
+//! first record is judged before the loop's first pass and rides the first
+//! commit, so `status` does not show the last run's health for this one
+//! once anything committed.
 
 use super::Writer;
 use crate::agent::health::{assess, grace, Facts, State};
 use crate::event::envelope::wall_clock_ms;
-use crate::event::stream::Durability;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -186,13 +187,7 @@ impl Writer {
         else {
             return;
         };
-        let spool = self.store.conn(Durability::Batched);
-        if spool
-            .set_state("health", &record, wall_clock_ms().0)
-            .is_ok()
-        {
-            self.health.stored(Instant::now());
-        }
+        self.riding.set_state("health", record, true);
     }
 
     /// Receipts refused in the last ten minutes, and all refusals by

@@ -11,8 +11,9 @@
 //! ([`schedule`]), the config in force and its pushes ([`control`]), health
 //! ([`health_record`]), metrics ([`figures`]), the outage budget
 //! ([`outage`]), local input's shares of the spool ([`shares`]), the
-//! summary line ([`summary`]), the clock anchor once time sync vouches for
-//! the wall clock ([`clock`]). The storage upkeep is
+//! summary line ([`summary`]), what rides the commits (counters, delivery
+//! records, agent state: [`riding`]), the clock anchor once time sync
+//! vouches for the wall clock ([`clock`]). The storage upkeep is
 //! [`crate::flash::upkeep::Upkeep`]'s.
 //!
 //! Its one rule: **a reading is reported stored only after the transaction
@@ -27,6 +28,7 @@ mod figures;
 mod group;
 mod health_record;
 mod outage;
+mod riding;
 mod schedule;
 mod shares;
 mod summary;
@@ -65,6 +67,11 @@ pub(super) struct Parts {
     pub(super) link: mqtt::Link,
     pub(super) to_delivery: Sender<DeliveryMsg>,
     pub(super) delivery_stats: Arc<DeliveryStats>,
+    /// Delivery records, which ride the writer's commits.
+    pub(super) ledger: crate::delivery::ledger::Ledger,
+    /// The command records' clock, persisted with the agent state (none:
+    /// commands are off).
+    pub(super) commands_clock: Option<crate::commands::retention::AgentClock>,
     pub(super) sampler: Sender<SamplerUpdate>,
     pub(super) socket_counts: Option<Arc<crate::ingest::Counters>>,
     pub(super) tuning: Option<crate::flash::probe::Profile>,
@@ -82,6 +89,10 @@ struct Peers {
     to_delivery: Sender<DeliveryMsg>,
     /// Delivery's counters (rows FAILED, receipts), for health and metrics.
     delivery_stats: Arc<DeliveryStats>,
+    /// Delivery records waiting to ride a commit.
+    ledger: crate::delivery::ledger::Ledger,
+    /// The command records' clock, persisted with the agent state.
+    commands_clock: Option<crate::commands::retention::AgentClock>,
     /// The ingest socket's counters, moved into the spool's at each summary.
     socket_counts: Option<Arc<crate::ingest::Counters>>,
     /// Local input's shares of the spool (the socket's peers, the bridges).
@@ -111,6 +122,10 @@ pub(super) struct Writer {
     health: health_record::HealthRecord,
     metrics: figures::MetricsState,
     outage: outage::OutageState,
+    /// What rides the next commit.
+    riding: riding::Riding,
+    /// The stop's last commits: every rider rides, the sequence book too.
+    final_ride: bool,
     peers: Peers,
     run: RunRecord,
     clock: clock::ClockWatch,
@@ -131,11 +146,15 @@ impl Writer {
             health,
             metrics: Default::default(),
             outage: Default::default(),
+            riding: Default::default(),
+            final_ride: false,
             peers: Peers {
                 link: p.link,
                 sampler: p.sampler,
                 to_delivery: p.to_delivery,
                 delivery_stats: p.delivery_stats,
+                ledger: p.ledger,
+                commands_clock: p.commands_clock,
                 socket_counts: p.socket_counts,
                 shares: None,
             },
@@ -228,6 +247,15 @@ impl Writer {
                     break;
                 }
             }
+            // Health's reasons changed, or nothing else committed for an
+            // idle period: the state opens a window of its own (at most
+            // once a state period).
+            if self
+                .riding
+                .opens_window(now, self.state_period(), self.idle_state_period())
+            {
+                at.open_window(now, self.upkeep.window());
+            }
             if at.summary_due(now) {
                 self.summary(stats);
                 at.summary_after(now, self.conf.cfg.agent.summary_interval);
@@ -316,27 +344,31 @@ impl Writer {
     }
 
     /// At the stop: commit what the sampler produced and what is buffered
-    /// (retrying for up to 10 s), and persist the sequence numbers. The
-    /// readings left are kept as lost for [`Writer::record_end`].
+    /// (retrying for up to 10 s), with every rider: counters, delivery
+    /// records, the agent state and the sequence numbers. The readings left
+    /// are kept as lost for [`Writer::record_end`].
     pub(super) fn commit_what_is_left(&mut self, rx: &Receiver<IngestMsg>) {
         while let Ok(m) = rx.try_recv() {
             match m {
                 IngestMsg::Reading(r) => self.push(r),
-                IngestMsg::Count { name, by } => self.store.add_count(name, by),
-                IngestMsg::Control(_) | IngestMsg::Wake => {}
+                IngestMsg::Count { name, by } => self.riding.count(name, by),
+                IngestMsg::Control(_) | IngestMsg::Wake | IngestMsg::Records { .. } => {}
             }
         }
-        self.store.flush_counts(Durability::Batched);
         self.commit_full();
-        let _ = self.store.conn(Durability::Batched).persist_seqs();
+        self.final_ride = true;
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.buffer.is_empty(Durability::Batched) && Instant::now() < deadline {
+        loop {
             self.store.retry_now();
             self.commit(Durability::Batched);
-            if !self.buffer.is_empty(Durability::Batched) {
-                std::thread::sleep(Duration::from_millis(200));
+            let left = !self.buffer.is_empty(Durability::Batched)
+                || self.rides_waiting(Instant::now()) && self.store.retry_at().is_some();
+            if !left || Instant::now() >= deadline {
+                break;
             }
+            std::thread::sleep(Duration::from_millis(200));
         }
+        self.final_ride = false;
         self.run.lost = self.buffer.len(Durability::Batched) + self.buffer.len(Durability::Full);
     }
 
@@ -345,6 +377,11 @@ impl Writer {
     /// next start can trust it without reading all of it.
     pub(super) fn record_end(self) -> Result<(), AgentError> {
         let mut w = self;
+        if w.run.fatal.is_none() {
+            // What came in after the last commit (the ingest socket's counters).
+            w.final_ride = true;
+            w.commit(Durability::Batched);
+        }
         let (run_id, lost) = (w.run.id, w.run.lost);
         let spool = w.store.conn(Durability::Batched);
         if let Some(fatal) = w.run.fatal.take() {

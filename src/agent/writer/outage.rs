@@ -116,7 +116,11 @@ impl Writer {
     /// when it cannot be judged now ([`Writer::outage_budget`]).
     pub(super) fn outage_json(&mut self) -> Option<String> {
         self.sample_outage();
-        let b = self.outage_budget()?;
+        let mut b = self.outage_budget()?;
+        // One projection of the flash writes everywhere: the write budget's
+        // (measured from checkpoint to checkpoint), not the meter's moving
+        // average over a rate window a wide commit window does not fill.
+        b.flash_mb_per_day = self.upkeep.projected_mb_per_day();
         let json = serde_json::to_string(&b).ok()?;
         self.outage.last = Some(b);
         Some(json)

@@ -28,6 +28,9 @@ pub(super) struct WindowState {
 pub(super) struct Deadlines {
     /// When the open commit window closes (`None`: none is open).
     commit_at: Option<Instant>,
+    /// Delivery records wait for a commit of readings to ride until then,
+    /// then commit alone (`None`: none wait).
+    records_at: Option<Instant>,
     /// The upkeep's next pass.
     upkeep_at: Instant,
     /// The next summary.
@@ -40,6 +43,7 @@ impl Deadlines {
     pub(super) fn new(now: Instant, upkeep_period: Duration, summary_interval: Duration) -> Self {
         Deadlines {
             commit_at: None,
+            records_at: None,
             upkeep_at: now + upkeep_period,
             summary_at: now + summary_interval,
         }
@@ -49,7 +53,7 @@ impl Deadlines {
     /// [`HURRY`] from `now` when something waits to be retried or judged.
     pub(super) fn next_wake(&self, now: Instant, hurry: bool) -> Instant {
         let mut next = self.upkeep_at.min(self.summary_at);
-        if let Some(c) = self.commit_at {
+        for c in [self.commit_at, self.records_at].into_iter().flatten() {
             next = next.min(c);
         }
         if hurry {
@@ -64,6 +68,18 @@ impl Deadlines {
         self.commit_at.get_or_insert(now + window);
     }
 
+    /// Delivery records arrived at `now`: they ride the next commit of
+    /// readings, or commit alone once they have waited `wait`.
+    pub(super) fn records_waiting(&mut self, now: Instant, wait: Duration) {
+        self.records_at.get_or_insert(now + wait);
+    }
+
+    /// Close the commit window at `now` (open or not): what waits commits
+    /// at once.
+    pub(super) fn close_window(&mut self, now: Instant) {
+        self.commit_at = Some(now);
+    }
+
     /// Whether to commit the batched buffer at `now`. The window opens with
     /// its first reading and closes `window` later; a buffer at half its
     /// bound closes it at once, unless a failed commit waits to retry.
@@ -74,6 +90,9 @@ impl Deadlines {
         if s.half_full && s.retry_at.is_none_or(|t| now >= t) {
             self.commit_at = Some(now);
         }
+        if self.records_at.is_some_and(|t| now >= t) {
+            self.commit_at.get_or_insert(now);
+        }
         self.commit_at.is_some_and(|c| now >= c)
     }
 
@@ -81,6 +100,8 @@ impl Deadlines {
     /// waiting for a retry) open the next window.
     pub(super) fn committed(&mut self, now: Instant, window: Duration, still_buffered: bool) {
         self.commit_at = still_buffered.then(|| now + window);
+        // The commit took every delivery record waiting.
+        self.records_at = None;
     }
 
     /// Whether the upkeep's pass is due at `now`.
@@ -209,5 +230,24 @@ mod tests {
         assert!(d.summary_due(t + Duration::from_secs(60)));
         d.summary_after(t + Duration::from_secs(60), Duration::from_secs(60));
         assert!(!d.summary_due(t + Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn delivery_records_ride_the_next_commit_or_commit_alone_after_their_wait() {
+        let (t, mut d) = start();
+        let idle = WindowState {
+            buffered: false,
+            ..buffered()
+        };
+        d.records_waiting(t, Duration::from_secs(60));
+        // A reading's window comes first: the records ride it.
+        assert!(!d.commit_due(t + ms(100), WINDOW, buffered()));
+        assert!(d.commit_due(t + ms(300), WINDOW, buffered()));
+        d.committed(t + ms(300), WINDOW, false);
+        assert_eq!(d.next_wake(t + ms(300), false), t + Duration::from_secs(5));
+        // No reading: alone, once they waited.
+        d.records_waiting(t + ms(400), Duration::from_secs(60));
+        assert!(!d.commit_due(t + Duration::from_secs(30), WINDOW, idle));
+        assert!(d.commit_due(t + ms(60_400), WINDOW, idle));
     }
 }

@@ -129,7 +129,7 @@ impl Writer {
         };
         ev.refuse(&over.to_string());
         self.metrics.dropped += 1;
-        self.store.add_count(over.counter(), 1);
+        self.riding.count(over.counter(), 1);
         if let Some(n) = sh.log_due(&over, now) {
             log::warn!("ingest: {n} bridge readings refused for {} since the last such line; the last: {over} (repeats logged every 30 s)", over.reason());
         }

@@ -1,12 +1,13 @@
 //! The summary each `agent.summary_interval_secs`: one log line (and
-//! systemd STATUS), the write budget, latencies, checkpoint, receipts and
-//! health stored for `status` in one transaction, the metrics published.
+//! systemd STATUS), the write budget, latencies, checkpoint, receipts,
+//! health and the command clock recorded for `status` (they ride a commit
+//! at most once a state period, [`super::riding`]), the metrics published.
 //!
-//! One rule: one line per interval, whatever the rate; nothing per reading.
+//! One rule: one line per interval, whatever the rate; nothing per reading,
+//! and no commit of its own.
 
 use super::Writer;
 use crate::delivery::DeliveryStats;
-use crate::event::envelope::wall_clock_ms;
 use crate::event::stream::Durability;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -41,12 +42,15 @@ impl Writer {
         if let Some(s) = self.shares_state() {
             states.push(("ingest_shares", s));
         }
-        let spool = self.store.conn(Durability::Batched);
-        // Sequence numbers reach the file at the summary interval (and
-        // every 10,000 readings at an upkeep pass).
-        let _ = spool.persist_seqs();
-        if spool.set_states(&states, wall_clock_ms().0).is_ok() && self.health.record().is_some() {
-            self.health.stored(Instant::now());
+        if let Some(clock) = &self.peers.commands_clock {
+            // The command records' clock goes on from here after a crash.
+            states.push((
+                crate::commands::retention::CLOCK_STATE_KEY,
+                clock.now_ms().to_string(),
+            ));
+        }
+        for (key, value) in states {
+            self.riding.set_state(key, value, false);
         }
         let wal = std::fs::metadata(crate::spool::wal_path(&self.conf.cfg.spool.path))
             .map(|m| m.len())

@@ -127,17 +127,18 @@ fn validate_pragmas(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -> SpoolOp
     }
 }
 
-/// The commit windows and the write budget: `spool.commit_window_ms` and
-/// `spool.max_commit_window_ms` in 1..=60000 ms, the budget in
-/// 1..=1000000 MB a day, and a budget's ceiling at least the window it
-/// widens from. Returns the commit window in ms (the default if unset).
+/// The commit windows and the write budget: `spool.commit_window_ms` in
+/// 1..=60000 ms, `spool.max_commit_window_ms` (the loss window a budget may
+/// widen to) in 1..=600000 ms, the budget in 1..=1000000 MB a day, and a
+/// budget's ceiling at least the window it widens from. Returns the commit
+/// window in ms (the default if unset).
 fn validate_windows(s: &RawSpool, bad: &mut impl FnMut(&str, String)) -> u64 {
     let commit_window_ms = s.commit_window_ms.unwrap_or_else(d_commit);
     check_range("spool.commit_window_ms", commit_window_ms, 1..=60_000, bad);
     check_range(
         "spool.max_commit_window_ms",
         s.max_commit_window_ms,
-        1..=60_000,
+        Bounds::from(1..=600_000).note(" ms (10 minutes)"),
         bad,
     );
     if let Some(mb) = s.write_budget_mb_per_day {

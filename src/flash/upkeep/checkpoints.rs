@@ -168,6 +168,8 @@ impl Upkeep {
             );
         }
         c.blocked = blocked;
+        // A checkpoint closes a span of the write budget's measurement.
+        self.mark_budget(spool, now);
         CheckpointOutcome {
             mode,
             result: Some(r),

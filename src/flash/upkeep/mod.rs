@@ -37,7 +37,7 @@ pub use watch::Fatal;
 pub use wear::Load;
 
 use super::maintenance::Capacity;
-use super::write_budget::{BudgetSettings, SharedWindow};
+use super::write_budget::BudgetSettings;
 use crate::spool::Spool;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -189,7 +189,7 @@ impl Upkeep {
     /// file's identity and the integrity check, retention in bounded batches
     /// with a checkpoint between them (F02), sequence numbers persisted, a
     /// step of free pages given back, the checkpoint the policy asks for,
-    /// and the write budget fed what `load` says. A fatal finding stops the
+    /// and the write budget's span boundaries. A fatal finding stops the
     /// pass there.
     pub fn tick(&mut self, spool: &mut Spool, now: Instant, wall_ms: i64, load: &Load) -> Pass {
         let clock = Clock::start(now);
@@ -208,16 +208,24 @@ impl Upkeep {
         if !self.retention.more_work && self.retention.bulk_pinned.is_none() {
             self.shrink_step(spool, &clock);
         }
+        self.note_load(load);
         pass.checkpoint = self.checkpoint_if_due(spool, &clock);
-        self.observe_budget(clock.now(), load);
+        self.mark_if_idle(spool, clock.now());
         if self.retention.more_work {
             pass.wake_in = AGAIN;
         }
         pass
     }
 
-    /// After a commit at `now`: the checkpoint the policy asks for, if any.
-    pub fn committed(&mut self, spool: &mut Spool, now: Instant) -> Option<CheckpointOutcome> {
+    /// After a commit of `rows` readings at `now`: the checkpoint the
+    /// policy asks for, if any.
+    pub fn committed(
+        &mut self,
+        spool: &mut Spool,
+        now: Instant,
+        rows: usize,
+    ) -> Option<CheckpointOutcome> {
+        self.note_appended(rows);
         self.checkpoint_if_due(spool, &Clock::start(now))
     }
 
@@ -277,12 +285,6 @@ impl Upkeep {
     /// configured one).
     pub fn window(&self) -> Duration {
         self.wear.budget.window()
-    }
-
-    /// A handle on the commit window in force for the threads that commit
-    /// on it (the delivery thread's records); only the upkeep changes it.
-    pub fn window_reader(&self) -> SharedWindow {
-        self.wear.budget.reader()
     }
 
     /// The time-driven checkpoint interval now: `checkpoint_interval`,

@@ -1,14 +1,15 @@
-//! Flash wear: the write budget fed what this process wrote and appended at
-//! each pass (it chooses the commit window, [`crate::flash::write_budget`]),
-//! and the record of what the run has cost the flash so far, for `status`.
+//! Flash wear: the write budget told what this process wrote and appended
+//! at each checkpoint (it chooses the commit window and makes the one
+//! projection of MB/day, [`crate::flash::write_budget`]), and the record of
+//! what the run has cost the flash, for `status`.
 //!
 //! One rule: the commit window in force has **one holder**, the budget's
-//! [`Controller`]; every thread that commits on it reads it through
-//! [`super::Upkeep::window_reader`].
+//! [`Controller`]; every commit of the writer reads it through
+//! [`super::Upkeep::window`] (delivery records ride those commits).
 
 use super::Upkeep;
 use crate::flash::maintenance::{per_hour, proc_write_bytes};
-use crate::flash::write_budget::{BudgetSettings, Controller, Measured, Verdict};
+use crate::flash::write_budget::{BudgetSettings, BufferBound, Controller, Mark, Verdict};
 use crate::spool::Spool;
 use std::time::Instant;
 
@@ -35,9 +36,12 @@ pub(super) struct Wear {
     pub(super) budget: Controller,
     /// Baseline of the run's record: (when, `/proc/self/io` write_bytes).
     since: (Instant, u64),
-    /// Mean bytes of a buffered reading when last seen (for the budget's
-    /// bound on the window).
-    reading_bytes: usize,
+    /// Readings appended this run, as last told.
+    appended: u64,
+    /// The buffer's bound as last told.
+    bound: BufferBound,
+    /// When the budget was last given a span boundary.
+    marked: Option<Instant>,
 }
 
 impl Wear {
@@ -45,7 +49,13 @@ impl Wear {
         Wear {
             budget: Controller::new(settings),
             since: (now, proc_write_bytes().unwrap_or(0)),
-            reading_bytes: 512,
+            appended: 0,
+            bound: BufferBound {
+                readings: usize::MAX,
+                bytes: usize::MAX,
+                bytes_per_reading: 512,
+            },
+            marked: None,
         }
     }
 }
@@ -57,44 +67,78 @@ impl Upkeep {
         self.wear.budget.verdict()
     }
 
-    /// Feed the write budget what this process wrote and appended, and put
-    /// the window it chooses in force for the next commit window of every
-    /// thread. Without a budget the window stays.
-    pub(super) fn observe_budget(&mut self, now: Instant, load: &Load) {
+    /// The projection of this process's flash writes, MB/day: the one
+    /// figure `status`, health, the outage budget and the metrics show
+    /// (None before the first span).
+    pub fn projected_mb_per_day(&self) -> Option<f64> {
+        self.wear.budget.projected_mb_per_day()
+    }
+
+    /// Readings appended this run (a running total), and the buffer as it
+    /// stands, for the next span boundary.
+    pub(super) fn note_load(&mut self, load: &Load) {
+        let w = &mut self.wear;
+        w.appended = w.appended.max(load.appended);
+        w.bound.readings = load.bound_readings;
+        w.bound.bytes = load.bound_bytes;
+        if let Some(mean) = load.buffered_bytes.checked_div(load.buffered) {
+            w.bound.bytes_per_reading = mean;
+        }
+    }
+
+    /// `rows` more readings were appended.
+    pub(super) fn note_appended(&mut self, rows: usize) {
+        self.wear.appended += rows as u64;
+    }
+
+    /// A span boundary at `now` (a checkpoint ended, or an idle board went
+    /// two checkpoint intervals without one): tell the write budget, and put
+    /// the window it chooses in force for the next commit window.
+    pub(super) fn mark_budget(&mut self, spool: &Spool, now: Instant) {
         let Some(write_bytes) = proc_write_bytes() else {
             return;
         };
         let w = &mut self.wear;
-        if let Some(mean) = load.buffered_bytes.checked_div(load.buffered) {
-            w.reading_bytes = mean;
-        }
-        let m = Measured {
-            write_bytes,
-            readings: load.appended,
-            bound_readings: load.bound_readings,
-            bound_bytes: load.bound_bytes,
-            bytes_per_reading: w.reading_bytes,
-        };
+        w.marked = Some(now);
         let before = w.budget.window();
-        if !w.budget.observe(now, &m) {
+        let m = Mark {
+            at: now,
+            write_bytes,
+            readings: w.appended,
+            commits: spool.wal().commits(),
+        };
+        if !w.budget.mark(m, &w.bound) {
             return;
         }
-        let after = w.budget.window();
         log::info!(
-            "write budget: projected {:.0} MB/day at a {} ms commit window (budget {} MB/day): commit window now {} ms, time-driven checkpoints every {} s",
-            w.budget.projected_mb_per_day().unwrap_or(0.0),
+            "write budget: projected {:.0} MB/day at a {} ms commit window (budget {} MB/day): commit window now {} ms, time-driven checkpoints every {} s ({})",
+            self.wear.budget.projected_mb_per_day().unwrap_or(0.0),
             before.as_millis(),
-            w.budget.settings().bytes_per_day.unwrap_or(0) / 1_000_000,
-            after.as_millis(),
-            self.checkpoint_interval().as_secs()
+            self.wear.budget.settings().bytes_per_day.unwrap_or(0) / 1_000_000,
+            self.wear.budget.window().as_millis(),
+            self.checkpoint_interval().as_secs(),
+            self.wear.budget.why(),
         );
+    }
+
+    /// At a pass: a board that wrote nothing for two checkpoint intervals
+    /// has no checkpoint to close a span: the pass closes one.
+    pub(super) fn mark_if_idle(&mut self, spool: &Spool, now: Instant) {
+        let idle = self
+            .wear
+            .marked
+            .is_none_or(|t| now.saturating_duration_since(t) >= 2 * self.checkpoint_interval());
+        if idle {
+            self.mark_budget(spool, now);
+        }
     }
 
     /// What this run has cost the flash so far, for `status`
     /// (`write_budget`): bytes the kernel sent to the block layer for this
     /// process (`/proc/self/io`), commits on every connection of `spool`,
-    /// checkpoints, and what follows per hour, per reading and per day.
-    /// `appended`: readings appended this run; `full_commits`: commits on a
+    /// checkpoints, per hour and per reading; the write budget's one
+    /// projection of MB/day, the window in force and why. `appended`:
+    /// readings appended this run; `full_commits`: commits on a
     /// `synchronous = FULL` connection (each an fsync).
     pub fn write_record(
         &self,
@@ -114,6 +158,8 @@ impl Upkeep {
         let per_hour = |n: u64| per_hour(n, elapsed);
         let readings = appended.max(1);
         let budget = &self.wear.budget;
+        let projection = budget.projection();
+        let settings = budget.settings();
         serde_json::json!({
             "window_secs": elapsed.as_secs(),
             "write_bytes_total": bytes,
@@ -126,12 +172,15 @@ impl Upkeep {
             "fsyncs_estimated_per_hour": per_hour(fsyncs),
             "readings_total": appended,
             "bytes_per_reading": bytes / readings,
-            "projected_mb_per_day": per_hour(bytes) as f64 * 24.0 / 1e6,
+            "projected_mb_per_day": projection.map(|p| p.mb_per_day),
+            "projected_at_window_ms": projection.map(|p| p.window.as_millis() as u64),
+            "projected_over_secs": projection.map(|p| p.span.as_secs()),
             "commit_window_ms": self.window().as_millis() as u64,
             "commit_window_max_ms": budget.largest().as_millis() as u64,
+            "commit_window_ceiling_ms": settings.max_window.as_millis() as u64,
+            "commit_window_why": budget.why(),
             "checkpoint_interval_secs": self.checkpoint_interval().as_secs(),
-            "budget_mb_per_day": budget.settings().bytes_per_day.map(|b| b / 1_000_000),
-            "budget_projected_mb_per_day": budget.projected_mb_per_day(),
+            "budget_mb_per_day": settings.bytes_per_day.map(|b| b / 1_000_000),
             "over_budget": budget.verdict() != &Verdict::Within,
             "wal_file_bytes": std::fs::metadata(crate::spool::wal_path(&self.path))
                 .map(|m| m.len())
