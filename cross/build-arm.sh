@@ -14,7 +14,7 @@ case "${1:-}" in
   *) echo "usage: $0 [aarch64|armv7]" >&2; exit 2 ;;
 esac
 for t in "${targets[@]}"; do
-  # --no-default-features: a board does not carry the PostgreSQL sink.
+  # --no-default-features: a board carries the agent, not the sink.
   cargo build --release --target "$t" --bin edgespool --no-default-features
   bin="${CARGO_TARGET_DIR:-target}/$t/release/edgespool"
   case "$t" in

@@ -101,9 +101,10 @@ build() {
   # Boards carry the agent, not the PostgreSQL sink (feature pg-sink, about
   # 0.7 MB): only the x86_64 build, where fleet sinks run, keeps it.
   [ "$1" = x86_64 ] || cmd+=(--no-default-features)
-  # zstd batches (about 110 KB of code) fit aarch64; armv7 and armv6 keep
-  # to their size budget without them (lz4 batches work everywhere).
-  [ "$1" = aarch64 ] && cmd+=(--features zstd)
+  # zstd batches (about 110 KB of code) and the SQLite sink fit aarch64;
+  # armv7 and armv6 keep to their size budget without them (lz4 batches
+  # work everywhere; `edgespool sink` there says it is not in the build).
+  [ "$1" = aarch64 ] && cmd+=(--features zstd,sink)
   local env=() rustflags=""
   if ! grep -qx "$t" <<<"$installed_targets" && ! rustup target add "$t" >/dev/null 2>&1; then
     # No prebuilt standard library for this target from rustup: build it

@@ -47,6 +47,7 @@
 pub mod event;
 pub mod os;
 
+#[cfg(feature = "sink")]
 pub mod sink;
 pub mod spool;
 

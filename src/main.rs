@@ -19,7 +19,13 @@ fn main() -> ExitCode {
             "status" => cli::status::main(&mut line),
             "probe-storage" => cli::probe_storage::main(&mut line),
             "export" => cli::export::main(&mut line),
+            #[cfg(feature = "sink")]
             "sink" => cli::sink::main(&mut line),
+            #[cfg(not(feature = "sink"))]
+            "sink" => {
+                eprintln!("edgespool sink: not in this build (the armv7 and armv6 packages carry the agent only; the amd64 and arm64 ones carry the sink)");
+                Err(Failure::Invalid)
+            }
             "keygen" => cli::keygen::main(&mut line),
             "help" => cli::help::main(&mut line),
             other => cli::unknown(other),

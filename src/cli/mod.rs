@@ -20,6 +20,7 @@ pub mod keygen;
 pub mod probe_storage;
 pub mod report;
 pub mod run;
+#[cfg(feature = "sink")]
 pub mod sink;
 pub mod spec;
 pub mod status;

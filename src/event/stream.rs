@@ -150,3 +150,10 @@ impl StreamSettings {
         }
     }
 }
+
+/// Whether a topic level is one a sink reads a device's identity by
+/// (`events`, `batches`: `<topic_prefix>/events/<stream>`): no
+/// `mqtt.topic_prefix` may contain one.
+pub fn reserved_level(level: &str) -> bool {
+    matches!(level, "events" | "batches")
+}

@@ -77,7 +77,7 @@ pub fn publisher(topic: &str) -> &str {
 /// Whether a topic level is one the sink reads the identity by
 /// (`events`, `batches`): no prefix may contain one.
 pub fn reserved(level: &str) -> bool {
-    matches!(level, "events" | "batches")
+    crate::event::stream::reserved_level(level)
 }
 
 /// Whether `e`, delivered on `topic`, is the event of the device and

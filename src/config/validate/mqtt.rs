@@ -16,7 +16,7 @@ const MIN_PACKET_BYTES: usize = 128;
 /// `password_file` only with `username`; `client_id` (default
 /// `edgespool-<device_id>`) 1..=128 bytes; `topic_prefix` (default
 /// `edgespool/<device_id>`) without wildcards and without an `events` or
-/// `batches` level ([`crate::sink::identity::reserved`]); limits and timing in range;
+/// `batches` level ([`crate::event::stream::reserved_level`]); limits and timing in range;
 /// `protocol` 5 or 3.1.1; `payload_format` json or postcard.
 pub(super) fn validate_mqtt(
     m: &RawMqtt,
@@ -198,7 +198,10 @@ fn validate_names(
         || topic_prefix.ends_with('/')
     {
         bad("mqtt.topic_prefix", format!("must be a non-empty topic without wildcards or leading/trailing '/' (got {topic_prefix:?})"));
-    } else if topic_prefix.split('/').any(crate::sink::identity::reserved) {
+    } else if topic_prefix
+        .split('/')
+        .any(crate::event::stream::reserved_level)
+    {
         // The sink reads the device from the level before `events` or
         // `batches`: a prefix holding one would name no device there.
         bad("mqtt.topic_prefix", format!("may not have a level named \"events\" or \"batches\": the fleet's sink reads the device id from the level before them (got {topic_prefix:?})"));
