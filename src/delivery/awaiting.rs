@@ -154,7 +154,9 @@ impl Awaiting {
         out
     }
 
-    /// Forget `rows` (retired another way).
+    /// Forget `rows` (tests only: since a refused receipts subscription
+    /// retires nothing, a row leaves the book by its receipt alone).
+    #[cfg(test)]
     pub fn remove(&mut self, rows: &[i64]) {
         for row in rows {
             if let Some(key) = self.by_row.remove(row) {
@@ -164,7 +166,8 @@ impl Awaiting {
         self.trim_order();
     }
 
-    /// Every waiting row, leaving the book empty (in row order).
+    /// Every waiting row, leaving the book empty (in row order; tests only).
+    #[cfg(test)]
     pub fn drain(&mut self) -> Vec<i64> {
         let mut rows: Vec<i64> = self.by_row.keys().copied().collect();
         rows.sort_unstable();
