@@ -34,11 +34,11 @@ fn check(config: &Path, sets: &[String], sample: bool) -> Outcome {
         return Err(Failure::Failed);
     }
     println!(
-        "{}: ok (device {} from {}, {} sources, broker {}:{})",
+        "{}: ok (device {} from {}, {}, broker {}:{})",
         config.display(),
         c.device_id,
         c.device_id_source.describe(),
-        c.sources.len(),
+        super::counted(c.sources.len(), "source", "sources"),
         c.mqtt.host,
         c.mqtt.port
     );

@@ -138,6 +138,12 @@ pub fn load_config(path: &Path, sets: &[String]) -> Result<crate::config::Config
     })
 }
 
+/// `n` and the noun that agrees with it: `counted(1, "source", "sources")`
+/// is `1 source`, any other `n` takes `many`.
+pub fn counted(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// Prints `value` as pretty JSON on stdout (`status --json`, `sink --stats
 /// --json`); a value that cannot be serialised is an error on stderr.
 pub fn print_json<T: serde::Serialize>(value: &T) -> Outcome {

@@ -15,7 +15,12 @@ pub fn main(p: &mut lexopt::Parser) -> Outcome {
     let loaded = crate::config::file::load_at_start(&config, &a.sets).map_err(|e| {
         // Under systemd stderr is the journal: this goes through the log, as
         // everything the agent says does, to carry its priority.
-        log::error!(target: LOG_TARGET, "{} (and no usable last-known-good copy)", e.told());
+        log::error!(
+            target: LOG_TARGET,
+            "{} (and no usable last-known-good copy {} to run instead: the agent keeps one of each config it started with)",
+            e.told(),
+            crate::config::file::last_good_path(&config).display()
+        );
         Failure::Invalid
     })?;
     let source = ConfigSource {

@@ -126,12 +126,23 @@ fn counts(results: &[crate::cli::trial::SourceResult]) -> String {
     let readings = count(|t| matches!(t, Taken::Reading(_)));
     let none = count(|t| matches!(t, Taken::NoSample(_)));
     let waiting = count(|t| matches!(t, Taken::NoRowsYet(_)));
-    let mut out = format!("{readings} sources gave a reading");
+    let mut out = format!(
+        "{} gave a reading",
+        super::counted(readings, "source", "sources")
+    );
     if none > 0 {
-        out.push_str(&format!(", {none} take none (mqtt)"));
+        out.push_str(&format!(
+            ", {}",
+            super::counted(none, "takes none (mqtt)", "take none (mqtt)")
+        ));
     }
     if waiting > 0 {
-        out.push_str(&format!(", {waiting} have no rows yet (follow)"));
+        let rows = super::counted(
+            waiting,
+            "has no rows yet (follow)",
+            "have no rows yet (follow)",
+        );
+        out.push_str(&format!(", {rows}"));
     }
     out
 }

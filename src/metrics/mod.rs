@@ -257,7 +257,7 @@ fn render_receipts(o: &mut Out, r: &ReceiptFigures) {
         ("edgespool_rows_awaiting_receipt", "gauge", "Rows the broker acknowledged that the fleet's database has not yet receipted (waiting, or sent again).", r.awaiting as f64),
         ("edgespool_oldest_awaiting_receipt_age_seconds", "gauge", "How long the oldest row not yet stored at the fleet has waited since its first PUBACK (re-sends do not reset it; 0 when none).", r.oldest_awaiting_secs),
         ("edgespool_receipts_total", "counter", "Receipts read, this run.", r.received as f64),
-        ("edgespool_receipt_unmatched_ids_total", "counter", "Event ids in receipts that matched no waiting row (nothing retired for them), this run.", r.unmatched_ids as f64),
+        ("edgespool_receipt_unmatched_ids_total", "counter", "Event ids in receipts that matched no waiting row (nothing retired for them: a repeated receipt, or one for a row sent again for the fleet's backfill), this run.", r.unmatched_ids as f64),
         ("edgespool_receipt_wrong_digest_ids_total", "counter", "Event ids in signed receipts named with another digest than the waiting row's bytes (nothing retired for them), this run.", r.wrong_digest as f64),
         ("edgespool_rows_resent_for_receipt_total", "counter", "Rows published again because their receipt did not come within mqtt.receipt_timeout_secs, this run.", r.resent as f64),
         ("edgespool_receipts_dropped_total", "counter", "Receipts left unacknowledged because 1024 already waited for the delivery thread (a broker ignoring its in-flight window sends them again with the next session), this run.", r.dropped as f64),
@@ -312,13 +312,11 @@ const DROP_REASONS: [&str; 5] = [
 /// (`readings_refused_<reason>`, [`crate::intake::share`]).
 const PEER_REFUSALS: [&str; 3] = ["peer_rate", "peer_share", "input_share"];
 
-/// Why the delivery thread marks a row FAILED (`events_failed_<reason>`).
-const FAIL_REASONS: [&str; 4] = [
-    "disconnects",
-    "oversized",
-    "packet_too_large",
-    "digest_mismatch",
-];
+/// Why the delivery thread marks a row FAILED (`events_failed_<reason>`),
+/// shown as 0 before they first happen. `disconnects` and `puback_<reason>`
+/// are not listed: only spools from before the broker's word deferred rows
+/// instead of failing them hold such counters, and they are shown as found.
+const FAIL_REASONS: [&str; 3] = ["oversized", "packet_too_large", "digest_mismatch"];
 
 /// Final command states counted as `commands_<state>`.
 const COMMAND_STATES: [&str; 5] = ["completed", "failed", "rejected", "expired", "interrupted"];

@@ -443,3 +443,52 @@ fn the_demo_installs_only_what_the_demo_needs() {
         assert!(!readme.contains(bad), "README.md runs `{bad}`");
     }
 }
+
+/// The README's quick start works as written: its shell block, from a
+/// clone's directory (here a fresh one), writes a config that
+/// `check-config` and `test` accept, with the spool beside it and nothing
+/// in a fixed path a second user could hold. `cargo build` and the
+/// background `run` are left out (the suite has built the binary; `run`
+/// is tested elsewhere).
+#[test]
+fn readme_quick_start_runs_as_written() {
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README");
+    let at = readme
+        .find("## Quick start")
+        .expect("README has a Quick start");
+    let rest = &readme[at..];
+    let open = rest.find("```sh\n").expect("a sh block") + "```sh\n".len();
+    let close = open + rest[open..].find("\n```").expect("the block ends");
+    let block = &rest[open..close];
+    assert!(!block.contains("/tmp/"), "fixed /tmp path:\n{block}");
+    let script: String = block
+        .lines()
+        .filter(|l| !l.starts_with("cargo build") && !l.trim_end().ends_with('&'))
+        .map(|l| l.replace("target/release/edgespool", "\"$EDGESPOOL\""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let clone = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new("bash")
+        .args(["-euc", &script])
+        .current_dir(clone.path())
+        .env("EDGESPOOL", crate::support::agent::bin())
+        .output()
+        .expect("bash runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{script}\n---\n{text}");
+    assert!(
+        text.contains(": ok (device qs-01 from the config, 1 source,"),
+        "{text}"
+    );
+    assert!(text.contains("test: ok (1 source gave a reading"), "{text}");
+    let cfg = std::fs::read_to_string(clone.path().join("qs-data/board.toml")).expect("config");
+    let spool = clone.path().join("qs-data/spool.db");
+    assert!(
+        cfg.contains(&format!("path = \"{}\"", spool.display())),
+        "{cfg}"
+    );
+}

@@ -179,8 +179,13 @@ fn test_reads_every_source_of_every_shipped_config_given_fixtures() {
         }
         assert!(
             out.contains(&format!(
-                "test: ok ({} sources gave a reading",
-                c.sources.len()
+                "test: ok ({} {} gave a reading",
+                c.sources.len(),
+                if c.sources.len() == 1 {
+                    "source"
+                } else {
+                    "sources"
+                }
             )),
             "{out}"
         );
@@ -286,7 +291,7 @@ fn test_counts_sources_without_a_sample_apart_and_checks_the_socket_group() {
     );
     assert!(
         out.contains(
-            "test: ok (1 sources gave a reading, 1 take none (mqtt), 1 have no rows yet (follow);"
+            "test: ok (1 source gave a reading, 1 takes none (mqtt), 1 has no rows yet (follow);"
         ),
         "{out}"
     );

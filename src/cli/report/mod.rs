@@ -513,7 +513,7 @@ mod tests {
         assert_eq!(lines[3], "device_id: board-7 (from the config)", "{text}");
         for want in [
             "\nlast checkpoint: passive 12 s ago: 120 of 120 WAL frames copied in 3 ms (WAL file 480.0 KiB before)\n",
-            "\nstorage: measured 2 h 10 min ago: fsync p50 3.3 ms, p99 11.0 ms, max 11.0 ms (32 samples), sequential writes 221.8 MB/s, 51.1 GiB free; derived: commit window 110 ms, checkpoint at 4.0 MiB of WAL, storage retries after 22 ms up to 1.1 s, spool bound 25.6 GiB\n",
+            "\nstorage: measured 2 h 10 min ago: fsync p50 3.3 ms, p99 11.0 ms, max 11.0 ms (32 samples), sequential writes 221.8 MB/s, 51.1 GiB free; derived: commit window 110 ms, checkpoint at 4.0 MiB of WAL, storage retries after 22 ms up to 1.1 s, spool bound at most 25.6 GiB (half the free space; the smaller of it and spool.max_bytes is in force)\n",
             "\ningest listeners: tcp 127.0.0.1:47123\n",
             "\nsigned config: newest serial accepted 12 (5 min ago; a signed config must carry a higher one), serial 11 kept for the next start\n",
             "\nrows: 20 waiting (20 PENDING, 0 SENT), 12,000 ACKED, 0 FAILED; the oldest waiting was appended 3 min 5 s ago\n",

@@ -180,7 +180,7 @@ fn storage_line(stored: &str, now_ms: i64) -> String {
     };
     let (m, d) = (&p.measurements, &p.derived);
     format!(
-        "measured {}: fsync p50 {}, p99 {}, max {} ({} samples), sequential writes {}/s, {} free; derived: commit window {}, checkpoint at {} of WAL, storage retries after {} up to {}, spool bound {}",
+        "measured {}: fsync p50 {}, p99 {}, max {} ({} samples), sequential writes {}/s, {} free; derived: commit window {}, checkpoint at {} of WAL, storage retries after {} up to {}, spool bound at most {} (half the free space; the smaller of it and spool.max_bytes is in force)",
         ago(p.measured_at_ms, now_ms),
         us_as_ms(m.fsync_p50_us),
         us_as_ms(m.fsync_p99_us),
@@ -279,7 +279,7 @@ pub(super) fn receipts_line(stored: &str) -> String {
         ""
     };
     format!(
-        "{} rows delivered, not yet stored{oldest}; {} receipts received, {} ids matched no waiting row, {} malformed, {} rows sent again for a missing receipt, {} receipts dropped unread (queue full){unavailable}",
+        "{} rows delivered, not yet stored{oldest}; {} receipts received, {} ids matched no waiting row (already retired: a repeat, or a row sent again for the fleet's backfill), {} malformed, {} rows sent again for a missing receipt, {} receipts dropped unread (queue full){unavailable}",
         n("awaiting"),
         n("received"),
         n("unmatched_ids"),
@@ -353,7 +353,7 @@ mod tests {
         );
         assert!(
             line.contains(
-                "3 receipts received, 1 ids matched no waiting row, 2 malformed, 4 rows sent again"
+                "3 receipts received, 1 ids matched no waiting row (already retired: a repeat, or a row sent again for the fleet's backfill), 2 malformed, 4 rows sent again"
             ),
             "{line}"
         );
