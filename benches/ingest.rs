@@ -108,6 +108,7 @@ topic_prefix = "bench/ingest/{suffix}"
 [ingest]
 socket = "{sock}"
 max_rate_per_sec = 1000000
+max_connections_per_peer = 16
 [[ingest.streams]]
 name = "batched"
 [[ingest.streams]]

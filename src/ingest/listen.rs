@@ -93,8 +93,9 @@ struct Shared {
     open: Mutex<HashMap<u64, OpenConn>>,
 }
 
-/// A handle to an open connection (to shut it at the stop) and its thread.
-type OpenConn = (Stream, Option<JoinHandle<()>>);
+/// A handle to an open connection (to shut it at the stop), its thread,
+/// and the peer it counts against (`ingest.max_connections_per_peer`).
+type OpenConn = (Stream, Option<JoinHandle<()>>, PeerId);
 
 /// Bind the configured listeners and start their threads; readings go to
 /// `ingest`, each holding room in `budget` (the listener's share) until its
@@ -294,7 +295,7 @@ impl SocketIngest {
         shut_reads(&r.shared);
         let deadline = Instant::now() + Duration::from_secs(2);
         let threads: Vec<JoinHandle<()>> = match r.shared.open.lock() {
-            Ok(mut open) => open.values_mut().filter_map(|(_, h)| h.take()).collect(),
+            Ok(mut open) => open.values_mut().filter_map(|(_, h, _)| h.take()).collect(),
             Err(_) => Vec::new(),
         };
         for h in threads {
@@ -319,7 +320,7 @@ impl SocketIngest {
 /// connection admitted while the stop began.)
 fn shut_reads(shared: &Shared) {
     if let Ok(open) = shared.open.lock() {
-        for (s, _) in open.values() {
+        for (s, _, _) in open.values() {
             let _ = s.shutdown(Shutdown::Read);
         }
     }
@@ -524,36 +525,53 @@ fn serve(
     }
 }
 
+/// Whether one more connection of `who` on the Unix socket (`unix`) or
+/// the TCP port is over a bound: the refusal's counter reason and its line.
+/// Counted per listener: clients of the loopback TCP port (any local user)
+/// can never take the Unix socket's slots (its mode and group decide who
+/// connects there), nor the other way round; and per peer within one, so
+/// one user holding connections open cannot lock the others out (its
+/// idle ones end after [`conn::LINE_TIMEOUT`] anyway).
+fn over_bounds(
+    open: &HashMap<u64, OpenConn>,
+    unix: bool,
+    who: &PeerId,
+    cfg: &IngestConfig,
+) -> Option<(&'static str, String)> {
+    let here = || {
+        open.values()
+            .filter(move |(s, _, _)| matches!(s, Stream::Unix(_)) == unix)
+    };
+    if here().count() >= cfg.max_connections {
+        return Some((
+            "too_many_connections",
+            format!(
+                "too many connections on this listener ({} open, ingest.max_connections); try again later",
+                cfg.max_connections
+            ),
+        ));
+    }
+    let mine = here().filter(|(_, _, p)| p == who).count();
+    let per_peer = cfg.max_connections_per_peer.min(cfg.max_connections);
+    (mine >= per_peer).then(|| {
+        (
+            "peer_connections",
+            format!(
+                "too many connections from this peer ({mine} open, ingest.max_connections_per_peer {per_peer}); close one or try again later"
+            ),
+        )
+    })
+}
+
 /// Start a connection thread for `stream`, or refuse it in one line if
-/// `ingest.max_connections` are open.
+/// `ingest.max_connections` are open on its listener, or its peer holds
+/// `ingest.max_connections_per_peer` of them.
 fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     let Ok(mut open) = shared.open.lock() else {
         return;
     };
-    open.retain(|_, (_, h)| h.as_ref().is_some_and(|h| !h.is_finished()));
-    // Counted per listener: clients of the loopback TCP port (any local
-    // user) can never take the Unix socket's slots (its mode and group
-    // decide who connects there), nor the other way round.
+    open.retain(|_, (_, h, _)| h.as_ref().is_some_and(|h| !h.is_finished()));
     let unix = matches!(stream, Stream::Unix(_));
-    let same = open
-        .values()
-        .filter(|(s, _)| matches!(s, Stream::Unix(_)) == unix)
-        .count();
-    if same >= shared.cfg.max_connections {
-        drop(open);
-        shared.counters.refused("too_many_connections");
-        let why = format!(
-            "too many connections on this listener ({} open, ingest.max_connections); try again later",
-            shared.cfg.max_connections
-        );
-        refuse(stream, &why);
-        return;
-    }
-    let Ok(handle) = stream.try_clone() else {
-        return;
-    };
-    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let (sh, tx) = (shared.clone(), ingest.clone());
     let (scope, who) = match &stream {
         Stream::Unix(u) => {
             let uid = peer_uid(u);
@@ -566,6 +584,18 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
             (KeyScope::Tcp, PeerId::ip(ip))
         }
     };
+    if let Some((reason, why)) = over_bounds(&open, unix, &who, &shared.cfg) {
+        drop(open);
+        shared.counters.refused(reason);
+        refuse(stream, &why);
+        return;
+    }
+    let Ok(handle) = stream.try_clone() else {
+        return;
+    };
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let (sh, tx) = (shared.clone(), ingest.clone());
+    let peer_id = who.clone();
     // Counted before the thread starts, so a stop beginning now waits for it.
     shared.readers.fetch_add(1, Ordering::Relaxed);
     let spawned = std::thread::Builder::new()
@@ -594,7 +624,7 @@ fn admit(stream: Stream, shared: &Arc<Shared>, ingest: &Sender<IngestMsg>) {
     match spawned {
         Ok(h) => {
             shared.counters.add("ingest_connections", 1);
-            open.insert(id, (handle, Some(h)));
+            open.insert(id, (handle, Some(h), peer_id));
         }
         Err(e) => {
             shared.readers.fetch_sub(1, Ordering::Relaxed);

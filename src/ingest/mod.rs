@@ -114,7 +114,8 @@ impl PatternStreams {
 /// (handed to the ingest thread), `ingest_refused` and
 /// `ingest_refused.<reason>` (`bad_request`, `bad_stream`,
 /// `unknown_stream`, `too_many_streams`, `bad_fields`, `bad_ts`, `bad_key`,
-/// `line_too_long`, `idle`, `too_many_connections`, `agent_stopping`,
+/// `line_too_long`, `idle`, `too_many_connections`, `peer_connections`,
+/// `agent_stopping`,
 /// and over a peer's bounds `peer_rate`, `peer_share`, `input_share`, each
 /// also counted `readings_refused_<reason>`: [`crate::intake::share`]),
 /// `ingest_connections`, and `ingest_backpressure` and

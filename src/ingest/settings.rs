@@ -49,6 +49,14 @@ pub struct IngestConfig {
     /// no request line for 60 s is told so and closed
     /// ([`crate::ingest::conn::LINE_TIMEOUT`]).
     pub max_connections: usize,
+    /// `max_connections_per_peer`: connections one peer (a socket
+    /// client's uid, a TCP client's address: [`crate::intake::share::PeerId`])
+    /// may hold at once on a listener (1..=1024, default 4; at most
+    /// `max_connections` in effect), so one local user cannot take every
+    /// slot and lock the others out. One more is told so in one error line
+    /// naming this key and closed. On loopback TCP every local user is the
+    /// one peer 127.0.0.1: tell users apart on the socket.
+    pub max_connections_per_peer: usize,
     /// `max_rate_per_sec`: requests per second per connection (token
     /// bucket, burst of one second's worth; 1..=1000000, default 5000).
     /// Past it the agent stops reading that connection until tokens are
@@ -112,6 +120,7 @@ impl Default for IngestConfig {
             tcp_public: false,
             max_line_bytes: 16 * 1024,
             max_connections: 16,
+            max_connections_per_peer: 4,
             max_rate_per_sec: 5000,
             max_fields: 64,
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,

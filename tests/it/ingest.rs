@@ -17,6 +17,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -215,6 +216,79 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
         .terminate(Duration::from_secs(15))
         .is_some_and(|s| s.success()));
     assert!(!sock.exists(), "the socket is removed at a clean stop");
+}
+
+/// One local user holding connections open cannot lock another out of
+/// the socket (as root: the second user is `nobody`, uid and gid 65534, the
+/// socket's group, through
+/// perl's IO::Socket::UNIX, which every Debian has). With the defaults,
+/// root opens connections until one is refused: it gets
+/// `ingest.max_connections_per_peer` (4) of the listener's 16, the next is
+/// told so naming that key; `nobody` then connects and its reading is
+/// stored. Before the per-peer bound root took all 16 and `nobody` was
+/// refused.
+#[test]
+fn one_local_user_cannot_take_every_connection_of_the_socket() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to connect as a second user");
+        return;
+    }
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let pfx = prefix("ingest_peer_slots");
+    let cfg = ingest_config(
+        dir.path(),
+        &broker.url(),
+        &pfx,
+        "socket_group = \"65534\"\n[[ingest.streams]]\nname = \"pump\"\n",
+    );
+    let sock = dir.path().join("run/ingest.sock");
+    let mut agent = spawn(&cfg, dir.path());
+    wait_socket(&sock, &agent);
+
+    let mut held = Vec::new();
+    let refused = loop {
+        assert!(
+            held.len() <= 16,
+            "root was given {} connections",
+            held.len()
+        );
+        let mut c = Client::unix(&sock).expect("connect");
+        let v = c.ask(r#"{"stream":"pump","fields":{"a":1}}"#);
+        if v["ok"] == true {
+            held.push(c);
+        } else {
+            break error_of(&v);
+        }
+    };
+    assert_eq!(held.len(), 4, "root's connections admitted: {}", held.len());
+    assert!(
+        refused.contains("too many connections from this peer")
+            && refused.contains("ingest.max_connections_per_peer 4"),
+        "{refused}"
+    );
+
+    let script = r#"use IO::Socket::UNIX; my $s = IO::Socket::UNIX->new(Peer => $ARGV[0]) or die "connect: $!"; print $s qq({"stream":"pump","fields":{"a":2}}\n); my $r = <$s>; print $r;"#;
+    let out = std::process::Command::new("perl")
+        .args(["-e", script, sock.to_str().expect("utf-8")])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("perl runs");
+    let reply = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(reply.trim()).unwrap_or_else(|e| {
+        panic!(
+            "nobody's reply {reply:?} ({e}); stderr {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            agent.log_tail(20)
+        )
+    });
+    ok_id(&v);
+    drop(held);
+    assert!(agent
+        .terminate(Duration::from_secs(15))
+        .is_some_and(|s| s.success()));
 }
 
 #[test]

@@ -52,6 +52,7 @@ pub(super) struct RawIngest {
     pub(super) tcp_public: bool,
     pub(super) max_line_bytes: Option<usize>,
     pub(super) max_connections: Option<usize>,
+    pub(super) max_connections_per_peer: Option<usize>,
     pub(super) max_rate_per_sec: Option<u32>,
     pub(super) max_fields: Option<usize>,
     pub(super) max_buffered_bytes: Option<usize>,

@@ -116,6 +116,13 @@ fn validate_bounds(raw: &RawIngest, cfg: &mut IngestConfig, bad: &mut impl FnMut
         1024,
         d.max_connections,
     );
+    let max_connections_per_peer = range(
+        "ingest.max_connections_per_peer",
+        raw.max_connections_per_peer,
+        1,
+        1024,
+        d.max_connections_per_peer,
+    );
     let max_fields = range("ingest.max_fields", raw.max_fields, 1, 1024, d.max_fields);
     let max_rate_per_sec = range(
         "ingest.max_rate_per_sec",
@@ -140,6 +147,7 @@ fn validate_bounds(raw: &RawIngest, cfg: &mut IngestConfig, bad: &mut impl FnMut
     );
     cfg.max_line_bytes = max_line_bytes;
     cfg.max_connections = max_connections;
+    cfg.max_connections_per_peer = max_connections_per_peer;
     cfg.max_rate_per_sec = max_rate_per_sec;
     cfg.max_fields = max_fields;
     cfg.max_buffered_bytes = max_buffered_bytes;
