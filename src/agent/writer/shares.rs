@@ -67,9 +67,13 @@ impl Writer {
         if let Ok((newest, acked)) = marks(spool) {
             if newest > acked {
                 let carried = self.input_backlog_bytes(acked, newest);
-                log::info!(
+                // Said only when there is some: a backlog of the board's
+                // own readings is no local input.
+                if carried > 0 {
+                    log::info!(
                     "ingest: {carried} bytes of local input not yet delivered from before this start count against ingest.max_spool_share_input_percent until delivered (no peer: the spool keeps none per row)"
                 );
+                }
                 sh.carry(carried, newest);
             }
         }
