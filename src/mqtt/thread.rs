@@ -168,6 +168,10 @@ pub fn new(
     )
 }
 
+/// A reconnect delay at least this long is said at INFO: an operator who
+/// just restarted the broker wonders why nothing connects yet.
+const ANNOUNCED_DELAY: Duration = Duration::from_secs(5);
+
 impl MqttThread {
     /// Drive connections until the stop flag is set.
     pub fn run(mut self) {
@@ -176,6 +180,7 @@ impl MqttThread {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut backoff = Backoff::new(self.cfg.reconnect_min, self.cfg.reconnect_max);
         let mut first = true;
+        let mut said = false;
         while !self.stop.load(Ordering::Relaxed) {
             let new_cfg = lock(&self.shared).reconfigure.take();
             if let Some(c) = new_cfg {
@@ -192,7 +197,18 @@ impl MqttThread {
             }
             if !first {
                 let delay = backoff.next_delay();
-                log::debug!("mqtt: reconnecting in {} ms", delay.as_millis());
+                // The first wait people notice is said, once until a
+                // connection is healthy again (not at every attempt).
+                if delay >= ANNOUNCED_DELAY && !said {
+                    log::info!(
+                        "mqtt: next connection attempt in {:.1} s; attempts back off up to {} s (mqtt.reconnect_max_ms), not said again until connected",
+                        delay.as_secs_f64(),
+                        self.cfg.reconnect_max.as_secs()
+                    );
+                    said = true;
+                } else {
+                    log::debug!("mqtt: reconnecting in {} ms", delay.as_millis());
+                }
                 self.sleep(delay);
                 if self.stop.load(Ordering::Relaxed) {
                     break;
@@ -229,6 +245,7 @@ impl MqttThread {
                 // A connection that carried data (a PUBACK), or was up for
                 // a keep-alive: a healthy connection that ended.
                 backoff.reset();
+                said = false;
             }
             client.try_disconnect();
             self.lose(&reason);
