@@ -120,10 +120,10 @@ fn state_value(rig: &Rig, key: &str) -> Option<i64> {
     .and_then(|v| v.parse().ok())
 }
 
-/// The core case. A (issued t0, 60 s) runs; B (issued t0 + 10 min) runs;
-/// A's record is gone; the board restarts in 1970; A's signed bytes are
-/// sent again: `expired`, not run. A command the operator signs now still
-/// runs on that clock.
+/// The core case. A (issued t0, 60 s) runs; B (issued t0 + 10 min, 600 s)
+/// runs; A's record is gone; the board restarts in 1970; A's signed bytes
+/// are sent again: `expired`, not run. A command the operator signs now
+/// still runs on that clock.
 #[test]
 fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted_clock() {
     if !faketime_reaches_the_agent() {
@@ -133,12 +133,12 @@ fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted
     // The board's clock ten minutes behind the real one, so A and B are
     // issued on it ten minutes apart and each runs in its time.
     let clock = Clock::new(&rig, "-600", "unsynchronized");
-    let t0 = real_ms() - 10 * MIN_MS;
     let mut agent = clock.spawn(&rig);
+    let t0 = real_ms() - 10 * MIN_MS;
     let a = count(&rig, "a", t0, 60);
     assert_eq!(state_of(&rig, &agent, &a).0, "completed");
     step_clock(&clock.offset, "+0");
-    let b = count(&rig, "b", t0 + 10 * MIN_MS, 60);
+    let b = count(&rig, "b", t0 + 10 * MIN_MS, 600);
     assert_eq!(state_of(&rig, &agent, &b).0, "completed");
     agent.terminate(Duration::from_secs(15));
     assert_eq!(lines(&rig.marker("counter-fast")), 2);
