@@ -11,6 +11,7 @@ use super::admission::Tier;
 use super::builtin::{self, Kind};
 use super::exec_handler;
 use super::message::{CmdMsg, Lane};
+use super::timefloor::TimeFloor;
 use super::ExecHandler;
 use crate::event::envelope::wall_clock_ms;
 use crate::intake::ControlSender;
@@ -71,6 +72,9 @@ pub(super) struct Pending {
     pub(super) args: Map<String, Value>,
     /// Deadline on the wall clock (trusted clock only).
     pub(super) deadline_wall: Option<i64>,
+    /// `issued_at_ms` plus its TTL, whatever the clock at receipt: judged
+    /// against the [`TimeFloor`] while the wall clock is untrusted.
+    pub(super) deadline_issued: Option<i64>,
     /// Deadline on the monotonic clock (from receipt in this process).
     pub(super) deadline_mono: Option<Instant>,
     /// The deadline cannot be judged (received before a restart on an untrusted clock).
@@ -81,24 +85,34 @@ pub(super) struct Pending {
 
 impl Pending {
     /// Why the command may no longer start, if so. A trusted wall clock
-    /// judges against the issue time; otherwise only the monotonic time
-    /// since receipt counts.
-    pub(super) fn expired(&self) -> Option<&'static str> {
-        let (now_ms, trusted) = wall_clock_ms();
-        let expired = self.age_unknown
-            || match (trusted, self.deadline_wall, self.deadline_mono) {
-                (true, Some(d), _) => now_ms > d,
-                (_, _, Some(d)) => Instant::now() > d,
-                _ => false,
-            };
-        if !expired {
-            return None;
+    /// judges against the issue time; otherwise its signed deadline is
+    /// judged against the time `floor` knows has passed at agent clock
+    /// `clock_ms`, then the monotonic time since receipt.
+    pub(super) fn expired(&self, floor: &TimeFloor, clock_ms: i64) -> Option<String> {
+        const PAST_TTL: &str = "expired: past its ttl_secs (or commands.default_ttl_secs); not run";
+        if self.age_unknown {
+            return Some(
+                "expired: its age cannot be judged (received before a restart, clock not trusted)"
+                    .to_owned(),
+            );
         }
-        Some(if self.age_unknown {
-            "expired: its age cannot be judged (received before a restart, clock not trusted)"
-        } else {
-            "expired: past its ttl_secs (or commands.default_ttl_secs); not run"
-        })
+        let (now_ms, trusted) = wall_clock_ms();
+        if trusted {
+            if self.deadline_wall.is_some_and(|d| now_ms > d) {
+                return Some(PAST_TTL.to_owned());
+            }
+            if self.deadline_wall.is_some() {
+                return None;
+            }
+        } else if let Some(why) = self
+            .deadline_issued
+            .and_then(|d| floor.expired(d, clock_ms))
+        {
+            return Some(why);
+        }
+        self.deadline_mono
+            .is_some_and(|d| Instant::now() > d)
+            .then(|| PAST_TTL.to_owned())
     }
 }
 

@@ -26,7 +26,8 @@
 //! [`retention`] (how long records live, on the agent's monotonic clock),
 //! [`rate`] (rate limits), [`admission`] (who gets room: the operator's
 //! reserved share of every bound, global budgets), [`signed`] (who signed
-//! a command: the operator's keys), [`exec_handler`]
+//! a command: the operator's keys), [`timefloor`] (a time the board knows
+//! has passed, for signed deadlines on an untrusted clock), [`exec_handler`]
 //! (operator-declared programs), [`builtin`] (built-in handlers).
 
 pub mod admission;
@@ -46,6 +47,7 @@ pub mod retention;
 pub mod settings;
 pub mod signed;
 pub mod store;
+pub mod timefloor;
 pub mod worker;
 
 pub use settings::{CommandsConfig, ExecHandler, ParamKind, ParamSpec};

@@ -110,6 +110,8 @@ fn step(u: Unfinished, retry_safe: bool, trusted: bool) -> Step {
         name: u.name,
         args,
         deadline_wall,
+        // Not stored: on an untrusted clock its age is unknown anyway.
+        deadline_issued: None,
         deadline_mono: None,
         age_unknown: u.ttl_ms.is_some() && deadline_wall.is_none(),
         tier,

@@ -21,7 +21,9 @@
 //! is (scope, command id): a signature that left it out could be replayed
 //! under another scope as a new command. The deadline is bound so that a
 //! replay after the record has aged out (past `record_retention_secs`) is
-//! `expired` on a trusted clock rather than run again.
+//! `expired` rather than run again: on a trusted clock by the wall clock,
+//! on an untrusted one by the time floor the operator's own signed issue
+//! times build ([`super::timefloor`]).
 
 use super::Command;
 use crate::event::hex;

@@ -7,6 +7,7 @@
 //! duplicate, a conflict and an end mean is decided here.
 
 use super::retention::{self, Policy};
+use super::timefloor::{self, Mark, TimeFloor};
 use super::Command;
 use crate::event::envelope::{wall_clock_ms, EventId};
 use crate::event::hex::encode as hex;
@@ -72,6 +73,9 @@ pub struct Receipt<'a> {
     pub clock_ms: i64,
     /// What a new command gets.
     pub admit: Admit<'a>,
+    /// For a command an operator key signed with an `issued_at_ms`: what
+    /// the [`TimeFloor`] is raised to if it is new and recorded.
+    pub floor: Option<Mark>,
 }
 
 /// Outcome of claiming a receipt.
@@ -203,7 +207,8 @@ fn kept_request(canonical: &str) -> &str {
 /// `receipt.admit` says. For anything but [`Claim::New`], the answer event
 /// (stored result, `conflict`, `in_progress`, rejection) is appended in the
 /// same transaction; a retained duplicate of a finished command is counted
-/// but not answered again (field case F13).
+/// but not answered again (field case F13). A new record raises the time
+/// floor by `receipt.floor` in the same transaction (no commit of its own).
 pub fn claim(
     spool: &mut Spool,
     cmd: &Command,
@@ -214,6 +219,11 @@ pub fn claim(
     let now = wall_clock_ms().0;
     spool.command_write(|tx| {
         if insert_receipt(tx, cmd, receipt, now)? {
+            let recorded = !matches!(receipt.admit, Admit::Refuse(_) | Admit::NoRoom(_));
+            if let Some(m) = receipt.floor.filter(|_| recorded) {
+                tx.raise_state(timefloor::ISSUED_STATE_KEY, m.issued_ms, now)?;
+                tx.raise_state(timefloor::OFFSET_STATE_KEY, m.offset_ms, now)?;
+            }
             return answer_new(tx, cmd, receipt, ctx, now);
         }
         let stored = tx.stored(&cmd.scope, &cmd.command_id)?;
@@ -437,6 +447,18 @@ pub fn clock_ms(spool: &Spool) -> Result<i64, SpoolError> {
     spool.command_clock_ms(retention::CLOCK_STATE_KEY)
 }
 
+/// The [`TimeFloor`] the spool holds (nothing known on a new spool; a
+/// value that does not read as an integer counts as none).
+pub fn time_floor(spool: &Spool) -> Result<TimeFloor, SpoolError> {
+    let read = |key| -> Result<Option<i64>, SpoolError> {
+        Ok(spool.state(key)?.and_then(|v| v.trim().parse().ok()))
+    };
+    Ok(TimeFloor::new(
+        read(timefloor::ISSUED_STATE_KEY)?,
+        read(timefloor::OFFSET_STATE_KEY)?,
+    ))
+}
+
 /// Delete command records as [`retention::select`] decides, in
 /// transactions of at most [`retention::PURGE_BATCH`] records, never a
 /// `received` or `running` one. `now_ms` is the [`retention::AgentClock`]
@@ -530,6 +552,7 @@ mod tests {
                 ttl: None,
                 clock_ms,
                 admit,
+                floor: None,
             };
             claim(&mut self.spool, &cmd, false, &receipt, &mut ctx).unwrap()
         }
@@ -798,6 +821,71 @@ mod tests {
         let left = f.spool.command_count().unwrap();
         assert_eq!(left, 450 - n);
         assert!(left >= retention::KEEP_NEWEST);
+    }
+
+    /// F3: the time floor rides the receipt's own transaction, only a new
+    /// record raises it, and it never goes down.
+    #[test]
+    fn the_time_floor_rises_with_a_new_record_only_and_never_falls() {
+        let mut f = Fixture::new();
+        let claim_with = |f: &mut Fixture, id: &str, admit: Admit<'_>, floor| {
+            let cmd = parse(
+                format!(r#"{{"command_id":"{id}","name":"count"}}"#).as_bytes(),
+                4096,
+            )
+            .unwrap();
+            let mut ctx = EventCtx {
+                ids: &mut f.ids,
+                device_id: "d",
+                format: Format::Json,
+            };
+            let receipt = Receipt {
+                deadline_ms: None,
+                ttl: None,
+                clock_ms: 0,
+                admit,
+                floor,
+            };
+            claim(&mut f.spool, &cmd, false, &receipt, &mut ctx).unwrap()
+        };
+        let mark = |issued_ms, clock_ms| Some(Mark::of(issued_ms, clock_ms, None));
+        assert_eq!(time_floor(&f.spool).unwrap(), TimeFloor::default());
+        // Not recorded (rate limit, no room): nothing moves.
+        claim_with(&mut f, "r", Admit::Refuse("rate"), mark(9 * HOUR_MS, 0));
+        claim_with(&mut f, "n", Admit::NoRoom("room"), mark(9 * HOUR_MS, 0));
+        assert_eq!(time_floor(&f.spool).unwrap(), TimeFloor::default());
+        assert_eq!(
+            claim_with(&mut f, "a", Admit::Accept, mark(5 * HOUR_MS, HOUR_MS)),
+            Claim::New
+        );
+        let floor = time_floor(&f.spool).unwrap();
+        assert_eq!(floor.at(HOUR_MS), Some(5 * HOUR_MS));
+        assert_eq!(floor.at(3 * HOUR_MS), Some(7 * HOUR_MS));
+        // A duplicate raises nothing, nor does an older command.
+        let dup = claim_with(&mut f, "a", Admit::Accept, mark(50 * HOUR_MS, 0));
+        assert!(matches!(dup, Claim::Duplicate { .. } | Claim::InProgress));
+        claim_with(&mut f, "b", Admit::Accept, mark(2 * HOUR_MS, 2 * HOUR_MS));
+        assert_eq!(time_floor(&f.spool).unwrap(), floor);
+        // A failed transaction takes its raise with it.
+        f.spool
+            .raw()
+            .execute_batch("CREATE TRIGGER no_c BEFORE INSERT ON commands WHEN NEW.command_id = 'c' BEGIN SELECT RAISE(ABORT, 'refused'); END")
+            .unwrap();
+        let cmd = parse(br#"{"command_id":"c","name":"count"}"#, 4096).unwrap();
+        let receipt = Receipt {
+            deadline_ms: None,
+            ttl: None,
+            clock_ms: 0,
+            admit: Admit::Accept,
+            floor: mark(90 * HOUR_MS, 0),
+        };
+        let mut ctx = EventCtx {
+            ids: &mut f.ids,
+            device_id: "d",
+            format: Format::Json,
+        };
+        assert!(claim(&mut f.spool, &cmd, false, &receipt, &mut ctx).is_err());
+        assert_eq!(time_floor(&f.spool).unwrap(), floor);
     }
 
     #[test]

@@ -70,6 +70,7 @@ use super::results::{self, Finished, Results};
 use super::retention::{AgentClock, Policy};
 use super::signed::Signer;
 use super::store::{self, cstate, Admit, Answered, Claim, EventCtx, Receipt};
+use super::timefloor::{Mark, TimeFloor};
 use super::{parse, Command, CommandsConfig, ExecHandler, ParseError};
 use crate::event::envelope::{wall_clock_ms, EventIdGen, Format};
 use crate::intake::ControlSender;
@@ -150,7 +151,17 @@ pub fn run(
     let (Some(exec), Some(agent)) = (start(Lane::Exec), start(Lane::Agent)) else {
         return;
     };
+    let floor = match store::time_floor(&spool) {
+        Ok(floor) => floor,
+        Err(e) => {
+            // Without it a replayed signed command could run again while the
+            // clock is untrusted (I4).
+            log::error!("commands: cannot read the time floor: {e}; commands disabled");
+            return;
+        }
+    };
     let mut w = Worker::new(cfg, link, inbox, [exec, agent], clock, to_delivery);
+    w.floor = floor;
     w.recover(&mut spool, &mut ids);
     w.purge(&mut spool);
     while !stop.load(Ordering::Relaxed) {
@@ -205,6 +216,8 @@ struct Admission {
     ttl: Option<Duration>,
     /// Unix ms, on a trusted wall clock only.
     deadline_wall: Option<i64>,
+    /// `issued_at_ms` plus the TTL, whatever the clock ([`Pending`]).
+    deadline_issued: Option<i64>,
     /// The rate limiter's time at receipt (since the thread started).
     rate_now: Duration,
     /// Its share of the bounds.
@@ -257,6 +270,9 @@ struct Worker {
     to_delivery: Sender<DeliveryMsg>,
     errors: ErrorLog,
     records: Records,
+    /// A time the board knows has passed, raised by the operator's
+    /// commands as their receipts commit.
+    floor: TimeFloor,
     /// Origin of the rate limiter's time.
     started: Instant,
     budgets: Budgets,
@@ -306,6 +322,7 @@ impl Worker {
             to_delivery,
             errors: ErrorLog::default(),
             records: Records::new(clock, policy),
+            floor: TimeFloor::default(),
             started: Instant::now(),
             budgets,
             write_retry: None,
@@ -593,8 +610,9 @@ impl Worker {
         spool: &mut Spool,
         ids: &mut EventIdGen,
     ) -> bool {
-        if let Some(why) = p.expired() {
-            let f = Finished::not_run(p.scope, p.command_id, p.name, cstate::EXPIRED, why);
+        if let Some(why) = p.expired(&self.floor, self.records.now_ms()) {
+            log::info!("command {}/{} ({}) {why}", p.scope, p.command_id, p.name);
+            let f = Finished::not_run(p.scope, p.command_id, p.name, cstate::EXPIRED, &why);
             self.finish(spool, ids, f);
             return true;
         }

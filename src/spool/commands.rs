@@ -55,6 +55,9 @@ const SQL_UNFINISHED: &str = "SELECT scope, command_id, name, request, state, re
 const SQL_COUNT: &str = "SELECT count(*) FROM commands";
 const SQL_NEWEST_CLOCK: &str = "SELECT max(received_clock_ms) FROM commands";
 const SQL_STATE_VALUE: &str = "SELECT value FROM agent_state WHERE key = ?1";
+const SQL_RAISE_STATE: &str = "INSERT INTO agent_state (key, value, updated_ms) VALUES (?1, ?2, ?3)
+    ON CONFLICT(key) DO UPDATE SET value = excluded.value, updated_ms = excluded.updated_ms
+    WHERE CAST(excluded.value AS INTEGER) > CAST(agent_state.value AS INTEGER)";
 const SQL_NEWEST_KEPT: &str = "SELECT rowid FROM commands ORDER BY rowid DESC LIMIT 1 OFFSET ?1";
 const SQL_PURGE_CANDIDATES: &str = "SELECT rowid, coalesce(received_clock_ms, 0),
         state = 'rejected'
@@ -298,6 +301,17 @@ impl CommandTx<'_> {
             ctx.format,
             now_ms,
         )
+    }
+
+    /// Raise the agent state `key` (an integer as decimal text) to `value`
+    /// in this transaction: written when there is none or it is smaller,
+    /// else left as it is (never lowered).
+    pub fn raise_state(&self, key: &str, value: i64, now_ms: i64) -> Result<(), SpoolError> {
+        self.tx
+            .prepare_cached(SQL_RAISE_STATE)
+            .and_then(|mut st| st.execute(params![key, value.to_string(), now_ms]))
+            .map(|_| ())
+            .map_err(|e| self.err(e))
     }
 
     /// Records, all states.

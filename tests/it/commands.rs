@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 mod flood;
 mod operator;
+mod replay;
 
 /// The rig's `device_id`.
 const BOARD: &str = "cmd-board";

@@ -11,9 +11,13 @@
 use super::units::{ago, duration, duration_ms, size, us_as_ms, volume};
 use serde_json::Value;
 
-/// Keys the agent keeps for itself (the command records' clock), in
-/// `--json` only.
-const INTERNAL: &[&str] = &[crate::commands::retention::CLOCK_STATE_KEY];
+/// Keys the agent keeps for itself (the command records' clock, the
+/// commands' time floor), in `--json` only.
+const INTERNAL: &[&str] = &[
+    crate::commands::retention::CLOCK_STATE_KEY,
+    crate::commands::timefloor::ISSUED_STATE_KEY,
+    crate::commands::timefloor::OFFSET_STATE_KEY,
+];
 
 /// The `agent_state` keys of replayed streams' positions:
 /// `replay_position.<stream>` (written by the spool's `replay_key`).

@@ -296,13 +296,20 @@ impl Worker {
             _ => None,
         });
         let (now, trusted) = wall_clock_ms();
-        let deadline_wall = ttl
+        let ttl_ms = ttl.map(|t| i64::try_from(t.as_millis()).unwrap_or(i64::MAX));
+        let deadline_wall = ttl_ms
             .filter(|_| trusted)
-            .map(|t| cmd.issued_at_ms.unwrap_or(now) + t.as_millis() as i64);
+            .map(|t| cmd.issued_at_ms.unwrap_or(now).saturating_add(t));
+        // Judged against the time floor while the clock is untrusted.
+        let deadline_issued = cmd
+            .issued_at_ms
+            .zip(ttl_ms)
+            .map(|(at, t)| at.saturating_add(t));
         Admission {
             route,
             ttl,
             deadline_wall,
+            deadline_issued,
             rate_now,
             tier,
             verdict,
@@ -322,15 +329,25 @@ impl Worker {
         spool: &mut Spool,
         ids: &mut EventIdGen,
     ) -> Option<Claim> {
+        let clock_ms = self.records.now_ms();
+        // Only a signature by an operator key moves the time floor.
+        let floor = cmd
+            .issued_at_ms
+            .filter(|_| a.tier == Tier::Operator)
+            .map(|at| Mark::of(at, clock_ms, synced_wall_ms()));
         let receipt = Receipt {
             deadline_ms: a.deadline_wall,
             ttl: a.ttl,
-            clock_ms: self.records.now_ms(),
+            clock_ms,
             admit: a.verdict.admit(),
+            floor,
         };
         let mut ctx = self.ctx(ids);
         match store::claim(spool, cmd, publish.retain, &receipt, &mut ctx) {
             Ok(claim) => {
+                if let (Some(m), Claim::New | Claim::Answered | Claim::Rejected) = (floor, &claim) {
+                    self.floor.raise(m);
+                }
                 self.committed(epoch, &publish);
                 Some(claim)
             }
@@ -379,6 +396,7 @@ impl Worker {
                     name: cmd.name,
                     args: cmd.args,
                     deadline_wall: a.deadline_wall,
+                    deadline_issued: a.deadline_issued,
                     deadline_mono: a.ttl.map(|t| Instant::now() + t),
                     age_unknown: false,
                     tier: a.tier,
@@ -444,4 +462,15 @@ impl Worker {
             ),
         }
     }
+}
+
+/// The wall clock now, Unix ms, if it is past the floor and the kernel says
+/// time sync vouches for it ([`crate::os::clock::kernel_sync`]).
+fn synced_wall_ms() -> Option<i64> {
+    let (now, trusted) = wall_clock_ms();
+    let synced = matches!(
+        crate::os::clock::kernel_sync(),
+        crate::event::clock::Sync::Synchronized { .. }
+    );
+    (trusted && synced).then_some(now)
 }

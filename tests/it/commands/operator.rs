@@ -40,7 +40,7 @@ fn answers(rig: &Rig, command_id: &str) -> Vec<Value> {
 
 /// Send `cmd` and wait for a new answer to its id; the answer and how long
 /// it took (`None`: none within [`PATIENCE`]).
-fn ask(rig: &Rig, cmd: &Value) -> (Option<Value>, Duration) {
+pub(super) fn ask(rig: &Rig, cmd: &Value) -> (Option<Value>, Duration) {
     let id = cmd["command_id"].as_str().expect("command_id").to_owned();
     let before = answers(rig, &id).len();
     let t = Instant::now();
