@@ -28,6 +28,8 @@
 //! - `held`: what the spool still holds per stream, and rows read again by
 //!   sequence number when the fleet asks (backfill);
 //! - `upkeep`: retention, giving space back, checkpoints;
+//! - `clock_spans`: the rows appended before the wall clock was set, and
+//!   the time retention counts them from;
 //! - `commands`: command records (the idempotency keys of commands);
 //! - `keys`: idempotency keys of keyed readings;
 //! - `priority`: each row's delivery lane;
@@ -37,6 +39,7 @@
 
 mod append;
 pub mod backup;
+mod clock_spans;
 mod commands;
 mod delivery;
 mod held;
@@ -54,6 +57,7 @@ mod upkeep;
 mod wal;
 
 pub use append::{CommitOutcome, Committed, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTES};
+pub use clock_spans::WallClock;
 pub use commands::*;
 pub use delivery::{FailedRow, OutRow};
 pub use held::{HeldRow, HeldState, PENDING_SCAN_ROWS};

@@ -139,6 +139,13 @@ impl Spool {
                 found: version,
             });
         }
+        if version < 13 {
+            // A spool from before schema 13 (its agent not restarted since
+            // the upgrade) has no clock spans: an empty one of this
+            // connection's own stands in, so the reads that look at it work.
+            conn.execute_batch(super::clock_spans::SQL_NO_SPANS_YET)
+                .map_err(err)?;
+        }
         let pragmas = read_pragmas(&conn).map_err(err)?;
         Ok(Spool {
             conn,
