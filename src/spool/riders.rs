@@ -31,10 +31,10 @@ pub struct Riders<'a> {
     /// [`super::Spool::persist_seqs`]).
     pub seqs: bool,
     /// The wall clock the commit's time was read from: a span of rows
-    /// appended before the clock was set opens or closes with this commit
-    /// when it changed ([`super::clock_spans`]); nothing is written when it
-    /// did not. `None`: the appender does not say (tests, tools), and no
-    /// span opens or closes.
+    /// appended before the clock was set (schema 13's `clock_spans`) opens
+    /// or closes with this commit when it changed ([`super::WallClock`]);
+    /// nothing is written when it did not. `None`: the appender does not
+    /// say (tests, tools), and no span opens or closes.
     pub clock: Option<super::WallClock>,
 }
 

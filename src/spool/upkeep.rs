@@ -22,8 +22,8 @@ pub(super) const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
     ORDER BY id LIMIT ?2) RETURNING stream_id, seq";
 
 /// Whether [`SQL_PURGE`] or [`SQL_PURGE_ABOVE`] would delete a row
-/// appended before `?1` below row `?2` (read only: a pass with nothing to delete writes
-/// nothing, not even the sequence numbers).
+/// appended before `?1` below row `?2` (read only: a pass with nothing to
+/// delete writes nothing, not even the sequence numbers).
 pub(super) const SQL_PURGE_ANY: &str = "SELECT EXISTS (
     SELECT 1 FROM events
     WHERE id <= (SELECT acked_through FROM delivery_mark)
@@ -76,14 +76,15 @@ impl Spool {
     /// oldest first, in one IMMEDIATE transaction. Never touches an
     /// unacknowledged or FAILED row, nor the newest row, nor a row appended
     /// before the wall clock was set while its span holds it (its span is
-    /// open, or closed at `cutoff_ms` or later, [`clock_spans`]), nor any
-    /// row above it. `cutoff_ms = i64::MAX` is the spool bound: every
-    /// acknowledged row, oldest first, whatever its age or span. Returns the number
-    /// deleted; call again until 0, with a checkpoint in between, so a large
-    /// purge never balloons the WAL (F02). Sequence numbers are persisted in
-    /// the same transaction ([`Spool::persist_seqs`]), and only when a row
-    /// is to go: with nothing to delete this writes nothing (issue 23:
-    /// persisting them at every maintenance pass was a commit every 5 s).
+    /// open, or closed at `cutoff_ms` or later, see [`super::WallClock`]),
+    /// nor any row above it. `cutoff_ms = i64::MAX` is the spool bound:
+    /// every acknowledged row, oldest first, whatever its age or span.
+    /// Returns the number deleted; call again until 0, with a checkpoint in
+    /// between, so a large purge never balloons the WAL (F02). Sequence
+    /// numbers are persisted in the same transaction
+    /// ([`Spool::persist_seqs`]), and only when a row is to go: with
+    /// nothing to delete this writes nothing (issue 23: persisting them at
+    /// every maintenance pass was a commit every 5 s).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
         let below = clock_spans::hold_from(&self.conn, cutoff_ms).map_err(|e| self.err(e))?;
         let any: bool = self
