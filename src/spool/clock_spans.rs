@@ -133,6 +133,9 @@ pub(super) fn note(
             tx.prepare_cached(SQL_START)
                 .and_then(|mut st| st.execute(params![first_new]))
                 .map_err(err)?;
+            log::info!(
+                "clock: not set by time sync; rows from row {first_new} on are kept by retention from when it is"
+            );
         }
         (WallClock::Settled, Some(first)) => {
             // This commit's own rows were read at a settled clock.

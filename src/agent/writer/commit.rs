@@ -124,8 +124,8 @@ impl Store {
             (false, Durability::Batched) => &mut self.batched,
         };
         // The rows' append time, and whether time sync has set the clock it
-        // was read from: rows appended before it was form a span that
-        // retention counts from when it was set ([`WallClock`]).
+        // is read from: rows appended while it has not are kept by
+        // retention from when it is ([`WallClock`]).
         let (now_ms, trusted) = wall_clock_ms();
         let clock = WallClock::judge(trusted, crate::os::clock::kernel_sync());
         let riders = Riders {
