@@ -715,12 +715,15 @@ impl Spool {
             }
             issued.store(&tx, now_ms).map_err(err)?;
             if let Some(clock) = riders.clock {
-                let rows = (first_new, issued.appended);
+                let rows = (self.seen_through + 1, first_new, issued.appended);
                 super::clock_spans::note(&tx, &err, clock, now_ms, rows)?;
             }
             super::riders::ride(&tx, &err, &riders, (&book, &issued.next), now_ms)?
         };
         tx.commit().map_err(err)?;
+        if riders.clock.is_some() {
+            self.seen_through = first_new - 1 + issued.appended as i64;
+        }
         let synced = self.pragmas.synchronous >= 2;
         for (ev, outcome) in events.iter().zip(outcomes) {
             if let (Some(reply), Some(outcome)) = (&ev.reply, outcome) {

@@ -114,15 +114,19 @@ pub(super) fn next_id(tx: &Transaction<'_>) -> rusqlite::Result<i64> {
 /// Open or close the span for a commit whose rows were read at `clock` and
 /// `now_ms`, inside its transaction `tx`: `first_new` is the id its first
 /// row got ([`next_id`] before the appends), `appended` how many it
-/// appended. Writes only when the clock changed since the last commit (an
-/// unsettled commit with rows and no span open, a settled one with a span
-/// open); otherwise one read of a table of a few rows.
+/// appended, `since` the first row this appender has not seen (a span it
+/// opens starts there: the rows other connections appended since its last
+/// commit, a command's result, were read at the same clock, or if at a
+/// set one are merely kept a little longer). Writes only when the clock
+/// changed since the last commit (an unsettled commit with rows and no
+/// span open, a settled one with a span open); otherwise one read of a
+/// table of a few rows.
 pub(super) fn note(
     tx: &Transaction<'_>,
     err: &dyn Fn(rusqlite::Error) -> SpoolError,
     clock: WallClock,
     now_ms: i64,
-    (first_new, appended): (i64, usize),
+    (since, first_new, appended): (i64, i64, usize),
 ) -> Result<(), SpoolError> {
     let open: Option<i64> = tx
         .prepare_cached(SQL_OPEN_SPAN)
@@ -130,11 +134,12 @@ pub(super) fn note(
         .map_err(err)?;
     match (clock, open) {
         (WallClock::Unsettled, None) if appended > 0 => {
+            let first = since.clamp(1, first_new);
             tx.prepare_cached(SQL_START)
-                .and_then(|mut st| st.execute(params![first_new]))
+                .and_then(|mut st| st.execute(params![first]))
                 .map_err(err)?;
             log::info!(
-                "clock: not set by time sync; rows from row {first_new} on are kept by retention from when it is"
+                "clock: not set by time sync; rows from row {first} on are kept by retention from when it is"
             );
         }
         (WallClock::Settled, Some(first)) => {

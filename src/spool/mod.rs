@@ -235,6 +235,11 @@ pub struct Spool {
     /// The secret of keyed event ids (schema 10's `secrets`); zeros on a
     /// read-only spool, which appends nothing.
     key_secret: [u8; 32],
+    /// The highest row id there was at this connection's last append that
+    /// judged the clock (or at open): a span of rows appended before the
+    /// clock was set starts right after it, so it also takes the rows
+    /// another connection appended since (a command's result).
+    seen_through: i64,
 }
 
 impl Spool {

@@ -112,9 +112,14 @@ impl Spool {
             seqs: Arc::default(),
             wal,
             key_secret: [0; 32],
+            seen_through: 0,
         };
         spool.migrate()?;
         spool.load_seqs()?;
+        spool.seen_through = spool
+            .conn
+            .query_row("SELECT coalesce(max(id), 0) FROM events", [], |r| r.get(0))
+            .map_err(err)?;
         Ok(spool)
     }
 
@@ -154,6 +159,7 @@ impl Spool {
             seqs: Arc::default(),
             wal: Arc::default(),
             key_secret: [0; 32],
+            seen_through: 0,
         })
     }
 

@@ -231,3 +231,27 @@ fn a_schema_12_spool_migrates_and_an_unmigrated_one_reads_without_spans() {
     commit(&mut s, &mut ids, 1, Some(WallClock::Unsettled), 6_000);
     assert_eq!(spans(&s), vec![(3, None, None)]);
 }
+
+#[test]
+fn a_span_takes_the_rows_another_connection_appended_since_the_last_commit() {
+    let d = tempfile::tempdir().unwrap();
+    let mut ids = EventIdGen::new().unwrap();
+    let mut writer = open(d.path());
+    commit(&mut writer, &mut ids, 2, Some(WallClock::Settled), SET_MS);
+    // The command thread's connection appends a result, saying nothing of
+    // the clock (it was unset by then).
+    let mut commands = open(d.path());
+    commit(&mut commands, &mut ids, 1, None, 3_000);
+    commit(&mut writer, &mut ids, 2, Some(WallClock::Unsettled), 4_000);
+    assert_eq!(spans(&writer), vec![(3, None, None)], "from the result on");
+    // A connection opened now starts after every row there is.
+    let mut later = open(d.path());
+    commit(
+        &mut later,
+        &mut ids,
+        1,
+        Some(WallClock::Settled),
+        SET_MS + 9,
+    );
+    assert_eq!(spans(&later), vec![(3, Some(5), Some(SET_MS + 9))]);
+}
