@@ -695,6 +695,10 @@ impl Spool {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(err)?;
+        let first_new = match riders.clock {
+            Some(_) => super::clock_spans::next_id(&tx).map_err(err)?,
+            None => 0,
+        };
         let rode = {
             let mut insert = tx.prepare_cached(SQL_INSERT_EVENT).map_err(err)?;
             let mut to = Target {
@@ -710,9 +714,16 @@ impl Spool {
                 *outcome = issued.row(&mut to, &book, ev, ids)?;
             }
             issued.store(&tx, now_ms).map_err(err)?;
+            if let Some(clock) = riders.clock {
+                let rows = (self.seen_through + 1, first_new, issued.appended);
+                super::clock_spans::note(&tx, &err, clock, now_ms, rows)?;
+            }
             super::riders::ride(&tx, &err, &riders, (&book, &issued.next), now_ms)?
         };
         tx.commit().map_err(err)?;
+        if riders.clock.is_some() {
+            self.seen_through = first_new - 1 + issued.appended as i64;
+        }
         let synced = self.pragmas.synchronous >= 2;
         for (ev, outcome) in events.iter().zip(outcomes) {
             if let (Some(reply), Some(outcome)) = (&ev.reply, outcome) {

@@ -5,18 +5,24 @@
 //! [`Spool::retire`] (or [`Spool::record_delivery`]), called with the
 //! acknowledgement of a publish that carried it (I2).
 
+use super::clock_spans::since_ms;
 use super::{priority, Spool, SpoolError, SQL_COUNTER_ADD};
 use crate::event::envelope::EventId;
 use rusqlite::{params, OptionalExtension};
 use sha2::{Digest, Sha256};
 
 /// The append time of the first row above the acknowledged mark that is
-/// neither acknowledged out of order nor FAILED.
-pub(super) const SQL_OLDEST_UNACKED: &str = "SELECT e.created_ms FROM events e
+/// neither acknowledged out of order nor FAILED (for a row appended before
+/// the clock was set, when it was set: [`super::clock_spans::since_ms`]).
+pub(super) const SQL_OLDEST_UNACKED: &str = concat!(
+    "SELECT ",
+    since_ms!(),
+    " FROM events e
     WHERE e.id > (SELECT acked_through FROM delivery_mark)
       AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
-    ORDER BY e.id LIMIT 1";
+    ORDER BY e.id LIMIT 1"
+);
 
 /// Unresolved rows (not acknowledged, not FAILED) above `?1`, in id order.
 pub(super) const SQL_SENDABLE: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.prio

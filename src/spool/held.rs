@@ -62,16 +62,18 @@ const SQL_WALK: &str = "SELECT e.id, e.event_id, s.name, e.payload, e.digest, e.
     WHERE e.stream_id = ?1 AND e.id >= ?2 ORDER BY e.id LIMIT ?3";
 
 /// Run a purge statement returning `(stream_id, seq)` of each row it
-/// deleted, noting the highest per stream in `top`; returns the rows.
+/// deleted (bound: `?1` the age cutoff, `?2` the limit, `?3` the row id a
+/// clock span holds from), noting the highest per stream in `top`; returns
+/// the rows.
 pub(super) fn purge_noting(
     tx: &Transaction<'_>,
     sql: &str,
-    cutoff_ms: i64,
+    (cutoff_ms, below_id): (i64, i64),
     limit: usize,
     top: &mut HashMap<i64, i64>,
 ) -> rusqlite::Result<usize> {
     let mut st = tx.prepare_cached(sql)?;
-    let mut rows = st.query(params![cutoff_ms, limit as i64])?;
+    let mut rows = st.query(params![cutoff_ms, limit as i64, below_id])?;
     let mut n = 0;
     while let Some(r) = rows.next()? {
         let (stream, seq): (i64, i64) = (r.get(0)?, r.get(1)?);

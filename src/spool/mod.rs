@@ -28,6 +28,8 @@
 //! - `held`: what the spool still holds per stream, and rows read again by
 //!   sequence number when the fleet asks (backfill);
 //! - `upkeep`: retention, giving space back, checkpoints;
+//! - `clock_spans`: the rows appended before the wall clock was set, and
+//!   the time retention counts them from;
 //! - `commands`: command records (the idempotency keys of commands);
 //! - `keys`: idempotency keys of keyed readings;
 //! - `priority`: each row's delivery lane;
@@ -37,6 +39,7 @@
 
 mod append;
 pub mod backup;
+mod clock_spans;
 mod commands;
 mod delivery;
 mod held;
@@ -54,6 +57,7 @@ mod upkeep;
 mod wal;
 
 pub use append::{CommitOutcome, Committed, NewEvent, ReadingKey, Refused, Reply, REPLY_BYTES};
+pub use clock_spans::WallClock;
 pub use commands::*;
 pub use delivery::{FailedRow, OutRow};
 pub use held::{HeldRow, HeldState, PENDING_SCAN_ROWS};
@@ -231,6 +235,11 @@ pub struct Spool {
     /// The secret of keyed event ids (schema 10's `secrets`); zeros on a
     /// read-only spool, which appends nothing.
     key_secret: [u8; 32],
+    /// The highest row id there was at this connection's last append that
+    /// judged the clock (or at open): a span of rows appended before the
+    /// clock was set starts right after it, so it also takes the rows
+    /// another connection appended since (a command's result).
+    seen_through: i64,
 }
 
 impl Spool {

@@ -112,9 +112,14 @@ impl Spool {
             seqs: Arc::default(),
             wal,
             key_secret: [0; 32],
+            seen_through: 0,
         };
         spool.migrate()?;
         spool.load_seqs()?;
+        spool.seen_through = spool
+            .conn
+            .query_row("SELECT coalesce(max(id), 0) FROM events", [], |r| r.get(0))
+            .map_err(err)?;
         Ok(spool)
     }
 
@@ -139,6 +144,13 @@ impl Spool {
                 found: version,
             });
         }
+        if version < 13 {
+            // A spool from before schema 13 (its agent not restarted since
+            // the upgrade) has no clock spans: an empty one of this
+            // connection's own stands in, so the reads that look at it work.
+            conn.execute_batch(super::clock_spans::SQL_NO_SPANS_YET)
+                .map_err(err)?;
+        }
         let pragmas = read_pragmas(&conn).map_err(err)?;
         Ok(Spool {
             conn,
@@ -147,6 +159,7 @@ impl Spool {
             seqs: Arc::default(),
             wal: Arc::default(),
             key_secret: [0; 32],
+            seen_through: 0,
         })
     }
 

@@ -17,6 +17,7 @@
 //!   acknowledged mark), so a stream's rows are never split between two
 //!   lanes and its first publishes stay in sequence order.
 
+use super::clock_spans::since_ms;
 use super::{OutRow, Spool, SpoolError};
 use crate::event::stream::fallback_priority;
 use rusqlite::{params, OptionalExtension};
@@ -106,18 +107,23 @@ pub struct StreamBacklog {
     pub oldest_unacked_age_ms: Option<i64>,
 }
 
-/// Unacknowledged rows and the oldest append time per stream, every stream
+/// Unacknowledged rows and the oldest append time per stream (for a row
+/// appended before the clock was set, when it was set), every stream
 /// listed (highest priority first): a read of the rows above the
 /// acknowledged mark only.
-const SQL_BACKLOG: &str = "SELECT s.name, s.prio, coalesce(b.n, 0), b.oldest
+const SQL_BACKLOG: &str = concat!(
+    "SELECT s.name, s.prio, coalesce(b.n, 0), b.oldest
     FROM streams s LEFT JOIN (
-        SELECT e.stream_id, count(*) AS n, min(e.created_ms) AS oldest FROM events e
+        SELECT e.stream_id, count(*) AS n, min(",
+    since_ms!(),
+    ") AS oldest FROM events e
         WHERE e.id > (SELECT acked_through FROM delivery_mark)
           AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
           AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
         GROUP BY e.stream_id
     ) b ON b.stream_id = s.id
-    ORDER BY s.prio DESC, s.name";
+    ORDER BY s.prio DESC, s.name"
+);
 // Grouped inside the subquery: with the join outside it, SQLite built an
 // automatic index over every row of `events` (the whole table, acknowledged
 // rows too) on each call: 0.84 s on a 1,000,000-row spool with 10,000

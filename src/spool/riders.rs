@@ -15,7 +15,9 @@ use rusqlite::params;
 use std::collections::HashMap;
 
 /// What rides one append transaction besides its rows
-/// ([`super::Spool::append_riding`]).
+/// ([`super::Spool::append_riding`]). The clock ([`Riders::clock`]) is no
+/// rider of its own: it never makes a commit happen, so [`Riders::is_empty`]
+/// ignores it.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Riders<'a> {
     /// Counter increments (`counters`), name and amount.
@@ -28,6 +30,12 @@ pub struct Riders<'a> {
     /// Write the sequence book (`streams.last_seq` and the row id it covers,
     /// [`super::Spool::persist_seqs`]).
     pub seqs: bool,
+    /// The wall clock the commit's time was read from: a span of rows
+    /// appended before the clock was set (schema 13's `clock_spans`) opens
+    /// or closes with this commit when it changed ([`super::WallClock`]);
+    /// nothing is written when it did not. `None`: the appender does not
+    /// say (tests, tools), and no span opens or closes.
+    pub clock: Option<super::WallClock>,
 }
 
 impl Riders<'_> {

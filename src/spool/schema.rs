@@ -9,7 +9,7 @@ use super::{CheckpointMode, Spool, SpoolError};
 use rusqlite::TransactionBehavior;
 
 /// Schema version this build writes (`PRAGMA user_version`).
-pub const SCHEMA_VERSION: i64 = 12;
+pub const SCHEMA_VERSION: i64 = 13;
 
 pub(super) const MIGRATION_1: &str = "
 CREATE TABLE IF NOT EXISTS events (
@@ -275,6 +275,19 @@ FROM events e JOIN streams s ON s.id = e.stream_id CROSS JOIN delivery_mark m
     LEFT JOIN acked_above a ON a.id = e.id LEFT JOIN failed f ON f.id = e.id;
 ";
 
+/// Schema 13: the spans of rows appended before the wall clock was set
+/// ([`super::clock_spans`]): the first row id of each, and once the clock
+/// is set the last one and the time retention counts them from. A spool
+/// written before has none: its rows keep counting from their append time,
+/// as they did.
+pub(super) const MIGRATION_13: &str = "
+CREATE TABLE IF NOT EXISTS clock_spans (
+    first_id   INTEGER PRIMARY KEY,
+    last_id    INTEGER,
+    settled_ms INTEGER
+);
+";
+
 /// Made once per spool, the first time a build of schema 10 opens it.
 const SQL_MAKE_SECRETS: &str =
     "INSERT OR IGNORE INTO secrets (name, value) VALUES ('key_ids', randomblob(32))";
@@ -338,6 +351,9 @@ impl Spool {
         }
         if version < 12 {
             tx.execute_batch(MIGRATION_12).map_err(err)?;
+        }
+        if version < 13 {
+            tx.execute_batch(MIGRATION_13).map_err(err)?;
         }
         tx.execute(SQL_MAKE_SECRETS, []).map_err(err)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)

@@ -1,6 +1,7 @@
 //! What `status` reads: counts by stream and state, persistent counters,
 //! agent state, and the record of each agent run.
 
+use super::clock_spans::since_ms;
 use super::open::{file_len, wal_path};
 use super::{Spool, SpoolError, SQL_COUNTER_ADD};
 use rusqlite::{params, OptionalExtension};
@@ -38,6 +39,18 @@ pub struct RunRecord {
     /// Error text for a failed run.
     pub error: Option<String>,
 }
+
+/// The earliest time a waiting row (PENDING or SENT) counts from: its
+/// append time, or for a row appended before the clock was set, when it
+/// was set ([`super::clock_spans`]); a read of the rows above the mark.
+const SQL_OLDEST_WAITING: &str = concat!(
+    "SELECT min(",
+    since_ms!(),
+    ") FROM events e
+    WHERE e.id > (SELECT acked_through FROM delivery_mark)
+      AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+      AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)"
+);
 
 impl Spool {
     /// Record one piece of agent state for `status` (health, last checkpoint, ...).
@@ -116,11 +129,7 @@ impl Spool {
         )?;
         let oldest: Option<i64> = self
             .conn
-            .query_row(
-                "SELECT min(created_ms) FROM event_states WHERE state IN ('PENDING','SENT')",
-                [],
-                |r| r.get(0),
-            )
+            .query_row(SQL_OLDEST_WAITING, [], |r| r.get(0))
             .optional()
             .map_err(e)?
             .flatten();

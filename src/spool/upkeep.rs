@@ -5,35 +5,40 @@
 //! unacknowledged or FAILED one, never the newest), a bounded batch per
 //! transaction (F02).
 
-use super::{held, keys, Spool, SpoolError, SQL_COUNTER_ADD};
+use super::{clock_spans, held, keys, Spool, SpoolError, SQL_COUNTER_ADD};
 use rusqlite::params;
 
-/// Acknowledged rows, oldest first, appended before `?1`; never the newest
-/// row (its id keeps new ids above every id ever used) nor a FAILED one.
+/// Acknowledged rows, oldest first, appended before `?1` and below row
+/// `?3` (the rows a clock span holds and those above them,
+/// [`clock_spans::hold_from`]); never the newest row (its id keeps new ids
+/// above every id ever used) nor a FAILED one.
 pub(super) const SQL_PURGE: &str = "DELETE FROM events WHERE id IN (
     SELECT id FROM events
     WHERE id <= (SELECT acked_through FROM delivery_mark)
       AND id < (SELECT max(id) FROM events)
+      AND id < ?3
       AND created_ms < ?1
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id)
     ORDER BY id LIMIT ?2) RETURNING stream_id, seq";
 
 /// Whether [`SQL_PURGE`] or [`SQL_PURGE_ABOVE`] would delete a row
-/// appended before `?1` (read only: a pass with nothing to delete writes
-/// nothing, not even the sequence numbers).
+/// appended before `?1` below row `?2` (read only: a pass with nothing to
+/// delete writes nothing, not even the sequence numbers).
 pub(super) const SQL_PURGE_ANY: &str = "SELECT EXISTS (
     SELECT 1 FROM events
     WHERE id <= (SELECT acked_through FROM delivery_mark)
       AND id < (SELECT max(id) FROM events)
+      AND id < ?2
       AND created_ms < ?1
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = events.id))
  OR EXISTS (
     SELECT 1 FROM acked_above a JOIN events e ON e.id = a.id
-    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events))";
+    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events) AND a.id < ?2)";
 
+/// [`SQL_PURGE`] for the rows acknowledged above the mark.
 pub(super) const SQL_PURGE_ABOVE: &str = "DELETE FROM events WHERE id IN (
     SELECT a.id FROM acked_above a JOIN events e ON e.id = a.id
-    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events)
+    WHERE e.created_ms < ?1 AND a.id < (SELECT max(id) FROM events) AND a.id < ?3
     ORDER BY a.id LIMIT ?2) RETURNING stream_id, seq";
 
 pub(super) const SQL_PURGE_ABOVE_INDEX: &str =
@@ -69,17 +74,23 @@ pub enum CheckpointMode {
 impl Spool {
     /// Delete at most `batch` acknowledged rows appended before `cutoff_ms`,
     /// oldest first, in one IMMEDIATE transaction. Never touches an
-    /// unacknowledged or FAILED row, nor the newest row. Returns the number
-    /// deleted; call again until 0, with a checkpoint in between, so a large
-    /// purge never balloons the WAL (F02). Sequence numbers are persisted in
-    /// the same transaction ([`Spool::persist_seqs`]), and only when a row
-    /// is to go: with nothing to delete this writes nothing (issue 23:
-    /// persisting them at every maintenance pass was a commit every 5 s).
+    /// unacknowledged or FAILED row, nor the newest row, nor a row appended
+    /// before the wall clock was set while its span holds it (its span is
+    /// open, or closed at `cutoff_ms` or later, see [`super::WallClock`]),
+    /// nor any row above it. `cutoff_ms = i64::MAX` is the spool bound:
+    /// every acknowledged row, oldest first, whatever its age or span.
+    /// Returns the number deleted; call again until 0, with a checkpoint in
+    /// between, so a large purge never balloons the WAL (F02). Sequence
+    /// numbers are persisted in the same transaction
+    /// ([`Spool::persist_seqs`]), and only when a row is to go: with
+    /// nothing to delete this writes nothing (issue 23: persisting them at
+    /// every maintenance pass was a commit every 5 s).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
+        let below = clock_spans::hold_from(&self.conn, cutoff_ms).map_err(|e| self.err(e))?;
         let any: bool = self
             .conn
             .prepare_cached(SQL_PURGE_ANY)
-            .and_then(|mut st| st.query_row(params![cutoff_ms], |r| r.get(0)))
+            .and_then(|mut st| st.query_row(params![cutoff_ms, below], |r| r.get(0)))
             .map_err(|e| self.err(e))?;
         if !any {
             return Ok(0);
@@ -93,10 +104,10 @@ impl Spool {
             // What each stream loses, for what the board says it still
             // holds (`held`): one small row per stream, in this commit.
             let mut top: std::collections::HashMap<i64, i64> = Default::default();
-            let mut n =
-                held::purge_noting(tx, SQL_PURGE, cutoff_ms, batch, &mut top).map_err(err)?;
+            let bounds = (cutoff_ms, below);
+            let mut n = held::purge_noting(tx, SQL_PURGE, bounds, batch, &mut top).map_err(err)?;
             if n < batch {
-                let above = held::purge_noting(tx, SQL_PURGE_ABOVE, cutoff_ms, batch - n, &mut top)
+                let above = held::purge_noting(tx, SQL_PURGE_ABOVE, bounds, batch - n, &mut top)
                     .map_err(err)?;
                 if above > 0 {
                     tx.execute(SQL_PURGE_ABOVE_INDEX, []).map_err(err)?;
@@ -106,6 +117,7 @@ impl Spool {
             if n > 0 {
                 held::note_purged(tx, &top).map_err(err)?;
                 keys::forget_purged(tx).map_err(err)?;
+                clock_spans::forget(tx, cutoff_ms).map_err(err)?;
                 tx.execute(SQL_COUNTER_ADD, params!["events_purged_acked", n as i64])
                     .map_err(err)?;
             }

@@ -277,3 +277,106 @@ fn a_write_budget_out_of_reach_widens_the_window_to_its_ceiling_and_degrades_hea
     );
     agent.terminate(Duration::from_secs(15));
 }
+
+/// Rows of stream `system` in the spool appended with the wall clock before
+/// 2026 (`created_ms` under the clock floor), and how many are acknowledged;
+/// none before the agent has made its spool.
+fn rows_from_before_the_clock(db: &std::path::Path) -> (i64, i64) {
+    let floor = edgespool::event::envelope::CLOCK_FLOOR_MS;
+    if !db.exists() {
+        return (0, 0);
+    }
+    open(db)
+        .query_row(
+            "SELECT count(*), coalesce(sum(state = 'ACKED'), 0) FROM event_states
+             WHERE stream = 'system' AND created_ms < ?1",
+            [floor],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap_or((0, 0))
+}
+
+/// A board without an RTC, offline with its clock unset (1972 here, by
+/// libfaketime; the kernel's "synchronized" answer in a file), takes its
+/// readings; the network comes back, they are delivered and acknowledged;
+/// it restarts once time sync has set its clock. Retention must keep them
+/// `acked_retention_secs` from the moment the clock was set, not purge them
+/// at its first pass as rows 54 years old: on main they were gone within a
+/// second of the restart (a fleet database restored then could never get
+/// them back). Then, a retention after that moment, they go.
+#[test]
+fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set() {
+    if std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty()) {
+        println!("skipped: libfaketime cannot reach an agent run under an emulator");
+        return;
+    }
+    const RETENTION_S: u64 = 20;
+    let broker = Broker::start();
+    let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix("clockret"), 100);
+    let (faketime, sync) = (dir.path().join("faketime"), dir.path().join("sync"));
+    crate::commands::step_clock(&faketime, "-1700000000");
+    std::fs::write(&sync, "unsynchronized\n").expect("sync file");
+    let (lib, ft, sf) = (
+        crate::commands::libfaketime().display().to_string(),
+        faketime.display().to_string(),
+        sync.display().to_string(),
+    );
+    let env: Vec<(&str, &str)> = vec![
+        ("LD_PRELOAD", &lib),
+        ("FAKETIME_TIMESTAMP_FILE", &ft),
+        ("FAKETIME_NO_CACHE", "1"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        (edgespool::os::clock::SYNC_FILE_ENV, &sf),
+    ];
+    let sets = [format!("spool.acked_retention_secs={RETENTION_S}")];
+    let mut agent = AgentProc::spawn_with_env(&cfg, &sets, dir.path(), &env);
+    assert!(
+        wait_for(Duration::from_secs(30), || rows_from_before_the_clock(&db)
+            .1
+            >= 20),
+        "no acknowledged rows from 1972: {:?}\n{}",
+        rows_from_before_the_clock(&db),
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
+    let (taken, acked) = rows_from_before_the_clock(&db);
+    assert_eq!(taken, acked, "every reading of 1972 acknowledged");
+    // Time sync set the clock while the agent was down (a reboot).
+    crate::commands::step_clock(&faketime, "+0");
+    std::fs::write(&sync, "synchronized\n").expect("sync file");
+    let mut agent = AgentProc::spawn_with_env(&cfg, &sets, dir.path(), &env);
+    assert!(
+        agent.wait_log(Duration::from_secs(20), "anchor for boot"),
+        "no anchor:\n{}",
+        agent.log_tail(20)
+    );
+    let set_at = std::time::Instant::now();
+    // Retention runs at every checkpoint interval (1 s here): several
+    // passes, and the rows are all still there.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        rows_from_before_the_clock(&db),
+        (taken, acked),
+        "rows taken before the clock was set were purged right after it was\n{}",
+        agent.log_tail(20)
+    );
+    let gone = wait_for(Duration::from_secs(RETENTION_S + 30), || {
+        rows_from_before_the_clock(&db).0 == 0
+    });
+    let after = set_at.elapsed();
+    agent.terminate(Duration::from_secs(15));
+    assert!(
+        gone,
+        "still held after the retention: {:?}\n{}",
+        rows_from_before_the_clock(&db),
+        agent.log_tail(20)
+    );
+    assert!(
+        after >= Duration::from_secs(RETENTION_S - 2),
+        "gone {after:?} after the clock was set, before the retention of {RETENTION_S} s"
+    );
+    println!(
+        "{taken} rows taken in 1972, acknowledged; kept after the clock was set, gone {:.1} s after it (retention {RETENTION_S} s)",
+        after.as_secs_f64()
+    );
+}

@@ -14,7 +14,7 @@ use crate::event::envelope::{wall_clock_ms, EventIdGen};
 use crate::event::stream::Durability;
 use crate::flash::upkeep::{LogEvery, Refusing};
 use crate::mqtt::DeliveryMsg;
-use crate::spool::{Riders, Rode, Spool, SpoolError};
+use crate::spool::{Riders, Rode, Spool, SpoolError, WallClock};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -123,12 +123,21 @@ impl Store {
             (true, _) | (false, Durability::Full) => &mut self.full,
             (false, Durability::Batched) => &mut self.batched,
         };
+        // The rows' append time, and whether time sync has set the clock it
+        // is read from: rows appended while it has not are kept by
+        // retention from when it is ([`WallClock`]).
+        let (now_ms, trusted) = wall_clock_ms();
+        let clock = WallClock::judge(trusted, crate::os::clock::kernel_sync());
+        let riders = Riders {
+            clock: Some(clock),
+            ..*riders
+        };
         let appended = conn.append_riding(
             events,
             &mut self.ids,
             (&cfg.device_id, cfg.mqtt.payload_format),
-            wall_clock_ms().0,
-            riders,
+            now_ms,
+            &riders,
         );
         if sync_here {
             self.full_commits += u64::from(appended.is_ok());
@@ -248,6 +257,8 @@ impl Writer {
             states: &ride.states,
             delivery: Some((&taken.sent, &taken.acked)),
             seqs: self.final_ride,
+            // Judged where the commit's time is read (`Store::append`).
+            clock: None,
         };
         let events = self.buffer.lane(durability);
         let appended = self
