@@ -813,3 +813,83 @@ fn in_puback_mode_a_wiped_sink_session_loses_what_it_held() {
         "the wipe lost nothing: the test no longer wipes"
     );
 }
+
+/// The JSON batch of `events` (`{"batch":[e1,e2,...]}`).
+fn json_batch(events: &[&[u8]]) -> Vec<u8> {
+    let mut out = br#"{"batch":["#.to_vec();
+    out.extend_from_slice(&events.join(&b','));
+    out.extend_from_slice(b"]}");
+    out
+}
+
+/// Batches of the same event a device sends again and again (field case
+/// F6).
+const F6_BATCHES: usize = 200;
+/// Copies of the event in each.
+const F6_COPIES: usize = 1000;
+
+/// Field case F6 (attacker review): one device sends the same event in 200
+/// batches of 1,000 copies each, 200,000 deliveries of one stored event.
+/// PostgreSQL keeps one `redeliveries` row for it, counting 199,999, and
+/// `sink --stats` says 199,999 duplicates. Before: `duplicates` got one row
+/// per redelivery, 199,999 rows (about 13 MB).
+#[cfg(feature = "pg-sink")]
+#[test]
+fn a_device_sending_one_event_again_and_again_grows_no_table() {
+    let pg = crate::support::postgres::Postgres::start(&[("fsync", "off")]);
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = Db::Postgres(pg);
+    let mut sink = db.spawn_sink(
+        broker.port(),
+        "edgespool/+/events/#",
+        "f6-sink",
+        dir.path(),
+        &[],
+    );
+    sink.wait_subscribed();
+    let one = envelope("gw1", 0xf6, 0);
+    let batch = json_batch(&vec![&one[..]; F6_COPIES]);
+    let topic = "edgespool/gw1/batches/load".to_owned();
+    let msgs = vec![(topic, batch); F6_BATCHES];
+    let deliveries = (F6_BATCHES * F6_COPIES) as i64;
+    publish_all(broker.port(), None, None, msgs);
+    let Db::Postgres(pg) = &db else {
+        unreachable!("a PostgreSQL store")
+    };
+    let new_shape = |pg: &crate::support::postgres::Postgres| -> bool {
+        pg.client()
+            .query_one("SELECT to_regclass('redeliveries') IS NOT NULL", &[])
+            .map(|r| r.get(0))
+            .unwrap_or(false)
+    };
+    let (table, counted) = match new_shape(pg) {
+        true => ("redeliveries", "coalesce(sum(deliveries), 0)::int8"),
+        false => ("duplicates", "count(*)"),
+    };
+    let redelivered = format!("SELECT {counted} FROM {table}");
+    let all = wait_for(Duration::from_secs(120), || {
+        db.number("", &redelivered) == deliveries - 1
+    });
+    let rows = db.number("", &format!("SELECT count(*) FROM {table}"));
+    let bytes = db.number(
+        "",
+        &format!("SELECT pg_total_relation_size('{table}')::int8"),
+    );
+    println!(
+        "{F6_BATCHES} batches of {F6_COPIES} copies of one event: table {table} holds {rows} \
+         rows, {bytes} bytes (with its indexes), counting {} redeliveries",
+        db.number("", &redelivered)
+    );
+    let report = crate::support::sink::stats_json(&["--postgres", &pg.conninfo()]);
+    sink.terminate();
+    assert!(all, "{}", tail(&sink.log_text(), 20));
+    assert_eq!(report["duplicates"], deliveries - 1, "{report}");
+    assert_eq!(report["events"], 1, "{report}");
+    assert_eq!(
+        summary(&sink.log_text(), "duplicates"),
+        (deliveries - 1) as u64
+    );
+    assert_eq!(rows, 1, "one row per redelivered event");
+    assert!(bytes < 64 << 10, "{bytes} bytes");
+}
