@@ -823,10 +823,7 @@ impl At<'_> {
         why: Vec<String>,
     ) -> Result<u64, postgres::Error> {
         let topics: Vec<&str> = items.iter().map(|it| it.topic.as_str()).collect();
-        let devices: Vec<&str> = topics
-            .iter()
-            .map(|t| super::identity::publisher(t))
-            .collect();
+        let devices: Vec<&str> = items.iter().map(|it| it.publisher.as_str()).collect();
         let payloads: Vec<&[u8]> = items
             .iter()
             .map(|it| self.bounds.cut(&it.payload))

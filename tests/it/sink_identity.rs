@@ -447,7 +447,8 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
         &json_batch(&[envelope("gw1", 8, 2).1]),
     );
     // Inside its own prefix, with a topic whose last `events` follows
-    // "gw1" (the ACL allows edgespool/evil/#): names nobody, set aside.
+    // "gw1" (the ACL allows edgespool/evil/#): not of the shape the filter
+    // fixes, set aside before it is read.
     evil.publish(
         "edgespool/evil/events/gw1/events/load",
         &envelope("gw1", 7, 3).1,
@@ -516,7 +517,7 @@ fn a_device_kept_to_its_prefix_by_the_acl_cannot_store_events_as_another() {
         let nested = topic.contains("/gw1/");
         assert!(
             if nested {
-                reason.contains("names no device and stream")
+                reason.contains("is not of the shape this sink reads")
             } else {
                 reason.contains("\"gw1\"") && reason.contains("\"evil\"")
             },
