@@ -934,7 +934,7 @@ fn a_wide_subscription_in_the_sinks_session_cannot_make_a_device_write_as_anothe
         "",
     );
     println!(
-        "a wide subscription in the sink's session: {as_gw1} of evil's crafted deliveries \
+        "a wide subscription in the sink's session: {as_gw1} of evil's readings \
          stored as gw1's, {forged} set aside in forged; gw1's own: {}",
         db.events_of("gw1") - as_gw1
     );
