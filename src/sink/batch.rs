@@ -24,6 +24,12 @@ pub struct Item {
     /// The envelope, or why it is not one of its topic's device and stream
     /// (kept aside and counted).
     pub read: Result<Event, Unreadable>,
+    /// The device that published it, whose bounds a row it leaves in a side
+    /// table counts against: the device its topic names
+    /// ([`super::identity::publisher`]), or for a delivery the sink set
+    /// aside for its topic's shape, the level at the sink's device position
+    /// ([`super::identity::Shape::publisher`]).
+    pub publisher: String,
 }
 
 impl Item {
@@ -36,6 +42,18 @@ impl Item {
             topic: topic.to_owned(),
             payload: payload.to_vec(),
             read,
+            publisher: super::identity::publisher(topic).to_owned(),
+        }
+    }
+
+    /// A delivery set aside unread for its topic (`why`), from `publisher`
+    /// ([`super::identity::Shape`]): kept in `forged` with its topic.
+    pub fn forged(topic: &str, payload: &[u8], publisher: &str, why: String) -> Item {
+        Item {
+            topic: topic.to_owned(),
+            payload: payload.to_vec(),
+            read: Err(Unreadable::Forged(why)),
+            publisher: publisher.to_owned(),
         }
     }
 }
@@ -57,6 +75,7 @@ impl Item {
                 packet,
                 limit,
             }),
+            publisher: super::identity::publisher(topic).to_owned(),
         }
     }
 
@@ -224,6 +243,7 @@ mod tests {
                 fields_json: "{}".into(),
                 digest: digest(payload),
             }),
+            publisher: device.into(),
         }
     }
 

@@ -39,6 +39,7 @@
 
 use super::batch::{BatchPolicy, Item};
 use super::committer::{Committer, Done};
+use super::identity::Shape;
 use super::outbox::Outbox;
 use super::poller::{Polled, Poller};
 use super::{SinkStats, Store, StoreError};
@@ -190,16 +191,20 @@ enum End {
 /// commits, the next is gathered and decoded here; at most one is with the
 /// store, and its PUBACKs are queued only once it is back committed.
 ///
-/// Errors: a fatal store error or a refused subscription (retrying cannot
-/// help; exit non-zero), or the store thread could not be started.
+/// Errors: a filter that fixes no level for the device
+/// ([`Shape::of_filter`]), a fatal store error or a refused subscription
+/// (retrying cannot help; exit non-zero), or the store thread could not be
+/// started.
 pub fn run<S: Store + Send>(
     opts: &SinkOptions,
     store: &mut S,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
+    let shape = Shape::of_filter(&opts.filter)?;
+    log::info!("sink: reading events on {shape}; a delivery on a topic of another shape is set aside as forged");
     std::thread::scope(|scope| {
         let mut committer = Committer::start(scope, store, opts.receipts.clone())?;
-        sessions(opts, &mut committer, stop)
+        sessions(opts, &shape, &mut committer, stop)
         // The committer is dropped here, idle (every session waits for its
         // batch), and the scope joins the store thread.
     })
@@ -208,6 +213,7 @@ pub fn run<S: Store + Send>(
 /// Connections, one after the other, until `stop`.
 fn sessions(
     opts: &SinkOptions,
+    shape: &Shape,
     committer: &mut Committer<Vec<Publish>>,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
@@ -233,6 +239,8 @@ fn sessions(
         let began = Instant::now();
         let mut s = Session {
             opts,
+            shape,
+            off_shape_told: false,
             client: &client,
             conn: &poller,
             committer: &mut *committer,
@@ -422,6 +430,10 @@ enum Owed {
 /// One connection, from CONNECT to its loss or `stop`.
 struct Session<'a> {
     opts: &'a SinkOptions,
+    /// The topics the filter fixes: any other is set aside unread.
+    shape: &'a Shape,
+    /// Whether a delivery of another shape was logged on this connection.
+    off_shape_told: bool,
     client: &'a Client,
     conn: &'a Poller,
     /// The store thread; the batch with it is acknowledged when it is back.
@@ -705,7 +717,7 @@ impl Session<'_> {
             self.first_at = Instant::now();
         }
         self.last_at = Instant::now();
-        if super::notes::of_holdings_topic(&p.topic).is_some() {
+        if self.shape.holdings(&p.topic) {
             self.take_note(&p);
             p.payload = Default::default();
             self.pending.push(p);
@@ -723,11 +735,29 @@ impl Session<'_> {
                 );
                 // QoS 0 is stored with its batch while the session runs on.
                 d.took((p.qos != QoS::AtMostOnce).then_some(p.pkid));
-                vec![Item::oversized(&p.topic, &p.payload, packet, MAX_INCOMING)]
+                let mut it = Item::oversized(&p.topic, &p.payload, packet, MAX_INCOMING);
+                it.publisher = self.shape.publisher(&p.topic).to_owned();
+                vec![it]
             }
             // A batched publish becomes one item per event, all in this
             // transaction: its PUBACK waits for every one of them.
-            _ => super::unbatch::items(&p.topic, &p.payload),
+            _ => match self.shape.read(&p.topic) {
+                Ok(_) => super::unbatch::items(&p.topic, &p.payload),
+                // Before it is read: a topic of another shape names no
+                // device the sink could trust (field case F8).
+                Err(why) => {
+                    if !std::mem::replace(&mut self.off_shape_told, true) {
+                        log::warn!(
+                            "sink: {why}: set aside as forged (the filter is {:?}; a wider \
+                             subscription left in this client id's session delivers such \
+                             topics too); told once a connection, counted in forged",
+                            self.opts.filter
+                        );
+                    }
+                    let from = self.shape.publisher(&p.topic);
+                    vec![Item::forged(&p.topic, &p.payload, from, why)]
+                }
+            },
         };
         let bytes: usize = new.iter().map(|it| it.payload.len()).sum();
         self.batch_bytes = self.batch_bytes.saturating_add(bytes);

@@ -1,23 +1,28 @@
 //! Who a delivery is from: the device and stream its topic names.
 //!
 //! Pure: no I/O. Its one rule: **a delivery's identity is the topic the
-//! broker let its publisher use, never what the payload claims**. With a
-//! broker ACL per device prefix (mosquitto `pattern write edgespool/%u/#`,
-//! one user per device named by its device id) the topic is the one thing a
-//! publisher cannot choose; an envelope whose `device_id` or `stream`
-//! differs from its topic's is set aside ([`Unreadable::Forged`]), never
-//! stored as an event, and dedup is scoped per device.
+//! broker let its publisher use, read at one fixed position, never what
+//! the payload claims**. With a broker ACL per device prefix (mosquitto
+//! `pattern write edgespool/%u/#`, one user per device named by its device
+//! id) the topic is the one thing a publisher cannot choose; an envelope
+//! whose `device_id` or `stream` differs from its topic's is set aside
+//! ([`Unreadable::Forged`]), never stored as an event, and dedup is scoped
+//! per device.
 //!
 //! A topic is `<topic_prefix>/events/<stream>`, or batched
-//! `<topic_prefix>/batches/<stream>[/lz4|/zstd]`, read from its end in the
-//! order of [`super::unbatch::topic_kind`]. The device is the last level of
-//! the prefix (a device's default prefix is `edgespool/<device_id>`), the
-//! stream the level after `events`/`batches`; receipts for the device go to
-//! `<topic_prefix>/receipts`. A prefix with a level named `events` or
-//! `batches` names nobody: under `pattern write edgespool/%u/#` device
-//! `evil` may publish `edgespool/evil/events/gw1/events/load`, whose last
-//! `events` would otherwise make it `gw1` (the agent refuses such a
-//! `mqtt.topic_prefix`).
+//! `<topic_prefix>/batches/<stream>[/lz4|/zstd]`; a device's default prefix
+//! is `edgespool/<device_id>`, and the device is the prefix's last level.
+//! Where that level is comes from the sink's filter ([`Shape`]): in
+//! `edgespool/+/events/#` the level before `events`, the second. A
+//! delivery on a topic of any other shape is set aside before it is read
+//! (field case F8: a subscription to `edgespool/#` let device `evil`
+//! publish `edgespool/evil/gw1/events/load` under its own prefix, and a
+//! sink reading the device from the end of the topic stored it as gw1's),
+//! and a filter that fixes no such level is refused. [`of_topic`] reads a
+//! topic from its end, and is asked only about topics [`Shape::read`]
+//! admitted, where it finds the same identity or none (then the delivery
+//! is set aside). A prefix with a level named `events` or `batches` names
+//! nobody (the agent refuses such a `mqtt.topic_prefix`).
 
 use super::message::{Event, Unreadable};
 
@@ -122,6 +127,156 @@ pub fn receipts_topic(topic: &str) -> Option<String> {
     of_topic(topic).map(|t| format!("{}/receipts", t.prefix))
 }
 
+/// The last level of the topic boards announce their holdings on
+/// (`<topic_prefix>/holdings`, [`super::notes`]).
+pub const HOLDINGS_LEVEL: &str = "holdings";
+
+/// The topics a sink reads, fixed by its filter: `<prefix>/events/<stream>`
+/// and `<prefix>/batches/<stream>[/<encoding>]`, `<prefix>/holdings`,
+/// where `<prefix>` has exactly the filter's levels before its `events` (or
+/// `batches`) level and the device is the last of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    /// The filter's levels before `events`/`batches`: each `+` or a name;
+    /// the last is the device's.
+    prefix: Vec<String>,
+    /// The filter's last level when it names one stream (not `+` or `#`).
+    stream: Option<String>,
+}
+
+impl Shape {
+    /// The shape a sink subscribed with `filter` reads (a `$share/GROUP/`
+    /// in front is the broker's, MQTT 5 §4.8.2, not the topic's).
+    ///
+    /// Errors: a filter whose second-to-last level is not `events` or
+    /// `batches` (`edgespool/#`, `#`, `edgespool/+/events/+/#`) names no
+    /// level for the device: it matches topics in which another device's
+    /// id sits wherever the publisher likes; one with nothing before that
+    /// level, a `#` before its end, an empty device level, or an `events`
+    /// or `batches` level before the device's. The text names the filter
+    /// and the shape the sink reads.
+    pub fn of_filter(filter: &str) -> Result<Shape, String> {
+        let bare = match filter.strip_prefix("$share/") {
+            Some(rest) => rest.split_once('/').map_or("", |(_, f)| f),
+            None => filter,
+        };
+        let lv: Vec<&str> = bare.split('/').collect();
+        let n = lv.len();
+        let refuse = |why: &str| {
+            Err(format!(
+                "filter {filter:?} {why}: the sink reads events on \
+                 <prefix>/<device>/events/<stream> (batched: <prefix>/<device>/batches/<stream>\
+                 [/lz4|/zstd]), the device the level before events, so its filter must end in \
+                 /events/# (or /events/+, /events/<stream>) after the device's level, e.g. \
+                 \"edgespool/+/events/#\" (docs/fleet.md)"
+            ))
+        };
+        if n < 3 || !reserved(lv[n - 2]) {
+            return refuse("names no level for the device");
+        }
+        let prefix = &lv[..n - 2];
+        if lv[..n - 1].iter().any(|l| l.contains('#'))
+            || lv[n - 1].contains('#') && lv[n - 1] != "#"
+        {
+            return refuse("is not a valid filter ('#' only as the last level)");
+        }
+        if prefix.last().is_some_and(|d| d.is_empty()) {
+            return refuse("has an empty device level");
+        }
+        if prefix.iter().any(|l| reserved(l)) {
+            return refuse("has an events or batches level before the device's");
+        }
+        let stream = match lv[n - 1] {
+            "#" | "+" => None,
+            s => Some(s.to_owned()),
+        };
+        Ok(Shape {
+            prefix: prefix.iter().map(|l| (*l).to_owned()).collect(),
+            stream,
+        })
+    }
+
+    /// Whether `topic`'s first levels are this shape's prefix: as many,
+    /// each the filter's name or anything under its `+`, none of them
+    /// `events` or `batches`, the device's not empty.
+    fn prefix_fits(&self, lv: &[&str]) -> bool {
+        let k = self.prefix.len();
+        lv.len() > k
+            && !lv[k - 1].is_empty()
+            && self
+                .prefix
+                .iter()
+                .zip(lv)
+                .all(|(f, t)| (f == "+" || f == t) && !reserved(t))
+    }
+
+    /// The device and stream of `topic`, read at this shape's positions.
+    ///
+    /// Errors: a topic of another shape (other levels before `events`, more
+    /// or fewer after it, an empty stream, a prefix level named `events`
+    /// or `batches`); the text names the topic and the shape.
+    pub fn read<'a>(&self, topic: &'a str) -> Result<TopicIdentity<'a>, String> {
+        let lv: Vec<&str> = topic.split('/').collect();
+        let k = self.prefix.len();
+        let tail = &lv[k.min(lv.len())..];
+        let fits = self.prefix_fits(&lv)
+            && match tail {
+                ["events", s] | ["batches", s] | ["batches", s, _] => {
+                    !s.is_empty() && self.stream.as_deref().is_none_or(|w| w == *s)
+                }
+                _ => false,
+            };
+        if !fits {
+            return Err(format!(
+                "topic {topic:?} is not of the shape this sink reads ({})",
+                self
+            ));
+        }
+        let len = lv[..k].iter().map(|l| l.len()).sum::<usize>() + k - 1;
+        Ok(TopicIdentity {
+            prefix: &topic[..len],
+            device: lv[k - 1],
+            stream: lv[k + 1],
+        })
+    }
+
+    /// Whether `topic` is `<prefix>/holdings` of this shape (a board's
+    /// holdings or answer).
+    pub fn holdings(&self, topic: &str) -> bool {
+        let lv: Vec<&str> = topic.split('/').collect();
+        self.prefix_fits(&lv)
+            && lv.len() == self.prefix.len() + 1
+            && lv[self.prefix.len()] == HOLDINGS_LEVEL
+    }
+
+    /// Who published on `topic`, for the side tables' bounds per device:
+    /// the level at this shape's device position (a topic this shape sets
+    /// aside is its publisher's, whatever it names further on), `""` for a
+    /// topic too short to have one.
+    pub fn publisher<'a>(&self, topic: &'a str) -> &'a str {
+        topic.split('/').nth(self.prefix.len() - 1).unwrap_or("")
+    }
+}
+
+/// The shape as docs and messages write it:
+/// `edgespool/<device>/events/<stream>` (a `+` before the device's level
+/// stays `+`, a stream the filter names is written out).
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let k = self.prefix.len();
+        for (i, l) in self.prefix.iter().enumerate() {
+            match (i + 1 == k, l.as_str()) {
+                (true, "+") => f.write_str("<device>/")?,
+                _ => write!(f, "{l}/")?,
+            }
+        }
+        match &self.stream {
+            Some(s) => write!(f, "events/{s}"),
+            None => f.write_str("events/<stream>"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,5 +361,124 @@ mod tests {
             check_claims(t, Some("evil"), Some("other")),
             Err(Unreadable::Forged(_))
         ));
+    }
+
+    fn shape(filter: &str) -> Shape {
+        Shape::of_filter(filter).unwrap_or_else(|e| panic!("{filter}: {e}"))
+    }
+
+    fn at(s: &Shape, topic: &str) -> Option<(String, String, String)> {
+        s.read(topic).ok().map(|t| {
+            (
+                t.prefix.to_owned(),
+                t.device.to_owned(),
+                t.stream.to_owned(),
+            )
+        })
+    }
+
+    fn owned(p: &str, d: &str, s: &str) -> Option<(String, String, String)> {
+        Some((p.to_owned(), d.to_owned(), s.to_owned()))
+    }
+
+    #[test]
+    fn the_filter_fixes_the_level_the_device_is_read_at() {
+        let page = shape("edgespool/+/events/#");
+        assert_eq!(page.to_string(), "edgespool/<device>/events/<stream>");
+        let gw1 = owned("edgespool/gw1", "gw1", "load");
+        for t in [
+            "edgespool/gw1/events/load",
+            "edgespool/gw1/batches/load",
+            "edgespool/gw1/batches/load/lz4",
+            "edgespool/gw1/batches/load/zstd",
+            // An unknown encoding is the unbatcher's to refuse (unreadable).
+            "edgespool/gw1/batches/load/gzip",
+        ] {
+            assert_eq!(at(&page, t), gw1, "{t}");
+        }
+        assert_eq!(shape("$share/ingest/edgespool/+/events/#"), page);
+        let site = shape("site/+/+/events/+");
+        assert_eq!(site.to_string(), "site/+/<device>/events/<stream>");
+        assert_eq!(
+            at(&site, "site/a/gw1/events/load"),
+            owned("site/a/gw1", "gw1", "load")
+        );
+        let one = shape("es/d1/events/system");
+        assert_eq!(one.to_string(), "es/d1/events/system");
+        assert_eq!(
+            at(&one, "es/d1/batches/system/lz4"),
+            owned("es/d1", "d1", "system")
+        );
+        assert_eq!(at(&one, "es/d1/events/other"), None);
+        assert_eq!(
+            at(&shape("+/events/#"), "gw1/events/load"),
+            owned("gw1", "gw1", "load")
+        );
+    }
+
+    // field case F8
+    #[test]
+    fn a_topic_of_another_shape_is_set_aside_as_its_publishers() {
+        let page = shape("edgespool/+/events/#");
+        for t in [
+            "edgespool/evil/gw1/events/load",
+            "edgespool/evil/x/gw1/events/load",
+            "edgespool/evil/gw1/batches/load",
+            "edgespool/evil/events/gw1/events/load",
+            "edgespool/evil/events/load/gw1",
+            "edgespool/evil/batches/load/lz4/x",
+            "edgespool/evil/events/",
+            "edgespool/evil/status",
+            "edgespool/evil/receipts",
+            "edgespool/evil/gw1/holdings",
+            "edgespool/evil",
+        ] {
+            let why = page.read(t).expect_err(t);
+            assert!(
+                why.contains(&format!("{t:?}"))
+                    && why.contains("edgespool/<device>/events/<stream>"),
+                "{why}"
+            );
+            assert_eq!(page.publisher(t), "evil", "{t}");
+            assert!(!page.holdings(t), "{t}");
+        }
+        for t in [
+            "other/gw1/events/load",
+            "edgespool//events/load",
+            "edgespool/events/events/load",
+            "edgespool/batches/batches/load",
+            "events/load",
+            "",
+        ] {
+            assert!(page.read(t).is_err(), "{t}");
+        }
+        assert!(page.holdings("edgespool/gw1/holdings"));
+        assert!(!page.holdings("edgespool/events/holdings"));
+        assert!(!page.holdings("other/gw1/holdings"));
+    }
+
+    // field case F8
+    #[test]
+    fn a_filter_that_fixes_no_device_level_is_refused() {
+        for f in [
+            "edgespool/#",
+            "#",
+            "+",
+            "edgespool/+/+/#",
+            "edgespool/+/events/+/#",
+            "events/#",
+            "edgespool/events/+/events/#",
+            "edgespool//events/#",
+            "edgespool/+/events/lo#d",
+            "$share/g",
+            "$share/g/edgespool/#",
+            "",
+        ] {
+            let why = Shape::of_filter(f).expect_err(f);
+            assert!(
+                why.contains(&format!("{f:?}")) && why.contains("<device>/events/<stream>"),
+                "{why}"
+            );
+        }
     }
 }

@@ -12,8 +12,7 @@
 use crate::event::backfill::{self, Note, Token};
 use crate::event::signature::SigningKey;
 
-/// The last level of the topic boards announce their holdings on.
-pub const HOLDINGS_LEVEL: &str = "holdings";
+pub use super::identity::HOLDINGS_LEVEL;
 
 /// A note from a board, read.
 #[derive(Debug, Clone, PartialEq, Eq)]

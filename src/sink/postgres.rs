@@ -49,9 +49,19 @@ SELECT e.device_id, e.event_id::text, e.digest
 FROM unnest($1::text[], $2::text[]) AS u(device_id, id)
 JOIN events e ON e.device_id = u.device_id AND e.event_id = u.id::uuid";
 
-const INSERT_DUPLICATES: &str = "
-INSERT INTO duplicates (device_id, event_id, received_ms, sink)
-SELECT u.device_id, u.id::uuid, $3, $4 FROM unnest($1::text[], $2::text[]) AS u(device_id, id)";
+/// Redeliveries counted per key (`pg_schema`'s version 6): `$3` more of
+/// each, seen at `$4` by sink `$5`. Each key at most once in the arrays (a
+/// key twice would make one statement update its row twice, which
+/// PostgreSQL refuses), in sorted order.
+const COUNT_REDELIVERIES: &str = "
+INSERT INTO redeliveries (device_id, event_id, deliveries, first_ms, last_ms, sink)
+SELECT u.device_id, u.id::uuid, u.n, $4, $4, $5
+FROM unnest($1::text[], $2::text[], $3::int8[]) AS u(device_id, id, n)
+ON CONFLICT (device_id, event_id) DO UPDATE
+SET deliveries = redeliveries.deliveries + EXCLUDED.deliveries,
+    first_ms = least(redeliveries.first_ms, EXCLUDED.first_ms),
+    last_ms = greatest(redeliveries.last_ms, EXCLUDED.last_ms),
+    sink = EXCLUDED.sink";
 
 const INSERT_MISMATCHES: &str = "
 INSERT INTO mismatches (device_id, event_id, digest, payload, payload_bytes, topic,
@@ -721,9 +731,7 @@ impl At<'_> {
         }
         if !dups.is_empty() {
             s.duplicates += dups.len() as u64;
-            let devs: Vec<&str> = dups.iter().map(|e| e.device_id.as_str()).collect();
-            let ids: Vec<&str> = dups.iter().map(|e| e.event_id.as_str()).collect();
-            tx.execute(INSERT_DUPLICATES, &[&devs, &ids, &self.now_ms, &self.sink])?;
+            self.redeliveries(tx, &dups)?;
         }
         for (side, list) in [(Side::Unreadable, &unread), (Side::Forged, &forged)] {
             if list.is_empty() {
@@ -743,6 +751,31 @@ impl At<'_> {
         s.oversized += unread.iter().filter(|it| it.is_oversized()).count() as u64;
         s.forged += forged.len() as u64;
         Ok(s)
+    }
+
+    /// Count `dups` in `redeliveries`: one row per key, however many
+    /// deliveries of it the batch holds, keys in sorted order (every sink
+    /// locks the rows it adds to in the same order: no deadlock between
+    /// two sinks counting the same events).
+    fn redeliveries(
+        &self,
+        tx: &mut Transaction<'_>,
+        dups: &[&super::message::Event],
+    ) -> Result<(), postgres::Error> {
+        let mut per_key: std::collections::BTreeMap<(&str, &str), i64> = Default::default();
+        for e in dups {
+            *per_key
+                .entry((e.device_id.as_str(), e.event_id.as_str()))
+                .or_default() += 1;
+        }
+        let devs: Vec<&str> = per_key.keys().map(|k| k.0).collect();
+        let ids: Vec<&str> = per_key.keys().map(|k| k.1).collect();
+        let counts: Vec<i64> = per_key.values().copied().collect();
+        tx.execute(
+            COUNT_REDELIVERIES,
+            &[&devs, &ids, &counts, &self.now_ms, &self.sink],
+        )?;
+        Ok(())
     }
 
     /// Insert mismatches (cut to the bounds); returns the (key, digest)
@@ -790,10 +823,7 @@ impl At<'_> {
         why: Vec<String>,
     ) -> Result<u64, postgres::Error> {
         let topics: Vec<&str> = items.iter().map(|it| it.topic.as_str()).collect();
-        let devices: Vec<&str> = topics
-            .iter()
-            .map(|t| super::identity::publisher(t))
-            .collect();
+        let devices: Vec<&str> = items.iter().map(|it| it.publisher.as_str()).collect();
         let payloads: Vec<&[u8]> = items
             .iter()
             .map(|it| self.bounds.cut(&it.payload))

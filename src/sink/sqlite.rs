@@ -597,7 +597,7 @@ fn set_aside(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
         ),
         params![
-            super::identity::publisher(&it.topic),
+            it.publisher,
             it.topic,
             b.cut(&it.payload),
             it.delivered_bytes() as i64,

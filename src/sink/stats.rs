@@ -295,7 +295,17 @@ pub fn from_postgres(c: &mut postgres::Client, now_ms: i64) -> Result<Report, po
         Ok(c.query_one(sql, &[])?.get(0))
     };
     let events = one(c, "SELECT count(*) FROM events")?;
-    let duplicates = one(c, "SELECT count(*) FROM duplicates")?;
+    // Version 6 counts redeliveries per event; before, a row each.
+    let v6: bool = c
+        .query_one("SELECT to_regclass('redeliveries') IS NOT NULL", &[])?
+        .get(0);
+    let duplicates = match v6 {
+        true => one(
+            c,
+            "SELECT coalesce(sum(deliveries), 0)::int8 FROM redeliveries",
+        )?,
+        false => one(c, "SELECT count(*) FROM duplicates")?,
+    };
     // `forged` and `side_drops` came with schema version 2.
     let v2: bool = c
         .query_one("SELECT to_regclass('side_drops') IS NOT NULL", &[])?

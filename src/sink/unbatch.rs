@@ -112,6 +112,7 @@ fn refused(topic: &str, payload: &[u8], why: String) -> Item {
         topic: topic.to_owned(),
         payload: payload.to_vec(),
         read: Err(Unreadable::Batch(why)),
+        publisher: super::identity::publisher(topic).to_owned(),
     }
 }
 
@@ -311,6 +312,7 @@ mod tests {
     use super::*;
     use crate::event::envelope::{encode, Envelope, EventId, Format};
     use crate::event::reading::FieldValue;
+    use crate::sink::identity::{of_topic, publisher, Shape};
     use crate::sink::message::digest;
     use crate::sink::{SinkDb, SinkStats, Store};
     use std::io::Write;
@@ -686,5 +688,68 @@ mod tests {
                 Some(digest(e).to_vec())
             );
         }
+    }
+
+    /// Every topic of up to five levels from a small alphabet: where the
+    /// sink's shape admits a topic, reading it from its end (`of_topic`,
+    /// `publisher`, what the stores and receipts use) finds the same
+    /// prefix, device and stream or none (then it is set aside), and
+    /// `topic_kind` reads a single event where the shape does (field case
+    /// F8).
+    #[test]
+    fn where_a_shape_admits_a_topic_every_reading_agrees() {
+        const WORDS: [&str; 9] = [
+            "edgespool",
+            "gw1",
+            "evil",
+            "events",
+            "batches",
+            "lz4",
+            "load",
+            "holdings",
+            "",
+        ];
+        let filters = [
+            "edgespool/+/events/#",
+            "+/+/events/#",
+            "+/events/#",
+            "edgespool/+/events/+",
+        ];
+        let shapes: Vec<Shape> = filters
+            .iter()
+            .map(|f| Shape::of_filter(f).expect("a filter that fixes the device"))
+            .collect();
+        let mut topics: Vec<String> = WORDS.iter().map(|w| (*w).to_owned()).collect();
+        let mut last = topics.clone();
+        for _ in 1..5 {
+            last = last
+                .iter()
+                .flat_map(|t| WORDS.iter().map(move |w| format!("{t}/{w}")))
+                .collect();
+            topics.extend(last.iter().cloned());
+        }
+        let mut admitted = 0;
+        for t in &topics {
+            for s in &shapes {
+                let Ok(id) = s.read(t) else { continue };
+                admitted += 1;
+                assert_eq!(s.publisher(t), id.device, "{t}");
+                assert_eq!(publisher(t), id.device, "{t}");
+                // Never another device's: read from the end, the same
+                // identity or none (then set aside as forged).
+                assert!(of_topic(t).is_none_or(|o| o == id), "{t} under {s}");
+                let tail: Vec<&str> = t[id.prefix.len() + 1..].split('/').collect();
+                let plain = matches!(
+                    tail.as_slice(),
+                    ["events", _] | ["batches", _] | ["batches", _, "lz4" | "zstd"]
+                );
+                if plain {
+                    assert_eq!(of_topic(t), Some(id), "{t} under {s}");
+                    let single = topic_kind(t) == TopicKind::Single;
+                    assert_eq!(single, tail[0] == "events", "{t}");
+                }
+            }
+        }
+        assert!(admitted > 100, "{admitted}");
     }
 }

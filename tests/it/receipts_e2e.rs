@@ -973,13 +973,18 @@ fn three_shared_sinks_two_killed_every_row_an_agent_retired_is_stored_with_its_d
     for s in &mut sinks {
         s.terminate();
     }
-    // Duplicates: the store's table (one row per repeat, every sink), and
-    // the sinks' own counts (the killed runs logged theirs every 10 s at
-    // most, so only the last runs' final lines are whole).
-    let dup_table = pg_count(&mut db, "SELECT count(*) FROM duplicates");
+    // Duplicates: the store's count (every repeat, every sink: `deliveries`
+    // of each event's `redeliveries` row), and the sinks' own counts (the
+    // killed runs logged theirs every 10 s at most, so only the last runs'
+    // final lines are whole).
+    let dup_table = pg_count(
+        &mut db,
+        "SELECT coalesce(sum(deliveries), 0)::int8 FROM redeliveries",
+    );
     let dup_agents = pg_count(
         &mut db,
-        "SELECT count(*) FROM duplicates WHERE device_id IN ('agent-a', 'agent-b')",
+        "SELECT coalesce(sum(deliveries), 0)::int8 FROM redeliveries
+         WHERE device_id IN ('agent-a', 'agent-b')",
     );
     assert!(
         dup_table >= sent.duplicates as i64,

@@ -22,6 +22,14 @@
 //!   persistent session was wiped (every PUBACKed event queued in it lost).
 //!   In receipt mode a wiped sink session loses nothing: the board sends
 //!   again what has no receipt.
+//! - The device is read at the one level the sink's filter fixes (F8): a
+//!   subscription to `edgespool/#` in the sink's session lets `evil` deliver
+//!   `edgespool/evil/gw1/events/load` claiming gw1; it is set aside in
+//!   `forged`, under evil. Before: 4 of evil's readings stored as gw1's. A
+//!   filter that fixes no device level is refused at start (exit 2).
+//! - One event sent again and again grows no table (F6): 200 batches of
+//!   1,000 copies leave one `redeliveries` row counting 199,999. Before:
+//!   199,999 rows in `duplicates`, 13.7 MB.
 //!
 //! Each test prints its before/after figure (`--no-capture`).
 
@@ -812,4 +820,262 @@ fn in_puback_mode_a_wiped_sink_session_loses_what_it_held() {
         w.stored, 0,
         "the wipe lost nothing: the test no longer wipes"
     );
+}
+
+/// The JSON batch of `events` (`{"batch":[e1,e2,...]}`).
+fn json_batch(events: &[&[u8]]) -> Vec<u8> {
+    let mut out = br#"{"batch":["#.to_vec();
+    out.extend_from_slice(&events.join(&b','));
+    out.extend_from_slice(b"]}");
+    out
+}
+
+/// docs/fleet.md's mosquitto settings and ACL, except that the sinks' user
+/// may read all of `edgespool/#` (an operator's wider grant): each device
+/// is still kept to writing under its own `edgespool/<name>/`.
+fn wide_read_broker(dir: &Path) -> Broker {
+    crate::support::broker::password_file(&dir.join("passwd"), &crate::support::fleet::USERS);
+    let acl = crate::support::fleet::readme_acl().replace(
+        "topic read edgespool/+/events/#\n",
+        "topic read edgespool/#\n",
+    );
+    assert!(acl.contains("user sink\ntopic read edgespool/#\n"), "{acl}");
+    std::fs::write(dir.join("acl"), acl).expect("write the ACL file");
+    Broker::start_with_config(&format!(
+        "{BROKER_EXTRA}allow_anonymous false\npassword_file {}\nacl_file {}\n\
+         use_username_as_clientid true\n",
+        dir.join("passwd").display(),
+        dir.join("acl").display()
+    ))
+}
+
+/// Topics under evil's own prefix (the ACL lets it write there) whose levels
+/// after it name gw1 where a sink reading the device from the level before
+/// `events`/`batches` (counted from the end) finds it; each carries an
+/// envelope claiming gw1, so the claim agrees with what such a sink reads.
+fn crafted_as_gw1() -> Vec<(String, Vec<u8>)> {
+    let one = |n| envelope("gw1", 0xf8, n);
+    vec![
+        ("edgespool/evil/gw1/events/load".to_owned(), one(1)),
+        ("edgespool/evil/x/gw1/events/load".to_owned(), one(2)),
+        (
+            "edgespool/evil/gw1/batches/load".to_owned(),
+            json_batch(&[&one(3), &one(4)]),
+        ),
+        ("edgespool/evil/events/gw1/events/load".to_owned(), one(5)),
+        ("edgespool/evil/events/load/gw1".to_owned(), one(6)),
+    ]
+}
+
+/// Field case F8 (attacker review): the sink's persistent session holds a
+/// subscription wider than docs/fleet.md's (`edgespool/#`: a filter an
+/// older run was started with, which the broker keeps in the session after
+/// the sink is restarted with the page's filter, or one made by hand under
+/// the sink's client id), and the ACL lets the sinks' user read it. Device
+/// `evil` publishes, under its own prefix, topics that end in
+/// `gw1/events/load`, envelopes claiming gw1. Nothing is stored as gw1's but
+/// gw1's own reading; each crafted delivery is set aside in `forged` with
+/// its topic and a reason naming the shape, under evil. Before: the sink
+/// took the device from the level before the last `events`, and stored
+/// 4 of evil's readings as gw1's.
+#[test]
+fn a_wide_subscription_in_the_sinks_session_cannot_make_a_device_write_as_another() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = wide_read_broker(dir.path());
+    let db = Db::sqlite(dir.path());
+    let login = crate::support::fleet::sink_login(dir.path());
+    let login: Vec<&str> = login.iter().map(String::as_str).collect();
+    // The session as an earlier filter left it: `sink`'s, not clean,
+    // subscribed to all of edgespool/#.
+    {
+        let mut o = MqttOptions::new("sink", "127.0.0.1", broker.port());
+        o.set_clean_session(false);
+        o.set_credentials("sink", "sink-secret");
+        let (c, mut conn) = Client::new(o, 10);
+        c.subscribe("edgespool/#", QoS::AtLeastOnce)
+            .expect("queue the subscribe");
+        let subscribed = (0..50).any(|_| {
+            matches!(
+                conn.recv_timeout(Duration::from_millis(200)),
+                Ok(Ok(Event::Incoming(Incoming::SubAck(_))))
+            )
+        });
+        assert!(subscribed, "the wide subscription was not granted");
+        let _ = c.try_disconnect();
+        let _ = conn.recv_timeout(Duration::from_millis(200));
+    }
+    let filter = "edgespool/+/events/#";
+    let mut sink = db.spawn_sink(broker.port(), filter, "sink", dir.path(), &login);
+    sink.wait_subscribed();
+    let crafted = crafted_as_gw1();
+    let n = crafted.len() as i64;
+    publish_all(broker.port(), Some(("evil", "evil-secret")), None, crafted);
+    let real = envelope("gw1", 0xf8, 0);
+    publish_all(
+        broker.port(),
+        Some(("gw1", "gw1-secret")),
+        None,
+        vec![("edgespool/gw1/events/load".to_owned(), real.clone())],
+    );
+    // Every crafted delivery is in once gw1's own (sent last, on the same
+    // session) is.
+    let settled = wait_for(Duration::from_secs(30), || {
+        db.number(
+            "SELECT count(*) FROM received WHERE topic = 'edgespool/gw1/events/load'",
+            "",
+        ) == 1
+    });
+    let as_gw1 = db.number(
+        "SELECT count(*) FROM received WHERE device_id = 'gw1' AND topic <> 'edgespool/gw1/events/load'",
+        "",
+    );
+    let forged = db.number(
+        "SELECT count(*) FROM forged WHERE topic LIKE 'edgespool/evil/%'",
+        "",
+    );
+    println!(
+        "a wide subscription in the sink's session: {as_gw1} of evil's readings \
+         stored as gw1's, {forged} set aside in forged; gw1's own: {}",
+        db.events_of("gw1") - as_gw1
+    );
+    let log = sink.log_text();
+    sink.terminate();
+    assert!(settled, "not settled\n{}", tail(&log, 20));
+    assert_eq!(as_gw1, 0, "evil wrote as gw1\n{}", tail(&log, 20));
+    let told = log
+        .lines()
+        .filter(|l| l.contains("WARN  edgespool::sink::consume") && l.contains("not of the shape"))
+        .count();
+    assert_eq!(told, 1, "one WARN a connection\n{}", tail(&log, 20));
+    assert_eq!(db.events_of("gw1"), 1, "gw1's own reading is stored");
+    let forged_by_evil = db.number(
+        "SELECT count(*) FROM forged WHERE topic LIKE 'edgespool/evil/%' AND device_id = 'evil'",
+        "",
+    );
+    assert_eq!(forged_by_evil, forged, "set aside under evil's bounds");
+    assert!(forged >= n, "{forged} of {n} crafted deliveries set aside");
+    let c = rusqlite::Connection::open(dir.path().join("sink.db")).expect("open the sink db");
+    let reasons: Vec<(String, String)> = c
+        .prepare("SELECT topic, reason FROM forged WHERE topic LIKE 'edgespool/evil/%'")
+        .and_then(|mut s| {
+            s.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<rusqlite::Result<_>>()
+        })
+        .expect("forged rows");
+    for (topic, reason) in reasons {
+        assert!(
+            reason.contains("edgespool/<device>/events/<stream>"),
+            "{topic}: {reason}"
+        );
+    }
+}
+
+/// Field case F8: a filter that names no level for the device (no `events`
+/// or `batches` level before its last) is refused at start, exit 2, with the
+/// filter and the shape the sink reads. Before: the sink subscribed it and
+/// read the device from the end of each topic.
+#[test]
+fn the_sink_refuses_a_filter_that_fixes_no_device_level() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("sink.db");
+    let db = db.to_str().expect("UTF-8 path");
+    // Nothing listens on the port: a sink that accepts the filter keeps
+    // trying to connect (and is stopped after 5 s).
+    let port = crate::support::free_port();
+    for filter in [
+        "edgespool/#",
+        "#",
+        "edgespool/+/+/#",
+        "edgespool/+/events/+/#",
+        "events/#",
+        "edgespool/events/+/events/#",
+    ] {
+        let mut sink = SinkProc::launch_args(
+            port,
+            filter,
+            "narrow",
+            dir.path(),
+            &["--db", db, "--client-id", "narrow"],
+        );
+        let status = sink.wait_exit(Duration::from_secs(5));
+        let log = sink.log_text();
+        sink.terminate();
+        assert_eq!(status.and_then(|s| s.code()), Some(2), "{filter}:\n{log}");
+        assert!(
+            log.contains(&format!("{filter:?}")) && log.contains("<device>/events/<stream>"),
+            "{filter}:\n{log}"
+        );
+    }
+}
+
+/// Batches of the same event a device sends again and again (field case
+/// F6).
+const F6_BATCHES: usize = 200;
+/// Copies of the event in each.
+const F6_COPIES: usize = 1000;
+
+/// Field case F6 (attacker review): one device sends the same event in 200
+/// batches of 1,000 copies each, 200,000 deliveries of one stored event.
+/// PostgreSQL keeps one `redeliveries` row for it, counting 199,999, and
+/// `sink --stats` says 199,999 duplicates. Before: `duplicates` got one row
+/// per redelivery, 199,999 rows (about 13 MB).
+#[cfg(feature = "pg-sink")]
+#[test]
+fn a_device_sending_one_event_again_and_again_grows_no_table() {
+    let pg = crate::support::postgres::Postgres::start(&[("fsync", "off")]);
+    let broker = Broker::start_with_options(BROKER_EXTRA, false);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = Db::Postgres(pg);
+    let mut sink = db.spawn_sink(
+        broker.port(),
+        "edgespool/+/events/#",
+        "f6-sink",
+        dir.path(),
+        &[],
+    );
+    sink.wait_subscribed();
+    let one = envelope("gw1", 0xf6, 0);
+    let batch = json_batch(&vec![&one[..]; F6_COPIES]);
+    let topic = "edgespool/gw1/batches/load".to_owned();
+    let msgs = vec![(topic, batch); F6_BATCHES];
+    let deliveries = (F6_BATCHES * F6_COPIES) as i64;
+    publish_all(broker.port(), None, None, msgs);
+    let Db::Postgres(pg) = &db else {
+        unreachable!("a PostgreSQL store")
+    };
+    let new_shape = |pg: &crate::support::postgres::Postgres| -> bool {
+        pg.client()
+            .query_one("SELECT to_regclass('redeliveries') IS NOT NULL", &[])
+            .map(|r| r.get(0))
+            .unwrap_or(false)
+    };
+    let (table, counted) = match new_shape(pg) {
+        true => ("redeliveries", "coalesce(sum(deliveries), 0)::int8"),
+        false => ("duplicates", "count(*)"),
+    };
+    let redelivered = format!("SELECT {counted} FROM {table}");
+    let all = wait_for(Duration::from_secs(120), || {
+        db.number("", &redelivered) == deliveries - 1
+    });
+    let rows = db.number("", &format!("SELECT count(*) FROM {table}"));
+    let bytes = db.number(
+        "",
+        &format!("SELECT pg_total_relation_size('{table}')::int8"),
+    );
+    println!(
+        "{F6_BATCHES} batches of {F6_COPIES} copies of one event: table {table} holds {rows} \
+         rows, {bytes} bytes (with its indexes), counting {} redeliveries",
+        db.number("", &redelivered)
+    );
+    let report = crate::support::sink::stats_json(&["--postgres", &pg.conninfo()]);
+    sink.terminate();
+    assert!(all, "{}", tail(&sink.log_text(), 20));
+    assert_eq!(report["duplicates"], deliveries - 1, "{report}");
+    assert_eq!(report["events"], 1, "{report}");
+    assert_eq!(
+        summary(&sink.log_text(), "duplicates"),
+        (deliveries - 1) as u64
+    );
+    assert_eq!(rows, 1, "one row per redelivered event");
+    assert!(bytes < 64 << 10, "{bytes} bytes");
 }

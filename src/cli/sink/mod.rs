@@ -167,8 +167,9 @@ fn load_receipt_key(
 }
 
 /// Run the sink until SIGTERM/SIGINT. Exit 0; 1 on a store failure or if
-/// any payload mismatch was seen; 2 for a bad `--url`, or PostgreSQL
-/// settings that cannot work (conninfo, TLS files, password file).
+/// any payload mismatch was seen; 2 for a bad `--url`, a `--topic` that
+/// fixes no level for the device, or PostgreSQL settings that cannot work
+/// (conninfo, TLS files, password file).
 fn run(a: SinkArgs) -> Outcome {
     let Some((host, port)) = a
         .url
@@ -182,6 +183,11 @@ fn run(a: SinkArgs) -> Outcome {
         );
         return Err(Failure::Invalid);
     };
+    // A filter that fixes no level for the device can never be right.
+    if let Err(why) = crate::sink::identity::Shape::of_filter(&a.topic) {
+        eprintln!("edgespool: --topic (topic in --config): {why}");
+        return Err(Failure::Invalid);
+    }
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         let _ = signal_hook::flag::register(sig, stop.clone());
