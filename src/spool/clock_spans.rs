@@ -13,8 +13,11 @@
 //! - it opens with the first commit that appends a row while the clock is
 //!   not settled ([`WallClock`]): its first row id, riding that commit;
 //! - it stays open across commits, runs and boots while the clock stays
-//!   unsettled (nothing more is written), and its rows are purged by no age
-//!   (only the spool bound takes them, oldest acknowledged first);
+//!   unsettled (nothing more is written); meanwhile its rows age by that
+//!   same unset clock (it loses time, never gains it, unless stepped: such
+//!   an age is never longer than the true one), so a board that never
+//!   syncs keeps its retention, and once the clock is settled they are
+//!   purged by no age until the span closes;
 //! - it closes with the first commit made with a settled clock (the clock
 //!   anchor's, or the next one): its last row id and that commit's time
 //!   (`settled_ms`), riding that commit;
@@ -58,9 +61,10 @@ const SQL_SETTLE: &str =
 const SQL_DROP_EMPTY: &str = "DELETE FROM clock_spans WHERE last_id < first_id";
 
 /// The lowest row id a span holds against an age purge with cutoff `?1`:
-/// an open span's, or a closed one's whose rows count from `?1` or later.
+/// an open span's (when `?2` is 1: the clock is settled now), or a closed
+/// one's whose rows count from `?1` or later.
 const SQL_HOLD_FROM: &str = "SELECT min(first_id) FROM clock_spans
-    WHERE settled_ms IS NULL OR settled_ms >= ?1";
+    WHERE (settled_ms IS NULL AND ?2 = 1) OR settled_ms >= ?1";
 
 /// Closed spans that hold nothing any more: counted from before the age
 /// cutoff `?1`, or with every row gone (the spool bound took them).
@@ -158,19 +162,26 @@ pub(super) fn note(
     Ok(())
 }
 
-/// The lowest row id an age purge with `cutoff_ms` may not reach: rows of
-/// an open span, or of a closed one counted from `cutoff_ms` or later, and
+/// The lowest row id an age purge with `cutoff_ms`, read off a clock judged
+/// `now`, may not reach: rows of an open span while `now` is settled (an
+/// unset clock ages them by itself), or of a closed one counted from
+/// `cutoff_ms` or later, and
 /// every row above them (appended after them: no older by a clock that
 /// went forward). `i64::MAX` when no span holds, and for `cutoff_ms =
 /// i64::MAX` (the spool bound, which takes the oldest acknowledged rows
 /// whatever their age).
-pub(super) fn hold_from(conn: &Connection, cutoff_ms: i64) -> rusqlite::Result<i64> {
+pub(super) fn hold_from(
+    conn: &Connection,
+    cutoff_ms: i64,
+    now: WallClock,
+) -> rusqlite::Result<i64> {
     if cutoff_ms == i64::MAX {
         return Ok(i64::MAX);
     }
+    let settled = i64::from(now == WallClock::Settled);
     let first: Option<i64> = conn
         .prepare_cached(SQL_HOLD_FROM)?
-        .query_row(params![cutoff_ms], |r| r.get(0))?;
+        .query_row(params![cutoff_ms, settled], |r| r.get(0))?;
     Ok(first.unwrap_or(i64::MAX))
 }
 

@@ -86,7 +86,23 @@ impl Spool {
     /// nothing to delete this writes nothing (issue 23: persisting them at
     /// every maintenance pass was a commit every 5 s).
     pub fn purge_acked(&mut self, cutoff_ms: i64, batch: usize) -> Result<usize, SpoolError> {
-        let below = clock_spans::hold_from(&self.conn, cutoff_ms).map_err(|e| self.err(e))?;
+        self.purge_acked_at(cutoff_ms, batch, super::WallClock::Settled)
+    }
+
+    /// [`Spool::purge_acked`] by a clock judged `now` when `cutoff_ms` was
+    /// read: while it is unsettled too, an open span holds nothing (its
+    /// rows' times and the cutoff come from the same unset clock, which
+    /// only loses time unless stepped: an age read off it is never longer
+    /// than the true one), so a board whose kernel never says synchronized
+    /// (an RTC and no time sync daemon) keeps its retention by age; once
+    /// it is settled an open span holds until the next commit closes it.
+    pub fn purge_acked_at(
+        &mut self,
+        cutoff_ms: i64,
+        batch: usize,
+        now: super::WallClock,
+    ) -> Result<usize, SpoolError> {
+        let below = clock_spans::hold_from(&self.conn, cutoff_ms, now).map_err(|e| self.err(e))?;
         let any: bool = self
             .conn
             .prepare_cached(SQL_PURGE_ANY)

@@ -381,6 +381,10 @@ fn two_thousand_through_kills(id_field: Option<&str>) {
     // The local broker restarts (with its own persistence) while the agent
     // is down and most of the 2,000 wait in the bridge's session.
     local.restart_graceful();
+    // About 100 messages a second until kill 2: at 400 a second a loaded
+    // machine (the test descheduled for 2 s between its poll and the kill)
+    // once let the whole rest in first, and the kill landed after intake.
+    local_proxy.set_rate(10_000);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     // Kill 2, during intake: once this run has stored something (a cheap
     // COUNT(*): the poll must not lag behind a fast intake).
@@ -393,6 +397,7 @@ fn two_thousand_through_kills(id_field: Option<&str>) {
     );
     agent.kill9();
     kills.push(("intake", spooled(&db).len()));
+    local_proxy.set_rate(40_000);
     let mut agent = AgentProc::spawn(&cfg, &[], dir.path());
     assert!(
         wait_for(Duration::from_secs(90), || spooled(&db).len() >= N),

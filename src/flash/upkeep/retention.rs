@@ -124,7 +124,7 @@ impl Upkeep {
                 return purged;
             }
             let batch = self.settings.purge_batch_rows;
-            match spool.purge_acked(cutoff, batch) {
+            match spool.purge_acked_at(cutoff, batch, clock_now()) {
                 Ok(n) => {
                     purged += n;
                     if n < batch {
@@ -250,4 +250,12 @@ fn readers_left_wal(spool: &Spool, wait: Duration) -> bool {
         spool.checkpoint_within(CheckpointMode::Restart, wait),
         Ok(r) if r.busy == 0 && r.checkpointed_frames == r.log_frames
     )
+}
+
+/// The wall clock as the readings' stamp rule judges it now
+/// ([`crate::spool::WallClock`]): what an age purge may take of rows
+/// appended before the clock was set depends on it.
+fn clock_now() -> crate::spool::WallClock {
+    let trusted = crate::event::envelope::wall_clock_ms().1;
+    crate::spool::WallClock::judge(trusted, crate::os::clock::kernel_sync())
 }

@@ -255,3 +255,46 @@ fn a_span_takes_the_rows_another_connection_appended_since_the_last_commit() {
     );
     assert_eq!(spans(&later), vec![(3, Some(5), Some(SET_MS + 9))]);
 }
+
+/// A board whose kernel never says synchronized (an RTC, no time sync
+/// daemon) keeps its retention by age: while the clock judged now is
+/// unsettled too, an open span's rows age by that same clock; once it is
+/// settled, the open span holds until a commit closes it.
+#[test]
+fn an_open_span_ages_by_its_own_clock_while_that_clock_is_still_unset() {
+    let d = tempfile::tempdir().unwrap();
+    let mut ids = EventIdGen::new().unwrap();
+    let mut s = open(d.path());
+    let unset = Some(WallClock::Unsettled);
+    for i in 0..5 {
+        commit(&mut s, &mut ids, 10, unset, 60_000 + i * 1000);
+    }
+    retire_all(&mut s);
+    // The clock is set now, and no commit has closed the span yet: held.
+    assert_eq!(
+        s.purge_acked_at(SET_MS, 1000, WallClock::Settled).unwrap(),
+        0
+    );
+    // Still unset now: a cutoff read off the unset clock takes the rows
+    // older than it (the first two commits), not the younger ones.
+    assert_eq!(
+        s.purge_acked_at(61_500, 1000, WallClock::Unsettled)
+            .unwrap(),
+        20
+    );
+    assert_eq!(rows(&s), 30);
+    assert_eq!(spans(&s), vec![(1, None, None)], "the span stays open");
+    // The span closes at the first settled commit; its rows count from then.
+    commit(&mut s, &mut ids, 1, Some(WallClock::Settled), SET_MS);
+    retire_all(&mut s);
+    assert_eq!(
+        s.purge_acked_at(SET_MS - 1, 1000, WallClock::Unsettled)
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        s.purge_acked_at(SET_MS + 1, 1000, WallClock::Settled)
+            .unwrap(),
+        30
+    );
+}
