@@ -430,9 +430,23 @@ fn restore_run(
     );
     assert_eq!(agent.pid(), pid, "the agent was touched");
     assert!(agent.is_running(), "the agent stopped");
-    // The summary line carries the agent's record: let it be written.
-    std::thread::sleep(Duration::from_secs(3));
-    let sent_again = backfill_state(&spool_db)["rows_sent"].as_u64().unwrap_or(0);
+    // The agent's backfill record rides a commit after each summary (every
+    // 2 s here): wait for one made from a summary taken after the database
+    // was full (its counters final), not a fixed sleep (3 s once read a
+    // record of 353 of 500 under load).
+    let full_ms = edgespool::event::envelope::wall_clock_ms().0;
+    let mut record = serde_json::Value::Null;
+    let fresh = wait_for(Duration::from_secs(60), || {
+        let st = status_json(&spool_db)["agent_state"]["backfill"].clone();
+        let at = st["updated_ms"].as_i64().unwrap_or(0);
+        record = st["value"].clone();
+        at >= full_ms + 2_500
+    });
+    assert!(
+        fresh,
+        "no backfill record written after the database was full: {record}"
+    );
+    let sent_again = record["rows_sent"].as_u64().unwrap_or(0);
     let stats = db.stats();
     assert_eq!(stats["mismatches"], 0, "a row came with a second payload");
     assert_eq!(db.mismatches(), 0, "an id came with a second payload");
