@@ -51,7 +51,8 @@ pub struct IngestConfig {
     pub max_connections: usize,
     /// `max_connections_per_peer`: connections one peer (a socket
     /// client's uid, a TCP client's address: [`crate::intake::share::PeerId`])
-    /// may hold at once on a listener (1..=1024, default 4; at most
+    /// may hold at once on a listener (1..=1024, default 8, half the default
+    /// `max_connections`; at most
     /// `max_connections` in effect), so one local user cannot take every
     /// slot and lock the others out. One more is told so in one error line
     /// naming this key and closed. On loopback TCP every local user is the
@@ -120,7 +121,7 @@ impl Default for IngestConfig {
             tcp_public: false,
             max_line_bytes: 16 * 1024,
             max_connections: 16,
-            max_connections_per_peer: 4,
+            max_connections_per_peer: 8,
             max_rate_per_sec: 5000,
             max_fields: 64,
             max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,

@@ -223,7 +223,7 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
 /// socket's group, through
 /// perl's IO::Socket::UNIX, which every Debian has). With the defaults,
 /// root opens connections until one is refused: it gets
-/// `ingest.max_connections_per_peer` (4) of the listener's 16, the next is
+/// `ingest.max_connections_per_peer` (8) of the listener's 16, the next is
 /// told so naming that key; `nobody` then connects and its reading is
 /// stored. Before the per-peer bound root took all 16 and `nobody` was
 /// refused.
@@ -262,10 +262,10 @@ fn one_local_user_cannot_take_every_connection_of_the_socket() {
             break error_of(&v);
         }
     };
-    assert_eq!(held.len(), 4, "root's connections admitted: {}", held.len());
+    assert_eq!(held.len(), 8, "root's connections admitted: {}", held.len());
     assert!(
         refused.contains("too many connections from this peer")
-            && refused.contains("ingest.max_connections_per_peer 4"),
+            && refused.contains("ingest.max_connections_per_peer 8"),
         "{refused}"
     );
 

@@ -38,6 +38,8 @@ reconnect_min_ms = 100
 reconnect_max_ms = 800
 [ingest]
 socket = "{sock}"
+# Eight clients of one uid at once (8 by default): said, as the test needs it.
+max_connections_per_peer = 8
 [[ingest.streams]]
 name = "alarm"
 durability = "full"
