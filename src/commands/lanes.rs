@@ -84,10 +84,10 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    /// Why the command may no longer start, if so. A trusted wall clock
-    /// judges against the issue time; otherwise its signed deadline is
-    /// judged against the time `floor` knows has passed at agent clock
-    /// `clock_ms`, then the monotonic time since receipt.
+    /// Why the command may no longer start, if so: its signed deadline
+    /// against the time `floor` knows has passed at agent clock `clock_ms`
+    /// (whatever the wall clock says), then a trusted wall clock against
+    /// the issue time, else the monotonic time since receipt.
     pub(super) fn expired(&self, floor: &TimeFloor, clock_ms: i64) -> Option<String> {
         const PAST_TTL: &str = "expired: past its ttl_secs (or commands.default_ttl_secs); not run";
         if self.age_unknown {
@@ -95,6 +95,16 @@ impl Pending {
                 "expired: its age cannot be judged (received before a restart, clock not trusted)"
                     .to_owned(),
             );
+        }
+        // The floor is a time that has passed whatever the wall clock
+        // says: judged first, so a clock past 2026 yet behind (restored by
+        // fake-hwclock or a slow RTC, not vouched for by time sync) cannot
+        // let a replayed command run that the floor knows is expired.
+        if let Some(why) = self
+            .deadline_issued
+            .and_then(|d| floor.expired(d, clock_ms))
+        {
+            return Some(why);
         }
         let (now_ms, trusted) = wall_clock_ms();
         if trusted {
@@ -104,11 +114,6 @@ impl Pending {
             if self.deadline_wall.is_some() {
                 return None;
             }
-        } else if let Some(why) = self
-            .deadline_issued
-            .and_then(|d| floor.expired(d, clock_ms))
-        {
-            return Some(why);
         }
         self.deadline_mono
             .is_some_and(|d| Instant::now() > d)

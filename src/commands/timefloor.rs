@@ -121,9 +121,10 @@ impl TimeFloor {
         let floor = self.at(clock_ms)?;
         (deadline_ms < floor).then(|| {
             format!(
-                "expired: the wall clock is not trusted, and the deadline (issued_at_ms + ttl_secs, \
+                "expired: the deadline (issued_at_ms + ttl_secs, \
                  {deadline_ms}) is before {floor}, a time this board knows has passed (the newest \
-                 operator-signed issued_at_ms it accepted, plus the time the agent has run since); \
+                 operator-signed issued_at_ms it accepted, plus the time the agent has run since), \
+                 whatever the wall clock says; \
                  not run"
             )
         })

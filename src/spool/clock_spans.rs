@@ -13,11 +13,12 @@
 //! - it opens with the first commit that appends a row while the clock is
 //!   not settled ([`WallClock`]): its first row id, riding that commit;
 //! - it stays open across commits, runs and boots while the clock stays
-//!   unsettled (nothing more is written); meanwhile its rows age by that
-//!   same unset clock (it loses time, never gains it, unless stepped: such
-//!   an age is never longer than the true one), so a board that never
-//!   syncs keeps its retention, and once the clock is settled they are
-//!   purged by no age until the span closes;
+//!   unsettled (nothing more is written); while the clock is still before
+//!   the floor its rows age by that same clock (it loses time, never gains
+//!   it, reboots included: such an age is never longer than the true one);
+//!   once the clock is past the floor they are purged by no age until the
+//!   span closes (a clock stepped by anything but time sync would read
+//!   them decades old), only by the spool bound;
 //! - it closes with the first commit made with a settled clock (the clock
 //!   anchor's, or the next one): its last row id and that commit's time
 //!   (`settled_ms`), riding that commit;

@@ -90,12 +90,13 @@ impl Spool {
     }
 
     /// [`Spool::purge_acked`] by a clock judged `now` when `cutoff_ms` was
-    /// read: while it is unsettled too, an open span holds nothing (its
-    /// rows' times and the cutoff come from the same unset clock, which
-    /// only loses time unless stepped: an age read off it is never longer
-    /// than the true one), so a board whose kernel never says synchronized
-    /// (an RTC and no time sync daemon) keeps its retention by age; once
-    /// it is settled an open span holds until the next commit closes it.
+    /// read: while it is still the unset clock (before the floor: a board
+    /// without RTC), an open span holds nothing (its rows' times and the
+    /// cutoff come from that same clock, which only loses time, across
+    /// reboots too: an age read off it is never longer than the true one);
+    /// past the floor an open span holds until a commit with a clock time
+    /// sync vouched for closes it (the clock may have been stepped by
+    /// something else, and the rows would read decades old).
     pub fn purge_acked_at(
         &mut self,
         cutoff_ms: i64,

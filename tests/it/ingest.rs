@@ -224,9 +224,10 @@ fn socket_and_tcp_requests_arrive_under_the_replied_ids_and_a_retried_key_stores
 /// perl's IO::Socket::UNIX, which every Debian has). With the defaults,
 /// root opens connections until one is refused: it gets
 /// `ingest.max_connections_per_peer` (8) of the listener's 16, the next is
-/// told so naming that key; `nobody` then connects and its reading is
-/// stored. Before the per-peer bound root took all 16 and `nobody` was
-/// refused.
+/// told so naming that key; root then floods 2,000 silent connections,
+/// and `nobody` still connects and its reading is stored. Before the
+/// per-peer bound root took all 16 and `nobody` was refused; before
+/// refusals stopped waiting on the client, the flood kept it out.
 #[test]
 fn one_local_user_cannot_take_every_connection_of_the_socket() {
     if unsafe { libc::geteuid() } != 0 {
@@ -269,9 +270,18 @@ fn one_local_user_cannot_take_every_connection_of_the_socket() {
         "{refused}"
     );
 
+    // And keeps flooding: 2,000 more connections, silent and held open,
+    // each refused on the accept thread. A refusal that waited 20 ms for
+    // the client kept the backlog full for 40 s; nobody must be answered
+    // well within the 20 s `timeout` below.
+    let flood: Vec<UnixStream> = (0..2000)
+        .filter_map(|_| UnixStream::connect(&sock).ok())
+        .collect();
+    assert!(flood.len() > 1000, "the flood connected {}", flood.len());
+
     let script = r#"use IO::Socket::UNIX; my $s = IO::Socket::UNIX->new(Peer => $ARGV[0]) or die "connect: $!"; print $s qq({"stream":"pump","fields":{"a":2}}\n); my $r = <$s>; print $r;"#;
-    let out = std::process::Command::new("perl")
-        .args(["-e", script, sock.to_str().expect("utf-8")])
+    let out = std::process::Command::new("timeout")
+        .args(["20", "perl", "-e", script, sock.to_str().expect("utf-8")])
         .uid(65534)
         .gid(65534)
         .output()
@@ -285,7 +295,7 @@ fn one_local_user_cannot_take_every_connection_of_the_socket() {
         )
     });
     ok_id(&v);
-    drop(held);
+    drop((held, flood));
     assert!(agent
         .terminate(Duration::from_secs(15))
         .is_some_and(|s| s.success()));

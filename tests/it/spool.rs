@@ -341,6 +341,26 @@ fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set
     agent.terminate(Duration::from_secs(15));
     let (taken, acked) = rows_from_before_the_clock(&db);
     assert_eq!(taken, acked, "every reading of 1972 acknowledged");
+    // First the clock is stepped by something time sync did not vouch for
+    // (`date -s`, a modem script): the kernel still says unsynchronized.
+    // The rows must still be there after several retention passes (a
+    // review found 99 of 100 purged within 40 s when such a clock let
+    // them age by it).
+    crate::commands::step_clock(&faketime, "+0");
+    let mut agent = AgentProc::spawn_with_env(&cfg, &sets, dir.path(), &env);
+    assert!(
+        agent.wait_log(Duration::from_secs(20), "mqtt: connected to"),
+        "{}",
+        agent.log_tail(20)
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        rows_from_before_the_clock(&db),
+        (taken, acked),
+        "rows taken before the clock was set were purged once it was stepped without time sync\n{}",
+        agent.log_tail(20)
+    );
+    agent.terminate(Duration::from_secs(15));
     // Time sync set the clock while the agent was down (a reboot).
     crate::commands::step_clock(&faketime, "+0");
     std::fs::write(&sync, "synchronized\n").expect("sync file");

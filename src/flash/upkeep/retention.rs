@@ -252,10 +252,17 @@ fn readers_left_wal(spool: &Spool, wait: Duration) -> bool {
     )
 }
 
-/// The wall clock as the readings' stamp rule judges it now
-/// ([`crate::spool::WallClock`]): what an age purge may take of rows
-/// appended before the clock was set depends on it.
+/// Whether the wall clock now is still the unset one (before the floor,
+/// `CLOCK_FLOOR_MS`: a board without RTC that has not been set), so an open
+/// clock span's rows may age by it ([`Spool::purge_acked_at`]). A clock past
+/// the floor is `Settled` here whatever the kernel says of time sync: it
+/// may have been stepped (`date -s`, a GPS or modem script) without time
+/// sync ever vouching for it, and the 1970 rows would then read 56 years
+/// old (found by a review: 99 of 100 such rows purged within 40 s), so an
+/// open span holds them until a commit with a vouched-for clock closes it.
 fn clock_now() -> crate::spool::WallClock {
-    let trusted = crate::event::envelope::wall_clock_ms().1;
-    crate::spool::WallClock::judge(trusted, crate::os::clock::kernel_sync())
+    match crate::event::envelope::wall_clock_ms().1 {
+        true => crate::spool::WallClock::Settled,
+        false => crate::spool::WallClock::Unsettled,
+    }
 }

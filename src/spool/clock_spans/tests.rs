@@ -256,10 +256,11 @@ fn a_span_takes_the_rows_another_connection_appended_since_the_last_commit() {
     assert_eq!(spans(&later), vec![(3, Some(5), Some(SET_MS + 9))]);
 }
 
-/// A board whose kernel never says synchronized (an RTC, no time sync
-/// daemon) keeps its retention by age: while the clock judged now is
-/// unsettled too, an open span's rows age by that same clock; once it is
-/// settled, the open span holds until a commit closes it.
+/// A board without RTC keeps its retention by age while its clock is still
+/// the unset one (before the floor: `Unsettled` now): an open span's rows
+/// age by that same clock; once the clock is past the floor (`Settled`
+/// now: set by time sync, or stepped by anything else), the open span
+/// holds until a commit with a vouched-for clock closes it.
 #[test]
 fn an_open_span_ages_by_its_own_clock_while_that_clock_is_still_unset() {
     let d = tempfile::tempdir().unwrap();

@@ -162,6 +162,19 @@ fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted
     assert_eq!(state_of(&rig, &agent, &c).0, "completed");
     assert_eq!(lines(&rig.marker("counter-fast")), 3);
     agent.terminate(Duration::from_secs(15));
+
+    // A clock past 2026 yet three days behind (fake-hwclock, a slow RTC;
+    // time sync has not vouched for it): the floor still decides. Before,
+    // the floor was read only below 2026 and this replay ran.
+    on_spool(&rig, "DELETE FROM commands WHERE command_id = 'a'");
+    step_clock(&clock.offset, "-259200");
+    clock.say("unsynchronized");
+    let mut agent = clock.spawn(&rig);
+    let (state, why) = state_of(&rig, &agent, &a);
+    assert_eq!(state, "expired", "{why}\n{}", agent.log_tail(30));
+    assert!(why.contains("a time this board knows has passed"), "{why}");
+    assert_eq!(lines(&rig.marker("counter-fast")), 3, "the replay ran");
+    agent.terminate(Duration::from_secs(15));
 }
 
 /// One signed command alone, its record aged out for real (past
