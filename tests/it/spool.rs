@@ -339,8 +339,13 @@ fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set
         agent.log_tail(20)
     );
     agent.terminate(Duration::from_secs(15));
+    // A reading taken as the agent stopped may be unacknowledged yet (it
+    // goes out at the next start, and its span keeps it all the same).
     let (taken, acked) = rows_from_before_the_clock(&db);
-    assert_eq!(taken, acked, "every reading of 1972 acknowledged");
+    assert!(
+        acked >= 20 && acked <= taken,
+        "{taken} taken, {acked} acknowledged"
+    );
     // First the clock is stepped by something time sync did not vouch for
     // (`date -s`, a modem script): the kernel still says unsynchronized.
     // The rows must still be there after several retention passes (a
@@ -355,8 +360,8 @@ fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set
     );
     std::thread::sleep(Duration::from_secs(5));
     assert_eq!(
-        rows_from_before_the_clock(&db),
-        (taken, acked),
+        rows_from_before_the_clock(&db).0,
+        taken,
         "rows taken before the clock was set were purged once it was stepped without time sync\n{}",
         agent.log_tail(20)
     );
@@ -375,8 +380,8 @@ fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set
     // passes, and the rows are all still there.
     std::thread::sleep(Duration::from_secs(5));
     assert_eq!(
-        rows_from_before_the_clock(&db),
-        (taken, acked),
+        rows_from_before_the_clock(&db).0,
+        taken,
         "rows taken before the clock was set were purged right after it was\n{}",
         agent.log_tail(20)
     );
