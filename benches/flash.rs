@@ -13,7 +13,7 @@
 //! `full`), a PASSIVE checkpoint at the agent's cadence, and, when the
 //! agent's wide window stretched that cadence (its commits then sync the
 //! WAL), `synchronous = FULL` commits. It starts once the agent has warmed up
-//! (at the window and cadence the agent has then, read from `status`), a
+//! (at the window and cadence the agent has then, read from its metrics), a
 //! lead of two checkpoint intervals (at least 60 s) before the interval, and
 //! is the ceiling the agent is compared with.
 //!
@@ -39,9 +39,9 @@
 //!   end and its changes during the interval; health changes over the whole
 //!   run (polled every 15 s).
 //!
-//! Rows: `<rate>[full][w|b<MB>][r]`: readings a second (1..=100), `full`
+//! Rows: `<rate>[full][w[<s>]|b[<MB>]][r]`: readings a second (1..=100), `full`
 //! durability, then the agent's default settings (the probe's window),
-//! `w`: `spool.commit_window_ms = 10000`, or `b<MB>`:
+//! `w`: `spool.commit_window_ms = 10000` (`w<s>`: that many seconds), or `b<MB>`:
 //! `spool.write_budget_mb_per_day = <MB>` (`b` alone: 100) with
 //! `spool.max_commit_window_ms = 300000` (the operator accepts a five-minute
 //! loss window; the agent chooses its own); an `r` last runs receipt mode
@@ -247,8 +247,19 @@ impl RateSpec {
             Some(rest) => (rest, true),
             None => (s, false),
         };
-        let (s, window) = if let Some(rest) = s.strip_suffix('w') {
-            (rest, Window::Fixed)
+        let (s, window) = if let Some((rest, secs)) = s.rsplit_once('w') {
+            let ms = if secs.is_empty() {
+                LOSS_WINDOW_MS
+            } else {
+                secs.parse::<u64>().map(|v| v * 1000).unwrap_or_else(|_| {
+                    panic!("FLASH_RATES: {s:?}: the window after `w` is whole seconds")
+                })
+            };
+            assert!(
+                (1000..=60_000).contains(&ms),
+                "FLASH_RATES: {s:?}: a fixed window is 1..=60 s (`spool.commit_window_ms`'s bounds; wider ones come from a budget, `b`)"
+            );
+            (rest, Window::Fixed(ms))
         } else if let Some((rest, mb)) = s.rsplit_once('b') {
             let mb = if mb.is_empty() {
                 BUDGET_MB_PER_DAY
@@ -268,7 +279,7 @@ impl RateSpec {
         let per_sec: u32 = num
             .parse()
             .unwrap_or_else(|_| {
-                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; then `w` for a 10 s window or `b<MB>` for a budget; an `r` last for receipt mode)")
+                panic!("FLASH_RATES: {s:?} is not a rate (1, 10, 100, 1full; then `w` for a 10 s window (`w<s>` another) or `b<MB>` for a budget; an `r` last for receipt mode)")
             });
         assert!(
             (1..=100).contains(&per_sec),
@@ -289,7 +300,8 @@ impl RateSpec {
             if self.full { "full" } else { "" },
             match self.window {
                 Window::Default => String::new(),
-                Window::Fixed => "w".into(),
+                Window::Fixed(LOSS_WINDOW_MS) => "w".into(),
+                Window::Fixed(ms) => format!("w{}", ms / 1000),
                 Window::Budget(mb) => format!("b{mb}"),
             },
             if self.receipt { "r" } else { "" }
@@ -304,7 +316,7 @@ impl RateSpec {
     fn spool_keys(&self) -> String {
         match self.window {
             Window::Default => String::new(),
-            Window::Fixed => format!("commit_window_ms = {LOSS_WINDOW_MS}\n"),
+            Window::Fixed(ms) => format!("commit_window_ms = {ms}\n"),
             Window::Budget(mb) => format!(
                 "write_budget_mb_per_day = {mb}\nmax_commit_window_ms = {}\n",
                 budget_ceiling_ms()
@@ -316,7 +328,7 @@ impl RateSpec {
     fn settings(&self) -> String {
         match self.window {
             Window::Default => "default".into(),
-            Window::Fixed => format!("`spool.commit_window_ms = {LOSS_WINDOW_MS}`"),
+            Window::Fixed(ms) => format!("`spool.commit_window_ms = {ms}`"),
             Window::Budget(mb) => format!(
                 "`write_budget_mb_per_day = {mb}`, `max_commit_window_ms = {}`",
                 budget_ceiling_ms()
@@ -330,8 +342,8 @@ impl RateSpec {
 enum Window {
     /// The storage probe's (the default settings).
     Default,
-    /// `spool.commit_window_ms = LOSS_WINDOW_MS`.
-    Fixed,
+    /// `spool.commit_window_ms` = this, ms (`w`: `LOSS_WINDOW_MS`).
+    Fixed(u64),
     /// `spool.write_budget_mb_per_day` = this, the window chosen by the
     /// agent up to `BUDGET_CEILING_MS`.
     Budget(u64),
@@ -512,8 +524,16 @@ fn measure_rate(
         .max(Duration::from_secs(60).min(s.warmup));
     watch(s.warmup - lead, &mut agent, None, &mut budget, &run)?;
     budget.poll(&run);
-    let (m_window, m_ckpt) = match spec.window {
-        Window::Fixed => (LOSS_WINDOW_MS, checkpoint_secs(LOSS_WINDOW_MS)),
+    // The window in force now, from the metrics (served from memory): the
+    // `write_budget` record in `status` rides the agent's next commit, so
+    // just after a widening it still names the old window for up to one
+    // new window.
+    let live_ms = metrics_value(metrics_port, "edgespool_commit_window_seconds")
+        .filter(|s| *s > 0.0)
+        .map(|s| (s * 1000.0).round() as u64);
+    let (m_window, m_ckpt) = match (spec.window, live_ms) {
+        (Window::Fixed(ms), _) => (ms, checkpoint_secs(ms)),
+        (_, Some(ms)) => (ms, checkpoint_secs(ms)),
         _ => budget
             .window_and_cadence()
             .unwrap_or((window_ms, checkpoint_secs(window_ms))),
@@ -1640,7 +1660,7 @@ impl Row {
     /// The loss window at the end of the interval, ms.
     fn loss_window_ms(&self) -> u64 {
         match self.spec.window {
-            Window::Fixed => LOSS_WINDOW_MS,
+            Window::Fixed(ms) => ms,
             _ => self.end_window_ms.unwrap_or(self.window_ms),
         }
     }
