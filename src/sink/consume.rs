@@ -65,7 +65,9 @@ pub struct SinkOptions {
     /// MQTT client id. The broker keeps the session (and what it has not had
     /// acknowledged) under it: a restarted sink must come back with the same id.
     pub client_id: String,
-    /// Subscribe as `$share/<group>/<filter>` to spread load over sinks.
+    /// Subscribe as `$share/<group>/<filter>` to spread load over sinks. A
+    /// ShareName (MQTT 5 §4.8.2: at least one character, no `/`, `+` or
+    /// `#`); [`run`] refuses another, and a `filter` shared already.
     pub shared_group: Option<String>,
     /// When a batch commits.
     pub batch: BatchPolicy,
@@ -191,8 +193,9 @@ enum End {
 /// commits, the next is gathered and decoded here; at most one is with the
 /// store, and its PUBACKs are queued only once it is back committed.
 ///
-/// Errors: a filter that fixes no level for the device
-/// ([`Shape::of_filter`]), a fatal store error or a refused subscription
+/// Errors: a filter that fixes no level for the device, or a shared
+/// subscription's group that is no ShareName ([`Shape::of_subscription`]),
+/// a fatal store error or a refused subscription
 /// (retrying cannot help; exit non-zero), or the store thread could not be
 /// started.
 pub fn run<S: Store + Send>(
@@ -200,7 +203,7 @@ pub fn run<S: Store + Send>(
     store: &mut S,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
-    let shape = Shape::of_filter(&opts.filter)?;
+    let shape = Shape::of_subscription(&opts.filter, opts.shared_group.as_deref())?;
     log::info!("sink: reading events on {shape}; a delivery on a topic of another shape is set aside as forged");
     std::thread::scope(|scope| {
         let mut committer = Committer::start(scope, store, opts.receipts.clone())?;
