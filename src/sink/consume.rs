@@ -204,7 +204,11 @@ pub fn run<S: Store + Send>(
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
     let shape = Shape::of_subscription(&opts.filter, opts.shared_group.as_deref())?;
-    log::info!("sink: reading events on {shape}; a delivery on a topic of another shape is set aside as forged");
+    log::info!(
+        "sink: reading events on {shape} (device = level {} of {}); a delivery on a topic of another shape is set aside as forged",
+        shape.device_level(),
+        opts.filter
+    );
     std::thread::scope(|scope| {
         let mut committer = Committer::start(scope, store, opts.receipts.clone())?;
         sessions(opts, &shape, &mut committer, stop)
