@@ -135,8 +135,10 @@ impl SinkOptions {
     /// too), and a broker sends no retained message on a shared
     /// subscription (MQTT 5 §4.8.2). Every sink gets every board's; the
     /// ledger's rate limit per board, in the database, lets one ask.
+    /// A `$share/GROUP/` in `filter` is the events' group, as
+    /// `shared_group` is: the holdings filter is taken from what follows it.
     pub fn holdings_subscription(&self) -> Option<String> {
-        super::notes::holdings_filter(&self.filter)
+        super::notes::holdings_filter(super::identity::unshared(&self.filter).1)
     }
 
     /// The filters as subscribed: `filter`, and its batch twin (see
@@ -940,5 +942,15 @@ mod tests {
             o.subscriptions(),
             vec!["$share/g/es/+/events/#", "$share/g/es/+/batches/#"]
         );
+        assert_eq!(o.holdings_subscription().as_deref(), Some("es/+/holdings"));
+        // The group in the filter: the holdings are never shared either
+        // (before, `$share/g/es/+/holdings`: no retained holdings at all).
+        o.shared_group = None;
+        o.filter = "$share/g/es/+/events/#".into();
+        assert_eq!(
+            o.subscriptions(),
+            vec!["$share/g/es/+/events/#", "$share/g/es/+/batches/#"]
+        );
+        assert_eq!(o.holdings_subscription().as_deref(), Some("es/+/holdings"));
     }
 }

@@ -159,14 +159,10 @@ impl Shape {
     /// A `$share/GROUP/` whose group is no ShareName ([`share_name`]) is
     /// refused the same way, naming the filter and the rule.
     pub fn of_filter(filter: &str) -> Result<Shape, String> {
-        let bare = match filter.strip_prefix("$share/") {
-            Some(rest) => {
-                let (group, bare) = rest.split_once('/').unwrap_or((rest, ""));
-                share_name(group).map_err(|why| format!("filter {filter:?} {why}"))?;
-                bare
-            }
-            None => filter,
-        };
+        let (group, bare) = unshared(filter);
+        if let Some(group) = group {
+            share_name(group).map_err(|why| format!("filter {filter:?} {why}"))?;
+        }
         let lv: Vec<&str> = bare.split('/').collect();
         let n = lv.len();
         let refuse = |why: &str| {
@@ -294,6 +290,20 @@ impl Shape {
     /// topic too short to have one.
     pub fn publisher<'a>(&self, topic: &'a str) -> &'a str {
         topic.split('/').nth(self.prefix.len() - 1).unwrap_or("")
+    }
+}
+
+/// A filter's shared-subscription group and the filter after it
+/// (`$share/GROUP/FILTER`, MQTT 5 §4.8.2), or `None` and the whole filter
+/// for one without `$share/`. The group is not checked ([`share_name`]);
+/// `$share/g` alone is group `g` and an empty filter.
+pub fn unshared(filter: &str) -> (Option<&str>, &str) {
+    match filter.strip_prefix("$share/") {
+        Some(rest) => {
+            let (group, bare) = rest.split_once('/').unwrap_or((rest, ""));
+            (Some(group), bare)
+        }
+        None => (None, filter),
     }
 }
 
