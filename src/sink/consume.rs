@@ -65,7 +65,9 @@ pub struct SinkOptions {
     /// MQTT client id. The broker keeps the session (and what it has not had
     /// acknowledged) under it: a restarted sink must come back with the same id.
     pub client_id: String,
-    /// Subscribe as `$share/<group>/<filter>` to spread load over sinks.
+    /// Subscribe as `$share/<group>/<filter>` to spread load over sinks. A
+    /// ShareName (MQTT 5 §4.8.2: at least one character, no `/`, `+` or
+    /// `#`); [`run`] refuses another, and a `filter` shared already.
     pub shared_group: Option<String>,
     /// When a batch commits.
     pub batch: BatchPolicy,
@@ -133,8 +135,10 @@ impl SinkOptions {
     /// too), and a broker sends no retained message on a shared
     /// subscription (MQTT 5 §4.8.2). Every sink gets every board's; the
     /// ledger's rate limit per board, in the database, lets one ask.
+    /// A `$share/GROUP/` in `filter` is the events' group, as
+    /// `shared_group` is: the holdings filter is taken from what follows it.
     pub fn holdings_subscription(&self) -> Option<String> {
-        super::notes::holdings_filter(&self.filter)
+        super::notes::holdings_filter(super::identity::unshared(&self.filter).1)
     }
 
     /// The filters as subscribed: `filter`, and its batch twin (see
@@ -191,8 +195,9 @@ enum End {
 /// commits, the next is gathered and decoded here; at most one is with the
 /// store, and its PUBACKs are queued only once it is back committed.
 ///
-/// Errors: a filter that fixes no level for the device
-/// ([`Shape::of_filter`]), a fatal store error or a refused subscription
+/// Errors: a filter that fixes no level for the device, or a shared
+/// subscription's group that is no ShareName ([`Shape::of_subscription`]),
+/// a fatal store error or a refused subscription
 /// (retrying cannot help; exit non-zero), or the store thread could not be
 /// started.
 pub fn run<S: Store + Send>(
@@ -200,8 +205,12 @@ pub fn run<S: Store + Send>(
     store: &mut S,
     stop: &AtomicBool,
 ) -> Result<SinkStats, String> {
-    let shape = Shape::of_filter(&opts.filter)?;
-    log::info!("sink: reading events on {shape}; a delivery on a topic of another shape is set aside as forged");
+    let shape = Shape::of_subscription(&opts.filter, opts.shared_group.as_deref())?;
+    log::info!(
+        "sink: reading events on {shape} (device = level {} of {}); a delivery on a topic of another shape is set aside as forged",
+        shape.device_level(),
+        opts.filter
+    );
     std::thread::scope(|scope| {
         let mut committer = Committer::start(scope, store, opts.receipts.clone())?;
         sessions(opts, &shape, &mut committer, stop)
@@ -933,5 +942,15 @@ mod tests {
             o.subscriptions(),
             vec!["$share/g/es/+/events/#", "$share/g/es/+/batches/#"]
         );
+        assert_eq!(o.holdings_subscription().as_deref(), Some("es/+/holdings"));
+        // The group in the filter: the holdings are never shared either
+        // (before, `$share/g/es/+/holdings`: no retained holdings at all).
+        o.shared_group = None;
+        o.filter = "$share/g/es/+/events/#".into();
+        assert_eq!(
+            o.subscriptions(),
+            vec!["$share/g/es/+/events/#", "$share/g/es/+/batches/#"]
+        );
+        assert_eq!(o.holdings_subscription().as_deref(), Some("es/+/holdings"));
     }
 }

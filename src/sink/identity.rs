@@ -155,11 +155,14 @@ impl Shape {
     /// level, a `#` before its end, an empty device level, or an `events`
     /// or `batches` level before the device's. The text names the filter
     /// and the shape the sink reads.
+    ///
+    /// A `$share/GROUP/` whose group is no ShareName ([`share_name`]) is
+    /// refused the same way, naming the filter and the rule.
     pub fn of_filter(filter: &str) -> Result<Shape, String> {
-        let bare = match filter.strip_prefix("$share/") {
-            Some(rest) => rest.split_once('/').map_or("", |(_, f)| f),
-            None => filter,
-        };
+        let (group, bare) = unshared(filter);
+        if let Some(group) = group {
+            share_name(group).map_err(|why| format!("filter {filter:?} {why}"))?;
+        }
         let lv: Vec<&str> = bare.split('/').collect();
         let n = lv.len();
         let refuse = |why: &str| {
@@ -194,6 +197,38 @@ impl Shape {
             prefix: prefix.iter().map(|l| (*l).to_owned()).collect(),
             stream,
         })
+    }
+
+    /// The shape a sink reads that subscribes `filter` in the shared
+    /// subscription `group` (`$share/GROUP/FILTER`, the group given on its
+    /// own: `SinkOptions::shared_group`), or `filter` itself without one.
+    ///
+    /// Errors: as [`Shape::of_filter`] for `filter`; a group that is no
+    /// ShareName ([`share_name`]) or a `filter` that is itself shared
+    /// (`$share/` twice: the broker would read the second `$share/...` as
+    /// the topic filter, which no topic matches). The text names the filter
+    /// as it would be subscribed and the rule.
+    pub fn of_subscription(filter: &str, group: Option<&str>) -> Result<Shape, String> {
+        let Some(group) = group else {
+            return Shape::of_filter(filter);
+        };
+        let shared = format!("$share/{group}/{filter}");
+        share_name(group).map_err(|why| format!("filter {shared:?} {why}"))?;
+        if filter.starts_with("$share/") {
+            return Err(format!(
+                "filter {shared:?} is shared twice: give its group once, on its own or as \
+                 $share/<group>/ in the filter, not both"
+            ));
+        }
+        Shape::of_filter(filter)
+    }
+
+    /// The level the device is read at, counted from 1: 2 in
+    /// `edgespool/+/events/#`, 3 in `fleet/+/+/events/#` (the level before
+    /// `events`). A broker's ACL must bind each device's client id (or
+    /// user name) to exactly this level (docs/fleet.md).
+    pub fn device_level(&self) -> usize {
+        self.prefix.len()
     }
 
     /// Whether `topic`'s first levels are this shape's prefix: as many,
@@ -256,6 +291,42 @@ impl Shape {
     pub fn publisher<'a>(&self, topic: &'a str) -> &'a str {
         topic.split('/').nth(self.prefix.len() - 1).unwrap_or("")
     }
+}
+
+/// A filter's shared-subscription group and the filter after it
+/// (`$share/GROUP/FILTER`, MQTT 5 §4.8.2), or `None` and the whole filter
+/// for one without `$share/`. The group is not checked ([`share_name`]);
+/// `$share/g` alone is group `g` and an empty filter.
+pub fn unshared(filter: &str) -> (Option<&str>, &str) {
+    match filter.strip_prefix("$share/") {
+        Some(rest) => {
+            let (group, bare) = rest.split_once('/').unwrap_or((rest, ""));
+            (Some(group), bare)
+        }
+        None => (None, filter),
+    }
+}
+
+/// Whether `group` may name a shared subscription's group
+/// (`$share/GROUP/FILTER`): MQTT 5 §4.8.2 wants a ShareName of at least one
+/// character, with no `/`, `+` or `#` (a broker may refuse the SUBSCRIBE,
+/// or read another group and filter out of it).
+///
+/// Errors: the rule `group` breaks, worded to follow the filter's name
+/// ("has an empty shared-subscription group: ...").
+pub fn share_name(group: &str) -> Result<(), String> {
+    let why = if group.is_empty() {
+        "an empty"
+    } else if group.contains(['/', '+', '#']) {
+        "a '/', '+' or '#' in its"
+    } else {
+        return Ok(());
+    };
+    Err(format!(
+        "has {why} shared-subscription group: MQTT 5 §4.8.2 wants the ShareName of \
+         $share/<group>/<filter> to be at least one character, with no '/', '+' or '#' \
+         (docs/fleet.md)"
+    ))
 }
 
 /// The shape as docs and messages write it:
@@ -414,6 +485,59 @@ mod tests {
             at(&shape("+/events/#"), "gw1/events/load"),
             owned("gw1", "gw1", "load")
         );
+        assert_eq!(page.device_level(), 2);
+        assert_eq!(site.device_level(), 3);
+        assert_eq!(shape("+/events/#").device_level(), 1);
+    }
+
+    #[test]
+    fn a_shared_subscription_needs_a_group_of_one_level_without_wildcards() {
+        let page = shape("edgespool/+/events/#");
+        for f in [
+            "$share//edgespool/+/events/#",
+            "$share/+/edgespool/+/events/#",
+            "$share/#/edgespool/+/events/#",
+            "$share/in+gest/edgespool/+/events/#",
+            "$share/ingest#/edgespool/+/events/#",
+            "$share/",
+            "$share//",
+        ] {
+            let why = Shape::of_filter(f).expect_err(f);
+            assert!(
+                why.contains(&format!("{f:?}")) && why.contains("§4.8.2"),
+                "{why}"
+            );
+        }
+        // The group given on its own (`--share`): one that is no ShareName,
+        // and a filter shared already, are named as they would be subscribed.
+        for g in ["", "a/b", "a+", "#", "/"] {
+            let why = Shape::of_subscription("edgespool/+/events/#", Some(g)).expect_err(g);
+            let shared = format!("$share/{g}/edgespool/+/events/#");
+            assert!(
+                why.contains(&format!("{shared:?}")) && why.contains("§4.8.2"),
+                "{why}"
+            );
+        }
+        let why = Shape::of_subscription("$share/g/edgespool/+/events/#", Some("h"))
+            .expect_err("shared twice");
+        assert!(
+            why.contains("\"$share/h/$share/g/edgespool/+/events/#\"") && why.contains("twice"),
+            "{why}"
+        );
+        let why = Shape::of_subscription("edgespool/#", Some("ingest")).expect_err("no level");
+        assert!(why.contains("names no level for the device"), "{why}");
+        for (filter, group) in [
+            ("edgespool/+/events/#", Some("ingest")),
+            ("edgespool/+/events/#", None),
+            ("$share/ingest/edgespool/+/events/#", None),
+            ("$share/fleet-1.a_b/edgespool/+/events/#", None),
+        ] {
+            assert_eq!(
+                Shape::of_subscription(filter, group).as_ref(),
+                Ok(&page),
+                "{filter} {group:?}"
+            );
+        }
     }
 
     // field case F8

@@ -4,6 +4,7 @@
 
 use crate::support::agent::AgentProc;
 use crate::support::broker::Broker;
+use crate::support::faketime::{self, FakeClock};
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::spool::counter;
 use crate::support::subscriber::Subscriber;
@@ -1614,34 +1615,13 @@ fn an_empty_retained_message_clears_a_retained_command_without_a_result_or_a_war
     assert_eq!(counter(&rig.db(), "commands_malformed"), 0);
 }
 
-/// Debian's libfaketime (package `faketime`), multi-threaded flavour.
-pub(crate) fn libfaketime() -> PathBuf {
-    let found = std::fs::read_dir("/usr/lib")
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok())
-        .map(|e| e.path().join("faketime/libfaketimeMT.so.1"))
-        .chain([PathBuf::from("/usr/lib/faketime/libfaketimeMT.so.1")])
-        .find(|p| p.exists());
-    found.expect(
-        "libfaketimeMT.so.1 not found: install Debian's faketime package (cross/setup-debian.sh)",
-    )
-}
-
-/// Step the agent's wall clock: `offset` as libfaketime reads it ("+0",
-/// "+30d", "-1700000000"); the agent re-reads the file at every call.
-pub(crate) fn step_clock(file: &Path, offset: &str) {
-    std::fs::write(file, format!("{offset}\n")).expect("write faketime file");
-}
-
 /// Boards without an RTC boot in 1970 and NTP steps their clock forward
 /// and back: records are purged on the agent's monotonic clock, so one
 /// execution per (scope, command_id) holds across clock steps (forward 30
 /// days, back to 1970, forward ten years), restarts and a broker restart.
 #[test]
 fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
-    if std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty()) {
-        println!("skipped: libfaketime cannot reach an agent run under an emulator");
+    if !faketime::reaches_the_agent() {
         return;
     }
     let mut rig = Rig::with(
@@ -1651,17 +1631,8 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
             ..Extra::default()
         },
     );
-    let lib = libfaketime();
-    let faketime = rig.dir.path().join("faketime");
-    step_clock(&faketime, "+0");
-    let (lib, ft) = (lib.display().to_string(), faketime.display().to_string());
-    let env: Vec<(&str, &str)> = vec![
-        ("LD_PRELOAD", &lib),
-        ("FAKETIME_TIMESTAMP_FILE", &ft),
-        ("FAKETIME_NO_CACHE", "1"),
-        // NTP steps CLOCK_REALTIME only; the monotonic clocks run on.
-        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-    ];
+    let clock = FakeClock::new(rig.dir.path().join("faketime"), "+0");
+    let env = clock.env();
     let spawn = |rig: &Rig| {
         let agent = AgentProc::spawn_with_env(&rig.cfg, &[], rig.dir.path(), &env);
         assert!(
@@ -1711,7 +1682,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
     ask(&rig, &mut agent, "c-1", "result");
     bury(&rig, &mut agent, "after-c-1");
     // Forward 30 days, past the 7-day record retention on a wall clock.
-    step_clock(&faketime, "+30d");
+    clock.step("+30d");
     assert!(wall_of_ping(&rig, &mut agent, "t-1") > real_ms() + 29 * day_ms);
     ask(&rig, &mut agent, "c-1", "duplicate");
     agent.terminate(Duration::from_secs(15));
@@ -1719,7 +1690,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
     ask(&rig, &mut agent, "c-1", "duplicate");
     // Back to 1970, as after a reboot without an RTC.
     let secs = real_ms() / 1000 - 10 * 86_400;
-    step_clock(&faketime, &format!("-{secs}"));
+    clock.step(&format!("-{secs}"));
     assert!(wall_of_ping(&rig, &mut agent, "t-2") < 30 * day_ms);
     ask(&rig, &mut agent, "c-2", "result");
     bury(&rig, &mut agent, "after-c-2");
@@ -1729,7 +1700,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
     ask(&rig, &mut agent, "c-1", "duplicate");
     ask(&rig, &mut agent, "c-2", "duplicate");
     // Forward ten years while running: the 1970 receipts look 56 years old.
-    step_clock(&faketime, "+3650d");
+    clock.step("+3650d");
     assert!(wall_of_ping(&rig, &mut agent, "t-3") > real_ms() + 3000 * day_ms);
     ask(&rig, &mut agent, "c-2", "duplicate");
     agent.terminate(Duration::from_secs(15));
@@ -1752,7 +1723,7 @@ fn one_run_per_command_across_clock_steps_restarts_and_a_broker_restart() {
     ask(&rig, &mut agent, "c-1", "duplicate");
     ask(&rig, &mut agent, "c-2", "duplicate");
     // And back to the real time.
-    step_clock(&faketime, "+0");
+    clock.step("+0");
     ask(&rig, &mut agent, "c-1", "duplicate");
     agent.terminate(Duration::from_secs(15));
     assert_eq!(

@@ -26,7 +26,9 @@
 //!   subscription to `edgespool/#` in the sink's session lets `evil` deliver
 //!   `edgespool/evil/gw1/events/load` claiming gw1; it is set aside in
 //!   `forged`, under evil. Before: 4 of evil's readings stored as gw1's. A
-//!   filter that fixes no device level is refused at start (exit 2).
+//!   filter that fixes no device level is refused at start (exit 2), and so
+//!   is a shared subscription's group that is no MQTT 5 ShareName (empty, or
+//!   with a `/`, `+` or `#`), from `--share` or `$share/` in the filter.
 //! - One event sent again and again grows no table (F6): 200 batches of
 //!   1,000 copies leave one `redeliveries` row counting 199,999. Before:
 //!   199,999 rows in `duplicates`, 13.7 MB.
@@ -1004,6 +1006,65 @@ fn the_sink_refuses_a_filter_that_fixes_no_device_level() {
         assert!(
             log.contains(&format!("{filter:?}")) && log.contains("<device>/events/<stream>"),
             "{filter}:\n{log}"
+        );
+    }
+}
+
+/// A shared subscription's group must be a ShareName (MQTT 5 §4.8.2: at
+/// least one character, no `/`, `+` or `#`), wherever it comes from: a
+/// `$share/GROUP/` in `--topic` or `--share GROUP`. Each is refused at start,
+/// exit 2, naming the filter as it would be subscribed and the rule; so is a
+/// group given twice. Before: `$share//edgespool/+/events/#` was accepted
+/// (the group empty), and `--share a/b` subscribed group `a` to a filter
+/// one level deeper than the one given.
+#[test]
+fn the_sink_refuses_a_shared_subscription_group_that_is_no_share_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("sink.db");
+    let db = db.to_str().expect("UTF-8 path");
+    // Nothing listens on the port: a sink that accepts the group keeps
+    // trying to connect (and is stopped after 5 s).
+    let port = crate::support::free_port();
+    let page = "edgespool/+/events/#";
+    for (topic, share, named, rule) in [
+        (
+            "$share//edgespool/+/events/#",
+            None,
+            "$share//edgespool/+/events/#",
+            "§4.8.2",
+        ),
+        (
+            "$share/in+gest/edgespool/+/events/#",
+            None,
+            "$share/in+gest/edgespool/+/events/#",
+            "§4.8.2",
+        ),
+        (page, Some(""), "$share//edgespool/+/events/#", "§4.8.2"),
+        (
+            page,
+            Some("a/b"),
+            "$share/a/b/edgespool/+/events/#",
+            "§4.8.2",
+        ),
+        (page, Some("#"), "$share/#/edgespool/+/events/#", "§4.8.2"),
+        (
+            "$share/g/edgespool/+/events/#",
+            Some("h"),
+            "$share/h/$share/g/edgespool/+/events/#",
+            "shared twice",
+        ),
+    ] {
+        let mut args = vec!["--db", db, "--client-id", "shared"];
+        args.extend(share.iter().flat_map(|g| ["--share", *g]));
+        let mut sink = SinkProc::launch_args(port, topic, "shared", dir.path(), &args);
+        let status = sink.wait_exit(Duration::from_secs(5));
+        let log = sink.log_text();
+        sink.terminate();
+        let case = format!("--topic {topic:?} --share {share:?}");
+        assert_eq!(status.and_then(|s| s.code()), Some(2), "{case}:\n{log}");
+        assert!(
+            log.contains(&format!("{named:?}")) && log.contains(rule),
+            "{case}:\n{log}"
         );
     }
 }

@@ -5,7 +5,9 @@
 //! - a publisher that a mosquitto ACL (`pattern write edgespool/%u/#`) keeps
 //!   to its own prefix cannot store events as another device: on the other
 //!   device's topic the broker drops them, on its own topic an envelope
-//!   claiming the other device is set aside as forged;
+//!   claiming the other device is set aside as forged; under the ACL
+//!   docs/fleet.md gives for a deeper filter (`pattern write fleet/+/%u/#`,
+//!   the sink on `fleet/+/+/events/#`) the broker drops them at level 3;
 //! - receipts (`<prefix>/receipts`, read back with `receipts::parse`) name
 //!   exactly the events the store holds with the bytes delivered, a
 //!   duplicate delivery again, never a mismatch, a forged or an unreadable
@@ -390,6 +392,71 @@ fn receipts_from_postgres_name_exactly_the_stored_events_and_a_duplicate() {
 /// no anonymous client.
 fn acl_broker(dir: &Path) -> Broker {
     crate::support::fleet::broker(dir, BROKER_EXTRA)
+}
+
+/// docs/fleet.md's ACL for a deeper filter (read from the page), on
+/// mosquitto with the layout's settings: a sink on `fleet/+/+/events/#`
+/// reads the device at level 3 and says so at start; evil's events claiming
+/// gw1 on gw1's level are denied by the broker whatever the site level
+/// (`siteA`, or `evil` itself, where `pattern write fleet/%u/#` would have
+/// let them through), so none is stored; gw1's own event is stored and
+/// receipted on its prefix.
+#[test]
+fn the_deeper_filters_acl_binds_the_level_the_sink_reads_as_the_device() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let acl = crate::support::fleet::deeper_acl();
+    let broker = crate::support::fleet::broker_with_acl(dir.path(), BROKER_EXTRA, &acl);
+    let login = crate::support::fleet::sink_login(dir.path());
+    let login: Vec<&str> = login.iter().map(String::as_str).collect();
+    let db = dir.path().join("sink.db");
+    let filter = "fleet/+/+/events/#";
+    let sink = SinkProc::spawn_sqlite_with(broker.port(), filter, &db, "sink", dir.path(), &login);
+    sink.wait_subscribed();
+    let log = sink.log_text();
+    assert!(
+        log.contains("fleet/+/<device>/events/<stream> (device = level 3 of fleet/+/+/events/#)"),
+        "{log}"
+    );
+    // Each on a connection of its own: mosquitto closes the connection of a
+    // denied QoS 1 PUBLISH, and what was queued behind it is lost with it.
+    let denied = "Denied PUBLISH from evil";
+    for (n, topic) in [
+        (1, "fleet/siteA/gw1/events/load"),
+        (2, "fleet/evil/gw1/events/load"),
+    ] {
+        let intruder = Peer::start(broker.port(), Some(("evil", "evil-secret")), &[]);
+        intruder.publish(topic, &envelope("gw1", 20 + n as u32, 1).1);
+        assert!(
+            wait_for(Duration::from_secs(10), || broker
+                .log_text()
+                .matches(denied)
+                .count()
+                >= n),
+            "the broker did not deny {topic}:\n{}",
+            tail(&broker.log_text(), 20)
+        );
+    }
+    let gw1 = Peer::start(
+        broker.port(),
+        Some(("gw1", "gw1-secret")),
+        &["fleet/siteA/gw1/receipts"],
+    );
+    let (id, real) = envelope("gw1", 20, 0);
+    gw1.publish("fleet/siteA/gw1/events/load", &real);
+    gw1.wait_acked(1);
+    assert!(
+        wait_for(Duration::from_secs(30), || !gw1.got().is_empty()),
+        "no receipt on fleet/siteA/gw1/receipts\n{}",
+        tail(&sink.log_text(), 20)
+    );
+    let stored = sink::sqlite_received(&db);
+    assert_eq!(
+        stored.keys().collect::<Vec<_>>(),
+        vec![&id],
+        "{}",
+        tail(&sink.log_text(), 20)
+    );
+    assert_eq!(stored[&id].0, real);
 }
 
 #[cfg(feature = "pg-sink")]

@@ -4,6 +4,7 @@
 use crate::support::agent::{run_cli, AgentProc};
 use crate::support::board::{append_config, Board, NO_BROKER};
 use crate::support::broker::Broker;
+use crate::support::faketime::FakeClock;
 use crate::support::spool::{open, total};
 use crate::support::subscriber::Subscriber;
 use crate::support::wait_for;
@@ -306,28 +307,16 @@ fn rows_from_before_the_clock(db: &std::path::Path) -> (i64, i64) {
 /// them back). Then, a retention after that moment, they go.
 #[test]
 fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set() {
-    if std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty()) {
-        println!("skipped: libfaketime cannot reach an agent run under an emulator");
+    if !crate::support::faketime::reaches_the_agent() {
         return;
     }
     const RETENTION_S: u64 = 20;
     let broker = Broker::start();
     let Board { dir, cfg, db } = Board::new(&broker.url(), &prefix("clockret"), 100);
-    let (faketime, sync) = (dir.path().join("faketime"), dir.path().join("sync"));
-    crate::commands::step_clock(&faketime, "-1700000000");
+    let sync = dir.path().join("sync");
+    let clock = FakeClock::new(dir.path().join("faketime"), "-1700000000").with_sync_file(&sync);
     std::fs::write(&sync, "unsynchronized\n").expect("sync file");
-    let (lib, ft, sf) = (
-        crate::commands::libfaketime().display().to_string(),
-        faketime.display().to_string(),
-        sync.display().to_string(),
-    );
-    let env: Vec<(&str, &str)> = vec![
-        ("LD_PRELOAD", &lib),
-        ("FAKETIME_TIMESTAMP_FILE", &ft),
-        ("FAKETIME_NO_CACHE", "1"),
-        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-        (edgespool::os::clock::SYNC_FILE_ENV, &sf),
-    ];
+    let env = clock.env();
     let sets = [format!("spool.acked_retention_secs={RETENTION_S}")];
     let mut agent = AgentProc::spawn_with_env(&cfg, &sets, dir.path(), &env);
     assert!(
@@ -351,7 +340,7 @@ fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set
     // The rows must still be there after several retention passes (a
     // review found 99 of 100 purged within 40 s when such a clock let
     // them age by it).
-    crate::commands::step_clock(&faketime, "+0");
+    clock.step("+0");
     let mut agent = AgentProc::spawn_with_env(&cfg, &sets, dir.path(), &env);
     assert!(
         agent.wait_log(Duration::from_secs(20), "mqtt: connected to"),
@@ -367,7 +356,7 @@ fn rows_taken_before_the_clock_was_set_are_kept_a_retention_from_when_it_was_set
     );
     agent.terminate(Duration::from_secs(15));
     // Time sync set the clock while the agent was down (a reboot).
-    crate::commands::step_clock(&faketime, "+0");
+    clock.step("+0");
     std::fs::write(&sync, "synchronized\n").expect("sync file");
     let mut agent = AgentProc::spawn_with_env(&cfg, &sets, dir.path(), &env);
     assert!(

@@ -14,10 +14,10 @@
 //! two reads: [`TOLERANCE_MS`] allows a preemption of a loaded 2-core
 //! machine between them, and the tests print what they measured.
 
-use crate::commands::{libfaketime, step_clock};
 use crate::support::agent::AgentProc;
 use crate::support::board::{edit_config, write_config};
 use crate::support::broker::Broker;
+use crate::support::faketime::{self, FakeClock};
 use crate::support::postgres::Postgres;
 use crate::support::proxy::{Mode, Proxy};
 use crate::support::sink::{SinkProc, BROKER_EXTRA};
@@ -260,7 +260,8 @@ struct Rig {
     lite: SinkProc,
     fleet: SinkProc,
     cfg: std::path::PathBuf,
-    faketime: std::path::PathBuf,
+    /// The board's wall clock; `sync` holds what the kernel says of it.
+    clock: FakeClock,
     sync: std::path::PathBuf,
     prefix: String,
     /// True time less `CLOCK_BOOTTIME`, read by this process.
@@ -298,9 +299,8 @@ impl Rig {
         edit_config(&cfg, |t| {
             t.replacen("[mqtt]\n", "[mqtt]\npayload_format = \"postcard\"\n", 1)
         });
-        let faketime = dir.path().join("faketime");
         let sync = dir.path().join("sync");
-        step_clock(&faketime, "-10800");
+        let clock = FakeClock::new(dir.path().join("faketime"), "-10800").with_sync_file(&sync);
         std::fs::write(&sync, "unsynchronized\n").expect("sync file");
         Rig {
             _pg: pg,
@@ -314,7 +314,7 @@ impl Rig {
             lite,
             fleet,
             cfg,
-            faketime,
+            clock,
             sync,
             prefix,
             offset: true_offset_ms(),
@@ -322,20 +322,7 @@ impl Rig {
     }
 
     fn spawn_agent(&self) -> AgentProc {
-        let (lib, ft, sf) = (
-            libfaketime().display().to_string(),
-            self.faketime.display().to_string(),
-            self.sync.display().to_string(),
-        );
-        let env: Vec<(&str, &str)> = vec![
-            ("LD_PRELOAD", &lib),
-            ("FAKETIME_TIMESTAMP_FILE", &ft),
-            ("FAKETIME_NO_CACHE", "1"),
-            // NTP steps CLOCK_REALTIME only; the monotonic clocks run on.
-            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-            (edgespool::os::clock::SYNC_FILE_ENV, &sf),
-        ];
-        AgentProc::spawn_with_env(&self.cfg, &[], self.dir.path(), &env)
+        AgentProc::spawn_with_env(&self.cfg, &[], self.dir.path(), &self.clock.env())
     }
 
     /// Every `system` reading the agent has made so far, by event id:
@@ -419,7 +406,7 @@ impl Rig {
                 agent.log_tail(30)
             );
             if let Some(next) = next {
-                step_clock(&self.faketime, next);
+                self.clock.step(next);
             }
         }
         std::fs::write(&self.sync, "synchronized\n").expect("sync file");
@@ -543,8 +530,7 @@ impl Rig {
 /// believed one are kept aside with their reasons and move nothing.
 #[test]
 fn readings_taken_with_the_clock_hours_off_are_stored_with_true_time_once_the_board_syncs() {
-    if std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty()) {
-        println!("skipped: libfaketime cannot reach an agent run under an emulator");
+    if !faketime::reaches_the_agent() {
         return;
     }
     let mut rig = Rig::new("truetime");
@@ -561,8 +547,7 @@ fn readings_taken_with_the_clock_hours_off_are_stored_with_true_time_once_the_bo
 /// within [`TOLERANCE_MS`] of true time, payloads byte for byte as sent.
 #[test]
 fn after_an_outage_the_backlog_gets_true_time_from_the_anchor_sent_before_it() {
-    if std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty()) {
-        println!("skipped: libfaketime cannot reach an agent run under an emulator");
+    if !faketime::reaches_the_agent() {
         return;
     }
     let mut rig = Rig::new("truetime-outage");

@@ -168,7 +168,8 @@ fn load_receipt_key(
 
 /// Run the sink until SIGTERM/SIGINT. Exit 0; 1 on a store failure or if
 /// any payload mismatch was seen; 2 for a bad `--url`, a `--topic` that
-/// fixes no level for the device, or PostgreSQL settings that cannot work
+/// fixes no level for the device, a `--share` group (or `$share/` one in
+/// the topic) that is no MQTT 5 ShareName, or PostgreSQL settings that cannot work
 /// (conninfo, TLS files, password file).
 fn run(a: SinkArgs) -> Outcome {
     let Some((host, port)) = a
@@ -186,6 +187,11 @@ fn run(a: SinkArgs) -> Outcome {
     // A filter that fixes no level for the device can never be right.
     if let Err(why) = crate::sink::identity::Shape::of_filter(&a.topic) {
         eprintln!("edgespool: --topic (topic in --config): {why}");
+        return Err(Failure::Invalid);
+    }
+    // Nor can a group that is no ShareName, or a second one.
+    if let Err(why) = crate::sink::identity::Shape::of_subscription(&a.topic, a.share.as_deref()) {
+        eprintln!("edgespool: --share (share in --config): {why}");
         return Err(Failure::Invalid);
     }
     let stop = Arc::new(AtomicBool::new(false));

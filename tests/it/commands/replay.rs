@@ -8,8 +8,9 @@
 //! sent again.
 
 use super::operator::ask;
-use super::{libfaketime, lines, signed, step_clock, Extra, Rig, BOARD};
+use super::{lines, signed, Extra, Rig, BOARD};
 use crate::support::agent::AgentProc;
+use crate::support::faketime::{self, FakeClock};
 use crate::support::wait_for;
 use edgespool::event::signature::SigningKey;
 use serde_json::{json, Value};
@@ -21,8 +22,7 @@ const MIN_MS: i64 = 60_000;
 /// The board's clock, played by libfaketime, and what the kernel says of
 /// time sync (`EDGESPOOL_CLOCK_SYNC_FILE`).
 struct Clock {
-    lib: String,
-    offset: PathBuf,
+    fake: FakeClock,
     sync: PathBuf,
 }
 
@@ -30,12 +30,11 @@ impl Clock {
     /// A clock `offset` from the real one ("+0", "-600"), time sync saying
     /// `sync` (`synchronized` or `unsynchronized`).
     fn new(rig: &Rig, offset: &str, sync: &str) -> Clock {
+        let path = rig.dir.path().join("clock-sync");
         let c = Clock {
-            lib: libfaketime().display().to_string(),
-            offset: rig.dir.path().join("faketime"),
-            sync: rig.dir.path().join("clock-sync"),
+            fake: FakeClock::new(rig.dir.path().join("faketime"), offset).with_sync_file(&path),
+            sync: path,
         };
-        step_clock(&c.offset, offset);
         c.say(sync);
         c
     }
@@ -47,22 +46,13 @@ impl Clock {
     /// Back to ten days after the epoch, as after a reboot without an RTC.
     fn to_1970(&self) {
         let secs = real_ms() / 1000 - 10 * 86_400;
-        step_clock(&self.offset, &format!("-{secs}"));
+        self.fake.step(&format!("-{secs}"));
         self.say("unsynchronized");
     }
 
     /// Start the agent on this clock and wait for its command subscription.
     fn spawn(&self, rig: &Rig) -> AgentProc {
-        let (offset, sync) = (self.offset.display(), self.sync.display());
-        let (offset, sync) = (offset.to_string(), sync.to_string());
-        let env: Vec<(&str, &str)> = vec![
-            ("LD_PRELOAD", &self.lib),
-            ("FAKETIME_TIMESTAMP_FILE", &offset),
-            ("FAKETIME_NO_CACHE", "1"),
-            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-            ("EDGESPOOL_CLOCK_SYNC_FILE", &sync),
-        ];
-        let agent = AgentProc::spawn_with_env(&rig.cfg, &[], rig.dir.path(), &env);
+        let agent = AgentProc::spawn_with_env(&rig.cfg, &[], rig.dir.path(), &self.fake.env());
         assert!(
             agent.wait_log(Duration::from_secs(60), "subscribed to commands"),
             "{}",
@@ -77,15 +67,6 @@ fn real_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
         .as_millis() as i64
-}
-
-/// Whether libfaketime can reach the agent (not under an emulator).
-fn faketime_reaches_the_agent() -> bool {
-    let emulated = std::env::var("EDGESPOOL_AGENT_RUNNER").is_ok_and(|r| !r.trim().is_empty());
-    if emulated {
-        println!("skipped: libfaketime cannot reach an agent run under an emulator");
-    }
-    !emulated
 }
 
 /// The operator's `count` (an exec handler: a marker line per run) with
@@ -126,7 +107,7 @@ fn state_value(rig: &Rig, key: &str) -> Option<i64> {
 /// still runs on that clock.
 #[test]
 fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted_clock() {
-    if !faketime_reaches_the_agent() {
+    if !faketime::reaches_the_agent() {
         return;
     }
     let rig = Rig::with("replay-f3", Extra::default());
@@ -137,7 +118,7 @@ fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted
     let t0 = real_ms() - 10 * MIN_MS;
     let a = count(&rig, "a", t0, 60);
     assert_eq!(state_of(&rig, &agent, &a).0, "completed");
-    step_clock(&clock.offset, "+0");
+    clock.fake.step("+0");
     let b = count(&rig, "b", t0 + 10 * MIN_MS, 600);
     assert_eq!(state_of(&rig, &agent, &b).0, "completed");
     agent.terminate(Duration::from_secs(15));
@@ -167,7 +148,7 @@ fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted
     // time sync has not vouched for it): the floor still decides. Before,
     // the floor was read only below 2026 and this replay ran.
     on_spool(&rig, "DELETE FROM commands WHERE command_id = 'a'");
-    step_clock(&clock.offset, "-259200");
+    clock.fake.step("-259200");
     clock.say("unsynchronized");
     let mut agent = clock.spawn(&rig);
     let (state, why) = state_of(&rig, &agent, &a);
@@ -183,7 +164,7 @@ fn a_signed_command_replayed_after_its_record_is_gone_is_expired_on_an_untrusted
 /// its replay on a 1970 clock is `expired`.
 #[test]
 fn a_lone_signed_command_aged_out_on_the_agent_clock_is_expired_when_replayed_in_1970() {
-    if !faketime_reaches_the_agent() {
+    if !faketime::reaches_the_agent() {
         return;
     }
     let rig = Rig::with(
@@ -238,7 +219,7 @@ fn a_lone_signed_command_aged_out_on_the_agent_clock_is_expired_when_replayed_in
 /// past it at most.
 #[test]
 fn neither_an_unsigned_nor_a_strangers_command_moves_the_time_floor() {
-    if !faketime_reaches_the_agent() {
+    if !faketime::reaches_the_agent() {
         return;
     }
     let rig = Rig::with("replay-floor", Extra::default());

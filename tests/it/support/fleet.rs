@@ -35,6 +35,27 @@ pub fn readme_acl() -> &'static str {
     here_doc("cat > /etc/mosquitto/acl <<'ACL'\n", "ACL")
 }
 
+/// The opening of docs/fleet.md's ACL for a deeper filter
+/// (`fleet/+/+/events/#`), a block inside a list item.
+const DEEPER_ACL: &str =
+    "  ```text\n  # each device (user name = device id = client id) under any site\n";
+
+/// docs/fleet.md's ACL for a deeper filter (`fleet/+/+/events/#`, the
+/// device at level 3), its list item's indent taken off.
+pub fn deeper_acl() -> String {
+    let start = FLEET_DOC
+        .find(DEEPER_ACL)
+        .unwrap_or_else(|| panic!("docs/fleet.md no longer has {DEEPER_ACL:?}"))
+        + "  ```text\n".len();
+    let len = FLEET_DOC[start..]
+        .find("  ```\n")
+        .unwrap_or_else(|| panic!("docs/fleet.md's {DEEPER_ACL:?} has no closing fence"));
+    FLEET_DOC[start..start + len]
+        .lines()
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect()
+}
+
 /// docs/fleet.md's `identity.conf`, its paths moved into `dir`.
 fn readme_conf(dir: &Path) -> String {
     here_doc(
@@ -66,8 +87,13 @@ pub fn password_file(dir: &Path, user: &str) -> PathBuf {
 /// mosquitto with docs/fleet.md's settings and ACL (and `extra` before them),
 /// its password file and ACL written in `dir`.
 pub fn broker(dir: &Path, extra: &str) -> Broker {
+    broker_with_acl(dir, extra, readme_acl())
+}
+
+/// As [`broker`], with the ACL `acl` ([`deeper_acl`], say).
+pub fn broker_with_acl(dir: &Path, extra: &str, acl: &str) -> Broker {
     super::broker::password_file(&dir.join("passwd"), &USERS);
-    std::fs::write(dir.join("acl"), readme_acl()).expect("write the ACL file");
+    std::fs::write(dir.join("acl"), acl).expect("write the ACL file");
     Broker::start_with_config(&format!("{extra}{}", readme_conf(dir)))
 }
 

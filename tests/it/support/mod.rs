@@ -1,13 +1,15 @@
 //! Shared helpers for the integration tests, the network-loss rig and the
 //! benches (which include this tree by path): a real mosquitto broker, a
 //! TCP fault proxy, a recording MQTT subscriber, a test board's config,
-//! the agent and the sink binaries as child processes, a PostgreSQL
+//! the agent and the sink binaries as child processes, the agent's wall
+//! clock stepped by libfaketime, a PostgreSQL
 //! server and read-only access to the agent's SQLite spool.
 #![allow(dead_code)]
 
 pub mod agent;
 pub mod board;
 pub mod broker;
+pub mod faketime;
 pub mod fleet;
 pub mod keys;
 #[cfg(feature = "pg-sink")]
