@@ -15,7 +15,8 @@
 //! WAL), `synchronous = FULL` commits. It starts once the agent has warmed up
 //! (at the window and cadence the agent has then, read from its metrics), a
 //! lead of two checkpoint intervals (at least 60 s) before the interval, and
-//! is the ceiling the agent is compared with.
+//! is the ceiling the agent is compared with; in a budget row it takes the
+//! agent's window again whenever the budget moves it (read every 15 s).
 //!
 //! Rows run side by side (`FLASH_PARALLEL` at a time, all by default): the
 //! figures are bytes each process sent to the block layer, not timings, so
@@ -528,10 +529,7 @@ fn measure_rate(
     // `write_budget` record in `status` rides the agent's next commit, so
     // just after a widening it still names the old window for up to one
     // new window.
-    let live_ms = metrics_value(metrics_port, "edgespool_commit_window_seconds")
-        .filter(|s| *s > 0.0)
-        .map(|s| (s * 1000.0).round() as u64);
-    let (m_window, m_ckpt) = match (spec.window, live_ms) {
+    let (m_window, m_ckpt) = match (spec.window, live_window_ms(metrics_port)) {
         (Window::Fixed(ms), _) => (ms, checkpoint_secs(ms)),
         (_, Some(ms)) => (ms, checkpoint_secs(ms)),
         _ => budget
@@ -621,6 +619,14 @@ fn checkpoint_secs(window_ms: u64) -> u64 {
     (window_ms * 12 / 1000).clamp(CHECKPOINT_SECS, 300)
 }
 
+/// The agent's commit window in force, ms, from its metrics (served from
+/// memory, so it changes the moment the budget widens or narrows it).
+fn live_window_ms(metrics_port: u16) -> Option<u64> {
+    metrics_value(metrics_port, "edgespool_commit_window_seconds")
+        .filter(|s| *s > 0.0)
+        .map(|s| (s * 1000.0).round() as u64)
+}
+
 /// A free loopback port.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -668,6 +674,7 @@ fn watch(
         agent.check_alive()?;
         if let Some(m) = minimal.as_mut() {
             m.proc.check_alive()?;
+            m.follow_if_due(run.metrics_port)?;
         }
         budget.poll_if_due(run);
         let left = end.saturating_duration_since(Instant::now());
@@ -811,6 +818,8 @@ struct RunDir {
     status_out: PathBuf,
     /// Receipt mode: the sink's SQLite store (its log beside it).
     sink_db: PathBuf,
+    /// The agent's metrics listener (the window in force, live).
+    metrics_port: u16,
 }
 
 impl RunDir {
@@ -850,6 +859,7 @@ impl RunDir {
             minimal_trace: dir.join("trace/minimal.txt"),
             status_out: dir.join("trace/status.json"),
             sink_db: dir.join("sink/sink.db"),
+            metrics_port,
         }
     }
 }
@@ -1415,12 +1425,19 @@ impl MinimalCounts {
     }
 }
 
-/// The minimal writer child: a mark on its stdin makes it print its counts;
+/// The minimal writer child: a mark on its stdin makes it print its counts, a
+/// window line moves its window;
 /// closing stdin stops it.
 struct Minimal {
     proc: Traced,
     stdin: Option<ChildStdin>,
     lines: Receiver<String>,
+    /// Its window, ms, and checkpoint interval, s: the agent's, followed
+    /// when a budget moves it ([`Minimal::follow_if_due`]); `None` for a
+    /// fixed window and `full` rows, which never move.
+    follows: Option<(u64, u64)>,
+    /// When the agent's window was last read.
+    followed_at: Instant,
 }
 
 impl Minimal {
@@ -1460,7 +1477,44 @@ impl Minimal {
                 }
             }
         });
-        Ok(Minimal { proc, stdin, lines })
+        let follows = (matches!(spec.window, Window::Budget(_)) && !spec.full)
+            .then_some((window_ms, checkpoint_secs));
+        Ok(Minimal {
+            proc,
+            stdin,
+            lines,
+            follows,
+            followed_at: Instant::now(),
+        })
+    }
+
+    /// Every 15 s, a budget row's minimal writer takes the agent's window
+    /// in force (and the checkpoint cadence it stretches): a ceiling at the
+    /// same window all through the interval, not only the one it started at.
+    fn follow_if_due(&mut self, metrics_port: u16) -> Result<(), String> {
+        let Some(now_at) = self.follows else {
+            return Ok(());
+        };
+        if self.followed_at.elapsed() < Duration::from_secs(15) {
+            return Ok(());
+        }
+        self.followed_at = Instant::now();
+        let Some(ms) = live_window_ms(metrics_port) else {
+            return Ok(());
+        };
+        let next = (ms, checkpoint_secs(ms));
+        if next == now_at {
+            return Ok(());
+        }
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or("minimal writer already stopped")?;
+        writeln!(stdin, "window {} {}", next.0, next.1)
+            .and_then(|_| stdin.flush())
+            .map_err(|e| format!("minimal writer: write window: {e}"))?;
+        self.follows = Some(next);
+        Ok(())
     }
 
     fn mark(&mut self) -> Result<MinimalCounts, String> {
@@ -1495,16 +1549,23 @@ fn minimal_writer() {
         panic!("minimal writer: expected <db> <readings/s> <window ms> <normal|synced|full> <payload bytes> <checkpoint s>, got {args:?}");
     };
     let rate: f64 = rate.parse().expect("minimal writer: readings/s");
-    let window = Duration::from_millis(window_ms.parse().expect("minimal writer: window ms"));
+    let mut window = Duration::from_millis(window_ms.parse().expect("minimal writer: window ms"));
     let full = sync == "full";
     let len: usize = len.parse().expect("minimal writer: payload bytes");
-    let checkpoint = Duration::from_secs(ckpt.parse().expect("minimal writer: checkpoint s"));
+    let mut checkpoint = Duration::from_secs(ckpt.parse().expect("minimal writer: checkpoint s"));
     let mut w = MinimalDb::open(Path::new(db), full || sync == "synced");
 
     let (tx, marks) = mpsc::channel();
     std::thread::spawn(move || {
-        for _ in std::io::stdin().lock().lines().map_while(Result::ok) {
-            if tx.send(()).is_err() {
+        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+            let msg = match line.split_whitespace().collect::<Vec<_>>()[..] {
+                ["window", ms, secs] => match (ms.parse(), secs.parse()) {
+                    (Ok(ms), Ok(secs)) => ToMinimal::Window(ms, secs),
+                    _ => panic!("minimal writer: bad window line {line:?}"),
+                },
+                _ => ToMinimal::Mark,
+            };
+            if tx.send(msg).is_err() {
                 break;
             }
         }
@@ -1538,10 +1599,23 @@ fn minimal_writer() {
         }
         .min(next_ckpt);
         match marks.recv_timeout(due.saturating_duration_since(Instant::now())) {
-            Ok(()) => {
+            Ok(ToMinimal::Mark) => {
                 writeln!(out, "mark commits={} readings={}", w.commits, w.readings)
                     .and_then(|_| out.flush())
                     .expect("minimal writer: write to stdout");
+            }
+            // The agent's budget moved its window: the same here, from now
+            // (a checkpoint interval past the agent's default syncs commits,
+            // as the agent's does).
+            Ok(ToMinimal::Window(ms, secs)) => {
+                let now = Instant::now();
+                window = Duration::from_millis(ms);
+                checkpoint = Duration::from_secs(secs);
+                next_commit = next_commit.min(now + window);
+                next_ckpt = now + checkpoint;
+                if !full {
+                    w.set_synced(secs > CHECKPOINT_SECS);
+                }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -1549,6 +1623,13 @@ fn minimal_writer() {
     }
     w.commit();
     let _ = writeln!(out, "end commits={} readings={}", w.commits, w.readings);
+}
+
+/// What the bench tells the minimal writer on its stdin: `mark` (print the
+/// counts) or `window <ms> <checkpoint s>` (take the agent's new window).
+enum ToMinimal {
+    Mark,
+    Window(u64, u64),
 }
 
 /// The minimal writer's database and buffer.
@@ -1617,6 +1698,17 @@ impl MinimalDb {
         self.commits += 1;
     }
 
+    /// `synchronous = FULL` (a stretched checkpoint cadence) or `NORMAL`.
+    fn set_synced(&mut self, synced: bool) {
+        self.conn
+            .execute_batch(if synced {
+                "PRAGMA synchronous=FULL"
+            } else {
+                "PRAGMA synchronous=NORMAL"
+            })
+            .expect("minimal writer: set synchronous");
+    }
+
     fn checkpoint(&mut self) {
         self.conn
             .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
@@ -1676,12 +1768,17 @@ impl Row {
             "fallback"
         };
         println!(
-            "-- {label}: payload {} B delivered (stored mean {stored}), commit window at start {} ms ({window}); the minimal writer at {} ms, checkpoints every {} s{}",
+            "-- {label}: payload {} B delivered (stored mean {stored}), commit window at start {} ms ({window}); the minimal writer started at {} ms, checkpoints every {} s{}{}",
             self.payload_len,
             self.window_ms,
             self.minimal_window_ms,
             self.minimal_checkpoint_secs,
-            if self.minimal_synced { ", commits synced" } else { "" }
+            if self.minimal_synced { ", commits synced" } else { "" },
+            if matches!(self.spec.window, Window::Budget(_)) && !self.spec.full {
+                ", then followed the agent's window"
+            } else {
+                ""
+            }
         );
         if let Some((_, span)) = self.agent_commits {
             println!("-- {label}: agent commits from write_budget records {span:.0} s apart");
