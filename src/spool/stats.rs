@@ -11,8 +11,14 @@ use rusqlite::{params, OptionalExtension};
 pub struct Stats {
     /// Rows by (stream, state).
     pub by_stream_state: Vec<(String, String, i64)>,
-    /// Age of the oldest unacknowledged row, ms (by creation wall time).
+    /// Age of the oldest unacknowledged row, ms (by creation wall time),
+    /// at least 0: `now_ms` less [`Stats::oldest_unacked_ms`].
     pub oldest_unacked_age_ms: Option<i64>,
+    /// The wall time that age counts from, Unix ms: the row's append time,
+    /// or when the clock was set for a row appended before
+    /// ([`super::clock_spans`]); for a reader to judge whether the age
+    /// means anything (`crate::event::age`).
+    pub oldest_unacked_ms: Option<i64>,
     /// Size of the `-wal` file, bytes.
     pub wal_bytes: u64,
     /// Size of the database file, bytes.
@@ -137,6 +143,7 @@ impl Spool {
         Ok(Stats {
             by_stream_state: by,
             oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
+            oldest_unacked_ms: oldest,
             wal_bytes: file_len(&wal_path(&self.path)),
             db_bytes: file_len(&self.path),
             counters,
