@@ -56,8 +56,9 @@ fn status_json(db: &Path) -> serde_json::Value {
 /// years or more (on main: "the oldest waiting was appended 20792 d ago",
 /// "up 20792 d"), `--json` must flag the age as no age, and the metrics
 /// must show 0 and the flag, not 1.8e9 s. Then time sync vouches for the
-/// clock: the spool counts the rows from that moment, and the oldest
-/// waiting age is seconds.
+/// clock: the spool counts the rows from that moment, the oldest waiting
+/// age is seconds, and status says the row is from before (`appended
+/// before the clock was set (set 2 s ago)`).
 #[test]
 fn status_says_before_the_clock_was_set_for_what_a_board_stamped_in_1970() {
     if !faketime::reaches_the_agent() {
@@ -143,13 +144,15 @@ fn status_says_before_the_clock_was_set_for_what_a_board_stamped_in_1970() {
         text.contains("started before the clock was set (run #1, "),
         "{text}"
     );
+    // 1970 rows count from when the clock was set, and say so.
     assert!(
-        !text.contains("appended before the clock was set"),
+        text.contains("; the oldest waiting was appended before the clock was set (set "),
         "{text}"
     );
     assert_no_decades(&text);
     let v = status_json(&db);
     assert_eq!(v["oldest_unacked_age_known"], true, "{v}");
+    assert_eq!(v["oldest_unacked_from_clock_set"], true, "{v}");
     let age = v["oldest_unacked_age_ms"].as_i64().unwrap_or(i64::MAX);
     assert!(
         age < 60_000,

@@ -38,6 +38,10 @@ pub struct Report {
     /// What the agent last recorded: `health`, `last_checkpoint`,
     /// `write_budget`, ... as (key, value, updated Unix ms).
     pub agent_state: Vec<(String, String, i64)>,
+    /// The streams holding a waiting row appended before the wall clock
+    /// was set, and when the spool saw it set (Unix ms): such a row's age
+    /// counts from then (`clock_spans`, empty before schema 13).
+    pub clock_set: Vec<(String, i64)>,
     /// The wall clock the report was read at, Unix ms: the ages above
     /// count to it.
     pub now_ms: i64,
@@ -98,6 +102,11 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         } else {
             Vec::new()
         },
+        clock_set: if version >= 13 {
+            spool.clock_set_for_waiting().map_err(|e| e.to_string())?
+        } else {
+            Vec::new()
+        },
         now_ms,
     })
 }
@@ -118,13 +127,16 @@ const TEXT_STATE: &[&str] = &["device_id", "ingest_listeners"];
 ///
 /// `oldest_unacked_age_ms` (top level and per stream) stays the number it
 /// always was (now less the time it counts from, at least 0, null when
-/// nothing waits); beside it `oldest_unacked_ms` is that time (Unix ms)
-/// and `oldest_unacked_age_known` whether the number is an age
+/// nothing waits); beside it `oldest_unacked_ms` is that time (Unix ms),
+/// `oldest_unacked_age_known` whether the number is an age
 /// ([`crate::event::age::stamp_age`]): false when that time was read
 /// before the board's clock was set (a board without an RTC, in 1970: the
 /// number is then decades), lies more than a few seconds ahead of the
-/// clock now, or the clock now is not set while it was; null when nothing
-/// waits. docs/operations.md, "Status", says the same.
+/// clock now, or the clock now is not set while it was; and
+/// `oldest_unacked_from_clock_set` whether that row was appended before
+/// the clock was set and counts from when the spool saw it set (the age is
+/// the wait since then); both null when nothing waits. docs/operations.md
+/// says the same.
 pub fn to_json(r: &Report) -> serde_json::Value {
     use serde_json::{json, Map, Value};
     let parse = |k: &str, v: &str| match TEXT_STATE.contains(&k) {
@@ -158,32 +170,33 @@ pub fn to_json(r: &Report) -> serde_json::Value {
     let obj = |pairs: &[(String, i64)]| -> Map<String, Value> {
         pairs.iter().map(|(k, v)| (k.clone(), json!(v))).collect()
     };
-    let known =
-        |at: Option<i64>| at.map(|at| crate::event::age::stamp_age(at, r.now_ms).ms().is_some());
+    let set = r.clock_set.iter().map(|(_, ms)| *ms).min();
     let streams: Vec<Value> = r
         .streams
         .iter()
         .map(|b| {
             let mut v = json!(b);
+            let set = r.clock_set.iter().find(|(s, _)| *s == b.stream);
             if let Value::Object(m) = &mut v {
-                m.insert(
-                    "oldest_unacked_age_known".into(),
-                    json!(known(b.oldest_unacked_ms)),
-                );
+                m.extend(oldest_json(b.oldest_unacked_ms, set.map(|s| s.1), r.now_ms));
             }
             v
         })
         .collect();
-    json!({
+    let mut oldest = Map::new();
+    oldest.insert(
+        "oldest_unacked_age_ms".into(),
+        json!(r.stats.oldest_unacked_age_ms),
+    );
+    oldest.insert("oldest_unacked_ms".into(), json!(r.stats.oldest_unacked_ms));
+    oldest.extend(oldest_json(r.stats.oldest_unacked_ms, set, r.now_ms));
+    let mut v = json!({
         "spool": r.spool,
         "running": r.running,
         "running_pid": r.running_pid,
         "health": health,
         "totals": obj(&r.totals),
         "rows": rows,
-        "oldest_unacked_age_ms": r.stats.oldest_unacked_age_ms,
-        "oldest_unacked_ms": r.stats.oldest_unacked_ms,
-        "oldest_unacked_age_known": known(r.stats.oldest_unacked_ms),
         "streams": streams,
         "db_bytes": r.stats.db_bytes,
         "wal_bytes": r.stats.wal_bytes,
@@ -197,7 +210,30 @@ pub fn to_json(r: &Report) -> serde_json::Value {
             "mean_duration_ms": r.commands.mean_duration_ms,
         },
         "runs": r.runs,
-    })
+    });
+    if let Value::Object(m) = &mut v {
+        m.extend(oldest);
+    }
+    v
+}
+
+/// The flags beside an `oldest_unacked_age_ms` whose age counts from
+/// `at_ms` (null when nothing waits), seen at `now_ms`, `set_ms` when the
+/// spool saw the clock set for that stream's rows appended before it:
+/// `oldest_unacked_age_known` (the clock can tell it:
+/// [`crate::event::age::stamp_age`]) and `oldest_unacked_from_clock_set`
+/// (the row was appended before the clock was set and counts from then).
+fn oldest_json(
+    at_ms: Option<i64>,
+    set_ms: Option<i64>,
+    now_ms: i64,
+) -> serde_json::Map<String, serde_json::Value> {
+    let known = at_ms.map(|at| crate::event::age::stamp_age(at, now_ms).ms().is_some());
+    let from_set = at_ms.map(|at| set_ms == Some(at));
+    let mut m = serde_json::Map::new();
+    m.insert("oldest_unacked_age_known".into(), known.into());
+    m.insert("oldest_unacked_from_clock_set".into(), from_set.into());
+    m
 }
 
 /// Human-readable form of `r`, seen at `now_ms`: the spool, whether an
@@ -272,10 +308,11 @@ fn rows_block(r: &Report, now_ms: i64) -> String {
             .map_or(0, |(_, n)| *n)
     };
     let (pending, sent) = (total("PENDING"), total("SENT"));
+    let set = r.clock_set.iter().map(|(_, ms)| *ms).min();
     let oldest = r.stats.oldest_unacked_ms.map_or(String::new(), |at| {
         format!(
             "; the oldest waiting was appended {}",
-            oldest_ago(at, now_ms)
+            appended(at, set, now_ms)
         )
     });
     let mut o = format!(
@@ -295,10 +332,18 @@ fn rows_block(r: &Report, now_ms: i64) -> String {
     o
 }
 
-/// How long ago the oldest waiting row was appended, as [`units::ago`] says
-/// it, with [`units::duration_ms`]'s precision below ten seconds (`1.5 s
-/// ago`).
-fn oldest_ago(at_ms: i64, now_ms: i64) -> String {
+/// When the oldest waiting row counted from `at_ms` was appended, seen at
+/// `now_ms`: as [`units::ago`] says it, with [`units::duration_ms`]'s
+/// precision below ten seconds (`1.5 s ago`); `before the clock was set
+/// (set 5 s ago)` when `at_ms` is `set_ms`, the time the spool saw the
+/// clock set for rows appended before it (their age is not their own).
+fn appended(at_ms: i64, set_ms: Option<i64>, now_ms: i64) -> String {
+    if set_ms == Some(at_ms) {
+        return format!(
+            "before the clock was set (set {})",
+            units::ago(at_ms, now_ms)
+        );
+    }
     match crate::event::age::stamp_age(at_ms, now_ms) {
         crate::event::age::StampAge::Age(ms) => format!("{} ago", units::duration_ms(ms)),
         _ => units::ago(at_ms, now_ms),
@@ -343,12 +388,17 @@ fn streams_block(r: &Report, now_ms: i64) -> String {
     }
     o.push_str("streams (delivered highest priority first):\n");
     for b in &r.streams {
-        let oldest =
-            b.oldest_unacked_ms
-                .map_or(String::new(), |at| match units::lasted(at, now_ms) {
-                    Some(d) => format!(", oldest {d}"),
-                    None => format!(", oldest appended {}", units::ago(at, now_ms)),
-                });
+        let set = r
+            .clock_set
+            .iter()
+            .find(|(s, _)| *s == b.stream)
+            .map(|(_, ms)| *ms);
+        let oldest = b.oldest_unacked_ms.map_or(String::new(), |at| {
+            match units::lasted(at, now_ms).filter(|_| set != Some(at)) {
+                Some(d) => format!(", oldest {d}"),
+                None => format!(", oldest appended {}", appended(at, set, now_ms)),
+            }
+        });
         o.push_str(&format!(
             "  {:<24} priority {:<3} {} waiting{oldest}; {}\n",
             b.stream,
@@ -551,6 +601,7 @@ mod tests {
                 ),
                 state("storage_profile", serde_json::json!(profile), 7_800_000),
             ],
+            clock_set: Vec::new(),
             now_ms: NOW,
         }
     }
@@ -694,6 +745,38 @@ mod tests {
     }
 
     #[test]
+    fn rows_counted_from_when_the_clock_was_set_say_they_are_older() {
+        let set = NOW - 5_000;
+        let mut r = booted_in_1970();
+        r.stats.oldest_unacked_ms = Some(set);
+        r.stats.oldest_unacked_age_ms = Some(5_000);
+        r.streams[0].oldest_unacked_ms = Some(set);
+        r.streams[0].oldest_unacked_age_ms = Some(5_000);
+        r.clock_set = vec![("pump".into(), set)];
+        let text = render(&r, NOW);
+        for want in [
+            "; the oldest waiting was appended before the clock was set (set 5 s ago)\n",
+            " 20 waiting, oldest appended before the clock was set (set 5 s ago); ",
+        ] {
+            assert!(text.contains(want), "{want:?} in\n{text}");
+        }
+        let v = to_json(&r);
+        assert_eq!(v["oldest_unacked_age_known"], true);
+        assert_eq!(v["oldest_unacked_from_clock_set"], true);
+        assert_eq!(v["oldest_unacked_age_ms"], 5_000);
+        assert_eq!(v["streams"][0]["oldest_unacked_from_clock_set"], true);
+        // A row appended after the clock was set is older still: its own.
+        r.stats.oldest_unacked_ms = Some(set - 60_000);
+        let text = render(&r, NOW);
+        assert!(
+            text.contains("; the oldest waiting was appended 1 min 5 s ago\n"),
+            "{text}"
+        );
+        assert_eq!(to_json(&r)["oldest_unacked_from_clock_set"], false);
+        assert_eq!(to_json(&running())["oldest_unacked_from_clock_set"], false);
+    }
+
+    #[test]
     fn times_ahead_of_a_clock_stepped_back_say_how_far() {
         let mut r = running();
         let ahead = NOW + 3 * 3_600_000;
@@ -712,6 +795,7 @@ mod tests {
         assert_eq!(to_json(&r)["oldest_unacked_age_known"], false);
         r.stats = Stats::default();
         assert!(to_json(&r)["oldest_unacked_age_known"].is_null());
+        assert!(to_json(&r)["oldest_unacked_from_clock_set"].is_null());
     }
 
     #[test]
