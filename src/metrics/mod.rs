@@ -182,7 +182,7 @@ pub struct Figures {
     pub backlog: u64,
     /// Age of the oldest unacknowledged row, seconds (0 when there is none),
     /// counted to [`Figures::at_unix_secs`]; shown only when the clock can
-    /// tell it ([`waited_secs`]).
+    /// tell it (`waited_secs`).
     pub oldest_unacked_age_secs: f64,
     /// Connected to the broker now.
     pub connected: bool,

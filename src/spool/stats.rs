@@ -16,7 +16,7 @@ pub struct Stats {
     pub oldest_unacked_age_ms: Option<i64>,
     /// The wall time that age counts from, Unix ms: the row's append time,
     /// or when the clock was set for a row appended before
-    /// ([`super::clock_spans`]); for a reader to judge whether the age
+    /// (`clock_spans`); for a reader to judge whether the age
     /// means anything (`crate::event::age`).
     pub oldest_unacked_ms: Option<i64>,
     /// Size of the `-wal` file, bytes.
