@@ -43,6 +43,7 @@ pub struct MetricsConfig {
     pub listen_public: bool,
 }
 
+use crate::event::age::StampAge;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -179,7 +180,9 @@ pub struct Figures {
     pub streams: Option<Vec<crate::spool::priority::StreamBacklog>>,
     /// Rows not yet acknowledged, at most (`Spool::backlog_estimate`).
     pub backlog: u64,
-    /// Age of the oldest unacknowledged row, seconds (0 when there is none).
+    /// Age of the oldest unacknowledged row, seconds (0 when there is none),
+    /// counted to [`Figures::at_unix_secs`]; shown only when the clock can
+    /// tell it (`waited_secs`).
     pub oldest_unacked_age_secs: f64,
     /// Connected to the broker now.
     pub connected: bool,
@@ -664,7 +667,7 @@ fn render_spool(o: &mut Out, f: &Figures) {
         }
     }
     if let Some(streams) = &f.streams {
-        render_stream_backlog(o, streams);
+        render_stream_backlog(o, streams, (f.at_unix_secs * 1000.0).round() as i64);
     }
     if let Some(n) = f.failed_rows {
         o.single(
@@ -680,17 +683,48 @@ fn render_spool(o: &mut Out, f: &Figures) {
         "Rows not yet acknowledged, at most (FAILED rows and acknowledgements out of order count too).",
         f.backlog as f64,
     );
+    // The gathering has the age and its clock only: the time the age
+    // counts from is the clock less the age (ms apart at most).
+    let now_ms = (f.at_unix_secs * 1000.0).round() as i64;
+    let from_ms = now_ms - (f.oldest_unacked_age_secs * 1000.0).round() as i64;
+    let before_set = f.oldest_unacked_age_secs > 0.0
+        && crate::event::age::stamp_age(from_ms, now_ms) == StampAge::BeforeClockSet;
     o.single(
         "edgespool_oldest_unacked_age_seconds",
         "gauge",
-        "Age of the oldest unacknowledged row by its append wall time, seconds; 0 when every row is acknowledged.",
-        f.oldest_unacked_age_secs,
+        "Age of the oldest unacknowledged row by its append wall time (for a row appended before the clock was set, from when the spool saw it set), seconds; 0 when every row is acknowledged, or when the clock cannot tell (edgespool_oldest_unacked_before_clock_set).",
+        waited_secs(from_ms, now_ms),
+    );
+    o.single(
+        "edgespool_oldest_unacked_before_clock_set",
+        "gauge",
+        "1 while the oldest unacknowledged row was appended before the board's clock was set (a 1970 time) and the spool has yet to see it set (its first commit once time sync vouches for the clock): its age is unknown and shown as 0; 0 otherwise.",
+        f64::from(u8::from(before_set)),
     );
 }
 
+/// What the age gauges show for a row whose age counts from `from_ms`,
+/// seen at `now_ms` (Unix ms): its age in seconds when the clock can tell
+/// one ([`crate::event::age::stamp_age`]), else 0, never the 56 years from
+/// 1970 nor a negative age. 0 is the one figure no true wait is below: a
+/// row appended before the clock was set has waited at least since then,
+/// and the spool counts it from then once a commit sees the clock set by
+/// time sync (`spool::clock_spans`), so a backlog that stays stuck still ages
+/// past an alert's threshold.
+fn waited_secs(from_ms: i64, now_ms: i64) -> f64 {
+    match crate::event::age::stamp_age(from_ms, now_ms) {
+        StampAge::Age(ms) => ms as f64 / 1000.0,
+        _ => 0.0,
+    }
+}
+
 /// Backlog and oldest unacknowledged age per stream, labelled with the
-/// stream's delivery priority.
-fn render_stream_backlog(o: &mut Out, streams: &[crate::spool::priority::StreamBacklog]) {
+/// stream's delivery priority, the ages seen at `now_ms` (Unix ms).
+fn render_stream_backlog(
+    o: &mut Out,
+    streams: &[crate::spool::priority::StreamBacklog],
+    now_ms: i64,
+) {
     o.family(
         "edgespool_stream_backlog_rows",
         "gauge",
@@ -707,14 +741,15 @@ fn render_stream_backlog(o: &mut Out, streams: &[crate::spool::priority::StreamB
     o.family(
         "edgespool_stream_oldest_unacked_age_seconds",
         "gauge",
-        "Age of the stream's oldest unacknowledged row by its append wall time, seconds; 0 when it has none.",
+        "Age of the stream's oldest unacknowledged row by its append wall time, seconds; 0 when it has none, or when the clock cannot tell (appended before the clock was set, or ahead of it).",
     );
     for b in streams {
         let prio = b.priority.to_string();
         o.sample(
             "edgespool_stream_oldest_unacked_age_seconds",
             &[("stream", &b.stream), ("priority", &prio)],
-            b.oldest_unacked_age_ms.unwrap_or(0) as f64 / 1000.0,
+            b.oldest_unacked_ms
+                .map_or(0.0, |from| waited_secs(from, now_ms)),
         );
     }
 }
@@ -1009,12 +1044,14 @@ mod tests {
                     priority: 200,
                     rows: 0,
                     oldest_unacked_age_ms: None,
+                    oldest_unacked_ms: None,
                 },
                 crate::spool::priority::StreamBacklog {
                     stream: "system".into(),
                     priority: 0,
                     rows: 2,
                     oldest_unacked_age_ms: Some(1500),
+                    oldest_unacked_ms: Some(1_700_000_000_250 - 1500),
                 },
             ]),
             backlog: 3,
@@ -1102,6 +1139,7 @@ mod tests {
             "edgespool_spool_rows",
             "edgespool_spool_rows_by_state",
             "edgespool_oldest_unacked_age_seconds",
+            "edgespool_oldest_unacked_before_clock_set",
             "edgespool_mqtt_connected",
             "edgespool_mqtt_reconnects_total",
             "edgespool_puback_latency_seconds",
@@ -1309,6 +1347,61 @@ mod tests {
         assert_eq!(
             value_of(&f, "edgespool_oldest_awaiting_receipt_age_seconds", &[]),
             700.0
+        );
+    }
+
+    /// A board without an RTC appended in 1970; time sync has set the
+    /// clock since, and the spool has yet to see it set.
+    #[test]
+    fn the_age_gauges_never_show_the_decades_since_1970() {
+        let set_ms: i64 = 1_790_000_000_000;
+        let mut f = figures();
+        f.at_unix_secs = set_ms as f64 / 1000.0;
+        f.oldest_unacked_age_secs = (set_ms - 42_000) as f64 / 1000.0;
+        if let Some(s) = f.streams.as_mut() {
+            s[1].oldest_unacked_ms = Some(42_000);
+            s[1].oldest_unacked_age_ms = Some(set_ms - 42_000);
+        }
+        let m = check(&render(&f));
+        let sys = [("stream", "system"), ("priority", "0")];
+        assert_eq!(
+            value_of(&m, "edgespool_oldest_unacked_age_seconds", &[]),
+            0.0
+        );
+        assert_eq!(
+            value_of(&m, "edgespool_stream_oldest_unacked_age_seconds", &sys),
+            0.0
+        );
+        assert_eq!(
+            value_of(&m, "edgespool_oldest_unacked_before_clock_set", &[]),
+            1.0
+        );
+        // Once the spool counts it from when the clock was set: 5 min.
+        f.oldest_unacked_age_secs = 300.0;
+        if let Some(s) = f.streams.as_mut() {
+            s[1].oldest_unacked_ms = Some(set_ms - 300_000);
+        }
+        let m = check(&render(&f));
+        assert_eq!(
+            value_of(&m, "edgespool_oldest_unacked_age_seconds", &[]),
+            300.0
+        );
+        assert_eq!(
+            value_of(&m, "edgespool_stream_oldest_unacked_age_seconds", &sys),
+            300.0
+        );
+        assert_eq!(
+            value_of(&m, "edgespool_oldest_unacked_before_clock_set", &[]),
+            0.0
+        );
+        // A row stamped by a clock a day ahead, stepped back since.
+        if let Some(s) = f.streams.as_mut() {
+            s[1].oldest_unacked_ms = Some(set_ms + 86_400_000);
+        }
+        let m = check(&render(&f));
+        assert_eq!(
+            value_of(&m, "edgespool_stream_oldest_unacked_age_seconds", &sys),
+            0.0
         );
     }
 

@@ -105,6 +105,9 @@ pub struct StreamBacklog {
     /// Age of its oldest unacknowledged row by append wall time, ms;
     /// `None` when it has none.
     pub oldest_unacked_age_ms: Option<i64>,
+    /// The wall time that age counts from, Unix ms (as
+    /// [`super::Stats::oldest_unacked_ms`]); `None` when it has none.
+    pub oldest_unacked_ms: Option<i64>,
 }
 
 /// Unacknowledged rows and the oldest append time per stream (for a row
@@ -227,11 +230,13 @@ impl Spool {
             .map_err(|e| self.err(e))?;
         let rows = stmt
             .query_map([], |r| {
+                let oldest = r.get::<_, Option<i64>>(3)?;
                 Ok(StreamBacklog {
                     stream: r.get(0)?,
                     priority: r.get::<_, i64>(1)?.clamp(0, 255) as u8,
                     rows: r.get::<_, i64>(2)?.max(0) as u64,
-                    oldest_unacked_age_ms: r.get::<_, Option<i64>>(3)?.map(|c| (now_ms - c).max(0)),
+                    oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
+                    oldest_unacked_ms: oldest,
                 })
             })
             .map_err(|e| self.err(e))?;

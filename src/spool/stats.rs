@@ -11,8 +11,14 @@ use rusqlite::{params, OptionalExtension};
 pub struct Stats {
     /// Rows by (stream, state).
     pub by_stream_state: Vec<(String, String, i64)>,
-    /// Age of the oldest unacknowledged row, ms (by creation wall time).
+    /// Age of the oldest unacknowledged row, ms (by creation wall time),
+    /// at least 0: `now_ms` less [`Stats::oldest_unacked_ms`].
     pub oldest_unacked_age_ms: Option<i64>,
+    /// The wall time that age counts from, Unix ms: the row's append time,
+    /// or when the clock was set for a row appended before
+    /// (`clock_spans`); for a reader to judge whether the age
+    /// means anything (`crate::event::age`).
+    pub oldest_unacked_ms: Option<i64>,
     /// Size of the `-wal` file, bytes.
     pub wal_bytes: u64,
     /// Size of the database file, bytes.
@@ -52,7 +58,31 @@ const SQL_OLDEST_WAITING: &str = concat!(
       AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)"
 );
 
+/// Per stream, when the clock was set for the earliest span of rows
+/// appended before it ([`super::clock_spans`]) that still holds a waiting
+/// row of the stream: the span's `settled_ms`. Reads the few spans and, per
+/// span and stream, its rows above the acknowledged mark up to the first
+/// waiting one.
+const SQL_SET_FOR_WAITING: &str = "SELECT s.name, min(c.settled_ms)
+    FROM clock_spans c, streams s
+    WHERE c.last_id IS NOT NULL AND EXISTS (SELECT 1 FROM events e
+        WHERE e.stream_id = s.id AND e.id >= c.first_id AND e.id <= c.last_id
+          AND e.id > (SELECT acked_through FROM delivery_mark)
+          AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
+          AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id))
+    GROUP BY s.name ORDER BY s.name";
+
 impl Spool {
+    /// The streams holding a waiting row (PENDING or SENT) appended before
+    /// the wall clock was set, and when the spool saw it set (Unix ms): the
+    /// time such a row's age counts from ([`Stats::oldest_unacked_ms`]).
+    /// `(stream, settled_ms)`, by stream; none while the clock is not set
+    /// (the span is open: its rows count from their own time). For
+    /// `status`, to say such a row's age is not its own (schema 13).
+    pub fn clock_set_for_waiting(&self) -> Result<Vec<(String, i64)>, SpoolError> {
+        self.query_all(SQL_SET_FOR_WAITING, [], |r| Ok((r.get(0)?, r.get(1)?)))
+    }
+
     /// Record one piece of agent state for `status` (health, last checkpoint, ...).
     pub fn set_state(&mut self, key: &str, value: &str, now_ms: i64) -> Result<(), SpoolError> {
         self.conn
@@ -137,6 +167,7 @@ impl Spool {
         Ok(Stats {
             by_stream_state: by,
             oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
+            oldest_unacked_ms: oldest,
             wal_bytes: file_len(&wal_path(&self.path)),
             db_bytes: file_len(&self.path),
             counters,

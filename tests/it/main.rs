@@ -48,6 +48,7 @@ mod sink_batches;
 mod sink_identity;
 mod spool;
 mod standalone;
+mod status_clock;
 mod storage;
 mod structure;
 mod systemd;

@@ -38,6 +38,13 @@ pub struct Report {
     /// What the agent last recorded: `health`, `last_checkpoint`,
     /// `write_budget`, ... as (key, value, updated Unix ms).
     pub agent_state: Vec<(String, String, i64)>,
+    /// The streams holding a waiting row appended before the wall clock
+    /// was set, and when the spool saw it set (Unix ms): such a row's age
+    /// counts from then (`clock_spans`, empty before schema 13).
+    pub clock_set: Vec<(String, i64)>,
+    /// The wall clock the report was read at, Unix ms: the ages above
+    /// count to it.
+    pub now_ms: i64,
 }
 
 /// Build the report for the spool at `path`.
@@ -95,6 +102,12 @@ pub fn report(path: &Path, now_ms: i64) -> Result<Report, String> {
         } else {
             Vec::new()
         },
+        clock_set: if version >= 13 {
+            spool.clock_set_for_waiting().map_err(|e| e.to_string())?
+        } else {
+            Vec::new()
+        },
+        now_ms,
     })
 }
 
@@ -111,6 +124,19 @@ const TEXT_STATE: &[&str] = &["device_id", "ingest_listeners"];
 /// when it is JSON (the text records [`TEXT_STATE`] stay strings);
 /// `outage_budget` is that entry of `agent_state` again (null before an
 /// agent stored one; fields in docs/operations.md, "Outage budget").
+///
+/// `oldest_unacked_age_ms` (top level and per stream) stays the number it
+/// always was (now less the time it counts from, at least 0, null when
+/// nothing waits); beside it `oldest_unacked_ms` is that time (Unix ms),
+/// `oldest_unacked_age_known` whether the number is an age
+/// ([`crate::event::age::stamp_age`]): false when that time was read
+/// before the board's clock was set (a board without an RTC, in 1970: the
+/// number is then decades), lies more than a few seconds ahead of the
+/// clock now, or the clock now is not set while it was; and
+/// `oldest_unacked_from_clock_set` whether that row was appended before
+/// the clock was set and counts from when the spool saw it set (the age is
+/// the wait since then); both null when nothing waits. docs/operations.md
+/// says the same.
 pub fn to_json(r: &Report) -> serde_json::Value {
     use serde_json::{json, Map, Value};
     let parse = |k: &str, v: &str| match TEXT_STATE.contains(&k) {
@@ -144,15 +170,34 @@ pub fn to_json(r: &Report) -> serde_json::Value {
     let obj = |pairs: &[(String, i64)]| -> Map<String, Value> {
         pairs.iter().map(|(k, v)| (k.clone(), json!(v))).collect()
     };
-    json!({
+    let set = r.clock_set.iter().map(|(_, ms)| *ms).min();
+    let streams: Vec<Value> = r
+        .streams
+        .iter()
+        .map(|b| {
+            let mut v = json!(b);
+            let set = r.clock_set.iter().find(|(s, _)| *s == b.stream);
+            if let Value::Object(m) = &mut v {
+                m.extend(oldest_json(b.oldest_unacked_ms, set.map(|s| s.1), r.now_ms));
+            }
+            v
+        })
+        .collect();
+    let mut oldest = Map::new();
+    oldest.insert(
+        "oldest_unacked_age_ms".into(),
+        json!(r.stats.oldest_unacked_age_ms),
+    );
+    oldest.insert("oldest_unacked_ms".into(), json!(r.stats.oldest_unacked_ms));
+    oldest.extend(oldest_json(r.stats.oldest_unacked_ms, set, r.now_ms));
+    let mut v = json!({
         "spool": r.spool,
         "running": r.running,
         "running_pid": r.running_pid,
         "health": health,
         "totals": obj(&r.totals),
         "rows": rows,
-        "oldest_unacked_age_ms": r.stats.oldest_unacked_age_ms,
-        "streams": r.streams,
+        "streams": streams,
         "db_bytes": r.stats.db_bytes,
         "wal_bytes": r.stats.wal_bytes,
         "counters": obj(&r.stats.counters),
@@ -165,7 +210,30 @@ pub fn to_json(r: &Report) -> serde_json::Value {
             "mean_duration_ms": r.commands.mean_duration_ms,
         },
         "runs": r.runs,
-    })
+    });
+    if let Value::Object(m) = &mut v {
+        m.extend(oldest);
+    }
+    v
+}
+
+/// The flags beside an `oldest_unacked_age_ms` whose age counts from
+/// `at_ms` (null when nothing waits), seen at `now_ms`, `set_ms` when the
+/// spool saw the clock set for that stream's rows appended before it:
+/// `oldest_unacked_age_known` (the clock can tell it:
+/// [`crate::event::age::stamp_age`]) and `oldest_unacked_from_clock_set`
+/// (the row was appended before the clock was set and counts from then).
+fn oldest_json(
+    at_ms: Option<i64>,
+    set_ms: Option<i64>,
+    now_ms: i64,
+) -> serde_json::Map<String, serde_json::Value> {
+    let known = at_ms.map(|at| crate::event::age::stamp_age(at, now_ms).ms().is_some());
+    let from_set = at_ms.map(|at| set_ms == Some(at));
+    let mut m = serde_json::Map::new();
+    m.insert("oldest_unacked_age_known".into(), known.into());
+    m.insert("oldest_unacked_from_clock_set".into(), from_set.into());
+    m
 }
 
 /// Human-readable form of `r`, seen at `now_ms`: the spool, whether an
@@ -189,7 +257,7 @@ pub fn render(r: &Report, now_ms: i64) -> String {
         o.push_str(&recorded);
     }
     o.push('\n');
-    o.push_str(&rows_block(r));
+    o.push_str(&rows_block(r, now_ms));
     o.push_str(&counters_block(r));
     o.push_str(&failed_block(r, now_ms));
     o.push_str(&commands_line(r));
@@ -206,8 +274,11 @@ fn agent_line(r: &Report, now_ms: i64) -> String {
         .map_or("unknown".to_owned(), |p| p.to_string());
     match (r.running, r.runs.first()) {
         (true, Some(run)) if run.ended_ms.is_none() && run.exit_status.is_none() => format!(
-            "agent: running (pid {pid}), up {} (run #{}, v{})\n",
-            units::duration_ms(now_ms - run.started_ms),
+            "agent: running (pid {pid}), {} (run #{}, v{})\n",
+            units::lasted(run.started_ms, now_ms).map_or_else(
+                || format!("started {}", units::ago(run.started_ms, now_ms)),
+                |up| format!("up {up}")
+            ),
             run.id,
             run.version
         ),
@@ -227,8 +298,9 @@ fn agent_line(r: &Report, now_ms: i64) -> String {
     }
 }
 
-/// Rows by state, the oldest waiting row, the file sizes, and each stream.
-fn rows_block(r: &Report) -> String {
+/// Rows by state, the oldest waiting row, the file sizes, and each stream,
+/// seen at `now_ms`.
+fn rows_block(r: &Report, now_ms: i64) -> String {
     let total = |st: &str| {
         r.totals
             .iter()
@@ -236,10 +308,11 @@ fn rows_block(r: &Report) -> String {
             .map_or(0, |(_, n)| *n)
     };
     let (pending, sent) = (total("PENDING"), total("SENT"));
-    let oldest = r.stats.oldest_unacked_age_ms.map_or(String::new(), |a| {
+    let set = r.clock_set.iter().map(|(_, ms)| *ms).min();
+    let oldest = r.stats.oldest_unacked_ms.map_or(String::new(), |at| {
         format!(
-            "; the oldest waiting was appended {} ago",
-            units::duration_ms(a)
+            "; the oldest waiting was appended {}",
+            appended(at, set, now_ms)
         )
     });
     let mut o = format!(
@@ -255,13 +328,32 @@ fn rows_block(r: &Report) -> String {
         units::size(r.stats.db_bytes),
         units::size(r.stats.wal_bytes)
     ));
-    o.push_str(&streams_block(r));
+    o.push_str(&streams_block(r, now_ms));
     o
 }
 
+/// When the oldest waiting row counted from `at_ms` was appended, seen at
+/// `now_ms`: as [`units::ago`] says it, with [`units::duration_ms`]'s
+/// precision below ten seconds (`1.5 s ago`); `before the clock was set
+/// (set 5 s ago)` when `at_ms` is `set_ms`, the time the spool saw the
+/// clock set for rows appended before it (their age is not their own).
+fn appended(at_ms: i64, set_ms: Option<i64>, now_ms: i64) -> String {
+    if set_ms == Some(at_ms) {
+        return format!(
+            "before the clock was set (set {})",
+            units::ago(at_ms, now_ms)
+        );
+    }
+    match crate::event::age::stamp_age(at_ms, now_ms) {
+        crate::event::age::StampAge::Age(ms) => format!("{} ago", units::duration_ms(ms)),
+        _ => units::ago(at_ms, now_ms),
+    }
+}
+
 /// One line per stream: its priority and waiting rows (when the spool
-/// records them), its rows by state.
-fn streams_block(r: &Report) -> String {
+/// records them) and how long ago its oldest was appended, seen at
+/// `now_ms`; its rows by state.
+fn streams_block(r: &Report, now_ms: i64) -> String {
     let by_state = |stream: &str| {
         let parts: Vec<String> = r
             .stats
@@ -296,8 +388,16 @@ fn streams_block(r: &Report) -> String {
     }
     o.push_str("streams (delivered highest priority first):\n");
     for b in &r.streams {
-        let oldest = b.oldest_unacked_age_ms.map_or(String::new(), |a| {
-            format!(", oldest {}", units::duration_ms(a))
+        let set = r
+            .clock_set
+            .iter()
+            .find(|(s, _)| *s == b.stream)
+            .map(|(_, ms)| *ms);
+        let oldest = b.oldest_unacked_ms.map_or(String::new(), |at| {
+            match units::lasted(at, now_ms).filter(|_| set != Some(at)) {
+                Some(d) => format!(", oldest {d}"),
+                None => format!(", oldest appended {}", appended(at, set, now_ms)),
+            }
         });
         o.push_str(&format!(
             "  {:<24} priority {:<3} {} waiting{oldest}; {}\n",
@@ -375,12 +475,16 @@ fn runs_block(r: &Report, now_ms: i64) -> String {
     let mut o = "runs (newest first):\n".to_owned();
     for (i, run) in r.runs.iter().enumerate() {
         let end = match run.ended_ms {
-            Some(e) => format!("ran {}", units::duration_ms(e - run.started_ms)),
+            Some(e) => match units::lasted(run.started_ms, e) {
+                Some(d) => format!("ran {d}"),
+                // Started before the clock was set and ended after.
+                None => format!("ended {}", units::ago(e, now_ms)),
+            },
             None if run.exit_status.is_none() && i == 0 && r.running => {
-                format!(
-                    "running for {}",
-                    units::duration_ms(now_ms - run.started_ms)
-                )
+                match units::lasted(run.started_ms, now_ms) {
+                    Some(d) => format!("running for {d}"),
+                    None => "running".to_owned(),
+                }
             }
             None if run.exit_status.is_none() => {
                 "ended without a clean stop (killed or power cut)".into()
@@ -408,7 +512,8 @@ mod tests {
     use super::*;
     use crate::spool::priority::StreamBacklog;
 
-    const NOW: i64 = 1_700_000_000_000;
+    /// Past the clock floor: a set clock.
+    const NOW: i64 = 1_790_000_000_000;
 
     /// A running agent's spool as `report` would read it, with every
     /// record an agent of this build stores.
@@ -445,6 +550,7 @@ mod tests {
                     ("pump".into(), "PENDING".into(), 20),
                 ],
                 oldest_unacked_age_ms: Some(185_000),
+                oldest_unacked_ms: Some(NOW - 185_000),
                 wal_bytes: 4 << 20,
                 db_bytes: 106_496,
                 counters: vec![("commands_duplicates".into(), 3)],
@@ -473,6 +579,7 @@ mod tests {
                 priority: 0,
                 rows: 20,
                 oldest_unacked_age_ms: Some(185_000),
+                oldest_unacked_ms: Some(NOW - 185_000),
             }],
             agent_state: vec![
                 state("commands_clock_ms", "300005".into(), 1000),
@@ -494,6 +601,8 @@ mod tests {
                 ),
                 state("storage_profile", serde_json::json!(profile), 7_800_000),
             ],
+            clock_set: Vec::new(),
+            now_ms: NOW,
         }
     }
 
@@ -577,6 +686,116 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("\nhealth: not recorded yet"), "{text}");
+    }
+
+    /// A board without an RTC: it booted in 1970, ran and appended, and
+    /// time sync has set the clock since. Every stamp from before reads as
+    /// such, none as 20,700 days.
+    fn booted_in_1970() -> Report {
+        let booted = 42_000;
+        let mut r = running();
+        r.stats.oldest_unacked_ms = Some(booted);
+        r.stats.oldest_unacked_age_ms = Some(NOW - booted);
+        r.streams[0].oldest_unacked_ms = Some(booted);
+        r.streams[0].oldest_unacked_age_ms = Some(NOW - booted);
+        r.runs[0].started_ms = booted;
+        for (k, v, at) in &mut r.agent_state {
+            *at = booted + 60_000;
+            if k == "health" {
+                *v = serde_json::json!({"state": "ok", "reasons": [], "since_ms": booted})
+                    .to_string();
+            }
+        }
+        r
+    }
+
+    #[test]
+    fn times_from_before_the_clock_was_set_say_so_and_never_decades() {
+        let text = render(&booted_in_1970(), NOW);
+        for want in [
+            "\nagent: running (pid 4242), started before the clock was set (run #4, v0.1.0)\n",
+            "\nhealth: ok (since before the clock was set; recorded before the clock was set)\n",
+            "\nlast checkpoint: passive 12 s ago: ",
+            "\nsigned config: newest serial accepted 12 (before the clock was set; ",
+            "; the oldest waiting was appended before the clock was set\n",
+            "\n  pump                     priority 0   20 waiting, oldest appended before the clock was set; ",
+            "\n  #4 pid 4242 v0.1.0, started before the clock was set, running\n",
+        ] {
+            assert!(text.contains(want), "{want:?} in\n{text}");
+        }
+        assert!(!text.contains(" d "), "an age in days:\n{text}");
+        let mut r = booted_in_1970();
+        r.running = false;
+        r.runs[0].ended_ms = Some(NOW - 60_000);
+        r.runs[0].exit_status = Some("ok".into());
+        let text = render(&r, NOW);
+        assert!(
+            text.contains(", started before the clock was set, ended 1 min ago, status ok\n"),
+            "{text}"
+        );
+        let v = to_json(&booted_in_1970());
+        assert_eq!(v["oldest_unacked_age_known"], false);
+        assert_eq!(v["oldest_unacked_ms"], 42_000);
+        assert_eq!(v["oldest_unacked_age_ms"], NOW - 42_000, "the number stays");
+        assert_eq!(v["streams"][0]["oldest_unacked_age_known"], false);
+        let v = to_json(&running());
+        assert_eq!(v["oldest_unacked_age_known"], true);
+        assert_eq!(v["streams"][0]["oldest_unacked_age_known"], true);
+        assert_eq!(v["streams"][0]["oldest_unacked_age_ms"], 185_000);
+    }
+
+    #[test]
+    fn rows_counted_from_when_the_clock_was_set_say_they_are_older() {
+        let set = NOW - 5_000;
+        let mut r = booted_in_1970();
+        r.stats.oldest_unacked_ms = Some(set);
+        r.stats.oldest_unacked_age_ms = Some(5_000);
+        r.streams[0].oldest_unacked_ms = Some(set);
+        r.streams[0].oldest_unacked_age_ms = Some(5_000);
+        r.clock_set = vec![("pump".into(), set)];
+        let text = render(&r, NOW);
+        for want in [
+            "; the oldest waiting was appended before the clock was set (set 5 s ago)\n",
+            " 20 waiting, oldest appended before the clock was set (set 5 s ago); ",
+        ] {
+            assert!(text.contains(want), "{want:?} in\n{text}");
+        }
+        let v = to_json(&r);
+        assert_eq!(v["oldest_unacked_age_known"], true);
+        assert_eq!(v["oldest_unacked_from_clock_set"], true);
+        assert_eq!(v["oldest_unacked_age_ms"], 5_000);
+        assert_eq!(v["streams"][0]["oldest_unacked_from_clock_set"], true);
+        // A row appended after the clock was set is older still: its own.
+        r.stats.oldest_unacked_ms = Some(set - 60_000);
+        let text = render(&r, NOW);
+        assert!(
+            text.contains("; the oldest waiting was appended 1 min 5 s ago\n"),
+            "{text}"
+        );
+        assert_eq!(to_json(&r)["oldest_unacked_from_clock_set"], false);
+        assert_eq!(to_json(&running())["oldest_unacked_from_clock_set"], false);
+    }
+
+    #[test]
+    fn times_ahead_of_a_clock_stepped_back_say_how_far() {
+        let mut r = running();
+        let ahead = NOW + 3 * 3_600_000;
+        r.stats.oldest_unacked_ms = Some(ahead);
+        r.stats.oldest_unacked_age_ms = Some(0);
+        r.runs[0].started_ms = ahead;
+        let text = render(&r, NOW);
+        assert!(
+            text.contains("; the oldest waiting was appended at a time 3 h ahead of this clock\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(", started at a time 3 h ahead of this clock, running\n"),
+            "{text}"
+        );
+        assert_eq!(to_json(&r)["oldest_unacked_age_known"], false);
+        r.stats = Stats::default();
+        assert!(to_json(&r)["oldest_unacked_age_known"].is_null());
+        assert!(to_json(&r)["oldest_unacked_from_clock_set"].is_null());
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! Its one rule: **what was not measured says so** ("not measured yet"; a
 //! delivery rate kept from before an outage says when it was measured).
 
-use super::units::{duration, rate, size, thousands, volume};
+use super::units::{ago, duration, rate, size, thousands, volume};
 use serde_json::Value;
 
 /// The hold part: `-> the spool holds 41 h 10 min before spool.max_bytes (1.0 GiB)`.
@@ -44,10 +44,7 @@ fn drain_part(b: &Value, now_ms: i64) -> String {
         b["delivery_current"].as_bool(),
     ) {
         (_, Some(true)) => "measured now".to_owned(),
-        (Some(ms), _) => format!(
-            "last measured {} ago, while connected",
-            duration((now_ms - ms) as f64 / 1000.0)
-        ),
+        (Some(ms), _) => format!("last measured {}, while connected", ago(ms, now_ms)),
         (None, _) => String::new(),
     };
     match (b["drain_secs"].as_f64(), d["rows_per_sec"].as_f64()) {
@@ -68,12 +65,12 @@ fn drain_part(b: &Value, now_ms: i64) -> String {
 /// The block for the stored record `stored`, updated at `at_ms`, seen at
 /// `now_ms`; a record that does not parse is shown as it is.
 pub(super) fn render(stored: &str, at_ms: i64, now_ms: i64) -> String {
-    let ago = duration((now_ms - at_ms) as f64 / 1000.0);
+    let ago = ago(at_ms, now_ms);
     let Ok(b) = serde_json::from_str::<Value>(stored) else {
-        return format!("outage_budget: {stored} ({ago} ago)\n");
+        return format!("outage_budget: {stored} ({ago})\n");
     };
     let window = duration(b["window_secs"].as_f64().unwrap_or(0.0));
-    let head = format!("outage budget ({window} averages, {ago} ago):");
+    let head = format!("outage budget ({window} averages, {ago}):");
     let i = &b["ingest"];
     let Some(readings) = i["readings_per_sec"].as_f64() else {
         let drain = drain_part(&b, now_ms);

@@ -9,6 +9,7 @@
 //! its value is a short plain word.
 
 use super::units::{ago, duration, duration_ms, size, us_as_ms, volume};
+use crate::event::age::{stamp_age, StampAge};
 use serde_json::Value;
 
 /// Keys the agent keeps for itself (the command records' clock, the
@@ -68,10 +69,15 @@ pub(super) fn health(stored: Option<(&str, i64)>, now_ms: i64, running: bool) ->
         // An agent before schema 5 stored the line itself.
         _ => (stored.to_owned(), None),
     };
-    let when = match (running, since) {
-        (true, Some(s)) if s <= now_ms => format!(
+    let held = since.map(|s| stamp_age(s, now_ms));
+    let when = match (running, held) {
+        (true, Some(StampAge::Age(ms))) => format!(
             "for {}; recorded {}",
-            duration((now_ms - s) as f64 / 1000.0),
+            duration(ms as f64 / 1000.0),
+            ago(at_ms, now_ms)
+        ),
+        (true, Some(StampAge::BeforeClockSet)) => format!(
+            "since before the clock was set; recorded {}",
             ago(at_ms, now_ms)
         ),
         (true, _) => format!("recorded {}", ago(at_ms, now_ms)),

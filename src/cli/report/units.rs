@@ -5,7 +5,11 @@
 //! thousands separators.
 //!
 //! Its one rule: **a figure always carries its unit**, and a value that is
-//! not finite or was not measured says so instead of printing a number.
+//! not finite or was not measured says so instead of printing a number;
+//! a time the board's clock cannot turn into an age ([`stamp_age`]) says
+//! why instead of printing one.
+
+use crate::event::age::{stamp_age, StampAge};
 
 /// `n` with thousands separators: `12,000`.
 pub(super) fn thousands(n: u64) -> String {
@@ -59,13 +63,30 @@ pub(super) fn duration_ms(ms: i64) -> String {
     }
 }
 
-/// The age of something stamped `at_ms`, seen at `now_ms`: `12 s ago`; a
-/// stamp in the future (a clock stepped back) is `just now`.
+/// The age of something stamped `at_ms`, seen at `now_ms`, as
+/// [`stamp_age`] judges it: `12 s ago` (a stamp a few seconds ahead is
+/// `0 s ago`); `before the clock was set` for a stamp from before the
+/// clock floor seen on a set clock (not `20782 d ago`); `at a time 3 h
+/// ahead of this clock` for a stamp of a clock stepped back since; `when
+/// the clock was set (it is not set now)` for a set stamp seen on a clock
+/// back in 1970. Every form reads after `recorded`, `started`, `appended`.
 pub(super) fn ago(at_ms: i64, now_ms: i64) -> String {
-    if now_ms < at_ms {
-        return "just now".to_owned();
+    match stamp_age(at_ms, now_ms) {
+        StampAge::Age(ms) => format!("{} ago", duration(ms as f64 / 1000.0)),
+        StampAge::BeforeClockSet => "before the clock was set".to_owned(),
+        StampAge::Ahead(ms) => format!(
+            "at a time {} ahead of this clock",
+            duration(ms as f64 / 1000.0)
+        ),
+        StampAge::ClockNotSetNow => "when the clock was set (it is not set now)".to_owned(),
     }
-    format!("{} ago", duration((now_ms - at_ms) as f64 / 1000.0))
+}
+
+/// How long from `from_ms` to `to_ms` (a run's start and its end, or now),
+/// as [`duration_ms`]; `None` when the clock cannot say ([`stamp_age`]:
+/// the start was read before the clock was set, or lies after the end).
+pub(super) fn lasted(from_ms: i64, to_ms: i64) -> Option<String> {
+    stamp_age(from_ms, to_ms).ms().map(duration_ms)
 }
 
 /// A file's size in binary units: `512 B`, `104.0 KiB`, `4.0 MiB`, `1.0 GiB`.
@@ -131,7 +152,27 @@ mod tests {
         assert_eq!(duration_ms(1100), "1.1 s");
         assert_eq!(duration_ms(12_000), "12 s");
         assert_eq!(ago(1000, 13_000), "12 s ago");
-        assert_eq!(ago(13_000, 1000), "just now");
+        assert_eq!(ago(13_000, 10_000), "0 s ago", "a step back of 3 s");
+    }
+
+    // The clock floor's cases: a board without an RTC.
+    #[test]
+    fn a_time_the_clock_cannot_age_says_why_instead_of_a_number() {
+        let set = 1_790_000_000_000;
+        assert_eq!(ago(42_000, set), "before the clock was set");
+        assert_eq!(
+            ago(set + 3 * 3_600_000, set),
+            "at a time 3 h ahead of this clock"
+        );
+        assert_eq!(
+            ago(set, 60_000),
+            "when the clock was set (it is not set now)"
+        );
+        // Both on a clock not set yet: its own age.
+        assert_eq!(ago(42_000, 102_000), "1 min ago");
+        assert_eq!(lasted(set, set + 7_800_000).as_deref(), Some("2 h 10 min"));
+        assert_eq!(lasted(42_000, set), None);
+        assert_eq!(lasted(set + 60_000, set), None);
     }
 
     #[test]

@@ -163,8 +163,14 @@ fn a_waiting_row_from_before_the_clock_was_set_counts_from_when_it_was() {
     let mut s = open(d.path());
     commit(&mut s, &mut ids, 2, Some(WallClock::Unsettled), 5_000);
     assert_eq!(s.oldest_unacked_ms().unwrap(), Some(5_000));
+    assert!(s.clock_set_for_waiting().unwrap().is_empty(), "not set yet");
     commit(&mut s, &mut ids, 1, Some(WallClock::Settled), SET_MS);
     assert_eq!(s.oldest_unacked_ms().unwrap(), Some(SET_MS));
+    // status says these rows' age counts from when the clock was set.
+    assert_eq!(
+        s.clock_set_for_waiting().unwrap(),
+        vec![("t".to_owned(), SET_MS)]
+    );
     let st = s.stats(SET_MS + 60_000).unwrap();
     assert_eq!(st.oldest_unacked_age_ms, Some(60_000), "not 56 years");
     let backlog = s.backlog_by_stream(SET_MS + 60_000).unwrap();
