@@ -56,6 +56,9 @@ pub(super) struct Buffer {
     overflowed: u64,
     /// Readings refused for a full buffer since health last looked.
     overflowed_since_health: u64,
+    /// Readings taken in since start (a running total, for the write
+    /// budget's rate).
+    taken: u64,
 }
 
 impl Buffer {
@@ -69,7 +72,13 @@ impl Buffer {
             max_bytes: input_max_bytes.saturating_add(OWN_RESERVED_BYTES),
             overflowed: 0,
             overflowed_since_health: 0,
+            taken: 0,
         }
+    }
+
+    /// Readings taken in since start (refused ones not counted).
+    pub(super) fn taken(&self) -> u64 {
+        self.taken
     }
 
     /// Take `ev` into the buffer of its stream's `durability`, or refuse it
@@ -85,6 +94,7 @@ impl Buffer {
             return false;
         }
         self.bytes += add;
+        self.taken += 1;
         self.lane_mut(durability).push(ev);
         true
     }

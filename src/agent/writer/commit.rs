@@ -299,8 +299,9 @@ impl Writer {
                 if rows > 0 {
                     let _ = self.peers.to_delivery.send(DeliveryMsg::NewRows);
                 }
+                let taken = self.buffer.taken();
                 let conn = self.store.conn(durability);
-                self.upkeep.committed(conn, Instant::now(), rows);
+                self.upkeep.committed(conn, Instant::now(), (rows, taken));
                 (Some(c), false)
             }
             Err(SpoolError::Full { source, .. }) => {

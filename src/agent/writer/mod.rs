@@ -277,6 +277,7 @@ impl Writer {
     fn upkeep_pass(&mut self) -> Pass {
         let load = Load {
             appended: self.store.appended(),
+            taken: self.buffer.taken(),
             buffered: self.buffer.len(Durability::Batched),
             buffered_bytes: self.buffer.bytes(),
             bound_readings: MAX_BUFFERED,

@@ -217,15 +217,16 @@ impl Upkeep {
         pass
     }
 
-    /// After a commit of `rows` readings at `now`: the checkpoint the
-    /// policy asks for, if any.
+    /// After a commit of `rows` readings at `now`, with `taken` readings
+    /// taken into the buffer this run so far (a running total): the
+    /// checkpoint the policy asks for, if any.
     pub fn committed(
         &mut self,
         spool: &mut Spool,
         now: Instant,
-        rows: usize,
+        (rows, taken): (usize, u64),
     ) -> Option<CheckpointOutcome> {
-        self.note_appended(rows);
+        self.note_appended(rows, taken);
         self.checkpoint_if_due(spool, &Clock::start(now))
     }
 

@@ -191,12 +191,12 @@ fn a_time_driven_checkpoint_comes_once_an_interval_after_a_write() {
     f.rows(3, 0);
     assert_eq!(
         f.upkeep
-            .committed(&mut f.spool, f.t0 + Duration::from_secs(29), 0),
+            .committed(&mut f.spool, f.t0 + Duration::from_secs(29), (0, 0)),
         None
     );
     let done = f
         .upkeep
-        .committed(&mut f.spool, f.t0 + Duration::from_secs(30), 0)
+        .committed(&mut f.spool, f.t0 + Duration::from_secs(30), (0, 0))
         .expect("due at the interval");
     assert_eq!(done.mode, crate::spool::CheckpointMode::Passive);
     assert!(done.result.is_some_and(|r| r.busy == 0));
@@ -205,7 +205,7 @@ fn a_time_driven_checkpoint_comes_once_an_interval_after_a_write() {
     let record = f.upkeep.last_checkpoint().expect("recorded");
     assert_eq!(record["mode"], "passive");
     // Nothing written since: never due again, however late.
-    assert_eq!(f.upkeep.committed(&mut f.spool, f.t0 + HOUR, 0), None);
+    assert_eq!(f.upkeep.committed(&mut f.spool, f.t0 + HOUR, (0, 0)), None);
 }
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -340,7 +340,7 @@ fn the_write_record_names_the_window_and_the_checkpoints() {
     let mut f = fixture(settings());
     f.rows(3, 0);
     f.upkeep
-        .committed(&mut f.spool, f.t0 + Duration::from_secs(30), 0);
+        .committed(&mut f.spool, f.t0 + Duration::from_secs(30), (0, 0));
     let r = f.upkeep.write_record(f.t0 + HOUR, &f.spool, 3, 1);
     assert_eq!(r["commit_window_ms"], 200);
     assert_eq!(r["checkpoints_total"], 1);

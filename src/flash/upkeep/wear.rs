@@ -18,6 +18,9 @@ use std::time::Instant;
 pub struct Load {
     /// Readings appended this run (batched and full), a running total.
     pub appended: u64,
+    /// Readings taken into the buffer this run (batched and full), a
+    /// running total: the write budget's rate.
+    pub taken: u64,
     /// Readings waiting in the batched buffer now.
     pub buffered: usize,
     /// Bytes ([`crate::spool::NewEvent::heap_bytes`]) of every reading
@@ -38,6 +41,8 @@ pub(super) struct Wear {
     since: (Instant, u64),
     /// Readings appended this run, as last told.
     appended: u64,
+    /// Readings taken into the buffer this run, as last told.
+    taken: u64,
     /// The buffer's bound as last told.
     bound: BufferBound,
     /// When the budget was last given a span boundary.
@@ -50,6 +55,7 @@ impl Wear {
             budget: Controller::new(settings),
             since: (now, proc_write_bytes().unwrap_or(0)),
             appended: 0,
+            taken: 0,
             bound: BufferBound {
                 readings: usize::MAX,
                 bytes: usize::MAX,
@@ -79,6 +85,7 @@ impl Upkeep {
     pub(super) fn note_load(&mut self, load: &Load) {
         let w = &mut self.wear;
         w.appended = w.appended.max(load.appended);
+        w.taken = w.taken.max(load.taken);
         w.bound.readings = load.bound_readings;
         w.bound.bytes = load.bound_bytes;
         if let Some(mean) = load.buffered_bytes.checked_div(load.buffered) {
@@ -86,9 +93,10 @@ impl Upkeep {
         }
     }
 
-    /// `rows` more readings were appended.
-    pub(super) fn note_appended(&mut self, rows: usize) {
+    /// `rows` more readings were appended; `taken` were taken so far.
+    pub(super) fn note_appended(&mut self, rows: usize, taken: u64) {
         self.wear.appended += rows as u64;
+        self.wear.taken = self.wear.taken.max(taken);
     }
 
     /// A span boundary at `now` (a checkpoint ended, or an idle board went
@@ -105,6 +113,7 @@ impl Upkeep {
             at: now,
             write_bytes,
             readings: w.appended,
+            taken: w.taken,
             commits: spool.wal().commits(),
         };
         if !w.budget.mark(m, &w.bound) {
