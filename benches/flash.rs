@@ -513,8 +513,14 @@ fn measure_rate(
             Some(ms) => (ms, true),
             None => (FALLBACK_WINDOW_MS, false),
         };
+    // The first reading is published once its window commits.
+    let first_within = Duration::from_secs(30)
+        + match spec.window {
+            Window::Fixed(ms) => Duration::from_millis(ms),
+            _ => Duration::ZERO,
+        };
     let payload_len = sub
-        .first_payload_len(&mut agent, Duration::from_secs(30))
+        .first_payload_len(&mut agent, first_within)
         .map_err(|e| format!("{e}; agent log:\n{}", log.tail()))?;
     let mut budget = Budget::default();
     // The agent alone, then the minimal writer at the window and cadence
