@@ -110,25 +110,25 @@ pub struct StreamBacklog {
     pub oldest_unacked_ms: Option<i64>,
 }
 
-/// Unacknowledged rows and the oldest append time per stream (for a row
-/// appended before the clock was set, when it was set), every stream
-/// listed (highest priority first): a read of the rows above the
-/// acknowledged mark only.
+/// Every stream, highest priority first ([`Spool::backlog_by_stream`]).
+const SQL_STREAMS_BY_PRIORITY: &str = "SELECT id, name, prio FROM streams ORDER BY prio DESC, name";
+
+/// Each unacknowledged row's stream and the time its age counts from (for
+/// a row appended before the clock was set, when it was set): a read of
+/// the rows above the acknowledged mark only, counted by the caller.
 const SQL_BACKLOG: &str = concat!(
-    "SELECT s.name, s.prio, coalesce(b.n, 0), b.oldest
-    FROM streams s LEFT JOIN (
-        SELECT e.stream_id, count(*) AS n, min(",
+    "SELECT e.stream_id, ",
     since_ms!(),
-    ") AS oldest FROM events e
+    " FROM events e
         WHERE e.id > (SELECT acked_through FROM delivery_mark)
           AND NOT EXISTS (SELECT 1 FROM acked_above a WHERE a.id = e.id)
-          AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)
-        GROUP BY e.stream_id
-    ) b ON b.stream_id = s.id
-    ORDER BY s.prio DESC, s.name"
+          AND NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = e.id)"
 );
-// Grouped inside the subquery: with the join outside it, SQLite built an
-// automatic index over every row of `events` (the whole table, acknowledged
+// Counted in Rust, not grouped: a GROUP BY sorts the rows, and SQLite's
+// sorter spills to a temporary file once they outgrow its memory (a
+// backlog of an outage: a file written and deleted at every call, issue
+// 35). Read from the mark, not joined: with the join outside a subquery,
+// SQLite built an automatic index over every row of `events` (the whole table, acknowledged
 // rows too) on each call: 0.84 s on a 1,000,000-row spool with 10,000
 // unacknowledged, against 0.015 s for this range read from the mark.
 
@@ -224,23 +224,36 @@ impl Spool {
     /// (Unix ms), highest priority first. Reads the rows above the
     /// acknowledged mark (the backlog), not the whole spool.
     pub fn backlog_by_stream(&self, now_ms: i64) -> Result<Vec<StreamBacklog>, SpoolError> {
-        let mut stmt = self
-            .conn
-            .prepare_cached(SQL_BACKLOG)
-            .map_err(|e| self.err(e))?;
-        let rows = stmt
-            .query_map([], |r| {
-                let oldest = r.get::<_, Option<i64>>(3)?;
-                Ok(StreamBacklog {
-                    stream: r.get(0)?,
-                    priority: r.get::<_, i64>(1)?.clamp(0, 255) as u8,
-                    rows: r.get::<_, i64>(2)?.max(0) as u64,
-                    oldest_unacked_age_ms: oldest.map(|c| (now_ms - c).max(0)),
-                    oldest_unacked_ms: oldest,
-                })
+        let err = |e| self.err(e);
+        let mut streams: Vec<(i64, StreamBacklog)> =
+            self.query_all(SQL_STREAMS_BY_PRIORITY, [], |r| {
+                Ok((
+                    r.get(0)?,
+                    StreamBacklog {
+                        stream: r.get(1)?,
+                        priority: r.get::<_, i64>(2)?.clamp(0, 255) as u8,
+                        rows: 0,
+                        oldest_unacked_age_ms: None,
+                        oldest_unacked_ms: None,
+                    },
+                ))
+            })?;
+        let mut stmt = self.conn.prepare_cached(SQL_BACKLOG).map_err(err)?;
+        let mut rows = stmt.query([]).map_err(err)?;
+        while let Some(r) = rows.next().map_err(err)? {
+            let (id, since): (i64, i64) = (r.get(0).map_err(err)?, r.get(1).map_err(err)?);
+            if let Some((_, b)) = streams.iter_mut().find(|(s, _)| *s == id) {
+                b.rows += 1;
+                b.oldest_unacked_ms = Some(b.oldest_unacked_ms.map_or(since, |o| o.min(since)));
+            }
+        }
+        Ok(streams
+            .into_iter()
+            .map(|(_, mut b)| {
+                b.oldest_unacked_age_ms = b.oldest_unacked_ms.map(|c| (now_ms - c).max(0));
+                b
             })
-            .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+            .collect())
     }
 
     /// The highest row id in the spool (0 when empty). Row ids are handed

@@ -149,14 +149,38 @@ impl Spool {
             .map_err(|e| self.err(e))
     }
 
+    /// Rows by (stream, state), in that order: one pass over the rows,
+    /// counted here. A `GROUP BY` over the rows made SQLite sort them, and
+    /// its sorter spills to a temporary file (in /var/tmp) once they
+    /// outgrow its memory: from about 40,000 rows a file of 1.4 MB and
+    /// growing, written and deleted at every count, which the agent's
+    /// metrics take every summary interval (issue 35: at 10 readings/s an
+    /// hour in, 2,000-2,900 MB/day instead of 585).
+    fn count_by_stream_state(&self) -> Result<Vec<(String, String, i64)>, SpoolError> {
+        let e = |e| SpoolError::classify(&self.path, e);
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT stream, state FROM event_states")
+            .map_err(e)?;
+        let mut rows = st.query([]).map_err(e)?;
+        // A few streams and four states: a list searched in place.
+        let mut by: Vec<(String, String, i64)> = Vec::new();
+        while let Some(r) = rows.next().map_err(e)? {
+            let stream = r.get_ref(0).map_err(e)?.as_str().map_err(|x| e(x.into()))?;
+            let state = r.get_ref(1).map_err(e)?.as_str().map_err(|x| e(x.into()))?;
+            match by.iter_mut().find(|(s, t, _)| s == stream && t == state) {
+                Some(n) => n.2 += 1,
+                None => by.push((stream.to_owned(), state.to_owned(), 1)),
+            }
+        }
+        by.sort();
+        Ok(by)
+    }
+
     /// Counts for `status`.
     pub fn stats(&self, now_ms: i64) -> Result<Stats, SpoolError> {
         let e = |e| SpoolError::classify(&self.path, e);
-        let by = self.query_all(
-            "SELECT stream, state, count(*) FROM event_states GROUP BY stream, state ORDER BY stream, state",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-        )?;
+        let by = self.count_by_stream_state()?;
         let oldest: Option<i64> = self
             .conn
             .query_row(SQL_OLDEST_WAITING, [], |r| r.get(0))

@@ -716,3 +716,48 @@ fn runs_are_recorded_and_an_unended_run_is_marked_killed() {
         Some("killed (no clean stop recorded)")
     );
 }
+
+#[test]
+fn counting_rows_by_stream_and_state_writes_no_temporary_file() {
+    // SQLite keeps its temporary files in /var/tmp (the first of its
+    // candidates that exists): where that is tmpfs, nothing would count.
+    let var_tmp = std::ffi::CString::new("/var/tmp").unwrap();
+    // SAFETY: statfs fills the zeroed struct we own; the path is a C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statfs(var_tmp.as_ptr(), &mut st) }, 0);
+    assert_ne!(st.f_type as i64, 0x0102_1994, "/var/tmp is tmpfs here");
+    let d = tempfile::tempdir().unwrap();
+    let mut ids = EventIdGen::new().unwrap();
+    let mut s = open(d.path());
+    // 60,000 rows in two streams: a GROUP BY over them spilled its sort to
+    // a temporary file of over a megabyte at every count.
+    for i in 0..60 {
+        let evs: Vec<NewEvent> = (0..1000)
+            .map(|j| ev(if j % 2 == 0 { "a" } else { "b" }, f64::from(i * 1000 + j)))
+            .collect();
+        s.append(&evs, &mut ids, "d", Format::Json, 0).unwrap();
+    }
+    s.conn
+        .execute(
+            "UPDATE delivery_mark SET acked_through = 20000, sent_through = 30000",
+            [],
+        )
+        .unwrap();
+    let before = crate::flash::maintenance::proc_write_bytes().unwrap();
+    let stats = s.stats(0).unwrap();
+    let backlog = s.backlog_by_stream(0).unwrap();
+    let wrote = crate::flash::maintenance::proc_write_bytes().unwrap() - before;
+    assert_eq!(
+        stats.by_stream_state,
+        vec![
+            ("a".to_owned(), "ACKED".to_owned(), 10_000),
+            ("a".to_owned(), "PENDING".to_owned(), 15_000),
+            ("a".to_owned(), "SENT".to_owned(), 5_000),
+            ("b".to_owned(), "ACKED".to_owned(), 10_000),
+            ("b".to_owned(), "PENDING".to_owned(), 15_000),
+            ("b".to_owned(), "SENT".to_owned(), 5_000),
+        ]
+    );
+    assert_eq!(backlog.iter().map(|b| b.rows).sum::<u64>(), 40_000);
+    assert!(wrote < 64 * 1024, "counting wrote {wrote} bytes");
+}
