@@ -743,10 +743,10 @@ fn counting_rows_by_stream_and_state_writes_no_temporary_file() {
             [],
         )
         .unwrap();
-    let before = crate::flash::maintenance::proc_write_bytes().unwrap();
+    let before = crate::os::proc_io::proc_write_bytes().unwrap();
     let stats = s.stats(0).unwrap();
     let backlog = s.backlog_by_stream(0).unwrap();
-    let wrote = crate::flash::maintenance::proc_write_bytes().unwrap() - before;
+    let wrote = crate::os::proc_io::proc_write_bytes().unwrap() - before;
     assert_eq!(
         stats.by_stream_state,
         vec![

@@ -95,7 +95,7 @@ impl Writer {
             puback: self.peers.link.puback_latency(),
             commit: self.metrics.commit,
             counters: self.store.spool().counters().unwrap_or_default(),
-            write_bytes: crate::flash::maintenance::proc_write_bytes().unwrap_or(0),
+            write_bytes: crate::os::proc_io::proc_write_bytes().unwrap_or(0),
             checkpoints: self.upkeep.checkpoints(),
             appended: self.store.appended(),
             acked: self.peers.delivery_stats.retired.load(Ordering::Relaxed),

@@ -75,7 +75,7 @@ impl Writer {
             t.1 += a.bytes;
             o.after_id = o.after_id.max(Some(a.newest_id));
         }
-        let write = crate::flash::maintenance::proc_write_bytes().unwrap_or(0);
+        let write = crate::os::proc_io::proc_write_bytes().unwrap_or(0);
         let write0 = *o.write0.get_or_insert(write);
         let sample = Sample {
             at_secs: o.origin.elapsed().as_secs_f64(),

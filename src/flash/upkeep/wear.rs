@@ -8,8 +8,9 @@
 //! [`super::Upkeep::window`] (delivery records ride those commits).
 
 use super::Upkeep;
-use crate::flash::maintenance::{per_hour, proc_write_bytes};
+use crate::flash::maintenance::per_hour;
 use crate::flash::write_budget::{BudgetSettings, BufferBound, Controller, Mark, Verdict};
+use crate::os::proc_io::proc_write_bytes;
 use crate::spool::Spool;
 use std::time::Instant;
 
