@@ -67,6 +67,14 @@ pub const NARROW: f64 = 0.50;
 const FAR_WINDOW_SECS: f64 = 86_400.0;
 /// Over the budget is cleared only under this share of it.
 const CLEAR: f64 = 0.90;
+/// A window this near half the buffer's bound (from 10 % under it, where the
+/// bound set it, to 5 % over it) is taken as the bound: the bound follows the rate measured over each
+/// span, and a window that followed it would change at every checkpoint
+/// (8 times an hour at 100 readings/s in the bench); 5 % over half the
+/// buffer still leaves 45 % of it for a commit that fails.
+pub const BOUND_HOLD: (f64, f64) = (0.90, 1.05);
+/// What a window stopped at the buffer's bound names as its limit.
+const BUFFER_LIMIT: &str = "the in-memory buffer's bound";
 /// Commits per checkpoint the checkpoint cadence follows the window with
 /// ([`checkpoint_interval`]).
 pub const COMMITS_PER_CHECKPOINT: u32 = 12;
@@ -323,6 +331,8 @@ pub struct Controller {
     verdict_at: Option<Instant>,
     /// Why the window is what it is, for `status`.
     why: String,
+    /// The window was last set by the buffer's bound ([`BOUND_HOLD`]).
+    at_bound: bool,
 }
 
 impl Controller {
@@ -338,6 +348,7 @@ impl Controller {
             verdict: Verdict::Within,
             verdict_at: None,
             why: Self::start_why(&settings),
+            at_bound: false,
         }
     }
 
@@ -510,6 +521,7 @@ impl Controller {
             why
         };
         if changed {
+            self.at_bound = chosen >= ceiling && limit == BUFFER_LIMIT;
             self.window = chosen;
             self.largest = self.largest.max(chosen);
             // The next checkpoint starts the measurement at the new window.
@@ -573,7 +585,8 @@ impl Controller {
 
     /// The widest window allowed now and what sets it: the operator's loss
     /// window, or half the buffer's bound at the measured rate (so a window
-    /// of readings never fills the buffer a failing commit then needs).
+    /// of readings never fills the buffer a failing commit then needs); a
+    /// window within [`BOUND_HOLD`] of that half is taken as the bound.
     fn ceiling(&self, rate: f64, bound: &BufferBound) -> (Duration, &'static str) {
         let max = self.settings.max_window;
         if rate <= 0.0 {
@@ -581,10 +594,18 @@ impl Controller {
         }
         let by_count = bound.readings as f64 / 2.0 / rate;
         let by_bytes = bound.bytes as f64 / 2.0 / (rate * bound.bytes_per_reading.max(1) as f64);
-        let buffer =
-            Duration::from_millis((by_count.min(by_bytes).clamp(0.0, 86_400.0) * 1000.0) as u64);
+        let buffer = by_count.min(by_bytes).clamp(0.0, 86_400.0);
+        // The bound moves with the rate measured over each span; a window
+        // near it stays (never past the operator's ceiling).
+        let w = self.window.as_secs_f64();
+        let under = if self.at_bound { BOUND_HOLD.0 } else { 1.0 };
+        let buffer = if (buffer * under..=buffer * BOUND_HOLD.1).contains(&w) {
+            self.window
+        } else {
+            Duration::from_millis((buffer * 1000.0) as u64)
+        };
         if buffer < max {
-            (buffer, "the in-memory buffer's bound")
+            (buffer, BUFFER_LIMIT)
         } else {
             (max, "spool.max_commit_window_ms")
         }
@@ -936,6 +957,35 @@ mod tests {
         assert_eq!(widest, Duration::from_millis(7500));
         let why = c.verdict().reason().expect("over");
         assert!(why.contains("the in-memory buffer's bound"), "{why}");
+    }
+
+    #[test]
+    fn a_buffer_bound_that_moves_with_the_measured_rate_moves_neither_window_nor_health() {
+        // 100 readings a second out of reach of the budget: the window sits
+        // at half the buffer's bound (75 s), which follows the rate measured
+        // over each span; the rate wobbles by up to 4 % around 100/s.
+        let mut c = Controller::new(settings(Some(100)));
+        let mut b = Board::new(100.0, 300.0, 20_000.0);
+        run(&mut c, &mut b, 2);
+        let mut rates = [100.0, 96.5, 103.0, 99.0, 101.5, 97.0, 104.0, 98.5]
+            .iter()
+            .cycle();
+        let (mut changes, mut flips) = (0, 0);
+        let mut over = matches!(c.verdict(), Verdict::Over { .. });
+        assert!(over, "out of reach, it is over");
+        let end = b.at + Duration::from_secs(6 * 3600);
+        while b.at < end {
+            b.rate = *rates.next().unwrap_or(&100.0);
+            changes += u32::from(b.step(&mut c));
+            let now = matches!(c.verdict(), Verdict::Over { .. });
+            flips += u32::from(now != over);
+            over = now;
+            let w = c.window().as_secs_f64();
+            // Never past the bound by more than the margin a commit has.
+            assert!(w * b.rate <= 15_000.0 / 2.0 * 1.1, "{w} s at {}/s", b.rate);
+        }
+        assert!(changes <= 1, "{changes} window changes in 6 hours");
+        assert_eq!(flips, 0, "health moved with the bound");
     }
 
     #[test]

@@ -229,7 +229,7 @@ fn metrics_are_served_and_written_and_bad_requests_are_refused() {
     let db: &Path = &dir.path().join("spool.db");
     let (_, status_text, _) = run_cli(&["status", "--spool", db.to_str().expect("utf-8")]);
     assert!(
-        status_text.contains("latency: PUBACK p50 "),
+        status_text.contains("latency (recorded ") && status_text.contains("): PUBACK p50 "),
         "{status_text}"
     );
 }

@@ -110,15 +110,15 @@ pub(super) fn recorded(state: &[(String, String, i64)], now_ms: i64) -> String {
         };
         let age = ago(*at, now_ms);
         let line = match *key {
-            "latency" => format!("latency: {} ({age})", latency_line(v)),
-            "write_budget" => format!("writes: {} ({age})", super::write_budget::line(v)),
+            "latency" => format!("latency (recorded {age}): {}", latency_line(v)),
+            "write_budget" => format!("writes (recorded {age}): {}", super::write_budget::line(v)),
             "outage_budget" => {
                 o.push_str(&super::outage::render(v, *at, now_ms));
                 continue;
             }
             "last_checkpoint" => format!("last checkpoint: {}", checkpoint_line(v, *at, now_ms)),
             "storage_profile" => format!("storage: {}", storage_line(v, now_ms)),
-            "receipts" => format!("receipts: {} ({age})", receipts_line(v)),
+            "receipts" => format!("receipts (recorded {age}): {}", receipts_line(v)),
             "ingest_listeners" => format!("ingest listeners: {}", listeners_line(v)),
             _ => format!(
                 "signed config: {}",
@@ -343,6 +343,18 @@ mod tests {
         assert!(line.contains("max 4.0 ms (n=1)"), "{line}");
         assert!(line.ends_with("commit none yet"), "{line}");
         assert_eq!(latency_line("not json"), "not json");
+    }
+
+    #[test]
+    fn a_measurement_record_says_when_it_was_recorded_before_its_figures() {
+        let state = vec![(
+            "write_budget".to_owned(),
+            r#"{"commit_window_ms":300000,"commit_window_why":"held"}"#.to_owned(),
+            1_000,
+        )];
+        let text = recorded(&state, 56_000);
+        assert!(text.starts_with("writes (recorded 55 s ago): "), "{text}");
+        assert!(text.trim_end().ends_with(": held"), "{text}");
     }
 
     #[test]
