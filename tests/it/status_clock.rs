@@ -130,6 +130,12 @@ fn status_says_before_the_clock_was_set_for_what_a_board_stamped_in_1970() {
         Some(0.0),
         "not the decades since 1970"
     );
+    // The summary log line says so too, not "oldest_unacked_secs=1.7e9".
+    assert!(
+        agent.wait_log(Duration::from_secs(10), "oldest_unacked_secs=unknown "),
+        "{}",
+        agent.log_tail(20)
+    );
 
     // Time sync vouches for the clock: the next commit closes the span and
     // the rows from before count from then.

@@ -37,17 +37,14 @@ pub(super) struct MetricsState {
 }
 
 impl Writer {
-    /// `(backlog, oldest unacknowledged age)`: both index reads.
-    pub(super) fn backlog_and_age(&self) -> (u64, Option<Duration>) {
+    /// `(backlog, oldest unacknowledged row's append stamp, now)`, Unix ms
+    /// on the wall clock: both index reads. Whether the stamp has an age is
+    /// the caller's to judge ([`crate::event::age::stamp_age`]).
+    pub(super) fn backlog_and_oldest(&self) -> (u64, Option<i64>, i64) {
         let spool = self.store.spool();
         let backlog = spool.backlog_estimate().unwrap_or(0);
-        let now = wall_clock_ms().0;
-        let age = spool
-            .oldest_unacked_ms()
-            .ok()
-            .flatten()
-            .map(|c| Duration::from_millis((now - c).max(0) as u64));
-        (backlog, age)
+        let oldest = spool.oldest_unacked_ms().ok().flatten();
+        (backlog, oldest, wall_clock_ms().0)
     }
 
     /// Rows by (stream, state) if the spool is small enough to count them.
@@ -77,7 +74,7 @@ impl Writer {
     /// Everything the metrics show now. `count_rows`: also count rows by
     /// stream and state (see [`ROW_SCAN_LIMIT`]).
     pub(super) fn figures(&mut self, count_rows: bool) -> Figures {
-        let (backlog, age) = self.backlog_and_age();
+        let (backlog, oldest, now) = self.backlog_and_oldest();
         let rows = if count_rows { self.row_counts() } else { None };
         // Under the same size bound as the row counts (it reads the backlog).
         let streams = rows
@@ -89,7 +86,9 @@ impl Writer {
             rows,
             streams,
             backlog,
-            oldest_unacked_age_secs: age.map_or(0.0, |a| a.as_secs_f64()),
+            // The metrics tell a stamp without an age from this (the gauge
+            // of a stamp before the clock was set).
+            oldest_unacked_age_secs: oldest.map_or(0.0, |c| (now - c).max(0) as f64 / 1000.0),
             connected: self.peers.link.connected(),
             reconnects: connacks.saturating_sub(1),
             puback: self.peers.link.puback_latency(),

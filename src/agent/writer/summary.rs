@@ -8,6 +8,7 @@
 
 use super::Writer;
 use crate::delivery::DeliveryStats;
+use crate::event::age::StampAge;
 use crate::event::stream::Durability;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -55,7 +56,13 @@ impl Writer {
         let wal = std::fs::metadata(crate::spool::wal_path(&self.conf.cfg.spool.path))
             .map(|m| m.len())
             .unwrap_or(0);
-        let (backlog, age) = self.backlog_and_age();
+        let (backlog, oldest, now) = self.backlog_and_oldest();
+        let oldest = match oldest.map(|c| crate::event::age::stamp_age(c, now)) {
+            None => "0".to_owned(),
+            Some(StampAge::Age(ms)) => (ms / 1000).to_string(),
+            // Appended before the clock was set, or ahead of it: no age.
+            Some(_) => "unknown".to_owned(),
+        };
         let line = format!(
             "summary: appended={} submitted={} retired={} requeued={} failed={} buffered={} wal_bytes={wal} backlog={backlog} oldest_unacked_secs={} connected={} dropped={}",
             self.store.appended(),
@@ -64,7 +71,7 @@ impl Writer {
             stats.requeued.load(Ordering::Relaxed),
             stats.failed.load(Ordering::Relaxed),
             self.buffer.len(Durability::Batched),
-            age.map_or(0, |a| a.as_secs()),
+            oldest,
             u8::from(self.peers.link.connected()),
             self.metrics.dropped,
         );
