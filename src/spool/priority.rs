@@ -238,11 +238,16 @@ impl Spool {
                     },
                 ))
             })?;
+        let at: HashMap<i64, usize> = streams
+            .iter()
+            .enumerate()
+            .map(|(i, (id, _))| (*id, i))
+            .collect();
         let mut stmt = self.conn.prepare_cached(SQL_BACKLOG).map_err(err)?;
         let mut rows = stmt.query([]).map_err(err)?;
         while let Some(r) = rows.next().map_err(err)? {
             let (id, since): (i64, i64) = (r.get(0).map_err(err)?, r.get(1).map_err(err)?);
-            if let Some((_, b)) = streams.iter_mut().find(|(s, _)| *s == id) {
+            if let Some((_, b)) = at.get(&id).and_then(|&i| streams.get_mut(i)) {
                 b.rows += 1;
                 b.oldest_unacked_ms = Some(b.oldest_unacked_ms.map_or(since, |o| o.min(since)));
             }

@@ -5,6 +5,7 @@ use super::clock_spans::since_ms;
 use super::open::{file_len, wal_path};
 use super::{Spool, SpoolError, SQL_COUNTER_ADD};
 use rusqlite::{params, OptionalExtension};
+use std::collections::HashMap;
 
 /// Counts for `status`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -163,18 +164,32 @@ impl Spool {
             .prepare_cached("SELECT stream, state FROM event_states")
             .map_err(e)?;
         let mut rows = st.query([]).map_err(e)?;
-        // A few streams and four states: a list searched in place.
-        let mut by: Vec<(String, String, i64)> = Vec::new();
+        // Looked up by borrowed names: nothing allocated per row.
+        let mut by: HashMap<String, HashMap<String, i64>> = HashMap::new();
         while let Some(r) = rows.next().map_err(e)? {
             let stream = r.get_ref(0).map_err(e)?.as_str().map_err(|x| e(x.into()))?;
             let state = r.get_ref(1).map_err(e)?.as_str().map_err(|x| e(x.into()))?;
-            match by.iter_mut().find(|(s, t, _)| s == stream && t == state) {
-                Some(n) => n.2 += 1,
-                None => by.push((stream.to_owned(), state.to_owned(), 1)),
+            let states = match by.get_mut(stream) {
+                Some(states) => states,
+                None => by.entry(stream.to_owned()).or_default(),
+            };
+            match states.get_mut(state) {
+                Some(n) => *n += 1,
+                None => {
+                    states.insert(state.to_owned(), 1);
+                }
             }
         }
-        by.sort();
-        Ok(by)
+        let mut out: Vec<(String, String, i64)> = by
+            .into_iter()
+            .flat_map(|(stream, states)| {
+                states
+                    .into_iter()
+                    .map(move |(state, n)| (stream.clone(), state, n))
+            })
+            .collect();
+        out.sort();
+        Ok(out)
     }
 
     /// Counts for `status`.

@@ -8,7 +8,7 @@
 
 use super::Writer;
 use crate::delivery::DeliveryStats;
-use crate::event::age::StampAge;
+use crate::event::age::{stamp_age, StampAge};
 use crate::event::stream::Durability;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -57,7 +57,7 @@ impl Writer {
             .map(|m| m.len())
             .unwrap_or(0);
         let (backlog, oldest, now) = self.backlog_and_oldest();
-        let oldest = match oldest.map(|c| crate::event::age::stamp_age(c, now)) {
+        let oldest = match oldest.map(|c| stamp_age(c, now)) {
             None => "0".to_owned(),
             Some(StampAge::Age(ms)) => (ms / 1000).to_string(),
             // Appended before the clock was set, or ahead of it: no age.
